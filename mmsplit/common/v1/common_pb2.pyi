@@ -1,0 +1,142 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ERROR_CODE_UNSPECIFIED: _ClassVar[ErrorCode]
+    ERROR_CODE_INVALID_REQUEST: _ClassVar[ErrorCode]
+    ERROR_CODE_MEDIA_DECODE_FAILED: _ClassVar[ErrorCode]
+    ERROR_CODE_MEDIA_UNSUPPORTED: _ClassVar[ErrorCode]
+    ERROR_CODE_MEDIA_TOO_LARGE: _ClassVar[ErrorCode]
+    ERROR_CODE_MEDIA_NOT_FOUND: _ClassVar[ErrorCode]
+    ERROR_CODE_MEDIA_SOURCE_FORBIDDEN: _ClassVar[ErrorCode]
+    ERROR_CODE_MEDIA_FETCH_FAILED: _ClassVar[ErrorCode]
+    ERROR_CODE_PREPROCESS_TIMEOUT: _ClassVar[ErrorCode]
+    ERROR_CODE_PREPROCESS_WORKER_CRASHED: _ClassVar[ErrorCode]
+    ERROR_CODE_OVERLOADED: _ClassVar[ErrorCode]
+    ERROR_CODE_FEATURE_TRANSPORT_FAILED: _ClassVar[ErrorCode]
+    ERROR_CODE_SCHEDULER_UNAVAILABLE: _ClassVar[ErrorCode]
+    ERROR_CODE_CANCELLED: _ClassVar[ErrorCode]
+    ERROR_CODE_INTERNAL: _ClassVar[ErrorCode]
+    ERROR_CODE_DEADLINE_EXCEEDED: _ClassVar[ErrorCode]
+
+class Dtype(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[Dtype]
+    DTYPE_FLOAT32: _ClassVar[Dtype]
+    DTYPE_FLOAT16: _ClassVar[Dtype]
+    DTYPE_BFLOAT16: _ClassVar[Dtype]
+    DTYPE_UINT8: _ClassVar[Dtype]
+    DTYPE_INT64: _ClassVar[Dtype]
+
+class Transport(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TRANSPORT_UNSPECIFIED: _ClassVar[Transport]
+    TRANSPORT_SHM: _ClassVar[Transport]
+    TRANSPORT_CUDA_IPC: _ClassVar[Transport]
+    TRANSPORT_INLINE: _ClassVar[Transport]
+
+class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
+    FINISH_REASON_LENGTH: _ClassVar[FinishReason]
+    FINISH_REASON_STOP: _ClassVar[FinishReason]
+ERROR_CODE_UNSPECIFIED: ErrorCode
+ERROR_CODE_INVALID_REQUEST: ErrorCode
+ERROR_CODE_MEDIA_DECODE_FAILED: ErrorCode
+ERROR_CODE_MEDIA_UNSUPPORTED: ErrorCode
+ERROR_CODE_MEDIA_TOO_LARGE: ErrorCode
+ERROR_CODE_MEDIA_NOT_FOUND: ErrorCode
+ERROR_CODE_MEDIA_SOURCE_FORBIDDEN: ErrorCode
+ERROR_CODE_MEDIA_FETCH_FAILED: ErrorCode
+ERROR_CODE_PREPROCESS_TIMEOUT: ErrorCode
+ERROR_CODE_PREPROCESS_WORKER_CRASHED: ErrorCode
+ERROR_CODE_OVERLOADED: ErrorCode
+ERROR_CODE_FEATURE_TRANSPORT_FAILED: ErrorCode
+ERROR_CODE_SCHEDULER_UNAVAILABLE: ErrorCode
+ERROR_CODE_CANCELLED: ErrorCode
+ERROR_CODE_INTERNAL: ErrorCode
+ERROR_CODE_DEADLINE_EXCEEDED: ErrorCode
+DTYPE_UNSPECIFIED: Dtype
+DTYPE_FLOAT32: Dtype
+DTYPE_FLOAT16: Dtype
+DTYPE_BFLOAT16: Dtype
+DTYPE_UINT8: Dtype
+DTYPE_INT64: Dtype
+TRANSPORT_UNSPECIFIED: Transport
+TRANSPORT_SHM: Transport
+TRANSPORT_CUDA_IPC: Transport
+TRANSPORT_INLINE: Transport
+FINISH_REASON_UNSPECIFIED: FinishReason
+FINISH_REASON_LENGTH: FinishReason
+FINISH_REASON_STOP: FinishReason
+
+class ShmSlice(_message.Message):
+    __slots__ = ("segment", "offset", "nbytes")
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    segment: str
+    offset: int
+    nbytes: int
+    def __init__(self, segment: _Optional[str] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
+class CudaIpcHandle(_message.Message):
+    __slots__ = ("handle", "device_uuid", "offset", "nbytes")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    handle: bytes
+    device_uuid: str
+    offset: int
+    nbytes: int
+    def __init__(self, handle: _Optional[bytes] = ..., device_uuid: _Optional[str] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
+class TensorRef(_message.Message):
+    __slots__ = ("dtype", "shape", "shm", "cuda_ipc", "inline")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
+    INLINE_FIELD_NUMBER: _ClassVar[int]
+    dtype: Dtype
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    shm: ShmSlice
+    cuda_ipc: CudaIpcHandle
+    inline: bytes
+    def __init__(self, dtype: _Optional[_Union[Dtype, str]] = ..., shape: _Optional[_Iterable[int]] = ..., shm: _Optional[_Union[ShmSlice, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ..., inline: _Optional[bytes] = ...) -> None: ...
+
+class SamplingParams(_message.Message):
+    __slots__ = ("max_tokens", "temperature", "seed")
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    max_tokens: int
+    temperature: float
+    seed: int
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class ServerInfo(_message.Message):
+    __slots__ = ("model", "tp_size", "transports", "shm_namespace", "shm_prefix", "version", "rank_active_requests")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
+    SHM_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    SHM_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    RANK_ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    tp_size: int
+    transports: _containers.RepeatedScalarFieldContainer[Transport]
+    shm_namespace: str
+    shm_prefix: str
+    version: str
+    rank_active_requests: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, model: _Optional[str] = ..., tp_size: _Optional[int] = ..., transports: _Optional[_Iterable[_Union[Transport, str]]] = ..., shm_namespace: _Optional[str] = ..., shm_prefix: _Optional[str] = ..., version: _Optional[str] = ..., rank_active_requests: _Optional[_Iterable[int]] = ...) -> None: ...

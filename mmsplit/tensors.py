@@ -1,0 +1,117 @@
+"""The tensor reference codec: `TensorRef` <-> `TensorSpec`, with validation.
+
+`TensorSpec` is the plain, picklable form the scheduler puts in its step plan.
+Everything that can be checked from the message alone is checked in
+`from_pb` (dtype allow-list, shape, size cap, name pattern, byte counts);
+what needs the segment itself (existence, bounds) is checked by `read_into`
+on every rank.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from mmsplit import shm
+from mmsplit.common.v1 import common_pb2
+from mmsplit.errors import E, MmsplitError
+
+D = common_pb2.Dtype
+
+# dtype -> (itemsize, numpy name or None when numpy has no such dtype)
+DTYPES: dict[int, tuple[int, str | None]] = {
+    D.DTYPE_FLOAT32: (4, "float32"),
+    D.DTYPE_FLOAT16: (2, "float16"),
+    D.DTYPE_BFLOAT16: (2, None),
+    D.DTYPE_UINT8: (1, "uint8"),
+    D.DTYPE_INT64: (8, "int64"),
+}
+NUMPY_TO_DTYPE = {name: code for code, (_, name) in DTYPES.items() if name}
+MAX_DIMS = 8
+
+
+class InvalidTensorRef(MmsplitError):
+    """The reference itself is malformed or not acceptable (sender, not retriable)."""
+
+    code = E.ERROR_CODE_INVALID_REQUEST
+
+
+class TensorTransportFailed(MmsplitError):
+    """A well-formed reference could not be read (server side, retriable)."""
+
+    code = E.ERROR_CODE_FEATURE_TRANSPORT_FAILED
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    dtype: int
+    shape: tuple[int, ...]
+    shm: shm.Slice | None = None
+    inline: bytes | None = None
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPES[self.dtype][0]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.itemsize
+
+    def to_pb(self) -> common_pb2.TensorRef:
+        ref = common_pb2.TensorRef(dtype=self.dtype, shape=self.shape)  # type: ignore[arg-type]
+        if self.shm is not None:
+            ref.shm.CopyFrom(
+                common_pb2.ShmSlice(segment=self.shm.segment, offset=self.shm.offset, nbytes=self.shm.nbytes)
+            )
+        elif self.inline is not None:
+            ref.inline = self.inline
+        return ref
+
+    @classmethod
+    def from_pb(cls, ref: common_pb2.TensorRef, *, prefix: str, max_bytes: int) -> TensorSpec:
+        """Decode and validate a reference; raise InvalidTensorRef."""
+        if ref.dtype not in DTYPES:
+            raise InvalidTensorRef(f"dtype {ref.dtype} is not one of {sorted(D.Name(d) for d in DTYPES)}")
+        shape = tuple(int(d) for d in ref.shape)
+        if not 1 <= len(shape) <= MAX_DIMS or any(d <= 0 for d in shape):
+            raise InvalidTensorRef(f"shape {list(shape)} must have 1..{MAX_DIMS} positive dimensions")
+        itemsize = DTYPES[ref.dtype][0]
+        nbytes = math.prod(shape) * itemsize
+        if nbytes > max_bytes:
+            raise InvalidTensorRef(f"tensor of shape {list(shape)} is {nbytes} bytes, over the cap {max_bytes}")
+        location = ref.WhichOneof("location")
+        if location == "shm":
+            if ref.shm.nbytes != nbytes:
+                raise InvalidTensorRef(f"slice nbytes {ref.shm.nbytes} != prod(shape) * itemsize = {nbytes}")
+            try:
+                shm.parse_name(ref.shm.segment, prefix)
+            except shm.BadSegmentName as exc:
+                raise InvalidTensorRef(str(exc)) from exc
+            return cls(ref.dtype, shape, shm=shm.Slice(ref.shm.segment, ref.shm.offset, ref.shm.nbytes))
+        if location == "inline":
+            if len(ref.inline) != nbytes:
+                raise InvalidTensorRef(f"inline payload has {len(ref.inline)} bytes, shape needs {nbytes}")
+            return cls(ref.dtype, shape, inline=ref.inline)
+        if location == "cuda_ipc":
+            raise InvalidTensorRef("transport cuda_ipc is not offered by this server")
+        raise InvalidTensorRef("tensor reference has no location")
+
+    def read_into(self, out: memoryview, *, prefix: str, max_bytes: int) -> None:
+        """Copy the tensor's bytes into `out`; raise InvalidTensorRef or
+        TensorTransportFailed. Never anything else for a bad reference."""
+        if self.inline is not None:
+            out.cast("B")[:] = self.inline
+            return
+        if self.shm is None:
+            raise InvalidTensorRef("tensor reference has no location")
+        try:
+            shm.read_into(self.shm, prefix, out, max_segment_bytes=max_bytes)
+        except (shm.BadSegmentName, shm.SegmentBounds) as exc:
+            raise InvalidTensorRef(str(exc)) from exc
+        except (shm.SegmentMissing, OSError) as exc:
+            raise TensorTransportFailed(str(exc)) from exc
+
+    def release(self) -> None:
+        """Unlink the segment this spec refers to (idempotent)."""
+        if self.shm is not None:
+            shm.unlink(self.shm.segment)

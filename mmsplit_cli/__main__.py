@@ -1,0 +1,3 @@
+from mmsplit_cli.main import main
+
+main()

@@ -1,0 +1,135 @@
+"""A small client of the tokenizer service, used by `mmsplit generate`, the
+demo and the tests."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from mmsplit.common.v1 import common_pb2
+from mmsplit.errors import RemoteError
+from mmsplit.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+
+
+@dataclass
+class Outcome:
+    """What one request came to."""
+
+    request_id: str = ""
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+    grpc_code: str = ""
+    reason: str = ""
+    message: str = ""
+    metadata: dict[str, str] = field(default_factory=dict)
+    latency_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not self.grpc_code
+
+
+def make_request(
+    prompt: str,
+    images: list[bytes] | None = None,
+    *,
+    max_tokens: int = 0,
+    temperature: float = 0.0,
+    seed: int = 0,
+    request_id: str = "",
+    urls: list[str] | None = None,
+) -> tokenizer_pb2.GenerateRequest:
+    pics = [tokenizer_pb2.Image(data=d) for d in images or []] + [tokenizer_pb2.Image(url=u) for u in urls or []]
+    return tokenizer_pb2.GenerateRequest(
+        request_id=request_id,
+        prompt=prompt,
+        images=pics,
+        sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed),
+    )
+
+
+def stream(
+    stub: tokenizer_pb2_grpc.TokenizerServiceStub, request: tokenizer_pb2.GenerateRequest, timeout: float = 120.0
+) -> Iterator[tokenizer_pb2.GenerateResponse]:
+    yield from stub.Generate(request, timeout=timeout)
+
+
+def run_request(
+    stub: tokenizer_pb2_grpc.TokenizerServiceStub, request: tokenizer_pb2.GenerateRequest, timeout: float = 120.0
+) -> Outcome:
+    out = Outcome(request_id=request.request_id)
+    start = time.perf_counter()
+    try:
+        for event in stub.Generate(request, timeout=timeout):
+            out.request_id = event.request_id
+            if event.HasField("delta"):
+                out.text += event.delta.text
+                out.token_ids.extend(event.delta.token_ids)
+            elif event.HasField("finished"):
+                out.finish_reason = common_pb2.FinishReason.Name(event.finished.finish_reason)
+    except grpc.RpcError as exc:
+        error = RemoteError.from_rpc_error(exc)
+        out.grpc_code = exc.code().name  # type: ignore[attr-defined]
+        out.reason, out.message, out.metadata = error.reason, error.message, error.metadata
+    out.latency_s = time.perf_counter() - start
+    return out
+
+
+def generate_command(args: argparse.Namespace) -> int:
+    images = [Path(p).read_bytes() for p in args.image]
+    request = make_request(
+        args.prompt,
+        images,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        seed=args.seed,
+        request_id=args.request_id,
+    )
+    with grpc.insecure_channel(args.server) as channel:
+        stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
+        try:
+            for event in stub.Generate(request, timeout=args.timeout):
+                if args.json:
+                    print(json.dumps(_event_json(event)), flush=True)
+                elif event.HasField("delta"):
+                    print(event.delta.text, end="", flush=True)
+            if not args.json:
+                print()
+        except grpc.RpcError as exc:
+            error = RemoteError.from_rpc_error(exc)
+            line = {
+                "error": {
+                    "code": exc.code().name,  # type: ignore[attr-defined]
+                    "reason": error.reason,
+                    "message": error.message,
+                    "metadata": error.metadata,
+                }
+            }
+            if args.json:
+                print(json.dumps(line), flush=True)
+            else:
+                print(f"\nerror: {line['error']['code']} {error.reason}: {error.message}", file=sys.stderr)
+            return 2
+    return 0
+
+
+def _event_json(event: tokenizer_pb2.GenerateResponse) -> dict[str, object]:
+    if event.HasField("delta"):
+        return {"request_id": event.request_id, "text": event.delta.text, "token_ids": list(event.delta.token_ids)}
+    f = event.finished
+    return {
+        "request_id": event.request_id,
+        "finished": {
+            "finish_reason": common_pb2.FinishReason.Name(f.finish_reason),
+            "prompt_tokens": f.prompt_tokens,
+            "completion_tokens": f.completion_tokens,
+        },
+    }

@@ -1,0 +1,77 @@
+"""The one place that reads configuration: command-line flags, each with an
+environment fallback, into the services' settings dataclasses.
+
+A field `foo_bar` of a settings class becomes the flag `--foo-bar` (or the
+field's `flag` metadata) and reads `MMSPLIT_FOO_BAR` when the flag is absent;
+`MMSPLIT_<COMMAND>_FOO_BAR` wins over it, so one environment can configure
+both services apart (for example MMSPLIT_SCHEDULER_PORT and
+MMSPLIT_TOKENIZER_PORT). Precedence: flag > command variable > shared
+variable > default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+S = TypeVar("S")
+
+PREFIX = "MMSPLIT_"
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off", ""):
+        return False
+    raise argparse.ArgumentTypeError(f"not a boolean: {text!r}")
+
+
+def _env_names(command: str, name: str) -> tuple[str, str]:
+    return f"{PREFIX}{command.upper()}_{name.upper()}", f"{PREFIX}{name.upper()}"
+
+
+def add_settings_arguments(parser: argparse.ArgumentParser, cls: type, command: str) -> None:
+    """Add one flag per field of the settings dataclass `cls`."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        flag = f.metadata.get("flag", "--" + f.name.replace("_", "-"))
+        own, shared = _env_names(command, f.name)
+        kind = hints[f.name]
+        required = f.default is dataclasses.MISSING
+        default = "(required)" if required else repr(f.default)
+        help_text = f"{f.metadata.get('help', '')} [env {own} or {shared}; default {default}]"
+        parse: Any = {bool: _parse_bool, int: int, float: float, Path: Path}.get(kind, str)
+        parser.add_argument(flag, dest=f.name, type=parse, default=None, help=help_text, metavar=f.name.upper())
+
+
+def settings_from(args: argparse.Namespace, cls: type[S], command: str, env: Mapping[str, str] | None = None) -> S:
+    """Build `cls` from parsed flags, then the environment, then defaults."""
+    env = os.environ if env is None else env
+    hints = typing.get_type_hints(cls)
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        value = getattr(args, f.name, None)
+        if value is None:
+            for name in _env_names(command, f.name):
+                if name in env:
+                    kind = hints[f.name]
+                    raw = env[name]
+                    try:
+                        value = {bool: _parse_bool, int: int, float: float, Path: Path}.get(kind, str)(raw)
+                    except (ValueError, argparse.ArgumentTypeError) as exc:
+                        raise SystemExit(f"mmsplit: {name}={raw!r}: {exc}") from exc
+                    break
+        if value is None:
+            if f.default is dataclasses.MISSING:
+                flag = f.metadata.get("flag", "--" + f.name.replace("_", "-"))
+                raise SystemExit(f"mmsplit {command}: {flag} is required (or set {_env_names(command, f.name)[1]})")
+            continue
+        values[f.name] = value
+    return cls(**values)

@@ -1,0 +1,151 @@
+"""`make demo`: both services on this machine, a tiny local model, scripted
+requests including bad ones, and a table of what each came to.
+
+Exits 0 only if every request got its expected outcome, the services stayed
+SERVING, stopped cleanly, and no shared-memory segment was left behind.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import textwrap
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from mmsplit import shm
+from mmsplit.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from mmsplit_cli import samples
+from mmsplit_cli.client import Outcome, make_request, run_request
+from mmsplit_cli.launch import ServiceProcess, scheduler_args, tokenizer_args
+from mmsplit_cli.tiny_model import build
+
+TOKENIZER_SERVICE = "mmsplit.tokenizer.v1.TokenizerService"
+SCHEDULER_SERVICE = "mmsplit.scheduler.v1.SchedulerService"
+
+
+@dataclass
+class Case:
+    name: str
+    request: Callable[[Path], tokenizer_pb2.GenerateRequest]
+    expect: str  # "ok" or the ErrorInfo reason
+
+
+def cases() -> list[Case]:
+    png, jpeg = samples.good_png(), samples.good_jpeg(seed=1)
+    return [
+        Case("good PNG, inline", lambda d: make_request("Describe the image.", [png], max_tokens=12), "ok"),
+        Case(
+            "PNG: header fine, pixels corrupt",
+            lambda d: make_request("Describe.", [samples.corrupt_png()], max_tokens=12),
+            "MEDIA_DECODE_FAILED",
+        ),
+        Case("two images (PNG + JPEG)", lambda d: make_request("<image> vs <image>", [png, jpeg], max_tokens=12), "ok"),
+        Case("text only", lambda d: make_request("Once upon a time", max_tokens=12), "ok"),
+        Case("file under the allowed dir", lambda d: make_request("What is it?", urls=[str(d / "cat.jpg")], max_tokens=8), "ok"),
+        Case("file outside it (/etc/passwd)", lambda d: make_request("Hi", urls=["/etc/passwd"]), "MEDIA_SOURCE_FORBIDDEN"),
+        Case("random bytes as an image", lambda d: make_request("Hi", [bytes(range(256)) * 4]), "MEDIA_UNSUPPORTED"),
+        Case("2 markers, 1 image", lambda d: make_request("<image> and <image>", [png]), "INVALID_REQUEST"),
+        Case("sampled (T=0.8, seed 7)", lambda d: make_request("Tell me", [png], max_tokens=12, temperature=0.8, seed=7), "ok"),
+        Case("good PNG again, after the bad ones", lambda d: make_request("Describe the image.", [png], max_tokens=12), "ok"),
+    ]
+
+
+def _health(address: str, service: str) -> str:
+    with grpc.insecure_channel(address) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+def _outcome_text(out: Outcome) -> str:
+    if out.ok:
+        return f"ok: {len(out.token_ids)} tokens ({out.finish_reason.removeprefix('FINISH_REASON_')})"
+    return f"{out.grpc_code} / {out.reason}"
+
+
+def _table(rows: list[tuple[str, ...]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = []
+    for n, row in enumerate(rows):
+        lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def run_demo(*, workdir: Path | None, tp: int, cache_dir: Path) -> int:
+    with tempfile.TemporaryDirectory(prefix="mmsplit-demo-") as tmp:
+        root = workdir or Path(tmp)
+        root.mkdir(parents=True, exist_ok=True)
+        return _run(root, tp, cache_dir.resolve())
+
+
+def _run(root: Path, tp: int, cache_dir: Path) -> int:
+    model = root / "tiny-llava"
+    if not (model / "config.json").exists():
+        print(f"building the tiny model in {model} ...", flush=True)
+        build(model, cache_dir=cache_dir)
+    media = root / "media"
+    media.mkdir(exist_ok=True)
+    (media / "cat.jpg").write_bytes(samples.good_jpeg(seed=2))
+
+    print(f"starting the scheduler (tp={tp}) and the tokenizer; logs in {root}", flush=True)
+    sched = ServiceProcess("scheduler", scheduler_args(model, tp=tp), root / "scheduler.log")
+    tok = None
+    problems: list[str] = []
+    try:
+        sched.wait_bound(180)
+        tok = ServiceProcess(
+            "tokenizer", tokenizer_args(model, sched.address, extra=["--allowed-media-dir", str(media)]), root / "tokenizer.log"
+        )
+        sched.wait_serving(SCHEDULER_SERVICE, 180)
+        tok.wait_serving(TOKENIZER_SERVICE, 180)
+
+        rows = [("#", "request", "expected", "outcome", "text / message", "latency")]
+        with grpc.insecure_channel(tok.address) as channel:
+            stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
+            for i, case in enumerate(cases(), start=1):
+                out = run_request(stub, case.request(media), timeout=60)
+                got = "ok" if out.ok else out.reason
+                if got != case.expect:
+                    problems.append(f"#{i} {case.name}: expected {case.expect}, got {_outcome_text(out)} {out.message}")
+                detail = repr(out.text) if out.ok else out.message
+                rows.append(
+                    (
+                        str(i),
+                        case.name,
+                        case.expect,
+                        _outcome_text(out),
+                        textwrap.shorten(detail, 48, placeholder="..."),
+                        f"{out.latency_s * 1000:.0f} ms",
+                    )
+                )
+        print()
+        print(_table(rows))
+        print()
+        for address, service in ((tok.address, TOKENIZER_SERVICE), (sched.address, SCHEDULER_SERVICE)):
+            status = _health(address, service)
+            print(f"health of {service}: {status}")
+            if status != "SERVING":
+                problems.append(f"{service} is {status} after the script")
+    finally:
+        codes = {}
+        for proc in (tok, sched):
+            if proc is not None:
+                codes[proc.name] = proc.stop()
+    for name, code in codes.items():
+        print(f"{name} exited with status {code}")
+        if code != 0:
+            problems.append(f"{name} exited with status {code}")
+    left = shm.list_segments(shm.DEFAULT_PREFIX)
+    print(f"shared-memory segments of the project left in /dev/shm: {len(left)}")
+    if left:
+        problems.append(f"segments left behind: {left}")
+    if problems:
+        print("\nDEMO FAILED:\n  " + "\n  ".join(problems))
+        return 1
+    print("\ndemo passed: every request got its expected outcome; nothing left behind.")
+    return 0

@@ -1,0 +1,114 @@
+"""Starting the services as child processes and waiting until they serve
+(used by the demo and the tests)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+_LISTENING = re.compile(r"listening on (\S+):(\d+)")
+
+
+class ServiceProcess:
+    """One `mmsplit <service>` child. Its log goes to `log_path`; `port` is
+    read from the "listening on HOST:PORT" line the server logs."""
+
+    def __init__(self, name: str, args: Sequence[str], log_path: Path, env: dict[str, str] | None = None) -> None:
+        self.name = name
+        self.log_path = log_path
+        self.port: int | None = None
+        self._bound = threading.Event()
+        self._log = open(log_path, "w")  # noqa: SIM115 (closed by the reader thread)
+        full_env = {**os.environ, **(env or {})}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "mmsplit_cli", *args],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            env=full_env,
+        )
+        self._reader = threading.Thread(target=self._read, name=f"{name}-log", daemon=True)
+        self._reader.start()
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def _read(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self._log.write(line)
+            self._log.flush()
+            if self.port is None and (m := _LISTENING.search(line)):
+                self.port = int(m.group(2))
+                self._bound.set()
+        self._log.close()
+        self._bound.set()  # exited: wake any waiter
+
+    def wait_bound(self, timeout: float) -> int:
+        if not self._bound.wait(timeout) or self.port is None:
+            raise RuntimeError(f"{self.name} did not start within {timeout:.0f}s; see {self.log_path}:\n{self.tail()}")
+        return self.port
+
+    def wait_serving(self, service: str, timeout: float) -> None:
+        """Wait until health reports `service` SERVING."""
+        deadline = time.monotonic() + timeout
+        self.wait_bound(timeout)
+        with grpc.insecure_channel(self.address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    break
+                try:
+                    reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1.0)
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.1)
+        raise RuntimeError(f"{self.name} is not SERVING after {timeout:.0f}s; see {self.log_path}:\n{self.tail()}")
+
+    def tail(self, lines: int = 30) -> str:
+        try:
+            return "".join(self.log_path.read_text().splitlines(keepends=True)[-lines:])
+        except OSError:
+            return ""
+
+    def stop(self, timeout: float = 30.0) -> int:
+        """SIGTERM, then SIGKILL after `timeout`; returns the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                log.warning("%s (pid %d) ignored SIGTERM for %.0fs; killing it", self.name, self.pid, timeout)
+                self.proc.kill()
+                self.proc.wait(10)
+        self._reader.join(5)
+        return self.proc.returncode
+
+
+def scheduler_args(model: Path, *, tp: int, extra: Sequence[str] = ()) -> list[str]:
+    return ["scheduler", "--model", str(model), "--tp", str(tp), "--port", "0", *extra]
+
+
+def tokenizer_args(model: Path, scheduler: str, *, extra: Sequence[str] = ()) -> list[str]:
+    return ["tokenizer", "--model", str(model), "--scheduler", scheduler, "--port", "0", *extra]

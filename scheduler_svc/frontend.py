@@ -1,0 +1,122 @@
+"""Rank 0's admission: validate a request, hand it to the step loop, stream
+its events back on the event loop.
+
+Everything here runs on the asyncio event loop and never blocks: the step
+loop is reached through its thread-safe inbox, and events come back through
+`loop.call_soon_threadsafe`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import zlib
+from collections.abc import AsyncIterator
+
+from mmsplit.scheduler.v1 import scheduler_pb2
+from mmsplit.tensors import TensorSpec
+from scheduler_svc.errors import InvalidRequest, InvalidTensorRef
+from scheduler_svc.loop import Admission, Event, Failed, Finished, StepLoop, Token
+from scheduler_svc.model import ModelInfo
+from scheduler_svc.plan import NewRequest
+from scheduler_svc.settings import SchedulerSettings
+
+log = logging.getLogger(__name__)
+
+MAX_REQUEST_ID = 128
+FLOAT_DTYPES = (1, 2, 3)
+
+
+class Frontend:
+    def __init__(self, step_loop: StepLoop, settings: SchedulerSettings, info: ModelInfo) -> None:
+        self.step_loop = step_loop
+        self.settings = settings
+        self.info = info
+        self._streams: dict[str, asyncio.Queue[Event]] = {}
+
+    def admit(self, pb: scheduler_pb2.GenerateRequest) -> Admission:
+        """Validate and enqueue; raise MmsplitError (the caller still owns
+        the request's segments then). After it returns the scheduler owns them."""
+        request = self._validate(pb)
+        rid = request.request_id
+        if rid in self._streams:
+            raise InvalidRequest(f"request id {rid!r} is already running")
+        max_tokens = pb.sampling.max_tokens or self.settings.default_max_tokens
+        if max_tokens > self.settings.max_tokens_limit:
+            raise InvalidRequest(f"max_tokens {max_tokens} is over the limit {self.settings.max_tokens_limit}")
+        events: asyncio.Queue[Event] = asyncio.Queue()
+        aio_loop = asyncio.get_running_loop()
+
+        def emit(event: Event) -> None:
+            try:
+                aio_loop.call_soon_threadsafe(events.put_nowait, event)
+            except RuntimeError:  # the event loop closed during shutdown; nobody listens
+                log.debug("dropped event for %s after the event loop closed", rid)
+
+        admission = Admission(request=request, max_tokens=max_tokens, emit=emit)
+        self.step_loop.submit(admission)
+        self._streams[rid] = events
+        return admission
+
+    async def stream(self, admission: Admission) -> AsyncIterator[scheduler_pb2.GenerateResponse]:
+        """The request's events as responses; raises its failure, if any."""
+        events = self._streams[admission.request_id]
+        try:
+            while True:
+                event = await events.get()
+                if isinstance(event, Token):
+                    yield scheduler_pb2.GenerateResponse(tokens=scheduler_pb2.Tokens(token_ids=[event.token_id]))
+                elif isinstance(event, Finished):
+                    yield scheduler_pb2.GenerateResponse(
+                        finished=scheduler_pb2.Finished(
+                            finish_reason=event.reason,  # type: ignore[arg-type]
+                            prompt_tokens=event.prompt_tokens,
+                            completion_tokens=event.completion_tokens,
+                        )
+                    )
+                    return
+                elif isinstance(event, Failed):
+                    raise event.error
+        finally:
+            del self._streams[admission.request_id]
+
+    def abort(self, request_id: str) -> None:
+        """Harmless for unknown and finished requests (the step loop ignores them)."""
+        self.step_loop.abort(request_id)
+
+    def _validate(self, pb: scheduler_pb2.GenerateRequest) -> NewRequest:
+        rid = pb.request_id
+        if not rid or len(rid) > MAX_REQUEST_ID or not rid.isprintable():
+            raise InvalidRequest(f"request_id must be 1..{MAX_REQUEST_ID} printable characters")
+        ids = tuple(pb.input_ids)
+        if not ids:
+            raise InvalidRequest("input_ids is empty")
+        if len(ids) >= self.info.max_context:
+            raise InvalidRequest(f"prompt of {len(ids)} tokens does not fit the context of {self.info.max_context}")
+        if max(ids) >= self.info.vocab_size:
+            raise InvalidRequest(f"token id {max(ids)} is outside the vocabulary of {self.info.vocab_size}")
+        if len(pb.pixel_values) > self.settings.max_images_per_request:
+            raise InvalidRequest(f"{len(pb.pixel_values)} images, at most {self.settings.max_images_per_request}")
+        specs = []
+        for i, ref in enumerate(pb.pixel_values):
+            spec = TensorSpec.from_pb(ref, prefix=self.settings.shm_prefix, max_bytes=self.settings.max_tensor_bytes)
+            if spec.dtype not in FLOAT_DTYPES or spec.shape != self.info.image_shape:
+                raise InvalidTensorRef(
+                    f"image {i}: pixel tensor must be a float tensor of shape {list(self.info.image_shape)}, "
+                    f"got dtype {spec.dtype} shape {list(spec.shape)}"
+                )
+            specs.append(spec)
+        placeholders = ids.count(self.info.image_token_id)
+        if placeholders != len(specs) * self.info.tokens_per_image:
+            raise InvalidRequest(
+                f"{placeholders} image placeholder tokens for {len(specs)} image(s); "
+                f"each image needs {self.info.tokens_per_image}"
+            )
+        temperature = pb.sampling.temperature
+        if not math.isfinite(temperature) or not 0 <= temperature <= 100:
+            raise InvalidRequest(f"temperature {temperature} must be within [0, 100]")
+        seed = pb.sampling.seed or zlib.crc32(rid.encode())
+        return NewRequest(
+            request_id=rid, input_ids=ids, pixel_values=tuple(specs), temperature=temperature, seed=seed
+        )

@@ -1,0 +1,68 @@
+"""Loading the model from a local checkpoint directory, with transformers' own
+tensor parallelism when the group has more than one rank."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForImageTextToText
+from transformers.distributed import DistributedConfig
+from transformers.utils import logging as hf_logging
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What admission needs to know of the model, read from its config."""
+
+    name: str
+    vocab_size: int
+    image_token_id: int
+    # Expected pixel tensor shape of one image: (channels, height, width).
+    image_shape: tuple[int, int, int]
+    tokens_per_image: int
+    max_context: int
+    eos_token_ids: frozenset[int]
+
+
+def model_info(model_dir: Path) -> ModelInfo:
+    config = AutoConfig.from_pretrained(model_dir)
+    text, vision = config.text_config, config.vision_config
+    side = int(vision.image_size)
+    patches = (side // int(vision.patch_size)) ** 2
+    # "default" drops the CLS position of the vision tower's output; "full" keeps it.
+    tokens = patches + (1 if getattr(config, "vision_feature_select_strategy", "default") == "full" else 0)
+    eos = text.eos_token_id if text.eos_token_id is not None else getattr(config, "eos_token_id", None)
+    eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
+    image_token = getattr(config, "image_token_id", None)
+    if image_token is None:
+        image_token = config.image_token_index
+    return ModelInfo(
+        name=model_dir.name,
+        vocab_size=int(text.vocab_size),
+        image_token_id=int(image_token),
+        image_shape=(int(getattr(vision, "num_channels", 3)), side, side),
+        tokens_per_image=tokens,
+        max_context=int(text.max_position_embeddings),
+        eos_token_ids=eos_ids,
+    )
+
+
+def load_model(model_dir: Path, *, world_size: int, device: torch.device) -> torch.nn.Module:
+    """Every rank calls this with the group already initialized."""
+    kwargs: dict[str, object] = {"dtype": torch.float32 if device.type == "cpu" else torch.bfloat16}
+    if world_size > 1:
+        # transformers' own tensor parallelism: the model's predefined plan over
+        # the already-initialized default process group.
+        kwargs["distributed_config"] = DistributedConfig(tp_plan="auto", tp_size=world_size)
+    hf_logging.disable_progress_bar()
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, **kwargs)
+    if world_size == 1:
+        model.to(device)
+    model.eval()
+    log.info("loaded %s (%s) on %s, tp=%d", model_dir, type(model).__name__, device, world_size)
+    return model

@@ -1,0 +1,53 @@
+"""What rank 0 broadcasts each step and what a step returns.
+
+Invariant: every rank must apply the same plan in the same order, or the next
+collective inside the model deadlocks. So the plan carries every decision that
+could differ between ranks: which requests join, which leave, and the token
+each running request feeds next (sampled on rank 0 only).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mmsplit.tensors import TensorSpec
+
+
+@dataclass(frozen=True)
+class NewRequest:
+    request_id: str
+    input_ids: tuple[int, ...]
+    pixel_values: tuple[TensorSpec, ...]
+    temperature: float
+    seed: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    step: int
+    new: tuple[NewRequest, ...] = ()
+    # Requests leaving the batch (finished, aborted); unknown ids are ignored.
+    drop: tuple[str, ...] = ()
+    # (request id, token) for each running request that continues.
+    feed: tuple[tuple[str, int], ...] = ()
+    stop: bool = False
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A new request that failed on at least one rank, agreed by all ranks."""
+
+    code: int
+    ranks: tuple[int, ...]
+    # rank -> message; filled on rank 0 only.
+    messages: dict[int, str] = field(default_factory=dict)
+
+
+@dataclass
+class StepOutcome:
+    # request id -> sampled token (rank 0 only).
+    sampled: dict[str, int]
+    # request id -> agreed failure (every rank).
+    failed: dict[str, Failure]
+    # requests held by each rank at the agreement point, indexed by rank.
+    active_per_rank: list[int]

@@ -1,0 +1,140 @@
+"""Starting, bootstrapping and watching the ranks of a local group.
+
+`LocalRanks` spawns ranks 1..N-1 as child processes of rank 0 (spawn, never
+fork: the parent already has torch threads). `bootstrap` is what every rank
+runs before its first step: join the group, load the model, and exchange the
+shared-memory namespace ids — that exchange is also the all-ranks-started
+barrier.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import multiprocessing.connection
+import socket
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from mmsplit import shm
+from mmsplit.serving import setup_logging
+from scheduler_svc.collective import TorchCollective, init_group, pick_device
+from scheduler_svc.engine import Engine
+from scheduler_svc.loop import run_follower
+from scheduler_svc.model import load_model
+from scheduler_svc.reader import build_reader
+from scheduler_svc.settings import SchedulerSettings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Bootstrapped:
+    engine: Engine
+    coll: TorchCollective
+    # The namespace shared by every rank, or "" when the ranks see different /dev/shm.
+    shm_namespace: str
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def bootstrap(settings: SchedulerSettings, *, rank: int, world_size: int, master_addr: str, master_port: int) -> Bootstrapped:
+    torch.set_num_threads(max(1, torch.get_num_threads() // max(1, world_size)))
+    init_group(
+        rank=rank,
+        world_size=world_size,
+        master_addr=master_addr,
+        master_port=master_port,
+        device=settings.device,
+        timeout_s=settings.collective_timeout_s,
+    )
+    device = pick_device(settings.device)
+    model = load_model(settings.model_dir, world_size=world_size, device=device)
+    coll = TorchCollective(device)
+    namespaces: list[str] = [""] * coll.world_size
+    dist.all_gather_object(namespaces, shm.namespace_id())
+    shared = namespaces[0] if len(set(namespaces)) == 1 else ""
+    if not shared and coll.rank == 0:
+        log.warning("ranks see different /dev/shm (%s); only inline tensors are accepted", namespaces)
+    engine = Engine(model, coll, build_reader(settings, coll.rank), device)
+    return Bootstrapped(engine, coll, shared)
+
+
+def follower_main(settings: SchedulerSettings, rank: int, world_size: int, master_addr: str, master_port: int) -> None:
+    """Entry point of a spawned rank (1..N-1)."""
+    setup_logging(settings.log_level)
+    boot = bootstrap(settings, rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port)
+    log.info("rank %d ready", rank)
+    run_follower(boot.engine, boot.coll)
+    dist.destroy_process_group()
+    log.info("rank %d stopped", rank)
+
+
+class LocalRanks:
+    """Ranks 1..N-1 as children of this process (rank 0)."""
+
+    def __init__(self, settings: SchedulerSettings, master_addr: str, master_port: int) -> None:
+        self.settings = settings
+        ctx = mp.get_context("spawn")
+        self.procs = [
+            ctx.Process(
+                target=follower_main,
+                args=(settings, rank, settings.tp, master_addr, master_port),
+                name=f"mmsplit-rank-{rank}",
+                daemon=True,
+            )
+            for rank in range(1, settings.tp)
+        ]
+        # Set before an orderly stop, so the monitor does not report it as a failure.
+        self.stopping = False
+
+    def start(self) -> None:
+        for p in self.procs:
+            p.start()
+        log.info("started ranks 1..%d as pids %s", self.settings.tp - 1, [p.pid for p in self.procs])
+
+    def first_dead(self) -> tuple[int, int | None] | None:
+        for rank, p in enumerate(self.procs, start=1):
+            if not p.is_alive():
+                return rank, p.exitcode
+        return None
+
+    def watch(self, on_exit: Callable[[int, int | None], None]) -> None:
+        """Call `on_exit(rank, exitcode)` from a thread when any rank exits."""
+
+        def wait() -> None:
+            sentinels = {p.sentinel: rank for rank, p in enumerate(self.procs, start=1)}
+            ready = multiprocessing.connection.wait(list(sentinels))
+            rank = sentinels[ready[0]]  # type: ignore[index]
+            proc = self.procs[rank - 1]
+            proc.join(1.0)  # the sentinel fires just before exitcode is known
+            if not self.stopping:
+                on_exit(rank, proc.exitcode)
+
+        if self.procs:
+            threading.Thread(target=wait, name="rank-monitor", daemon=True).start()
+
+    def join(self, timeout: float) -> bool:
+        for p in self.procs:
+            p.join(timeout)
+        return all(not p.is_alive() for p in self.procs)
+
+    def terminate(self, grace_s: float = 3.0) -> None:
+        """TERM, then KILL what is still alive after `grace_s`."""
+        for p in self.procs:
+            if p.is_alive():
+                p.terminate()
+        for p in self.procs:
+            p.join(grace_s)
+            if p.is_alive():
+                log.warning("rank process %s ignored SIGTERM; killing it", p.pid)
+                p.kill()
+                p.join(grace_s)

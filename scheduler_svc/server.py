@@ -1,0 +1,205 @@
+"""The scheduler's gRPC servicer and the rank-0 process lifecycle.
+
+Lifecycle: start ranks → bootstrap (all ranks or none) → step thread →
+gRPC server → SERVING. On SIGTERM/SIGINT: NOT_SERVING → stop the server with
+a grace period → stop the step loop (broadcast a stop plan) → ranks exit →
+exit 0. When a rank dies or a collective fails: every in-flight request gets
+SCHEDULER_UNAVAILABLE, NOT_SERVING, the other ranks are terminated and the
+process exits non-zero so an orchestrator restarts the group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import AsyncIterator
+
+import grpc
+import torch.distributed as dist
+
+from mmsplit import __version__
+from mmsplit.common.v1 import common_pb2
+from mmsplit.errors import MmsplitError
+from mmsplit.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
+from mmsplit.serving import Health, new_server
+from scheduler_svc.frontend import Frontend
+from scheduler_svc.loop import StepLoop
+from scheduler_svc.model import ModelInfo, model_info
+from scheduler_svc.ranks import Bootstrapped, LocalRanks, bootstrap, free_port
+from scheduler_svc.settings import SchedulerSettings
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["SchedulerService"].full_name
+ACCEPTED = scheduler_pb2.GenerateResponse(accepted=scheduler_pb2.Accepted())
+
+
+class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
+    def __init__(self, frontend: Frontend, info: common_pb2.ServerInfo, step_loop: StepLoop) -> None:
+        self.frontend = frontend
+        self.info = info
+        self.step_loop = step_loop
+
+    async def Generate(  # noqa: N802 (gRPC method name)
+        self, request: scheduler_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[scheduler_pb2.GenerateResponse]:
+        rid = request.request_id
+        try:
+            admission = self.frontend.admit(request)
+        except MmsplitError as exc:
+            log.info("request %s rejected: %s", rid, exc)
+            await context.abort_with_status(exc.to_status(rid))
+        try:
+            yield ACCEPTED
+            async for response in self.frontend.stream(admission):
+                yield response
+        except MmsplitError as exc:
+            await context.abort_with_status(exc.to_status(rid))
+        finally:
+            # Cancel, deadline, disconnect, or normal end: the step loop drops
+            # the request on every rank if it still runs (no-op otherwise).
+            self.frontend.abort(rid)
+
+    async def GetServerInfo(  # noqa: N802
+        self, request: scheduler_pb2.GetServerInfoRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.GetServerInfoResponse:
+        info = common_pb2.ServerInfo()
+        info.CopyFrom(self.info)
+        info.rank_active_requests.extend(self.step_loop.active_per_rank)
+        return scheduler_pb2.GetServerInfoResponse(info=info)
+
+
+def run(settings: SchedulerSettings) -> int:
+    """Run this process's part of the group; return the exit code."""
+    if settings.launch == "env":
+        # torch's env:// rendezvous reads RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT.
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        boot = bootstrap(settings, rank=rank, world_size=world, master_addr="", master_port=0)
+        if rank != 0:
+            from scheduler_svc.loop import run_follower
+
+            run_follower(boot.engine, boot.coll)
+            dist.destroy_process_group()
+            return 0
+        return asyncio.run(_serve(settings, boot, None))
+
+    ranks = None
+    port = free_port()
+    if settings.tp > 1:
+        ranks = LocalRanks(settings, "127.0.0.1", port)
+        ranks.start()
+    boot = _bootstrap_watching(settings, ranks, port)
+    return asyncio.run(_serve(settings, boot, ranks))
+
+
+def _bootstrap_watching(settings: SchedulerSettings, ranks: LocalRanks | None, port: int) -> Bootstrapped:
+    """Bootstrap rank 0 while watching the children: all ranks start or none."""
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="bootstrap") as pool:
+        fut = pool.submit(bootstrap, settings, rank=0, world_size=settings.tp, master_addr="127.0.0.1", master_port=port)
+        while not fut.done():
+            concurrent.futures.wait([fut], timeout=0.2)
+            dead = ranks.first_dead() if ranks else None
+            if dead is not None and not fut.done():
+                log.error("rank %d exited with code %s during startup; tearing the group down", *dead)
+                ranks.terminate()  # type: ignore[union-attr]
+                logging.shutdown()
+                os._exit(1)  # the bootstrap thread is stuck in a rendezvous
+        try:
+            return fut.result()
+        except BaseException:
+            log.exception("rank 0 failed to start; tearing the group down")
+            if ranks:
+                ranks.terminate()
+            raise
+
+
+def server_info(settings: SchedulerSettings, info: ModelInfo, shm_namespace: str) -> common_pb2.ServerInfo:
+    transports = [common_pb2.TRANSPORT_INLINE]
+    if shm_namespace:
+        transports.insert(0, common_pb2.TRANSPORT_SHM)
+    return common_pb2.ServerInfo(
+        model=info.name,
+        tp_size=settings.tp,
+        transports=transports,
+        shm_namespace=shm_namespace,
+        shm_prefix=settings.shm_prefix,
+        version=__version__,
+    )
+
+
+async def _serve(settings: SchedulerSettings, boot: Bootstrapped, ranks: LocalRanks | None) -> int:
+    aio_loop = asyncio.get_running_loop()
+    fatal = asyncio.Event()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        aio_loop.add_signal_handler(sig, stop.set)
+
+    info = model_info(settings.model_dir)
+    step_loop = StepLoop(
+        boot.engine,
+        boot.coll,
+        settings,
+        eos_token_ids=info.eos_token_ids,
+        max_context=info.max_context,
+        on_fatal=lambda exc: aio_loop.call_soon_threadsafe(fatal.set),
+    )
+    thread = threading.Thread(target=step_loop.run, name="step-loop", daemon=True)
+    thread.start()
+
+    health = Health(SERVICE_NAME)
+    await health.start()
+    server, port = await new_server(
+        host=settings.host,
+        port=settings.port,
+        health_=health,
+        service_names=[SERVICE_NAME],
+        max_message_bytes=settings.max_message_bytes,
+    )
+    servicer = SchedulerServicer(Frontend(step_loop, settings, info), server_info(settings, info, boot.shm_namespace), step_loop)
+    scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(servicer, server)
+    await server.start()
+    log.info("scheduler listening on %s:%d (tp=%d, model=%s)", settings.host, port, settings.tp, info.name)
+    await health.set_ready(True)
+
+    if ranks is not None:
+        def rank_exited(rank: int, code: int | None) -> None:
+            log.error("rank %d exited with code %s; the group is down", rank, code)
+            aio_loop.call_soon_threadsafe(fatal.set)
+
+        ranks.watch(rank_exited)
+
+    waiters = [asyncio.create_task(stop.wait()), asyncio.create_task(fatal.wait())]
+    await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    for w in waiters:
+        w.cancel()
+    await health.set_ready(False)
+
+    if fatal.is_set():
+        # In-flight requests already got SCHEDULER_UNAVAILABLE from the step
+        # loop, or get it now; the step thread may be stuck in a collective,
+        # so nothing waits for it.
+        await server.stop(1.0)
+        if ranks is not None:
+            ranks.terminate()
+        log.error("scheduler exiting with status 1 so the group is restarted")
+        logging.shutdown()
+        sys.stdout.flush()
+        os._exit(1)
+
+    log.info("shutting down: letting running requests finish for up to %.1fs", settings.shutdown_grace_s)
+    await server.stop(settings.shutdown_grace_s)
+    if ranks is not None:
+        ranks.stopping = True
+    step_loop.request_stop()
+    await asyncio.to_thread(thread.join, settings.collective_timeout_s)
+    if ranks is not None and not await asyncio.to_thread(ranks.join, 10.0):
+        ranks.terminate()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    log.info("scheduler stopped")
+    return 0

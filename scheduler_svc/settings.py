@@ -1,0 +1,49 @@
+"""Settings of the scheduler service. Built once by the CLI (flags with
+MMSPLIT_* environment fallbacks, see `mmsplit_cli.config`) and passed down;
+nothing else reads the environment. Each field's `help` is its documentation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+def _opt(default: T, help: str) -> T:  # noqa: A002 (argparse's word)
+    result: T = field(default=default, metadata={"help": help})
+    return result
+
+
+@dataclass(frozen=True)
+class SchedulerSettings:
+    model_dir: Path = field(metadata={"help": "local checkpoint directory (LLaVA family)", "flag": "--model"})
+    tp: int = _opt(1, "number of tensor-parallel ranks")
+    host: str = _opt("127.0.0.1", "address to serve gRPC on")
+    port: int = _opt(0, "port to serve gRPC on; 0 picks a free one (logged)")
+    launch: str = _opt(
+        "local",
+        "'local': this process is rank 0 and spawns ranks 1..tp-1 here; 'env': this process is the rank "
+        "that torch's env:// rendezvous names (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), for ranks on "
+        "several pods; only rank 0 serves gRPC",
+    )
+    device: str = _opt("auto", "'auto' (CUDA with NCCL when present, else CPU with gloo), 'cpu' or 'cuda'")
+    shm_prefix: str = _opt("mmsplit", "prefix of the shared-memory segment names accepted")
+    max_tensor_bytes: int = _opt(64 * 1024 * 1024, "largest tensor (and segment) accepted, bytes")
+    max_images_per_request: int = _opt(8, "images one request may carry")
+    max_new_per_step: int = _opt(32, "new requests admitted into one step; the rest wait")
+    max_running: int = _opt(64, "requests generating at once")
+    max_queue: int = _opt(256, "accepted requests waiting for a step; beyond this, OVERLOADED at once")
+    default_max_tokens: int = _opt(64, "max_tokens of a request that leaves it 0")
+    max_tokens_limit: int = _opt(4096, "largest max_tokens accepted")
+    heartbeat_s: float = _opt(
+        1.0, "when idle, rank 0 still runs an empty step this often so no rank's collective times out"
+    )
+    collective_timeout_s: float = _opt(60.0, "a collective slower than this fails the group instead of hanging")
+    tensor_reader: str = _opt(
+        "", "'module:factory' building each rank's tensor reader (scheduler_svc/reader.py); empty = shared memory/inline"
+    )
+    shutdown_grace_s: float = _opt(5.0, "seconds running requests get to finish on SIGTERM")
+    max_message_bytes: int = _opt(256 * 1024 * 1024, "largest gRPC message")
+    log_level: str = _opt("INFO", "logging level")

@@ -1,0 +1,122 @@
+"""The CPU process pool and its supervisor (DESIGN.md §5).
+
+- Workers start by forkserver with `tokenizer_svc.preprocess` preloaded (never
+  plain fork: the gRPC server and torch threads already exist).
+- `submit` can block when workers die, so it runs off the event loop.
+- A broken pool is replaced once per generation: whichever request sees
+  generation g broken replaces it under the lock; others that saw g find
+  g+1 already there. The old pool shuts down off the event loop.
+- A task interrupted by a pool break is retried once on the new pool; a
+  second break under it is PreprocessWorkerCrashed.
+- A task whose caller stopped waiting (timeout, cancel) keeps its worker
+  until it finishes; its result's segment is then released by a callback,
+  so timed-out work never leaks shared memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import multiprocessing as mp
+from collections.abc import Callable
+from concurrent.futures.process import BrokenProcessPool
+from typing import Any
+
+from mmsplit import shm
+from tokenizer_svc.errors import PreprocessTimeout, PreprocessWorkerCrashed
+from tokenizer_svc.preprocess import ImageJob, ImageResult, init_worker, preprocess_image, warm_up
+
+log = logging.getLogger(__name__)
+
+PRELOAD = ["tokenizer_svc.preprocess", "transformers", "PIL.Image", "numpy"]
+
+
+def _release_orphan(fut: concurrent.futures.Future[Any]) -> None:
+    """Done-callback of a task nobody waits for any more."""
+    if fut.cancelled() or fut.exception() is not None:
+        return
+    result = fut.result()
+    if isinstance(result, ImageResult):
+        shm.unlink(result.segment)
+        log.info("released segment %s of abandoned preprocessing task", result.segment)
+
+
+class CpuPool:
+    def __init__(self, model_dir: str, workers: int, *, on_health: Callable[[bool], None] | None = None) -> None:
+        self.model_dir = model_dir
+        self.workers = workers
+        self.generation = 0
+        self.replacements = 0
+        self._pool: concurrent.futures.ProcessPoolExecutor | None = None
+        self._lock = asyncio.Lock()
+        self._on_health = on_health or (lambda ok: None)
+
+    @property
+    def ready(self) -> bool:
+        return self._pool is not None
+
+    def _new_pool(self) -> concurrent.futures.ProcessPoolExecutor:
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(PRELOAD)
+        pool = concurrent.futures.ProcessPoolExecutor(
+            max_workers=self.workers, mp_context=ctx, initializer=init_worker, initargs=(self.model_dir,)
+        )
+        # Start every worker now, so the first requests do not pay for it.
+        for fut in [pool.submit(warm_up) for _ in range(self.workers)]:
+            fut.result(timeout=120)
+        return pool
+
+    async def start(self) -> None:
+        self._pool = await asyncio.to_thread(self._new_pool)
+        self._on_health(True)
+        log.info("CPU pool started with %d forkserver workers", self.workers)
+
+    async def _replace(self, seen_generation: int) -> None:
+        async with self._lock:
+            if self.generation != seen_generation:
+                return  # someone else replaced it already
+            old, self._pool = self._pool, None
+            self._on_health(False)
+            if old is not None:
+                asyncio.get_running_loop().run_in_executor(None, lambda: old.shutdown(wait=True, cancel_futures=True))
+            self._pool = await asyncio.to_thread(self._new_pool)
+            self.generation += 1
+            self.replacements += 1
+            self._on_health(True)
+            log.warning("CPU pool replaced (generation %d)", self.generation)
+
+    async def preprocess(self, job: ImageJob, *, timeout_s: float, request_id: str) -> ImageResult:
+        """Run one image through a worker; typed errors only."""
+        for attempt in (1, 2):
+            generation, pool = self.generation, self._pool
+            if pool is None:
+                raise PreprocessWorkerCrashed("no CPU pool is available right now")
+            try:
+                return await self._run(pool, job, timeout_s)
+            except BrokenProcessPool as exc:
+                log.warning("request %s: worker pool broke (attempt %d)", request_id, attempt)
+                await self._replace(generation)
+                if attempt == 2:
+                    raise PreprocessWorkerCrashed(
+                        "a preprocessing worker died twice while handling this request's image"
+                    ) from exc
+        raise AssertionError("unreachable")
+
+    async def _run(self, pool: concurrent.futures.ProcessPoolExecutor, job: ImageJob, timeout_s: float) -> ImageResult:
+        cfut = await asyncio.to_thread(pool.submit, preprocess_image, job)
+        afut = asyncio.wrap_future(cfut)
+        try:
+            return await asyncio.wait_for(asyncio.shield(afut), timeout_s)
+        except TimeoutError as exc:
+            cfut.add_done_callback(_release_orphan)
+            raise PreprocessTimeout(f"image preprocessing took longer than {timeout_s:.1f}s") from exc
+        except asyncio.CancelledError:
+            cfut.add_done_callback(_release_orphan)
+            raise
+
+    async def shutdown(self) -> None:
+        pool, self._pool = self._pool, None
+        self._on_health(False)
+        if pool is not None:
+            await asyncio.to_thread(pool.shutdown, wait=True, cancel_futures=True)

@@ -1,0 +1,80 @@
+"""What a CPU worker runs: decode → image processor → shared memory.
+
+Only compressed bytes come in and only metadata goes back (`ImageResult`);
+the pixel tensor is written once, straight into a new segment owned by the
+tokenizer process (its pid is in the name). Workers are started by
+forkserver with this module preloaded, so they start without re-importing
+transformers. Tasks are pure functions of their input and may be retried.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mmsplit import shm
+from tokenizer_svc.decode import decode_image
+from tokenizer_svc.errors import InternalError, Overloaded
+
+_processor: Any = None
+
+
+@dataclass(frozen=True)
+class ImageJob:
+    data: bytes
+    max_pixels: int
+    shm_prefix: str
+    owner_pid: int
+
+
+@dataclass(frozen=True)
+class ImageResult:
+    segment: str
+    nbytes: int
+    shape: tuple[int, ...]
+    dtype: str
+    width: int
+    height: int
+
+
+def init_worker(model_dir: str) -> None:
+    """Pool initializer: one torch thread, the model's image processor."""
+    global _processor
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+    except ImportError:  # torch is optional for preprocessing
+        pass
+    from transformers import AutoImageProcessor
+
+    _processor = AutoImageProcessor.from_pretrained(Path(model_dir))
+
+
+def warm_up() -> int:
+    """A no-op task that makes a worker start; returns its pid."""
+    return os.getpid()
+
+
+def preprocess_image(job: ImageJob) -> ImageResult:
+    if _processor is None:
+        raise InternalError("worker has no image processor (initializer did not run)")
+    image = decode_image(job.data, max_pixels=job.max_pixels)
+    pixels = _processor(images=image, return_tensors="np")["pixel_values"][0]
+    array = np.ascontiguousarray(pixels, dtype=np.float32)
+    try:
+        piece = shm.write_segment(job.shm_prefix, job.owner_pid, memoryview(array))
+    except shm.ShmFull as exc:
+        raise Overloaded(str(exc)) from exc
+    return ImageResult(
+        segment=piece.segment,
+        nbytes=piece.nbytes,
+        shape=tuple(array.shape),
+        dtype=str(array.dtype),
+        width=image.width,
+        height=image.height,
+    )

@@ -1,0 +1,144 @@
+"""The tokenizer's gRPC servicer and process lifecycle.
+
+Startup: sweep orphaned segments of our prefix → load the processor → start
+the CPU pool → serve (NOT_SERVING) → SERVING once the scheduler answers and a
+pool exists. A watcher keeps readiness in step with the scheduler's
+reachability. On SIGTERM/SIGINT: NOT_SERVING → stop with a grace period →
+pools down → remove any segment this process still owns → exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+
+from mmsplit import __version__, shm
+from mmsplit.common.v1 import common_pb2
+from mmsplit.errors import MmsplitError
+from mmsplit.serving import Health, new_server
+from mmsplit.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from tokenizer_svc.downstream import SchedulerLink
+from tokenizer_svc.media import MediaLoader
+from tokenizer_svc.pool import CpuPool
+from tokenizer_svc.service import TokenizerService
+from tokenizer_svc.settings import TokenizerSettings
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = tokenizer_pb2.DESCRIPTOR.services_by_name["TokenizerService"].full_name
+WATCH_INTERVAL_S = 2.0
+
+
+class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
+    def __init__(self, service: TokenizerService, settings: TokenizerSettings) -> None:
+        self.service = service
+        self.settings = settings
+
+    async def Generate(  # noqa: N802 (gRPC method name)
+        self, request: tokenizer_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[tokenizer_pb2.GenerateResponse]:
+        rid = request.request_id or uuid.uuid4().hex
+        try:
+            async for response in self.service.generate(request, rid, context.time_remaining()):
+                yield response
+        except MmsplitError as exc:
+            log.info("request %s failed: %s", rid, exc)
+            await context.abort_with_status(exc.to_status(rid))
+
+    async def GetServerInfo(  # noqa: N802
+        self, request: tokenizer_pb2.GetServerInfoRequest, context: grpc.aio.ServicerContext
+    ) -> tokenizer_pb2.GetServerInfoResponse:
+        link = self.service.link
+        return tokenizer_pb2.GetServerInfoResponse(
+            info=common_pb2.ServerInfo(
+                model=self.settings.model_dir.name,
+                tp_size=1,
+                transports=[common_pb2.TRANSPORT_SHM, common_pb2.TRANSPORT_INLINE],
+                shm_namespace=shm.namespace_id(),
+                shm_prefix=self.settings.shm_prefix,
+                version=__version__,
+            ),
+            scheduler=link.info,
+            transport=link.transport,
+        )
+
+
+def run(settings: TokenizerSettings) -> int:
+    shm.check_prefix(settings.shm_prefix)
+    return asyncio.run(_serve(settings))
+
+
+def _load_processor(settings: TokenizerSettings) -> object:
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(settings.model_dir)
+
+
+async def _serve(settings: TokenizerSettings) -> int:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    await asyncio.to_thread(shm.sweep, settings.shm_prefix)
+    health = Health(SERVICE_NAME)
+    await health.start()
+    processor = await asyncio.to_thread(_load_processor, settings)
+    pool = CpuPool(str(settings.model_dir), settings.cpu_workers)
+    await pool.start()
+    media = MediaLoader(settings)
+    link = SchedulerLink(settings)
+    service = TokenizerService(settings, processor, media, pool, link)
+
+    server, port = await new_server(
+        host=settings.host,
+        port=settings.port,
+        health_=health,
+        service_names=[SERVICE_NAME],
+        max_message_bytes=settings.max_message_bytes,
+    )
+    tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server(TokenizerServicer(service, settings), server)
+    await server.start()
+    log.info("tokenizer listening on %s:%d (scheduler %s)", settings.host, port, settings.scheduler)
+
+    if not await link.wait_connected(settings.scheduler_wait_s):
+        log.warning("scheduler %s not reachable yet; serving NOT_SERVING until it is", settings.scheduler)
+    watcher = asyncio.create_task(_watch(settings, health, pool, link))
+
+    await stop.wait()
+    log.info("shutting down: letting running requests finish for up to %.1fs", settings.shutdown_grace_s)
+    watcher.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await watcher
+    await health.set_ready(False)
+    await server.stop(settings.shutdown_grace_s)
+    await pool.shutdown()
+    media.shutdown()
+    await link.close()
+    left = [n for n in shm.list_segments(settings.shm_prefix) if shm.parse_name(n, settings.shm_prefix) == os.getpid()]
+    for name in left:
+        shm.unlink(name)
+    if left:
+        log.warning("removed %d segment(s) still owned at shutdown", len(left))
+    log.info("tokenizer stopped")
+    return 0
+
+
+async def _watch(settings: TokenizerSettings, health: Health, pool: CpuPool, link: SchedulerLink) -> None:
+    """Keep readiness true to the scheduler's reachability; sweep orphans."""
+    last_sweep = asyncio.get_running_loop().time()
+    while True:
+        await link.refresh()
+        await health.set_ready(link.connected and pool.ready)
+        now = asyncio.get_running_loop().time()
+        if now - last_sweep >= settings.janitor_interval_s:
+            await asyncio.to_thread(shm.sweep, settings.shm_prefix)
+            last_sweep = now
+        await asyncio.sleep(WATCH_INTERVAL_S)

@@ -1,0 +1,160 @@
+"""One request end to end: fetch and preprocess the images, build the prompt,
+call the scheduler, relay its stream as text.
+
+Ownership of segments (DESIGN.md §3): the segments this request's images were
+written into are ours until the scheduler sends `Accepted`; before that,
+whatever ends the request (an error, a broken stream, the client's cancel)
+unlinks them here. After it, the scheduler releases them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import AsyncIterator
+from typing import Any
+
+from mmsplit import shm
+from mmsplit.common.v1 import common_pb2
+from mmsplit.scheduler.v1 import scheduler_pb2
+from mmsplit.tensors import NUMPY_TO_DTYPE, TensorSpec
+from mmsplit.tokenizer.v1 import tokenizer_pb2
+from tokenizer_svc.errors import InvalidRequest, Overloaded, SchedulerUnavailable
+from tokenizer_svc.downstream import SchedulerLink
+from tokenizer_svc.media import MediaLoader
+from tokenizer_svc.pool import CpuPool
+from tokenizer_svc.preprocess import ImageJob, ImageResult
+from tokenizer_svc.prompt import IncrementalDecoder, PromptBuilder
+from tokenizer_svc.settings import TokenizerSettings
+
+log = logging.getLogger(__name__)
+
+
+class TokenizerService:
+    def __init__(
+        self, settings: TokenizerSettings, processor: Any, media: MediaLoader, pool: CpuPool, link: SchedulerLink
+    ) -> None:
+        self.settings = settings
+        self.tokenizer = processor.tokenizer
+        self.prompts = PromptBuilder(processor)
+        self.media = media
+        self.pool = pool
+        self.link = link
+        self.inflight = 0
+        self._pid = os.getpid()
+
+    async def generate(
+        self, request: tokenizer_pb2.GenerateRequest, request_id: str, timeout_s: float | None
+    ) -> AsyncIterator[tokenizer_pb2.GenerateResponse]:
+        if self.inflight >= self.settings.max_inflight:
+            raise Overloaded(f"{self.inflight} requests in flight, the limit is {self.settings.max_inflight}")
+        self.inflight += 1
+        try:
+            async for response in self._generate(request, request_id, timeout_s):
+                yield response
+        finally:
+            self.inflight -= 1
+
+    async def _generate(
+        self, request: tokenizer_pb2.GenerateRequest, rid: str, timeout_s: float | None
+    ) -> AsyncIterator[tokenizer_pb2.GenerateResponse]:
+        self._validate(request)
+        if not self.link.connected:
+            raise SchedulerUnavailable(f"scheduler {self.settings.scheduler} is not reachable")
+        images = await self._prepare_images(request, rid)
+        owned = [img.segment for img in images]
+        accepted = False
+        try:
+            input_ids = self.prompts.build(request.prompt, [img.shape for img in images])
+            downstream = scheduler_pb2.GenerateRequest(
+                request_id=rid,
+                input_ids=input_ids,
+                pixel_values=[self._tensor_ref(img) for img in images],
+                sampling=request.sampling,
+            )
+            if self.link.transport != common_pb2.TRANSPORT_SHM:
+                # The bytes are in the message now; the segments have done their job.
+                self._release(owned)
+                owned = []
+            decoder = IncrementalDecoder(self.tokenizer)
+            async for event in self.link.generate(downstream, timeout_s=timeout_s):
+                kind = event.WhichOneof("event")
+                if kind == "accepted":
+                    accepted = True  # the scheduler releases the segments from here on
+                elif kind == "tokens":
+                    ids = list(event.tokens.token_ids)
+                    yield tokenizer_pb2.GenerateResponse(
+                        request_id=rid, delta=tokenizer_pb2.TextDelta(text=decoder.push(ids), token_ids=ids)
+                    )
+                elif kind == "finished":
+                    f = event.finished
+                    yield tokenizer_pb2.GenerateResponse(
+                        request_id=rid,
+                        finished=tokenizer_pb2.Finished(
+                            finish_reason=f.finish_reason,
+                            prompt_tokens=f.prompt_tokens,
+                            completion_tokens=f.completion_tokens,
+                        ),
+                    )
+        finally:
+            if not accepted:
+                self._release(owned)
+
+    def _validate(self, request: tokenizer_pb2.GenerateRequest) -> None:
+        s = self.settings
+        if len(request.prompt) > s.max_prompt_chars:
+            raise InvalidRequest(f"prompt has {len(request.prompt)} characters, at most {s.max_prompt_chars}")
+        if not request.prompt and not request.images:
+            raise InvalidRequest("the request has neither a prompt nor images")
+        if len(request.images) > s.max_images_per_request:
+            raise InvalidRequest(f"{len(request.images)} images, at most {s.max_images_per_request}")
+
+    async def _prepare_images(self, request: tokenizer_pb2.GenerateRequest, rid: str) -> list[ImageResult]:
+        """All images fetched and preprocessed, or none held: on any failure or
+        cancellation the other images' work is awaited and released."""
+        tasks = [asyncio.create_task(self._one_image(image, rid)) for image in request.images]
+        if not tasks:
+            return []
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await _settle(tasks)
+            self._release([t.result().segment for t in tasks if not t.cancelled() and t.exception() is None])
+            raise
+
+    async def _one_image(self, image: tokenizer_pb2.Image, rid: str) -> ImageResult:
+        data = await self.media.load(image)  # IO pool, its own timeouts
+        job = ImageJob(
+            data=data, max_pixels=self.settings.max_image_pixels, shm_prefix=self.settings.shm_prefix, owner_pid=self._pid
+        )
+        return await self.pool.preprocess(job, timeout_s=self.settings.preprocess_timeout_s, request_id=rid)
+
+    def _tensor_ref(self, img: ImageResult) -> TensorSpec | Any:
+        dtype = NUMPY_TO_DTYPE[img.dtype]
+        if self.link.transport == common_pb2.TRANSPORT_SHM:
+            return TensorSpec(dtype, img.shape, shm=shm.Slice(img.segment, 0, img.nbytes)).to_pb()
+        buf = bytearray(img.nbytes)
+        shm.read_into(shm.Slice(img.segment, 0, img.nbytes), self.settings.shm_prefix, memoryview(buf), max_segment_bytes=img.nbytes)
+        return TensorSpec(dtype, img.shape, inline=bytes(buf)).to_pb()
+
+    @staticmethod
+    def _release(segments: list[str]) -> None:
+        for name in segments:
+            shm.unlink(name)
+
+
+async def _settle(tasks: list[asyncio.Task[Any]]) -> None:
+    """Wait for `tasks` to finish even if we are being cancelled meanwhile,
+    then re-raise the cancellation: cleanup must see their final state."""
+    gathered = asyncio.gather(*tasks, return_exceptions=True)
+    cancelled = False
+    while not gathered.done():
+        try:
+            await asyncio.shield(gathered)
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
