@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -148,13 +149,19 @@ class StepLoop:
             self.on_fatal(exc)
 
     def _drain(self, *, block: bool) -> None:
+        """Take everything in the inbox. When idle, wait up to a heartbeat for
+        the first item, then up to a short batch window for companions, so
+        requests that arrive together share a step."""
         timeout = self.settings.heartbeat_s if block else None
+        window_ends: float | None = None
         while True:
             try:
                 item = self.inbox.get(timeout=timeout) if timeout is not None else self.inbox.get_nowait()
             except queue.Empty:
                 return
-            timeout = None
+            if block and window_ends is None and isinstance(item, Admission):
+                window_ends = time.monotonic() + self.settings.batch_window_s
+            timeout = max(0.0, window_ends - time.monotonic()) if window_ends is not None else None
             if isinstance(item, Admission):
                 self._pending.append(item)
             elif isinstance(item, _Abort):
@@ -189,6 +196,8 @@ class StepLoop:
             stop=self._stopping,
         )
         self._drop = []
+        if admitted:
+            log.info("step %d admits %s", plan.step, [a.request_id for a in admitted])
         return plan, admitted
 
     def _settle(self, admitted: list[Admission], failed: dict, sampled: dict[str, int]) -> None:

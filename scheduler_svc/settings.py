@@ -37,6 +37,9 @@ class SchedulerSettings:
     max_queue: int = _opt(256, "accepted requests waiting for a step; beyond this, OVERLOADED at once")
     default_max_tokens: int = _opt(64, "max_tokens of a request that leaves it 0")
     max_tokens_limit: int = _opt(4096, "largest max_tokens accepted")
+    batch_window_s: float = _opt(
+        0.002, "when idle, how long rank 0 waits after a first arrival for others to join the same step"
+    )
     heartbeat_s: float = _opt(
         1.0, "when idle, rank 0 still runs an empty step this often so no rank's collective times out"
     )

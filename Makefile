@@ -1,0 +1,54 @@
+# mmsplit — the two commands a fresh machine needs are `make demo` and `make test`.
+# Every target bootstraps .venv from requirements.txt first.
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-stamp
+
+.PHONY: venv demo test check fmt proto baseline bench clean
+
+$(STAMP): requirements.txt pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -r requirements.txt
+	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e .
+	touch $@
+
+venv: $(STAMP)
+
+## Both services, a tiny local model, scripted requests, a table of outcomes.
+demo: $(STAMP)
+	$(BIN)/mmsplit demo
+
+## The whole test suite (contract checks included).
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+## Lint, types and the proto style: ruff, mypy, buf lint, buf format.
+check: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+	$(BIN)/buf lint protos
+	$(BIN)/buf format --diff --exit-code protos
+
+fmt: $(STAMP)
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+	$(BIN)/buf format -w protos
+
+## Regenerate the committed Python code of the protos.
+proto: $(STAMP)
+	$(BIN)/python tools/gen_protos.py
+
+## Record the current contract as the baseline `buf breaking` compares against.
+baseline: $(STAMP)
+	$(BIN)/buf build protos -o protos/baseline.binpb
+
+## Benchmarks (each prints ratios against a baseline measured in the same run).
+bench: $(STAMP)
+	$(BIN)/python bench/shm_handoff.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

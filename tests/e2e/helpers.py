@@ -1,0 +1,25 @@
+"""Small helpers for the end-to-end tests."""
+
+from __future__ import annotations
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from mmsplit.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
+from mmsplit.tokenizer.v1 import tokenizer_pb2_grpc
+
+
+def tokenizer_stub(channel: grpc.Channel) -> tokenizer_pb2_grpc.TokenizerServiceStub:
+    return tokenizer_pb2_grpc.TokenizerServiceStub(channel)
+
+
+def health_status(address: str, service: str) -> str:
+    with grpc.insecure_channel(address) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+def rank_active_requests(scheduler_address: str) -> list[int]:
+    with grpc.insecure_channel(scheduler_address) as channel:
+        stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
+        return list(stub.GetServerInfo(scheduler_pb2.GetServerInfoRequest(), timeout=5).info.rank_active_requests)

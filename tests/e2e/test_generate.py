@@ -1,0 +1,179 @@
+"""End to end through real servers on 127.0.0.1: tokenizer → shared memory →
+scheduler with 2 tensor-parallel ranks → tokens."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from mmsplit.common.v1 import common_pb2
+from mmsplit.errors import RemoteError
+from mmsplit.tokenizer.v1 import tokenizer_pb2_grpc
+from mmsplit_cli import samples
+from mmsplit_cli.client import make_request, run_request
+from tests.conftest import SCHEDULER_SERVICE, TOKENIZER_SERVICE, Services
+from tests.e2e.helpers import health_status, rank_active_requests
+from tests.support.faults import failing_request_id
+from tests.support.leaks import project_segments, wait_until
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture
+def stub(services: Services):  # type: ignore[no-untyped-def]
+    with grpc.insecure_channel(services.tokenizer_address) as channel:
+        yield tokenizer_pb2_grpc.TokenizerServiceStub(channel)
+
+
+def reference_greedy(model_dir: Path, prompt: str, images: list[bytes], max_tokens: int) -> list[int]:
+    """The same request run in this process by the plain transformers model,
+    no tensor parallelism, no services: the tokens the services must match."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from tokenizer_svc.decode import decode_image
+    from tokenizer_svc.prompt import PromptBuilder
+
+    processor = AutoProcessor.from_pretrained(model_dir)
+    pixels = [
+        processor.image_processor(images=decode_image(b, max_pixels=10**8), return_tensors="pt")["pixel_values"][0]
+        for b in images
+    ]
+    ids = PromptBuilder(processor).build(prompt, [tuple(p.shape) for p in pixels])
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    eos = model.config.text_config.eos_token_id
+    out: list[int] = []
+    seq = torch.tensor([ids])
+    with torch.inference_mode():
+        for _ in range(max_tokens):
+            kwargs = {"pixel_values": torch.stack(pixels)} if pixels else {}
+            token = int(model(input_ids=seq, **kwargs).logits[0, -1].argmax())
+            out.append(token)
+            if token == eos:
+                break
+            seq = torch.cat([seq, torch.tensor([[token]])], dim=1)
+    return out
+
+
+def test_good_image_matches_single_process_model(stub, services: Services) -> None:
+    image = samples.good_png(seed=5)
+    out = run_request(stub, make_request("Describe the image.", [image], max_tokens=10))
+    assert out.ok, out
+    assert out.finish_reason in ("FINISH_REASON_LENGTH", "FINISH_REASON_STOP")
+    assert out.token_ids == reference_greedy(services.model, "Describe the image.", [image], 10)
+    assert out.text  # detokenized text came with the ids
+
+
+def test_two_images_and_text_only(stub, services: Services) -> None:
+    png, jpeg = samples.good_png(seed=6), samples.good_jpeg(seed=7)
+    two = run_request(stub, make_request("<image> or <image>?", [png, jpeg], max_tokens=6))
+    assert two.ok, two
+    assert two.token_ids == reference_greedy(services.model, "<image> or <image>?", [png, jpeg], 6)
+    text = run_request(stub, make_request("Once upon a time", max_tokens=6))
+    assert text.ok, text
+    assert text.token_ids == reference_greedy(services.model, "Once upon a time", [], 6)
+
+
+def test_corrupt_png_is_a_typed_client_error_and_nothing_breaks(stub, services: Services) -> None:
+    bad = run_request(stub, make_request("Describe.", [samples.corrupt_png()], request_id="corrupt-1"))
+    assert bad.grpc_code == "INVALID_ARGUMENT"
+    assert bad.reason == "MEDIA_DECODE_FAILED"
+    good = run_request(stub, make_request("Describe.", [samples.good_png()], max_tokens=4))
+    assert good.ok, good
+    assert health_status(services.tokenizer_address, TOKENIZER_SERVICE) == "SERVING"
+    assert health_status(services.scheduler_address, SCHEDULER_SERVICE) == "SERVING"
+
+
+def test_read_failure_on_rank_1_fails_only_that_request(stub, services: Services) -> None:
+    """Both requests reach the scheduler together (its test batch window is
+    0.1 s); the injected rank-1 read failure aborts one on every rank while
+    the other, admitted in the same step, completes."""
+    image = samples.good_png(seed=8)
+    tag = uuid.uuid4().hex[:8]
+    bad_id, good_id = failing_request_id(1, tag), f"good-{tag}"
+    results = {}
+    barrier = threading.Barrier(2)
+
+    def send(rid: str) -> None:
+        barrier.wait()
+        results[rid] = run_request(stub, make_request("Describe.", [image], max_tokens=5, request_id=rid), timeout=60)
+
+    threads = [threading.Thread(target=send, args=(rid,)) for rid in (bad_id, good_id)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    assert not any(t.is_alive() for t in threads), "a request hung"
+
+    bad, good = results[bad_id], results[good_id]
+    assert bad.grpc_code == "INTERNAL"
+    assert bad.reason == "FEATURE_TRANSPORT_FAILED"
+    assert bad.metadata.get("failed_ranks") == "1"
+    assert good.ok, good
+    assert len(good.token_ids) == 5
+    admitted_together = [
+        line for line in services.scheduler.log_path.read_text().splitlines()  # type: ignore[attr-defined]
+        if "admits" in line and bad_id in line and good_id in line
+    ]
+    assert admitted_together, "the two requests were not admitted in the same step"
+    assert wait_until(lambda: rank_active_requests(services.scheduler_address) == [0, 0], timeout=10)
+
+
+def test_client_cancel_aborts_on_both_ranks_and_frees_segments(stub, services: Services) -> None:
+    rid = f"cancel-{uuid.uuid4().hex[:8]}"
+    call = stub.Generate(make_request("Tell a long story.", [samples.good_png()], max_tokens=500, request_id=rid))
+    events = iter(call)
+    first = next(events)
+    assert first.HasField("delta")
+    next(events)
+    assert rank_active_requests(services.scheduler_address) == [1, 1]
+    call.cancel()
+    with pytest.raises(grpc.RpcError) as info:
+        list(events)
+    assert info.value.code() == grpc.StatusCode.CANCELLED
+    log_path = services.scheduler.log_path  # type: ignore[attr-defined]
+    assert wait_until(lambda: f"request {rid} aborted on all 2 ranks" in log_path.read_text(), timeout=10)
+    assert wait_until(lambda: rank_active_requests(services.scheduler_address) == [0, 0], timeout=10)
+    assert wait_until(lambda: not project_segments(), timeout=10)
+
+
+def test_generate_cli_json_success_and_error(services: Services, tmp_path: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    good, bad = tmp_path / "good.png", tmp_path / "bad.png"
+    good.write_bytes(samples.good_png())
+    bad.write_bytes(samples.corrupt_png())
+    base = [sys.executable, "-m", "mmsplit_cli", "generate", "--server", services.tokenizer_address, "--json"]
+    ok = subprocess.run([*base, "--image", str(good), "--max-tokens", "3", "Hi"], capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    lines = [json.loads(line) for line in ok.stdout.splitlines()]
+    assert sum(len(e.get("token_ids", [])) for e in lines) == 3
+    assert lines[-1]["finished"]["completion_tokens"] == 3
+
+    err = subprocess.run([*base, "--image", str(bad), "Hi"], capture_output=True, text=True, timeout=120)
+    assert err.returncode == 2
+    line = json.loads(err.stdout.strip().splitlines()[-1])
+    assert line["error"]["code"] == "INVALID_ARGUMENT"
+    assert line["error"]["reason"] == "MEDIA_DECODE_FAILED"
+    assert line["error"]["message"]
+
+
+def test_error_info_carries_request_id_and_retriable(stub) -> None:
+    call = stub.Generate(make_request("x", [b"not an image at all"], request_id="rid-42"))
+    with pytest.raises(grpc.RpcError) as info:
+        list(call)
+    from mmsplit.errors import error_info_of
+
+    details = error_info_of(info.value)
+    assert details is not None
+    assert details.domain == "mmsplit"
+    assert details.reason == "MEDIA_UNSUPPORTED"
+    assert details.metadata["request_id"] == "rid-42"
+    assert details.metadata["retriable"] == "false"
+    assert RemoteError.from_rpc_error(info.value).error_code == common_pb2.ERROR_CODE_MEDIA_UNSUPPORTED
