@@ -186,9 +186,9 @@ def sweep(prefix: str, *, lease_s: float | None = None, now: float | None = None
             age = now - os.stat(SHM_DIR / name).st_mtime
         except FileNotFoundError:
             continue
-        if not _pid_alive(pid) or (lease_s is not None and age > lease_s):
-            if unlink(name):
-                removed.append(name)
+        expired = not _pid_alive(pid) or (lease_s is not None and age > lease_s)
+        if expired and unlink(name):
+            removed.append(name)
     if removed:
         log.warning("janitor removed %d orphaned segment(s) of prefix %s: %s", len(removed), prefix, removed[:8])
     return removed

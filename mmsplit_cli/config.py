@@ -15,7 +15,7 @@ import argparse
 import dataclasses
 import os
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -33,6 +33,11 @@ def _parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"not a boolean: {text!r}")
 
 
+def _parser_for(kind: object) -> Callable[[str], Any]:
+    parsers: dict[object, Callable[[str], Any]] = {bool: _parse_bool, int: int, float: float, Path: Path}
+    return parsers.get(kind, str)
+
+
 def _env_names(command: str, name: str) -> tuple[str, str]:
     return f"{PREFIX}{command.upper()}_{name.upper()}", f"{PREFIX}{name.upper()}"
 
@@ -47,8 +52,9 @@ def add_settings_arguments(parser: argparse.ArgumentParser, cls: type, command: 
         required = f.default is dataclasses.MISSING
         default = "(required)" if required else repr(f.default)
         help_text = f"{f.metadata.get('help', '')} [env {own} or {shared}; default {default}]"
-        parse: Any = {bool: _parse_bool, int: int, float: float, Path: Path}.get(kind, str)
-        parser.add_argument(flag, dest=f.name, type=parse, default=None, help=help_text, metavar=f.name.upper())
+        parser.add_argument(
+            flag, dest=f.name, type=_parser_for(kind), default=None, help=help_text, metavar=f.name.upper()
+        )
 
 
 def settings_from(args: argparse.Namespace, cls: type[S], command: str, env: Mapping[str, str] | None = None) -> S:
@@ -64,7 +70,7 @@ def settings_from(args: argparse.Namespace, cls: type[S], command: str, env: Map
                     kind = hints[f.name]
                     raw = env[name]
                     try:
-                        value = {bool: _parse_bool, int: int, float: float, Path: Path}.get(kind, str)(raw)
+                        value = _parser_for(kind)(raw)
                     except (ValueError, argparse.ArgumentTypeError) as exc:
                         raise SystemExit(f"mmsplit: {name}={raw!r}: {exc}") from exc
                     break

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import tempfile
 import textwrap
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,12 +45,28 @@ def cases() -> list[Case]:
         ),
         Case("two images (PNG + JPEG)", lambda d: make_request("<image> vs <image>", [png, jpeg], max_tokens=12), "ok"),
         Case("text only", lambda d: make_request("Once upon a time", max_tokens=12), "ok"),
-        Case("file under the allowed dir", lambda d: make_request("What is it?", urls=[str(d / "cat.jpg")], max_tokens=8), "ok"),
-        Case("file outside it (/etc/passwd)", lambda d: make_request("Hi", urls=["/etc/passwd"]), "MEDIA_SOURCE_FORBIDDEN"),
+        Case(
+            "file under the allowed dir",
+            lambda d: make_request("What is it?", urls=[str(d / "cat.jpg")], max_tokens=8),
+            "ok",
+        ),
+        Case(
+            "file outside it (/etc/passwd)",
+            lambda d: make_request("Hi", urls=["/etc/passwd"]),
+            "MEDIA_SOURCE_FORBIDDEN",
+        ),
         Case("random bytes as an image", lambda d: make_request("Hi", [bytes(range(256)) * 4]), "MEDIA_UNSUPPORTED"),
         Case("2 markers, 1 image", lambda d: make_request("<image> and <image>", [png]), "INVALID_REQUEST"),
-        Case("sampled (T=0.8, seed 7)", lambda d: make_request("Tell me", [png], max_tokens=12, temperature=0.8, seed=7), "ok"),
-        Case("good PNG again, after the bad ones", lambda d: make_request("Describe the image.", [png], max_tokens=12), "ok"),
+        Case(
+            "sampled (T=0.8, seed 7)",
+            lambda d: make_request("Tell me", [png], max_tokens=12, temperature=0.8, seed=7),
+            "ok",
+        ),
+        Case(
+            "good PNG again, after the bad ones",
+            lambda d: make_request("Describe the image.", [png], max_tokens=12),
+            "ok",
+        ),
     ]
 
 
@@ -66,7 +82,7 @@ def _outcome_text(out: Outcome) -> str:
     return f"{out.grpc_code} / {out.reason}"
 
 
-def _table(rows: list[tuple[str, ...]]) -> str:
+def _table(rows: Sequence[tuple[str, ...]]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = []
     for n, row in enumerate(rows):
@@ -99,7 +115,9 @@ def _run(root: Path, tp: int, cache_dir: Path) -> int:
     try:
         sched.wait_bound(180)
         tok = ServiceProcess(
-            "tokenizer", tokenizer_args(model, sched.address, extra=["--allowed-media-dir", str(media)]), root / "tokenizer.log"
+            "tokenizer",
+            tokenizer_args(model, sched.address, extra=["--allowed-media-dir", str(media)]),
+            root / "tokenizer.log",
         )
         sched.wait_serving(SCHEDULER_SERVICE, 180)
         tok.wait_serving(TOKENIZER_SERVICE, 180)

@@ -1,10 +1,10 @@
 """`mmsplit` — run the services, talk to them, build the tiny model, run the demo.
 
-    mmsplit scheduler --model DIR --tp N --port P
-    mmsplit tokenizer --model DIR --scheduler HOST:PORT --port P
-    mmsplit generate --server HOST:PORT [--image FILE ...] [--max-tokens N] [--json] "prompt"
-    mmsplit tiny-model DIR
-    mmsplit demo
+mmsplit scheduler --model DIR --tp N --port P
+mmsplit tokenizer --model DIR --scheduler HOST:PORT --port P
+mmsplit generate --server HOST:PORT [--image FILE ...] [--max-tokens N] [--json] "prompt"
+mmsplit tiny-model DIR
+mmsplit demo
 """
 
 from __future__ import annotations
@@ -59,7 +59,9 @@ def parser() -> argparse.ArgumentParser:
     from scheduler_svc.settings import SchedulerSettings
     from tokenizer_svc.settings import TokenizerSettings
 
-    top = argparse.ArgumentParser(prog="mmsplit", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    top = argparse.ArgumentParser(
+        prog="mmsplit", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = top.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("scheduler", help="run the tensor-parallel scheduler group (rank 0 serves gRPC)")

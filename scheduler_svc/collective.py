@@ -59,7 +59,9 @@ def pick_device(setting: str) -> torch.device:
     return torch.device("cuda", local_rank % torch.cuda.device_count())
 
 
-def init_group(*, rank: int, world_size: int, master_addr: str, master_port: int, device: str, timeout_s: float) -> None:
+def init_group(
+    *, rank: int, world_size: int, master_addr: str, master_port: int, device: str, timeout_s: float
+) -> None:
     """Join the group. gloo on CPU, NCCL on CUDA; `env://`-style rendezvous."""
     os.environ.setdefault("MASTER_ADDR", master_addr)
     os.environ.setdefault("MASTER_PORT", str(master_port))

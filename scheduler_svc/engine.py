@@ -43,6 +43,7 @@ class Engine:
         self.reader = reader
         self.device = device
         self.running: dict[str, Running] = {}
+        self.dtype: torch.dtype = next(model.parameters()).dtype
 
     def step(self, plan: Plan) -> StepOutcome:
         for rid in plan.drop:
@@ -111,7 +112,7 @@ class Engine:
             ids = torch.tensor([state.request.input_ids], dtype=torch.long, device=self.device)
             kwargs = {}
             if state.pixels:
-                kwargs["pixel_values"] = torch.stack(state.pixels).to(self.device, self.model.dtype)
+                kwargs["pixel_values"] = torch.stack(state.pixels).to(self.device, self.dtype)
             state.cache = DynamicCache()
             out = self.model(input_ids=ids, past_key_values=state.cache, use_cache=True, **kwargs)
             state.pixels = None

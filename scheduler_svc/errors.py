@@ -48,8 +48,7 @@ class SchedulerUnavailable(MmsplitError):
 
 
 _BY_CODE: dict[int, type[MmsplitError]] = {
-    cls.code: cls
-    for cls in (InvalidRequest, InvalidTensorRef, TensorTransportFailed, Overloaded, SchedulerUnavailable)
+    cls.code: cls for cls in (InvalidRequest, InvalidTensorRef, TensorTransportFailed, Overloaded, SchedulerUnavailable)
 }
 
 

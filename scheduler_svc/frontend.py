@@ -117,6 +117,4 @@ class Frontend:
         if not math.isfinite(temperature) or not 0 <= temperature <= 100:
             raise InvalidRequest(f"temperature {temperature} must be within [0, 100]")
         seed = pb.sampling.seed or zlib.crc32(rid.encode())
-        return NewRequest(
-            request_id=rid, input_ids=ids, pixel_values=tuple(specs), temperature=temperature, seed=seed
-        )
+        return NewRequest(request_id=rid, input_ids=ids, pixel_values=tuple(specs), temperature=temperature, seed=seed)

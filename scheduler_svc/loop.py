@@ -211,9 +211,10 @@ class StepLoop:
             log.warning("request %s failed on rank(s) %s, aborted on all ranks: %s", adm.request_id, ranks, detail)
             adm.emit(Failed(error_for_code(failure.code, detail or "tensor read failed", {"failed_ranks": ranks})))
         for rid, token in sampled.items():
-            adm = self._running.get(rid)
-            if adm is None:  # aborted while this step ran; already queued for dropping
+            running = self._running.get(rid)
+            if running is None:  # aborted while this step ran; already queued for dropping
                 continue
+            adm = running
             adm.generated += 1
             adm.emit(Token(token))
             reason = self._finish_reason(adm, token)

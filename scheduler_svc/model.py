@@ -62,7 +62,7 @@ def load_model(model_dir: Path, *, world_size: int, device: torch.device) -> tor
     hf_logging.disable_progress_bar()
     model = AutoModelForImageTextToText.from_pretrained(model_dir, **kwargs)
     if world_size == 1:
-        model.to(device)
+        model = model.to(device)  # type: ignore[arg-type]
     model.eval()
     log.info("loaded %s (%s) on %s, tp=%d", model_dir, type(model).__name__, device, world_size)
     return model

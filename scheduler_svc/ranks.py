@@ -46,7 +46,9 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def bootstrap(settings: SchedulerSettings, *, rank: int, world_size: int, master_addr: str, master_port: int) -> Bootstrapped:
+def bootstrap(
+    settings: SchedulerSettings, *, rank: int, world_size: int, master_addr: str, master_port: int
+) -> Bootstrapped:
     torch.set_num_threads(max(1, torch.get_num_threads() // max(1, world_size)))
     init_group(
         rank=rank,

@@ -40,7 +40,8 @@ class SharedMemoryReader:
 
     def read(self, request_id: str, spec: TensorSpec) -> torch.Tensor:
         raw = torch.empty(spec.nbytes, dtype=torch.uint8)
-        spec.read_into(memoryview(raw.numpy()), prefix=self.prefix, max_bytes=self.max_bytes)
+        out = memoryview(raw.numpy())  # type: ignore[arg-type]
+        spec.read_into(out, prefix=self.prefix, max_bytes=self.max_bytes)
         return raw.view(TORCH_DTYPES[spec.dtype]).reshape(spec.shape)
 
 

@@ -17,7 +17,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 import torch.distributed as dist
@@ -100,7 +100,9 @@ def run(settings: SchedulerSettings) -> int:
 def _bootstrap_watching(settings: SchedulerSettings, ranks: LocalRanks | None, port: int) -> Bootstrapped:
     """Bootstrap rank 0 while watching the children: all ranks start or none."""
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="bootstrap") as pool:
-        fut = pool.submit(bootstrap, settings, rank=0, world_size=settings.tp, master_addr="127.0.0.1", master_port=port)
+        fut = pool.submit(
+            bootstrap, settings, rank=0, world_size=settings.tp, master_addr="127.0.0.1", master_port=port
+        )
         while not fut.done():
             concurrent.futures.wait([fut], timeout=0.2)
             dead = ranks.first_dead() if ranks else None
@@ -132,6 +134,10 @@ def server_info(settings: SchedulerSettings, info: ModelInfo, shm_namespace: str
     )
 
 
+def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[[], object]) -> None:
+    loop.call_soon_threadsafe(callback)
+
+
 async def _serve(settings: SchedulerSettings, boot: Bootstrapped, ranks: LocalRanks | None) -> int:
     aio_loop = asyncio.get_running_loop()
     fatal = asyncio.Event()
@@ -146,7 +152,7 @@ async def _serve(settings: SchedulerSettings, boot: Bootstrapped, ranks: LocalRa
         settings,
         eos_token_ids=info.eos_token_ids,
         max_context=info.max_context,
-        on_fatal=lambda exc: aio_loop.call_soon_threadsafe(fatal.set),
+        on_fatal=lambda exc: _call_soon(aio_loop, fatal.set),
     )
     thread = threading.Thread(target=step_loop.run, name="step-loop", daemon=True)
     thread.start()
@@ -160,16 +166,19 @@ async def _serve(settings: SchedulerSettings, boot: Bootstrapped, ranks: LocalRa
         service_names=[SERVICE_NAME],
         max_message_bytes=settings.max_message_bytes,
     )
-    servicer = SchedulerServicer(Frontend(step_loop, settings, info), server_info(settings, info, boot.shm_namespace), step_loop)
+    servicer = SchedulerServicer(
+        Frontend(step_loop, settings, info), server_info(settings, info, boot.shm_namespace), step_loop
+    )
     scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(servicer, server)
     await server.start()
     log.info("scheduler listening on %s:%d (tp=%d, model=%s)", settings.host, port, settings.tp, info.name)
     await health.set_ready(True)
 
     if ranks is not None:
+
         def rank_exited(rank: int, code: int | None) -> None:
             log.error("rank %d exited with code %s; the group is down", rank, code)
-            aio_loop.call_soon_threadsafe(fatal.set)
+            _call_soon(aio_loop, fatal.set)
 
         ranks.watch(rank_exited)
 

@@ -11,7 +11,7 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
-def _opt(default: T, help: str) -> T:  # noqa: A002 (argparse's word)
+def _opt(default: T, help: str) -> T:
     result: T = field(default=default, metadata={"help": help})
     return result
 
@@ -45,7 +45,8 @@ class SchedulerSettings:
     )
     collective_timeout_s: float = _opt(60.0, "a collective slower than this fails the group instead of hanging")
     tensor_reader: str = _opt(
-        "", "'module:factory' building each rank's tensor reader (scheduler_svc/reader.py); empty = shared memory/inline"
+        "",
+        "'module:factory' building each rank's tensor reader (scheduler_svc/reader.py); empty = shared memory/inline",
     )
     shutdown_grace_s: float = _opt(5.0, "seconds running requests get to finish on SIGTERM")
     max_message_bytes: int = _opt(256 * 1024 * 1024, "largest gRPC message")

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -33,18 +34,14 @@ def no_leaks() -> Iterator[None]:
     if not wait_until(lambda: not project_segments(), timeout=10):
         left = project_segments()
         for name in left:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(f"/dev/shm/{name}")
-            except FileNotFoundError:
-                pass
         problems.append(f"shared-memory segments left behind: {left}")
     if not wait_until(lambda: not (children() - before), timeout=10):
         stray = children() - before
         for pid in stray:
-            try:
+            with contextlib.suppress(psutil.NoSuchProcess):
                 psutil.Process(pid).kill()
-            except psutil.NoSuchProcess:
-                pass
         problems.append(f"child processes left alive: {sorted(stray)}")
     if problems:
         pytest.fail("; ".join(problems))

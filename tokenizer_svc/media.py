@@ -154,7 +154,7 @@ class MediaLoader:
                 raise _Retriable(f"origin answered {exc.code}") from exc
             except MmsplitError:
                 raise
-            except (TimeoutError, socket.timeout) as exc:
+            except TimeoutError as exc:
                 raise _Retriable("timed out") from exc
             except (urllib.error.URLError, ConnectionError, OSError) as exc:
                 raise _Retriable(f"connection failed: {exc}") from exc
@@ -165,7 +165,8 @@ class MediaLoader:
         length = getattr(resp, "headers", {}).get("Content-Length")
         if length is not None and length.isdigit() and int(length) > cap:
             raise MediaTooLarge(f"origin announces {length} bytes, over the limit of {cap}")
-        chunks, total = [], 0
+        chunks: list[bytes] = []
+        total = 0
         while True:
             if time.monotonic() > deadline:
                 raise _Retriable("timed out while reading the body")

@@ -67,7 +67,7 @@ def preprocess_image(job: ImageJob) -> ImageResult:
     pixels = _processor(images=image, return_tensors="np")["pixel_values"][0]
     array = np.ascontiguousarray(pixels, dtype=np.float32)
     try:
-        piece = shm.write_segment(job.shm_prefix, job.owner_pid, memoryview(array))
+        piece = shm.write_segment(job.shm_prefix, job.owner_pid, memoryview(array))  # type: ignore[arg-type]
     except shm.ShmFull as exc:
         raise Overloaded(str(exc)) from exc
     return ImageResult(

@@ -20,8 +20,8 @@ from mmsplit.common.v1 import common_pb2
 from mmsplit.scheduler.v1 import scheduler_pb2
 from mmsplit.tensors import NUMPY_TO_DTYPE, TensorSpec
 from mmsplit.tokenizer.v1 import tokenizer_pb2
-from tokenizer_svc.errors import InvalidRequest, Overloaded, SchedulerUnavailable
 from tokenizer_svc.downstream import SchedulerLink
+from tokenizer_svc.errors import InvalidRequest, Overloaded, SchedulerUnavailable
 from tokenizer_svc.media import MediaLoader
 from tokenizer_svc.pool import CpuPool
 from tokenizer_svc.preprocess import ImageJob, ImageResult
@@ -128,16 +128,24 @@ class TokenizerService:
     async def _one_image(self, image: tokenizer_pb2.Image, rid: str) -> ImageResult:
         data = await self.media.load(image)  # IO pool, its own timeouts
         job = ImageJob(
-            data=data, max_pixels=self.settings.max_image_pixels, shm_prefix=self.settings.shm_prefix, owner_pid=self._pid
+            data=data,
+            max_pixels=self.settings.max_image_pixels,
+            shm_prefix=self.settings.shm_prefix,
+            owner_pid=self._pid,
         )
         return await self.pool.preprocess(job, timeout_s=self.settings.preprocess_timeout_s, request_id=rid)
 
-    def _tensor_ref(self, img: ImageResult) -> TensorSpec | Any:
+    def _tensor_ref(self, img: ImageResult) -> common_pb2.TensorRef:
         dtype = NUMPY_TO_DTYPE[img.dtype]
         if self.link.transport == common_pb2.TRANSPORT_SHM:
             return TensorSpec(dtype, img.shape, shm=shm.Slice(img.segment, 0, img.nbytes)).to_pb()
         buf = bytearray(img.nbytes)
-        shm.read_into(shm.Slice(img.segment, 0, img.nbytes), self.settings.shm_prefix, memoryview(buf), max_segment_bytes=img.nbytes)
+        shm.read_into(
+            shm.Slice(img.segment, 0, img.nbytes),
+            self.settings.shm_prefix,
+            memoryview(buf),
+            max_segment_bytes=img.nbytes,
+        )
         return TensorSpec(dtype, img.shape, inline=bytes(buf)).to_pb()
 
     @staticmethod

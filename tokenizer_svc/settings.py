@@ -11,14 +11,16 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
-def _opt(default: T, help: str) -> T:  # noqa: A002 (argparse's word)
+def _opt(default: T, help: str) -> T:
     result: T = field(default=default, metadata={"help": help})
     return result
 
 
 @dataclass(frozen=True)
 class TokenizerSettings:
-    model_dir: Path = field(metadata={"help": "local checkpoint directory (its processor is loaded)", "flag": "--model"})
+    model_dir: Path = field(
+        metadata={"help": "local checkpoint directory (its processor is loaded)", "flag": "--model"}
+    )
     scheduler: str = _opt("127.0.0.1:50051", "scheduler address HOST:PORT")
     host: str = _opt("127.0.0.1", "address to serve gRPC on")
     port: int = _opt(0, "port to serve gRPC on; 0 picks a free one (logged)")

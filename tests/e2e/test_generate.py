@@ -116,7 +116,8 @@ def test_read_failure_on_rank_1_fails_only_that_request(stub, services: Services
     assert good.ok, good
     assert len(good.token_ids) == 5
     admitted_together = [
-        line for line in services.scheduler.log_path.read_text().splitlines()  # type: ignore[attr-defined]
+        line
+        for line in services.scheduler.log_path.read_text().splitlines()  # type: ignore[attr-defined]
         if "admits" in line and bad_id in line and good_id in line
     ]
     assert admitted_together, "the two requests were not admitted in the same step"
@@ -150,7 +151,9 @@ def test_generate_cli_json_success_and_error(services: Services, tmp_path: Path)
     good.write_bytes(samples.good_png())
     bad.write_bytes(samples.corrupt_png())
     base = [sys.executable, "-m", "mmsplit_cli", "generate", "--server", services.tokenizer_address, "--json"]
-    ok = subprocess.run([*base, "--image", str(good), "--max-tokens", "3", "Hi"], capture_output=True, text=True, timeout=120)
+    ok = subprocess.run(
+        [*base, "--image", str(good), "--max-tokens", "3", "Hi"], capture_output=True, text=True, timeout=120
+    )
     assert ok.returncode == 0, ok.stderr
     lines = [json.loads(line) for line in ok.stdout.splitlines()]
     assert sum(len(e.get("token_ids", [])) for e in lines) == 3

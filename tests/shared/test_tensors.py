@@ -1,0 +1,82 @@
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from mmsplit import shm
+from mmsplit.common.v1 import common_pb2
+from mmsplit.tensors import InvalidTensorRef, TensorSpec, TensorTransportFailed
+
+PREFIX = "mmsplittest"
+CAP = 1 << 20
+
+
+def ref(**kwargs: object) -> common_pb2.TensorRef:
+    return common_pb2.TensorRef(**kwargs)  # type: ignore[arg-type]
+
+
+def good_shm_ref(name: str, nbytes: int = 24) -> common_pb2.TensorRef:
+    return ref(
+        dtype=common_pb2.DTYPE_FLOAT32, shape=[2, 3], shm=common_pb2.ShmSlice(segment=name, offset=0, nbytes=nbytes)
+    )
+
+
+NAME = f"{PREFIX}-{os.getpid()}-0123456789abcdef"
+
+
+@pytest.mark.parametrize(
+    ("message", "why"),
+    [
+        (ref(dtype=99, shape=[1], inline=b"x"), "dtype"),
+        (ref(dtype=common_pb2.DTYPE_UNSPECIFIED, shape=[1], inline=b"x"), "dtype"),
+        (ref(dtype=common_pb2.DTYPE_UINT8, shape=[], inline=b""), "shape"),
+        (ref(dtype=common_pb2.DTYPE_UINT8, shape=[0], inline=b""), "shape"),
+        (ref(dtype=common_pb2.DTYPE_UINT8, shape=[-4], inline=b""), "shape"),
+        (ref(dtype=common_pb2.DTYPE_UINT8, shape=[1 << 40], inline=b""), "cap"),
+        (ref(dtype=common_pb2.DTYPE_UINT8, shape=[4], inline=b"abc"), "inline"),
+        (ref(dtype=common_pb2.DTYPE_UINT8, shape=[4]), "location"),
+        (ref(dtype=common_pb2.DTYPE_UINT8, shape=[4], cuda_ipc=common_pb2.CudaIpcHandle()), "cuda"),
+        (good_shm_ref(NAME, nbytes=25), "nbytes"),
+        (good_shm_ref("../../etc/passwd"), "name"),
+        (good_shm_ref(f"other-{os.getpid()}-0123456789abcdef"), "prefix"),
+    ],
+)
+def test_malformed_references_are_invalid(message: common_pb2.TensorRef, why: str) -> None:
+    with pytest.raises(InvalidTensorRef):
+        TensorSpec.from_pb(message, prefix=PREFIX, max_bytes=CAP)
+
+
+def test_roundtrip_shm_and_inline() -> None:
+    data = np.arange(6, dtype=np.float32).reshape(2, 3)
+    piece = shm.write_segment(PREFIX, os.getpid(), memoryview(data))
+    try:
+        spec = TensorSpec.from_pb(good_shm_ref(piece.segment), prefix=PREFIX, max_bytes=CAP)
+        assert TensorSpec.from_pb(spec.to_pb(), prefix=PREFIX, max_bytes=CAP) == spec
+        out = np.empty_like(data)
+        spec.read_into(memoryview(out), prefix=PREFIX, max_bytes=CAP)
+        assert np.array_equal(out, data)
+        spec.release()
+        with pytest.raises(TensorTransportFailed):
+            spec.read_into(memoryview(out), prefix=PREFIX, max_bytes=CAP)
+    finally:
+        shm.unlink(piece.segment)
+    inline = TensorSpec.from_pb(
+        ref(dtype=common_pb2.DTYPE_FLOAT32, shape=[2, 3], inline=data.tobytes()), prefix=PREFIX, max_bytes=CAP
+    )
+    out = np.empty_like(data)
+    inline.read_into(memoryview(out), prefix=PREFIX, max_bytes=CAP)
+    assert np.array_equal(out, data)
+
+
+def test_slice_past_the_end_of_a_real_segment_is_invalid() -> None:
+    piece = shm.write_segment(PREFIX, os.getpid(), memoryview(b"\0" * 24))
+    try:
+        message = good_shm_ref(piece.segment)
+        message.shm.offset = 16
+        spec = TensorSpec.from_pb(message, prefix=PREFIX, max_bytes=CAP)
+        with pytest.raises(InvalidTensorRef):
+            spec.read_into(memoryview(bytearray(24)), prefix=PREFIX, max_bytes=CAP)
+    finally:
+        shm.unlink(piece.segment)
