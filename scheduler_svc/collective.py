@@ -6,13 +6,23 @@ from __future__ import annotations
 
 import datetime
 import logging
-import os
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where and as whom a locally launched rank joins its group."""
+
+    addr: str
+    port: int
+    rank: int
+    world_size: int
 
 
 class Collective(Protocol):
@@ -52,28 +62,34 @@ class TorchCollective:
         return out
 
 
+def _uses_cuda(setting: str) -> bool:
+    return setting == "cuda" or (setting == "auto" and torch.cuda.is_available())
+
+
 def pick_device(setting: str) -> torch.device:
-    if setting == "cpu" or (setting == "auto" and not torch.cuda.is_available()):
+    """This rank's device; call after `init_group`."""
+    if not _uses_cuda(setting):
         return torch.device("cpu")
-    local_rank = int(os.environ.get("LOCAL_RANK", dist.get_rank() if dist.is_initialized() else 0))
-    return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cuda", dist.get_rank() % torch.cuda.device_count())
 
 
-def init_group(
-    *, rank: int, world_size: int, master_addr: str, master_port: int, device: str, timeout_s: float
-) -> None:
-    """Join the group. gloo on CPU, NCCL on CUDA; `env://`-style rendezvous."""
-    os.environ.setdefault("MASTER_ADDR", master_addr)
-    os.environ.setdefault("MASTER_PORT", str(master_port))
-    use_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
-    if use_cuda:
-        torch.cuda.set_device(rank % torch.cuda.device_count())
+def init_group(*, rendezvous: Rendezvous | None, device: str, timeout_s: float) -> None:
+    """Join the group: gloo on CPU, NCCL on CUDA. With `rendezvous` (local
+    launch) over TCP at its address; without it through torch's ``env://``
+    (torch itself reads RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)."""
+    use_cuda = _uses_cuda(device)
     backend = "nccl" if use_cuda else "gloo"
-    dist.init_process_group(
-        backend,
-        init_method="env://",
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
-    log.info("rank %d/%d joined the %s group at %s:%s", rank, world_size, backend, master_addr, master_port)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if rendezvous is None:
+        dist.init_process_group(backend, init_method="env://", timeout=timeout)
+    else:
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{rendezvous.addr}:{rendezvous.port}",
+            rank=rendezvous.rank,
+            world_size=rendezvous.world_size,
+            timeout=timeout,
+        )
+    if use_cuda:
+        torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
+    log.info("rank %d/%d joined the %s group", dist.get_rank(), dist.get_world_size(), backend)

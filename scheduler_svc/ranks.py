@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from mmsplit import shm
 from mmsplit.serving import setup_logging
-from scheduler_svc.collective import TorchCollective, init_group, pick_device
+from scheduler_svc.collective import Rendezvous, TorchCollective, init_group, pick_device
 from scheduler_svc.engine import Engine
 from scheduler_svc.loop import run_follower
 from scheduler_svc.model import load_model
@@ -46,20 +46,13 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def bootstrap(
-    settings: SchedulerSettings, *, rank: int, world_size: int, master_addr: str, master_port: int
-) -> Bootstrapped:
-    torch.set_num_threads(max(1, torch.get_num_threads() // max(1, world_size)))
-    init_group(
-        rank=rank,
-        world_size=world_size,
-        master_addr=master_addr,
-        master_port=master_port,
-        device=settings.device,
-        timeout_s=settings.collective_timeout_s,
-    )
+def bootstrap(settings: SchedulerSettings, rendezvous: Rendezvous | None) -> Bootstrapped:
+    """Join the group (`rendezvous` None: torch's env://), load the model,
+    exchange namespace ids. Returns when every rank has done the same."""
+    init_group(rendezvous=rendezvous, device=settings.device, timeout_s=settings.collective_timeout_s)
+    torch.set_num_threads(max(1, torch.get_num_threads() // dist.get_world_size()))
     device = pick_device(settings.device)
-    model = load_model(settings.model_dir, world_size=world_size, device=device)
+    model = load_model(settings.model_dir, world_size=dist.get_world_size(), device=device)
     coll = TorchCollective(device)
     namespaces: list[str] = [""] * coll.world_size
     dist.all_gather_object(namespaces, shm.namespace_id())
@@ -70,26 +63,31 @@ def bootstrap(
     return Bootstrapped(engine, coll, shared)
 
 
-def follower_main(settings: SchedulerSettings, rank: int, world_size: int, master_addr: str, master_port: int) -> None:
-    """Entry point of a spawned rank (1..N-1)."""
+def follower_main(settings: SchedulerSettings, rendezvous: Rendezvous | None) -> None:
+    """Entry point of a rank other than 0 (spawned locally, or started with
+    --launch env)."""
     setup_logging(settings.log_level)
-    boot = bootstrap(settings, rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port)
-    log.info("rank %d ready", rank)
+    boot = bootstrap(settings, rendezvous)
+    run_follower_until_stopped(boot)
+
+
+def run_follower_until_stopped(boot: Bootstrapped) -> None:
+    log.info("rank %d ready", boot.coll.rank)
     run_follower(boot.engine, boot.coll)
     dist.destroy_process_group()
-    log.info("rank %d stopped", rank)
+    log.info("rank %d stopped", boot.coll.rank)
 
 
 class LocalRanks:
     """Ranks 1..N-1 as children of this process (rank 0)."""
 
-    def __init__(self, settings: SchedulerSettings, master_addr: str, master_port: int) -> None:
+    def __init__(self, settings: SchedulerSettings, addr: str, port: int) -> None:
         self.settings = settings
         ctx = mp.get_context("spawn")
         self.procs = [
             ctx.Process(
                 target=follower_main,
-                args=(settings, rank, settings.tp, master_addr, master_port),
+                args=(settings, Rendezvous(addr, port, rank, settings.tp)),
                 name=f"mmsplit-rank-{rank}",
                 daemon=True,
             )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import os
 import signal
@@ -27,10 +28,11 @@ from mmsplit.common.v1 import common_pb2
 from mmsplit.errors import MmsplitError
 from mmsplit.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from mmsplit.serving import Health, new_server
+from scheduler_svc.collective import Rendezvous
 from scheduler_svc.frontend import Frontend
 from scheduler_svc.loop import StepLoop
 from scheduler_svc.model import ModelInfo, model_info
-from scheduler_svc.ranks import Bootstrapped, LocalRanks, bootstrap, free_port
+from scheduler_svc.ranks import Bootstrapped, LocalRanks, bootstrap, free_port, run_follower_until_stopped
 from scheduler_svc.settings import SchedulerSettings
 
 log = logging.getLogger(__name__)
@@ -77,32 +79,25 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
 def run(settings: SchedulerSettings) -> int:
     """Run this process's part of the group; return the exit code."""
     if settings.launch == "env":
-        # torch's env:// rendezvous reads RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT.
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        boot = bootstrap(settings, rank=rank, world_size=world, master_addr="", master_port=0)
-        if rank != 0:
-            from scheduler_svc.loop import run_follower
-
-            run_follower(boot.engine, boot.coll)
-            dist.destroy_process_group()
+        boot = bootstrap(settings, None)
+        if boot.coll.rank != 0:
+            run_follower_until_stopped(boot)
             return 0
-        return asyncio.run(_serve(settings, boot, None))
+        return asyncio.run(_serve(dataclasses.replace(settings, tp=boot.coll.world_size), boot, None))
 
+    rendezvous = Rendezvous("127.0.0.1", free_port(), 0, settings.tp)
     ranks = None
-    port = free_port()
     if settings.tp > 1:
-        ranks = LocalRanks(settings, "127.0.0.1", port)
+        ranks = LocalRanks(settings, rendezvous.addr, rendezvous.port)
         ranks.start()
-    boot = _bootstrap_watching(settings, ranks, port)
+    boot = _bootstrap_watching(settings, ranks, rendezvous)
     return asyncio.run(_serve(settings, boot, ranks))
 
 
-def _bootstrap_watching(settings: SchedulerSettings, ranks: LocalRanks | None, port: int) -> Bootstrapped:
+def _bootstrap_watching(settings: SchedulerSettings, ranks: LocalRanks | None, rendezvous: Rendezvous) -> Bootstrapped:
     """Bootstrap rank 0 while watching the children: all ranks start or none."""
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="bootstrap") as pool:
-        fut = pool.submit(
-            bootstrap, settings, rank=0, world_size=settings.tp, master_addr="127.0.0.1", master_port=port
-        )
+        fut = pool.submit(bootstrap, settings, rendezvous)
         while not fut.done():
             concurrent.futures.wait([fut], timeout=0.2)
             dead = ranks.first_dead() if ranks else None

@@ -1,0 +1,84 @@
+"""Cost of handing one pixel tensor from the tokenizer to a scheduler rank.
+
+Measures, in one run and one process, per tensor size:
+  copy    — a plain numpy copy (the floor every hand-off is compared to)
+  shm     — write a new segment, read it into a fresh buffer, unlink
+  inline  — encode the bytes into a TensorRef protobuf, decode, copy out
+and prints each as a ratio to `copy`. The tokenizer's worker pays the write,
+each rank pays one read; a fresh segment pays its page faults, which a pool
+of pre-faulted segments (a later step the wire format already allows) avoids.
+
+    python bench/shm_handoff.py [--repeat N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from mmsplit import shm
+from mmsplit.common.v1 import common_pb2
+from mmsplit.tensors import TensorSpec
+
+PREFIX = "mmsplitbench"
+SHAPES = {
+    "CLIP-224 (3x224x224)": (3, 224, 224),
+    "CLIP-336 (3x336x336)": (3, 336, 336),
+    "anyres 5x336": (5, 3, 336, 336),
+}
+
+
+def timed(fn: Callable[[], None], repeat: int) -> float:
+    fn()  # warm up
+    samples = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=50)
+    args = parser.parse_args()
+    rng = np.random.default_rng(0)
+    print(f"{'tensor':24} {'MB':>6} {'copy µs':>9} {'shm µs':>9} {'inline µs':>10} {'shm/copy':>9} {'inline/copy':>12}")
+    for label, shape in SHAPES.items():
+        src = rng.standard_normal(shape, dtype=np.float32)
+        dst = np.empty_like(src)
+
+        def copy(src: np.ndarray = src, dst: np.ndarray = dst) -> None:
+            np.copyto(dst, src)
+
+        def via_shm(src: np.ndarray = src, dst: np.ndarray = dst) -> None:
+            piece = shm.write_segment(PREFIX, os.getpid(), memoryview(src))  # type: ignore[arg-type]
+            try:
+                shm.read_into(piece, PREFIX, memoryview(dst), max_segment_bytes=1 << 30)  # type: ignore[arg-type]
+            finally:
+                shm.unlink(piece.segment)
+
+        def via_inline(src: np.ndarray = src, dst: np.ndarray = dst) -> None:
+            wire = TensorSpec(common_pb2.DTYPE_FLOAT32, src.shape, inline=src.tobytes()).to_pb().SerializeToString()
+            spec = TensorSpec.from_pb(common_pb2.TensorRef.FromString(wire), prefix=PREFIX, max_bytes=1 << 30)
+            spec.read_into(memoryview(dst), prefix=PREFIX, max_bytes=1 << 30)  # type: ignore[arg-type]
+
+        base = timed(copy, args.repeat)
+        t_shm = timed(via_shm, args.repeat)
+        t_inline = timed(via_inline, args.repeat)
+        assert np.array_equal(dst, src)
+        print(
+            f"{label:24} {src.nbytes / 1e6:6.2f} {base * 1e6:9.0f} {t_shm * 1e6:9.0f} {t_inline * 1e6:10.0f}"
+            f" {t_shm / base:8.1f}x {t_inline / base:11.1f}x"
+        )
+    left = shm.list_segments(PREFIX)
+    assert not left, f"benchmark leaked segments: {left}"
+
+
+if __name__ == "__main__":
+    main()
