@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from mmsplit import __version__
 from mmsplit.common.v1 import common_pb2
-from mmsplit.errors import MmsplitError
+from mmsplit.errors import InternalError, MmsplitError
 from mmsplit.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from mmsplit.serving import Health, new_server
 from scheduler_svc.collective import Rendezvous
@@ -62,6 +62,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                 yield response
         except MmsplitError as exc:
             await context.abort_with_status(exc.to_status(rid))
+        except Exception as exc:
+            log.exception("request %s failed on an unexpected error", rid)
+            await context.abort_with_status(InternalError(f"{type(exc).__name__}: {exc}").to_status(rid))
         finally:
             # Cancel, deadline, disconnect, or normal end: the step loop drops
             # the request on every rank if it still runs (no-op otherwise).

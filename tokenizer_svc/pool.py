@@ -19,7 +19,6 @@ import asyncio
 import concurrent.futures
 import logging
 import multiprocessing as mp
-from collections.abc import Callable
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
@@ -43,14 +42,13 @@ def _release_orphan(fut: concurrent.futures.Future[Any]) -> None:
 
 
 class CpuPool:
-    def __init__(self, model_dir: str, workers: int, *, on_health: Callable[[bool], None] | None = None) -> None:
+    def __init__(self, model_dir: str, workers: int) -> None:
         self.model_dir = model_dir
         self.workers = workers
         self.generation = 0
         self.replacements = 0
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
         self._lock = asyncio.Lock()
-        self._on_health = on_health or (lambda ok: None)
 
     @property
     def ready(self) -> bool:
@@ -68,23 +66,39 @@ class CpuPool:
         return pool
 
     async def start(self) -> None:
-        self._pool = await asyncio.to_thread(self._new_pool)
-        self._on_health(True)
-        log.info("CPU pool started with %d forkserver workers", self.workers)
+        await self._create()
 
     async def _replace(self, seen_generation: int) -> None:
         async with self._lock:
             if self.generation != seen_generation:
                 return  # someone else replaced it already
             old, self._pool = self._pool, None
-            self._on_health(False)
+            self.generation += 1
             if old is not None:
                 asyncio.get_running_loop().run_in_executor(None, lambda: old.shutdown(wait=True, cancel_futures=True))
+            await self._create()
+            if self._pool is not None:
+                self.replacements += 1
+                log.warning("CPU pool replaced (generation %d)", self.generation)
+
+    async def _create(self) -> None:
+        """Create the pool; on failure leave none (readiness NOT_SERVING) for
+        `ensure` to retry."""
+        try:
             self._pool = await asyncio.to_thread(self._new_pool)
-            self.generation += 1
-            self.replacements += 1
-            self._on_health(True)
-            log.warning("CPU pool replaced (generation %d)", self.generation)
+        except Exception:
+            log.exception("creating the CPU pool failed; NOT_SERVING until a retry succeeds")
+            return
+        log.info("CPU pool started with %d forkserver workers", self.workers)
+
+    async def ensure(self) -> bool:
+        """Create the pool if there is none (after a failed creation). The
+        caller decides how often to try; returns whether a pool exists."""
+        if self._pool is None:
+            async with self._lock:
+                if self._pool is None:
+                    await self._create()
+        return self._pool is not None
 
     async def preprocess(self, job: ImageJob, *, timeout_s: float, request_id: str) -> ImageResult:
         """Run one image through a worker; typed errors only."""
@@ -104,7 +118,10 @@ class CpuPool:
         raise AssertionError("unreachable")
 
     async def _run(self, pool: concurrent.futures.ProcessPoolExecutor, job: ImageJob, timeout_s: float) -> ImageResult:
-        cfut = await asyncio.to_thread(pool.submit, preprocess_image, job)
+        try:
+            cfut = await asyncio.to_thread(pool.submit, preprocess_image, job)
+        except RuntimeError as exc:  # submitted while that pool was being shut down
+            raise BrokenProcessPool(str(exc)) from exc
         afut = asyncio.wrap_future(cfut)
         try:
             return await asyncio.wait_for(asyncio.shield(afut), timeout_s)
@@ -117,6 +134,5 @@ class CpuPool:
 
     async def shutdown(self) -> None:
         pool, self._pool = self._pool, None
-        self._on_health(False)
         if pool is not None:
             await asyncio.to_thread(pool.shutdown, wait=True, cancel_futures=True)

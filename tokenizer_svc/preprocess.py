@@ -18,7 +18,7 @@ import numpy as np
 
 from mmsplit import shm
 from tokenizer_svc.decode import decode_image
-from tokenizer_svc.errors import InternalError, Overloaded
+from tokenizer_svc.errors import InternalError, MediaUnsupported, Overloaded
 
 _processor: Any = None
 
@@ -27,6 +27,7 @@ _processor: Any = None
 class ImageJob:
     data: bytes
     max_pixels: int
+    max_aspect_ratio: float
     shm_prefix: str
     owner_pid: int
 
@@ -64,7 +65,13 @@ def preprocess_image(job: ImageJob) -> ImageResult:
     if _processor is None:
         raise InternalError("worker has no image processor (initializer did not run)")
     image = decode_image(job.data, max_pixels=job.max_pixels)
-    pixels = _processor(images=image, return_tensors="np")["pixel_values"][0]
+    ratio = max(image.size) / min(image.size)
+    if ratio > job.max_aspect_ratio:
+        raise MediaUnsupported(f"aspect ratio {image.width}x{image.height} exceeds {job.max_aspect_ratio:g}:1")
+    try:
+        pixels = _processor(images=image, return_tensors="np")["pixel_values"][0]
+    except (ValueError, TypeError, OSError, IndexError) as exc:
+        raise MediaUnsupported(f"the image processor rejected this image: {type(exc).__name__}: {exc}") from exc
     array = np.ascontiguousarray(pixels, dtype=np.float32)
     try:
         piece = shm.write_segment(job.shm_prefix, job.owner_pid, memoryview(array))  # type: ignore[arg-type]

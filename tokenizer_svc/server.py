@@ -21,7 +21,7 @@ import grpc
 
 from mmsplit import __version__, shm
 from mmsplit.common.v1 import common_pb2
-from mmsplit.errors import MmsplitError
+from mmsplit.errors import InternalError, MmsplitError
 from mmsplit.serving import Health, new_server
 from mmsplit.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from tokenizer_svc.downstream import SchedulerLink
@@ -51,6 +51,11 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
         except MmsplitError as exc:
             log.info("request %s failed: %s", rid, exc)
             await context.abort_with_status(exc.to_status(rid))
+        except Exception as exc:
+            # A bug: still a typed status, never UNKNOWN. Cancellation is not
+            # an Exception and passes through.
+            log.exception("request %s failed on an unexpected error", rid)
+            await context.abort_with_status(InternalError(f"{type(exc).__name__}: {exc}").to_status(rid))
 
     async def GetServerInfo(  # noqa: N802
         self, request: tokenizer_pb2.GetServerInfoRequest, context: grpc.aio.ServicerContext
@@ -136,6 +141,7 @@ async def _watch(settings: TokenizerSettings, health: Health, pool: CpuPool, lin
     last_sweep = asyncio.get_running_loop().time()
     while True:
         await link.refresh()
+        await pool.ensure()
         await health.set_ready(link.connected and pool.ready)
         now = asyncio.get_running_loop().time()
         if now - last_sweep >= settings.janitor_interval_s:

@@ -130,6 +130,7 @@ class TokenizerService:
         job = ImageJob(
             data=data,
             max_pixels=self.settings.max_image_pixels,
+            max_aspect_ratio=self.settings.max_aspect_ratio,
             shm_prefix=self.settings.shm_prefix,
             owner_pid=self._pid,
         )

@@ -33,6 +33,9 @@ class TokenizerSettings:
     fetch_backoff_s: float = _opt(0.2, "first retry delay; doubles per attempt, with jitter")
     max_image_bytes: int = _opt(20 * 1024 * 1024, "largest encoded image, bytes")
     max_image_pixels: int = _opt(40_000_000, "largest decoded image, width x height (checked before decoding)")
+    max_aspect_ratio: float = _opt(
+        50.0, "longest side / shortest side accepted (a 1x20000 strip would resize into gigabytes)"
+    )
     max_images_per_request: int = _opt(8, "images one request may carry")
     max_prompt_chars: int = _opt(100_000, "longest prompt, characters")
     allowed_media_dir: str = _opt("", "images given as file paths must lie under this directory; empty = none allowed")
