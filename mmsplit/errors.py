@@ -5,6 +5,8 @@ Hierarchy::
     MmsplitError                      base: an ErrorCode, a message, metadata
     ├── (tokenizer_svc.errors.*)      raised by the tokenizer service
     ├── (scheduler_svc.errors.*)      raised by the scheduler service
+    ├── InternalError                 a bug on our side
+    ├── ShuttingDown                  the server is draining (both services)
     └── RemoteError                   an error a peer reported over gRPC
 
 Every foreign exception is translated once, where it enters our code, into an
@@ -52,6 +54,7 @@ TABLE: dict[int, Kind] = {
     E.ERROR_CODE_SCHEDULER_UNAVAILABLE: Kind(grpc.StatusCode.UNAVAILABLE, "server", True),
     E.ERROR_CODE_CANCELLED: Kind(grpc.StatusCode.CANCELLED, "client", False),
     E.ERROR_CODE_DEADLINE_EXCEEDED: Kind(grpc.StatusCode.DEADLINE_EXCEEDED, "client", False),
+    E.ERROR_CODE_SHUTTING_DOWN: Kind(grpc.StatusCode.UNAVAILABLE, "server", True),
     E.ERROR_CODE_INTERNAL: Kind(grpc.StatusCode.INTERNAL, "server", False),
 }
 
@@ -111,6 +114,12 @@ class InternalError(MmsplitError):
     """A bug on our side (server, not retriable)."""
 
     code = E.ERROR_CODE_INTERNAL
+
+
+class ShuttingDown(MmsplitError):
+    """The server is draining for shutdown (server; retry elsewhere)."""
+
+    code = E.ERROR_CODE_SHUTTING_DOWN
 
 
 class RemoteError(MmsplitError):

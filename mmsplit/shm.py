@@ -20,6 +20,7 @@ import os
 import re
 import secrets
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -172,21 +173,31 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def sweep(prefix: str, *, lease_s: float | None = None, now: float | None = None) -> list[str]:
-    """Remove segments of `prefix` whose owner pid is dead, and (with `lease_s`)
-    those older than the lease. Returns what was removed.
+def sweep(
+    prefix: str,
+    *,
+    lease_s: float | None = None,
+    check_owner: bool = True,
+    keep: Collection[str] = (),
+    now: float | None = None,
+) -> list[str]:
+    """Remove segments of `prefix` whose owner pid is dead (`check_owner`),
+    and (with `lease_s`) those older than the lease; never those in `keep`
+    (still in use by the caller). Returns what was removed.
 
-    The dead-owner rule assumes the owner lives in this pid namespace, which
-    holds for the tokenizer sweeping its own prefix."""
+    The dead-owner rule is only sound where the owner's pid namespace is ours
+    (the tokenizer sweeping its own prefix); elsewhere, use the lease alone."""
     now = time.time() if now is None else now
     removed = []
     for name in list_segments(prefix):
+        if name in keep:
+            continue
         pid = parse_name(name, prefix)
         try:
             age = now - os.stat(SHM_DIR / name).st_mtime
         except FileNotFoundError:
             continue
-        expired = not _pid_alive(pid) or (lease_s is not None and age > lease_s)
+        expired = (check_owner and not _pid_alive(pid)) or (lease_s is not None and age > lease_s)
         if expired and unlink(name):
             removed.append(name)
     if removed:

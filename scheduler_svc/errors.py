@@ -7,13 +7,14 @@ Hierarchy (the shared base lives in `mmsplit.errors`)::
     ├── InvalidTensorRef           client: malformed reference (mmsplit.tensors)
     ├── TensorTransportFailed      server, retriable: a rank could not read (mmsplit.tensors)
     ├── Overloaded                 server, retriable: admission queue full
-    ├── SchedulerUnavailable       server, retriable: the group is down or stopping
+    ├── SchedulerUnavailable       server, retriable: a rank died, a collective failed
+    ├── ShuttingDown               server, retriable: draining on SIGTERM (mmsplit.errors)
     └── InternalError              server: a bug
 """
 
 from __future__ import annotations
 
-from mmsplit.errors import E, InternalError, MmsplitError
+from mmsplit.errors import E, InternalError, MmsplitError, ShuttingDown
 from mmsplit.tensors import InvalidTensorRef, TensorTransportFailed
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "MmsplitError",
     "Overloaded",
     "SchedulerUnavailable",
+    "ShuttingDown",
     "TensorTransportFailed",
     "error_for_code",
 ]
@@ -48,7 +50,8 @@ class SchedulerUnavailable(MmsplitError):
 
 
 _BY_CODE: dict[int, type[MmsplitError]] = {
-    cls.code: cls for cls in (InvalidRequest, InvalidTensorRef, TensorTransportFailed, Overloaded, SchedulerUnavailable)
+    cls.code: cls
+    for cls in (InvalidRequest, InvalidTensorRef, TensorTransportFailed, Overloaded, SchedulerUnavailable, ShuttingDown)
 }
 
 

@@ -17,10 +17,11 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from mmsplit import shm
 from mmsplit.common.v1 import common_pb2
 from scheduler_svc.collective import Collective
 from scheduler_svc.engine import Engine
-from scheduler_svc.errors import MmsplitError, Overloaded, SchedulerUnavailable, error_for_code
+from scheduler_svc.errors import MmsplitError, Overloaded, SchedulerUnavailable, ShuttingDown, error_for_code
 from scheduler_svc.plan import NewRequest, Plan
 from scheduler_svc.settings import SchedulerSettings
 
@@ -100,7 +101,11 @@ class StepLoop:
         self._drop: list[str] = []
         self._aborted: set[str] = set()
         self._stopping = False
+        self._draining = False
+        # Set by the loop thread once draining and nothing is queued or running.
+        self.idle = threading.Event()
         self._step = 0
+        self._last_sweep = 0.0
         self.active_per_rank: list[int] = [0] * coll.world_size
 
     # ---- any thread ----
@@ -108,8 +113,8 @@ class StepLoop:
         with self._lock:
             if self._dead is not None:
                 raise SchedulerUnavailable(f"scheduler group is down: {self._dead}")
-            if self._stopping:
-                raise SchedulerUnavailable("scheduler is shutting down")
+            if self._draining or self._stopping:
+                raise ShuttingDown("scheduler is shutting down")
             if self._queued >= self.settings.max_queue:
                 raise Overloaded(f"admission queue is full ({self.settings.max_queue} waiting)")
             self._queued += 1
@@ -119,7 +124,13 @@ class StepLoop:
     def abort(self, request_id: str) -> None:
         self.inbox.put(_Abort(request_id))
 
+    def begin_drain(self) -> None:
+        """Refuse new requests; running ones go on. `idle` is set when none is left."""
+        with self._lock:
+            self._draining = True
+
     def request_stop(self) -> None:
+        """Fail whatever is still queued or running with ShuttingDown, then stop every rank."""
         with self._lock:
             self._stopping = True
         self.inbox.put(_Stop())
@@ -129,6 +140,7 @@ class StepLoop:
         try:
             while True:
                 self._drain(block=not (self._pending or self._running or self._stopping))
+                self._janitor()
                 plan, admitted = self._plan()
                 self.coll.broadcast_from_0(plan)
                 outcome = self.engine.step(plan)
@@ -141,6 +153,9 @@ class StepLoop:
                 self._settle(admitted, outcome.failed, outcome.sampled)
                 if plan.stop:
                     return
+                with self._lock:
+                    if self._draining and self._queued == 0 and not self._running:
+                        self.idle.set()
         except BaseException as exc:
             log.exception("step loop failed at step %d; the group is down", self._step)
             with self._lock:
@@ -168,7 +183,19 @@ class StepLoop:
                 self._abort(item.request_id)
             else:
                 self._stopping = True
-                self._fail_all(SchedulerUnavailable("scheduler is shutting down"))
+                self._fail_all(ShuttingDown("scheduler is shutting down"))
+
+    def _janitor(self) -> None:
+        """Sweep segments of the prefix past their lease, except those of
+        queued requests (a tokenizer killed mid-request leaves its unsent
+        segments behind). Runs on the loop thread, which owns `_pending`.
+        Lease only: the owners' pids may live in another pid namespace."""
+        now = time.monotonic()
+        if now - self._last_sweep < self.settings.janitor_interval_s:
+            return
+        self._last_sweep = now
+        keep = {spec.shm.segment for adm in self._pending for spec in adm.request.pixel_values if spec.shm}
+        shm.sweep(self.settings.shm_prefix, lease_s=self.settings.segment_lease_s, check_owner=False, keep=keep)
 
     def _abort(self, request_id: str) -> None:
         for adm in self._pending:

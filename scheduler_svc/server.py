@@ -198,11 +198,16 @@ async def _serve(settings: SchedulerSettings, boot: Bootstrapped, ranks: LocalRa
         sys.stdout.flush()
         os._exit(1)
 
+    # Drain: refuse new requests, let running ones finish within the grace
+    # period, then fail the rest with SHUTTING_DOWN (a typed, retriable error).
     log.info("shutting down: letting running requests finish for up to %.1fs", settings.shutdown_grace_s)
-    await server.stop(settings.shutdown_grace_s)
+    step_loop.begin_drain()
+    if not await asyncio.to_thread(step_loop.idle.wait, settings.shutdown_grace_s):
+        log.warning("grace period over; failing the requests still running")
     if ranks is not None:
         ranks.stopping = True
     step_loop.request_stop()
+    await server.stop(2.0)
     await asyncio.to_thread(thread.join, settings.collective_timeout_s)
     if ranks is not None and not await asyncio.to_thread(ranks.join, 10.0):
         ranks.terminate()

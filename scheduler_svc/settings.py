@@ -48,6 +48,10 @@ class SchedulerSettings:
         "",
         "'module:factory' building each rank's tensor reader (scheduler_svc/reader.py); empty = shared memory/inline",
     )
+    janitor_interval_s: float = _opt(30.0, "how often segments of the prefix past their lease are swept")
+    segment_lease_s: float = _opt(
+        300.0, "a segment of the prefix older than this, and not held by a queued request, is an orphan"
+    )
     shutdown_grace_s: float = _opt(5.0, "seconds running requests get to finish on SIGTERM")
     max_message_bytes: int = _opt(256 * 1024 * 1024, "largest gRPC message")
     log_level: str = _opt("INFO", "logging level")

@@ -14,6 +14,7 @@ Hierarchy (the shared base lives in `mmsplit.errors`)::
     ├── PreprocessWorkerCrashed   server  retry     a worker died under this request twice
     ├── Overloaded                server  retry     too many requests in flight, /dev/shm full
     ├── SchedulerUnavailable      server  retry     the scheduler is unreachable or down
+    ├── ShuttingDown              server  retry     this server is draining (mmsplit.errors)
     └── RemoteError               (as sent)         the scheduler's own error, relayed unchanged
 
 PreprocessWorkerCrashed after two crashes: a pool break has innocent victims
@@ -25,7 +26,7 @@ the retriable server-side PREPROCESS_WORKER_CRASHED rather than a client error.
 
 from __future__ import annotations
 
-from mmsplit.errors import E, InternalError, MmsplitError, RemoteError
+from mmsplit.errors import E, InternalError, MmsplitError, RemoteError, ShuttingDown
 
 __all__ = [
     "InternalError",
@@ -42,6 +43,7 @@ __all__ = [
     "PreprocessWorkerCrashed",
     "RemoteError",
     "SchedulerUnavailable",
+    "ShuttingDown",
 ]
 
 

@@ -21,7 +21,7 @@ import grpc
 
 from mmsplit import __version__, shm
 from mmsplit.common.v1 import common_pb2
-from mmsplit.errors import InternalError, MmsplitError
+from mmsplit.errors import InternalError, MmsplitError, ShuttingDown
 from mmsplit.serving import Health, new_server
 from mmsplit.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from tokenizer_svc.downstream import SchedulerLink
@@ -45,9 +45,18 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
         self, request: tokenizer_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[tokenizer_pb2.GenerateResponse]:
         rid = request.request_id or uuid.uuid4().hex
+        task = asyncio.current_task()
+        if task is not None:
+            self.service.tasks.add(task)
         try:
             async for response in self.service.generate(request, rid, context.time_remaining()):
                 yield response
+        except asyncio.CancelledError:
+            if self.service.forced_stop and not context.cancelled():
+                # We cancelled it to end the drain: the client gets a typed,
+                # retriable error rather than a bare CANCELLED.
+                await context.abort_with_status(ShuttingDown("the tokenizer shut down mid-request").to_status(rid))
+            raise
         except MmsplitError as exc:
             log.info("request %s failed: %s", rid, exc)
             await context.abort_with_status(exc.to_status(rid))
@@ -56,6 +65,9 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
             # an Exception and passes through.
             log.exception("request %s failed on an unexpected error", rid)
             await context.abort_with_status(InternalError(f"{type(exc).__name__}: {exc}").to_status(rid))
+        finally:
+            if task is not None:
+                self.service.tasks.discard(task)
 
     async def GetServerInfo(  # noqa: N802
         self, request: tokenizer_pb2.GetServerInfoRequest, context: grpc.aio.ServicerContext
@@ -92,7 +104,7 @@ async def _serve(settings: TokenizerSettings) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
 
-    await asyncio.to_thread(shm.sweep, settings.shm_prefix)
+    await asyncio.to_thread(shm.sweep, settings.shm_prefix, lease_s=settings.segment_lease_s)
     health = Health(SERVICE_NAME)
     await health.start()
     processor = await asyncio.to_thread(_load_processor, settings)
@@ -115,7 +127,7 @@ async def _serve(settings: TokenizerSettings) -> int:
 
     if not await link.wait_connected(settings.scheduler_wait_s):
         log.warning("scheduler %s not reachable yet; serving NOT_SERVING until it is", settings.scheduler)
-    watcher = asyncio.create_task(_watch(settings, health, pool, link))
+    watcher = asyncio.create_task(_watch(settings, health, service))
 
     await stop.wait()
     log.info("shutting down: letting running requests finish for up to %.1fs", settings.shutdown_grace_s)
@@ -123,7 +135,14 @@ async def _serve(settings: TokenizerSettings) -> int:
     with contextlib.suppress(asyncio.CancelledError):
         await watcher
     await health.set_ready(False)
-    await server.stop(settings.shutdown_grace_s)
+    service.begin_drain()
+    try:
+        await asyncio.wait_for(service.idle.wait(), settings.shutdown_grace_s)
+    except TimeoutError:
+        stragglers = service.force_stop()
+        log.warning("grace period over; ending %d request(s) with SHUTTING_DOWN", len(stragglers))
+        await asyncio.wait(stragglers, timeout=10)
+    await server.stop(1.0)
     await pool.shutdown()
     media.shutdown()
     await link.close()
@@ -136,8 +155,12 @@ async def _serve(settings: TokenizerSettings) -> int:
     return 0
 
 
-async def _watch(settings: TokenizerSettings, health: Health, pool: CpuPool, link: SchedulerLink) -> None:
-    """Keep readiness true to the scheduler's reachability; sweep orphans."""
+async def _watch(settings: TokenizerSettings, health: Health, service: TokenizerService) -> None:
+    """Keep readiness true to the scheduler's reachability and the pool's
+    existence (recreating it after a failed creation); sweep orphans: segments
+    of dead owners, and segments past their lease that no request here holds
+    (the scheduler died after accepting them)."""
+    link, pool = service.link, service.pool
     last_sweep = asyncio.get_running_loop().time()
     while True:
         await link.refresh()
@@ -145,6 +168,7 @@ async def _watch(settings: TokenizerSettings, health: Health, pool: CpuPool, lin
         await health.set_ready(link.connected and pool.ready)
         now = asyncio.get_running_loop().time()
         if now - last_sweep >= settings.janitor_interval_s:
-            await asyncio.to_thread(shm.sweep, settings.shm_prefix)
+            held = set(service.held)
+            await asyncio.to_thread(shm.sweep, settings.shm_prefix, lease_s=settings.segment_lease_s, keep=held)
             last_sweep = now
         await asyncio.sleep(WATCH_INTERVAL_S)

@@ -21,7 +21,7 @@ from mmsplit.scheduler.v1 import scheduler_pb2
 from mmsplit.tensors import NUMPY_TO_DTYPE, TensorSpec
 from mmsplit.tokenizer.v1 import tokenizer_pb2
 from tokenizer_svc.downstream import SchedulerLink
-from tokenizer_svc.errors import InvalidRequest, Overloaded, SchedulerUnavailable
+from tokenizer_svc.errors import InvalidRequest, Overloaded, SchedulerUnavailable, ShuttingDown
 from tokenizer_svc.media import MediaLoader
 from tokenizer_svc.pool import CpuPool
 from tokenizer_svc.preprocess import ImageJob, ImageResult
@@ -42,11 +42,22 @@ class TokenizerService:
         self.pool = pool
         self.link = link
         self.inflight = 0
+        # Draining for shutdown: new requests are refused; `idle` is set when
+        # the last running one ends; `tasks` lets the server end stragglers.
+        self.draining = False
+        self.forced_stop = False
+        self.idle = asyncio.Event()
+        self.tasks: set[asyncio.Task[Any]] = set()
+        # Segments this process owns right now (written, not yet accepted
+        # downstream): the janitor must not take them for orphans.
+        self.held: set[str] = set()
         self._pid = os.getpid()
 
     async def generate(
         self, request: tokenizer_pb2.GenerateRequest, request_id: str, timeout_s: float | None
     ) -> AsyncIterator[tokenizer_pb2.GenerateResponse]:
+        if self.draining:
+            raise ShuttingDown("this tokenizer is shutting down; retry on another replica")
         if self.inflight >= self.settings.max_inflight:
             raise Overloaded(f"{self.inflight} requests in flight, the limit is {self.settings.max_inflight}")
         self.inflight += 1
@@ -55,6 +66,22 @@ class TokenizerService:
                 yield response
         finally:
             self.inflight -= 1
+            if self.draining and self.inflight == 0:
+                self.idle.set()
+
+    def begin_drain(self) -> None:
+        self.draining = True
+        if self.inflight == 0:
+            self.idle.set()
+
+    def force_stop(self) -> list[asyncio.Task[Any]]:
+        """End the requests still running after the grace period; their
+        handlers turn the cancellation into SHUTTING_DOWN."""
+        self.forced_stop = True
+        tasks = list(self.tasks)
+        for task in tasks:
+            task.cancel()
+        return tasks
 
     async def _generate(
         self, request: tokenizer_pb2.GenerateRequest, rid: str, timeout_s: float | None
@@ -64,6 +91,7 @@ class TokenizerService:
             raise SchedulerUnavailable(f"scheduler {self.settings.scheduler} is not reachable")
         images = await self._prepare_images(request, rid)
         owned = [img.segment for img in images]
+        self.held.update(owned)
         accepted = False
         try:
             input_ids = self.prompts.build(request.prompt, [img.shape for img in images])
@@ -98,6 +126,7 @@ class TokenizerService:
                         ),
                     )
         finally:
+            self.held.difference_update(img.segment for img in images)
             if not accepted:
                 self._release(owned)
 

@@ -42,6 +42,9 @@ class TokenizerSettings:
     allow_private_fetch: bool = _opt(False, "allow fetching from loopback/private addresses (tests, demos)")
     max_inflight: int = _opt(256, "requests in progress; beyond this, OVERLOADED at once")
     janitor_interval_s: float = _opt(30.0, "how often orphaned segments of the prefix are swept")
+    segment_lease_s: float = _opt(
+        300.0, "a segment of the prefix older than this, and not held by a request here, is an orphan"
+    )
     scheduler_wait_s: float = _opt(120.0, "how long startup waits for the scheduler before serving NOT_SERVING")
     shutdown_grace_s: float = _opt(5.0, "seconds running requests get to finish on SIGTERM")
     max_message_bytes: int = _opt(64 * 1024 * 1024, "largest gRPC message")
