@@ -13,17 +13,15 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 import pytest
 
 from tests.support.leaks import children, project_segments, wait_until
+from tests.support.services import ROOT, SCHEDULER_SERVICE, TOKENIZER_SERVICE, Pair, running_pair
 
-ROOT = Path(__file__).resolve().parent.parent
-SCHEDULER_SERVICE = "mmsplit.scheduler.v1.SchedulerService"
-TOKENIZER_SERVICE = "mmsplit.tokenizer.v1.TokenizerService"
+__all__ = ["ROOT", "SCHEDULER_SERVICE", "TOKENIZER_SERVICE", "Services"]
 
 
 @pytest.fixture(autouse=True)
@@ -63,49 +61,20 @@ def media_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return d
 
 
-@dataclass
-class Services:
-    scheduler: object  # mmsplit_cli.launch.ServiceProcess
-    tokenizer: object
-    model: Path
-
-    @property
-    def tokenizer_address(self) -> str:
-        return self.tokenizer.address  # type: ignore[attr-defined]
-
-    @property
-    def scheduler_address(self) -> str:
-        return self.scheduler.address  # type: ignore[attr-defined]
+Services = Pair
 
 
 @pytest.fixture(scope="session")
-def services(tiny_model: Path, media_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Services]:
-    from mmsplit_cli.launch import ServiceProcess, scheduler_args, tokenizer_args
-
+def services(tiny_model: Path, media_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+    """The shared pair: 2 ranks, a tensor reader that fails on request, a
+    0.1 s batch window (so simultaneous requests share a step)."""
     logs = tmp_path_factory.mktemp("logs")
-    env = {"PYTHONPATH": str(ROOT)}
-    sched = ServiceProcess(
-        "scheduler",
-        scheduler_args(
-            tiny_model,
-            tp=2,
-            extra=["--tensor-reader", "tests.support.faults:make_reader", "--batch-window-s", "0.1"],
-        ),
-        logs / "scheduler.log",
-        env=env,
-    )
-    tok = None
-    try:
-        sched.wait_bound(180)
-        tok = ServiceProcess(
-            "tokenizer",
-            tokenizer_args(tiny_model, sched.address, extra=["--allowed-media-dir", str(media_dir)]),
-            logs / "tokenizer.log",
-            env=env,
-        )
-        sched.wait_serving(SCHEDULER_SERVICE, 180)
-        tok.wait_serving(TOKENIZER_SERVICE, 180)
-        yield Services(sched, tok, tiny_model)
-    finally:
-        codes = {p.name: p.stop() for p in (tok, sched) if p is not None}
+    with running_pair(
+        tiny_model,
+        logs,
+        scheduler_extra=["--tensor-reader", "tests.support.faults:make_reader", "--batch-window-s", "0.1"],
+        tokenizer_extra=["--allowed-media-dir", str(media_dir)],
+    ) as pair:
+        yield pair
+        codes = {"tokenizer": pair.tokenizer.stop(), "scheduler": pair.scheduler.stop()}
     assert codes == {"tokenizer": 0, "scheduler": 0}, f"services exited with {codes}"

@@ -1,0 +1,160 @@
+"""The scheduler's API driven straight by a test client (no tokenizer):
+malformed references, injected read failures under concurrency, deadlines."""
+
+from __future__ import annotations
+
+import os
+import threading
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import numpy as np
+import pytest
+
+from mmsplit import shm
+from mmsplit.common.v1 import common_pb2
+from mmsplit.errors import RemoteError
+from mmsplit.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
+from mmsplit.tokenizer.v1 import tokenizer_pb2_grpc
+from mmsplit_cli import samples
+from mmsplit_cli.client import make_request, run_request
+from scheduler_svc.model import model_info
+from tests.conftest import SCHEDULER_SERVICE, Services
+from tests.e2e.helpers import health_status, rank_active_requests
+from tests.support.faults import failing_request_id
+from tests.support.leaks import project_segments, wait_until
+
+pytestmark = pytest.mark.e2e
+F32 = common_pb2.DTYPE_FLOAT32
+
+
+@pytest.fixture
+def sched(services: Services):  # type: ignore[no-untyped-def]
+    with grpc.insecure_channel(services.scheduler_address) as channel:
+        yield scheduler_pb2_grpc.SchedulerServiceStub(channel)
+
+
+def outcome(stub: scheduler_pb2_grpc.SchedulerServiceStub, request: scheduler_pb2.GenerateRequest) -> tuple[str, dict]:
+    """("ok", {}) or (ErrorInfo reason, metadata) of one direct call."""
+    try:
+        events = list(stub.Generate(request, timeout=60))
+    except grpc.RpcError as exc:
+        error = RemoteError.from_rpc_error(exc)
+        return error.reason, {"grpc": exc.code().name, **error.metadata}  # type: ignore[attr-defined]
+    assert events[-1].HasField("finished")
+    return "ok", {}
+
+
+def prompt_ids(services: Services, images: int) -> list[int]:
+    info = model_info(services.model)
+    return [1, *([info.image_token_id] * info.tokens_per_image * images), 22557, 1526]
+
+
+def shm_ref(name: str, shape: list[int], *, offset: int = 0, nbytes: int | None = None) -> common_pb2.TensorRef:
+    n = int(np.prod(shape)) * 4 if nbytes is None else nbytes
+    return common_pb2.TensorRef(dtype=F32, shape=shape, shm=common_pb2.ShmSlice(segment=name, offset=offset, nbytes=n))
+
+
+IMAGE = [3, 224, 224]
+GOOD = np.random.default_rng(1).random(IMAGE, dtype=np.float32)
+PID = os.getpid()
+
+
+def malformed_cases() -> list[tuple[str, common_pb2.TensorRef, str]]:
+    real = "REAL"  # replaced by a real segment's name in the test
+    return [
+        ("name with /", shm_ref(f"mmsplit-{PID}-0123456789abcdef/x", IMAGE), "INVALID_REQUEST"),
+        ("name with ..", shm_ref("..", IMAGE), "INVALID_REQUEST"),
+        ("segment that does not exist", shm_ref(f"mmsplit-{PID}-0123456789abcdef", IMAGE), "FEATURE_TRANSPORT_FAILED"),
+        ("another prefix", shm_ref(f"other-{PID}-0123456789abcdef", IMAGE), "INVALID_REQUEST"),
+        ("nbytes != shape x itemsize", shm_ref(real, IMAGE, nbytes=100), "INVALID_REQUEST"),
+        ("offset past the end", shm_ref(real, IMAGE, offset=GOOD.nbytes), "INVALID_REQUEST"),
+        ("negative shape", common_pb2.TensorRef(dtype=F32, shape=[3, -224, 224], inline=b""), "INVALID_REQUEST"),
+        ("zero shape", common_pb2.TensorRef(dtype=F32, shape=[3, 0, 224], inline=b""), "INVALID_REQUEST"),
+        ("enormous shape", common_pb2.TensorRef(dtype=F32, shape=[3, 1 << 20, 1 << 20], inline=b""), "INVALID_REQUEST"),
+        ("unknown dtype", common_pb2.TensorRef(dtype=42, shape=IMAGE, inline=GOOD.tobytes()), "INVALID_REQUEST"),
+        (
+            "inline of the wrong length",
+            common_pb2.TensorRef(dtype=F32, shape=IMAGE, inline=b"\0" * 10),
+            "INVALID_REQUEST",
+        ),
+        (
+            "shape the model cannot take",
+            common_pb2.TensorRef(dtype=F32, shape=[3, 8, 8], inline=b"\0" * 768),
+            "INVALID_REQUEST",
+        ),
+    ]
+
+
+@pytest.mark.parametrize(("case", "ref", "expected"), malformed_cases(), ids=[c[0] for c in malformed_cases()])
+def test_malformed_reference_gets_its_code_and_the_group_keeps_serving(
+    sched, services: Services, case: str, ref: common_pb2.TensorRef, expected: str
+) -> None:
+    segment = None
+    if ref.WhichOneof("location") == "shm" and ref.shm.segment == "REAL":
+        segment = shm.write_segment("mmsplit", PID, memoryview(GOOD))
+        ref.shm.segment = segment.segment
+    try:
+        request = scheduler_pb2.GenerateRequest(
+            request_id=f"bad-{uuid.uuid4().hex[:8]}", input_ids=prompt_ids(services, 1), pixel_values=[ref]
+        )
+        reason, metadata = outcome(sched, request)
+        assert reason == expected, (case, metadata)
+        if expected == "FEATURE_TRANSPORT_FAILED":
+            assert metadata["failed_ranks"] == "0,1"
+    finally:
+        if segment is not None:
+            shm.unlink(segment.segment)  # rejected before acceptance: still ours
+    good = scheduler_pb2.GenerateRequest(
+        request_id=f"good-{uuid.uuid4().hex[:8]}",
+        input_ids=prompt_ids(services, 1),
+        pixel_values=[common_pb2.TensorRef(dtype=F32, shape=IMAGE, inline=GOOD.tobytes())],
+        sampling=common_pb2.SamplingParams(max_tokens=2),
+    )
+    assert outcome(sched, good)[0] == "ok"
+    assert health_status(services.scheduler_address, SCHEDULER_SERVICE) == "SERVING"
+    assert wait_until(lambda: rank_active_requests(services.scheduler_address) == [0, 0], timeout=10)
+
+
+def test_injected_read_failures_among_16_concurrent_requests(services: Services) -> None:
+    images = [samples.good_png(seed=100 + i) for i in range(16)]
+    with grpc.insecure_channel(services.tokenizer_address) as channel:
+        stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
+        # Without injection, one at a time: the tokens each request must get.
+        expected = [run_request(stub, make_request("Describe.", [img], max_tokens=6)).token_ids for img in images]
+        tag = uuid.uuid4().hex[:6]
+        fail_on = {3: 1, 7: 0, 11: 1, 12: 1}  # request index -> rank whose read fails
+        ids = [failing_request_id(fail_on[i], f"{tag}-{i}") if i in fail_on else f"ok-{tag}-{i}" for i in range(16)]
+        barrier = threading.Barrier(16)
+
+        def send(i: int):  # type: ignore[no-untyped-def]
+            barrier.wait()
+            return run_request(
+                stub, make_request("Describe.", [images[i]], max_tokens=6, request_id=ids[i]), timeout=90
+            )
+
+        with ThreadPoolExecutor(16) as pool:
+            results = list(pool.map(send, range(16)))
+    for i, out in enumerate(results):
+        if i in fail_on:
+            assert out.reason == "FEATURE_TRANSPORT_FAILED", (i, out)
+            assert out.metadata["failed_ranks"] == str(fail_on[i])
+        else:
+            assert out.ok, (i, out)
+            assert out.token_ids == expected[i], i
+    assert wait_until(lambda: rank_active_requests(services.scheduler_address) == [0, 0], timeout=10)
+
+
+def test_deadline_shorter_than_the_generation(services: Services) -> None:
+    rid = f"deadline-{uuid.uuid4().hex[:8]}"
+    with grpc.insecure_channel(services.tokenizer_address) as channel:
+        stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
+        out = run_request(
+            stub, make_request("Go on and on.", [samples.good_png()], max_tokens=4000, request_id=rid), timeout=1.5
+        )
+    assert out.grpc_code == "DEADLINE_EXCEEDED"
+    log = services.scheduler.log_path
+    assert wait_until(lambda: f"request {rid} aborted on all 2 ranks" in log.read_text(), timeout=10)
+    assert wait_until(lambda: rank_active_requests(services.scheduler_address) == [0, 0], timeout=10)
+    assert wait_until(lambda: not project_segments(), timeout=10)

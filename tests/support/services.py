@@ -1,0 +1,58 @@
+"""Starting a scheduler + tokenizer pair for a test, and ending it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from mmsplit_cli.launch import ServiceProcess, scheduler_args, tokenizer_args
+
+ROOT = Path(__file__).resolve().parents[2]
+SCHEDULER_SERVICE = "mmsplit.scheduler.v1.SchedulerService"
+TOKENIZER_SERVICE = "mmsplit.tokenizer.v1.TokenizerService"
+ENV = {"PYTHONPATH": str(ROOT)}
+
+
+@dataclass
+class Pair:
+    scheduler: ServiceProcess
+    tokenizer: ServiceProcess
+    model: Path
+
+    @property
+    def tokenizer_address(self) -> str:
+        return self.tokenizer.address
+
+    @property
+    def scheduler_address(self) -> str:
+        return self.scheduler.address
+
+
+def start_scheduler(model: Path, log: Path, *, tp: int = 2, extra: Sequence[str] = ()) -> ServiceProcess:
+    return ServiceProcess("scheduler", scheduler_args(model, tp=tp, extra=extra), log, env=ENV)
+
+
+def start_tokenizer(model: Path, scheduler: str, log: Path, *, extra: Sequence[str] = ()) -> ServiceProcess:
+    return ServiceProcess("tokenizer", tokenizer_args(model, scheduler, extra=extra), log, env=ENV)
+
+
+@contextmanager
+def running_pair(
+    model: Path, logs: Path, *, scheduler_extra: Sequence[str] = (), tokenizer_extra: Sequence[str] = ()
+) -> Iterator[Pair]:
+    """A serving pair; on exit both are stopped (SIGTERM, then SIGKILL) if
+    the test has not stopped them itself."""
+    sched = start_scheduler(model, logs / "scheduler.log", extra=scheduler_extra)
+    tok = None
+    try:
+        sched.wait_bound(180)
+        tok = start_tokenizer(model, sched.address, logs / "tokenizer.log", extra=tokenizer_extra)
+        sched.wait_serving(SCHEDULER_SERVICE, 180)
+        tok.wait_serving(TOKENIZER_SERVICE, 180)
+        yield Pair(sched, tok, model)
+    finally:
+        for proc in (tok, sched):
+            if proc is not None:
+                proc.stop()
