@@ -54,12 +54,14 @@ def bootstrap(settings: SchedulerSettings, rendezvous: Rendezvous | None) -> Boo
     device = pick_device(settings.device)
     model = load_model(settings.model_dir, world_size=dist.get_world_size(), device=device)
     coll = TorchCollective(device)
+    engine = Engine(model, coll, build_reader(settings, coll.rank), device)
+    # Last, so it doubles as the barrier "every rank has everything it needs":
+    # a rank that failed above never joins it, and rank 0 never serves.
     namespaces: list[str] = [""] * coll.world_size
     dist.all_gather_object(namespaces, shm.namespace_id())
     shared = namespaces[0] if len(set(namespaces)) == 1 else ""
     if not shared and coll.rank == 0:
         log.warning("ranks see different /dev/shm (%s); only inline tensors are accepted", namespaces)
-    engine = Engine(model, coll, build_reader(settings, coll.rank), device)
     return Bootstrapped(engine, coll, shared)
 
 

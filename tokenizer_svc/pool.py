@@ -19,6 +19,7 @@ import asyncio
 import concurrent.futures
 import logging
 import multiprocessing as mp
+import os
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
@@ -58,7 +59,7 @@ class CpuPool:
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(PRELOAD)
         pool = concurrent.futures.ProcessPoolExecutor(
-            max_workers=self.workers, mp_context=ctx, initializer=init_worker, initargs=(self.model_dir,)
+            max_workers=self.workers, mp_context=ctx, initializer=init_worker, initargs=(self.model_dir, os.getpid())
         )
         # Start every worker now, so the first requests do not pay for it.
         for fut in [pool.submit(warm_up) for _ in range(self.workers)]:

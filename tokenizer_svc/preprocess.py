@@ -10,6 +10,9 @@ transformers. Tasks are pure functions of their input and may be retried.
 from __future__ import annotations
 
 import os
+import select
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,8 +45,34 @@ class ImageResult:
     height: int
 
 
-def init_worker(model_dir: str) -> None:
-    """Pool initializer: one torch thread, the model's image processor."""
+def _exit_with(owner_pid: int) -> None:
+    """Exit when the tokenizer process dies. A pool worker waits on a queue it
+    also holds the write end of, so it would never see EOF and would outlive
+    a SIGKILLed tokenizer (and keep the forkserver alive with it)."""
+    try:
+        fd = os.pidfd_open(owner_pid)
+    except (OSError, AttributeError):  # owner gone already, or no pidfd (not Linux ≥ 5.3)
+        while _alive(owner_pid):
+            time.sleep(1.0)
+    else:
+        select.select([fd], [], [])  # readable once the process has exited
+    os._exit(0)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def init_worker(model_dir: str, owner_pid: int) -> None:
+    """Pool initializer: exit with the owner, one torch thread, the model's
+    image processor."""
+    threading.Thread(target=_exit_with, args=(owner_pid,), name="owner-watch", daemon=True).start()
     global _processor
     try:
         import torch

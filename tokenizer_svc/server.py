@@ -21,7 +21,7 @@ import grpc
 
 from mmsplit import __version__, shm
 from mmsplit.common.v1 import common_pb2
-from mmsplit.errors import InternalError, MmsplitError, ShuttingDown
+from mmsplit.errors import InternalError, MmsplitError
 from mmsplit.serving import Health, new_server
 from mmsplit.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from tokenizer_svc.downstream import SchedulerLink
@@ -45,18 +45,9 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
         self, request: tokenizer_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[tokenizer_pb2.GenerateResponse]:
         rid = request.request_id or uuid.uuid4().hex
-        task = asyncio.current_task()
-        if task is not None:
-            self.service.tasks.add(task)
         try:
             async for response in self.service.generate(request, rid, context.time_remaining()):
                 yield response
-        except asyncio.CancelledError:
-            if self.service.forced_stop and not context.cancelled():
-                # We cancelled it to end the drain: the client gets a typed,
-                # retriable error rather than a bare CANCELLED.
-                await context.abort_with_status(ShuttingDown("the tokenizer shut down mid-request").to_status(rid))
-            raise
         except MmsplitError as exc:
             log.info("request %s failed: %s", rid, exc)
             await context.abort_with_status(exc.to_status(rid))
@@ -65,9 +56,6 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
             # an Exception and passes through.
             log.exception("request %s failed on an unexpected error", rid)
             await context.abort_with_status(InternalError(f"{type(exc).__name__}: {exc}").to_status(rid))
-        finally:
-            if task is not None:
-                self.service.tasks.discard(task)
 
     async def GetServerInfo(  # noqa: N802
         self, request: tokenizer_pb2.GetServerInfoRequest, context: grpc.aio.ServicerContext

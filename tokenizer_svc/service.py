@@ -45,7 +45,6 @@ class TokenizerService:
         # Draining for shutdown: new requests are refused; `idle` is set when
         # the last running one ends; `tasks` lets the server end stragglers.
         self.draining = False
-        self.forced_stop = False
         self.idle = asyncio.Event()
         self.tasks: set[asyncio.Task[Any]] = set()
         # Segments this process owns right now (written, not yet accepted
@@ -62,12 +61,52 @@ class TokenizerService:
             raise Overloaded(f"{self.inflight} requests in flight, the limit is {self.settings.max_inflight}")
         self.inflight += 1
         try:
-            async for response in self._generate(request, request_id, timeout_s):
+            async for response in self._run_in_own_task(self._generate(request, request_id, timeout_s)):
                 yield response
         finally:
             self.inflight -= 1
             if self.draining and self.inflight == 0:
                 self.idle.set()
+
+    async def _run_in_own_task(
+        self, source: AsyncIterator[tokenizer_pb2.GenerateResponse]
+    ) -> AsyncIterator[tokenizer_pb2.GenerateResponse]:
+        """Drive `source` in a task of our own, so a forced stop can cancel
+        the request's work without cancelling gRPC's handler task (which
+        would end the RPC with an untyped status), and relay its responses.
+        When our consumer is cancelled (client cancel, deadline), the work is
+        cancelled too and its cleanup awaited."""
+        queue: asyncio.Queue[tokenizer_pb2.GenerateResponse | None] = asyncio.Queue(maxsize=64)
+
+        async def produce() -> None:
+            async for response in source:
+                await queue.put(response)
+            await queue.put(None)
+
+        task = asyncio.create_task(produce())
+        self.tasks.add(task)
+        getter: asyncio.Future[tokenizer_pb2.GenerateResponse | None] | None = None
+        try:
+            while True:
+                getter = asyncio.ensure_future(queue.get())
+                await asyncio.wait([getter, task], return_when=asyncio.FIRST_COMPLETED)
+                if not getter.done():
+                    getter.cancel()
+                    if task.cancelled():
+                        raise ShuttingDown("the tokenizer shut down while this request ran")
+                    task.result()  # raises the request's error; else the end marker is queued
+                    continue
+                item = getter.result()
+                if item is None:
+                    return
+                yield item
+        finally:
+            if getter is not None and not getter.done():
+                getter.cancel()
+            if not task.done():
+                task.cancel()
+                await _settle([task])
+            self.tasks.discard(task)
 
     def begin_drain(self) -> None:
         self.draining = True
@@ -75,9 +114,8 @@ class TokenizerService:
             self.idle.set()
 
     def force_stop(self) -> list[asyncio.Task[Any]]:
-        """End the requests still running after the grace period; their
-        handlers turn the cancellation into SHUTTING_DOWN."""
-        self.forced_stop = True
+        """End the requests still running after the grace period: their work
+        is cancelled (releasing what it holds) and they fail SHUTTING_DOWN."""
         tasks = list(self.tasks)
         for task in tasks:
             task.cancel()

@@ -43,16 +43,21 @@ def running_pair(
     model: Path, logs: Path, *, scheduler_extra: Sequence[str] = (), tokenizer_extra: Sequence[str] = ()
 ) -> Iterator[Pair]:
     """A serving pair; on exit both are stopped (SIGTERM, then SIGKILL) if
-    the test has not stopped them itself."""
-    sched = start_scheduler(model, logs / "scheduler.log", extra=scheduler_extra)
-    tok = None
+    the test has not stopped them itself, including any the test put in
+    their place on the pair."""
+    started: list[ServiceProcess] = []
+    pair: Pair | None = None
     try:
+        sched = start_scheduler(model, logs / "scheduler.log", extra=scheduler_extra)
+        started.append(sched)
         sched.wait_bound(180)
         tok = start_tokenizer(model, sched.address, logs / "tokenizer.log", extra=tokenizer_extra)
+        started.append(tok)
         sched.wait_serving(SCHEDULER_SERVICE, 180)
         tok.wait_serving(TOKENIZER_SERVICE, 180)
-        yield Pair(sched, tok, model)
+        pair = Pair(sched, tok, model)
+        yield pair
     finally:
-        for proc in (tok, sched):
-            if proc is not None:
-                proc.stop()
+        current = [pair.tokenizer, pair.scheduler] if pair is not None else []
+        for proc in [*current, *reversed(started)]:
+            proc.stop()

@@ -1,0 +1,179 @@
+"""Lifecycle of the group and of the tokenizer, each on a fresh pair of
+services: a rank dying, the tokenizer dying, SIGTERM under load, a rank that
+cannot start, a collective that would hang."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import psutil
+import pytest
+
+from mmsplit.tokenizer.v1 import tokenizer_pb2_grpc
+from mmsplit_cli import samples
+from mmsplit_cli.client import Outcome, make_request, run_request
+from mmsplit_cli.launch import ServiceProcess, scheduler_args
+from tests.e2e.helpers import health_status
+from tests.support.leaks import project_segments, wait_until
+from tests.support.services import SCHEDULER_SERVICE, TOKENIZER_SERVICE, running_pair, start_scheduler
+
+pytestmark = pytest.mark.e2e
+
+
+def in_flight(address: str, n: int, *, max_tokens: int, tag: str = "load") -> list:  # type: ignore[type-arg]
+    """Start `n` long requests; return their futures once each has streamed a token."""
+    first_tokens = threading.Semaphore(0)
+
+    def one(i: int) -> Outcome:
+        out = Outcome(request_id=f"{tag}-{i}")
+        t0 = time.monotonic()
+        with grpc.insecure_channel(address) as channel:
+            stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
+            request = make_request(
+                "Go on.", [samples.good_png(seed=i)], max_tokens=max_tokens, request_id=out.request_id
+            )
+            try:
+                for event in stub.Generate(request, timeout=120):
+                    if event.HasField("delta"):
+                        if not out.token_ids:
+                            first_tokens.release()
+                        out.token_ids.extend(event.delta.token_ids)
+                    elif event.HasField("finished"):
+                        out.finish_reason = "done"
+            except grpc.RpcError as exc:
+                from mmsplit.errors import RemoteError
+
+                error = RemoteError.from_rpc_error(exc)
+                out.grpc_code, out.reason, out.message = exc.code().name, error.reason, error.message  # type: ignore[attr-defined]
+                if not out.token_ids:
+                    first_tokens.release()
+        out.latency_s = time.monotonic() - t0
+        return out
+
+    pool = ThreadPoolExecutor(n)
+    futures = [pool.submit(one, i) for i in range(n)]
+    pool.shutdown(wait=False)
+    for _ in range(n):
+        assert first_tokens.acquire(timeout=60), "requests did not start streaming"
+    return futures
+
+
+def rank_pids(scheduler: ServiceProcess) -> list[int]:
+    return [p.pid for p in psutil.Process(scheduler.pid).children() if "spawn_main" in " ".join(p.cmdline())]
+
+
+def test_rank_killed_mid_generation_then_restarted(tiny_model: Path, tmp_path: Path) -> None:
+    with running_pair(tiny_model, tmp_path) as pair:
+        futures = in_flight(pair.tokenizer_address, 3, max_tokens=2000)
+        os.kill(rank_pids(pair.scheduler)[0], signal.SIGKILL)
+        killed_at = time.monotonic()
+        results = [f.result(timeout=30) for f in futures]
+        for out in results:
+            assert out.reason == "SCHEDULER_UNAVAILABLE", out
+            assert out.grpc_code == "UNAVAILABLE"
+            assert out.latency_s < 120
+        assert time.monotonic() - killed_at < 30
+        assert pair.scheduler.proc.wait(30) != 0
+        assert wait_until(lambda: not project_segments(), timeout=10)
+        assert wait_until(lambda: health_status(pair.tokenizer_address, TOKENIZER_SERVICE) == "NOT_SERVING", 10)
+
+        # A new group on the same port; the tokenizer finds it by itself.
+        port = pair.scheduler.port
+        restarted = start_scheduler(tiny_model, tmp_path / "scheduler2.log", extra=["--port", str(port)])
+        pair.scheduler = restarted
+        restarted.wait_serving(SCHEDULER_SERVICE, 180)
+        assert wait_until(lambda: health_status(pair.tokenizer_address, TOKENIZER_SERVICE) == "SERVING", 30)
+        with grpc.insecure_channel(pair.tokenizer_address) as channel:
+            out = run_request(
+                tokenizer_pb2_grpc.TokenizerServiceStub(channel), make_request("Hi", [samples.good_png()], max_tokens=3)
+            )
+        assert out.ok, out
+
+
+def test_tokenizer_killed_with_8_requests_in_flight(tiny_model: Path, tmp_path: Path) -> None:
+    extra = ["--janitor-interval-s", "0.5", "--segment-lease-s", "2"]
+    with running_pair(tiny_model, tmp_path, scheduler_extra=extra, tokenizer_extra=["--cpu-workers", "2"]) as pair:
+        tokenizer_tree = [
+            pair.tokenizer.pid,
+            *(p.pid for p in psutil.Process(pair.tokenizer.pid).children(recursive=True)),
+        ]
+        futures = in_flight(pair.tokenizer_address, 8, max_tokens=2000)
+        os.kill(pair.tokenizer.pid, signal.SIGKILL)
+        for f in futures:
+            assert not f.result(timeout=30).ok
+        log = pair.scheduler.log_path
+        aborted = lambda: sum(f"request load-{i} aborted" in log.read_text() for i in range(8))  # noqa: E731
+        assert wait_until(lambda: aborted() == 8, timeout=20), log.read_text()[-3000:]
+        assert wait_until(lambda: not project_segments(), timeout=15)
+        assert wait_until(
+            lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status() != "zombie" for p in tokenizer_tree), 20
+        )
+        assert health_status(pair.scheduler_address, SCHEDULER_SERVICE) == "SERVING"
+
+
+def test_sigterm_under_load_drains_with_typed_errors(tiny_model: Path, tmp_path: Path) -> None:
+    grace = ["--shutdown-grace-s", "1"]
+    with running_pair(tiny_model, tmp_path, scheduler_extra=grace, tokenizer_extra=grace) as pair:
+        # Tokenizer first: its running requests finish or end SHUTTING_DOWN.
+        futures = in_flight(pair.tokenizer_address, 4, max_tokens=3000)
+        short = in_flight(pair.tokenizer_address, 1, max_tokens=3, tag="short")
+        assert pair.tokenizer.stop() == 0
+        for out in [f.result(timeout=30) for f in futures + short]:
+            assert out.ok or out.reason == "SHUTTING_DOWN", out
+        assert short[0].result().ok
+        assert any(f.result().reason == "SHUTTING_DOWN" for f in futures)
+
+        # Then the scheduler, with requests of a new tokenizer running on it.
+        from tests.support.services import start_tokenizer
+
+        tok = start_tokenizer(tiny_model, pair.scheduler_address, tmp_path / "tokenizer2.log")
+        pair.tokenizer = tok
+        tok.wait_serving(TOKENIZER_SERVICE, 180)
+        futures = in_flight(tok.address, 4, max_tokens=3000, tag="second")
+        assert pair.scheduler.stop() == 0
+        for out in [f.result(timeout=30) for f in futures]:
+            assert out.reason == "SHUTTING_DOWN", out
+        assert wait_until(lambda: not project_segments(), timeout=10)
+
+
+def test_a_rank_that_cannot_start_takes_the_group_down(tiny_model: Path, tmp_path: Path) -> None:
+    extra = ["--tensor-reader", "tests.support.startup_faults:make_reader"]
+    proc = start_scheduler(tiny_model, tmp_path / "scheduler.log", extra=extra)
+    try:
+        code = proc.proc.wait(120)
+    finally:
+        proc.stop()
+    assert code != 0
+    assert "tearing the group down" in proc.log_path.read_text()
+
+
+def test_missing_model_fails_fast(tmp_path: Path) -> None:
+    proc = ServiceProcess("scheduler", scheduler_args(tmp_path / "nope", tp=2), tmp_path / "scheduler.log")
+    try:
+        code = proc.proc.wait(120)
+    finally:
+        proc.stop()
+    assert code != 0
+
+
+def test_stuck_rank_turns_into_a_clean_failure(tiny_model: Path, tmp_path: Path) -> None:
+    extra = ["--collective-timeout-s", "4"]
+    with running_pair(tiny_model, tmp_path, scheduler_extra=extra) as pair:
+        futures = in_flight(pair.tokenizer_address, 2, max_tokens=3000)
+        rank1 = rank_pids(pair.scheduler)[0]
+        os.kill(rank1, signal.SIGSTOP)
+        try:
+            results = [f.result(timeout=60) for f in futures]
+            assert pair.scheduler.proc.wait(60) != 0
+        finally:
+            if psutil.pid_exists(rank1):
+                os.kill(rank1, signal.SIGCONT)
+        for out in results:
+            assert out.reason == "SCHEDULER_UNAVAILABLE", out
+        assert wait_until(lambda: not psutil.pid_exists(rank1) or psutil.Process(rank1).status() == "zombie", 20)
