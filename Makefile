@@ -49,6 +49,7 @@ baseline: $(STAMP)
 ## Benchmarks (each prints ratios against a baseline measured in the same run).
 bench: $(STAMP)
 	$(BIN)/python bench/shm_handoff.py
+	$(BIN)/python bench/consensus.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
