@@ -5,6 +5,8 @@ The one boundary where PIL's exceptions become ours. Rules:
 - the image is decoded eagerly (`load()`), so lazy-decode failures surface here;
 - EXIF orientation is applied;
 - animated images (GIF, WebP, APNG): the first frame is used;
+- bytes that start like an accepted format but do not open are
+  MEDIA_DECODE_FAILED; bytes of no accepted format are MEDIA_UNSUPPORTED;
 - transparency is composited over white; 16-bit and other modes become RGB.
 """
 
@@ -47,12 +49,38 @@ def decode_image(data: bytes, *, max_pixels: int) -> Image.Image:
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
         raise MediaTooLarge(f"decompression bomb: {exc}") from exc
     except UnidentifiedImageError as exc:
+        # PIL could not open it. If it starts like a format we accept, it is
+        # a broken instance of that format; otherwise it is something else.
+        fmt = sniff(data)
+        if fmt is not None:
+            raise MediaDecodeFailed(f"{fmt} data could not be decoded (corrupt or truncated header)") from exc
         raise MediaUnsupported(f"not an image in an accepted format ({', '.join(FORMATS)})") from exc
     except (OSError, ValueError, SyntaxError, EOFError, struct.error, zlib.error, IndexError, KeyError) as exc:
         raise MediaDecodeFailed(f"image could not be decoded: {type(exc).__name__}: {exc}") from exc
     except MemoryError as exc:
         raise MediaTooLarge("image needs more memory to decode than is available") from exc
     return rgb
+
+
+_SIGNATURES = (
+    (b"\x89PNG\r\n\x1a\n", "PNG"),
+    (b"\xff\xd8\xff", "JPEG"),
+    (b"GIF87a", "GIF"),
+    (b"GIF89a", "GIF"),
+    (b"BM", "BMP"),
+    (b"II*\x00", "TIFF"),
+    (b"MM\x00*", "TIFF"),
+)
+
+
+def sniff(data: bytes) -> str | None:
+    """The accepted format `data` claims to be by its magic bytes, if any."""
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "WEBP"
+    for magic, fmt in _SIGNATURES:
+        if data.startswith(magic):
+            return fmt
+    return None
 
 
 def _to_rgb(im: Image.Image) -> Image.Image:

@@ -43,8 +43,9 @@ def _release_orphan(fut: concurrent.futures.Future[Any]) -> None:
 
 
 class CpuPool:
-    def __init__(self, model_dir: str, workers: int) -> None:
+    def __init__(self, model_dir: str, workers: int, *, worker_hook: str = "") -> None:
         self.model_dir = model_dir
+        self.worker_hook = worker_hook
         self.workers = workers
         self.generation = 0
         self.replacements = 0
@@ -59,7 +60,10 @@ class CpuPool:
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(PRELOAD)
         pool = concurrent.futures.ProcessPoolExecutor(
-            max_workers=self.workers, mp_context=ctx, initializer=init_worker, initargs=(self.model_dir, os.getpid())
+            max_workers=self.workers,
+            mp_context=ctx,
+            initializer=init_worker,
+            initargs=(self.model_dir, os.getpid(), self.worker_hook),
         )
         # Start every worker now, so the first requests do not pay for it.
         for fut in [pool.submit(warm_up) for _ in range(self.workers)]:

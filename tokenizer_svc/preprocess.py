@@ -9,6 +9,7 @@ transformers. Tasks are pure functions of their input and may be retried.
 
 from __future__ import annotations
 
+import importlib
 import os
 import select
 import threading
@@ -24,6 +25,7 @@ from tokenizer_svc.decode import decode_image
 from tokenizer_svc.errors import InternalError, MediaUnsupported, Overloaded
 
 _processor: Any = None
+_hook: Any = None
 
 
 @dataclass(frozen=True)
@@ -69,11 +71,17 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def init_worker(model_dir: str, owner_pid: int) -> None:
+def init_worker(model_dir: str, owner_pid: int, hook_module: str = "") -> None:
     """Pool initializer: exit with the owner, one torch thread, the model's
-    image processor."""
+    image processor, and the optional worker hook (`worker_hook` setting): a
+    module whose `on_worker_start()` runs here and `on_decoded(image)` after
+    each decode. Tests substitute it to crash, stall or fail workers."""
     threading.Thread(target=_exit_with, args=(owner_pid,), name="owner-watch", daemon=True).start()
-    global _processor
+    global _processor, _hook
+    if hook_module:
+        _hook = importlib.import_module(hook_module)
+        if hasattr(_hook, "on_worker_start"):
+            _hook.on_worker_start()
     try:
         import torch
 
@@ -94,6 +102,8 @@ def preprocess_image(job: ImageJob) -> ImageResult:
     if _processor is None:
         raise InternalError("worker has no image processor (initializer did not run)")
     image = decode_image(job.data, max_pixels=job.max_pixels)
+    if _hook is not None and hasattr(_hook, "on_decoded"):
+        _hook.on_decoded(image)
     ratio = max(image.size) / min(image.size)
     if ratio > job.max_aspect_ratio:
         raise MediaUnsupported(f"aspect ratio {image.width}x{image.height} exceeds {job.max_aspect_ratio:g}:1")

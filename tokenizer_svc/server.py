@@ -96,7 +96,7 @@ async def _serve(settings: TokenizerSettings) -> int:
     health = Health(SERVICE_NAME)
     await health.start()
     processor = await asyncio.to_thread(_load_processor, settings)
-    pool = CpuPool(str(settings.model_dir), settings.cpu_workers)
+    pool = CpuPool(str(settings.model_dir), settings.cpu_workers, worker_hook=settings.worker_hook)
     await pool.start()
     media = MediaLoader(settings)
     link = SchedulerLink(settings)

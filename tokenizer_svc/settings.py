@@ -48,4 +48,7 @@ class TokenizerSettings:
     scheduler_wait_s: float = _opt(120.0, "how long startup waits for the scheduler before serving NOT_SERVING")
     shutdown_grace_s: float = _opt(5.0, "seconds running requests get to finish on SIGTERM")
     max_message_bytes: int = _opt(64 * 1024 * 1024, "largest gRPC message")
+    worker_hook: str = _opt(
+        "", "module imported by each CPU worker: on_worker_start(), on_decoded(image) (tests inject faults with it)"
+    )
     log_level: str = _opt("INFO", "logging level")

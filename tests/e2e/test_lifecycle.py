@@ -82,6 +82,11 @@ def test_rank_killed_mid_generation_then_restarted(tiny_model: Path, tmp_path: P
         assert pair.scheduler.proc.wait(30) != 0
         assert wait_until(lambda: not project_segments(), timeout=10)
         assert wait_until(lambda: health_status(pair.tokenizer_address, TOKENIZER_SERVICE) == "NOT_SERVING", 10)
+        with grpc.insecure_channel(pair.tokenizer_address) as channel:
+            stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
+            down = run_request(stub, make_request("Hi", [samples.good_png()], max_tokens=3))
+        assert down.reason == "SCHEDULER_UNAVAILABLE"
+        assert down.latency_s < 5
 
         # A new group on the same port; the tokenizer finds it by itself.
         port = pair.scheduler.port
