@@ -6,7 +6,10 @@ timeout and retries (timeouts, connection errors, 5xx; exponential backoff with
 jitter); 4xx is the client's and never retried. The byte cap is enforced
 while reading. Redirects are bounded and each hop is checked again.
 Loopback, private and link-local destinations are refused unless
-`allow_private_fetch` is set (this server fetches URLs strangers send it).
+`allow_private_fetch` is set or the HOST:PORT is exempt (this server fetches
+URLs strangers send it); `allowed_domains` narrows destinations further.
+Known gap: the address is checked at resolution, and urllib resolves again
+to connect, so a DNS-rebinding origin could slip through between the two.
 """
 
 from __future__ import annotations
@@ -57,6 +60,8 @@ class MediaLoader:
         self.io_pool = ThreadPoolExecutor(settings.io_threads, thread_name_prefix="fetch")
         self._opener = urllib.request.build_opener(_NoRedirect)
         self._allowed_dir = Path(settings.allowed_media_dir).resolve() if settings.allowed_media_dir else None
+        self._domains = [d.strip().lower().lstrip(".") for d in settings.allowed_domains.split(",") if d.strip()]
+        self._exempt = {e.strip().lower() for e in settings.private_fetch_exempt.split(",") if e.strip()}
 
     async def load(self, image: tokenizer_pb2.Image) -> bytes:
         source = image.WhichOneof("source")
@@ -179,10 +184,15 @@ class MediaLoader:
             chunks.append(chunk)
 
     def _check_destination(self, url: str) -> None:
+        """Every hop: scheme, allowed domains, then the private-address guard."""
         parts = urllib.parse.urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise MediaSourceForbidden(f"{url} is not an http(s) URL")
-        if self.settings.allow_private_fetch:
+        host = parts.hostname.lower()
+        if self._domains and not any(host == d or host.endswith("." + d) for d in self._domains):
+            raise MediaSourceForbidden(f"{host} is not among the allowed domains")
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        if self.settings.allow_private_fetch or f"{host}:{port}" in self._exempt:
             return
         try:
             infos = socket.getaddrinfo(parts.hostname, parts.port or 443, proto=socket.IPPROTO_TCP)

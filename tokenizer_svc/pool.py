@@ -65,9 +65,14 @@ class CpuPool:
             initializer=init_worker,
             initargs=(self.model_dir, os.getpid(), self.worker_hook),
         )
-        # Start every worker now, so the first requests do not pay for it.
-        for fut in [pool.submit(warm_up) for _ in range(self.workers)]:
-            fut.result(timeout=120)
+        # Start every worker now, so the first requests do not pay for it
+        # (and a failing initializer shows here, not in a request).
+        try:
+            for fut in [pool.submit(warm_up) for _ in range(self.workers)]:
+                fut.result(timeout=120)
+        except BaseException:
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
         return pool
 
     async def start(self) -> None:

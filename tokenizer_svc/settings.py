@@ -40,6 +40,12 @@ class TokenizerSettings:
     max_prompt_chars: int = _opt(100_000, "longest prompt, characters")
     allowed_media_dir: str = _opt("", "images given as file paths must lie under this directory; empty = none allowed")
     allow_private_fetch: bool = _opt(False, "allow fetching from loopback/private addresses (tests, demos)")
+    allowed_domains: str = _opt(
+        "", "comma-separated domains images may be fetched from (subdomains included); empty = any public host"
+    )
+    private_fetch_exempt: str = _opt(
+        "", "comma-separated HOST:PORT destinations exempt from the private-address guard (a sidecar, a test origin)"
+    )
     max_inflight: int = _opt(256, "requests in progress; beyond this, OVERLOADED at once")
     janitor_interval_s: float = _opt(30.0, "how often orphaned segments of the prefix are swept")
     segment_lease_s: float = _opt(

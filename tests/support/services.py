@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mmsplit_cli.launch import ServiceProcess, scheduler_args, tokenizer_args
+from scheduler_svc.ranks import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SCHEDULER_SERVICE = "mmsplit.scheduler.v1.SchedulerService"
@@ -48,10 +49,11 @@ def running_pair(
     started: list[ServiceProcess] = []
     pair: Pair | None = None
     try:
-        sched = start_scheduler(model, logs / "scheduler.log", extra=scheduler_extra)
+        # Both start at once: the tokenizer waits for the scheduler by itself.
+        port = free_port()
+        sched = start_scheduler(model, logs / "scheduler.log", extra=["--port", str(port), *scheduler_extra])
         started.append(sched)
-        sched.wait_bound(180)
-        tok = start_tokenizer(model, sched.address, logs / "tokenizer.log", extra=tokenizer_extra)
+        tok = start_tokenizer(model, f"127.0.0.1:{port}", logs / "tokenizer.log", extra=tokenizer_extra)
         started.append(tok)
         sched.wait_serving(SCHEDULER_SERVICE, 180)
         tok.wait_serving(TOKENIZER_SERVICE, 180)

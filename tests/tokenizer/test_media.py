@@ -6,6 +6,7 @@ import asyncio
 import base64
 import http.server
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from tokenizer_svc.settings import TokenizerSettings
 
 class Origin(http.server.BaseHTTPRequestHandler):
     hits: dict[str, int] = {}
+    release = threading.Event()  # ends hanging and endless responses at teardown
 
     def do_GET(self) -> None:
         Origin.hits[self.path] = Origin.hits.get(self.path, 0) + 1
@@ -40,6 +42,20 @@ class Origin(http.server.BaseHTTPRequestHandler):
             self._send(500, b"down")
         elif self.path == "/big":
             self._send(200, b"x" * 5000)
+        elif self.path == "/hang":
+            Origin.release.wait(30)
+        elif self.path == "/endless":
+            self.send_response(200)
+            self.end_headers()
+            try:
+                while not Origin.release.is_set():
+                    self.wfile.write(b"x" * 4096)
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+        elif self.path == "/to-private":
+            self.send_response(302)
+            self.send_header("Location", f"http://localhost:{self.server.server_address[1]}/ok")
+            self.end_headers()
         elif self.path == "/loop":
             self.send_response(302)
             self.send_header("Location", "/loop")
@@ -63,6 +79,7 @@ def origin() -> Iterator[str]:
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     yield f"http://127.0.0.1:{server.server_address[1]}"
+    Origin.release.set()
     server.shutdown()
     server.server_close()
     thread.join(5)
@@ -129,3 +146,33 @@ def test_origin_behaviours(tmp_path: Path, origin: str) -> None:
 def test_private_addresses_are_refused_by_default(tmp_path: Path, origin: str) -> None:
     with pytest.raises(MediaSourceForbidden):
         load(loader(tmp_path, allow_private_fetch=False), url=f"{origin}/ok")
+
+
+def test_hanging_origin_fails_within_its_time_bound(tmp_path: Path, origin: str) -> None:
+    media = loader(tmp_path, fetch_timeout_s=0.5, fetch_retries=1)
+    start = time.monotonic()
+    with pytest.raises(MediaFetchFailed):
+        load(media, url=f"{origin}/hang")
+    # Two attempts of 0.5 s and one short backoff; never the preprocessing budget.
+    assert time.monotonic() - start < 3
+
+
+def test_endless_body_stops_at_the_byte_cap(tmp_path: Path, origin: str) -> None:
+    start = time.monotonic()
+    with pytest.raises(MediaTooLarge):
+        load(loader(tmp_path), url=f"{origin}/endless")
+    assert time.monotonic() - start < 3
+
+
+def test_redirect_to_a_private_address_is_refused(tmp_path: Path, origin: str) -> None:
+    exempt = origin.removeprefix("http://")
+    media = loader(tmp_path, allow_private_fetch=False, private_fetch_exempt=exempt)
+    assert load(media, url=f"{origin}/ok") == b"IMAGEBYTES"
+    with pytest.raises(MediaSourceForbidden):
+        load(loader(tmp_path, allow_private_fetch=False, private_fetch_exempt=exempt), url=f"{origin}/to-private")
+
+
+def test_allowed_domains(tmp_path: Path, origin: str) -> None:
+    with pytest.raises(MediaSourceForbidden):
+        load(loader(tmp_path, allowed_domains="images.example.com"), url=f"{origin}/ok")
+    assert load(loader(tmp_path, allowed_domains="127.0.0.1"), url=f"{origin}/ok") == b"IMAGEBYTES"

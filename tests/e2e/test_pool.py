@@ -1,0 +1,93 @@
+"""The CPU pool under worker deaths, poison inputs and failing pool creation,
+on a fresh pair of services with the fault-injecting worker hook."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import psutil
+import pytest
+
+from mmsplit.tokenizer.v1 import tokenizer_pb2_grpc
+from mmsplit_cli import samples
+from mmsplit_cli.client import make_request, run_request
+from tests.e2e.helpers import health_status
+from tests.support.leaks import wait_until
+from tests.support.services import TOKENIZER_SERVICE, Pair, running_pair
+from tests.support.worker_hook import POISON, SLOW, marked
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture
+def pair(tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Pair]:
+    monkeypatch.setenv("MMSPLIT_TEST_FAIL_POOL_FILE", str(tmp_path / "fail-pool"))
+    extra = ["--worker-hook", "tests.support.worker_hook", "--cpu-workers", "2"]
+    with running_pair(tiny_model, tmp_path, tokenizer_extra=extra) as p:
+        yield p
+
+
+def workers(pair: Pair) -> list[psutil.Process]:
+    """Pool workers: children of the tokenizer's forkserver."""
+    tokenizer = psutil.Process(pair.tokenizer.pid)
+    forkservers = [c for c in tokenizer.children() if "forkserver" in " ".join(c.cmdline())]
+    return [w for f in forkservers for w in f.children()]
+
+
+def replacements(pair: Pair) -> int:
+    return pair.tokenizer.log_path.read_text().count("CPU pool replaced")
+
+
+def test_worker_killed_with_8_requests_in_flight(pair: Pair) -> None:
+    slow = marked(SLOW)
+    with grpc.insecure_channel(pair.tokenizer_address) as channel:
+        stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
+        with ThreadPoolExecutor(8) as pool:
+            futures = [
+                pool.submit(run_request, stub, make_request("x", [slow], max_tokens=1, request_id=f"slow-{i}"), 60)
+                for i in range(8)
+            ]
+            assert wait_until(lambda: len(workers(pair)) == 2, timeout=10)
+            victim = workers(pair)[0]
+            # Both workers are busy with the slow images; kill one of them.
+            assert wait_until(lambda: victim.cpu_times().user > 0, timeout=5)
+            os.kill(victim.pid, signal.SIGKILL)
+            results = [f.result(timeout=60) for f in futures]
+    ok = [r for r in results if r.ok]
+    assert len(ok) >= 7, [(r.request_id, r.reason) for r in results]
+    assert replacements(pair) == 1
+    assert health_status(pair.tokenizer_address, TOKENIZER_SERVICE) == "SERVING"
+
+
+def test_poison_input_gets_a_typed_error_after_two_crashes(pair: Pair) -> None:
+    with grpc.insecure_channel(pair.tokenizer_address) as channel:
+        stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
+        out = run_request(stub, make_request("x", [marked(POISON)], max_tokens=1), timeout=60)
+        assert out.reason == "PREPROCESS_WORKER_CRASHED"
+        assert out.grpc_code == "UNAVAILABLE"
+        assert replacements(pair) == 2
+        after = run_request(stub, make_request("x", [samples.good_png()], max_tokens=2), timeout=60)
+        assert after.ok, after
+    assert health_status(pair.tokenizer_address, TOKENIZER_SERVICE) == "SERVING"
+
+
+def test_failing_pool_creation_is_not_serving_until_it_clears(pair: Pair, tmp_path: Path) -> None:
+    marker = tmp_path / "fail-pool"
+    marker.touch()
+    with grpc.insecure_channel(pair.tokenizer_address) as channel:
+        stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
+        crashed = run_request(stub, make_request("x", [marked(POISON)], max_tokens=1), timeout=60)
+        assert crashed.reason == "PREPROCESS_WORKER_CRASHED"
+        assert wait_until(lambda: health_status(pair.tokenizer_address, TOKENIZER_SERVICE) == "NOT_SERVING", 10)
+        meanwhile = run_request(stub, make_request("x", [samples.good_png()], max_tokens=1), timeout=30)
+        assert meanwhile.reason == "PREPROCESS_WORKER_CRASHED"
+        assert meanwhile.latency_s < 5  # answered at once, no hang
+        marker.unlink()
+        assert wait_until(lambda: health_status(pair.tokenizer_address, TOKENIZER_SERVICE) == "SERVING", 30)
+        after = run_request(stub, make_request("x", [samples.good_png()], max_tokens=2), timeout=60)
+        assert after.ok, after

@@ -1,0 +1,39 @@
+"""Fault injection inside CPU workers (tokenizer `--worker-hook tests.support.worker_hook`).
+
+Images are marked by their size, so any encoding carries the mark:
+- SLOW (61x47): the worker sleeps 1.5 s before preprocessing;
+- POISON (67x43): the worker kills itself with SIGKILL.
+If the file named by MMSPLIT_TEST_FAIL_POOL_FILE exists, a new worker fails
+in its initializer (pool creation fails) until the file is removed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+from PIL import Image
+
+SLOW = (61, 47)
+POISON = (67, 43)
+
+
+def on_worker_start() -> None:
+    marker = os.environ.get("MMSPLIT_TEST_FAIL_POOL_FILE")
+    if marker and Path(marker).exists():
+        raise RuntimeError("injected pool-creation failure")
+
+
+def on_decoded(image: Image.Image) -> None:
+    if image.size == SLOW:
+        time.sleep(1.5)
+    elif image.size == POISON:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def marked(size: tuple[int, int]) -> bytes:
+    from mmsplit_cli import samples
+
+    return samples.encode(samples.gradient(*size), "PNG")
