@@ -102,17 +102,31 @@ class CpuPool:
         log.info("CPU pool started with %d forkserver workers", self.workers)
 
     async def ensure(self) -> bool:
-        """Create the pool if there is none (after a failed creation). The
-        caller decides how often to try; returns whether a pool exists."""
-        if self._pool is None:
+        """Create the pool if there is none (after a failed creation), and
+        replace it if it broke while idle (a worker that dies with no task
+        breaks the pool silently; the next request would pay for the
+        replacement). The caller decides how often; returns whether a pool
+        exists."""
+        generation, pool = self.generation, self._pool
+        if pool is None:
             async with self._lock:
                 if self._pool is None:
                     await self._create()
+        else:
+            try:
+                # submit raises at once on a broken pool; the no-op itself is not awaited.
+                await asyncio.to_thread(pool.submit, warm_up)
+            except (BrokenProcessPool, RuntimeError):
+                log.warning("CPU pool found broken while idle")
+                await self._replace(generation)
         return self._pool is not None
 
     async def preprocess(self, job: ImageJob, *, timeout_s: float, request_id: str) -> ImageResult:
         """Run one image through a worker; typed errors only."""
         for attempt in (1, 2):
+            if self._pool is None and self._lock.locked():
+                async with self._lock:  # a replacement is under way: wait for it, not fail
+                    pass
             generation, pool = self.generation, self._pool
             if pool is None:
                 raise PreprocessWorkerCrashed("no CPU pool is available right now")

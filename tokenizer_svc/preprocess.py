@@ -20,6 +20,12 @@ from typing import Any
 
 import numpy as np
 
+# Imported here, at module level, on purpose: the forkserver preloads this
+# module, so every worker (and every replacement pool) forks with the ~7 s of
+# transformers/torch imports already done instead of paying them on start.
+import torch
+from transformers import AutoImageProcessor
+
 from mmsplit import shm
 from tokenizer_svc.decode import decode_image
 from tokenizer_svc.errors import InternalError, MediaUnsupported, Overloaded
@@ -82,14 +88,7 @@ def init_worker(model_dir: str, owner_pid: int, hook_module: str = "") -> None:
         _hook = importlib.import_module(hook_module)
         if hasattr(_hook, "on_worker_start"):
             _hook.on_worker_start()
-    try:
-        import torch
-
-        torch.set_num_threads(1)
-    except ImportError:  # torch is optional for preprocessing
-        pass
-    from transformers import AutoImageProcessor
-
+    torch.set_num_threads(1)
     _processor = AutoImageProcessor.from_pretrained(Path(model_dir))
 
 
