@@ -73,23 +73,27 @@ def pick_device(setting: str) -> torch.device:
     return torch.device("cuda", dist.get_rank() % torch.cuda.device_count())
 
 
-def init_group(*, rendezvous: Rendezvous | None, device: str, timeout_s: float) -> None:
+def init_group(*, rendezvous: Rendezvous | None, device: str, timeout_s: float, startup_timeout_s: float) -> None:
     """Join the group: gloo on CPU, NCCL on CUDA. With `rendezvous` (local
     launch) over TCP at its address; without it through torch's ``env://``
-    (torch itself reads RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)."""
+    (torch itself reads RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
+
+    Two timeouts: ranks may take minutes to start (imports, a busy node), so
+    the rendezvous waits `startup_timeout_s`; collectives afterwards fail
+    after `timeout_s` instead of hanging."""
     use_cuda = _uses_cuda(device)
     backend = "nccl" if use_cuda else "gloo"
-    timeout = datetime.timedelta(seconds=timeout_s)
     if rendezvous is None:
-        dist.init_process_group(backend, init_method="env://", timeout=timeout)
+        url = "env://"
+        rank, world = -1, -1
     else:
-        dist.init_process_group(
-            backend,
-            init_method=f"tcp://{rendezvous.addr}:{rendezvous.port}",
-            rank=rendezvous.rank,
-            world_size=rendezvous.world_size,
-            timeout=timeout,
-        )
+        url = f"tcp://{rendezvous.addr}:{rendezvous.port}"
+        rank, world = rendezvous.rank, rendezvous.world_size
+    store, rank, world = next(dist.rendezvous(url, rank, world, timeout=datetime.timedelta(seconds=startup_timeout_s)))
+    store.set_timeout(datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s)
+    )
     if use_cuda:
         torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
     log.info("rank %d/%d joined the %s group", dist.get_rank(), dist.get_world_size(), backend)

@@ -49,7 +49,12 @@ def free_port(host: str = "127.0.0.1") -> int:
 def bootstrap(settings: SchedulerSettings, rendezvous: Rendezvous | None) -> Bootstrapped:
     """Join the group (`rendezvous` None: torch's env://), load the model,
     exchange namespace ids. Returns when every rank has done the same."""
-    init_group(rendezvous=rendezvous, device=settings.device, timeout_s=settings.collective_timeout_s)
+    init_group(
+        rendezvous=rendezvous,
+        device=settings.device,
+        timeout_s=settings.collective_timeout_s,
+        startup_timeout_s=settings.startup_timeout_s,
+    )
     torch.set_num_threads(max(1, torch.get_num_threads() // dist.get_world_size()))
     device = pick_device(settings.device)
     model = load_model(settings.model_dir, world_size=dist.get_world_size(), device=device)

@@ -43,6 +43,7 @@ class SchedulerSettings:
     heartbeat_s: float = _opt(
         1.0, "when idle, rank 0 still runs an empty step this often so no rank's collective times out"
     )
+    startup_timeout_s: float = _opt(300.0, "how long ranks wait for each other to start")
     collective_timeout_s: float = _opt(60.0, "a collective slower than this fails the group instead of hanging")
     tensor_reader: str = _opt(
         "",
