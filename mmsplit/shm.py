@@ -163,7 +163,8 @@ def list_segments(prefix: str) -> list[str]:
     return names
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process of that pid exists in this pid namespace."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -197,7 +198,7 @@ def sweep(
             age = now - os.stat(SHM_DIR / name).st_mtime
         except FileNotFoundError:
             continue
-        expired = (check_owner and not _pid_alive(pid)) or (lease_s is not None and age > lease_s)
+        expired = (check_owner and not pid_alive(pid)) or (lease_s is not None and age > lease_s)
         if expired and unlink(name):
             removed.append(name)
     if removed:

@@ -60,21 +60,11 @@ def _exit_with(owner_pid: int) -> None:
     try:
         fd = os.pidfd_open(owner_pid)
     except (OSError, AttributeError):  # owner gone already, or no pidfd (not Linux ≥ 5.3)
-        while _alive(owner_pid):
+        while shm.pid_alive(owner_pid):
             time.sleep(1.0)
     else:
         select.select([fd], [], [])  # readable once the process has exited
     os._exit(0)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def init_worker(model_dir: str, owner_pid: int, hook_module: str = "") -> None:
