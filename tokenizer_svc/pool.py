@@ -8,9 +8,11 @@
   g+1 already there. The old pool shuts down off the event loop.
 - A task interrupted by a pool break is retried once on the new pool; a
   second break under it is PreprocessWorkerCrashed.
-- A task whose caller stopped waiting (timeout, cancel) keeps its worker
-  until it finishes; its result's segment is then released by a callback,
-  so timed-out work never leaks shared memory.
+- A task whose caller stopped waiting (PREPROCESS_TIMEOUT, cancel) is
+  cancelled if it has not reached a worker yet, and costs nothing more. One
+  already running cannot be interrupted: it keeps its worker (that capacity
+  is spent) until it finishes, and a callback then releases its result's
+  segment, so abandoned work never leaks shared memory.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from tokenizer_svc.preprocess import ImageJob, ImageResult, init_worker, preproc
 
 log = logging.getLogger(__name__)
 
+SUBMIT_TIMEOUT_S = 10.0
 PRELOAD = ["tokenizer_svc.preprocess", "transformers", "PIL.Image", "numpy"]
 
 
@@ -40,6 +43,13 @@ def _release_orphan(fut: concurrent.futures.Future[Any]) -> None:
     if isinstance(result, ImageResult):
         shm.unlink(result.segment)
         log.info("released segment %s of abandoned preprocessing task", result.segment)
+
+
+def _abandon(fut: concurrent.futures.Future[Any]) -> None:
+    """Nobody waits for `fut` any more: drop it if it has not started, else
+    release what it produces when it finishes."""
+    if not fut.cancel():
+        fut.add_done_callback(_release_orphan)
 
 
 class CpuPool:
@@ -143,17 +153,21 @@ class CpuPool:
 
     async def _run(self, pool: concurrent.futures.ProcessPoolExecutor, job: ImageJob, timeout_s: float) -> ImageResult:
         try:
-            cfut = await asyncio.to_thread(pool.submit, preprocess_image, job)
+            cfut = await asyncio.wait_for(asyncio.to_thread(pool.submit, preprocess_image, job), SUBMIT_TIMEOUT_S)
         except RuntimeError as exc:  # submitted while that pool was being shut down
             raise BrokenProcessPool(str(exc)) from exc
+        except TimeoutError as exc:
+            # A submit that does not return means a wedged pool: treat it as
+            # broken. (The thread stuck in it is abandoned, not reclaimed.)
+            raise BrokenProcessPool(f"submit did not return within {SUBMIT_TIMEOUT_S}s") from exc
         afut = asyncio.wrap_future(cfut)
         try:
             return await asyncio.wait_for(asyncio.shield(afut), timeout_s)
         except TimeoutError as exc:
-            cfut.add_done_callback(_release_orphan)
+            _abandon(cfut)
             raise PreprocessTimeout(f"image preprocessing took longer than {timeout_s:.1f}s") from exc
         except asyncio.CancelledError:
-            cfut.add_done_callback(_release_orphan)
+            _abandon(cfut)
             raise
 
     async def shutdown(self) -> None:

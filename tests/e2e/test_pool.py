@@ -17,7 +17,7 @@ from mmsplit.tokenizer.v1 import tokenizer_pb2_grpc
 from mmsplit_cli import samples
 from mmsplit_cli.client import make_request, run_request
 from tests.e2e.helpers import health_status
-from tests.support.leaks import wait_until
+from tests.support.leaks import project_segments, wait_until
 from tests.support.services import TOKENIZER_SERVICE, Pair, running_pair
 from tests.support.worker_hook import POISON, SLOW, marked
 
@@ -91,3 +91,32 @@ def test_failing_pool_creation_is_not_serving_until_it_clears(pair: Pair, tmp_pa
         assert wait_until(lambda: health_status(pair.tokenizer_address, TOKENIZER_SERVICE) == "SERVING", 30)
         after = run_request(stub, make_request("x", [samples.good_png()], max_tokens=2), timeout=60)
         assert after.ok, after
+
+
+def test_preprocess_timeout_and_cancel_release_everything(tiny_model: Path, tmp_path: Path) -> None:
+    """One worker, a 0.5 s budget, an image that takes the worker 1.5 s:
+    PREPROCESS_TIMEOUT at the budget; the worker's capacity stays spent until
+    it finishes (a request meanwhile times out too, its queued task dropped);
+    then requests succeed and the abandoned image's segment is gone. A client
+    deadline during preprocessing ends the same way."""
+    extra = ["--worker-hook", "tests.support.worker_hook", "--cpu-workers", "1", "--preprocess-timeout-s", "0.5"]
+    with (
+        running_pair(tiny_model, tmp_path, tokenizer_extra=extra) as p,
+        grpc.insecure_channel(p.tokenizer_address) as ch,
+    ):
+        stub = tokenizer_pb2_grpc.TokenizerServiceStub(ch)
+        good = make_request("x", [samples.good_png()], max_tokens=1)
+
+        slow = run_request(stub, make_request("x", [marked(SLOW)], max_tokens=1), timeout=30)
+        assert slow.reason == "PREPROCESS_TIMEOUT"
+        assert slow.grpc_code == "DEADLINE_EXCEEDED"
+        assert slow.latency_s < 1.4  # at the budget, not when the worker finished
+        meanwhile = run_request(stub, good, timeout=30)
+        assert meanwhile.reason == "PREPROCESS_TIMEOUT"  # the worker is still busy
+        assert wait_until(lambda: run_request(stub, good, timeout=30).ok, timeout=15)
+        assert wait_until(lambda: not project_segments(), timeout=5)
+
+        cancelled = run_request(stub, make_request("x", [marked(SLOW)], max_tokens=1), timeout=0.3)
+        assert cancelled.grpc_code == "DEADLINE_EXCEEDED"
+        assert wait_until(lambda: run_request(stub, good, timeout=30).ok, timeout=15)
+        assert wait_until(lambda: not project_segments(), timeout=5)
