@@ -12,7 +12,7 @@ pytestmark = pytest.mark.e2e
 
 
 def test_delayed_fetches_do_not_fail_requests(tiny_model: Path, tmp_path: Path) -> None:
-    report = run(rounds=3, clients=12, tp=2, model=tiny_model, workdir=tmp_path)
+    report = run(rounds=3, clients=12, tp=1, model=tiny_model, workdir=tmp_path)
     assert len(report.outcomes) == 36
     assert report.delayed, "no fetch was delayed"
     assert report.failure_rate == 0, report.failures

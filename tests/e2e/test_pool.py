@@ -28,7 +28,8 @@ pytestmark = pytest.mark.e2e
 def pair(tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Pair]:
     monkeypatch.setenv("MMSPLIT_TEST_FAIL_POOL_FILE", str(tmp_path / "fail-pool"))
     extra = ["--worker-hook", "tests.support.worker_hook", "--cpu-workers", "2"]
-    with running_pair(tiny_model, tmp_path, tokenizer_extra=extra) as p:
+    # One rank is enough: these tests are about the tokenizer's pool.
+    with running_pair(tiny_model, tmp_path, scheduler_extra=["--tp", "1"], tokenizer_extra=extra) as p:
         yield p
 
 
@@ -101,7 +102,7 @@ def test_preprocess_timeout_and_cancel_release_everything(tiny_model: Path, tmp_
     deadline during preprocessing ends the same way."""
     extra = ["--worker-hook", "tests.support.worker_hook", "--cpu-workers", "1", "--preprocess-timeout-s", "0.5"]
     with (
-        running_pair(tiny_model, tmp_path, tokenizer_extra=extra) as p,
+        running_pair(tiny_model, tmp_path, scheduler_extra=["--tp", "1"], tokenizer_extra=extra) as p,
         grpc.insecure_channel(p.tokenizer_address) as ch,
     ):
         stub = tokenizer_pb2_grpc.TokenizerServiceStub(ch)
