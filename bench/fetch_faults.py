@@ -27,13 +27,12 @@ from pathlib import Path
 
 import grpc
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from mmsplit.tokenizer.v1 import tokenizer_pb2_grpc
+from mmsplit_cli import samples
+from mmsplit_cli.client import Outcome, make_request, run_request
+from mmsplit_cli.launch import running_pair
 
-from mmsplit.tokenizer.v1 import tokenizer_pb2_grpc  # noqa: E402
-from mmsplit_cli import samples  # noqa: E402
-from mmsplit_cli.client import Outcome, make_request, run_request  # noqa: E402
-from tests.support.services import running_pair  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 PREPROCESS_TIMEOUT_S = 3.0
 DELAY_S = 3.5  # beyond the preprocessing timeout

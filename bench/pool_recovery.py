@@ -17,7 +17,6 @@ import argparse
 import os
 import signal
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -25,13 +24,12 @@ from pathlib import Path
 import grpc
 import psutil
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from mmsplit.tokenizer.v1 import tokenizer_pb2_grpc
+from mmsplit_cli import samples
+from mmsplit_cli.client import make_request, run_request
+from mmsplit_cli.launch import Pair, running_pair
 
-from mmsplit.tokenizer.v1 import tokenizer_pb2_grpc  # noqa: E402
-from mmsplit_cli import samples  # noqa: E402
-from mmsplit_cli.client import make_request, run_request  # noqa: E402
-from tests.support.services import Pair, running_pair  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def workers(pair: Pair) -> list[psutil.Process]:

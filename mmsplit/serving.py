@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import socket
 import sys
 
 import grpc
@@ -13,6 +14,13 @@ log = logging.getLogger(__name__)
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago (for rendezvous and test servers)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
 
 
 def setup_logging(level: str = "INFO") -> None:

@@ -20,11 +20,8 @@ from mmsplit import shm
 from mmsplit.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from mmsplit_cli import samples
 from mmsplit_cli.client import Outcome, make_request, run_request
-from mmsplit_cli.launch import ServiceProcess, scheduler_args, tokenizer_args
+from mmsplit_cli.launch import SCHEDULER_SERVICE, TOKENIZER_SERVICE, running_pair
 from mmsplit_cli.tiny_model import build
-
-TOKENIZER_SERVICE = "mmsplit.tokenizer.v1.TokenizerService"
-SCHEDULER_SERVICE = "mmsplit.scheduler.v1.SchedulerService"
 
 
 @dataclass
@@ -109,19 +106,10 @@ def _run(root: Path, tp: int, cache_dir: Path) -> int:
     (media / "cat.jpg").write_bytes(samples.good_jpeg(seed=2))
 
     print(f"starting the scheduler (tp={tp}) and the tokenizer; logs in {root}", flush=True)
-    sched = ServiceProcess("scheduler", scheduler_args(model, tp=tp), root / "scheduler.log")
-    tok = None
     problems: list[str] = []
-    try:
-        sched.wait_bound(180)
-        tok = ServiceProcess(
-            "tokenizer",
-            tokenizer_args(model, sched.address, extra=["--allowed-media-dir", str(media)]),
-            root / "tokenizer.log",
-        )
-        sched.wait_serving(SCHEDULER_SERVICE, 180)
-        tok.wait_serving(TOKENIZER_SERVICE, 180)
-
+    codes: dict[str, int] = {}
+    with running_pair(model, root, tp=tp, tokenizer_extra=["--allowed-media-dir", str(media)]) as pair:
+        tok, sched = pair.tokenizer, pair.scheduler
         rows = [("#", "request", "expected", "outcome", "text / message", "latency")]
         with grpc.insecure_channel(tok.address) as channel:
             stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
@@ -149,11 +137,8 @@ def _run(root: Path, tp: int, cache_dir: Path) -> int:
             print(f"health of {service}: {status}")
             if status != "SERVING":
                 problems.append(f"{service} is {status} after the script")
-    finally:
-        codes = {}
-        for proc in (tok, sched):
-            if proc is not None:
-                codes[proc.name] = proc.stop()
+        # Tokenizer first, as an orchestrator would drain it.
+        codes = {proc.name: proc.stop() for proc in (tok, sched)}
     for name, code in codes.items():
         print(f"{name} exited with status {code}")
         if code != 0:

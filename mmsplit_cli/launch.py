@@ -11,14 +11,20 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from mmsplit.serving import free_port
+
 log = logging.getLogger(__name__)
 
+SCHEDULER_SERVICE = "mmsplit.scheduler.v1.SchedulerService"
+TOKENIZER_SERVICE = "mmsplit.tokenizer.v1.TokenizerService"
 _LISTENING = re.compile(r"listening on (\S+):(\d+)")
 
 
@@ -112,3 +118,51 @@ def scheduler_args(model: Path, *, tp: int, extra: Sequence[str] = ()) -> list[s
 
 def tokenizer_args(model: Path, scheduler: str, *, extra: Sequence[str] = ()) -> list[str]:
     return ["tokenizer", "--model", str(model), "--scheduler", scheduler, "--port", "0", *extra]
+
+
+@dataclass
+class Pair:
+    scheduler: ServiceProcess
+    tokenizer: ServiceProcess
+    model: Path
+
+    @property
+    def tokenizer_address(self) -> str:
+        return self.tokenizer.address
+
+    @property
+    def scheduler_address(self) -> str:
+        return self.scheduler.address
+
+
+@contextmanager
+def running_pair(
+    model: Path,
+    logs: Path,
+    *,
+    tp: int = 2,
+    scheduler_extra: Sequence[str] = (),
+    tokenizer_extra: Sequence[str] = (),
+    env: dict[str, str] | None = None,
+) -> Iterator[Pair]:
+    """A scheduler and a tokenizer, both SERVING. On exit both are stopped
+    (SIGTERM, then SIGKILL) unless already stopped, including any process
+    the caller put in their place on the pair."""
+    started: list[ServiceProcess] = []
+    pair: Pair | None = None
+    try:
+        # Both start at once: the tokenizer waits for the scheduler by itself.
+        port = free_port()
+        sched_args = scheduler_args(model, tp=tp, extra=["--port", str(port), *scheduler_extra])
+        started.append(ServiceProcess("scheduler", sched_args, logs / "scheduler.log", env=env))
+        tok_args = tokenizer_args(model, f"127.0.0.1:{port}", extra=tokenizer_extra)
+        started.append(ServiceProcess("tokenizer", tok_args, logs / "tokenizer.log", env=env))
+        sched, tok = started
+        sched.wait_serving(SCHEDULER_SERVICE, 180)
+        tok.wait_serving(TOKENIZER_SERVICE, 180)
+        pair = Pair(sched, tok, model)
+        yield pair
+    finally:
+        current = [pair.tokenizer, pair.scheduler] if pair is not None else []
+        for proc in [*current, *reversed(started)]:
+            proc.stop()

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
-import socket
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,12 +37,6 @@ class Bootstrapped:
     coll: TorchCollective
     # The namespace shared by every rank, or "" when the ranks see different /dev/shm.
     shm_namespace: str
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def bootstrap(settings: SchedulerSettings, rendezvous: Rendezvous | None) -> Bootstrapped:

@@ -27,12 +27,12 @@ from mmsplit import __version__
 from mmsplit.common.v1 import common_pb2
 from mmsplit.errors import InternalError, MmsplitError
 from mmsplit.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
-from mmsplit.serving import Health, new_server
+from mmsplit.serving import Health, free_port, new_server
 from scheduler_svc.collective import Rendezvous
 from scheduler_svc.frontend import Frontend
 from scheduler_svc.loop import StepLoop
 from scheduler_svc.model import ModelInfo, model_info
-from scheduler_svc.ranks import Bootstrapped, LocalRanks, bootstrap, free_port, run_follower_until_stopped
+from scheduler_svc.ranks import Bootstrapped, LocalRanks, bootstrap, run_follower_until_stopped
 from scheduler_svc.settings import SchedulerSettings
 
 log = logging.getLogger(__name__)

@@ -12,9 +12,9 @@ import pytest
 
 from mmsplit.common.v1 import common_pb2
 from mmsplit.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
+from mmsplit.serving import free_port
 from mmsplit_cli.launch import ServiceProcess
 from scheduler_svc.model import model_info
-from scheduler_svc.ranks import free_port
 from tests.conftest import SCHEDULER_SERVICE
 
 pytestmark = pytest.mark.e2e

@@ -88,7 +88,7 @@ def test_step_without_new_requests_still_gathers_active_counts() -> None:
 
 @pytest.mark.timeout(120)
 def test_real_two_process_gloo_agreement() -> None:
-    from scheduler_svc.ranks import free_port
+    from mmsplit.serving import free_port
 
     port = str(free_port())
     codes = {0: ["0", "0", "2"], 1: ["0", "11", "0"]}
