@@ -50,13 +50,6 @@ class Health:
         self._ready = ready
         await self.servicer.set(self.service_name, SERVING if ready else NOT_SERVING)
 
-    @property
-    def ready(self) -> bool:
-        return self._ready
-
-    async def shutdown(self) -> None:
-        await self.servicer.enter_graceful_shutdown()
-
 
 async def new_server(
     *,

@@ -7,7 +7,6 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,12 +53,6 @@ def make_request(
         images=pics,
         sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed),
     )
-
-
-def stream(
-    stub: tokenizer_pb2_grpc.TokenizerServiceStub, request: tokenizer_pb2.GenerateRequest, timeout: float = 120.0
-) -> Iterator[tokenizer_pb2.GenerateResponse]:
-    yield from stub.Generate(request, timeout=timeout)
 
 
 def run_request(

@@ -62,27 +62,28 @@ class Frontend:
     async def stream(self, admission: Admission) -> AsyncIterator[scheduler_pb2.GenerateResponse]:
         """The request's events as responses; raises its failure, if any."""
         events = self._streams[admission.request_id]
-        try:
-            while True:
-                event = await events.get()
-                if isinstance(event, Token):
-                    yield scheduler_pb2.GenerateResponse(tokens=scheduler_pb2.Tokens(token_ids=[event.token_id]))
-                elif isinstance(event, Finished):
-                    yield scheduler_pb2.GenerateResponse(
-                        finished=scheduler_pb2.Finished(
-                            finish_reason=event.reason,  # type: ignore[arg-type]
-                            prompt_tokens=event.prompt_tokens,
-                            completion_tokens=event.completion_tokens,
-                        )
+        while True:
+            event = await events.get()
+            if isinstance(event, Token):
+                yield scheduler_pb2.GenerateResponse(tokens=scheduler_pb2.Tokens(token_ids=[event.token_id]))
+            elif isinstance(event, Finished):
+                yield scheduler_pb2.GenerateResponse(
+                    finished=scheduler_pb2.Finished(
+                        finish_reason=event.reason,  # type: ignore[arg-type]
+                        prompt_tokens=event.prompt_tokens,
+                        completion_tokens=event.completion_tokens,
                     )
-                    return
-                elif isinstance(event, Failed):
-                    raise event.error
-        finally:
-            del self._streams[admission.request_id]
+                )
+                return
+            elif isinstance(event, Failed):
+                raise event.error
 
-    def abort(self, request_id: str) -> None:
-        """Harmless for unknown and finished requests (the step loop ignores them)."""
+    def end(self, request_id: str) -> None:
+        """Whatever ended the call (finish, failure, cancel, deadline, even a
+        cancel before the first event): forget its stream, and have the step
+        loop drop the request on every rank if it still runs. Harmless for
+        unknown and finished requests."""
+        self._streams.pop(request_id, None)
         self.step_loop.abort(request_id)
 
     def _validate(self, pb: scheduler_pb2.GenerateRequest) -> NewRequest:

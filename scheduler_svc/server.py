@@ -66,9 +66,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             log.exception("request %s failed on an unexpected error", rid)
             await context.abort_with_status(InternalError(f"{type(exc).__name__}: {exc}").to_status(rid))
         finally:
-            # Cancel, deadline, disconnect, or normal end: the step loop drops
-            # the request on every rank if it still runs (no-op otherwise).
-            self.frontend.abort(rid)
+            # Cancel, deadline, disconnect, or normal end.
+            self.frontend.end(rid)
 
     async def GetServerInfo(  # noqa: N802
         self, request: scheduler_pb2.GetServerInfoRequest, context: grpc.aio.ServicerContext
