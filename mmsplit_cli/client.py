@@ -45,14 +45,25 @@ def make_request(
     seed: int = 0,
     request_id: str = "",
     urls: list[str] | None = None,
+    top_p: float | None = None,
+    top_k: int = 0,
+    min_tokens: int = 0,
+    stop_token_ids: list[int] | None = None,
+    stop: list[str] | None = None,
 ) -> tokenizer_pb2.GenerateRequest:
     pics = [tokenizer_pb2.Image(data=d) for d in images or []] + [tokenizer_pb2.Image(url=u) for u in urls or []]
-    return tokenizer_pb2.GenerateRequest(
-        request_id=request_id,
-        prompt=prompt,
-        images=pics,
-        sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed),
+    sampling = common_pb2.SamplingParams(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        seed=seed,
+        top_k=top_k,
+        min_tokens=min_tokens,
+        stop_token_ids=stop_token_ids or [],
+        stop=stop or [],
     )
+    if top_p is not None:
+        sampling.top_p = top_p
+    return tokenizer_pb2.GenerateRequest(request_id=request_id, prompt=prompt, images=pics, sampling=sampling)
 
 
 def run_request(
@@ -85,6 +96,11 @@ def generate_command(args: argparse.Namespace) -> int:
         temperature=args.temperature,
         seed=args.seed,
         request_id=args.request_id,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_tokens=args.min_tokens,
+        stop_token_ids=args.stop_token_id,
+        stop=args.stop,
     )
     with grpc.insecure_channel(args.server) as channel:
         stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)

@@ -60,6 +60,16 @@ def cases() -> list[Case]:
             "ok",
         ),
         Case(
+            "temperature 1e-39 (used to kill the group)",
+            lambda d: make_request("Tell me", [png], max_tokens=12, temperature=1e-39),
+            "INVALID_REQUEST",
+        ),
+        Case(
+            'top_p 0.9, top_k 40, stop at "e"',
+            lambda d: make_request("Tell me", [png], max_tokens=12, temperature=0.7, top_p=0.9, top_k=40, stop=["e"]),
+            "ok",
+        ),
+        Case(
             "good PNG again, after the bad ones",
             lambda d: make_request("Describe the image.", [png], max_tokens=12),
             "ok",

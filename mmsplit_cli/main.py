@@ -45,7 +45,7 @@ def _tiny_model(args: argparse.Namespace) -> int:
     from mmsplit_cli.tiny_model import build
 
     setup_logging("INFO")
-    build(args.dir, cache_dir=args.cache_dir)
+    build(args.dir, cache_dir=args.cache_dir, text_layers=args.text_layers, text_hidden=args.text_hidden)
     return 0
 
 
@@ -76,8 +76,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--server", default="127.0.0.1:50052", help="tokenizer address HOST:PORT")
     p.add_argument("--image", action="append", default=[], type=Path, help="image file, sent as inline bytes")
     p.add_argument("--max-tokens", type=int, default=0, help="0 = the server's default")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy, else within [0.001, 100]")
+    p.add_argument("--seed", type=int, default=0, help="0 = derived from the request id")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling, within (0, 1]; default off")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--min-tokens", type=int, default=0, help="no end-of-sequence or stop token before this many")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--stop-token-id", action="append", default=[], type=int, help="stop token id (repeatable)")
     p.add_argument("--request-id", default="")
     p.add_argument("--timeout", type=float, default=120.0, help="deadline of the call, seconds")
     p.add_argument("--json", action="store_true", help="print one JSON object per event")
@@ -88,6 +93,8 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("tiny-model", help="write a tiny random-weight LLaVA with a real tokenizer")
     p.add_argument("dir", type=Path)
     p.add_argument("--cache-dir", type=Path, default=Path(".cache"), help=cache_help)
+    p.add_argument("--text-layers", type=int, default=2, help="layers of the text model")
+    p.add_argument("--text-hidden", type=int, default=64, help="hidden size of the text model")
     p.set_defaults(func=_tiny_model)
 
     p = sub.add_parser("demo", help="both services, a tiny model, scripted requests, a table of outcomes")

@@ -42,8 +42,11 @@ def tokenizer_wheel(cache_dir: Path) -> Path:
     return found[0]
 
 
-def build(out: Path, *, cache_dir: Path, seed: int = 0) -> Path:
-    """Write the model directory `out` (config, weights, processor); return it."""
+def build(out: Path, *, cache_dir: Path, seed: int = 0, text_layers: int = 2, text_hidden: int = 64) -> Path:
+    """Write the model directory `out` (config, weights, processor); return it.
+    `text_layers` and `text_hidden` size the Llama text model (the benchmarks
+    use a larger one: 8 layers, 512 wide); heads are 64 wide at 512 and
+    more, 16 wide below, with half as many KV heads."""
     import torch
     from transformers import (
         CLIPImageProcessorPil,
@@ -81,13 +84,14 @@ def build(out: Path, *, cache_dir: Path, seed: int = 0) -> Path:
         patch_size=PATCH_SIZE,
         projection_dim=32,
     )
+    heads = max(4, text_hidden // 64) if text_hidden >= 512 else 4
     text = LlamaConfig(
         vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        hidden_size=text_hidden,
+        intermediate_size=2 * text_hidden,
+        num_hidden_layers=text_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads // 2,
         max_position_embeddings=1024,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -105,5 +109,11 @@ def build(out: Path, *, cache_dir: Path, seed: int = 0) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     processor.save_pretrained(out)
-    log.info("wrote tiny LLaVA (%d parameters) to %s", sum(p.numel() for p in model.parameters()), out)
+    log.info(
+        "wrote tiny LLaVA (%d text layers, %d wide, %d parameters) to %s",
+        text_layers,
+        text_hidden,
+        sum(p.numel() for p in model.parameters()),
+        out,
+    )
     return out

@@ -45,18 +45,26 @@ class TorchCollective:
         self.world_size = dist.get_world_size()
         self.device = device
 
+    # A group of one has nobody to talk to: its collectives are identities
+    # (no pickling, no tensor round trip on the step's hot path).
     def broadcast_from_0(self, obj: Any) -> Any:
+        if self.world_size == 1:
+            return obj
         box = [obj]
         dist.broadcast_object_list(box, src=0, device=self.device)
         return box[0]
 
     def all_gather_row(self, row: torch.Tensor) -> torch.Tensor:
+        if self.world_size == 1:
+            return row[None]
         row = row.to(self.device)
         out = [torch.empty_like(row) for _ in range(self.world_size)]
         dist.all_gather(out, row)
         return torch.stack(out).cpu()
 
     def gather_to_0(self, obj: Any) -> list[Any] | None:
+        if self.world_size == 1:
+            return [obj]
         out: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
         dist.gather_object(obj, out, dst=0)
         return out

@@ -1,133 +1,209 @@
 """One step on one rank (DESIGN.md §6).
 
-    apply drops and feeds → read new requests' tensors → ONE agreement
-    all_gather → release the step's segments (rank 0) → forward every running
-    request → sample (rank 0)
+    apply drops and feeds → read the new requests' tensors → ONE agreement
+    all_gather → release the step's segments (rank 0) → ONE batched decode
+    forward for every running request → ONE batched prefill forward for the
+    requests that join → sample every row (rank 0)
 
-The engine keeps each request's KV cache. It holds no policy: which requests
-join, leave or stop is decided by rank 0's loop and arrives in the plan.
+The engine holds the batch: one row of the `RowCache` per running request,
+in the order the plans made them (joins append in plan order, leaves
+swap-remove in plan order), so every rank holds the same rows in the same
+order by construction. It holds no policy: which requests join, leave or
+stop, and the token each row feeds next, arrive in the plan.
+
+Isolation: a request's tensors are checked (readable, finite) on every rank
+before the agreement, so a bad one is dropped everywhere before any model
+collective. What can only fail on rank 0 (sampling, non-finite logits of one
+row) fails that request alone: it is reported in `StepOutcome.rejected` and
+the loop drops it on every rank in the next plan.
 """
 
 from __future__ import annotations
 
 import logging
+import zlib
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
 
 from mmsplit.errors import E, MmsplitError
 from scheduler_svc.agreement import agree_on_failures
 from scheduler_svc.collective import Collective
+from scheduler_svc.errors import NonFinitePixels
+from scheduler_svc.kvcache import ForwardInputs, RowCache
 from scheduler_svc.plan import NewRequest, Plan, StepOutcome
 from scheduler_svc.reader import TensorReader
+from scheduler_svc.sampler import RowSampling, Sampler, make_generator
 
 log = logging.getLogger(__name__)
 
+# Right-padding of prompts in a batched prefill; never attended (the mask
+# hides it), so any id inside the vocabulary that is not a placeholder works.
+PAD_ID = 0
+
 
 @dataclass
-class Running:
+class Row:
     request: NewRequest
-    # Pixel tensors until the prefill consumed them.
-    pixels: list[torch.Tensor] | None
-    cache: DynamicCache | None = None
-    # The next input token; None before the prefill.
+    # The token this row feeds next (set from each plan); None until sampled.
     feed: int | None = None
-    generator: torch.Generator | None = field(default=None, repr=False)
+    sampling: RowSampling | None = field(default=None, repr=False)  # rank 0 only
 
 
 class Engine:
-    def __init__(self, model: torch.nn.Module, coll: Collective, reader: TensorReader, device: torch.device) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        coll: Collective,
+        reader: TensorReader,
+        device: torch.device,
+        *,
+        eos_token_ids: frozenset[int],
+        token_chunk: int = 256,
+    ) -> None:
         self.model = model
         self.coll = coll
         self.reader = reader
         self.device = device
-        self.running: dict[str, Running] = {}
         self.dtype: torch.dtype = next(model.parameters()).dtype
+        layers = int(model.config.get_text_config().num_hidden_layers)  # type: ignore[union-attr,operator]
+        self.cache = RowCache(layers, dtype=self.dtype, device=device, token_chunk=token_chunk)
+        self.rows: list[Row] = []  # row i of the cache
+        self.index: dict[str, int] = {}
+        self.sampler = Sampler(eos_token_ids)
 
     def step(self, plan: Plan) -> StepOutcome:
+        # The cache's tensors are made in inference mode; every in-place
+        # change to them (joins, leaves) must happen in it too.
+        with torch.inference_mode():
+            return self._step(plan)
+
+    def _step(self, plan: Plan) -> StepOutcome:
         for rid in plan.drop:
-            self.running.pop(rid, None)
+            self._remove(rid)
         for rid, token in plan.feed:
             # A missing id here means the ranks diverged: fail loudly, never guess.
-            self.running[rid].feed = token
+            self.rows[self.index[rid]].feed = token
 
-        pixels, codes, messages = self._read_new(plan.new)
-        failed_idx, active_per_rank = agree_on_failures(self.coll, codes, messages, active=len(self.running))
+        tensors, codes, messages = self._read_new(plan.new)
+        failed_idx, active_per_rank = agree_on_failures(self.coll, codes, messages, active=len(self.rows))
         if self.coll.rank == 0:
             # The agreement above is also the barrier that proves every rank
             # has copied the step's tensors: release them, success or not.
             for req in plan.new:
                 for spec in req.pixel_values:
                     spec.release()
-        failed = {}
-        for i, req in enumerate(plan.new):
-            if i in failed_idx:
-                failed[req.request_id] = failed_idx[i]
-            else:
-                self.running[req.request_id] = Running(req, pixels[i], generator=self._generator(req))
+        failed = {plan.new[i].request_id: f for i, f in failed_idx.items()}
+        joining = [(req, tensors[i]) for i, req in enumerate(plan.new) if i not in failed_idx]
 
-        sampled = {}
-        with torch.inference_mode():
-            for rid, state in self.running.items():
-                logits = self._forward(state)
-                if self.coll.rank == 0:
-                    sampled[rid] = self._sample(state, logits)
-        return StepOutcome(sampled=sampled, failed=failed, active_per_rank=active_per_rank)
+        logits: list[torch.Tensor] = []
+        if self.rows:
+            logits.append(self._decode())
+        if joining:
+            logits.append(self._prefill(joining))
+        for req, _ in joining:
+            self.index[req.request_id] = len(self.rows)
+            self.rows.append(Row(req, sampling=self._row_sampling(req)))
 
+        sampled: dict[str, int] = {}
+        rejected: dict[str, str] = {}
+        if self.coll.rank == 0 and logits:
+            batch = [row.sampling for row in self.rows]
+            for row, result in zip(self.rows, self.sampler.sample(torch.cat(logits), batch), strict=True):  # type: ignore[arg-type]
+                if isinstance(result, str):
+                    rejected[row.request.request_id] = result
+                else:
+                    sampled[row.request.request_id] = result
+                    row.sampling.generated += 1  # type: ignore[union-attr]
+        return StepOutcome(sampled=sampled, failed=failed, active_per_rank=active_per_rank, rejected=rejected)
+
+    # ---- rows ----
+    def _remove(self, rid: str) -> None:
+        row = self.index.pop(rid, None)
+        if row is None:  # never joined (failed at admission) or already gone
+            return
+        self.cache.remove(row)
+        last = self.rows.pop()
+        if row < len(self.rows):
+            self.rows[row] = last
+            self.index[last.request.request_id] = row
+
+    def _row_sampling(self, req: NewRequest) -> RowSampling | None:
+        if self.coll.rank != 0:
+            return None
+        seed = req.sampling.seed or zlib.crc32(req.request_id.encode())
+        generator = make_generator(req.sampling, seed, self.device)
+        return RowSampling(req.request_id, req.sampling, generated=0, generator=generator)
+
+    # ---- forwards ----
+    def _decode(self) -> torch.Tensor:
+        """One token for every running row: ``[rows, vocab]`` logits."""
+        feeds = [row.feed for row in self.rows]
+        if None in feeds:
+            missing = [r.request.request_id for r in self.rows if r.feed is None]
+            raise RuntimeError(f"the plan fed no token to running requests {missing}")
+        ids = torch.tensor(feeds, dtype=torch.long, device=self.device)[:, None]
+        hidden = self._body(ids, self.cache.begin_decode())
+        return self._head(hidden[:, -1])
+
+    def _prefill(self, joining: list[tuple[NewRequest, list[torch.Tensor] | None]]) -> torch.Tensor:
+        """The joining prompts in one right-padded forward; each row's logits
+        at its last prompt token: ``[joining, vocab]``."""
+        lengths = [len(req.input_ids) for req, _ in joining]
+        ids = torch.full((len(joining), max(lengths)), PAD_ID, dtype=torch.long)
+        for i, (req, _) in enumerate(joining):
+            ids[i, : lengths[i]] = torch.tensor(req.input_ids, dtype=torch.long)
+        pixels = [t for _, tensors in joining for t in tensors or ()]
+        extra = {}
+        if pixels:
+            # The model fills placeholders in row-major order: images in plan order.
+            extra["pixel_values"] = torch.stack(pixels).to(self.device, self.dtype)
+        hidden = self._body(ids.to(self.device), self.cache.begin_prefill(lengths), **extra)
+        last = torch.tensor(lengths, device=self.device) - 1
+        return self._head(hidden[torch.arange(len(joining), device=self.device), last])
+
+    def _body(self, ids: torch.Tensor, inputs: ForwardInputs, **extra: torch.Tensor) -> torch.Tensor:
+        out = self.model.model(  # type: ignore[operator]
+            input_ids=ids,
+            position_ids=inputs.position_ids,
+            attention_mask=inputs.attention_mask,
+            past_key_values=self.cache,
+            use_cache=True,
+            **extra,
+        )
+        hidden: torch.Tensor = out.last_hidden_state
+        return hidden
+
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of the rows' last positions only (never of whole prompts)."""
+        logits: torch.Tensor = self.model.lm_head(hidden)  # type: ignore[operator]
+        return logits.float()
+
+    # ---- tensors ----
     def _read_new(self, new: tuple[NewRequest, ...]) -> tuple[list[list[torch.Tensor] | None], list[int], list[str]]:
-        pixels: list[list[torch.Tensor] | None] = []
+        tensors: list[list[torch.Tensor] | None] = []
         codes: list[int] = []
         messages: list[str] = []
         for req in new:
             try:
-                tensors = [self.reader.read(req.request_id, spec) for spec in req.pixel_values]
+                read = [self.reader.read(req.request_id, spec) for spec in req.pixel_values]
+                for i, tensor in enumerate(read):
+                    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                        raise NonFinitePixels(f"image {i}: the pixel tensor holds NaN or infinite values")
             except MmsplitError as exc:
-                log.warning("rank %d could not read tensors of request %s: %s", self.coll.rank, req.request_id, exc)
-                pixels.append(None)
+                log.warning("rank %d could not use tensors of request %s: %s", self.coll.rank, req.request_id, exc)
+                tensors.append(None)
                 codes.append(exc.error_code)
                 messages.append(exc.message)
                 continue
             except Exception as exc:
                 # A reader bug must not leave this rank out of the vote.
                 log.exception("rank %d: tensor reader failed on request %s", self.coll.rank, req.request_id)
-                pixels.append(None)
+                tensors.append(None)
                 codes.append(E.ERROR_CODE_FEATURE_TRANSPORT_FAILED)
                 messages.append(f"{type(exc).__name__}: {exc}")
                 continue
-            pixels.append(tensors)
+            tensors.append(read)
             codes.append(0)
             messages.append("")
-        return pixels, codes, messages
-
-    def _generator(self, req: NewRequest) -> torch.Generator | None:
-        if self.coll.rank != 0 or req.temperature <= 0:
-            return None
-        gen = torch.Generator()
-        gen.manual_seed(req.seed)
-        return gen
-
-    def _forward(self, state: Running) -> torch.Tensor:
-        if state.cache is None:
-            ids = torch.tensor([state.request.input_ids], dtype=torch.long, device=self.device)
-            kwargs = {}
-            if state.pixels:
-                kwargs["pixel_values"] = torch.stack(state.pixels).to(self.device, self.dtype)
-            state.cache = DynamicCache()
-            out = self.model(input_ids=ids, past_key_values=state.cache, use_cache=True, **kwargs)
-            state.pixels = None
-        else:
-            if state.feed is None:
-                raise RuntimeError(f"request {state.request.request_id} has no token to feed")
-            ids = torch.tensor([[state.feed]], dtype=torch.long, device=self.device)
-            out = self.model(input_ids=ids, past_key_values=state.cache, use_cache=True)
-        state.cache = out.past_key_values
-        return out.logits[0, -1].float().cpu()
-
-    @staticmethod
-    def _sample(state: Running, logits: torch.Tensor) -> int:
-        temperature = state.request.temperature
-        if temperature <= 0:
-            return int(torch.argmax(logits))
-        probs = torch.softmax(logits / temperature, dim=-1)
-        return int(torch.multinomial(probs, 1, generator=state.generator))
+        return tensors, codes, messages

@@ -4,24 +4,30 @@ Hierarchy (the shared base lives in `mmsplit.errors`)::
 
     MmsplitError
     ├── InvalidRequest             client: malformed request (INVALID_REQUEST)
+    ├── InvalidSampling            client: sampling parameter out of limits (mmsplit.sampling)
     ├── InvalidTensorRef           client: malformed reference (mmsplit.tensors)
+    ├── NonFinitePixels            client: NaN/Inf in a pixel tensor, found on every rank
     ├── TensorTransportFailed      server, retriable: a rank could not read (mmsplit.tensors)
     ├── Overloaded                 server, retriable: admission queue full
     ├── SchedulerUnavailable       server, retriable: a rank died, a collective failed
     ├── ShuttingDown               server, retriable: draining on SIGTERM (mmsplit.errors)
-    └── InternalError              server: a bug
+    └── InternalError              server: a bug; also one request's non-finite
+                                   logits or failed sampling (that request alone)
 """
 
 from __future__ import annotations
 
 from mmsplit.errors import E, InternalError, MmsplitError, ShuttingDown
+from mmsplit.sampling import InvalidSampling
 from mmsplit.tensors import InvalidTensorRef, TensorTransportFailed
 
 __all__ = [
     "InternalError",
     "InvalidRequest",
+    "InvalidSampling",
     "InvalidTensorRef",
     "MmsplitError",
+    "NonFinitePixels",
     "Overloaded",
     "SchedulerUnavailable",
     "ShuttingDown",
@@ -32,6 +38,13 @@ __all__ = [
 
 class InvalidRequest(MmsplitError):
     """The request is malformed (client; a retry cannot help)."""
+
+    code = E.ERROR_CODE_INVALID_REQUEST
+
+
+class NonFinitePixels(MmsplitError):
+    """A pixel tensor holds NaN or infinite values (client; a retry cannot help).
+    Checked on every rank from the same bytes, before any model collective."""
 
     code = E.ERROR_CODE_INVALID_REQUEST
 

@@ -2,21 +2,20 @@
 its events back on the event loop.
 
 Everything here runs on the asyncio event loop and never blocks: the step
-loop is reached through its thread-safe inbox, and events come back through
-`loop.call_soon_threadsafe`.
+loop is reached through its thread-safe inbox, and each step's events come
+back in one `loop.call_soon_threadsafe` (the step loop's `post`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
-import zlib
 from collections.abc import AsyncIterator
 
+from mmsplit.sampling import Sampling
 from mmsplit.scheduler.v1 import scheduler_pb2
 from mmsplit.tensors import TensorSpec
-from scheduler_svc.errors import InvalidRequest, InvalidTensorRef
+from scheduler_svc.errors import InvalidRequest, InvalidTensorRef, MmsplitError
 from scheduler_svc.loop import Admission, Event, Failed, Finished, StepLoop, Token
 from scheduler_svc.model import ModelInfo
 from scheduler_svc.plan import NewRequest
@@ -42,19 +41,16 @@ class Frontend:
         rid = request.request_id
         if rid in self._streams:
             raise InvalidRequest(f"request id {rid!r} is already running")
-        max_tokens = pb.sampling.max_tokens or self.settings.default_max_tokens
-        if max_tokens > self.settings.max_tokens_limit:
-            raise InvalidRequest(f"max_tokens {max_tokens} is over the limit {self.settings.max_tokens_limit}")
+        reserve = min(len(request.input_ids) + request.sampling.max_tokens, self.info.max_context)
+        budget = self.step_loop.kv_budget_tokens
+        if reserve > budget:
+            raise InvalidRequest(
+                f"the prompt ({len(request.input_ids)} tokens) and max_tokens ({request.sampling.max_tokens}) "
+                f"need {reserve} tokens of KV cache; this server's budget is {budget}"
+            )
+        # Events are delivered on this event loop's thread (StepLoop.post).
         events: asyncio.Queue[Event] = asyncio.Queue()
-        aio_loop = asyncio.get_running_loop()
-
-        def emit(event: Event) -> None:
-            try:
-                aio_loop.call_soon_threadsafe(events.put_nowait, event)
-            except RuntimeError:  # the event loop closed during shutdown; nobody listens
-                log.debug("dropped event for %s after the event loop closed", rid)
-
-        admission = Admission(request=request, max_tokens=max_tokens, emit=emit)
+        admission = Admission(request=request, emit=events.put_nowait, reserve=reserve)
         self.step_loop.submit(admission)
         self._streams[rid] = events
         return admission
@@ -78,6 +74,16 @@ class Frontend:
             elif isinstance(event, Failed):
                 raise event.error
 
+    def fail_all(self, error: MmsplitError) -> None:
+        """End every open stream with `error` (the group died while the step
+        thread may be stuck in a collective and cannot do it)."""
+        for events in self._streams.values():
+            events.put_nowait(Failed(error))
+
+    @property
+    def open_streams(self) -> int:
+        return len(self._streams)
+
     def end(self, request_id: str) -> None:
         """Whatever ended the call (finish, failure, cancel, deadline, even a
         cancel before the first event): forget its stream, and have the step
@@ -90,11 +96,13 @@ class Frontend:
         rid = pb.request_id
         if not rid or len(rid) > MAX_REQUEST_ID or not rid.isprintable():
             raise InvalidRequest(f"request_id must be 1..{MAX_REQUEST_ID} printable characters")
-        ids = tuple(pb.input_ids)
-        if not ids:
+        # Count before converting: a huge message costs nothing more to refuse.
+        count = len(pb.input_ids)
+        if not count:
             raise InvalidRequest("input_ids is empty")
-        if len(ids) >= self.info.max_context:
-            raise InvalidRequest(f"prompt of {len(ids)} tokens does not fit the context of {self.info.max_context}")
+        if count >= self.info.max_context:
+            raise InvalidRequest(f"prompt of {count} tokens does not fit the context of {self.info.max_context}")
+        ids = tuple(pb.input_ids)
         if max(ids) >= self.info.vocab_size:
             raise InvalidRequest(f"token id {max(ids)} is outside the vocabulary of {self.info.vocab_size}")
         if len(pb.pixel_values) > self.settings.max_images_per_request:
@@ -114,8 +122,10 @@ class Frontend:
                 f"{placeholders} image placeholder tokens for {len(specs)} image(s); "
                 f"each image needs {self.info.tokens_per_image}"
             )
-        temperature = pb.sampling.temperature
-        if not math.isfinite(temperature) or not 0 <= temperature <= 100:
-            raise InvalidRequest(f"temperature {temperature} must be within [0, 100]")
-        seed = pb.sampling.seed or zlib.crc32(rid.encode())
-        return NewRequest(request_id=rid, input_ids=ids, pixel_values=tuple(specs), temperature=temperature, seed=seed)
+        sampling = Sampling.from_pb(
+            pb.sampling,
+            max_tokens_limit=self.settings.max_tokens_limit,
+            default_max_tokens=self.settings.default_max_tokens,
+            vocab_size=self.info.vocab_size,
+        )
+        return NewRequest(request_id=rid, input_ids=ids, pixel_values=tuple(specs), sampling=sampling)

@@ -1,10 +1,17 @@
 """Rank 0's step thread and the other ranks' loop.
 
-Rank 0's `StepLoop` owns all per-request policy: admission into steps, the
-token each request feeds next, finishing, aborts. Only the thread that runs
-`StepLoop.run` touches its state; other threads talk to it through `inbox`.
-Events go back to the gRPC side through each admission's `emit`, which must be
-thread-safe.
+Rank 0's `StepLoop` owns all per-request policy: admission into the batch
+(row cap, new requests per step, prefill tokens per step, the KV-cache
+budget), the token each request feeds next, finishing, aborts. Only the
+thread that runs `StepLoop.run` touches its state; other threads talk to it
+through `inbox`. Events go back to the gRPC side in one batch per step
+through `post`, which runs a callable on the consumer's thread.
+
+KV budget: the engine's cache is rectangular (rows x the longest row), so
+what the running requests can come to occupy is ``rows x max(reservation)``,
+where a request reserves ``prompt + max_tokens`` (capped at the context
+length). A request joins only while that stays within the budget; until then
+it waits in the queue, and beyond `max_queue` new requests are OVERLOADED.
 """
 
 from __future__ import annotations
@@ -21,8 +28,15 @@ from mmsplit import shm
 from mmsplit.common.v1 import common_pb2
 from scheduler_svc.collective import Collective
 from scheduler_svc.engine import Engine
-from scheduler_svc.errors import MmsplitError, Overloaded, SchedulerUnavailable, ShuttingDown, error_for_code
-from scheduler_svc.plan import NewRequest, Plan
+from scheduler_svc.errors import (
+    InternalError,
+    MmsplitError,
+    Overloaded,
+    SchedulerUnavailable,
+    ShuttingDown,
+    error_for_code,
+)
+from scheduler_svc.plan import Failure, NewRequest, Plan
 from scheduler_svc.settings import SchedulerSettings
 
 log = logging.getLogger(__name__)
@@ -51,8 +65,10 @@ Event = Token | Finished | Failed
 @dataclass
 class Admission:
     request: NewRequest
-    max_tokens: int
+    # Delivers an event; called on the consumer's thread (see StepLoop.post).
     emit: Callable[[Event], None]
+    # KV-cache tokens this request may come to hold: prompt + max_tokens, capped at the context.
+    reserve: int
     generated: int = 0
     next_token: int | None = None
 
@@ -63,6 +79,15 @@ class Admission:
     def release(self) -> None:
         for spec in self.request.pixel_values:
             spec.release()
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What GetServerInfo reports; replaced whole by the loop thread each step."""
+
+    running: int = 0
+    queued: int = 0
+    kv_reserved_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -83,6 +108,8 @@ class StepLoop:
         *,
         eos_token_ids: frozenset[int],
         max_context: int,
+        kv_budget_tokens: int,
+        post: Callable[[Callable[[], None]], None],
         on_fatal: Callable[[BaseException], None],
     ) -> None:
         self.engine = engine
@@ -90,6 +117,8 @@ class StepLoop:
         self.settings = settings
         self.eos_token_ids = eos_token_ids
         self.max_context = max_context
+        self.kv_budget_tokens = kv_budget_tokens
+        self.post = post
         self.on_fatal = on_fatal
         self.inbox: queue.SimpleQueue[Admission | _Abort | _Stop] = queue.SimpleQueue()
         self._queued = 0  # admissions in the inbox or pending; guarded by _lock
@@ -98,15 +127,19 @@ class StepLoop:
         # Loop-thread state.
         self._pending: deque[Admission] = deque()
         self._running: dict[str, Admission] = {}
+        self._joining: list[Admission] = []  # admitted into the step that is running
         self._drop: list[str] = []
         self._aborted: set[str] = set()
+        self._outbox: list[tuple[Admission, Event]] = []
         self._stopping = False
         self._draining = False
         # Set by the loop thread once draining and nothing is queued or running.
         self.idle = threading.Event()
         self._step = 0
         self._last_sweep = 0.0
+        self._stats = _Stats(time.monotonic())
         self.active_per_rank: list[int] = [0] * coll.world_size
+        self.snapshot = Snapshot()
 
     # ---- any thread ----
     def submit(self, admission: Admission) -> None:
@@ -141,7 +174,8 @@ class StepLoop:
             while True:
                 self._drain(block=not (self._pending or self._running or self._stopping))
                 self._janitor()
-                plan, admitted = self._plan()
+                plan = self._plan()
+                started = time.monotonic()
                 self.coll.broadcast_from_0(plan)
                 outcome = self.engine.step(plan)
                 self.active_per_rank = outcome.active_per_rank
@@ -150,7 +184,10 @@ class StepLoop:
                 for rid in self._aborted.intersection(plan.drop):
                     log.info("request %s aborted on all %d ranks", rid, self.coll.world_size)
                 self._aborted.difference_update(plan.drop)
-                self._settle(admitted, outcome.failed, outcome.sampled)
+                self._settle(outcome.failed, outcome.sampled, outcome.rejected)
+                self._flush()
+                self._stats.step(time.monotonic() - started, len(self._running), len(outcome.sampled))
+                self._report()
                 if plan.stop:
                     return
                 with self._lock:
@@ -161,6 +198,7 @@ class StepLoop:
             with self._lock:
                 self._dead = exc
             self._fail_all(SchedulerUnavailable(f"scheduler group failed: {exc}"))
+            self._flush()
             self.on_fatal(exc)
 
     def _drain(self, *, block: bool) -> None:
@@ -209,10 +247,30 @@ class StepLoop:
             self._drop.append(request_id)
             self._aborted.add(request_id)
 
-    def _plan(self) -> tuple[Plan, list[Admission]]:
-        room = min(self.settings.max_new_per_step, self.settings.max_running - len(self._running))
-        admitted = [self._pending.popleft() for _ in range(min(room, len(self._pending)))]
+    def _plan(self) -> Plan:
+        """Admit from the head of the queue (first come, first served: a
+        request that does not fit yet is not overtaken) while the rows, the
+        step's prefill tokens and the KV budget allow."""
+        s = self.settings
+        rows = len(self._running)
+        longest = max((a.reserve for a in self._running.values()), default=0)
+        widest = 0
+        admitted: list[Admission] = []
+        while self._pending and len(admitted) < s.max_new_per_step and rows < s.max_running:
+            head = self._pending[0]
+            prompt = len(head.request.input_ids)
+            # A prefill forward is right-padded to its longest prompt; one
+            # request alone is always allowed, however long.
+            if admitted and (len(admitted) + 1) * max(widest, prompt) > s.max_prefill_tokens:
+                break
+            if (rows + 1) * max(longest, head.reserve) > self.kv_budget_tokens:
+                break
+            admitted.append(self._pending.popleft())
+            rows += 1
+            longest = max(longest, head.reserve)
+            widest = max(widest, prompt)
         self._dequeued(len(admitted))
+        self._joining = admitted
         feed = tuple((rid, adm.next_token) for rid, adm in self._running.items() if adm.next_token is not None)
         self._step += 1
         plan = Plan(
@@ -224,48 +282,98 @@ class StepLoop:
         )
         self._drop = []
         if admitted:
-            log.info("step %d admits %s", plan.step, [a.request_id for a in admitted])
-        return plan, admitted
+            log.debug("step %d admits %s", plan.step, [a.request_id for a in admitted])
+        return plan
 
-    def _settle(self, admitted: list[Admission], failed: dict, sampled: dict[str, int]) -> None:
-        for adm in admitted:
+    def _settle(self, failed: dict[str, Failure], sampled: dict[str, int], rejected: dict[str, str]) -> None:
+        for adm in self._joining:
             failure = failed.get(adm.request_id)
             if failure is None:
                 self._running[adm.request_id] = adm
                 continue
             ranks = ",".join(str(r) for r in failure.ranks)
             detail = "; ".join(f"rank {r}: {m}" for r, m in sorted(failure.messages.items()))
-            log.warning("request %s failed on rank(s) %s, aborted on all ranks: %s", adm.request_id, ranks, detail)
-            adm.emit(Failed(error_for_code(failure.code, detail or "tensor read failed", {"failed_ranks": ranks})))
+            others = [a.request_id for a in self._joining if a is not adm]
+            log.warning(
+                "step %d: request %s failed on rank(s) %s, aborted on all ranks (joined with %s%s): %s",
+                self._step,
+                adm.request_id,
+                ranks,
+                others[:8],
+                " and more" if len(others) > 8 else "",
+                detail,
+            )
+            error = error_for_code(failure.code, detail or "tensor read failed", {"failed_ranks": ranks})
+            self._outbox.append((adm, Failed(error)))
+        self._joining = []
+        for rid, message in rejected.items():
+            gone = self._running.pop(rid, None)
+            if gone is None:  # aborted while this step ran; already queued for dropping
+                continue
+            log.warning("request %s failed on rank 0 and is dropped on every rank: %s", rid, message)
+            self._outbox.append((gone, Failed(InternalError(message))))
+            self._drop.append(rid)
         for rid, token in sampled.items():
             running = self._running.get(rid)
-            if running is None:  # aborted while this step ran; already queued for dropping
+            if running is None:
                 continue
             adm = running
             adm.generated += 1
-            adm.emit(Token(token))
+            self._outbox.append((adm, Token(token)))
             reason = self._finish_reason(adm, token)
             if reason is None:
                 adm.next_token = token
                 continue
             prompt = len(adm.request.input_ids)
-            adm.emit(Finished(reason, prompt, adm.generated))
+            self._outbox.append((adm, Finished(reason, prompt, adm.generated)))
             del self._running[rid]
             self._drop.append(rid)
 
     def _finish_reason(self, adm: Admission, token: int) -> int | None:
-        if token in self.eos_token_ids:
+        # The sampler never draws these before min_tokens.
+        if token in self.eos_token_ids or token in adm.request.sampling.stop_token_ids:
             return common_pb2.FINISH_REASON_STOP
-        if adm.generated >= adm.max_tokens or len(adm.request.input_ids) + adm.generated >= self.max_context:
+        if (
+            adm.generated >= adm.request.sampling.max_tokens
+            or len(adm.request.input_ids) + adm.generated >= self.max_context
+        ):
             return common_pb2.FINISH_REASON_LENGTH
         return None
+
+    def _flush(self) -> None:
+        """Hand this step's events to the consumer's thread in one call."""
+        if not self._outbox:
+            return
+        batch, self._outbox = self._outbox, []
+
+        def deliver() -> None:
+            for adm, event in batch:
+                adm.emit(event)
+
+        self.post(deliver)
+
+    def _report(self) -> None:
+        running = len(self._running)
+        longest = max((a.reserve for a in self._running.values()), default=0)
+        self.snapshot = Snapshot(running=running, queued=len(self._pending), kv_reserved_tokens=running * longest)
+        line = self._stats.line(time.monotonic(), self.settings.stats_interval_s)
+        if line:
+            s = self.snapshot
+            log.info(
+                "%s; running %d, queued %d, KV reserved %d of %d tokens",
+                line,
+                s.running,
+                s.queued,
+                s.kv_reserved_tokens,
+                self.kv_budget_tokens,
+            )
 
     def _dequeued(self, n: int) -> None:
         with self._lock:
             self._queued -= n
 
     def _fail_all(self, error: MmsplitError) -> None:
-        """Fail every pending and running request; release what rank 0 still owns."""
+        """Fail every pending, joining and running request; release what rank 0 still owns."""
         while True:
             try:
                 item = self.inbox.get_nowait()
@@ -275,13 +383,52 @@ class StepLoop:
                 self._pending.append(item)
         for adm in self._pending:
             adm.release()
-            adm.emit(Failed(error))
+            self._outbox.append((adm, Failed(error)))
         self._dequeued(len(self._pending))
         self._pending.clear()
+        # Requests of the step that failed: their segments were released by
+        # the engine after the agreement, or are released here (idempotent).
+        for adm in self._joining:
+            adm.release()
+            self._outbox.append((adm, Failed(error)))
+        self._joining = []
         for rid, adm in self._running.items():
-            adm.emit(Failed(error))
+            self._outbox.append((adm, Failed(error)))
             self._drop.append(rid)
         self._running.clear()
+
+
+class _Stats:
+    """Step statistics, logged every `stats_interval_s` instead of a line per step."""
+
+    def __init__(self, now: float) -> None:
+        self._reset(now)
+
+    def _reset(self, now: float) -> None:
+        self._since = now
+        self._steps = 0
+        self._busy_s = 0.0
+        self._rows = 0
+        self._tokens = 0
+
+    def step(self, seconds: float, rows: int, tokens: int) -> None:
+        if tokens == 0 and rows == 0:
+            return  # heartbeat
+        self._steps += 1
+        self._busy_s += seconds
+        self._rows += rows
+        self._tokens += tokens
+
+    def line(self, now: float, interval_s: float) -> str:
+        elapsed = now - self._since
+        if elapsed < interval_s or self._steps == 0:
+            return ""
+        text = (
+            f"{self._steps / elapsed:.1f} steps/s, {self._tokens / elapsed:.0f} tokens/s, "
+            f"mean batch {self._rows / self._steps:.1f}, mean step {1000 * self._busy_s / self._steps:.1f} ms"
+        )
+        self._reset(now)
+        return text
 
 
 def run_follower(engine: Engine, coll: Collective) -> None:

@@ -27,6 +27,15 @@ class ModelInfo:
     tokens_per_image: int
     max_context: int
     eos_token_ids: frozenset[int]
+    # The text model's shape, for sizing the KV cache.
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+
+    def kv_bytes_per_token(self, *, tp: int, itemsize: int) -> int:
+        """KV-cache bytes one token takes on one rank (keys and values, every
+        layer, this rank's share of the KV heads)."""
+        return self.num_layers * 2 * -(-self.kv_heads // tp) * self.head_dim * itemsize
 
 
 def model_info(model_dir: Path) -> ModelInfo:
@@ -49,6 +58,9 @@ def model_info(model_dir: Path) -> ModelInfo:
         tokens_per_image=tokens,
         max_context=int(text.max_position_embeddings),
         eos_token_ids=eos_ids,
+        num_layers=int(text.num_hidden_layers),
+        kv_heads=int(getattr(text, "num_key_value_heads", None) or text.num_attention_heads),
+        head_dim=int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads),
     )
 
 

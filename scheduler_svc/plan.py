@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from mmsplit.sampling import Sampling
 from mmsplit.tensors import TensorSpec
 
 
@@ -18,8 +19,8 @@ class NewRequest:
     request_id: str
     input_ids: tuple[int, ...]
     pixel_values: tuple[TensorSpec, ...]
-    temperature: float
-    seed: int
+    # Validated at admission; only rank 0 samples, the others carry it along.
+    sampling: Sampling
 
 
 @dataclass(frozen=True)
@@ -51,3 +52,6 @@ class StepOutcome:
     failed: dict[str, Failure]
     # requests held by each rank at the agreement point, indexed by rank.
     active_per_rank: list[int]
+    # request id -> why it could not be sampled (rank 0 only): fails that
+    # request alone; the next plan drops it on every rank.
+    rejected: dict[str, str] = field(default_factory=dict)

@@ -29,6 +29,7 @@ from mmsplit.errors import InternalError, MmsplitError
 from mmsplit.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from mmsplit.serving import Health, free_port, new_server
 from scheduler_svc.collective import Rendezvous
+from scheduler_svc.errors import SchedulerUnavailable
 from scheduler_svc.frontend import Frontend
 from scheduler_svc.loop import StepLoop
 from scheduler_svc.model import ModelInfo, model_info
@@ -75,6 +76,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         info = common_pb2.ServerInfo()
         info.CopyFrom(self.info)
         info.rank_active_requests.extend(self.step_loop.active_per_rank)
+        snapshot = self.step_loop.snapshot
+        info.running_requests = snapshot.running
+        info.queued_requests = snapshot.queued
+        info.kv_reserved_tokens = snapshot.kv_reserved_tokens
         return scheduler_pb2.GetServerInfoResponse(info=info)
 
 
@@ -117,7 +122,9 @@ def _bootstrap_watching(settings: SchedulerSettings, ranks: LocalRanks | None, r
             raise
 
 
-def server_info(settings: SchedulerSettings, info: ModelInfo, shm_namespace: str) -> common_pb2.ServerInfo:
+def server_info(
+    settings: SchedulerSettings, info: ModelInfo, shm_namespace: str, kv_budget_tokens: int
+) -> common_pb2.ServerInfo:
     transports = [common_pb2.TRANSPORT_INLINE]
     if shm_namespace:
         transports.insert(0, common_pb2.TRANSPORT_SHM)
@@ -128,11 +135,23 @@ def server_info(settings: SchedulerSettings, info: ModelInfo, shm_namespace: str
         shm_namespace=shm_namespace,
         shm_prefix=settings.shm_prefix,
         version=__version__,
+        kv_budget_tokens=kv_budget_tokens,
     )
 
 
+def kv_budget(settings: SchedulerSettings, info: ModelInfo, itemsize: int) -> int:
+    """The KV-cache budget in tokens: configured, or what --kv-cache-bytes holds."""
+    if settings.kv_budget_tokens:
+        return settings.kv_budget_tokens
+    per_token = info.kv_bytes_per_token(tp=settings.tp, itemsize=itemsize)
+    return settings.kv_cache_bytes // per_token
+
+
 def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[[], object]) -> None:
-    loop.call_soon_threadsafe(callback)
+    try:
+        loop.call_soon_threadsafe(callback)
+    except RuntimeError:  # the event loop closed during shutdown; nobody listens
+        log.debug("dropped a callback after the event loop closed")
 
 
 async def _serve(settings: SchedulerSettings, boot: Bootstrapped, ranks: LocalRanks | None) -> int:
@@ -143,12 +162,15 @@ async def _serve(settings: SchedulerSettings, boot: Bootstrapped, ranks: LocalRa
         aio_loop.add_signal_handler(sig, stop.set)
 
     info = model_info(settings.model_dir)
+    budget = kv_budget(settings, info, boot.engine.dtype.itemsize)
     step_loop = StepLoop(
         boot.engine,
         boot.coll,
         settings,
         eos_token_ids=info.eos_token_ids,
         max_context=info.max_context,
+        kv_budget_tokens=budget,
+        post=lambda fn: _call_soon(aio_loop, fn),
         on_fatal=lambda exc: _call_soon(aio_loop, fatal.set),
     )
     thread = threading.Thread(target=step_loop.run, name="step-loop", daemon=True)
@@ -163,12 +185,18 @@ async def _serve(settings: SchedulerSettings, boot: Bootstrapped, ranks: LocalRa
         service_names=[SERVICE_NAME],
         max_message_bytes=settings.max_message_bytes,
     )
-    servicer = SchedulerServicer(
-        Frontend(step_loop, settings, info), server_info(settings, info, boot.shm_namespace), step_loop
-    )
+    frontend = Frontend(step_loop, settings, info)
+    servicer = SchedulerServicer(frontend, server_info(settings, info, boot.shm_namespace, budget), step_loop)
     scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(servicer, server)
     await server.start()
     log.info("scheduler listening on %s:%d (tp=%d, model=%s)", settings.host, port, settings.tp, info.name)
+    log.info(
+        "batch: up to %d rows, KV budget %d tokens (%s), prefill up to %d tokens per step",
+        settings.max_running,
+        budget,
+        "configured" if settings.kv_budget_tokens else f"{settings.kv_cache_bytes} bytes per rank",
+        settings.max_prefill_tokens,
+    )
     await health.set_ready(True)
 
     if ranks is not None:
@@ -186,9 +214,14 @@ async def _serve(settings: SchedulerSettings, boot: Bootstrapped, ranks: LocalRa
     await health.set_ready(False)
 
     if fatal.is_set():
-        # In-flight requests already got SCHEDULER_UNAVAILABLE from the step
-        # loop, or get it now; the step thread may be stuck in a collective,
-        # so nothing waits for it.
+        # Every open stream ends with a typed SCHEDULER_UNAVAILABLE (the step
+        # thread may be stuck in a collective and cannot say it), then the
+        # server stops; nothing waits for the step thread.
+        frontend.fail_all(SchedulerUnavailable("the scheduler group failed; retry after it restarts"))
+        for _ in range(40):
+            if not frontend.open_streams:
+                break
+            await asyncio.sleep(0.05)
         await server.stop(1.0)
         if ranks is not None:
             ranks.terminate()

@@ -33,8 +33,21 @@ class SchedulerSettings:
     max_tensor_bytes: int = _opt(64 * 1024 * 1024, "largest tensor (and segment) accepted, bytes")
     max_images_per_request: int = _opt(8, "images one request may carry")
     max_new_per_step: int = _opt(32, "new requests admitted into one step; the rest wait")
-    max_running: int = _opt(64, "requests generating at once")
-    max_queue: int = _opt(256, "accepted requests waiting for a step; beyond this, OVERLOADED at once")
+    max_running: int = _opt(64, "requests generating at once (rows of the batch)")
+    max_queue: int = _opt(256, "accepted requests waiting for room; beyond this, OVERLOADED at once")
+    max_prefill_tokens: int = _opt(
+        4096,
+        "tokens of one step's batched prefill (joining requests x their longest prompt); a longer "
+        "prompt is prefilled alone",
+    )
+    kv_cache_bytes: int = _opt(
+        4 * 1024**3, "KV-cache memory per rank; the token budget is derived from it and the model's shape"
+    )
+    kv_budget_tokens: int = _opt(
+        0,
+        "KV-cache budget in tokens (rows x the longest reservation; a request reserves prompt + "
+        "max_tokens); 0 = derived from --kv-cache-bytes",
+    )
     default_max_tokens: int = _opt(64, "max_tokens of a request that leaves it 0")
     max_tokens_limit: int = _opt(4096, "largest max_tokens accepted")
     batch_window_s: float = _opt(
@@ -55,4 +68,5 @@ class SchedulerSettings:
     )
     shutdown_grace_s: float = _opt(5.0, "seconds running requests get to finish on SIGTERM")
     max_message_bytes: int = _opt(256 * 1024 * 1024, "largest gRPC message")
+    stats_interval_s: float = _opt(10.0, "how often the step loop logs its statistics")
     log_level: str = _opt("INFO", "logging level")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 import grpc
 
@@ -81,7 +81,7 @@ class SchedulerLink:
 
     async def generate(
         self, request: scheduler_pb2.GenerateRequest, *, timeout_s: float | None
-    ) -> AsyncIterator[scheduler_pb2.GenerateResponse]:
+    ) -> AsyncGenerator[scheduler_pb2.GenerateResponse, None]:
         call = self.stub.Generate(request, timeout=timeout_s)
         try:
             async for response in call:

@@ -1,4 +1,4 @@
-"""Prompt → token ids with image placeholders expanded; ids → text, incrementally."""
+"""Prompt → token ids with image placeholders expanded."""
 
 from __future__ import annotations
 
@@ -39,23 +39,3 @@ class PromptBuilder:
             if i < len(image_shapes):
                 ids.extend([self.image_token_id] * self.tokens_per_image(image_shapes[i]))
         return ids
-
-
-class IncrementalDecoder:
-    """Turns a growing list of token ids into text deltas. Holds back text
-    that ends in an incomplete UTF-8 sequence (the replacement character)
-    until the next token completes it."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-        self.ids: list[int] = []
-        self.text = ""
-
-    def push(self, token_ids: list[int]) -> str:
-        self.ids.extend(token_ids)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):
-            return ""
-        delta = text[len(self.text) :] if text.startswith(self.text) else text
-        self.text = text
-        return delta

@@ -10,22 +10,25 @@ unlinks them here. After it, the scheduler releases them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from mmsplit import shm
 from mmsplit.common.v1 import common_pb2
+from mmsplit.sampling import Sampling
 from mmsplit.scheduler.v1 import scheduler_pb2
 from mmsplit.tensors import NUMPY_TO_DTYPE, TensorSpec
 from mmsplit.tokenizer.v1 import tokenizer_pb2
+from tokenizer_svc.detokenize import IncrementalDecoder, StopMatcher
 from tokenizer_svc.downstream import SchedulerLink
 from tokenizer_svc.errors import InvalidRequest, Overloaded, SchedulerUnavailable, ShuttingDown
 from tokenizer_svc.media import MediaLoader
 from tokenizer_svc.pool import CpuPool
 from tokenizer_svc.preprocess import ImageJob, ImageResult
-from tokenizer_svc.prompt import IncrementalDecoder, PromptBuilder
+from tokenizer_svc.prompt import PromptBuilder
 from tokenizer_svc.settings import TokenizerSettings
 
 log = logging.getLogger(__name__)
@@ -69,40 +72,35 @@ class TokenizerService:
                 self.idle.set()
 
     async def _run_in_own_task(
-        self, source: AsyncIterator[tokenizer_pb2.GenerateResponse]
+        self, source: AsyncGenerator[tokenizer_pb2.GenerateResponse, None]
     ) -> AsyncIterator[tokenizer_pb2.GenerateResponse]:
         """Drive `source` in a task of our own, so a forced stop can cancel
         the request's work without cancelling gRPC's handler task (which
         would end the RPC with an untyped status), and relay its responses.
         When our consumer is cancelled (client cancel, deadline), the work is
         cancelled too and its cleanup awaited."""
-        queue: asyncio.Queue[tokenizer_pb2.GenerateResponse | None] = asyncio.Queue(maxsize=64)
+        # Unbounded: what one request can queue is bounded by its max_tokens.
+        queue: asyncio.Queue[tokenizer_pb2.GenerateResponse | None] = asyncio.Queue()
 
         async def produce() -> None:
-            async for response in source:
-                await queue.put(response)
-            await queue.put(None)
+            # aclosing: a cancelled request closes its source (and with it the
+            # downstream call) now, not whenever the generator is collected.
+            async with contextlib.aclosing(source):
+                async for response in source:
+                    queue.put_nowait(response)
 
         task = asyncio.create_task(produce())
+        # However the work ends (done, failed, cancelled), None follows its
+        # last response; one await per response, nothing else per message.
+        task.add_done_callback(lambda _: queue.put_nowait(None))
         self.tasks.add(task)
-        getter: asyncio.Future[tokenizer_pb2.GenerateResponse | None] | None = None
         try:
-            while True:
-                getter = asyncio.ensure_future(queue.get())
-                await asyncio.wait([getter, task], return_when=asyncio.FIRST_COMPLETED)
-                if not getter.done():
-                    getter.cancel()
-                    if task.cancelled():
-                        raise ShuttingDown("the tokenizer shut down while this request ran")
-                    task.result()  # raises the request's error; else the end marker is queued
-                    continue
-                item = getter.result()
-                if item is None:
-                    return
+            while (item := await queue.get()) is not None:
                 yield item
+            if task.cancelled():
+                raise ShuttingDown("the tokenizer shut down while this request ran")
+            task.result()  # the request's error, if it failed
         finally:
-            if getter is not None and not getter.done():
-                getter.cancel()
             if not task.done():
                 task.cancel()
                 await _settle([task])
@@ -123,7 +121,7 @@ class TokenizerService:
 
     async def _generate(
         self, request: tokenizer_pb2.GenerateRequest, rid: str, timeout_s: float | None
-    ) -> AsyncIterator[tokenizer_pb2.GenerateResponse]:
+    ) -> AsyncGenerator[tokenizer_pb2.GenerateResponse, None]:
         self._validate(request)
         if not self.link.connected:
             raise SchedulerUnavailable(f"scheduler {self.settings.scheduler} is not reachable")
@@ -143,32 +141,57 @@ class TokenizerService:
                 # The bytes are in the message now; the segments have done their job.
                 self._release(owned)
                 owned = []
-            decoder = IncrementalDecoder(self.tokenizer)
-            async for event in self.link.generate(downstream, timeout_s=timeout_s):
-                kind = event.WhichOneof("event")
-                if kind == "accepted":
-                    accepted = True  # the scheduler releases the segments from here on
-                elif kind == "tokens":
-                    ids = list(event.tokens.token_ids)
-                    yield tokenizer_pb2.GenerateResponse(
-                        request_id=rid, delta=tokenizer_pb2.TextDelta(text=decoder.push(ids), token_ids=ids)
-                    )
-                elif kind == "finished":
-                    f = event.finished
-                    yield tokenizer_pb2.GenerateResponse(
-                        request_id=rid,
-                        finished=tokenizer_pb2.Finished(
-                            finish_reason=f.finish_reason,
-                            prompt_tokens=f.prompt_tokens,
-                            completion_tokens=f.completion_tokens,
-                        ),
-                    )
+            async with contextlib.aclosing(self._relay(rid, downstream, timeout_s)) as relay:
+                async for response in relay:
+                    if response is None:
+                        accepted = True  # the scheduler releases the segments from here on
+                    else:
+                        yield response
         finally:
             self.held.difference_update(img.segment for img in images)
             if not accepted:
                 self._release(owned)
 
+    async def _relay(
+        self, rid: str, downstream: scheduler_pb2.GenerateRequest, timeout_s: float | None
+    ) -> AsyncGenerator[tokenizer_pb2.GenerateResponse | None, None]:
+        """The scheduler's stream as text: None once it has accepted, then a
+        delta per step (text may be empty while a character or a possible
+        stop string is held back), then Finished. A stop string ends the
+        stream here, and closing the call aborts the request downstream."""
+        decoder = IncrementalDecoder(self.tokenizer)
+        stops = StopMatcher(tuple(downstream.sampling.stop))
+        completion = 0
+        stream = self.link.generate(downstream, timeout_s=timeout_s)
+        try:
+            async for event in stream:
+                kind = event.WhichOneof("event")
+                if kind == "accepted":
+                    yield None
+                elif kind == "tokens":
+                    ids = list(event.tokens.token_ids)
+                    completion += len(ids)
+                    text = stops.feed(decoder.push(ids))
+                    yield tokenizer_pb2.GenerateResponse(
+                        request_id=rid, delta=tokenizer_pb2.TextDelta(text=text, token_ids=ids)
+                    )
+                    if stops.stopped:
+                        yield _finished(rid, common_pb2.FINISH_REASON_STOP, len(downstream.input_ids), completion)
+                        return
+                elif kind == "finished":
+                    f = event.finished
+                    tail = stops.feed(decoder.flush())
+                    tail += stops.flush()
+                    if tail:
+                        yield tokenizer_pb2.GenerateResponse(request_id=rid, delta=tokenizer_pb2.TextDelta(text=tail))
+                    reason = common_pb2.FINISH_REASON_STOP if stops.stopped else f.finish_reason
+                    yield _finished(rid, reason, f.prompt_tokens, f.completion_tokens)
+                    return
+        finally:
+            await stream.aclose()  # cancels the call downstream when it has not ended
+
     def _validate(self, request: tokenizer_pb2.GenerateRequest) -> None:
+        Sampling.from_pb(request.sampling, max_tokens_limit=self.settings.max_tokens_limit)
         s = self.settings
         if len(request.prompt) > s.max_prompt_chars:
             raise InvalidRequest(f"prompt has {len(request.prompt)} characters, at most {s.max_prompt_chars}")
@@ -220,6 +243,17 @@ class TokenizerService:
     def _release(segments: list[str]) -> None:
         for name in segments:
             shm.unlink(name)
+
+
+def _finished(rid: str, reason: int, prompt_tokens: int, completion_tokens: int) -> tokenizer_pb2.GenerateResponse:
+    return tokenizer_pb2.GenerateResponse(
+        request_id=rid,
+        finished=tokenizer_pb2.Finished(
+            finish_reason=reason,  # type: ignore[arg-type]
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+        ),
+    )
 
 
 async def _settle(tasks: list[asyncio.Task[Any]]) -> None:

@@ -38,6 +38,9 @@ class TokenizerSettings:
     )
     max_images_per_request: int = _opt(8, "images one request may carry")
     max_prompt_chars: int = _opt(100_000, "longest prompt, characters")
+    max_tokens_limit: int = _opt(
+        4096, "largest sampling.max_tokens accepted (the scheduler applies its own limit as well)"
+    )
     allowed_media_dir: str = _opt("", "images given as file paths must lie under this directory; empty = none allowed")
     allow_private_fetch: bool = _opt(False, "allow fetching from loopback/private addresses (tests, demos)")
     allowed_domains: str = _opt(

@@ -118,7 +118,7 @@ def test_read_failure_on_rank_1_fails_only_that_request(stub, services: Services
     admitted_together = [
         line
         for line in services.scheduler.log_path.read_text().splitlines()  # type: ignore[attr-defined]
-        if "admits" in line and bad_id in line and good_id in line
+        if f"request {bad_id} failed" in line and "joined with" in line and good_id in line
     ]
     assert admitted_together, "the two requests were not admitted in the same step"
     assert wait_until(lambda: rank_active_requests(services.scheduler_address) == [0, 0], timeout=10)

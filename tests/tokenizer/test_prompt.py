@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from tokenizer_svc.errors import InvalidRequest
-from tokenizer_svc.prompt import IncrementalDecoder, PromptBuilder
+from tokenizer_svc.prompt import PromptBuilder
 
 
 @pytest.fixture(scope="module")
@@ -38,11 +38,3 @@ def test_images_without_markers_go_first(processor) -> None:  # type: ignore[no-
 def test_marker_count_mismatch_is_invalid(processor) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(InvalidRequest):
         PromptBuilder(processor).build("<image><image>", [(3, 224, 224)])
-
-
-def test_incremental_decoder_concatenates_to_the_full_text(processor) -> None:  # type: ignore[no-untyped-def]
-    tok = processor.tokenizer
-    ids = tok.encode("Héllo wörld, naïve café 🙂 done", add_special_tokens=False)
-    dec = IncrementalDecoder(tok)
-    text = "".join(dec.push([i]) for i in ids)
-    assert text == tok.decode(ids, skip_special_tokens=True)

@@ -116,17 +116,27 @@ class TensorRef(_message.Message):
     def __init__(self, dtype: _Optional[_Union[Dtype, str]] = ..., shape: _Optional[_Iterable[int]] = ..., shm: _Optional[_Union[ShmSlice, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ..., inline: _Optional[bytes] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "seed")
+    __slots__ = ("max_tokens", "temperature", "seed", "top_p", "top_k", "min_tokens", "stop_token_ids", "stop")
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     seed: int
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+    top_p: float
+    top_k: int
+    min_tokens: int
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., seed: _Optional[int] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("model", "tp_size", "transports", "shm_namespace", "shm_prefix", "version", "rank_active_requests")
+    __slots__ = ("model", "tp_size", "transports", "shm_namespace", "shm_prefix", "version", "rank_active_requests", "running_requests", "queued_requests", "kv_budget_tokens", "kv_reserved_tokens")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
@@ -134,6 +144,10 @@ class ServerInfo(_message.Message):
     SHM_PREFIX_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     RANK_ACTIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    KV_BUDGET_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_RESERVED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     model: str
     tp_size: int
     transports: _containers.RepeatedScalarFieldContainer[Transport]
@@ -141,4 +155,8 @@ class ServerInfo(_message.Message):
     shm_prefix: str
     version: str
     rank_active_requests: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, model: _Optional[str] = ..., tp_size: _Optional[int] = ..., transports: _Optional[_Iterable[_Union[Transport, str]]] = ..., shm_namespace: _Optional[str] = ..., shm_prefix: _Optional[str] = ..., version: _Optional[str] = ..., rank_active_requests: _Optional[_Iterable[int]] = ...) -> None: ...
+    running_requests: int
+    queued_requests: int
+    kv_budget_tokens: int
+    kv_reserved_tokens: int
+    def __init__(self, model: _Optional[str] = ..., tp_size: _Optional[int] = ..., transports: _Optional[_Iterable[_Union[Transport, str]]] = ..., shm_namespace: _Optional[str] = ..., shm_prefix: _Optional[str] = ..., version: _Optional[str] = ..., rank_active_requests: _Optional[_Iterable[int]] = ..., running_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., kv_budget_tokens: _Optional[int] = ..., kv_reserved_tokens: _Optional[int] = ...) -> None: ...

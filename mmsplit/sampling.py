@@ -1,0 +1,102 @@
+"""Sampling parameters: the contract's limits, checked the same way at both
+services (the proto comments of `SamplingParams` document them).
+
+`Sampling.from_pb` turns a `SamplingParams` message into a validated, plain,
+picklable value or raises `InvalidSampling` (INVALID_REQUEST) naming the
+field. The tokenizer checks what it can know (it has no vocabulary size of
+the scheduler's model and leaves max_tokens 0 to the scheduler's default);
+the scheduler checks everything again, because direct clients exist.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from mmsplit.common.v1 import common_pb2
+from mmsplit.errors import E, MmsplitError
+
+MIN_TEMPERATURE = 1e-3
+MAX_TEMPERATURE = 100.0
+MAX_STOP_TOKEN_IDS = 32
+MAX_STOP_STRINGS = 8
+MAX_STOP_CHARS = 128
+
+
+class InvalidSampling(MmsplitError):
+    """A sampling parameter is outside the contract's limits (client, not retriable)."""
+
+    code = E.ERROR_CODE_INVALID_REQUEST
+
+
+@dataclass(frozen=True)
+class Sampling:
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @classmethod
+    def from_pb(
+        cls,
+        pb: common_pb2.SamplingParams,
+        *,
+        max_tokens_limit: int,
+        default_max_tokens: int = 0,
+        vocab_size: int | None = None,
+    ) -> Sampling:
+        """Validate `pb`. `default_max_tokens` replaces a max_tokens of 0
+        (the tokenizer passes 0 and keeps it 0); `vocab_size` None skips the
+        checks that need the model's vocabulary."""
+        max_tokens = pb.max_tokens or default_max_tokens
+        if max_tokens > max_tokens_limit:
+            raise InvalidSampling(f"sampling.max_tokens {max_tokens} is over the limit {max_tokens_limit}")
+
+        temperature = pb.temperature
+        if not math.isfinite(temperature) or not (
+            temperature == 0.0 or MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE
+        ):
+            raise InvalidSampling(
+                f"sampling.temperature {temperature!r} must be 0 (greedy) or within "
+                f"[{MIN_TEMPERATURE}, {MAX_TEMPERATURE:g}]"
+            )
+
+        top_p = pb.top_p if pb.HasField("top_p") else 1.0
+        if not math.isfinite(top_p) or not 0.0 < top_p <= 1.0:
+            raise InvalidSampling(f"sampling.top_p {top_p!r} must be within (0, 1]")
+
+        if max_tokens and pb.min_tokens > max_tokens:
+            raise InvalidSampling(f"sampling.min_tokens {pb.min_tokens} is over max_tokens {max_tokens}")
+        if pb.min_tokens > max_tokens_limit:
+            raise InvalidSampling(f"sampling.min_tokens {pb.min_tokens} is over the limit {max_tokens_limit}")
+
+        stop_ids = tuple(int(t) for t in pb.stop_token_ids)
+        if len(stop_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidSampling(f"sampling.stop_token_ids has {len(stop_ids)} ids, at most {MAX_STOP_TOKEN_IDS}")
+        if vocab_size is not None and stop_ids and max(stop_ids) >= vocab_size:
+            raise InvalidSampling(f"sampling.stop_token_ids: {max(stop_ids)} is outside the vocabulary of {vocab_size}")
+
+        stop = tuple(pb.stop)
+        if len(stop) > MAX_STOP_STRINGS:
+            raise InvalidSampling(f"sampling.stop has {len(stop)} strings, at most {MAX_STOP_STRINGS}")
+        if any(not 1 <= len(s) <= MAX_STOP_CHARS for s in stop):
+            raise InvalidSampling(f"sampling.stop: each string must have 1 to {MAX_STOP_CHARS} characters")
+
+        return cls(
+            max_tokens=max_tokens,
+            temperature=float(temperature),
+            top_p=float(top_p),
+            top_k=int(pb.top_k),
+            seed=int(pb.seed),
+            min_tokens=int(pb.min_tokens),
+            stop_token_ids=stop_ids,
+            stop=stop,
+        )

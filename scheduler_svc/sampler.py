@@ -1,0 +1,101 @@
+"""Picking each row's next token on rank 0 (DESIGN.md §6).
+
+One call per step for the whole batch: greedy rows share one argmax, sampled
+rows each draw from their own `torch.Generator` (seeded per request), so a
+request's tokens do not depend on what else is in the batch. The order of
+the processors is transformers' own: temperature, then top_k, then top_p.
+
+Isolation: nothing one row carries can fail the others. A row whose logits
+are not finite, or whose sampling raises, gets an error message instead of
+a token; the step loop fails that request alone and drops it on every rank
+in the next plan.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from mmsplit.sampling import Sampling
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RowSampling:
+    """What the sampler needs of one row."""
+
+    request_id: str
+    params: Sampling
+    # Tokens this request has generated so far (for min_tokens).
+    generated: int
+    generator: torch.Generator | None
+
+
+def make_generator(params: Sampling, seed: int, device: torch.device) -> torch.Generator | None:
+    if params.greedy:
+        return None
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    return gen
+
+
+class Sampler:
+    def __init__(self, eos_token_ids: frozenset[int]) -> None:
+        self.eos_token_ids = tuple(sorted(eos_token_ids))
+
+    def sample(self, logits: torch.Tensor, rows: Sequence[RowSampling]) -> list[int | str]:
+        """`logits` is ``[rows, vocab]``; returns each row's token, or an
+        error message for a row that cannot be sampled."""
+        if logits.shape[0] != len(rows):
+            raise ValueError(f"{logits.shape[0]} logit rows for {len(rows)} requests")
+        logits = logits.float()
+        self._suppress_stops(logits, rows)
+        # One pass gives both the greedy tokens and a finiteness check: a row
+        # holding NaN or +inf has a non-finite maximum (max propagates NaN).
+        top, greedy_t = logits.max(dim=1)
+        finite = torch.isfinite(top).tolist()
+        greedy = greedy_t.tolist()
+        out: list[int | str] = []
+        for i, row in enumerate(rows):
+            if not finite[i]:
+                out.append("the model produced non-finite logits for this request")
+            elif row.params.greedy:
+                out.append(int(greedy[i]))
+            else:
+                try:
+                    out.append(_draw(logits[i], row.params, row.generator))
+                except Exception as exc:  # one row's failure must not fail the batch
+                    log.exception("sampling failed for request %s", row.request_id)
+                    out.append(f"sampling failed: {type(exc).__name__}")
+        return out
+
+    def _suppress_stops(self, logits: torch.Tensor, rows: Sequence[RowSampling]) -> None:
+        """Before min_tokens, neither EOS nor a request's stop ids may be drawn."""
+        for i, row in enumerate(rows):
+            if row.generated < row.params.min_tokens:
+                banned = [*self.eos_token_ids, *row.params.stop_token_ids]
+                if banned:
+                    logits[i, banned] = float("-inf")
+
+
+def _draw(logits: torch.Tensor, params: Sampling, generator: torch.Generator | None) -> int:
+    # Subtract the maximum first: every value is then <= 0 and dividing by
+    # any positive temperature, however small, cannot make +inf or NaN.
+    scores = (logits - logits.max()) / params.temperature
+    vocab = scores.shape[0]
+    if 0 < params.top_k < vocab:
+        kth = torch.topk(scores, params.top_k).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    probs = torch.softmax(scores, dim=0)
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        # Drop a token when the tokens before it already reach top_p; the
+        # most likely token always stays.
+        drop = (torch.cumsum(sorted_probs, dim=0) - sorted_probs) >= params.top_p
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    return int(torch.multinomial(probs, 1, generator=generator))

@@ -1,0 +1,129 @@
+"""The engine in this process (a group of one, the tiny LLaVA): continuous
+batching with images equals plain greedy decoding, and bad requests fail
+alone — before the forward when every rank can see it, after it on rank 0
+when only the logits show it."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from mmsplit.errors import E
+from scheduler_svc.engine import Engine
+from scheduler_svc.plan import NewRequest, Plan
+from tests.support.engine_kit import InlineReader, SoloGroup, pixels, request
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model: Path) -> torch.nn.Module:
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText.from_pretrained(tiny_model, dtype=torch.float32).eval()
+
+
+@pytest.fixture
+def engine(model: torch.nn.Module) -> Engine:
+    eos = frozenset([int(model.config.text_config.eos_token_id)])
+    return Engine(model, SoloGroup(), InlineReader(), torch.device("cpu"), eos_token_ids=eos, token_chunk=32)
+
+
+def reference(model: torch.nn.Module, req: NewRequest) -> list[int]:
+    """Greedy by full recomputation, stopping at EOS like the scheduler."""
+    eos = model.config.text_config.eos_token_id
+    seq = list(req.input_ids)
+    images = [
+        torch.frombuffer(bytearray(s.inline or b""), dtype=torch.float32).reshape(s.shape) for s in req.pixel_values
+    ]
+    extra = {"pixel_values": torch.stack(images)} if images else {}
+    out: list[int] = []
+    with torch.inference_mode():
+        while len(out) < req.sampling.max_tokens:
+            token = int(model(input_ids=torch.tensor([seq]), **extra).logits[0, -1].argmax())  # type: ignore[operator]
+            out.append(token)
+            if token == eos:
+                break
+            seq.append(token)
+    return out
+
+
+def drive(engine: Engine, arrivals: dict[int, list[NewRequest]], eos: int) -> dict[str, list[int] | str]:
+    """Run plans the way the step loop makes them: joins at their step,
+    each running request fed its last token, finished or failed ones dropped
+    in the next plan. Returns each request's tokens, or its error."""
+    results: dict[str, list[int] | str] = {}
+    limits: dict[str, int] = {}
+    feeds: dict[str, int] = {}
+    drop: list[str] = []
+    step = 0
+    while step <= max(arrivals) or feeds or drop:
+        new = tuple(arrivals.get(step, ()))
+        limits.update({r.request_id: r.sampling.max_tokens for r in new})
+        outcome = engine.step(Plan(step=step, new=new, drop=tuple(drop), feed=tuple(feeds.items())))
+        drop, feeds = [], {}
+        for rid, failure in outcome.failed.items():
+            results[rid] = f"failed:{failure.code}"
+        for rid, why in outcome.rejected.items():
+            results[rid] = f"rejected:{why}"
+            drop.append(rid)
+        for rid, token in outcome.sampled.items():
+            made = results.setdefault(rid, [])
+            assert isinstance(made, list)
+            made.append(token)
+            if token == eos or len(made) >= limits[rid]:
+                drop.append(rid)
+            else:
+                feeds[rid] = token
+        step += 1
+    assert not engine.rows, "every request left"
+    return results
+
+
+def image_prompt(model: torch.nn.Module, n_images: int, text: list[int]) -> list[int]:
+    return [1, *([model.config.image_token_id] * 64 * n_images), *text]
+
+
+def test_continuous_batching_with_images_equals_greedy_decoding(model: torch.nn.Module, engine: Engine) -> None:
+    rng = random.Random(7)
+    arrivals: dict[int, list[NewRequest]] = {}
+    requests = []
+    for i in range(14):
+        n_images = rng.choice([0, 1, 1, 2])
+        ids = image_prompt(model, n_images, [rng.randrange(100, 30000) for _ in range(rng.randrange(1, 30))])
+        req = request(f"r{i}", ids, [pixels(100 * i + k) for k in range(n_images)], max_tokens=rng.randrange(1, 16))
+        requests.append(req)
+        arrivals.setdefault(rng.randrange(0, 12), []).append(req)
+    results = drive(engine, arrivals, model.config.text_config.eos_token_id)
+    assert results == {req.request_id: reference(model, req) for req in requests}
+    assert engine.cache.rows == 0
+    assert engine.cache.nbytes() == 0, "the cache's memory is freed when the batch empties"
+
+
+def test_non_finite_pixels_fail_before_the_forward_and_the_step_goes_on(model: torch.nn.Module, engine: Engine) -> None:
+    good = request("good", image_prompt(model, 1, [500, 600]), [pixels(1)], max_tokens=6)
+    nan = request("nan", image_prompt(model, 1, [500]), [pixels(2, fill=float("nan"))], temperature=0.8)
+    inf = request("inf", image_prompt(model, 1, [500]), [pixels(3, fill=float("inf"))], temperature=0.8)
+    results = drive(engine, {0: [nan, good, inf]}, model.config.text_config.eos_token_id)
+    assert results["nan"] == results["inf"] == f"failed:{E.ERROR_CODE_INVALID_REQUEST}"
+    assert results["good"] == reference(model, good)
+
+
+def test_non_finite_logits_fail_only_that_request(model: torch.nn.Module, engine: Engine) -> None:
+    """Huge but finite pixels pass every input check and make the model's
+    logits NaN: only rank 0 sees it, fails that request, and the next plan
+    drops it; the others in the same step make their usual tokens."""
+    eos = model.config.text_config.eos_token_id
+    others = [
+        request(f"ok{i}", image_prompt(model, 1, [700 + i, 800]), [pixels(10 + i)], max_tokens=8) for i in range(3)
+    ]
+    huge = request("huge", image_prompt(model, 1, [900]), [pixels(4, fill=3e38)], max_tokens=8)
+    late = request("late", image_prompt(model, 1, [901, 902]), [pixels(5)], max_tokens=5)
+    results = drive(engine, {0: [others[0], huge, others[1]], 2: [others[2], late]}, eos)
+    rejected = results["huge"]
+    assert isinstance(rejected, str)
+    assert rejected.startswith("rejected:")
+    assert "non-finite" in rejected
+    for req in [*others, late]:
+        assert results[req.request_id] == reference(model, req), req.request_id

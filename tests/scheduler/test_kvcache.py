@@ -1,0 +1,183 @@
+"""The row-compact KV cache: masks and positions, joins, leaves, row order,
+growth, and batched decode equal to each request decoded alone."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from scheduler_svc.kvcache import RowCache
+
+MIN = torch.finfo(torch.float32).min
+
+
+def cache(**kw: int) -> RowCache:
+    return RowCache(1, dtype=torch.float32, device=torch.device("cpu"), **kw)
+
+
+def fill(c: RowCache, rows: int, q_len: int, value: float) -> None:
+    """Stand in for a forward: one layer's update with recognisable keys."""
+    states = torch.full((rows, 2, q_len, 4), value)
+    c.update(states, states.clone(), 0)
+
+
+def test_prefill_mask_is_causal_and_hides_padding() -> None:
+    c = cache()
+    inputs = c.begin_prefill([3, 1])
+    assert inputs.position_ids.tolist() == [[0, 1, 2], [0, 1, 2]]
+    visible = (inputs.attention_mask == 0).squeeze(1)
+    assert visible[0].tolist() == [[True, False, False], [True, True, False], [True, True, True]]
+    # Row 1 has one real token: every query (padding too) sees key 0 only.
+    assert visible[1].tolist() == [[True, False, False]] * 3
+    assert inputs.attention_mask[0, 0, 0, 1].item() == MIN
+    assert c.lengths == [3, 1]
+
+
+def test_decode_gives_each_row_its_own_position_and_visible_keys() -> None:
+    c = cache()
+    c.begin_prefill([3, 1])
+    fill(c, 2, 3, 1.0)
+    inputs = c.begin_decode()
+    assert inputs.position_ids.tolist() == [[3], [1]]
+    visible = (inputs.attention_mask == 0)[:, 0, 0]
+    assert visible.tolist() == [[True] * 4, [True, True, False, False]]
+    assert c.lengths == [4, 2]
+
+
+def test_decode_writes_each_rows_token_at_its_own_length() -> None:
+    c = cache()
+    c.begin_prefill([3, 1])
+    fill(c, 2, 3, 1.0)
+    c.begin_decode()
+    new = torch.stack([torch.full((2, 1, 4), 7.0), torch.full((2, 1, 4), 9.0)])
+    keys, _ = c.update(new, new.clone(), 0)
+    assert keys.shape == (2, 2, 4, 4)  # rows, heads, longest row + 1, head dim
+    assert keys[0, 0, :, 0].tolist() == [1.0, 1.0, 1.0, 7.0]
+    assert keys[1, 0, :2, 0].tolist() == [1.0, 9.0]
+
+
+def test_remove_moves_the_last_row_into_the_hole_and_clears_the_vacated_slot() -> None:
+    c = cache()
+    for value, length in ((1.0, 2), (2.0, 3), (3.0, 4)):
+        c.begin_prefill([length])
+        fill(c, 1, length, value)
+    c.remove(0)
+    assert c.lengths == [4, 3]
+    c.begin_decode()
+    keys, _ = c.update(torch.zeros(2, 2, 1, 4), torch.zeros(2, 2, 1, 4), 0)
+    assert keys[0, 0, 0, 0].item() == 3.0  # the former last row now sits in row 0
+    assert keys[1, 0, 0, 0].item() == 2.0
+    # The slot the last row left is zero (a NaN left there could reach a later row).
+    c.remove(1)
+    c.begin_prefill([1])
+    assert c._keys[0] is not None
+    assert torch.count_nonzero(c._keys[0][1]).item() == 0
+
+
+def test_capacity_grows_in_chunks_keeps_the_rows_and_is_freed_when_empty() -> None:
+    c = cache(token_chunk=8, row_chunk=2)
+    c.begin_prefill([5])
+    fill(c, 1, 5, 4.0)
+    assert (c.row_capacity, c.token_capacity) == (2, 8)
+    for _ in range(3):
+        c.begin_decode()
+        fill(c, 1, 1, 5.0)
+    assert c.token_capacity == 8  # 8 tokens held, none past capacity yet
+    c.begin_decode()
+    fill(c, 1, 1, 6.0)
+    assert c.token_capacity == 16  # grew by one chunk
+    c.begin_prefill([2, 2])
+    fill(c, 2, 2, 8.0)
+    assert c.row_capacity == 4
+    assert c._keys[0] is not None
+    assert c._keys[0][0, 0, :9, 0].tolist() == [4.0] * 5 + [5.0] * 3 + [6.0]
+    for row in (2, 1, 0):
+        c.remove(row)
+    assert (c.rows, c.row_capacity, c.token_capacity, c.nbytes()) == (0, 0, 0, 0)
+
+
+@pytest.fixture(scope="module")
+def llama() -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=0.2,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def alone(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
+    """Greedy tokens by recomputing the whole sequence each step: no cache,
+    no batch, nothing shared with the code under test."""
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(int(model(input_ids=torch.tensor([seq])).logits[0, -1].argmax()))  # type: ignore[operator]
+    return seq[len(prompt) :]
+
+
+def test_continuous_joins_and_leaves_decode_like_each_request_alone(llama: torch.nn.Module) -> None:
+    """Requests join in batches at random steps and leave when done; every
+    one of them makes the tokens it makes alone."""
+    rng = random.Random(3)
+    requests = [([rng.randrange(1, 300) for _ in range(rng.randrange(1, 40))], rng.randrange(1, 20)) for _ in range(16)]
+    c = RowCache(2, dtype=torch.float32, device=torch.device("cpu"), token_chunk=16, row_chunk=4)
+    rows: list[int] = []  # request index per cache row
+    feeds: list[int] = []
+    made: dict[int, list[int]] = {i: [] for i in range(len(requests))}
+    waiting = list(range(len(requests)))
+    with torch.inference_mode():
+        while waiting or rows:
+            if rows:
+                inputs = c.begin_decode()
+                hidden = llama.model(  # type: ignore[operator]
+                    input_ids=torch.tensor(feeds)[:, None],
+                    position_ids=inputs.position_ids,
+                    attention_mask=inputs.attention_mask,
+                    past_key_values=c,
+                    use_cache=True,
+                ).last_hidden_state
+                feeds = llama.lm_head(hidden[:, -1]).argmax(-1).tolist()  # type: ignore[operator]
+                for r, token in zip(rows, feeds, strict=True):
+                    made[r].append(token)
+            joining = [waiting.pop(0) for _ in range(min(len(waiting), rng.randrange(0, 4)))]
+            if joining:
+                lengths = [len(requests[j][0]) for j in joining]
+                ids = torch.zeros(len(joining), max(lengths), dtype=torch.long)
+                for k, j in enumerate(joining):
+                    ids[k, : lengths[k]] = torch.tensor(requests[j][0])
+                inputs = c.begin_prefill(lengths)
+                hidden = llama.model(  # type: ignore[operator]
+                    input_ids=ids,
+                    position_ids=inputs.position_ids,
+                    attention_mask=inputs.attention_mask,
+                    past_key_values=c,
+                    use_cache=True,
+                ).last_hidden_state
+                last = hidden[torch.arange(len(joining)), torch.tensor(lengths) - 1]
+                for j, token in zip(joining, llama.lm_head(last).argmax(-1).tolist(), strict=True):  # type: ignore[operator]
+                    made[j].append(token)
+                    rows.append(j)
+                    feeds.append(token)
+            # Leave in row order; the cache and our lists swap-remove alike.
+            k = 0
+            while k < len(rows):
+                if len(made[rows[k]]) >= requests[rows[k]][1]:
+                    c.remove(k)
+                    rows[k], feeds[k] = rows[-1], feeds[-1]
+                    rows.pop()
+                    feeds.pop()
+                else:
+                    k += 1
+        expected = {i: alone(llama, prompt, n) for i, (prompt, n) in enumerate(requests)}
+    assert made == expected
+    assert c.rows == 0

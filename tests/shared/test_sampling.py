@@ -1,0 +1,88 @@
+"""The contract's sampling limits, as both services check them."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from mmsplit.common.v1 import common_pb2
+from mmsplit.errors import E
+from mmsplit.sampling import InvalidSampling, Sampling
+
+
+def check(pb: common_pb2.SamplingParams, **kw: object) -> Sampling:
+    args: dict[str, object] = {"max_tokens_limit": 4096, "default_max_tokens": 64, "vocab_size": 1000}
+    args.update(kw)
+    return Sampling.from_pb(pb, **args)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("params", "field"),
+    [
+        ({"temperature": 1e-39}, "temperature"),
+        ({"temperature": 1e-30}, "temperature"),
+        ({"temperature": math.nan}, "temperature"),
+        ({"temperature": math.inf}, "temperature"),
+        ({"temperature": -math.inf}, "temperature"),
+        ({"temperature": -1.0}, "temperature"),
+        ({"temperature": 101.0}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 2.0}, "top_p"),
+        ({"top_p": -0.5}, "top_p"),
+        ({"top_p": math.nan}, "top_p"),
+        ({"max_tokens": 5000}, "max_tokens"),
+        ({"max_tokens": 10, "min_tokens": 11}, "min_tokens"),
+        ({"min_tokens": 65}, "min_tokens"),  # over the default max_tokens of 64
+        ({"stop_token_ids": [1000]}, "stop_token_ids"),
+        ({"stop_token_ids": list(range(33))}, "stop_token_ids"),
+        ({"stop": ["x"] * 9}, "stop"),
+        ({"stop": [""]}, "stop"),
+        ({"stop": ["y" * 129]}, "stop"),
+    ],
+)
+def test_out_of_limits_is_invalid_request_naming_the_field(params: dict[str, object], field: str) -> None:
+    with pytest.raises(InvalidSampling) as info:
+        check(common_pb2.SamplingParams(**params))  # type: ignore[arg-type]
+    assert info.value.error_code == E.ERROR_CODE_INVALID_REQUEST
+    assert f"sampling.{field}" in info.value.message
+
+
+def test_the_limit_is_named_when_max_tokens_is_over_it() -> None:
+    with pytest.raises(InvalidSampling, match="over the limit 4096"):
+        check(common_pb2.SamplingParams(max_tokens=4097))
+
+
+def test_defaults_and_accepted_values() -> None:
+    plain = check(common_pb2.SamplingParams())
+    assert plain == Sampling(max_tokens=64)
+    assert plain.greedy
+    full = check(
+        common_pb2.SamplingParams(
+            max_tokens=20,
+            temperature=0.7,
+            seed=5,
+            top_p=0.9,
+            top_k=40,
+            min_tokens=3,
+            stop_token_ids=[7, 8],
+            stop=["###"],
+        )
+    )
+    assert full.max_tokens == 20
+    assert full.temperature == pytest.approx(0.7)
+    assert full.top_p == pytest.approx(0.9)
+    assert (full.top_k, full.seed, full.min_tokens, full.stop_token_ids, full.stop) == (40, 5, 3, (7, 8), ("###",))
+    assert not full.greedy
+    # Edges of the documented ranges are inside them.
+    assert check(common_pb2.SamplingParams(temperature=0.001, top_p=1.0)).top_p == 1.0
+    assert check(common_pb2.SamplingParams(temperature=100.0)).temperature == 100.0
+    # A huge top_k is allowed: it means "off".
+    assert check(common_pb2.SamplingParams(top_k=10**9)).top_k == 10**9
+
+
+def test_the_tokenizer_side_leaves_the_default_and_the_vocabulary_to_the_scheduler() -> None:
+    # No default max_tokens and no vocabulary: 0 stays 0 and ids are not checked here.
+    loose = Sampling.from_pb(common_pb2.SamplingParams(stop_token_ids=[10**6], min_tokens=100), max_tokens_limit=4096)
+    assert loose.max_tokens == 0
+    assert loose.stop_token_ids == (10**6,)

@@ -1,0 +1,52 @@
+"""Driving a scheduler `Engine` in the test process: a group of one, a
+reader of inline tensors, and plans made the way the step loop makes them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from mmsplit.common.v1 import common_pb2
+from mmsplit.sampling import Sampling
+from mmsplit.tensors import TensorSpec
+from scheduler_svc.plan import NewRequest
+
+IMAGE_SHAPE = (3, 224, 224)
+
+
+class SoloGroup:
+    """A process group of one rank: every collective is the identity."""
+
+    rank = 0
+    world_size = 1
+
+    def broadcast_from_0(self, obj: Any) -> Any:
+        return obj
+
+    def all_gather_row(self, row: torch.Tensor) -> torch.Tensor:
+        return row[None]
+
+    def gather_to_0(self, obj: Any) -> list[Any]:
+        return [obj]
+
+
+class InlineReader:
+    """Reads inline tensors only (what these tests send)."""
+
+    def read(self, request_id: str, spec: TensorSpec) -> torch.Tensor:
+        assert spec.inline is not None
+        return torch.frombuffer(bytearray(spec.inline), dtype=torch.float32).reshape(spec.shape)
+
+
+def pixels(seed: int, *, fill: float | None = None) -> TensorSpec:
+    array = np.random.default_rng(seed).standard_normal(IMAGE_SHAPE, dtype=np.float32)
+    if fill is not None:
+        array[:] = fill
+    return TensorSpec(common_pb2.DTYPE_FLOAT32, IMAGE_SHAPE, inline=array.tobytes())
+
+
+def request(rid: str, ids: list[int], images: list[TensorSpec] | None = None, **sampling: Any) -> NewRequest:
+    params = Sampling(**{"max_tokens": 16, **sampling})
+    return NewRequest(rid, tuple(ids), tuple(images or ()), params)

@@ -1,0 +1,55 @@
+"""What the services must match: the same requests run in this process by the
+plain transformers model with `generate` (greedy), no tensor parallelism, no
+services, the model's own image processor."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class Ask:
+    prompt: str
+    images: tuple[bytes, ...]
+    max_tokens: int
+
+
+@functools.lru_cache(maxsize=2)
+def _load(model_dir: Path) -> tuple[Any, Any]:
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(model_dir)
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return processor, model
+
+
+def greedy(model_dir: Path, asks: list[Ask]) -> list[list[int]]:
+    from tokenizer_svc.decode import decode_image
+    from tokenizer_svc.prompt import PromptBuilder
+
+    processor, model = _load(model_dir)
+    builder = PromptBuilder(processor)
+    out = []
+    with torch.inference_mode():
+        for ask in asks:
+            pixels = [
+                processor.image_processor(images=decode_image(b, max_pixels=10**8), return_tensors="pt")["pixel_values"]
+                for b in ask.images
+            ]
+            ids = torch.tensor([builder.build(ask.prompt, [tuple(p.shape[1:]) for p in pixels])])
+            extra = {"pixel_values": torch.cat(pixels)} if pixels else {}
+            made = model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=ask.max_tokens,
+                do_sample=False,
+                pad_token_id=0,
+                **extra,
+            )
+            out.append([int(t) for t in made[0, ids.shape[1] :]])
+    return out

@@ -1,0 +1,125 @@
+"""Incremental detokenization (O(new tokens) per push, exact text) and stop strings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tokenizer_svc.detokenize import IncrementalDecoder, StopMatcher
+
+MIXED = (
+    "Héllo wörld, naïve café 🙂 — 東京タワーは高い。Ünïcödé ☃ snow, 🎉🎉 done. "
+    "Ελληνικά και русский текст, 한국어 문장, עברית, emoji 👩‍👩‍👧‍👦 family. "
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model: Path) -> Any:
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(tiny_model).tokenizer
+
+
+class CountingTokenizer:
+    """Wraps a tokenizer and counts the ids each decode call is given."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.clean_up_tokenization_spaces = True  # keep the decoder on this wrapper, not the backend
+        self.calls: list[int] = []
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        self.calls.append(len(ids))
+        text: str = self.inner.decode(ids, skip_special_tokens=skip_special_tokens)
+        return text
+
+
+def stream_ids(tokenizer: Any, n: int) -> list[int]:
+    ids: list[int] = []
+    while len(ids) < n:
+        ids.extend(tokenizer.encode(MIXED, add_special_tokens=False))
+    return ids[:n]
+
+
+def test_4096_tokens_decode_to_exactly_one_final_decode_at_constant_cost(tokenizer: Any) -> None:
+    ids = stream_ids(tokenizer, 4096)
+    assert any(tokenizer.convert_ids_to_tokens(i).startswith("<0x") for i in ids), "no byte-fallback tokens"
+    counting = CountingTokenizer(tokenizer)
+    decoder = IncrementalDecoder(counting)
+    text = "".join(decoder.push([i]) for i in ids) + decoder.flush()
+    assert text == tokenizer.decode(ids, skip_special_tokens=True)
+    # Two decodes per push, each over a window of a few tokens: the work per
+    # token does not grow with the position in the stream.
+    assert len(counting.calls) <= 2 * len(ids) + 2
+    assert max(counting.calls) <= 16, f"a decode covered {max(counting.calls)} tokens"
+    first, last = counting.calls[:400], counting.calls[-400:]
+    assert sum(last) <= sum(first) * 1.5
+
+
+def test_steps_of_several_tokens_and_the_fast_path_agree(tokenizer: Any) -> None:
+    ids = stream_ids(tokenizer, 600)
+    decoder = IncrementalDecoder(tokenizer)  # the backend's decode, not transformers' wrapper
+    text = "".join(decoder.push(ids[i : i + 3]) for i in range(0, len(ids), 3)) + decoder.flush()
+    assert text == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_a_split_character_is_held_back_until_complete(tokenizer: Any) -> None:
+    ids = tokenizer.encode("👩", add_special_tokens=False)
+    byte_tokens = [i for i in ids if tokenizer.convert_ids_to_tokens(i).startswith("<0x")]
+    assert len(byte_tokens) == 4, "expected the emoji as four byte-fallback tokens"
+    decoder = IncrementalDecoder(tokenizer)
+    deltas = [decoder.push([i]) for i in ids]
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) + decoder.flush() == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_an_unfinished_character_comes_out_at_flush(tokenizer: Any) -> None:
+    ids = tokenizer.encode("ok 👩", add_special_tokens=False)[:-1]  # cut inside the emoji's four bytes
+    decoder = IncrementalDecoder(tokenizer)
+    text = "".join(decoder.push([i]) for i in ids)
+    assert text + decoder.flush() == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_special_tokens_are_skipped(tokenizer: Any) -> None:
+    ids = [*tokenizer.encode("Hello there", add_special_tokens=False), tokenizer.eos_token_id]
+    decoder = IncrementalDecoder(tokenizer)
+    text = "".join(decoder.push([i]) for i in ids) + decoder.flush()
+    assert text == "Hello there"
+
+
+def feed_all(matcher: StopMatcher, pieces: list[str]) -> str:
+    shown = ""
+    for piece in pieces:
+        shown += matcher.feed(piece)
+        if matcher.stopped:
+            return shown
+    return shown + matcher.flush()
+
+
+def test_stop_string_split_across_deltas_ends_the_text_before_it() -> None:
+    matcher = StopMatcher(("STOP here",))
+    shown = feed_all(matcher, ["Hello ", "world ST", "OP h", "ere and more"])
+    assert matcher.stopped
+    assert shown == "Hello world "
+
+
+def test_text_that_could_begin_a_stop_string_is_held_then_released() -> None:
+    matcher = StopMatcher(("<end>",))
+    assert matcher.feed("abc <e") == "abc "
+    assert matcher.feed("nvelope>") == "<envelope>"
+    assert matcher.feed(" tail <") == " tail "
+    assert matcher.flush() == "<"
+    assert not matcher.stopped
+
+
+def test_the_earliest_of_several_stop_strings_wins() -> None:
+    matcher = StopMatcher(("zzz", "b"))
+    assert feed_all(matcher, ["aaab zzz"]) == "aaa"
+
+
+def test_no_stop_strings_passes_everything_through() -> None:
+    matcher = StopMatcher(())
+    assert feed_all(matcher, ["a", "b", "c"]) == "abc"
+    assert not matcher.stopped
