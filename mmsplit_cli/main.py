@@ -10,6 +10,7 @@ mmsplit demo
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -106,6 +107,11 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
+    # Before torch is imported (OpenMP reads it once): threads waiting
+    # between parallel regions sleep instead of spinning, so a step's compute
+    # does not starve this process's gRPC threads or the service next to it.
+    # Measured here: spinning made 1-at-a-time generation up to 3x slower.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     args = parser().parse_args(argv)
     sys.exit(args.func(args))
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import pickle
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -13,6 +14,10 @@ import torch
 import torch.distributed as dist
 
 log = logging.getLogger(__name__)
+
+# A step's plan fits one broadcast of this many bytes unless it carries
+# inline pixel tensors (then a second broadcast moves the rest).
+PLAN_BUFFER_BYTES = 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -48,11 +53,37 @@ class TorchCollective:
     # A group of one has nobody to talk to: its collectives are identities
     # (no pickling, no tensor round trip on the step's hot path).
     def broadcast_from_0(self, obj: Any) -> Any:
+        """One broadcast of a fixed-size buffer when the pickled object fits
+        it (every decode step's plan does), a second for the rest when not
+        (plans carrying inline pixels). `broadcast_object_list` always costs
+        two: the sizes, then the bytes."""
         if self.world_size == 1:
             return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=0, device=self.device)
-        return box[0]
+        head = torch.zeros(PLAN_BUFFER_BYTES, dtype=torch.uint8)
+        data = b""
+        if self.rank == 0:
+            data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+            first = data[: PLAN_BUFFER_BYTES - 8]
+            head[: 8 + len(first)] = torch.frombuffer(
+                bytearray(len(data).to_bytes(8, "little") + first), dtype=torch.uint8
+            )
+        head = head.to(self.device)
+        dist.broadcast(head, src=0)
+        if self.rank == 0:
+            if len(data) > PLAN_BUFFER_BYTES - 8:
+                dist.broadcast(
+                    torch.frombuffer(bytearray(data[PLAN_BUFFER_BYTES - 8 :]), dtype=torch.uint8).to(self.device), src=0
+                )
+            return obj
+        received = head.cpu().numpy().tobytes()
+        size = int.from_bytes(received[:8], "little")
+        data = received[8 : 8 + min(size, PLAN_BUFFER_BYTES - 8)]
+        if size > PLAN_BUFFER_BYTES - 8:
+            rest = torch.empty(size - (PLAN_BUFFER_BYTES - 8), dtype=torch.uint8, device=self.device)
+            dist.broadcast(rest, src=0)
+            data += rest.cpu().numpy().tobytes()
+        # Rank 0 is this group's own process: its plans are trusted like its code.
+        return pickle.loads(data)
 
     def all_gather_row(self, row: torch.Tensor) -> torch.Tensor:
         if self.world_size == 1:

@@ -1,7 +1,8 @@
 """One step on one rank (DESIGN.md §6).
 
     apply drops and feeds → read the new requests' tensors → ONE agreement
-    all_gather → release the step's segments (rank 0) → ONE batched decode
+    all_gather (when requests join or leave) → release the step's segments
+    (rank 0) → ONE batched decode
     forward for every running request → ONE batched prefill forward for the
     requests that join → sample every row (rank 0)
 
@@ -66,10 +67,16 @@ class Engine:
         self.reader = reader
         self.device = device
         self.dtype: torch.dtype = next(model.parameters()).dtype
+        # Prefill runs the whole multimodal body (it has images to merge);
+        # decode feeds text tokens only, so it skips the wrapper and runs the
+        # language model directly where the family has one.
+        self._prefill_body: torch.nn.Module = model.model  # type: ignore[assignment]
+        self._decode_body: torch.nn.Module = getattr(model.model, "language_model", model.model)  # type: ignore[arg-type]
         layers = int(model.config.get_text_config().num_hidden_layers)  # type: ignore[union-attr,operator]
         self.cache = RowCache(layers, dtype=self.dtype, device=device, token_chunk=token_chunk)
         self.rows: list[Row] = []  # row i of the cache
         self.index: dict[str, int] = {}
+        self._active_per_rank = [0] * coll.world_size
         self.sampler = Sampler(eos_token_ids)
 
     def step(self, plan: Plan) -> StepOutcome:
@@ -86,7 +93,14 @@ class Engine:
             self.rows[self.index[rid]].feed = token
 
         tensors, codes, messages = self._read_new(plan.new)
-        failed_idx, active_per_rank = agree_on_failures(self.coll, codes, messages, active=len(self.rows))
+        if plan.new or plan.drop:
+            failed_idx, active_per_rank = agree_on_failures(self.coll, codes, messages, active=len(self.rows))
+            self._active_per_rank = active_per_rank
+        else:
+            # Nothing joins or leaves: nothing to agree on, and the rows every
+            # rank holds are last step's. Every rank runs this same plan, so
+            # all of them skip the collective together.
+            failed_idx, active_per_rank = {}, self._active_per_rank
         if self.coll.rank == 0:
             # The agreement above is also the barrier that proves every rank
             # has copied the step's tensors: release them, success or not.
@@ -143,7 +157,7 @@ class Engine:
             missing = [r.request.request_id for r in self.rows if r.feed is None]
             raise RuntimeError(f"the plan fed no token to running requests {missing}")
         ids = torch.tensor(feeds, dtype=torch.long, device=self.device)[:, None]
-        hidden = self._body(ids, self.cache.begin_decode())
+        hidden = self._body(self._decode_body, ids, self.cache.begin_decode())
         return self._head(hidden[:, -1])
 
     def _prefill(self, joining: list[tuple[NewRequest, list[torch.Tensor] | None]]) -> torch.Tensor:
@@ -158,12 +172,14 @@ class Engine:
         if pixels:
             # The model fills placeholders in row-major order: images in plan order.
             extra["pixel_values"] = torch.stack(pixels).to(self.device, self.dtype)
-        hidden = self._body(ids.to(self.device), self.cache.begin_prefill(lengths), **extra)
+        hidden = self._body(self._prefill_body, ids.to(self.device), self.cache.begin_prefill(lengths), **extra)
         last = torch.tensor(lengths, device=self.device) - 1
         return self._head(hidden[torch.arange(len(joining), device=self.device), last])
 
-    def _body(self, ids: torch.Tensor, inputs: ForwardInputs, **extra: torch.Tensor) -> torch.Tensor:
-        out = self.model.model(  # type: ignore[operator]
+    def _body(
+        self, body: torch.nn.Module, ids: torch.Tensor, inputs: ForwardInputs, **extra: torch.Tensor
+    ) -> torch.Tensor:
+        out = body(
             input_ids=ids,
             position_ids=inputs.position_ids,
             attention_mask=inputs.attention_mask,

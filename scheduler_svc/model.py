@@ -64,9 +64,21 @@ def model_info(model_dir: Path) -> ModelInfo:
     )
 
 
-def load_model(model_dir: Path, *, world_size: int, device: torch.device) -> torch.nn.Module:
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def model_dtype(setting: str, device: torch.device) -> torch.dtype:
+    """The `--dtype` setting: 'auto' is float32 on CPU and bfloat16 on CUDA."""
+    if setting == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    if setting not in DTYPES:
+        raise ValueError(f"--dtype {setting!r} is not one of auto, {', '.join(DTYPES)}")
+    return DTYPES[setting]
+
+
+def load_model(model_dir: Path, *, world_size: int, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
     """Every rank calls this with the group already initialized."""
-    kwargs: dict[str, object] = {"dtype": torch.float32 if device.type == "cpu" else torch.bfloat16}
+    kwargs: dict[str, object] = {"dtype": dtype}
     if world_size > 1:
         # transformers' own tensor parallelism: the model's predefined plan over
         # the already-initialized default process group.
@@ -76,5 +88,5 @@ def load_model(model_dir: Path, *, world_size: int, device: torch.device) -> tor
     if world_size == 1:
         model = model.to(device)  # type: ignore[arg-type]
     model.eval()
-    log.info("loaded %s (%s) on %s, tp=%d", model_dir, type(model).__name__, device, world_size)
+    log.info("loaded %s (%s) on %s in %s, tp=%d", model_dir, type(model).__name__, device, dtype, world_size)
     return model

@@ -24,7 +24,7 @@ from mmsplit.serving import setup_logging
 from scheduler_svc.collective import Rendezvous, TorchCollective, init_group, pick_device
 from scheduler_svc.engine import Engine
 from scheduler_svc.loop import run_follower
-from scheduler_svc.model import load_model, model_info
+from scheduler_svc.model import load_model, model_dtype, model_info
 from scheduler_svc.reader import build_reader
 from scheduler_svc.settings import SchedulerSettings
 
@@ -50,7 +50,8 @@ def bootstrap(settings: SchedulerSettings, rendezvous: Rendezvous | None) -> Boo
     )
     torch.set_num_threads(max(1, torch.get_num_threads() // dist.get_world_size()))
     device = pick_device(settings.device)
-    model = load_model(settings.model_dir, world_size=dist.get_world_size(), device=device)
+    dtype = model_dtype(settings.dtype, device)
+    model = load_model(settings.model_dir, world_size=dist.get_world_size(), device=device, dtype=dtype)
     coll = TorchCollective(device)
     info = model_info(settings.model_dir)
     engine = Engine(model, coll, build_reader(settings, coll.rank), device, eos_token_ids=info.eos_token_ids)

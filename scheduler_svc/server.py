@@ -32,7 +32,7 @@ from scheduler_svc.collective import Rendezvous
 from scheduler_svc.errors import SchedulerUnavailable
 from scheduler_svc.frontend import Frontend
 from scheduler_svc.loop import StepLoop
-from scheduler_svc.model import ModelInfo, model_info
+from scheduler_svc.model import DTYPES, ModelInfo, model_info
 from scheduler_svc.ranks import Bootstrapped, LocalRanks, bootstrap, run_follower_until_stopped
 from scheduler_svc.settings import SchedulerSettings
 
@@ -85,6 +85,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
 
 def run(settings: SchedulerSettings) -> int:
     """Run this process's part of the group; return the exit code."""
+    if settings.dtype != "auto" and settings.dtype not in DTYPES:
+        raise SystemExit(f"mmsplit scheduler: --dtype {settings.dtype!r} is not one of auto, {', '.join(DTYPES)}")
     if settings.launch == "env":
         boot = bootstrap(settings, None)
         if boot.coll.rank != 0:

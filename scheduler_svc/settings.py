@@ -29,6 +29,9 @@ class SchedulerSettings:
         "several pods; only rank 0 serves gRPC",
     )
     device: str = _opt("auto", "'auto' (CUDA with NCCL when present, else CPU with gloo), 'cpu' or 'cuda'")
+    dtype: str = _opt(
+        "auto", "model dtype: 'auto' (float32 on CPU, bfloat16 on CUDA), 'float32', 'bfloat16', 'float16'"
+    )
     shm_prefix: str = _opt("mmsplit", "prefix of the shared-memory segment names accepted")
     max_tensor_bytes: int = _opt(64 * 1024 * 1024, "largest tensor (and segment) accepted, bytes")
     max_images_per_request: int = _opt(8, "images one request may carry")

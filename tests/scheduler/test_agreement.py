@@ -118,3 +118,7 @@ def test_real_two_process_gloo_agreement() -> None:
         assert result["failed"]["2"][:2] == [2, [0]]
     assert results[0]["failed"]["1"][2] == {"1": "rank 1 failed 1"}
     assert results[1]["failed"]["1"][2] == {}
+    # Plans: one buffer when they fit it, a second broadcast for the rest.
+    for result in results:
+        assert result["small"] == {"step": 7, "feed": [["a", 1]]}
+        assert result["large_ok"]

@@ -2,7 +2,9 @@
 
     python -m tests.support.gloo_agreement RANK PORT CODE [CODE ...]
 
-Prints the agreed failures and active counts as one JSON line.
+Prints the agreed failures and active counts as one JSON line, and what
+two plan broadcasts delivered: one that fits a single buffer, one (of inline
+pixels' size) that needs a second broadcast.
 """
 
 from __future__ import annotations
@@ -26,9 +28,13 @@ def main() -> None:
         coll = TorchCollective(torch.device("cpu"))
         messages = [f"rank {rank} failed {i}" if c else "" for i, c in enumerate(codes)]
         failed, active = agree_on_failures(coll, codes, messages, active=rank + 1)
+        small = coll.broadcast_from_0({"step": 7, "feed": [("a", 1)]} if rank == 0 else None)
+        large = coll.broadcast_from_0(bytes(range(256)) * 1000 if rank == 0 else None)
         print(
             json.dumps(
                 {
+                    "small": small,
+                    "large_ok": large == bytes(range(256)) * 1000,
                     "active": active,
                     "failed": {
                         str(i): [f.code, list(f.ranks), {str(r): m for r, m in f.messages.items()}]

@@ -1,0 +1,243 @@
+"""GPU checks of the serving engine, run by `tests/gpu/run.sh` on a machine
+with CUDA (never by `make test`: CI has no GPU).
+
+Each check prints one line "PASS|FAIL|INFO name: detail" and the summary is
+written to OUT/summary.txt:
+  - the group starts on CUDA with NCCL, the model in the dtype asked for;
+  - 32 requests joining at random steps through the real services: their
+    greedy tokens equal in-process `generate` on the same GPU (float32, so
+    the comparison is exact; bfloat16 is measured by the benchmark);
+  - seeded sampling (a CUDA generator per request) gives the same tokens
+    alone and in a crowd;
+  - NaN pixels, pixels so large the logits are NaN, and a hostile
+    temperature each fail their request alone with a typed error, and the
+    group keeps serving (same pid, SERVING, the next request succeeds);
+  - two ranks on one GPU (TP=2): whether NCCL lets them share the device.
+
+    python tests/gpu/checks.py OUT_DIR [DEVICE]
+
+DEVICE defaults to cuda; `cpu` runs the same script here as a dry run of
+its logic (the NCCL check then fails, as it must).
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import threading
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+import grpc  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from mmsplit.common.v1 import common_pb2  # noqa: E402
+from mmsplit.errors import RemoteError, error_info_of  # noqa: E402
+from mmsplit.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc  # noqa: E402
+from mmsplit.tokenizer.v1 import tokenizer_pb2_grpc  # noqa: E402
+from mmsplit_cli import samples  # noqa: E402
+from mmsplit_cli.client import make_request, run_request  # noqa: E402
+from mmsplit_cli.launch import SCHEDULER_SERVICE, ServiceProcess, running_pair, scheduler_args  # noqa: E402
+from mmsplit_cli.tiny_model import build  # noqa: E402
+from scheduler_svc.model import model_info  # noqa: E402
+
+RESULTS: list[tuple[str, str, str]] = []
+DEVICE = sys.argv[2] if len(sys.argv) > 2 else "cuda"
+
+
+def report(status: str, name: str, detail: str) -> None:
+    RESULTS.append((status, name, detail))
+    print(f"{status} {name}: {detail}", flush=True)
+
+
+def check(name: str):  # type: ignore[no-untyped-def]
+    def wrap(fn):  # type: ignore[no-untyped-def]
+        def run(*args, **kwargs):  # type: ignore[no-untyped-def]
+            try:
+                fn(*args, **kwargs)
+            except Exception as exc:
+                report("FAIL", name, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-1500:]}")
+
+        return run
+
+    return wrap
+
+
+def hf_greedy(model_dir: Path, asks: list[tuple[str, list[bytes], int]], dtype: torch.dtype) -> list[list[int]]:
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from tokenizer_svc.decode import decode_image
+    from tokenizer_svc.prompt import PromptBuilder
+
+    processor = AutoProcessor.from_pretrained(model_dir)
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=dtype).to(DEVICE).eval()
+    builder = PromptBuilder(processor)
+    out = []
+    with torch.inference_mode():
+        for prompt, images, max_tokens in asks:
+            pixels = [
+                processor.image_processor(images=decode_image(b, max_pixels=10**8), return_tensors="pt")["pixel_values"]
+                for b in images
+            ]
+            ids = torch.tensor([builder.build(prompt, [tuple(p.shape[1:]) for p in pixels])], device=DEVICE)
+            extra = {"pixel_values": torch.cat(pixels).to(DEVICE, dtype)} if pixels else {}
+            made = model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_tokens,
+                do_sample=False,
+                pad_token_id=0,
+                **extra,
+            )
+            out.append([int(t) for t in made[0, ids.shape[1] :]])
+    return out
+
+
+@check("continuous batching on CUDA equals generate")
+def continuous_batching(address: str, model_dir: Path) -> None:
+    rng = random.Random(5)
+    asks = []
+    for i in range(32):
+        images = [samples.good_jpeg(seed=500 + 3 * i + k) for k in range(rng.choice([0, 1, 1, 2]))]
+        asks.append((f"Request {i}:" + " tell me more" * rng.randrange(0, 8), images, rng.randrange(1, 25)))
+    delays = [rng.uniform(0, 1.0) for _ in asks]
+
+    def one(i: int):  # type: ignore[no-untyped-def]
+        time.sleep(delays[i])
+        with grpc.insecure_channel(address) as channel:
+            prompt, images, max_tokens = asks[i]
+            stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
+            return run_request(stub, make_request(prompt, images, max_tokens=max_tokens), timeout=120)
+
+    with ThreadPoolExecutor(32) as pool:
+        outcomes = list(pool.map(one, range(32)))
+    failed = [o for o in outcomes if not o.ok]
+    if failed:
+        raise AssertionError(f"{len(failed)} requests failed: {failed[0]}")
+    expected = hf_greedy(model_dir, asks, torch.float32)
+    same = sum(o.token_ids == e for o, e in zip(outcomes, expected, strict=True))
+    status = "PASS" if same == 32 else "FAIL"
+    report(status, "continuous batching on CUDA equals generate", f"{same}/32 requests token-identical (float32)")
+
+
+@check("seeded sampling on CUDA does not depend on the batch")
+def seeded(address: str) -> None:
+    def req(seed: int):  # type: ignore[no-untyped-def]
+        return make_request(
+            "Invent.", [samples.good_png(seed=41)], max_tokens=16, temperature=0.9, top_p=0.9, top_k=50, seed=seed
+        )
+
+    with grpc.insecure_channel(address) as channel:
+        stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
+        alone = run_request(stub, req(99))
+        crowd = [make_request(f"Other {i}", max_tokens=20, temperature=0.7, seed=i + 1) for i in range(8)]
+        barrier = threading.Barrier(9)
+
+        def send(r):  # type: ignore[no-untyped-def]
+            barrier.wait()
+            return run_request(stub, r)
+
+        with ThreadPoolExecutor(9) as pool:
+            results = list(pool.map(send, [*crowd, req(99)]))
+    ok = alone.ok and all(r.ok for r in results) and results[-1].token_ids == alone.token_ids
+    report("PASS" if ok else "FAIL", "seeded sampling on CUDA does not depend on the batch", f"alone {alone.token_ids}")
+
+
+def direct(address: str, ids: list[int], images: list[common_pb2.TensorRef], sampling: common_pb2.SamplingParams):  # type: ignore[no-untyped-def]
+    request = scheduler_pb2.GenerateRequest(
+        request_id=f"gpu-{random.randrange(1 << 30)}", input_ids=ids, pixel_values=images, sampling=sampling
+    )
+    with grpc.insecure_channel(address) as channel:
+        try:
+            list(scheduler_pb2_grpc.SchedulerServiceStub(channel).Generate(request, timeout=60))
+        except grpc.RpcError as exc:
+            if error_info_of(exc) is None:
+                return f"UNTYPED {exc.code()}"
+            return RemoteError.from_rpc_error(exc).reason
+    return "ok"
+
+
+@check("hostile requests fail alone on CUDA")
+def hostile(pair, model_dir: Path) -> None:  # type: ignore[no-untyped-def]
+    info = model_info(model_dir)
+    ids = [1, *([info.image_token_id] * info.tokens_per_image), 22557, 1526]
+    shape = [3, 224, 224]
+
+    def pixels(fill: float | None) -> common_pb2.TensorRef:
+        array = np.random.default_rng(1).random(shape, dtype=np.float32)
+        if fill is not None:
+            array[:] = fill
+        return common_pb2.TensorRef(dtype=common_pb2.DTYPE_FLOAT32, shape=shape, inline=array.tobytes())
+
+    sampled = common_pb2.SamplingParams(max_tokens=4, temperature=0.8)
+    got = {
+        "NaN pixels": direct(pair.scheduler_address, ids, [pixels(float("nan"))], sampled),
+        "huge pixels": direct(pair.scheduler_address, ids, [pixels(3e38)], sampled),
+        "temperature 1e-39": direct(
+            pair.scheduler_address, ids[:1] + ids[-2:], [], common_pb2.SamplingParams(temperature=1e-39)
+        ),
+        "good": direct(pair.scheduler_address, ids, [pixels(None)], common_pb2.SamplingParams(max_tokens=4)),
+    }
+    want = {"NaN pixels": "INVALID_REQUEST", "huge pixels": "INTERNAL", "temperature 1e-39": "INVALID_REQUEST"}
+    alive = pair.scheduler.proc.poll() is None
+    ok = all(got[k] == v for k, v in want.items()) and got["good"] == "ok" and alive
+    report("PASS" if ok else "FAIL", "hostile requests fail alone on CUDA", f"{got}; scheduler alive: {alive}")
+
+
+@check("two ranks on one GPU")
+def two_ranks_one_gpu(model_dir: Path, logs: Path) -> None:
+    proc = ServiceProcess(
+        "scheduler-tp2", scheduler_args(model_dir, tp=2, extra=["--device", DEVICE]), logs / "tp2.log"
+    )
+    try:
+        proc.wait_serving(SCHEDULER_SERVICE, 120)
+        with grpc.insecure_channel(proc.address) as channel:
+            request = scheduler_pb2.GenerateRequest(
+                request_id="tp2", input_ids=[1, 22557, 1526], sampling=common_pb2.SamplingParams(max_tokens=8)
+            )
+            events = list(scheduler_pb2_grpc.SchedulerServiceStub(channel).Generate(request, timeout=60))
+        report("PASS", "two ranks on one GPU", f"TP=2 served a request ({len(events)} events)")
+    except Exception as exc:
+        tail = proc.tail(8).strip().splitlines()
+        reason = next((line for line in tail if "Duplicate GPU" in line or "NCCL" in line), tail[-1] if tail else "")
+        report("INFO", "two ranks on one GPU", f"not possible here: {type(exc).__name__}; {reason[-300:]}")
+    finally:
+        proc.stop()
+
+
+def main() -> int:
+    out = Path(sys.argv[1])
+    out.mkdir(parents=True, exist_ok=True)
+    name = torch.cuda.get_device_name(0) if DEVICE == "cuda" else DEVICE
+    report("INFO", "device", f"{name}, torch {torch.__version__}")
+    model_dir = build(out / "tiny", cache_dir=ROOT / ".cache")
+    logs = out / "logs"
+    logs.mkdir(exist_ok=True)
+    started = time.monotonic()
+    with running_pair(model_dir, logs, tp=1, scheduler_extra=["--device", DEVICE, "--dtype", "float32"]) as pair:
+        log = pair.scheduler.log_path.read_text()
+        nccl = "nccl group" in log
+        report(
+            "PASS" if nccl else "FAIL",
+            "group on CUDA with NCCL",
+            "rank 0 joined the nccl group" if nccl else log[-500:],
+        )
+        continuous_batching(pair.tokenizer_address, model_dir)
+        seeded(pair.tokenizer_address)
+        hostile(pair, model_dir)
+    two_ranks_one_gpu(model_dir, logs)
+    lines = [f"{s} {n}: {d.splitlines()[0] if d else ''}" for s, n, d in RESULTS]
+    lines.append(f"checks took {time.monotonic() - started:.0f} s")
+    (out / "summary.txt").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 1 if any(s == "FAIL" for s, _, _ in RESULTS) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The GPU checks, as one command on a machine with CUDA (never part of
+# `make test`: CI has no GPU). From the repository root:
+#
+#     tests/gpu/run.sh [OUT_DIR]
+#
+# Needs: python3 with torch (CUDA build) and transformers' dependencies; the
+# Python packages this project pins that such a machine may lack, as wheels
+# in .whl/ (see README, "GPU checks"); the tokenizer's source wheel in
+# .cache/ (make test or make demo puts it there). Writes OUT_DIR/summary.txt
+# (checks) and OUT_DIR/bench.txt (the engine benchmark on the GPU).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+out="${1:-${OUT:-/tmp/mmsplit-gpu}}"
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/mmsplit-site .whl/*.whl \
+    || { echo "installing the carried wheels failed"; exit 2; }
+  export PYTHONPATH="/tmp/mmsplit-site:$PWD"
+else
+  export PYTHONPATH="$PWD"
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu.txt" 2>&1
+python3 -c "import torch, transformers, grpc; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'transformers', transformers.__version__, 'grpcio', grpc.__version__)" | tee -a "$out/gpu.txt"
+
+status=0
+timeout 300 python3 tests/gpu/checks.py "$out" 2>&1 | tee "$out/checks.log" | grep -E "^(PASS|FAIL|INFO)" || status=1
+[ "${PIPESTATUS[0]}" = 0 ] || status=1
+timeout 300 python3 bench/engine.py --device cuda --dtype bfloat16 --tp 1 --models tiny,8x512 2>&1 \
+  | grep -v -E "Loading weights|Writing model" | tee "$out/bench.txt" || status=1
+[ "${PIPESTATUS[0]}" = 0 ] || status=1
+echo "gpu checks exit status: $status" | tee -a "$out/summary.txt"
+exit $status
