@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: venv demo test check fmt proto baseline bench clean
+.PHONY: venv demo test check fmt proto baseline bench bench-engine clean
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -50,6 +50,11 @@ baseline: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python bench/shm_handoff.py
 	$(BIN)/python bench/consensus.py
+
+## The serving engine against in-process generate (about 15 minutes on 2 cores), and the cost of streaming.
+bench-engine: $(STAMP)
+	$(BIN)/python bench/engine.py
+	$(BIN)/python bench/streaming.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

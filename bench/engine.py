@@ -6,36 +6,51 @@ text model) and each TP size:
   HF batch   — in-process `generate` on one left-padded batch of all N
   services   — the real tokenizer + scheduler, N requests sent by 1, 8 and N
                concurrent clients
-N one-image requests of different prompt lengths, each making exactly T
-greedy tokens (min_new_tokens = max_new_tokens in HF, min_tokens =
+N one-image requests (640x480 JPEGs) of different prompt lengths, each making
+exactly T greedy tokens (min_new_tokens = max_new_tokens in HF, min_tokens =
 max_tokens through the services, so every arm makes the same tokens).
+
 Throughput is generated tokens / wall time. The HF arms time `generate` only
 (pixel tensors and ids made beforehand); the services are timed end to end
 from the client (preprocessing, transport and streaming included), so the
-comparison is strict on the services. HF runs at TP=1 in process; the TP=2
-services are compared with it too. Also printed: time to first token and
-inter-token gaps (p50/p99) at N concurrent, and how many requests' tokens
+comparison is strict on the services. For context the HF arms are also
+shown with their preprocessing (decode + image processor, serially, as a
+plain script does it) counted in. HF runs at TP=1 in process; the TP=2
+services are compared with it too.
+
+The speed of a shared machine drifts (2x within minutes was seen here), so
+the arms are interleaved in rounds — HF serial, engine serial, services 1,
+HF batch, engine batch, services 8, services N — while the services stand
+idle during the in-process arms, and each arm's median over the rounds is
+reported. The engine arms run the scheduler's `Engine` in this process (a
+group of one, no services, the HF arms' ids and pixels): they separate the
+engine's own speed from what the services add around it. Also printed: time to
+first token and inter-token gaps (p50/p99) at N concurrent, the CPU seconds
+each part of the system used at N concurrent, and how many requests' tokens
 equal HF serial's.
 
-    python bench/engine.py [--models tiny,8x512] [--tp 1,2] [--n 32] [--tokens 32] [--device cuda --dtype bfloat16]
+    python bench/engine.py [--models tiny,8x512] [--tp 1,2] [--n 32] [--tokens 32] [--rounds 3]
+                           [--device cuda --dtype bfloat16]
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import Timeline, build_model, percentile, run_clients, table
+from harness import InlineReader, SoloGroup, Timeline, build_model, cpu_seconds, percentile, run_clients, table
 
 from mmsplit_cli import samples
 from mmsplit_cli.client import make_request
-from mmsplit_cli.launch import running_pair
+from mmsplit_cli.launch import Pair, running_pair
 
 CONCURRENCY = (1, 8)  # and N
 
@@ -50,90 +65,180 @@ def prompts(n: int) -> list[Prompt]:
     return [Prompt(f"Describe picture {i}." + " Be precise." * (i % 7), samples.good_jpeg(seed=i)) for i in range(n)]
 
 
-@dataclass
-class HfResult:
-    serial_tps: float
-    batch_tps: float
-    # The same arms with the preprocessing a plain script does first (decode +
-    # image processor + prompt ids, serially) counted in: context only.
-    serial_e2e_tps: float
-    batch_e2e_tps: float
-    serial_tokens: list[list[int]]
+class HfArms:
+    """The in-process baseline: the model, ids and pixel tensors made once."""
 
+    def __init__(self, model_dir: Path, items: list[Prompt], tokens: int, device: str, dtype: str) -> None:
+        import torch
+        from transformers import AutoModelForImageTextToText, AutoProcessor
 
-def hf_arms(model_dir: Path, items: list[Prompt], tokens: int, device: str, dtype: str) -> HfResult:
-    import torch
-    from transformers import AutoModelForImageTextToText, AutoProcessor
+        from tokenizer_svc.decode import decode_image
+        from tokenizer_svc.prompt import PromptBuilder
 
-    from tokenizer_svc.decode import decode_image
-    from tokenizer_svc.prompt import PromptBuilder
+        self.torch = torch
+        self.device = device
+        processor = AutoProcessor.from_pretrained(model_dir)
+        builder = PromptBuilder(processor)
+        torch_dtype = getattr(torch, dtype)
+        self.model: Any = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch_dtype)
+        self.model = self.model.to(device).eval()
+        self.ids: list[list[int]] = []
+        self.pixels = []
+        start = time.perf_counter()
+        for item in items:
+            image = decode_image(item.image, max_pixels=10**8)
+            pixel = processor.image_processor(images=image, return_tensors="pt")["pixel_values"]
+            self.pixels.append(pixel.to(device, torch_dtype))
+            self.ids.append(builder.build(item.text, [tuple(pixel.shape[1:])]))
+        # What a plain script spends before its first generate (serially).
+        self.prep_s = time.perf_counter() - start
+        self.gen = {"max_new_tokens": tokens, "min_new_tokens": tokens, "do_sample": False, "pad_token_id": 0}
+        self.total = len(items) * tokens
+        width = max(map(len, self.ids))
+        batch_ids = torch.zeros((len(self.ids), width), dtype=torch.long)
+        mask = torch.zeros_like(batch_ids)
+        for i, row in enumerate(self.ids):  # left padding, as generate expects
+            batch_ids[i, width - len(row) :] = torch.tensor(row)
+            mask[i, width - len(row) :] = 1
+        self.batch_ids, self.mask = batch_ids.to(device), mask.to(device)
+        self.batch_pixels = torch.cat(self.pixels)
+        self.serial_tokens = [self._one(0)]  # warm up
+        self._batch(2)
 
-    processor = AutoProcessor.from_pretrained(model_dir)
-    builder = PromptBuilder(processor)
-    torch_dtype = getattr(torch, dtype)
-    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch_dtype).to(device).eval()
-    ids, pixels = [], []
-    start = time.perf_counter()
-    for item in items:
-        image = decode_image(item.image, max_pixels=10**8)
-        pixel = processor.image_processor(images=image, return_tensors="pt")["pixel_values"]
-        pixels.append(pixel.to(device, torch_dtype))
-        ids.append(builder.build(item.text, [tuple(pixel.shape[1:])]))
-    prep_s = time.perf_counter() - start
-    gen = {"max_new_tokens": tokens, "min_new_tokens": tokens, "do_sample": False, "pad_token_id": 0}
-
-    def one(i: int) -> list[int]:
-        seq = torch.tensor([ids[i]], device=device)
-        out = model.generate(input_ids=seq, attention_mask=torch.ones_like(seq), pixel_values=pixels[i], **gen)
+    def _one(self, i: int) -> list[int]:
+        torch = self.torch
+        with torch.inference_mode():
+            seq = torch.tensor([self.ids[i]], device=self.device)
+            kwargs = {"attention_mask": torch.ones_like(seq), "pixel_values": self.pixels[i]}
+            out = self.model.generate(input_ids=seq, **kwargs, **self.gen)
         return [int(t) for t in out[0, seq.shape[1] :]]
 
-    width = max(map(len, ids))
-    batch_ids = torch.zeros((len(ids), width), dtype=torch.long)
-    mask = torch.zeros_like(batch_ids)
-    for i, row in enumerate(ids):  # left padding, as generate expects
-        batch_ids[i, width - len(row) :] = torch.tensor(row)
-        mask[i, width - len(row) :] = 1
-    batch_ids, mask, batch_pixels = batch_ids.to(device), mask.to(device), torch.cat(pixels)
+    def _batch(self, n: int) -> None:
+        with self.torch.inference_mode():
+            ids, mask, pixels = self.batch_ids[:n], self.mask[:n], self.batch_pixels[:n]
+            self.model.generate(input_ids=ids, attention_mask=mask, pixel_values=pixels, **self.gen)
+        if self.device != "cpu":
+            self.torch.cuda.synchronize()
 
-    with torch.inference_mode():
-        one(0)  # warm up
+    def serial(self) -> float:
         start = time.perf_counter()
-        serial = [one(i) for i in range(len(ids))]
-        serial_s = time.perf_counter() - start
-        model.generate(input_ids=batch_ids[:2], attention_mask=mask[:2], pixel_values=batch_pixels[:2], **gen)
+        self.serial_tokens = [self._one(i) for i in range(len(self.ids))]
+        return self.total / (time.perf_counter() - start)
+
+    def batch(self) -> float:
         start = time.perf_counter()
-        model.generate(input_ids=batch_ids, attention_mask=mask, pixel_values=batch_pixels, **gen)
-        if device != "cpu":
-            torch.cuda.synchronize()
-        batch_s = time.perf_counter() - start
-    total = len(ids) * tokens
-    return HfResult(total / serial_s, total / batch_s, total / (serial_s + prep_s), total / (batch_s + prep_s), serial)
+        self._batch(len(self.ids))
+        return self.total / (time.perf_counter() - start)
+
+    def with_prep(self, tps: float) -> float:
+        return self.total / (self.total / tps + self.prep_s)
+
+
+class EngineArms:
+    """The scheduler's engine in this process (a group of one, no services,
+    the HF arms' ids and pixels): what the engine costs without the
+    transport, the streaming and the preprocessing around it."""
+
+    def __init__(self, hf: HfArms, tokens: int) -> None:
+        from mmsplit.common.v1 import common_pb2
+        from mmsplit.sampling import Sampling
+        from mmsplit.tensors import TensorSpec
+        from scheduler_svc.engine import Engine
+        from scheduler_svc.plan import NewRequest
+
+        torch = hf.torch
+        self.engine = Engine(hf.model, SoloGroup(), InlineReader(), torch.device(hf.device), eos_token_ids=frozenset())
+        self.requests = []
+        for i, (ids, pixel) in enumerate(zip(hf.ids, hf.pixels, strict=True)):
+            data = pixel[0].float().cpu().numpy().tobytes()
+            spec = TensorSpec(common_pb2.DTYPE_FLOAT32, tuple(pixel.shape[1:]), inline=data)
+            sampling = Sampling(max_tokens=tokens, min_tokens=tokens)
+            self.requests.append(NewRequest(f"e{i}", tuple(ids), (spec,), sampling))
+        self.tokens = tokens
+        self.total = len(self.requests) * tokens
+        self.step = 0
+        self._run(self.requests[:2])  # warm up
+
+    def _run(self, requests: list[Any]) -> None:
+        from scheduler_svc.plan import Plan
+
+        self.step += 1
+        outcome = self.engine.step(Plan(step=self.step, new=tuple(requests)))
+        for _ in range(self.tokens - 1):
+            self.step += 1
+            outcome = self.engine.step(Plan(step=self.step, feed=tuple(outcome.sampled.items())))
+        self.step += 1
+        self.engine.step(Plan(step=self.step, drop=tuple(outcome.sampled)))
+
+    def serial(self) -> float:
+        start = time.perf_counter()
+        for request in self.requests:
+            self._run([request])
+        return self.total / (time.perf_counter() - start)
+
+    def batch(self) -> float:
+        start = time.perf_counter()
+        self._run(self.requests)
+        return self.total / (time.perf_counter() - start)
 
 
 @dataclass
 class ServiceRun:
-    concurrency: int
     tps: float
     timelines: list[Timeline]
+    wall_s: float
+    # CPU seconds each part of the system used during the run.
+    cpu: dict[str, float]
 
 
-def service_arms(
-    model_dir: Path, tp: int, items: list[Prompt], tokens: int, logs: Path, device: str, dtype: str
-) -> list[ServiceRun]:
+def serve(pair: Pair, requests: list[Any], concurrency: int) -> ServiceRun:
+    before = cpu_seconds(pair.scheduler.pid, pair.tokenizer.pid)
+    timelines, wall = run_clients(pair.tokenizer_address, requests, concurrency)
+    after = cpu_seconds(pair.scheduler.pid, pair.tokenizer.pid)
+    failed = [t.error for t in timelines if t.error]
+    if failed:
+        raise RuntimeError(f"{len(failed)} requests failed at concurrency {concurrency}: {failed[:3]}")
+    made = sum(len(t.token_ids) for t in timelines)
+    return ServiceRun(made / wall, timelines, wall, {part: after[part] - before[part] for part in before})
+
+
+@dataclass
+class Rounds:
+    """Each arm's results over the rounds."""
+
+    arms: dict[str, list[float]] = field(default_factory=dict)
+    runs: dict[int, list[ServiceRun]] = field(default_factory=dict)
+
+    def add(self, arm: str, tps: float) -> float:
+        self.arms.setdefault(arm, []).append(tps)
+        return tps
+
+    def median(self, arm: str) -> float:
+        return statistics.median(self.arms[arm])
+
+    def median_run(self, concurrency: int) -> ServiceRun:
+        runs = sorted(self.runs[concurrency], key=lambda r: r.tps)
+        return runs[len(runs) // 2]
+
+
+def measure(hf: HfArms, engine: EngineArms | None, pair: Pair, items: list[Prompt], tokens: int, rounds: int) -> Rounds:
     requests = [make_request(p.text, [p.image], max_tokens=tokens, min_tokens=tokens) for p in items]
-    runs = []
-    logs.mkdir(parents=True, exist_ok=True)
-    extra = ["--device", device, "--dtype", dtype]
-    with running_pair(model_dir, logs, tp=tp, scheduler_extra=extra) as pair:
-        run_clients(pair.tokenizer_address, requests[:8], 8)  # warm up
-        for concurrency in (*CONCURRENCY, len(items)):
-            timelines, wall = run_clients(pair.tokenizer_address, requests, concurrency)
-            failed = [t.error for t in timelines if t.error]
-            if failed:
-                raise RuntimeError(f"{len(failed)} requests failed at concurrency {concurrency}: {failed[:3]}")
-            made = sum(len(t.token_ids) for t in timelines)
-            runs.append(ServiceRun(concurrency, made / wall, timelines))
-    return runs
+    serve(pair, requests[:8], 8)  # warm up
+    out = Rounds()
+    for _ in range(rounds):
+        out.add("hf serial", hf.serial())
+        if engine is not None:
+            out.add("engine serial", engine.serial())
+        for concurrency in (1, None, *CONCURRENCY[1:], len(items)):
+            if concurrency is None:
+                out.add("hf batch", hf.batch())
+                if engine is not None:
+                    out.add("engine batch", engine.batch())
+                continue
+            run = serve(pair, requests, concurrency)
+            out.runs.setdefault(concurrency, []).append(run)
+            out.add(f"c={concurrency}", run.tps)
+    return out
 
 
 def main() -> None:
@@ -142,52 +247,67 @@ def main() -> None:
     parser.add_argument("--tp", default="1,2")
     parser.add_argument("--n", type=int, default=32, help="requests per arm")
     parser.add_argument("--tokens", type=int, default=32, help="tokens each request makes")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians are reported")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (both arms)")
     parser.add_argument("--dtype", default="float32", help="model dtype of both arms")
     args = parser.parse_args()
     items = prompts(args.n)
+    n = args.n
     rows = []
     with tempfile.TemporaryDirectory(prefix="mmsplit-bench-") as tmp:
         for name in args.models.split(","):
             model_dir = build_model(name, Path(tmp))
-            hf = hf_arms(model_dir, items, args.tokens, args.device, args.dtype)
-            print(
-                f"{name}: HF serial {hf.serial_tps:.0f} tok/s, HF batch {hf.batch_tps:.0f} tok/s "
-                f"(with preprocessing: {hf.serial_e2e_tps:.0f}, {hf.batch_e2e_tps:.0f})",
-                flush=True,
-            )
-            for tp in (int(t) for t in args.tp.split(",")):
+            hf = HfArms(model_dir, items, args.tokens, args.device, args.dtype)
+            engine = EngineArms(hf, args.tokens)
+            tps = [int(t) for t in args.tp.split(",")]
+            for tp in tps:
                 logs = Path(tmp) / f"logs-{name}-{tp}"
-                runs = service_arms(model_dir, tp, items, args.tokens, logs, args.device, args.dtype)
-                by_c = {r.concurrency: r for r in runs}
-                full = by_c[args.n]
+                logs.mkdir()
+                extra = ["--device", args.device, "--dtype", args.dtype]
+                with running_pair(model_dir, logs, tp=tp, scheduler_extra=extra) as pair:
+                    # The in-process engine is TP=1: measured with the first TP size only.
+                    r = measure(hf, engine if tp == tps[0] else None, pair, items, args.tokens, args.rounds)
+                if "engine batch" in r.arms:
+                    engine_serial, engine_batch = r.median("engine serial"), r.median("engine batch")
+                    print(
+                        f"{name} engine in process: {engine_serial:.0f} tok/s one at a time "
+                        f"({engine_serial / r.median('hf serial'):.2f}x HF serial), {engine_batch:.0f} tok/s on "
+                        f"all {n} at once ({engine_batch / r.median('hf batch'):.2f}x HF batch)",
+                        flush=True,
+                    )
+                full = r.median_run(n)
                 same = sum(t.token_ids == ref for t, ref in zip(full.timelines, hf.serial_tokens, strict=True))
-                gaps = [g for t in full.timelines for g in t.gaps]
-                ttft = [t.ttft for t in full.timelines]
+                serial, batch = r.median("hf serial"), r.median("hf batch")
+                svc = {c: r.median(f"c={c}") for c in (*CONCURRENCY, n)}
                 print(
-                    f"{name} TP={tp}: "
-                    + ", ".join(f"{c} concurrent {r.tps:.0f} tok/s" for c, r in by_c.items())
-                    + f"; tokens equal to HF serial: {same}/{args.n}",
+                    f"{name} TP={tp}: HF serial {serial:.0f} tok/s, HF batch {batch:.0f}; services "
+                    + ", ".join(f"{c} concurrent {tps:.0f}" for c, tps in svc.items())
+                    + f"; every arm's rounds: { ({k: [round(x) for x in v] for k, v in r.arms.items()}) }",
                     flush=True,
                 )
+                parts = ", ".join(f"{part} {seconds:.2f}" for part, seconds in full.cpu.items())
+                print(f"  CPU seconds at {n} concurrent, {full.wall_s:.2f} s of wall time: {parts}", flush=True)
+                gaps = [g for t in full.timelines for g in t.gaps]
+                ttft = [t.ttft for t in full.timelines]
                 rows.append(
                     [
                         name,
                         tp,
-                        f"{hf.serial_tps:.0f}",
-                        f"{hf.batch_tps:.0f}",
-                        *(f"{by_c[c].tps:.0f}" for c in (*CONCURRENCY, args.n)),
-                        f"{by_c[1].tps / hf.serial_tps:.2f}",
-                        f"{by_c[8].tps / hf.batch_tps:.2f}",
-                        f"{full.tps / hf.batch_tps:.2f}",
-                        f"{by_c[1].tps / hf.serial_e2e_tps:.2f}",
-                        f"{full.tps / hf.batch_e2e_tps:.2f}",
+                        f"{serial:.0f}",
+                        f"{batch:.0f}",
+                        *(f"{svc[c]:.0f}" for c in (*CONCURRENCY, n)),
+                        f"{svc[1] / serial:.2f}",
+                        f"{svc[8] / batch:.2f}",
+                        f"{svc[n] / batch:.2f}",
+                        f"{svc[1] / hf.with_prep(serial):.2f}",
+                        f"{svc[n] / hf.with_prep(batch):.2f}",
+                        f"{r.median('engine serial') / serial:.2f}" if "engine serial" in r.arms else "",
+                        f"{r.median('engine batch') / batch:.2f}" if "engine batch" in r.arms else "",
                         f"{1000 * percentile(ttft, 50):.0f}/{1000 * percentile(ttft, 99):.0f}",
                         f"{1000 * percentile(gaps, 50):.1f}/{1000 * percentile(gaps, 99):.1f}",
-                        f"{same}/{args.n}",
+                        f"{same}/{n}",
                     ]
                 )
-    n = args.n
     header = [
         "model",
         "TP",
@@ -201,14 +321,16 @@ def main() -> None:
         f"c={n} / batch",
         "c=1 / serial+prep",
         f"c={n} / batch+prep",
+        "engine / serial",
+        "engine / batch",
         f"TTFT ms p50/p99 c={n}",
         f"ITL ms p50/p99 c={n}",
         "= HF",
     ]
     print(
-        f"\n{n} one-image requests x {args.tokens} greedy tokens on {args.device} in {args.dtype}; tokens/s; "
-        "HF in process at TP=1, timing "
-        "generate only (+prep: with its preprocessing counted in); services timed end to end from the client"
+        f"\n{n} one-image requests x {args.tokens} greedy tokens on {args.device} in {args.dtype}; tokens/s, "
+        f"medians of {args.rounds} interleaved rounds; HF in process at TP=1 timing generate only "
+        "(+prep: with its preprocessing counted in); services timed end to end from the client"
     )
     print(table(header, rows))
 

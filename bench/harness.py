@@ -7,15 +7,16 @@ on the same machine, and prints ratios.
 
 from __future__ import annotations
 
+import asyncio
 import statistics
-import threading
 import time
 from collections.abc import Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
+import psutil
 
 from mmsplit.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 
@@ -58,16 +59,16 @@ class Timeline:
         return [b - a for a, b in zip(self.token_times, self.token_times[1:], strict=False)]
 
 
-def stream(stub: tokenizer_pb2_grpc.TokenizerServiceStub, request: tokenizer_pb2.GenerateRequest) -> Timeline:
+async def _stream(stub: tokenizer_pb2_grpc.TokenizerServiceStub, request: tokenizer_pb2.GenerateRequest) -> Timeline:
     line = Timeline(sent=time.perf_counter())
     try:
-        for event in stub.Generate(request, timeout=600):
+        async for event in stub.Generate(request, timeout=600):
             if event.HasField("delta") and event.delta.token_ids:
                 now = time.perf_counter()
                 line.token_ids.extend(event.delta.token_ids)
                 line.token_times.extend([now] * len(event.delta.token_ids))
-    except grpc.RpcError as exc:
-        line.error = f"{exc.code().name}: {exc.details()}"  # type: ignore[attr-defined]
+    except grpc.aio.AioRpcError as exc:
+        line.error = f"{exc.code().name}: {exc.details()}"
     line.ended = time.perf_counter()
     return line
 
@@ -77,27 +78,77 @@ def run_clients(
 ) -> tuple[list[Timeline], float]:
     """Send every request, `concurrency` at a time (each client sends its
     next request when the previous one ends); returns the timelines in
-    request order and the wall time of the whole run."""
-    results: list[Timeline | None] = [None] * len(requests)
-    lock = threading.Lock()
-    next_index = iter(range(len(requests)))
+    request order and the wall time of the whole run. The clients are
+    coroutines on one event loop and one channel: the load generator shares
+    the machine with the services, so it should cost as little as it can."""
 
-    def client(stub: tokenizer_pb2_grpc.TokenizerServiceStub) -> None:
-        while True:
-            with lock:
-                i = next(next_index, None)
-            if i is None:
-                return
-            results[i] = stream(stub, requests[i])
+    async def run() -> tuple[list[Timeline], float]:
+        results: list[Timeline | None] = [None] * len(requests)
+        pending = iter(range(len(requests)))
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
 
-    with grpc.insecure_channel(address) as channel:
-        stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
-        start = time.perf_counter()
-        with ThreadPoolExecutor(concurrency) as pool:
-            for f in [pool.submit(client, stub) for _ in range(concurrency)]:
-                f.result()
-        wall = time.perf_counter() - start
-    return [r for r in results if r is not None], wall
+            async def client() -> None:
+                for i in pending:
+                    results[i] = await _stream(stub, requests[i])
+
+            start = time.perf_counter()
+            await asyncio.gather(*(client() for _ in range(concurrency)))
+            wall = time.perf_counter() - start
+        return [r for r in results if r is not None], wall
+
+    return asyncio.run(run())
+
+
+class SoloGroup:
+    """A process group of one rank, for running a scheduler `Engine` in the
+    benchmark's own process: every collective is the identity."""
+
+    rank = 0
+    world_size = 1
+
+    def broadcast_from_0(self, obj: object) -> object:
+        return obj
+
+    def all_gather_row(self, row: Any) -> Any:
+        return row[None]
+
+    def gather_to_0(self, obj: object) -> list[object]:
+        return [obj]
+
+
+class InlineReader:
+    """Reads inline tensors (float32), as the engine's own reader would."""
+
+    def read(self, request_id: str, spec: Any) -> Any:
+        import torch
+
+        return torch.frombuffer(bytearray(spec.inline), dtype=torch.float32).reshape(spec.shape)
+
+
+def cpu_seconds(scheduler_pid: int, tokenizer_pid: int) -> dict[str, float]:
+    """CPU time used so far by each part of the system on this machine: the
+    scheduler's ranks, the tokenizer's main process, its preprocessing
+    workers, and this process (the clients)."""
+
+    def used(procs: Iterable[psutil.Process]) -> float:
+        total = 0.0
+        for proc in procs:
+            try:
+                times = proc.cpu_times()
+            except psutil.NoSuchProcess:
+                continue
+            total += times.user + times.system
+        return total
+
+    scheduler = psutil.Process(scheduler_pid)
+    tokenizer = psutil.Process(tokenizer_pid)
+    return {
+        "scheduler": used([scheduler, *scheduler.children(recursive=True)]),
+        "tokenizer": used([tokenizer]),
+        "workers": used(tokenizer.children(recursive=True)),
+        "clients": used([psutil.Process()]),
+    }
 
 
 def percentile(values: Iterable[float], q: float) -> float:

@@ -2,9 +2,9 @@
 
     apply drops and feeds → read the new requests' tensors → ONE agreement
     all_gather (when requests join or leave) → release the step's segments
-    (rank 0) → ONE batched decode
-    forward for every running request → ONE batched prefill forward for the
-    requests that join → sample every row (rank 0)
+    (rank 0) → ONE batched decode forward for every running request → ONE
+    batched prefill forward for the requests that join → sample every row
+    (rank 0)
 
 The engine holds the batch: one row of the `RowCache` per running request,
 in the order the plans made them (joins append in plan order, leaves
@@ -22,6 +22,7 @@ the loop drops it on every rank in the next plan.
 from __future__ import annotations
 
 import logging
+import time
 import zlib
 from dataclasses import dataclass, field
 
@@ -92,15 +93,17 @@ class Engine:
             # A missing id here means the ranks diverged: fail loudly, never guess.
             self.rows[self.index[rid]].feed = token
 
+        clock = _Clock()
         tensors, codes, messages = self._read_new(plan.new)
         if plan.new or plan.drop:
-            failed_idx, active_per_rank = agree_on_failures(self.coll, codes, messages, active=len(self.rows))
-            self._active_per_rank = active_per_rank
+            failed_idx, held = agree_on_failures(self.coll, codes, messages, active=len(self.rows))
+            # What each rank holds after this step: the agreed joiners join everywhere.
+            self._active_per_rank = [n + len(plan.new) - len(failed_idx) for n in held]
         else:
-            # Nothing joins or leaves: nothing to agree on, and the rows every
-            # rank holds are last step's. Every rank runs this same plan, so
-            # all of them skip the collective together.
-            failed_idx, active_per_rank = {}, self._active_per_rank
+            # Nothing joins or leaves: nothing to agree on, and every rank
+            # holds what it held after the last step. Every rank runs this
+            # same plan, so all of them skip the collective together.
+            failed_idx = {}
         if self.coll.rank == 0:
             # The agreement above is also the barrier that proves every rank
             # has copied the step's tensors: release them, success or not.
@@ -110,11 +113,14 @@ class Engine:
         failed = {plan.new[i].request_id: f for i, f in failed_idx.items()}
         joining = [(req, tensors[i]) for i, req in enumerate(plan.new) if i not in failed_idx]
 
+        clock.lap("read")
         logits: list[torch.Tensor] = []
         if self.rows:
             logits.append(self._decode())
+            clock.lap("decode")
         if joining:
             logits.append(self._prefill(joining))
+            clock.lap("prefill")
         for req, _ in joining:
             self.index[req.request_id] = len(self.rows)
             self.rows.append(Row(req, sampling=self._row_sampling(req)))
@@ -129,7 +135,14 @@ class Engine:
                 else:
                     sampled[row.request.request_id] = result
                     row.sampling.generated += 1  # type: ignore[union-attr]
-        return StepOutcome(sampled=sampled, failed=failed, active_per_rank=active_per_rank, rejected=rejected)
+            clock.lap("sample")
+        return StepOutcome(
+            sampled=sampled,
+            failed=failed,
+            active_per_rank=list(self._active_per_rank),
+            rejected=rejected,
+            phases=clock.laps,
+        )
 
     # ---- rows ----
     def _remove(self, rid: str) -> None:
@@ -223,3 +236,18 @@ class Engine:
             codes.append(0)
             messages.append("")
         return tensors, codes, messages
+
+
+class _Clock:
+    """Seconds spent in each phase of a step, for the loop's statistics. On
+    CUDA the forwards run asynchronously: their time shows up in the phase
+    that first waits for a result (sampling)."""
+
+    def __init__(self) -> None:
+        self.laps: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.laps[phase] = now - self._last
+        self._last = now

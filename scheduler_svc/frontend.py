@@ -9,7 +9,6 @@ back in one `loop.call_soon_threadsafe` (the step loop's `post`).
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import AsyncIterator
 
 from mmsplit.sampling import Sampling
@@ -20,8 +19,6 @@ from scheduler_svc.loop import Admission, Event, Failed, Finished, StepLoop, Tok
 from scheduler_svc.model import ModelInfo
 from scheduler_svc.plan import NewRequest
 from scheduler_svc.settings import SchedulerSettings
-
-log = logging.getLogger(__name__)
 
 MAX_REQUEST_ID = 128
 FLOAT_DTYPES = (1, 2, 3)

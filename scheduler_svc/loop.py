@@ -186,7 +186,7 @@ class StepLoop:
                 self._aborted.difference_update(plan.drop)
                 self._settle(outcome.failed, outcome.sampled, outcome.rejected)
                 self._flush()
-                self._stats.step(time.monotonic() - started, len(self._running), len(outcome.sampled))
+                self._stats.step(time.monotonic() - started, len(self._running), len(outcome.sampled), outcome.phases)
                 self._report()
                 if plan.stop:
                     return
@@ -410,22 +410,27 @@ class _Stats:
         self._busy_s = 0.0
         self._rows = 0
         self._tokens = 0
+        self._phases: dict[str, float] = {}
 
-    def step(self, seconds: float, rows: int, tokens: int) -> None:
+    def step(self, seconds: float, rows: int, tokens: int, phases: dict[str, float]) -> None:
         if tokens == 0 and rows == 0:
             return  # heartbeat
         self._steps += 1
         self._busy_s += seconds
         self._rows += rows
         self._tokens += tokens
+        for phase, spent in phases.items():
+            self._phases[phase] = self._phases.get(phase, 0.0) + spent
 
     def line(self, now: float, interval_s: float) -> str:
         elapsed = now - self._since
         if elapsed < interval_s or self._steps == 0:
             return ""
+        per_step = ", ".join(f"{phase} {1000 * spent / self._steps:.1f}" for phase, spent in self._phases.items())
         text = (
             f"{self._steps / elapsed:.1f} steps/s, {self._tokens / elapsed:.0f} tokens/s, "
-            f"mean batch {self._rows / self._steps:.1f}, mean step {1000 * self._busy_s / self._steps:.1f} ms"
+            f"mean batch {self._rows / self._steps:.1f}, mean step {1000 * self._busy_s / self._steps:.1f} ms "
+            f"({per_step})"
         )
         self._reset(now)
         return text

@@ -50,8 +50,11 @@ class StepOutcome:
     sampled: dict[str, int]
     # request id -> agreed failure (every rank).
     failed: dict[str, Failure]
-    # requests held by each rank at the agreement point, indexed by rank.
+    # requests each rank holds after the step, indexed by rank (gathered in
+    # steps where requests join or leave; unchanged in the others).
     active_per_rank: list[int]
     # request id -> why it could not be sampled (rank 0 only): fails that
     # request alone; the next plan drops it on every rank.
     rejected: dict[str, str] = field(default_factory=dict)
+    # Seconds this rank spent in each phase of the step (read, decode, prefill, sample).
+    phases: dict[str, float] = field(default_factory=dict)

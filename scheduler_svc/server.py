@@ -21,6 +21,7 @@ import threading
 from collections.abc import AsyncIterator, Callable
 
 import grpc
+import torch
 import torch.distributed as dist
 
 from mmsplit import __version__
@@ -32,7 +33,7 @@ from scheduler_svc.collective import Rendezvous
 from scheduler_svc.errors import SchedulerUnavailable
 from scheduler_svc.frontend import Frontend
 from scheduler_svc.loop import StepLoop
-from scheduler_svc.model import DTYPES, ModelInfo, model_info
+from scheduler_svc.model import ModelInfo, model_dtype, model_info
 from scheduler_svc.ranks import Bootstrapped, LocalRanks, bootstrap, run_follower_until_stopped
 from scheduler_svc.settings import SchedulerSettings
 
@@ -85,8 +86,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
 
 def run(settings: SchedulerSettings) -> int:
     """Run this process's part of the group; return the exit code."""
-    if settings.dtype != "auto" and settings.dtype not in DTYPES:
-        raise SystemExit(f"mmsplit scheduler: --dtype {settings.dtype!r} is not one of auto, {', '.join(DTYPES)}")
+    try:
+        model_dtype(settings.dtype, torch.device("cpu"))
+    except ValueError as exc:
+        raise SystemExit(f"mmsplit scheduler: {exc}") from exc
     if settings.launch == "env":
         boot = bootstrap(settings, None)
         if boot.coll.rank != 0:

@@ -1,0 +1,32 @@
+"""The engine benchmark runs end to end (a small version: the numbers
+themselves are for `python bench/engine.py`, not for a test)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.support.services import ENV, ROOT
+
+pytestmark = pytest.mark.e2e
+
+
+def test_engine_benchmark_prints_every_ratio() -> None:
+    args = ["--models", "tiny", "--tp", "1", "--n", "4", "--tokens", "4", "--rounds", "1"]
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "engine.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, **ENV},
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    for column in ("c=1 / serial", "c=8 / batch", "c=4 / batch", "c=4 / batch+prep", "TTFT ms", "ITL ms", "= HF"):
+        assert column in result.stdout
+    row = [line for line in result.stdout.splitlines() if line.startswith("tiny ")][-1]  # the table's
+    assert row.split()[-1] == "4/4", "the services' greedy tokens equal HF's"
+    assert "CPU seconds at 4 concurrent" in result.stdout
