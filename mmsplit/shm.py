@@ -15,6 +15,7 @@ SIGBUS at first touch.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import re
@@ -70,17 +71,19 @@ def parse_name(name: str, prefix: str) -> int:
     """Validate a segment name of `prefix`; return its owner pid."""
     m = _NAME_RE.match(name)
     if m is None or "\x00" in name:
-        raise BadSegmentName(f"segment name {name!r} is not of the form <prefix>-<pid>-<16 hex>")
+        raise BadSegmentName("the segment name is not of the form <prefix>-<pid>-<16 hex>")
     if m["prefix"] != prefix:
-        raise BadSegmentName(f"segment {name!r} does not have the accepted prefix {prefix!r}")
+        raise BadSegmentName("the segment name does not have the accepted prefix")
     return int(m["pid"])
 
 
 def namespace_id() -> str:
-    """``<boot_id>:<st_dev of /dev/shm>``: equal for two processes exactly when
-    they see the same /dev/shm (same kernel boot, same tmpfs mount)."""
+    """A digest of ``<boot_id>:<st_dev of /dev/shm>``: equal for two processes
+    exactly when they see the same /dev/shm (same kernel boot, same tmpfs
+    mount). A digest, because servers publish it and the boot id is the
+    host's, not something to hand to every client."""
     boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    return f"{boot_id}:{os.stat(SHM_DIR).st_dev}"
+    return hashlib.sha256(f"{boot_id}:{os.stat(SHM_DIR).st_dev}".encode()).hexdigest()[:32]
 
 
 def new_name(prefix: str, owner_pid: int) -> str:
@@ -121,21 +124,20 @@ def read_into(piece: Slice, prefix: str, out: memoryview, *, max_segment_bytes: 
     try:
         fd = os.open(SHM_DIR / piece.segment, os.O_RDONLY | os.O_NOFOLLOW)
     except FileNotFoundError as exc:
-        raise SegmentMissing(f"segment {piece.segment} does not exist") from exc
+        raise SegmentMissing("the segment does not exist (released already, or never created)") from exc
     try:
         size = os.fstat(fd).st_size
         if size > max_segment_bytes:
-            raise SegmentBounds(f"segment {piece.segment} has {size} bytes, over the cap {max_segment_bytes}")
+            raise SegmentBounds(f"the segment has {size} bytes, over the cap {max_segment_bytes}")
         if piece.offset + piece.nbytes > size:
             raise SegmentBounds(
-                f"slice [{piece.offset}, {piece.offset + piece.nbytes}) lies outside "
-                f"segment {piece.segment} of {size} bytes"
+                f"slice [{piece.offset}, {piece.offset + piece.nbytes}) lies outside the segment of {size} bytes"
             )
         done = 0
         while done < piece.nbytes:
             n = os.preadv(fd, [out[done:]], piece.offset + done)
             if n == 0:
-                raise SegmentBounds(f"segment {piece.segment} shrank while being read")
+                raise SegmentBounds("the segment shrank while being read")
             done += n
     finally:
         os.close(fd)

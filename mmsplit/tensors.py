@@ -108,8 +108,11 @@ class TensorSpec:
             shm.read_into(self.shm, prefix, out, max_segment_bytes=max_bytes)
         except (shm.BadSegmentName, shm.SegmentBounds) as exc:
             raise InvalidTensorRef(str(exc)) from exc
-        except (shm.SegmentMissing, OSError) as exc:
+        except shm.SegmentMissing as exc:
             raise TensorTransportFailed(str(exc)) from exc
+        except OSError as exc:
+            # strerror only: the full text names the segment's path.
+            raise TensorTransportFailed(f"the segment could not be read: {exc.strerror}") from exc
 
     def release(self) -> None:
         """Unlink the segment this spec refers to (idempotent)."""

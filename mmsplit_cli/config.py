@@ -19,6 +19,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
+from mmsplit.settings import InvalidSettings
+
 S = TypeVar("S")
 
 PREFIX = "MMSPLIT_"
@@ -80,4 +82,7 @@ def settings_from(args: argparse.Namespace, cls: type[S], command: str, env: Map
                 raise SystemExit(f"mmsplit {command}: {flag} is required (or set {_env_names(command, f.name)[1]})")
             continue
         values[f.name] = value
-    return cls(**values)
+    try:
+        return cls(**values)
+    except InvalidSettings as exc:
+        raise SystemExit(f"mmsplit {command}: {exc}") from exc

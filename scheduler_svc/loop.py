@@ -140,12 +140,16 @@ class StepLoop:
         self._stats = _Stats(time.monotonic())
         self.active_per_rank: list[int] = [0] * coll.world_size
         self.snapshot = Snapshot()
+        # When the step now running started (time.monotonic), None between
+        # steps: the watchdog's view of progress. A plain float assignment,
+        # read from another thread.
+        self.step_started: float | None = None
 
     # ---- any thread ----
     def submit(self, admission: Admission) -> None:
         with self._lock:
             if self._dead is not None:
-                raise SchedulerUnavailable(f"scheduler group is down: {self._dead}")
+                raise SchedulerUnavailable("the scheduler group is down; retry after it restarts")
             if self._draining or self._stopping:
                 raise ShuttingDown("scheduler is shutting down")
             if self._queued >= self.settings.max_queue:
@@ -175,7 +179,7 @@ class StepLoop:
                 self._drain(block=not (self._pending or self._running or self._stopping))
                 self._janitor()
                 plan = self._plan()
-                started = time.monotonic()
+                started = self.step_started = time.monotonic()
                 self.coll.broadcast_from_0(plan)
                 outcome = self.engine.step(plan)
                 self.active_per_rank = outcome.active_per_rank
@@ -186,6 +190,7 @@ class StepLoop:
                 self._aborted.difference_update(plan.drop)
                 self._settle(outcome.failed, outcome.sampled, outcome.rejected)
                 self._flush()
+                self.step_started = None
                 self._stats.step(time.monotonic() - started, len(self._running), len(outcome.sampled), outcome.phases)
                 self._report()
                 if plan.stop:
@@ -197,7 +202,7 @@ class StepLoop:
             log.exception("step loop failed at step %d; the group is down", self._step)
             with self._lock:
                 self._dead = exc
-            self._fail_all(SchedulerUnavailable(f"scheduler group failed: {exc}"))
+            self._fail_all(SchedulerUnavailable("the scheduler group failed; retry after it restarts"))
             self._flush()
             self.on_fatal(exc)
 

@@ -18,6 +18,8 @@ import os
 import signal
 import sys
 import threading
+import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 
 import grpc
@@ -64,9 +66,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                 yield response
         except MmsplitError as exc:
             await context.abort_with_status(exc.to_status(rid))
-        except Exception as exc:
-            log.exception("request %s failed on an unexpected error", rid)
-            await context.abort_with_status(InternalError(f"{type(exc).__name__}: {exc}").to_status(rid))
+        except Exception:
+            incident = uuid.uuid4().hex[:12]
+            log.exception("request %s failed on an unexpected error (incident %s)", rid, incident)
+            await context.abort_with_status(InternalError(f"internal error (incident {incident})").to_status(rid))
         finally:
             # Cancel, deadline, disconnect, or normal end.
             self.frontend.end(rid)
@@ -152,6 +155,20 @@ def kv_budget(settings: SchedulerSettings, info: ModelInfo, itemsize: int) -> in
     return settings.kv_cache_bytes // per_token
 
 
+async def _watch_steps(step_loop: StepLoop, timeout_s: float, fatal: asyncio.Event) -> None:
+    """Fail the group when one step makes no progress for `timeout_s` — a
+    wedged read, forward or collective that nothing else would notice at
+    TP=1 (a dead rank or a collective timeout catch the rest). The same
+    clean failure as a dead rank: typed errors, NOT_SERVING, exit 1."""
+    interval = min(1.0, timeout_s / 4)
+    while not fatal.is_set():
+        await asyncio.sleep(interval)
+        started = step_loop.step_started
+        if started is not None and time.monotonic() - started > timeout_s:
+            log.error("a step has made no progress for %.1fs (--step-timeout-s); the group is down", timeout_s)
+            fatal.set()
+
+
 def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[[], object]) -> None:
     try:
         loop.call_soon_threadsafe(callback)
@@ -212,9 +229,10 @@ async def _serve(settings: SchedulerSettings, boot: Bootstrapped, ranks: LocalRa
 
         ranks.watch(rank_exited)
 
+    watchdog = asyncio.create_task(_watch_steps(step_loop, settings.step_timeout_s, fatal))
     waiters = [asyncio.create_task(stop.wait()), asyncio.create_task(fatal.wait())]
     await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-    for w in waiters:
+    for w in [*waiters, watchdog]:
         w.cancel()
     await health.set_ready(False)
 

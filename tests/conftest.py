@@ -6,6 +6,9 @@
 - `tiny_model`: one tiny random-weight LLaVA per session.
 - `services`: one scheduler (2 ranks, fault-injecting tensor reader) and one
   tokenizer per session, real processes on 127.0.0.1.
+- Every error message the tests' clients decode (`RemoteError.from_rpc_error`)
+  is kept, and the session fails if any shows a segment name, the boot id or
+  stack text (`tests/support/messages.py`).
 """
 
 from __future__ import annotations
@@ -18,10 +21,39 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.support import messages
 from tests.support.leaks import children, project_segments, wait_until
 from tests.support.services import ROOT, SCHEDULER_SERVICE, TOKENIZER_SERVICE, Pair, running_pair
 
 __all__ = ["ROOT", "SCHEDULER_SERVICE", "TOKENIZER_SERVICE", "Services"]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def record_error_messages() -> Iterator[None]:
+    """Observe (not alter) what clients are told: every decoded error message."""
+    from mmsplit.errors import RemoteError
+
+    original = RemoteError.from_rpc_error.__func__  # type: ignore[attr-defined]
+
+    def recording(cls, exc, **kwargs):  # type: ignore[no-untyped-def]
+        error = original(cls, exc, **kwargs)
+        messages.seen.append(error.message)
+        return error
+
+    RemoteError.from_rpc_error = classmethod(recording)  # type: ignore[method-assign,assignment]
+    yield
+    RemoteError.from_rpc_error = classmethod(original)  # type: ignore[method-assign,assignment]
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    leaked = messages.leaks(messages.seen)
+    if leaked:
+        session.config.get_terminal_writer().line(
+            f"\nFAILED: {len(leaked)} error message(s) told a client internals "
+            f"(of {len(messages.seen)} seen): {leaked[:5]}",
+            red=True,
+        )
+        session.exitstatus = 1
 
 
 @pytest.fixture(autouse=True)

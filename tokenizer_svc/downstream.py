@@ -90,7 +90,8 @@ class SchedulerLink:
             error = RemoteError.from_rpc_error(exc, unavailable_code=E.ERROR_CODE_SCHEDULER_UNAVAILABLE)
             if error.error_code == E.ERROR_CODE_SCHEDULER_UNAVAILABLE:
                 self.info = None
-                raise SchedulerUnavailable(f"scheduler {self.settings.scheduler}: {exc.details()}") from exc
+                log.warning("scheduler %s: %s %s", self.settings.scheduler, exc.code(), exc.details())
+                raise SchedulerUnavailable("the scheduler is unavailable; retry shortly") from exc
             raise error from exc
         finally:
             call.cancel()  # no-op when the call already ended; aborts it downstream otherwise

@@ -13,6 +13,11 @@
   already running cannot be interrupted: it keeps its worker (that capacity
   is spent) until it finishes, and a callback then releases its result's
   segment, so abandoned work never leaks shared memory.
+- Admission: a request takes a worker slot (one per worker) before it
+  submits, waiting at most `queue_timeout_s` (else OVERLOADED, retriable).
+  So a submitted task starts at once, and the preprocessing timeout measures
+  the worker's time only, never a queue behind other requests. A slot comes
+  back when its task ends — for an abandoned task, when the worker is done.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
 from mmsplit import shm
-from tokenizer_svc.errors import PreprocessTimeout, PreprocessWorkerCrashed
+from tokenizer_svc.errors import Overloaded, PreprocessTimeout, PreprocessWorkerCrashed
 from tokenizer_svc.preprocess import ImageJob, ImageResult, init_worker, preprocess_image, warm_up
 
 log = logging.getLogger(__name__)
@@ -52,15 +57,36 @@ def _abandon(fut: concurrent.futures.Future[Any]) -> None:
         fut.add_done_callback(_release_orphan)
 
 
+class _Slot:
+    """A worker slot held by one request: released when the request is done
+    with it, or handed to a task that keeps running after its caller left."""
+
+    def __init__(self, slots: asyncio.Semaphore) -> None:
+        self._slots = slots
+        self._held = True
+
+    def hand_to(self, fut: concurrent.futures.Future[Any]) -> None:
+        loop = asyncio.get_running_loop()
+        self._held = False
+        fut.add_done_callback(lambda _: loop.call_soon_threadsafe(self._slots.release))
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self._slots.release()
+
+
 class CpuPool:
-    def __init__(self, model_dir: str, workers: int, *, worker_hook: str = "") -> None:
+    def __init__(self, model_dir: str, workers: int, *, worker_hook: str = "", queue_timeout_s: float = 30.0) -> None:
         self.model_dir = model_dir
         self.worker_hook = worker_hook
         self.workers = workers
+        self.queue_timeout_s = queue_timeout_s
         self.generation = 0
         self.replacements = 0
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
         self._lock = asyncio.Lock()
+        self._slots = asyncio.Semaphore(workers)
 
     @property
     def ready(self) -> bool:
@@ -133,6 +159,19 @@ class CpuPool:
 
     async def preprocess(self, job: ImageJob, *, timeout_s: float, request_id: str) -> ImageResult:
         """Run one image through a worker; typed errors only."""
+        try:
+            await asyncio.wait_for(self._slots.acquire(), self.queue_timeout_s)
+        except TimeoutError as exc:
+            raise Overloaded(
+                f"all {self.workers} preprocessing workers stayed busy for {self.queue_timeout_s:g}s; retry later"
+            ) from exc
+        slot = _Slot(self._slots)
+        try:
+            return await self._attempts(job, timeout_s, request_id, slot)
+        finally:
+            slot.release()
+
+    async def _attempts(self, job: ImageJob, timeout_s: float, request_id: str, slot: _Slot) -> ImageResult:
         for attempt in (1, 2):
             if self._pool is None and self._lock.locked():
                 async with self._lock:  # a replacement is under way: wait for it, not fail
@@ -141,7 +180,7 @@ class CpuPool:
             if pool is None:
                 raise PreprocessWorkerCrashed("no CPU pool is available right now")
             try:
-                return await self._run(pool, job, timeout_s)
+                return await self._run(pool, job, timeout_s, slot)
             except BrokenProcessPool as exc:
                 log.warning("request %s: worker pool broke (attempt %d)", request_id, attempt)
                 await self._replace(generation)
@@ -151,7 +190,9 @@ class CpuPool:
                     ) from exc
         raise AssertionError("unreachable")
 
-    async def _run(self, pool: concurrent.futures.ProcessPoolExecutor, job: ImageJob, timeout_s: float) -> ImageResult:
+    async def _run(
+        self, pool: concurrent.futures.ProcessPoolExecutor, job: ImageJob, timeout_s: float, slot: _Slot
+    ) -> ImageResult:
         try:
             cfut = await asyncio.wait_for(asyncio.to_thread(pool.submit, preprocess_image, job), SUBMIT_TIMEOUT_S)
         except RuntimeError as exc:  # submitted while that pool was being shut down
@@ -164,9 +205,11 @@ class CpuPool:
         try:
             return await asyncio.wait_for(asyncio.shield(afut), timeout_s)
         except TimeoutError as exc:
+            slot.hand_to(cfut)  # the worker stays busy until the task ends
             _abandon(cfut)
             raise PreprocessTimeout(f"image preprocessing took longer than {timeout_s:.1f}s") from exc
         except asyncio.CancelledError:
+            slot.hand_to(cfut)
             _abandon(cfut)
             raise
 

@@ -25,6 +25,7 @@ from mmsplit.errors import InternalError, MmsplitError
 from mmsplit.serving import Health, new_server
 from mmsplit.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from tokenizer_svc.downstream import SchedulerLink
+from tokenizer_svc.errors import InvalidRequest
 from tokenizer_svc.media import MediaLoader
 from tokenizer_svc.pool import CpuPool
 from tokenizer_svc.service import TokenizerService
@@ -33,6 +34,7 @@ from tokenizer_svc.settings import TokenizerSettings
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = tokenizer_pb2.DESCRIPTOR.services_by_name["TokenizerService"].full_name
+MAX_REQUEST_ID = 128
 WATCH_INTERVAL_S = 2.0
 
 
@@ -45,17 +47,22 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
         self, request: tokenizer_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[tokenizer_pb2.GenerateResponse]:
         rid = request.request_id or uuid.uuid4().hex
+        if len(rid) > MAX_REQUEST_ID or not rid.isprintable():
+            # Neither logged nor echoed: it may be anything.
+            invalid = InvalidRequest(f"request_id must be 1..{MAX_REQUEST_ID} printable characters")
+            await context.abort_with_status(invalid.to_status())
         try:
             async for response in self.service.generate(request, rid, context.time_remaining()):
                 yield response
         except MmsplitError as exc:
             log.info("request %s failed: %s", rid, exc)
             await context.abort_with_status(exc.to_status(rid))
-        except Exception as exc:
-            # A bug: still a typed status, never UNKNOWN. Cancellation is not
-            # an Exception and passes through.
-            log.exception("request %s failed on an unexpected error", rid)
-            await context.abort_with_status(InternalError(f"{type(exc).__name__}: {exc}").to_status(rid))
+        except Exception:
+            # A bug: still a typed status, never UNKNOWN; the details stay in
+            # the log. Cancellation is not an Exception and passes through.
+            incident = uuid.uuid4().hex[:12]
+            log.exception("request %s failed on an unexpected error (incident %s)", rid, incident)
+            await context.abort_with_status(InternalError(f"internal error (incident {incident})").to_status(rid))
 
     async def GetServerInfo(  # noqa: N802
         self, request: tokenizer_pb2.GetServerInfoRequest, context: grpc.aio.ServicerContext
@@ -96,7 +103,12 @@ async def _serve(settings: TokenizerSettings) -> int:
     health = Health(SERVICE_NAME)
     await health.start()
     processor = await asyncio.to_thread(_load_processor, settings)
-    pool = CpuPool(str(settings.model_dir), settings.cpu_workers, worker_hook=settings.worker_hook)
+    pool = CpuPool(
+        str(settings.model_dir),
+        settings.cpu_workers,
+        worker_hook=settings.worker_hook,
+        queue_timeout_s=settings.preprocess_queue_timeout_s,
+    )
     await pool.start()
     media = MediaLoader(settings)
     link = SchedulerLink(settings)

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import os
+import secrets
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
@@ -54,6 +56,10 @@ class TokenizerService:
         # downstream): the janitor must not take them for orphans.
         self.held: set[str] = set()
         self._pid = os.getpid()
+        # Downstream request ids: unique to this process's life, so clients
+        # that pick the same request_id never collide at the scheduler.
+        self.instance = secrets.token_hex(4)
+        self._ids = itertools.count(1)
 
     async def generate(
         self, request: tokenizer_pb2.GenerateRequest, request_id: str, timeout_s: float | None
@@ -124,7 +130,7 @@ class TokenizerService:
     ) -> AsyncGenerator[tokenizer_pb2.GenerateResponse, None]:
         self._validate(request)
         if not self.link.connected:
-            raise SchedulerUnavailable(f"scheduler {self.settings.scheduler} is not reachable")
+            raise SchedulerUnavailable("the scheduler is not reachable; retry shortly")
         images = await self._prepare_images(request, rid)
         owned = [img.segment for img in images]
         self.held.update(owned)
@@ -132,7 +138,7 @@ class TokenizerService:
         try:
             input_ids = self.prompts.build(request.prompt, [img.shape for img in images])
             downstream = scheduler_pb2.GenerateRequest(
-                request_id=rid,
+                request_id=self._downstream_id(rid),
                 input_ids=input_ids,
                 pixel_values=[self._tensor_ref(img) for img in images],
                 sampling=request.sampling,
@@ -189,6 +195,12 @@ class TokenizerService:
                     return
         finally:
             await stream.aclose()  # cancels the call downstream when it has not ended
+
+    def _downstream_id(self, rid: str) -> str:
+        """``<instance>-<n>.<client id>``: unique by its prefix; the client's
+        id (cut to 64 characters) is kept only so logs on both sides can be
+        matched. Responses and errors carry the client's id alone."""
+        return f"{self.instance}-{next(self._ids):x}.{rid[:64]}"
 
     def _validate(self, request: tokenizer_pb2.GenerateRequest) -> None:
         Sampling.from_pb(request.sampling, max_tokens_limit=self.settings.max_tokens_limit)

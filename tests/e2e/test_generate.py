@@ -118,7 +118,7 @@ def test_read_failure_on_rank_1_fails_only_that_request(stub, services: Services
     admitted_together = [
         line
         for line in services.scheduler.log_path.read_text().splitlines()  # type: ignore[attr-defined]
-        if f"request {bad_id} failed" in line and "joined with" in line and good_id in line
+        if f".{bad_id} failed" in line and "joined with" in line and good_id in line
     ]
     assert admitted_together, "the two requests were not admitted in the same step"
     assert wait_until(lambda: rank_active_requests(services.scheduler_address) == [0, 0], timeout=10)
@@ -137,7 +137,7 @@ def test_client_cancel_aborts_on_both_ranks_and_frees_segments(stub, services: S
         list(events)
     assert info.value.code() == grpc.StatusCode.CANCELLED
     log_path = services.scheduler.log_path  # type: ignore[attr-defined]
-    assert wait_until(lambda: f"request {rid} aborted on all 2 ranks" in log_path.read_text(), timeout=10)
+    assert wait_until(lambda: f".{rid} aborted on all 2 ranks" in log_path.read_text(), timeout=10)
     assert wait_until(lambda: rank_active_requests(services.scheduler_address) == [0, 0], timeout=10)
     assert wait_until(lambda: not project_segments(), timeout=10)
 

@@ -113,7 +113,7 @@ def test_tokenizer_killed_with_8_requests_in_flight(tiny_model: Path, tmp_path: 
         for f in futures:
             assert not f.result(timeout=30).ok
         log = pair.scheduler.log_path
-        aborted = lambda: sum(f"request load-{i} aborted" in log.read_text() for i in range(8))  # noqa: E731
+        aborted = lambda: sum(f".load-{i} aborted" in log.read_text() for i in range(8))  # noqa: E731
         assert wait_until(lambda: aborted() == 8, timeout=20), log.read_text()[-3000:]
         assert wait_until(lambda: not project_segments(), timeout=15)
         assert wait_until(
@@ -182,3 +182,67 @@ def test_stuck_rank_turns_into_a_clean_failure(tiny_model: Path, tmp_path: Path)
         for out in results:
             assert out.reason == "SCHEDULER_UNAVAILABLE", out
         assert wait_until(lambda: not psutil.pid_exists(rank1) or psutil.Process(rank1).status() == "zombie", 20)
+
+
+def test_a_wedged_step_at_tp1_fails_the_group_cleanly(tiny_model: Path, tmp_path: Path) -> None:
+    """At TP=1 no collective can time out: a step whose read never returns
+    (a test hook) is noticed by the step watchdog, every request in flight
+    gets a typed SCHEDULER_UNAVAILABLE, and the process exits non-zero."""
+    import numpy as np
+
+    from mmsplit.common.v1 import common_pb2
+    from mmsplit.errors import error_info_of
+    from mmsplit.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
+    from scheduler_svc.model import model_info
+    from tests.support.faults import WEDGE
+
+    timeout_s = 3.0
+    extra = ["--tp", "1", "--step-timeout-s", str(timeout_s), "--tensor-reader", "tests.support.faults:make_reader"]
+    sched = start_scheduler(tiny_model, tmp_path / "scheduler.log", extra=extra)
+    try:
+        sched.wait_serving(SCHEDULER_SERVICE, 180)
+        info = model_info(tiny_model)
+        image = np.zeros(info.image_shape, dtype=np.float32).tobytes()
+        errors: dict[str, grpc.RpcError | None] = {}
+        streaming = threading.Semaphore(0)
+
+        def call(rid: str, with_image: bool) -> None:
+            ids = [1, *([info.image_token_id] * info.tokens_per_image if with_image else []), 22557]
+            pixels = [common_pb2.TensorRef(dtype=1, shape=info.image_shape, inline=image)] if with_image else []
+            request = scheduler_pb2.GenerateRequest(
+                request_id=rid,
+                input_ids=ids,
+                pixel_values=pixels,
+                sampling=common_pb2.SamplingParams(max_tokens=900, min_tokens=900),
+            )
+            with grpc.insecure_channel(sched.address) as channel:
+                try:
+                    for event in scheduler_pb2_grpc.SchedulerServiceStub(channel).Generate(request, timeout=120):
+                        if event.HasField("tokens"):
+                            streaming.release()
+                    errors[rid] = None
+                except grpc.RpcError as exc:
+                    errors[rid] = exc
+
+        threads = [threading.Thread(target=call, args=(f"long-{i}", False)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for _ in range(2):
+            assert streaming.acquire(timeout=60)
+        wedged_at = time.monotonic()
+        threads.append(threading.Thread(target=call, args=(f"{WEDGE}-1", True)))
+        threads[-1].start()
+        for t in threads:
+            t.join(timeout_s + 30)
+        assert time.monotonic() - wedged_at < timeout_s + 20
+        assert sched.proc.wait(30) != 0
+        assert set(errors) == {"long-0", "long-1", f"{WEDGE}-1"}
+        for rid, exc in errors.items():
+            assert exc is not None, f"{rid} finished although the group was wedged"
+            assert exc.code() == grpc.StatusCode.UNAVAILABLE
+            detail = error_info_of(exc)
+            assert detail is not None, f"{rid}: untyped {exc.details()}"
+            assert detail.reason == "SCHEDULER_UNAVAILABLE"
+        assert "made no progress" in sched.log_path.read_text()
+    finally:
+        sched.stop()

@@ -155,6 +155,6 @@ def test_deadline_shorter_than_the_generation(services: Services) -> None:
         )
     assert out.grpc_code == "DEADLINE_EXCEEDED"
     log = services.scheduler.log_path
-    assert wait_until(lambda: f"request {rid} aborted on all 2 ranks" in log.read_text(), timeout=10)
+    assert wait_until(lambda: f".{rid} aborted on all 2 ranks" in log.read_text(), timeout=10)
     assert wait_until(lambda: rank_active_requests(services.scheduler_address) == [0, 0], timeout=10)
     assert wait_until(lambda: not project_segments(), timeout=10)

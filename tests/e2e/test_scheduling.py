@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -92,3 +93,26 @@ def test_health_and_reflection(services: Services, which: str) -> None:
         names = {s.name for reply in replies for s in reply.list_services_response.service}
     assert service in names
     assert "grpc.health.v1.Health" in names
+
+
+def test_two_clients_may_use_the_same_request_id(stub) -> None:  # type: ignore[no-untyped-def]
+    """The scheduler keys requests by an id the tokenizer makes unique; the
+    client's request_id is only echoed back."""
+    barrier = threading.Barrier(2)
+
+    def send(prompt: str) -> Outcome:
+        barrier.wait()
+        return run_request(stub, make_request(prompt, max_tokens=20, request_id="order-42"), timeout=60)
+
+    with ThreadPoolExecutor(2) as pool:
+        first, second = pool.map(send, ["One story.", "Another story."])
+    assert first.ok, first
+    assert second.ok, second
+    assert first.request_id == second.request_id == "order-42"
+
+
+def test_a_request_id_that_is_not_printable_is_refused_without_being_echoed(stub) -> None:  # type: ignore[no-untyped-def]
+    out = run_request(stub, make_request("Hi", max_tokens=2, request_id="evil\nline\x01"), timeout=30)
+    assert (out.grpc_code, out.reason) == ("INVALID_ARGUMENT", "INVALID_REQUEST")
+    assert "request_id" in out.message
+    assert "evil" not in out.message

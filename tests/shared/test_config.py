@@ -38,3 +38,38 @@ def test_types_and_required() -> None:
         parse(TokenizerSettings, "tokenizer", [], {})
     with pytest.raises(SystemExit):
         parse(TokenizerSettings, "tokenizer", ["--model", "/m"], {"MMSPLIT_TOKENIZER_PORT": "x"})
+
+
+@pytest.mark.parametrize(
+    ("cls", "command", "argv", "says"),
+    [
+        (SchedulerSettings, "scheduler", ["--max-running", "0"], "--max-running must be at least 1 (got 0)"),
+        (SchedulerSettings, "scheduler", ["--tp", "-2"], "--tp must be at least 1"),
+        (SchedulerSettings, "scheduler", ["--launch", "pods"], "--launch must be one of local, env"),
+        (SchedulerSettings, "scheduler", ["--dtype", "int8"], "--dtype must be one of auto, float32"),
+        (SchedulerSettings, "scheduler", ["--heartbeat-s", "0"], "--heartbeat-s must be at least 0.01"),
+        (
+            SchedulerSettings,
+            "scheduler",
+            ["--default-max-tokens", "500", "--max-tokens-limit", "100"],
+            "--default-max-tokens (500) is over --max-tokens-limit (100)",
+        ),
+        (TokenizerSettings, "tokenizer", ["--cpu-workers", "0"], "--cpu-workers must be at least 1"),
+        (TokenizerSettings, "tokenizer", ["--max-inflight", "0"], "--max-inflight must be at least 1"),
+        (TokenizerSettings, "tokenizer", ["--shm-prefix", "bad/prefix"], "--shm-prefix: invalid shared-memory prefix"),
+    ],
+)
+def test_settings_out_of_range_stop_the_service_with_a_clear_message(
+    cls: type, command: str, argv: list[str], says: str
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        parse(cls, command, ["--model", "/m", *argv], {})
+    assert str(info.value).startswith(f"mmsplit {command}: ")
+    assert says in str(info.value)
+
+
+def test_every_problem_is_listed_at_once() -> None:
+    with pytest.raises(SystemExit) as info:
+        parse(SchedulerSettings, "scheduler", ["--model", "/m", "--tp", "0", "--max-queue", "0"], {})
+    assert "--tp" in str(info.value)
+    assert "--max-queue" in str(info.value)

@@ -60,3 +60,17 @@ def test_reason_names() -> None:
     assert code_of_reason("MEDIA_DECODE_FAILED") == E.ERROR_CODE_MEDIA_DECODE_FAILED
     assert code_of_reason("NO_SUCH_THING") == E.ERROR_CODE_INTERNAL
     assert str(MmsplitError("x")) == "INTERNAL: x"
+
+
+def test_the_message_scan_catches_what_must_not_reach_users() -> None:
+    from tests.support import messages
+
+    host = messages.boot_id()
+    told = [
+        "image could not be decoded: OSError: broken data stream",
+        "the segment does not exist (released already, or never created)",
+        "segment mmsplit-1234-0123456789abcdef does not exist",
+        f"namespace {host}:21",
+        'Traceback (most recent call last):\n  File "x.py", line 3, in f',
+    ]
+    assert messages.leaks(told) == told[2:]

@@ -3,6 +3,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -90,8 +91,8 @@ def test_sweep_removes_segments_of_dead_owners_and_expired_leases() -> None:
         shm.unlink(live.segment)
 
 
-def test_namespace_id_is_stable() -> None:
+def test_namespace_id_is_stable_and_does_not_show_the_boot_id() -> None:
     assert shm.namespace_id() == shm.namespace_id()
-    boot, dev = shm.namespace_id().rsplit(":", 1)
-    assert boot
-    assert dev.isdigit()
+    boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    assert boot_id not in shm.namespace_id()
+    assert len(shm.namespace_id()) == 32

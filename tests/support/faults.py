@@ -3,12 +3,15 @@
 The scheduler under test is started with
 ``--tensor-reader tests.support.faults:make_reader``. A request whose id
 contains ``inject-read-failure-rank<N>`` fails its tensor read on rank N only
-(as if that rank could not open the segment); every other read is real.
+(as if that rank could not open the segment); one whose id contains
+``wedge-the-step`` blocks its read forever (a wedged step); every other read
+is real.
 """
 
 from __future__ import annotations
 
 import re
+import threading
 
 import torch
 
@@ -16,6 +19,7 @@ from mmsplit.tensors import TensorSpec, TensorTransportFailed
 from scheduler_svc.reader import SharedMemoryReader
 
 MARKER = re.compile(r"inject-read-failure-rank(\d+)")
+WEDGE = "wedge-the-step"
 
 
 class FaultyReader(SharedMemoryReader):
@@ -23,6 +27,8 @@ class FaultyReader(SharedMemoryReader):
         m = MARKER.search(request_id)
         if m is not None and int(m.group(1)) == self.rank:
             raise TensorTransportFailed(f"injected read failure on rank {self.rank}")
+        if WEDGE in request_id:
+            threading.Event().wait()  # a read that never returns: only the step watchdog ends it
         return super().read(request_id, spec)
 
 
