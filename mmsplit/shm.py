@@ -1,25 +1,38 @@
-"""Shared-memory segments: naming, creation, validated reading, release, sweeping.
+"""Shared-memory segments: naming, creation, validated reading, ownership by
+lock, release, sweeping.
 
 The one module that touches /dev/shm (DESIGN.md §3). Segments are plain files
 under /dev/shm used through file descriptors, not `multiprocessing.shared_memory`:
 Python 3.11's resource_tracker unlinks segments behind our back when a process
 that merely attached exits, and warns about segments another process unlinked.
 
-Names are ``<prefix>-<owner pid>-<16 hex>``. The owner is the *service* process
-that answers for the segment (the tokenizer), not the pool worker that wrote
-it, so a replaced worker does not make its live segments look orphaned.
-Segments are created O_CREAT|O_EXCL with mode 0600 and their size reserved
-with posix_fallocate, so a full /dev/shm is an error at creation rather than a
-SIGBUS at first touch.
+Names are ``<prefix>-<creator pid>-<16 hex>``; the pid is informational only
+(pids lie across pid namespaces). Segments are created O_CREAT|O_EXCL with
+mode 0600 and their size reserved with posix_fallocate, so a full /dev/shm is
+an error at creation rather than a SIGBUS at first touch.
+
+/dev/shm is shared with whoever else can write to it, so nothing found there
+is trusted: a segment is opened O_NOFOLLOW|O_NONBLOCK (a symlink fails, a FIFO
+cannot block the opener) and must be a regular file of this process's user.
+
+Ownership (DESIGN.md §3, turn 2): whoever owns a segment holds a shared
+`flock` on it through an open descriptor (`Lock`). The hand-over is
+"receiver locks, then says Accepted, then the sender unlocks". Locks vanish
+with their process however it dies and work across pid namespaces on one
+tmpfs, so a janitor that gets an exclusive lock without waiting knows nobody
+owns the segment and may unlink it — after a grace period that covers the
+moment between a worker writing a segment and its service locking it.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
 import re
 import secrets
+import stat
 import time
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -32,6 +45,7 @@ DEFAULT_PREFIX = "mmsplit"
 _PREFIX = r"[A-Za-z][A-Za-z0-9_]{0,31}"
 _PREFIX_RE = re.compile(rf"^{_PREFIX}$")
 _NAME_RE = re.compile(rf"^(?P<prefix>{_PREFIX})-(?P<pid>[0-9]{{1,10}})-(?P<rand>[0-9a-f]{{16}})$")
+_OPEN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
 class SegmentError(Exception):
@@ -44,6 +58,16 @@ class BadSegmentName(SegmentError):
 
 class SegmentMissing(SegmentError):
     """No segment of that name exists (released already, or never created)."""
+
+
+class NotASegment(SegmentError):
+    """Something under the name is not a segment: a directory, a FIFO, a
+    symlink, a device — nothing a service of ours creates."""
+
+
+class ForeignSegment(SegmentError):
+    """A regular file under the name belongs to another user (a deployment
+    whose services run as different users, or a planted file)."""
 
 
 class SegmentBounds(SegmentError):
@@ -68,7 +92,7 @@ def check_prefix(prefix: str) -> str:
 
 
 def parse_name(name: str, prefix: str) -> int:
-    """Validate a segment name of `prefix`; return its owner pid."""
+    """Validate a segment name of `prefix`; return the pid it names (informational)."""
     m = _NAME_RE.match(name)
     if m is None or "\x00" in name:
         raise BadSegmentName("the segment name is not of the form <prefix>-<pid>-<16 hex>")
@@ -97,8 +121,7 @@ def write_segment(prefix: str, owner_pid: int, data: memoryview) -> Slice:
     if nbytes == 0:
         raise ValueError("refusing to create an empty segment")
     name = new_name(prefix, owner_pid)
-    path = SHM_DIR / name
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS, 0o600)
     try:
         try:
             os.posix_fallocate(fd, 0, nbytes)
@@ -115,16 +138,35 @@ def write_segment(prefix: str, owner_pid: int, data: memoryview) -> Slice:
     return Slice(name, 0, nbytes)
 
 
+def _open(name: str) -> int:
+    """A read-only descriptor of the regular file of ours under `name`."""
+    if "/" in name or "\x00" in name or name in ("", ".", ".."):
+        raise BadSegmentName("the segment name is not of the form <prefix>-<pid>-<16 hex>")
+    try:
+        fd = os.open(SHM_DIR / name, os.O_RDONLY | _OPEN_FLAGS)
+    except FileNotFoundError as exc:
+        raise SegmentMissing("the segment does not exist (released already, or never created)") from exc
+    except OSError as exc:  # ELOOP: a symlink; EACCES: not ours to read
+        raise NotASegment(f"the segment cannot be opened: {exc.strerror}") from exc
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotASegment("the name does not refer to a segment (not a regular file)")
+        if st.st_uid != os.geteuid():
+            raise ForeignSegment("the segment belongs to another user")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def read_into(piece: Slice, prefix: str, out: memoryview, *, max_segment_bytes: int) -> None:
     """Copy a validated slice into `out` (writable, exactly `piece.nbytes`)."""
     parse_name(piece.segment, prefix)
     out = out.cast("B")
     if out.nbytes != piece.nbytes:
         raise SegmentBounds(f"destination holds {out.nbytes} bytes, slice has {piece.nbytes}")
-    try:
-        fd = os.open(SHM_DIR / piece.segment, os.O_RDONLY | os.O_NOFOLLOW)
-    except FileNotFoundError as exc:
-        raise SegmentMissing("the segment does not exist (released already, or never created)") from exc
+    fd = _open(piece.segment)
     try:
         size = os.fstat(fd).st_size
         if size > max_segment_bytes:
@@ -143,20 +185,65 @@ def read_into(piece: Slice, prefix: str, out: memoryview, *, max_segment_bytes: 
         os.close(fd)
 
 
+class Lock:
+    """Ownership of one segment: a shared flock held through an open
+    descriptor until `release` (or until this process dies). Shared, so the
+    sender and the receiver can both hold it during the hand-over."""
+
+    def __init__(self, name: str, prefix: str) -> None:
+        parse_name(name, prefix)
+        self.name = name
+        self._fd: int | None = _open(name)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError as exc:  # a janitor holds it exclusively: it is being swept
+            os.close(self._fd)
+            self._fd = None
+            raise SegmentMissing("the segment is being removed") from exc
+
+    def release(self) -> None:
+        """Drop the lock (idempotent); the segment stays."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
+
 def unlink(name: str) -> bool:
-    """Remove a segment; True if it existed. Idempotent by design: both sides
-    may release the same segment when ownership was in doubt."""
+    """Remove a segment; True if it was removed. Idempotent by design: both
+    sides may release the same segment when ownership was in doubt. Never
+    raises for what it finds there: something that is not a regular file, or
+    that this user may not remove, is logged and left in place — a release
+    must not fail a request, let alone a group."""
     if "/" in name or "\x00" in name or name in ("", ".", ".."):
-        raise BadSegmentName(f"refusing to unlink {name!r}")
+        raise BadSegmentName("refusing to unlink a name that is not a segment's")
+    path = SHM_DIR / name
     try:
-        os.unlink(SHM_DIR / name)
+        st = os.lstat(path)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            log.warning("not removing %s: not a regular file of this user", name)
+            RELEASE_FAILURES.count += 1
+            return False
+        os.unlink(path)
     except FileNotFoundError:
+        return False
+    except OSError as exc:
+        log.warning("could not remove segment %s: %s", name, exc.strerror)
+        RELEASE_FAILURES.count += 1
         return False
     return True
 
 
+@dataclass
+class _Counter:
+    count: int = 0
+
+
+# Releases that found something they could not remove (for logs and metrics).
+RELEASE_FAILURES = _Counter()
+
+
 def list_segments(prefix: str) -> list[str]:
-    """Names in /dev/shm that are segments of `prefix`."""
+    """Names in /dev/shm that are segments of `prefix` (by name only)."""
     names = []
     for entry in os.scandir(SHM_DIR):
         m = _NAME_RE.match(entry.name)
@@ -176,33 +263,33 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def sweep(
-    prefix: str,
-    *,
-    lease_s: float | None = None,
-    check_owner: bool = True,
-    keep: Collection[str] = (),
-    now: float | None = None,
-) -> list[str]:
-    """Remove segments of `prefix` whose owner pid is dead (`check_owner`),
-    and (with `lease_s`) those older than the lease; never those in `keep`
-    (still in use by the caller). Returns what was removed.
-
-    The dead-owner rule is only sound where the owner's pid namespace is ours
-    (the tokenizer sweeping its own prefix); elsewhere, use the lease alone."""
+def sweep(prefix: str, *, grace_s: float, keep: Collection[str] = (), now: float | None = None) -> list[str]:
+    """Remove the segments of `prefix` that nobody owns: regular files of
+    ours, older than `grace_s`, on which an exclusive lock is granted without
+    waiting (no owner holds its shared lock). Never those in `keep`. Returns
+    what was removed; anything else under a segment's name is left alone."""
     now = time.time() if now is None else now
     removed = []
     for name in list_segments(prefix):
         if name in keep:
             continue
-        pid = parse_name(name, prefix)
         try:
-            age = now - os.stat(SHM_DIR / name).st_mtime
-        except FileNotFoundError:
-            continue
-        expired = (check_owner and not pid_alive(pid)) or (lease_s is not None and age > lease_s)
-        if expired and unlink(name):
-            removed.append(name)
+            fd = _open(name)
+        except SegmentError:
+            continue  # gone meanwhile, or not a segment of ours: not ours to remove
+        try:
+            if now - os.fstat(fd).st_mtime <= grace_s:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue  # owned
+            # Unlinked while holding the exclusive lock: nobody can take
+            # ownership between the check and the removal.
+            if unlink(name):
+                removed.append(name)
+        finally:
+            os.close(fd)
     if removed:
-        log.warning("janitor removed %d orphaned segment(s) of prefix %s: %s", len(removed), prefix, removed[:8])
+        log.warning("janitor removed %d unowned segment(s) of prefix %s", len(removed), prefix)
     return removed

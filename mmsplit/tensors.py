@@ -9,12 +9,15 @@ on every rank.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from mmsplit import shm
 from mmsplit.common.v1 import common_pb2
 from mmsplit.errors import E, MmsplitError
+from mmsplit.shm import Lock
 
 D = common_pb2.Dtype
 
@@ -104,17 +107,34 @@ class TensorSpec:
             return
         if self.shm is None:
             raise InvalidTensorRef("tensor reference has no location")
-        try:
+        with _translated():
             shm.read_into(self.shm, prefix, out, max_segment_bytes=max_bytes)
-        except (shm.BadSegmentName, shm.SegmentBounds) as exc:
-            raise InvalidTensorRef(str(exc)) from exc
-        except shm.SegmentMissing as exc:
-            raise TensorTransportFailed(str(exc)) from exc
-        except OSError as exc:
-            # strerror only: the full text names the segment's path.
-            raise TensorTransportFailed(f"the segment could not be read: {exc.strerror}") from exc
+
+    def lock(self, prefix: str) -> Lock | None:
+        """Take ownership of the referenced segment (None for inline bytes);
+        InvalidTensorRef or TensorTransportFailed when it cannot be had."""
+        if self.shm is None:
+            return None
+        with _translated():
+            return shm.Lock(self.shm.segment, prefix)
 
     def release(self) -> None:
-        """Unlink the segment this spec refers to (idempotent)."""
+        """Unlink the segment this spec refers to (idempotent, never raises)."""
         if self.shm is not None:
             shm.unlink(self.shm.segment)
+
+
+@contextlib.contextmanager
+def _translated() -> Iterator[None]:
+    """shm's errors into ours, once, where they enter a request's life."""
+    try:
+        yield
+    except (shm.BadSegmentName, shm.SegmentBounds, shm.NotASegment) as exc:
+        # What the reference names is not a usable segment: the sender's fault.
+        raise InvalidTensorRef(str(exc)) from exc
+    except (shm.SegmentMissing, shm.ForeignSegment) as exc:
+        # Gone, or a deployment whose services run as different users.
+        raise TensorTransportFailed(str(exc)) from exc
+    except OSError as exc:
+        # strerror only: the full text names the segment's path.
+        raise TensorTransportFailed(f"the segment could not be read: {exc.strerror}") from exc

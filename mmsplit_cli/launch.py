@@ -32,7 +32,15 @@ class ServiceProcess:
     """One `mmsplit <service>` child. Its log goes to `log_path`; `port` is
     read from the "listening on HOST:PORT" line the server logs."""
 
-    def __init__(self, name: str, args: Sequence[str], log_path: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        args: Sequence[str],
+        log_path: Path,
+        env: dict[str, str] | None = None,
+        wrapper: Sequence[str] = (),
+    ) -> None:
+        """`wrapper` is a command the service runs under (a namespace launcher)."""
         self.name = name
         self.log_path = log_path
         self.port: int | None = None
@@ -40,7 +48,7 @@ class ServiceProcess:
         self._log = open(log_path, "w")  # noqa: SIM115 (closed by the reader thread)
         full_env = {**os.environ, **(env or {})}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "mmsplit_cli", *args],
+            [*wrapper, sys.executable, "-m", "mmsplit_cli", *args],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             stdin=subprocess.DEVNULL,

@@ -48,7 +48,17 @@ class Frontend:
         # Events are delivered on this event loop's thread (StepLoop.post).
         events: asyncio.Queue[Event] = asyncio.Queue()
         admission = Admission(request=request, emit=events.put_nowait, reserve=reserve)
-        self.step_loop.submit(admission)
+        # Ownership first (DESIGN.md §3): lock every segment, then say
+        # Accepted; the sender drops its own locks once it hears that.
+        try:
+            for spec in request.pixel_values:
+                lock = spec.lock(self.settings.shm_prefix)
+                if lock is not None:
+                    admission.locks.append(lock)
+            self.step_loop.submit(admission)
+        except BaseException:
+            admission.unlock()
+            raise
         self._streams[rid] = events
         return admission
 

@@ -22,7 +22,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from mmsplit import shm
 from mmsplit.common.v1 import common_pb2
@@ -69,6 +69,9 @@ class Admission:
     emit: Callable[[Event], None]
     # KV-cache tokens this request may come to hold: prompt + max_tokens, capped at the context.
     reserve: int
+    # Rank 0's ownership of the request's segments (taken before Accepted),
+    # held until they are released after the step that reads them.
+    locks: list[shm.Lock] = field(default_factory=list)
     generated: int = 0
     next_token: int | None = None
 
@@ -76,9 +79,15 @@ class Admission:
     def request_id(self) -> str:
         return self.request.request_id
 
+    def unlock(self) -> None:
+        for lock in self.locks:
+            lock.release()
+
     def release(self) -> None:
+        """Remove the request's segments and drop their locks."""
         for spec in self.request.pixel_values:
             spec.release()
+        self.unlock()
 
 
 @dataclass(frozen=True)
@@ -229,16 +238,15 @@ class StepLoop:
                 self._fail_all(ShuttingDown("scheduler is shutting down"))
 
     def _janitor(self) -> None:
-        """Sweep segments of the prefix past their lease, except those of
-        queued requests (a tokenizer killed mid-request leaves its unsent
-        segments behind). Runs on the loop thread, which owns `_pending`.
-        Lease only: the owners' pids may live in another pid namespace."""
+        """Sweep the segments of the prefix that nobody holds a lock on (a
+        tokenizer killed mid-request, an earlier scheduler that died with
+        requests queued): queued requests' segments are locked by this
+        process, so they stay."""
         now = time.monotonic()
         if now - self._last_sweep < self.settings.janitor_interval_s:
             return
         self._last_sweep = now
-        keep = {spec.shm.segment for adm in self._pending for spec in adm.request.pixel_values if spec.shm}
-        shm.sweep(self.settings.shm_prefix, lease_s=self.settings.segment_lease_s, check_owner=False, keep=keep)
+        shm.sweep(self.settings.shm_prefix, grace_s=self.settings.segment_grace_s)
 
     def _abort(self, request_id: str) -> None:
         for adm in self._pending:
@@ -292,6 +300,7 @@ class StepLoop:
 
     def _settle(self, failed: dict[str, Failure], sampled: dict[str, int], rejected: dict[str, str]) -> None:
         for adm in self._joining:
+            adm.unlock()  # the engine released the step's segments after the agreement
             failure = failed.get(adm.request_id)
             if failure is None:
                 self._running[adm.request_id] = adm

@@ -79,9 +79,11 @@ class SchedulerSettings:
         "",
         "'module:factory' building each rank's tensor reader (scheduler_svc/reader.py); empty = shared memory/inline",
     )
-    janitor_interval_s: float = _opt(30.0, "how often segments of the prefix past their lease are swept", min=0.01)
-    segment_lease_s: float = _opt(
-        300.0, "a segment of the prefix older than this, and not held by a queued request, is an orphan", min=0.01
+    janitor_interval_s: float = _opt(30.0, "how often unowned segments of the prefix are swept", min=0.01)
+    segment_grace_s: float = _opt(
+        30.0,
+        "a segment of the prefix nobody holds a lock on, older than this, is an orphan the janitor removes",
+        min=0.01,
     )
     shutdown_grace_s: float = _opt(5.0, "seconds running requests get to finish on SIGTERM", min=0)
     max_message_bytes: int = _opt(256 * 1024 * 1024, "largest gRPC message", min=1024)

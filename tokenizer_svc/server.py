@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import signal
 import uuid
 from collections.abc import AsyncIterator
@@ -99,7 +98,7 @@ async def _serve(settings: TokenizerSettings) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
 
-    await asyncio.to_thread(shm.sweep, settings.shm_prefix, lease_s=settings.segment_lease_s)
+    await asyncio.to_thread(shm.sweep, settings.shm_prefix, grace_s=settings.segment_grace_s)
     health = Health(SERVICE_NAME)
     await health.start()
     processor = await asyncio.to_thread(_load_processor, settings)
@@ -125,7 +124,15 @@ async def _serve(settings: TokenizerSettings) -> int:
     await server.start()
     log.info("tokenizer listening on %s:%d (scheduler %s)", settings.host, port, settings.scheduler)
 
-    if not await link.wait_connected(settings.scheduler_wait_s):
+    # A SIGTERM while waiting for the scheduler stops the wait (an
+    # orchestrator's stop must not wait out --scheduler-wait-s).
+    connecting = asyncio.create_task(link.wait_connected(settings.scheduler_wait_s))
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait([connecting, stopping], return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    if not connecting.done():
+        connecting.cancel()
+    elif not connecting.result():
         log.warning("scheduler %s not reachable yet; serving NOT_SERVING until it is", settings.scheduler)
     watcher = asyncio.create_task(_watch(settings, health, service))
 
@@ -146,7 +153,10 @@ async def _serve(settings: TokenizerSettings) -> int:
     await pool.shutdown()
     media.shutdown()
     await link.close()
-    left = [n for n in shm.list_segments(settings.shm_prefix) if shm.parse_name(n, settings.shm_prefix) == os.getpid()]
+    # Only what this process owns: another tokenizer may share /dev/shm and
+    # even our pid (in its own pid namespace). Anything a dying worker left
+    # unlocked is a janitor's to remove.
+    left = list(service.held)
     for name in left:
         shm.unlink(name)
     if left:
@@ -169,6 +179,6 @@ async def _watch(settings: TokenizerSettings, health: Health, service: Tokenizer
         now = asyncio.get_running_loop().time()
         if now - last_sweep >= settings.janitor_interval_s:
             held = set(service.held)
-            await asyncio.to_thread(shm.sweep, settings.shm_prefix, lease_s=settings.segment_lease_s, keep=held)
+            await asyncio.to_thread(shm.sweep, settings.shm_prefix, grace_s=settings.segment_grace_s, keep=held)
             last_sweep = now
         await asyncio.sleep(WATCH_INTERVAL_S)

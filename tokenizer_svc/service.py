@@ -2,9 +2,10 @@
 call the scheduler, relay its stream as text.
 
 Ownership of segments (DESIGN.md §3): the segments this request's images were
-written into are ours until the scheduler sends `Accepted`; before that,
-whatever ends the request (an error, a broken stream, the client's cancel)
-unlinks them here. After it, the scheduler releases them.
+written into are ours — this process holds a lock on each — until the
+scheduler, holding its own locks, sends `Accepted`; then we drop ours. Before
+that, whatever ends the request (an error, a broken stream, the client's
+cancel) unlinks them here. After it, the scheduler releases them.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import logging
 import os
 import secrets
 from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from mmsplit import shm
@@ -26,7 +28,7 @@ from mmsplit.tensors import NUMPY_TO_DTYPE, TensorSpec
 from mmsplit.tokenizer.v1 import tokenizer_pb2
 from tokenizer_svc.detokenize import IncrementalDecoder, StopMatcher
 from tokenizer_svc.downstream import SchedulerLink
-from tokenizer_svc.errors import InvalidRequest, Overloaded, SchedulerUnavailable, ShuttingDown
+from tokenizer_svc.errors import InternalError, InvalidRequest, Overloaded, SchedulerUnavailable, ShuttingDown
 from tokenizer_svc.media import MediaLoader
 from tokenizer_svc.pool import CpuPool
 from tokenizer_svc.preprocess import ImageJob, ImageResult
@@ -131,7 +133,8 @@ class TokenizerService:
         self._validate(request)
         if not self.link.connected:
             raise SchedulerUnavailable("the scheduler is not reachable; retry shortly")
-        images = await self._prepare_images(request, rid)
+        prepared = await self._prepare_images(request, rid)
+        images = [p.image for p in prepared]
         owned = [img.segment for img in images]
         self.held.update(owned)
         accepted = False
@@ -150,13 +153,17 @@ class TokenizerService:
             async with contextlib.aclosing(self._relay(rid, downstream, timeout_s)) as relay:
                 async for response in relay:
                     if response is None:
-                        accepted = True  # the scheduler releases the segments from here on
+                        # The scheduler holds its own locks on the segments
+                        # now and releases them from here on: drop ours.
+                        accepted = True
+                        _unlock(prepared)
                     else:
                         yield response
         finally:
             self.held.difference_update(img.segment for img in images)
             if not accepted:
                 self._release(owned)
+            _unlock(prepared)
 
     async def _relay(
         self, rid: str, downstream: scheduler_pb2.GenerateRequest, timeout_s: float | None
@@ -212,9 +219,9 @@ class TokenizerService:
         if len(request.images) > s.max_images_per_request:
             raise InvalidRequest(f"{len(request.images)} images, at most {s.max_images_per_request}")
 
-    async def _prepare_images(self, request: tokenizer_pb2.GenerateRequest, rid: str) -> list[ImageResult]:
-        """All images fetched and preprocessed, or none held: on any failure or
-        cancellation the other images' work is awaited and released."""
+    async def _prepare_images(self, request: tokenizer_pb2.GenerateRequest, rid: str) -> list[Prepared]:
+        """All images fetched, preprocessed and locked, or none held: on any
+        failure or cancellation the other images' work is awaited and released."""
         tasks = [asyncio.create_task(self._one_image(image, rid)) for image in request.images]
         if not tasks:
             return []
@@ -224,10 +231,12 @@ class TokenizerService:
             for task in tasks:
                 task.cancel()
             await _settle(tasks)
-            self._release([t.result().segment for t in tasks if not t.cancelled() and t.exception() is None])
+            done = [t.result() for t in tasks if not t.cancelled() and t.exception() is None]
+            self._release([p.image.segment for p in done])
+            _unlock(done)
             raise
 
-    async def _one_image(self, image: tokenizer_pb2.Image, rid: str) -> ImageResult:
+    async def _one_image(self, image: tokenizer_pb2.Image, rid: str) -> Prepared:
         data = await self.media.load(image)  # IO pool, its own timeouts
         job = ImageJob(
             data=data,
@@ -236,7 +245,13 @@ class TokenizerService:
             shm_prefix=self.settings.shm_prefix,
             owner_pid=self._pid,
         )
-        return await self.pool.preprocess(job, timeout_s=self.settings.preprocess_timeout_s, request_id=rid)
+        result = await self.pool.preprocess(job, timeout_s=self.settings.preprocess_timeout_s, request_id=rid)
+        try:
+            # This process owns the segment from here until the scheduler accepts it.
+            return Prepared(result, shm.Lock(result.segment, self.settings.shm_prefix))
+        except shm.SegmentError as exc:
+            self._release([result.segment])
+            raise InternalError("a preprocessed image could not be held for hand-over") from exc
 
     def _tensor_ref(self, img: ImageResult) -> common_pb2.TensorRef:
         dtype = NUMPY_TO_DTYPE[img.dtype]
@@ -255,6 +270,19 @@ class TokenizerService:
     def _release(segments: list[str]) -> None:
         for name in segments:
             shm.unlink(name)
+
+
+@dataclass
+class Prepared:
+    """A preprocessed image and this process's lock on its segment."""
+
+    image: ImageResult
+    lock: shm.Lock
+
+
+def _unlock(prepared: list[Prepared]) -> None:
+    for p in prepared:
+        p.lock.release()
 
 
 def _finished(rid: str, reason: int, prompt_tokens: int, completion_tokens: int) -> tokenizer_pb2.GenerateResponse:

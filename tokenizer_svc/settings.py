@@ -55,8 +55,10 @@ class TokenizerSettings:
     )
     max_inflight: int = _opt(256, "requests in progress; beyond this, OVERLOADED at once", min=1)
     janitor_interval_s: float = _opt(30.0, "how often orphaned segments of the prefix are swept", min=0.01)
-    segment_lease_s: float = _opt(
-        300.0, "a segment of the prefix older than this, and not held by a request here, is an orphan", min=0.01
+    segment_grace_s: float = _opt(
+        30.0,
+        "a segment of the prefix nobody holds a lock on, older than this, is an orphan the janitor removes",
+        min=0.01,
     )
     scheduler_wait_s: float = _opt(120.0, "how long startup waits for the scheduler before serving NOT_SERVING", min=0)
     shutdown_grace_s: float = _opt(5.0, "seconds running requests get to finish on SIGTERM", min=0)

@@ -102,7 +102,7 @@ def test_rank_killed_mid_generation_then_restarted(tiny_model: Path, tmp_path: P
 
 
 def test_tokenizer_killed_with_8_requests_in_flight(tiny_model: Path, tmp_path: Path) -> None:
-    extra = ["--janitor-interval-s", "0.5", "--segment-lease-s", "2"]
+    extra = ["--janitor-interval-s", "0.5", "--segment-grace-s", "2"]
     with running_pair(tiny_model, tmp_path, scheduler_extra=extra, tokenizer_extra=["--cpu-workers", "2"]) as pair:
         tokenizer_tree = [
             pair.tokenizer.pid,

@@ -76,19 +76,104 @@ def test_unlink_is_idempotent(segment) -> None:  # type: ignore[no-untyped-def]
         shm.unlink("../x")
 
 
-def test_sweep_removes_segments_of_dead_owners_and_expired_leases() -> None:
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    dead_pid = int(dead.stdout)
-    orphan = shm.write_segment(PREFIX, dead_pid, memoryview(b"x" * 8))
-    live = shm.write_segment(PREFIX, os.getpid(), memoryview(b"y" * 8))
+def later(name: str, seconds: float) -> float:
+    return os.stat(shm.SHM_DIR / name).st_mtime + seconds
+
+
+def test_sweep_removes_only_unowned_segments_past_the_grace() -> None:
+    owned = shm.write_segment(PREFIX, os.getpid(), memoryview(b"x" * 8))
+    orphan = shm.write_segment(PREFIX, os.getpid(), memoryview(b"y" * 8))
+    lock = shm.Lock(owned.segment, PREFIX)
     try:
-        assert shm.sweep(PREFIX) == [orphan.segment]
-        assert shm.list_segments(PREFIX) == [live.segment]
-        assert shm.sweep(PREFIX, lease_s=60) == []
-        assert shm.sweep(PREFIX, lease_s=60, now=os.stat(shm.SHM_DIR / live.segment).st_mtime + 61) == [live.segment]
+        # Young: within the grace nobody is removed (a worker's segment
+        # waits there for its service to lock it).
+        assert shm.sweep(PREFIX, grace_s=60) == []
+        assert shm.sweep(PREFIX, grace_s=60, now=later(orphan.segment, 61)) == [orphan.segment]
+        assert shm.list_segments(PREFIX) == [owned.segment]
+        lock.release()
+        assert shm.sweep(PREFIX, grace_s=60, now=later(owned.segment, 61)) == [owned.segment]
     finally:
+        lock.release()
+        shm.unlink(owned.segment)
         shm.unlink(orphan.segment)
-        shm.unlink(live.segment)
+
+
+def test_a_lock_held_by_another_process_keeps_the_segment_and_dies_with_it() -> None:
+    """Ownership does not depend on pids: the owner here is another process
+    (its pid is not the one in the name); when it dies, its lock goes too."""
+    piece = shm.write_segment(PREFIX, 1, memoryview(b"z" * 8))
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from mmsplit import shm; "
+            f"lock = shm.Lock({piece.segment!r}, {PREFIX!r}); print('locked', flush=True); time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    try:
+        assert holder.stdout is not None
+        assert holder.stdout.readline().strip() == "locked"
+        assert shm.sweep(PREFIX, grace_s=0, now=later(piece.segment, 1)) == []
+        holder.kill()
+        holder.wait(10)
+        assert shm.sweep(PREFIX, grace_s=0, now=later(piece.segment, 1)) == [piece.segment]
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait(10)
+        shm.unlink(piece.segment)
+
+
+@pytest.fixture
+def planted(tmp_path: Path):  # type: ignore[no-untyped-def]
+    """Things that are not segments, under segment names of PREFIX."""
+    made = {}
+    directory = shm.new_name(PREFIX, 1)
+    os.mkdir(shm.SHM_DIR / directory)
+    made["directory"] = directory
+    fifo = shm.new_name(PREFIX, 1)
+    os.mkfifo(shm.SHM_DIR / fifo, 0o600)
+    made["fifo"] = fifo
+    target = tmp_path / "target"
+    target.write_bytes(b"\0" * 64)
+    link = shm.new_name(PREFIX, 1)
+    os.symlink(target, shm.SHM_DIR / link)
+    made["symlink"] = link
+    foreign = shm.new_name(PREFIX, 1)
+    (shm.SHM_DIR / foreign).write_bytes(b"\0" * 64)
+    os.chown(shm.SHM_DIR / foreign, 4242, 4242)
+    made["another user's file"] = foreign
+    yield made
+    for name in made.values():
+        path = shm.SHM_DIR / name
+        if path.is_dir() and not path.is_symlink():
+            path.rmdir()
+        else:
+            path.unlink(missing_ok=True)
+
+
+def test_what_is_not_a_segment_is_refused_and_never_blocks_or_raises_on_release(planted) -> None:  # type: ignore[no-untyped-def]
+    expected = {
+        "directory": shm.NotASegment,
+        "fifo": shm.NotASegment,
+        "symlink": shm.NotASegment,
+        "another user's file": shm.ForeignSegment,
+    }
+    for kind, name in planted.items():
+        out = bytearray(64)
+        with pytest.raises(expected[kind]):
+            shm.read_into(shm.Slice(name, 0, 64), PREFIX, memoryview(out), max_segment_bytes=1 << 20)
+        with pytest.raises(expected[kind]):
+            shm.Lock(name, PREFIX)
+    failures = shm.RELEASE_FAILURES.count
+    for kind, name in planted.items():
+        assert shm.unlink(name) is False, kind  # left alone, no exception
+    assert shm.RELEASE_FAILURES.count == failures + 4
+    assert shm.sweep(PREFIX, grace_s=0, now=10**12) == []
+    assert all(os.path.lexists(shm.SHM_DIR / name) for name in planted.values())
 
 
 def test_namespace_id_is_stable_and_does_not_show_the_boot_id() -> None:

@@ -1,0 +1,42 @@
+"""Run a command as PID 1 of a new pid namespace (root only), as a container
+runtime would: ``python -m tests.support.pidns CMD [ARG ...]``.
+
+The launcher stays in the parent namespace, forwards SIGTERM and SIGINT to
+the command, and exits with its status, so a test stops it like any service
+process. /dev/shm and the network stay shared with the parent namespace.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+
+CLONE_NEWPID = 0x20000000
+
+
+def main() -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(CLONE_NEWPID) != 0:
+        err = ctypes.get_errno()
+        raise SystemExit(f"unshare(CLONE_NEWPID) failed: {os.strerror(err)}")
+    child = os.fork()  # the first child of the new namespace: its PID 1
+    if child == 0:
+        try:
+            os.execvp(sys.argv[1], sys.argv[1:])
+        finally:
+            os._exit(127)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, _frame: os.kill(child, signum))
+    while True:
+        try:
+            _, status = os.waitpid(child, 0)
+        except InterruptedError:
+            continue
+        code = os.waitstatus_to_exitcode(status)  # negative: killed by that signal
+        sys.exit(code if code >= 0 else 128 - code)
+
+
+if __name__ == "__main__":
+    main()
