@@ -7,6 +7,7 @@ Hierarchy::
     ├── (scheduler_svc.errors.*)      raised by the scheduler service
     ├── InternalError                 a bug on our side
     ├── ShuttingDown                  the server is draining (both services)
+    ├── Unauthenticated               no valid credentials (token, client certificate)
     └── RemoteError                   an error a peer reported over gRPC
 
 Every foreign exception is translated once, where it enters our code, into an
@@ -56,6 +57,7 @@ TABLE: dict[int, Kind] = {
     E.ERROR_CODE_DEADLINE_EXCEEDED: Kind(grpc.StatusCode.DEADLINE_EXCEEDED, "client", False),
     E.ERROR_CODE_SHUTTING_DOWN: Kind(grpc.StatusCode.UNAVAILABLE, "server", True),
     E.ERROR_CODE_INTERNAL: Kind(grpc.StatusCode.INTERNAL, "server", False),
+    E.ERROR_CODE_UNAUTHENTICATED: Kind(grpc.StatusCode.UNAUTHENTICATED, "client", False),
 }
 
 
@@ -120,6 +122,12 @@ class ShuttingDown(MmsplitError):
     """The server is draining for shutdown (server; retry elsewhere)."""
 
     code = E.ERROR_CODE_SHUTTING_DOWN
+
+
+class Unauthenticated(MmsplitError):
+    """The caller presented no valid credentials (client, not retriable)."""
+
+    code = E.ERROR_CODE_UNAUTHENTICATED
 
 
 class RemoteError(MmsplitError):

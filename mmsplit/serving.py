@@ -1,14 +1,22 @@
-"""gRPC server plumbing both services share: health, reflection, binding, logging."""
+"""gRPC server plumbing both services share: health, reflection, binding,
+transport security (TLS, mutual TLS, a shared token), logging."""
 
 from __future__ import annotations
 
+import hmac
+import ipaddress
 import logging
 import socket
 import sys
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from mmsplit.errors import Unauthenticated
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +59,111 @@ class Health:
         await self.servicer.set(self.service_name, SERVING if ready else NOT_SERVING)
 
 
+HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+AUTHORIZATION = "authorization"
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding `host` keeps a port on this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def read_secret(path: str) -> str:
+    """A token file's content (surrounding whitespace removed); empty is an error."""
+    token = Path(path).read_text().strip()
+    if not token:
+        raise ValueError(f"{path} is empty")
+    return token
+
+
+@dataclass(frozen=True)
+class ServerSecurity:
+    """How a server's port is protected. TLS with `cert` and `key`; mutual
+    TLS when `client_ca` is set too (clients must present a certificate it
+    signed); `token`: every call but health checks must carry
+    ``authorization: Bearer <token>``."""
+
+    cert: str = ""
+    key: str = ""
+    client_ca: str = ""
+    token: str = ""
+
+    def credentials(self) -> grpc.ServerCredentials | None:
+        if not self.cert:
+            return None
+        pair = (Path(self.key).read_bytes(), Path(self.cert).read_bytes())
+        root = Path(self.client_ca).read_bytes() if self.client_ca else None
+        return grpc.ssl_server_credentials([pair], root_certificates=root, require_client_auth=root is not None)
+
+    def interceptors(self) -> list[grpc.aio.ServerInterceptor]:
+        return [TokenAuth(self.token)] if self.token else []
+
+
+@dataclass(frozen=True)
+class ClientSecurity:
+    """How a client reaches a protected server: TLS trusting `ca` (and
+    presenting `cert`/`key` for mutual TLS); `token` sent with every call;
+    `server_name` overrides the name the server's certificate must carry."""
+
+    ca: str = ""
+    cert: str = ""
+    key: str = ""
+    token: str = ""
+    server_name: str = ""
+
+    def channel(self, target: str, options: Sequence[tuple[str, object]] = ()) -> grpc.aio.Channel:
+        opts = list(options)
+        if self.server_name:
+            opts.append(("grpc.ssl_target_name_override", self.server_name))
+        if not self.ca:
+            return grpc.aio.insecure_channel(target, options=opts)
+        creds = grpc.ssl_channel_credentials(
+            root_certificates=Path(self.ca).read_bytes(),
+            private_key=Path(self.key).read_bytes() if self.key else None,
+            certificate_chain=Path(self.cert).read_bytes() if self.cert else None,
+        )
+        return grpc.aio.secure_channel(target, creds, options=opts)
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return ((AUTHORIZATION, f"Bearer {self.token}"),) if self.token else ()
+
+
+class TokenAuth(grpc.aio.ServerInterceptor):
+    """Refuses, with UNAUTHENTICATED and our ErrorInfo, every call that does
+    not carry the shared token — except health checks, which orchestrators'
+    probes make without credentials and which tell nothing but a status. The
+    comparison takes the same time whatever the token presented."""
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}".encode()
+
+        async def deny(request: object, context: grpc.aio.ServicerContext) -> None:
+            await context.abort_with_status(Unauthenticated("this server requires a token").to_status())
+
+        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        method = handler_call_details.method or ""
+        if method.startswith(f"/{HEALTH_SERVICE}/"):
+            return await continuation(handler_call_details)
+        presented = b""
+        for key, value in handler_call_details.invocation_metadata or ():
+            if key == AUTHORIZATION:
+                presented = value.encode() if isinstance(value, str) else value
+        if hmac.compare_digest(presented, self._expected):
+            return await continuation(handler_call_details)
+        return self._deny
+
+
 async def new_server(
     *,
     host: str,
@@ -58,6 +171,8 @@ async def new_server(
     health_: Health,
     service_names: list[str],
     max_message_bytes: int,
+    security: ServerSecurity | None = None,
+    max_concurrent_rpcs: int | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """A server with health and reflection registered; returns it and its bound
     port (`port` 0 picks a free one). The caller adds its servicers first via
@@ -67,11 +182,28 @@ async def new_server(
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.so_reuseport", 0),
     ]
-    server = grpc.aio.server(options=options)
+    security = security or ServerSecurity()
+    server = grpc.aio.server(
+        options=options, interceptors=security.interceptors(), maximum_concurrent_rpcs=max_concurrent_rpcs
+    )
     health_pb2_grpc.add_HealthServicer_to_server(health_.servicer, server)
-    names = [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]
+    names = [*service_names, HEALTH_SERVICE, reflection.SERVICE_NAME]
     reflection.enable_server_reflection(names, server)
+    credentials = security.credentials()
+    address = f"{host}:{port}"
+    bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    if bound == 0:
+        raise OSError(f"cannot bind {host}:{port}")
+    return server, bound
+
+
+async def health_server(host: str, port: int, health_: Health) -> tuple[grpc.aio.Server, int]:
+    """A plaintext server of grpc.health.v1 alone, for orchestrators' probes
+    when the main port is TLS-only or bound to loopback."""
+    server = grpc.aio.server()
+    health_pb2_grpc.add_HealthServicer_to_server(health_.servicer, server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"cannot bind {host}:{port}")
+    await server.start()
     return server, bound

@@ -102,7 +102,7 @@ def generate_command(args: argparse.Namespace) -> int:
         stop_token_ids=args.stop_token_id,
         stop=args.stop,
     )
-    with grpc.insecure_channel(args.server) as channel:
+    with _channel(args) as channel:
         stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
         try:
             for event in stub.Generate(request, timeout=args.timeout):
@@ -128,6 +128,19 @@ def generate_command(args: argparse.Namespace) -> int:
                 print(f"\nerror: {line['error']['code']} {error.reason}: {error.message}", file=sys.stderr)
             return 2
     return 0
+
+
+def _channel(args: argparse.Namespace) -> grpc.Channel:
+    """Plaintext, or TLS trusting --tls-ca (with a client certificate for mutual TLS)."""
+    if not args.tls_ca:
+        return grpc.insecure_channel(args.server)
+    creds = grpc.ssl_channel_credentials(
+        root_certificates=Path(args.tls_ca).read_bytes(),
+        private_key=Path(args.tls_key).read_bytes() if args.tls_key else None,
+        certificate_chain=Path(args.tls_cert).read_bytes() if args.tls_cert else None,
+    )
+    options = [("grpc.ssl_target_name_override", args.tls_server_name)] if args.tls_server_name else []
+    return grpc.secure_channel(args.server, creds, options=options)
 
 
 def _event_json(event: tokenizer_pb2.GenerateResponse) -> dict[str, object]:

@@ -100,6 +100,18 @@ class ServiceProcess:
                 time.sleep(0.1)
         raise RuntimeError(f"{self.name} is not SERVING after {timeout:.0f}s; see {self.log_path}:\n{self.tail()}")
 
+    def wait_logged(self, text: str, timeout: float) -> None:
+        """Wait until the service's log shows `text` (for services a plain
+        health check cannot reach: TLS-only, or in another network namespace)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if text in self.log_path.read_text():
+                return
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        raise RuntimeError(f"{self.name} never logged {text!r}; see {self.log_path}:\n{self.tail()}")
+
     def tail(self, lines: int = 30) -> str:
         try:
             return "".join(self.log_path.read_text().splitlines(keepends=True)[-lines:])

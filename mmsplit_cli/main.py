@@ -87,6 +87,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--request-id", default="")
     p.add_argument("--timeout", type=float, default=120.0, help="deadline of the call, seconds")
     p.add_argument("--json", action="store_true", help="print one JSON object per event")
+    p.add_argument("--tls-ca", default="", help="PEM CA certificates: connect with TLS, trusting them")
+    p.add_argument("--tls-cert", default="", help="PEM client certificate, when the server requires one")
+    p.add_argument("--tls-key", default="", help="PEM private key of --tls-cert")
+    p.add_argument("--tls-server-name", default="", help="name the server's certificate carries, if not --server's")
     p.add_argument("prompt")
     p.set_defaults(func=_generate)
 

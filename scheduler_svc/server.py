@@ -30,7 +30,7 @@ from mmsplit import __version__
 from mmsplit.common.v1 import common_pb2
 from mmsplit.errors import InternalError, MmsplitError
 from mmsplit.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
-from mmsplit.serving import Health, free_port, new_server
+from mmsplit.serving import Health, ServerSecurity, free_port, health_server, is_loopback, new_server, read_secret
 from scheduler_svc.collective import Rendezvous
 from scheduler_svc.errors import SchedulerUnavailable
 from scheduler_svc.frontend import Frontend
@@ -91,14 +91,25 @@ def run(settings: SchedulerSettings) -> int:
     """Run this process's part of the group; return the exit code."""
     try:
         model_dtype(settings.dtype, torch.device("cpu"))
-    except ValueError as exc:
+        security = ServerSecurity(
+            cert=settings.tls_cert,
+            key=settings.tls_key,
+            client_ca=settings.tls_client_ca,
+            token=read_secret(settings.auth_token_file) if settings.auth_token_file else "",
+        )
+        security.credentials()  # unreadable certificate files fail here, before any rank starts
+    except (ValueError, OSError) as exc:
         raise SystemExit(f"mmsplit scheduler: {exc}") from exc
+    if settings.insecure and not is_loopback(settings.host) and not (settings.tls_client_ca or security.token):
+        log.warning("serving %s with neither mutual TLS nor a token (--insecure)", settings.host)
+    if security.token and not security.cert:
+        log.warning("the token travels unencrypted: add --tls-cert and --tls-key where the network is not trusted")
     if settings.launch == "env":
         boot = bootstrap(settings, None)
         if boot.coll.rank != 0:
             run_follower_until_stopped(boot)
             return 0
-        return asyncio.run(_serve(dataclasses.replace(settings, tp=boot.coll.world_size), boot, None))
+        return asyncio.run(_serve(dataclasses.replace(settings, tp=boot.coll.world_size), boot, None, security))
 
     rendezvous = Rendezvous("127.0.0.1", free_port(), 0, settings.tp)
     ranks = None
@@ -106,7 +117,7 @@ def run(settings: SchedulerSettings) -> int:
         ranks = LocalRanks(settings, rendezvous.addr, rendezvous.port)
         ranks.start()
     boot = _bootstrap_watching(settings, ranks, rendezvous)
-    return asyncio.run(_serve(settings, boot, ranks))
+    return asyncio.run(_serve(settings, boot, ranks, security))
 
 
 def _bootstrap_watching(settings: SchedulerSettings, ranks: LocalRanks | None, rendezvous: Rendezvous) -> Bootstrapped:
@@ -176,7 +187,9 @@ def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[[], object]) 
         log.debug("dropped a callback after the event loop closed")
 
 
-async def _serve(settings: SchedulerSettings, boot: Bootstrapped, ranks: LocalRanks | None) -> int:
+async def _serve(
+    settings: SchedulerSettings, boot: Bootstrapped, ranks: LocalRanks | None, security: ServerSecurity
+) -> int:
     aio_loop = asyncio.get_running_loop()
     fatal = asyncio.Event()
     stop = asyncio.Event()
@@ -206,7 +219,12 @@ async def _serve(settings: SchedulerSettings, boot: Bootstrapped, ranks: LocalRa
         health_=health,
         service_names=[SERVICE_NAME],
         max_message_bytes=settings.max_message_bytes,
+        security=security,
     )
+    probes = None
+    if settings.health_port:
+        probes, probe_port = await health_server("0.0.0.0", settings.health_port, health)
+        log.info("health alone on port %d", probe_port)
     frontend = Frontend(step_loop, settings, info)
     servicer = SchedulerServicer(frontend, server_info(settings, info, boot.shm_namespace, budget), step_loop)
     scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(servicer, server)
@@ -263,6 +281,8 @@ async def _serve(settings: SchedulerSettings, boot: Bootstrapped, ranks: LocalRa
         ranks.stopping = True
     step_loop.request_stop()
     await server.stop(2.0)
+    if probes is not None:
+        await probes.stop(0)
     await asyncio.to_thread(thread.join, settings.collective_timeout_s)
     if ranks is not None and not await asyncio.to_thread(ranks.join, 10.0):
         ranks.terminate()

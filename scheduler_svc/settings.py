@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mmsplit.serving import is_loopback
 from mmsplit.settings import check
 from mmsplit.settings import opt as _opt
 from mmsplit.shm import check_prefix
@@ -19,8 +20,21 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "debug", "info", "warning", "
 class SchedulerSettings:
     model_dir: Path = field(metadata={"help": "local checkpoint directory (LLaVA family)", "flag": "--model"})
     tp: int = _opt(1, "number of tensor-parallel ranks", min=1)
-    host: str = _opt("127.0.0.1", "address to serve gRPC on")
+    host: str = _opt(
+        "127.0.0.1",
+        "address to serve gRPC on; anything but loopback requires mutual TLS or a token (or --insecure)",
+    )
     port: int = _opt(0, "port to serve gRPC on; 0 picks a free one (logged)", min=0)
+    tls_cert: str = _opt("", "PEM certificate (chain) of this server: serve TLS (with --tls-key)")
+    tls_key: str = _opt("", "PEM private key of --tls-cert")
+    tls_client_ca: str = _opt("", "PEM CA certificates: require clients to present a certificate they signed (mTLS)")
+    auth_token_file: str = _opt(
+        "", "file holding a shared token every call must carry (authorization: Bearer <token>); health is exempt"
+    )
+    insecure: bool = _opt(False, "allow serving a non-loopback address with neither mutual TLS nor a token")
+    health_port: int = _opt(
+        0, "also serve grpc.health.v1 alone, plaintext, on this port of all addresses (probes); 0 = off", min=0
+    )
     launch: str = _opt(
         "local",
         "'local': this process is rank 0 and spawns ranks 1..tp-1 here; 'env': this process is the rank "
@@ -96,8 +110,27 @@ class SchedulerSettings:
             check_prefix(self.shm_prefix)
         except ValueError as exc:
             extra.append(f"--shm-prefix: {exc}")
+        extra.extend(security_problems(self))
         if self.default_max_tokens > self.max_tokens_limit:
             extra.append(
                 f"--default-max-tokens ({self.default_max_tokens}) is over --max-tokens-limit ({self.max_tokens_limit})"
             )
         check(self, *extra)
+
+
+def security_problems(s: SchedulerSettings) -> list[str]:
+    """The scheduler's port faces only our tokenizers (DESIGN.md §7): on
+    loopback it may be open; anywhere else only a caller with a client
+    certificate or the token may name segments to it."""
+    problems = []
+    if bool(s.tls_cert) != bool(s.tls_key):
+        problems.append("--tls-cert and --tls-key go together")
+    if s.tls_client_ca and not s.tls_cert:
+        problems.append("--tls-client-ca needs --tls-cert and --tls-key (mutual TLS is TLS first)")
+    if not is_loopback(s.host) and not (s.tls_client_ca or s.auth_token_file) and not s.insecure:
+        problems.append(
+            f"--host {s.host} is not a loopback address: the scheduler's port must then require mutual TLS "
+            "(--tls-cert, --tls-key, --tls-client-ca) or a token (--auth-token-file); to serve it open "
+            "anyway, say --insecure"
+        )
+    return problems

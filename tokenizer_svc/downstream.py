@@ -19,6 +19,7 @@ from mmsplit import shm
 from mmsplit.common.v1 import common_pb2
 from mmsplit.errors import E, RemoteError
 from mmsplit.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
+from mmsplit.serving import ClientSecurity
 from tokenizer_svc.errors import SchedulerUnavailable
 from tokenizer_svc.settings import TokenizerSettings
 
@@ -26,13 +27,14 @@ log = logging.getLogger(__name__)
 
 
 class SchedulerLink:
-    def __init__(self, settings: TokenizerSettings) -> None:
+    def __init__(self, settings: TokenizerSettings, security: ClientSecurity) -> None:
         self.settings = settings
         options = [
             ("grpc.max_receive_message_length", settings.max_message_bytes),
             ("grpc.max_send_message_length", settings.max_message_bytes),
         ]
-        self.channel = grpc.aio.insecure_channel(settings.scheduler, options=options)
+        self.channel = security.channel(settings.scheduler, options)
+        self._metadata = security.metadata()
         self.stub = scheduler_pb2_grpc.SchedulerServiceStub(self.channel)
         self.info: common_pb2.ServerInfo | None = None
         self.transport = common_pb2.TRANSPORT_UNSPECIFIED
@@ -46,7 +48,9 @@ class SchedulerLink:
         """Ask the scheduler to describe itself; choose the transport. False
         (and disconnected) when it does not answer."""
         try:
-            reply = await self.stub.GetServerInfo(scheduler_pb2.GetServerInfoRequest(), timeout=timeout_s)
+            reply = await self.stub.GetServerInfo(
+                scheduler_pb2.GetServerInfoRequest(), timeout=timeout_s, metadata=self._metadata
+            )
         except grpc.aio.AioRpcError as exc:
             if self.info is not None:
                 log.warning("scheduler %s stopped answering: %s", self.settings.scheduler, exc.code())
@@ -82,7 +86,7 @@ class SchedulerLink:
     async def generate(
         self, request: scheduler_pb2.GenerateRequest, *, timeout_s: float | None
     ) -> AsyncGenerator[scheduler_pb2.GenerateResponse, None]:
-        call = self.stub.Generate(request, timeout=timeout_s)
+        call = self.stub.Generate(request, timeout=timeout_s, metadata=self._metadata)
         try:
             async for response in call:
                 yield response

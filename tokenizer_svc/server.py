@@ -21,7 +21,7 @@ import grpc
 from mmsplit import __version__, shm
 from mmsplit.common.v1 import common_pb2
 from mmsplit.errors import InternalError, MmsplitError
-from mmsplit.serving import Health, new_server
+from mmsplit.serving import ClientSecurity, Health, ServerSecurity, health_server, new_server, read_secret
 from mmsplit.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from tokenizer_svc.downstream import SchedulerLink
 from tokenizer_svc.errors import InvalidRequest
@@ -82,8 +82,19 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
 
 
 def run(settings: TokenizerSettings) -> int:
-    shm.check_prefix(settings.shm_prefix)
-    return asyncio.run(_serve(settings))
+    try:
+        security = ServerSecurity(cert=settings.tls_cert, key=settings.tls_key, client_ca=settings.tls_client_ca)
+        security.credentials()  # unreadable certificate files fail here
+        downstream = ClientSecurity(
+            ca=settings.scheduler_tls_ca,
+            cert=settings.scheduler_tls_cert,
+            key=settings.scheduler_tls_key,
+            token=read_secret(settings.scheduler_auth_token_file) if settings.scheduler_auth_token_file else "",
+            server_name=settings.scheduler_tls_server_name,
+        )
+    except (ValueError, OSError) as exc:
+        raise SystemExit(f"mmsplit tokenizer: {exc}") from exc
+    return asyncio.run(_serve(settings, security, downstream))
 
 
 def _load_processor(settings: TokenizerSettings) -> object:
@@ -92,7 +103,7 @@ def _load_processor(settings: TokenizerSettings) -> object:
     return AutoProcessor.from_pretrained(settings.model_dir)
 
 
-async def _serve(settings: TokenizerSettings) -> int:
+async def _serve(settings: TokenizerSettings, security: ServerSecurity, downstream: ClientSecurity) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -110,7 +121,7 @@ async def _serve(settings: TokenizerSettings) -> int:
     )
     await pool.start()
     media = MediaLoader(settings)
-    link = SchedulerLink(settings)
+    link = SchedulerLink(settings, downstream)
     service = TokenizerService(settings, processor, media, pool, link)
 
     server, port = await new_server(
@@ -119,9 +130,14 @@ async def _serve(settings: TokenizerSettings) -> int:
         health_=health,
         service_names=[SERVICE_NAME],
         max_message_bytes=settings.max_message_bytes,
+        security=security,
     )
     tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server(TokenizerServicer(service, settings), server)
     await server.start()
+    probes = None
+    if settings.health_port:
+        probes, probe_port = await health_server("0.0.0.0", settings.health_port, health)
+        log.info("health alone on port %d", probe_port)
     log.info("tokenizer listening on %s:%d (scheduler %s)", settings.host, port, settings.scheduler)
 
     # A SIGTERM while waiting for the scheduler stops the wait (an
@@ -150,6 +166,8 @@ async def _serve(settings: TokenizerSettings) -> int:
         log.warning("grace period over; ending %d request(s) with SHUTTING_DOWN", len(stragglers))
         await asyncio.wait(stragglers, timeout=10)
     await server.stop(1.0)
+    if probes is not None:
+        await probes.stop(0)
     await pool.shutdown()
     media.shutdown()
     await link.close()

@@ -21,8 +21,19 @@ class TokenizerSettings:
         metadata={"help": "local checkpoint directory (its processor is loaded)", "flag": "--model"}
     )
     scheduler: str = _opt("127.0.0.1:50051", "scheduler address HOST:PORT")
+    scheduler_tls_ca: str = _opt("", "PEM CA certificates to verify the scheduler's TLS certificate: use TLS")
+    scheduler_tls_cert: str = _opt("", "PEM client certificate presented to the scheduler (mutual TLS)")
+    scheduler_tls_key: str = _opt("", "PEM private key of --scheduler-tls-cert")
+    scheduler_tls_server_name: str = _opt("", "name the scheduler's certificate carries, when not its address")
+    scheduler_auth_token_file: str = _opt("", "file holding the token the scheduler requires")
     host: str = _opt("127.0.0.1", "address to serve gRPC on")
     port: int = _opt(0, "port to serve gRPC on; 0 picks a free one (logged)", min=0)
+    tls_cert: str = _opt("", "PEM certificate (chain) of this server: serve TLS to clients (with --tls-key)")
+    tls_key: str = _opt("", "PEM private key of --tls-cert")
+    tls_client_ca: str = _opt("", "PEM CA certificates: require clients to present a certificate they signed")
+    health_port: int = _opt(
+        0, "also serve grpc.health.v1 alone, plaintext, on this port of all addresses (probes); 0 = off", min=0
+    )
     shm_prefix: str = _opt("mmsplit", "prefix of the shared-memory segments this service creates")
     cpu_workers: int = _opt(2, "processes decoding and preprocessing images", min=1)
     io_threads: int = _opt(16, "threads fetching remote images", min=1)
@@ -74,4 +85,12 @@ class TokenizerSettings:
             check_prefix(self.shm_prefix)
         except ValueError as exc:
             extra.append(f"--shm-prefix: {exc}")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            extra.append("--tls-cert and --tls-key go together")
+        if self.tls_client_ca and not self.tls_cert:
+            extra.append("--tls-client-ca needs --tls-cert and --tls-key")
+        if bool(self.scheduler_tls_cert) != bool(self.scheduler_tls_key):
+            extra.append("--scheduler-tls-cert and --scheduler-tls-key go together")
+        if self.scheduler_tls_cert and not self.scheduler_tls_ca:
+            extra.append("--scheduler-tls-cert needs --scheduler-tls-ca (a client certificate goes over TLS)")
         check(self, *extra)
