@@ -29,9 +29,11 @@ log = logging.getLogger(__name__)
 class SchedulerLink:
     def __init__(self, settings: TokenizerSettings, security: ClientSecurity) -> None:
         self.settings = settings
+        # Requests may carry inline tensors (the scheduler enforces its own
+        # limit on them); its responses are small.
         options = [
-            ("grpc.max_receive_message_length", settings.max_message_bytes),
-            ("grpc.max_send_message_length", settings.max_message_bytes),
+            ("grpc.max_send_message_length", -1),
+            ("grpc.max_receive_message_length", 16 * 1024 * 1024),
         ]
         self.channel = security.channel(settings.scheduler, options)
         self._metadata = security.metadata()

@@ -129,7 +129,7 @@ async def _serve(settings: TokenizerSettings, security: ServerSecurity, downstre
         port=settings.port,
         health_=health,
         service_names=[SERVICE_NAME],
-        max_message_bytes=settings.max_message_bytes,
+        max_message_bytes=settings.message_limit,
         security=security,
     )
     tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server(TokenizerServicer(service, settings), server)
@@ -169,7 +169,7 @@ async def _serve(settings: TokenizerSettings, security: ServerSecurity, downstre
     if probes is not None:
         await probes.stop(0)
     await pool.shutdown()
-    media.shutdown()
+    await media.aclose()
     await link.close()
     # Only what this process owns: another tokenizer may share /dev/shm and
     # even our pid (in its own pid namespace). Anything a dying worker left

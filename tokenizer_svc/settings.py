@@ -36,14 +36,20 @@ class TokenizerSettings:
     )
     shm_prefix: str = _opt("mmsplit", "prefix of the shared-memory segments this service creates")
     cpu_workers: int = _opt(2, "processes decoding and preprocessing images", min=1)
-    io_threads: int = _opt(16, "threads fetching remote images", min=1)
+    io_threads: int = _opt(4, "threads reading image files (under --allowed-media-dir)", min=1)
+    fetch_connections: int = _opt(100, "connections open to origins at once, all requests together", min=1)
+    fetch_resolver: str = _opt(
+        "", "'module:factory' making the DNS resolver of fetches (an aiohttp resolver); empty = the system's"
+    )
     preprocess_timeout_s: float = _opt(
         10.0, "budget of one image's decode + preprocessing in a worker (fetching and waiting excluded)", min=0.01
     )
     preprocess_queue_timeout_s: float = _opt(
         30.0, "how long an image may wait for a free worker; beyond this, OVERLOADED (retriable)", min=0
     )
-    fetch_timeout_s: float = _opt(5.0, "timeout of one fetch attempt", min=0.01)
+    fetch_timeout_s: float = _opt(
+        5.0, "deadline of one fetch attempt: resolving, connecting, redirects and the whole body", min=0.01
+    )
     fetch_retries: int = _opt(2, "extra attempts after a timeout, connection error or 5xx", min=0)
     fetch_backoff_s: float = _opt(0.2, "first retry delay; doubles per attempt, with jitter", min=0)
     max_image_bytes: int = _opt(20 * 1024 * 1024, "largest encoded image, bytes", min=1)
@@ -73,7 +79,12 @@ class TokenizerSettings:
     )
     scheduler_wait_s: float = _opt(120.0, "how long startup waits for the scheduler before serving NOT_SERVING", min=0)
     shutdown_grace_s: float = _opt(5.0, "seconds running requests get to finish on SIGTERM", min=0)
-    max_message_bytes: int = _opt(64 * 1024 * 1024, "largest gRPC message", min=1024)
+    max_message_bytes: int = _opt(
+        0,
+        "largest request message, bytes; 0 = what the media limits allow (images x --max-image-bytes, the "
+        "prompt, some room), so a request within every limit always fits",
+        min=0,
+    )
     worker_hook: str = _opt(
         "", "module imported by each CPU worker: on_worker_start(), on_decoded(image) (tests inject faults with it)"
     )
@@ -94,3 +105,11 @@ class TokenizerSettings:
         if self.scheduler_tls_cert and not self.scheduler_tls_ca:
             extra.append("--scheduler-tls-cert needs --scheduler-tls-ca (a client certificate goes over TLS)")
         check(self, *extra)
+
+    @property
+    def message_limit(self) -> int:
+        """The largest request message this server reads (`max_message_bytes`, or derived)."""
+        if self.max_message_bytes:
+            return self.max_message_bytes
+        prompt = 4 * self.max_prompt_chars  # UTF-8
+        return self.max_images_per_request * (self.max_image_bytes + 1024) + prompt + 1024 * 1024

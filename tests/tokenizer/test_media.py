@@ -52,6 +52,33 @@ class Origin(http.server.BaseHTTPRequestHandler):
                     self.wfile.write(b"x" * 4096)
             except (BrokenPipeError, ConnectionResetError):
                 pass
+        elif self.path == "/drip":
+            # A valid response that never finishes in time: one byte every 0.2 s.
+            self.send_response(200)
+            self.send_header("Content-Length", "200")
+            self.end_headers()
+            try:
+                for _ in range(200):
+                    if Origin.release.wait(0.2):
+                        break
+                    self.wfile.write(b"x")
+                    self.wfile.flush()
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+        elif self.path == "/short":
+            # Announces 500 bytes, sends 100, closes.
+            self.send_response(200)
+            self.send_header("Content-Length", "500")
+            self.end_headers()
+            self.wfile.write(b"x" * 100)
+            self.close_connection = True
+        elif self.path == "/chunked-cut":
+            # A chunked body whose connection closes in the middle of a chunk.
+            self.send_response(200)
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            self.wfile.write(b"64\r\n" + b"y" * 40)
+            self.close_connection = True
         elif self.path == "/to-private":
             self.send_response(302)
             self.send_header("Location", f"http://localhost:{self.server.server_address[1]}/ok")
@@ -98,10 +125,13 @@ def loader(tmp_path: Path, **overrides: object) -> MediaLoader:
 
 
 def load(media: MediaLoader, **source: object) -> bytes:
-    try:
-        return asyncio.run(media.load(tokenizer_pb2.Image(**source)))  # type: ignore[arg-type]
-    finally:
-        media.shutdown()
+    async def once() -> bytes:
+        try:
+            return await media.load(tokenizer_pb2.Image(**source))  # type: ignore[arg-type]
+        finally:
+            await media.aclose()
+
+    return asyncio.run(once())
 
 
 def test_inline_and_data_urls(tmp_path: Path) -> None:
@@ -176,3 +206,62 @@ def test_allowed_domains(tmp_path: Path, origin: str) -> None:
     with pytest.raises(MediaSourceForbidden):
         load(loader(tmp_path, allowed_domains="images.example.com"), url=f"{origin}/ok")
     assert load(loader(tmp_path, allowed_domains="127.0.0.1"), url=f"{origin}/ok") == b"IMAGEBYTES"
+
+
+def test_a_dripping_origin_is_stopped_at_the_attempts_deadline(tmp_path: Path, origin: str) -> None:
+    media = loader(tmp_path, fetch_timeout_s=1.0, fetch_retries=0)
+    start = time.monotonic()
+    with pytest.raises(MediaFetchFailed):
+        load(media, url=f"{origin}/drip")
+    # Before: the deadline was checked between 64 KiB reads, so a dripping
+    # origin held a fetch for as long as it liked.
+    assert time.monotonic() - start < 1.6
+
+
+@pytest.mark.parametrize("path", ["/short", "/chunked-cut"])
+def test_a_body_cut_short_is_a_failed_fetch(tmp_path: Path, origin: str, path: str) -> None:
+    with pytest.raises(MediaFetchFailed, match="cut short"):
+        load(loader(tmp_path, fetch_retries=0), url=f"{origin}{path}")
+
+
+@pytest.mark.parametrize(
+    ("address", "public"),
+    [
+        ("93.184.216.34", True),
+        ("2606:2800:220:1:248:1893:25c8:1946", True),
+        ("127.0.0.1", False),
+        ("10.1.2.3", False),
+        ("169.254.169.254", False),
+        ("::1", False),
+        ("fe80::1", False),
+        ("fd00::1", False),
+        ("::ffff:127.0.0.1", False),  # IPv4-mapped
+        ("64:ff9b::7f00:1", False),  # NAT64 of 127.0.0.1
+        ("64:ff9b::a9fe:a9fe", False),  # NAT64 of 169.254.169.254
+        ("2002:7f00:1::", False),  # 6to4 of 127.0.0.1
+        ("2002:0a00:0001::1", False),  # 6to4 of 10.0.0.1
+        ("64:ff9b::5db8:d822", True),  # NAT64 of 93.184.216.34
+        ("224.0.0.1", False),
+    ],
+)
+def test_addresses_are_classified_by_what_they_reach(address: str, public: bool) -> None:
+    from tokenizer_svc.fetch import is_public
+
+    assert is_public(address) is public
+
+
+@pytest.mark.parametrize("literal", ["[64:ff9b::7f00:1]", "[2002:7f00:1::]", "[::ffff:127.0.0.1]", "127.0.0.1"])
+def test_private_literals_in_disguise_are_refused(tmp_path: Path, literal: str) -> None:
+    with pytest.raises(MediaSourceForbidden):
+        load(loader(tmp_path, allow_private_fetch=False), url=f"http://{literal}:9/x.png")
+
+
+def test_a_name_with_any_private_answer_is_refused_before_connecting(tmp_path: Path, origin: str) -> None:
+    """The substituted resolver answers a public address and the loopback
+    origin's at once: the name is refused whole, and nothing is connected to."""
+    port = origin.rsplit(":", 1)[1]
+    before = Origin.hits.get("/ok", 0)
+    media = loader(tmp_path, allow_private_fetch=False, fetch_resolver="tests.support.resolvers:public_then_loopback")
+    with pytest.raises(MediaSourceForbidden, match="non-public"):
+        load(media, url=f"http://images.example.test:{port}/ok")
+    assert Origin.hits.get("/ok", 0) == before
