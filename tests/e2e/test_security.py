@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -26,19 +27,6 @@ pytestmark = pytest.mark.e2e
 SCHEDULER_READY = "mmsplit.scheduler.v1.SchedulerService readiness: SERVING"
 TOKENIZER_READY = "mmsplit.tokenizer.v1.TokenizerService readiness: SERVING"
 NO_NETNS = netns_support.available()
-
-
-@pytest.fixture
-def ns() -> Iterator[NetNs]:
-    if NO_NETNS:
-        pytest.skip(NO_NETNS)
-    with netns() as made:
-        yield made
-
-
-@pytest.fixture
-def pki(tmp_path: Path) -> Pki:
-    return make_pki(tmp_path / "pki", ["10.213.0.1", "127.0.0.1"])
 
 
 def inside(ns: NetNs, *args: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:
@@ -86,99 +74,92 @@ def test_a_scheduler_off_loopback_without_credentials_refuses_to_start(tiny_mode
     assert "--insecure" in message
 
 
-def test_a_token_guards_the_scheduler_off_loopback(ns: NetNs, tiny_model: Path, tmp_path: Path) -> None:
-    token = tmp_path / "token"
+@dataclass
+class Secured:
+    """One group off loopback in a namespace: a scheduler requiring both a
+    client certificate and the token, a tokenizer presenting both and
+    serving TLS on its own port."""
+
+    ns: NetNs
+    pki: Pki
+    token: str
+    scheduler: str
+    tokenizer: str
+
+
+@pytest.fixture(scope="module")
+def secured(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Secured]:
+    if NO_NETNS:
+        pytest.skip(NO_NETNS)
+    tmp = tmp_path_factory.mktemp("secured")
+    pki = make_pki(tmp / "pki", ["10.213.0.1", "127.0.0.1"])
+    token = tmp / "token"
     token.write_text("s3cret-token-for-this-test\n")
-    sched_args = scheduler_args(
-        tiny_model, tp=1, extra=["--host", ns.address, "--port", "50551", "--auth-token-file", str(token)]
-    )
-    sched = start(ns, "scheduler", sched_args, tmp_path, SCHEDULER_READY)
-    tok = None
-    try:
-        address = f"{ns.address}:50551"
-        anonymous = call(ns, address)
-        assert anonymous["info"] == "UNAUTHENTICATED"
-        assert anonymous["reason"] == "UNAUTHENTICATED"
-        assert anonymous["generate"] == "UNAUTHENTICATED"
-        assert anonymous["health"] == "SERVING"  # probes need no token
-        assert call(ns, address, "--token", "wrong")["generate"] == "UNAUTHENTICATED"
-        authorised = call(ns, address, "--token", "s3cret-token-for-this-test")
-        assert (authorised["info"], authorised["generate"]) == ("OK", "OK")
-
-        tok_args = tokenizer_args(
-            tiny_model, address, extra=["--scheduler-auth-token-file", str(token), "--port", "50552"]
+    with netns() as ns:
+        sched_tls = [
+            "--tls-cert",
+            str(pki.server_cert),
+            "--tls-key",
+            str(pki.server_key),
+            "--tls-client-ca",
+            str(pki.ca),
+        ]
+        sched_args = scheduler_args(
+            tiny_model,
+            tp=1,
+            extra=["--host", ns.address, "--port", "50551", "--auth-token-file", str(token), *sched_tls],
         )
-        tok = start(ns, "tokenizer", tok_args, tmp_path, TOKENIZER_READY)
-        done = generate(ns, "127.0.0.1:50552")
-        assert done.returncode == 0, done.stderr[-2000:]
-    finally:
-        for proc in (tok, sched):
-            if proc is not None:
-                assert proc.stop() == 0
+        sched = start(ns, "scheduler", sched_args, tmp, SCHEDULER_READY)
+        tok = None
+        try:
+            downstream = [
+                "--scheduler-tls-ca", str(pki.ca),
+                "--scheduler-tls-cert", str(pki.client_cert),
+                "--scheduler-tls-key", str(pki.client_key),
+                "--scheduler-auth-token-file", str(token),
+                "--tls-cert", str(pki.server_cert),
+                "--tls-key", str(pki.server_key),
+                "--port", "50552",
+            ]  # fmt: skip
+            tok_args = tokenizer_args(tiny_model, f"{ns.address}:50551", extra=downstream)
+            tok = start(ns, "tokenizer", tok_args, tmp, TOKENIZER_READY)
+            yield Secured(ns, pki, "s3cret-token-for-this-test", f"{ns.address}:50551", "127.0.0.1:50552")
+        finally:
+            for proc in (tok, sched):
+                if proc is not None:
+                    assert proc.stop() == 0
 
 
-def test_mutual_tls_guards_the_scheduler_off_loopback(ns: NetNs, pki: Pki, tiny_model: Path, tmp_path: Path) -> None:
-    tls = ["--tls-cert", str(pki.server_cert), "--tls-key", str(pki.server_key), "--tls-client-ca", str(pki.ca)]
-    sched_args = scheduler_args(tiny_model, tp=1, extra=["--host", ns.address, "--port", "50561", *tls])
-    sched = start(ns, "scheduler", sched_args, tmp_path, SCHEDULER_READY)
-    tok = None
-    try:
-        address = f"{ns.address}:50561"
-        assert call(ns, address)["info"] == "UNAVAILABLE"  # plaintext: no TLS handshake at all
-        no_cert = call(ns, address, "--ca", str(pki.ca))
-        assert no_cert["info"] == "UNAVAILABLE"  # refused in the handshake: no client certificate
-        assert no_cert["generate"] == "UNAVAILABLE"
-        wrong_ca = call(
-            ns, address, "--ca", str(pki.other_ca), "--cert", str(pki.client_cert), "--key", str(pki.client_key)
-        )
-        assert wrong_ca["info"] == "UNAVAILABLE"  # we do not trust its certificate either
-        ok = call(ns, address, "--ca", str(pki.ca), "--cert", str(pki.client_cert), "--key", str(pki.client_key))
-        assert (ok["info"], ok["generate"]) == ("OK", "OK")
-
-        downstream = [
-            "--scheduler-tls-ca", str(pki.ca),
-            "--scheduler-tls-cert", str(pki.client_cert),
-            "--scheduler-tls-key", str(pki.client_key),
-            "--port", "50562",
-        ]  # fmt: skip
-        tok = start(ns, "tokenizer", tokenizer_args(tiny_model, address, extra=downstream), tmp_path, TOKENIZER_READY)
-        done = generate(ns, "127.0.0.1:50562")
-        assert done.returncode == 0, done.stderr[-2000:]
-    finally:
-        for proc in (tok, sched):
-            if proc is not None:
-                assert proc.stop() == 0
+def test_without_a_client_certificate_the_handshake_refuses(secured: Secured) -> None:
+    pki = secured.pki
+    plain = call(secured.ns, secured.scheduler, "--token", secured.token)
+    assert plain["info"] == "UNAVAILABLE"  # plaintext against TLS: no handshake at all
+    no_cert = call(secured.ns, secured.scheduler, "--ca", str(pki.ca), "--token", secured.token)
+    assert (no_cert["info"], no_cert["generate"]) == ("UNAVAILABLE", "UNAVAILABLE")
+    client = ["--cert", str(pki.client_cert), "--key", str(pki.client_key), "--token", secured.token]
+    wrong_ca = call(secured.ns, secured.scheduler, "--ca", str(pki.other_ca), *client)
+    assert wrong_ca["info"] == "UNAVAILABLE"  # and we do not trust the server's certificate either
 
 
-def test_tls_on_the_tokenizers_client_port(pki: Pki, tiny_model: Path, tmp_path: Path) -> None:
-    tls = ["--tls-cert", str(pki.server_cert), "--tls-key", str(pki.server_key), "--health-port", "0"]
-    sched = ServiceProcess("scheduler", scheduler_args(tiny_model, tp=1), tmp_path / "scheduler.log", env=ENV)
-    tok = None
-    try:
-        sched.wait_serving("mmsplit.scheduler.v1.SchedulerService", 180)
-        tok = ServiceProcess(
-            "tokenizer", tokenizer_args(tiny_model, sched.address, extra=tls), tmp_path / "tokenizer.log", env=ENV
-        )
-        tok.wait_logged(TOKENIZER_READY, 180)
-        image = tmp_path / "cat.png"
-        image.write_bytes(samples.good_png())
-        base = [sys.executable, "-m", "mmsplit_cli", "generate", "--server", tok.address, "--max-tokens", "3"]
-        secure = subprocess.run(
-            [*base, "--tls-ca", str(pki.ca), "--image", str(image), "--json", "What is it?"],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            env={**ENV, "PATH": "/usr/bin:/bin"},
-            cwd=ROOT,
-        )
-        assert secure.returncode == 0, secure.stderr[-2000:]
-        events = [json.loads(line) for line in secure.stdout.splitlines()]
-        assert events[-1]["finished"]["completion_tokens"] == 3
-        plain = subprocess.run(
-            [*base, "--timeout", "5", "Hi"], capture_output=True, text=True, timeout=60, env={**ENV}, cwd=ROOT
-        )
-        assert plain.returncode != 0  # a plaintext client gets no answer from a TLS port
-    finally:
-        for proc in (tok, sched):
-            if proc is not None:
-                assert proc.stop() == 0
+def test_without_the_token_a_caller_is_unauthenticated_except_for_health(secured: Secured) -> None:
+    pki = secured.pki
+    tls = ["--ca", str(pki.ca), "--cert", str(pki.client_cert), "--key", str(pki.client_key)]
+    anonymous = call(secured.ns, secured.scheduler, *tls)
+    assert anonymous["info"] == "UNAUTHENTICATED"
+    assert anonymous["reason"] == "UNAUTHENTICATED"
+    assert anonymous["generate"] == "UNAUTHENTICATED"
+    assert anonymous["health"] == "SERVING"  # probes need no token
+    assert call(secured.ns, secured.scheduler, *tls, "--token", "wrong")["generate"] == "UNAUTHENTICATED"
+    authorised = call(secured.ns, secured.scheduler, *tls, "--token", secured.token)
+    assert (authorised["info"], authorised["generate"]) == ("OK", "OK")
+
+
+def test_the_tokenizer_presents_its_credentials_and_serves_tls_to_clients(secured: Secured, tmp_path: Path) -> None:
+    image = tmp_path / "cat.png"
+    image.write_bytes(samples.good_png())
+    done = generate(secured.ns, secured.tokenizer, "--tls-ca", str(secured.pki.ca), "--image", str(image), "--json")
+    assert done.returncode == 0, done.stderr[-2000:]
+    events = [json.loads(line) for line in done.stdout.splitlines()]
+    assert events[-1]["finished"]["completion_tokens"] == 3
+    plain = generate(secured.ns, secured.tokenizer, "--timeout", "5")
+    assert plain.returncode != 0  # a plaintext client gets no answer from a TLS port
