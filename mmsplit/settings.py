@@ -9,6 +9,8 @@ import dataclasses
 from collections.abc import Iterable
 from typing import Any, TypeVar
 
+from mmsplit.shm import check_prefix
+
 T = TypeVar("T")
 
 
@@ -46,3 +48,12 @@ def check(settings: Any, *extra: str) -> None:
     problems.extend(extra)
     if problems:
         raise InvalidSettings("; ".join(problems))
+
+
+def prefix_problems(prefix: str) -> list[str]:
+    """`--shm-prefix` must be a prefix `mmsplit.shm` accepts."""
+    try:
+        check_prefix(prefix)
+    except ValueError as exc:
+        return [f"--shm-prefix: {exc}"]
+    return []

@@ -9,9 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mmsplit.serving import is_loopback
-from mmsplit.settings import check
+from mmsplit.settings import check, prefix_problems
 from mmsplit.settings import opt as _opt
-from mmsplit.shm import check_prefix
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "debug", "info", "warning", "error")
 
@@ -105,11 +104,7 @@ class SchedulerSettings:
     log_level: str = _opt("INFO", "logging level", choices=LOG_LEVELS)
 
     def __post_init__(self) -> None:
-        extra = []
-        try:
-            check_prefix(self.shm_prefix)
-        except ValueError as exc:
-            extra.append(f"--shm-prefix: {exc}")
+        extra = prefix_problems(self.shm_prefix)
         extra.extend(security_problems(self))
         if self.default_max_tokens > self.max_tokens_limit:
             extra.append(

@@ -8,9 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mmsplit.settings import check
+from mmsplit.settings import check, prefix_problems
 from mmsplit.settings import opt as _opt
-from mmsplit.shm import check_prefix
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "debug", "info", "warning", "error")
 
@@ -91,11 +90,7 @@ class TokenizerSettings:
     log_level: str = _opt("INFO", "logging level", choices=LOG_LEVELS)
 
     def __post_init__(self) -> None:
-        extra = []
-        try:
-            check_prefix(self.shm_prefix)
-        except ValueError as exc:
-            extra.append(f"--shm-prefix: {exc}")
+        extra = prefix_problems(self.shm_prefix)
         if bool(self.tls_cert) != bool(self.tls_key):
             extra.append("--tls-cert and --tls-key go together")
         if self.tls_client_ca and not self.tls_cert:

@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -31,32 +32,16 @@ from scheduler_svc.model import model_info
 from tests.conftest import SCHEDULER_SERVICE, TOKENIZER_SERVICE, Services
 from tests.e2e.helpers import health_status, rank_active_requests
 from tests.support.leaks import project_segments, wait_until
+from tests.support.planted import planted as plant
 from tests.support.services import ENV, start_scheduler
 
 pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture
-def planted(tmp_path: Path):  # type: ignore[no-untyped-def]
-    """A directory, a FIFO, a symlink and another user's file, each under a
-    segment name of the services' prefix."""
-    made = {}
-    for kind in ("directory", "fifo", "symlink", "another user's file"):
-        made[kind] = shm.new_name("mmsplit", 4242)
-    os.mkdir(shm.SHM_DIR / made["directory"])
-    os.mkfifo(shm.SHM_DIR / made["fifo"], 0o600)
-    (tmp_path / "target").write_bytes(b"\0" * 64)
-    os.symlink(tmp_path / "target", shm.SHM_DIR / made["symlink"])
-    foreign = shm.SHM_DIR / made["another user's file"]
-    foreign.write_bytes(b"\0" * (3 * 224 * 224 * 4))
-    os.chown(foreign, 4242, 4242)
-    yield made
-    for name in made.values():
-        path = shm.SHM_DIR / name
-        if path.is_dir() and not path.is_symlink():
-            path.rmdir()
-        else:
-            path.unlink(missing_ok=True)
+def planted(tmp_path: Path) -> Iterator[dict[str, str]]:
+    with plant("mmsplit", tmp_path, size=3 * 224 * 224 * 4) as made:
+        yield made
 
 
 def test_what_is_planted_under_a_segment_name_fails_its_request_only(services: Services, planted) -> None:  # type: ignore[no-untyped-def]

@@ -3,12 +3,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from mmsplit import shm
+from tests.support.planted import planted as plant
 
 PREFIX = "mmsplittest"
 
@@ -128,31 +130,9 @@ def test_a_lock_held_by_another_process_keeps_the_segment_and_dies_with_it() -> 
 
 
 @pytest.fixture
-def planted(tmp_path: Path):  # type: ignore[no-untyped-def]
-    """Things that are not segments, under segment names of PREFIX."""
-    made = {}
-    directory = shm.new_name(PREFIX, 1)
-    os.mkdir(shm.SHM_DIR / directory)
-    made["directory"] = directory
-    fifo = shm.new_name(PREFIX, 1)
-    os.mkfifo(shm.SHM_DIR / fifo, 0o600)
-    made["fifo"] = fifo
-    target = tmp_path / "target"
-    target.write_bytes(b"\0" * 64)
-    link = shm.new_name(PREFIX, 1)
-    os.symlink(target, shm.SHM_DIR / link)
-    made["symlink"] = link
-    foreign = shm.new_name(PREFIX, 1)
-    (shm.SHM_DIR / foreign).write_bytes(b"\0" * 64)
-    os.chown(shm.SHM_DIR / foreign, 4242, 4242)
-    made["another user's file"] = foreign
-    yield made
-    for name in made.values():
-        path = shm.SHM_DIR / name
-        if path.is_dir() and not path.is_symlink():
-            path.rmdir()
-        else:
-            path.unlink(missing_ok=True)
+def planted(tmp_path: Path) -> Iterator[dict[str, str]]:
+    with plant(PREFIX, tmp_path) as made:
+        yield made
 
 
 def test_what_is_not_a_segment_is_refused_and_never_blocks_or_raises_on_release(planted) -> None:  # type: ignore[no-untyped-def]
