@@ -59,9 +59,9 @@ def test_a_big_request_beyond_the_inflight_limit_fetches_nothing(tiny_model: Pat
             big = tokenizer_pb2.GenerateRequest(
                 prompt="Compare them all.",
                 images=[tokenizer_pb2.Image(url=f"http://{origin}/b.png")]
-                + [tokenizer_pb2.Image(data=b"\xff" * (19 * 1024 * 1024)) for _ in range(3)],
+                + [tokenizer_pb2.Image(data=b"\xff" * (16 * 1024 * 1024 + 64)) for _ in range(4)],
             )
-            assert big.ByteSize() > 57 * 1024 * 1024
+            assert big.ByteSize() > 64 * 1024 * 1024
             refused = run_request(stub, big, timeout=60)
             busy.cancel()
         assert (refused.grpc_code, refused.reason) == ("RESOURCE_EXHAUSTED", "OVERLOADED"), refused
