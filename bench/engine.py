@@ -73,12 +73,10 @@ class HfArms:
         from transformers import AutoModelForImageTextToText, AutoProcessor
 
         from tokenizer_svc.decode import decode_image
-        from tokenizer_svc.prompt import PromptBuilder
 
         self.torch = torch
         self.device = device
         processor = AutoProcessor.from_pretrained(model_dir)
-        builder = PromptBuilder(processor)
         torch_dtype = getattr(torch, dtype)
         self.model: Any = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch_dtype)
         self.model = self.model.to(device).eval()
@@ -87,9 +85,10 @@ class HfArms:
         start = time.perf_counter()
         for item in items:
             image = decode_image(item.image, max_pixels=10**8)
-            pixel = processor.image_processor(images=image, return_tensors="pt")["pixel_values"]
-            self.pixels.append(pixel.to(device, torch_dtype))
-            self.ids.append(builder.build(item.text, [tuple(pixel.shape[1:])]))
+            text = item.text if processor.image_token in item.text else f"{processor.image_token}\n{item.text}"
+            made = processor(images=[image], text=text, return_tensors="pt")
+            self.pixels.append(made["pixel_values"].to(device, torch_dtype))
+            self.ids.append(made["input_ids"][0].tolist())
         # What a plain script spends before its first generate (serially).
         self.prep_s = time.perf_counter() - start
         self.gen = {"max_new_tokens": tokens, "min_new_tokens": tokens, "do_sample": False, "pad_token_id": 0}

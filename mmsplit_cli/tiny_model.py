@@ -1,9 +1,11 @@
-"""A tiny random-weight LLaVA with a real tokenizer, built offline.
+"""Tiny random-weight multimodal models with a real tokenizer, built offline.
 
-There is no model hub here, so tests and the demo build one: a 2-layer Llama
-text model and a 2-layer CLIP vision tower, random weights (fixed seed), and
-the Mistral-7B v0.1 SentencePiece tokenizer that ships inside the
-`mistral-common` wheel on PyPI. The wheel is fetched with pip (no install:
+There is no model hub here, so tests and the demo build them: one per family
+(`FAMILIES`: LLaVA-1.5, LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL), each a 2-layer
+text model and a 2-layer vision tower with random weights (fixed seed), the
+family's own processor classes (PIL backends) and the Mistral-7B v0.1
+SentencePiece tokenizer that ships inside the `mistral-common` wheel on PyPI,
+with the family's special tokens added. The wheel is fetched with pip (no install:
 installing it would make transformers expect its dependencies) into a cache
 directory and only the tokenizer file is read out of it.
 """
@@ -16,6 +18,7 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -24,6 +27,19 @@ SPM_MEMBER = "mistral_common/data/tokenizer.model.v1"
 IMAGE_TOKEN = "<image>"
 IMAGE_SIZE = 224
 PATCH_SIZE = 28  # (224 / 28)^2 = 64 image tokens per image
+FAMILIES = ("llava", "llava-next", "qwen2-vl", "qwen2.5-vl")
+QWEN_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>", "<|im_start|>", "<|im_end|>")
+# A ChatML template in the shape Qwen2-VL ships (images and videos as
+# vision_start/pad/vision_end, text parts as they are).
+QWEN_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def tokenizer_wheel(cache_dir: Path) -> Path:
@@ -42,39 +58,81 @@ def tokenizer_wheel(cache_dir: Path) -> Path:
     return found[0]
 
 
-def build(out: Path, *, cache_dir: Path, seed: int = 0, text_layers: int = 2, text_hidden: int = 64) -> Path:
-    """Write the model directory `out` (config, weights, processor); return it.
-    `text_layers` and `text_hidden` size the Llama text model (the benchmarks
-    use a larger one: 8 layers, 512 wide); heads are 64 wide at 512 and
-    more, 16 wide below, with half as many KV heads."""
+def build(
+    out: Path,
+    *,
+    cache_dir: Path,
+    family: str = "llava",
+    seed: int = 0,
+    text_layers: int = 2,
+    text_hidden: int = 64,
+) -> Path:
+    """Write the model directory `out` (config, weights, generation config,
+    tokenizer, processor files); return it. `text_layers` and `text_hidden`
+    size the text model (the benchmarks use a larger one: 8 layers, 512
+    wide); heads are 64 wide at 512 and more, 16 wide below, with half as
+    many KV heads."""
     import torch
-    from transformers import (
-        CLIPImageProcessorPil,
-        CLIPVisionConfig,
-        LlamaConfig,
-        LlamaTokenizer,
-        LlavaConfig,
-        LlavaForConditionalGeneration,
-        LlavaProcessor,
+
+    if family not in FAMILIES:
+        raise ValueError(f"family {family!r} is not one of {', '.join(FAMILIES)}")
+    heads = max(4, text_hidden // 64) if text_hidden >= 512 else 4
+    text: dict[str, Any] = {
+        "hidden_size": text_hidden,
+        "intermediate_size": 2 * text_hidden,
+        "num_hidden_layers": text_layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": heads // 2,
+        "max_position_embeddings": 1024,
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    if family in ("llava", "llava-next"):
+        model, writers = _llava(family, cache_dir, text)
+    else:
+        model, writers = _qwen(family, cache_dir, text)
+    torch.manual_seed(seed)
+    model = model()
+    model.save_pretrained(out)
+    for write in writers:
+        write(out)
+    log.info(
+        "wrote tiny %s (%d text layers, %d wide, %d parameters) to %s",
+        family,
+        text_layers,
+        text_hidden,
+        sum(p.numel() for p in model.parameters()),
+        out,
     )
+    return out
+
+
+def _spm_tokenizer(cache_dir: Path, specials: list[str]):  # type: ignore[no-untyped-def]
+    from transformers import LlamaTokenizer
 
     with tempfile.TemporaryDirectory() as tmp, zipfile.ZipFile(tokenizer_wheel(cache_dir)) as wheel:
         Path(tmp, "tokenizer.model").write_bytes(wheel.read(SPM_MEMBER))
         tokenizer = LlamaTokenizer.from_pretrained(tmp)
-    tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
-    image_token_id = tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
+    tokenizer.add_special_tokens({"additional_special_tokens": specials})
+    return tokenizer
 
-    image_processor = CLIPImageProcessorPil(
-        size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}
+
+def _llava(family: str, cache_dir: Path, text: dict[str, Any]):  # type: ignore[no-untyped-def]
+    from transformers import (
+        CLIPImageProcessorPil,
+        CLIPVisionConfig,
+        GenerationConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaNextConfig,
+        LlavaNextForConditionalGeneration,
+        LlavaNextImageProcessorPil,
+        LlavaNextProcessor,
+        LlavaProcessor,
     )
-    processor = LlavaProcessor(
-        image_processor=image_processor,
-        tokenizer=tokenizer,
-        patch_size=PATCH_SIZE,
-        vision_feature_select_strategy="default",
-        image_token=IMAGE_TOKEN,
-        num_additional_image_tokens=1,
-    )
+
+    tokenizer = _spm_tokenizer(cache_dir, [IMAGE_TOKEN])
+    image_token_id = tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
     vision = CLIPVisionConfig(
         hidden_size=32,
         intermediate_size=64,
@@ -84,36 +142,126 @@ def build(out: Path, *, cache_dir: Path, seed: int = 0, text_layers: int = 2, te
         patch_size=PATCH_SIZE,
         projection_dim=32,
     )
-    heads = max(4, text_hidden // 64) if text_hidden >= 512 else 4
-    text = LlamaConfig(
+    text_config = LlamaConfig(
         vocab_size=len(tokenizer),
-        hidden_size=text_hidden,
-        intermediate_size=2 * text_hidden,
-        num_hidden_layers=text_layers,
-        num_attention_heads=heads,
-        num_key_value_heads=heads // 2,
-        max_position_embeddings=1024,
+        **text,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=0,
     )
-    config = LlavaConfig(
-        vision_config=vision,
-        text_config=text,
-        image_token_index=image_token_id,
-        vision_feature_select_strategy="default",
-        vision_feature_layer=-2,
+    processor: Any
+    config: Any
+    model: Any
+    common: dict[str, Any] = {
+        "tokenizer": tokenizer,
+        "patch_size": PATCH_SIZE,
+        "vision_feature_select_strategy": "default",
+        "image_token": IMAGE_TOKEN,
+        "num_additional_image_tokens": 1,
+    }
+    if family == "llava":
+        processor = LlavaProcessor(
+            image_processor=CLIPImageProcessorPil(
+                size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}
+            ),
+            **common,
+        )
+        config = LlavaConfig(
+            vision_config=vision,
+            text_config=text_config,
+            image_token_index=image_token_id,
+            vision_feature_select_strategy="default",
+            vision_feature_layer=-2,
+        )
+        model = lambda: LlavaForConditionalGeneration(config)  # noqa: E731
+    else:
+        # anyres: a base view plus up to 2x2 tiles of 224, chosen per image.
+        pinpoints = [[224, 448], [448, 224], [448, 448], [224, 672], [672, 224]]
+        processor = LlavaNextProcessor(
+            image_processor=LlavaNextImageProcessorPil(
+                size={"shortest_edge": IMAGE_SIZE},
+                crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
+                image_grid_pinpoints=pinpoints,
+            ),
+            **common,
+        )
+        config = LlavaNextConfig(
+            vision_config=vision,
+            text_config=text_config,
+            image_token_index=image_token_id,
+            vision_feature_select_strategy="default",
+            vision_feature_layer=-2,
+            image_grid_pinpoints=pinpoints,
+        )
+        model = lambda: LlavaNextForConditionalGeneration(config)  # noqa: E731
+    # Real checkpoints often name their end token in generation_config.json
+    # only; the tiny ones do the same, to keep the services honest about it.
+    generation = GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=[tokenizer.eos_token_id])
+    return model, [processor.save_pretrained, generation.save_pretrained]
+
+
+def _qwen(family: str, cache_dir: Path, text: dict[str, Any]):  # type: ignore[no-untyped-def]
+    from transformers import (
+        GenerationConfig,
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2VLConfig,
+        Qwen2VLForConditionalGeneration,
+        Qwen2VLImageProcessorPil,
     )
-    torch.manual_seed(seed)
-    model = LlavaForConditionalGeneration(config)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    processor.save_pretrained(out)
-    log.info(
-        "wrote tiny LLaVA (%d text layers, %d wide, %d parameters) to %s",
-        text_layers,
-        text_hidden,
-        sum(p.numel() for p in model.parameters()),
-        out,
+
+    tokenizer = _spm_tokenizer(cache_dir, list(QWEN_TOKENS))
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_TOKENS}
+    tokenizer.chat_template = QWEN_CHAT_TEMPLATE
+    head_dim = text["hidden_size"] // text["num_attention_heads"]
+    # M-RoPE: the rotary half of a head split over (time, height, width).
+    quarter = head_dim // 8
+    section = [head_dim // 2 - 2 * quarter, quarter, quarter]
+    text_config = {
+        "vocab_size": len(tokenizer),
+        **text,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": section},
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+    }
+    config: Any
+    model: Any
+    vision: dict[str, Any] = {
+        "depth": 2,
+        "embed_dim": 32,
+        "hidden_size": text["hidden_size"],
+        "num_heads": 4,
+        "patch_size": 14,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+    }
+    tokens = {
+        "image_token_id": ids["<|image_pad|>"],
+        "video_token_id": ids["<|video_pad|>"],
+        "vision_start_token_id": ids["<|vision_start|>"],
+        "vision_end_token_id": ids["<|vision_end|>"],
+    }
+    if family == "qwen2-vl":
+        config = Qwen2VLConfig(text_config=text_config, vision_config=vision, **tokens)
+        model = lambda: Qwen2VLForConditionalGeneration(config)  # noqa: E731
+        processor_class = "Qwen2VLProcessor"
+    else:
+        vision.update(
+            intermediate_size=64, out_hidden_size=text["hidden_size"], window_size=56, fullatt_block_indexes=[1]
+        )
+        vision.pop("embed_dim")
+        vision["hidden_size"] = 32
+        config = Qwen2_5_VLConfig(text_config=text_config, vision_config=vision, **tokens)
+        model = lambda: Qwen2_5_VLForConditionalGeneration(config)  # noqa: E731
+        processor_class = "Qwen2_5_VLProcessor"
+    # Small images: 4 to 64 merged tokens each (56x56 .. 224x224 pixels).
+    image_processor = Qwen2VLImageProcessorPil(
+        min_pixels=56 * 56, max_pixels=224 * 224, patch_size=14, merge_size=2, temporal_patch_size=2
     )
-    return out
+    image_processor.processor_class = processor_class  # type: ignore[attr-defined]
+    generation = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=[tokenizer.eos_token_id, ids["<|im_end|>"]]
+    )
+    # The processor object itself cannot be made here (its video processor
+    # needs torchvision); a checkpoint directory holds its parts anyway.
+    return model, [tokenizer.save_pretrained, image_processor.save_pretrained, generation.save_pretrained]

@@ -28,12 +28,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mmsplit import families
 from mmsplit.errors import E, MmsplitError
+from mmsplit.families import Family
 from scheduler_svc.agreement import agree_on_failures
 from scheduler_svc.collective import Collective
 from scheduler_svc.errors import NonFinitePixels
 from scheduler_svc.kvcache import ForwardInputs, RowCache
-from scheduler_svc.plan import NewRequest, Plan, StepOutcome
+from scheduler_svc.plan import Item, NewRequest, Plan, StepOutcome
 from scheduler_svc.reader import TensorReader
 from scheduler_svc.sampler import RowSampling, Sampler, make_generator
 
@@ -50,6 +52,12 @@ class Row:
     # The token this row feeds next (set from each plan); None until sampled.
     feed: int | None = None
     sampling: RowSampling | None = field(default=None, repr=False)  # rank 0 only
+    # M-RoPE families: added to every position after the prompt.
+    rope_delta: int = 0
+
+
+# One joining request's encoder inputs: per item, forward name -> tensor.
+ItemTensors = list[dict[str, torch.Tensor]]
 
 
 class Engine:
@@ -61,9 +69,12 @@ class Engine:
         device: torch.device,
         *,
         eos_token_ids: frozenset[int],
+        family: Family | None = None,
         token_chunk: int = 256,
     ) -> None:
         self.model = model
+        # The adapter builds positions (M-RoPE); by default from the model's own config.
+        self.family = family or families.from_config(model.config.to_dict())  # type: ignore[operator,union-attr]
         self.coll = coll
         self.reader = reader
         self.device = device
@@ -108,7 +119,7 @@ class Engine:
             # The agreement above is also the barrier that proves every rank
             # has copied the step's tensors: release them, success or not.
             for req in plan.new:
-                for spec in req.pixel_values:
+                for spec in req.specs:
                     spec.release()
         failed = {plan.new[i].request_id: f for i, f in failed_idx.items()}
         joining = [(req, tensors[i]) for i, req in enumerate(plan.new) if i not in failed_idx]
@@ -118,12 +129,14 @@ class Engine:
         if self.rows:
             logits.append(self._decode())
             clock.lap("decode")
+        deltas: list[int] = []
         if joining:
-            logits.append(self._prefill(joining))
+            prefill_logits, deltas = self._prefill(joining)
+            logits.append(prefill_logits)
             clock.lap("prefill")
-        for req, _ in joining:
+        for i, (req, _) in enumerate(joining):
             self.index[req.request_id] = len(self.rows)
-            self.rows.append(Row(req, sampling=self._row_sampling(req)))
+            self.rows.append(Row(req, sampling=self._row_sampling(req), rope_delta=deltas[i] if deltas else 0))
 
         sampled: dict[str, int] = {}
         rejected: dict[str, str] = {}
@@ -170,24 +183,52 @@ class Engine:
             missing = [r.request.request_id for r in self.rows if r.feed is None]
             raise RuntimeError(f"the plan fed no token to running requests {missing}")
         ids = torch.tensor(feeds, dtype=torch.long, device=self.device)[:, None]
-        hidden = self._body(self._decode_body, ids, self.cache.begin_decode())
+        inputs = self.cache.begin_decode()
+        if self.family.uses_mrope:
+            # Every row at its own length + its prompt's rope delta (the same
+            # on all three M-RoPE axes for generated text).
+            deltas = torch.tensor([row.rope_delta for row in self.rows], dtype=torch.long, device=self.device)
+            inputs = ForwardInputs(inputs.position_ids + deltas[:, None], inputs.attention_mask)
+        hidden = self._body(self._decode_body, ids, inputs)
         return self._head(hidden[:, -1])
 
-    def _prefill(self, joining: list[tuple[NewRequest, list[torch.Tensor] | None]]) -> torch.Tensor:
+    def _prefill(self, joining: list[tuple[NewRequest, ItemTensors | None]]) -> tuple[torch.Tensor, list[int]]:
         """The joining prompts in one right-padded forward; each row's logits
-        at its last prompt token: ``[joining, vocab]``."""
+        at its last prompt token ``[joining, vocab]``, and (M-RoPE families)
+        each row's rope delta."""
         lengths = [len(req.input_ids) for req, _ in joining]
         ids = torch.full((len(joining), max(lengths)), PAD_ID, dtype=torch.long)
         for i, (req, _) in enumerate(joining):
             ids[i, : lengths[i]] = torch.tensor(req.input_ids, dtype=torch.long)
-        pixels = [t for _, tensors in joining for t in tensors or ()]
-        extra = {}
-        if pixels:
-            # The model fills placeholders in row-major order: images in plan order.
-            extra["pixel_values"] = torch.stack(pixels).to(self.device, self.dtype)
-        hidden = self._body(self._prefill_body, ids.to(self.device), self.cache.begin_prefill(lengths), **extra)
+        extra = self._media_kwargs(joining)
+        inputs = self.cache.begin_prefill(lengths)
+        deltas: list[int] = []
+        if self.family.uses_mrope:
+            positions = inputs.position_ids[None].repeat(3, 1, 1)  # padding keeps plain positions (masked)
+            for i, (req, _) in enumerate(joining):
+                if req.items:
+                    rope, delta = self.family.rope_positions(self.model, list(req.input_ids), list(req.items))
+                    positions[:, i, : lengths[i]] = rope.to(positions.device)
+                    deltas.append(delta)
+                else:
+                    deltas.append(0)
+            inputs = ForwardInputs(positions, inputs.attention_mask)
+        hidden = self._body(self._prefill_body, ids.to(self.device), inputs, **extra)
         last = torch.tensor(lengths, device=self.device) - 1
-        return self._head(hidden[torch.arange(len(joining), device=self.device), last])
+        return self._head(hidden[torch.arange(len(joining), device=self.device), last]), deltas
+
+    def _media_kwargs(self, joining: list[tuple[NewRequest, ItemTensors | None]]) -> dict[str, torch.Tensor]:
+        """Every item's tensors joined name by name with cat(dim=0), in plan
+        order (the model fills placeholders in row-major order). Encoder
+        inputs are cast to the model's dtype; side tensors keep theirs."""
+        parts: dict[str, list[torch.Tensor]] = {}
+        for req, tensors in joining:
+            for item, encoder in zip(req.items, tensors or (), strict=True):
+                for name, tensor in encoder.items():
+                    parts.setdefault(name, []).append(tensor.to(self.device, self.dtype))
+                for name, value in item.side.items():
+                    parts.setdefault(name, []).append(torch.from_numpy(value).to(self.device))
+        return {name: torch.cat(chunks) for name, chunks in parts.items()}
 
     def _body(
         self, body: torch.nn.Module, ids: torch.Tensor, inputs: ForwardInputs, **extra: torch.Tensor
@@ -209,16 +250,13 @@ class Engine:
         return logits.float()
 
     # ---- tensors ----
-    def _read_new(self, new: tuple[NewRequest, ...]) -> tuple[list[list[torch.Tensor] | None], list[int], list[str]]:
-        tensors: list[list[torch.Tensor] | None] = []
+    def _read_new(self, new: tuple[NewRequest, ...]) -> tuple[list[ItemTensors | None], list[int], list[str]]:
+        tensors: list[ItemTensors | None] = []
         codes: list[int] = []
         messages: list[str] = []
         for req in new:
             try:
-                read = [self.reader.read(req.request_id, spec) for spec in req.pixel_values]
-                for i, tensor in enumerate(read):
-                    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-                        raise NonFinitePixels(f"image {i}: the pixel tensor holds NaN or infinite values")
+                read = [self._read_item(req.request_id, i, item) for i, item in enumerate(req.items)]
             except MmsplitError as exc:
                 log.warning("rank %d could not use tensors of request %s: %s", self.coll.rank, req.request_id, exc)
                 tensors.append(None)
@@ -236,6 +274,15 @@ class Engine:
             codes.append(0)
             messages.append("")
         return tensors, codes, messages
+
+    def _read_item(self, rid: str, index: int, item: Item) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for name, spec in item.encoder:
+            tensor = self.reader.read(rid, spec)
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                raise NonFinitePixels(f"item {index}: {name} holds NaN or infinite values")
+            out[name] = tensor
+        return out
 
 
 class _Clock:

@@ -9,15 +9,20 @@ back in one `loop.call_soon_threadsafe` (the step loop's `post`).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 
+import numpy as np
+
+from mmsplit.common.v1 import common_pb2
+from mmsplit.families import IMAGE, BadItem, is_encoder_input
 from mmsplit.sampling import Sampling
 from mmsplit.scheduler.v1 import scheduler_pb2
 from mmsplit.tensors import TensorSpec
 from scheduler_svc.errors import InvalidRequest, InvalidTensorRef, MmsplitError
 from scheduler_svc.loop import Admission, Event, Failed, Finished, StepLoop, Token
 from scheduler_svc.model import ModelInfo
-from scheduler_svc.plan import NewRequest
+from scheduler_svc.plan import Item, NewRequest
 from scheduler_svc.settings import SchedulerSettings
 
 MAX_REQUEST_ID = 128
@@ -51,7 +56,7 @@ class Frontend:
         # Ownership first (DESIGN.md §3): lock every segment, then say
         # Accepted; the sender drops its own locks once it hears that.
         try:
-            for spec in request.pixel_values:
+            for spec in request.specs:
                 lock = spec.lock(self.settings.shm_prefix)
                 if lock is not None:
                     admission.locks.append(lock)
@@ -112,9 +117,99 @@ class Frontend:
         ids = tuple(pb.input_ids)
         if max(ids) >= self.info.vocab_size:
             raise InvalidRequest(f"token id {max(ids)} is outside the vocabulary of {self.info.vocab_size}")
-        if len(pb.pixel_values) > self.settings.max_images_per_request:
-            raise InvalidRequest(f"{len(pb.pixel_values)} images, at most {self.settings.max_images_per_request}")
-        specs = []
+        items = self._items(pb, ids)
+        sampling = Sampling.from_pb(
+            pb.sampling,
+            max_tokens_limit=self.settings.max_tokens_limit,
+            default_max_tokens=self.settings.default_max_tokens,
+            vocab_size=self.info.vocab_size,
+        )
+        return NewRequest(request_id=rid, input_ids=ids, items=items, sampling=sampling)
+
+    # ---- multimodal items ----
+    def _items(self, pb: scheduler_pb2.GenerateRequest, ids: tuple[int, ...]) -> tuple[Item, ...]:
+        """Every item checked against the model family's rule, and its
+        placeholder runs against `ids`, here, before any rank sees it."""
+        if pb.pixel_values and pb.items:
+            raise InvalidRequest("a request sets either items or the legacy pixel_values, not both")
+        count = len(pb.items) or len(pb.pixel_values)
+        if count > self.settings.max_images_per_request:
+            raise InvalidRequest(f"{count} media items, at most {self.settings.max_images_per_request}")
+        items = self._legacy_items(pb, ids) if pb.pixel_values else [self._item(i, it) for i, it in enumerate(pb.items)]
+        family = self.info.family
+        placeholder_ids = {p.token_id: m for m, p in family.placeholders.items()}
+        claimed = 0
+        end = 0
+        for i, (item, tokens) in enumerate(items):
+            holder = family.placeholders[item.modality].token_id
+            total = 0
+            for offset, length in item.placeholders:
+                if length < 1 or offset < end or offset + length > len(ids):
+                    raise InvalidRequest(
+                        f"item {i}: placeholder run [{offset}, {offset + length}) is empty, out of order, "
+                        f"overlapping or outside the {len(ids)} prompt tokens"
+                    )
+                if any(t != holder for t in ids[offset : offset + length]):
+                    raise InvalidRequest(
+                        f"item {i}: placeholder run [{offset}, {offset + length}) holds tokens other than {holder}"
+                    )
+                end = offset + length
+                total += length
+            if total != tokens:
+                raise InvalidRequest(f"item {i}: its placeholder runs hold {total} tokens; its tensors need {tokens}")
+            claimed += total
+        stray = sum(1 for t in ids if t in placeholder_ids)
+        if stray != claimed:
+            raise InvalidRequest(f"the prompt has {stray} placeholder tokens; its items claim {claimed}")
+        return tuple(item for item, _ in items)
+
+    def _item(self, index: int, pb: common_pb2.MultimodalItem) -> tuple[Item, int]:
+        """One item of `items`: (validated item, its placeholder count)."""
+        family = self.info.family
+        if pb.modality not in family.placeholders:
+            raise InvalidRequest(f"item {index}: modality {pb.modality} is not one this model takes")
+        if len(pb.tensors) > MAX_ITEM_TENSORS:
+            raise InvalidRequest(f"item {index}: {len(pb.tensors)} tensors, at most {MAX_ITEM_TENSORS}")
+        encoder: list[tuple[str, TensorSpec]] = []
+        side: dict[str, np.ndarray] = {}
+        for name in sorted(pb.tensors):
+            if name not in family.input_names:
+                allowed = ", ".join(sorted(family.input_names))
+                raise InvalidRequest(f"item {index}: {name!r} is not an input of this model (allowed: {allowed})")
+            spec = TensorSpec.from_pb(
+                pb.tensors[name], prefix=self.settings.shm_prefix, max_bytes=self.settings.max_tensor_bytes
+            )
+            if is_encoder_input(name):
+                if spec.dtype not in FLOAT_DTYPES:
+                    raise InvalidTensorRef(f"item {index}: {name} must be a float tensor, got dtype {spec.dtype}")
+                encoder.append((name, spec))
+            else:
+                side[name] = _side_tensor(index, name, spec)
+        shapes = {name: spec.shape for name, spec in encoder}
+        try:
+            tokens = family.count(pb.modality, shapes, side)
+            for name, value in side.items():
+                family.side_checks(pb.modality, name, value)
+        except BadItem as exc:
+            raise InvalidRequest(f"item {index}: {exc}") from exc
+        runs = tuple((int(r.offset), int(r.length)) for r in pb.placeholders)
+        item = Item(pb.modality, tuple(encoder), side, runs, bytes(pb.content_hash[:64]))
+        return item, tokens
+
+    def _legacy_items(self, pb: scheduler_pb2.GenerateRequest, ids: tuple[int, ...]) -> list[tuple[Item, int]]:
+        """`pixel_values` (one [C,H,W] tensor per image, LLaVA-1.5) as items:
+        each image's placeholders are the next `tokens_per_image` positions
+        holding the image token, which must be one run."""
+        if not self.info.image_shape:
+            raise InvalidRequest(f"this model ({self.info.family.name}) takes media as items, not pixel_values")
+        per_image = self.info.tokens_per_image
+        positions = [i for i, t in enumerate(ids) if t == self.info.image_token_id]
+        if len(positions) != len(pb.pixel_values) * per_image:
+            raise InvalidRequest(
+                f"{len(positions)} image placeholder tokens for {len(pb.pixel_values)} image(s); "
+                f"each image needs {per_image}"
+            )
+        items = []
         for i, ref in enumerate(pb.pixel_values):
             spec = TensorSpec.from_pb(ref, prefix=self.settings.shm_prefix, max_bytes=self.settings.max_tensor_bytes)
             if spec.dtype not in FLOAT_DTYPES or spec.shape != self.info.image_shape:
@@ -122,17 +217,23 @@ class Frontend:
                     f"image {i}: pixel tensor must be a float tensor of shape {list(self.info.image_shape)}, "
                     f"got dtype {spec.dtype} shape {list(spec.shape)}"
                 )
-            specs.append(spec)
-        placeholders = ids.count(self.info.image_token_id)
-        if placeholders != len(specs) * self.info.tokens_per_image:
-            raise InvalidRequest(
-                f"{placeholders} image placeholder tokens for {len(specs)} image(s); "
-                f"each image needs {self.info.tokens_per_image}"
-            )
-        sampling = Sampling.from_pb(
-            pb.sampling,
-            max_tokens_limit=self.settings.max_tokens_limit,
-            default_max_tokens=self.settings.default_max_tokens,
-            vocab_size=self.info.vocab_size,
+            mine = positions[i * per_image : (i + 1) * per_image]
+            if mine[-1] - mine[0] != per_image - 1:
+                raise InvalidRequest(f"image {i}: its {per_image} placeholder tokens are not one run")
+            spec = dataclasses.replace(spec, shape=(1, *spec.shape))
+            items.append((Item(IMAGE, (("pixel_values", spec),), {}, ((mine[0], per_image),)), per_image))
+        return items
+
+
+MAX_ITEM_TENSORS = 8
+# Side tensors are a few integers or floats; they travel inline.
+MAX_SIDE_BYTES = 1024
+SIDE_DTYPES = {1: np.float32, 5: np.int64}
+
+
+def _side_tensor(index: int, name: str, spec: TensorSpec) -> np.ndarray:
+    if spec.inline is None or spec.nbytes > MAX_SIDE_BYTES or spec.dtype not in SIDE_DTYPES:
+        raise InvalidTensorRef(
+            f"item {index}: {name} is a side tensor: inline, int64 or float32, at most {MAX_SIDE_BYTES} bytes"
         )
-        return NewRequest(request_id=rid, input_ids=ids, pixel_values=tuple(specs), sampling=sampling)
+    return np.frombuffer(spec.inline, dtype=SIDE_DTYPES[spec.dtype]).reshape(spec.shape).copy()

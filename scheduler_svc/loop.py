@@ -85,7 +85,7 @@ class Admission:
 
     def release(self) -> None:
         """Remove the request's segments and drop their locks."""
-        for spec in self.request.pixel_values:
+        for spec in self.request.specs:
             spec.release()
         self.unlock()
 

@@ -4,13 +4,17 @@ tensor parallelism when the group has more than one rank."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForImageTextToText
 from transformers.distributed import DistributedConfig
 from transformers.utils import logging as hf_logging
+
+from mmsplit import families
+from mmsplit.families.base import read_json
+from mmsplit.families.llava import Llava
 
 log = logging.getLogger(__name__)
 
@@ -22,8 +26,9 @@ class ModelInfo:
     name: str
     vocab_size: int
     image_token_id: int
-    # Expected pixel tensor shape of one image: (channels, height, width).
-    image_shape: tuple[int, int, int]
+    # The legacy `pixel_values` form (LLaVA-1.5 only; () and 0 otherwise):
+    # one image's pixel tensor (channels, height, width) and its placeholders.
+    image_shape: tuple[int, ...]
     tokens_per_image: int
     max_context: int
     eos_token_ids: frozenset[int]
@@ -31,6 +36,7 @@ class ModelInfo:
     num_layers: int
     kv_heads: int
     head_dim: int
+    family: families.Family = field(repr=False, compare=False)
 
     def kv_bytes_per_token(self, *, tp: int, itemsize: int) -> int:
         """KV-cache bytes one token takes on one rank (keys and values, every
@@ -40,28 +46,41 @@ class ModelInfo:
 
 def model_info(model_dir: Path) -> ModelInfo:
     config = AutoConfig.from_pretrained(model_dir)
-    text, vision = config.text_config, config.vision_config
-    side = int(vision.image_size)
-    patches = (side // int(vision.patch_size)) ** 2
-    # "default" drops the CLS position of the vision tower's output; "full" keeps it.
-    tokens = patches + (1 if getattr(config, "vision_feature_select_strategy", "default") == "full" else 0)
-    eos = text.eos_token_id if text.eos_token_id is not None else getattr(config, "eos_token_id", None)
-    eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
-    image_token = getattr(config, "image_token_id", None)
-    if image_token is None:
-        image_token = config.image_token_index
+    family = families.load(model_dir)
+    text = config.get_text_config()
+    legacy = family.name == "llava" and isinstance(family, Llava)
     return ModelInfo(
         name=model_dir.name,
         vocab_size=int(text.vocab_size),
-        image_token_id=int(image_token),
-        image_shape=(int(getattr(vision, "num_channels", 3)), side, side),
-        tokens_per_image=tokens,
+        image_token_id=family.placeholders[families.IMAGE].token_id,
+        image_shape=(family.channels, family.side, family.side) if legacy else (),  # type: ignore[attr-defined]
+        tokens_per_image=family.tokens_per_view() if legacy else 0,  # type: ignore[attr-defined]
         max_context=int(text.max_position_embeddings),
-        eos_token_ids=eos_ids,
+        eos_token_ids=eos_ids(model_dir, config),
         num_layers=int(text.num_hidden_layers),
         kv_heads=int(getattr(text, "num_key_value_heads", None) or text.num_attention_heads),
         head_dim=int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads),
+        family=family,
     )
+
+
+def eos_ids(model_dir: Path, config: object) -> frozenset[int]:
+    """Every end-of-sequence id the checkpoint names: config.json's (top
+    level and text config) and generation_config.json's, which is where
+    many chat checkpoints put their end-of-turn token."""
+    found: set[int] = set()
+    generation = read_json(model_dir / "generation_config.json")
+    text = config.get_text_config()  # type: ignore[attr-defined]
+    for value in (
+        getattr(text, "eos_token_id", None),
+        getattr(config, "eos_token_id", None),
+        generation.get("eos_token_id"),
+    ):
+        if isinstance(value, int):
+            found.add(value)
+        elif isinstance(value, list):
+            found.update(int(v) for v in value if isinstance(v, int))
+    return frozenset(found)
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -10,17 +10,39 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from mmsplit.sampling import Sampling
 from mmsplit.tensors import TensorSpec
+
+
+@dataclass(frozen=True)
+class Item:
+    """One multimodal item, validated at admission (its shapes, side values
+    and placeholder runs fit the model family's rule)."""
+
+    modality: int
+    # Encoder inputs, read on every rank: (forward name, reference), by name.
+    encoder: tuple[tuple[str, TensorSpec], ...]
+    # Side tensors (sizes, grids, timings): decoded once, on rank 0, and
+    # carried in the plan, so every rank uses the same values.
+    side: dict[str, np.ndarray] = field(default_factory=dict)
+    placeholders: tuple[tuple[int, int], ...] = ()
+    content_hash: bytes = b""
 
 
 @dataclass(frozen=True)
 class NewRequest:
     request_id: str
     input_ids: tuple[int, ...]
-    pixel_values: tuple[TensorSpec, ...]
+    items: tuple[Item, ...]
     # Validated at admission; only rank 0 samples, the others carry it along.
     sampling: Sampling
+
+    @property
+    def specs(self) -> list[TensorSpec]:
+        """Every tensor reference of the request that may name a segment."""
+        return [spec for item in self.items for _, spec in item.encoder]
 
 
 @dataclass(frozen=True)

@@ -54,7 +54,9 @@ def bootstrap(settings: SchedulerSettings, rendezvous: Rendezvous | None) -> Boo
     model = load_model(settings.model_dir, world_size=dist.get_world_size(), device=device, dtype=dtype)
     coll = TorchCollective(device)
     info = model_info(settings.model_dir)
-    engine = Engine(model, coll, build_reader(settings, coll.rank), device, eos_token_ids=info.eos_token_ids)
+    engine = Engine(
+        model, coll, build_reader(settings, coll.rank), device, eos_token_ids=info.eos_token_ids, family=info.family
+    )
     # Last, so it doubles as the barrier "every rank has everything it needs":
     # a rank that failed above never joins it, and rank 0 never serves.
     namespaces: list[str] = [""] * coll.world_size

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psutil
@@ -82,6 +82,23 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from mmsplit_cli.tiny_model import build
 
     return build(tmp_path_factory.mktemp("model") / "tiny-llava", cache_dir=ROOT / ".cache")
+
+
+@pytest.fixture(scope="session")
+def family_models(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Callable[[str], Path]:
+    """family name -> a tiny model of that family, built once per session on first use."""
+    from mmsplit_cli.tiny_model import build
+
+    built: dict[str, Path] = {"llava": tiny_model}
+
+    def get(family: str) -> Path:
+        if family not in built:
+            built[family] = build(
+                tmp_path_factory.mktemp("model") / f"tiny-{family}", cache_dir=ROOT / ".cache", family=family
+            )
+        return built[family]
+
+    return get
 
 
 @pytest.fixture(scope="session")

@@ -46,8 +46,9 @@ def _release_orphan(fut: concurrent.futures.Future[Any]) -> None:
         return
     result = fut.result()
     if isinstance(result, ImageResult):
-        shm.unlink(result.segment)
-        log.info("released segment %s of abandoned preprocessing task", result.segment)
+        for segment in result.segments:
+            shm.unlink(segment)
+            log.info("released segment %s of abandoned preprocessing task", segment)
 
 
 def _abandon(fut: concurrent.futures.Future[Any]) -> None:

@@ -1,14 +1,19 @@
-"""What a CPU worker runs: decode → image processor → shared memory.
+"""What a CPU worker runs: decode → image processor → the model family's
+item tensors → shared memory.
 
-Only compressed bytes come in and only metadata goes back (`ImageResult`);
-the pixel tensor is written once, straight into a new segment owned by the
-tokenizer process (its pid is in the name). Workers are started by
+Only compressed bytes come in and only metadata goes back (`ImageResult`):
+each encoder input (``pixel_values``) is written once, straight into a new
+segment owned by the tokenizer process (its pid is in the name); the small
+side tensors (``image_sizes``, ``image_grid_thw``) come back as bytes. The
+worker also applies the family's placeholder rule, so the prompt is expanded
+from exactly what the scheduler will check. Workers are started by
 forkserver with this module preloaded, so they start without re-importing
 transformers. Tasks are pure functions of their input and may be retried.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import os
 import select
@@ -26,11 +31,12 @@ import numpy as np
 import torch
 from transformers import AutoImageProcessor
 
-from mmsplit import shm
+from mmsplit import families, shm
 from tokenizer_svc.decode import decode_image
 from tokenizer_svc.errors import InternalError, MediaUnsupported, Overloaded
 
 _processor: Any = None
+_family: families.Family | None = None
 _hook: Any = None
 
 
@@ -44,13 +50,30 @@ class ImageJob:
 
 
 @dataclass(frozen=True)
-class ImageResult:
-    segment: str
-    nbytes: int
-    shape: tuple[int, ...]
+class ItemTensor:
+    """One tensor of an item: in a segment (encoder inputs) or inline (side tensors)."""
+
+    name: str
     dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    segment: str | None = None
+    inline: bytes | None = None
+
+
+@dataclass(frozen=True)
+class ImageResult:
+    tensors: tuple[ItemTensor, ...]
+    # Placeholder tokens this image fills (the family's rule).
+    tokens: int
+    # A digest of the item's tensors (decoded pixels + preprocessing).
+    content_hash: bytes
     width: int
     height: int
+
+    @property
+    def segments(self) -> list[str]:
+        return [t.segment for t in self.tensors if t.segment is not None]
 
 
 def _exit_with(owner_pid: int) -> None:
@@ -73,13 +96,14 @@ def init_worker(model_dir: str, owner_pid: int, hook_module: str = "") -> None:
     module whose `on_worker_start()` runs here and `on_decoded(image)` after
     each decode. Tests substitute it to crash, stall or fail workers."""
     threading.Thread(target=_exit_with, args=(owner_pid,), name="owner-watch", daemon=True).start()
-    global _processor, _hook
+    global _processor, _family, _hook
     if hook_module:
         _hook = importlib.import_module(hook_module)
         if hasattr(_hook, "on_worker_start"):
             _hook.on_worker_start()
     torch.set_num_threads(1)
     _processor = AutoImageProcessor.from_pretrained(Path(model_dir))
+    _family = families.load(Path(model_dir), frozenset(_processor.model_input_names))
 
 
 def warm_up() -> int:
@@ -88,7 +112,7 @@ def warm_up() -> int:
 
 
 def preprocess_image(job: ImageJob) -> ImageResult:
-    if _processor is None:
+    if _processor is None or _family is None:
         raise InternalError("worker has no image processor (initializer did not run)")
     image = decode_image(job.data, max_pixels=job.max_pixels)
     if _hook is not None and hasattr(_hook, "on_decoded"):
@@ -97,19 +121,44 @@ def preprocess_image(job: ImageJob) -> ImageResult:
     if ratio > job.max_aspect_ratio:
         raise MediaUnsupported(f"aspect ratio {image.width}x{image.height} exceeds {job.max_aspect_ratio:g}:1")
     try:
-        pixels = _processor(images=image, return_tensors="np")["pixel_values"][0]
-    except (ValueError, TypeError, OSError, IndexError) as exc:
+        outputs = _processor(images=image, return_tensors="np")
+        rows = _family.item_rows({name: np.asarray(value) for name, value in outputs.items()})
+        shapes = {n: tuple(a.shape) for n, a in rows.items() if families.is_encoder_input(n)}
+        tokens = _family.count(families.IMAGE, shapes, {n: a for n, a in rows.items() if n not in shapes})
+    except (ValueError, TypeError, OSError, IndexError, KeyError) as exc:
         raise MediaUnsupported(f"the image processor rejected this image: {type(exc).__name__}: {exc}") from exc
-    array = np.ascontiguousarray(pixels, dtype=np.float32)
+    digest = hashlib.blake2b(digest_size=16)
+    tensors: list[ItemTensor] = []
     try:
-        piece = shm.write_segment(job.shm_prefix, job.owner_pid, memoryview(array))  # type: ignore[arg-type]
+        for name in sorted(rows):
+            array = rows[name]
+            if families.is_encoder_input(name):
+                array = np.ascontiguousarray(array, dtype=np.float32)
+            digest.update(name.encode() + str(array.dtype).encode() + str(array.shape).encode())
+            digest.update(array.tobytes() if not array.flags.c_contiguous else memoryview(array).cast("B"))  # type: ignore[arg-type]
+            if families.is_encoder_input(name):
+                piece = shm.write_segment(job.shm_prefix, job.owner_pid, memoryview(array))  # type: ignore[arg-type]
+                tensors.append(
+                    ItemTensor(name, str(array.dtype), tuple(array.shape), piece.nbytes, segment=piece.segment)
+                )
+            else:
+                tensors.append(
+                    ItemTensor(name, str(array.dtype), tuple(array.shape), array.nbytes, inline=array.tobytes())
+                )
     except shm.ShmFull as exc:
+        for t in tensors:
+            if t.segment is not None:
+                shm.unlink(t.segment)
         raise Overloaded(str(exc)) from exc
+    except BaseException:
+        for t in tensors:
+            if t.segment is not None:
+                shm.unlink(t.segment)
+        raise
     return ImageResult(
-        segment=piece.segment,
-        nbytes=piece.nbytes,
-        shape=tuple(array.shape),
-        dtype=str(array.dtype),
+        tensors=tuple(tensors),
+        tokens=tokens,
+        content_hash=digest.digest(),
         width=image.width,
         height=image.height,
     )

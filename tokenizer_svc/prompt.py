@@ -1,41 +1,112 @@
-"""Prompt → token ids with image placeholders expanded."""
+"""Prompt text → token ids, with each media marker expanded exactly as the
+model's own processor expands it, and the placeholder runs of every item.
+
+Fidelity: the expanded text is tokenized in one call of the tokenizer, the
+way transformers' processors do it, so the ids equal the processor's for the
+same text and media (tested per family). The expansion rule is the family's
+(`mmsplit.families`), the same code the scheduler checks items with.
+
+Control tokens: user text may not contain the text of any special or added
+token of the tokenizer (``</s>``, ``<|im_start|>``, ...) except the media
+markers, which must then match the media sent. Such text would otherwise be
+tokenized into the control token itself; it is refused (INVALID_REQUEST)
+rather than silently altered.
+"""
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
 from typing import Any
 
-from tokenizer_svc.errors import InvalidRequest
+from mmsplit.families import Family
+from tokenizer_svc.errors import InternalError, InvalidRequest
+
+
+@dataclass(frozen=True)
+class Media:
+    modality: int
+    tokens: int  # placeholders this item fills (the family's rule)
+
+
+@dataclass(frozen=True)
+class BuiltPrompt:
+    input_ids: list[int]
+    # Per media item, in request order: its placeholder runs (offset, length).
+    runs: list[list[tuple[int, int]]]
 
 
 class PromptBuilder:
-    """Expands each image marker into the number of image tokens the model
-    expects for that image's pixel tensor (LLaVA: one per vision patch)."""
+    def __init__(self, family: Family, tokenizer: Any) -> None:
+        self.family = family
+        self.tokenizer = tokenizer
+        self.holders = family.placeholders
+        markers = {p.marker for p in self.holders.values()}
+        self._marker_re = re.compile("|".join(re.escape(m) for m in sorted(markers, key=len, reverse=True)))
+        self._by_marker = {p.marker: m for m, p in self.holders.items()}
+        specials = set(getattr(tokenizer, "all_special_tokens", []) or [])
+        specials |= {str(t) for t in (getattr(tokenizer, "added_tokens_decoder", {}) or {}).values()}
+        specials -= markers
+        for p in self.holders.values():
+            specials -= {p.before, p.after}
+        self._control = sorted((s for s in specials if s), key=len, reverse=True)
+        wrapped = {p.before + p.marker + p.after: p.marker for p in self.holders.values() if p.before or p.after}
+        self._wrapped = wrapped
+        # The vision start/end tokens are allowed only around a marker.
+        self._structural = sorted({t for p in self.holders.values() for t in (p.before, p.after) if t})
 
-    def __init__(self, processor: Any) -> None:
-        self.tokenizer = processor.tokenizer
-        self.image_token: str = processor.image_token
-        self.image_token_id: int = self.tokenizer.convert_tokens_to_ids(self.image_token)
-        self.patch_size: int = processor.patch_size
-        self.extra_tokens: int = getattr(processor, "num_additional_image_tokens", 0) or 0
-        self.drops_cls = getattr(processor, "vision_feature_select_strategy", "default") == "default"
-
-    def tokens_per_image(self, shape: tuple[int, ...]) -> int:
-        height, width = shape[-2], shape[-1]
-        return (height // self.patch_size) * (width // self.patch_size) + self.extra_tokens - int(self.drops_cls)
-
-    def build(self, prompt: str, image_shapes: list[tuple[int, ...]]) -> list[int]:
-        markers = prompt.count(self.image_token)
-        if markers == 0 and image_shapes:
-            prompt = f"{self.image_token}\n" * len(image_shapes) + prompt
-        elif markers != len(image_shapes):
+    def build(self, prompt: str, media: list[Media]) -> BuiltPrompt:
+        text = prompt
+        for whole, marker in self._wrapped.items():
+            text = text.replace(whole, marker)
+        bare = self._marker_re.sub("", text)
+        for token in (*self._control, *self._structural):
+            if token in bare:
+                raise InvalidRequest(
+                    f"the prompt contains {token!r}, a control token of this model; it cannot be sent as text"
+                )
+        found = [self._by_marker[m] for m in self._marker_re.findall(text)]
+        wanted = [m.modality for m in media]
+        if not found and media:
+            text = "".join(self.holders[m].marker + "\n" for m in wanted) + text
+            found = wanted
+        if found != wanted:
+            names = {1: "image", 2: "video", 3: "audio"}
             raise InvalidRequest(
-                f"the prompt has {markers} {self.image_token} marker(s) for {len(image_shapes)} image(s)"
+                f"the prompt's media markers ({', '.join(names.get(m, '?') for m in found) or 'none'}) do not match "
+                f"the media sent ({', '.join(names.get(m, '?') for m in wanted) or 'none'}); "
+                f"mark each with {' or '.join(sorted(self._by_marker))}, or use no markers at all"
             )
-        parts = prompt.split(self.image_token)
-        ids: list[int] = [] if self.tokenizer.bos_token_id is None else [self.tokenizer.bos_token_id]
-        for i, part in enumerate(parts):
-            if part:
-                ids.extend(self.tokenizer.encode(part, add_special_tokens=False))
-            if i < len(image_shapes):
-                ids.extend([self.image_token_id] * self.tokens_per_image(image_shapes[i]))
-        return ids
+        pieces = self._marker_re.split(text)
+        expanded = [pieces[0]]
+        for item, piece in zip(media, pieces[1:], strict=True):
+            expanded.append(self.holders[item.modality].expand(item.tokens))
+            expanded.append(piece)
+        ids: list[int] = list(self.tokenizer("".join(expanded))["input_ids"])
+        return BuiltPrompt(ids, self._runs(ids, media))
+
+    def _runs(self, ids: list[int], media: list[Media]) -> list[list[tuple[int, int]]]:
+        """Each item's placeholder positions, taken in order per modality, as runs."""
+        positions: dict[int, list[int]] = {m: [] for m in self.holders}
+        by_id = {p.token_id: m for m, p in self.holders.items()}
+        for i, token in enumerate(ids):
+            if token in by_id:
+                positions[by_id[token]].append(i)
+        taken = dict.fromkeys(positions, 0)
+        runs: list[list[tuple[int, int]]] = []
+        for item in media:
+            start = taken[item.modality]
+            mine = positions[item.modality][start : start + item.tokens]
+            taken[item.modality] = start + item.tokens
+            if len(mine) != item.tokens:
+                raise InternalError("the tokenized prompt lost placeholder tokens")
+            item_runs: list[tuple[int, int]] = []
+            for p in mine:
+                if item_runs and item_runs[-1][0] + item_runs[-1][1] == p:
+                    item_runs[-1] = (item_runs[-1][0], item_runs[-1][1] + 1)
+                else:
+                    item_runs.append((p, 1))
+            runs.append(item_runs)
+        if any(taken[m] != len(positions[m]) for m in positions):
+            raise InternalError("the tokenized prompt has more placeholder tokens than its media")
+        return runs

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from mmsplit import __version__, shm
+from mmsplit import __version__, families, shm
 from mmsplit.common.v1 import common_pb2
 from mmsplit.errors import InternalError, MmsplitError
 from mmsplit.serving import ClientSecurity, Health, ServerSecurity, health_server, new_server, read_secret
@@ -97,10 +97,13 @@ def run(settings: TokenizerSettings) -> int:
     return asyncio.run(_serve(settings, security, downstream))
 
 
-def _load_processor(settings: TokenizerSettings) -> object:
-    from transformers import AutoProcessor
+def _load_processor(settings: TokenizerSettings) -> tuple[families.Family, object]:
+    """The model's family adapter and its tokenizer. (The full processor
+    object is not needed, and for Qwen families cannot be built without
+    torchvision; the image processor lives in the CPU workers.)"""
+    from transformers import AutoTokenizer
 
-    return AutoProcessor.from_pretrained(settings.model_dir)
+    return families.load(settings.model_dir), AutoTokenizer.from_pretrained(settings.model_dir)
 
 
 async def _serve(settings: TokenizerSettings, security: ServerSecurity, downstream: ClientSecurity) -> int:
@@ -112,7 +115,7 @@ async def _serve(settings: TokenizerSettings, security: ServerSecurity, downstre
     await asyncio.to_thread(shm.sweep, settings.shm_prefix, grace_s=settings.segment_grace_s)
     health = Health(SERVICE_NAME)
     await health.start()
-    processor = await asyncio.to_thread(_load_processor, settings)
+    family, tokenizer = await asyncio.to_thread(_load_processor, settings)
     pool = CpuPool(
         str(settings.model_dir),
         settings.cpu_workers,
@@ -122,7 +125,7 @@ async def _serve(settings: TokenizerSettings, security: ServerSecurity, downstre
     await pool.start()
     media = MediaLoader(settings)
     link = SchedulerLink(settings, downstream)
-    service = TokenizerService(settings, processor, media, pool, link)
+    service = TokenizerService(settings, family, tokenizer, media, pool, link)
 
     server, port = await new_server(
         host=settings.host,

@@ -20,7 +20,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from mmsplit import shm
+from mmsplit import families, shm
 from mmsplit.common.v1 import common_pb2
 from mmsplit.sampling import Sampling
 from mmsplit.scheduler.v1 import scheduler_pb2
@@ -31,8 +31,8 @@ from tokenizer_svc.downstream import SchedulerLink
 from tokenizer_svc.errors import InternalError, InvalidRequest, Overloaded, SchedulerUnavailable, ShuttingDown
 from tokenizer_svc.media import MediaLoader
 from tokenizer_svc.pool import CpuPool
-from tokenizer_svc.preprocess import ImageJob, ImageResult
-from tokenizer_svc.prompt import PromptBuilder
+from tokenizer_svc.preprocess import ImageJob, ImageResult, ItemTensor
+from tokenizer_svc.prompt import Media, PromptBuilder
 from tokenizer_svc.settings import TokenizerSettings
 
 log = logging.getLogger(__name__)
@@ -40,11 +40,17 @@ log = logging.getLogger(__name__)
 
 class TokenizerService:
     def __init__(
-        self, settings: TokenizerSettings, processor: Any, media: MediaLoader, pool: CpuPool, link: SchedulerLink
+        self,
+        settings: TokenizerSettings,
+        family: families.Family,
+        tokenizer: Any,
+        media: MediaLoader,
+        pool: CpuPool,
+        link: SchedulerLink,
     ) -> None:
         self.settings = settings
-        self.tokenizer = processor.tokenizer
-        self.prompts = PromptBuilder(processor)
+        self.tokenizer = tokenizer
+        self.prompts = PromptBuilder(family, tokenizer)
         self.media = media
         self.pool = pool
         self.link = link
@@ -135,15 +141,16 @@ class TokenizerService:
             raise SchedulerUnavailable("the scheduler is not reachable; retry shortly")
         prepared = await self._prepare_images(request, rid)
         images = [p.image for p in prepared]
-        owned = [img.segment for img in images]
+        owned = [segment for img in images for segment in img.segments]
+        owned_at_start = list(owned)
         self.held.update(owned)
         accepted = False
         try:
-            input_ids = self.prompts.build(request.prompt, [img.shape for img in images])
+            prompt = self.prompts.build(request.prompt, [Media(families.IMAGE, img.tokens) for img in images])
             downstream = scheduler_pb2.GenerateRequest(
                 request_id=self._downstream_id(rid),
-                input_ids=input_ids,
-                pixel_values=[self._tensor_ref(img) for img in images],
+                input_ids=prompt.input_ids,
+                items=[self._item(img, runs) for img, runs in zip(images, prompt.runs, strict=True)],
                 sampling=request.sampling,
             )
             if self.link.transport != common_pb2.TRANSPORT_SHM:
@@ -160,7 +167,7 @@ class TokenizerService:
                     else:
                         yield response
         finally:
-            self.held.difference_update(img.segment for img in images)
+            self.held.difference_update(owned_at_start)
             if not accepted:
                 self._release(owned)
             _unlock(prepared)
@@ -232,7 +239,7 @@ class TokenizerService:
                 task.cancel()
             await _settle(tasks)
             done = [t.result() for t in tasks if not t.cancelled() and t.exception() is None]
-            self._release([p.image.segment for p in done])
+            self._release([segment for p in done for segment in p.image.segments])
             _unlock(done)
             raise
 
@@ -246,25 +253,40 @@ class TokenizerService:
             owner_pid=self._pid,
         )
         result = await self.pool.preprocess(job, timeout_s=self.settings.preprocess_timeout_s, request_id=rid)
+        locks: list[shm.Lock] = []
         try:
-            # This process owns the segment from here until the scheduler accepts it.
-            return Prepared(result, shm.Lock(result.segment, self.settings.shm_prefix))
+            # This process owns the segments from here until the scheduler accepts them.
+            for segment in result.segments:
+                locks.append(shm.Lock(segment, self.settings.shm_prefix))
+            return Prepared(result, locks)
         except shm.SegmentError as exc:
-            self._release([result.segment])
+            for lock in locks:
+                lock.release()
+            self._release(result.segments)
             raise InternalError("a preprocessed image could not be held for hand-over") from exc
 
-    def _tensor_ref(self, img: ImageResult) -> common_pb2.TensorRef:
-        dtype = NUMPY_TO_DTYPE[img.dtype]
+    def _item(self, img: ImageResult, runs: list[tuple[int, int]]) -> common_pb2.MultimodalItem:
+        return common_pb2.MultimodalItem(
+            modality=common_pb2.MODALITY_IMAGE,
+            tensors={t.name: self._tensor_ref(t) for t in img.tensors},
+            placeholders=[common_pb2.PlaceholderRange(offset=o, length=n) for o, n in runs],
+            content_hash=img.content_hash,
+        )
+
+    def _tensor_ref(self, t: ItemTensor) -> common_pb2.TensorRef:
+        dtype = NUMPY_TO_DTYPE[t.dtype]
+        if t.segment is None:
+            return TensorSpec(dtype, t.shape, inline=t.inline).to_pb()
         if self.link.transport == common_pb2.TRANSPORT_SHM:
-            return TensorSpec(dtype, img.shape, shm=shm.Slice(img.segment, 0, img.nbytes)).to_pb()
-        buf = bytearray(img.nbytes)
+            return TensorSpec(dtype, t.shape, shm=shm.Slice(t.segment, 0, t.nbytes)).to_pb()
+        buf = bytearray(t.nbytes)
         shm.read_into(
-            shm.Slice(img.segment, 0, img.nbytes),
+            shm.Slice(t.segment, 0, t.nbytes),
             self.settings.shm_prefix,
             memoryview(buf),
-            max_segment_bytes=img.nbytes,
+            max_segment_bytes=t.nbytes,
         )
-        return TensorSpec(dtype, img.shape, inline=bytes(buf)).to_pb()
+        return TensorSpec(dtype, t.shape, inline=bytes(buf)).to_pb()
 
     @staticmethod
     def _release(segments: list[str]) -> None:
@@ -274,15 +296,16 @@ class TokenizerService:
 
 @dataclass
 class Prepared:
-    """A preprocessed image and this process's lock on its segment."""
+    """A preprocessed image and this process's locks on its segments."""
 
     image: ImageResult
-    lock: shm.Lock
+    locks: list[shm.Lock]
 
 
 def _unlock(prepared: list[Prepared]) -> None:
     for p in prepared:
-        p.lock.release()
+        for lock in p.locks:
+            lock.release()
 
 
 def _finished(rid: str, reason: int, prompt_tokens: int, completion_tokens: int) -> tokenizer_pb2.GenerateResponse:

@@ -35,15 +35,13 @@ def reference_greedy(model_dir: Path, prompt: str, images: list[bytes], max_toke
     no tensor parallelism, no services: the tokens the services must match."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
+    from tests.support import hf_family
     from tokenizer_svc.decode import decode_image
-    from tokenizer_svc.prompt import PromptBuilder
 
     processor = AutoProcessor.from_pretrained(model_dir)
-    pixels = [
-        processor.image_processor(images=decode_image(b, max_pixels=10**8), return_tensors="pt")["pixel_values"][0]
-        for b in images
-    ]
-    ids = PromptBuilder(processor).build(prompt, [tuple(p.shape) for p in pixels])
+    inputs = hf_family.inputs(processor, prompt, [decode_image(b, max_pixels=10**8) for b in images])
+    ids = inputs["input_ids"][0].tolist()
+    pixels = list(inputs["pixel_values"]) if images else []
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
     eos = model.config.text_config.eos_token_id
     out: list[int] = []

@@ -72,21 +72,17 @@ def check(name: str):  # type: ignore[no-untyped-def]
 def hf_greedy(model_dir: Path, asks: list[tuple[str, list[bytes], int]], dtype: torch.dtype) -> list[list[int]]:
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
+    from tests.support import hf_family
     from tokenizer_svc.decode import decode_image
-    from tokenizer_svc.prompt import PromptBuilder
 
     processor = AutoProcessor.from_pretrained(model_dir)
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=dtype).to(DEVICE).eval()
-    builder = PromptBuilder(processor)
     out = []
     with torch.inference_mode():
         for prompt, images, max_tokens in asks:
-            pixels = [
-                processor.image_processor(images=decode_image(b, max_pixels=10**8), return_tensors="pt")["pixel_values"]
-                for b in images
-            ]
-            ids = torch.tensor([builder.build(prompt, [tuple(p.shape[1:]) for p in pixels])], device=DEVICE)
-            extra = {"pixel_values": torch.cat(pixels).to(DEVICE, dtype)} if pixels else {}
+            made = hf_family.inputs(processor, prompt, [decode_image(b, max_pixels=10**8) for b in images])
+            ids = made["input_ids"].to(DEVICE)
+            extra = {"pixel_values": made["pixel_values"].to(DEVICE, dtype)} if images else {}
             made = model.generate(
                 input_ids=ids,
                 attention_mask=torch.ones_like(ids),

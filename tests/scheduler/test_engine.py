@@ -34,10 +34,8 @@ def reference(model: torch.nn.Module, req: NewRequest) -> list[int]:
     """Greedy by full recomputation, stopping at EOS like the scheduler."""
     eos = model.config.text_config.eos_token_id
     seq = list(req.input_ids)
-    images = [
-        torch.frombuffer(bytearray(s.inline or b""), dtype=torch.float32).reshape(s.shape) for s in req.pixel_values
-    ]
-    extra = {"pixel_values": torch.stack(images)} if images else {}
+    images = [torch.frombuffer(bytearray(s.inline or b""), dtype=torch.float32).reshape(s.shape) for s in req.specs]
+    extra = {"pixel_values": torch.cat(images)} if images else {}
     out: list[int] = []
     with torch.inference_mode():
         while len(out) < req.sampling.max_tokens:

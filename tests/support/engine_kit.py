@@ -11,9 +11,11 @@ import torch
 from mmsplit.common.v1 import common_pb2
 from mmsplit.sampling import Sampling
 from mmsplit.tensors import TensorSpec
-from scheduler_svc.plan import NewRequest
+from scheduler_svc.plan import Item, NewRequest
 
-IMAGE_SHAPE = (3, 224, 224)
+IMAGE_SHAPE = (1, 3, 224, 224)
+# The tiny LLaVA's image token (the first token added to the tokenizer).
+IMAGE_TOKEN_ID = 32000
 
 
 class SoloGroup:
@@ -48,5 +50,14 @@ def pixels(seed: int, *, fill: float | None = None) -> TensorSpec:
 
 
 def request(rid: str, ids: list[int], images: list[TensorSpec] | None = None, **sampling: Any) -> NewRequest:
+    """A tiny-LLaVA request: each image fills the next equal share of the
+    image tokens in `ids` (one run each)."""
     params = Sampling(**{"max_tokens": 16, **sampling})
-    return NewRequest(rid, tuple(ids), tuple(images or ()), params)
+    images = images or []
+    positions = [i for i, t in enumerate(ids) if t == IMAGE_TOKEN_ID]
+    share = len(positions) // len(images) if images else 0
+    items = tuple(
+        Item(common_pb2.MODALITY_IMAGE, (("pixel_values", spec),), {}, ((positions[k * share], share),))
+        for k, spec in enumerate(images)
+    )
+    return NewRequest(rid, tuple(ids), items, params)

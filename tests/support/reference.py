@@ -29,20 +29,17 @@ def _load(model_dir: Path) -> tuple[Any, Any]:
 
 
 def greedy(model_dir: Path, asks: list[Ask]) -> list[list[int]]:
+    from tests.support import hf_family
     from tokenizer_svc.decode import decode_image
-    from tokenizer_svc.prompt import PromptBuilder
 
     processor, model = _load(model_dir)
-    builder = PromptBuilder(processor)
     out = []
     with torch.inference_mode():
         for ask in asks:
-            pixels = [
-                processor.image_processor(images=decode_image(b, max_pixels=10**8), return_tensors="pt")["pixel_values"]
-                for b in ask.images
-            ]
-            ids = torch.tensor([builder.build(ask.prompt, [tuple(p.shape[1:]) for p in pixels])])
-            extra = {"pixel_values": torch.cat(pixels)} if pixels else {}
+            images = [decode_image(b, max_pixels=10**8) for b in ask.images]
+            extra = hf_family.inputs(processor, ask.prompt, images)
+            ids = extra.pop("input_ids")
+            extra.pop("attention_mask")
             made = model.generate(
                 input_ids=ids,
                 attention_mask=torch.ones_like(ids),

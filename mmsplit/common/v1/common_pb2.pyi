@@ -44,6 +44,13 @@ class Transport(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TRANSPORT_CUDA_IPC: _ClassVar[Transport]
     TRANSPORT_INLINE: _ClassVar[Transport]
 
+class Modality(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MODALITY_UNSPECIFIED: _ClassVar[Modality]
+    MODALITY_IMAGE: _ClassVar[Modality]
+    MODALITY_VIDEO: _ClassVar[Modality]
+    MODALITY_AUDIO: _ClassVar[Modality]
+
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
@@ -77,6 +84,10 @@ TRANSPORT_UNSPECIFIED: Transport
 TRANSPORT_SHM: Transport
 TRANSPORT_CUDA_IPC: Transport
 TRANSPORT_INLINE: Transport
+MODALITY_UNSPECIFIED: Modality
+MODALITY_IMAGE: Modality
+MODALITY_VIDEO: Modality
+MODALITY_AUDIO: Modality
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_STOP: FinishReason
@@ -116,6 +127,33 @@ class TensorRef(_message.Message):
     cuda_ipc: CudaIpcHandle
     inline: bytes
     def __init__(self, dtype: _Optional[_Union[Dtype, str]] = ..., shape: _Optional[_Iterable[int]] = ..., shm: _Optional[_Union[ShmSlice, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ..., inline: _Optional[bytes] = ...) -> None: ...
+
+class PlaceholderRange(_message.Message):
+    __slots__ = ("offset", "length")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    length: int
+    def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+
+class MultimodalItem(_message.Message):
+    __slots__ = ("modality", "tensors", "placeholders", "content_hash")
+    class TensorsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: TensorRef
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[TensorRef, _Mapping]] = ...) -> None: ...
+    MODALITY_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    PLACEHOLDERS_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    modality: Modality
+    tensors: _containers.MessageMap[str, TensorRef]
+    placeholders: _containers.RepeatedCompositeFieldContainer[PlaceholderRange]
+    content_hash: bytes
+    def __init__(self, modality: _Optional[_Union[Modality, str]] = ..., tensors: _Optional[_Mapping[str, TensorRef]] = ..., placeholders: _Optional[_Iterable[_Union[PlaceholderRange, _Mapping]]] = ..., content_hash: _Optional[bytes] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("max_tokens", "temperature", "seed", "top_p", "top_k", "min_tokens", "stop_token_ids", "stop")

@@ -1,0 +1,124 @@
+"""What every model family adapter provides (DESIGN.md §2, §6).
+
+A family is one small module that knows, for one kind of checkpoint, how
+processor outputs become multimodal items and how items become forward
+arguments. Both services build the same `Family` from the same model
+directory, so the rule that gives an item's placeholder count is one piece of
+code: the tokenizer uses it to expand the prompt, the scheduler to check what
+it is sent.
+
+Conventions shared by every family:
+- an item's tensors hold its rows along dim 0; the scheduler joins the items
+  of a forward name by name with ``cat(dim=0)`` in prompt order;
+- encoder inputs are the tensors named ``pixel_values*`` (float, cast to the
+  model's dtype); every other tensor is a side tensor (sizes, grids,
+  timings), small, kept in its wire dtype, and travels inline;
+- `count` validates an item's shapes and side values and returns the number
+  of placeholder tokens it fills; any inconsistency is a `BadItem`, raised
+  before anything reaches a model forward.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mmsplit.common.v1 import common_pb2
+
+IMAGE: int = common_pb2.MODALITY_IMAGE
+VIDEO: int = common_pb2.MODALITY_VIDEO
+# Side tensors are metadata: a few integers per item.
+MAX_SIDE_ELEMENTS = 64
+
+
+class BadItem(ValueError):
+    """An item that does not fit the model (the sender's fault)."""
+
+
+def is_encoder_input(name: str) -> bool:
+    return name.startswith("pixel_values")
+
+
+@dataclass(frozen=True)
+class Placeholders:
+    """The text one media marker becomes, and the token that fills a run."""
+
+    marker: str  # what a prompt says where the media goes
+    token: str  # the token repeated once per placeholder position
+    token_id: int
+    # Text around the run when the marker is expanded (Qwen: vision start/end).
+    before: str = ""
+    after: str = ""
+
+    def expand(self, count: int) -> str:
+        return self.before + self.token * count + self.after
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    model_type: str
+    # Modality -> how its placeholders look.
+    placeholders: dict[int, Placeholders]
+    # Forward names an item may carry (the processor's model_input_names).
+    input_names: frozenset[str]
+    config: dict[str, Any] = field(repr=False, default_factory=dict)
+    processor_config: dict[str, Any] = field(repr=False, default_factory=dict)
+
+    # ---- both sides ----
+    def count(self, modality: int, shapes: dict[str, tuple[int, ...]], side: dict[str, np.ndarray]) -> int:
+        """Check one item's tensor shapes and side values; return the number
+        of placeholder tokens it fills. Raise BadItem."""
+        raise NotImplementedError
+
+    # ---- tokenizer side ----
+    def item_rows(self, outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The image processor's outputs for ONE image as that item's tensors
+        (rows along dim 0), keeping only the forward names."""
+        return {name: np.ascontiguousarray(outputs[name]) for name in self.input_names if name in outputs}
+
+    # ---- scheduler side ----
+    @property
+    def uses_mrope(self) -> bool:
+        return False
+
+    def rope_positions(self, model: Any, input_ids: list[int], items: list[Any]) -> tuple[Any, int]:
+        """M-RoPE families: ``([3, len(input_ids)] positions, rope delta)``
+        of one prompt; the delta is added to every later position."""
+        raise NotImplementedError
+
+    def side_checks(self, modality: int, name: str, value: np.ndarray) -> None:
+        if value.size > MAX_SIDE_ELEMENTS:
+            raise BadItem(f"{name} has {value.size} elements; a side tensor has at most {MAX_SIDE_ELEMENTS}")
+
+    def modality_of_token(self) -> dict[int, int]:
+        return {p.token_id: m for m, p in self.placeholders.items()}
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    data = json.loads(path.read_text())
+    return data if isinstance(data, dict) else {}
+
+
+def need(shapes: dict[str, tuple[int, ...]], name: str, ndim: int) -> tuple[int, ...]:
+    shape = shapes.get(name)
+    if shape is None:
+        raise BadItem(f"the item has no {name}")
+    if len(shape) != ndim:
+        raise BadItem(f"{name} must have {ndim} dimensions, got shape {list(shape)}")
+    return shape
+
+
+def ints(side: dict[str, np.ndarray], name: str, shape: tuple[int, ...]) -> np.ndarray:
+    value = side.get(name)
+    if value is None:
+        raise BadItem(f"the item has no {name}")
+    if value.dtype.kind not in "iu" or tuple(value.shape) != shape:
+        raise BadItem(f"{name} must be integers of shape {list(shape)}, got {value.dtype} {list(value.shape)}")
+    return value.astype(np.int64)

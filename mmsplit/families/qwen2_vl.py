@@ -1,0 +1,129 @@
+"""Qwen2-VL and Qwen2.5-VL: flattened patches plus a (t, h, w) grid per item,
+and M-RoPE positions.
+
+Item tensors: images ``pixel_values [t*h*w, C*T*P*P]`` and
+``image_grid_thw [1, 3]``; videos ``pixel_values_videos`` and
+``video_grid_thw`` the same way, and (2.5) ``second_per_grid_ts [1]``. An
+item fills ``t*h*w / merge²`` placeholders between vision start and end.
+
+Positions: each prompt's 3-D positions and its rope delta come from the
+model's own `get_rope_index` over that prompt alone; decode passes
+``position = length + delta`` for every row explicitly. The model's
+``rope_deltas`` attribute (one value kept on the module, reused by later
+calls without positions) is never relied on: with requests interleaved in
+one batch it belongs to whichever prompt ran last.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from mmsplit.families.base import IMAGE, VIDEO, BadItem, Family, Placeholders, ints, need
+
+MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+GRID_NAMES: dict[int, tuple[str, str]] = {
+    IMAGE: ("pixel_values", "image_grid_thw"),
+    VIDEO: ("pixel_values_videos", "video_grid_thw"),
+}
+# Placeholders of one item at most (a 4K image at Qwen's patch sizes is ~11k).
+MAX_ITEM_TOKENS = 1 << 15
+
+
+class QwenVL(Family):
+    @property
+    def vision(self) -> dict[str, Any]:
+        return dict(self.config.get("vision_config") or {})
+
+    @property
+    def merge(self) -> int:
+        return int(self.vision.get("spatial_merge_size", 2))
+
+    def row_width(self) -> int:
+        v = self.vision
+        return (
+            int(v.get("in_channels", v.get("in_chans", 3)))
+            * int(v.get("temporal_patch_size", 2))
+            * int(v.get("patch_size", 14)) ** 2
+        )
+
+    def count(self, modality: int, shapes: dict[str, tuple[int, ...]], side: dict[str, np.ndarray]) -> int:
+        if modality not in GRID_NAMES or modality not in self.placeholders:
+            raise BadItem(f"{self.name} takes images and videos only")
+        pixels_name, grid_name = GRID_NAMES[modality]
+        t, h, w = (int(v) for v in ints(side, grid_name, (1, 3))[0])
+        if min(t, h, w) < 1 or h % self.merge or w % self.merge:
+            raise BadItem(f"{grid_name} {[t, h, w]} must be positive with h and w multiples of {self.merge}")
+        if modality == IMAGE and t != 1:
+            raise BadItem(f"{grid_name} of an image must have t = 1, got {t}")
+        tokens = t * h * w // self.merge**2
+        if tokens > MAX_ITEM_TOKENS:
+            raise BadItem(f"{grid_name} {[t, h, w]} gives {tokens} placeholders, at most {MAX_ITEM_TOKENS}")
+        shape = need(shapes, pixels_name, 2)
+        if shape != (t * h * w, self.row_width()):
+            raise BadItem(
+                f"{pixels_name} must have shape {[t * h * w, self.row_width()]} for {grid_name} {[t, h, w]}, "
+                f"got {list(shape)}"
+            )
+        if "second_per_grid_ts" in side:
+            seconds = side["second_per_grid_ts"]
+            if modality != VIDEO or seconds.shape != (1,) or seconds.dtype.kind != "f":
+                raise BadItem("second_per_grid_ts must be one float of a video item")
+            if not np.isfinite(seconds).all() or not 0 < float(seconds[0]) <= 3600:
+                raise BadItem("second_per_grid_ts must be within (0, 3600]")
+        return tokens
+
+    @property
+    def uses_mrope(self) -> bool:
+        return True
+
+    def rope_positions(self, model: Any, input_ids: list[int], items: list[Any]) -> tuple[Any, int]:
+        import torch
+
+        ids = torch.tensor([input_ids], dtype=torch.long)
+        types = torch.zeros_like(ids, dtype=torch.int32)
+        grids: dict[int, list[np.ndarray]] = {IMAGE: [], VIDEO: []}
+        seconds: list[float] = []
+        for item in items:
+            for start, length in item.placeholders:
+                types[0, start : start + length] = 1 if item.modality == IMAGE else 2
+            grids[item.modality].append(item.side[GRID_NAMES[item.modality][1]])
+            if item.modality == VIDEO:
+                seconds.append(float(item.side["second_per_grid_ts"][0]) if "second_per_grid_ts" in item.side else 1.0)
+        kwargs: dict[str, Any] = {}
+        for modality, name in ((IMAGE, "image_grid_thw"), (VIDEO, "video_grid_thw")):
+            if grids[modality]:
+                kwargs[name] = torch.from_numpy(np.concatenate(grids[modality]))
+        if seconds and self.model_type == "qwen2_5_vl":
+            kwargs["second_per_grid_ts"] = torch.tensor(seconds)
+        positions, delta = model.model.get_rope_index(ids, types, **kwargs)
+        return positions[:, 0], int(delta.reshape(-1)[0])
+
+
+def build(model_type: str, config: dict[str, Any], processor_config: dict[str, Any], names: frozenset[str]) -> Family:
+    start, end = "<|vision_start|>", "<|vision_end|>"
+    holders: dict[int, Placeholders] = {
+        IMAGE: Placeholders(
+            marker="<|image_pad|>",
+            token="<|image_pad|>",
+            token_id=int(config.get("image_token_id", 151655)),
+            before=start,
+            after=end,
+        ),
+        VIDEO: Placeholders(
+            marker="<|video_pad|>",
+            token="<|video_pad|>",
+            token_id=int(config.get("video_token_id", 151656)),
+            before=start,
+            after=end,
+        ),
+    }
+    return QwenVL(
+        name="qwen2-vl" if model_type == "qwen2_vl" else "qwen2.5-vl",
+        model_type=model_type,
+        placeholders=holders,
+        input_names=names,
+        config=config,
+        processor_config=processor_config,
+    )
