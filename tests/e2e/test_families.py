@@ -1,0 +1,166 @@
+"""Every model family through real servers at TP=2: greedy tokens equal
+single-process `generate` with the model's own processor, with several
+requests of the family decoded in the same batch (which catches a rope delta
+shared between requests); and malformed items sent straight to the
+scheduler are refused one by one while the group keeps serving."""
+
+from __future__ import annotations
+
+import io
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from mmsplit.common.v1 import common_pb2
+from mmsplit.errors import RemoteError
+from mmsplit.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
+from mmsplit.tokenizer.v1 import tokenizer_pb2_grpc
+from mmsplit_cli.client import make_request, run_request
+from tests.conftest import SCHEDULER_SERVICE, TOKENIZER_SERVICE, Services
+from tests.e2e.helpers import health_status, rank_active_requests
+from tests.support import family_kit, hf_family
+from tests.support.leaks import wait_until
+from tests.support.services import Pair, running_pair
+
+pytestmark = pytest.mark.e2e
+MAX_TOKENS = 8
+
+
+def png(height: int, width: int, seed: int) -> bytes:
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 255, (height, width, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module", params=["llava", "llava-next", "qwen2-vl", "qwen2.5-vl"])
+def family_pair(
+    request: pytest.FixtureRequest,
+    family_models: Callable[[str], Path],
+    services: Services,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[str, Pair]]:
+    """Each family's pair at TP=2 (LLaVA-1.5 is the session's shared pair)."""
+    family = request.param
+    if family == "llava":
+        yield family, services
+        return
+    logs = tmp_path_factory.mktemp(f"logs-{family}")
+    with running_pair(family_models(family), logs, scheduler_extra=["--batch-window-s", "0.2"]) as pair:
+        yield family, pair
+        codes = {"tokenizer": pair.tokenizer.stop(), "scheduler": pair.scheduler.stop()}
+    assert codes == {"tokenizer": 0, "scheduler": 0}, f"services exited with {codes}"
+
+
+def test_greedy_tokens_equal_the_model_in_one_batch(family_pair: tuple[str, Pair]) -> None:
+    from tokenizer_svc.decode import decode_image
+
+    family, pair = family_pair
+    marker = family_kit.MARKERS[family]
+    wide, tall, square = png(120, 200, 1), png(300, 90, 2), png(224, 224, 3)
+    asks = [
+        (f"USER: {marker}\nWhat is in the image? ASSISTANT:", [wide]),
+        (f"{marker} versus {marker}: which is taller?", [tall, square]),
+        ("Tell me a story about a lighthouse.", []),
+        (f"Look: {marker}", [square]),
+        (f"{marker} once more", [tall]),
+    ]
+    # All at once, so they share steps: joins and decodes of different
+    # requests (and different rope deltas) in the same batches.
+    barrier = threading.Barrier(len(asks))
+    with grpc.insecure_channel(pair.tokenizer_address) as channel:
+        stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
+
+        def send(ask: tuple[str, list[bytes]]):  # type: ignore[no-untyped-def]
+            barrier.wait()
+            return run_request(stub, make_request(ask[0], ask[1], max_tokens=MAX_TOKENS), timeout=120)
+
+        with ThreadPoolExecutor(len(asks)) as pool:
+            outs = list(pool.map(send, asks))
+    proc = hf_family.processor(pair.model)
+    for (text, images), out in zip(asks, outs, strict=True):
+        assert out.ok, (family, text, out)
+        decoded = [decode_image(b, max_pixels=10**8) for b in images]
+        expected = hf_family.generate(
+            pair.model, proc, hf_family.with_markers(proc, text, len(images)), decoded, MAX_TOKENS
+        )
+        assert out.token_ids == expected, (family, text)
+    assert wait_until(lambda: rank_active_requests(pair.scheduler_address) == [0, 0], timeout=10)
+
+
+def _outcome(stub: scheduler_pb2_grpc.SchedulerServiceStub, message: scheduler_pb2.GenerateRequest) -> str:
+    try:
+        events = list(stub.Generate(message, timeout=60))
+    except grpc.RpcError as exc:
+        return RemoteError.from_rpc_error(exc).reason
+    assert events[-1].HasField("finished")
+    return "ok"
+
+
+def _malformed(kit: family_kit.Kit, good: scheduler_pb2.GenerateRequest) -> dict[str, scheduler_pb2.GenerateRequest]:
+    """Named corruptions of a valid two-image request."""
+    cases: dict[str, scheduler_pb2.GenerateRequest] = {}
+
+    def variant(name: str) -> scheduler_pb2.GenerateRequest:
+        message = scheduler_pb2.GenerateRequest()
+        message.CopyFrom(good)
+        message.request_id = f"bad-{name}"
+        cases[name] = message
+        return message
+
+    m = variant("unknown tensor name")
+    m.items[0].tensors["labels"].CopyFrom(family_kit.inline(np.zeros((1, 2), dtype=np.int64)))
+    m = variant("run out of range")
+    m.items[1].placeholders[0].offset = len(good.input_ids) - 1
+    m = variant("runs overlap")
+    m.items[1].placeholders[0].offset = m.items[0].placeholders[0].offset + 1
+    m = variant("run of wrong length")
+    m.items[0].placeholders[0].length -= 1
+    m = variant("run not on placeholders")
+    m.items[0].placeholders[0].offset -= 1
+    m = variant("both pixel_values and items")
+    m.pixel_values.append(family_kit.inline(np.zeros((3, 8, 8), dtype=np.float32)))
+    m = variant("side tensor by shared memory")
+    name = next(n for n in m.items[0].tensors if not n.startswith("pixel_values")) if kit.family.name != "llava" else ""
+    if name:
+        ref = m.items[0].tensors[name]
+        ref.shm.CopyFrom(common_pb2.ShmSlice(segment="mmsplit-1-abc", offset=0, nbytes=len(ref.inline)))
+    else:
+        del cases["side tensor by shared memory"]
+    if kit.family.name.startswith("qwen"):
+        # The grid disagrees with the patch rows sent.
+        m = variant("grid disagrees with rows")
+        grid = np.frombuffer(m.items[0].tensors["image_grid_thw"].inline, dtype=np.int64).reshape(1, 3).copy()
+        grid[0, 1] += 2
+        m.items[0].tensors["image_grid_thw"].CopyFrom(family_kit.inline(grid))
+        m = variant("odd grid")
+        grid[0, 1] -= 3
+        m.items[0].tensors["image_grid_thw"].CopyFrom(family_kit.inline(grid))
+    if kit.family.name == "llava-next":
+        m = variant("image_sizes disagree with views")
+        m.items[0].tensors["image_sizes"].CopyFrom(family_kit.inline(np.array([[224, 224]], dtype=np.int64)))
+    return cases
+
+
+def test_malformed_items_are_refused_and_the_group_keeps_serving(family_pair: tuple[str, Pair]) -> None:
+    from PIL import Image
+
+    _, pair = family_pair
+    kit = family_kit.kit(pair.model)
+    images = [Image.open(io.BytesIO(png(120, 200, 4))), Image.open(io.BytesIO(png(90, 300, 5)))]
+    good = kit.message("good", f"Here: {kit.marker} and {kit.marker}", images, max_tokens=2)
+    with grpc.insecure_channel(pair.scheduler_address) as channel:
+        stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
+        outcomes = {name: _outcome(stub, m) for name, m in _malformed(kit, good).items()}
+        assert outcomes == dict.fromkeys(outcomes, "INVALID_REQUEST"), outcomes
+        assert _outcome(stub, good) == "ok"
+    assert health_status(pair.scheduler_address, SCHEDULER_SERVICE) == "SERVING"
+    assert health_status(pair.tokenizer_address, TOKENIZER_SERVICE) == "SERVING"
+    assert wait_until(lambda: rank_active_requests(pair.scheduler_address) == [0, 0], timeout=10)
