@@ -143,16 +143,20 @@ class EngineArms:
         from mmsplit.sampling import Sampling
         from mmsplit.tensors import TensorSpec
         from scheduler_svc.engine import Engine
-        from scheduler_svc.plan import NewRequest
+        from scheduler_svc.plan import Item, NewRequest
 
         torch = hf.torch
         self.engine = Engine(hf.model, SoloGroup(), InlineReader(), torch.device(hf.device), eos_token_ids=frozenset())
         self.requests = []
         for i, (ids, pixel) in enumerate(zip(hf.ids, hf.pixels, strict=True)):
             data = pixel[0].float().cpu().numpy().tobytes()
-            spec = TensorSpec(common_pb2.DTYPE_FLOAT32, tuple(pixel.shape[1:]), inline=data)
+            spec = TensorSpec(common_pb2.DTYPE_FLOAT32, tuple(pixel.shape), inline=data)
             sampling = Sampling(max_tokens=tokens, min_tokens=tokens)
-            self.requests.append(NewRequest(f"e{i}", tuple(ids), (spec,), sampling))
+            image_token = int(hf.model.config.image_token_id)
+            start = ids.index(image_token)
+            run = ((start, ids.count(image_token)),)
+            item = Item(common_pb2.MODALITY_IMAGE, (("pixel_values", spec),), {}, run)
+            self.requests.append(NewRequest(f"e{i}", tuple(ids), (item,), sampling))
         self.tokens = tokens
         self.total = len(self.requests) * tokens
         self.step = 0

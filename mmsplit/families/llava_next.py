@@ -42,6 +42,8 @@ class LlavaNext(Llava):
 
     def views(self, height: int, width: int) -> tuple[int, int, int]:
         """(views, grid rows, grid columns) of an image of this size."""
+        if not self.pinpoints:
+            raise BadItem("the model's config has no image_grid_pinpoints")
         best_h, best_w = best_resolution((height, width), self.pinpoints)
         rows, cols = best_h // self.side, best_w // self.side
         return 1 + rows * cols, rows, cols
