@@ -162,7 +162,11 @@ def test_segments_of_requests_queued_at_a_killed_scheduler_go_in_one_janitor_pas
         def one(i: int) -> Outcome:
             out = Outcome(request_id=f"q{i}")
             with grpc.insecure_channel(tok.address) as channel:  # type: ignore[union-attr]
-                request = make_request("Go on.", [samples.good_png(seed=i)], max_tokens=2000, request_id=out.request_id)
+                # min_tokens: no end token may finish the running request early
+                # (that would admit a queued one and release its segment).
+                request = make_request(
+                    "Go on.", [samples.good_png(seed=i)], max_tokens=2000, min_tokens=2000, request_id=out.request_id
+                )
                 try:
                     for event in tokenizer_pb2_grpc.TokenizerServiceStub(channel).Generate(request, timeout=120):
                         if event.HasField("delta"):
