@@ -161,6 +161,10 @@ class Frontend:
         stray = sum(1 for t in ids if t in placeholder_ids)
         if stray != claimed:
             raise InvalidRequest(f"the prompt has {stray} placeholder tokens; its items claim {claimed}")
+        try:
+            family.check_runs([item.placeholders for item, _ in items])
+        except BadItem as exc:
+            raise InvalidRequest(str(exc)) from exc
         return tuple(item for item, _ in items)
 
     def _item(self, index: int, pb: common_pb2.MultimodalItem) -> tuple[Item, int]:
@@ -188,9 +192,7 @@ class Frontend:
         shapes = {name: spec.shape for name, spec in encoder}
         try:
             tokens = family.count(pb.modality, shapes, side)
-            for name, value in side.items():
-                family.side_checks(pb.modality, name, value)
-        except BadItem as exc:
+        except (BadItem, ArithmeticError) as exc:  # arithmetic on values the client sent
             raise InvalidRequest(f"item {index}: {exc}") from exc
         runs = tuple((int(r.offset), int(r.length)) for r in pb.placeholders)
         item = Item(pb.modality, tuple(encoder), side, runs, bytes(pb.content_hash[:64]))

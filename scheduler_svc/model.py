@@ -25,11 +25,6 @@ class ModelInfo:
 
     name: str
     vocab_size: int
-    image_token_id: int
-    # The legacy `pixel_values` form (LLaVA-1.5 only; () and 0 otherwise):
-    # one image's pixel tensor (channels, height, width) and its placeholders.
-    image_shape: tuple[int, ...]
-    tokens_per_image: int
     max_context: int
     eos_token_ids: frozenset[int]
     # The text model's shape, for sizing the KV cache.
@@ -37,6 +32,22 @@ class ModelInfo:
     kv_heads: int
     head_dim: int
     family: families.Family = field(repr=False, compare=False)
+
+    @property
+    def image_token_id(self) -> int:
+        return self.family.placeholders[families.IMAGE].token_id
+
+    @property
+    def image_shape(self) -> tuple[int, ...]:
+        """One image's pixel tensor (channels, height, width) in the legacy
+        `pixel_values` form: LLaVA-1.5 only, () for other families."""
+        f = self.family
+        return (f.channels, f.side, f.side) if isinstance(f, Llava) and f.name == "llava" else ()
+
+    @property
+    def tokens_per_image(self) -> int:
+        """Placeholders of one image in the legacy form (0 when there is none)."""
+        return self.family.tokens_per_view() if self.image_shape else 0  # type: ignore[attr-defined]
 
     def kv_bytes_per_token(self, *, tp: int, itemsize: int) -> int:
         """KV-cache bytes one token takes on one rank (keys and values, every
@@ -48,13 +59,9 @@ def model_info(model_dir: Path) -> ModelInfo:
     config = AutoConfig.from_pretrained(model_dir)
     family = families.load(model_dir)
     text = config.get_text_config()
-    legacy = family.name == "llava" and isinstance(family, Llava)
     return ModelInfo(
         name=model_dir.name,
         vocab_size=int(text.vocab_size),
-        image_token_id=family.placeholders[families.IMAGE].token_id,
-        image_shape=(family.channels, family.side, family.side) if legacy else (),  # type: ignore[attr-defined]
-        tokens_per_image=family.tokens_per_view() if legacy else 0,  # type: ignore[attr-defined]
         max_context=int(text.max_position_embeddings),
         eos_token_ids=eos_ids(model_dir, config),
         num_layers=int(text.num_hidden_layers),

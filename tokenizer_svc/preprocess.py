@@ -134,8 +134,9 @@ def preprocess_image(job: ImageJob) -> ImageResult:
             array = rows[name]
             if families.is_encoder_input(name):
                 array = np.ascontiguousarray(array, dtype=np.float32)
-            digest.update(name.encode() + str(array.dtype).encode() + str(array.shape).encode())
-            digest.update(array.tobytes() if not array.flags.c_contiguous else memoryview(array).cast("B"))  # type: ignore[arg-type]
+            array = np.ascontiguousarray(array)
+            digest.update(f"{name} {array.dtype} {array.shape}".encode())
+            digest.update(array.data)
             if families.is_encoder_input(name):
                 piece = shm.write_segment(job.shm_prefix, job.owner_pid, memoryview(array))  # type: ignore[arg-type]
                 tensors.append(
@@ -145,15 +146,12 @@ def preprocess_image(job: ImageJob) -> ImageResult:
                 tensors.append(
                     ItemTensor(name, str(array.dtype), tuple(array.shape), array.nbytes, inline=array.tobytes())
                 )
-    except shm.ShmFull as exc:
+    except BaseException as exc:
         for t in tensors:
             if t.segment is not None:
                 shm.unlink(t.segment)
-        raise Overloaded(str(exc)) from exc
-    except BaseException:
-        for t in tensors:
-            if t.segment is not None:
-                shm.unlink(t.segment)
+        if isinstance(exc, shm.ShmFull):
+            raise Overloaded(str(exc)) from exc
         raise
     return ImageResult(
         tensors=tuple(tensors),

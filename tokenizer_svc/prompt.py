@@ -41,16 +41,16 @@ class PromptBuilder:
         self.family = family
         self.tokenizer = tokenizer
         self.holders = family.placeholders
-        markers = {p.marker for p in self.holders.values()}
+        markers = {p.token for p in self.holders.values()}
         self._marker_re = re.compile("|".join(re.escape(m) for m in sorted(markers, key=len, reverse=True)))
-        self._by_marker = {p.marker: m for m, p in self.holders.items()}
+        self._by_marker = {p.token: m for m, p in self.holders.items()}
         specials = set(getattr(tokenizer, "all_special_tokens", []) or [])
         specials |= {str(t) for t in (getattr(tokenizer, "added_tokens_decoder", {}) or {}).values()}
         specials -= markers
         for p in self.holders.values():
             specials -= {p.before, p.after}
         self._control = sorted((s for s in specials if s), key=len, reverse=True)
-        wrapped = {p.before + p.marker + p.after: p.marker for p in self.holders.values() if p.before or p.after}
+        wrapped = {p.before + p.token + p.after: p.token for p in self.holders.values() if p.before or p.after}
         self._wrapped = wrapped
         # The vision start/end tokens are allowed only around a marker.
         self._structural = sorted({t for p in self.holders.values() for t in (p.before, p.after) if t})
@@ -68,7 +68,7 @@ class PromptBuilder:
         found = [self._by_marker[m] for m in self._marker_re.findall(text)]
         wanted = [m.modality for m in media]
         if not found and media:
-            text = "".join(self.holders[m].marker + "\n" for m in wanted) + text
+            text = "".join(self.holders[m].token + "\n" for m in wanted) + text
             found = wanted
         if found != wanted:
             names = {1: "image", 2: "video", 3: "audio"}

@@ -142,7 +142,6 @@ class TokenizerService:
         prepared = await self._prepare_images(request, rid)
         images = [p.image for p in prepared]
         owned = [segment for img in images for segment in img.segments]
-        owned_at_start = list(owned)
         self.held.update(owned)
         accepted = False
         try:
@@ -167,7 +166,7 @@ class TokenizerService:
                     else:
                         yield response
         finally:
-            self.held.difference_update(owned_at_start)
+            self.held.difference_update(segment for img in images for segment in img.segments)
             if not accepted:
                 self._release(owned)
             _unlock(prepared)

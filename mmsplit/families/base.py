@@ -31,8 +31,6 @@ from mmsplit.common.v1 import common_pb2
 
 IMAGE: int = common_pb2.MODALITY_IMAGE
 VIDEO: int = common_pb2.MODALITY_VIDEO
-# Side tensors are metadata: a few integers per item.
-MAX_SIDE_ELEMENTS = 64
 
 
 class BadItem(ValueError):
@@ -45,10 +43,10 @@ def is_encoder_input(name: str) -> bool:
 
 @dataclass(frozen=True)
 class Placeholders:
-    """The text one media marker becomes, and the token that fills a run."""
+    """The token that marks where a medium goes in a prompt and is repeated
+    once per placeholder position, and the text around a run."""
 
-    marker: str  # what a prompt says where the media goes
-    token: str  # the token repeated once per placeholder position
+    token: str
     token_id: int
     # Text around the run when the marker is expanded (Qwen: vision start/end).
     before: str = ""
@@ -67,13 +65,17 @@ class Family:
     # Forward names an item may carry (the processor's model_input_names).
     input_names: frozenset[str]
     config: dict[str, Any] = field(repr=False, default_factory=dict)
-    processor_config: dict[str, Any] = field(repr=False, default_factory=dict)
 
     # ---- both sides ----
     def count(self, modality: int, shapes: dict[str, tuple[int, ...]], side: dict[str, np.ndarray]) -> int:
         """Check one item's tensor shapes and side values; return the number
         of placeholder tokens it fills. Raise BadItem."""
         raise NotImplementedError
+
+    def check_runs(self, runs: list[tuple[tuple[int, int], ...]]) -> None:
+        """Family-specific rules for the placeholder runs of a prompt's items
+        (in order; already checked ordered, non-overlapping, on placeholder
+        tokens and of the right total). Raise BadItem."""
 
     # ---- tokenizer side ----
     def item_rows(self, outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -90,13 +92,6 @@ class Family:
         """M-RoPE families: ``([3, len(input_ids)] positions, rope delta)``
         of one prompt; the delta is added to every later position."""
         raise NotImplementedError
-
-    def side_checks(self, modality: int, name: str, value: np.ndarray) -> None:
-        if value.size > MAX_SIDE_ELEMENTS:
-            raise BadItem(f"{name} has {value.size} elements; a side tensor has at most {MAX_SIDE_ELEMENTS}")
-
-    def modality_of_token(self) -> dict[int, int]:
-        return {p.token_id: m for m, p in self.placeholders.items()}
 
 
 def read_json(path: Path) -> dict[str, Any]:

@@ -47,8 +47,7 @@ def build(model_type: str, config: dict[str, Any], processor_config: dict[str, A
     return Llava(
         name="llava",
         model_type=model_type,
-        placeholders={IMAGE: Placeholders(marker=token, token=token, token_id=token_id)},
+        placeholders={IMAGE: Placeholders(token=token, token_id=token_id)},
         input_names=names,
         config=config,
-        processor_config=processor_config,
     )

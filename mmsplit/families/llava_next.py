@@ -90,5 +90,4 @@ def build(model_type: str, config: dict[str, Any], processor_config: dict[str, A
         placeholders=base.placeholders,
         input_names=names,
         config=config,
-        processor_config=processor_config,
     )

@@ -74,6 +74,20 @@ class QwenVL(Family):
                 raise BadItem("second_per_grid_ts must be within (0, 3600]")
         return tokens
 
+    def check_runs(self, runs: list[tuple[tuple[int, int], ...]]) -> None:
+        """M-RoPE numbers each item's placeholders as one (t, h, w) block,
+        found as a maximal run of vision tokens: an item must be one run,
+        and two items may not touch (they would read as one block, and
+        `get_rope_index` fails inside the forward)."""
+        end = -1
+        for i, item_runs in enumerate(runs):
+            if len(item_runs) != 1:
+                raise BadItem(f"item {i}: an item of {self.name} fills one placeholder run, not {len(item_runs)}")
+            offset, length = item_runs[0]
+            if offset == end:
+                raise BadItem(f"item {i}: its placeholder run touches the previous item's")
+            end = offset + length
+
     @property
     def uses_mrope(self) -> bool:
         return True
@@ -105,14 +119,12 @@ def build(model_type: str, config: dict[str, Any], processor_config: dict[str, A
     start, end = "<|vision_start|>", "<|vision_end|>"
     holders: dict[int, Placeholders] = {
         IMAGE: Placeholders(
-            marker="<|image_pad|>",
             token="<|image_pad|>",
             token_id=int(config.get("image_token_id", 151655)),
             before=start,
             after=end,
         ),
         VIDEO: Placeholders(
-            marker="<|video_pad|>",
             token="<|video_pad|>",
             token_id=int(config.get("video_token_id", 151656)),
             before=start,
@@ -125,5 +137,4 @@ def build(model_type: str, config: dict[str, Any], processor_config: dict[str, A
         placeholders=holders,
         input_names=names,
         config=config,
-        processor_config=processor_config,
     )

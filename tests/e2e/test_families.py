@@ -139,6 +139,13 @@ def _malformed(kit: family_kit.Kit, good: scheduler_pb2.GenerateRequest) -> dict
         grid = np.frombuffer(m.items[0].tensors["image_grid_thw"].inline, dtype=np.int64).reshape(1, 3).copy()
         grid[0, 1] += 2
         m.items[0].tensors["image_grid_thw"].CopyFrom(family_kit.inline(grid))
+        m = variant("two items' runs touch (read as one M-RoPE block)")
+        first, second = m.items[0].placeholders[0], m.items[1].placeholders[0]
+        ids = list(good.input_ids[: first.offset])
+        ids += [good.input_ids[first.offset]] * (first.length + second.length) + [good.input_ids[-1]]
+        del m.input_ids[:]
+        m.input_ids.extend(ids)
+        second.offset = first.offset + first.length
         m = variant("odd grid")
         grid[0, 1] -= 3
         m.items[0].tensors["image_grid_thw"].CopyFrom(family_kit.inline(grid))
