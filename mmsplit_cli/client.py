@@ -50,8 +50,10 @@ def make_request(
     min_tokens: int = 0,
     stop_token_ids: list[int] | None = None,
     stop: list[str] | None = None,
+    videos: list[bytes] | None = None,
 ) -> tokenizer_pb2.GenerateRequest:
     pics = [tokenizer_pb2.Image(data=d) for d in images or []] + [tokenizer_pb2.Image(url=u) for u in urls or []]
+    clips = [tokenizer_pb2.Video(data=d) for d in videos or []]
     sampling = common_pb2.SamplingParams(
         max_tokens=max_tokens,
         temperature=temperature,
@@ -63,7 +65,9 @@ def make_request(
     )
     if top_p is not None:
         sampling.top_p = top_p
-    return tokenizer_pb2.GenerateRequest(request_id=request_id, prompt=prompt, images=pics, sampling=sampling)
+    return tokenizer_pb2.GenerateRequest(
+        request_id=request_id, prompt=prompt, images=pics, videos=clips, sampling=sampling
+    )
 
 
 def run_request(
@@ -101,6 +105,7 @@ def generate_command(args: argparse.Namespace) -> int:
         min_tokens=args.min_tokens,
         stop_token_ids=args.stop_token_id,
         stop=args.stop,
+        videos=[Path(p).read_bytes() for p in args.video],
     )
     with _channel(args) as channel:
         stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)

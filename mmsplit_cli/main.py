@@ -2,7 +2,7 @@
 
 mmsplit scheduler --model DIR --tp N --port P
 mmsplit tokenizer --model DIR --scheduler HOST:PORT --port P
-mmsplit generate --server HOST:PORT [--image FILE ...] [--max-tokens N] [--json] "prompt"
+mmsplit generate --server HOST:PORT [--image FILE ...] [--video FILE ...] [--max-tokens N] [--json] "prompt"
 mmsplit tiny-model DIR [--family llava|llava-next|qwen2-vl|qwen2.5-vl]
 mmsplit demo
 """
@@ -83,6 +83,9 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="send one request to a tokenizer service and print the stream")
     p.add_argument("--server", default="127.0.0.1:50052", help="tokenizer address HOST:PORT")
     p.add_argument("--image", action="append", default=[], type=Path, help="image file, sent as inline bytes")
+    p.add_argument(
+        "--video", action="append", default=[], type=Path, help="video file, sent as inline bytes (Qwen-VL models)"
+    )
     p.add_argument("--max-tokens", type=int, default=0, help="0 = the server's default")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy, else within [0.001, 100]")
     p.add_argument("--seed", type=int, default=0, help="0 = derived from the request id")

@@ -12,6 +12,7 @@ directory and only the tokenizer file is read out of it.
 
 from __future__ import annotations
 
+import json
 import logging
 import subprocess
 import sys
@@ -263,5 +264,25 @@ def _qwen(family: str, cache_dir: Path, text: dict[str, Any]):  # type: ignore[n
         bos_token_id=tokenizer.bos_token_id, eos_token_id=[tokenizer.eos_token_id, ids["<|im_end|>"]]
     )
     # The processor object itself cannot be made here (its video processor
-    # needs torchvision); a checkpoint directory holds its parts anyway.
-    return model, [tokenizer.save_pretrained, image_processor.save_pretrained, generation.save_pretrained]
+    # needs torchvision); a checkpoint directory holds its parts anyway, and
+    # the video processor's is plain JSON.
+    video = {
+        "video_processor_type": "Qwen2VLVideoProcessor",
+        "processor_class": processor_class,
+        # Small frames: 4 to 16 merged tokens per two frames (56x56 .. 112x112).
+        "size": {"shortest_edge": 56 * 56, "longest_edge": 112 * 112},
+        "patch_size": 14,
+        "temporal_patch_size": 2,
+        "merge_size": 2,
+        "fps": 2.0,
+        "min_frames": 4,
+        "max_frames": 8,
+        "do_sample_frames": True,
+        "image_mean": list(image_processor.image_mean),
+        "image_std": list(image_processor.image_std),
+    }
+
+    def write_video(out: Path) -> None:
+        (out / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2) + "\n")
+
+    return model, [tokenizer.save_pretrained, image_processor.save_pretrained, generation.save_pretrained, write_video]

@@ -128,11 +128,13 @@ class Fetcher:
             await self._session.close()
             self._session = None
 
-    async def fetch(self, url: str) -> bytes:
+    async def fetch(self, url: str, max_bytes: int | None = None) -> bytes:
+        """The body at `url` (at most `max_bytes`, default the image limit)."""
+        cap = self.settings.max_image_bytes if max_bytes is None else max_bytes
         attempts = 1 + max(0, self.settings.fetch_retries)
         for attempt in range(1, attempts + 1):
             try:
-                return await self._attempt(url)
+                return await self._attempt(url, cap)
             except _Retriable as exc:
                 if attempt == attempts:
                     raise MediaFetchFailed(f"fetching {url} failed after {attempts} attempt(s): {exc}") from exc
@@ -141,7 +143,7 @@ class Fetcher:
                 await asyncio.sleep(delay)
         raise AssertionError("unreachable")
 
-    async def _attempt(self, url: str) -> bytes:
+    async def _attempt(self, url: str, cap: int) -> bytes:
         """One attempt, redirects included, within `fetch_timeout_s` overall."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.settings.fetch_timeout_s
@@ -158,7 +160,7 @@ class Fetcher:
                             raise MediaNotFound(f"the origin answered {resp.status} for {url}")
                         if resp.status != 200:
                             raise _Retriable(f"the origin answered {resp.status}")
-                        return await self._read_body(resp)
+                        return await self._read_body(resp, cap)
         except MmsplitError:
             raise
         except TimeoutError as exc:
@@ -171,8 +173,7 @@ class Fetcher:
             raise _Retriable("no answer in time, or the connection failed") from exc
         raise MediaFetchFailed(f"more than {MAX_REDIRECTS} redirects starting at {url}")
 
-    async def _read_body(self, resp: aiohttp.ClientResponse) -> bytes:
-        cap = self.settings.max_image_bytes
+    async def _read_body(self, resp: aiohttp.ClientResponse, cap: int) -> bytes:
         if resp.content_length is not None and resp.content_length > cap:
             raise MediaTooLarge(f"the origin announces {resp.content_length} bytes, over the limit of {cap}")
         chunks: list[bytes] = []

@@ -1,4 +1,4 @@
-"""Where image bytes come from: inline bytes, data: URLs, http(s) URLs
+"""Where image and video bytes come from: inline bytes, data: URLs, http(s) URLs
 (`tokenizer_svc.fetch`: vetted destinations, one deadline per attempt,
 retries), and files under an allowed directory (read on a small thread pool).
 
@@ -33,39 +33,36 @@ class MediaLoader:
         self.fetcher = Fetcher(settings)
         self._allowed_dir = Path(settings.allowed_media_dir).resolve() if settings.allowed_media_dir else None
 
-    async def load(self, image: tokenizer_pb2.Image) -> bytes:
-        source = image.WhichOneof("source")
+    async def load(self, media: tokenizer_pb2.Image | tokenizer_pb2.Video) -> bytes:
+        kind = "video" if isinstance(media, tokenizer_pb2.Video) else "image"
+        cap = self.settings.max_video_bytes if kind == "video" else self.settings.max_image_bytes
+        source = media.WhichOneof("source")
         if source == "data":
-            return self._check_size(image.data)
-        if source != "url" or not image.url:
-            raise InvalidRequest("image has neither data nor url")
-        url = image.url
+            return _check_size(media.data, cap, kind)
+        if source != "url" or not media.url:
+            raise InvalidRequest(f"{kind} has neither data nor url")
+        url = media.url
         scheme = urllib.parse.urlsplit(url).scheme.lower()
         if scheme == "data":
-            return self._data_url(url)
+            return self._data_url(url, cap, kind)
         if scheme in ("http", "https"):
-            return await self.fetcher.fetch(url)
+            return await self.fetcher.fetch(url, cap)
         if scheme in ("", "file"):
             path = urllib.parse.urlsplit(url).path if scheme == "file" else url
-            return await asyncio.get_running_loop().run_in_executor(self.io_pool, self._read_file, path)
+            return await asyncio.get_running_loop().run_in_executor(self.io_pool, self._read_file, path, cap, kind)
         raise MediaSourceForbidden(f"URL scheme {scheme!r} is not accepted")
 
     async def aclose(self) -> None:
         await self.fetcher.close()
         self.io_pool.shutdown(wait=False, cancel_futures=True)
 
-    def _check_size(self, data: bytes) -> bytes:
-        if len(data) > self.settings.max_image_bytes:
-            raise MediaTooLarge(f"image is {len(data)} bytes, over the limit of {self.settings.max_image_bytes}")
-        return data
-
-    def _data_url(self, url: str) -> bytes:
+    def _data_url(self, url: str, cap: int, kind: str) -> bytes:
         header, sep, payload = url[5:].partition(",")
         if not sep:
             raise InvalidRequest("data: URL has no ',' separating the header from the data")
         # base64 grows data by 4/3: refuse before decoding what could not fit.
-        if len(payload) * 3 // 4 > self.settings.max_image_bytes:
-            raise MediaTooLarge(f"data: URL holds over {self.settings.max_image_bytes} bytes")
+        if len(payload) * 3 // 4 > cap:
+            raise MediaTooLarge(f"data: URL holds over {cap} bytes")
         if header.endswith(";base64"):
             try:
                 data = base64.b64decode(payload, validate=True)
@@ -73,9 +70,9 @@ class MediaLoader:
                 raise InvalidRequest(f"data: URL is not valid base64: {exc}") from exc
         else:
             data = urllib.parse.unquote_to_bytes(payload)
-        return self._check_size(data)
+        return _check_size(data, cap, kind)
 
-    def _read_file(self, raw: str) -> bytes:
+    def _read_file(self, raw: str, cap: int, kind: str) -> bytes:
         if self._allowed_dir is None:
             raise MediaSourceForbidden("this server accepts no file paths (no allowed media directory is set)")
         if "\x00" in raw:
@@ -102,7 +99,13 @@ class MediaLoader:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 raise MediaNotFound(f"{raw} is not a regular file")
-            if st.st_size > self.settings.max_image_bytes:
-                raise MediaTooLarge(f"{raw} is {st.st_size} bytes, over the limit of {self.settings.max_image_bytes}")
-            data = f.read(self.settings.max_image_bytes + 1)  # it may have grown since fstat
-        return self._check_size(data)
+            if st.st_size > cap:
+                raise MediaTooLarge(f"{raw} is {st.st_size} bytes, over the {kind} limit of {cap}")
+            data = f.read(cap + 1)  # it may have grown since fstat
+        return _check_size(data, cap, kind)
+
+
+def _check_size(data: bytes, cap: int, kind: str) -> bytes:
+    if len(data) > cap:
+        raise MediaTooLarge(f"{kind} is {len(data)} bytes, over the limit of {cap}")
+    return data

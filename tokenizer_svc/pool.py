@@ -32,7 +32,7 @@ from typing import Any
 
 from mmsplit import shm
 from tokenizer_svc.errors import Overloaded, PreprocessTimeout, PreprocessWorkerCrashed
-from tokenizer_svc.preprocess import ImageJob, ImageResult, init_worker, preprocess_image, warm_up
+from tokenizer_svc.preprocess import ItemResult, Job, init_worker, preprocess, warm_up
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ def _release_orphan(fut: concurrent.futures.Future[Any]) -> None:
     if fut.cancelled() or fut.exception() is not None:
         return
     result = fut.result()
-    if isinstance(result, ImageResult):
+    if isinstance(result, ItemResult):
         for segment in result.segments:
             shm.unlink(segment)
             log.info("released segment %s of abandoned preprocessing task", segment)
@@ -158,8 +158,8 @@ class CpuPool:
                 await self._replace(generation)
         return self._pool is not None
 
-    async def preprocess(self, job: ImageJob, *, timeout_s: float, request_id: str) -> ImageResult:
-        """Run one image through a worker; typed errors only."""
+    async def preprocess(self, job: Job, *, timeout_s: float, request_id: str) -> ItemResult:
+        """Run one image or video through a worker; typed errors only."""
         try:
             await asyncio.wait_for(self._slots.acquire(), self.queue_timeout_s)
         except TimeoutError as exc:
@@ -172,7 +172,7 @@ class CpuPool:
         finally:
             slot.release()
 
-    async def _attempts(self, job: ImageJob, timeout_s: float, request_id: str, slot: _Slot) -> ImageResult:
+    async def _attempts(self, job: Job, timeout_s: float, request_id: str, slot: _Slot) -> ItemResult:
         for attempt in (1, 2):
             if self._pool is None and self._lock.locked():
                 async with self._lock:  # a replacement is under way: wait for it, not fail
@@ -187,15 +187,15 @@ class CpuPool:
                 await self._replace(generation)
                 if attempt == 2:
                     raise PreprocessWorkerCrashed(
-                        "a preprocessing worker died twice while handling this request's image"
+                        "a preprocessing worker died twice while handling this request's media"
                     ) from exc
         raise AssertionError("unreachable")
 
     async def _run(
-        self, pool: concurrent.futures.ProcessPoolExecutor, job: ImageJob, timeout_s: float, slot: _Slot
-    ) -> ImageResult:
+        self, pool: concurrent.futures.ProcessPoolExecutor, job: Job, timeout_s: float, slot: _Slot
+    ) -> ItemResult:
         try:
-            cfut = await asyncio.wait_for(asyncio.to_thread(pool.submit, preprocess_image, job), SUBMIT_TIMEOUT_S)
+            cfut = await asyncio.wait_for(asyncio.to_thread(pool.submit, preprocess, job), SUBMIT_TIMEOUT_S)
         except RuntimeError as exc:  # submitted while that pool was being shut down
             raise BrokenProcessPool(str(exc)) from exc
         except TimeoutError as exc:
@@ -208,7 +208,7 @@ class CpuPool:
         except TimeoutError as exc:
             slot.hand_to(cfut)  # the worker stays busy until the task ends
             _abandon(cfut)
-            raise PreprocessTimeout(f"image preprocessing took longer than {timeout_s:.1f}s") from exc
+            raise PreprocessTimeout(f"preprocessing took longer than {timeout_s:.1f}s") from exc
         except asyncio.CancelledError:
             slot.hand_to(cfut)
             _abandon(cfut)

@@ -1,5 +1,5 @@
 """What a CPU worker runs: decode → image processor → the model family's
-item tensors → shared memory.
+item tensors → shared memory. Images and videos (`tokenizer_svc.video`).
 
 Only compressed bytes come in and only metadata goes back (`ImageResult`):
 each encoder input (``pixel_values``) is written once, straight into a new
@@ -32,6 +32,7 @@ import torch
 from transformers import AutoImageProcessor
 
 from mmsplit import families, shm
+from tokenizer_svc import video
 from tokenizer_svc.decode import decode_image
 from tokenizer_svc.errors import InternalError, MediaUnsupported, Overloaded
 
@@ -50,6 +51,23 @@ class ImageJob:
 
 
 @dataclass(frozen=True)
+class VideoJob:
+    data: bytes
+    max_pixels: int  # per frame
+    max_duration_s: float
+    max_frames: int  # frames in the file
+    fps: float  # sampling rule (`video.sample_indices`)
+    min_frames: int
+    max_sampled_frames: int
+    budget_s: float  # the worker's own deadline, from when it starts the task
+    shm_prefix: str
+    owner_pid: int
+
+
+Job = ImageJob | VideoJob
+
+
+@dataclass(frozen=True)
 class ItemTensor:
     """One tensor of an item: in a segment (encoder inputs) or inline (side tensors)."""
 
@@ -62,14 +80,17 @@ class ItemTensor:
 
 
 @dataclass(frozen=True)
-class ImageResult:
+class ItemResult:
+    modality: int
     tensors: tuple[ItemTensor, ...]
-    # Placeholder tokens this image fills (the family's rule).
+    # Placeholder tokens this item fills (the family's rule).
     tokens: int
     # A digest of the item's tensors (decoded pixels + preprocessing).
     content_hash: bytes
     width: int
     height: int
+    # Video: the frames sampled (0 for an image).
+    frames: int = 0
 
     @property
     def segments(self) -> list[str]:
@@ -111,9 +132,16 @@ def warm_up() -> int:
     return os.getpid()
 
 
-def preprocess_image(job: ImageJob) -> ImageResult:
+def preprocess(job: Job) -> ItemResult:
+    """The task a worker runs for one image or video."""
     if _processor is None or _family is None:
         raise InternalError("worker has no image processor (initializer did not run)")
+    if isinstance(job, VideoJob):
+        return _video(job, _processor, _family)
+    return _image(job, _processor, _family)
+
+
+def _image(job: ImageJob, processor: Any, family: families.Family) -> ItemResult:
     image = decode_image(job.data, max_pixels=job.max_pixels)
     if _hook is not None and hasattr(_hook, "on_decoded"):
         _hook.on_decoded(image)
@@ -121,12 +149,54 @@ def preprocess_image(job: ImageJob) -> ImageResult:
     if ratio > job.max_aspect_ratio:
         raise MediaUnsupported(f"aspect ratio {image.width}x{image.height} exceeds {job.max_aspect_ratio:g}:1")
     try:
-        outputs = _processor(images=image, return_tensors="np")
-        rows = _family.item_rows({name: np.asarray(value) for name, value in outputs.items()})
-        shapes = {n: tuple(a.shape) for n, a in rows.items() if families.is_encoder_input(n)}
-        tokens = _family.count(families.IMAGE, shapes, {n: a for n, a in rows.items() if n not in shapes})
+        outputs = processor(images=image, return_tensors="np")
+        rows = family.item_rows({name: np.asarray(value) for name, value in outputs.items()})
+        tokens = _count(family, families.IMAGE, rows)
     except (ValueError, TypeError, OSError, IndexError, KeyError) as exc:
         raise MediaUnsupported(f"the image processor rejected this image: {type(exc).__name__}: {exc}") from exc
+    return _publish(job, families.IMAGE, rows, tokens, image.width, image.height)
+
+
+def _video(job: VideoJob, processor: Any, family: families.Family) -> ItemResult:
+    if not family.takes_video:
+        raise MediaUnsupported(f"this model ({family.name}) takes no video")
+    limits = video.VideoLimits(
+        max_pixels=job.max_pixels,
+        max_duration_s=job.max_duration_s,
+        max_frames=job.max_frames,
+        deadline=time.monotonic() + job.budget_s,
+    )
+    rule = video.Sampling(
+        fps=job.fps,
+        min_frames=job.min_frames,
+        max_frames=job.max_sampled_frames,
+        temporal_patch_size=family.temporal_patch_size,
+    )
+    hook = getattr(_hook, "on_decoded", None)
+    clip = video.decode_video(job.data, limits, rule, on_frame=hook)
+    try:
+        rows = family.video_rows(processor, clip.frames, clip.sampled_fps)
+        tokens = _count(family, families.VIDEO, rows)
+    except (ValueError, TypeError, OSError, IndexError, KeyError) as exc:
+        raise MediaUnsupported(f"the video's frames were rejected: {type(exc).__name__}: {exc}") from exc
+    return _publish(job, families.VIDEO, rows, tokens, clip.width, clip.height, frames=len(clip.frames))
+
+
+def _count(family: families.Family, modality: int, rows: dict[str, np.ndarray]) -> int:
+    shapes = {n: tuple(a.shape) for n, a in rows.items() if families.is_encoder_input(n)}
+    return family.count(modality, shapes, {n: a for n, a in rows.items() if n not in shapes})
+
+
+def _publish(
+    job: Job,
+    modality: int,
+    rows: dict[str, np.ndarray],
+    tokens: int,
+    width: int,
+    height: int,
+    frames: int = 0,
+) -> ItemResult:
+    """Encoder inputs into new segments, side tensors inline; the item's digest."""
     digest = hashlib.blake2b(digest_size=16)
     tensors: list[ItemTensor] = []
     try:
@@ -153,10 +223,12 @@ def preprocess_image(job: ImageJob) -> ImageResult:
         if isinstance(exc, shm.ShmFull):
             raise Overloaded(str(exc)) from exc
         raise
-    return ImageResult(
+    return ItemResult(
+        modality=modality,
         tensors=tuple(tensors),
         tokens=tokens,
         content_hash=digest.digest(),
-        width=image.width,
-        height=image.height,
+        width=width,
+        height=height,
+        frames=frames,
     )

@@ -36,6 +36,13 @@ class BuiltPrompt:
     runs: list[list[tuple[int, int]]]
 
 
+_NAMES = {1: "image", 2: "video", 3: "audio"}
+
+
+def _names(modalities: list[int]) -> str:
+    return ", ".join(_NAMES.get(m, "?") for m in modalities) or "none"
+
+
 class PromptBuilder:
     def __init__(self, family: Family, tokenizer: Any) -> None:
         self.family = family
@@ -56,6 +63,8 @@ class PromptBuilder:
         self._structural = sorted({t for p in self.holders.values() for t in (p.before, p.after) if t})
 
     def build(self, prompt: str, media: list[Media]) -> BuiltPrompt:
+        """`media` in request order (images, then videos); each marker in the
+        text takes the next item of its modality."""
         text = prompt
         for whole, marker in self._wrapped.items():
             text = text.replace(whole, marker)
@@ -66,27 +75,30 @@ class PromptBuilder:
                     f"the prompt contains {token!r}, a control token of this model; it cannot be sent as text"
                 )
         found = [self._by_marker[m] for m in self._marker_re.findall(text)]
-        wanted = [m.modality for m in media]
         if not found and media:
-            text = "".join(self.holders[m].token + "\n" for m in wanted) + text
-            found = wanted
-        if found != wanted:
-            names = {1: "image", 2: "video", 3: "audio"}
+            # No markers: the images first, then the videos, one per line.
+            order = sorted(m.modality for m in media)
+            text = "".join(self.holders[m].token + "\n" for m in order) + text
+            found = order
+        if sorted(found) != sorted(m.modality for m in media):
             raise InvalidRequest(
-                f"the prompt's media markers ({', '.join(names.get(m, '?') for m in found) or 'none'}) do not match "
-                f"the media sent ({', '.join(names.get(m, '?') for m in wanted) or 'none'}); "
-                f"mark each with {' or '.join(sorted(self._by_marker))}, or use no markers at all"
+                f"the prompt's media markers ({_names(found)}) do not match the media sent "
+                f"({_names([m.modality for m in media])}); mark each with {' or '.join(sorted(self._by_marker))}, "
+                "or use no markers at all"
             )
+        # The k-th marker of a modality takes the k-th item of that modality.
+        queues = {m: [item for item in media if item.modality == m] for m in set(found)}
         pieces = self._marker_re.split(text)
         expanded = [pieces[0]]
-        for item, piece in zip(media, pieces[1:], strict=True):
-            expanded.append(self.holders[item.modality].expand(item.tokens))
+        for modality, piece in zip(found, pieces[1:], strict=True):
+            expanded.append(self.holders[modality].expand(queues[modality].pop(0).tokens))
             expanded.append(piece)
         ids: list[int] = list(self.tokenizer("".join(expanded))["input_ids"])
         return BuiltPrompt(ids, self._runs(ids, media))
 
     def _runs(self, ids: list[int], media: list[Media]) -> list[list[tuple[int, int]]]:
-        """Each item's placeholder positions, taken in order per modality, as runs."""
+        """Each item's placeholder positions, taken in order per modality, as
+        runs (in the order of `media`)."""
         positions: dict[int, list[int]] = {m: [] for m in self.holders}
         by_id = {p.token_id: m for m, p in self.holders.items()}
         for i, token in enumerate(ids):

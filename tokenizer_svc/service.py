@@ -1,7 +1,7 @@
-"""One request end to end: fetch and preprocess the images, build the prompt,
-call the scheduler, relay its stream as text.
+"""One request end to end: fetch and preprocess the images and videos, build
+the prompt, call the scheduler, relay its stream as text.
 
-Ownership of segments (DESIGN.md §3): the segments this request's images were
+Ownership of segments (DESIGN.md §3): the segments this request's media were
 written into are ours — this process holds a lock on each — until the
 scheduler, holding its own locks, sends `Accepted`; then we drop ours. Before
 that, whatever ends the request (an error, a broken stream, the client's
@@ -28,10 +28,17 @@ from mmsplit.tensors import NUMPY_TO_DTYPE, TensorSpec
 from mmsplit.tokenizer.v1 import tokenizer_pb2
 from tokenizer_svc.detokenize import IncrementalDecoder, StopMatcher
 from tokenizer_svc.downstream import SchedulerLink
-from tokenizer_svc.errors import InternalError, InvalidRequest, Overloaded, SchedulerUnavailable, ShuttingDown
+from tokenizer_svc.errors import (
+    InternalError,
+    InvalidRequest,
+    MediaUnsupported,
+    Overloaded,
+    SchedulerUnavailable,
+    ShuttingDown,
+)
 from tokenizer_svc.media import MediaLoader
 from tokenizer_svc.pool import CpuPool
-from tokenizer_svc.preprocess import ImageJob, ImageResult, ItemTensor
+from tokenizer_svc.preprocess import ImageJob, ItemResult, ItemTensor, Job, VideoJob
 from tokenizer_svc.prompt import Media, PromptBuilder
 from tokenizer_svc.settings import TokenizerSettings
 
@@ -50,6 +57,7 @@ class TokenizerService:
     ) -> None:
         self.settings = settings
         self.tokenizer = tokenizer
+        self.family = family
         self.prompts = PromptBuilder(family, tokenizer)
         self.media = media
         self.pool = pool
@@ -139,17 +147,19 @@ class TokenizerService:
         self._validate(request)
         if not self.link.connected:
             raise SchedulerUnavailable("the scheduler is not reachable; retry shortly")
-        prepared = await self._prepare_images(request, rid)
-        images = [p.image for p in prepared]
-        owned = [segment for img in images for segment in img.segments]
+        prepared = await self._prepare_media(request, rid)
+        results = [p.result for p in prepared]
+        owned = [segment for r in results for segment in r.segments]
         self.held.update(owned)
         accepted = False
         try:
-            prompt = self.prompts.build(request.prompt, [Media(families.IMAGE, img.tokens) for img in images])
+            prompt = self.prompts.build(request.prompt, [Media(r.modality, r.tokens) for r in results])
+            # Items go in prompt order (by their first placeholder).
+            items = sorted(zip(prompt.runs, results, strict=True), key=lambda pair: pair[0][0][0])
             downstream = scheduler_pb2.GenerateRequest(
                 request_id=self._downstream_id(rid),
                 input_ids=prompt.input_ids,
-                items=[self._item(img, runs) for img, runs in zip(images, prompt.runs, strict=True)],
+                items=[self._item(r, runs) for runs, r in items],
                 sampling=request.sampling,
             )
             if self.link.transport != common_pb2.TRANSPORT_SHM:
@@ -166,7 +176,7 @@ class TokenizerService:
                     else:
                         yield response
         finally:
-            self.held.difference_update(segment for img in images for segment in img.segments)
+            self.held.difference_update(segment for r in results for segment in r.segments)
             if not accepted:
                 self._release(owned)
             _unlock(prepared)
@@ -220,15 +230,21 @@ class TokenizerService:
         s = self.settings
         if len(request.prompt) > s.max_prompt_chars:
             raise InvalidRequest(f"prompt has {len(request.prompt)} characters, at most {s.max_prompt_chars}")
-        if not request.prompt and not request.images:
-            raise InvalidRequest("the request has neither a prompt nor images")
+        if not request.prompt and not request.images and not request.videos:
+            raise InvalidRequest("the request has neither a prompt nor media")
         if len(request.images) > s.max_images_per_request:
             raise InvalidRequest(f"{len(request.images)} images, at most {s.max_images_per_request}")
+        if request.videos and not self.family.takes_video:
+            raise MediaUnsupported(f"this model ({self.family.name}) takes no video")
+        if len(request.videos) > s.max_videos_per_request:
+            raise InvalidRequest(f"{len(request.videos)} videos, at most {s.max_videos_per_request}")
 
-    async def _prepare_images(self, request: tokenizer_pb2.GenerateRequest, rid: str) -> list[Prepared]:
-        """All images fetched, preprocessed and locked, or none held: on any
-        failure or cancellation the other images' work is awaited and released."""
-        tasks = [asyncio.create_task(self._one_image(image, rid)) for image in request.images]
+    async def _prepare_media(self, request: tokenizer_pb2.GenerateRequest, rid: str) -> list[Prepared]:
+        """Every image and video fetched, preprocessed and locked, or none
+        held: on any failure or cancellation the others' work is awaited and
+        released. In request order: the images, then the videos."""
+        media = [*request.images, *request.videos]
+        tasks = [asyncio.create_task(self._one(medium, rid)) for medium in media]
         if not tasks:
             return []
         try:
@@ -238,20 +254,27 @@ class TokenizerService:
                 task.cancel()
             await _settle(tasks)
             done = [t.result() for t in tasks if not t.cancelled() and t.exception() is None]
-            self._release([segment for p in done for segment in p.image.segments])
+            self._release([segment for p in done for segment in p.result.segments])
             _unlock(done)
             raise
 
-    async def _one_image(self, image: tokenizer_pb2.Image, rid: str) -> Prepared:
-        data = await self.media.load(image)  # IO pool, its own timeouts
-        job = ImageJob(
-            data=data,
-            max_pixels=self.settings.max_image_pixels,
-            max_aspect_ratio=self.settings.max_aspect_ratio,
-            shm_prefix=self.settings.shm_prefix,
-            owner_pid=self._pid,
-        )
-        result = await self.pool.preprocess(job, timeout_s=self.settings.preprocess_timeout_s, request_id=rid)
+    async def _one(self, medium: tokenizer_pb2.Image | tokenizer_pb2.Video, rid: str) -> Prepared:
+        data = await self.media.load(medium)  # IO pool, its own timeouts
+        s = self.settings
+        job: Job
+        if isinstance(medium, tokenizer_pb2.Video):
+            job = self._video_job(data)
+            timeout_s = s.video_preprocess_timeout_s
+        else:
+            job = ImageJob(
+                data=data,
+                max_pixels=s.max_image_pixels,
+                max_aspect_ratio=s.max_aspect_ratio,
+                shm_prefix=s.shm_prefix,
+                owner_pid=self._pid,
+            )
+            timeout_s = s.preprocess_timeout_s
+        result = await self.pool.preprocess(job, timeout_s=timeout_s, request_id=rid)
         locks: list[shm.Lock] = []
         try:
             # This process owns the segments from here until the scheduler accepts them.
@@ -262,14 +285,35 @@ class TokenizerService:
             for lock in locks:
                 lock.release()
             self._release(result.segments)
-            raise InternalError("a preprocessed image could not be held for hand-over") from exc
+            raise InternalError("a preprocessed item could not be held for hand-over") from exc
 
-    def _item(self, img: ImageResult, runs: list[tuple[int, int]]) -> common_pb2.MultimodalItem:
+    def _video_job(self, data: bytes) -> VideoJob:
+        """The sampling rule: this server's settings, bounded by the model's
+        video processor (README "Video")."""
+        s, model = self.settings, self.family.video_config
+        max_frames = s.video_max_frames
+        if model.get("max_frames"):
+            max_frames = min(max_frames, int(model["max_frames"]))
+        return VideoJob(
+            data=data,
+            max_pixels=s.max_video_frame_pixels,
+            max_duration_s=s.max_video_duration_s,
+            max_frames=s.max_video_file_frames,
+            fps=s.video_fps or float(model.get("fps") or 2.0),
+            min_frames=min(int(model.get("min_frames") or 4), max_frames),
+            max_sampled_frames=max_frames,
+            # The worker stops itself a little before the caller gives up.
+            budget_s=s.video_preprocess_timeout_s * 0.95,
+            shm_prefix=s.shm_prefix,
+            owner_pid=self._pid,
+        )
+
+    def _item(self, result: ItemResult, runs: list[tuple[int, int]]) -> common_pb2.MultimodalItem:
         return common_pb2.MultimodalItem(
-            modality=common_pb2.MODALITY_IMAGE,
-            tensors={t.name: self._tensor_ref(t) for t in img.tensors},
+            modality=result.modality,  # type: ignore[arg-type]
+            tensors={t.name: self._tensor_ref(t) for t in result.tensors},
             placeholders=[common_pb2.PlaceholderRange(offset=o, length=n) for o, n in runs],
-            content_hash=img.content_hash,
+            content_hash=result.content_hash,
         )
 
     def _tensor_ref(self, t: ItemTensor) -> common_pb2.TensorRef:
@@ -295,9 +339,9 @@ class TokenizerService:
 
 @dataclass
 class Prepared:
-    """A preprocessed image and this process's locks on its segments."""
+    """A preprocessed image or video and this process's locks on its segments."""
 
-    image: ImageResult
+    result: ItemResult
     locks: list[shm.Lock]
 
 

@@ -57,6 +57,24 @@ class TokenizerSettings:
         50.0, "longest side / shortest side accepted (a 1x20000 strip would resize into gigabytes)", min=1
     )
     max_images_per_request: int = _opt(8, "images one request may carry", min=0)
+    max_videos_per_request: int = _opt(1, "videos one request may carry (models that take video)", min=0)
+    max_video_bytes: int = _opt(50 * 1024 * 1024, "largest encoded video, bytes", min=1)
+    max_video_frame_pixels: int = _opt(
+        3840 * 2160, "largest video frame, width x height (checked from the headers, before decoding)", min=1
+    )
+    max_video_duration_s: float = _opt(600.0, "longest video, seconds (declared and as demuxed)", min=0.01)
+    max_video_file_frames: int = _opt(
+        36_000, "most frames a video file may hold (counted before decoding; sampling keeps far fewer)", min=1
+    )
+    video_fps: float = _opt(
+        0.0, "frames sampled per second of video; 0 = the model's (its video processor's fps, else 2)", min=0
+    )
+    video_max_frames: int = _opt(
+        32, "most frames sampled from one video (the model's own max_frames, when lower, wins)", min=1
+    )
+    video_preprocess_timeout_s: float = _opt(
+        60.0, "budget of one video's decode + preprocessing in a worker (fetching and waiting excluded)", min=0.01
+    )
     max_prompt_chars: int = _opt(100_000, "longest prompt, characters", min=1)
     max_tokens_limit: int = _opt(
         4096, "largest sampling.max_tokens accepted (the scheduler applies its own limit as well)", min=1
@@ -107,4 +125,6 @@ class TokenizerSettings:
         if self.max_message_bytes:
             return self.max_message_bytes
         prompt = 4 * self.max_prompt_chars  # UTF-8
-        return self.max_images_per_request * (self.max_image_bytes + 1024) + prompt + 1024 * 1024
+        images = self.max_images_per_request * (self.max_image_bytes + 1024)
+        videos = self.max_videos_per_request * (self.max_video_bytes + 1024)
+        return images + videos + prompt + 1024 * 1024

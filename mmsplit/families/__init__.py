@@ -7,6 +7,7 @@ Adding a family is adding one module here (a `MODEL_TYPES` tuple and a
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ from typing import Any
 from mmsplit.families.base import IMAGE, VIDEO, BadItem, Family, Placeholders, is_encoder_input, read_json
 
 MODULES = ("llava", "llava_next", "qwen2_vl")
+VIDEO_CONFIG = "video_preprocessor_config.json"
 __all__ = [
     "IMAGE",
     "VIDEO",
@@ -42,10 +44,13 @@ def load(model_dir: Path, input_names: frozenset[str] | None = None) -> Family:
     when not given (the tokenizer's workers already hold that processor)."""
     config = read_json(model_dir / "config.json")
     processor_config = read_json(model_dir / "processor_config.json")
+    video_config = read_json(model_dir / VIDEO_CONFIG)
     if input_names is None:
         _module(config)  # an unsupported model fails here, before loading its processor
         input_names = _input_names(model_dir)
-    return from_config(config, processor_config, input_names)
+    if video_config:
+        input_names = input_names | video_names(str(config.get("model_type", "")))
+    return dataclasses.replace(from_config(config, processor_config, input_names), video_config=video_config)
 
 
 def from_config(
@@ -68,9 +73,13 @@ def _module(config: dict[str, Any]) -> Any:
 def _input_names(model_dir: Path) -> frozenset[str]:
     from transformers import AutoImageProcessor
 
-    names = set(AutoImageProcessor.from_pretrained(model_dir).model_input_names)
-    video = read_json(model_dir / "video_preprocessor_config.json")
-    if video:
-        # The video processor class needs torchvision to load; its names are fixed.
-        names |= {"pixel_values_videos", "video_grid_thw", "second_per_grid_ts"}
+    return frozenset(AutoImageProcessor.from_pretrained(model_dir).model_input_names)
+
+
+def video_names(model_type: str) -> frozenset[str]:
+    """The forward names of a video item, for a checkpoint that ships a video
+    processor (its class needs torchvision to load, so they are fixed here)."""
+    names = {"pixel_values_videos", "video_grid_thw"}
+    if model_type == "qwen2_5_vl":
+        names.add("second_per_grid_ts")
     return frozenset(names)

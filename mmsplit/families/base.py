@@ -65,6 +65,8 @@ class Family:
     # Forward names an item may carry (the processor's model_input_names).
     input_names: frozenset[str]
     config: dict[str, Any] = field(repr=False, default_factory=dict)
+    # The checkpoint's video_preprocessor_config.json (empty when it has none).
+    video_config: dict[str, Any] = field(repr=False, default_factory=dict)
 
     # ---- both sides ----
     def count(self, modality: int, shapes: dict[str, tuple[int, ...]], side: dict[str, np.ndarray]) -> int:
@@ -82,6 +84,20 @@ class Family:
         """The image processor's outputs for ONE image as that item's tensors
         (rows along dim 0), keeping only the forward names."""
         return {name: np.ascontiguousarray(outputs[name]) for name in self.input_names if name in outputs}
+
+    @property
+    def takes_video(self) -> bool:
+        return VIDEO in self.placeholders and any(n.endswith("_videos") for n in self.input_names)
+
+    @property
+    def temporal_patch_size(self) -> int:
+        """Frames that make one temporal patch (videos are padded to a multiple)."""
+        return 1
+
+    def video_rows(self, processor: Any, frames: list[Any], sampled_fps: float) -> dict[str, np.ndarray]:
+        """One video's item tensors from its sampled RGB frames (PIL images
+        of one size), made with the model's image processor."""
+        raise BadItem(f"{self.name} takes no video")
 
     # ---- scheduler side ----
     @property

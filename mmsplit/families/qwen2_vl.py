@@ -29,6 +29,8 @@ GRID_NAMES: dict[int, tuple[str, str]] = {
 }
 # Placeholders of one item at most (a 4K image at Qwen's patch sizes is ~11k).
 MAX_ITEM_TOKENS = 1 << 15
+# Pixel bounds of one video frame when the checkpoint names none (transformers' defaults).
+DEFAULT_VIDEO_SIZE = {"shortest_edge": 128 * 28 * 28, "longest_edge": 28 * 28 * 768}
 
 
 class QwenVL(Family):
@@ -47,6 +49,50 @@ class QwenVL(Family):
             * int(v.get("temporal_patch_size", 2))
             * int(v.get("patch_size", 14)) ** 2
         )
+
+    @property
+    def temporal_patch_size(self) -> int:
+        return int(self.vision.get("temporal_patch_size", 2))
+
+    def video_rows(self, processor: Any, frames: list[Any], sampled_fps: float) -> dict[str, np.ndarray]:
+        """The rows of Qwen's video processor, built from its image processor:
+        each frame is resized (to the video processor's pixel bounds),
+        rescaled, normalized and patchified exactly as an image is; an image
+        row holds its frame ``temporal_patch_size`` times, a video row holds
+        that many consecutive frames instead (the last frame repeated to fill
+        the final patch), in the same ``(C, T, P, P)`` order."""
+        if not frames:
+            raise BadItem("a video item needs at least one frame")
+        tps = self.temporal_patch_size
+        size = dict(self.video_config.get("size") or DEFAULT_VIDEO_SIZE)
+        per_frame: list[np.ndarray] = []
+        grid_hw: tuple[int, int] | None = None
+        for frame in frames:
+            out = processor(images=frame, size=size, return_tensors="np")
+            rows = np.asarray(out["pixel_values"], dtype=np.float32)
+            _, gh, gw = (int(v) for v in np.asarray(out["image_grid_thw"])[0])
+            if grid_hw not in (None, (gh, gw)):
+                raise BadItem("the frames of a video must all have one size")
+            grid_hw = (gh, gw)
+            # [h*w, C*T*P*P] with T copies of the frame -> [h*w, C, P*P]
+            per_frame.append(rows.reshape(rows.shape[0], -1, tps, self._patch_area)[:, :, 0])
+        per_frame.extend([per_frame[-1]] * (-len(per_frame) % tps))
+        stacked = np.stack(per_frame)  # [frames, h*w, C, P*P]
+        n, positions, channels, area = stacked.shape
+        grid_t = n // tps
+        video = stacked.reshape(grid_t, tps, positions, channels, area).transpose(0, 2, 3, 1, 4)
+        assert grid_hw is not None
+        out_rows: dict[str, np.ndarray] = {
+            "pixel_values_videos": np.ascontiguousarray(video.reshape(grid_t * positions, channels * tps * area)),
+            "video_grid_thw": np.array([[grid_t, *grid_hw]], dtype=np.int64),
+        }
+        if "second_per_grid_ts" in self.input_names:
+            out_rows["second_per_grid_ts"] = np.array([tps / sampled_fps], dtype=np.float32)
+        return out_rows
+
+    @property
+    def _patch_area(self) -> int:
+        return int(self.vision.get("patch_size", 14)) ** 2
 
     def count(self, modality: int, shapes: dict[str, tuple[int, ...]], side: dict[str, np.ndarray]) -> int:
         if modality not in GRID_NAMES or modality not in self.placeholders:

@@ -59,36 +59,50 @@ def family_pair(
     assert codes == {"tokenizer": 0, "scheduler": 0}, f"services exited with {codes}"
 
 
+VIDEO_MARKER = "<|vision_start|><|video_pad|><|vision_end|>"
+
+
 def test_greedy_tokens_equal_the_model_in_one_batch(family_pair: tuple[str, Pair]) -> None:
+    from mmsplit_cli import samples
     from tokenizer_svc.decode import decode_image
 
     family, pair = family_pair
     marker = family_kit.MARKERS[family]
     wide, tall, square = png(120, 200, 1), png(300, 90, 2), png(224, 224, 3)
-    asks = [
-        (f"USER: {marker}\nWhat is in the image? ASSISTANT:", [wide]),
-        (f"{marker} versus {marker}: which is taller?", [tall, square]),
-        ("Tell me a story about a lighthouse.", []),
-        (f"Look: {marker}", [square]),
+    asks: list[tuple[str, list[bytes], list[bytes]]] = [
+        (f"USER: {marker}\nWhat is in the image? ASSISTANT:", [wide], []),
+        (f"{marker} versus {marker}: which is taller?", [tall, square], []),
+        ("Tell me a story about a lighthouse.", [], []),
+        (f"Look: {marker}", [square], []),
     ]
+    if family.startswith("qwen"):
+        # Qwen: a short video (2 s at 6 fps), and a video between two images.
+        clip, other = samples.video(frames=12, seed=1), samples.video(frames=9, width=120, height=90, fps=3, seed=2)
+        asks += [
+            (f"Watch: {VIDEO_MARKER} What moves?", [], [clip]),
+            (f"{marker} and {VIDEO_MARKER} and {marker}: same colors?", [wide, tall], [other]),
+        ]
     # All at once, so they share steps: joins and decodes of different
     # requests (and different rope deltas) in the same batches.
     barrier = threading.Barrier(len(asks))
     with grpc.insecure_channel(pair.tokenizer_address) as channel:
         stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
 
-        def send(ask: tuple[str, list[bytes]]):  # type: ignore[no-untyped-def]
+        def send(ask: tuple[str, list[bytes], list[bytes]]):  # type: ignore[no-untyped-def]
             barrier.wait()
-            return run_request(stub, make_request(ask[0], ask[1], max_tokens=MAX_TOKENS), timeout=120)
+            request = make_request(ask[0], ask[1], videos=ask[2], max_tokens=MAX_TOKENS)
+            return run_request(stub, request, timeout=120)
 
         with ThreadPoolExecutor(len(asks)) as pool:
             outs = list(pool.map(send, asks))
     proc = hf_family.processor(pair.model)
-    for (text, images), out in zip(asks, outs, strict=True):
+    for (text, images, videos), out in zip(asks, outs, strict=True):
         assert out.ok, (family, text, out)
         decoded = [decode_image(b, max_pixels=10**8) for b in images]
+        # The services' sampling defaults: the model's fps and frame bounds.
+        clips = [hf_family.video_inputs(pair.model, v, fps=2.0, max_frames=32) for v in videos]
         expected = hf_family.generate(
-            pair.model, proc, hf_family.with_markers(proc, text, len(images)), decoded, MAX_TOKENS
+            pair.model, proc, hf_family.with_markers(proc, text, len(images)), decoded, MAX_TOKENS, clips
         )
         assert out.token_ids == expected, (family, text)
     assert wait_until(lambda: rank_active_requests(pair.scheduler_address) == [0, 0], timeout=10)

@@ -10,6 +10,7 @@ through exactly the code a user of transformers runs.
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 from typing import Any
@@ -45,17 +46,98 @@ def prompt_ids(proc: Any, text: str, images: list[Any]) -> list[int]:
     return out["input_ids"][0].tolist()
 
 
-def generate(model_dir: Path, proc: Any, text: str, images: list[Any], max_tokens: int) -> list[int]:
-    """Greedy tokens of single-process `generate` (EOS as the model directory says)."""
+def generate(
+    model_dir: Path, proc: Any, text: str, images: list[Any], max_tokens: int, videos: list[dict[str, Any]] = ()
+) -> list[int]:
+    """Greedy tokens of single-process `generate` (EOS as the model directory
+    says). `videos`: `video_inputs` of each video, in prompt order."""
     from transformers import AutoModelForImageTextToText
 
     model = _models.get(model_dir)
     if model is None:
         model = _models[model_dir] = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
-    inputs = proc(images=images or None, text=text, return_tensors="pt")
+    if videos:
+        inputs = _with_videos(proc, text, images, videos)
+    else:
+        inputs = dict(proc(images=images or None, text=text, return_tensors="pt"))
     with torch.inference_mode():
         out = model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False)
     return out[0, inputs["input_ids"].shape[1] :].tolist()
+
+
+def _with_videos(proc: Any, text: str, images: list[Any], videos: list[dict[str, Any]]) -> dict[str, Any]:
+    """What Qwen2-VL's processor does with text, images and videos (its call
+    refuses videos without a video processor): each ``<|image_pad|>`` and
+    ``<|video_pad|>`` becomes one per merged patch of its item, then one
+    tokenizer call."""
+    import re
+
+    merge = proc.image_processor.merge_size**2
+    out: dict[str, Any] = {}
+    grids: dict[str, list[Any]] = {"<|image_pad|>": [], "<|video_pad|>": [v["video_grid_thw"][0] for v in videos]}
+    if images:
+        pictures = proc.image_processor(images=images, return_tensors="pt")
+        out.update(pictures)
+        grids["<|image_pad|>"] = list(pictures["image_grid_thw"])
+
+    def expand(match: re.Match[str]) -> str:
+        grid = grids[match.group(0)].pop(0)
+        return match.group(0) * (int(grid.prod()) // merge)
+
+    text = re.sub(r"<\|image_pad\|>|<\|video_pad\|>", expand, text)
+    for name in videos[0]:
+        out[name] = torch.cat([v[name] for v in videos])
+    out.update(proc.tokenizer(text, return_tensors="pt"))
+    return out
+
+
+def video_inputs(model_dir: Path, data: bytes, *, fps: float, max_frames: int) -> dict[str, Any]:
+    """A video's forward inputs the way transformers' Qwen2-VL video
+    processor makes them (which needs torchvision, so it is restated here):
+    every frame decoded to RGB with PyAV, `sample_frames` with fps,
+    per-frame smart resize (PIL bicubic here), rescale and normalize, the
+    last frame repeated to a whole temporal patch, then its `patchify`."""
+    import math
+
+    import av
+    import numpy as np
+    from PIL import Image
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    config = json.loads((model_dir / "video_preprocessor_config.json").read_text())
+    model_type = json.loads((model_dir / "config.json").read_text())["model_type"]
+    with av.open(io.BytesIO(data)) as container:
+        stream = container.streams.video[0]
+        native_fps = float(stream.average_rate)
+        frames = [f.to_ndarray(format="rgb24") for f in container.decode(stream)]
+    tps, patch, merge = config["temporal_patch_size"], config["patch_size"], config["merge_size"]
+    total = len(frames)
+    top = math.floor(min(min(max_frames, config["max_frames"]), total) / tps) * tps
+    n = min(max(total / native_fps * fps, config["min_frames"]), top, total)
+    n = math.floor(n / tps) * tps
+    picked = [frames[i * total // n] for i in range(n)]
+    height, width = picked[0].shape[:2]
+    size = config["size"]
+    rh, rw = smart_resize(height, width, patch * merge, size["shortest_edge"], size["longest_edge"])
+    mean = torch.tensor(config["image_mean"]).view(3, 1, 1)
+    std = torch.tensor(config["image_std"]).view(3, 1, 1)
+    tensors = [
+        (torch.from_numpy(np.asarray(Image.fromarray(f).resize((rw, rh), Image.BICUBIC))).permute(2, 0, 1) / 255 - mean)
+        / std
+        for f in picked
+    ]
+    video = torch.stack(tensors)[None].float()
+    b, t, c, h, w = video.shape
+    if pad := -t % tps:
+        video = torch.cat((video, video[:, -1:].expand(-1, pad, -1, -1, -1)), 1)
+        t += pad
+    gt, gh, gw = t // tps, h // patch, w // patch
+    rows = video.view(b, gt, tps, c, gh // merge, merge, patch, gw // merge, merge, patch)
+    rows = rows.permute(0, 1, 4, 7, 5, 8, 3, 2, 6, 9).reshape(gt * gh * gw, c * tps * patch * patch)
+    out = {"pixel_values_videos": rows, "video_grid_thw": torch.tensor([[gt, gh, gw]])}
+    if model_type == "qwen2_5_vl":
+        out["second_per_grid_ts"] = torch.tensor([tps / (n / total * native_fps)])
+    return out
 
 
 _models: dict[Path, Any] = {}

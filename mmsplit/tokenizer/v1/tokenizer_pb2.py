@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from mmsplit.common.v1 import common_pb2 as mmsplit_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$mmsplit/tokenizer/v1/tokenizer.proto\x12\x14mmsplit.tokenizer.v1\x1a\x1emmsplit/common/v1/common.proto\"0\n\x05Image\x12\x0e\n\x04\x64\x61ta\x18\x01 \x01(\x0cH\x00\x12\r\n\x03url\x18\x02 \x01(\tH\x00\x42\x08\n\x06source\"\x97\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12+\n\x06images\x18\x03 \x03(\x0b\x32\x1b.mmsplit.tokenizer.v1.Image\x12\x33\n\x08sampling\x18\x04 \x01(\x0b\x32!.mmsplit.common.v1.SamplingParams\",\n\tTextDelta\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\"t\n\x08\x46inished\x12\x36\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1f.mmsplit.common.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\"\x95\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x30\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x1f.mmsplit.tokenizer.v1.TextDeltaH\x00\x12\x32\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x1e.mmsplit.tokenizer.v1.FinishedH\x00\x42\x07\n\x05\x65vent\"\x16\n\x14GetServerInfoRequest\"\xa7\x01\n\x15GetServerInfoResponse\x12+\n\x04info\x18\x01 \x01(\x0b\x32\x1d.mmsplit.common.v1.ServerInfo\x12\x30\n\tscheduler\x18\x02 \x01(\x0b\x32\x1d.mmsplit.common.v1.ServerInfo\x12/\n\ttransport\x18\x03 \x01(\x0e\x32\x1c.mmsplit.common.v1.Transport2\xd9\x01\n\x10TokenizerService\x12[\n\x08Generate\x12%.mmsplit.tokenizer.v1.GenerateRequest\x1a&.mmsplit.tokenizer.v1.GenerateResponse0\x01\x12h\n\rGetServerInfo\x12*.mmsplit.tokenizer.v1.GetServerInfoRequest\x1a+.mmsplit.tokenizer.v1.GetServerInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$mmsplit/tokenizer/v1/tokenizer.proto\x12\x14mmsplit.tokenizer.v1\x1a\x1emmsplit/common/v1/common.proto\"0\n\x05Image\x12\x0e\n\x04\x64\x61ta\x18\x01 \x01(\x0cH\x00\x12\r\n\x03url\x18\x02 \x01(\tH\x00\x42\x08\n\x06source\"0\n\x05Video\x12\x0e\n\x04\x64\x61ta\x18\x01 \x01(\x0cH\x00\x12\r\n\x03url\x18\x02 \x01(\tH\x00\x42\x08\n\x06source\"\xc4\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12+\n\x06images\x18\x03 \x03(\x0b\x32\x1b.mmsplit.tokenizer.v1.Image\x12\x33\n\x08sampling\x18\x04 \x01(\x0b\x32!.mmsplit.common.v1.SamplingParams\x12+\n\x06videos\x18\x05 \x03(\x0b\x32\x1b.mmsplit.tokenizer.v1.Video\",\n\tTextDelta\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\"t\n\x08\x46inished\x12\x36\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1f.mmsplit.common.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\"\x95\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x30\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x1f.mmsplit.tokenizer.v1.TextDeltaH\x00\x12\x32\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x1e.mmsplit.tokenizer.v1.FinishedH\x00\x42\x07\n\x05\x65vent\"\x16\n\x14GetServerInfoRequest\"\xa7\x01\n\x15GetServerInfoResponse\x12+\n\x04info\x18\x01 \x01(\x0b\x32\x1d.mmsplit.common.v1.ServerInfo\x12\x30\n\tscheduler\x18\x02 \x01(\x0b\x32\x1d.mmsplit.common.v1.ServerInfo\x12/\n\ttransport\x18\x03 \x01(\x0e\x32\x1c.mmsplit.common.v1.Transport2\xd9\x01\n\x10TokenizerService\x12[\n\x08Generate\x12%.mmsplit.tokenizer.v1.GenerateRequest\x1a&.mmsplit.tokenizer.v1.GenerateResponse0\x01\x12h\n\rGetServerInfo\x12*.mmsplit.tokenizer.v1.GetServerInfoRequest\x1a+.mmsplit.tokenizer.v1.GetServerInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,18 +34,20 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_IMAGE']._serialized_start=94
   _globals['_IMAGE']._serialized_end=142
-  _globals['_GENERATEREQUEST']._serialized_start=145
-  _globals['_GENERATEREQUEST']._serialized_end=296
-  _globals['_TEXTDELTA']._serialized_start=298
-  _globals['_TEXTDELTA']._serialized_end=342
-  _globals['_FINISHED']._serialized_start=344
-  _globals['_FINISHED']._serialized_end=460
-  _globals['_GENERATERESPONSE']._serialized_start=463
-  _globals['_GENERATERESPONSE']._serialized_end=612
-  _globals['_GETSERVERINFOREQUEST']._serialized_start=614
-  _globals['_GETSERVERINFOREQUEST']._serialized_end=636
-  _globals['_GETSERVERINFORESPONSE']._serialized_start=639
-  _globals['_GETSERVERINFORESPONSE']._serialized_end=806
-  _globals['_TOKENIZERSERVICE']._serialized_start=809
-  _globals['_TOKENIZERSERVICE']._serialized_end=1026
+  _globals['_VIDEO']._serialized_start=144
+  _globals['_VIDEO']._serialized_end=192
+  _globals['_GENERATEREQUEST']._serialized_start=195
+  _globals['_GENERATEREQUEST']._serialized_end=391
+  _globals['_TEXTDELTA']._serialized_start=393
+  _globals['_TEXTDELTA']._serialized_end=437
+  _globals['_FINISHED']._serialized_start=439
+  _globals['_FINISHED']._serialized_end=555
+  _globals['_GENERATERESPONSE']._serialized_start=558
+  _globals['_GENERATERESPONSE']._serialized_end=707
+  _globals['_GETSERVERINFOREQUEST']._serialized_start=709
+  _globals['_GETSERVERINFOREQUEST']._serialized_end=731
+  _globals['_GETSERVERINFORESPONSE']._serialized_start=734
+  _globals['_GETSERVERINFORESPONSE']._serialized_end=901
+  _globals['_TOKENIZERSERVICE']._serialized_start=904
+  _globals['_TOKENIZERSERVICE']._serialized_end=1121
 # @@protoc_insertion_point(module_scope)
