@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import struct
 import zlib
+from fractions import Fraction
 from typing import Any
 
 import numpy as np
@@ -50,7 +51,7 @@ def video(
     frames: int = 12,
     width: int = 96,
     height: int = 64,
-    fps: int = 6,
+    fps: int | Fraction = 6,
     *,
     container: str = "mp4",
     codec: str = "libx264",
@@ -61,8 +62,6 @@ def video(
     """A small encoded video of moving blocks, made with PyAV in memory.
     `frame_ms` gives each frame's duration (a variable frame rate); `audio`
     adds a short tone track."""
-    from fractions import Fraction
-
     import av
 
     rng = np.random.default_rng(seed)
@@ -71,7 +70,8 @@ def video(
     with av.open(buf, "w", format=container) as out:
         stream: Any = out.add_stream(codec, rate=fps)
         stream.width, stream.height = width, height
-        stream.pix_fmt = {"ffv1": "yuv444p", "mjpeg": "yuvj420p"}.get(codec, "yuv420p")
+        odd = width % 2 or height % 2  # 4:2:0 needs even sizes
+        stream.pix_fmt = {"ffv1": "yuv444p", "mjpeg": "yuvj420p"}.get(codec, "yuv444p" if odd else "yuv420p")
         ms = Fraction(1, 1000)
         if frame_ms is not None:
             stream.codec_context.time_base = ms

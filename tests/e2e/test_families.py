@@ -7,7 +7,9 @@ scheduler are refused one by one while the group keeps serving."""
 from __future__ import annotations
 
 import io
+import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -19,12 +21,13 @@ import pytest
 from mmsplit.common.v1 import common_pb2
 from mmsplit.errors import RemoteError
 from mmsplit.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
-from mmsplit.tokenizer.v1 import tokenizer_pb2_grpc
+from mmsplit.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from mmsplit_cli import samples
 from mmsplit_cli.client import make_request, run_request
 from tests.conftest import SCHEDULER_SERVICE, TOKENIZER_SERVICE, Services
 from tests.e2e.helpers import health_status, rank_active_requests
-from tests.support import family_kit, hf_family
-from tests.support.leaks import wait_until
+from tests.support import family_kit, hf_family, video_corpus
+from tests.support.leaks import project_segments, wait_until
 from tests.support.services import Pair, running_pair
 
 pytestmark = pytest.mark.e2e
@@ -40,20 +43,38 @@ def png(height: int, width: int, seed: int) -> bytes:
     return buf.getvalue()
 
 
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The pairs' allowed media directory (a video named clip.png in it) and
+    their TMPDIR, which must stay as it is."""
+    media, tmp = tmp_path_factory.mktemp("family-media"), tmp_path_factory.mktemp("family-tmp")
+    (media / "clip.png").write_bytes(samples.video(frames=8))
+    return media, tmp
+
+
 @pytest.fixture(scope="module", params=["llava", "llava-next", "qwen2-vl", "qwen2.5-vl"])
 def family_pair(
     request: pytest.FixtureRequest,
     family_models: Callable[[str], Path],
     services: Services,
+    family_dirs: tuple[Path, Path],
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[tuple[str, Pair]]:
-    """Each family's pair at TP=2 (LLaVA-1.5 is the session's shared pair)."""
+    """Each family's pair at TP=2 (LLaVA-1.5 is the session's shared pair);
+    the others slow down frames of the worker hook's SLOW size."""
     family = request.param
     if family == "llava":
         yield family, services
         return
     logs = tmp_path_factory.mktemp(f"logs-{family}")
-    with running_pair(family_models(family), logs, scheduler_extra=["--batch-window-s", "0.05"]) as pair:
+    media, tmp = family_dirs
+    with running_pair(
+        family_models(family),
+        logs,
+        scheduler_extra=["--batch-window-s", "0.05"],
+        tokenizer_extra=["--worker-hook", "tests.support.worker_hook", "--allowed-media-dir", str(media)],
+        env={"TMPDIR": str(tmp)},
+    ) as pair:
         yield family, pair
         codes = {"tokenizer": pair.tokenizer.stop(), "scheduler": pair.scheduler.stop()}
     assert codes == {"tokenizer": 0, "scheduler": 0}, f"services exited with {codes}"
@@ -63,7 +84,6 @@ VIDEO_MARKER = "<|vision_start|><|video_pad|><|vision_end|>"
 
 
 def test_greedy_tokens_equal_the_model_in_one_batch(family_pair: tuple[str, Pair]) -> None:
-    from mmsplit_cli import samples
     from tokenizer_svc.decode import decode_image
 
     family, pair = family_pair
@@ -184,3 +204,60 @@ def test_malformed_items_are_refused_and_the_group_keeps_serving(family_pair: tu
     assert health_status(pair.scheduler_address, SCHEDULER_SERVICE) == "SERVING"
     assert health_status(pair.tokenizer_address, TOKENIZER_SERVICE) == "SERVING"
     assert wait_until(lambda: rank_active_requests(pair.scheduler_address) == [0, 0], timeout=10)
+
+
+def _media_outcome(stub: tokenizer_pb2_grpc.TokenizerServiceStub, request: tokenizer_pb2.GenerateRequest) -> str:
+    out = run_request(stub, request, timeout=60)
+    return "ok" if out.ok else out.reason
+
+
+def test_video_corpus_has_its_documented_outcomes_and_leaves_nothing(
+    family_pair: tuple[str, Pair], family_dirs: tuple[Path, Path]
+) -> None:
+    """Every corpus video through the tokenizer: its documented outcome
+    (models without video: MEDIA_UNSUPPORTED each), a video named like an
+    image, a request cancelled while its video decodes; then no segment and
+    no temporary file is left, the next request succeeds, health SERVING."""
+    from tests.support.worker_hook import SLOW
+
+    family, pair = family_pair
+    takes_video = family.startswith("qwen")
+    before = sorted(os.listdir(family_dirs[1]))
+    cases = video_corpus.corpus()
+    with grpc.insecure_channel(pair.tokenizer_address) as channel:
+        stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
+
+        def ask(*, videos: list[tokenizer_pb2.Video] = (), images: list[tokenizer_pb2.Image] = ()) -> str:
+            request = tokenizer_pb2.GenerateRequest(prompt="What happens?", videos=videos, images=images)
+            request.sampling.max_tokens = 2
+            return _media_outcome(stub, request)
+
+        outcomes = {case.name: ask(videos=[tokenizer_pb2.Video(data=case.data)]) for case in cases}
+        expected = {case.name: case.expected if takes_video else "MEDIA_UNSUPPORTED" for case in cases}
+        assert outcomes == expected
+        if takes_video:
+            # A video named like an image: read by content as a video; as an image it is not one.
+            assert ask(videos=[tokenizer_pb2.Video(url="clip.png")]) == "ok"
+            assert ask(images=[tokenizer_pb2.Image(url="clip.png")]) == "MEDIA_UNSUPPORTED"
+            # Cancelled mid-decode: each sampled frame of this size takes the worker 1.5 s.
+            slow = tokenizer_pb2.GenerateRequest(
+                prompt="Slow:",
+                videos=[tokenizer_pb2.Video(data=samples.video(frames=12, width=SLOW[0], height=SLOW[1]))],
+            )
+            call = stub.Generate(slow, timeout=60)
+            time.sleep(2.0)
+            call.cancel()
+            with pytest.raises(grpc.RpcError) as cancelled:
+                list(call)
+            assert cancelled.value.code() == grpc.StatusCode.CANCELLED
+        assert ask() == "ok"
+    # The cancelled video's worker finishes its frames, then its segment is released.
+    assert wait_until(lambda: not _segments_of(pair), timeout=30), _segments_of(pair)
+    assert sorted(os.listdir(family_dirs[1])) == before
+    assert health_status(pair.tokenizer_address, TOKENIZER_SERVICE) == "SERVING"
+    assert wait_until(lambda: rank_active_requests(pair.scheduler_address) == [0, 0], timeout=10)
+
+
+def _segments_of(pair: Pair) -> list[str]:
+    """Segments the pair's tokenizer made (named <prefix>-<pid>-<random>)."""
+    return [name for name in project_segments() if name.split("-")[1:2] == [str(pair.tokenizer.pid)]]

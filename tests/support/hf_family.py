@@ -116,13 +116,15 @@ def video_inputs(model_dir: Path, data: bytes, *, fps: float, max_frames: int) -
     n = min(max(total / native_fps * fps, config["min_frames"]), top, total)
     n = math.floor(n / tps) * tps
     picked = [frames[i * total // n] for i in range(n)]
+    if total < tps:
+        picked, n = frames, total  # transformers fails here; the services' documented rule keeps them all
     height, width = picked[0].shape[:2]
     size = config["size"]
     rh, rw = smart_resize(height, width, patch * merge, size["shortest_edge"], size["longest_edge"])
     mean = torch.tensor(config["image_mean"]).view(3, 1, 1)
     std = torch.tensor(config["image_std"]).view(3, 1, 1)
     tensors = [
-        (torch.from_numpy(np.asarray(Image.fromarray(f).resize((rw, rh), Image.BICUBIC))).permute(2, 0, 1) / 255 - mean)
+        (torch.from_numpy(np.array(Image.fromarray(f).resize((rw, rh), Image.BICUBIC))).permute(2, 0, 1) / 255 - mean)
         / std
         for f in picked
     ]

@@ -35,7 +35,15 @@ def start_tokenizer(model: Path, scheduler: str, log: Path, *, extra: Sequence[s
 
 @contextmanager
 def running_pair(
-    model: Path, logs: Path, *, scheduler_extra: Sequence[str] = (), tokenizer_extra: Sequence[str] = ()
+    model: Path,
+    logs: Path,
+    *,
+    scheduler_extra: Sequence[str] = (),
+    tokenizer_extra: Sequence[str] = (),
+    env: dict[str, str] | None = None,
 ) -> Iterator[Pair]:
-    with _running_pair(model, logs, scheduler_extra=scheduler_extra, tokenizer_extra=tokenizer_extra, env=ENV) as pair:
+    environment = {**ENV, **(env or {})}
+    with _running_pair(
+        model, logs, scheduler_extra=scheduler_extra, tokenizer_extra=tokenizer_extra, env=environment
+    ) as pair:
         yield pair
