@@ -91,7 +91,7 @@ def video(
         for packet in stream.encode():
             out.mux(packet)
         if sound is not None:
-            _tone(out, sound, seconds=frames / fps)
+            _tone(out, sound, seconds=float(frames / fps))
     return buf.getvalue()
 
 
