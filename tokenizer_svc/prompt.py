@@ -11,6 +11,14 @@ token of the tokenizer (``</s>``, ``<|im_start|>``, ...) except the media
 markers, which must then match the media sent. Such text would otherwise be
 tokenized into the control token itself; it is refused (INVALID_REQUEST)
 rather than silently altered.
+
+Chat template (optional): the prompt becomes one user turn whose content is
+its text and media parts in order (``{"type": "text"|"image"|"video"}``,
+the media first when the prompt has no markers), rendered by the model's
+template with the generation prompt, exactly as
+``processor.apply_chat_template(messages, add_generation_prompt=True)``
+renders it; the template's own special tokens are then real control tokens
+(the user's text was checked before it was placed).
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from mmsplit.families import Family
+from mmsplit.families import IMAGE, VIDEO, Family
 from tokenizer_svc.errors import InternalError, InvalidRequest
 
 
@@ -44,9 +52,10 @@ def _names(modalities: list[int]) -> str:
 
 
 class PromptBuilder:
-    def __init__(self, family: Family, tokenizer: Any) -> None:
+    def __init__(self, family: Family, tokenizer: Any, chat_template: str | None = None) -> None:
         self.family = family
         self.tokenizer = tokenizer
+        self.chat_template = chat_template
         self.holders = family.placeholders
         markers = {p.token for p in self.holders.values()}
         self._marker_re = re.compile("|".join(re.escape(m) for m in sorted(markers, key=len, reverse=True)))
@@ -75,17 +84,23 @@ class PromptBuilder:
                     f"the prompt contains {token!r}, a control token of this model; it cannot be sent as text"
                 )
         found = [self._by_marker[m] for m in self._marker_re.findall(text)]
-        if not found and media:
-            # No markers: the images first, then the videos, one per line.
-            order = sorted(m.modality for m in media)
-            text = "".join(self.holders[m].token + "\n" for m in order) + text
-            found = order
-        if sorted(found) != sorted(m.modality for m in media):
+        sent = sorted(m.modality for m in media)
+        if found and sorted(found) != sent:
             raise InvalidRequest(
                 f"the prompt's media markers ({_names(found)}) do not match the media sent "
                 f"({_names([m.modality for m in media])}); mark each with {' or '.join(sorted(self._by_marker))}, "
                 "or use no markers at all"
             )
+        if self.chat_template is not None:
+            # Without markers the media parts come first (images, then videos).
+            text = self._render(text, found or sent, media_first=not found)
+            found = [self._by_marker[m] for m in self._marker_re.findall(text)]
+            if sorted(found) != sent:
+                raise InternalError("the chat template did not place every image and video of the request once")
+        elif not found and media:
+            # No markers: the images first, then the videos, one per line.
+            text = "".join(self.holders[m].token + "\n" for m in sent) + text
+            found = sent
         # The k-th marker of a modality takes the k-th item of that modality.
         queues = {m: [item for item in media if item.modality == m] for m in set(found)}
         pieces = self._marker_re.split(text)
@@ -93,8 +108,33 @@ class PromptBuilder:
         for modality, piece in zip(found, pieces[1:], strict=True):
             expanded.append(self.holders[modality].expand(queues[modality].pop(0).tokens))
             expanded.append(piece)
-        ids: list[int] = list(self.tokenizer("".join(expanded))["input_ids"])
+        full = "".join(expanded)
+        # A template that writes the BOS itself must not get a second one.
+        bos = getattr(self.tokenizer, "bos_token", None)
+        add_special = not (self.chat_template is not None and bos and full.startswith(bos))
+        ids: list[int] = list(self.tokenizer(full, add_special_tokens=add_special)["input_ids"])
         return BuiltPrompt(ids, self._runs(ids, media))
+
+    def _render(self, text: str, modalities: list[int], *, media_first: bool) -> str:
+        """The prompt as one user turn of the chat template: its text and
+        media parts in order (markers already normalized), or the media
+        parts first when the text has no markers."""
+        kinds = {IMAGE: "image", VIDEO: "video"}
+        content: list[dict[str, str]] = []
+        if media_first:
+            content += [{"type": kinds[m]} for m in modalities]
+        for i, piece in enumerate(self._marker_re.split(text)):
+            if i:
+                content.append({"type": kinds[modalities[i - 1]]})
+            if piece:
+                content.append({"type": "text", "text": piece})
+        messages = [{"role": "user", "content": content}]
+        rendered: str = self.tokenizer.apply_chat_template(
+            messages, chat_template=self.chat_template, tokenize=False, add_generation_prompt=True
+        )
+        for whole, marker in self._wrapped.items():
+            rendered = rendered.replace(whole, marker)
+        return rendered
 
     def _runs(self, ids: list[int], media: list[Media]) -> list[list[tuple[int, int]]]:
         """Each item's placeholder positions, taken in order per modality, as

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import signal
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -97,13 +100,38 @@ def run(settings: TokenizerSettings) -> int:
     return asyncio.run(_serve(settings, security, downstream))
 
 
-def _load_processor(settings: TokenizerSettings) -> tuple[families.Family, object]:
-    """The model's family adapter and its tokenizer. (The full processor
-    object is not needed, and for Qwen families cannot be built without
-    torchvision; the image processor lives in the CPU workers.)"""
+def _load_processor(settings: TokenizerSettings) -> tuple[families.Family, Any, str | None]:
+    """The model's family adapter, its tokenizer and the chat template in use.
+    (The full processor object is not needed, and for Qwen families cannot be
+    built without torchvision; the image processor lives in the CPU workers.)"""
     from transformers import AutoTokenizer
 
-    return families.load(settings.model_dir), AutoTokenizer.from_pretrained(settings.model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(settings.model_dir)
+    template = chat_template(settings.chat_template, settings.model_dir, tokenizer)
+    if template is not None:
+        # A template that does not render fails the start, not every request.
+        probe: Any = [{"role": "user", "content": [{"type": "text", "text": "hello"}]}]
+        try:
+            tokenizer.apply_chat_template(probe, chat_template=template, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:
+            raise ValueError(f"the chat template does not render: {type(exc).__name__}: {exc}") from exc
+    return families.load(settings.model_dir), tokenizer, template
+
+
+def chat_template(choice: str, model_dir: Path, tokenizer: Any) -> str | None:
+    """`--chat-template`: none, auto (the processor's template file, else the
+    tokenizer's; None when the model ships neither), or a file's text."""
+    if choice == "none":
+        return None
+    if choice != "auto":
+        return Path(choice).read_text()
+    legacy = model_dir / "chat_template.json"  # how older processors saved theirs
+    if legacy.is_file():
+        value = json.loads(legacy.read_text()).get("chat_template")
+        if isinstance(value, str):
+            return value
+    own = getattr(tokenizer, "chat_template", None)
+    return own if isinstance(own, str) and own else None
 
 
 async def _serve(settings: TokenizerSettings, security: ServerSecurity, downstream: ClientSecurity) -> int:
@@ -115,7 +143,10 @@ async def _serve(settings: TokenizerSettings, security: ServerSecurity, downstre
     await asyncio.to_thread(shm.sweep, settings.shm_prefix, grace_s=settings.segment_grace_s)
     health = Health(SERVICE_NAME)
     await health.start()
-    family, tokenizer = await asyncio.to_thread(_load_processor, settings)
+    try:
+        family, tokenizer, template = await asyncio.to_thread(_load_processor, settings)
+    except (ValueError, OSError) as exc:  # an unsupported model, an unreadable or broken template
+        raise SystemExit(f"mmsplit tokenizer: {exc}") from exc
     pool = CpuPool(
         str(settings.model_dir),
         settings.cpu_workers,
@@ -125,7 +156,7 @@ async def _serve(settings: TokenizerSettings, security: ServerSecurity, downstre
     await pool.start()
     media = MediaLoader(settings)
     link = SchedulerLink(settings, downstream)
-    service = TokenizerService(settings, family, tokenizer, media, pool, link)
+    service = TokenizerService(settings, family, tokenizer, media, pool, link, chat_template=template)
 
     server, port = await new_server(
         host=settings.host,

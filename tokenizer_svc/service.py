@@ -54,11 +54,13 @@ class TokenizerService:
         media: MediaLoader,
         pool: CpuPool,
         link: SchedulerLink,
+        *,
+        chat_template: str | None = None,
     ) -> None:
         self.settings = settings
         self.tokenizer = tokenizer
         self.family = family
-        self.prompts = PromptBuilder(family, tokenizer)
+        self.prompts = PromptBuilder(family, tokenizer, chat_template)
         self.media = media
         self.pool = pool
         self.link = link

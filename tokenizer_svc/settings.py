@@ -76,6 +76,11 @@ class TokenizerSettings:
         60.0, "budget of one video's decode + preprocessing in a worker (fetching and waiting excluded)", min=0.01
     )
     max_prompt_chars: int = _opt(100_000, "longest prompt, characters", min=1)
+    chat_template: str = _opt(
+        "auto",
+        "auto = the chat template the model ships, when it ships one (each prompt becomes one user turn, with the "
+        "generation prompt); none = prompts as written; else a path to a Jinja template file",
+    )
     max_tokens_limit: int = _opt(
         4096, "largest sampling.max_tokens accepted (the scheduler applies its own limit as well)", min=1
     )

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -84,47 +85,62 @@ VIDEO_MARKER = "<|vision_start|><|video_pad|><|vision_end|>"
 
 
 def test_greedy_tokens_equal_the_model_in_one_batch(family_pair: tuple[str, Pair]) -> None:
+    """Each ask is a list of parts: text, or ("image"|"video", bytes). The
+    prompt sent marks each medium where it goes; the reference renders the
+    same parts as one user turn with the processor's own chat template when
+    the model ships one (the Qwen tiny models do: the default
+    `--chat-template auto` applies it), else uses the prompt as written."""
     from tokenizer_svc.decode import decode_image
 
     family, pair = family_pair
-    marker = family_kit.MARKERS[family]
     wide, tall, square = png(120, 200, 1), png(300, 90, 2), png(224, 224, 3)
-    asks: list[tuple[str, list[bytes], list[bytes]]] = [
-        (f"USER: {marker}\nWhat is in the image? ASSISTANT:", [wide], []),
-        (f"{marker} versus {marker}: which is taller?", [tall, square], []),
-        ("Tell me a story about a lighthouse.", [], []),
-        (f"Look: {marker}", [square], []),
+    asks: list[list[Any]] = [
+        ["USER: ", ("image", wide), "\nWhat is in the image? ASSISTANT:"],
+        [("image", tall), " versus ", ("image", square), ": which is taller?"],
+        ["Tell me a story about a lighthouse."],
+        ["Look: ", ("image", square)],
     ]
     if family.startswith("qwen"):
         # Qwen: a short video (2 s at 6 fps), and a video between two images.
         clip, other = samples.video(frames=12, seed=1), samples.video(frames=9, width=120, height=90, fps=3, seed=2)
         asks += [
-            (f"Watch: {VIDEO_MARKER} What moves?", [], [clip]),
-            (f"{marker} and {VIDEO_MARKER} and {marker}: same colors?", [wide, tall], [other]),
+            ["Watch: ", ("video", clip), " What moves?"],
+            [("image", wide), " and ", ("video", other), " and ", ("image", tall), ": same colors?"],
         ]
+    markers = {"image": family_kit.MARKERS[family], "video": VIDEO_MARKER}
+
+    def media(parts: list[Any], kind: str) -> list[bytes]:
+        return [p[1] for p in parts if isinstance(p, tuple) and p[0] == kind]
+
     # All at once, so they share steps: joins and decodes of different
     # requests (and different rope deltas) in the same batches.
     barrier = threading.Barrier(len(asks))
     with grpc.insecure_channel(pair.tokenizer_address) as channel:
         stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
 
-        def send(ask: tuple[str, list[bytes], list[bytes]]):  # type: ignore[no-untyped-def]
+        def send(parts: list[Any]):  # type: ignore[no-untyped-def]
+            prompt = "".join(markers[p[0]] if isinstance(p, tuple) else p for p in parts)
+            request = make_request(prompt, media(parts, "image"), videos=media(parts, "video"), max_tokens=MAX_TOKENS)
             barrier.wait()
-            request = make_request(ask[0], ask[1], videos=ask[2], max_tokens=MAX_TOKENS)
             return run_request(stub, request, timeout=120)
 
         with ThreadPoolExecutor(len(asks)) as pool:
             outs = list(pool.map(send, asks))
     proc = hf_family.processor(pair.model)
-    for (text, images, videos), out in zip(asks, outs, strict=True):
-        assert out.ok, (family, text, out)
-        decoded = [decode_image(b, max_pixels=10**8) for b in images]
+    assert bool(proc.chat_template) == family.startswith("qwen")
+    for parts, out in zip(asks, outs, strict=True):
+        assert out.ok, (family, parts, out)
+        decoded = [decode_image(b, max_pixels=10**8) for b in media(parts, "image")]
         # The services' sampling defaults: the model's fps and frame bounds.
-        clips = [hf_family.video_inputs(pair.model, v, fps=2.0, max_frames=32) for v in videos]
-        expected = hf_family.generate(
-            pair.model, proc, hf_family.with_markers(proc, text, len(images)), decoded, MAX_TOKENS, clips
-        )
-        assert out.token_ids == expected, (family, text)
+        clips = [hf_family.video_inputs(pair.model, v, fps=2.0, max_frames=32) for v in media(parts, "video")]
+        if proc.chat_template:
+            content = [{"type": p[0]} if isinstance(p, tuple) else {"type": "text", "text": p} for p in parts]
+            turn = [{"role": "user", "content": content}]
+            text = proc.apply_chat_template(turn, tokenize=False, add_generation_prompt=True)
+        else:
+            text = "".join(markers[p[0]] if isinstance(p, tuple) else p for p in parts)
+        expected = hf_family.generate(pair.model, proc, text, decoded, MAX_TOKENS, clips)
+        assert out.token_ids == expected, (family, parts)
     assert wait_until(lambda: rank_active_requests(pair.scheduler_address) == [0, 0], timeout=10)
 
 

@@ -31,11 +31,14 @@ def processor(model_dir: Path) -> Any:
     processing_utils.ProcessorMixin.check_argument_for_proper_class = (  # type: ignore[method-assign]
         lambda self, name, arg: None if arg is None else check(self, name, arg)
     )
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
     try:
         return cls(
             image_processor=AutoImageProcessor.from_pretrained(model_dir),
-            tokenizer=AutoTokenizer.from_pretrained(model_dir),
+            tokenizer=tokenizer,
             video_processor=None,
+            # What from_pretrained reads from the directory's chat_template.jinja.
+            chat_template=tokenizer.chat_template,
         )
     finally:
         processing_utils.ProcessorMixin.check_argument_for_proper_class = check  # type: ignore[method-assign]

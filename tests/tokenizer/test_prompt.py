@@ -86,3 +86,71 @@ def test_marker_count_mismatch_is_invalid(family: str, family_models: Callable[[
     kit = family_kit.kit(family_models(family))
     with pytest.raises(InvalidRequest, match="markers"):
         kit.prompts.build(f"{kit.marker}{kit.marker}", [Media(families.IMAGE, 4)])
+
+
+# LLaVA-1.5's template in the shape its checkpoints ship it (the tiny LLaVA
+# models ship none, so this test brings one).
+LLAVA_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] == 'user' %}USER: {% else %}ASSISTANT: {% endif %}"
+    "{% for part in message['content'] %}{% if part['type'] == 'image' %}<image>\n"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}"
+    "{% if message['role'] == 'user' %} {% endif %}{% endfor %}{% if add_generation_prompt %}ASSISTANT:{% endif %}"
+)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_chat_template_gives_the_processor_s_ids(family: str, family_models: Callable[[str], Path]) -> None:
+    """`--chat-template auto`: the model's own template (the Qwen tiny models
+    ship one), rendered over the prompt as one user turn, gives the ids of
+    ``processor(text=processor.apply_chat_template(messages), images=...)``."""
+    from tokenizer_svc.prompt import PromptBuilder
+    from tokenizer_svc.server import chat_template
+
+    model_dir = family_models(family)
+    kit = family_kit.kit(model_dir)
+    proc = hf_family.processor(model_dir)
+    shipped = chat_template("auto", model_dir, kit.tokenizer)
+    assert (shipped is not None) == family.startswith("qwen")
+    assert chat_template("none", model_dir, kit.tokenizer) is None
+    template = shipped or LLAVA_TEMPLATE
+    builder = PromptBuilder(kit.family, kit.tokenizer, template)
+    m, image = kit.marker, {"type": "image"}
+
+    def words(text: str) -> dict[str, str]:
+        return {"type": "text", "text": text}
+
+    two = images((120, 200), (80, 80))
+    cases = [
+        ("hello there", [], [words("hello there")]),
+        (f"What is {m} next to {m}?", two, [words("What is "), image, words(" next to "), image, words("?")]),
+        # No markers: the images first.
+        ("Compare them.", two, [image, image, words("Compare them.")]),
+    ]
+    for text, imgs, content in cases:
+        counts = [n for _, n in kit.items(imgs)]
+        built = builder.build(text, [Media(families.IMAGE, n) for n in counts])
+        rendered = proc.apply_chat_template(
+            [{"role": "user", "content": content}], chat_template=template, tokenize=False, add_generation_prompt=True
+        )
+        assert built.input_ids == hf_family.prompt_ids(proc, rendered, imgs), (family, text)
+    # The user's text is still checked before the template's own control tokens are added.
+    with pytest.raises(InvalidRequest, match="control token"):
+        builder.build("</s> sneaky", [])
+
+
+def test_chat_template_setting_takes_a_file_and_a_broken_one_stops_the_start(
+    family_models: Callable[[str], Path], tmp_path: Path
+) -> None:
+    from tokenizer_svc.server import _load_processor
+    from tokenizer_svc.settings import TokenizerSettings
+
+    model_dir = family_models("llava")
+    good, broken = tmp_path / "good.jinja", tmp_path / "broken.jinja"
+    good.write_text(LLAVA_TEMPLATE)
+    broken.write_text("{% for message in messages %}{{ message['role'] }")
+    assert _load_processor(TokenizerSettings(model_dir=model_dir, chat_template=str(good)))[2] == LLAVA_TEMPLATE
+    assert _load_processor(TokenizerSettings(model_dir=model_dir))[2] is None  # auto: LLaVA tiny ships none
+    with pytest.raises(ValueError, match="does not render"):
+        _load_processor(TokenizerSettings(model_dir=model_dir, chat_template=str(broken)))
+    with pytest.raises(FileNotFoundError):
+        _load_processor(TokenizerSettings(model_dir=model_dir, chat_template=str(tmp_path / "missing.jinja")))
