@@ -5,6 +5,7 @@ from __future__ import annotations
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from mmsplit.common.v1 import common_pb2
 from mmsplit.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from mmsplit.tokenizer.v1 import tokenizer_pb2_grpc
 
@@ -19,7 +20,11 @@ def health_status(address: str, service: str) -> str:
         return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
 
-def rank_active_requests(scheduler_address: str) -> list[int]:
+def scheduler_info(scheduler_address: str) -> common_pb2.ServerInfo:
     with grpc.insecure_channel(scheduler_address) as channel:
         stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
-        return list(stub.GetServerInfo(scheduler_pb2.GetServerInfoRequest(), timeout=5).info.rank_active_requests)
+        return stub.GetServerInfo(scheduler_pb2.GetServerInfoRequest(), timeout=5).info
+
+
+def rank_active_requests(scheduler_address: str) -> list[int]:
+    return list(scheduler_info(scheduler_address).rank_active_requests)

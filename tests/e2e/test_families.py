@@ -6,8 +6,12 @@ scheduler are refused one by one while the group keeps serving."""
 
 from __future__ import annotations
 
+import base64
 import io
+import json
 import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -255,6 +259,21 @@ def test_video_corpus_has_its_documented_outcomes_and_leaves_nothing(
             # A video named like an image: read by content as a video; as an image it is not one.
             assert ask(videos=[tokenizer_pb2.Video(url="clip.png")]) == "ok"
             assert ask(images=[tokenizer_pb2.Image(url="clip.png")]) == "MEDIA_UNSUPPORTED"
+            clip = (family_dirs[0] / "clip.png").read_bytes()
+            assert (
+                ask(videos=[tokenizer_pb2.Video(url="data:video/mp4;base64," + base64.b64encode(clip).decode())])
+                == "ok"
+            )
+            # The command line's --video.
+            command = [sys.executable, "-m", "mmsplit_cli", "generate", "--server", pair.tokenizer_address]
+            done = subprocess.run(
+                [*command, "--json", "--max-tokens", "2", "--video", str(family_dirs[0] / "clip.png"), "What?"],
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            assert done.returncode == 0, done.stdout + done.stderr
+            assert json.loads(done.stdout.splitlines()[-1])["finished"]["completion_tokens"] == 2
             # Cancelled mid-decode: each sampled frame of this size takes the worker 1.5 s.
             slow = tokenizer_pb2.GenerateRequest(
                 prompt="Slow:",
@@ -266,8 +285,10 @@ def test_video_corpus_has_its_documented_outcomes_and_leaves_nothing(
             with pytest.raises(grpc.RpcError) as cancelled:
                 list(call)
             assert cancelled.value.code() == grpc.StatusCode.CANCELLED
+            # The worker cannot be interrupted: it finishes the frames, writes
+            # the item, and the abandoned result's segment is released.
+            pair.tokenizer.wait_logged("of abandoned preprocessing task", timeout=30)
         assert ask() == "ok"
-    # The cancelled video's worker finishes its frames, then its segment is released.
     assert wait_until(lambda: not _segments_of(pair), timeout=30), _segments_of(pair)
     assert sorted(os.listdir(family_dirs[1])) == before
     assert health_status(pair.tokenizer_address, TOKENIZER_SERVICE) == "SERVING"

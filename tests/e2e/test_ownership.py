@@ -30,7 +30,7 @@ from mmsplit_cli.client import Outcome, make_request, run_request
 from mmsplit_cli.launch import ServiceProcess, tokenizer_args
 from scheduler_svc.model import model_info
 from tests.conftest import SCHEDULER_SERVICE, TOKENIZER_SERVICE, Services
-from tests.e2e.helpers import health_status, rank_active_requests
+from tests.e2e.helpers import health_status, rank_active_requests, scheduler_info
 from tests.support.leaks import project_segments, wait_until
 from tests.support.planted import planted as plant
 from tests.support.services import ENV, start_scheduler
@@ -179,8 +179,13 @@ def test_segments_of_requests_queued_at_a_killed_scheduler_go_in_one_janitor_pas
             futures = [pool.submit(one, 0)]
             assert first.acquire(timeout=60)
             futures += [pool.submit(one, i) for i in range(1, 4)]
-            assert wait_until(lambda: len(project_segments()) == 3, timeout=30), project_segments()
+            # Queued at the scheduler (which sends Accepted as it queues them),
+            # and a moment for those events to reach the tokenizer: a request
+            # killed before its Accepted arrived is the tokenizer's to clean up.
+            assert wait_until(lambda: scheduler_info(sched.address).queued_requests == 3, timeout=30)
+            time.sleep(0.5)
             queued = project_segments()
+            assert len(queued) == 3, queued
             os.kill(sched.pid, signal.SIGKILL)
             outcomes = [f.result(timeout=60) for f in futures]
         assert {o.reason for o in outcomes} == {"SCHEDULER_UNAVAILABLE"}
