@@ -67,14 +67,26 @@ def no_leaks() -> Iterator[None]:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(f"/dev/shm/{name}")
         problems.append(f"shared-memory segments left behind: {left}")
-    if not wait_until(lambda: not (children() - before), timeout=10):
-        stray = children() - before
+    if not wait_until(lambda: not _new_children(before), timeout=10):
+        stray = _new_children(before)
         for pid in stray:
             with contextlib.suppress(psutil.NoSuchProcess):
                 psutil.Process(pid).kill()
         problems.append(f"child processes left alive: {sorted(stray)}")
     if problems:
         pytest.fail("; ".join(problems))
+
+
+def _new_children(before: set[int]) -> set[int]:
+    """Processes that appeared during the test, except those under a process
+    that was already there (a longer-lived fixture's service that replaced
+    its own workers: that service owns them, not the test)."""
+    new = set()
+    for pid in children() - before:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if not any(parent.pid in before for parent in psutil.Process(pid).parents()):
+                new.add(pid)
+    return new
 
 
 @pytest.fixture(scope="session")

@@ -1,10 +1,13 @@
 """What a CPU worker runs: decode → image processor → the model family's
 item tensors → shared memory. Images and videos (`tokenizer_svc.video`).
 
-Only compressed bytes come in and only metadata goes back (`ImageResult`):
-each encoder input (``pixel_values``) is written once, straight into a new
-segment owned by the tokenizer process (its pid is in the name); the small
-side tensors (``image_sizes``, ``image_grid_thw``) come back as bytes. The
+Only compressed bytes come in. With the shared-memory transport only
+metadata goes back (`ItemResult`): each encoder input (``pixel_values*``) is
+written once, straight into a new segment owned by the tokenizer process (its
+pid is in the name). With the inline transport (a scheduler that does not
+share this /dev/shm) the job says ``inline`` and the encoder inputs come back
+as bytes in the result, so /dev/shm is never touched. The small side tensors
+(``image_sizes``, ``image_grid_thw``) always come back as bytes. The
 worker also applies the family's placeholder rule, so the prompt is expanded
 from exactly what the scheduler will check. Workers are started by
 forkserver with this module preloaded, so they start without re-importing
@@ -48,6 +51,8 @@ class ImageJob:
     max_aspect_ratio: float
     shm_prefix: str
     owner_pid: int
+    # Return encoder inputs as bytes instead of writing segments (inline transport).
+    inline: bool = False
 
 
 @dataclass(frozen=True)
@@ -62,6 +67,7 @@ class VideoJob:
     budget_s: float  # the worker's own deadline, from when it starts the task
     shm_prefix: str
     owner_pid: int
+    inline: bool = False  # as ImageJob.inline
 
 
 Job = ImageJob | VideoJob
@@ -196,7 +202,8 @@ def _publish(
     height: int,
     frames: int = 0,
 ) -> ItemResult:
-    """Encoder inputs into new segments, side tensors inline; the item's digest."""
+    """Encoder inputs into new segments (or inline for an inline job), side
+    tensors inline; the item's digest."""
     digest = hashlib.blake2b(digest_size=16)
     tensors: list[ItemTensor] = []
     try:
@@ -207,7 +214,7 @@ def _publish(
             array = np.ascontiguousarray(array)
             digest.update(f"{name} {array.dtype} {array.shape}".encode())
             digest.update(array.data)
-            if families.is_encoder_input(name):
+            if families.is_encoder_input(name) and not job.inline:
                 piece = shm.write_segment(job.shm_prefix, job.owner_pid, memoryview(array))  # type: ignore[arg-type]
                 tensors.append(
                     ItemTensor(name, str(array.dtype), tuple(array.shape), piece.nbytes, segment=piece.segment)

@@ -263,9 +263,12 @@ class TokenizerService:
     async def _one(self, medium: tokenizer_pb2.Image | tokenizer_pb2.Video, rid: str) -> Prepared:
         data = await self.media.load(medium)  # IO pool, its own timeouts
         s = self.settings
+        # A scheduler that does not share our /dev/shm gets the bytes inline:
+        # the worker returns them and writes no segment at all.
+        inline = self.link.transport != common_pb2.TRANSPORT_SHM
         job: Job
         if isinstance(medium, tokenizer_pb2.Video):
-            job = self._video_job(data)
+            job = self._video_job(data, inline)
             timeout_s = s.video_preprocess_timeout_s
         else:
             job = ImageJob(
@@ -274,6 +277,7 @@ class TokenizerService:
                 max_aspect_ratio=s.max_aspect_ratio,
                 shm_prefix=s.shm_prefix,
                 owner_pid=self._pid,
+                inline=inline,
             )
             timeout_s = s.preprocess_timeout_s
         result = await self.pool.preprocess(job, timeout_s=timeout_s, request_id=rid)
@@ -289,7 +293,7 @@ class TokenizerService:
             self._release(result.segments)
             raise InternalError("a preprocessed item could not be held for hand-over") from exc
 
-    def _video_job(self, data: bytes) -> VideoJob:
+    def _video_job(self, data: bytes, inline: bool) -> VideoJob:
         """The sampling rule: this server's settings, bounded by the model's
         video processor (README "Video")."""
         s, model = self.settings, self.family.video_config
@@ -308,6 +312,7 @@ class TokenizerService:
             budget_s=s.video_preprocess_timeout_s * 0.95,
             shm_prefix=s.shm_prefix,
             owner_pid=self._pid,
+            inline=inline,
         )
 
     def _item(self, result: ItemResult, runs: list[tuple[int, int]]) -> common_pb2.MultimodalItem:

@@ -1,5 +1,6 @@
-"""The CPU pool under worker deaths, poison inputs and failing pool creation,
-on a fresh pair of services with the fault-injecting worker hook."""
+"""The CPU pool under worker deaths, poison inputs, failing pool creation and
+bursts, on one pair of services with the fault-injecting worker hook (each
+test leaves the pool serving, and counts replacements from its own start)."""
 
 from __future__ import annotations
 
@@ -24,12 +25,19 @@ from tests.support.worker_hook import POISON, SLOW, marked
 pytestmark = pytest.mark.e2e
 
 
-@pytest.fixture
-def pair(tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Pair]:
-    monkeypatch.setenv("MMSPLIT_TEST_FAIL_POOL_FILE", str(tmp_path / "fail-pool"))
-    extra = ["--worker-hook", "tests.support.worker_hook", "--cpu-workers", "2"]
+@pytest.fixture(scope="module")
+def pool_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Logs, and where the file that makes pool creation fail goes."""
+    return tmp_path_factory.mktemp("pool")
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_model: Path, pool_dir: Path) -> Iterator[Pair]:
+    # A 2.5 s budget: the hook's SLOW images take a worker 1.5 s.
+    extra = ["--worker-hook", "tests.support.worker_hook", "--cpu-workers", "2", "--preprocess-timeout-s", "2.5"]
+    env = {"MMSPLIT_TEST_FAIL_POOL_FILE": str(pool_dir / "fail-pool")}
     # One rank is enough: these tests are about the tokenizer's pool.
-    with running_pair(tiny_model, tmp_path, scheduler_extra=["--tp", "1"], tokenizer_extra=extra) as p:
+    with running_pair(tiny_model, pool_dir, scheduler_extra=["--tp", "1"], tokenizer_extra=extra, env=env) as p:
         yield p
 
 
@@ -46,6 +54,7 @@ def replacements(pair: Pair) -> int:
 
 def test_worker_killed_with_8_requests_in_flight(pair: Pair) -> None:
     slow = marked(SLOW)
+    before = replacements(pair)
     with grpc.insecure_channel(pair.tokenizer_address) as channel:
         stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
         with ThreadPoolExecutor(8) as pool:
@@ -61,24 +70,25 @@ def test_worker_killed_with_8_requests_in_flight(pair: Pair) -> None:
             results = [f.result(timeout=60) for f in futures]
     ok = [r for r in results if r.ok]
     assert len(ok) >= 7, [(r.request_id, r.reason) for r in results]
-    assert replacements(pair) == 1
+    assert replacements(pair) == before + 1
     assert health_status(pair.tokenizer_address, TOKENIZER_SERVICE) == "SERVING"
 
 
 def test_poison_input_gets_a_typed_error_after_two_crashes(pair: Pair) -> None:
+    before = replacements(pair)
     with grpc.insecure_channel(pair.tokenizer_address) as channel:
         stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
         out = run_request(stub, make_request("x", [marked(POISON)], max_tokens=1), timeout=60)
         assert out.reason == "PREPROCESS_WORKER_CRASHED"
         assert out.grpc_code == "UNAVAILABLE"
-        assert replacements(pair) == 2
+        assert replacements(pair) == before + 2
         after = run_request(stub, make_request("x", [samples.good_png()], max_tokens=2), timeout=60)
         assert after.ok, after
     assert health_status(pair.tokenizer_address, TOKENIZER_SERVICE) == "SERVING"
 
 
-def test_failing_pool_creation_is_not_serving_until_it_clears(pair: Pair, tmp_path: Path) -> None:
-    marker = tmp_path / "fail-pool"
+def test_failing_pool_creation_is_not_serving_until_it_clears(pair: Pair, pool_dir: Path) -> None:
+    marker = pool_dir / "fail-pool"
     marker.touch()
     with grpc.insecure_channel(pair.tokenizer_address) as channel:
         stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
@@ -129,16 +139,12 @@ def test_preprocess_timeout_and_cancel_release_everything(tiny_model: Path, tmp_
         assert wait_until(lambda: not project_segments(), timeout=5)
 
 
-def test_a_burst_waits_for_workers_outside_the_budget(tiny_model: Path, tmp_path: Path) -> None:
+def test_a_burst_waits_for_workers_outside_the_budget(pair: Pair) -> None:
     """Two workers, a 2.5 s budget, six images that each take a worker 1.5 s:
     the later ones wait up to 3 s for a worker, and none fails
     PREPROCESS_TIMEOUT (none ran past the budget in a worker). Before the
     budget counted worker time only, the last two waves timed out."""
-    extra = ["--worker-hook", "tests.support.worker_hook", "--cpu-workers", "2", "--preprocess-timeout-s", "2.5"]
-    with (
-        running_pair(tiny_model, tmp_path, scheduler_extra=["--tp", "1"], tokenizer_extra=extra) as p,
-        grpc.insecure_channel(p.tokenizer_address) as ch,
-    ):
+    with grpc.insecure_channel(pair.tokenizer_address) as ch:
         stub = tokenizer_pb2_grpc.TokenizerServiceStub(ch)
         burst = [make_request(f"x{i}", [marked(SLOW)], max_tokens=1) for i in range(6)]
         with ThreadPoolExecutor(6) as pool:

@@ -1,0 +1,89 @@
+"""A tokenizer whose /dev/shm is its own (a separate 64 MiB tmpfs in a mount
+namespace, as in a pod that does not share the host's) and a scheduler in
+the host's: the tensors go inline, and the workers hand them back in their
+results without ever writing to /dev/shm.
+
+The only files there are the CPU pool's own POSIX semaphores (``sem.mp-*``,
+a handful of 32-byte files that Python's multiprocessing keeps for a
+forkserver pool's lifetime): no tensor, no segment, and no growth."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+
+from mmsplit.tokenizer.v1 import tokenizer_pb2_grpc
+from mmsplit_cli import samples
+from mmsplit_cli.client import make_request, run_request
+from mmsplit_cli.launch import ServiceProcess, tokenizer_args
+from tests.conftest import SCHEDULER_SERVICE, TOKENIZER_SERVICE
+from tests.support.leaks import project_segments
+from tests.support.services import ENV, start_scheduler
+
+pytestmark = pytest.mark.e2e
+REQUESTS = 500
+
+
+def test_500_requests_go_inline_and_the_tokenizer_s_dev_shm_stays_empty(tiny_model: Path, tmp_path: Path) -> None:
+    sched = start_scheduler(tiny_model, tmp_path / "scheduler.log", tp=1, extra=["--port", "0"])
+    tok: ServiceProcess | None = None
+    try:
+        sched.wait_serving(SCHEDULER_SERVICE, 180)
+        wrapper = [sys.executable, "-m", "tests.support.mountns", "64m"]
+        args = tokenizer_args(tiny_model, sched.address)
+        tok = ServiceProcess("tokenizer", args, tmp_path / "tokenizer.log", env=ENV, wrapper=wrapper)
+        tok.wait_serving(TOKENIZER_SERVICE, 180)
+        assert "tensors go by TRANSPORT_INLINE" in tok.log_path.read_text()
+        its_shm = Path(f"/proc/{tok.pid}/root/dev/shm")
+        assert its_shm.stat().st_dev != Path("/dev/shm").stat().st_dev, "not a /dev/shm of its own"
+
+        # Watch its /dev/shm all through the load.
+        at_start = set(os.listdir(its_shm))
+        assert all(name.startswith("sem.mp-") for name in at_start), at_start
+        seen: list[set[str]] = []
+        most_bytes = 0
+        done = threading.Event()
+
+        def watch() -> None:
+            nonlocal most_bytes
+            while not done.is_set():
+                names = set(os.listdir(its_shm))
+                seen.append(names)
+                with contextlib.suppress(FileNotFoundError):
+                    most_bytes = max(most_bytes, sum((its_shm / n).stat().st_size for n in names))
+                time.sleep(0.005)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        images = [samples.good_png(seed=i) for i in range(8)]
+        try:
+            with grpc.insecure_channel(tok.address) as channel:
+                stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
+
+                def one(i: int):  # type: ignore[no-untyped-def]
+                    return run_request(stub, make_request("Hi", [images[i % 8]], max_tokens=1), timeout=120)
+
+                with ThreadPoolExecutor(16) as pool:
+                    outcomes = list(pool.map(one, range(REQUESTS)))
+        finally:
+            done.set()
+            watcher.join()
+        failed = [o for o in outcomes if not o.ok]
+        assert not failed, failed[:3]
+        assert len(seen) > 100, "the watcher did not run during the load"
+        assert set().union(*seen) == at_start, "something other than the pool's semaphores appeared"
+        assert most_bytes <= 4096, most_bytes
+        # Nor did anything of it land in the host's /dev/shm.
+        assert not [name for name in project_segments() if name.split("-")[1:2] == [str(tok.pid)]]
+    finally:
+        if tok is not None:
+            assert tok.stop() == 0
+        sched.stop()

@@ -1,0 +1,38 @@
+"""Run a command in a new mount namespace with its own /dev/shm (root only),
+as a pod whose containers do not share the host's /dev/shm would:
+``python -m tests.support.mountns SIZE CMD [ARG ...]``.
+
+The namespace's mounts are made private (nothing propagates back), a fresh
+tmpfs of SIZE (e.g. ``64m``, Kubernetes' default for /dev/shm) is mounted on
+/dev/shm, and the command is exec'd in place of this process (same pid), so a
+test stops it like any service process and can look at its /dev/shm through
+``/proc/<pid>/root/dev/shm``. The namespace goes with its last process.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+
+CLONE_NEWNS = 0x00020000
+MS_REC = 0x4000
+MS_PRIVATE = 1 << 18
+
+
+def main() -> None:
+    size, command = sys.argv[1], sys.argv[2:]
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def check(result: int, what: str) -> None:
+        if result != 0:
+            raise SystemExit(f"{what} failed: {os.strerror(ctypes.get_errno())}")
+
+    check(libc.unshare(CLONE_NEWNS), "unshare(CLONE_NEWNS)")
+    check(libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None), "making / private")
+    check(libc.mount(b"tmpfs", b"/dev/shm", b"tmpfs", 0, f"size={size},mode=1777".encode()), "mounting /dev/shm")
+    os.execvp(command[0], command)
+
+
+if __name__ == "__main__":
+    main()
