@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import logging
 import os
 import secrets
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +27,7 @@ from mmsplit.sampling import Sampling
 from mmsplit.scheduler.v1 import scheduler_pb2
 from mmsplit.tensors import NUMPY_TO_DTYPE, TensorSpec
 from mmsplit.tokenizer.v1 import tokenizer_pb2
+from tokenizer_svc.cache import PreprocessCache, fingerprint
 from tokenizer_svc.detokenize import IncrementalDecoder, StopMatcher
 from tokenizer_svc.downstream import SchedulerLink
 from tokenizer_svc.errors import (
@@ -61,6 +63,7 @@ class TokenizerService:
         self.tokenizer = tokenizer
         self.family = family
         self.prompts = PromptBuilder(family, tokenizer, chat_template)
+        self.cache = PreprocessCache(settings.preprocess_cache_bytes, fingerprint(settings.model_dir))
         self.media = media
         self.pool = pool
         self.link = link
@@ -280,7 +283,24 @@ class TokenizerService:
                 inline=inline,
             )
             timeout_s = s.preprocess_timeout_s
-        result = await self.pool.preprocess(job, timeout_s=timeout_s, request_id=rid)
+        key = await asyncio.to_thread(self.cache.key, job) if self.cache.enabled else None
+        cached = self.cache.get(key) if key is not None else None
+        if cached is not None:
+            # Seen before: no decoding or preprocessing, only the hand-over copy.
+            result = await self._off_loop(self._materialize, cached, inline)
+        else:
+            result = await self.pool.preprocess(job, timeout_s=timeout_s, request_id=rid)
+        prepared = self._hold(result)
+        if key is not None and cached is None:
+            try:
+                self.cache.put(key, result if not result.segments else await asyncio.to_thread(self._as_bytes, result))
+            except BaseException:
+                _unlock([prepared])
+                self._release(result.segments)
+                raise
+        return prepared
+
+    def _hold(self, result: ItemResult) -> Prepared:
         locks: list[shm.Lock] = []
         try:
             # This process owns the segments from here until the scheduler accepts them.
@@ -292,6 +312,55 @@ class TokenizerService:
                 lock.release()
             self._release(result.segments)
             raise InternalError("a preprocessed item could not be held for hand-over") from exc
+
+    async def _off_loop(self, fn: Callable[..., ItemResult], *args: Any) -> ItemResult:
+        """`fn` on a thread. If we are cancelled meanwhile, the thread cannot
+        be stopped: the segments of what it returns are released when it ends."""
+        future = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            future.add_done_callback(self._release_abandoned)
+            raise
+
+    def _release_abandoned(self, future: asyncio.Future[ItemResult]) -> None:
+        if not future.cancelled() and future.exception() is None:
+            self._release(future.result().segments)
+
+    def _materialize(self, cached: ItemResult, inline: bool) -> ItemResult:
+        """A cached item ready to send: as it is (inline), or its encoder
+        inputs written into new segments of ours."""
+        if inline:
+            return cached
+        tensors: list[ItemTensor] = []
+        try:
+            for t in cached.tensors:
+                if families.is_encoder_input(t.name) and t.inline is not None:
+                    piece = shm.write_segment(self.settings.shm_prefix, self._pid, memoryview(t.inline))
+                    t = dataclasses.replace(t, segment=piece.segment, inline=None)
+                tensors.append(t)
+        except BaseException as exc:
+            self._release([t.segment for t in tensors if t.segment is not None])
+            if isinstance(exc, shm.ShmFull):
+                raise Overloaded(str(exc)) from exc
+            raise
+        return dataclasses.replace(cached, tensors=tuple(tensors))
+
+    def _as_bytes(self, result: ItemResult) -> ItemResult:
+        """`result` with every tensor inline (what the cache keeps)."""
+        tensors = []
+        for t in result.tensors:
+            if t.segment is not None:
+                buf = bytearray(t.nbytes)
+                shm.read_into(
+                    shm.Slice(t.segment, 0, t.nbytes),
+                    self.settings.shm_prefix,
+                    memoryview(buf),
+                    max_segment_bytes=t.nbytes,
+                )
+                t = dataclasses.replace(t, segment=None, inline=bytes(buf))
+            tensors.append(t)
+        return dataclasses.replace(result, tensors=tuple(tensors))
 
     def _video_job(self, data: bytes, inline: bool) -> VideoJob:
         """The sampling rule: this server's settings, bounded by the model's

@@ -43,6 +43,11 @@ class TokenizerSettings:
     preprocess_timeout_s: float = _opt(
         10.0, "budget of one image's decode + preprocessing in a worker (fetching and waiting excluded)", min=0.01
     )
+    preprocess_cache_bytes: int = _opt(
+        256 * 1024 * 1024,
+        "preprocessed items kept for media seen again (keyed by their bytes, the model and these settings); 0 = off",
+        min=0,
+    )
     preprocess_queue_timeout_s: float = _opt(
         30.0, "how long an image may wait for a free worker; beyond this, OVERLOADED (retriable)", min=0
     )

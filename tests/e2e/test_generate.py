@@ -178,3 +178,33 @@ def test_error_info_carries_request_id_and_retriable(stub) -> None:
     assert details.metadata["request_id"] == "rid-42"
     assert details.metadata["retriable"] == "false"
     assert RemoteError.from_rpc_error(info.value).error_code == common_pb2.ERROR_CODE_MEDIA_UNSUPPORTED
+
+
+def test_an_image_seen_before_is_served_from_the_preprocessing_cache(services: Services) -> None:
+    from mmsplit.tokenizer.v1 import tokenizer_pb2
+
+    def info():  # type: ignore[no-untyped-def]
+        with grpc.insecure_channel(services.tokenizer_address) as channel:
+            stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
+            return stub.GetServerInfo(tokenizer_pb2.GetServerInfoRequest(), timeout=5).info
+
+    image = samples.good_png(seed=4242)  # sent by no other test
+    with grpc.insecure_channel(services.tokenizer_address) as channel:
+        stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
+        before = info()
+        first = run_request(stub, make_request("Describe it.", [image], max_tokens=4), timeout=60)
+        between = info()
+        second = run_request(stub, make_request("Describe it.", [image], max_tokens=4), timeout=60)
+        after = info()
+    assert first.ok, first
+    assert second.ok, second
+    assert second.token_ids == first.token_ids
+    assert (between.preprocess_cache_misses, between.preprocess_cache_hits) == (
+        before.preprocess_cache_misses + 1,
+        before.preprocess_cache_hits,
+    )
+    assert (after.preprocess_cache_misses, after.preprocess_cache_hits) == (
+        between.preprocess_cache_misses,
+        between.preprocess_cache_hits + 1,
+    )
+    assert after.preprocess_cache_bytes > 0

@@ -63,13 +63,15 @@ def test_500_requests_go_inline_and_the_tokenizer_s_dev_shm_stays_empty(tiny_mod
 
         watcher = threading.Thread(target=watch)
         watcher.start()
-        images = [samples.good_png(seed=i) for i in range(8)]
+        # 50 distinct images: 50 go through the workers, the other 450 requests
+        # are served from the preprocessing cache (inline as well).
+        images = [samples.good_png(seed=i) for i in range(50)]
         try:
             with grpc.insecure_channel(tok.address) as channel:
                 stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
 
                 def one(i: int):  # type: ignore[no-untyped-def]
-                    return run_request(stub, make_request("Hi", [images[i % 8]], max_tokens=1), timeout=120)
+                    return run_request(stub, make_request("Hi", [images[i % 50]], max_tokens=1), timeout=120)
 
                 with ThreadPoolExecutor(16) as pool:
                     outcomes = list(pool.map(one, range(REQUESTS)))

@@ -34,7 +34,13 @@ def pool_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def pair(tiny_model: Path, pool_dir: Path) -> Iterator[Pair]:
     # A 2.5 s budget: the hook's SLOW images take a worker 1.5 s.
-    extra = ["--worker-hook", "tests.support.worker_hook", "--cpu-workers", "2", "--preprocess-timeout-s", "2.5"]
+    # No preprocessing cache: the hook's marked images must reach a worker every time.
+    extra = [
+        "--worker-hook", "tests.support.worker_hook",
+        "--cpu-workers", "2",
+        "--preprocess-timeout-s", "2.5",
+        "--preprocess-cache-bytes", "0",
+    ]  # fmt: skip
     env = {"MMSPLIT_TEST_FAIL_POOL_FILE": str(pool_dir / "fail-pool")}
     # One rank is enough: these tests are about the tokenizer's pool.
     with running_pair(tiny_model, pool_dir, scheduler_extra=["--tp", "1"], tokenizer_extra=extra, env=env) as p:
@@ -112,6 +118,7 @@ def test_preprocess_timeout_and_cancel_release_everything(tiny_model: Path, tmp_
     segment is gone. A client deadline during preprocessing ends the same way."""
     extra = [
         "--worker-hook", "tests.support.worker_hook",
+        "--preprocess-cache-bytes", "0",
         "--cpu-workers", "1",
         "--preprocess-timeout-s", "0.5",
         "--preprocess-queue-timeout-s", "0.3",

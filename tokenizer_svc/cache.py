@@ -1,0 +1,118 @@
+"""Preprocessed items kept for media seen before (a bounded LRU in the
+tokenizer process).
+
+Key: a BLAKE2b digest over the model's fingerprint (its processor, video
+processor and model configs), the job's every setting that shapes or admits
+the result (limits, sampling rule), and the fetched bytes. So a hash never
+stands in for the bytes across models or preprocessing settings: change
+either and the key changes.
+
+Value: the item's tensors as bytes (encoder inputs included), its
+placeholder count and content hash. A hit skips fetching nothing (the bytes
+are needed for the key) but skips decoding and preprocessing; the tensors
+are then written into new segments (shared-memory transport) or sent as
+they are (inline). Every tensor's length is checked against its shape and
+dtype on use, and an entry that does not add up is dropped and counted, never
+served. Errors are not cached.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+
+from tokenizer_svc.preprocess import ItemResult, Job, VideoJob
+
+FINGERPRINT_FILES = ("config.json", "preprocessor_config.json", "video_preprocessor_config.json")
+
+
+def fingerprint(model_dir: Path) -> bytes:
+    """A digest of what decides how media become items for this model."""
+    digest = hashlib.blake2b(digest_size=16)
+    for name in FINGERPRINT_FILES:
+        path = model_dir / name
+        digest.update(name.encode() + b"\0")
+        digest.update(path.read_bytes() if path.is_file() else b"-")
+    return digest.digest()
+
+
+def entry_bytes(result: ItemResult) -> int:
+    return sum(len(t.inline or b"") for t in result.tensors)
+
+
+def consistent(result: ItemResult) -> bool:
+    """Every tensor is inline and holds exactly shape x itemsize bytes."""
+    for t in result.tensors:
+        if t.inline is None or t.segment is not None:
+            return False
+        if len(t.inline) != math.prod(t.shape) * np.dtype(t.dtype).itemsize or len(t.inline) != t.nbytes:
+            return False
+    return True
+
+
+class PreprocessCache:
+    def __init__(self, max_bytes: int, model_fingerprint: bytes) -> None:
+        self.max_bytes = max_bytes
+        self._fingerprint = model_fingerprint
+        # key -> (entry, its size when it was put)
+        self._entries: OrderedDict[bytes, tuple[ItemResult, int]] = OrderedDict()
+        self.bytes = 0
+        self.hits = 0
+        self.misses = 0
+        self.evictions = 0
+        self.dropped = 0  # entries found inconsistent on use
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_bytes > 0
+
+    def key(self, job: Job) -> bytes:
+        """The job's key: model, settings (everything but the bytes and
+        where the result goes), then the bytes."""
+        settings: Job = dataclasses.replace(job, data=b"", shm_prefix="", owner_pid=0, inline=False)
+        if isinstance(settings, VideoJob):
+            settings = dataclasses.replace(settings, budget_s=0.0)  # a time budget does not shape the item
+        digest = hashlib.blake2b(digest_size=32)
+        digest.update(self._fingerprint)
+        digest.update(repr(settings).encode())
+        digest.update(job.data)
+        return digest.digest()
+
+    def get(self, key: bytes) -> ItemResult | None:
+        entry = self._entries[key][0] if key in self._entries else None
+        if entry is not None and not consistent(entry):
+            self._remove(key)
+            self.dropped += 1
+            entry = None
+        if entry is None:
+            self.misses += 1
+            return None
+        self._entries.move_to_end(key)
+        self.hits += 1
+        return entry
+
+    def put(self, key: bytes, entry: ItemResult) -> None:
+        """Keep `entry` (all tensors inline); an entry over the whole budget is not kept."""
+        size = entry_bytes(entry)
+        if size > self.max_bytes or not consistent(entry):
+            return
+        if key in self._entries:
+            self._remove(key)
+        self._entries[key] = (entry, size)
+        self.bytes += size
+        while self.bytes > self.max_bytes:
+            oldest = next(iter(self._entries))
+            self._remove(oldest)
+            self.evictions += 1
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def _remove(self, key: bytes) -> None:
+        _, size = self._entries.pop(key)
+        self.bytes -= size
