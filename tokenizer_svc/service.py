@@ -348,19 +348,20 @@ class TokenizerService:
 
     def _as_bytes(self, result: ItemResult) -> ItemResult:
         """`result` with every tensor inline (what the cache keeps)."""
-        tensors = []
-        for t in result.tensors:
-            if t.segment is not None:
-                buf = bytearray(t.nbytes)
-                shm.read_into(
-                    shm.Slice(t.segment, 0, t.nbytes),
-                    self.settings.shm_prefix,
-                    memoryview(buf),
-                    max_segment_bytes=t.nbytes,
-                )
-                t = dataclasses.replace(t, segment=None, inline=bytes(buf))
-            tensors.append(t)
+        tensors = [
+            t if t.segment is None else dataclasses.replace(t, segment=None, inline=self._read(t))
+            for t in result.tensors
+        ]
         return dataclasses.replace(result, tensors=tuple(tensors))
+
+    def _read(self, t: ItemTensor) -> bytes:
+        """The bytes of a tensor held in one of our segments."""
+        assert t.segment is not None
+        buf = bytearray(t.nbytes)
+        shm.read_into(
+            shm.Slice(t.segment, 0, t.nbytes), self.settings.shm_prefix, memoryview(buf), max_segment_bytes=t.nbytes
+        )
+        return bytes(buf)
 
     def _video_job(self, data: bytes, inline: bool) -> VideoJob:
         """The sampling rule: this server's settings, bounded by the model's
@@ -398,14 +399,7 @@ class TokenizerService:
             return TensorSpec(dtype, t.shape, inline=t.inline).to_pb()
         if self.link.transport == common_pb2.TRANSPORT_SHM:
             return TensorSpec(dtype, t.shape, shm=shm.Slice(t.segment, 0, t.nbytes)).to_pb()
-        buf = bytearray(t.nbytes)
-        shm.read_into(
-            shm.Slice(t.segment, 0, t.nbytes),
-            self.settings.shm_prefix,
-            memoryview(buf),
-            max_segment_bytes=t.nbytes,
-        )
-        return TensorSpec(dtype, t.shape, inline=bytes(buf)).to_pb()
+        return TensorSpec(dtype, t.shape, inline=self._read(t)).to_pb()
 
     @staticmethod
     def _release(segments: list[str]) -> None:

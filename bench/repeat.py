@@ -1,0 +1,111 @@
+"""The same images sent again and again: requests/s with the tokenizer's
+preprocessing cache ÷ without it, measured in the same run on the same
+services (two tokenizers, one with `--preprocess-cache-bytes 0`, in turn,
+against one scheduler), and the cache's hit rate.
+
+Each request carries one of `--images` distinct JPEGs (640x480 to 1920x1080)
+and asks for `--tokens` tokens; every image is sent `--repeat` times, in an
+interleaved order, by `--concurrency` clients.
+
+    python bench/repeat.py [--images 8] [--repeat 100] [--concurrency 8] [--tokens 1] [--tp 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+import grpc
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness import build_model, run_clients, table
+
+from mmsplit.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from mmsplit_cli import samples
+from mmsplit_cli.client import make_request
+from mmsplit_cli.launch import ServiceProcess, scheduler_args, tokenizer_args
+
+SIZES = [(640, 480), (800, 600), (1024, 768), (1280, 720), (1600, 900), (1920, 1080)]
+
+
+def images(n: int) -> list[bytes]:
+    return [samples.encode(samples.gradient(*SIZES[i % len(SIZES)], seed=i), "JPEG", quality=90) for i in range(n)]
+
+
+def cache_counts(address: str) -> tuple[int, int]:
+    with grpc.insecure_channel(address) as channel:
+        stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
+        info = stub.GetServerInfo(tokenizer_pb2.GetServerInfoRequest(), timeout=5).info
+    return info.preprocess_cache_hits, info.preprocess_cache_misses
+
+
+def run(*, n_images: int, repeat: int, concurrency: int, tokens: int, tp: int, workdir: Path) -> str:
+    model = build_model("tiny", workdir)
+    pictures = images(n_images)
+    requests = [
+        make_request("Describe it.", [pictures[i % n_images]], max_tokens=tokens) for i in range(n_images * repeat)
+    ]
+    sched = ServiceProcess("scheduler", scheduler_args(model, tp=tp, extra=["--port", "0"]), workdir / "scheduler.log")
+    rows = []
+    try:
+        sched.wait_serving("mmsplit.scheduler.v1.SchedulerService", 300)
+        walls = {}
+        for name, flags in (("no cache", ["--preprocess-cache-bytes", "0"]), ("cache", [])):
+            tok = ServiceProcess(
+                "tokenizer", tokenizer_args(model, sched.address, extra=flags), workdir / f"tokenizer-{name}.log"
+            )
+            try:
+                tok.wait_serving("mmsplit.tokenizer.v1.TokenizerService", 300)
+                run_clients(tok.address, requests[:concurrency], concurrency)  # warm-up (the cache arm: first misses)
+                before = cache_counts(tok.address)
+                timelines, wall = run_clients(tok.address, requests, concurrency)
+                hits, misses = (a - b for a, b in zip(cache_counts(tok.address), before, strict=True))
+            finally:
+                tok.stop()
+            failed = [t.error for t in timelines if t.error]
+            if failed:
+                raise SystemExit(f"{name}: {len(failed)} requests failed, e.g. {failed[0]}")
+            walls[name] = wall
+            rate = f"{hits / (hits + misses):.1%}" if hits + misses else "-"
+            rows.append([name, len(requests), f"{len(requests) / wall:.1f}", hits, misses, rate])
+    finally:
+        sched.stop()
+    ratio = walls["no cache"] / walls["cache"]
+    header = ["arm", "requests", "req/s", "cache hits", "misses", "hit rate"]
+    return (
+        f"{n_images} images x {repeat}, {concurrency} clients, {tokens} token(s) each, tp={tp}\n"
+        + table(header, rows)
+        + f"\nrequests/s with the cache / without: {ratio:.2f}x"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--images", type=int, default=8)
+    parser.add_argument("--repeat", type=int, default=100)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=1)
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--workdir", type=Path, help="where models and logs go (default: a temporary directory)")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="mmsplit-bench-") as tmp:
+        workdir = args.workdir or Path(tmp)
+        workdir.mkdir(parents=True, exist_ok=True)
+        print(
+            run(
+                n_images=args.images,
+                repeat=args.repeat,
+                concurrency=args.concurrency,
+                tokens=args.tokens,
+                tp=args.tp,
+                workdir=workdir,
+            )
+        )
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
