@@ -45,6 +45,8 @@ def cache_counts(address: str) -> tuple[int, int]:
 def run(*, n_images: int, repeat: int, concurrency: int, tokens: int, tp: int, workdir: Path) -> str:
     model = build_model("tiny", workdir)
     pictures = images(n_images)
+    # Warm-up: other images (the measured run starts with a cold cache).
+    warm = [make_request("Hi", [data], max_tokens=tokens) for data in images(n_images + concurrency)[n_images:]]
     requests = [
         make_request("Describe it.", [pictures[i % n_images]], max_tokens=tokens) for i in range(n_images * repeat)
     ]
@@ -59,7 +61,7 @@ def run(*, n_images: int, repeat: int, concurrency: int, tokens: int, tp: int, w
             )
             try:
                 tok.wait_serving("mmsplit.tokenizer.v1.TokenizerService", 300)
-                run_clients(tok.address, requests[:concurrency], concurrency)  # warm-up (the cache arm: first misses)
+                run_clients(tok.address, warm, concurrency)
                 before = cache_counts(tok.address)
                 timelines, wall = run_clients(tok.address, requests, concurrency)
                 hits, misses = (a - b for a, b in zip(cache_counts(tok.address), before, strict=True))

@@ -16,7 +16,6 @@ transformers. Tasks are pure functions of their input and may be retried.
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import os
 import select
@@ -91,7 +90,9 @@ class ItemResult:
     tensors: tuple[ItemTensor, ...]
     # Placeholder tokens this item fills (the family's rule).
     tokens: int
-    # A digest of the item's tensors (decoded pixels + preprocessing).
+    # Filled in by the tokenizer: the digest of the bytes, the model and the
+    # preprocessing settings (`tokenizer_svc.cache`), not of the tensors:
+    # hashing megabytes of pixels in the worker cost more than the hand-off.
     content_hash: bytes
     width: int
     height: int
@@ -203,8 +204,7 @@ def _publish(
     frames: int = 0,
 ) -> ItemResult:
     """Encoder inputs into new segments (or inline for an inline job), side
-    tensors inline; the item's digest."""
-    digest = hashlib.blake2b(digest_size=16)
+    tensors inline."""
     tensors: list[ItemTensor] = []
     try:
         for name in sorted(rows):
@@ -212,8 +212,6 @@ def _publish(
             if families.is_encoder_input(name):
                 array = np.ascontiguousarray(array, dtype=np.float32)
             array = np.ascontiguousarray(array)
-            digest.update(f"{name} {array.dtype} {array.shape}".encode())
-            digest.update(array.data)
             if families.is_encoder_input(name) and not job.inline:
                 piece = shm.write_segment(job.shm_prefix, job.owner_pid, memoryview(array))  # type: ignore[arg-type]
                 tensors.append(
@@ -234,7 +232,7 @@ def _publish(
         modality=modality,
         tensors=tuple(tensors),
         tokens=tokens,
-        content_hash=digest.digest(),
+        content_hash=b"",
         width=width,
         height=height,
         frames=frames,

@@ -283,15 +283,17 @@ class TokenizerService:
                 inline=inline,
             )
             timeout_s = s.preprocess_timeout_s
-        key = await asyncio.to_thread(self.cache.key, job) if self.cache.enabled else None
-        cached = self.cache.get(key) if key is not None else None
+        # The key names the item (its content hash) whether or not the cache is on.
+        key = await asyncio.to_thread(self.cache.key, job) if len(data) > 1 << 20 else self.cache.key(job)
+        cached = self.cache.get(key) if self.cache.enabled else None
         if cached is not None:
             # Seen before: no decoding or preprocessing, only the hand-over copy.
             result = await self._off_loop(self._materialize, cached, inline)
         else:
             result = await self.pool.preprocess(job, timeout_s=timeout_s, request_id=rid)
+            result = dataclasses.replace(result, content_hash=key[:16])
         prepared = self._hold(result)
-        if key is not None and cached is None:
+        if self.cache.enabled and cached is None:
             try:
                 self.cache.put(key, result if not result.segments else await asyncio.to_thread(self._as_bytes, result))
             except BaseException:
