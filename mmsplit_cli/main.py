@@ -24,7 +24,7 @@ def _scheduler(args: argparse.Namespace) -> int:
     from scheduler_svc.settings import SchedulerSettings
 
     settings = settings_from(args, SchedulerSettings, "scheduler")
-    setup_logging(settings.log_level)
+    setup_logging(settings.log_level, settings.log_format)
     return run(settings)
 
 
@@ -33,7 +33,7 @@ def _tokenizer(args: argparse.Namespace) -> int:
     from tokenizer_svc.settings import TokenizerSettings
 
     settings = settings_from(args, TokenizerSettings, "tokenizer")
-    setup_logging(settings.log_level)
+    setup_logging(settings.log_level, settings.log_format)
     return run(settings)
 
 

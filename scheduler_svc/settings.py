@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mmsplit.serving import is_loopback
+from mmsplit.serving import LOG_FORMATS, is_loopback
 from mmsplit.settings import check, prefix_problems
 from mmsplit.settings import opt as _opt
 
@@ -102,6 +102,9 @@ class SchedulerSettings:
     max_message_bytes: int = _opt(256 * 1024 * 1024, "largest gRPC message", min=1024)
     stats_interval_s: float = _opt(10.0, "how often the step loop logs its statistics", min=0.01)
     log_level: str = _opt("INFO", "logging level", choices=LOG_LEVELS)
+    log_format: str = _opt(
+        "text", "text, or json: one JSON object per line, finished requests with their fields", choices=LOG_FORMATS
+    )
 
     def __post_init__(self) -> None:
         extra = prefix_problems(self.shm_prefix)

@@ -128,13 +128,14 @@ Services = Pair
 @pytest.fixture(scope="session")
 def services(tiny_model: Path, media_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     """The shared pair: 2 ranks, a tensor reader that fails on request, a
-    0.1 s batch window (so simultaneous requests share a step)."""
+    0.1 s batch window (so simultaneous requests share a step); the tokenizer
+    logs JSON lines."""
     logs = tmp_path_factory.mktemp("logs")
     with running_pair(
         tiny_model,
         logs,
         scheduler_extra=["--tensor-reader", "tests.support.faults:make_reader", "--batch-window-s", "0.1"],
-        tokenizer_extra=["--allowed-media-dir", str(media_dir)],
+        tokenizer_extra=["--allowed-media-dir", str(media_dir), "--log-format", "json"],
     ) as pair:
         yield pair
         codes = {"tokenizer": pair.tokenizer.stop(), "scheduler": pair.scheduler.stop()}

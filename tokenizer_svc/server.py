@@ -14,6 +14,7 @@ import contextlib
 import json
 import logging
 import signal
+import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -40,6 +41,53 @@ MAX_REQUEST_ID = 128
 WATCH_INTERVAL_S = 2.0
 
 
+class _Summary:
+    """One line per finished request (its fields are JSON keys with
+    `--log-format json`): request id, outcome (OK, an ErrorCode, or
+    CANCELLED when the client went away), media, tokens and timings."""
+
+    def __init__(self, rid: str, request: tokenizer_pb2.GenerateRequest) -> None:
+        self.rid = rid
+        self.images, self.videos = len(request.images), len(request.videos)
+        self.start = time.perf_counter()
+        self.first_token: float | None = None
+        self.outcome = "CANCELLED"  # unless the stream ends or fails
+        self.finish_reason = ""
+        self.prompt_tokens = self.completion_tokens = 0
+
+    def saw(self, response: tokenizer_pb2.GenerateResponse) -> None:
+        if response.HasField("delta") and response.delta.token_ids and self.first_token is None:
+            self.first_token = time.perf_counter()
+        elif response.HasField("finished"):
+            self.outcome = "OK"
+            f = response.finished
+            self.finish_reason = common_pb2.FinishReason.Name(f.finish_reason).removeprefix("FINISH_REASON_")
+            self.prompt_tokens, self.completion_tokens = f.prompt_tokens, f.completion_tokens
+
+    def log(self) -> None:
+        duration = time.perf_counter() - self.start
+        fields = {
+            "request_id": self.rid,
+            "outcome": self.outcome,
+            "finish_reason": self.finish_reason,
+            "images": self.images,
+            "videos": self.videos,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "duration_s": round(duration, 4),
+            "ttft_s": None if self.first_token is None else round(self.first_token - self.start, 4),
+        }
+        log.info(
+            "request %s finished: %s, %d+%d tokens in %.3fs",
+            self.rid,
+            self.outcome,
+            self.prompt_tokens,
+            self.completion_tokens,
+            duration,
+            extra={"fields": fields},
+        )
+
+
 class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
     def __init__(self, service: TokenizerService, settings: TokenizerSettings) -> None:
         self.service = service
@@ -53,18 +101,24 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
             # Neither logged nor echoed: it may be anything.
             invalid = InvalidRequest(f"request_id must be 1..{MAX_REQUEST_ID} printable characters")
             await context.abort_with_status(invalid.to_status())
+        summary = _Summary(rid, request)
         try:
             async for response in self.service.generate(request, rid, context.time_remaining()):
+                summary.saw(response)
                 yield response
         except MmsplitError as exc:
+            summary.outcome = exc.reason
             log.info("request %s failed: %s", rid, exc)
             await context.abort_with_status(exc.to_status(rid))
         except Exception:
             # A bug: still a typed status, never UNKNOWN; the details stay in
             # the log. Cancellation is not an Exception and passes through.
+            summary.outcome = "INTERNAL"
             incident = uuid.uuid4().hex[:12]
             log.exception("request %s failed on an unexpected error (incident %s)", rid, incident)
             await context.abort_with_status(InternalError(f"internal error (incident {incident})").to_status(rid))
+        finally:
+            summary.log()
 
     async def GetServerInfo(  # noqa: N802
         self, request: tokenizer_pb2.GetServerInfoRequest, context: grpc.aio.ServicerContext

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mmsplit.serving import LOG_FORMATS
 from mmsplit.settings import check, prefix_problems
 from mmsplit.settings import opt as _opt
 
@@ -116,6 +117,9 @@ class TokenizerSettings:
         "", "module imported by each CPU worker: on_worker_start(), on_decoded(image) (tests inject faults with it)"
     )
     log_level: str = _opt("INFO", "logging level", choices=LOG_LEVELS)
+    log_format: str = _opt(
+        "text", "text, or json: one JSON object per line, finished requests with their fields", choices=LOG_FORMATS
+    )
 
     def __post_init__(self) -> None:
         extra = prefix_problems(self.shm_prefix)

@@ -208,3 +208,36 @@ def test_an_image_seen_before_is_served_from_the_preprocessing_cache(services: S
         between.preprocess_cache_hits + 1,
     )
     assert after.preprocess_cache_bytes > 0
+
+
+def test_each_finished_request_is_one_json_log_line_with_its_outcome(services: Services) -> None:
+    """The shared tokenizer runs with --log-format json: every request ends in
+    one record with its id, outcome (OK or the ErrorCode), tokens and timings."""
+    import json
+
+    ok_id, bad_id = f"log-ok-{uuid.uuid4().hex[:8]}", f"log-bad-{uuid.uuid4().hex[:8]}"
+    with grpc.insecure_channel(services.tokenizer_address) as channel:
+        stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
+        good = run_request(stub, make_request("Hi", [samples.good_png()], max_tokens=3, request_id=ok_id), timeout=60)
+        bad = run_request(stub, make_request("Hi", [samples.corrupt_png()], request_id=bad_id), timeout=60)
+    assert good.ok
+    assert bad.reason == "MEDIA_DECODE_FAILED"
+
+    def records() -> dict[str, dict]:  # type: ignore[type-arg]
+        found = {}
+        for line in services.tokenizer.log_path.read_text().splitlines():
+            if line.startswith("{"):
+                entry = json.loads(line)  # every JSON line parses
+                if entry.get("request_id") in (ok_id, bad_id):
+                    found[entry["request_id"]] = entry
+        return found
+
+    assert wait_until(lambda: len(records()) == 2, timeout=10)
+    done = records()
+    assert done[ok_id]["outcome"] == "OK"
+    assert done[ok_id]["completion_tokens"] == 3
+    assert done[ok_id]["images"] == 1
+    assert 0 < done[ok_id]["ttft_s"] <= done[ok_id]["duration_s"]
+    assert done[ok_id]["level"] == "INFO"
+    assert done[bad_id]["outcome"] == "MEDIA_DECODE_FAILED"
+    assert done[bad_id]["ttft_s"] is None
