@@ -9,6 +9,7 @@ import json
 import logging
 import socket
 import sys
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,6 +56,53 @@ class JsonFormatter(logging.Formatter):
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
         return json.dumps(entry, default=str)
+
+
+class RequestSummary:
+    """One log line per finished request (its fields are JSON keys with
+    `--log-format json`): request id, outcome (OK, an ErrorCode, or
+    CANCELLED when the caller went away), finish reason, tokens, duration and
+    time to first token, plus what the service adds (media counts)."""
+
+    def __init__(self, rid: str, **fields: object) -> None:
+        self.rid = rid
+        self.fields = fields
+        self.start = time.perf_counter()
+        self.first_token: float | None = None
+        self.outcome = "CANCELLED"  # unless the stream ends or fails
+        self.finish_reason = ""
+        self.prompt_tokens = self.completion_tokens = 0
+
+    def token(self) -> None:
+        if self.first_token is None:
+            self.first_token = time.perf_counter()
+
+    def finished(self, finish_reason: str, prompt_tokens: int, completion_tokens: int) -> None:
+        self.outcome = "OK"
+        self.finish_reason = finish_reason.removeprefix("FINISH_REASON_")
+        self.prompt_tokens, self.completion_tokens = prompt_tokens, completion_tokens
+
+    def log(self, logger: logging.Logger) -> None:
+        duration = time.perf_counter() - self.start
+        fields = {
+            "request_id": self.rid,
+            "outcome": self.outcome,
+            "finish_reason": self.finish_reason,
+            **self.fields,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "duration_s": round(duration, 4),
+            "ttft_s": None if self.first_token is None else round(self.first_token - self.start, 4),
+        }
+        logger.info(
+            "request %s finished: %s, %d+%d tokens in %.3fs",
+            self.rid,
+            self.outcome,
+            self.prompt_tokens,
+            self.completion_tokens,
+            duration,
+            extra={"fields": fields},
+        )
 
 
 def setup_logging(level: str = "INFO", fmt: str = "text") -> None:

@@ -30,7 +30,16 @@ from mmsplit import __version__
 from mmsplit.common.v1 import common_pb2
 from mmsplit.errors import InternalError, MmsplitError
 from mmsplit.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
-from mmsplit.serving import Health, ServerSecurity, free_port, health_server, is_loopback, new_server, read_secret
+from mmsplit.serving import (
+    Health,
+    RequestSummary,
+    ServerSecurity,
+    free_port,
+    health_server,
+    is_loopback,
+    new_server,
+    read_secret,
+)
 from scheduler_svc.collective import Rendezvous
 from scheduler_svc.errors import SchedulerUnavailable
 from scheduler_svc.frontend import Frontend
@@ -55,24 +64,37 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         self, request: scheduler_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[scheduler_pb2.GenerateResponse]:
         rid = request.request_id
+        summary = RequestSummary(rid, items=len(request.items) + len(request.pixel_values))
         try:
             admission = self.frontend.admit(request)
         except MmsplitError as exc:
             log.info("request %s rejected: %s", rid, exc)
+            summary.outcome = exc.reason
+            summary.log(log)
             await context.abort_with_status(exc.to_status(rid))
         try:
             yield ACCEPTED
             async for response in self.frontend.stream(admission):
+                if response.HasField("tokens"):
+                    summary.token()
+                elif response.HasField("finished"):
+                    f = response.finished
+                    summary.finished(
+                        common_pb2.FinishReason.Name(f.finish_reason), f.prompt_tokens, f.completion_tokens
+                    )
                 yield response
         except MmsplitError as exc:
+            summary.outcome = exc.reason
             await context.abort_with_status(exc.to_status(rid))
         except Exception:
+            summary.outcome = "INTERNAL"
             incident = uuid.uuid4().hex[:12]
             log.exception("request %s failed on an unexpected error (incident %s)", rid, incident)
             await context.abort_with_status(InternalError(f"internal error (incident {incident})").to_status(rid))
         finally:
             # Cancel, deadline, disconnect, or normal end.
             self.frontend.end(rid)
+            summary.log(log)
 
     async def GetServerInfo(  # noqa: N802
         self, request: scheduler_pb2.GetServerInfoRequest, context: grpc.aio.ServicerContext

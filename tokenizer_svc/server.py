@@ -14,7 +14,6 @@ import contextlib
 import json
 import logging
 import signal
-import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -25,7 +24,15 @@ import grpc
 from mmsplit import __version__, families, shm
 from mmsplit.common.v1 import common_pb2
 from mmsplit.errors import InternalError, MmsplitError
-from mmsplit.serving import ClientSecurity, Health, ServerSecurity, health_server, new_server, read_secret
+from mmsplit.serving import (
+    ClientSecurity,
+    Health,
+    RequestSummary,
+    ServerSecurity,
+    health_server,
+    new_server,
+    read_secret,
+)
 from mmsplit.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from tokenizer_svc.downstream import SchedulerLink
 from tokenizer_svc.errors import InvalidRequest
@@ -41,53 +48,6 @@ MAX_REQUEST_ID = 128
 WATCH_INTERVAL_S = 2.0
 
 
-class _Summary:
-    """One line per finished request (its fields are JSON keys with
-    `--log-format json`): request id, outcome (OK, an ErrorCode, or
-    CANCELLED when the client went away), media, tokens and timings."""
-
-    def __init__(self, rid: str, request: tokenizer_pb2.GenerateRequest) -> None:
-        self.rid = rid
-        self.images, self.videos = len(request.images), len(request.videos)
-        self.start = time.perf_counter()
-        self.first_token: float | None = None
-        self.outcome = "CANCELLED"  # unless the stream ends or fails
-        self.finish_reason = ""
-        self.prompt_tokens = self.completion_tokens = 0
-
-    def saw(self, response: tokenizer_pb2.GenerateResponse) -> None:
-        if response.HasField("delta") and response.delta.token_ids and self.first_token is None:
-            self.first_token = time.perf_counter()
-        elif response.HasField("finished"):
-            self.outcome = "OK"
-            f = response.finished
-            self.finish_reason = common_pb2.FinishReason.Name(f.finish_reason).removeprefix("FINISH_REASON_")
-            self.prompt_tokens, self.completion_tokens = f.prompt_tokens, f.completion_tokens
-
-    def log(self) -> None:
-        duration = time.perf_counter() - self.start
-        fields = {
-            "request_id": self.rid,
-            "outcome": self.outcome,
-            "finish_reason": self.finish_reason,
-            "images": self.images,
-            "videos": self.videos,
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "duration_s": round(duration, 4),
-            "ttft_s": None if self.first_token is None else round(self.first_token - self.start, 4),
-        }
-        log.info(
-            "request %s finished: %s, %d+%d tokens in %.3fs",
-            self.rid,
-            self.outcome,
-            self.prompt_tokens,
-            self.completion_tokens,
-            duration,
-            extra={"fields": fields},
-        )
-
-
 class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
     def __init__(self, service: TokenizerService, settings: TokenizerSettings) -> None:
         self.service = service
@@ -101,10 +61,16 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
             # Neither logged nor echoed: it may be anything.
             invalid = InvalidRequest(f"request_id must be 1..{MAX_REQUEST_ID} printable characters")
             await context.abort_with_status(invalid.to_status())
-        summary = _Summary(rid, request)
+        summary = RequestSummary(rid, images=len(request.images), videos=len(request.videos))
         try:
             async for response in self.service.generate(request, rid, context.time_remaining()):
-                summary.saw(response)
+                if response.HasField("delta") and response.delta.token_ids:
+                    summary.token()
+                elif response.HasField("finished"):
+                    f = response.finished
+                    summary.finished(
+                        common_pb2.FinishReason.Name(f.finish_reason), f.prompt_tokens, f.completion_tokens
+                    )
                 yield response
         except MmsplitError as exc:
             summary.outcome = exc.reason
@@ -118,7 +84,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
             log.exception("request %s failed on an unexpected error (incident %s)", rid, incident)
             await context.abort_with_status(InternalError(f"internal error (incident {incident})").to_status(rid))
         finally:
-            summary.log()
+            summary.log(log)
 
     async def GetServerInfo(  # noqa: N802
         self, request: tokenizer_pb2.GetServerInfoRequest, context: grpc.aio.ServicerContext

@@ -241,3 +241,6 @@ def test_each_finished_request_is_one_json_log_line_with_its_outcome(services: S
     assert done[ok_id]["level"] == "INFO"
     assert done[bad_id]["outcome"] == "MEDIA_DECODE_FAILED"
     assert done[bad_id]["ttft_s"] is None
+    # The scheduler (text logs here) has its own line for the request it ran.
+    scheduler_log = services.scheduler.log_path  # type: ignore[attr-defined]
+    assert wait_until(lambda: f".{ok_id} finished: OK, " in scheduler_log.read_text(), timeout=10)
