@@ -1,0 +1,338 @@
+"""A client library for the tokenizer service: `Client` (blocking) and
+`AsyncClient` (asyncio), with the same methods.
+
+    from mmsplit.client import Client, RequestFailed
+
+    with Client("127.0.0.1:50052") as client:
+        for event in client.generate("What is this?", images=[open("cat.jpg", "rb").read()], max_tokens=16):
+            print(event.text, end="", flush=True)
+
+Failures raise `RequestFailed` subclasses decoded from the status's
+ErrorInfo: `reason` (the ErrorCode name), `retriable`, `request_id`, the gRPC
+code and the message. Retriable failures that end a call before any response
+(UNAVAILABLE, RESOURCE_EXHAUSTED) are retried by gRPC itself, through the
+channel's service config (`retries`, exponential backoff with gRPC's
+jitter); a stream that already produced text is never retried.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from mmsplit.common.v1 import common_pb2
+from mmsplit.errors import error_info_of
+from mmsplit.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+
+SERVICE = tokenizer_pb2.DESCRIPTOR.services_by_name["TokenizerService"].full_name
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+
+
+# ---- errors ----
+class RequestFailed(Exception):
+    """A failed call: the server's ErrorCode name, whether retrying can help,
+    the request id it echoed, the gRPC status code and message."""
+
+    def __init__(self, reason: str, message: str, *, grpc_code: str, retriable: bool, request_id: str) -> None:
+        super().__init__(f"{reason}: {message}")
+        self.reason, self.message, self.grpc_code = reason, message, grpc_code
+        self.retriable, self.request_id = retriable, request_id
+
+
+class InvalidRequest(RequestFailed):
+    """The request itself was refused (prompt, sampling, markers, items)."""
+
+
+class MediaError(RequestFailed):
+    """An image or video could not be fetched, read or used."""
+
+
+class Overloaded(RequestFailed):
+    """The server is at a limit; retriable."""
+
+
+class Unavailable(RequestFailed):
+    """The server or what it depends on is not there now; retriable."""
+
+
+class TimedOut(RequestFailed):
+    """A deadline passed (the call's, or the server's preprocessing budget)."""
+
+
+class Cancelled(RequestFailed):
+    """The call was cancelled."""
+
+
+class InternalError(RequestFailed):
+    """A bug on the server (the message carries an incident id), or a server
+    that did not say what went wrong."""
+
+
+_KINDS: dict[str, type[RequestFailed]] = {
+    "INVALID_REQUEST": InvalidRequest,
+    "MEDIA_DECODE_FAILED": MediaError,
+    "MEDIA_UNSUPPORTED": MediaError,
+    "MEDIA_TOO_LARGE": MediaError,
+    "MEDIA_NOT_FOUND": MediaError,
+    "MEDIA_SOURCE_FORBIDDEN": MediaError,
+    "MEDIA_FETCH_FAILED": MediaError,
+    "OVERLOADED": Overloaded,
+    "SCHEDULER_UNAVAILABLE": Unavailable,
+    "SHUTTING_DOWN": Unavailable,
+    "PREPROCESS_WORKER_CRASHED": Unavailable,
+    "PREPROCESS_TIMEOUT": TimedOut,
+    "DEADLINE_EXCEEDED": TimedOut,
+    "CANCELLED": Cancelled,
+}
+
+
+def decode_error(exc: grpc.RpcError) -> RequestFailed:
+    """The typed error of a failed call (its ErrorInfo, else its gRPC code)."""
+    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+    message = (exc.details() if hasattr(exc, "details") else None) or str(code)
+    info = error_info_of(exc)
+    if info is not None and info.domain == "mmsplit":
+        reason = info.reason
+        retriable = info.metadata.get("retriable") == "true"
+        request_id = info.metadata.get("request_id", "")
+    else:
+        reason = {
+            grpc.StatusCode.UNAVAILABLE: "UNAVAILABLE",
+            grpc.StatusCode.DEADLINE_EXCEEDED: "DEADLINE_EXCEEDED",
+            grpc.StatusCode.CANCELLED: "CANCELLED",
+            grpc.StatusCode.RESOURCE_EXHAUSTED: "OVERLOADED",
+        }.get(code, "INTERNAL")
+        retriable = code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+        request_id = ""
+    kind = _KINDS.get(reason, Unavailable if reason == "UNAVAILABLE" else InternalError)
+    return kind(reason, message, grpc_code=code.name, retriable=retriable, request_id=request_id)
+
+
+# ---- events ----
+@dataclass(frozen=True)
+class Delta:
+    text: str
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Finished:
+    finish_reason: str  # "STOP" or "LENGTH"
+    prompt_tokens: int
+    completion_tokens: int
+    text: str = ""  # always empty: lets a loop print every event's text
+
+
+@dataclass
+class Completion:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+def service_config(retries: int, initial_backoff_s: float, max_backoff_s: float) -> str:
+    """gRPC's retry policy for the tokenizer service (at most 5 attempts: gRPC's cap)."""
+    policy = {
+        "maxAttempts": max(2, min(5, retries + 1)),
+        "initialBackoff": f"{initial_backoff_s}s",
+        "maxBackoff": f"{max_backoff_s}s",
+        "backoffMultiplier": 2,
+        "retryableStatusCodes": ["UNAVAILABLE", "RESOURCE_EXHAUSTED"],
+    }
+    config: dict[str, Any] = {"methodConfig": [{"name": [{"service": SERVICE}]}]}
+    if retries > 0:
+        config["methodConfig"][0]["retryPolicy"] = policy
+    return json.dumps(config)
+
+
+def build_request(
+    prompt: str,
+    *,
+    images: Sequence[bytes | str] = (),
+    videos: Sequence[bytes | str] = (),
+    request_id: str = "",
+    max_tokens: int = 0,
+    temperature: float = 0.0,
+    top_p: float | None = None,
+    top_k: int = 0,
+    seed: int = 0,
+    min_tokens: int = 0,
+    stop: Sequence[str] = (),
+    stop_token_ids: Sequence[int] = (),
+) -> tokenizer_pb2.GenerateRequest:
+    """A GenerateRequest; media given as bytes are sent inline, as str by URL
+    (data:, http(s), or a path under the server's allowed directory)."""
+    sampling = common_pb2.SamplingParams(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        seed=seed,
+        min_tokens=min_tokens,
+        stop=list(stop),
+        stop_token_ids=list(stop_token_ids),
+    )
+    if top_p is not None:
+        sampling.top_p = top_p
+    return tokenizer_pb2.GenerateRequest(
+        request_id=request_id,
+        prompt=prompt,
+        images=[tokenizer_pb2.Image(url=m) if isinstance(m, str) else tokenizer_pb2.Image(data=m) for m in images],
+        videos=[tokenizer_pb2.Video(url=m) if isinstance(m, str) else tokenizer_pb2.Video(data=m) for m in videos],
+        sampling=sampling,
+    )
+
+
+def _event(response: tokenizer_pb2.GenerateResponse) -> Delta | Finished | None:
+    kind = response.WhichOneof("event")
+    if kind == "delta":
+        return Delta(response.delta.text, tuple(response.delta.token_ids))
+    if kind == "finished":
+        f = response.finished
+        reason = common_pb2.FinishReason.Name(f.finish_reason).removeprefix("FINISH_REASON_")
+        return Finished(reason, f.prompt_tokens, f.completion_tokens)
+    return None
+
+
+def _add(done: Completion, event: Delta | Finished) -> None:
+    if isinstance(event, Delta):
+        done.text += event.text
+        done.token_ids.extend(event.token_ids)
+    else:
+        done.finish_reason = event.finish_reason
+        done.prompt_tokens, done.completion_tokens = event.prompt_tokens, event.completion_tokens
+
+
+def _options(retries: int, initial_backoff_s: float, max_backoff_s: float, server_name: str) -> list[tuple[str, Any]]:
+    options: list[tuple[str, Any]] = [
+        ("grpc.service_config", service_config(retries, initial_backoff_s, max_backoff_s)),
+        ("grpc.enable_retries", 1 if retries > 0 else 0),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ]
+    if server_name:
+        options.append(("grpc.ssl_target_name_override", server_name))
+    return options
+
+
+class Client:
+    """A blocking client. TLS when `root_certificates` is given (and a client
+    certificate with `certificate_chain` and `private_key`)."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        root_certificates: bytes | None = None,
+        certificate_chain: bytes | None = None,
+        private_key: bytes | None = None,
+        server_name: str = "",
+        retries: int = 3,
+        initial_backoff_s: float = 0.2,
+        max_backoff_s: float = 5.0,
+    ) -> None:
+        options = _options(retries, initial_backoff_s, max_backoff_s, server_name)
+        if root_certificates is not None:
+            creds = grpc.ssl_channel_credentials(root_certificates, private_key, certificate_chain)
+            self._channel = grpc.secure_channel(address, creds, options=options)
+        else:
+            self._channel = grpc.insecure_channel(address, options=options)
+        self._stub = tokenizer_pb2_grpc.TokenizerServiceStub(self._channel)
+
+    def generate(self, prompt: str, *, timeout: float | None = None, **kwargs: Any) -> Iterator[Delta | Finished]:
+        """The stream: deltas, then one Finished. Raises RequestFailed."""
+        request = build_request(prompt, **kwargs)
+        try:
+            for response in self._stub.Generate(request, timeout=timeout):
+                event = _event(response)
+                if event is not None:
+                    yield event
+        except grpc.RpcError as exc:
+            raise decode_error(exc) from None
+
+    def complete(self, prompt: str, *, timeout: float | None = None, **kwargs: Any) -> Completion:
+        done = Completion()
+        for event in self.generate(prompt, timeout=timeout, **kwargs):
+            _add(done, event)
+        return done
+
+    def server_info(self, timeout: float = 10.0) -> tokenizer_pb2.GetServerInfoResponse:
+        try:
+            return self._stub.GetServerInfo(tokenizer_pb2.GetServerInfoRequest(), timeout=timeout)
+        except grpc.RpcError as exc:
+            raise decode_error(exc) from None
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncClient:
+    """The asyncio client: the same arguments and methods, awaited."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        root_certificates: bytes | None = None,
+        certificate_chain: bytes | None = None,
+        private_key: bytes | None = None,
+        server_name: str = "",
+        retries: int = 3,
+        initial_backoff_s: float = 0.2,
+        max_backoff_s: float = 5.0,
+    ) -> None:
+        options = _options(retries, initial_backoff_s, max_backoff_s, server_name)
+        if root_certificates is not None:
+            creds = grpc.ssl_channel_credentials(root_certificates, private_key, certificate_chain)
+            self._channel = grpc.aio.secure_channel(address, creds, options=options)
+        else:
+            self._channel = grpc.aio.insecure_channel(address, options=options)
+        self._stub = tokenizer_pb2_grpc.TokenizerServiceStub(self._channel)
+
+    async def generate(
+        self,
+        prompt: str,
+        *,
+        timeout: float | None = None,  # noqa: ASYNC109 (the call's gRPC deadline, which the server sees)
+        **kwargs: Any,
+    ) -> AsyncIterator[Delta | Finished]:
+        request = build_request(prompt, **kwargs)
+        try:
+            async for response in self._stub.Generate(request, timeout=timeout):
+                event = _event(response)
+                if event is not None:
+                    yield event
+        except grpc.RpcError as exc:
+            raise decode_error(exc) from None
+
+    async def complete(
+        self,
+        prompt: str,
+        *,
+        timeout: float | None = None,  # noqa: ASYNC109 (as generate)
+        **kwargs: Any,
+    ) -> Completion:
+        done = Completion()
+        async for event in self.generate(prompt, timeout=timeout, **kwargs):
+            _add(done, event)
+        return done
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

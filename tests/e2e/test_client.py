@@ -1,0 +1,116 @@
+"""The client library (`mmsplit.client`) against the real services, and its
+retries through gRPC's service config against a tokenizer stand-in that is
+unavailable for its first calls."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+
+from mmsplit.client import AsyncClient, Client, Delta, Finished, InvalidRequest, MediaError, Unavailable
+from mmsplit.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from mmsplit_cli import samples
+from mmsplit_cli.client import make_request, run_request
+from tests.conftest import Services
+from tokenizer_svc.errors import SchedulerUnavailable
+
+pytestmark = pytest.mark.e2e
+
+
+def test_streams_deltas_then_one_finished_with_the_service_s_tokens(services: Services) -> None:
+    with Client(services.tokenizer_address) as client:
+        events = list(client.generate("Describe it.", images=[samples.good_png()], max_tokens=5))
+        done = client.complete("Describe it.", images=[samples.good_png()], max_tokens=5)
+    assert all(isinstance(e, Delta) for e in events[:-1])
+    assert isinstance(events[-1], Finished)
+    assert events[-1].completion_tokens == 5
+    with grpc.insecure_channel(services.tokenizer_address) as channel:
+        plain = run_request(
+            tokenizer_pb2_grpc.TokenizerServiceStub(channel),
+            make_request("Describe it.", [samples.good_png()], max_tokens=5),
+        )
+    assert done.token_ids == plain.token_ids
+    assert done.text == plain.text
+    assert done.finish_reason == "LENGTH"
+
+
+def test_client_errors_are_typed_with_reason_retriable_and_request_id(services: Services) -> None:
+    with Client(services.tokenizer_address) as client:
+        with pytest.raises(MediaError) as corrupt:
+            client.complete("Hi", images=[samples.corrupt_png()], request_id="typed-1")
+        with pytest.raises(InvalidRequest) as bad_sampling:
+            client.complete("Hi", temperature=-1.0, request_id="typed-2")
+        with pytest.raises(MediaError) as forbidden:
+            client.complete("Hi", images=["/etc/passwd"], request_id="typed-3")
+    assert (corrupt.value.reason, corrupt.value.retriable, corrupt.value.request_id) == (
+        "MEDIA_DECODE_FAILED",
+        False,
+        "typed-1",
+    )
+    assert corrupt.value.grpc_code == "INVALID_ARGUMENT"
+    assert bad_sampling.value.reason == "INVALID_REQUEST"
+    assert "temperature" in bad_sampling.value.message
+    assert (forbidden.value.reason, forbidden.value.grpc_code) == ("MEDIA_SOURCE_FORBIDDEN", "PERMISSION_DENIED")
+
+
+def test_the_async_client_gives_the_same_tokens(services: Services) -> None:
+    async def run() -> tuple[list[int], list[int]]:
+        async with AsyncClient(services.tokenizer_address) as client:
+            done = await client.complete("Hello", max_tokens=4, seed=3, temperature=0.7)
+            again = await client.complete("Hello", max_tokens=4, seed=3, temperature=0.7)
+        return done.token_ids, again.token_ids
+
+    first, second = asyncio.run(run())
+    assert len(first) == 4
+    assert first == second
+
+
+class _FlakyTokenizer(tokenizer_pb2_grpc.TokenizerServiceServicer):
+    """Fails its first `failures` calls as the tokenizer does while its
+    scheduler is down (UNAVAILABLE with ErrorInfo SCHEDULER_UNAVAILABLE,
+    retriable), then streams one token."""
+
+    def __init__(self, failures: int) -> None:
+        self.failures = failures
+        self.calls = 0
+
+    async def Generate(
+        self, request: tokenizer_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[tokenizer_pb2.GenerateResponse]:
+        self.calls += 1
+        if self.calls <= self.failures:
+            await context.abort_with_status(SchedulerUnavailable("the scheduler is down").to_status("r"))
+        yield tokenizer_pb2.GenerateResponse(delta=tokenizer_pb2.TextDelta(text="ok", token_ids=[7]))
+        yield tokenizer_pb2.GenerateResponse(finished=tokenizer_pb2.Finished(completion_tokens=1))
+
+
+def test_retriable_failures_are_retried_by_the_service_config() -> None:
+    async def run(failures: int, retries: int) -> tuple[int, object]:
+        flaky = _FlakyTokenizer(failures)
+        server = grpc.aio.server()
+        tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server(flaky, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with AsyncClient(f"127.0.0.1:{port}", retries=retries, initial_backoff_s=0.05) as client:
+                try:
+                    outcome: object = await client.complete("Hi", timeout=20)
+                except Unavailable as exc:
+                    outcome = exc
+        finally:
+            await server.stop(None)
+        return flaky.calls, outcome
+
+    calls, done = asyncio.run(run(failures=2, retries=3))
+    assert calls == 3
+    assert getattr(done, "token_ids", None) == [7]
+    calls, failed = asyncio.run(run(failures=5, retries=1))
+    assert calls == 2
+    assert isinstance(failed, Unavailable)
+    assert (failed.reason, failed.retriable) == ("SCHEDULER_UNAVAILABLE", True)
+    calls, failed = asyncio.run(run(failures=1, retries=0))
+    assert calls == 1
+    assert isinstance(failed, Unavailable)
