@@ -13,6 +13,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -82,8 +83,12 @@ class RequestSummary:
         self.finish_reason = finish_reason.removeprefix("FINISH_REASON_")
         self.prompt_tokens, self.completion_tokens = prompt_tokens, completion_tokens
 
-    def log(self, logger: logging.Logger) -> None:
+    def log(self, logger: logging.Logger, metrics: Any = None) -> None:
+        """Log the line; count it in `metrics` (a `mmsplit.metrics.ServiceMetrics`) too."""
         duration = time.perf_counter() - self.start
+        ttft = None if self.first_token is None else self.first_token - self.start
+        if metrics is not None:
+            metrics.finished(self.outcome, duration, ttft, self.prompt_tokens, self.completion_tokens)
         fields = {
             "request_id": self.rid,
             "outcome": self.outcome,
@@ -92,7 +97,7 @@ class RequestSummary:
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "duration_s": round(duration, 4),
-            "ttft_s": None if self.first_token is None else round(self.first_token - self.start, 4),
+            "ttft_s": None if ttft is None else round(ttft, 4),
         }
         logger.info(
             "request %s finished: %s, %d+%d tokens in %.3fs",

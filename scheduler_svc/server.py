@@ -29,6 +29,7 @@ import torch.distributed as dist
 from mmsplit import __version__
 from mmsplit.common.v1 import common_pb2
 from mmsplit.errors import InternalError, MmsplitError
+from mmsplit.metrics import ServiceMetrics
 from mmsplit.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from mmsplit.serving import (
     Health,
@@ -55,10 +56,17 @@ ACCEPTED = scheduler_pb2.GenerateResponse(accepted=scheduler_pb2.Accepted())
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
-    def __init__(self, frontend: Frontend, info: common_pb2.ServerInfo, step_loop: StepLoop) -> None:
+    def __init__(
+        self,
+        frontend: Frontend,
+        info: common_pb2.ServerInfo,
+        step_loop: StepLoop,
+        metrics: ServiceMetrics | None = None,
+    ) -> None:
         self.frontend = frontend
         self.info = info
         self.step_loop = step_loop
+        self.metrics = metrics
 
     async def Generate(  # noqa: N802 (gRPC method name)
         self, request: scheduler_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -70,7 +78,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         except MmsplitError as exc:
             log.info("request %s rejected: %s", rid, exc)
             summary.outcome = exc.reason
-            summary.log(log)
+            summary.log(log, self.metrics)
             await context.abort_with_status(exc.to_status(rid))
         try:
             yield ACCEPTED
@@ -94,7 +102,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         finally:
             # Cancel, deadline, disconnect, or normal end.
             self.frontend.end(rid)
-            summary.log(log)
+            summary.log(log, self.metrics)
 
     async def GetServerInfo(  # noqa: N802
         self, request: scheduler_pb2.GetServerInfoRequest, context: grpc.aio.ServicerContext
@@ -107,6 +115,21 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         info.queued_requests = snapshot.queued
         info.kv_reserved_tokens = snapshot.kv_reserved_tokens
         return scheduler_pb2.GetServerInfoResponse(info=info)
+
+
+def _metrics(settings: SchedulerSettings, step_loop: StepLoop) -> ServiceMetrics | None:
+    if not settings.metrics_port:
+        return None
+    metrics = ServiceMetrics("scheduler")
+    metrics.gauge("running_requests", "Requests generating now (rows of the batch)", lambda: step_loop.snapshot.running)
+    metrics.gauge("queued_requests", "Accepted requests waiting for room", lambda: step_loop.snapshot.queued)
+    metrics.gauge("kv_budget_tokens", "The KV-cache budget in tokens", lambda: step_loop.kv_budget_tokens)
+    metrics.gauge(
+        "kv_reserved_tokens", "KV tokens the running requests reserve", lambda: step_loop.snapshot.kv_reserved_tokens
+    )
+    port = metrics.serve("0.0.0.0", settings.metrics_port)
+    log.info("metrics on port %d (/metrics)", port)
+    return metrics
 
 
 def run(settings: SchedulerSettings) -> int:
@@ -248,7 +271,8 @@ async def _serve(
         probes, probe_port = await health_server("0.0.0.0", settings.health_port, health)
         log.info("health alone on port %d", probe_port)
     frontend = Frontend(step_loop, settings, info)
-    servicer = SchedulerServicer(frontend, server_info(settings, info, boot.shm_namespace, budget), step_loop)
+    metrics = _metrics(settings, step_loop)
+    servicer = SchedulerServicer(frontend, server_info(settings, info, boot.shm_namespace, budget), step_loop, metrics)
     scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(servicer, server)
     await server.start()
     log.info("scheduler listening on %s:%d (tp=%d, model=%s)", settings.host, port, settings.tp, info.name)

@@ -102,6 +102,7 @@ class SchedulerSettings:
     max_message_bytes: int = _opt(256 * 1024 * 1024, "largest gRPC message", min=1024)
     stats_interval_s: float = _opt(10.0, "how often the step loop logs its statistics", min=0.01)
     log_level: str = _opt("INFO", "logging level", choices=LOG_LEVELS)
+    metrics_port: int = _opt(0, "serve Prometheus /metrics (plain HTTP) on this port of all addresses; 0 = off", min=0)
     log_format: str = _opt(
         "text", "text, or json: one JSON object per line, finished requests with their fields", choices=LOG_FORMATS
     )

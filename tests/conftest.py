@@ -21,6 +21,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from mmsplit.serving import free_port
 from tests.support import messages
 from tests.support.leaks import children, project_segments, wait_until
 from tests.support.services import ROOT, SCHEDULER_SERVICE, TOKENIZER_SERVICE, Pair, running_pair
@@ -129,13 +130,15 @@ Services = Pair
 def services(tiny_model: Path, media_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     """The shared pair: 2 ranks, a tensor reader that fails on request, a
     0.1 s batch window (so simultaneous requests share a step); the tokenizer
-    logs JSON lines."""
+    logs JSON lines; both serve /metrics."""
     logs = tmp_path_factory.mktemp("logs")
+    scheduler = ["--tensor-reader", "tests.support.faults:make_reader", "--batch-window-s", "0.1"]
+    tokenizer = ["--allowed-media-dir", str(media_dir), "--log-format", "json"]
     with running_pair(
         tiny_model,
         logs,
-        scheduler_extra=["--tensor-reader", "tests.support.faults:make_reader", "--batch-window-s", "0.1"],
-        tokenizer_extra=["--allowed-media-dir", str(media_dir), "--log-format", "json"],
+        scheduler_extra=[*scheduler, "--metrics-port", str(free_port())],
+        tokenizer_extra=[*tokenizer, "--metrics-port", str(free_port())],
     ) as pair:
         yield pair
         codes = {"tokenizer": pair.tokenizer.stop(), "scheduler": pair.scheduler.stop()}

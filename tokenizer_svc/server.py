@@ -24,6 +24,7 @@ import grpc
 from mmsplit import __version__, families, shm
 from mmsplit.common.v1 import common_pb2
 from mmsplit.errors import InternalError, MmsplitError
+from mmsplit.metrics import ServiceMetrics
 from mmsplit.serving import (
     ClientSecurity,
     Health,
@@ -48,10 +49,31 @@ MAX_REQUEST_ID = 128
 WATCH_INTERVAL_S = 2.0
 
 
+def _metrics(settings: TokenizerSettings, service: TokenizerService, pool: CpuPool) -> ServiceMetrics | None:
+    if not settings.metrics_port:
+        return None
+    metrics = ServiceMetrics("tokenizer")
+    metrics.gauge("requests_in_flight", "Requests in progress", lambda: service.inflight)
+    metrics.gauge("preprocess_cache_bytes", "Bytes the preprocessing cache holds", lambda: service.cache.bytes)
+    metrics.counters(
+        lambda: {
+            "preprocess_cache_hits": ("Lookups that found a preprocessed item", service.cache.hits),
+            "preprocess_cache_misses": ("Lookups that did not", service.cache.misses),
+            "cpu_pool_replacements": ("Times the CPU pool was replaced after a worker died", pool.replacements),
+        }
+    )
+    port = metrics.serve("0.0.0.0", settings.metrics_port)
+    log.info("metrics on port %d (/metrics)", port)
+    return metrics
+
+
 class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
-    def __init__(self, service: TokenizerService, settings: TokenizerSettings) -> None:
+    def __init__(
+        self, service: TokenizerService, settings: TokenizerSettings, metrics: ServiceMetrics | None = None
+    ) -> None:
         self.service = service
         self.settings = settings
+        self.metrics = metrics
 
     async def Generate(  # noqa: N802 (gRPC method name)
         self, request: tokenizer_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -84,7 +106,10 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
             log.exception("request %s failed on an unexpected error (incident %s)", rid, incident)
             await context.abort_with_status(InternalError(f"internal error (incident {incident})").to_status(rid))
         finally:
-            summary.log(log)
+            remaining = context.time_remaining()
+            if summary.outcome == "CANCELLED" and remaining is not None and remaining <= 0:
+                summary.outcome = "DEADLINE_EXCEEDED"  # the client's deadline ended it
+            summary.log(log, self.metrics)
 
     async def GetServerInfo(  # noqa: N802
         self, request: tokenizer_pb2.GetServerInfoRequest, context: grpc.aio.ServicerContext
@@ -189,7 +214,8 @@ async def _serve(settings: TokenizerSettings, security: ServerSecurity, downstre
         max_message_bytes=settings.message_limit,
         security=security,
     )
-    tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server(TokenizerServicer(service, settings), server)
+    metrics = _metrics(settings, service, pool)
+    tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server(TokenizerServicer(service, settings, metrics), server)
     await server.start()
     probes = None
     if settings.health_port:

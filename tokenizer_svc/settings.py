@@ -117,6 +117,7 @@ class TokenizerSettings:
         "", "module imported by each CPU worker: on_worker_start(), on_decoded(image) (tests inject faults with it)"
     )
     log_level: str = _opt("INFO", "logging level", choices=LOG_LEVELS)
+    metrics_port: int = _opt(0, "serve Prometheus /metrics (plain HTTP) on this port of all addresses; 0 = off", min=0)
     log_format: str = _opt(
         "text", "text, or json: one JSON object per line, finished requests with their fields", choices=LOG_FORMATS
     )

@@ -1,0 +1,70 @@
+"""Prometheus metrics of both services (`--metrics-port`, off by default):
+`/metrics` over plain HTTP from a thread of the service's process.
+
+Names follow Prometheus conventions: `mmsplit_<service>_...`, units in the
+name, `_total` counters; the only label is `outcome` (OK, an ErrorCode name,
+or CANCELLED: a bounded set), never a request id. Gauges are read when
+scraped, from the service's own state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class ServiceMetrics:
+    """Per-request metrics of one service, and its gauges and counters read
+    on scrape."""
+
+    def __init__(self, service: str) -> None:
+        self.registry = CollectorRegistry()
+        self.prefix = prefix = f"mmsplit_{service}"
+        r = self.registry
+        self.requests = Counter(
+            f"{prefix}_requests", "Finished requests by outcome (OK, an ErrorCode, CANCELLED)", ["outcome"], registry=r
+        )
+        self.duration = Histogram(
+            f"{prefix}_request_duration_seconds", "Time from a request's arrival to its end", buckets=LATENCY_BUCKETS,
+            registry=r,
+        )  # fmt: skip
+        self.ttft = Histogram(
+            f"{prefix}_time_to_first_token_seconds", "Time from a request's arrival to its first token",
+            buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.prompt_tokens = Counter(f"{prefix}_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.completion_tokens = Counter(f"{prefix}_completion_tokens", "Tokens generated", registry=r)
+
+    def finished(self, outcome: str, duration_s: float, ttft_s: float | None, prompt: int, completion: int) -> None:
+        self.requests.labels(outcome=outcome).inc()
+        self.duration.observe(duration_s)
+        if ttft_s is not None:
+            self.ttft.observe(ttft_s)
+        self.prompt_tokens.inc(prompt)
+        self.completion_tokens.inc(completion)
+
+    def gauge(self, name: str, documentation: str, read: Callable[[], float]) -> None:
+        Gauge(f"{self.prefix}_{name}", documentation, registry=self.registry).set_function(read)
+
+    def counters(self, read: Callable[[], dict[str, tuple[str, float]]]) -> None:
+        """Counters kept elsewhere (name -> (documentation, value)), read on scrape."""
+        self.registry.register(_Read(self.prefix, read))
+
+    def serve(self, host: str, port: int) -> int:
+        """Serve /metrics on a thread; returns the port (port 0 picks one)."""
+        server, _ = start_http_server(port, addr=host, registry=self.registry)
+        return int(server.server_port)
+
+
+class _Read(Collector):
+    def __init__(self, prefix: str, read: Callable[[], dict[str, tuple[str, float]]]) -> None:
+        self.prefix, self.read = prefix, read
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        for name, (documentation, value) in self.read().items():
+            yield CounterMetricFamily(f"{self.prefix}_{name}", documentation, value=value)

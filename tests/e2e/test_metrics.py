@@ -1,0 +1,90 @@
+"""Prometheus /metrics of both shared services after a scripted mix: the
+counts by outcome are the ones the mix caused, and the exposition parses."""
+
+from __future__ import annotations
+
+import re
+import threading
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from mmsplit.tokenizer.v1 import tokenizer_pb2_grpc
+from mmsplit_cli import samples
+from mmsplit_cli.client import make_request, run_request
+from tests.conftest import Services
+from tests.support.leaks import wait_until
+
+pytestmark = pytest.mark.e2e
+
+
+def port_of(log: Path) -> int:
+    found = re.search(r"metrics on port (\d+)", log.read_text())
+    assert found, f"no metrics port in {log}"
+    return int(found.group(1))
+
+
+def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample, keyed by (name, sorted labels); parsing fails on a format error."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def outcome(samples_: dict, service: str, value: str) -> float:  # type: ignore[type-arg]
+    return samples_.get((f"mmsplit_{service}_requests_total", (("outcome", value),)), 0.0)
+
+
+def test_counts_by_outcome_after_a_scripted_mix(services: Services) -> None:
+    tok_port = port_of(services.tokenizer.log_path)
+    sched_port = port_of(services.scheduler.log_path)
+    before_tok, before_sched = scrape(tok_port), scrape(sched_port)
+    with grpc.insecure_channel(services.tokenizer_address) as channel:
+        stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
+        good = [run_request(stub, make_request("Hi", [samples.good_png()], max_tokens=3)) for _ in range(2)]
+        corrupt = run_request(stub, make_request("Hi", [samples.corrupt_png()]))
+        # Cancelled by the client once it streams; ended by its deadline.
+        started = threading.Event()
+        call = stub.Generate(make_request("Go on.", max_tokens=2000, min_tokens=2000), timeout=60)
+
+        def consume() -> None:
+            try:
+                for _ in call:
+                    started.set()
+            except grpc.RpcError:
+                pass
+
+        reader = threading.Thread(target=consume)
+        reader.start()
+        assert started.wait(30)
+        call.cancel()
+        reader.join(10)
+        late = run_request(stub, make_request("Go on.", max_tokens=2000, min_tokens=2000), timeout=1.0)
+    assert [g.ok for g in good] == [True, True]
+    assert corrupt.reason == "MEDIA_DECODE_FAILED"
+    assert late.grpc_code == "DEADLINE_EXCEEDED"
+
+    def caused(service: str, port: int, before: dict, expected: dict[str, float]) -> bool:  # type: ignore[type-arg]
+        after = scrape(port)
+        return all(outcome(after, service, k) - outcome(before, service, k) == v for k, v in expected.items())
+
+    want_tok = {"OK": 2, "MEDIA_DECODE_FAILED": 1, "CANCELLED": 1, "DEADLINE_EXCEEDED": 1}
+    assert wait_until(lambda: caused("tokenizer", tok_port, before_tok, want_tok), timeout=10), scrape(tok_port)
+    # The scheduler saw the two good ones and the two it was cancelled for (the corrupt image never reached it).
+    want_sched = {"OK": 2, "CANCELLED": 2}
+    assert wait_until(lambda: caused("scheduler", sched_port, before_sched, want_sched), timeout=10)
+    after = scrape(tok_port)
+    assert (
+        after[("mmsplit_tokenizer_completion_tokens_total", ())]
+        - before_tok.get(("mmsplit_tokenizer_completion_tokens_total", ()), 0)
+        >= 6
+    )
+    assert ("mmsplit_tokenizer_preprocess_cache_hits_total", ()) in after
+    assert ("mmsplit_tokenizer_requests_in_flight", ()) in after
+    assert ("mmsplit_scheduler_kv_budget_tokens", ()) in scrape(sched_port)
