@@ -48,6 +48,9 @@ class ServiceMetrics:
         self.prompt_tokens.inc(prompt)
         self.completion_tokens.inc(completion)
 
+    def histogram(self, name: str, documentation: str, buckets: tuple[float, ...] = LATENCY_BUCKETS) -> Histogram:
+        return Histogram(f"{self.prefix}_{name}", documentation, buckets=buckets, registry=self.registry)
+
     def gauge(self, name: str, documentation: str, read: Callable[[], float]) -> None:
         Gauge(f"{self.prefix}_{name}", documentation, registry=self.registry).set_function(read)
 

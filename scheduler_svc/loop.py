@@ -153,6 +153,9 @@ class StepLoop:
         # steps: the watchdog's view of progress. A plain float assignment,
         # read from another thread.
         self.step_started: float | None = None
+        # Called on the loop thread after each step with (seconds, rows
+        # running): the metrics' hook.
+        self.on_step: Callable[[float, int], None] | None = None
 
     # ---- any thread ----
     def submit(self, admission: Admission) -> None:
@@ -200,7 +203,10 @@ class StepLoop:
                 self._settle(outcome.failed, outcome.sampled, outcome.rejected)
                 self._flush()
                 self.step_started = None
-                self._stats.step(time.monotonic() - started, len(self._running), len(outcome.sampled), outcome.phases)
+                took = time.monotonic() - started
+                self._stats.step(took, len(self._running), len(outcome.sampled), outcome.phases)
+                if self.on_step is not None:
+                    self.on_step(took, len(self._running))
                 self._report()
                 if plan.stop:
                     return

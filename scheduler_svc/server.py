@@ -127,6 +127,16 @@ def _metrics(settings: SchedulerSettings, step_loop: StepLoop) -> ServiceMetrics
     metrics.gauge(
         "kv_reserved_tokens", "KV tokens the running requests reserve", lambda: step_loop.snapshot.kv_reserved_tokens
     )
+    step_seconds = metrics.histogram("step_duration_seconds", "Time of one step (plan, reads, agreement, forwards)")
+    batch_rows = metrics.histogram(
+        "batch_rows", "Requests running after a step (rows of the batch)", buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256)
+    )
+
+    def on_step(seconds: float, rows: int) -> None:
+        step_seconds.observe(seconds)
+        batch_rows.observe(rows)
+
+    step_loop.on_step = on_step
     port = metrics.serve("0.0.0.0", settings.metrics_port)
     log.info("metrics on port %d (/metrics)", port)
     return metrics

@@ -87,4 +87,7 @@ def test_counts_by_outcome_after_a_scripted_mix(services: Services) -> None:
     )
     assert ("mmsplit_tokenizer_preprocess_cache_hits_total", ()) in after
     assert ("mmsplit_tokenizer_requests_in_flight", ()) in after
-    assert ("mmsplit_scheduler_kv_budget_tokens", ()) in scrape(sched_port)
+    scheduler = scrape(sched_port)
+    assert ("mmsplit_scheduler_kv_budget_tokens", ()) in scheduler
+    steps = ("mmsplit_scheduler_step_duration_seconds_count", ())
+    assert scheduler[steps] > before_sched.get(steps, 0)
