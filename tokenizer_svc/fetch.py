@@ -106,6 +106,9 @@ class Fetcher:
         self._domains = [d.strip().lower().lstrip(".") for d in settings.allowed_domains.split(",") if d.strip()]
         self._exempt = {e.strip().lower() for e in settings.private_fetch_exempt.split(",") if e.strip()}
         self._session: aiohttp.ClientSession | None = None
+        # Counted for the metrics: every attempt, the ones retried, the
+        # fetches that failed after their last attempt.
+        self.attempts = self.retries = self.failures = 0
 
     def _client(self) -> aiohttp.ClientSession:
         # Made on first use: a session belongs to the running event loop.
@@ -133,11 +136,14 @@ class Fetcher:
         cap = self.settings.max_image_bytes if max_bytes is None else max_bytes
         attempts = 1 + max(0, self.settings.fetch_retries)
         for attempt in range(1, attempts + 1):
+            self.attempts += 1
             try:
                 return await self._attempt(url, cap)
             except _Retriable as exc:
                 if attempt == attempts:
+                    self.failures += 1
                     raise MediaFetchFailed(f"fetching {url} failed after {attempts} attempt(s): {exc}") from exc
+                self.retries += 1
                 delay = self.settings.fetch_backoff_s * 2 ** (attempt - 1) * random.uniform(0.5, 1.5)
                 log.info("fetch attempt %d of %s failed (%s); retrying in %.2fs", attempt, url, exc, delay)
                 await asyncio.sleep(delay)

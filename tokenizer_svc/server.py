@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import signal
 import uuid
 from collections.abc import AsyncIterator
@@ -55,16 +56,33 @@ def _metrics(settings: TokenizerSettings, service: TokenizerService, pool: CpuPo
     metrics = ServiceMetrics("tokenizer")
     metrics.gauge("requests_in_flight", "Requests in progress", lambda: service.inflight)
     metrics.gauge("preprocess_cache_bytes", "Bytes the preprocessing cache holds", lambda: service.cache.bytes)
+    fetcher = service.media.fetcher
+    metrics.gauge("shm_bytes", "Bytes of this process's shared-memory segments now", lambda: _own_shm_bytes(settings))
     metrics.counters(
         lambda: {
             "preprocess_cache_hits": ("Lookups that found a preprocessed item", service.cache.hits),
             "preprocess_cache_misses": ("Lookups that did not", service.cache.misses),
             "cpu_pool_replacements": ("Times the CPU pool was replaced after a worker died", pool.replacements),
+            "preprocess_seconds": ("Time spent preprocessing media in workers, as awaited", service.preprocess_s),
+            "preprocessed_items": ("Images and videos preprocessed by workers", service.preprocessed),
+            "fetch_attempts": ("HTTP(S) fetch attempts", fetcher.attempts),
+            "fetch_retries": ("Fetch attempts that failed and were retried", fetcher.retries),
+            "fetch_failures": ("Fetches that failed after their last attempt", fetcher.failures),
+            "janitor_removed_segments": ("Orphaned segments the janitor removed", service.janitor_removed),
         }
     )
     port = metrics.serve("0.0.0.0", settings.metrics_port)
     log.info("metrics on port %d (/metrics)", port)
     return metrics
+
+
+def _own_shm_bytes(settings: TokenizerSettings) -> int:
+    total = 0
+    for name in shm.list_segments(settings.shm_prefix):
+        if name.split("-")[-2:-1] == [str(os.getpid())]:
+            with contextlib.suppress(OSError):
+                total += (shm.SHM_DIR / name).stat().st_size
+    return total
 
 
 class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
@@ -280,6 +298,9 @@ async def _watch(settings: TokenizerSettings, health: Health, service: Tokenizer
         now = asyncio.get_running_loop().time()
         if now - last_sweep >= settings.janitor_interval_s:
             held = set(service.held)
-            await asyncio.to_thread(shm.sweep, settings.shm_prefix, grace_s=settings.segment_grace_s, keep=held)
+            removed = await asyncio.to_thread(
+                shm.sweep, settings.shm_prefix, grace_s=settings.segment_grace_s, keep=held
+            )
+            service.janitor_removed += len(removed)
             last_sweep = now
         await asyncio.sleep(WATCH_INTERVAL_S)

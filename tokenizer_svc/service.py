@@ -17,6 +17,7 @@ import itertools
 import logging
 import os
 import secrets
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -64,6 +65,10 @@ class TokenizerService:
         self.family = family
         self.prompts = PromptBuilder(family, tokenizer, chat_template)
         self.cache = PreprocessCache(settings.preprocess_cache_bytes, fingerprint(settings.model_dir))
+        # Counted for the metrics.
+        self.preprocessed = 0
+        self.preprocess_s = 0.0
+        self.janitor_removed = 0
         self.media = media
         self.pool = pool
         self.link = link
@@ -290,7 +295,10 @@ class TokenizerService:
             # Seen before: no decoding or preprocessing, only the hand-over copy.
             result = await self._off_loop(self._materialize, cached, inline)
         else:
+            started = time.perf_counter()
             result = await self.pool.preprocess(job, timeout_s=timeout_s, request_id=rid)
+            self.preprocessed += 1
+            self.preprocess_s += time.perf_counter() - started
             result = dataclasses.replace(result, content_hash=key[:16])
         prepared = self._hold(result)
         if self.cache.enabled and cached is None:

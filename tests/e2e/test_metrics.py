@@ -85,7 +85,17 @@ def test_counts_by_outcome_after_a_scripted_mix(services: Services) -> None:
         - before_tok.get(("mmsplit_tokenizer_completion_tokens_total", ()), 0)
         >= 6
     )
-    assert ("mmsplit_tokenizer_preprocess_cache_hits_total", ()) in after
+    for name in (
+        "preprocess_cache_hits_total",
+        "preprocessed_items_total",
+        "preprocess_seconds_total",
+        "fetch_attempts_total",
+        "fetch_retries_total",
+        "fetch_failures_total",
+        "janitor_removed_segments_total",
+        "shm_bytes",
+    ):
+        assert (f"mmsplit_tokenizer_{name}", ()) in after, name
     assert ("mmsplit_tokenizer_requests_in_flight", ()) in after
     scheduler = scrape(sched_port)
     assert ("mmsplit_scheduler_kv_budget_tokens", ()) in scheduler
