@@ -37,13 +37,20 @@ def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     }
 
 
-def outcome(samples_: dict, service: str, value: str) -> float:  # type: ignore[type-arg]
-    return samples_.get((f"mmsplit_{service}_requests_total", (("outcome", value),)), 0.0)
-
-
 def test_counts_by_outcome_after_a_scripted_mix(services: Services) -> None:
     tok_port = port_of(services.tokenizer.log_path)
     sched_port = port_of(services.scheduler.log_path)
+
+    def quiet() -> bool:
+        tok, sched = scrape(tok_port), scrape(sched_port)
+        return (
+            tok[("mmsplit_tokenizer_requests_in_flight", ())] == 0
+            and sched[("mmsplit_scheduler_running_requests", ())] == 0
+            and sched[("mmsplit_scheduler_queued_requests", ())] == 0
+        )
+
+    # Nothing of an earlier test may still be finishing while this one counts.
+    assert wait_until(quiet, timeout=30)
     before_tok, before_sched = scrape(tok_port), scrape(sched_port)
     with grpc.insecure_channel(services.tokenizer_address) as channel:
         stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
@@ -70,15 +77,21 @@ def test_counts_by_outcome_after_a_scripted_mix(services: Services) -> None:
     assert corrupt.reason == "MEDIA_DECODE_FAILED"
     assert late.grpc_code == "DEADLINE_EXCEEDED"
 
-    def caused(service: str, port: int, before: dict, expected: dict[str, float]) -> bool:  # type: ignore[type-arg]
-        after = scrape(port)
-        return all(outcome(after, service, k) - outcome(before, service, k) == v for k, v in expected.items())
+    def caused(service: str, port: int, before: dict) -> dict[str, float]:  # type: ignore[type-arg]
+        """The outcome counts that changed since `before`."""
+        after = {labels[0][1]: v for (name, labels), v in scrape(port).items() if name.endswith("_requests_total")}
+        was = {labels[0][1]: v for (name, labels), v in before.items() if name.endswith("_requests_total")}
+        return {k: v - was.get(k, 0.0) for k, v in after.items() if v != was.get(k, 0.0)}
 
     want_tok = {"OK": 2, "MEDIA_DECODE_FAILED": 1, "CANCELLED": 1, "DEADLINE_EXCEEDED": 1}
-    assert wait_until(lambda: caused("tokenizer", tok_port, before_tok, want_tok), timeout=10), scrape(tok_port)
+    assert wait_until(lambda: caused("tokenizer", tok_port, before_tok) == want_tok, timeout=10), caused(
+        "tokenizer", tok_port, before_tok
+    )
     # The scheduler saw the two good ones and the two it was cancelled for (the corrupt image never reached it).
     want_sched = {"OK": 2, "CANCELLED": 2}
-    assert wait_until(lambda: caused("scheduler", sched_port, before_sched, want_sched), timeout=10)
+    assert wait_until(lambda: caused("scheduler", sched_port, before_sched) == want_sched, timeout=10), caused(
+        "scheduler", sched_port, before_sched
+    )
     after = scrape(tok_port)
     assert (
         after[("mmsplit_tokenizer_completion_tokens_total", ())]
