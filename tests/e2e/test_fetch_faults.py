@@ -12,8 +12,9 @@ pytestmark = pytest.mark.e2e
 
 
 def test_delayed_fetches_do_not_fail_requests(tiny_model: Path, tmp_path: Path) -> None:
-    report = run(rounds=2, clients=12, tp=1, model=tiny_model, workdir=tmp_path)
-    assert len(report.outcomes) == 24
+    # One round: fetches 0 and 8 of its 12 are delayed past the budget.
+    report = run(rounds=1, clients=12, tp=1, model=tiny_model, workdir=tmp_path)
+    assert len(report.outcomes) == 12
     assert report.delayed, "no fetch was delayed"
     assert report.failure_rate == 0, report.failures
     # The delayed ones waited for the origin, not on a CPU budget.
