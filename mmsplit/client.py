@@ -220,8 +220,9 @@ def _options(retries: int, initial_backoff_s: float, max_backoff_s: float, serve
     return options
 
 
-class Client:
-    """A blocking client. TLS when `root_certificates` is given (and a client
+class _Connection:
+    """What both clients set up: the channel's options (the retry policy)
+    and credentials. TLS when `root_certificates` is given (and a client
     certificate with `certificate_chain` and `private_key`)."""
 
     def __init__(
@@ -237,12 +238,25 @@ class Client:
         max_backoff_s: float = 5.0,
     ) -> None:
         options = _options(retries, initial_backoff_s, max_backoff_s, server_name)
-        if root_certificates is not None:
-            creds = grpc.ssl_channel_credentials(root_certificates, private_key, certificate_chain)
-            self._channel = grpc.secure_channel(address, creds, options=options)
-        else:
-            self._channel = grpc.insecure_channel(address, options=options)
+        credentials = (
+            grpc.ssl_channel_credentials(root_certificates, private_key, certificate_chain)
+            if root_certificates is not None
+            else None
+        )
+        self._channel = self._open(address, credentials, options)
         self._stub = tokenizer_pb2_grpc.TokenizerServiceStub(self._channel)
+
+    def _open(self, address: str, credentials: Any, options: list[tuple[str, Any]]) -> Any:
+        raise NotImplementedError
+
+
+class Client(_Connection):
+    """A blocking client (constructor arguments: see `_Connection`)."""
+
+    def _open(self, address: str, credentials: Any, options: list[tuple[str, Any]]) -> grpc.Channel:
+        if credentials is None:
+            return grpc.insecure_channel(address, options=options)
+        return grpc.secure_channel(address, credentials, options=options)
 
     def generate(self, prompt: str, *, timeout: float | None = None, **kwargs: Any) -> Iterator[Delta | Finished]:
         """The stream: deltas, then one Finished. Raises RequestFailed."""
@@ -277,28 +291,13 @@ class Client:
         self.close()
 
 
-class AsyncClient:
+class AsyncClient(_Connection):
     """The asyncio client: the same arguments and methods, awaited."""
 
-    def __init__(
-        self,
-        address: str,
-        *,
-        root_certificates: bytes | None = None,
-        certificate_chain: bytes | None = None,
-        private_key: bytes | None = None,
-        server_name: str = "",
-        retries: int = 3,
-        initial_backoff_s: float = 0.2,
-        max_backoff_s: float = 5.0,
-    ) -> None:
-        options = _options(retries, initial_backoff_s, max_backoff_s, server_name)
-        if root_certificates is not None:
-            creds = grpc.ssl_channel_credentials(root_certificates, private_key, certificate_chain)
-            self._channel = grpc.aio.secure_channel(address, creds, options=options)
-        else:
-            self._channel = grpc.aio.insecure_channel(address, options=options)
-        self._stub = tokenizer_pb2_grpc.TokenizerServiceStub(self._channel)
+    def _open(self, address: str, credentials: Any, options: list[tuple[str, Any]]) -> grpc.aio.Channel:
+        if credentials is None:
+            return grpc.aio.insecure_channel(address, options=options)
+        return grpc.aio.secure_channel(address, credentials, options=options)
 
     async def generate(
         self,

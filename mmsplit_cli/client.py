@@ -12,6 +12,7 @@ from pathlib import Path
 
 import grpc
 
+from mmsplit.client import build_request
 from mmsplit.common.v1 import common_pb2
 from mmsplit.errors import RemoteError
 from mmsplit.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
@@ -52,21 +53,20 @@ def make_request(
     stop: list[str] | None = None,
     videos: list[bytes] | None = None,
 ) -> tokenizer_pb2.GenerateRequest:
-    pics = [tokenizer_pb2.Image(data=d) for d in images or []] + [tokenizer_pb2.Image(url=u) for u in urls or []]
-    clips = [tokenizer_pb2.Video(data=d) for d in videos or []]
-    sampling = common_pb2.SamplingParams(
+    """`mmsplit.client.build_request`, with images by value and by URL apart."""
+    return build_request(
+        prompt,
+        images=[*(images or []), *(urls or [])],
+        videos=videos or [],
+        request_id=request_id,
         max_tokens=max_tokens,
         temperature=temperature,
-        seed=seed,
+        top_p=top_p,
         top_k=top_k,
+        seed=seed,
         min_tokens=min_tokens,
-        stop_token_ids=stop_token_ids or [],
         stop=stop or [],
-    )
-    if top_p is not None:
-        sampling.top_p = top_p
-    return tokenizer_pb2.GenerateRequest(
-        request_id=request_id, prompt=prompt, images=pics, videos=clips, sampling=sampling
+        stop_token_ids=stop_token_ids or [],
     )
 
 

@@ -304,7 +304,10 @@ class TokenizerService:
         if self.cache.enabled and cached is None:
             try:
                 self.cache.put(key, result if not result.segments else await asyncio.to_thread(self._as_bytes, result))
-            except BaseException:
+            except Exception:
+                # Only the cache misses out: the item itself is fine.
+                log.warning("request %s: a preprocessed item could not be kept in the cache", rid, exc_info=True)
+            except BaseException:  # cancelled: nobody will send what we hold
                 _unlock([prepared])
                 self._release(result.segments)
                 raise
