@@ -30,6 +30,7 @@ from mmsplit.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 
 SERVICE = tokenizer_pb2.DESCRIPTOR.services_by_name["TokenizerService"].full_name
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+RETRY_BUFFER_BYTES = 64 * 1024 * 1024  # requests up to this size can be retried
 
 
 # ---- errors ----
@@ -208,10 +209,16 @@ def _add(done: Completion, event: Delta | Finished) -> None:
         done.prompt_tokens, done.completion_tokens = event.prompt_tokens, event.completion_tokens
 
 
-def _options(retries: int, initial_backoff_s: float, max_backoff_s: float, server_name: str) -> list[tuple[str, Any]]:
+def _options(
+    retries: int, initial_backoff_s: float, max_backoff_s: float, server_name: str, retry_buffer_bytes: int
+) -> list[tuple[str, Any]]:
     options: list[tuple[str, Any]] = [
         ("grpc.service_config", service_config(retries, initial_backoff_s, max_backoff_s)),
         ("grpc.enable_retries", 1 if retries > 0 else 0),
+        # gRPC keeps a copy of a request to send it again, up to this size
+        # (its default, 256 KiB, is less than one photo): a larger request
+        # is never retried.
+        ("grpc.per_rpc_retry_buffer_size", retry_buffer_bytes),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ]
@@ -236,8 +243,9 @@ class _Connection:
         retries: int = 3,
         initial_backoff_s: float = 0.2,
         max_backoff_s: float = 5.0,
+        retry_buffer_bytes: int = RETRY_BUFFER_BYTES,
     ) -> None:
-        options = _options(retries, initial_backoff_s, max_backoff_s, server_name)
+        options = _options(retries, initial_backoff_s, max_backoff_s, server_name, retry_buffer_bytes)
         credentials = (
             grpc.ssl_channel_credentials(root_certificates, private_key, certificate_chain)
             if root_certificates is not None

@@ -30,6 +30,7 @@ from grpc_status import rpc_status
 from mmsplit.common.v1 import common_pb2
 
 DOMAIN = "mmsplit"
+RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"
 E = common_pb2.ErrorCode
 
 
@@ -80,10 +81,13 @@ class MmsplitError(Exception):
 
     code: ClassVar[int] = E.ERROR_CODE_INTERNAL
 
-    def __init__(self, message: str, *, metadata: dict[str, str] | None = None) -> None:
+    def __init__(self, message: str, *, metadata: dict[str, str] | None = None, retry_after_ms: int = 0) -> None:
         super().__init__(message)
         self.message = message
         self.metadata: dict[str, str] = dict(metadata or {})
+        # When set, the status tells clients whose retry policy retries it to
+        # wait exactly this long first (gRPC's server pushback, gRFC A6).
+        self.retry_after_ms = retry_after_ms
 
     @property
     def error_code(self) -> int:
@@ -106,7 +110,11 @@ class MmsplitError(Exception):
         detail = any_pb2.Any()
         detail.Pack(info)
         status = status_pb2.Status(code=self.kind.grpc_code.value[0], message=self.message, details=[detail])
-        return rpc_status.to_status(status)
+        converted = rpc_status.to_status(status)
+        if self.retry_after_ms > 0 and self.kind.retriable:
+            pushback = (RETRY_PUSHBACK_KEY, str(self.retry_after_ms))
+            converted = converted._replace(trailing_metadata=(*converted.trailing_metadata, pushback))
+        return converted
 
     def __str__(self) -> str:
         return f"{self.reason}: {self.message}"

@@ -3,6 +3,7 @@
 mmsplit scheduler --model DIR --tp N --port P
 mmsplit tokenizer --model DIR --scheduler HOST:PORT --port P
 mmsplit generate --server HOST:PORT [--image FILE ...] [--video FILE ...] [--max-tokens N] [--json] "prompt"
+mmsplit conformance --tokenizer HOST:PORT [--scheduler HOST:PORT]
 mmsplit tiny-model DIR [--family llava|llava-next|qwen2-vl|qwen2.5-vl]
 mmsplit demo
 """
@@ -41,6 +42,12 @@ def _generate(args: argparse.Namespace) -> int:
     from mmsplit_cli.client import generate_command
 
     return generate_command(args)
+
+
+def _conformance(args: argparse.Namespace) -> int:
+    from mmsplit.conformance import run_command
+
+    return run_command(args)
 
 
 def _tiny_model(args: argparse.Namespace) -> int:
@@ -103,6 +110,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-server-name", default="", help="name the server's certificate carries, if not --server's")
     p.add_argument("prompt")
     p.set_defaults(func=_generate)
+
+    p = sub.add_parser(
+        "conformance", help="check a server against the contract's promises; a table, non-zero on failure"
+    )
+    from mmsplit.conformance import add_arguments
+
+    add_arguments(p)
+    p.set_defaults(func=_conformance)
 
     cache_help = "where the tokenizer's source wheel is cached"
     p = sub.add_parser("tiny-model", help="write a tiny random-weight multimodal model with a real tokenizer")

@@ -24,16 +24,24 @@ from tokenizer_svc.errors import SchedulerUnavailable
 from tokenizer_svc.settings import TokenizerSettings
 
 log = logging.getLogger(__name__)
+RECONNECT_INITIAL_MS = 250
+RECONNECT_MAX_MS = 2000
 
 
 class SchedulerLink:
     def __init__(self, settings: TokenizerSettings, security: ClientSecurity) -> None:
         self.settings = settings
         # Requests may carry inline tensors (the scheduler enforces its own
-        # limit on them); its responses are small.
+        # limit on them); its responses are small. A scheduler that comes back
+        # (restarted, rescheduled) is found within RECONNECT_MAX_MS: gRPC's
+        # default backoff grows to 120 s, which would keep this tokenizer
+        # NOT_SERVING for minutes after its scheduler is back.
         options = [
             ("grpc.max_send_message_length", -1),
             ("grpc.max_receive_message_length", 16 * 1024 * 1024),
+            ("grpc.initial_reconnect_backoff_ms", RECONNECT_INITIAL_MS),
+            ("grpc.min_reconnect_backoff_ms", RECONNECT_INITIAL_MS),
+            ("grpc.max_reconnect_backoff_ms", RECONNECT_MAX_MS),
         ]
         self.channel = security.channel(settings.scheduler, options)
         self._metadata = security.metadata()

@@ -156,7 +156,10 @@ class TokenizerService:
     ) -> AsyncGenerator[tokenizer_pb2.GenerateResponse, None]:
         self._validate(request)
         if not self.link.connected:
-            raise SchedulerUnavailable("the scheduler is not reachable; retry shortly")
+            raise SchedulerUnavailable(
+                "the scheduler is not reachable; retry shortly",
+                retry_after_ms=self.settings.unavailable_retry_after_ms,
+            )
         prepared = await self._prepare_media(request, rid)
         results = [p.result for p in prepared]
         owned = [segment for r in results for segment in r.segments]

@@ -106,6 +106,12 @@ class TokenizerSettings:
         min=0.01,
     )
     scheduler_wait_s: float = _opt(120.0, "how long startup waits for the scheduler before serving NOT_SERVING", min=0)
+    unavailable_retry_after_ms: int = _opt(
+        1000,
+        "while the scheduler is unreachable, clients whose gRPC retry policy retries UNAVAILABLE are told to "
+        "wait this long before the next attempt (server pushback); 0 leaves the wait to their own backoff",
+        min=0,
+    )
     shutdown_grace_s: float = _opt(5.0, "seconds running requests get to finish on SIGTERM", min=0)
     max_message_bytes: int = _opt(
         0,

@@ -88,7 +88,7 @@ class _FlakyTokenizer(tokenizer_pb2_grpc.TokenizerServiceServicer):
 
 
 def test_retriable_failures_are_retried_by_the_service_config() -> None:
-    async def run(failures: int, retries: int) -> tuple[int, object]:
+    async def run(failures: int, retries: int, image: bytes = b"") -> tuple[int, object]:
         flaky = _FlakyTokenizer(failures)
         server = grpc.aio.server()
         tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server(flaky, server)
@@ -97,7 +97,8 @@ def test_retriable_failures_are_retried_by_the_service_config() -> None:
         try:
             async with AsyncClient(f"127.0.0.1:{port}", retries=retries, initial_backoff_s=0.05) as client:
                 try:
-                    outcome: object = await client.complete("Hi", timeout=20)
+                    images = [image] if image else []
+                    outcome: object = await client.complete("Hi", images=images, timeout=20)
                 except Unavailable as exc:
                     outcome = exc
         finally:
@@ -107,6 +108,9 @@ def test_retriable_failures_are_retried_by_the_service_config() -> None:
     calls, done = asyncio.run(run(failures=2, retries=3))
     assert calls == 3
     assert getattr(done, "token_ids", None) == [7]
+    # A request far over gRPC's default retry buffer (256 KiB) is retried too.
+    calls, done = asyncio.run(run(failures=2, retries=3, image=b"\xff" * (3 << 20)))
+    assert calls == 3
     calls, failed = asyncio.run(run(failures=5, retries=1))
     assert calls == 2
     assert isinstance(failed, Unavailable)

@@ -15,6 +15,7 @@ import grpc
 import psutil
 import pytest
 
+from mmsplit.client import Client
 from mmsplit.tokenizer.v1 import tokenizer_pb2_grpc
 from mmsplit_cli import samples
 from mmsplit_cli.client import Outcome, make_request, run_request
@@ -69,7 +70,13 @@ def rank_pids(scheduler: ServiceProcess) -> list[int]:
 
 
 def test_rank_killed_mid_generation_then_restarted(tiny_model: Path, tmp_path: Path) -> None:
-    with running_pair(tiny_model, tmp_path) as pair:
+    """In flight: typed SCHEDULER_UNAVAILABLE. Then a client call made while
+    the group is down, with the client library's retry policy, is retried by
+    gRPC itself (each attempt waiting the tokenizer's pushback) until the
+    restarted group answers it."""
+    pushback_s = 4.0  # four retries cover 16 s: a restart takes about 7 here
+    tokenizer_extra = ["--unavailable-retry-after-ms", str(int(pushback_s * 1000))]
+    with running_pair(tiny_model, tmp_path, tokenizer_extra=tokenizer_extra) as pair:
         futures = in_flight(pair.tokenizer_address, 3, max_tokens=2000)
         os.kill(rank_pids(pair.scheduler)[0], signal.SIGKILL)
         killed_at = time.monotonic()
@@ -88,12 +95,20 @@ def test_rank_killed_mid_generation_then_restarted(tiny_model: Path, tmp_path: P
         assert down.reason == "SCHEDULER_UNAVAILABLE"
         assert down.latency_s < 5
 
-        # A new group on the same port; the tokenizer finds it by itself.
-        port = pair.scheduler.port
-        restarted = start_scheduler(tiny_model, tmp_path / "scheduler2.log", extra=["--port", str(port)])
-        pair.scheduler = restarted
-        restarted.wait_serving(SCHEDULER_SERVICE, 180)
-        assert wait_until(lambda: health_status(pair.tokenizer_address, TOKENIZER_SERVICE) == "SERVING", 30)
+        # A client call while the group is down, then a new group on the same
+        # port; the tokenizer finds it by itself and a retry gets through.
+        with Client(pair.tokenizer_address, retries=4) as client, ThreadPoolExecutor(1) as pool:
+            retried = pool.submit(
+                client.complete, "Hi", images=[samples.good_png()], max_tokens=3, request_id="retried", timeout=60
+            )
+            port = pair.scheduler.port
+            restarted = start_scheduler(tiny_model, tmp_path / "scheduler2.log", extra=["--port", str(port)])
+            pair.scheduler = restarted
+            restarted.wait_serving(SCHEDULER_SERVICE, 180)
+            assert wait_until(lambda: health_status(pair.tokenizer_address, TOKENIZER_SERVICE) == "SERVING", 30)
+            assert retried.result(timeout=60).completion_tokens == 3
+        refusals = pair.tokenizer.log_path.read_text().count("request retried failed: SCHEDULER_UNAVAILABLE")
+        assert 1 <= refusals <= 4, refusals
         with grpc.insecure_channel(pair.tokenizer_address) as channel:
             out = run_request(
                 tokenizer_pb2_grpc.TokenizerServiceStub(channel), make_request("Hi", [samples.good_png()], max_tokens=3)

@@ -1,0 +1,601 @@
+"""The contract's conformance kit: what a server implementing our protos must
+do that a `.proto` cannot say.
+
+    mmsplit conformance --tokenizer HOST:PORT [--scheduler HOST:PORT]
+
+It speaks only the protos (the generated stubs, `grpc.health.v1` and server
+reflection) and the error table of DESIGN.md §4 (`mmsplit.errors.TABLE`); it
+imports nothing of our servers, so it judges anyone's implementation the same
+way. Each check is a name and a verdict (PASS, FAIL or SKIP with the reason);
+the table it prints is the report, and any FAIL makes the exit status 1.
+
+What it checks, per service:
+- health: `""` (live) and the full service name (ready) are SERVING; an
+  unknown service name is NOT_FOUND.
+- reflection lists the service, health and reflection itself.
+- GetServerInfo: the fields a client relies on are filled in and consistent.
+- a stream's events: (scheduler: exactly one Accepted first), then deltas,
+  then exactly one Finished last; the tokens add up; the tokenizer puts the
+  request id on every event (and makes one up when the request has none).
+- every client-error ErrorCode that an input can provoke: the gRPC code of
+  the table, an ErrorInfo with domain "mmsplit", the reason, retriable=false
+  and the request id; then a good request still succeeds.
+- cancellation and deadlines propagate: after a client cancels, or its
+  deadline passes, the scheduler's running + queued requests come back to
+  what they were (read through GetServerInfo) within a bound.
+- unknown fields in a request are tolerated (proto3 forward compatibility).
+
+Run it against an otherwise idle server: the propagation checks compare the
+scheduler's request counts before and after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import math
+import struct
+import time
+import uuid
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from mmsplit.common.v1 import common_pb2
+from mmsplit.errors import DOMAIN, TABLE, error_info_of, reason_of
+from mmsplit.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
+from mmsplit.serving import read_secret
+from mmsplit.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+
+E = common_pb2.ErrorCode
+TOKENIZER_SERVICE = tokenizer_pb2.DESCRIPTOR.services_by_name["TokenizerService"].full_name
+SCHEDULER_SERVICE = scheduler_pb2.DESCRIPTOR.services_by_name["SchedulerService"].full_name
+HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+REFLECTION_SERVICE = reflection_pb2.DESCRIPTOR.services_by_name["ServerReflection"].full_name
+# Appended to a serialized request: field 1999 as a varint and field 1998 as
+# bytes. Neither exists in any of our messages.
+UNKNOWN_FIELDS = b"\xf8\x7c\x01" + b"\xf2\x7c\x03abc"
+SETTLE_S = 15.0  # how long a cancelled or expired request may take to leave the scheduler
+
+
+@dataclass(frozen=True)
+class Result:
+    name: str
+    verdict: str  # PASS, FAIL or SKIP
+    detail: str = ""
+
+
+class Failed(Exception):
+    """A check's expectation did not hold; the message says which."""
+
+
+class Skipped(Exception):
+    """A check that cannot run with what it was given; the message says why."""
+
+
+def expect(condition: bool, message: str) -> None:
+    if not condition:
+        raise Failed(message)
+
+
+@dataclass
+class Options:
+    tokenizer: str
+    scheduler: str = ""
+    not_found_url: str = ""
+    timeout_s: float = 60.0
+    long_tokens: int = 512
+    credentials: grpc.ChannelCredentials | None = None
+    scheduler_token: str = ""
+
+
+# ---- media the checks send (made here: the kit depends on no test code) ----
+def png(width: int = 64, height: int = 48) -> bytes:
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (width, height), (90, 140, 200)).save(out, format="PNG")
+    return out.getvalue()
+
+
+def png_claiming(width: int, height: int) -> bytes:
+    """A PNG whose header claims width x height, with one tiny IDAT: a bomb
+    any server must refuse before allocating the pixels."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return (
+        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
+    )
+
+
+# ---- the error a failed call carries ----
+def check_error(exc: grpc.RpcError, code: int, request_id: str) -> str:
+    """That `exc` is `code` as the table says, with an ErrorInfo naming it;
+    returns a one-line summary."""
+    kind = TABLE[code]
+    got = exc.code()
+    info = error_info_of(exc)
+    expect(info is not None, f"{got.name} without a google.rpc.ErrorInfo detail: {exc.details()!r}")
+    assert info is not None
+    expect(info.domain == DOMAIN, f"ErrorInfo domain {info.domain!r}, expected {DOMAIN!r}")
+    expect(info.reason == reason_of(code), f"reason {info.reason!r}, expected {reason_of(code)!r} ({exc.details()!r})")
+    expect(got == kind.grpc_code, f"gRPC code {got.name}, expected {kind.grpc_code.name}")
+    retriable = info.metadata.get("retriable")
+    expect(retriable == str(kind.retriable).lower(), f"metadata retriable={retriable!r}, expected {kind.retriable}")
+    if request_id:
+        echoed = info.metadata.get("request_id")
+        expect(echoed == request_id, f"metadata request_id={echoed!r}, expected {request_id!r}")
+    return f"{got.name} {info.reason}"
+
+
+class Kit:
+    """The checks, against one tokenizer (and optionally its scheduler)."""
+
+    def __init__(self, options: Options) -> None:
+        self.options = options
+        self.results: list[Result] = []
+        channel_options = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
+        self._channels: list[grpc.Channel] = []
+        self.tokenizer = self._channel(options.tokenizer, channel_options)
+        self.tok = tokenizer_pb2_grpc.TokenizerServiceStub(self.tokenizer)
+        self.scheduler = self._channel(options.scheduler, channel_options) if options.scheduler else None
+        self.sched = scheduler_pb2_grpc.SchedulerServiceStub(self.scheduler) if self.scheduler else None
+        self.sched_metadata = (
+            (("authorization", f"Bearer {options.scheduler_token}"),) if options.scheduler_token else ()
+        )
+
+    def _channel(self, target: str, channel_options: list[tuple[str, Any]]) -> grpc.Channel:
+        if self.options.credentials is not None:
+            channel = grpc.secure_channel(target, self.options.credentials, options=channel_options)
+        else:
+            channel = grpc.insecure_channel(target, options=channel_options)
+        self._channels.append(channel)
+        return channel
+
+    def close(self) -> None:
+        for channel in self._channels:
+            channel.close()
+
+    # ---- running ----
+    def run(self, name: str, check: Callable[[], str | None]) -> None:
+        try:
+            detail = check() or ""
+            self.results.append(Result(name, "PASS", detail))
+        except Skipped as exc:
+            self.results.append(Result(name, "SKIP", str(exc)))
+        except Failed as exc:
+            self.results.append(Result(name, "FAIL", str(exc)))
+        except grpc.RpcError as exc:
+            self.results.append(Result(name, "FAIL", f"unexpected {exc.code().name}: {exc.details()!r}"))
+        except Exception as exc:  # a check that broke is a failed check, reported, not a crash of the kit
+            self.results.append(Result(name, "FAIL", f"{type(exc).__name__}: {exc}"))
+
+    def all(self) -> list[Result]:
+        checks: list[tuple[str, Callable[[], str | None]]] = [
+            *self._common_checks("tokenizer", self.tokenizer, TOKENIZER_SERVICE),
+            ("tokenizer.server_info", self.tokenizer_server_info),
+            ("tokenizer.stream.events", self.tokenizer_stream),
+            ("tokenizer.stream.image", self.tokenizer_image),
+            ("tokenizer.stream.request_id_assigned", self.tokenizer_request_id),
+            *[(f"tokenizer.error.{label}", self._tokenizer_error(code, build)) for label, code, build in CLIENT_ERRORS],
+            ("tokenizer.error.MEDIA_NOT_FOUND", self.tokenizer_not_found),
+            ("tokenizer.unknown_fields", self.tokenizer_unknown_fields),
+            ("tokenizer.cancel_propagates", lambda: self.tokenizer_ends_early(cancel=True)),
+            ("tokenizer.deadline_propagates", lambda: self.tokenizer_ends_early(cancel=False)),
+        ]
+        if self.scheduler is not None:
+            checks += [
+                *self._common_checks("scheduler", self.scheduler, SCHEDULER_SERVICE),
+                ("scheduler.server_info", self.scheduler_server_info),
+                ("scheduler.stream.events", self.scheduler_stream),
+                (
+                    "scheduler.error.INVALID_REQUEST(no input ids)",
+                    self._scheduler_error(lambda r: r.ClearField("input_ids")),
+                ),
+                ("scheduler.error.INVALID_REQUEST(token id outside the vocabulary)", self._scheduler_error(_huge_id)),
+                (
+                    "scheduler.error.INVALID_REQUEST(an item that fits neither its tensor nor the prompt)",
+                    self._scheduler_error(_bad_tensor),
+                ),
+                ("scheduler.unknown_fields", self.scheduler_unknown_fields),
+                ("scheduler.cancel_propagates", lambda: self.scheduler_ends_early(cancel=True)),
+                ("scheduler.deadline_propagates", lambda: self.scheduler_ends_early(cancel=False)),
+            ]
+        checks.append(("tokenizer.serving_after_all", self.still_serving))
+        for name, check in checks:
+            self.run(name, check)
+        return self.results
+
+    # ---- both services ----
+    def _common_checks(
+        self, label: str, channel: grpc.Channel, service: str
+    ) -> list[tuple[str, Callable[[], str | None]]]:
+        def live() -> str:
+            return self._health(channel, "")
+
+        def ready() -> str:
+            return self._health(channel, service)
+
+        def unknown() -> str:
+            stub = health_pb2_grpc.HealthStub(channel)
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(service="no.such.v1.Service"), timeout=10)
+            except grpc.RpcError as exc:
+                expect(exc.code() == grpc.StatusCode.NOT_FOUND, f"{exc.code().name}, expected NOT_FOUND")
+                return "NOT_FOUND"
+            raise Failed(
+                f"answered {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}, expected NOT_FOUND"
+            )
+
+        def listed() -> str:
+            stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+            replies = stub.ServerReflectionInfo(
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10
+            )
+            names = {s.name for reply in replies for s in reply.list_services_response.service}
+            missing = {service, HEALTH_SERVICE, REFLECTION_SERVICE} - names
+            expect(not missing, f"reflection does not list {sorted(missing)} (lists {sorted(names)})")
+            return ", ".join(sorted(names))
+
+        return [
+            (f"{label}.health.live", live),
+            (f"{label}.health.ready", ready),
+            (f"{label}.health.unknown_service", unknown),
+            (f"{label}.reflection", listed),
+        ]
+
+    def _health(self, channel: grpc.Channel, service: str) -> str:
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+        status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+        expect(reply.status == health_pb2.HealthCheckResponse.SERVING, f"{service or '(live)'} is {status}")
+        return f"{service or '(empty name)'}: {status}"
+
+    # ---- tokenizer ----
+    def _generate(self, request: tokenizer_pb2.GenerateRequest, timeout: float | None = None) -> list[Any]:
+        return list(self.tok.Generate(request, timeout=timeout or self.options.timeout_s))
+
+    def tokenizer_server_info(self) -> str:
+        reply = self.tok.GetServerInfo(tokenizer_pb2.GetServerInfoRequest(), timeout=10)
+        info, sched = reply.info, reply.scheduler
+        expect(bool(info.model), "info.model is empty")
+        expect(bool(info.version), "info.version is empty")
+        expect(info.tp_size == 1, f"info.tp_size is {info.tp_size}; a tokenizer reports 1")
+        expect(reply.transport != common_pb2.TRANSPORT_UNSPECIFIED, "transport is UNSPECIFIED")
+        expect(reply.HasField("scheduler"), "no scheduler info")
+        expect(sched.tp_size >= 1, f"scheduler.tp_size is {sched.tp_size}")
+        expect(reply.transport in sched.transports, "the transport in use is not one the scheduler offers")
+        return f"model={info.model} transport={common_pb2.Transport.Name(reply.transport)} scheduler tp={sched.tp_size}"
+
+    def tokenizer_stream(self) -> str:
+        rid = _request_id()
+        events = self._generate(_text_request(rid, tokens=4))
+        expect(bool(events), "no events")
+        kinds = [e.WhichOneof("event") for e in events]
+        expect(
+            kinds[-1] == "finished" and kinds.count("finished") == 1, f"events {kinds}: not deltas then one Finished"
+        )
+        expect(all(e.request_id == rid for e in events), "an event without the request's id")
+        done = events[-1].finished
+        streamed = sum(len(e.delta.token_ids) for e in events[:-1])
+        expect(done.completion_tokens == 4, f"completion_tokens {done.completion_tokens} with min = max = 4")
+        expect(
+            streamed == done.completion_tokens, f"{streamed} token ids streamed, Finished says {done.completion_tokens}"
+        )
+        expect(done.finish_reason == common_pb2.FINISH_REASON_LENGTH, "finish_reason is not LENGTH at max_tokens")
+        expect(done.prompt_tokens > 0, "prompt_tokens is 0")
+        return f"{len(events) - 1} deltas, then Finished(LENGTH, {done.prompt_tokens}+{done.completion_tokens})"
+
+    def tokenizer_image(self) -> str:
+        text = self._generate(_text_request(_request_id(), tokens=1))[-1].finished
+        request = _text_request(_request_id(), tokens=1)
+        request.images.add(data=png())
+        events = self._generate(request)
+        expect(events[-1].WhichOneof("event") == "finished", "no Finished for an image request")
+        with_image = events[-1].finished.prompt_tokens
+        expect(
+            with_image > text.prompt_tokens, f"an image added no prompt tokens ({with_image} vs {text.prompt_tokens})"
+        )
+        return f"prompt tokens {text.prompt_tokens} -> {with_image} with one image"
+
+    def tokenizer_request_id(self) -> str:
+        events = self._generate(_text_request("", tokens=2))
+        ids = {e.request_id for e in events}
+        expect(len(ids) == 1 and "" not in ids, f"request ids on the events: {sorted(ids)}")
+        return f"assigned {ids.pop()!r}"
+
+    def _tokenizer_error(self, code: int, build: Callable[[tokenizer_pb2.GenerateRequest], None]) -> Callable[[], str]:
+        def check() -> str:
+            rid = _request_id()
+            request = _text_request(rid, tokens=1)
+            build(request)
+            return self._expect_tokenizer_error(request, code, rid)
+
+        return check
+
+    def _expect_tokenizer_error(self, request: tokenizer_pb2.GenerateRequest, code: int, rid: str) -> str:
+        try:
+            events = self._generate(request)
+        except grpc.RpcError as exc:
+            summary = check_error(exc, code, rid)
+        else:
+            raise Failed(f"succeeded ({len(events)} events), expected {reason_of(code)}")
+        after = self._generate(_text_request(_request_id(), tokens=1))
+        expect(after[-1].WhichOneof("event") == "finished", "the next good request did not finish")
+        return summary
+
+    def tokenizer_not_found(self) -> str:
+        if not self.options.not_found_url:
+            raise Skipped("give --not-found-url: a media URL this server may fetch that does not exist")
+        rid = _request_id()
+        request = _text_request(rid, tokens=1)
+        request.images.add(url=self.options.not_found_url)
+        return self._expect_tokenizer_error(request, E.ERROR_CODE_MEDIA_NOT_FOUND, rid)
+
+    def tokenizer_unknown_fields(self) -> str:
+        method = f"/{TOKENIZER_SERVICE}/Generate"
+        call = self.tokenizer.unary_stream(method, request_serializer=None, response_deserializer=None)
+        rid = _request_id()
+        raw = _text_request(rid, tokens=2).SerializeToString() + UNKNOWN_FIELDS
+        events = [tokenizer_pb2.GenerateResponse.FromString(b) for b in call(raw, timeout=self.options.timeout_s)]
+        expect(bool(events) and events[-1].WhichOneof("event") == "finished", "no Finished")
+        info = self.tokenizer.unary_unary(f"/{TOKENIZER_SERVICE}/GetServerInfo")(UNKNOWN_FIELDS, timeout=10)
+        tokenizer_pb2.GetServerInfoResponse.FromString(info)
+        return "Generate and GetServerInfo accept fields 1998 and 1999"
+
+    def _scheduler_load(self) -> tuple[int, Callable[[], int]]:
+        """The scheduler's running + queued requests now, and a way to read
+        them again: from the scheduler when given, else as the tokenizer
+        reports it."""
+
+        def read() -> int:
+            if self.sched is not None:
+                info = self.sched.GetServerInfo(
+                    scheduler_pb2.GetServerInfoRequest(), timeout=10, metadata=self.sched_metadata
+                ).info
+            else:
+                info = self.tok.GetServerInfo(tokenizer_pb2.GetServerInfoRequest(), timeout=10).scheduler
+            return info.running_requests + info.queued_requests
+
+        return read(), read
+
+    def tokenizer_ends_early(self, *, cancel: bool) -> str:
+        before, load = self._scheduler_load()
+        request = _text_request(_request_id(), tokens=self.options.long_tokens)
+        deadline = None if cancel else 2.0
+        call = self.tok.Generate(request, timeout=deadline or self.options.timeout_s)
+        return self._ends_early(call, cancel=cancel, before=before, load=load, first="delta")
+
+    def _ends_early(self, call: Any, *, cancel: bool, before: int, load: Callable[[], int], first: str) -> str:
+        """Read `call` until its first `first` event, then cancel it (or let
+        its deadline pass); the scheduler's load must come back to `before`."""
+        events = iter(call)
+        try:
+            while (event := next(events)).WhichOneof("event") != first:
+                expect(event.WhichOneof("event") != "finished", "finished before it could be cut short")
+            seen = load()
+            expect(seen > before, f"the scheduler did not count the request while it ran ({seen} vs {before})")
+            if cancel:
+                call.cancel()
+            for event in events:
+                expect(
+                    event.WhichOneof("event") != "finished",
+                    "finished before it could be cut short: raise --long-tokens",
+                )
+        except grpc.RpcError as exc:
+            wanted = grpc.StatusCode.CANCELLED if cancel else grpc.StatusCode.DEADLINE_EXCEEDED
+            expect(exc.code() == wanted, f"the call ended {exc.code().name}, expected {wanted.name}")
+        else:
+            raise Failed("the call ended without an error")
+        started = time.monotonic()
+        while (now := load()) > before:
+            expect(time.monotonic() - started < SETTLE_S, f"scheduler still holds {now - before} after {SETTLE_S:.0f}s")
+            time.sleep(0.05)
+        return f"scheduler back to {before} within {time.monotonic() - started:.2f}s"
+
+    def still_serving(self) -> str:
+        detail = self._health(self.tokenizer, TOKENIZER_SERVICE)
+        events = self._generate(_text_request(_request_id(), tokens=1))
+        expect(events[-1].WhichOneof("event") == "finished", "a good request did not finish")
+        return detail
+
+    # ---- scheduler ----
+    def scheduler_server_info(self) -> str:
+        assert self.sched is not None
+        info = self.sched.GetServerInfo(
+            scheduler_pb2.GetServerInfoRequest(), timeout=10, metadata=self.sched_metadata
+        ).info
+        expect(bool(info.model), "info.model is empty")
+        expect(bool(info.version), "info.version is empty")
+        expect(info.tp_size >= 1, f"tp_size {info.tp_size}")
+        expect(len(info.rank_active_requests) == info.tp_size, "rank_active_requests has not one entry per rank")
+        expect(bool(info.transports), "no transports offered")
+        expect(common_pb2.TRANSPORT_INLINE in info.transports, "inline transport is not offered")
+        expect(info.kv_budget_tokens > 0, "kv_budget_tokens is 0")
+        return f"tp={info.tp_size} transports={[common_pb2.Transport.Name(t) for t in info.transports]}"
+
+    def _sched_generate(self, request: scheduler_pb2.GenerateRequest, timeout: float | None = None) -> Any:
+        assert self.sched is not None
+        return self.sched.Generate(request, timeout=timeout or self.options.timeout_s, metadata=self.sched_metadata)
+
+    def scheduler_stream(self) -> str:
+        events = list(self._sched_generate(_scheduler_request(_request_id(), tokens=4)))
+        kinds = [e.WhichOneof("event") for e in events]
+        expect(kinds[:1] == ["accepted"] and kinds.count("accepted") == 1, f"events {kinds}: not one Accepted first")
+        expect(kinds[-1] == "finished" and kinds.count("finished") == 1, f"events {kinds}: not one Finished last")
+        done = events[-1].finished
+        streamed = sum(len(e.tokens.token_ids) for e in events if e.WhichOneof("event") == "tokens")
+        expect(
+            done.completion_tokens == 4 == streamed,
+            f"{streamed} tokens streamed, Finished says {done.completion_tokens}",
+        )
+        expect(done.prompt_tokens == 3, f"prompt_tokens {done.prompt_tokens} for 3 input ids")
+        return f"Accepted, {len(events) - 2} Tokens, Finished"
+
+    def _scheduler_error(self, mutate: Callable[[scheduler_pb2.GenerateRequest], None]) -> Callable[[], str]:
+        def check() -> str:
+            rid = _request_id()
+            request = _scheduler_request(rid, tokens=1)
+            mutate(request)
+            try:
+                events = list(self._sched_generate(request))
+            except grpc.RpcError as exc:
+                return check_error(exc, E.ERROR_CODE_INVALID_REQUEST, rid)
+            raise Failed(f"succeeded ({len(events)} events), expected INVALID_REQUEST")
+
+        return check
+
+    def scheduler_unknown_fields(self) -> str:
+        assert self.scheduler is not None
+        call = self.scheduler.unary_stream(f"/{SCHEDULER_SERVICE}/Generate")
+        raw = _scheduler_request(_request_id(), tokens=2).SerializeToString() + UNKNOWN_FIELDS
+        replies = call(raw, timeout=self.options.timeout_s, metadata=self.sched_metadata)
+        events = [scheduler_pb2.GenerateResponse.FromString(b) for b in replies]
+        expect(bool(events) and events[-1].WhichOneof("event") == "finished", "no Finished")
+        return "Generate accepts fields 1998 and 1999"
+
+    def scheduler_ends_early(self, *, cancel: bool) -> str:
+        before, load = self._scheduler_load()
+        request = _scheduler_request(_request_id(), tokens=self.options.long_tokens)
+        call = self._sched_generate(request, timeout=None if cancel else 2.0)
+        return self._ends_early(call, cancel=cancel, before=before, load=load, first="tokens")
+
+
+# ---- requests ----
+def _request_id() -> str:
+    return f"conformance-{uuid.uuid4().hex[:12]}"
+
+
+def _text_request(request_id: str, *, tokens: int) -> tokenizer_pb2.GenerateRequest:
+    sampling = common_pb2.SamplingParams(max_tokens=tokens, min_tokens=tokens)
+    return tokenizer_pb2.GenerateRequest(request_id=request_id, prompt="Say something.", sampling=sampling)
+
+
+def _scheduler_request(request_id: str, *, tokens: int) -> scheduler_pb2.GenerateRequest:
+    sampling = common_pb2.SamplingParams(max_tokens=tokens, min_tokens=tokens)
+    return scheduler_pb2.GenerateRequest(request_id=request_id, input_ids=[1, 2, 3], sampling=sampling)
+
+
+def _huge_id(request: scheduler_pb2.GenerateRequest) -> None:
+    request.input_ids.append(2**31)
+
+
+def _bad_tensor(request: scheduler_pb2.GenerateRequest) -> None:
+    # 3 floats of bytes for a [1, 3, 4, 4] tensor: no reader may accept it.
+    ref = common_pb2.TensorRef(dtype=common_pb2.DTYPE_FLOAT32, shape=[1, 3, 4, 4], inline=b"\0" * 12)
+    item = request.items.add(modality=common_pb2.MODALITY_IMAGE)
+    item.tensors["pixel_values"].CopyFrom(ref)
+    item.placeholders.add(offset=0, length=1)
+
+
+def _image(data: bytes = b"", url: str = "") -> Callable[[tokenizer_pb2.GenerateRequest], None]:
+    def build(request: tokenizer_pb2.GenerateRequest) -> None:
+        request.images.add(**({"url": url} if url else {"data": data}))
+
+    return build
+
+
+def _sampling(**fields: Any) -> Callable[[tokenizer_pb2.GenerateRequest], None]:
+    def build(request: tokenizer_pb2.GenerateRequest) -> None:
+        for name, value in fields.items():
+            setattr(request.sampling, name, value)
+
+    return build
+
+
+def _truncated_png() -> bytes:
+    data = png(640, 480)
+    return data[: len(data) // 2]
+
+
+# (label, the ErrorCode it must get, how to spoil a good request). Each
+# input is one the contract (proto comments, DESIGN.md §4) rules out.
+CLIENT_ERRORS: Sequence[tuple[str, int, Callable[[tokenizer_pb2.GenerateRequest], None]]] = [
+    ("INVALID_REQUEST(temperature NaN)", E.ERROR_CODE_INVALID_REQUEST, _sampling(temperature=math.nan)),
+    ("INVALID_REQUEST(top_p 1.5)", E.ERROR_CODE_INVALID_REQUEST, _sampling(top_p=1.5)),
+    (
+        "INVALID_REQUEST(33 stop token ids)",
+        E.ERROR_CODE_INVALID_REQUEST,
+        lambda r: r.sampling.stop_token_ids.extend(range(1, 34)),
+    ),
+    ("INVALID_REQUEST(data: URL not base64)", E.ERROR_CODE_INVALID_REQUEST, _image(url="data:image/png;base64,***")),
+    ("MEDIA_DECODE_FAILED(truncated PNG)", E.ERROR_CODE_MEDIA_DECODE_FAILED, lambda r: _image(_truncated_png())(r)),
+    (
+        "MEDIA_UNSUPPORTED(a PDF)",
+        E.ERROR_CODE_MEDIA_UNSUPPORTED,
+        _image(b"%PDF-1.4\n1 0 obj<<>>endobj\ntrailer<<>>\n%%EOF"),
+    ),
+    (
+        "MEDIA_TOO_LARGE(header claims 100000x100000)",
+        E.ERROR_CODE_MEDIA_TOO_LARGE,
+        lambda r: _image(png_claiming(100_000, 100_000))(r),
+    ),
+    (
+        "MEDIA_SOURCE_FORBIDDEN(ftp:// URL)",
+        E.ERROR_CODE_MEDIA_SOURCE_FORBIDDEN,
+        _image(url="ftp://example.invalid/cat.png"),
+    ),
+    (
+        "MEDIA_SOURCE_FORBIDDEN(link-local metadata address)",
+        E.ERROR_CODE_MEDIA_SOURCE_FORBIDDEN,
+        _image(url="http://169.254.169.254/latest/meta-data/"),
+    ),
+]
+
+
+# ---- the command ----
+def table(results: Sequence[Result]) -> str:
+    width = max(len(r.name) for r in results)
+    lines = [f"{'check':<{width}}  verdict  detail", f"{'-' * width}  -------  ------"]
+    lines += [f"{r.name:<{width}}  {r.verdict:<7}  {r.detail}" for r in results]
+    counts = {v: sum(r.verdict == v for r in results) for v in ("PASS", "FAIL", "SKIP")}
+    lines.append(f"\n{counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIP']} skipped")
+    return "\n".join(lines)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tokenizer", required=True, help="tokenizer service address HOST:PORT")
+    p.add_argument(
+        "--scheduler", default="", help="scheduler service address HOST:PORT (its checks are skipped without it)"
+    )
+    p.add_argument("--not-found-url", default="", help="an image URL the server may fetch that does not exist")
+    p.add_argument("--long-tokens", type=int, default=512, help="tokens of the requests that are cut short")
+    p.add_argument("--timeout", type=float, default=60.0, help="deadline of each call, seconds")
+    p.add_argument("--tls-ca", default="", help="PEM CA certificates: connect with TLS, trusting them")
+    p.add_argument("--tls-cert", default="", help="PEM client certificate, when the servers require one")
+    p.add_argument("--tls-key", default="", help="PEM private key of --tls-cert")
+    p.add_argument("--scheduler-token-file", default="", help="file holding the token the scheduler requires")
+
+
+def run_command(args: argparse.Namespace) -> int:
+    def read(path: str) -> bytes | None:
+        return Path(path).read_bytes() if path else None
+
+    credentials = None
+    if args.tls_ca:
+        credentials = grpc.ssl_channel_credentials(read(args.tls_ca), read(args.tls_key), read(args.tls_cert))
+    token = read_secret(args.scheduler_token_file) if args.scheduler_token_file else ""
+    options = Options(
+        tokenizer=args.tokenizer,
+        scheduler=args.scheduler,
+        not_found_url=args.not_found_url,
+        timeout_s=args.timeout,
+        long_tokens=args.long_tokens,
+        credentials=credentials,
+        scheduler_token=token,
+    )
+    kit = Kit(options)
+    try:
+        results = kit.all()
+    finally:
+        kit.close()
+    print(table(results))
+    return 1 if any(r.verdict == "FAIL" for r in results) else 0

@@ -1,0 +1,99 @@
+"""`mmsplit conformance` against our services passes every check, and against
+a server that breaks the contract (every Generate ends INTERNAL without an
+ErrorInfo) exits non-zero, naming the checks that failed."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from concurrent import futures
+
+import grpc
+import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from mmsplit.common.v1 import common_pb2
+from mmsplit.conformance import HEALTH_SERVICE, TOKENIZER_SERVICE
+from mmsplit.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from tests.conftest import ROOT, Services
+
+pytestmark = pytest.mark.e2e
+
+
+def conformance(*args: str) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "mmsplit_cli", "conformance", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
+
+
+def verdicts(output: str) -> dict[str, str]:
+    rows = [line.split() for line in output.splitlines() if line.startswith(("tokenizer.", "scheduler."))]
+    return {" ".join(row[: row.index(v)]): v for row in rows for v in ("PASS", "FAIL", "SKIP") if v in row[1:]}
+
+
+def test_our_services_pass_every_check(services: Services) -> None:
+    run = conformance(
+        "--tokenizer",
+        services.tokenizer_address,
+        "--scheduler",
+        services.scheduler_address,
+        "--not-found-url",
+        "no-such-file.png",  # inside the pair's --allowed-media-dir
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    got = verdicts(run.stdout)
+    assert len(got) >= 30, run.stdout
+    assert set(got.values()) == {"PASS"}, run.stdout
+    for name in ("tokenizer.error.MEDIA_NOT_FOUND", "tokenizer.cancel_propagates", "scheduler.deadline_propagates"):
+        assert got[name] == "PASS"
+
+
+class WrongTokenizer(tokenizer_pb2_grpc.TokenizerServiceServicer):
+    """Answers GetServerInfo well, and ends every Generate with a bare
+    INTERNAL: no ErrorInfo, whatever the input."""
+
+    def Generate(self, request, context):  # type: ignore[no-untyped-def]
+        context.abort(grpc.StatusCode.INTERNAL, "something went wrong")
+
+    def GetServerInfo(self, request, context):  # type: ignore[no-untyped-def]
+        transports = [common_pb2.TRANSPORT_INLINE]
+        return tokenizer_pb2.GetServerInfoResponse(
+            info=common_pb2.ServerInfo(model="wrong", tp_size=1, version="0", transports=transports),
+            scheduler=common_pb2.ServerInfo(model="wrong", tp_size=1, version="0", transports=transports),
+            transport=common_pb2.TRANSPORT_INLINE,
+        )
+
+
+@pytest.fixture
+def wrong_server() -> Iterator[str]:
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server(WrongTokenizer(), server)
+    checker = health.HealthServicer()
+    for name in ("", TOKENIZER_SERVICE):
+        checker.set(name, health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(checker, server)
+    reflection.enable_server_reflection([TOKENIZER_SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME], server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        server.stop(None).wait()
+
+
+def test_a_server_that_breaks_the_contract_fails_naming_the_checks(wrong_server: str) -> None:
+    run = conformance("--tokenizer", wrong_server, "--timeout", "10")
+    assert run.returncode == 1, run.stdout + run.stderr
+    got = verdicts(run.stdout)
+    # What it does right passes...
+    for name in ("tokenizer.health.live", "tokenizer.health.ready", "tokenizer.reflection", "tokenizer.server_info"):
+        assert got[name] == "PASS", run.stdout
+    # ...what it does wrong fails, each error check saying why.
+    assert got["tokenizer.stream.events"] == "FAIL"
+    errors = [line for line in run.stdout.splitlines() if line.startswith("tokenizer.error.")]
+    errors = [line for line in errors if not line.startswith("tokenizer.error.MEDIA_NOT_FOUND ")]
+    assert len(errors) == 9, run.stdout
+    assert all(" FAIL " in line and "INTERNAL without a google.rpc.ErrorInfo" in line for line in errors), run.stdout
+    assert got["tokenizer.error.MEDIA_NOT_FOUND"] == "SKIP"
+    assert "failed" in run.stdout.splitlines()[-1]
