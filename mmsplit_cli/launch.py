@@ -118,6 +118,11 @@ class ServiceProcess:
         except OSError:
             return ""
 
+    def terminate(self) -> None:
+        """SIGTERM, without waiting (`stop` waits)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+
     def stop(self, timeout: float = 30.0) -> int:
         """SIGTERM, then SIGKILL after `timeout`; returns the exit code."""
         if self.proc.poll() is None:
@@ -184,5 +189,9 @@ def running_pair(
         yield pair
     finally:
         current = [pair.tokenizer, pair.scheduler] if pair is not None else []
+        # Both drain at once (the tokenizer is told first): most of a stop is
+        # each process's own exit, which need not wait for the other's.
+        for proc in [*current, *reversed(started)]:
+            proc.terminate()
         for proc in [*current, *reversed(started)]:
             proc.stop()

@@ -141,5 +141,7 @@ def services(tiny_model: Path, media_dir: Path, tmp_path_factory: pytest.TempPat
         tokenizer_extra=[*tokenizer, "--metrics-port", str(free_port())],
     ) as pair:
         yield pair
+        pair.tokenizer.terminate()
+        pair.scheduler.terminate()
         codes = {"tokenizer": pair.tokenizer.stop(), "scheduler": pair.scheduler.stop()}
     assert codes == {"tokenizer": 0, "scheduler": 0}, f"services exited with {codes}"

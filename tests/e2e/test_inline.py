@@ -24,21 +24,20 @@ from mmsplit.tokenizer.v1 import tokenizer_pb2_grpc
 from mmsplit_cli import samples
 from mmsplit_cli.client import make_request, run_request
 from mmsplit_cli.launch import ServiceProcess, tokenizer_args
-from tests.conftest import SCHEDULER_SERVICE, TOKENIZER_SERVICE
+from tests.conftest import TOKENIZER_SERVICE, Services
 from tests.support.leaks import project_segments
-from tests.support.services import ENV, start_scheduler
+from tests.support.services import ENV
 
 pytestmark = pytest.mark.e2e
 REQUESTS = 500
 
 
-def test_500_requests_go_inline_and_the_tokenizer_s_dev_shm_stays_empty(tiny_model: Path, tmp_path: Path) -> None:
-    sched = start_scheduler(tiny_model, tmp_path / "scheduler.log", tp=1, extra=["--port", "0"])
+def test_500_requests_go_inline_and_the_tokenizer_s_dev_shm_stays_empty(services: Services, tmp_path: Path) -> None:
+    # The session's scheduler (in the host's /dev/shm); a tokenizer of its own.
     tok: ServiceProcess | None = None
     try:
-        sched.wait_serving(SCHEDULER_SERVICE, 180)
         wrapper = [sys.executable, "-m", "tests.support.mountns", "64m"]
-        args = tokenizer_args(tiny_model, sched.address)
+        args = tokenizer_args(services.model, services.scheduler_address)
         tok = ServiceProcess("tokenizer", args, tmp_path / "tokenizer.log", env=ENV, wrapper=wrapper)
         tok.wait_serving(TOKENIZER_SERVICE, 180)
         assert "tensors go by TRANSPORT_INLINE" in tok.log_path.read_text()
@@ -59,7 +58,7 @@ def test_500_requests_go_inline_and_the_tokenizer_s_dev_shm_stays_empty(tiny_mod
                 seen.append(names)
                 with contextlib.suppress(FileNotFoundError):
                     most_bytes = max(most_bytes, sum((its_shm / n).stat().st_size for n in names))
-                time.sleep(0.005)
+                time.sleep(0.01)
 
         watcher = threading.Thread(target=watch)
         watcher.start()
@@ -88,4 +87,3 @@ def test_500_requests_go_inline_and_the_tokenizer_s_dev_shm_stays_empty(tiny_mod
     finally:
         if tok is not None:
             assert tok.stop() == 0
-        sched.stop()

@@ -140,26 +140,30 @@ def test_tokenizer_killed_with_8_requests_in_flight(tiny_model: Path, tmp_path: 
 def test_sigterm_under_load_drains_with_typed_errors(tiny_model: Path, tmp_path: Path) -> None:
     grace = ["--shutdown-grace-s", "1"]
     with running_pair(tiny_model, tmp_path, scheduler_extra=grace, tokenizer_extra=grace) as pair:
-        # Tokenizer first: its running requests finish or end SHUTTING_DOWN.
-        futures = in_flight(pair.tokenizer_address, 4, max_tokens=3000)
-        short = in_flight(pair.tokenizer_address, 1, max_tokens=3, tag="short")
-        assert pair.tokenizer.stop() == 0
-        for out in [f.result(timeout=30) for f in futures + short]:
-            assert out.ok or out.reason == "SHUTTING_DOWN", out
-        assert short[0].result().ok
-        assert any(f.result().reason == "SHUTTING_DOWN" for f in futures)
-
-        # Then the scheduler, with requests of a new tokenizer running on it.
+        # A second tokenizer for the second half, started now to overlap its start.
         from tests.support.services import start_tokenizer
 
         tok = start_tokenizer(tiny_model, pair.scheduler_address, tmp_path / "tokenizer2.log")
-        pair.tokenizer = tok
-        tok.wait_serving(TOKENIZER_SERVICE, 180)
-        futures = in_flight(tok.address, 4, max_tokens=3000, tag="second")
-        assert pair.scheduler.stop() == 0
-        for out in [f.result(timeout=30) for f in futures]:
-            assert out.reason == "SHUTTING_DOWN", out
-        assert wait_until(lambda: not project_segments(), timeout=10)
+        try:
+            # Tokenizer first: its running requests finish or end SHUTTING_DOWN.
+            futures = in_flight(pair.tokenizer_address, 4, max_tokens=3000)
+            short = in_flight(pair.tokenizer_address, 1, max_tokens=3, tag="short")
+            assert pair.tokenizer.stop() == 0
+            for out in [f.result(timeout=30) for f in futures + short]:
+                assert out.ok or out.reason == "SHUTTING_DOWN", out
+            assert short[0].result().ok
+            assert any(f.result().reason == "SHUTTING_DOWN" for f in futures)
+
+            # Then the scheduler, with requests of the second tokenizer running on it.
+            pair.tokenizer = tok
+            tok.wait_serving(TOKENIZER_SERVICE, 180)
+            futures = in_flight(tok.address, 4, max_tokens=3000, tag="second")
+            assert pair.scheduler.stop() == 0
+            for out in [f.result(timeout=30) for f in futures]:
+                assert out.reason == "SHUTTING_DOWN", out
+            assert wait_until(lambda: not project_segments(), timeout=10)
+        finally:
+            tok.stop()
 
 
 def test_a_rank_that_cannot_start_takes_the_group_down(tiny_model: Path, tmp_path: Path) -> None:
