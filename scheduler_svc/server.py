@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, MutableMapping
 
 import grpc
 import torch
@@ -160,6 +160,7 @@ def run(settings: SchedulerSettings) -> int:
     if security.token and not security.cert:
         log.warning("the token travels unencrypted: add --tls-cert and --tls-key where the network is not trusted")
     if settings.launch == "env":
+        adopt_leaderworkerset_env(os.environ)
         boot = bootstrap(settings, None)
         if boot.coll.rank != 0:
             run_follower_until_stopped(boot)
@@ -173,6 +174,24 @@ def run(settings: SchedulerSettings) -> int:
         ranks.start()
     boot = _bootstrap_watching(settings, ranks, rendezvous)
     return asyncio.run(_serve(settings, boot, ranks, security))
+
+
+# LeaderWorkerSet names a pod's place in its group with its own variables.
+LWS_ENV = {"RANK": "LWS_WORKER_INDEX", "WORLD_SIZE": "LWS_GROUP_SIZE", "MASTER_ADDR": "LWS_LEADER_ADDRESS"}
+DEFAULT_MASTER_PORT = "29500"
+
+
+def adopt_leaderworkerset_env(env: MutableMapping[str, str]) -> None:
+    """For `--launch env` under a LeaderWorkerSet: torch's variables that are
+    not set are taken from LWS's (RANK from LWS_WORKER_INDEX, WORLD_SIZE from
+    LWS_GROUP_SIZE, MASTER_ADDR from LWS_LEADER_ADDRESS; MASTER_PORT 29500
+    unless set), so a pod spec needs no shell to translate them."""
+    if "LWS_WORKER_INDEX" not in env:
+        return
+    for torch_name, lws_name in LWS_ENV.items():
+        if torch_name not in env and lws_name in env:
+            env[torch_name] = env[lws_name]
+    env.setdefault("MASTER_PORT", DEFAULT_MASTER_PORT)
 
 
 def _bootstrap_watching(settings: SchedulerSettings, ranks: LocalRanks | None, rendezvous: Rendezvous) -> Bootstrapped:

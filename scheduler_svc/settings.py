@@ -37,8 +37,9 @@ class SchedulerSettings:
     launch: str = _opt(
         "local",
         "'local': this process is rank 0 and spawns ranks 1..tp-1 here; 'env': this process is the rank "
-        "that torch's env:// rendezvous names (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), for ranks on "
-        "several pods; only rank 0 serves gRPC",
+        "that torch's env:// rendezvous names (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; under a "
+        "LeaderWorkerSet taken from LWS_WORKER_INDEX, LWS_GROUP_SIZE, LWS_LEADER_ADDRESS when unset), for "
+        "ranks on several pods; only rank 0 serves gRPC",
         choices=("local", "env"),
     )
     device: str = _opt(

@@ -1,6 +1,6 @@
 """Multi-pod, proven here: a TP=2 scheduler with each rank in a network
 namespace of its own (and a /dev/shm of its own), started with
-`--launch env` as a LeaderWorkerSet would, and the tokenizer in a third.
+`--launch env` from the variables a LeaderWorkerSet sets, and the tokenizer in a third.
 They meet over veth links only (tests/support/pods.py): requests succeed
 over inline tensors (chosen because the shared-memory namespace ids
 differ), a read failure injected on rank 1 fails that request alone on
@@ -30,7 +30,7 @@ from tests.support.services import ENV
 
 pytestmark = pytest.mark.e2e
 WHY_NOT = netns_support.available()
-GRPC_PORT, RENDEZVOUS_PORT = 50051, 29500  # inside the pods: no clash with anything on the host
+GRPC_PORT = 50051  # inside the pods: no clash with anything on the host
 
 
 @pytest.fixture
@@ -48,10 +48,10 @@ def cluster(tiny_model: Path, tmp_path: Path) -> Iterator[tuple[Pods, list[Servi
                 pod = f"rank{rank}"
                 env = {
                     **ENV,
-                    "RANK": str(rank),
-                    "WORLD_SIZE": "2",
-                    "MASTER_ADDR": ranks_link.address("rank0"),
-                    "MASTER_PORT": str(RENDEZVOUS_PORT),
+                    # What a LeaderWorkerSet gives each pod (MASTER_PORT is 29500).
+                    "LWS_WORKER_INDEX": str(rank),
+                    "LWS_GROUP_SIZE": "2",
+                    "LWS_LEADER_ADDRESS": ranks_link.address("rank0"),
                     # gloo picks its interface by the host name, which
                     # resolves to loopback here: name the link instead.
                     "GLOO_SOCKET_IFNAME": ranks_link.interface(pod),

@@ -1,0 +1,31 @@
+"""`--launch env` under a LeaderWorkerSet: torch's rendezvous variables come
+from LWS's when they are not set, and never override what is set."""
+
+from __future__ import annotations
+
+from scheduler_svc.server import adopt_leaderworkerset_env
+
+LWS = {"LWS_WORKER_INDEX": "3", "LWS_GROUP_SIZE": "4", "LWS_LEADER_ADDRESS": "leader.mmsplit"}
+
+
+def test_lws_variables_fill_in_torch_s() -> None:
+    env = dict(LWS)
+    adopt_leaderworkerset_env(env)
+    assert (env["RANK"], env["WORLD_SIZE"], env["MASTER_ADDR"], env["MASTER_PORT"]) == (
+        "3",
+        "4",
+        "leader.mmsplit",
+        "29500",
+    )
+
+
+def test_what_is_set_wins() -> None:
+    env = {**LWS, "RANK": "1", "MASTER_PORT": "4000"}
+    adopt_leaderworkerset_env(env)
+    assert (env["RANK"], env["WORLD_SIZE"], env["MASTER_PORT"]) == ("1", "4", "4000")
+
+
+def test_without_a_leaderworkerset_nothing_changes() -> None:
+    env = {"RANK": "0"}
+    adopt_leaderworkerset_env(env)
+    assert env == {"RANK": "0"}
