@@ -6,9 +6,11 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: venv demo test check fmt proto baseline bench bench-engine clean
+.PHONY: venv demo test check fmt proto baseline bench bench-engine wheels image clean
 
 $(STAMP): requirements.txt pyproject.toml
+	@command -v kubectl >/dev/null || { echo "installing kubectl (renders deploy/ in the tests)"; \
+	  apt-get install -y -q kubectl >/dev/null 2>&1 || apt-get install -y -q kubernetes-client; }
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -r requirements.txt
@@ -55,6 +57,14 @@ bench: $(STAMP)
 bench-engine: $(STAMP)
 	$(BIN)/python bench/engine.py
 	$(BIN)/python bench/streaming.py
+
+## The CPU build of torch for the container image (Containerfile copies wheels/).
+wheels: $(STAMP)
+	$(BIN)/python -m pip download --quiet --no-deps --dest wheels torch==2.13.0
+
+## The container image (needs podman or docker; none on the development machines).
+image: wheels
+	$${CONTAINER_ENGINE:-podman} build -f Containerfile -t mmsplit:$$($(BIN)/python -c 'import mmsplit; print(mmsplit.__version__)') .
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
