@@ -118,6 +118,7 @@ def decode_error(exc: grpc.RpcError) -> RequestFailed:
 class Delta:
     text: str
     token_ids: tuple[int, ...]
+    request_id: str = ""  # the server's id of the request (made up by it when the request had none)
 
 
 @dataclass(frozen=True)
@@ -126,6 +127,7 @@ class Finished:
     prompt_tokens: int
     completion_tokens: int
     text: str = ""  # always empty: lets a loop print every event's text
+    request_id: str = ""
 
 
 @dataclass
@@ -192,11 +194,11 @@ def build_request(
 def _event(response: tokenizer_pb2.GenerateResponse) -> Delta | Finished | None:
     kind = response.WhichOneof("event")
     if kind == "delta":
-        return Delta(response.delta.text, tuple(response.delta.token_ids))
+        return Delta(response.delta.text, tuple(response.delta.token_ids), response.request_id)
     if kind == "finished":
         f = response.finished
         reason = common_pb2.FinishReason.Name(f.finish_reason).removeprefix("FINISH_REASON_")
-        return Finished(reason, f.prompt_tokens, f.completion_tokens)
+        return Finished(reason, f.prompt_tokens, f.completion_tokens, request_id=response.request_id)
     return None
 
 
@@ -267,8 +269,14 @@ class Client(_Connection):
         return grpc.secure_channel(address, credentials, options=options)
 
     def generate(self, prompt: str, *, timeout: float | None = None, **kwargs: Any) -> Iterator[Delta | Finished]:
-        """The stream: deltas, then one Finished. Raises RequestFailed."""
-        request = build_request(prompt, **kwargs)
+        """The stream: deltas, then one Finished. Raises RequestFailed.
+        `kwargs` are `build_request`'s (images, videos, sampling, request_id)."""
+        return self.send(build_request(prompt, **kwargs), timeout=timeout)
+
+    def send(
+        self, request: tokenizer_pb2.GenerateRequest, *, timeout: float | None = None
+    ) -> Iterator[Delta | Finished]:
+        """`generate` for a request already built."""
         try:
             for response in self._stub.Generate(request, timeout=timeout):
                 event = _event(response)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import grpc
 
-from mmsplit.client import build_request
+from mmsplit.client import Client, Delta, Finished, RequestFailed, build_request
 from mmsplit.common.v1 import common_pb2
 from mmsplit.errors import RemoteError
 from mmsplit.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
@@ -92,71 +92,62 @@ def run_request(
 
 
 def generate_command(args: argparse.Namespace) -> int:
-    images = [Path(p).read_bytes() for p in args.image]
-    request = make_request(
-        args.prompt,
-        images,
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        seed=args.seed,
-        request_id=args.request_id,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_tokens=args.min_tokens,
-        stop_token_ids=args.stop_token_id,
-        stop=args.stop,
-        videos=[Path(p).read_bytes() for p in args.video],
+    """`mmsplit generate`: one request through the client library
+    (`mmsplit.client`), its text or one JSON object per event on stdout."""
+
+    def read(path: str) -> bytes | None:
+        return Path(path).read_bytes() if path else None
+
+    client = Client(
+        args.server,
+        root_certificates=read(args.tls_ca),
+        certificate_chain=read(args.tls_cert),
+        private_key=read(args.tls_key),
+        server_name=args.tls_server_name,
+        retries=args.retries,
     )
-    with _channel(args) as channel:
-        stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
+    with client:
         try:
-            for event in stub.Generate(request, timeout=args.timeout):
+            events = client.generate(
+                args.prompt,
+                images=[Path(p).read_bytes() for p in args.image],
+                videos=[Path(p).read_bytes() for p in args.video],
+                request_id=args.request_id,
+                max_tokens=args.max_tokens,
+                temperature=args.temperature,
+                top_p=args.top_p,
+                top_k=args.top_k,
+                seed=args.seed,
+                min_tokens=args.min_tokens,
+                stop=args.stop,
+                stop_token_ids=args.stop_token_id,
+                timeout=args.timeout,
+            )
+            for event in events:
                 if args.json:
                     print(json.dumps(_event_json(event)), flush=True)
-                elif event.HasField("delta"):
-                    print(event.delta.text, end="", flush=True)
+                else:
+                    print(event.text, end="", flush=True)
             if not args.json:
                 print()
-        except grpc.RpcError as exc:
-            error = RemoteError.from_rpc_error(exc)
-            line = {
-                "error": {
-                    "code": exc.code().name,  # type: ignore[attr-defined]
-                    "reason": error.reason,
-                    "message": error.message,
-                    "metadata": error.metadata,
-                }
-            }
+        except RequestFailed as exc:
+            error = {"code": exc.grpc_code, "reason": exc.reason, "message": exc.message, "retriable": exc.retriable}
             if args.json:
-                print(json.dumps(line), flush=True)
+                print(json.dumps({"request_id": exc.request_id, "error": error}), flush=True)
             else:
-                print(f"\nerror: {line['error']['code']} {error.reason}: {error.message}", file=sys.stderr)
+                print(f"\nerror: {exc.grpc_code} {exc.reason}: {exc.message}", file=sys.stderr)
             return 2
     return 0
 
 
-def _channel(args: argparse.Namespace) -> grpc.Channel:
-    """Plaintext, or TLS trusting --tls-ca (with a client certificate for mutual TLS)."""
-    if not args.tls_ca:
-        return grpc.insecure_channel(args.server)
-    creds = grpc.ssl_channel_credentials(
-        root_certificates=Path(args.tls_ca).read_bytes(),
-        private_key=Path(args.tls_key).read_bytes() if args.tls_key else None,
-        certificate_chain=Path(args.tls_cert).read_bytes() if args.tls_cert else None,
-    )
-    options = [("grpc.ssl_target_name_override", args.tls_server_name)] if args.tls_server_name else []
-    return grpc.secure_channel(args.server, creds, options=options)
-
-
-def _event_json(event: tokenizer_pb2.GenerateResponse) -> dict[str, object]:
-    if event.HasField("delta"):
-        return {"request_id": event.request_id, "text": event.delta.text, "token_ids": list(event.delta.token_ids)}
-    f = event.finished
+def _event_json(event: Delta | Finished) -> dict[str, object]:
+    if isinstance(event, Delta):
+        return {"request_id": event.request_id, "text": event.text, "token_ids": list(event.token_ids)}
     return {
         "request_id": event.request_id,
         "finished": {
-            "finish_reason": common_pb2.FinishReason.Name(f.finish_reason),
-            "prompt_tokens": f.prompt_tokens,
-            "completion_tokens": f.completion_tokens,
+            "finish_reason": event.finish_reason,
+            "prompt_tokens": event.prompt_tokens,
+            "completion_tokens": event.completion_tokens,
         },
     }

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import tempfile
 import textwrap
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,9 +19,10 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from mmsplit import shm
-from mmsplit.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from mmsplit.client import Client, Delta, RequestFailed
+from mmsplit.tokenizer.v1 import tokenizer_pb2
 from mmsplit_cli import samples
-from mmsplit_cli.client import Outcome, make_request, run_request
+from mmsplit_cli.client import Outcome, make_request
 from mmsplit_cli.launch import SCHEDULER_SERVICE, TOKENIZER_SERVICE, running_pair
 from mmsplit_cli.tiny_model import build
 
@@ -132,6 +134,22 @@ def _health(address: str, service: str) -> str:
         return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
 
+def _send(client: Client, request: tokenizer_pb2.GenerateRequest) -> Outcome:
+    out = Outcome(request_id=request.request_id)
+    start = time.perf_counter()
+    try:
+        for event in client.send(request, timeout=60):
+            if isinstance(event, Delta):
+                out.text += event.text
+                out.token_ids.extend(event.token_ids)
+            else:
+                out.finish_reason = event.finish_reason
+    except RequestFailed as exc:
+        out.grpc_code, out.reason, out.message = exc.grpc_code, exc.reason, exc.message
+    out.latency_s = time.perf_counter() - start
+    return out
+
+
 def _outcome_text(out: Outcome) -> str:
     if out.ok:
         return f"ok: {len(out.token_ids)} tokens ({out.finish_reason.removeprefix('FINISH_REASON_')})"
@@ -187,10 +205,11 @@ def _act(family: str, model: Path, logs: Path, media: Path, tp: int, script: lis
     with running_pair(model, logs, tp=tp, tokenizer_extra=["--allowed-media-dir", str(media)]) as pair:
         tok, sched = pair.tokenizer, pair.scheduler
         rows = [("#", "request", "expected", "outcome", "text / message", "latency")]
-        with grpc.insecure_channel(tok.address) as channel:
-            stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
+        # The client library, as a user's program would call the service
+        # (no retries: each outcome is shown as it first happened).
+        with Client(tok.address, retries=0) as client:
             for i, case in enumerate(script, start=1):
-                out = run_request(stub, case.request(media), timeout=60)
+                out = _send(client, case.request(media))
                 got = "ok" if out.ok else out.reason
                 if got != case.expect:
                     problems.append(

@@ -45,6 +45,7 @@ class ServiceProcess:
         self.log_path = log_path
         self.port: int | None = None
         self._bound = threading.Event()
+        self._terminated = False
         self._log = open(log_path, "w")  # noqa: SIM115 (closed by the reader thread)
         full_env = {**os.environ, **(env or {})}
         self.proc = subprocess.Popen(
@@ -119,14 +120,17 @@ class ServiceProcess:
             return ""
 
     def terminate(self) -> None:
-        """SIGTERM, without waiting (`stop` waits)."""
-        if self.proc.poll() is None:
+        """SIGTERM, once, without waiting (`stop` waits). Once only: a
+        second SIGTERM tells a draining service to stop at once."""
+        if self.proc.poll() is None and not self._terminated:
+            self._terminated = True
             self.proc.send_signal(signal.SIGTERM)
 
     def stop(self, timeout: float = 30.0) -> int:
-        """SIGTERM, then SIGKILL after `timeout`; returns the exit code."""
+        """SIGTERM (unless already sent), then SIGKILL after `timeout`;
+        returns the exit code."""
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            self.terminate()
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:

@@ -103,6 +103,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--stop-token-id", action="append", default=[], type=int, help="stop token id (repeatable)")
     p.add_argument("--request-id", default="")
     p.add_argument("--timeout", type=float, default=120.0, help="deadline of the call, seconds")
+    p.add_argument(
+        "--retries", type=int, default=3, help="retries of a retriable failure before any output (gRPC's policy)"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object per event")
     p.add_argument("--tls-ca", default="", help="PEM CA certificates: connect with TLS, trusting them")
     p.add_argument("--tls-cert", default="", help="PEM client certificate, when the server requires one")
