@@ -58,6 +58,10 @@ class ServiceMetrics:
         """Counters kept elsewhere (name -> (documentation, value)), read on scrape."""
         self.registry.register(_Read(self.prefix, read))
 
+    def counter_by(self, name: str, documentation: str, label: str, read: Callable[[], dict[str, float]]) -> None:
+        """A counter kept elsewhere with one bounded label (label value -> count), read on scrape."""
+        self.registry.register(_ReadLabelled(f"{self.prefix}_{name}", documentation, label, read))
+
     def serve(self, host: str, port: int) -> int:
         """Serve /metrics on a thread; returns the port (port 0 picks one)."""
         server, _ = start_http_server(port, addr=host, registry=self.registry)
@@ -71,3 +75,14 @@ class _Read(Collector):
     def collect(self) -> Iterator[CounterMetricFamily]:
         for name, (documentation, value) in self.read().items():
             yield CounterMetricFamily(f"{self.prefix}_{name}", documentation, value=value)
+
+
+class _ReadLabelled(Collector):
+    def __init__(self, name: str, documentation: str, label: str, read: Callable[[], dict[str, float]]) -> None:
+        self.name, self.documentation, self.label, self.read = name, documentation, label, read
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(self.name, self.documentation, labels=[self.label])
+        for value, count in self.read().items():
+            family.add_metric([value], count)
+        yield family

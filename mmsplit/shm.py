@@ -26,6 +26,7 @@ moment between a worker writing a segment and its service locking it.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import logging
@@ -240,6 +241,17 @@ class _Counter:
 
 # Releases that found something they could not remove (for logs and metrics).
 RELEASE_FAILURES = _Counter()
+
+
+def segment_bytes(prefix: str, *, creator_pid: int | None = None) -> int:
+    """Bytes of the prefix's segments in /dev/shm now (of one creator pid,
+    as its name says, when given)."""
+    total = 0
+    for name in list_segments(prefix):
+        if creator_pid is None or name.split("-")[-2:-1] == [str(creator_pid)]:
+            with contextlib.suppress(OSError):
+                total += (SHM_DIR / name).stat().st_size
+    return total
 
 
 def list_segments(prefix: str) -> list[str]:

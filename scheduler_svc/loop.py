@@ -146,6 +146,9 @@ class StepLoop:
         self.idle = threading.Event()
         self._step = 0
         self._last_sweep = 0.0
+        # For metrics (read from other threads; plain ints, written here only).
+        self.failures_by_rank: list[int] = [0] * coll.world_size  # requests that failed agreement, by rank
+        self.janitor_removed = 0
         self._stats = _Stats(time.monotonic())
         self.active_per_rank: list[int] = [0] * coll.world_size
         self.snapshot = Snapshot()
@@ -252,7 +255,7 @@ class StepLoop:
         if now - self._last_sweep < self.settings.janitor_interval_s:
             return
         self._last_sweep = now
-        shm.sweep(self.settings.shm_prefix, grace_s=self.settings.segment_grace_s)
+        self.janitor_removed += len(shm.sweep(self.settings.shm_prefix, grace_s=self.settings.segment_grace_s))
 
     def _abort(self, request_id: str) -> None:
         for adm in self._pending:
@@ -311,6 +314,8 @@ class StepLoop:
             if failure is None:
                 self._running[adm.request_id] = adm
                 continue
+            for rank in failure.ranks:
+                self.failures_by_rank[rank] += 1
             ranks = ",".join(str(r) for r in failure.ranks)
             detail = "; ".join(f"rank {r}: {m}" for r, m in sorted(failure.messages.items()))
             others = [a.request_id for a in self._joining if a is not adm]

@@ -26,7 +26,7 @@ import grpc
 import torch
 import torch.distributed as dist
 
-from mmsplit import __version__
+from mmsplit import __version__, shm
 from mmsplit.common.v1 import common_pb2
 from mmsplit.errors import InternalError, MmsplitError
 from mmsplit.metrics import ServiceMetrics
@@ -126,6 +126,20 @@ def _metrics(settings: SchedulerSettings, step_loop: StepLoop) -> ServiceMetrics
     metrics.gauge("kv_budget_tokens", "The KV-cache budget in tokens", lambda: step_loop.kv_budget_tokens)
     metrics.gauge(
         "kv_reserved_tokens", "KV tokens the running requests reserve", lambda: step_loop.snapshot.kv_reserved_tokens
+    )
+    metrics.counter_by(
+        "agreement_failures",
+        "Requests that failed the agreement because this rank could not use their tensors",
+        "rank",
+        lambda: {str(rank): n for rank, n in enumerate(step_loop.failures_by_rank)},
+    )
+    metrics.counters(
+        lambda: {"janitor_removed_segments": ("Orphaned segments the janitor removed", step_loop.janitor_removed)}
+    )
+    metrics.gauge(
+        "shm_bytes",
+        "Bytes of the prefix's segments in this host's /dev/shm: handed over by tokenizers and not yet released",
+        lambda: shm.segment_bytes(settings.shm_prefix),
     )
     step_seconds = metrics.histogram("step_duration_seconds", "Time of one step (plan, reads, agreement, forwards)")
     batch_rows = metrics.histogram(

@@ -58,7 +58,11 @@ def _metrics(settings: TokenizerSettings, service: TokenizerService, pool: CpuPo
     metrics.gauge("requests_in_flight", "Requests in progress", lambda: service.inflight)
     metrics.gauge("preprocess_cache_bytes", "Bytes the preprocessing cache holds", lambda: service.cache.bytes)
     fetcher = service.media.fetcher
-    metrics.gauge("shm_bytes", "Bytes of this process's shared-memory segments now", lambda: _own_shm_bytes(settings))
+    metrics.gauge(
+        "shm_bytes",
+        "Bytes of this process's shared-memory segments now",
+        lambda: shm.segment_bytes(settings.shm_prefix, creator_pid=os.getpid()),
+    )
     metrics.counters(
         lambda: {
             "preprocess_cache_hits": ("Lookups that found a preprocessed item", service.cache.hits),
@@ -75,15 +79,6 @@ def _metrics(settings: TokenizerSettings, service: TokenizerService, pool: CpuPo
     port = metrics.serve("0.0.0.0", settings.metrics_port)
     log.info("metrics on port %d (/metrics)", port)
     return metrics
-
-
-def _own_shm_bytes(settings: TokenizerSettings) -> int:
-    total = 0
-    for name in shm.list_segments(settings.shm_prefix):
-        if name.split("-")[-2:-1] == [str(os.getpid())]:
-            with contextlib.suppress(OSError):
-                total += (shm.SHM_DIR / name).stat().st_size
-    return total
 
 
 class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):

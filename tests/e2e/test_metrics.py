@@ -16,6 +16,7 @@ from mmsplit.tokenizer.v1 import tokenizer_pb2_grpc
 from mmsplit_cli import samples
 from mmsplit_cli.client import make_request, run_request
 from tests.conftest import Services
+from tests.support.faults import failing_request_id
 from tests.support.leaks import wait_until
 
 pytestmark = pytest.mark.e2e
@@ -56,6 +57,10 @@ def test_counts_by_outcome_after_a_scripted_mix(services: Services) -> None:
         stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
         good = [run_request(stub, make_request("Hi", [samples.good_png()], max_tokens=3)) for _ in range(2)]
         corrupt = run_request(stub, make_request("Hi", [samples.corrupt_png()]))
+        # A tensor rank 1 cannot read: agreed on, counted against rank 1.
+        unread = run_request(
+            stub, make_request("Hi", [samples.good_png()], max_tokens=3, request_id=failing_request_id(1, "metrics"))
+        )
         # Cancelled by the client once it streams; ended by its deadline.
         started = threading.Event()
         call = stub.Generate(make_request("Go on.", max_tokens=2000, min_tokens=2000), timeout=60)
@@ -75,6 +80,7 @@ def test_counts_by_outcome_after_a_scripted_mix(services: Services) -> None:
         late = run_request(stub, make_request("Go on.", max_tokens=2000, min_tokens=2000), timeout=1.0)
     assert [g.ok for g in good] == [True, True]
     assert corrupt.reason == "MEDIA_DECODE_FAILED"
+    assert unread.reason == "FEATURE_TRANSPORT_FAILED"
     assert late.grpc_code == "DEADLINE_EXCEEDED"
 
     def caused(service: str, port: int, before: dict) -> dict[str, float]:  # type: ignore[type-arg]
@@ -83,12 +89,18 @@ def test_counts_by_outcome_after_a_scripted_mix(services: Services) -> None:
         was = {labels[0][1]: v for (name, labels), v in before.items() if name.endswith("_requests_total")}
         return {k: v - was.get(k, 0.0) for k, v in after.items() if v != was.get(k, 0.0)}
 
-    want_tok = {"OK": 2, "MEDIA_DECODE_FAILED": 1, "CANCELLED": 1, "DEADLINE_EXCEEDED": 1}
+    want_tok = {
+        "OK": 2,
+        "MEDIA_DECODE_FAILED": 1,
+        "FEATURE_TRANSPORT_FAILED": 1,
+        "CANCELLED": 1,
+        "DEADLINE_EXCEEDED": 1,
+    }
     assert wait_until(lambda: caused("tokenizer", tok_port, before_tok) == want_tok, timeout=10), caused(
         "tokenizer", tok_port, before_tok
     )
     # The scheduler saw the two good ones and the two it was cancelled for (the corrupt image never reached it).
-    want_sched = {"OK": 2, "CANCELLED": 2}
+    want_sched = {"OK": 2, "FEATURE_TRANSPORT_FAILED": 1, "CANCELLED": 2}
     assert wait_until(lambda: caused("scheduler", sched_port, before_sched) == want_sched, timeout=10), caused(
         "scheduler", sched_port, before_sched
     )
@@ -114,3 +126,12 @@ def test_counts_by_outcome_after_a_scripted_mix(services: Services) -> None:
     assert ("mmsplit_scheduler_kv_budget_tokens", ()) in scheduler
     steps = ("mmsplit_scheduler_step_duration_seconds_count", ())
     assert scheduler[steps] > before_sched.get(steps, 0)
+    for name in ("janitor_removed_segments_total", "shm_bytes"):
+        assert (f"mmsplit_scheduler_{name}", ()) in scheduler, name
+
+    def by_rank(sample: dict, rank: int) -> float:  # type: ignore[type-arg]
+        return sample.get(("mmsplit_scheduler_agreement_failures_total", (("rank", str(rank)),)), 0.0)
+
+    assert by_rank(scheduler, 1) - by_rank(before_sched, 1) == 1
+    assert by_rank(scheduler, 0) - by_rank(before_sched, 0) == 0
+    assert ("mmsplit_scheduler_agreement_failures_total", (("rank", "0"),)) in scheduler
