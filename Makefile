@@ -15,7 +15,16 @@ $(STAMP): requirements.txt pyproject.toml
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -r requirements.txt
 	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e .
+	$(MAKE) --no-print-directory $(BIN)/promtool
 	touch $@
+
+# promtool (checks the /metrics exposition in the tests): the binary alone,
+# taken out of Debian's prometheus package, which is not installed.
+$(BIN)/promtool:
+	rm -rf $(VENV)/.promtool && mkdir -p $(VENV)/.promtool
+	cd $(VENV)/.promtool && apt-get download -q prometheus >/dev/null 2>&1 \
+	  && dpkg-deb --fsys-tarfile prometheus_*.deb | tar -x ./usr/bin/promtool
+	mv $(VENV)/.promtool/usr/bin/promtool $@ && rm -rf $(VENV)/.promtool
 
 venv: $(STAMP)
 

@@ -1,9 +1,12 @@
 """Prometheus /metrics of both shared services after a scripted mix: the
-counts by outcome are the ones the mix caused, and the exposition parses."""
+counts by outcome are the ones the mix caused, and promtool (Prometheus' own
+checker) finds no format or naming problem in either exposition."""
 
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 import threading
 import urllib.request
 from pathlib import Path
@@ -28,9 +31,16 @@ def port_of(log: Path) -> int:
     return int(found.group(1))
 
 
+PROMTOOL = Path(sys.executable).parent / "promtool"  # the Makefile puts it in the venv
+
+
+def exposition(port: int) -> str:
+    return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+
+
 def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """Every sample, keyed by (name, sorted labels); parsing fails on a format error."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    text = exposition(port)
     return {
         (sample.name, tuple(sorted(sample.labels.items()))): sample.value
         for family in text_string_to_metric_families(text)
@@ -135,3 +145,18 @@ def test_counts_by_outcome_after_a_scripted_mix(services: Services) -> None:
     assert by_rank(scheduler, 1) - by_rank(before_sched, 1) == 1
     assert by_rank(scheduler, 0) - by_rank(before_sched, 0) == 0
     assert ("mmsplit_scheduler_agreement_failures_total", (("rank", "0"),)) in scheduler
+
+
+def test_promtool_finds_no_problem(services: Services) -> None:
+    """`promtool check metrics`: the format, and Prometheus' naming rules
+    (units, _total counters, help text)."""
+    assert PROMTOOL.exists(), "promtool is missing: the Makefile installs it into the venv"
+    for log in (services.tokenizer.log_path, services.scheduler.log_path):
+        text = exposition(port_of(log))
+        check = subprocess.run([str(PROMTOOL), "check", "metrics"], input=text, capture_output=True, text=True)
+        assert check.returncode == 0, check.stdout + check.stderr
+        assert check.stdout.strip() == check.stderr.strip() == "", check.stdout + check.stderr
+    # And it does find problems: a counter without _total and without help.
+    bad = "# TYPE mmsplit_bad counter\nmmsplit_bad 1\n"
+    check = subprocess.run([str(PROMTOOL), "check", "metrics"], input=bad, capture_output=True, text=True)
+    assert check.returncode != 0
