@@ -32,9 +32,9 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/mmsplit demo
 
-## The whole test suite (contract checks included).
+## The whole test suite (contract checks included), two workers (a file to a worker).
 test: $(STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2 --dist loadfile
 
 ## Lint, types and the proto style: ruff, mypy, buf lint, buf format.
 check: $(STAMP)

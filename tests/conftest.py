@@ -9,6 +9,9 @@
 - Every error message the tests' clients decode (`RemoteError.from_rpc_error`)
   is kept, and the session fails if any shows a segment name, the boot id or
   stack text (`tests/support/messages.py`).
+- Under pytest-xdist (`make test` runs two workers, a file to a worker) each
+  worker has its own segment prefix (`tests/support/leaks.py`), so leak
+  checks and janitors never touch another worker's segments.
 """
 
 from __future__ import annotations
@@ -44,17 +47,13 @@ def record_error_messages() -> Iterator[None]:
     RemoteError.from_rpc_error = classmethod(recording)  # type: ignore[method-assign,assignment]
     yield
     RemoteError.from_rpc_error = classmethod(original)  # type: ignore[method-assign,assignment]
-
-
-def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    # At the end of this process's session (each xdist worker has its own):
+    # an error at teardown fails the run wherever it happens.
     leaked = messages.leaks(messages.seen)
     if leaked:
-        session.config.get_terminal_writer().line(
-            f"\nFAILED: {len(leaked)} error message(s) told a client internals "
-            f"(of {len(messages.seen)} seen): {leaked[:5]}",
-            red=True,
+        pytest.fail(
+            f"{len(leaked)} error message(s) told a client internals (of {len(messages.seen)} seen): {leaked[:5]}"
         )
-        session.exitstatus = 1
 
 
 @pytest.fixture(autouse=True)

@@ -120,8 +120,8 @@ def rendered(request: pytest.FixtureRequest) -> tuple[str, list[dict[str, Any]]]
     return request.param, render(request.param)
 
 
-def test_the_overlays_are_the_three_shapes() -> None:
-    assert OVERLAYS == ["multi-node-tp", "scaled-tokenizer", "single-pod"]
+def test_the_overlays_are_the_four_shapes() -> None:
+    assert OVERLAYS == ["multi-node-tp", "replicas", "scaled-tokenizer", "single-pod"]
 
 
 def test_every_object_validates(rendered: tuple[str, list[dict[str, Any]]]) -> None:
@@ -191,8 +191,11 @@ def test_references_point_at_what_exists(rendered: tuple[str, list[dict[str, Any
     def selected(selector: dict[str, str]) -> list[dict[str, Any]]:
         return [t for labels, t in pods if selector.items() <= labels.items()]
 
-    services = {}
+    services: dict[str, list[dict[str, Any]]] = {}
+    headless = set()
     for obj in objects:
+        if obj["kind"] == "Service" and obj["spec"].get("clusterIP") == "None":
+            headless.add(obj["metadata"]["name"])
         if obj["kind"] == "Service":
             targets = selected(obj["spec"]["selector"])
             assert targets, (overlay, obj["metadata"]["name"], "selects no pod")
@@ -218,7 +221,12 @@ def test_references_point_at_what_exists(rendered: tuple[str, list[dict[str, Any
             command, settings = container_settings(container)
             if command != "tokenizer":
                 continue
-            if settings.scheduler.startswith("127.0.0.1:"):
+            if settings.scheduler.startswith("dns:///"):
+                # Several groups: every address of a headless Service.
+                target = settings.scheduler.removeprefix("dns:///")
+                assert target in services, (overlay, target, sorted(services))
+                assert target.split(":")[0] in headless, (overlay, "a dns:/// target needs a headless Service")
+            elif settings.scheduler.startswith("127.0.0.1:"):
                 port = int(settings.scheduler.rsplit(":", 1)[1])
                 neighbours = [container_settings(c)[1] for c in containers if c is not container]
                 assert any(getattr(n, "port", None) == port for n in neighbours), overlay

@@ -1,7 +1,21 @@
-"""The connection to the scheduler, and the transport choice for tensors.
+"""The connections to the schedulers, and each one's transport for tensors.
 
-Shared memory is used only when the scheduler's shared-memory namespace id
-equals ours (same kernel boot, same /dev/shm) and it accepts our segment
+`--scheduler` names one scheduler group or several (data-parallel
+replicas): a comma-separated list of HOST:PORT, or ``dns:///NAME:PORT`` for a
+headless Service (every address NAME resolves to is a backend; resolved
+again on every watch pass). Each backend gets its own channel, with gRPC's
+client-side health checking on the scheduler's ready service name (its
+service config's ``healthCheckConfig``): a backend that turns NOT_SERVING
+(draining, a group going down) stops getting new calls at once, from gRPC
+itself. Why one channel per backend rather than one ``round_robin`` channel
+over all: the transport is chosen per backend (shared memory only with a
+scheduler that shares our /dev/shm, inline bytes with the others) before a
+request's media are prepared, so the tokenizer must know which backend a
+call goes to; and it prefers the one with the fewest of its own requests
+in flight (`Schedulers.pick`), which gRPC Python's policies cannot do.
+
+Shared memory is used with a backend only when its shared-memory namespace
+id equals ours (same kernel boot, same /dev/shm) and it accepts our segment
 prefix; otherwise tensors travel inline. A transport failure of the call is
 SCHEDULER_UNAVAILABLE (retriable); the scheduler's own errors are relayed
 with their codes unchanged.
@@ -10,8 +24,12 @@ with their codes unchanged.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
+import json
 import logging
-from collections.abc import AsyncGenerator
+import socket
+from collections.abc import AsyncGenerator, Collection
 
 import grpc
 
@@ -20,17 +38,40 @@ from mmsplit.common.v1 import common_pb2
 from mmsplit.errors import E, RemoteError
 from mmsplit.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from mmsplit.serving import ClientSecurity
+from mmsplit.tokenizer.v1 import tokenizer_pb2
 from tokenizer_svc.errors import SchedulerUnavailable
 from tokenizer_svc.settings import TokenizerSettings
 
 log = logging.getLogger(__name__)
 RECONNECT_INITIAL_MS = 250
 RECONNECT_MAX_MS = 2000
+SCHEDULER_SERVICE = scheduler_pb2.DESCRIPTOR.services_by_name["SchedulerService"].full_name
+# One address per channel: round_robin over it is pick_first that also runs
+# gRPC's client-side health checking (pick_first does not).
+SERVICE_CONFIG = json.dumps(
+    {"loadBalancingConfig": [{"round_robin": {}}], "healthCheckConfig": {"serviceName": SCHEDULER_SERVICE}}
+)
+DNS_SCHEME = "dns:///"
+
+
+def backend_targets(setting: str) -> tuple[list[str], str]:
+    """The static backends of `--scheduler` (HOST:PORT each), or none and
+    the NAME:PORT to resolve when it is a ``dns:///`` target."""
+    if setting.startswith(DNS_SCHEME):
+        return [], setting.removeprefix(DNS_SCHEME)
+    targets = [t.strip() for t in setting.split(",") if t.strip()]
+    return list(dict.fromkeys(targets)), ""
 
 
 class SchedulerLink:
-    def __init__(self, settings: TokenizerSettings, security: ClientSecurity) -> None:
+    """One backend: a scheduler group at one address."""
+
+    def __init__(
+        self, settings: TokenizerSettings, security: ClientSecurity, target: str, *, server_name: str = ""
+    ) -> None:
         self.settings = settings
+        self.target = target
+        self.inflight = 0  # this tokenizer's requests on it now
         # Requests may carry inline tensors (the scheduler enforces its own
         # limit on them); its responses are small. A scheduler that comes back
         # (restarted, rescheduled) is found within RECONNECT_MAX_MS: gRPC's
@@ -42,8 +83,13 @@ class SchedulerLink:
             ("grpc.initial_reconnect_backoff_ms", RECONNECT_INITIAL_MS),
             ("grpc.min_reconnect_backoff_ms", RECONNECT_INITIAL_MS),
             ("grpc.max_reconnect_backoff_ms", RECONNECT_MAX_MS),
+            ("grpc.service_config", SERVICE_CONFIG),
         ]
-        self.channel = security.channel(settings.scheduler, options)
+        if server_name and not security.server_name:
+            # A backend found through DNS is dialled by address; its
+            # certificate names the Service.
+            options.append(("grpc.ssl_target_name_override", server_name))
+        self.channel = security.channel(target, options)
         self._metadata = security.metadata()
         self.stub = scheduler_pb2_grpc.SchedulerServiceStub(self.channel)
         self.info: common_pb2.ServerInfo | None = None
@@ -54,6 +100,11 @@ class SchedulerLink:
     def connected(self) -> bool:
         return self.info is not None
 
+    @property
+    def ready(self) -> bool:
+        """Connected, and gRPC's health checking has not taken it out."""
+        return self.info is not None and self.channel.get_state() != grpc.ChannelConnectivity.TRANSIENT_FAILURE
+
     async def refresh(self, timeout_s: float = 2.0) -> bool:
         """Ask the scheduler to describe itself; choose the transport. False
         (and disconnected) when it does not answer."""
@@ -63,7 +114,7 @@ class SchedulerLink:
             )
         except grpc.aio.AioRpcError as exc:
             if self.info is not None:
-                log.warning("scheduler %s stopped answering: %s", self.settings.scheduler, exc.code())
+                log.warning("scheduler %s stopped answering: %s", self.target, exc.code())
             self.info = None
             return False
         info = reply.info
@@ -76,21 +127,12 @@ class SchedulerLink:
         if self.info is None or transport != self.transport:
             log.info(
                 "scheduler %s: model %s, tp %d; tensors go by %s",
-                self.settings.scheduler,
+                self.target,
                 info.model,
                 info.tp_size,
                 common_pb2.Transport.Name(transport),
             )
         self.info, self.transport = info, transport
-        return True
-
-    async def wait_connected(self, timeout_s: float) -> bool:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while not await self.refresh():
-            if loop.time() >= deadline:
-                return False
-            await asyncio.sleep(0.5)
         return True
 
     async def generate(
@@ -104,7 +146,7 @@ class SchedulerLink:
             error = RemoteError.from_rpc_error(exc, unavailable_code=E.ERROR_CODE_SCHEDULER_UNAVAILABLE)
             if error.error_code == E.ERROR_CODE_SCHEDULER_UNAVAILABLE:
                 self.info = None
-                log.warning("scheduler %s: %s %s", self.settings.scheduler, exc.code(), exc.details())
+                log.warning("scheduler %s: %s %s", self.target, exc.code(), exc.details())
                 raise SchedulerUnavailable("the scheduler is unavailable; retry shortly") from exc
             raise error from exc
         finally:
@@ -112,3 +154,92 @@ class SchedulerLink:
 
     async def close(self) -> None:
         await self.channel.close()
+
+
+class Schedulers:
+    """Every backend `--scheduler` names; `pick` chooses one per request."""
+
+    def __init__(self, settings: TokenizerSettings, security: ClientSecurity) -> None:
+        self.settings, self.security = settings, security
+        targets, self._dns = backend_targets(settings.scheduler)
+        self.links: dict[str, SchedulerLink] = {t: SchedulerLink(settings, security, t) for t in targets}
+        self._turn = itertools.count()
+
+    @property
+    def connected(self) -> bool:
+        return any(link.connected for link in self.links.values())
+
+    @property
+    def primary(self) -> SchedulerLink | None:
+        """A connected backend (the first), for what asks about "the" scheduler."""
+        return next((link for link in self.links.values() if link.connected), None)
+
+    def pick(self, exclude: Collection[SchedulerLink] = (), transport: int = 0) -> SchedulerLink | None:
+        """The ready backend with the fewest of this tokenizer's requests in
+        flight (ties in turn), not in `exclude`, and with `transport` when
+        given. None when there is none."""
+        ready = [
+            link
+            for link in self.links.values()
+            if link.ready and link not in exclude and (not transport or link.transport == transport)
+        ]
+        if not ready:
+            return None
+        turn = next(self._turn)
+        order = {id(link): (i - turn) % len(ready) for i, link in enumerate(ready)}
+        return min(ready, key=lambda link: (link.inflight, order[id(link)]))
+
+    async def refresh(self) -> bool:
+        """Resolve a dns:/// target again, and ask every backend to describe
+        itself. True when at least one answers."""
+        if self._dns:
+            await self._resolve()
+        await asyncio.gather(*(link.refresh() for link in list(self.links.values())))
+        return self.connected
+
+    async def _resolve(self) -> None:
+        host, _, port = self._dns.rpartition(":")
+        try:
+            found = await asyncio.get_running_loop().getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+        except (OSError, ValueError) as exc:
+            log.warning("resolving %s failed: %s", self._dns, exc)
+            return
+        targets = {_target(str(addr[4][0]), int(port)) for addr in found}
+        for target in targets - set(self.links):
+            log.info("scheduler backend %s (from %s) added", target, self._dns)
+            self.links[target] = SchedulerLink(self.settings, self.security, target, server_name=host)
+        for target in set(self.links) - targets:
+            link = self.links[target]
+            if link.inflight == 0:  # else kept until its requests end (a later pass)
+                log.info("scheduler backend %s (from %s) removed", target, self._dns)
+                del self.links[target]
+                await link.close()
+
+    async def wait_connected(self, timeout_s: float) -> bool:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while not await self.refresh():
+            if loop.time() >= deadline:
+                return False
+            await asyncio.sleep(0.5)
+        return True
+
+    def backends(self) -> list[tokenizer_pb2.SchedulerBackend]:
+        return [
+            tokenizer_pb2.SchedulerBackend(
+                address=link.target,
+                ready=link.ready,
+                transport=link.transport if link.connected else common_pb2.TRANSPORT_UNSPECIFIED,
+                requests_in_flight=link.inflight,
+            )
+            for link in self.links.values()
+        ]
+
+    async def close(self) -> None:
+        for link in self.links.values():
+            with contextlib.suppress(Exception):
+                await link.close()
+
+
+def _target(address: str, port: int) -> str:
+    return f"[{address}]:{port}" if ":" in address else f"{address}:{port}"

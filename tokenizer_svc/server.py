@@ -36,7 +36,7 @@ from mmsplit.serving import (
     read_secret,
 )
 from mmsplit.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
-from tokenizer_svc.downstream import SchedulerLink
+from tokenizer_svc.downstream import Schedulers
 from tokenizer_svc.errors import InvalidRequest
 from tokenizer_svc.media import MediaLoader
 from tokenizer_svc.pool import CpuPool
@@ -131,6 +131,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
         self, request: tokenizer_pb2.GetServerInfoRequest, context: grpc.aio.ServicerContext
     ) -> tokenizer_pb2.GetServerInfoResponse:
         link = self.service.link
+        primary = link.primary
         return tokenizer_pb2.GetServerInfoResponse(
             info=common_pb2.ServerInfo(
                 model=self.settings.model_dir.name,
@@ -143,8 +144,9 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
                 preprocess_cache_misses=self.service.cache.misses,
                 preprocess_cache_bytes=self.service.cache.bytes,
             ),
-            scheduler=link.info,
-            transport=link.transport,
+            scheduler=primary.info if primary else None,
+            transport=primary.transport if primary else common_pb2.TRANSPORT_UNSPECIFIED,
+            backends=link.backends(),
         )
 
 
@@ -219,7 +221,7 @@ async def _serve(settings: TokenizerSettings, security: ServerSecurity, downstre
     )
     await pool.start()
     media = MediaLoader(settings)
-    link = SchedulerLink(settings, downstream)
+    link = Schedulers(settings, downstream)
     service = TokenizerService(settings, family, tokenizer, media, pool, link, chat_template=template)
 
     server, port = await new_server(

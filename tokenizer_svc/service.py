@@ -24,13 +24,14 @@ from typing import Any
 
 from mmsplit import families, shm
 from mmsplit.common.v1 import common_pb2
+from mmsplit.errors import E, RemoteError
 from mmsplit.sampling import Sampling
 from mmsplit.scheduler.v1 import scheduler_pb2
 from mmsplit.tensors import NUMPY_TO_DTYPE, TensorSpec
 from mmsplit.tokenizer.v1 import tokenizer_pb2
 from tokenizer_svc.cache import PreprocessCache, fingerprint
 from tokenizer_svc.detokenize import IncrementalDecoder, StopMatcher
-from tokenizer_svc.downstream import SchedulerLink
+from tokenizer_svc.downstream import SchedulerLink, Schedulers
 from tokenizer_svc.errors import (
     InternalError,
     InvalidRequest,
@@ -46,6 +47,9 @@ from tokenizer_svc.prompt import Media, PromptBuilder
 from tokenizer_svc.settings import TokenizerSettings
 
 log = logging.getLogger(__name__)
+# A call that ended with one of these before the scheduler accepted it goes
+# to another backend (once).
+FAILOVER_CODES = frozenset({E.ERROR_CODE_SCHEDULER_UNAVAILABLE, E.ERROR_CODE_SHUTTING_DOWN})
 
 
 class TokenizerService:
@@ -56,7 +60,7 @@ class TokenizerService:
         tokenizer: Any,
         media: MediaLoader,
         pool: CpuPool,
-        link: SchedulerLink,
+        link: Schedulers,
         *,
         chat_template: str | None = None,
     ) -> None:
@@ -155,12 +159,32 @@ class TokenizerService:
         self, request: tokenizer_pb2.GenerateRequest, rid: str, timeout_s: float | None
     ) -> AsyncGenerator[tokenizer_pb2.GenerateResponse, None]:
         self._validate(request)
-        if not self.link.connected:
+        # The backend first: whether its media go by shared memory or inline
+        # depends on where it is.
+        backend = self.link.pick()
+        if backend is None:
             raise SchedulerUnavailable(
-                "the scheduler is not reachable; retry shortly",
+                "no scheduler is reachable; retry shortly",
                 retry_after_ms=self.settings.unavailable_retry_after_ms,
             )
-        prepared = await self._prepare_media(request, rid)
+        # Counted on its backend from now on (a failover moves it).
+        assigned = Assigned(backend)
+        backend.inflight += 1
+        try:
+            async for response in self._generate_on(request, rid, timeout_s, assigned, backend.transport):
+                yield response
+        finally:
+            assigned.backend.inflight -= 1
+
+    async def _generate_on(
+        self,
+        request: tokenizer_pb2.GenerateRequest,
+        rid: str,
+        timeout_s: float | None,
+        assigned: Assigned,
+        transport: int,
+    ) -> AsyncGenerator[tokenizer_pb2.GenerateResponse, None]:
+        prepared = await self._prepare_media(request, rid, inline=transport != common_pb2.TRANSPORT_SHM)
         results = [p.result for p in prepared]
         owned = [segment for r in results for segment in r.segments]
         self.held.update(owned)
@@ -172,14 +196,15 @@ class TokenizerService:
             downstream = scheduler_pb2.GenerateRequest(
                 request_id=self._downstream_id(rid),
                 input_ids=prompt.input_ids,
-                items=[self._item(r, runs) for runs, r in items],
+                items=[self._item(r, runs, transport) for runs, r in items],
                 sampling=request.sampling,
             )
-            if self.link.transport != common_pb2.TRANSPORT_SHM:
+            if transport != common_pb2.TRANSPORT_SHM:
                 # The bytes are in the message now; the segments have done their job.
                 self._release(owned)
                 owned = []
-            async with contextlib.aclosing(self._relay(rid, downstream, timeout_s)) as relay:
+            events = self._send(downstream, timeout_s, assigned, transport)
+            async with contextlib.aclosing(self._relay(rid, downstream, events)) as relay:
                 async for response in relay:
                     if response is None:
                         # The scheduler holds its own locks on the segments
@@ -194,8 +219,52 @@ class TokenizerService:
                 self._release(owned)
             _unlock(prepared)
 
+    async def _send(
+        self, downstream: scheduler_pb2.GenerateRequest, timeout_s: float | None, assigned: Assigned, transport: int
+    ) -> AsyncGenerator[scheduler_pb2.GenerateResponse, None]:
+        """The scheduler's events. A call that fails before Accepted, the
+        backend being unavailable or shutting down, goes once more to another
+        ready backend of the same transport (the request's tensors are made
+        for it), within the request's deadline; after Accepted, never: tokens
+        may have been streamed."""
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout_s is None else loop.time() + timeout_s
+        tried = [assigned.backend]
+        while True:
+            accepted = False
+            remaining = None if deadline is None else max(0.0, deadline - loop.time())
+            stream = assigned.backend.generate(downstream, timeout_s=remaining)
+            try:
+                async for event in stream:
+                    accepted = accepted or event.WhichOneof("event") == "accepted"
+                    yield event
+                return
+            except (SchedulerUnavailable, RemoteError) as exc:
+                again = None
+                if not accepted and len(tried) == 1 and exc.error_code in FAILOVER_CODES:
+                    # Without media any backend will do.
+                    again = self.link.pick(exclude=tried, transport=transport if downstream.items else 0)
+                if again is None:
+                    raise
+                log.info(
+                    "request %s: %s from %s before acceptance; sending it to %s",
+                    downstream.request_id,
+                    exc.reason,
+                    assigned.backend.target,
+                    again.target,
+                )
+                assigned.backend.inflight -= 1
+                again.inflight += 1
+                assigned.backend = again
+                tried.append(again)
+            finally:
+                await stream.aclose()
+
     async def _relay(
-        self, rid: str, downstream: scheduler_pb2.GenerateRequest, timeout_s: float | None
+        self,
+        rid: str,
+        downstream: scheduler_pb2.GenerateRequest,
+        stream: AsyncGenerator[scheduler_pb2.GenerateResponse, None],
     ) -> AsyncGenerator[tokenizer_pb2.GenerateResponse | None, None]:
         """The scheduler's stream as text: None once it has accepted, then a
         delta per step (text may be empty while a character or a possible
@@ -204,7 +273,6 @@ class TokenizerService:
         decoder = IncrementalDecoder(self.tokenizer)
         stops = StopMatcher(tuple(downstream.sampling.stop))
         completion = 0
-        stream = self.link.generate(downstream, timeout_s=timeout_s)
         try:
             async for event in stream:
                 kind = event.WhichOneof("event")
@@ -252,12 +320,12 @@ class TokenizerService:
         if len(request.videos) > s.max_videos_per_request:
             raise InvalidRequest(f"{len(request.videos)} videos, at most {s.max_videos_per_request}")
 
-    async def _prepare_media(self, request: tokenizer_pb2.GenerateRequest, rid: str) -> list[Prepared]:
+    async def _prepare_media(self, request: tokenizer_pb2.GenerateRequest, rid: str, *, inline: bool) -> list[Prepared]:
         """Every image and video fetched, preprocessed and locked, or none
         held: on any failure or cancellation the others' work is awaited and
         released. In request order: the images, then the videos."""
         media = [*request.images, *request.videos]
-        tasks = [asyncio.create_task(self._one(medium, rid)) for medium in media]
+        tasks = [asyncio.create_task(self._one(medium, rid, inline)) for medium in media]
         if not tasks:
             return []
         try:
@@ -271,12 +339,11 @@ class TokenizerService:
             _unlock(done)
             raise
 
-    async def _one(self, medium: tokenizer_pb2.Image | tokenizer_pb2.Video, rid: str) -> Prepared:
+    async def _one(self, medium: tokenizer_pb2.Image | tokenizer_pb2.Video, rid: str, inline: bool) -> Prepared:
         data = await self.media.load(medium)  # IO pool, its own timeouts
         s = self.settings
-        # A scheduler that does not share our /dev/shm gets the bytes inline:
-        # the worker returns them and writes no segment at all.
-        inline = self.link.transport != common_pb2.TRANSPORT_SHM
+        # A scheduler that does not share our /dev/shm gets the bytes inline
+        # (`inline`): the worker returns them and writes no segment at all.
         job: Job
         if isinstance(medium, tokenizer_pb2.Video):
             job = self._video_job(data, inline)
@@ -401,19 +468,19 @@ class TokenizerService:
             inline=inline,
         )
 
-    def _item(self, result: ItemResult, runs: list[tuple[int, int]]) -> common_pb2.MultimodalItem:
+    def _item(self, result: ItemResult, runs: list[tuple[int, int]], transport: int) -> common_pb2.MultimodalItem:
         return common_pb2.MultimodalItem(
             modality=result.modality,  # type: ignore[arg-type]
-            tensors={t.name: self._tensor_ref(t) for t in result.tensors},
+            tensors={t.name: self._tensor_ref(t, transport) for t in result.tensors},
             placeholders=[common_pb2.PlaceholderRange(offset=o, length=n) for o, n in runs],
             content_hash=result.content_hash,
         )
 
-    def _tensor_ref(self, t: ItemTensor) -> common_pb2.TensorRef:
+    def _tensor_ref(self, t: ItemTensor, transport: int) -> common_pb2.TensorRef:
         dtype = NUMPY_TO_DTYPE[t.dtype]
         if t.segment is None:
             return TensorSpec(dtype, t.shape, inline=t.inline).to_pb()
-        if self.link.transport == common_pb2.TRANSPORT_SHM:
+        if transport == common_pb2.TRANSPORT_SHM:
             return TensorSpec(dtype, t.shape, shm=shm.Slice(t.segment, 0, t.nbytes)).to_pb()
         return TensorSpec(dtype, t.shape, inline=self._read(t)).to_pb()
 
@@ -421,6 +488,13 @@ class TokenizerService:
     def _release(segments: list[str]) -> None:
         for name in segments:
             shm.unlink(name)
+
+
+@dataclass
+class Assigned:
+    """The backend a request is on (a failover changes it)."""
+
+    backend: SchedulerLink
 
 
 @dataclass

@@ -20,7 +20,12 @@ class TokenizerSettings:
     model_dir: Path = field(
         metadata={"help": "local checkpoint directory (its processor is loaded)", "flag": "--model"}
     )
-    scheduler: str = _opt("127.0.0.1:50051", "scheduler address HOST:PORT")
+    scheduler: str = _opt(
+        "127.0.0.1:50051",
+        "scheduler address HOST:PORT; several scheduler groups: HOST:PORT,HOST:PORT,... or dns:///NAME:PORT "
+        "(every address NAME resolves to, e.g. a headless Service); each request goes to the ready one with "
+        "the fewest of this tokenizer's requests",
+    )
     scheduler_tls_ca: str = _opt("", "PEM CA certificates to verify the scheduler's TLS certificate: use TLS")
     scheduler_tls_cert: str = _opt("", "PEM client certificate presented to the scheduler (mutual TLS)")
     scheduler_tls_key: str = _opt("", "PEM private key of --scheduler-tls-cert")

@@ -32,7 +32,7 @@ from mmsplit_cli.client import make_request, run_request
 from tests.conftest import SCHEDULER_SERVICE, TOKENIZER_SERVICE, Services
 from tests.e2e.helpers import health_status, rank_active_requests
 from tests.support import family_kit, hf_family, video_corpus
-from tests.support.leaks import project_segments, wait_until
+from tests.support.leaks import PROJECT_PREFIX, project_segments, wait_until
 from tests.support.services import Pair, running_pair
 
 pytestmark = pytest.mark.e2e
@@ -184,7 +184,7 @@ def _malformed(kit: family_kit.Kit, good: scheduler_pb2.GenerateRequest) -> dict
     name = next(n for n in m.items[0].tensors if not n.startswith("pixel_values")) if kit.family.name != "llava" else ""
     if name:
         ref = m.items[0].tensors[name]
-        ref.shm.CopyFrom(common_pb2.ShmSlice(segment="mmsplit-1-abc", offset=0, nbytes=len(ref.inline)))
+        ref.shm.CopyFrom(common_pb2.ShmSlice(segment=f"{PROJECT_PREFIX}-1-abc", offset=0, nbytes=len(ref.inline)))
     else:
         del cases["side tensor by shared memory"]
     if kit.family.name.startswith("qwen"):

@@ -31,7 +31,7 @@ from mmsplit_cli.launch import ServiceProcess, tokenizer_args
 from scheduler_svc.model import model_info
 from tests.conftest import SCHEDULER_SERVICE, TOKENIZER_SERVICE, Services
 from tests.e2e.helpers import health_status, rank_active_requests, scheduler_info
-from tests.support.leaks import project_segments, wait_until
+from tests.support.leaks import PROJECT_PREFIX, project_segments, wait_until
 from tests.support.planted import planted as plant
 from tests.support.services import ENV, start_scheduler
 
@@ -40,7 +40,7 @@ pytestmark = pytest.mark.e2e
 
 @pytest.fixture
 def planted(tmp_path: Path) -> Iterator[dict[str, str]]:
-    with plant("mmsplit", tmp_path, size=3 * 224 * 224 * 4) as made:
+    with plant(PROJECT_PREFIX, tmp_path, size=3 * 224 * 224 * 4) as made:
         yield made
 
 

@@ -23,7 +23,7 @@ from scheduler_svc.model import model_info
 from tests.conftest import SCHEDULER_SERVICE, Services
 from tests.e2e.helpers import health_status, rank_active_requests
 from tests.support.faults import failing_request_id
-from tests.support.leaks import project_segments, wait_until
+from tests.support.leaks import PROJECT_PREFIX, project_segments, wait_until
 
 pytestmark = pytest.mark.e2e
 F32 = common_pb2.DTYPE_FLOAT32
@@ -64,9 +64,13 @@ PID = os.getpid()
 def malformed_cases() -> list[tuple[str, common_pb2.TensorRef, str]]:
     real = "REAL"  # replaced by a real segment's name in the test
     return [
-        ("name with /", shm_ref(f"mmsplit-{PID}-0123456789abcdef/x", IMAGE), "INVALID_REQUEST"),
+        ("name with /", shm_ref(f"{PROJECT_PREFIX}-{PID}-0123456789abcdef/x", IMAGE), "INVALID_REQUEST"),
         ("name with ..", shm_ref("..", IMAGE), "INVALID_REQUEST"),
-        ("segment that does not exist", shm_ref(f"mmsplit-{PID}-0123456789abcdef", IMAGE), "FEATURE_TRANSPORT_FAILED"),
+        (
+            "segment that does not exist",
+            shm_ref(f"{PROJECT_PREFIX}-{PID}-0123456789abcdef", IMAGE),
+            "FEATURE_TRANSPORT_FAILED",
+        ),
         ("another prefix", shm_ref(f"other-{PID}-0123456789abcdef", IMAGE), "INVALID_REQUEST"),
         ("nbytes != shape x itemsize", shm_ref(real, IMAGE, nbytes=100), "INVALID_REQUEST"),
         ("offset past the end", shm_ref(real, IMAGE, offset=GOOD.nbytes), "INVALID_REQUEST"),
@@ -93,7 +97,7 @@ def test_malformed_reference_gets_its_code_and_the_group_keeps_serving(
 ) -> None:
     segment = None
     if ref.WhichOneof("location") == "shm" and ref.shm.segment == "REAL":
-        segment = shm.write_segment("mmsplit", PID, memoryview(GOOD))
+        segment = shm.write_segment(PROJECT_PREFIX, PID, memoryview(GOOD))
         ref.shm.segment = segment.segment
     try:
         request = scheduler_pb2.GenerateRequest(

@@ -9,11 +9,24 @@ from pathlib import Path
 import psutil
 
 SHM_DIR = Path("/dev/shm")
-PROJECT_PREFIX = "mmsplit"
+
+
+def _prefix() -> str:
+    """The segment prefix of this test process and every service it starts
+    (through the environment: MMSPLIT_SHM_PREFIX is both services' fallback).
+    Each pytest-xdist worker has its own, so one worker's leak checks and
+    janitors never see another's segments."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    prefix = "mmsplit" + "".join(c for c in worker if c.isalnum())
+    os.environ["MMSPLIT_SHM_PREFIX"] = prefix
+    return prefix
+
+
+PROJECT_PREFIX = _prefix()
 
 
 def project_segments() -> list[str]:
-    return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(PROJECT_PREFIX))
+    return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(PROJECT_PREFIX + "-"))
 
 
 def children() -> set[int]:

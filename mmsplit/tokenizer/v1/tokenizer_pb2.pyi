@@ -70,11 +70,25 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetServerInfoResponse(_message.Message):
-    __slots__ = ("info", "scheduler", "transport")
+    __slots__ = ("info", "scheduler", "transport", "backends")
     INFO_FIELD_NUMBER: _ClassVar[int]
     SCHEDULER_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    BACKENDS_FIELD_NUMBER: _ClassVar[int]
     info: _common_pb2.ServerInfo
     scheduler: _common_pb2.ServerInfo
     transport: _common_pb2.Transport
-    def __init__(self, info: _Optional[_Union[_common_pb2.ServerInfo, _Mapping]] = ..., scheduler: _Optional[_Union[_common_pb2.ServerInfo, _Mapping]] = ..., transport: _Optional[_Union[_common_pb2.Transport, str]] = ...) -> None: ...
+    backends: _containers.RepeatedCompositeFieldContainer[SchedulerBackend]
+    def __init__(self, info: _Optional[_Union[_common_pb2.ServerInfo, _Mapping]] = ..., scheduler: _Optional[_Union[_common_pb2.ServerInfo, _Mapping]] = ..., transport: _Optional[_Union[_common_pb2.Transport, str]] = ..., backends: _Optional[_Iterable[_Union[SchedulerBackend, _Mapping]]] = ...) -> None: ...
+
+class SchedulerBackend(_message.Message):
+    __slots__ = ("address", "ready", "transport", "requests_in_flight")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    ready: bool
+    transport: _common_pb2.Transport
+    requests_in_flight: int
+    def __init__(self, address: _Optional[str] = ..., ready: _Optional[bool] = ..., transport: _Optional[_Union[_common_pb2.Transport, str]] = ..., requests_in_flight: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,151 @@
+"""Several scheduler groups behind one tokenizer (`--scheduler A,B,C`).
+
+Three groups (TP=1) on loopback; the third runs in a mount namespace of its
+own (a /dev/shm that is not the tokenizer's), so the tokenizer hands it
+tensors inline while the other two get shared memory. Then, in order:
+300 requests spread within 1.5x of a fair share; a SIGTERM to one group under
+load fails nothing (what it had not accepted goes elsewhere, what it had
+finishes within its grace); a SIGKILL to another fails exactly the requests
+it had accepted, with SCHEDULER_UNAVAILABLE; the tokenizer stays SERVING
+throughout, and finds the killed group again once it is restarted."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+
+from mmsplit.common.v1 import common_pb2
+from mmsplit.serving import free_port
+from mmsplit.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from mmsplit_cli import samples
+from mmsplit_cli.client import Outcome, make_request, run_request
+from mmsplit_cli.launch import ServiceProcess, scheduler_args
+from tests.conftest import SCHEDULER_SERVICE, TOKENIZER_SERVICE
+from tests.e2e.helpers import health_status
+from tests.support.leaks import wait_until
+from tests.support.services import ENV, start_tokenizer
+
+pytestmark = pytest.mark.e2e
+GROUPS = 3
+IMAGES = [samples.good_png(seed=i) for i in range(6)]
+
+
+def backends(tokenizer: str) -> dict[str, tokenizer_pb2.SchedulerBackend]:
+    with grpc.insecure_channel(tokenizer) as channel:
+        reply = tokenizer_pb2_grpc.TokenizerServiceStub(channel).GetServerInfo(
+            tokenizer_pb2.GetServerInfoRequest(), timeout=5
+        )
+    return {b.address: b for b in reply.backends}
+
+
+def served(group: ServiceProcess) -> int:
+    """Requests this group finished (its log's per-request lines)."""
+    return group.log_path.read_text().count(" finished: ")
+
+
+def run_all(address: str, n: int, *, max_tokens: int, tag: str, concurrency: int = 12) -> list[Outcome]:
+    def one(i: int) -> Outcome:
+        with grpc.insecure_channel(address) as channel:
+            stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
+            request = make_request("Go on.", [IMAGES[i % len(IMAGES)]], max_tokens=max_tokens, request_id=f"{tag}-{i}")
+            request.sampling.min_tokens = max_tokens
+            return run_request(stub, request, timeout=120)
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        return list(pool.map(one, range(n)))
+
+
+@pytest.fixture
+def fleet(tiny_model: Path, tmp_path: Path) -> Iterator[tuple[list[ServiceProcess], ServiceProcess, list[int]]]:
+    ports = [free_port() for _ in range(GROUPS)]
+    started: list[ServiceProcess] = []
+    groups: list[ServiceProcess] = []  # the test may add a restarted group
+    try:
+        for i, port in enumerate(ports):
+            args = scheduler_args(tiny_model, tp=1, extra=["--port", str(port), "--shutdown-grace-s", "20"])
+            # The last group has a /dev/shm of its own: a replica in another pod.
+            wrapper = [sys.executable, "-m", "tests.support.mountns", "64m"] if i == GROUPS - 1 else []
+            started.append(ServiceProcess(f"group{i}", args, tmp_path / f"group{i}.log", env=ENV, wrapper=wrapper))
+        targets = ",".join(f"127.0.0.1:{p}" for p in ports)
+        tokenizer = start_tokenizer(tiny_model, targets, tmp_path / "tokenizer.log")
+        started.append(tokenizer)
+        for group in started[:GROUPS]:
+            group.wait_serving(SCHEDULER_SERVICE, 180)
+        tokenizer.wait_serving(TOKENIZER_SERVICE, 180)
+        assert wait_until(lambda: all(b.ready for b in backends(tokenizer.address).values()), timeout=30)
+        groups.extend(started[:GROUPS])
+        yield groups, tokenizer, ports
+    finally:
+        everyone = [*started, *(g for g in groups if g not in started)]
+        for proc in everyone:
+            proc.terminate()
+        for proc in everyone:
+            proc.stop()
+
+
+def test_groups_share_the_load_and_one_going_away_fails_only_what_it_had(fleet, tiny_model: Path) -> None:  # type: ignore[no-untyped-def]
+    groups, tokenizer, ports = fleet
+    address = tokenizer.address
+    transports = {a: common_pb2.Transport.Name(b.transport) for a, b in backends(address).items()}
+    assert transports == {
+        f"127.0.0.1:{ports[0]}": "TRANSPORT_SHM",
+        f"127.0.0.1:{ports[1]}": "TRANSPORT_SHM",
+        f"127.0.0.1:{ports[2]}": "TRANSPORT_INLINE",
+    }
+
+    # 300 requests: each group gets at most 1.5x its fair share.
+    before = [served(g) for g in groups]
+    outcomes = run_all(address, 300, max_tokens=2, tag="spread")
+    assert all(o.ok for o in outcomes), [o for o in outcomes if not o.ok][:3]
+    shares = [served(g) - b for g, b in zip(groups, before, strict=True)]
+    assert sum(shares) == 300, shares
+    assert max(shares) <= 1.5 * 300 / GROUPS, shares
+    assert min(shares) > 0, shares
+
+    # SIGTERM to group 0 under load: nothing fails.
+    with ThreadPoolExecutor(1) as side:
+        load = side.submit(run_all, address, 60, max_tokens=24, tag="drain")
+        assert wait_until(lambda: backends(address)[f"127.0.0.1:{ports[0]}"].requests_in_flight > 0, timeout=30)
+        groups[0].terminate()
+        drained = load.result(timeout=120)
+    assert all(o.ok for o in drained), [o for o in drained if not o.ok][:3]
+    assert groups[0].proc.wait(60) == 0
+    assert health_status(address, TOKENIZER_SERVICE) == "SERVING"
+
+    # SIGKILL to group 1 with requests running on it: those fail, typed; no other does.
+    killed = f"127.0.0.1:{ports[1]}"
+    with ThreadPoolExecutor(1) as side:
+        load = side.submit(run_all, address, 8, max_tokens=600, tag="kill", concurrency=8)
+
+        def all_running() -> bool:
+            info = backends(address)
+            return sum(b.requests_in_flight for b in info.values()) == 8 and info[killed].requests_in_flight > 0
+
+        assert wait_until(all_running, timeout=30)
+        time.sleep(0.5)  # let every request be accepted and streaming
+        on_killed = backends(address)[killed].requests_in_flight
+        os.kill(groups[1].pid, signal.SIGKILL)
+        results = load.result(timeout=120)
+    failed = [o for o in results if not o.ok]
+    assert len(failed) == on_killed, (on_killed, results)
+    assert {(o.grpc_code, o.reason) for o in failed} == {("UNAVAILABLE", "SCHEDULER_UNAVAILABLE")}
+    assert health_status(address, TOKENIZER_SERVICE) == "SERVING"
+    assert wait_until(lambda: not backends(address)[killed].ready, timeout=10)
+
+    # Group 1 comes back on its port: the tokenizer uses it again.
+    args = scheduler_args(tiny_model, tp=1, extra=["--port", str(ports[1])])
+    again = ServiceProcess("group1-again", args, groups[0].log_path.parent / "group1-again.log", env=ENV)
+    groups.append(again)  # the fixture stops it
+    again.wait_serving(SCHEDULER_SERVICE, 180)
+    assert wait_until(lambda: backends(address)[killed].ready, timeout=30)
+    back = run_all(address, 6, max_tokens=2, tag="back")
+    assert all(o.ok for o in back), back
+    assert served(again) > 0
