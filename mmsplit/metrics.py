@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -62,6 +62,10 @@ class ServiceMetrics:
         """A counter kept elsewhere with one bounded label (label value -> count), read on scrape."""
         self.registry.register(_ReadLabelled(f"{self.prefix}_{name}", documentation, label, read))
 
+    def gauge_by(self, name: str, documentation: str, label: str, read: Callable[[], dict[str, float]]) -> None:
+        """A gauge with one bounded label (label value -> value), read on scrape."""
+        self.registry.register(_ReadLabelled(f"{self.prefix}_{name}", documentation, label, read, gauge=True))
+
     def serve(self, host: str, port: int) -> int:
         """Serve /metrics on a thread; returns the port (port 0 picks one)."""
         server, _ = start_http_server(port, addr=host, registry=self.registry)
@@ -78,11 +82,14 @@ class _Read(Collector):
 
 
 class _ReadLabelled(Collector):
-    def __init__(self, name: str, documentation: str, label: str, read: Callable[[], dict[str, float]]) -> None:
-        self.name, self.documentation, self.label, self.read = name, documentation, label, read
+    def __init__(
+        self, name: str, documentation: str, label: str, read: Callable[[], dict[str, float]], gauge: bool = False
+    ) -> None:
+        self.name, self.documentation, self.label, self.read, self.gauge = name, documentation, label, read, gauge
 
-    def collect(self) -> Iterator[CounterMetricFamily]:
-        family = CounterMetricFamily(self.name, self.documentation, labels=[self.label])
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        kind = GaugeMetricFamily if self.gauge else CounterMetricFamily
+        family = kind(self.name, self.documentation, labels=[self.label])
         for value, count in self.read().items():
             family.add_metric([value], count)
         yield family

@@ -58,6 +58,18 @@ def _metrics(settings: TokenizerSettings, service: TokenizerService, pool: CpuPo
     metrics.gauge("requests_in_flight", "Requests in progress", lambda: service.inflight)
     metrics.gauge("preprocess_cache_bytes", "Bytes the preprocessing cache holds", lambda: service.cache.bytes)
     fetcher = service.media.fetcher
+    metrics.gauge_by(
+        "backend_requests_in_flight",
+        "This tokenizer's requests on each scheduler backend now",
+        "backend",
+        lambda: {link.target: link.inflight for link in service.link.links.values()},
+    )
+    metrics.gauge_by(
+        "backend_ready",
+        "1 while a scheduler backend gets new requests (answers, and health checking reports it SERVING)",
+        "backend",
+        lambda: {link.target: float(link.ready) for link in service.link.links.values()},
+    )
     metrics.gauge(
         "shm_bytes",
         "Bytes of this process's shared-memory segments now",

@@ -132,6 +132,9 @@ def test_counts_by_outcome_after_a_scripted_mix(services: Services) -> None:
     ):
         assert (f"mmsplit_tokenizer_{name}", ()) in after, name
     assert ("mmsplit_tokenizer_requests_in_flight", ()) in after
+    backend = (("backend", services.scheduler_address),)
+    assert after[("mmsplit_tokenizer_backend_requests_in_flight", backend)] == 0
+    assert after[("mmsplit_tokenizer_backend_ready", backend)] == 1
     scheduler = scrape(sched_port)
     assert ("mmsplit_scheduler_kv_budget_tokens", ()) in scheduler
     steps = ("mmsplit_scheduler_step_duration_seconds_count", ())
