@@ -28,7 +28,7 @@ from mmsplit.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from mmsplit_cli import samples
 from mmsplit_cli.client import Outcome, make_request, run_request
 from mmsplit_cli.launch import ServiceProcess, scheduler_args
-from tests.conftest import SCHEDULER_SERVICE, TOKENIZER_SERVICE
+from tests.conftest import SCHEDULER_SERVICE, TOKENIZER_SERVICE, Services
 from tests.e2e.helpers import health_status
 from tests.support.leaks import wait_until
 from tests.support.services import ENV, start_tokenizer
@@ -51,11 +51,14 @@ def served(group: ServiceProcess) -> int:
     return group.log_path.read_text().count(" finished: ")
 
 
-def run_all(address: str, n: int, *, max_tokens: int, tag: str, concurrency: int = 12) -> list[Outcome]:
+def run_all(
+    address: str, n: int, *, max_tokens: int, tag: str, concurrency: int = 12, image: bytes = b""
+) -> list[Outcome]:
     def one(i: int) -> Outcome:
         with grpc.insecure_channel(address) as channel:
             stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
-            request = make_request("Go on.", [IMAGES[i % len(IMAGES)]], max_tokens=max_tokens, request_id=f"{tag}-{i}")
+            picture = image or IMAGES[i % len(IMAGES)]
+            request = make_request("Go on.", [picture], max_tokens=max_tokens, request_id=f"{tag}-{i}")
             request.sampling.min_tokens = max_tokens
             return run_request(stub, request, timeout=120)
 
@@ -100,6 +103,13 @@ def test_groups_share_the_load_and_one_going_away_fails_only_what_it_had(fleet, 
         f"127.0.0.1:{ports[1]}": "TRANSPORT_SHM",
         f"127.0.0.1:{ports[2]}": "TRANSPORT_INLINE",
     }
+
+    # The same greedy request on all three: the same tokens by shared memory and inline.
+    before = [served(g) for g in groups]
+    same = run_all(address, 9, max_tokens=6, tag="same", concurrency=9, image=IMAGES[0])
+    assert all(o.ok for o in same), same
+    assert len({tuple(o.token_ids) for o in same}) == 1, [o.token_ids for o in same]
+    assert all(served(g) > b for g, b in zip(groups, before, strict=True)), "a group served none of them"
 
     # 300 requests: each group gets at most 1.5x its fair share.
     before = [served(g) for g in groups]
@@ -149,3 +159,21 @@ def test_groups_share_the_load_and_one_going_away_fails_only_what_it_had(fleet, 
     back = run_all(address, 6, max_tokens=2, tag="back")
     assert all(o.ok for o in back), back
     assert served(again) > 0
+
+
+def test_a_dns_target_makes_every_address_a_backend(services: Services, tmp_path: Path) -> None:
+    """`dns:///localhost:PORT`: localhost's addresses become backends (the
+    one the scheduler listens on is ready; another, if any, is not and gets
+    nothing), and requests are served."""
+    target = f"dns:///localhost:{services.scheduler.port}"
+    tokenizer = start_tokenizer(services.model, target, tmp_path / "tokenizer.log")
+    try:
+        tokenizer.wait_serving(TOKENIZER_SERVICE, 180)
+        found = backends(tokenizer.address)
+        listening = f"127.0.0.1:{services.scheduler.port}"
+        assert found[listening].ready, found
+        assert all(not b.ready for a, b in found.items() if a != listening), found
+        outcomes = run_all(tokenizer.address, 4, max_tokens=2, tag="dns")
+        assert all(o.ok for o in outcomes), outcomes
+    finally:
+        assert tokenizer.stop() == 0
