@@ -19,19 +19,29 @@ from scheduler_svc.plan import Failure
 
 
 def agree_on_failures(
-    coll: Collective, codes: Sequence[int], messages: Sequence[str], active: int
+    coll: Collective,
+    codes: Sequence[int],
+    messages: Sequence[str],
+    active: int,
+    *,
+    digest: int = 0,
+    digests: list[int] | None = None,
 ) -> tuple[dict[int, Failure], list[int]]:
     """Return (index of failed new request -> Failure, active requests per rank).
 
     `codes[i]` is this rank's verdict on new request i (0 = read fine) and
     `messages[i]` its explanation. The failed code reported is the first
-    failing rank's."""
+    failing rank's. `digest` rides along in the same collective (what this
+    rank would take from its encoder cache); every rank's lands in
+    `digests`, by rank."""
     if len(codes) != len(messages):
         raise ValueError("one message per code")
-    row = torch.tensor([active, *codes], dtype=torch.int64)
+    row = torch.tensor([active, digest, *codes], dtype=torch.int64)
     table = coll.all_gather_row(row)
     active_per_rank = [int(v) for v in table[:, 0]]
-    verdicts = table[:, 1:]
+    if digests is not None:
+        digests[:] = [int(v) for v in table[:, 1]]
+    verdicts = table[:, 2:]
     failed_any = (verdicts != 0).any(dim=0)
     if not bool(failed_any.any()):
         return {}, active_per_rank

@@ -21,18 +21,21 @@ the loop drops it on every rank in the next plan.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 import zlib
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from mmsplit import families
-from mmsplit.errors import E, MmsplitError
+from mmsplit.errors import E, InternalError, MmsplitError
 from mmsplit.families import Family
 from scheduler_svc.agreement import agree_on_failures
 from scheduler_svc.collective import Collective
+from scheduler_svc.encoder_cache import EncoderCache
 from scheduler_svc.errors import NonFinitePixels
 from scheduler_svc.kvcache import ForwardInputs, RowCache
 from scheduler_svc.plan import Item, NewRequest, Plan, StepOutcome
@@ -71,6 +74,7 @@ class Engine:
         eos_token_ids: frozenset[int],
         family: Family | None = None,
         token_chunk: int = 256,
+        encoder_cache_bytes: int = 0,
     ) -> None:
         self.model = model
         # The adapter builds positions (M-RoPE); by default from the model's own config.
@@ -90,6 +94,10 @@ class Engine:
         self.index: dict[str, int] = {}
         self._active_per_rank = [0] * coll.world_size
         self.sampler = Sampler(eos_token_ids)
+        # Encoder outputs of items seen before (families that take them precomputed).
+        self.encoder_cache = EncoderCache(encoder_cache_bytes if self.family.caches_encoder_outputs else 0)
+        self._hidden = int(model.config.get_text_config().hidden_size)  # type: ignore[union-attr,operator]
+        self._keys: dict[str, list[bytes]] = {}  # this step's new requests: each item's cache key
 
     def step(self, plan: Plan) -> StepOutcome:
         # The cache's tensors are made in inference mode; every in-place
@@ -106,8 +114,14 @@ class Engine:
 
         clock = _Clock()
         tensors, codes, messages = self._read_new(plan.new)
+        use_cache = False
         if plan.new or plan.drop:
-            failed_idx, held = agree_on_failures(self.coll, codes, messages, active=len(self.rows))
+            digests: list[int] = []
+            failed_idx, held = agree_on_failures(
+                self.coll, codes, messages, active=len(self.rows), digest=self._cache_digest(plan.new), digests=digests
+            )
+            # Every rank would hit the same entries (else none is used this step).
+            use_cache = len(set(digests)) == 1
             # What each rank holds after this step: the agreed joiners join everywhere.
             self._active_per_rank = [n + len(plan.new) - len(failed_idx) for n in held]
         else:
@@ -131,7 +145,7 @@ class Engine:
             clock.lap("decode")
         deltas: list[int] = []
         if joining:
-            prefill_logits, deltas = self._prefill(joining)
+            prefill_logits, deltas = self._prefill(joining, use_cache)
             logits.append(prefill_logits)
             clock.lap("prefill")
         for i, (req, _) in enumerate(joining):
@@ -192,7 +206,9 @@ class Engine:
         hidden = self._body(self._decode_body, ids, inputs)
         return self._head(hidden[:, -1])
 
-    def _prefill(self, joining: list[tuple[NewRequest, ItemTensors | None]]) -> tuple[torch.Tensor, list[int]]:
+    def _prefill(
+        self, joining: list[tuple[NewRequest, ItemTensors | None]], use_cache: bool = False
+    ) -> tuple[torch.Tensor, list[int]]:
         """The joining prompts in one right-padded forward; each row's logits
         at its last prompt token ``[joining, vocab]``, and (M-RoPE families)
         each row's rope delta."""
@@ -200,7 +216,9 @@ class Engine:
         ids = torch.full((len(joining), max(lengths)), PAD_ID, dtype=torch.long)
         for i, (req, _) in enumerate(joining):
             ids[i, : lengths[i]] = torch.tensor(req.input_ids, dtype=torch.long)
-        extra = self._media_kwargs(joining)
+        extra: dict[str, Any] = (
+            self._encoded_kwargs(joining, use_cache) if self.encoder_cache.enabled else self._media_kwargs(joining)
+        )
         inputs = self.cache.begin_prefill(lengths)
         deltas: list[int] = []
         if self.family.uses_mrope:
@@ -230,9 +248,50 @@ class Engine:
                     parts.setdefault(name, []).append(torch.from_numpy(value).to(self.device))
         return {name: torch.cat(chunks) for name, chunks in parts.items()}
 
-    def _body(
-        self, body: torch.nn.Module, ids: torch.Tensor, inputs: ForwardInputs, **extra: torch.Tensor
-    ) -> torch.Tensor:
+    def _cache_digest(self, new: tuple[NewRequest, ...]) -> int:
+        """What this rank would take from the encoder cache for the step's new
+        requests (each item's key, and whether it would hit), as one number
+        for the agreement; 0 without a cache."""
+        if not self.encoder_cache.enabled:
+            return 0
+        digest = hashlib.blake2b(digest_size=7)
+        for req in new:
+            for key, item in zip(self._keys.get(req.request_id, ()), req.items, strict=False):
+                rows = sum(length for _, length in item.placeholders)
+                digest.update(key + (b"1" if self.encoder_cache.would_hit(key, rows, self._hidden) else b"0"))
+        return int.from_bytes(digest.digest(), "little")
+
+    def _encoded_kwargs(self, joining: list[tuple[NewRequest, ItemTensors | None]], use_cache: bool) -> dict[str, Any]:
+        """The joining items' encoder outputs, in plan order: from the cache
+        where every rank has them, the rest encoded now (in one call) and
+        kept. Only requests every rank agreed on get here, in the same order
+        on every rank, so the caches change alike."""
+        cache = self.encoder_cache
+        features: list[torch.Tensor | None] = []
+        misses: list[tuple[int, dict[str, torch.Tensor], bytes, int]] = []
+        for req, tensors in joining:
+            keys = self._keys.get(req.request_id, [])
+            for item, encoder, key in zip(req.items, tensors or (), keys, strict=True):
+                rows = sum(length for _, length in item.placeholders)
+                hit = cache.take(key, rows, self._hidden) if use_cache else None
+                if hit is None:
+                    if not use_cache:
+                        cache.misses += 1
+                    inputs = {name: t.to(self.device, self.dtype) for name, t in encoder.items()}
+                    misses.append((len(features), inputs, key, rows))
+                features.append(hit)
+        if not features:
+            return {}
+        if misses:
+            encoded = self.family.encode(self._prefill_body, [inputs for _, inputs, _, _ in misses])
+            for (index, _, key, rows), output in zip(misses, encoded, strict=True):
+                if tuple(output.shape) != (rows, self._hidden):
+                    raise InternalError(f"the encoder made {list(output.shape)} for an item of {rows} tokens")
+                features[index] = output
+                cache.keep(key, output)
+        return self.family.encoded_kwargs(features)
+
+    def _body(self, body: torch.nn.Module, ids: torch.Tensor, inputs: ForwardInputs, **extra: Any) -> torch.Tensor:
         out = body(
             input_ids=ids,
             position_ids=inputs.position_ids,
@@ -254,9 +313,15 @@ class Engine:
         tensors: list[ItemTensors | None] = []
         codes: list[int] = []
         messages: list[str] = []
+        self._keys = {}
         for req in new:
             try:
                 read = [self._read_item(req.request_id, i, item) for i, item in enumerate(req.items)]
+                if self.encoder_cache.enabled:
+                    # This rank's own digest of what it read: never a hash the request brought.
+                    self._keys[req.request_id] = [
+                        EncoderCache.key(encoder, item.side) for encoder, item in zip(read, req.items, strict=True)
+                    ]
             except MmsplitError as exc:
                 log.warning("rank %d could not use tensors of request %s: %s", self.coll.rank, req.request_id, exc)
                 tensors.append(None)

@@ -55,7 +55,13 @@ def bootstrap(settings: SchedulerSettings, rendezvous: Rendezvous | None) -> Boo
     coll = TorchCollective(device)
     info = model_info(settings.model_dir)
     engine = Engine(
-        model, coll, build_reader(settings, coll.rank), device, eos_token_ids=info.eos_token_ids, family=info.family
+        model,
+        coll,
+        build_reader(settings, coll.rank),
+        device,
+        eos_token_ids=info.eos_token_ids,
+        family=info.family,
+        encoder_cache_bytes=settings.encoder_cache_bytes,
     )
     # Last, so it doubles as the barrier "every rank has everything it needs":
     # a rank that failed above never joins it, and rank 0 never serves.

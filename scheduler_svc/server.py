@@ -114,6 +114,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         info.running_requests = snapshot.running
         info.queued_requests = snapshot.queued
         info.kv_reserved_tokens = snapshot.kv_reserved_tokens
+        cache = self.step_loop.engine.encoder_cache
+        info.encoder_cache_hits, info.encoder_cache_misses = cache.hits, cache.misses
+        info.encoder_cache_bytes = cache.bytes
         return scheduler_pb2.GetServerInfoResponse(info=info)
 
 
@@ -133,9 +136,15 @@ def _metrics(settings: SchedulerSettings, step_loop: StepLoop) -> ServiceMetrics
         "rank",
         lambda: {str(rank): n for rank, n in enumerate(step_loop.failures_by_rank)},
     )
+    cache = step_loop.engine.encoder_cache
     metrics.counters(
-        lambda: {"janitor_removed_segments": ("Orphaned segments the janitor removed", step_loop.janitor_removed)}
+        lambda: {
+            "janitor_removed_segments": ("Orphaned segments the janitor removed", step_loop.janitor_removed),
+            "encoder_cache_hits": ("Items whose encoder output came from the cache (rank 0)", cache.hits),
+            "encoder_cache_misses": ("Items encoded by the vision tower (rank 0)", cache.misses),
+        }
     )
+    metrics.gauge("encoder_cache_bytes", "Bytes the encoder-output cache holds (rank 0)", lambda: cache.bytes)
     metrics.gauge(
         "shm_bytes",
         "Bytes of the prefix's segments in this host's /dev/shm: handed over by tokenizers and not yet released",

@@ -99,6 +99,12 @@ class SchedulerSettings:
         "a segment of the prefix nobody holds a lock on, older than this, is an orphan the janitor removes",
         min=0.01,
     )
+    encoder_cache_bytes: int = _opt(
+        256 * 1024 * 1024,
+        "bytes of encoder outputs each rank keeps for items seen before (keyed by the tensors' bytes, which "
+        "each rank hashes itself), on the model's device; a hit skips the vision tower; 0 = off. LLaVA-1.5 only",
+        min=0,
+    )
     shutdown_grace_s: float = _opt(5.0, "seconds running requests get to finish on SIGTERM", min=0)
     max_message_bytes: int = _opt(256 * 1024 * 1024, "largest gRPC message", min=1024)
     stats_interval_s: float = _opt(10.0, "how often the step loop logs its statistics", min=0.01)

@@ -21,11 +21,12 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
-from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
+from mmsplit.lru import ByteLRU
 from tokenizer_svc.preprocess import ItemResult, Job, VideoJob
 
 FINGERPRINT_FILES = ("config.json", "preprocessor_config.json", "video_preprocessor_config.json")
@@ -55,21 +56,13 @@ def consistent(result: ItemResult) -> bool:
     return True
 
 
-class PreprocessCache:
-    def __init__(self, max_bytes: int, model_fingerprint: bytes) -> None:
-        self.max_bytes = max_bytes
-        self._fingerprint = model_fingerprint
-        # key -> (entry, its size when it was put)
-        self._entries: OrderedDict[bytes, tuple[ItemResult, int]] = OrderedDict()
-        self.bytes = 0
-        self.hits = 0
-        self.misses = 0
-        self.evictions = 0
-        self.dropped = 0  # entries found inconsistent on use
+class PreprocessCache(ByteLRU[ItemResult]):
+    """Preprocessed items (all tensors inline) by `key`; an entry is checked
+    (`consistent`) when it is put and when it is used."""
 
-    @property
-    def enabled(self) -> bool:
-        return self.max_bytes > 0
+    def __init__(self, max_bytes: int, model_fingerprint: bytes) -> None:
+        super().__init__(max_bytes)
+        self._fingerprint = model_fingerprint
 
     def key(self, job: Job) -> bytes:
         """The job's key: model, settings (everything but the bytes and
@@ -83,36 +76,10 @@ class PreprocessCache:
         digest.update(job.data)
         return digest.digest()
 
-    def get(self, key: bytes) -> ItemResult | None:
-        entry = self._entries[key][0] if key in self._entries else None
-        if entry is not None and not consistent(entry):
-            self._remove(key)
-            self.dropped += 1
-            entry = None
-        if entry is None:
-            self.misses += 1
-            return None
-        self._entries.move_to_end(key)
-        self.hits += 1
-        return entry
+    def get(self, key: bytes, valid: Callable[[ItemResult], bool] = consistent) -> ItemResult | None:
+        return super().get(key, valid)
 
-    def put(self, key: bytes, entry: ItemResult) -> None:
-        """Keep `entry` (all tensors inline); an entry over the whole budget is not kept."""
-        size = entry_bytes(entry)
-        if size > self.max_bytes or not consistent(entry):
-            return
-        if key in self._entries:
-            self._remove(key)
-        self._entries[key] = (entry, size)
-        self.bytes += size
-        while self.bytes > self.max_bytes:
-            oldest = next(iter(self._entries))
-            self._remove(oldest)
-            self.evictions += 1
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def _remove(self, key: bytes) -> None:
-        _, size = self._entries.pop(key)
-        self.bytes -= size
+    def put(self, key: bytes, value: ItemResult, size: int = -1) -> None:
+        """Keep `value` (all tensors inline); an entry over the whole budget is not kept."""
+        if consistent(value):
+            super().put(key, value, entry_bytes(value) if size < 0 else size)

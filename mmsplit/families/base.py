@@ -109,6 +109,23 @@ class Family:
         of one prompt; the delta is added to every later position."""
         raise NotImplementedError
 
+    @property
+    def caches_encoder_outputs(self) -> bool:
+        """Whether the scheduler may run the encoder item by item (`encode`)
+        and give the model the outputs (`encoded_kwargs`), so that outputs of
+        items seen before come from its cache."""
+        return False
+
+    def encode(self, body: Any, encoders: list[dict[str, Any]]) -> list[Any]:
+        """Each item's encoder output ``[placeholder tokens, hidden]``, for
+        the items' encoder inputs (already on the model's device and dtype)."""
+        raise NotImplementedError
+
+    def encoded_kwargs(self, features: list[Any]) -> dict[str, Any]:
+        """Forward keywords that hand the model these outputs (in prompt
+        order) in place of its encoder inputs."""
+        raise NotImplementedError
+
 
 def read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():

@@ -40,6 +40,25 @@ class Llava(Family):
             raise BadItem(f"pixel_values must have shape {[1, self.channels, self.side, self.side]}, got {list(shape)}")
         return self.tokens_per_view()
 
+    # Encoder outputs: transformers' LlavaModel takes them precomputed
+    # (`mm_encoder_outputs`), per image, exactly as its forward would make them.
+    @property
+    def caches_encoder_outputs(self) -> bool:
+        return True
+
+    def encode(self, body: Any, encoders: list[dict[str, Any]]) -> list[Any]:
+        import torch
+
+        pixels = torch.cat([encoder["pixel_values"] for encoder in encoders])
+        return list(body.get_image_features(pixel_values=pixels, return_dict=True).pooler_output)
+
+    def encoded_kwargs(self, features: list[Any]) -> dict[str, Any]:
+        from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+        # transformers types pooler_output as one tensor; LlavaModel's forward reads a list, one per image.
+        outputs = BaseModelOutputWithPooling(pooler_output=features)  # type: ignore[arg-type]
+        return {"mm_encoder_outputs": {"image": outputs}}
+
 
 def build(model_type: str, config: dict[str, Any], processor_config: dict[str, Any], names: frozenset[str]) -> Family:
     token_id = int(config.get("image_token_id", config.get("image_token_index", 32000)))

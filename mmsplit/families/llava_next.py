@@ -37,6 +37,12 @@ def best_resolution(size: tuple[int, int], candidates: list[tuple[int, int]]) ->
 
 class LlavaNext(Llava):
     @property
+    def caches_encoder_outputs(self) -> bool:
+        # Its image features are packed per image with newlines (not yet
+        # done item by item here): the model encodes every time.
+        return False
+
+    @property
     def pinpoints(self) -> list[tuple[int, int]]:
         return [(int(h), int(w)) for h, w in self.config.get("image_grid_pinpoints") or []]
 

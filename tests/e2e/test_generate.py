@@ -180,25 +180,36 @@ def test_error_info_carries_request_id_and_retriable(stub) -> None:
     assert RemoteError.from_rpc_error(info.value).error_code == common_pb2.ERROR_CODE_MEDIA_UNSUPPORTED
 
 
-def test_an_image_seen_before_is_served_from_the_preprocessing_cache(services: Services) -> None:
+def test_an_image_seen_before_is_served_from_both_caches(services: Services) -> None:
+    """The tokenizer's preprocessing cache and the scheduler's encoder-output
+    cache (both ranks) each count one miss, then one hit; the tokens are the
+    same either way."""
     from mmsplit.tokenizer.v1 import tokenizer_pb2
+    from tests.e2e.helpers import scheduler_info
 
     def info():  # type: ignore[no-untyped-def]
         with grpc.insecure_channel(services.tokenizer_address) as channel:
             stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
             return stub.GetServerInfo(tokenizer_pb2.GetServerInfoRequest(), timeout=5).info
 
+    def encoder() -> tuple[int, int]:
+        got = scheduler_info(services.scheduler_address)
+        return got.encoder_cache_misses, got.encoder_cache_hits
+
     image = samples.good_png(seed=4242)  # sent by no other test
     with grpc.insecure_channel(services.tokenizer_address) as channel:
         stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
-        before = info()
+        before, encoder_before = info(), encoder()
         first = run_request(stub, make_request("Describe it.", [image], max_tokens=4), timeout=60)
-        between = info()
+        between, encoder_between = info(), encoder()
         second = run_request(stub, make_request("Describe it.", [image], max_tokens=4), timeout=60)
-        after = info()
+        after, encoder_after = info(), encoder()
     assert first.ok, first
     assert second.ok, second
     assert second.token_ids == first.token_ids
+    assert encoder_between == (encoder_before[0] + 1, encoder_before[1])
+    assert encoder_after == (encoder_between[0], encoder_between[1] + 1)
+    assert scheduler_info(services.scheduler_address).encoder_cache_bytes > 0
     assert (between.preprocess_cache_misses, between.preprocess_cache_hits) == (
         before.preprocess_cache_misses + 1,
         before.preprocess_cache_hits,

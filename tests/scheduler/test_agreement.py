@@ -43,7 +43,8 @@ class FakeGroup:
 
 
 def test_no_failures_costs_exactly_one_collective() -> None:
-    group = FakeGroup(0, [[3, 0, 0], [3, 0, 0]], [{}, {}])
+    # A row: active requests, the encoder-cache digest, then one verdict per new request.
+    group = FakeGroup(0, [[3, 0, 0, 0], [3, 0, 0, 0]], [{}, {}])
     failed, active = agree_on_failures(group, [0, 0], ["", ""], active=3)
     assert failed == {}
     assert active == [3, 3]
@@ -51,11 +52,11 @@ def test_no_failures_costs_exactly_one_collective() -> None:
 
 
 def test_failure_on_one_rank_is_seen_by_every_rank() -> None:
-    rows = [[2, 0, 0, 0], [2, 0, 11, 0]]
+    rows = [[2, 0, 0, 0, 0], [2, 0, 0, 11, 0]]
     msgs = [{}, {1: "cannot open segment"}]
     for rank in (0, 1):
         group = FakeGroup(rank, rows, msgs)
-        codes = rows[rank][1:]
+        codes = rows[rank][2:]
         local = [msgs[rank].get(i, "") for i in range(3)]
         failed, active = agree_on_failures(group, codes, local, active=2)
         assert active == [2, 2]
@@ -68,10 +69,10 @@ def test_failure_on_one_rank_is_seen_by_every_rank() -> None:
 
 
 def test_several_ranks_failing_report_the_first_failing_ranks_code() -> None:
-    rows = [[0, 0, 1], [0, 11, 11], [0, 2, 0]]
+    rows = [[0, 0, 0, 1], [0, 0, 11, 11], [0, 0, 2, 0]]
     msgs = [{1: "bad ref"}, {0: "a", 1: "b"}, {0: "c"}]
     group = FakeGroup(0, rows, msgs)
-    failed, _ = agree_on_failures(group, rows[0][1:], ["", "bad ref"], active=0)
+    failed, _ = agree_on_failures(group, rows[0][2:], ["", "bad ref"], active=0)
     assert failed[0].ranks == (1, 2)
     assert failed[0].code == 11
     assert failed[1].ranks == (0, 1)
@@ -80,10 +81,19 @@ def test_several_ranks_failing_report_the_first_failing_ranks_code() -> None:
 
 
 def test_step_without_new_requests_still_gathers_active_counts() -> None:
-    group = FakeGroup(1, [[5], [5]], [{}, {}])
+    group = FakeGroup(1, [[5, 0], [5, 0]], [{}, {}])
     failed, active = agree_on_failures(group, [], [], active=5)
     assert failed == {}
     assert active == [5, 5]
+
+
+def test_each_rank_s_cache_digest_comes_back_in_the_same_collective() -> None:
+    group = FakeGroup(1, [[1, 77, 0], [1, 78, 0]], [{}, {}])
+    digests: list[int] = []
+    failed, _ = agree_on_failures(group, [0], [""], active=1, digest=78, digests=digests)
+    assert failed == {}
+    assert digests == [77, 78]
+    assert group.calls == ["all_gather"]
 
 
 @pytest.mark.timeout(120)
