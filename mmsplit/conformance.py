@@ -381,7 +381,10 @@ class Kit:
         try:
             while (event := next(events)).WhichOneof("event") != first:
                 expect(event.WhichOneof("event") != "finished", "finished before it could be cut short")
-            seen = load()
+            # Its counts are as of the scheduler's last step: give them a moment.
+            counted = time.monotonic() + 5.0
+            while (seen := load()) <= before and time.monotonic() < counted:
+                time.sleep(0.02)
             expect(seen > before, f"the scheduler did not count the request while it ran ({seen} vs {before})")
             if cancel:
                 call.cancel()

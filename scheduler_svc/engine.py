@@ -263,11 +263,11 @@ class Engine:
 
     def _encoded_kwargs(self, joining: list[tuple[NewRequest, ItemTensors | None]], use_cache: bool) -> dict[str, Any]:
         """The joining items' encoder outputs, in plan order: from the cache
-        where every rank has them, the rest encoded now (in one call) and
-        kept. Only requests every rank agreed on get here, in the same order
-        on every rank, so the caches change alike."""
+        where every rank has them, the rest encoded now (one call per
+        modality) and kept. Only requests every rank agreed on get here, in
+        the same order on every rank, so the caches change alike."""
         cache = self.encoder_cache
-        features: list[torch.Tensor | None] = []
+        features: list[tuple[int, torch.Tensor | None]] = []
         misses: list[tuple[int, dict[str, torch.Tensor], bytes, int]] = []
         for req, tensors in joining:
             keys = self._keys.get(req.request_id, [])
@@ -278,18 +278,20 @@ class Engine:
                     if not use_cache:
                         cache.misses += 1
                     inputs = {name: t.to(self.device, self.dtype) for name, t in encoder.items()}
+                    inputs |= {name: torch.from_numpy(v).to(self.device) for name, v in item.side.items()}
                     misses.append((len(features), inputs, key, rows))
-                features.append(hit)
-        if not features:
-            return {}
-        if misses:
-            encoded = self.family.encode(self._prefill_body, [inputs for _, inputs, _, _ in misses])
-            for (index, _, key, rows), output in zip(misses, encoded, strict=True):
+                features.append((item.modality, hit))
+        for modality in dict.fromkeys(features[i][0] for i, *_ in misses):
+            mine = [m for m in misses if features[m[0]][0] == modality]
+            encoded = self.family.encode(self._prefill_body, modality, [inputs for _, inputs, _, _ in mine])
+            for (index, _, key, rows), output in zip(mine, encoded, strict=True):
                 if tuple(output.shape) != (rows, self._hidden):
                     raise InternalError(f"the encoder made {list(output.shape)} for an item of {rows} tokens")
-                features[index] = output
+                features[index] = (modality, output)
                 cache.keep(key, output)
-        return self.family.encoded_kwargs(features)
+        if not features:
+            return {}
+        return self.family.encoded_kwargs([(modality, out) for modality, out in features if out is not None])
 
     def _body(self, body: torch.nn.Module, ids: torch.Tensor, inputs: ForwardInputs, **extra: Any) -> torch.Tensor:
         out = body(

@@ -116,15 +116,23 @@ class Family:
         items seen before come from its cache."""
         return False
 
-    def encode(self, body: Any, encoders: list[dict[str, Any]]) -> list[Any]:
+    def encode(self, body: Any, modality: int, items: list[dict[str, Any]]) -> list[Any]:
         """Each item's encoder output ``[placeholder tokens, hidden]``, for
-        the items' encoder inputs (already on the model's device and dtype)."""
+        items of one modality: each a dict of its encoder inputs (on the
+        model's device and dtype) and side tensors (on the device)."""
         raise NotImplementedError
 
-    def encoded_kwargs(self, features: list[Any]) -> dict[str, Any]:
-        """Forward keywords that hand the model these outputs (in prompt
-        order) in place of its encoder inputs."""
-        raise NotImplementedError
+    def encoded_kwargs(self, features: list[tuple[int, Any]]) -> dict[str, Any]:
+        """Forward keywords that hand the model these outputs ((modality,
+        output) in prompt order) in place of its encoder inputs."""
+        from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+        by_kind: dict[str, list[Any]] = {}
+        for modality, output in features:
+            by_kind.setdefault("video" if modality == VIDEO else "image", []).append(output)
+        # transformers types pooler_output as one tensor; the forwards read a list, one per item.
+        outputs = {kind: BaseModelOutputWithPooling(pooler_output=out) for kind, out in by_kind.items()}  # type: ignore[arg-type]
+        return {"mm_encoder_outputs": outputs}
 
 
 def read_json(path: Path) -> dict[str, Any]:

@@ -46,18 +46,11 @@ class Llava(Family):
     def caches_encoder_outputs(self) -> bool:
         return True
 
-    def encode(self, body: Any, encoders: list[dict[str, Any]]) -> list[Any]:
+    def encode(self, body: Any, modality: int, items: list[dict[str, Any]]) -> list[Any]:
         import torch
 
-        pixels = torch.cat([encoder["pixel_values"] for encoder in encoders])
+        pixels = torch.cat([item["pixel_values"] for item in items])
         return list(body.get_image_features(pixel_values=pixels, return_dict=True).pooler_output)
-
-    def encoded_kwargs(self, features: list[Any]) -> dict[str, Any]:
-        from transformers.modeling_outputs import BaseModelOutputWithPooling
-
-        # transformers types pooler_output as one tensor; LlavaModel's forward reads a list, one per image.
-        outputs = BaseModelOutputWithPooling(pooler_output=features)  # type: ignore[arg-type]
-        return {"mm_encoder_outputs": {"image": outputs}}
 
 
 def build(model_type: str, config: dict[str, Any], processor_config: dict[str, Any], names: frozenset[str]) -> Family:

@@ -160,6 +160,24 @@ class QwenVL(Family):
         positions, delta = model.model.get_rope_index(ids, types, **kwargs)
         return positions[:, 0], int(delta.reshape(-1)[0])
 
+    # Encoder outputs: transformers' Qwen2-VL and Qwen2.5-VL models take them
+    # precomputed (`mm_encoder_outputs`), one per image or video; positions
+    # are the engine's own (M-RoPE above), so the grids are needed only here.
+    @property
+    def caches_encoder_outputs(self) -> bool:
+        return True
+
+    def encode(self, body: Any, modality: int, items: list[dict[str, Any]]) -> list[Any]:
+        import torch
+
+        if modality == VIDEO:
+            pixels = torch.cat([item["pixel_values_videos"] for item in items])
+            grids = torch.cat([item["video_grid_thw"] for item in items])
+            return list(body.get_video_features(pixels, grids, return_dict=True).pooler_output)
+        pixels = torch.cat([item["pixel_values"] for item in items])
+        grids = torch.cat([item["image_grid_thw"] for item in items])
+        return list(body.get_image_features(pixels, grids, return_dict=True).pooler_output)
+
 
 def build(model_type: str, config: dict[str, Any], processor_config: dict[str, Any], names: frozenset[str]) -> Family:
     start, end = "<|vision_start|>", "<|vision_end|>"

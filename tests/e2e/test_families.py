@@ -30,7 +30,7 @@ from mmsplit.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from mmsplit_cli import samples
 from mmsplit_cli.client import make_request, run_request
 from tests.conftest import SCHEDULER_SERVICE, TOKENIZER_SERVICE, Services
-from tests.e2e.helpers import health_status, rank_active_requests
+from tests.e2e.helpers import health_status, rank_active_requests, scheduler_info
 from tests.support import family_kit, hf_family, video_corpus
 from tests.support.leaks import PROJECT_PREFIX, project_segments, wait_until
 from tests.support.services import Pair, running_pair
@@ -145,6 +145,21 @@ def test_greedy_tokens_equal_the_model_in_one_batch(family_pair: tuple[str, Pair
             text = "".join(markers[p[0]] if isinstance(p, tuple) else p for p in parts)
         expected = hf_family.generate(pair.model, proc, text, decoded, MAX_TOKENS, clips)
         assert out.token_ids == expected, (family, parts)
+
+    # Sent again, one at a time: where the family has an encoder-output cache,
+    # the items' outputs come from it (counted), and the tokens are the same.
+    again = [0, 4] if family.startswith("qwen") else [0]
+    hits_before = scheduler_info(pair.scheduler_address).encoder_cache_hits
+    with grpc.insecure_channel(pair.tokenizer_address) as channel:
+        stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
+        for i in again:
+            parts = asks[i]
+            prompt = "".join(markers[p[0]] if isinstance(p, tuple) else p for p in parts)
+            request = make_request(prompt, media(parts, "image"), videos=media(parts, "video"), max_tokens=MAX_TOKENS)
+            repeat = run_request(stub, request, timeout=120)
+            assert repeat.token_ids == outs[i].token_ids, (family, parts)
+    hits = scheduler_info(pair.scheduler_address).encoder_cache_hits - hits_before
+    assert hits == (0 if family == "llava-next" else len(again)), (family, hits)
     assert wait_until(lambda: rank_active_requests(pair.scheduler_address) == [0, 0], timeout=10)
 
 
