@@ -102,8 +102,7 @@ class SchedulerSettings:
     encoder_cache_bytes: int = _opt(
         256 * 1024 * 1024,
         "bytes of encoder outputs each rank keeps for items seen before (keyed by the tensors' bytes, which "
-        "each rank hashes itself), on the model's device; a hit skips the vision tower; 0 = off. LLaVA-1.5 and "
-        "the Qwen families (LLaVA-NeXT encodes every time)",
+        "each rank hashes itself), on the model's device; a hit skips the vision tower; 0 = off",
         min=0,
     )
     shutdown_grace_s: float = _opt(5.0, "seconds running requests get to finish on SIGTERM", min=0)

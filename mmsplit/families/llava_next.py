@@ -36,11 +36,15 @@ def best_resolution(size: tuple[int, int], candidates: list[tuple[int, int]]) ->
 
 
 class LlavaNext(Llava):
-    @property
-    def caches_encoder_outputs(self) -> bool:
-        # Its image features are packed per image with newlines (not yet
-        # done item by item here): the model encodes every time.
-        return False
+    def encode(self, body: Any, modality: int, items: list[dict[str, Any]]) -> list[Any]:
+        # The views of every image in one tower call; transformers splits the
+        # result per image and packs each (unpadded grid, newlines), which is
+        # what the placeholders hold.
+        import torch
+
+        pixels = torch.cat([item["pixel_values"] for item in items])
+        sizes = torch.cat([item["image_sizes"] for item in items])
+        return list(body.get_image_features(pixel_values=pixels, image_sizes=sizes, return_dict=True).pooler_output)
 
     @property
     def pinpoints(self) -> list[tuple[int, int]]:
