@@ -365,7 +365,12 @@ class Kit:
                 info = self.tok.GetServerInfo(tokenizer_pb2.GetServerInfoRequest(), timeout=10).scheduler
             return info.running_requests + info.queued_requests
 
-        return read(), read
+        # Requests of earlier checks (or of others) may still be ending: wait
+        # a while for an idle scheduler, so the count this check makes shows.
+        settle = time.monotonic() + 10.0
+        while (now := read()) > 0 and time.monotonic() < settle:
+            time.sleep(0.05)
+        return now, read
 
     def tokenizer_ends_early(self, *, cancel: bool) -> str:
         before, load = self._scheduler_load()

@@ -7,6 +7,7 @@ import hmac
 import ipaddress
 import json
 import logging
+import random
 import socket
 import sys
 import time
@@ -27,8 +28,26 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
+PORTS_BELOW_EPHEMERAL = 10000  # where free_port looks: [this, the ephemeral range's start)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (for rendezvous and test servers)."""
+    """A port that was free a moment ago (for rendezvous and test servers),
+    chosen at random below the kernel's ephemeral range: a port from that
+    range (what binding port 0 gives) can be taken by any process's next
+    outgoing connection, or handed to another caller, before it is bound."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 0
+    for _ in range(200 if low > PORTS_BELOW_EPHEMERAL + 1000 else 0):
+        port = random.randrange(PORTS_BELOW_EPHEMERAL, low)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])

@@ -18,6 +18,8 @@ from mmsplit.common.v1 import common_pb2
 from mmsplit.conformance import HEALTH_SERVICE, TOKENIZER_SERVICE
 from mmsplit.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from tests.conftest import ROOT, Services
+from tests.e2e.helpers import scheduler_info
+from tests.support.leaks import wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -33,6 +35,9 @@ def verdicts(output: str) -> dict[str, str]:
 
 
 def test_our_services_pass_every_check(services: Services) -> None:
+    # The kit wants an idle server: nothing of an earlier test still running.
+    idle = lambda: scheduler_info(services.scheduler_address).running_requests == 0  # noqa: E731
+    assert wait_until(idle, timeout=30)
     run = conformance(
         "--tokenizer",
         services.tokenizer_address,
