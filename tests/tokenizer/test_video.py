@@ -45,12 +45,19 @@ def outcome(data: bytes) -> str:
     return "ok"
 
 
-def test_every_corpus_case_has_its_documented_outcome_and_writes_no_file() -> None:
-    before = set(os.listdir(tempfile.gettempdir()))
+def test_every_corpus_case_has_its_documented_outcome_and_writes_no_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A temporary directory of this test's own (the shared one sees other
+    # test processes' files come and go): Python's and FFmpeg's (TMPDIR).
+    private = tmp_path / "tmp"
+    private.mkdir()
+    monkeypatch.setenv("TMPDIR", str(private))
+    monkeypatch.setattr(tempfile, "tempdir", str(private))
     cases = video_corpus.corpus()
     outcomes = {case.name: outcome(case.data) for case in cases}
     assert outcomes == {case.name: case.expected for case in cases}
-    assert set(os.listdir(tempfile.gettempdir())) <= before
+    assert os.listdir(private) == []
 
 
 @pytest.mark.parametrize(
