@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 from mmsplit import shm
+from tests.support.leaks import PROJECT_PREFIX
 from tests.support.planted import planted as plant
 
-PREFIX = "mmsplittest"
+PREFIX = PROJECT_PREFIX + "shm"  # this file's own, in this test process's
 
 
 @pytest.fixture
@@ -43,11 +44,11 @@ def test_slice_with_offset(segment) -> None:  # type: ignore[no-untyped-def]
     "name",
     [
         "../etc/passwd",
-        "mmsplittest/1-0123456789abcdef",
-        "mmsplittest-1-0123456789abcdef\x00",
+        f"{PREFIX}/1-0123456789abcdef",
+        f"{PREFIX}-1-0123456789abcdef\x00",
         "other-1-0123456789abcdef",
-        "mmsplittest-x-0123456789abcdef",
-        "mmsplittest-1-0123",
+        f"{PREFIX}-x-0123456789abcdef",
+        f"{PREFIX}-1-0123",
         "",
     ],
 )

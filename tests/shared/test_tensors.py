@@ -8,8 +8,9 @@ import pytest
 from mmsplit import shm
 from mmsplit.common.v1 import common_pb2
 from mmsplit.tensors import InvalidTensorRef, TensorSpec, TensorTransportFailed
+from tests.support.leaks import PROJECT_PREFIX
 
-PREFIX = "mmsplittest"
+PREFIX = PROJECT_PREFIX + "tensors"  # this file's own, in this test process's
 CAP = 1 << 20
 
 

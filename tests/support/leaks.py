@@ -26,7 +26,8 @@ PROJECT_PREFIX = _prefix()
 
 
 def project_segments() -> list[str]:
-    return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(PROJECT_PREFIX + "-"))
+    # The test processes' own prefixes start with it too (tests/shared).
+    return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(PROJECT_PREFIX))
 
 
 def children() -> set[int]:
