@@ -44,17 +44,18 @@ def test_slice_with_offset(segment) -> None:  # type: ignore[no-untyped-def]
     "name",
     [
         "../etc/passwd",
-        f"{PREFIX}/1-0123456789abcdef",
-        f"{PREFIX}-1-0123456789abcdef\x00",
+        "{prefix}/1-0123456789abcdef",
+        "{prefix}-1-0123456789abcdef\x00",
         "other-1-0123456789abcdef",
-        f"{PREFIX}-x-0123456789abcdef",
-        f"{PREFIX}-1-0123",
+        "{prefix}-x-0123456789abcdef",
+        "{prefix}-1-0123",
         "",
     ],
 )
 def test_bad_names_are_refused(name: str) -> None:
+    # (The prefix is filled in here: test ids must be the same in every worker.)
     with pytest.raises(shm.BadSegmentName):
-        shm.parse_name(name, PREFIX)
+        shm.parse_name(name.format(prefix=PREFIX), PREFIX)
 
 
 def test_out_of_bounds_and_missing(segment) -> None:  # type: ignore[no-untyped-def]
