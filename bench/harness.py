@@ -8,9 +8,11 @@ on the same machine, and prints ratios.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import statistics
+import tempfile
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +29,15 @@ MODELS = {
     "tiny": (2, 64),
     "8x512": (8, 512),
 }
+
+
+@contextlib.contextmanager
+def scratch_dir(given: Path | None) -> Iterator[Path]:
+    """`given` (made if missing), or a temporary directory removed afterwards."""
+    with tempfile.TemporaryDirectory(prefix="mmsplit-bench-") as tmp:
+        path = given or Path(tmp)
+        path.mkdir(parents=True, exist_ok=True)
+        yield path
 
 
 def build_model(name: str, workdir: Path) -> Path:

@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -25,7 +24,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import ROOT, table
+from harness import ROOT, scratch_dir, table
 
 from mmsplit import families, shm
 from mmsplit_cli import samples
@@ -115,16 +114,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--workdir", type=Path, help="where the tiny models go (default: a temporary directory)")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="mmsplit-bench-") as tmp:
-        workdir = args.workdir or Path(tmp)
-        workdir.mkdir(parents=True, exist_ok=True)
+    with scratch_dir(args.workdir) as where:
         print(
             run(
                 family_names=args.families.split(","),
                 worker_counts=[int(w) for w in args.workers.split(",")],
                 n_images=args.images,
                 rounds=args.rounds,
-                workdir=workdir,
+                workdir=where,
             )
         )
 

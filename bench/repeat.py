@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 from pathlib import Path
 
 import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import build_model, run_clients, table
+from harness import build_model, run_clients, scratch_dir, table
 
 from mmsplit.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from mmsplit.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
@@ -105,9 +104,7 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--workdir", type=Path, help="where models and logs go (default: a temporary directory)")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="mmsplit-bench-") as tmp:
-        workdir = args.workdir or Path(tmp)
-        workdir.mkdir(parents=True, exist_ok=True)
+    with scratch_dir(args.workdir) as where:
         print(
             run(
                 n_images=args.images,
@@ -115,7 +112,7 @@ def main() -> None:
                 concurrency=args.concurrency,
                 tokens=args.tokens,
                 tp=args.tp,
-                workdir=workdir,
+                workdir=where,
             )
         )
     sys.stdout.flush()

@@ -64,10 +64,6 @@ class ByteLRU(Generic[V]):
             self._remove(next(iter(self._entries)))
             self.evictions += 1
 
-    def clear(self) -> None:
-        self._entries.clear()
-        self.bytes = 0
-
     def _remove(self, key: bytes) -> None:
         _, size = self._entries.pop(key)
         self.bytes -= size

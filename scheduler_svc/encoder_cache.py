@@ -40,11 +40,12 @@ class EncoderCache(ByteLRU[torch.Tensor]):
         for name in sorted(encoder):
             tensor = encoder[name].detach().contiguous().cpu()
             digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
-            digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+            if tensor.numel():  # hashed in place: no copy of the pixels
+                digest.update(tensor.view(torch.uint8).numpy().reshape(-1).data)
         for name in sorted(side):
             value = np.ascontiguousarray(side[name])
             digest.update(f"side:{name}|{value.dtype}|{value.shape}|".encode())
-            digest.update(value.tobytes())
+            digest.update(value.reshape(-1).view(np.uint8).data)
         return digest.digest()
 
     def would_hit(self, key: bytes, rows: int, width: int) -> bool:
