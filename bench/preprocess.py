@@ -3,10 +3,11 @@ done serially in one process, measured in the same run.
 
 For each model family's processor (LLaVA-1.5 and LLaVA-NeXT by default) and
 each pool size W: images/s through `CpuPool` with W workers (decode, the
-model's image processor, the family's rows, the segment write; all jobs
-submitted at once) / (W x images/s of one process doing decode + processor +
-rows serially with one torch thread). 1.0 means the pool costs nothing on
-top of the work itself. Segments the pool writes are released as they come.
+model's image processor, the family's rows, the write into a slice of a
+slab, as the service does with shared memory; all jobs submitted at once)
+/ (W x images/s of one process doing decode + processor + rows serially
+with one torch thread). 1.0 means the pool costs nothing on
+top of the work itself. Slices are taken over and released as they come.
 
     python bench/preprocess.py [--families llava,llava-next] [--workers 1,2] [--images 24] [--rounds 3]
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import sys
 import time
@@ -26,14 +28,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness import ROOT, scratch_dir, table
 
-from mmsplit import families, shm
+from mmsplit import families, slab
 from mmsplit_cli import samples
 from tokenizer_svc.decode import decode_image
 from tokenizer_svc.pool import CpuPool
-from tokenizer_svc.preprocess import ImageJob
+from tokenizer_svc.preprocess import ImageJob, SlabRef
 
 SIZES = [(640, 480), (800, 600), (1024, 768), (1280, 720), (1600, 900), (1920, 1080)]
 MAX_PIXELS = 40_000_000
+PREFIX = "mmsplitbench"
 
 
 def images(n: int) -> list[bytes]:
@@ -59,33 +62,34 @@ def serial_rate(model: Path, pictures: list[bytes]) -> float:
     return len(pictures) / (time.perf_counter() - start)
 
 
-async def pool_rate(pool: CpuPool, pictures: list[bytes]) -> float:
-    import os
+async def pool_rate(pool: CpuPool, pictures: list[bytes], owned: slab.Slab) -> float:
+    ref = SlabRef(owned.name, owned.max_slice, wait_s=60)
+    jobs = [ImageJob(d, MAX_PIXELS, 50.0, PREFIX, os.getpid(), slab=ref) for d in pictures]
 
-    jobs = [ImageJob(d, MAX_PIXELS, 50.0, "mmsplit", os.getpid()) for d in pictures]
+    async def one(i: int, job: ImageJob) -> None:
+        result = await pool.preprocess(job, timeout_s=120, request_id=f"bench-{i}")
+        for piece in result.slab_slices:  # taken over, as the service does, then let go
+            slab.take(piece, PREFIX).release()
+
     start = time.perf_counter()
-    results = await asyncio.gather(
-        *(pool.preprocess(job, timeout_s=120, request_id=f"bench-{i}") for i, job in enumerate(jobs))
-    )
-    elapsed = time.perf_counter() - start
-    for result in results:
-        for segment in result.segments:
-            shm.unlink(segment)
-    return len(pictures) / elapsed
+    await asyncio.gather(*(one(i, job) for i, job in enumerate(jobs)))
+    return len(pictures) / (time.perf_counter() - start)
 
 
 async def measure(model: Path, workers: int, pictures: list[bytes], rounds: int) -> tuple[list[float], list[float]]:
     """(serial rates, pool rates), one of each per round, interleaved."""
     pool = CpuPool(str(model), workers, queue_timeout_s=600)
     await pool.start()
+    owned = slab.Slab(PREFIX, os.getpid(), 256 << 20)
     serial, pooled = [], []
     try:
-        await pool_rate(pool, pictures[: workers * 2])  # warm-up
+        await pool_rate(pool, pictures[: workers * 2], owned)  # warm-up
         for _ in range(rounds):
-            pooled.append(await pool_rate(pool, pictures))
+            pooled.append(await pool_rate(pool, pictures, owned))
             serial.append(serial_rate(model, pictures))
     finally:
         await pool.shutdown()
+        owned.close()
     return serial, pooled
 
 

@@ -45,7 +45,8 @@ SHM_DIR = Path("/dev/shm")
 DEFAULT_PREFIX = "mmsplit"
 _PREFIX = r"[A-Za-z][A-Za-z0-9_]{0,31}"
 _PREFIX_RE = re.compile(rf"^{_PREFIX}$")
-_NAME_RE = re.compile(rf"^(?P<prefix>{_PREFIX})-(?P<pid>[0-9]{{1,10}})-(?P<rand>[0-9a-f]{{16}})$")
+# The random part of a slab's name (`mmsplit.slab`) starts with "slab".
+_NAME_RE = re.compile(rf"^(?P<prefix>{_PREFIX})-(?P<pid>[0-9]{{1,10}})-(?P<rand>[0-9a-f]{{16}}|slab[0-9a-f]{{12}})$")
 _OPEN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
@@ -111,8 +112,28 @@ def namespace_id() -> str:
     return hashlib.sha256(f"{boot_id}:{os.stat(SHM_DIR).st_dev}".encode()).hexdigest()[:32]
 
 
-def new_name(prefix: str, owner_pid: int) -> str:
-    return f"{prefix}-{owner_pid}-{secrets.token_hex(8)}"
+def new_name(prefix: str, owner_pid: int, *, slab: bool = False) -> str:
+    return f"{prefix}-{owner_pid}-{'slab' + secrets.token_hex(6) if slab else secrets.token_hex(8)}"
+
+
+def is_slab(name: str) -> bool:
+    """Whether `name` is a slab's: its slices are released by unlocking,
+    never by unlinking the segment (`mmsplit.slab`)."""
+    m = _NAME_RE.match(name)
+    return m is not None and m["rand"].startswith("slab")
+
+
+def create_segment(name: str, nbytes: int) -> int:
+    """Create segment `name` with `nbytes` reserved; return a read-write
+    descriptor. ShmFull when /dev/shm has no room."""
+    fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as exc:
+        os.close(fd)
+        unlink(name)
+        raise ShmFull(f"cannot reserve {nbytes} bytes in {SHM_DIR}: {exc.strerror}") from exc
+    return fd
 
 
 def write_segment(prefix: str, owner_pid: int, data: memoryview) -> Slice:
@@ -122,12 +143,8 @@ def write_segment(prefix: str, owner_pid: int, data: memoryview) -> Slice:
     if nbytes == 0:
         raise ValueError("refusing to create an empty segment")
     name = new_name(prefix, owner_pid)
-    fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS, 0o600)
+    fd = create_segment(name, nbytes)
     try:
-        try:
-            os.posix_fallocate(fd, 0, nbytes)
-        except OSError as exc:
-            raise ShmFull(f"cannot reserve {nbytes} bytes in {SHM_DIR}: {exc.strerror}") from exc
         written = 0
         while written < nbytes:
             written += os.pwrite(fd, data[written:], written)
@@ -139,12 +156,20 @@ def write_segment(prefix: str, owner_pid: int, data: memoryview) -> Slice:
     return Slice(name, 0, nbytes)
 
 
-def _open(name: str) -> int:
-    """A read-only descriptor of the regular file of ours under `name`."""
+def open_segment(name: str, prefix: str, *, write: bool = False) -> int:
+    """A descriptor of the segment of `prefix` under `name`, validated."""
+    parse_name(name, prefix)
+    return _open(name, write=write)
+
+
+def _open(name: str, *, write: bool = False) -> int:
+    """A descriptor of the regular file of ours under `name` (read-only
+    unless `write`)."""
     if "/" in name or "\x00" in name or name in ("", ".", ".."):
         raise BadSegmentName("the segment name is not of the form <prefix>-<pid>-<16 hex>")
     try:
-        fd = os.open(SHM_DIR / name, os.O_RDONLY | _OPEN_FLAGS)
+        # A string path: pathlib's parsing showed up in the hand-over's profile.
+        fd = os.open(f"{SHM_DIR}/{name}", (os.O_RDWR if write else os.O_RDONLY) | _OPEN_FLAGS)
     except FileNotFoundError as exc:
         raise SegmentMissing("the segment does not exist (released already, or never created)") from exc
     except OSError as exc:  # ELOOP: a symlink; EACCES: not ours to read
@@ -162,15 +187,22 @@ def _open(name: str) -> int:
 
 
 def read_into(piece: Slice, prefix: str, out: memoryview, *, max_segment_bytes: int) -> None:
-    """Copy a validated slice into `out` (writable, exactly `piece.nbytes`)."""
+    """Copy a validated slice into `out` (writable, exactly `piece.nbytes`).
+    A slab's slice is read through the slab's mapping (`mmsplit.slab`)."""
     parse_name(piece.segment, prefix)
+    if is_slab(piece.segment):
+        from mmsplit import slab  # slab builds on this module
+
+        slab.read_into(piece, prefix, out)
+        return
     out = out.cast("B")
     if out.nbytes != piece.nbytes:
         raise SegmentBounds(f"destination holds {out.nbytes} bytes, slice has {piece.nbytes}")
     fd = _open(piece.segment)
     try:
         size = os.fstat(fd).st_size
-        if size > max_segment_bytes:
+        # A slab is bigger than any tensor by design; the slice is still capped.
+        if size > max_segment_bytes and not is_slab(piece.segment):
             raise SegmentBounds(f"the segment has {size} bytes, over the cap {max_segment_bytes}")
         if piece.offset + piece.nbytes > size:
             raise SegmentBounds(

@@ -14,7 +14,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from mmsplit import shm
+from mmsplit import shm, slab
 from mmsplit.common.v1 import common_pb2
 from mmsplit.errors import E, MmsplitError
 from mmsplit.shm import Lock
@@ -110,17 +110,22 @@ class TensorSpec:
         with _translated():
             shm.read_into(self.shm, prefix, out, max_segment_bytes=max_bytes)
 
-    def lock(self, prefix: str) -> Lock | None:
-        """Take ownership of the referenced segment (None for inline bytes);
-        InvalidTensorRef or TensorTransportFailed when it cannot be had."""
+    def lock(self, prefix: str) -> Lock | slab.Held | None:
+        """Take ownership of the referenced segment or slab slice (None for
+        inline bytes); InvalidTensorRef or TensorTransportFailed when it
+        cannot be had. A slab slice must be held by its sender right now
+        (`slab.take`), so a reference to a free or reused range is refused."""
         if self.shm is None:
             return None
         with _translated():
+            if shm.is_slab(self.shm.segment):
+                return slab.take(self.shm, prefix)
             return shm.Lock(self.shm.segment, prefix)
 
     def release(self) -> None:
-        """Unlink the segment this spec refers to (idempotent, never raises)."""
-        if self.shm is not None:
+        """Unlink the segment this spec refers to (idempotent, never raises).
+        A slab slice is released by dropping its lock, never by unlinking."""
+        if self.shm is not None and not shm.is_slab(self.shm.segment):
             shm.unlink(self.shm.segment)
 
 
@@ -132,7 +137,7 @@ def _translated() -> Iterator[None]:
     except (shm.BadSegmentName, shm.SegmentBounds, shm.NotASegment) as exc:
         # What the reference names is not a usable segment: the sender's fault.
         raise InvalidTensorRef(str(exc)) from exc
-    except (shm.SegmentMissing, shm.ForeignSegment) as exc:
+    except (shm.SegmentMissing, shm.ForeignSegment, slab.SliceLost) as exc:
         # Gone, or a deployment whose services run as different users.
         raise TensorTransportFailed(str(exc)) from exc
     except OSError as exc:

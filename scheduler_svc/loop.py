@@ -24,7 +24,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from mmsplit import shm
+from mmsplit import shm, slab
 from mmsplit.common.v1 import common_pb2
 from scheduler_svc.collective import Collective
 from scheduler_svc.engine import Engine
@@ -71,7 +71,7 @@ class Admission:
     reserve: int
     # Rank 0's ownership of the request's segments (taken before Accepted),
     # held until they are released after the step that reads them.
-    locks: list[shm.Lock] = field(default_factory=list)
+    locks: list[shm.Lock | slab.Held] = field(default_factory=list)
     generated: int = 0
     next_token: int | None = None
 

@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import multiprocessing as mp
 import os
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
-from mmsplit import shm
 from tokenizer_svc.errors import Overloaded, PreprocessTimeout, PreprocessWorkerCrashed
 from tokenizer_svc.preprocess import ItemResult, Job, init_worker, preprocess, warm_up
 
@@ -40,22 +40,21 @@ SUBMIT_TIMEOUT_S = 10.0
 PRELOAD = ["tokenizer_svc.preprocess", "transformers", "PIL.Image", "numpy"]
 
 
-def _release_orphan(fut: concurrent.futures.Future[Any]) -> None:
+def _release_orphan(fut: concurrent.futures.Future[Any], prefix: str) -> None:
     """Done-callback of a task nobody waits for any more."""
     if fut.cancelled() or fut.exception() is not None:
         return
     result = fut.result()
     if isinstance(result, ItemResult):
-        for segment in result.segments:
-            shm.unlink(segment)
-            log.info("released segment %s of abandoned preprocessing task", segment)
+        result.abandon(prefix)
+        log.info("released the segments and slices of an abandoned preprocessing task")
 
 
-def _abandon(fut: concurrent.futures.Future[Any]) -> None:
+def _abandon(fut: concurrent.futures.Future[Any], prefix: str) -> None:
     """Nobody waits for `fut` any more: drop it if it has not started, else
     release what it produces when it finishes."""
     if not fut.cancel():
-        fut.add_done_callback(_release_orphan)
+        fut.add_done_callback(functools.partial(_release_orphan, prefix=prefix))
 
 
 class _Slot:
@@ -207,11 +206,11 @@ class CpuPool:
             return await asyncio.wait_for(asyncio.shield(afut), timeout_s)
         except TimeoutError as exc:
             slot.hand_to(cfut)  # the worker stays busy until the task ends
-            _abandon(cfut)
+            _abandon(cfut, job.shm_prefix)
             raise PreprocessTimeout(f"preprocessing took longer than {timeout_s:.1f}s") from exc
         except asyncio.CancelledError:
             slot.hand_to(cfut)
-            _abandon(cfut)
+            _abandon(cfut, job.shm_prefix)
             raise
 
     async def shutdown(self) -> None:

@@ -3,8 +3,10 @@ item tensors → shared memory. Images and videos (`tokenizer_svc.video`).
 
 Only compressed bytes come in. With the shared-memory transport only
 metadata goes back (`ItemResult`): each encoder input (``pixel_values*``) is
-written once, straight into a new segment owned by the tokenizer process (its
-pid is in the name). With the inline transport (a scheduler that does not
+written once, straight into a slice of the tokenizer's slab (`mmsplit.slab`;
+the worker holds the slice until the tokenizer process takes it over), or
+into a new segment of its own when there is no slab or the tensor is over
+the slab's largest slice. With the inline transport (a scheduler that does not
 share this /dev/shm) the job says ``inline`` and the encoder inputs come back
 as bytes in the result, so /dev/shm is never touched. The small side tensors
 (``image_sizes``, ``image_grid_thw``) always come back as bytes. The
@@ -16,6 +18,7 @@ transformers. Tasks are pure functions of their input and may be retried.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import select
@@ -33,7 +36,7 @@ import numpy as np
 import torch
 from transformers import AutoImageProcessor
 
-from mmsplit import families, shm
+from mmsplit import families, shm, slab
 from tokenizer_svc import video
 from tokenizer_svc.decode import decode_image
 from tokenizer_svc.errors import InternalError, MediaUnsupported, Overloaded
@@ -41,6 +44,17 @@ from tokenizer_svc.errors import InternalError, MediaUnsupported, Overloaded
 _processor: Any = None
 _family: families.Family | None = None
 _hook: Any = None
+# Slices this process wrote, until the tokenizer process holds them.
+_handoff = slab.HandOff()
+
+
+@dataclass(frozen=True)
+class SlabRef:
+    """Where a job's encoder inputs go when the transport is shared memory."""
+
+    name: str
+    max_slice: int
+    wait_s: float  # for room in a full slab, then OVERLOADED
 
 
 @dataclass(frozen=True)
@@ -52,6 +66,7 @@ class ImageJob:
     owner_pid: int
     # Return encoder inputs as bytes instead of writing segments (inline transport).
     inline: bool = False
+    slab: SlabRef | None = None
 
 
 @dataclass(frozen=True)
@@ -67,6 +82,7 @@ class VideoJob:
     shm_prefix: str
     owner_pid: int
     inline: bool = False  # as ImageJob.inline
+    slab: SlabRef | None = None
 
 
 Job = ImageJob | VideoJob
@@ -74,7 +90,8 @@ Job = ImageJob | VideoJob
 
 @dataclass(frozen=True)
 class ItemTensor:
-    """One tensor of an item: in a segment (encoder inputs) or inline (side tensors)."""
+    """One tensor of an item: in a segment or a slab slice (encoder inputs),
+    or inline (side tensors, and everything for the inline transport)."""
 
     name: str
     dtype: str
@@ -82,6 +99,11 @@ class ItemTensor:
     nbytes: int
     segment: str | None = None
     inline: bytes | None = None
+    offset: int = 0  # in a slab
+
+    @property
+    def slice(self) -> shm.Slice | None:
+        return None if self.segment is None else shm.Slice(self.segment, self.offset, self.nbytes)
 
 
 @dataclass(frozen=True)
@@ -101,7 +123,23 @@ class ItemResult:
 
     @property
     def segments(self) -> list[str]:
-        return [t.segment for t in self.tensors if t.segment is not None]
+        """The one-off segments (released by unlinking)."""
+        return [t.segment for t in self.tensors if t.segment is not None and not shm.is_slab(t.segment)]
+
+    @property
+    def slab_slices(self) -> list[shm.Slice]:
+        """The slab slices (released by unlocking)."""
+        return [t.slice for t in self.tensors if t.slice is not None and shm.is_slab(t.slice.segment)]
+
+    def abandon(self, prefix: str) -> None:
+        """Release what nobody will send: unlink the segments, and take the
+        slab slices over from their writer only to let them go."""
+        for segment in self.segments:
+            shm.unlink(segment)
+        for piece in self.slab_slices:
+            # SegmentError: the writer let it go already (its hand-off timed out, or it died).
+            with contextlib.suppress(shm.SegmentError):
+                slab.reclaim_later(slab.take(piece, prefix))
 
 
 def _exit_with(owner_pid: int) -> None:
@@ -189,6 +227,22 @@ def _video(job: VideoJob, processor: Any, family: families.Family) -> ItemResult
     return _publish(job, families.VIDEO, rows, tokens, clip.width, clip.height, frames=len(clip.frames))
 
 
+def write_slice(ref: SlabRef, prefix: str, data: memoryview) -> slab.Held:
+    """`data` into a new slice of the slab, held by this process; a full
+    slab or /dev/shm is OVERLOADED. The worker hook's `on_slice_written`
+    runs while the slice is still write-locked (tests kill the worker there)."""
+    try:
+        hook = getattr(_hook, "on_slice_written", None)
+        return slab.write(ref.name, prefix, data, wait_s=ref.wait_s, on_written=hook)
+    except (slab.SlabFull, shm.ShmFull) as exc:
+        raise Overloaded(str(exc)) from exc
+
+
+def hand_off(held: slab.Held) -> None:
+    """Keep `held` until its next holder has taken it (this process's hand-off thread)."""
+    _handoff.add(held)
+
+
 def _count(family: families.Family, modality: int, rows: dict[str, np.ndarray]) -> int:
     shapes = {n: tuple(a.shape) for n, a in rows.items() if families.is_encoder_input(n)}
     return family.count(modality, shapes, {n: a for n, a in rows.items() if n not in shapes})
@@ -203,31 +257,36 @@ def _publish(
     height: int,
     frames: int = 0,
 ) -> ItemResult:
-    """Encoder inputs into new segments (or inline for an inline job), side
-    tensors inline."""
+    """Encoder inputs into the slab or new segments (or inline for an
+    inline job), side tensors inline."""
     tensors: list[ItemTensor] = []
+    held: list[slab.Held] = []
     try:
         for name in sorted(rows):
             array = rows[name]
             if families.is_encoder_input(name):
                 array = np.ascontiguousarray(array, dtype=np.float32)
             array = np.ascontiguousarray(array)
-            if families.is_encoder_input(name) and not job.inline:
-                piece = shm.write_segment(job.shm_prefix, job.owner_pid, memoryview(array))  # type: ignore[arg-type]
-                tensors.append(
-                    ItemTensor(name, str(array.dtype), tuple(array.shape), piece.nbytes, segment=piece.segment)
-                )
+            meta = (name, str(array.dtype), tuple(array.shape), array.nbytes)
+            if not families.is_encoder_input(name) or job.inline:
+                tensors.append(ItemTensor(*meta, inline=array.tobytes()))
+            elif job.slab is not None and array.nbytes <= job.slab.max_slice:
+                held.append(write_slice(job.slab, job.shm_prefix, memoryview(array)))  # type: ignore[arg-type]
+                tensors.append(ItemTensor(*meta, segment=held[-1].slice.segment, offset=held[-1].slice.offset))
             else:
-                tensors.append(
-                    ItemTensor(name, str(array.dtype), tuple(array.shape), array.nbytes, inline=array.tobytes())
-                )
+                piece = shm.write_segment(job.shm_prefix, job.owner_pid, memoryview(array))  # type: ignore[arg-type]
+                tensors.append(ItemTensor(*meta, segment=piece.segment))
     except BaseException as exc:
+        for h in held:
+            h.release()
         for t in tensors:
-            if t.segment is not None:
+            if t.segment is not None and not shm.is_slab(t.segment):
                 shm.unlink(t.segment)
         if isinstance(exc, shm.ShmFull):
             raise Overloaded(str(exc)) from exc
         raise
+    for h in held:
+        _handoff.add(h)
     return ItemResult(
         modality=modality,
         tensors=tuple(tensors),

@@ -75,6 +75,16 @@ def _metrics(settings: TokenizerSettings, service: TokenizerService, pool: CpuPo
         "Bytes of this process's shared-memory segments now",
         lambda: shm.segment_bytes(settings.shm_prefix, creator_pid=os.getpid()),
     )
+    metrics.gauge(
+        "shm_slab_bytes",
+        "Size of the shared-memory slab (0 until the first shared-memory request, and when it is off)",
+        lambda: service.slab.size if service.slab else 0,
+    )
+    metrics.gauge(
+        "shm_slab_used_bytes",
+        "Bytes of the slab that requests hold now",
+        lambda: service.slab.used_bytes() if service.slab else 0,
+    )
     metrics.counters(
         lambda: {
             "preprocess_cache_hits": ("Lookups that found a preprocessed item", service.cache.hits),
@@ -144,6 +154,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
     ) -> tokenizer_pb2.GetServerInfoResponse:
         link = self.service.link
         primary = link.primary
+        slab = self.service.slab
         return tokenizer_pb2.GetServerInfoResponse(
             info=common_pb2.ServerInfo(
                 model=self.settings.model_dir.name,
@@ -155,6 +166,8 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
                 preprocess_cache_hits=self.service.cache.hits,
                 preprocess_cache_misses=self.service.cache.misses,
                 preprocess_cache_bytes=self.service.cache.bytes,
+                shm_slab_bytes=slab.size if slab else 0,
+                shm_slab_used_bytes=slab.used_bytes() if slab else 0,
             ),
             scheduler=primary.info if primary else None,
             transport=primary.transport if primary else common_pb2.TRANSPORT_UNSPECIFIED,
@@ -292,6 +305,7 @@ async def _serve(settings: TokenizerSettings, security: ServerSecurity, downstre
         shm.unlink(name)
     if left:
         log.warning("removed %d segment(s) still owned at shutdown", len(left))
+    service.close_slab()
     log.info("tokenizer stopped")
     return 0
 

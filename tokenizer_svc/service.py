@@ -22,7 +22,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from mmsplit import families, shm
+from mmsplit import families, shm, slab
 from mmsplit.common.v1 import common_pb2
 from mmsplit.errors import E, RemoteError
 from mmsplit.sampling import Sampling
@@ -42,7 +42,16 @@ from tokenizer_svc.errors import (
 )
 from tokenizer_svc.media import MediaLoader
 from tokenizer_svc.pool import CpuPool
-from tokenizer_svc.preprocess import ImageJob, ItemResult, ItemTensor, Job, VideoJob
+from tokenizer_svc.preprocess import (
+    ImageJob,
+    ItemResult,
+    ItemTensor,
+    Job,
+    SlabRef,
+    VideoJob,
+    hand_off,
+    write_slice,
+)
 from tokenizer_svc.prompt import Media, PromptBuilder
 from tokenizer_svc.settings import TokenizerSettings
 
@@ -86,6 +95,11 @@ class TokenizerService:
         # downstream): the janitor must not take them for orphans.
         self.held: set[str] = set()
         self._pid = os.getpid()
+        # Created on the first shared-memory request (`_slab_ref`): a
+        # tokenizer whose schedulers all take bytes inline never touches /dev/shm.
+        self.slab: slab.Slab | None = None
+        self._slab_lock = asyncio.Lock()
+        self._slab_failed = False
         # Downstream request ids: unique to this process's life, so clients
         # that pick the same request_id never collide at the scheduler.
         self.instance = secrets.token_hex(4)
@@ -339,14 +353,41 @@ class TokenizerService:
             _unlock(done)
             raise
 
+    async def _slab_ref(self) -> SlabRef | None:
+        """Where shared-memory tensors go: the slab (created now if this is
+        the first time), or None for a segment per tensor (slab off, or its
+        creation failed: logged once, and the service goes on without it)."""
+        s = self.settings
+        if not s.shm_slab_bytes or self._slab_failed:
+            return None
+        if self.slab is None:
+            async with self._slab_lock:
+                if self.slab is None and not self._slab_failed:
+                    try:
+                        self.slab = await asyncio.to_thread(slab.Slab, s.shm_prefix, self._pid, s.shm_slab_bytes)
+                        log.info("created a %d-byte shared-memory slab", self.slab.size)
+                    except (OSError, shm.SegmentError) as exc:
+                        self._slab_failed = True
+                        log.error("no shared-memory slab (%s): one segment per tensor from now on", exc)
+                        return None
+        if self.slab is None:
+            return None
+        return SlabRef(self.slab.name, self.slab.max_slice, s.shm_slab_wait_s)
+
+    def close_slab(self) -> None:
+        """Remove the slab (at shutdown, once no request is left)."""
+        if self.slab is not None:
+            self.slab.close()
+
     async def _one(self, medium: tokenizer_pb2.Image | tokenizer_pb2.Video, rid: str, inline: bool) -> Prepared:
         data = await self.media.load(medium)  # IO pool, its own timeouts
+        slab_ref = None if inline else await self._slab_ref()
         s = self.settings
         # A scheduler that does not share our /dev/shm gets the bytes inline
         # (`inline`): the worker returns them and writes no segment at all.
         job: Job
         if isinstance(medium, tokenizer_pb2.Video):
-            job = self._video_job(data, inline)
+            job = self._video_job(data, inline, slab_ref)
             timeout_s = s.video_preprocess_timeout_s
         else:
             job = ImageJob(
@@ -356,6 +397,7 @@ class TokenizerService:
                 shm_prefix=s.shm_prefix,
                 owner_pid=self._pid,
                 inline=inline,
+                slab=slab_ref,
             )
             timeout_s = s.preprocess_timeout_s
         # The key names the item (its content hash) whether or not the cache is on.
@@ -363,7 +405,7 @@ class TokenizerService:
         cached = self.cache.get(key) if self.cache.enabled else None
         if cached is not None:
             # Seen before: no decoding or preprocessing, only the hand-over copy.
-            result = await self._off_loop(self._materialize, cached, inline)
+            result = await self._off_loop(self._materialize, cached, inline, slab_ref)
         else:
             started = time.perf_counter()
             result = await self.pool.preprocess(job, timeout_s=timeout_s, request_id=rid)
@@ -373,7 +415,8 @@ class TokenizerService:
         prepared = self._hold(result)
         if self.cache.enabled and cached is None:
             try:
-                self.cache.put(key, result if not result.segments else await asyncio.to_thread(self._as_bytes, result))
+                shared = any(t.segment is not None for t in result.tensors)
+                self.cache.put(key, await asyncio.to_thread(self._as_bytes, result) if shared else result)
             except Exception:
                 # Only the cache misses out: the item itself is fine.
                 log.warning("request %s: a preprocessed item could not be kept in the cache", rid, exc_info=True)
@@ -384,16 +427,19 @@ class TokenizerService:
         return prepared
 
     def _hold(self, result: ItemResult) -> Prepared:
-        locks: list[shm.Lock] = []
+        locks: list[shm.Lock | slab.Held] = []
         try:
-            # This process owns the segments from here until the scheduler accepts them.
+            # This process owns the segments and slices from here until the
+            # scheduler accepts them; a slice's writer lets go once it sees us.
             for segment in result.segments:
                 locks.append(shm.Lock(segment, self.settings.shm_prefix))
+            for piece in result.slab_slices:
+                locks.append(slab.take(piece, self.settings.shm_prefix))
             return Prepared(result, locks)
         except shm.SegmentError as exc:
             for lock in locks:
                 lock.release()
-            self._release(result.segments)
+            result.abandon(self.settings.shm_prefix)
             raise InternalError("a preprocessed item could not be held for hand-over") from exc
 
     async def _off_loop(self, fn: Callable[..., ItemResult], *args: Any) -> ItemResult:
@@ -408,22 +454,29 @@ class TokenizerService:
 
     def _release_abandoned(self, future: asyncio.Future[ItemResult]) -> None:
         if not future.cancelled() and future.exception() is None:
-            self._release(future.result().segments)
+            future.result().abandon(self.settings.shm_prefix)
 
-    def _materialize(self, cached: ItemResult, inline: bool) -> ItemResult:
+    def _materialize(self, cached: ItemResult, inline: bool, slab_ref: SlabRef | None) -> ItemResult:
         """A cached item ready to send: as it is (inline), or its encoder
-        inputs written into new segments of ours."""
+        inputs written into the slab or new segments of ours — a slice held
+        by this process's hand-off until `_hold` takes it, as a worker's is."""
         if inline:
             return cached
         tensors: list[ItemTensor] = []
         try:
             for t in cached.tensors:
-                if families.is_encoder_input(t.name) and t.inline is not None:
-                    piece = shm.write_segment(self.settings.shm_prefix, self._pid, memoryview(t.inline))
-                    t = dataclasses.replace(t, segment=piece.segment, inline=None)
+                data = t.inline
+                if families.is_encoder_input(t.name) and data is not None:
+                    if slab_ref is not None and t.nbytes <= slab_ref.max_slice:
+                        held = write_slice(slab_ref, self.settings.shm_prefix, memoryview(data))
+                        hand_off(held)
+                        t = dataclasses.replace(t, segment=held.slice.segment, offset=held.slice.offset, inline=None)
+                    else:
+                        piece = shm.write_segment(self.settings.shm_prefix, self._pid, memoryview(data))
+                        t = dataclasses.replace(t, segment=piece.segment, inline=None)
                 tensors.append(t)
         except BaseException as exc:
-            self._release([t.segment for t in tensors if t.segment is not None])
+            dataclasses.replace(cached, tensors=tuple(tensors)).abandon(self.settings.shm_prefix)
             if isinstance(exc, shm.ShmFull):
                 raise Overloaded(str(exc)) from exc
             raise
@@ -442,11 +495,14 @@ class TokenizerService:
         assert t.segment is not None
         buf = bytearray(t.nbytes)
         shm.read_into(
-            shm.Slice(t.segment, 0, t.nbytes), self.settings.shm_prefix, memoryview(buf), max_segment_bytes=t.nbytes
+            shm.Slice(t.segment, t.offset, t.nbytes),
+            self.settings.shm_prefix,
+            memoryview(buf),
+            max_segment_bytes=t.nbytes,
         )
         return bytes(buf)
 
-    def _video_job(self, data: bytes, inline: bool) -> VideoJob:
+    def _video_job(self, data: bytes, inline: bool, slab_ref: SlabRef | None) -> VideoJob:
         """The sampling rule: this server's settings, bounded by the model's
         video processor (README "Video")."""
         s, model = self.settings, self.family.video_config
@@ -466,6 +522,7 @@ class TokenizerService:
             shm_prefix=s.shm_prefix,
             owner_pid=self._pid,
             inline=inline,
+            slab=slab_ref,
         )
 
     def _item(self, result: ItemResult, runs: list[tuple[int, int]], transport: int) -> common_pb2.MultimodalItem:
@@ -481,7 +538,7 @@ class TokenizerService:
         if t.segment is None:
             return TensorSpec(dtype, t.shape, inline=t.inline).to_pb()
         if transport == common_pb2.TRANSPORT_SHM:
-            return TensorSpec(dtype, t.shape, shm=shm.Slice(t.segment, 0, t.nbytes)).to_pb()
+            return TensorSpec(dtype, t.shape, shm=shm.Slice(t.segment, t.offset, t.nbytes)).to_pb()
         return TensorSpec(dtype, t.shape, inline=self._read(t)).to_pb()
 
     @staticmethod
@@ -502,7 +559,7 @@ class Prepared:
     """A preprocessed image or video and this process's locks on its segments."""
 
     result: ItemResult
-    locks: list[shm.Lock]
+    locks: list[shm.Lock | slab.Held]
 
 
 def _unlock(prepared: list[Prepared]) -> None:

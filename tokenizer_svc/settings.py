@@ -40,6 +40,15 @@ class TokenizerSettings:
         0, "also serve grpc.health.v1 alone, plaintext, on this port of all addresses (probes); 0 = off", min=0
     )
     shm_prefix: str = _opt("mmsplit", "prefix of the shared-memory segments this service creates")
+    shm_slab_bytes: int = _opt(
+        128 * 1024 * 1024,
+        "size of the pre-faulted shared-memory slab pixel tensors are written into, created on the first "
+        "shared-memory request; tensors over a quarter of it get a segment of their own; 0 = a segment per tensor",
+        min=0,
+    )
+    shm_slab_wait_s: float = _opt(
+        1.0, "how long a tensor waits for room in a full slab; beyond this, OVERLOADED (retriable)", min=0
+    )
     cpu_workers: int = _opt(2, "processes decoding and preprocessing images", min=1)
     io_threads: int = _opt(4, "threads reading image files (under --allowed-media-dir)", min=1)
     fetch_connections: int = _opt(100, "connections open to origins at once, all requests together", min=1)

@@ -148,13 +148,17 @@ def test_segments_of_requests_queued_at_a_killed_scheduler_go_in_one_janitor_pas
     """One running request and three queued ones (the batch has one row);
     the scheduler is SIGKILLed: it held the queued requests' segments by lock,
     so nobody owns them now. The tokenizer's own janitor is off (an hour); a
-    restarted scheduler's first janitor pass removes them — not a lease."""
+    restarted scheduler's first janitor pass removes them — not a lease.
+    One-off segments (no slab): a slab's slices go with the scheduler's
+    locks at once (tests/e2e/test_slab.py)."""
     extra = ["--port", "0", "--max-running", "1"]
     sched = start_scheduler(tiny_model, tmp_path / "scheduler.log", tp=1, extra=extra)
     tok = None
     try:
         sched.wait_serving(SCHEDULER_SERVICE, 180)
-        args = tokenizer_args(tiny_model, sched.address, extra=["--janitor-interval-s", "3600"])
+        args = tokenizer_args(
+            tiny_model, sched.address, extra=["--janitor-interval-s", "3600", "--shm-slab-bytes", "0"]
+        )
         tok = ServiceProcess("tokenizer", args, tmp_path / "tokenizer.log", env=ENV)
         tok.wait_serving(TOKENIZER_SERVICE, 180)
         first = threading.Semaphore(0)

@@ -20,7 +20,7 @@ from mmsplit_cli.client import make_request, run_request
 from tests.e2e.helpers import health_status
 from tests.support.leaks import project_segments, wait_until
 from tests.support.services import TOKENIZER_SERVICE, Pair, running_pair
-from tests.support.worker_hook import POISON, SLOW, marked
+from tests.support.worker_hook import MID_WRITE, POISON, SLOW, marked
 
 pytestmark = pytest.mark.e2e
 
@@ -89,6 +89,26 @@ def test_poison_input_gets_a_typed_error_after_two_crashes(pair: Pair) -> None:
         assert out.grpc_code == "UNAVAILABLE"
         # (The second replacement may be logged a moment after the answer.)
         assert wait_until(lambda: replacements(pair) == before + 2, timeout=10), replacements(pair) - before
+        after = run_request(stub, make_request("x", [samples.good_png()], max_tokens=2), timeout=60)
+        assert after.ok, after
+    assert health_status(pair.tokenizer_address, TOKENIZER_SERVICE) == "SERVING"
+
+
+def test_a_worker_killed_mid_write_leaves_its_slab_slice_free(pair: Pair) -> None:
+    """The hook SIGKILLs the worker after it wrote an image's pixels into a
+    slab slice, while it still holds the slice's write lock (on the retry
+    too): the lock went with the worker, so no byte of the slab stays taken."""
+    from tests.e2e.test_slab import tokenizer_info
+
+    before = replacements(pair)
+    with grpc.insecure_channel(pair.tokenizer_address) as channel:
+        stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
+        out = run_request(stub, make_request("x", [marked(MID_WRITE)], max_tokens=1), timeout=60)
+        assert out.reason == "PREPROCESS_WORKER_CRASHED"
+        assert wait_until(lambda: replacements(pair) == before + 2, timeout=10), replacements(pair) - before
+        info = tokenizer_info(pair.tokenizer_address).info
+        assert info.shm_slab_bytes > 0
+        assert info.shm_slab_used_bytes == 0
         after = run_request(stub, make_request("x", [samples.good_png()], max_tokens=2), timeout=60)
         assert after.ok, after
     assert health_status(pair.tokenizer_address, TOKENIZER_SERVICE) == "SERVING"

@@ -2,7 +2,9 @@
 
 Images are marked by their size, so any encoding carries the mark:
 - SLOW (61x47): the worker sleeps 1.5 s before preprocessing;
-- POISON (67x43): the worker kills itself with SIGKILL.
+- POISON (67x43): the worker kills itself with SIGKILL;
+- MID_WRITE (71x41): the worker kills itself with SIGKILL after writing the
+  image's pixels into a slab slice, while it still holds the slice's write lock.
 If the file named by MMSPLIT_TEST_FAIL_POOL_FILE exists, a new worker fails
 in its initializer (pool creation fails) until the file is removed.
 """
@@ -18,6 +20,8 @@ from PIL import Image
 
 SLOW = (61, 47)
 POISON = (67, 43)
+MID_WRITE = (71, 41)
+_kill_on_write = False
 
 
 def on_worker_start() -> None:
@@ -27,9 +31,16 @@ def on_worker_start() -> None:
 
 
 def on_decoded(image: Image.Image) -> None:
+    global _kill_on_write
+    _kill_on_write = image.size == MID_WRITE
     if image.size == SLOW:
         time.sleep(1.5)
     elif image.size == POISON:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def on_slice_written() -> None:
+    if _kill_on_write:
         os.kill(os.getpid(), signal.SIGKILL)
 
 

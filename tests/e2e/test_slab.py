@@ -1,0 +1,124 @@
+"""The shared-memory slab (`mmsplit.slab`) through the real services.
+
+- Under a 2,000-request mixed load on the shared pair (distinct images
+  through the workers, repeats from the preprocessing cache, corrupt images,
+  text only), /dev/shm holds exactly the tokenizer's slab the whole time:
+  no segment per tensor. Afterwards no slice is held.
+- A slab too small for a burst: every request succeeds or fails OVERLOADED
+  (retriable), nothing else; afterwards nothing is held, the next request
+  succeeds and health is SERVING. The slab goes with the tokenizer's stop.
+(A worker SIGKILLed mid-write: tests/e2e/test_pool.py. Locks, allocation and
+hand-over: tests/shared/test_slab.py.)
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+
+from mmsplit.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from mmsplit_cli import samples
+from mmsplit_cli.client import Outcome, make_request, run_request
+from tests.conftest import TOKENIZER_SERVICE, Services
+from tests.e2e.helpers import health_status
+from tests.support.leaks import PROJECT_PREFIX, wait_until
+from tests.support.services import running_pair
+
+pytestmark = pytest.mark.e2e
+REQUESTS = 2000
+
+
+def tokenizer_info(address: str) -> tokenizer_pb2.GetServerInfoResponse:
+    with grpc.insecure_channel(address) as channel:
+        stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
+        return stub.GetServerInfo(tokenizer_pb2.GetServerInfoRequest(), timeout=5)
+
+
+def segments_of(pid: int) -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith(f"{PROJECT_PREFIX}-{pid}-")}
+
+
+def test_under_a_2000_request_mixed_load_dev_shm_holds_exactly_the_slab(services: Services) -> None:
+    pid = services.tokenizer.pid
+    # 10 % corrupt images, 10 % text only, the rest images: 200 distinct
+    # ones (through the workers) and repeats of them (from the cache).
+    images = [samples.good_png(seed=10_000 + i) for i in range(200)]
+    corrupt = samples.good_png(seed=1)[:300]
+
+    def request(i: int) -> tokenizer_pb2.GenerateRequest:
+        if i % 10 == 3:
+            return make_request("Look.", [corrupt], max_tokens=1)
+        if i % 10 == 7:
+            return make_request("Say something.", max_tokens=1)
+        return make_request("Look.", [images[i % 200]], max_tokens=1)
+
+    seen: set[frozenset[str]] = set()
+    polls = 0
+    done = threading.Event()
+
+    def watch() -> None:
+        nonlocal polls
+        while not done.is_set():
+            seen.add(frozenset(segments_of(pid)))
+            polls += 1
+            time.sleep(0.002)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        with grpc.insecure_channel(services.tokenizer_address) as channel:
+            stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
+            with ThreadPoolExecutor(16) as pool:
+                outcomes = list(pool.map(lambda i: run_request(stub, request(i), timeout=120), range(REQUESTS)))
+    finally:
+        done.set()
+        watcher.join()
+    expected = ["MEDIA_DECODE_FAILED" if i % 10 == 3 else "" for i in range(REQUESTS)]
+    assert [o.reason for o in outcomes] == expected
+    info = tokenizer_info(services.tokenizer_address).info
+    slab = f"{PROJECT_PREFIX}-{pid}-slab"
+    assert info.shm_slab_bytes == 128 << 20
+    assert polls > 200, "the watcher did not run during the load"
+    names = set().union(*seen)
+    assert len(names) == 1, f"not only the slab: {sorted(names)[:5]}"
+    assert next(iter(names)).startswith(slab)
+    assert wait_until(lambda: tokenizer_info(services.tokenizer_address).info.shm_slab_used_bytes == 0, timeout=10)
+    assert health_status(services.tokenizer_address, TOKENIZER_SERVICE) == "SERVING"
+
+
+def test_a_full_slab_is_overloaded_and_nothing_else(tiny_model: Path, tmp_path: Path) -> None:
+    """A slab of four tiny-LLaVA tensors (600 KB each), a scheduler running
+    one request at a time (queued requests hold their slices until their
+    first step): a burst of 12 fills it. Those that find no room within
+    0.3 s are OVERLOADED (retriable by the error table); the others succeed."""
+    slab_bytes = 40 << 16  # 40 pages of 64 KiB; its largest slice, a quarter, takes one tensor
+    extra = ["--shm-slab-bytes", str(slab_bytes), "--shm-slab-wait-s", "0.3", "--preprocess-cache-bytes", "0"]
+    with running_pair(
+        tiny_model, tmp_path, scheduler_extra=["--tp", "1", "--max-running", "1"], tokenizer_extra=extra
+    ) as pair:
+        with grpc.insecure_channel(pair.tokenizer_address) as channel:
+            stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
+            # min_tokens: the running request holds the line while the others queue.
+            images = [samples.good_png(seed=i) for i in range(12)]
+            burst = [make_request(f"x{i}", [images[i]], max_tokens=100, min_tokens=100) for i in range(12)]
+            with ThreadPoolExecutor(12) as pool:
+                results: list[Outcome] = list(pool.map(lambda r: run_request(stub, r, timeout=120), burst))
+            reasons = [r.reason for r in results if not r.ok]
+            assert reasons, "the burst never filled the slab"
+            assert set(reasons) == {"OVERLOADED"}, reasons
+            assert any(r.ok for r in results)
+            assert "shared-memory slab" in next(r.message for r in results if not r.ok)
+            info = tokenizer_info(pair.tokenizer_address).info
+            assert info.shm_slab_bytes == slab_bytes
+            assert wait_until(lambda: tokenizer_info(pair.tokenizer_address).info.shm_slab_used_bytes == 0, 10)
+            assert segments_of(pair.tokenizer.pid) == {n for n in segments_of(pair.tokenizer.pid) if "-slab" in n}
+            assert run_request(stub, make_request("again", [samples.good_png(seed=99)], max_tokens=2)).ok
+            assert health_status(pair.tokenizer_address, TOKENIZER_SERVICE) == "SERVING"
+        pid = pair.tokenizer.pid
+    assert not segments_of(pid), "the slab outlived its tokenizer"

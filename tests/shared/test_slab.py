@@ -1,0 +1,180 @@
+"""The slab's leases: byte-range locks as the allocation map (`mmsplit.slab`)."""
+
+from __future__ import annotations
+
+import fcntl
+import itertools
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from mmsplit import shm, slab
+from mmsplit.common.v1 import common_pb2
+from mmsplit.tensors import TensorSpec
+from tests.support.leaks import PROJECT_PREFIX, wait_until
+
+PREFIX = PROJECT_PREFIX + "slab"  # this file's own, in this test process's
+MIB = 1 << 20
+
+
+@pytest.fixture
+def owned() -> Iterator[slab.Slab]:
+    s = slab.Slab(PREFIX, os.getpid(), 4 * MIB)
+    yield s
+    s.close()
+    assert not shm.list_segments(PREFIX)
+
+
+def tensor(nbytes: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 255, nbytes, dtype=np.uint8)
+
+
+def read(piece: shm.Slice) -> np.ndarray:
+    out = np.empty(piece.nbytes, dtype=np.uint8)
+    shm.read_into(piece, PREFIX, memoryview(out), max_segment_bytes=1)  # a slab is never capped by its size
+    return out
+
+
+def test_write_take_hand_over_read_release(owned: slab.Slab) -> None:
+    data = tensor(600_000, 1)
+    writer = slab.write(owned.name, PREFIX, memoryview(data), wait_s=0)
+    assert writer.slice.offset % slab.PAGE == 0
+    assert owned.used_bytes() == 10 * slab.PAGE  # whole pages
+    assert not writer.handed_over()
+    taker = slab.take(writer.slice, PREFIX)
+    assert writer.handed_over()
+    writer.release()
+    assert np.array_equal(read(taker.slice), data)
+    assert owned.used_bytes() == 10 * slab.PAGE  # the taker holds it now
+    taker.release()
+    assert owned.used_bytes() == 0
+
+
+def test_the_hand_off_thread_lets_go_once_taken(owned: slab.Slab) -> None:
+    handoff = slab.HandOff()
+    writer = slab.write(owned.name, PREFIX, memoryview(tensor(1000, 2)), wait_s=0)
+    handoff.add(writer)
+    time.sleep(0.05)
+    assert handoff.pending() == 1, "let go before anyone took it"
+    taker = slab.take(writer.slice, PREFIX)
+    assert wait_until(lambda: handoff.pending() == 0, timeout=5)
+    taker.release()
+    assert owned.used_bytes() == 0
+
+
+def test_a_hand_off_that_nobody_takes_times_out(owned: slab.Slab) -> None:
+    handoff = slab.HandOff(timeout_s=0.1)
+    handoff.add(slab.write(owned.name, PREFIX, memoryview(tensor(1000, 3)), wait_s=0))
+    assert wait_until(lambda: owned.used_bytes() == 0, timeout=5)
+
+
+def test_slices_never_overlap_and_a_full_slab_says_so(owned: slab.Slab) -> None:
+    held = []
+    for i in range(12):
+        held.append(slab.write(owned.name, PREFIX, memoryview(tensor(300_000 + i, i)), wait_s=0))
+    with pytest.raises(slab.SlabFull, match="no room"):
+        slab.write(owned.name, PREFIX, memoryview(tensor(300_000, 0)), wait_s=0.01)
+    spans = sorted(h.span for h in held)
+    # 4 MiB of 5-page slices: 64 pages hold 12, packed first fit.
+    assert all(a[0] + a[1] <= b[0] for a, b in itertools.pairwise(spans))
+    for i, h in enumerate(held):
+        assert np.array_equal(read(h.slice), tensor(300_000 + i, i))
+    held.pop().release()
+    again = slab.write(owned.name, PREFIX, memoryview(tensor(300_000, 0)), wait_s=0)
+    for h in [*held, again]:
+        h.release()
+    assert owned.used_bytes() == 0
+
+
+def test_a_writer_waits_for_room(owned: slab.Slab) -> None:
+    big = slab.write(owned.name, PREFIX, memoryview(tensor(3 * MIB, 4)), wait_s=0)
+    threading.Timer(0.2, big.release).start()
+    started = time.monotonic()
+    waited = slab.write(owned.name, PREFIX, memoryview(tensor(2 * MIB, 5)), wait_s=5)
+    assert time.monotonic() - started >= 0.15
+    waited.release()
+
+
+def test_what_nobody_holds_cannot_be_taken(owned: slab.Slab) -> None:
+    """A reference to a free range (released, never allocated, forged) is
+    refused: its bytes may be another request's."""
+    writer = slab.write(owned.name, PREFIX, memoryview(tensor(100_000, 6)), wait_s=0)
+    piece = writer.slice
+    writer.release()
+    with pytest.raises(slab.SliceLost):
+        slab.take(piece, PREFIX)
+    with pytest.raises(slab.SliceLost):
+        slab.take(shm.Slice(owned.name, owned.size - slab.PAGE, 10), PREFIX)
+    with pytest.raises(shm.SegmentBounds):
+        slab.take(shm.Slice(owned.name, 100, 10), PREFIX)  # not on a page
+    with pytest.raises(shm.SegmentBounds):
+        slab.take(shm.Slice(owned.name, owned.size, 10), PREFIX)
+    with pytest.raises(shm.BadSegmentName):
+        slab.take(shm.Slice(shm.new_name(PREFIX, 1), 0, 10), PREFIX)
+
+
+def test_a_range_being_written_cannot_be_taken(owned: slab.Slab) -> None:
+    fd = os.open(shm.SHM_DIR / owned.name, os.O_RDWR)
+    try:
+        assert slab._lock(fd, fcntl.F_WRLCK, 0, slab.PAGE)
+        with pytest.raises(slab.SliceLost, match="written"):
+            slab.take(shm.Slice(owned.name, 0, 100), PREFIX)
+    finally:
+        os.close(fd)
+
+
+def test_a_writer_killed_holding_a_slice_frees_it(owned: slab.Slab) -> None:
+    """Locks vanish with their process: no janitor, no timeout."""
+    code = (
+        "import os, sys, numpy as np; from mmsplit import slab; "
+        f"slab.write({owned.name!r}, {PREFIX!r}, memoryview(np.ones(500_000, np.uint8)), wait_s=0); "
+        "print('held', flush=True); sys.stdin.read()"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline().strip() == "held"
+        assert owned.used_bytes() == 8 * slab.PAGE
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    assert owned.used_bytes() == 0
+
+
+def test_a_janitor_leaves_a_held_slab_and_removes_an_abandoned_one() -> None:
+    s = slab.Slab(PREFIX, os.getpid(), 1 * MIB)
+    try:
+        assert shm.sweep(PREFIX, grace_s=0, now=time.time() + 10) == []
+        held = slab.write(s.name, PREFIX, memoryview(tensor(1000, 7)), wait_s=0)
+        owner_fd, s._fd = s._fd, None  # the owner dies (its flock goes) ...
+        assert owner_fd is not None
+        os.close(owner_fd)
+        # ... but a holder of a slice keeps the slab from being swept.
+        assert shm.sweep(PREFIX, grace_s=0, now=time.time() + 10) == []
+        held.release()
+        assert shm.sweep(PREFIX, grace_s=0, now=time.time() + 10) == [s.name]
+    finally:
+        shm.unlink(s.name)
+
+
+def test_releasing_a_slab_reference_unlocks_and_never_unlinks(owned: slab.Slab) -> None:
+    data = tensor(4096, 8)
+    writer = slab.write(owned.name, PREFIX, memoryview(data), wait_s=0)
+    spec = TensorSpec(common_pb2.DTYPE_UINT8, (4096,), shm=writer.slice)
+    lock = spec.lock(PREFIX)
+    writer.release()
+    out = np.empty(4096, dtype=np.uint8)
+    spec.read_into(memoryview(out), prefix=PREFIX, max_bytes=1 << 20)
+    assert np.array_equal(out, data)
+    spec.release()
+    assert lock is not None
+    lock.release()
+    assert shm.list_segments(PREFIX) == [owned.name]
+    assert owned.used_bytes() == 0
