@@ -47,7 +47,7 @@ def _release_orphan(fut: concurrent.futures.Future[Any], prefix: str) -> None:
     result = fut.result()
     if isinstance(result, ItemResult):
         result.abandon(prefix)
-        log.info("released the segments and slices of an abandoned preprocessing task")
+        log.info("released the tensors of abandoned preprocessing task")
 
 
 def _abandon(fut: concurrent.futures.Future[Any], prefix: str) -> None:

@@ -33,8 +33,12 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
-import av
 from PIL import Image
+
+try:
+    import av
+except ImportError:  # a pinned requirement; absent only where the wheel was not carried (the GPU checks)
+    av = None  # type: ignore[assignment]
 
 from tokenizer_svc.errors import MediaDecodeFailed, MediaTooLarge, MediaUnsupported, PreprocessTimeout
 
@@ -108,6 +112,8 @@ def decode_video(
     *,
     on_frame: Callable[[Image.Image], None] | None = None,
 ) -> Video:
+    if av is None:
+        raise MediaUnsupported("this server cannot decode video (PyAV is not installed)")
     if not data:
         raise MediaDecodeFailed("video is empty (0 bytes)")
 

@@ -259,6 +259,10 @@ def test_video_corpus_has_its_documented_outcomes_and_leaves_nothing(
     takes_video = family.startswith("qwen")
     before = sorted(os.listdir(family_dirs[1]))
     cases = video_corpus.corpus()
+    if family == "qwen2.5-vl":
+        # Decoding and its limits are the same code for both Qwen families
+        # (qwen2-vl runs every case); a third of the cases keeps the suite's time.
+        cases = cases[::3]
     with grpc.insecure_channel(pair.tokenizer_address) as channel:
         stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
 

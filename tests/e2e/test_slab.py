@@ -74,7 +74,7 @@ def test_under_a_2000_request_mixed_load_dev_shm_holds_exactly_the_slab(services
     try:
         with grpc.insecure_channel(services.tokenizer_address) as channel:
             stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
-            with ThreadPoolExecutor(16) as pool:
+            with ThreadPoolExecutor(32) as pool:
                 outcomes = list(pool.map(lambda i: run_request(stub, request(i), timeout=120), range(REQUESTS)))
     finally:
         done.set()
@@ -94,9 +94,10 @@ def test_under_a_2000_request_mixed_load_dev_shm_holds_exactly_the_slab(services
 
 def test_a_full_slab_is_overloaded_and_nothing_else(tiny_model: Path, tmp_path: Path) -> None:
     """A slab of four tiny-LLaVA tensors (600 KB each), a scheduler running
-    one request at a time (queued requests hold their slices until their
-    first step): a burst of 12 fills it. Those that find no room within
-    0.3 s are OVERLOADED (retriable by the error table); the others succeed."""
+    one request at a time, busy with a long one: a burst of 11 queues behind
+    it, and queued requests hold their slices until their first step, so
+    the burst fills the slab. Those that find no room within 0.3 s are
+    OVERLOADED (retriable by the error table); the others succeed."""
     slab_bytes = 40 << 16  # 40 pages of 64 KiB; its largest slice, a quarter, takes one tensor
     extra = ["--shm-slab-bytes", str(slab_bytes), "--shm-slab-wait-s", "0.3", "--preprocess-cache-bytes", "0"]
     with running_pair(
@@ -104,15 +105,19 @@ def test_a_full_slab_is_overloaded_and_nothing_else(tiny_model: Path, tmp_path: 
     ) as pair:
         with grpc.insecure_channel(pair.tokenizer_address) as channel:
             stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
-            # min_tokens: the running request holds the line while the others queue.
-            images = [samples.good_png(seed=i) for i in range(12)]
-            burst = [make_request(f"x{i}", [images[i]], max_tokens=100, min_tokens=100) for i in range(12)]
-            with ThreadPoolExecutor(12) as pool:
-                results: list[Outcome] = list(pool.map(lambda r: run_request(stub, r, timeout=120), burst))
+            # min_tokens: the running request holds the line until it is cancelled.
+            long = stub.Generate(make_request("Go on.", max_tokens=4000, min_tokens=4000, request_id="long"))
+            assert next(iter(long)).HasField("delta")
+            burst = [make_request(f"x{i}", [samples.good_png(seed=i)], max_tokens=2) for i in range(11)]
+            with ThreadPoolExecutor(11) as pool:
+                futures = [pool.submit(run_request, stub, r, 120) for r in burst]
+                assert wait_until(lambda: sum(f.done() for f in futures) >= 7, timeout=60)
+                long.cancel()
+                results: list[Outcome] = [f.result() for f in futures]
             reasons = [r.reason for r in results if not r.ok]
             assert reasons, "the burst never filled the slab"
             assert set(reasons) == {"OVERLOADED"}, reasons
-            assert any(r.ok for r in results)
+            assert len(reasons) == 7, "four fit the slab, the rest found no room"
             assert "shared-memory slab" in next(r.message for r in results if not r.ok)
             info = tokenizer_info(pair.tokenizer_address).info
             assert info.shm_slab_bytes == slab_bytes
