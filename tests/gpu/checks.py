@@ -12,7 +12,9 @@ written to OUT/summary.txt:
   - NaN pixels, pixels so large the logits are NaN, and a hostile
     temperature each fail their request alone with a typed error, and the
     group keeps serving (same pid, SERVING, the next request succeeds);
-  - two ranks on one GPU (TP=2): whether NCCL lets them share the device.
+  - two ranks on one GPU (TP=2): whether NCCL lets them share the device;
+    then a read failure injected on rank 1 fails only its request (the
+    agreement over NCCL), and rank 1 SIGKILLed fails the group within a bound.
 
     python tests/gpu/checks.py OUT_DIR [DEVICE]
 
@@ -23,6 +25,7 @@ its logic (the NCCL check then fails, as it must).
 from __future__ import annotations
 
 import random
+import re
 import sys
 import threading
 import time
@@ -188,9 +191,11 @@ def hostile(pair, model_dir: Path) -> None:  # type: ignore[no-untyped-def]
 
 @check("two ranks on one GPU")
 def two_ranks_one_gpu(model_dir: Path, logs: Path) -> None:
-    proc = ServiceProcess(
-        "scheduler-tp2", scheduler_args(model_dir, tp=2, extra=["--device", DEVICE]), logs / "tp2.log"
-    )
+    """TP=2 with both ranks on the one GPU, over NCCL when DEVICE is cuda:
+    a request; a read failure injected on rank 1 fails only its request
+    (the agreement over NCCL); rank 1 SIGKILLed fails the group within a bound."""
+    extra = ["--device", DEVICE, "--tensor-reader", "tests.support.faults:make_reader", "--collective-timeout-s", "20"]
+    proc = ServiceProcess("scheduler-tp2", scheduler_args(model_dir, tp=2, extra=extra), logs / "tp2.log")
     try:
         proc.wait_serving(SCHEDULER_SERVICE, 120)
         with grpc.insecure_channel(proc.address) as channel:
@@ -203,8 +208,78 @@ def two_ranks_one_gpu(model_dir: Path, logs: Path) -> None:
         tail = proc.tail(8).strip().splitlines()
         reason = next((line for line in tail if "Duplicate GPU" in line or "NCCL" in line), tail[-1] if tail else "")
         report("INFO", "two ranks on one GPU", f"not possible here: {type(exc).__name__}; {reason[-300:]}")
+        proc.stop()
+        return
+    try:
+        rank1_read_failure(proc.address, model_dir)
+        rank_killed(proc)
     finally:
         proc.stop()
+
+
+@check("a read failure on rank 1 fails only its request (TP=2)")
+def rank1_read_failure(address: str, model_dir: Path) -> None:
+    from tests.support.faults import failing_request_id
+
+    info = model_info(model_dir)
+    ids = [1, *([info.image_token_id] * info.tokens_per_image), 22557, 1526]
+    array = np.random.default_rng(2).random((3, 224, 224), dtype=np.float32)
+    pixels = common_pb2.TensorRef(dtype=common_pb2.DTYPE_FLOAT32, shape=[3, 224, 224], inline=array.tobytes())
+
+    def send(rid: str):  # type: ignore[no-untyped-def]
+        request = scheduler_pb2.GenerateRequest(
+            request_id=rid, input_ids=ids, pixel_values=[pixels], sampling=common_pb2.SamplingParams(max_tokens=4)
+        )
+        with grpc.insecure_channel(address) as channel:
+            try:
+                list(scheduler_pb2_grpc.SchedulerServiceStub(channel).Generate(request, timeout=60))
+            except grpc.RpcError as exc:
+                error = RemoteError.from_rpc_error(exc)
+                return f"{error.reason} failed_ranks={error.metadata.get('failed_ranks')}"
+        return "ok"
+
+    with ThreadPoolExecutor(2) as pool:
+        bad, good = pool.map(send, [failing_request_id(1, "gpu"), "good-beside-it"])
+    ok = bad == "FEATURE_TRANSPORT_FAILED failed_ranks=1" and good == "ok"
+    report("PASS" if ok else "FAIL", "a read failure on rank 1 fails only its request (TP=2)", f"{bad}; other: {good}")
+
+
+@check("rank 1 SIGKILLed fails the group cleanly (TP=2)")
+def rank_killed(proc: ServiceProcess) -> None:
+    import os
+    import signal
+
+    request = scheduler_pb2.GenerateRequest(
+        request_id="long",
+        input_ids=[1, 22557, 1526],
+        sampling=common_pb2.SamplingParams(max_tokens=4000, min_tokens=4000),
+    )
+    outcome: list[str] = []
+    with grpc.insecure_channel(proc.address) as channel:
+        call = scheduler_pb2_grpc.SchedulerServiceStub(channel).Generate(request, timeout=120)
+        events = iter(call)
+        next(events)
+        # Rank 1's pid, from its own log line ("INFO <pid> scheduler_svc.ranks: rank 1 ready").
+        ready = re.search(r" (\d+) scheduler_svc\.ranks: rank 1 ready", proc.log_path.read_text())
+        assert ready is not None, "rank 1 never logged that it was ready"
+        victim = int(ready[1])
+        killed = time.monotonic()
+        os.kill(victim, signal.SIGKILL)
+        try:
+            for _ in events:
+                pass
+            outcome.append("ended without an error")
+        except grpc.RpcError as exc:
+            outcome.append(RemoteError.from_rpc_error(exc).reason)
+        failed_after = time.monotonic() - killed
+    try:
+        code = proc.proc.wait(timeout=60)
+    except Exception:
+        code = None
+    exited_after = time.monotonic() - killed
+    ok = outcome == ["SCHEDULER_UNAVAILABLE"] and code is not None and failed_after < 30
+    detail = f"request: {outcome[0]} after {failed_after:.1f}s; scheduler exited {code} after {exited_after:.1f}s"
+    report("PASS" if ok else "FAIL", "rank 1 SIGKILLed fails the group cleanly (TP=2)", detail)
 
 
 def main() -> int:

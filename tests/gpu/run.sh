@@ -8,7 +8,8 @@
 # Python packages this project pins that such a machine may lack, as wheels
 # in .whl/ (see README, "GPU checks"); the tokenizer's source wheel in
 # .cache/ (make test or make demo puts it there). Writes OUT_DIR/summary.txt
-# (checks) and OUT_DIR/bench.txt (the engine benchmark on the GPU).
+# (checks), OUT_DIR/handoff.txt (bench/handoff_gpu.py) and OUT_DIR/bench.txt
+# (the engine benchmark on the GPU). About 6 minutes on an H200.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out="${1:-${OUT:-/tmp/mmsplit-gpu}}"
@@ -25,9 +26,17 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu
 python3 -c "import torch, transformers, grpc; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'transformers', transformers.__version__, 'grpcio', grpc.__version__)" | tee -a "$out/gpu.txt"
 
 status=0
-timeout 300 python3 tests/gpu/checks.py "$out" 2>&1 | tee "$out/checks.log" | grep -E "^(PASS|FAIL|INFO)" || status=1
+# Models and logs in a work directory; only summaries in $out (a device
+# machine returns few files).
+work=/tmp/mmsplit-gpu-work
+mkdir -p "$work"
+timeout 300 python3 tests/gpu/checks.py "$work" 2>&1 | tee "$out/checks.log" | grep -E "^(PASS|FAIL|INFO)" || status=1
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
-timeout 300 python3 bench/engine.py --device cuda --dtype bfloat16 --tp 1 --models tiny,8x512 2>&1 \
+cp "$work/summary.txt" "$out/summary.txt" 2>/dev/null
+for f in "$work"/logs/*.log; do echo "== $f"; tail -n 30 "$f"; done > "$out/logs.txt" 2>&1
+timeout 120 python3 bench/handoff_gpu.py 2>&1 | tee "$out/handoff.txt" || status=1
+[ "${PIPESTATUS[0]}" = 0 ] || status=1
+timeout 150 python3 bench/engine.py --device cuda --dtype bfloat16 --tp 1 --models tiny,8x512 --rounds 1 2>&1 \
   | grep -v -E "Loading weights|Writing model" | tee "$out/bench.txt" || status=1
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
 echo "gpu checks exit status: $status" | tee -a "$out/summary.txt"
