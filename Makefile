@@ -13,9 +13,10 @@ $(STAMP): requirements.txt pyproject.toml
 	  apt-get install -y -q kubectl >/dev/null 2>&1 || apt-get install -y -q kubernetes-client; }
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	# --no-compile: byte-compiling every installed file took longer than the
-	# rest of the install (50 s of 110 here); what is imported compiles on first use.
-	$(BIN)/python -m pip install --quiet --no-compile -r requirements.txt
+	# Byte-compiled at install (never --no-compile): where PYTHONDONTWRITEBYTECODE
+	# is set, as on the CI machine, nothing is cached later, and every service
+	# process would compile torch and transformers from source at each start.
+	$(BIN)/python -m pip install --quiet -r requirements.txt
 	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e .
 	$(MAKE) --no-print-directory $(BIN)/promtool
 	touch $@

@@ -128,7 +128,8 @@ def create_segment(name: str, nbytes: int) -> int:
     descriptor. ShmFull when /dev/shm has no room."""
     fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS, 0o600)
     try:
-        os.posix_fallocate(fd, 0, nbytes)
+        if nbytes:
+            os.posix_fallocate(fd, 0, nbytes)
     except OSError as exc:
         os.close(fd)
         unlink(name)

@@ -174,6 +174,7 @@ class _Mappings:
         """The mapping of `name` if it is still the file under that name
         (one stat, where opening and checking it again costs four calls)."""
         with self._lock:
+            self._forget_removed()
             got = self._maps.get(name)
         if got is None:
             return None
@@ -209,13 +210,18 @@ class Slab:
     """The owner's slab (the tokenizer process): created at a fixed size,
     kept under a shared flock until `close`, which removes it."""
 
-    def __init__(self, prefix: str, owner_pid: int, nbytes: int) -> None:
+    def __init__(self, prefix: str, owner_pid: int, nbytes: int, *, sparse: bool = False) -> None:
+        """`sparse`: a lease map only — the file's bytes are never written
+        (its ranges stand for memory elsewhere, `mmsplit.devices`), so its
+        size is set, not reserved, and costs no memory."""
         if nbytes < 4 * PAGE:
             raise ValueError(f"a slab needs at least {4 * PAGE} bytes")
         self.size = _pages(nbytes) * PAGE
         self.prefix = prefix
         self.name = shm.new_name(prefix, owner_pid, slab=True)
-        fd = shm.create_segment(self.name, self.size)
+        fd = shm.create_segment(self.name, 0 if sparse else self.size)
+        if sparse:
+            os.ftruncate(fd, self.size)
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BaseException:
@@ -306,9 +312,35 @@ def write(
     return Held(fd, shm.Slice(name, offset, nbytes))
 
 
+def lease(name: str, prefix: str, nbytes: int, fill: Callable[[int], None], *, wait_s: float) -> Held:
+    """Allocate a range of lease map `name` (a sparse slab standing for
+    memory elsewhere) and call `fill(offset)` while it is write-locked;
+    return it held under a read lock, as `write` does."""
+    if nbytes <= 0:
+        raise ValueError("refusing to lease an empty range")
+    fd = _open(name, prefix, write=True)
+    try:
+        offset = _allocated(fd, os.fstat(fd).st_size, nbytes, wait_s, fill)
+    except BaseException:
+        os.close(fd)
+        raise
+    return Held(fd, shm.Slice(name, offset, nbytes))
+
+
 def _write(fd: int, view: memoryview, data: memoryview, wait_s: float, on_written: Callable[[], None] | None) -> int:
-    """`write`'s allocation, copy and downgrade; the slice's offset."""
-    size, nbytes = view.nbytes, data.nbytes
+    """`write`'s copy into the slab's mapping; the slice's offset."""
+
+    def fill(offset: int) -> None:
+        view[offset : offset + data.nbytes] = data
+        if on_written is not None:
+            on_written()
+
+    return _allocated(fd, view.nbytes, data.nbytes, wait_s, fill)
+
+
+def _allocated(fd: int, size: int, nbytes: int, wait_s: float, fill: Callable[[int], None]) -> int:
+    """Allocate `nbytes` of the file behind `fd` (of `size` bytes), fill the
+    range while it is write-locked, turn the lock into a read lock; the offset."""
     need, total = _pages(nbytes), size // PAGE
     if need > total:
         raise SlabFull(f"a tensor of {nbytes} bytes does not fit a slab of {size} bytes")
@@ -320,9 +352,11 @@ def _write(fd: int, view: memoryview, data: memoryview, wait_s: float, on_writte
         time.sleep(delay)
         delay = min(delay * 2, 0.02)
     offset = page * PAGE
-    view[offset : offset + nbytes] = data
-    if on_written is not None:
-        on_written()
+    try:
+        fill(offset)
+    except BaseException:
+        _lock(fd, fcntl.F_UNLCK, offset, need * PAGE)
+        raise
     # Write lock → read lock on the same description: atomic, never unlocked in between.
     if not _lock(fd, fcntl.F_RDLCK, offset, need * PAGE):
         raise OSError(errno.EDEADLK, "could not downgrade a slab lock")

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 
-from mmsplit import shm, slab
+import torch
+
+from mmsplit import devices, shm, slab
 from mmsplit.common.v1 import common_pb2
 from mmsplit.errors import E, MmsplitError
 from mmsplit.shm import Lock
@@ -46,11 +48,22 @@ class TensorTransportFailed(MmsplitError):
 
 
 @dataclass(frozen=True)
+class CudaRef:
+    """A range of an exporter's GPU pool (`mmsplit.devices`): its handle and
+    device, and the range of the pool's lease map standing for it."""
+
+    handle: bytes
+    uuid: str
+    lease: shm.Slice  # lease map name, offset, nbytes: the same range of the pool
+
+
+@dataclass(frozen=True)
 class TensorSpec:
     dtype: int
     shape: tuple[int, ...]
     shm: shm.Slice | None = None
     inline: bytes | None = None
+    cuda: CudaRef | None = None
 
     @property
     def itemsize(self) -> int:
@@ -68,11 +81,26 @@ class TensorSpec:
             )
         elif self.inline is not None:
             ref.inline = self.inline
+        elif self.cuda is not None:
+            lease = self.cuda.lease
+            ref.cuda_ipc.CopyFrom(
+                common_pb2.CudaIpcHandle(
+                    handle=self.cuda.handle,
+                    device_uuid=self.cuda.uuid,
+                    offset=lease.offset,
+                    nbytes=lease.nbytes,
+                    lease=lease.segment,
+                )
+            )
         return ref
 
     @classmethod
-    def from_pb(cls, ref: common_pb2.TensorRef, *, prefix: str, max_bytes: int) -> TensorSpec:
-        """Decode and validate a reference; raise InvalidTensorRef."""
+    def from_pb(
+        cls, ref: common_pb2.TensorRef, *, prefix: str, max_bytes: int, cuda_uuids: Collection[str] = ()
+    ) -> TensorSpec:
+        """Decode and validate a reference; raise InvalidTensorRef. A CUDA-IPC
+        reference is accepted only for a device in `cuda_uuids` (what this
+        server can open)."""
         if ref.dtype not in DTYPES:
             raise InvalidTensorRef(f"dtype {ref.dtype} is not one of {sorted(D.Name(d) for d in DTYPES)}")
         shape = tuple(int(d) for d in ref.shape)
@@ -96,7 +124,7 @@ class TensorSpec:
                 raise InvalidTensorRef(f"inline payload has {len(ref.inline)} bytes, shape needs {nbytes}")
             return cls(ref.dtype, shape, inline=ref.inline)
         if location == "cuda_ipc":
-            raise InvalidTensorRef("transport cuda_ipc is not offered by this server")
+            return cls(ref.dtype, shape, cuda=_cuda_ref(ref.cuda_ipc, nbytes, prefix, cuda_uuids))
         raise InvalidTensorRef("tensor reference has no location")
 
     def read_into(self, out: memoryview, *, prefix: str, max_bytes: int) -> None:
@@ -105,16 +133,32 @@ class TensorSpec:
         if self.inline is not None:
             out.cast("B")[:] = self.inline
             return
+        if self.cuda is not None:
+            out.cast("B")[:] = memoryview(self.read_device(torch.device("cpu")).cpu().numpy())  # type: ignore[arg-type]
+            return
         if self.shm is None:
             raise InvalidTensorRef("tensor reference has no location")
         with _translated():
             shm.read_into(self.shm, prefix, out, max_segment_bytes=max_bytes)
+
+    def read_device(self, like: torch.device) -> torch.Tensor:
+        """A CUDA-IPC reference's bytes as a uint8 tensor of this process's,
+        on `like`'s device when it is a GPU (one device-to-device copy)."""
+        assert self.cuda is not None
+        lease = self.cuda.lease
+        try:
+            return devices.current().read(self.cuda.handle, lease.offset, lease.nbytes, like)
+        except devices.DeviceError as exc:
+            raise TensorTransportFailed(str(exc)) from exc
 
     def lock(self, prefix: str) -> Lock | slab.Held | None:
         """Take ownership of the referenced segment or slab slice (None for
         inline bytes); InvalidTensorRef or TensorTransportFailed when it
         cannot be had. A slab slice must be held by its sender right now
         (`slab.take`), so a reference to a free or reused range is refused."""
+        if self.cuda is not None:
+            with _translated():
+                return slab.take(self.cuda.lease, prefix)
         if self.shm is None:
             return None
         with _translated():
@@ -127,6 +171,24 @@ class TensorSpec:
         A slab slice is released by dropping its lock, never by unlinking."""
         if self.shm is not None and not shm.is_slab(self.shm.segment):
             shm.unlink(self.shm.segment)
+
+
+def _cuda_ref(pb: common_pb2.CudaIpcHandle, nbytes: int, prefix: str, uuids: Collection[str]) -> CudaRef:
+    if not uuids:
+        raise InvalidTensorRef("transport cuda_ipc is not offered by this server")
+    if pb.device_uuid not in uuids:
+        raise InvalidTensorRef("the tensor is on a GPU this server cannot open (device UUID not among its own)")
+    if pb.nbytes != nbytes:
+        raise InvalidTensorRef(f"range nbytes {pb.nbytes} != prod(shape) * itemsize = {nbytes}")
+    if not pb.handle or len(pb.handle) > devices.MAX_HANDLE_BYTES:
+        raise InvalidTensorRef(f"the CUDA IPC handle must be 1..{devices.MAX_HANDLE_BYTES} bytes")
+    try:
+        shm.parse_name(pb.lease, prefix)
+    except shm.BadSegmentName as exc:
+        raise InvalidTensorRef(f"lease: {exc}") from exc
+    if not shm.is_slab(pb.lease):
+        raise InvalidTensorRef("lease: not a lease map's name")
+    return CudaRef(bytes(pb.handle), pb.device_uuid, shm.Slice(pb.lease, pb.offset, pb.nbytes))
 
 
 @contextlib.contextmanager

@@ -41,7 +41,7 @@ class EncoderCache(ByteLRU[torch.Tensor]):
             tensor = encoder[name].detach().contiguous().cpu()
             digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
             if tensor.numel():  # hashed in place: no copy of the pixels
-                digest.update(tensor.view(torch.uint8).numpy().reshape(-1).data)
+                digest.update(tensor.view(torch.uint8).cpu().numpy().reshape(-1).data)  # .cpu(): a no-op on CPU
         for name in sorted(side):
             value = np.ascontiguousarray(side[name])
             digest.update(f"side:{name}|{value.dtype}|{value.shape}|".encode())

@@ -30,10 +30,19 @@ FLOAT_DTYPES = (1, 2, 3)
 
 
 class Frontend:
-    def __init__(self, step_loop: StepLoop, settings: SchedulerSettings, info: ModelInfo) -> None:
+    def __init__(
+        self,
+        step_loop: StepLoop,
+        settings: SchedulerSettings,
+        info: ModelInfo,
+        *,
+        cuda_uuids: frozenset[str] = frozenset(),
+    ) -> None:
         self.step_loop = step_loop
         self.settings = settings
         self.info = info
+        # GPUs whose CUDA IPC handles every rank can open (none: the transport is not offered).
+        self.cuda_uuids = cuda_uuids
         self._streams: dict[str, asyncio.Queue[Event]] = {}
 
     def admit(self, pb: scheduler_pb2.GenerateRequest) -> Admission:
@@ -180,9 +189,7 @@ class Frontend:
             if name not in family.input_names:
                 allowed = ", ".join(sorted(family.input_names))
                 raise InvalidRequest(f"item {index}: {name!r} is not an input of this model (allowed: {allowed})")
-            spec = TensorSpec.from_pb(
-                pb.tensors[name], prefix=self.settings.shm_prefix, max_bytes=self.settings.max_tensor_bytes
-            )
+            spec = self._spec(pb.tensors[name])
             if is_encoder_input(name):
                 if spec.dtype not in FLOAT_DTYPES:
                     raise InvalidTensorRef(f"item {index}: {name} must be a float tensor, got dtype {spec.dtype}")
@@ -197,6 +204,10 @@ class Frontend:
         runs = tuple((int(r.offset), int(r.length)) for r in pb.placeholders)
         item = Item(pb.modality, tuple(encoder), side, runs, bytes(pb.content_hash[:64]))
         return item, tokens
+
+    def _spec(self, ref: common_pb2.TensorRef) -> TensorSpec:
+        s = self.settings
+        return TensorSpec.from_pb(ref, prefix=s.shm_prefix, max_bytes=s.max_tensor_bytes, cuda_uuids=self.cuda_uuids)
 
     def _legacy_items(self, pb: scheduler_pb2.GenerateRequest, ids: tuple[int, ...]) -> list[tuple[Item, int]]:
         """`pixel_values` (one [C,H,W] tensor per image, LLaVA-1.5) as items:
@@ -213,7 +224,7 @@ class Frontend:
             )
         items = []
         for i, ref in enumerate(pb.pixel_values):
-            spec = TensorSpec.from_pb(ref, prefix=self.settings.shm_prefix, max_bytes=self.settings.max_tensor_bytes)
+            spec = self._spec(ref)
             if spec.dtype not in FLOAT_DTYPES or spec.shape != self.info.image_shape:
                 raise InvalidTensorRef(
                     f"image {i}: pixel tensor must be a float tensor of shape {list(self.info.image_shape)}, "

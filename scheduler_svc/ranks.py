@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from mmsplit import shm
+from mmsplit import devices, shm
 from mmsplit.serving import setup_logging
 from scheduler_svc.collective import Rendezvous, TorchCollective, init_group, pick_device
 from scheduler_svc.engine import Engine
@@ -49,6 +49,7 @@ def bootstrap(settings: SchedulerSettings, rendezvous: Rendezvous | None) -> Boo
         startup_timeout_s=settings.startup_timeout_s,
     )
     torch.set_num_threads(max(1, torch.get_num_threads() // dist.get_world_size()))
+    devices.configure(settings.cuda_ipc_backend)
     device = pick_device(settings.device)
     dtype = model_dtype(settings.dtype, device)
     model = load_model(settings.model_dir, world_size=dist.get_world_size(), device=device, dtype=dtype)

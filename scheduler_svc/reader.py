@@ -39,6 +39,12 @@ class SharedMemoryReader:
         self.max_bytes = max_bytes
 
     def read(self, request_id: str, spec: TensorSpec) -> torch.Tensor:
+        if spec.cuda is not None:
+            # Straight from the exporter's GPU pool into this rank's device.
+            like = (
+                torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+            )
+            return spec.read_device(like).view(TORCH_DTYPES[spec.dtype]).reshape(spec.shape)
         raw = torch.empty(spec.nbytes, dtype=torch.uint8)
         out = memoryview(raw.numpy())  # type: ignore[arg-type]
         spec.read_into(out, prefix=self.prefix, max_bytes=self.max_bytes)

@@ -26,7 +26,7 @@ import grpc
 import torch
 import torch.distributed as dist
 
-from mmsplit import __version__, shm
+from mmsplit import __version__, devices, shm
 from mmsplit.common.v1 import common_pb2
 from mmsplit.errors import InternalError, MmsplitError
 from mmsplit.metrics import ServiceMetrics
@@ -244,15 +244,28 @@ def server_info(
     transports = [common_pb2.TRANSPORT_INLINE]
     if shm_namespace:
         transports.insert(0, common_pb2.TRANSPORT_SHM)
+    uuids = cuda_uuids(settings, shm_namespace)
+    if uuids:
+        transports.insert(0, common_pb2.TRANSPORT_CUDA_IPC)
     return common_pb2.ServerInfo(
         model=info.name,
         tp_size=settings.tp,
         transports=transports,
+        cuda_device_uuids=uuids,
         shm_namespace=shm_namespace,
         shm_prefix=settings.shm_prefix,
         version=__version__,
         kv_budget_tokens=kv_budget_tokens,
     )
+
+
+def cuda_uuids(settings: SchedulerSettings, shm_namespace: str) -> list[str]:
+    """GPUs whose CUDA IPC handles every rank can open: the backend's, when
+    every rank is on this host (local launch) and shares its /dev/shm (where
+    the pools' lease maps are); else none."""
+    if settings.launch != "local" or not shm_namespace:
+        return []
+    return devices.current().uuids()
 
 
 def kv_budget(settings: SchedulerSettings, info: ModelInfo, itemsize: int) -> int:
@@ -322,9 +335,10 @@ async def _serve(
     if settings.health_port:
         probes, probe_port = await health_server("0.0.0.0", settings.health_port, health)
         log.info("health alone on port %d", probe_port)
-    frontend = Frontend(step_loop, settings, info)
+    described = server_info(settings, info, boot.shm_namespace, budget)
+    frontend = Frontend(step_loop, settings, info, cuda_uuids=frozenset(described.cuda_device_uuids))
     metrics = _metrics(settings, step_loop)
-    servicer = SchedulerServicer(frontend, server_info(settings, info, boot.shm_namespace, budget), step_loop, metrics)
+    servicer = SchedulerServicer(frontend, described, step_loop, metrics)
     scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(servicer, server)
     await server.start()
     log.info("scheduler listening on %s:%d (tp=%d, model=%s)", settings.host, port, settings.tp, info.name)

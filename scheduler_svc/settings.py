@@ -89,6 +89,11 @@ class SchedulerSettings:
         "NOT_SERVING, exit 1), at any TP size; allow for the longest prefill the limits admit",
         min=0.1,
     )
+    cuda_ipc_backend: str = _opt(
+        "mmsplit.devices:cuda_backend",
+        "module:factory of what opens CUDA IPC handles (tests substitute a fake device); the transport is "
+        "offered when it reports GPUs and every rank is on this host (--launch local)",
+    )
     tensor_reader: str = _opt(
         "",
         "'module:factory' building each rank's tensor reader (scheduler_svc/reader.py); empty = shared memory/inline",

@@ -63,11 +63,35 @@ def backend_targets(setting: str) -> tuple[list[str], str]:
     return list(dict.fromkeys(targets)), ""
 
 
+def choose_transport(info: common_pb2.ServerInfo, namespace: str, prefix: str, gpu_uuid: str) -> common_pb2.Transport:
+    """The transport of tensors towards a scheduler that describes itself as
+    `info`: CUDA IPC when it can open handles of our staging pool's GPU and
+    shares our /dev/shm (where the pool's lease map is); else shared memory
+    when it shares our /dev/shm and prefix; else inline bytes."""
+    same_memory = info.shm_namespace == namespace and info.shm_prefix == prefix
+    if (
+        gpu_uuid
+        and same_memory
+        and gpu_uuid in info.cuda_device_uuids
+        and common_pb2.TRANSPORT_CUDA_IPC in info.transports
+    ):
+        return common_pb2.TRANSPORT_CUDA_IPC
+    if same_memory and common_pb2.TRANSPORT_SHM in info.transports:
+        return common_pb2.TRANSPORT_SHM
+    return common_pb2.TRANSPORT_INLINE
+
+
 class SchedulerLink:
     """One backend: a scheduler group at one address."""
 
     def __init__(
-        self, settings: TokenizerSettings, security: ClientSecurity, target: str, *, server_name: str = ""
+        self,
+        settings: TokenizerSettings,
+        security: ClientSecurity,
+        target: str,
+        *,
+        server_name: str = "",
+        gpu_uuid: str = "",
     ) -> None:
         self.settings = settings
         self.target = target
@@ -95,6 +119,8 @@ class SchedulerLink:
         self.info: common_pb2.ServerInfo | None = None
         self.transport = common_pb2.TRANSPORT_UNSPECIFIED
         self._namespace = shm.namespace_id()
+        # The GPU of this tokenizer's CUDA-IPC staging pool ("" without one).
+        self.gpu_uuid = gpu_uuid
 
     @property
     def connected(self) -> bool:
@@ -118,12 +144,7 @@ class SchedulerLink:
             self.info = None
             return False
         info = reply.info
-        same_memory = info.shm_namespace == self._namespace and info.shm_prefix == self.settings.shm_prefix
-        transport = (
-            common_pb2.TRANSPORT_SHM
-            if same_memory and common_pb2.TRANSPORT_SHM in info.transports
-            else common_pb2.TRANSPORT_INLINE
-        )
+        transport = choose_transport(info, self._namespace, self.settings.shm_prefix, self.gpu_uuid)
         if self.info is None or transport != self.transport:
             log.info(
                 "scheduler %s: model %s, tp %d; tensors go by %s",
@@ -159,11 +180,19 @@ class SchedulerLink:
 class Schedulers:
     """Every backend `--scheduler` names; `pick` chooses one per request."""
 
-    def __init__(self, settings: TokenizerSettings, security: ClientSecurity) -> None:
-        self.settings, self.security = settings, security
+    def __init__(self, settings: TokenizerSettings, security: ClientSecurity, *, gpu_uuid: str = "") -> None:
+        self.settings, self.security, self.gpu_uuid = settings, security, gpu_uuid
         targets, self._dns = backend_targets(settings.scheduler)
-        self.links: dict[str, SchedulerLink] = {t: SchedulerLink(settings, security, t) for t in targets}
+        self.links: dict[str, SchedulerLink] = {
+            t: SchedulerLink(settings, security, t, gpu_uuid=gpu_uuid) for t in targets
+        }
         self._turn = itertools.count()
+
+    def set_gpu(self, gpu_uuid: str) -> None:
+        """The GPU of our staging pool (at start, before any backend is asked)."""
+        self.gpu_uuid = gpu_uuid
+        for link in self.links.values():
+            link.gpu_uuid = gpu_uuid
 
     @property
     def connected(self) -> bool:
@@ -207,7 +236,9 @@ class Schedulers:
         targets = {_target(str(addr[4][0]), int(port)) for addr in found}
         for target in targets - set(self.links):
             log.info("scheduler backend %s (from %s) added", target, self._dns)
-            self.links[target] = SchedulerLink(self.settings, self.security, target, server_name=host)
+            self.links[target] = SchedulerLink(
+                self.settings, self.security, target, server_name=host, gpu_uuid=self.gpu_uuid
+            )
         for target in set(self.links) - targets:
             link = self.links[target]
             if link.inflight == 0:  # else kept until its requests end (a later pass)

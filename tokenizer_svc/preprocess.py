@@ -99,7 +99,8 @@ class ItemTensor:
     nbytes: int
     segment: str | None = None
     inline: bytes | None = None
-    offset: int = 0  # in a slab
+    offset: int = 0  # in a slab, or in the GPU pool (then `segment` is its lease map)
+    device: bool = False  # in the GPU staging pool (CUDA IPC)
 
     @property
     def slice(self) -> shm.Slice | None:

@@ -22,7 +22,7 @@ from typing import Any
 
 import grpc
 
-from mmsplit import __version__, families, shm
+from mmsplit import __version__, devices, families, shm
 from mmsplit.common.v1 import common_pb2
 from mmsplit.errors import InternalError, MmsplitError
 from mmsplit.metrics import ServiceMetrics
@@ -84,6 +84,11 @@ def _metrics(settings: TokenizerSettings, service: TokenizerService, pool: CpuPo
         "shm_slab_used_bytes",
         "Bytes of the slab that requests hold now",
         lambda: service.slab.used_bytes() if service.slab else 0,
+    )
+    metrics.gauge(
+        "cuda_ipc_pool_used_bytes",
+        "Bytes of the GPU staging pool (CUDA IPC) that requests hold now (0 without a pool)",
+        lambda: service.device_pool.used_bytes() if service.device_pool else 0,
     )
     metrics.counters(
         lambda: {
@@ -154,7 +159,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
     ) -> tokenizer_pb2.GetServerInfoResponse:
         link = self.service.link
         primary = link.primary
-        slab = self.service.slab
+        slab, gpu = self.service.slab, self.service.device_pool
         return tokenizer_pb2.GetServerInfoResponse(
             info=common_pb2.ServerInfo(
                 model=self.settings.model_dir.name,
@@ -168,6 +173,9 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
                 preprocess_cache_bytes=self.service.cache.bytes,
                 shm_slab_bytes=slab.size if slab else 0,
                 shm_slab_used_bytes=slab.used_bytes() if slab else 0,
+                cuda_device_uuids=[gpu.uuid] if gpu else [],
+                cuda_ipc_pool_bytes=gpu.size if gpu else 0,
+                cuda_ipc_pool_used_bytes=gpu.used_bytes() if gpu else 0,
             ),
             scheduler=primary.info if primary else None,
             transport=primary.transport if primary else common_pb2.TRANSPORT_UNSPECIFIED,
@@ -248,6 +256,12 @@ async def _serve(settings: TokenizerSettings, security: ServerSecurity, downstre
     media = MediaLoader(settings)
     link = Schedulers(settings, downstream)
     service = TokenizerService(settings, family, tokenizer, media, pool, link, chat_template=template)
+    try:
+        backend = await asyncio.to_thread(devices.configure, settings.cuda_ipc_backend)
+        gpu_uuid = await asyncio.to_thread(service.start_device_pool, backend)
+    except (OSError, RuntimeError, shm.SegmentError) as exc:  # no room on the GPU, or in /dev/shm for its lease map
+        raise SystemExit(f"mmsplit tokenizer: the GPU staging pool could not be made: {exc}") from exc
+    link.set_gpu(gpu_uuid)
 
     server, port = await new_server(
         host=settings.host,

@@ -22,12 +22,12 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from mmsplit import families, shm, slab
+from mmsplit import devices, families, shm, slab
 from mmsplit.common.v1 import common_pb2
 from mmsplit.errors import E, RemoteError
 from mmsplit.sampling import Sampling
 from mmsplit.scheduler.v1 import scheduler_pb2
-from mmsplit.tensors import NUMPY_TO_DTYPE, TensorSpec
+from mmsplit.tensors import NUMPY_TO_DTYPE, CudaRef, TensorSpec
 from mmsplit.tokenizer.v1 import tokenizer_pb2
 from tokenizer_svc.cache import PreprocessCache, fingerprint
 from tokenizer_svc.detokenize import IncrementalDecoder, StopMatcher
@@ -98,6 +98,8 @@ class TokenizerService:
         # Created on the first shared-memory request (`_slab_ref`): a
         # tokenizer whose schedulers all take bytes inline never touches /dev/shm.
         self.slab: slab.Slab | None = None
+        # The GPU staging pool of the CUDA-IPC transport (`start_device_pool`).
+        self.device_pool: devices.DevicePool | None = None
         self._slab_lock = asyncio.Lock()
         self._slab_failed = False
         # Downstream request ids: unique to this process's life, so clients
@@ -198,7 +200,7 @@ class TokenizerService:
         assigned: Assigned,
         transport: int,
     ) -> AsyncGenerator[tokenizer_pb2.GenerateResponse, None]:
-        prepared = await self._prepare_media(request, rid, inline=transport != common_pb2.TRANSPORT_SHM)
+        prepared = await self._prepare_media(request, rid, transport)
         results = [p.result for p in prepared]
         owned = [segment for r in results for segment in r.segments]
         self.held.update(owned)
@@ -334,12 +336,12 @@ class TokenizerService:
         if len(request.videos) > s.max_videos_per_request:
             raise InvalidRequest(f"{len(request.videos)} videos, at most {s.max_videos_per_request}")
 
-    async def _prepare_media(self, request: tokenizer_pb2.GenerateRequest, rid: str, *, inline: bool) -> list[Prepared]:
+    async def _prepare_media(self, request: tokenizer_pb2.GenerateRequest, rid: str, transport: int) -> list[Prepared]:
         """Every image and video fetched, preprocessed and locked, or none
         held: on any failure or cancellation the others' work is awaited and
         released. In request order: the images, then the videos."""
         media = [*request.images, *request.videos]
-        tasks = [asyncio.create_task(self._one(medium, rid, inline)) for medium in media]
+        tasks = [asyncio.create_task(self._one(medium, rid, transport)) for medium in media]
         if not tasks:
             return []
         try:
@@ -374,13 +376,29 @@ class TokenizerService:
             return None
         return SlabRef(self.slab.name, self.slab.max_slice, s.shm_slab_wait_s)
 
+    def start_device_pool(self, backend: devices.Backend) -> str:
+        """Create the CUDA-IPC staging pool when the backend has a GPU and a
+        pool size is set; its GPU's UUID ("" for none)."""
+        s = self.settings
+        if not s.cuda_ipc_pool_bytes or not backend.uuids():
+            return ""
+        self.device_pool = devices.DevicePool(backend, s.shm_prefix, self._pid, s.cuda_ipc_pool_bytes)
+        log.info("GPU staging pool of %d bytes on %s (CUDA IPC)", self.device_pool.size, self.device_pool.uuid)
+        return self.device_pool.uuid
+
     def close_slab(self) -> None:
-        """Remove the slab (at shutdown, once no request is left)."""
+        """Remove the slab and the GPU pool (at shutdown, once no request is left)."""
         if self.slab is not None:
             self.slab.close()
+        if self.device_pool is not None:
+            self.device_pool.close()
 
-    async def _one(self, medium: tokenizer_pb2.Image | tokenizer_pb2.Video, rid: str, inline: bool) -> Prepared:
+    async def _one(self, medium: tokenizer_pb2.Image | tokenizer_pb2.Video, rid: str, transport: int) -> Prepared:
         data = await self.media.load(medium)  # IO pool, its own timeouts
+        # CUDA IPC: the worker returns bytes (as for inline) and this process
+        # stages them in its GPU pool (`_stage`).
+        stage = transport == common_pb2.TRANSPORT_CUDA_IPC
+        inline = transport != common_pb2.TRANSPORT_SHM
         slab_ref = None if inline else await self._slab_ref()
         s = self.settings
         # A scheduler that does not share our /dev/shm gets the bytes inline
@@ -412,6 +430,10 @@ class TokenizerService:
             self.preprocessed += 1
             self.preprocess_s += time.perf_counter() - started
             result = dataclasses.replace(result, content_hash=key[:16])
+        if stage:
+            if self.cache.enabled and cached is None:
+                self.cache.put(key, result)  # inline: the bytes the worker returned
+            return self._hold(await self._off_loop(self._stage, result))
         prepared = self._hold(result)
         if self.cache.enabled and cached is None:
             try:
@@ -482,6 +504,31 @@ class TokenizerService:
             raise
         return dataclasses.replace(cached, tensors=tuple(tensors))
 
+    def _stage(self, result: ItemResult) -> ItemResult:
+        """`result`'s encoder inputs copied into ranges of the GPU pool (the
+        ranges held by this process's hand-off until `_hold` takes them, as
+        a worker's slab slices are). A full pool is OVERLOADED."""
+        pool = self.device_pool
+        if pool is None:
+            raise InternalError("CUDA IPC was chosen without a staging pool")
+        tensors: list[ItemTensor] = []
+        try:
+            for t in result.tensors:
+                data = t.inline
+                if families.is_encoder_input(t.name) and data is not None:
+                    try:
+                        held = pool.put(memoryview(data), wait_s=self.settings.shm_slab_wait_s)
+                    except slab.SlabFull as exc:
+                        raise Overloaded(f"the GPU staging pool has no room now ({exc})") from exc
+                    hand_off(held)
+                    piece = held.slice
+                    t = dataclasses.replace(t, segment=piece.segment, offset=piece.offset, inline=None, device=True)
+                tensors.append(t)
+        except BaseException:
+            dataclasses.replace(result, tensors=tuple(tensors)).abandon(self.settings.shm_prefix)
+            raise
+        return dataclasses.replace(result, tensors=tuple(tensors))
+
     def _as_bytes(self, result: ItemResult) -> ItemResult:
         """`result` with every tensor inline (what the cache keeps)."""
         tensors = [
@@ -537,6 +584,9 @@ class TokenizerService:
         dtype = NUMPY_TO_DTYPE[t.dtype]
         if t.segment is None:
             return TensorSpec(dtype, t.shape, inline=t.inline).to_pb()
+        if t.device and self.device_pool is not None:
+            cuda = CudaRef(self.device_pool.handle, self.device_pool.uuid, shm.Slice(t.segment, t.offset, t.nbytes))
+            return TensorSpec(dtype, t.shape, cuda=cuda).to_pb()
         if transport == common_pb2.TRANSPORT_SHM:
             return TensorSpec(dtype, t.shape, shm=shm.Slice(t.segment, t.offset, t.nbytes)).to_pb()
         return TensorSpec(dtype, t.shape, inline=self._read(t)).to_pb()

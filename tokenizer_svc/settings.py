@@ -49,6 +49,15 @@ class TokenizerSettings:
     shm_slab_wait_s: float = _opt(
         1.0, "how long a tensor waits for room in a full slab; beyond this, OVERLOADED (retriable)", min=0
     )
+    cuda_ipc_pool_bytes: int = _opt(
+        256 * 1024 * 1024,
+        "size of the GPU staging pool pixel tensors are handed over from by CUDA IPC, when the device backend "
+        "reports a GPU (used with schedulers that can open handles of it); 0 = no CUDA IPC",
+        min=0,
+    )
+    cuda_ipc_backend: str = _opt(
+        "mmsplit.devices:cuda_backend", "module:factory of the device backend (tests substitute a fake device)"
+    )
     cpu_workers: int = _opt(2, "processes decoding and preprocessing images", min=1)
     io_threads: int = _opt(4, "threads reading image files (under --allowed-media-dir)", min=1)
     fetch_connections: int = _opt(100, "connections open to origins at once, all requests together", min=1)

@@ -5,9 +5,6 @@ from __future__ import annotations
 import fcntl
 import itertools
 import os
-import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -18,6 +15,7 @@ import pytest
 from mmsplit import shm, slab
 from mmsplit.common.v1 import common_pb2
 from mmsplit.tensors import TensorSpec
+from tests.support.holder import killed_after
 from tests.support.leaks import PROJECT_PREFIX, wait_until
 
 PREFIX = PROJECT_PREFIX + "slab"  # this file's own, in this test process's
@@ -132,19 +130,12 @@ def test_a_range_being_written_cannot_be_taken(owned: slab.Slab) -> None:
 
 def test_a_writer_killed_holding_a_slice_frees_it(owned: slab.Slab) -> None:
     """Locks vanish with their process: no janitor, no timeout."""
-    code = (
-        "import os, sys, numpy as np; from mmsplit import slab; "
-        f"slab.write({owned.name!r}, {PREFIX!r}, memoryview(np.ones(500_000, np.uint8)), wait_s=0); "
-        "print('held', flush=True); sys.stdin.read()"
+    write = (
+        "import numpy as np; from mmsplit import slab; "
+        f"slab.write({owned.name!r}, {PREFIX!r}, memoryview(np.ones(500_000, np.uint8)), wait_s=0)"
     )
-    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        assert child.stdout is not None
-        assert child.stdout.readline().strip() == "held"
+    with killed_after(write):
         assert owned.used_bytes() == 8 * slab.PAGE
-    finally:
-        child.send_signal(signal.SIGKILL)
-        child.wait()
     assert owned.used_bytes() == 0
 
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1emmsplit/common/v1/common.proto\x12\x11mmsplit.common.v1\";\n\x08ShmSlice\x12\x0f\n\x07segment\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\"T\n\rCudaIpcHandle\x12\x0e\n\x06handle\x18\x01 \x01(\x0c\x12\x13\n\x0b\x64\x65vice_uuid\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\"\xc3\x01\n\tTensorRef\x12\'\n\x05\x64type\x18\x01 \x01(\x0e\x32\x18.mmsplit.common.v1.Dtype\x12\r\n\x05shape\x18\x02 \x03(\x03\x12*\n\x03shm\x18\x03 \x01(\x0b\x32\x1b.mmsplit.common.v1.ShmSliceH\x00\x12\x34\n\x08\x63uda_ipc\x18\x04 \x01(\x0b\x32 .mmsplit.common.v1.CudaIpcHandleH\x00\x12\x10\n\x06inline\x18\x05 \x01(\x0cH\x00\x42\n\n\x08location\"2\n\x10PlaceholderRange\x12\x0e\n\x06offset\x18\x01 \x01(\r\x12\x0e\n\x06length\x18\x02 \x01(\r\"\x9f\x02\n\x0eMultimodalItem\x12-\n\x08modality\x18\x01 \x01(\x0e\x32\x1b.mmsplit.common.v1.Modality\x12?\n\x07tensors\x18\x02 \x03(\x0b\x32..mmsplit.common.v1.MultimodalItem.TensorsEntry\x12\x39\n\x0cplaceholders\x18\x03 \x03(\x0b\x32#.mmsplit.common.v1.PlaceholderRange\x12\x14\n\x0c\x63ontent_hash\x18\x04 \x01(\x0c\x1aL\n\x0cTensorsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12+\n\x05value\x18\x02 \x01(\x0b\x32\x1c.mmsplit.common.v1.TensorRef:\x02\x38\x01\"\xae\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\x0c\n\x04seed\x18\x03 \x01(\x04\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x05 \x01(\r\x12\x12\n\nmin_tokens\x18\x06 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x0c\n\x04stop\x18\x08 \x03(\tB\x08\n\x06_top_p\"\x8d\x04\n\nServerInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07tp_size\x18\x02 \x01(\r\x12\x30\n\ntransports\x18\x03 \x03(\x0e\x32\x1c.mmsplit.common.v1.Transport\x12\x15\n\rshm_namespace\x18\x04 \x01(\t\x12\x12\n\nshm_prefix\x18\x05 \x01(\t\x12\x0f\n\x07version\x18\x06 \x01(\t\x12\x1c\n\x14rank_active_requests\x18\x07 \x03(\r\x12\x18\n\x10running_requests\x18\x08 \x01(\r\x12\x17\n\x0fqueued_requests\x18\t \x01(\r\x12\x18\n\x10kv_budget_tokens\x18\n \x01(\x04\x12\x1a\n\x12kv_reserved_tokens\x18\x0b \x01(\x04\x12\x1d\n\x15preprocess_cache_hits\x18\x0c \x01(\x04\x12\x1f\n\x17preprocess_cache_misses\x18\r \x01(\x04\x12\x1e\n\x16preprocess_cache_bytes\x18\x0e \x01(\x04\x12\x1a\n\x12\x65ncoder_cache_hits\x18\x0f \x01(\x04\x12\x1c\n\x14\x65ncoder_cache_misses\x18\x10 \x01(\x04\x12\x1b\n\x13\x65ncoder_cache_bytes\x18\x11 \x01(\x04\x12\x16\n\x0eshm_slab_bytes\x18\x12 \x01(\x04\x12\x1b\n\x13shm_slab_used_bytes\x18\x13 \x01(\x04*\xe1\x04\n\tErrorCode\x12\x1a\n\x16\x45RROR_CODE_UNSPECIFIED\x10\x00\x12\x1e\n\x1a\x45RROR_CODE_INVALID_REQUEST\x10\x01\x12\"\n\x1e\x45RROR_CODE_MEDIA_DECODE_FAILED\x10\x02\x12 \n\x1c\x45RROR_CODE_MEDIA_UNSUPPORTED\x10\x03\x12\x1e\n\x1a\x45RROR_CODE_MEDIA_TOO_LARGE\x10\x04\x12\x1e\n\x1a\x45RROR_CODE_MEDIA_NOT_FOUND\x10\x05\x12%\n!ERROR_CODE_MEDIA_SOURCE_FORBIDDEN\x10\x06\x12!\n\x1d\x45RROR_CODE_MEDIA_FETCH_FAILED\x10\x07\x12!\n\x1d\x45RROR_CODE_PREPROCESS_TIMEOUT\x10\x08\x12(\n$ERROR_CODE_PREPROCESS_WORKER_CRASHED\x10\t\x12\x19\n\x15\x45RROR_CODE_OVERLOADED\x10\n\x12\'\n#ERROR_CODE_FEATURE_TRANSPORT_FAILED\x10\x0b\x12$\n ERROR_CODE_SCHEDULER_UNAVAILABLE\x10\x0c\x12\x18\n\x14\x45RROR_CODE_CANCELLED\x10\r\x12\x17\n\x13\x45RROR_CODE_INTERNAL\x10\x0e\x12 \n\x1c\x45RROR_CODE_DEADLINE_EXCEEDED\x10\x0f\x12\x1c\n\x18\x45RROR_CODE_SHUTTING_DOWN\x10\x10\x12\x1e\n\x1a\x45RROR_CODE_UNAUTHENTICATED\x10\x11*z\n\x05\x44type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03\x12\x0f\n\x0b\x44TYPE_UINT8\x10\x04\x12\x0f\n\x0b\x44TYPE_INT64\x10\x05*g\n\tTransport\x12\x19\n\x15TRANSPORT_UNSPECIFIED\x10\x00\x12\x11\n\rTRANSPORT_SHM\x10\x01\x12\x16\n\x12TRANSPORT_CUDA_IPC\x10\x02\x12\x14\n\x10TRANSPORT_INLINE\x10\x03*`\n\x08Modality\x12\x18\n\x14MODALITY_UNSPECIFIED\x10\x00\x12\x12\n\x0eMODALITY_IMAGE\x10\x01\x12\x12\n\x0eMODALITY_VIDEO\x10\x02\x12\x12\n\x0eMODALITY_AUDIO\x10\x03*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1emmsplit/common/v1/common.proto\x12\x11mmsplit.common.v1\";\n\x08ShmSlice\x12\x0f\n\x07segment\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\"c\n\rCudaIpcHandle\x12\x0e\n\x06handle\x18\x01 \x01(\x0c\x12\x13\n\x0b\x64\x65vice_uuid\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\x12\r\n\x05lease\x18\x05 \x01(\t\"\xc3\x01\n\tTensorRef\x12\'\n\x05\x64type\x18\x01 \x01(\x0e\x32\x18.mmsplit.common.v1.Dtype\x12\r\n\x05shape\x18\x02 \x03(\x03\x12*\n\x03shm\x18\x03 \x01(\x0b\x32\x1b.mmsplit.common.v1.ShmSliceH\x00\x12\x34\n\x08\x63uda_ipc\x18\x04 \x01(\x0b\x32 .mmsplit.common.v1.CudaIpcHandleH\x00\x12\x10\n\x06inline\x18\x05 \x01(\x0cH\x00\x42\n\n\x08location\"2\n\x10PlaceholderRange\x12\x0e\n\x06offset\x18\x01 \x01(\r\x12\x0e\n\x06length\x18\x02 \x01(\r\"\x9f\x02\n\x0eMultimodalItem\x12-\n\x08modality\x18\x01 \x01(\x0e\x32\x1b.mmsplit.common.v1.Modality\x12?\n\x07tensors\x18\x02 \x03(\x0b\x32..mmsplit.common.v1.MultimodalItem.TensorsEntry\x12\x39\n\x0cplaceholders\x18\x03 \x03(\x0b\x32#.mmsplit.common.v1.PlaceholderRange\x12\x14\n\x0c\x63ontent_hash\x18\x04 \x01(\x0c\x1aL\n\x0cTensorsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12+\n\x05value\x18\x02 \x01(\x0b\x32\x1c.mmsplit.common.v1.TensorRef:\x02\x38\x01\"\xae\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\x0c\n\x04seed\x18\x03 \x01(\x04\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x05 \x01(\r\x12\x12\n\nmin_tokens\x18\x06 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x0c\n\x04stop\x18\x08 \x03(\tB\x08\n\x06_top_p\"\xe7\x04\n\nServerInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07tp_size\x18\x02 \x01(\r\x12\x30\n\ntransports\x18\x03 \x03(\x0e\x32\x1c.mmsplit.common.v1.Transport\x12\x15\n\rshm_namespace\x18\x04 \x01(\t\x12\x12\n\nshm_prefix\x18\x05 \x01(\t\x12\x0f\n\x07version\x18\x06 \x01(\t\x12\x1c\n\x14rank_active_requests\x18\x07 \x03(\r\x12\x18\n\x10running_requests\x18\x08 \x01(\r\x12\x17\n\x0fqueued_requests\x18\t \x01(\r\x12\x18\n\x10kv_budget_tokens\x18\n \x01(\x04\x12\x1a\n\x12kv_reserved_tokens\x18\x0b \x01(\x04\x12\x1d\n\x15preprocess_cache_hits\x18\x0c \x01(\x04\x12\x1f\n\x17preprocess_cache_misses\x18\r \x01(\x04\x12\x1e\n\x16preprocess_cache_bytes\x18\x0e \x01(\x04\x12\x1a\n\x12\x65ncoder_cache_hits\x18\x0f \x01(\x04\x12\x1c\n\x14\x65ncoder_cache_misses\x18\x10 \x01(\x04\x12\x1b\n\x13\x65ncoder_cache_bytes\x18\x11 \x01(\x04\x12\x16\n\x0eshm_slab_bytes\x18\x12 \x01(\x04\x12\x1b\n\x13shm_slab_used_bytes\x18\x13 \x01(\x04\x12\x19\n\x11\x63uda_device_uuids\x18\x14 \x03(\t\x12\x1b\n\x13\x63uda_ipc_pool_bytes\x18\x15 \x01(\x04\x12 \n\x18\x63uda_ipc_pool_used_bytes\x18\x16 \x01(\x04*\xe1\x04\n\tErrorCode\x12\x1a\n\x16\x45RROR_CODE_UNSPECIFIED\x10\x00\x12\x1e\n\x1a\x45RROR_CODE_INVALID_REQUEST\x10\x01\x12\"\n\x1e\x45RROR_CODE_MEDIA_DECODE_FAILED\x10\x02\x12 \n\x1c\x45RROR_CODE_MEDIA_UNSUPPORTED\x10\x03\x12\x1e\n\x1a\x45RROR_CODE_MEDIA_TOO_LARGE\x10\x04\x12\x1e\n\x1a\x45RROR_CODE_MEDIA_NOT_FOUND\x10\x05\x12%\n!ERROR_CODE_MEDIA_SOURCE_FORBIDDEN\x10\x06\x12!\n\x1d\x45RROR_CODE_MEDIA_FETCH_FAILED\x10\x07\x12!\n\x1d\x45RROR_CODE_PREPROCESS_TIMEOUT\x10\x08\x12(\n$ERROR_CODE_PREPROCESS_WORKER_CRASHED\x10\t\x12\x19\n\x15\x45RROR_CODE_OVERLOADED\x10\n\x12\'\n#ERROR_CODE_FEATURE_TRANSPORT_FAILED\x10\x0b\x12$\n ERROR_CODE_SCHEDULER_UNAVAILABLE\x10\x0c\x12\x18\n\x14\x45RROR_CODE_CANCELLED\x10\r\x12\x17\n\x13\x45RROR_CODE_INTERNAL\x10\x0e\x12 \n\x1c\x45RROR_CODE_DEADLINE_EXCEEDED\x10\x0f\x12\x1c\n\x18\x45RROR_CODE_SHUTTING_DOWN\x10\x10\x12\x1e\n\x1a\x45RROR_CODE_UNAUTHENTICATED\x10\x11*z\n\x05\x44type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03\x12\x0f\n\x0b\x44TYPE_UINT8\x10\x04\x12\x0f\n\x0b\x44TYPE_INT64\x10\x05*g\n\tTransport\x12\x19\n\x15TRANSPORT_UNSPECIFIED\x10\x00\x12\x11\n\rTRANSPORT_SHM\x10\x01\x12\x16\n\x12TRANSPORT_CUDA_IPC\x10\x02\x12\x14\n\x10TRANSPORT_INLINE\x10\x03*`\n\x08Modality\x12\x18\n\x14MODALITY_UNSPECIFIED\x10\x00\x12\x12\n\x0eMODALITY_IMAGE\x10\x01\x12\x12\n\x0eMODALITY_VIDEO\x10\x02\x12\x12\n\x0eMODALITY_AUDIO\x10\x03*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,30 +33,30 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_MULTIMODALITEM_TENSORSENTRY']._loaded_options = None
   _globals['_MULTIMODALITEM_TENSORSENTRY']._serialized_options = b'8\001'
-  _globals['_ERRORCODE']._serialized_start=1446
-  _globals['_ERRORCODE']._serialized_end=2055
-  _globals['_DTYPE']._serialized_start=2057
-  _globals['_DTYPE']._serialized_end=2179
-  _globals['_TRANSPORT']._serialized_start=2181
-  _globals['_TRANSPORT']._serialized_end=2284
-  _globals['_MODALITY']._serialized_start=2286
-  _globals['_MODALITY']._serialized_end=2382
-  _globals['_FINISHREASON']._serialized_start=2384
-  _globals['_FINISHREASON']._serialized_end=2479
+  _globals['_ERRORCODE']._serialized_start=1551
+  _globals['_ERRORCODE']._serialized_end=2160
+  _globals['_DTYPE']._serialized_start=2162
+  _globals['_DTYPE']._serialized_end=2284
+  _globals['_TRANSPORT']._serialized_start=2286
+  _globals['_TRANSPORT']._serialized_end=2389
+  _globals['_MODALITY']._serialized_start=2391
+  _globals['_MODALITY']._serialized_end=2487
+  _globals['_FINISHREASON']._serialized_start=2489
+  _globals['_FINISHREASON']._serialized_end=2584
   _globals['_SHMSLICE']._serialized_start=53
   _globals['_SHMSLICE']._serialized_end=112
   _globals['_CUDAIPCHANDLE']._serialized_start=114
-  _globals['_CUDAIPCHANDLE']._serialized_end=198
-  _globals['_TENSORREF']._serialized_start=201
-  _globals['_TENSORREF']._serialized_end=396
-  _globals['_PLACEHOLDERRANGE']._serialized_start=398
-  _globals['_PLACEHOLDERRANGE']._serialized_end=448
-  _globals['_MULTIMODALITEM']._serialized_start=451
-  _globals['_MULTIMODALITEM']._serialized_end=738
-  _globals['_MULTIMODALITEM_TENSORSENTRY']._serialized_start=662
-  _globals['_MULTIMODALITEM_TENSORSENTRY']._serialized_end=738
-  _globals['_SAMPLINGPARAMS']._serialized_start=741
-  _globals['_SAMPLINGPARAMS']._serialized_end=915
-  _globals['_SERVERINFO']._serialized_start=918
-  _globals['_SERVERINFO']._serialized_end=1443
+  _globals['_CUDAIPCHANDLE']._serialized_end=213
+  _globals['_TENSORREF']._serialized_start=216
+  _globals['_TENSORREF']._serialized_end=411
+  _globals['_PLACEHOLDERRANGE']._serialized_start=413
+  _globals['_PLACEHOLDERRANGE']._serialized_end=463
+  _globals['_MULTIMODALITEM']._serialized_start=466
+  _globals['_MULTIMODALITEM']._serialized_end=753
+  _globals['_MULTIMODALITEM_TENSORSENTRY']._serialized_start=677
+  _globals['_MULTIMODALITEM_TENSORSENTRY']._serialized_end=753
+  _globals['_SAMPLINGPARAMS']._serialized_start=756
+  _globals['_SAMPLINGPARAMS']._serialized_end=930
+  _globals['_SERVERINFO']._serialized_start=933
+  _globals['_SERVERINFO']._serialized_end=1548
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,119 @@
+"""The CUDA-IPC transport's protocol on CPU, with the fake device
+(`tests/support/fake_device.py`): the pool and its lease map, references
+and their checks, the release, the transport choice, the handle codec."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+
+from mmsplit import devices, shm, slab
+from mmsplit.common.v1 import common_pb2
+from mmsplit.tensors import CudaRef, InvalidTensorRef, TensorSpec, TensorTransportFailed
+from tests.support import fake_device
+from tests.support.holder import killed_after
+from tests.support.leaks import PROJECT_PREFIX
+from tokenizer_svc.downstream import choose_transport
+
+PREFIX = PROJECT_PREFIX  # the fake device writes under the test process's prefix
+T = common_pb2
+
+
+@pytest.fixture
+def pool() -> Iterator[devices.DevicePool]:
+    devices.configure("tests.support.fake_device:make")
+    p = devices.DevicePool(devices.current(), PREFIX, os.getpid(), 1 << 20)
+    yield p
+    p.close()
+    devices.configure("")
+
+
+def spec_of(p: devices.DevicePool, held: slab.Held, shape: tuple[int, ...]) -> TensorSpec:
+    return TensorSpec(T.DTYPE_UINT8, shape, cuda=CudaRef(p.handle, p.uuid, held.slice))
+
+
+def test_staged_bytes_reach_the_reader_and_the_range_is_freed_after(pool: devices.DevicePool) -> None:
+    data = np.random.default_rng(1).integers(0, 255, 300_000, dtype=np.uint8)
+    writer = pool.put(memoryview(data), wait_s=0)
+    assert pool.used_bytes() == 5 * slab.PAGE
+    wire = spec_of(pool, writer, (300_000,)).to_pb().SerializeToString()
+    spec = TensorSpec.from_pb(
+        T.TensorRef.FromString(wire), prefix=PREFIX, max_bytes=1 << 30, cuda_uuids=[fake_device.uuid()]
+    )
+    rank0 = spec.lock(PREFIX)  # before Accepted
+    writer.release()  # the tokenizer lets go once it hears Accepted
+    assert np.array_equal(spec.read_device(torch.device("cpu")).numpy(), data)
+    assert pool.used_bytes() == 5 * slab.PAGE
+    spec.release()  # a lease is never unlinked ...
+    assert rank0 is not None
+    rank0.release()  # ... its range is free once its last holder lets go
+    assert pool.used_bytes() == 0
+
+
+def test_a_full_pool_says_so(pool: devices.DevicePool) -> None:
+    held = [pool.put(memoryview(np.zeros(500_000, np.uint8)), wait_s=0) for _ in range(2)]
+    with pytest.raises(slab.SlabFull):
+        pool.put(memoryview(np.zeros(500_000, np.uint8)), wait_s=0.01)
+    for h in held:
+        h.release()
+    assert pool.used_bytes() == 0
+
+
+def test_an_importer_killed_holding_a_range_frees_it(pool: devices.DevicePool) -> None:
+    writer = pool.put(memoryview(np.ones(1000, np.uint8)), wait_s=0)
+    piece = writer.slice
+    args = f"{piece.segment!r}, {piece.offset}, {piece.nbytes}"
+    take = f"from mmsplit import slab, shm; slab.take(shm.Slice({args}), {PREFIX!r})"
+    with killed_after(take):
+        writer.release()
+        assert pool.used_bytes() == slab.PAGE, "the importer holds it"
+    assert pool.used_bytes() == 0
+
+
+def test_references_are_checked(pool: devices.DevicePool) -> None:
+    writer = pool.put(memoryview(np.ones(64, np.uint8)), wait_s=0)
+    try:
+        good = spec_of(pool, writer, (64,)).to_pb()
+        with pytest.raises(InvalidTensorRef, match="not offered"):
+            TensorSpec.from_pb(good, prefix=PREFIX, max_bytes=1 << 20)
+        with pytest.raises(InvalidTensorRef, match="cannot open"):
+            TensorSpec.from_pb(good, prefix=PREFIX, max_bytes=1 << 20, cuda_uuids=["GPU-other"])
+        bad_lease = T.TensorRef()
+        bad_lease.CopyFrom(good)
+        bad_lease.cuda_ipc.lease = shm.new_name(PREFIX, 1)  # a segment's name, not a lease map's
+        with pytest.raises(InvalidTensorRef, match="lease"):
+            TensorSpec.from_pb(bad_lease, prefix=PREFIX, max_bytes=1 << 20, cuda_uuids=[pool.uuid])
+        wrong_size = T.TensorRef()
+        wrong_size.CopyFrom(good)
+        wrong_size.cuda_ipc.nbytes = 65
+        with pytest.raises(InvalidTensorRef, match="nbytes"):
+            TensorSpec.from_pb(wrong_size, prefix=PREFIX, max_bytes=1 << 20, cuda_uuids=[pool.uuid])
+        freed = TensorSpec.from_pb(good, prefix=PREFIX, max_bytes=1 << 20, cuda_uuids=[pool.uuid])
+    finally:
+        writer.release()
+    # Nobody holds the range any more: the reference cannot be taken.
+    with pytest.raises(TensorTransportFailed, match="not held"):
+        freed.lock(PREFIX)
+
+
+def test_cuda_ipc_is_chosen_only_for_the_same_gpu_and_dev_shm() -> None:
+    def info(uuids: list[str], namespace: str = "ns", transports: tuple[int, ...] = (2, 1, 3)) -> T.ServerInfo:
+        return T.ServerInfo(transports=transports, cuda_device_uuids=uuids, shm_namespace=namespace, shm_prefix="p")
+
+    assert choose_transport(info(["G"]), "ns", "p", "G") == T.TRANSPORT_CUDA_IPC
+    assert choose_transport(info(["H"]), "ns", "p", "G") == T.TRANSPORT_SHM
+    assert choose_transport(info(["G"]), "ns", "p", "") == T.TRANSPORT_SHM
+    assert choose_transport(info(["G"], transports=(1, 3)), "ns", "p", "G") == T.TRANSPORT_SHM
+    assert choose_transport(info(["G"], namespace="other"), "ns", "p", "G") == T.TRANSPORT_INLINE
+
+
+def test_handles_are_plain_fields_never_pickles() -> None:
+    fields = (0, b"\x01\x02", 4096, 0, b"ref", 8, b"", False)
+    assert devices._decode(devices._encode(fields)) == fields
+    for bad in (b"\x80\x04K\x01.", b'[{"x": 1}]', b"[[1]]", b"[" + b"1," * 3000 + b"1]"):
+        with pytest.raises(ValueError, match="not a CUDA IPC handle"):
+            devices._decode(bad)
