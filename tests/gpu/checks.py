@@ -12,6 +12,9 @@ written to OUT/summary.txt:
   - NaN pixels, pixels so large the logits are NaN, and a hostile
     temperature each fail their request alone with a typed error, and the
     group keeps serving (same pid, SERVING, the next request succeeds);
+  - the CUDA-IPC hand-off: a tokenizer with a GPU pool is given CUDA IPC,
+    its tokens equal shared memory's, a cancel leaves the pool empty, its
+    SIGKILL leaves the scheduler serving;
   - two ranks on one GPU (TP=2): whether NCCL lets them share the device;
     then a read failure injected on rank 1 fails only its request (the
     agreement over NCCL), and rank 1 SIGKILLed fails the group within a bound.
@@ -282,6 +285,64 @@ def rank_killed(proc: ServiceProcess) -> None:
     report("PASS" if ok else "FAIL", "rank 1 SIGKILLed fails the group cleanly (TP=2)", detail)
 
 
+@check("CUDA IPC hand-off")
+def cuda_ipc(pair, model_dir: Path, logs: Path) -> None:  # type: ignore[no-untyped-def]
+    """A tokenizer with a GPU staging pool on the pair's scheduler: CUDA IPC is
+    chosen, its greedy tokens equal the pair's own tokenizer's with the pool
+    off (shared memory), a cancel leaves the pool's used bytes at 0, and a
+    SIGKILL of that tokenizer leaves the scheduler serving."""
+    import os
+    import signal
+
+    from mmsplit.tokenizer.v1 import tokenizer_pb2
+    from mmsplit_cli.launch import TOKENIZER_SERVICE, tokenizer_args
+
+    def info(address: str):  # type: ignore[no-untyped-def]
+        with grpc.insecure_channel(address) as channel:
+            stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
+            return stub.GetServerInfo(tokenizer_pb2.GetServerInfoRequest(), timeout=5)
+
+    extra = ["--janitor-interval-s", "1", "--segment-grace-s", "1"]
+    tok = ServiceProcess(
+        "tokenizer-ipc", tokenizer_args(model_dir, pair.scheduler_address, extra=extra), logs / "ipc.log"
+    )
+    try:
+        tok.wait_serving(TOKENIZER_SERVICE, 120)
+        got = info(tok.address)
+        if got.transport != common_pb2.TRANSPORT_CUDA_IPC:
+            chosen = common_pb2.Transport.Name(got.transport)
+            gpus = f"scheduler {list(got.scheduler.cuda_device_uuids)}, ours {list(got.info.cuda_device_uuids)}"
+            raise AssertionError(f"transport {chosen}; GPUs: {gpus}")
+        same = 0
+        for seed in range(4):
+            image = samples.good_jpeg(seed=900 + seed)
+            outs = []
+            for address in (tok.address, pair.tokenizer_address):
+                with grpc.insecure_channel(address) as channel:
+                    stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
+                    outs.append(run_request(stub, make_request("Describe it.", [image], max_tokens=8), timeout=60))
+            same += outs[0].ok and outs[0].token_ids == outs[1].token_ids
+        with grpc.insecure_channel(tok.address) as channel:
+            call = tokenizer_pb2_grpc.TokenizerServiceStub(channel).Generate(
+                make_request("Go on.", [samples.good_png(seed=950)], max_tokens=500)
+            )
+            next(iter(call))
+            call.cancel()
+        time.sleep(1.0)
+        used = info(tok.address).info.cuda_ipc_pool_used_bytes
+        os.kill(tok.pid, signal.SIGKILL)
+        time.sleep(3.0)
+        alive = pair.scheduler.proc.poll() is None
+        ok = same == 4 and used == 0 and alive
+        detail = (
+            f"{same}/4 token-identical to shared memory; pool used after a cancel: {used}; "
+            f"scheduler alive after the tokenizer's SIGKILL: {alive}"
+        )
+        report("PASS" if ok else "FAIL", "CUDA IPC hand-off", detail)
+    finally:
+        tok.stop()
+
+
 def main() -> int:
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
@@ -291,7 +352,11 @@ def main() -> int:
     logs = out / "logs"
     logs.mkdir(exist_ok=True)
     started = time.monotonic()
-    with running_pair(model_dir, logs, tp=1, scheduler_extra=["--device", DEVICE, "--dtype", "float32"]) as pair:
+    # The pair's tokenizer sends by shared memory (no GPU pool): the CUDA-IPC
+    # check compares a tokenizer with a pool against it.
+    scheduler = ["--device", DEVICE, "--dtype", "float32"]
+    tokenizer = ["--cuda-ipc-pool-bytes", "0"]
+    with running_pair(model_dir, logs, tp=1, scheduler_extra=scheduler, tokenizer_extra=tokenizer) as pair:
         log = pair.scheduler.log_path.read_text()
         nccl = "nccl group" in log
         report(
@@ -302,6 +367,7 @@ def main() -> int:
         continuous_batching(pair.tokenizer_address, model_dir)
         seeded(pair.tokenizer_address)
         hostile(pair, model_dir)
+        cuda_ipc(pair, model_dir, logs)
     two_ranks_one_gpu(model_dir, logs)
     lines = [f"{s} {n}: {d.splitlines()[0] if d else ''}" for s, n, d in RESULTS]
     lines.append(f"checks took {time.monotonic() - started:.0f} s")
