@@ -64,7 +64,8 @@ def test_500_requests_go_inline_and_the_tokenizer_s_dev_shm_stays_empty(services
         watcher.start()
         # 50 distinct images: 50 go through the workers, the other 450 requests
         # are served from the preprocessing cache (inline as well).
-        images = [samples.good_png(seed=i) for i in range(50)]
+        # Small JPEGs: the tensors are the model's size whatever the file's.
+        images = [samples.encode(samples.gradient(320, 240, seed=i), "JPEG") for i in range(50)]
         try:
             with grpc.insecure_channel(tok.address) as channel:
                 stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)

@@ -35,7 +35,7 @@ from tests.support.services import ENV, start_tokenizer
 
 pytestmark = pytest.mark.e2e
 GROUPS = 3
-IMAGES = [samples.good_png(seed=i) for i in range(6)]
+IMAGES = [samples.encode(samples.gradient(320, 240, seed=i), "JPEG") for i in range(6)]  # small: cheap to send
 
 
 def backends(tokenizer: str) -> dict[str, tokenizer_pb2.SchedulerBackend]:

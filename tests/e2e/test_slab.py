@@ -50,7 +50,9 @@ def test_under_a_2000_request_mixed_load_dev_shm_holds_exactly_the_slab(services
     pid = services.tokenizer.pid
     # 10 % corrupt images, 10 % text only, the rest images: 200 distinct
     # ones (through the workers) and repeats of them (from the cache).
-    images = [samples.good_png(seed=10_000 + i) for i in range(200)]
+    # Small JPEGs (about 20 KB): the pixel tensors are the model's size
+    # whatever the file's, and the client's cost stays small.
+    images = [samples.encode(samples.gradient(320, 240, seed=10_000 + i), "JPEG") for i in range(200)]
     corrupt = samples.good_png(seed=1)[:300]
 
     def request(i: int) -> tokenizer_pb2.GenerateRequest:
@@ -69,7 +71,7 @@ def test_under_a_2000_request_mixed_load_dev_shm_holds_exactly_the_slab(services
         while not done.is_set():
             seen.add(frozenset(segments_of(pid)))
             polls += 1
-            time.sleep(0.002)
+            time.sleep(0.02)
 
     watcher = threading.Thread(target=watch)
     watcher.start()
