@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 import pickle
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -130,9 +131,14 @@ def init_group(*, rendezvous: Rendezvous | None, device: str, timeout_s: float, 
         rank, world = rendezvous.rank, rendezvous.world_size
     store, rank, world = next(dist.rendezvous(url, rank, world, timeout=datetime.timedelta(seconds=startup_timeout_s)))
     store.set_timeout(datetime.timedelta(seconds=timeout_s))
+    if use_cuda:
+        # The device first (NCCL binds its communicator to the current one),
+        # and NCCL's watchdog turns a collective past the timeout into an
+        # error that ends the process, never a hang (torch's default too;
+        # stated here so an environment cannot quietly turn it off).
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "1"
     dist.init_process_group(
         backend, store=store, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s)
     )
-    if use_cuda:
-        torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
     log.info("rank %d/%d joined the %s group", dist.get_rank(), dist.get_world_size(), backend)

@@ -74,7 +74,7 @@ def test_rank_killed_mid_generation_then_restarted(tiny_model: Path, tmp_path: P
     the group is down, with the client library's retry policy, is retried by
     gRPC itself (each attempt waiting the tokenizer's pushback) until the
     restarted group answers it."""
-    pushback_s = 8.0  # four retries cover 32 s: a restart takes about 7 here, 20 on a busy machine
+    pushback_s = 6.0  # four retries cover 24 s: a restart takes about 7 here, up to 20 on a busy machine
     tokenizer_extra = ["--unavailable-retry-after-ms", str(int(pushback_s * 1000))]
     with running_pair(tiny_model, tmp_path, tokenizer_extra=tokenizer_extra) as pair:
         futures = in_flight(pair.tokenizer_address, 3, max_tokens=2000)
