@@ -277,13 +277,14 @@ RELEASE_FAILURES = _Counter()
 
 
 def segment_bytes(prefix: str, *, creator_pid: int | None = None) -> int:
-    """Bytes of the prefix's segments in /dev/shm now (of one creator pid,
-    as its name says, when given)."""
+    """Memory the prefix's segments take in /dev/shm now (of one creator
+    pid, as its name says, when given): blocks allocated, not sizes, so a
+    sparse lease map (`mmsplit.devices`) counts for what it holds, nothing."""
     total = 0
     for name in list_segments(prefix):
         if creator_pid is None or name.split("-")[-2:-1] == [str(creator_pid)]:
             with contextlib.suppress(OSError):
-                total += (SHM_DIR / name).stat().st_size
+                total += (SHM_DIR / name).stat().st_blocks * 512
     return total
 
 
