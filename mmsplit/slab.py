@@ -23,8 +23,9 @@ Lifecycle of one slice:
 
 1. A worker allocates: it takes an exclusive (write) lock on a free run of
    pages; `F_OFD_GETLK` names the lock in the way, so the search jumps over
-   taken ranges. It writes the tensor with `pwrite` (no intermediate copy),
-   then turns its lock into a shared (read) lock, atomically.
+   taken ranges. It copies the tensor in through its mapping of the slab
+   (no intermediate copy), then turns its lock into a shared (read) lock,
+   atomically.
 2. The tokenizer process checks that the writer's lock is there, then takes
    its own read lock (`take`), so the chain of holders is unbroken. The
    worker notices the other holder and drops its lock (`HandOff`).
@@ -148,19 +149,18 @@ class _Mappings:
         self._checked = 0.0
 
     def view(self, fd: int, name: str, *, write: bool) -> memoryview:
+        """A view of the whole slab `fd` is open on, mapped on first use."""
         ino = os.fstat(fd).st_ino
         with self._lock:
             self._forget_removed()
             got = self._maps.get(name)
             if got is None or got[0] != ino or (write and not got[2]):
-                # Mapped through an open file description of its own: a
-                # mapping keeps its description alive, and with it any lock
-                # taken through it — a slice's lock must go when its holder
-                # closes the holder's descriptor.
-                own = shm.open_segment(name, self._prefix_of(name), write=write)
+                # Mapped through an open file description of its own (the
+                # same file, reopened): a mapping keeps its description
+                # alive, and with it any lock taken through it — a slice's
+                # lock must go when its holder closes the holder's descriptor.
+                own = os.open(f"/proc/self/fd/{fd}", (os.O_RDWR if write else os.O_RDONLY) | os.O_CLOEXEC)
                 try:
-                    if os.fstat(own).st_ino != ino:
-                        raise shm.SegmentMissing("the slab was replaced while being opened")
                     prot = mmap.PROT_READ | (mmap.PROT_WRITE if write else 0)
                     flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
                     got = (ino, mmap.mmap(own, 0, flags=flags, prot=prot), write)
@@ -184,10 +184,6 @@ class _Mappings:
         except FileNotFoundError:
             return None
         return memoryview(got[1])
-
-    @staticmethod
-    def _prefix_of(name: str) -> str:
-        return name.split("-", 1)[0]  # validated by the caller's open already
 
     def _forget_removed(self) -> None:
         now = time.monotonic()
@@ -292,68 +288,57 @@ class Held:
 def write(
     name: str, prefix: str, data: memoryview, *, wait_s: float, on_written: Callable[[], None] | None = None
 ) -> Held:
-    """Allocate a slice of slab `name`, write `data` into it and return it
-    held under a read lock. Waits up to `wait_s` for room; raises SlabFull.
-    `on_written` runs while the slice is still write-locked (a test hook)."""
+    """Allocate a slice of slab `name`, copy `data` into it through this
+    process's mapping and return it held under a read lock. Waits up to
+    `wait_s` for room; raises SlabFull. `on_written` runs while the slice is
+    still write-locked (a test hook)."""
     data = data.cast("B")
-    nbytes = data.nbytes
-    if nbytes == 0:
-        raise ValueError("refusing to write an empty slice")
-    fd = _open(name, prefix, write=True)
-    try:
+
+    def fill(fd: int, offset: int) -> None:
         view = _mappings.view(fd, name, write=True)
         try:
-            offset = _write(fd, view, data, wait_s, on_written)
+            view[offset : offset + data.nbytes] = data
         finally:
             view.release()
-    except BaseException:
-        os.close(fd)
-        raise
-    return Held(fd, shm.Slice(name, offset, nbytes))
-
-
-def lease(name: str, prefix: str, nbytes: int, fill: Callable[[int], None], *, wait_s: float) -> Held:
-    """Allocate a range of lease map `name` (a sparse slab standing for
-    memory elsewhere) and call `fill(offset)` while it is write-locked;
-    return it held under a read lock, as `write` does."""
-    if nbytes <= 0:
-        raise ValueError("refusing to lease an empty range")
-    fd = _open(name, prefix, write=True)
-    try:
-        offset = _allocated(fd, os.fstat(fd).st_size, nbytes, wait_s, fill)
-    except BaseException:
-        os.close(fd)
-        raise
-    return Held(fd, shm.Slice(name, offset, nbytes))
-
-
-def _write(fd: int, view: memoryview, data: memoryview, wait_s: float, on_written: Callable[[], None] | None) -> int:
-    """`write`'s copy into the slab's mapping; the slice's offset."""
-
-    def fill(offset: int) -> None:
-        view[offset : offset + data.nbytes] = data
         if on_written is not None:
             on_written()
 
-    return _allocated(fd, view.nbytes, data.nbytes, wait_s, fill)
+    return lease(name, prefix, data.nbytes, fill, wait_s=wait_s)
 
 
-def _allocated(fd: int, size: int, nbytes: int, wait_s: float, fill: Callable[[int], None]) -> int:
-    """Allocate `nbytes` of the file behind `fd` (of `size` bytes), fill the
-    range while it is write-locked, turn the lock into a read lock; the offset."""
+def lease(name: str, prefix: str, nbytes: int, fill: Callable[[int, int], None], *, wait_s: float) -> Held:
+    """Allocate `nbytes` of slab `name` and call `fill(fd, offset)` while the
+    range is write-locked; return it held under a read lock. The slab's own
+    bytes (`write`), or memory elsewhere that a sparse lease map stands for
+    (`mmsplit.devices`)."""
+    if nbytes <= 0:
+        raise ValueError("refusing to allocate an empty range")
+    fd = _open(name, prefix, write=True)
+    try:
+        offset = _allocated(fd, nbytes, wait_s, fill)
+    except BaseException:
+        os.close(fd)
+        raise
+    return Held(fd, shm.Slice(name, offset, nbytes))
+
+
+def _allocated(fd: int, nbytes: int, wait_s: float, fill: Callable[[int, int], None]) -> int:
+    """Allocate `nbytes` of the file behind `fd`, fill the range while it is
+    write-locked, turn the lock into a read lock; the offset."""
+    size = os.fstat(fd).st_size
     need, total = _pages(nbytes), size // PAGE
     if need > total:
-        raise SlabFull(f"a tensor of {nbytes} bytes does not fit a slab of {size} bytes")
+        raise SlabFull(f"{nbytes} bytes do not fit in {size}")
     deadline = time.monotonic() + wait_s
     delay = 0.001
     while (page := _allocate(fd, need, total)) is None:
         if time.monotonic() >= deadline:
-            raise SlabFull(f"the shared-memory slab ({size} bytes) has no room for {nbytes} more now")
+            raise SlabFull(f"no room for {nbytes} more bytes of {size} now")
         time.sleep(delay)
         delay = min(delay * 2, 0.02)
     offset = page * PAGE
     try:
-        fill(offset)
+        fill(fd, offset)
     except BaseException:
         _lock(fd, fcntl.F_UNLCK, offset, need * PAGE)
         raise

@@ -19,11 +19,13 @@ transformers. Tasks are pure functions of their input and may be retried.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import os
 import select
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -133,14 +135,22 @@ class ItemResult:
         return [t.slice for t in self.tensors if t.slice is not None and shm.is_slab(t.slice.segment)]
 
     def abandon(self, prefix: str) -> None:
-        """Release what nobody will send: unlink the segments, and take the
-        slab slices over from their writer only to let them go."""
-        for segment in self.segments:
-            shm.unlink(segment)
-        for piece in self.slab_slices:
-            # SegmentError: the writer let it go already (its hand-off timed out, or it died).
-            with contextlib.suppress(shm.SegmentError):
-                slab.reclaim_later(slab.take(piece, prefix))
+        """Release what nobody will send (`abandon`)."""
+        abandon(self.tensors, prefix)
+
+
+def abandon(tensors: Iterable[ItemTensor], prefix: str) -> None:
+    """Release tensors nobody will send: unlink their segments, and take
+    their slab slices (or pool ranges) over from the writer only to let them go."""
+    for t in tensors:
+        if t.segment is None:
+            continue
+        if not shm.is_slab(t.segment):
+            shm.unlink(t.segment)
+            continue
+        # SegmentError: the writer let it go already (its hand-off timed out, or it died).
+        with contextlib.suppress(shm.SegmentError):
+            slab.reclaim_later(slab.take(shm.Slice(t.segment, t.offset, t.nbytes), prefix))
 
 
 def _exit_with(owner_pid: int) -> None:
@@ -228,15 +238,24 @@ def _video(job: VideoJob, processor: Any, family: families.Family) -> ItemResult
     return _publish(job, families.VIDEO, rows, tokens, clip.width, clip.height, frames=len(clip.frames))
 
 
-def write_slice(ref: SlabRef, prefix: str, data: memoryview) -> slab.Held:
-    """`data` into a new slice of the slab, held by this process; a full
-    slab or /dev/shm is OVERLOADED. The worker hook's `on_slice_written`
-    runs while the slice is still write-locked (tests kill the worker there)."""
+def place(t: ItemTensor, data: memoryview, ref: SlabRef | None, prefix: str, owner_pid: int) -> ItemTensor:
+    """An encoder input put in shared memory: a slice of the slab, kept by
+    this process's hand-off until the tokenizer process takes it, when there
+    is a slab and it fits; else a segment of its own. No room is OVERLOADED.
+    The worker hook's `on_slice_written` runs while the slice is still
+    write-locked (tests kill the worker there)."""
     try:
-        hook = getattr(_hook, "on_slice_written", None)
-        return slab.write(ref.name, prefix, data, wait_s=ref.wait_s, on_written=hook)
-    except (slab.SlabFull, shm.ShmFull) as exc:
+        if ref is not None and t.nbytes <= ref.max_slice:
+            hook = getattr(_hook, "on_slice_written", None)
+            held = slab.write(ref.name, prefix, data, wait_s=ref.wait_s, on_written=hook)
+            _handoff.add(held)
+            return dataclasses.replace(t, segment=held.slice.segment, offset=held.slice.offset, inline=None)
+        piece = shm.write_segment(prefix, owner_pid, data)
+    except slab.SlabFull as exc:
+        raise Overloaded(f"the shared-memory slab has no room: {exc}") from exc
+    except shm.ShmFull as exc:
         raise Overloaded(str(exc)) from exc
+    return dataclasses.replace(t, segment=piece.segment, inline=None)
 
 
 def hand_off(held: slab.Held) -> None:
@@ -261,33 +280,20 @@ def _publish(
     """Encoder inputs into the slab or new segments (or inline for an
     inline job), side tensors inline."""
     tensors: list[ItemTensor] = []
-    held: list[slab.Held] = []
     try:
         for name in sorted(rows):
             array = rows[name]
             if families.is_encoder_input(name):
                 array = np.ascontiguousarray(array, dtype=np.float32)
             array = np.ascontiguousarray(array)
-            meta = (name, str(array.dtype), tuple(array.shape), array.nbytes)
+            t = ItemTensor(name, str(array.dtype), tuple(array.shape), array.nbytes)
             if not families.is_encoder_input(name) or job.inline:
-                tensors.append(ItemTensor(*meta, inline=array.tobytes()))
-            elif job.slab is not None and array.nbytes <= job.slab.max_slice:
-                held.append(write_slice(job.slab, job.shm_prefix, memoryview(array)))  # type: ignore[arg-type]
-                tensors.append(ItemTensor(*meta, segment=held[-1].slice.segment, offset=held[-1].slice.offset))
+                tensors.append(dataclasses.replace(t, inline=array.tobytes()))
             else:
-                piece = shm.write_segment(job.shm_prefix, job.owner_pid, memoryview(array))  # type: ignore[arg-type]
-                tensors.append(ItemTensor(*meta, segment=piece.segment))
-    except BaseException as exc:
-        for h in held:
-            h.release()
-        for t in tensors:
-            if t.segment is not None and not shm.is_slab(t.segment):
-                shm.unlink(t.segment)
-        if isinstance(exc, shm.ShmFull):
-            raise Overloaded(str(exc)) from exc
+                tensors.append(place(t, memoryview(array), job.slab, job.shm_prefix, job.owner_pid))  # type: ignore[arg-type]
+    except BaseException:
+        abandon(tensors, job.shm_prefix)
         raise
-    for h in held:
-        _handoff.add(h)
     return ItemResult(
         modality=modality,
         tensors=tuple(tensors),

@@ -49,8 +49,9 @@ from tokenizer_svc.preprocess import (
     Job,
     SlabRef,
     VideoJob,
+    abandon,
     hand_off,
-    write_slice,
+    place,
 )
 from tokenizer_svc.prompt import Media, PromptBuilder
 from tokenizer_svc.settings import TokenizerSettings
@@ -386,7 +387,7 @@ class TokenizerService:
         log.info("GPU staging pool of %d bytes on %s (CUDA IPC)", self.device_pool.size, self.device_pool.uuid)
         return self.device_pool.uuid
 
-    def close_slab(self) -> None:
+    def close_pools(self) -> None:
         """Remove the slab and the GPU pool (at shutdown, once no request is left)."""
         if self.slab is not None:
             self.slab.close()
@@ -484,23 +485,15 @@ class TokenizerService:
         by this process's hand-off until `_hold` takes it, as a worker's is."""
         if inline:
             return cached
+        prefix = self.settings.shm_prefix
         tensors: list[ItemTensor] = []
         try:
             for t in cached.tensors:
-                data = t.inline
-                if families.is_encoder_input(t.name) and data is not None:
-                    if slab_ref is not None and t.nbytes <= slab_ref.max_slice:
-                        held = write_slice(slab_ref, self.settings.shm_prefix, memoryview(data))
-                        hand_off(held)
-                        t = dataclasses.replace(t, segment=held.slice.segment, offset=held.slice.offset, inline=None)
-                    else:
-                        piece = shm.write_segment(self.settings.shm_prefix, self._pid, memoryview(data))
-                        t = dataclasses.replace(t, segment=piece.segment, inline=None)
+                if families.is_encoder_input(t.name) and t.inline is not None:
+                    t = place(t, memoryview(t.inline), slab_ref, prefix, self._pid)
                 tensors.append(t)
-        except BaseException as exc:
-            dataclasses.replace(cached, tensors=tuple(tensors)).abandon(self.settings.shm_prefix)
-            if isinstance(exc, shm.ShmFull):
-                raise Overloaded(str(exc)) from exc
+        except BaseException:
+            abandon(tensors, prefix)
             raise
         return dataclasses.replace(cached, tensors=tuple(tensors))
 
@@ -519,13 +512,13 @@ class TokenizerService:
                     try:
                         held = pool.put(memoryview(data), wait_s=self.settings.shm_slab_wait_s)
                     except slab.SlabFull as exc:
-                        raise Overloaded(f"the GPU staging pool has no room now ({exc})") from exc
+                        raise Overloaded(f"the GPU staging pool has no room: {exc}") from exc
                     hand_off(held)
                     piece = held.slice
                     t = dataclasses.replace(t, segment=piece.segment, offset=piece.offset, inline=None, device=True)
                 tensors.append(t)
         except BaseException:
-            dataclasses.replace(result, tensors=tuple(tensors)).abandon(self.settings.shm_prefix)
+            abandon(tensors, self.settings.shm_prefix)
             raise
         return dataclasses.replace(result, tensors=tuple(tensors))
 
