@@ -36,6 +36,16 @@ Lifecycle of one slice:
    the pages are free for the next allocation. "Release" is an unlock; the
    slab itself is never unlinked by a release.
 
+A writer that hands over by polling must see its taker's lock, however
+briefly the taker holds it. So the writer also read-locks one marker byte
+past the slab's end (`_marker`: the file is never that long, and a lock
+does not need the bytes to exist), and a taker whose writer's marker is
+still locked when it releases keeps its lock until the marker goes
+(`Held.release`). Without it, a taker that let go between two polls left
+the writer holding the slice until its hand-off timed out, a minute later
+(found by `bench/preprocess.py`: the slab filled with such slices and
+allocation spent most of the workers' time in fcntl).
+
 Every holder also keeps a shared `flock` on the slab file while it holds a
 slice, so a janitor (`shm.sweep`, which needs an exclusive flock) never
 removes a slab in use; the owning tokenizer holds one for the slab's life.
@@ -262,13 +272,21 @@ def _used(fd: int, lo: int, hi: int) -> int:
     return _used(fd, lo, start) + (end - start) + _used(fd, end, hi)
 
 
+def _marker(size: int, offset: int) -> int:
+    """The byte, past the end of a slab of `size` bytes, whose lock says that
+    the writer of the slice at `offset` still holds it (one per page)."""
+    return size + offset // PAGE
+
+
 class Held:
     """One slice held by this process through a descriptor of its own: the
-    lock goes when `release` closes it (or when this process dies)."""
+    lock goes when it is released (or when this process dies). A writer's
+    also locks its marker; a taker's knows its writer's (`after`)."""
 
-    def __init__(self, fd: int, piece: shm.Slice) -> None:
+    def __init__(self, fd: int, piece: shm.Slice, *, after: int | None = None) -> None:
         self._fd: int | None = fd
         self.slice = piece
+        self._after = after
 
     @property
     def span(self) -> tuple[int, int]:
@@ -277,9 +295,25 @@ class Held:
 
     def handed_over(self) -> bool:
         """Whether another holder has taken its own lock on the slice."""
-        return self._fd is not None and _conflict(self._fd, *self.span) is not None
+        fd = self._fd
+        return fd is not None and _conflict(fd, *self.span) is not None
+
+    def writer_gone(self) -> bool:
+        """Whether the writer this slice was taken from has let go of it."""
+        fd = self._fd
+        return fd is None or self._after is None or _conflict(fd, self._after, 1) is None
 
     def release(self) -> None:
+        """Let go: now, or, while the writer still holds on (it has not
+        polled since we took over), once it lets go, so that it sees our
+        lock (`_deferred`). Never blocks."""
+        if self.writer_gone():
+            self.close()
+        else:
+            _deferred.wait(self, Held.writer_gone)
+
+    def close(self) -> None:
+        """Drop the lock now, whoever else holds the slice."""
         fd, self._fd = self._fd, None
         if fd is not None:
             os.close(fd)
@@ -315,17 +349,19 @@ def lease(name: str, prefix: str, nbytes: int, fill: Callable[[int, int], None],
         raise ValueError("refusing to allocate an empty range")
     fd = _open(name, prefix, write=True)
     try:
-        offset = _allocated(fd, nbytes, wait_s, fill)
+        size = os.fstat(fd).st_size
+        offset = _allocated(fd, size, nbytes, wait_s, fill)
+        if not _lock(fd, fcntl.F_RDLCK, _marker(size, offset), 1):
+            raise OSError(errno.EDEADLK, "a slice's marker is locked by another writer")
     except BaseException:
         os.close(fd)
         raise
     return Held(fd, shm.Slice(name, offset, nbytes))
 
 
-def _allocated(fd: int, nbytes: int, wait_s: float, fill: Callable[[int, int], None]) -> int:
-    """Allocate `nbytes` of the file behind `fd`, fill the range while it is
-    write-locked, turn the lock into a read lock; the offset."""
-    size = os.fstat(fd).st_size
+def _allocated(fd: int, size: int, nbytes: int, wait_s: float, fill: Callable[[int, int], None]) -> int:
+    """Allocate `nbytes` of the file behind `fd` (`size` bytes), fill the
+    range while it is write-locked, turn the lock into a read lock; the offset."""
     need, total = _pages(nbytes), size // PAGE
     if need > total:
         raise SlabFull(f"{nbytes} bytes do not fit in {size}")
@@ -389,7 +425,7 @@ def take(piece: shm.Slice, prefix: str) -> Held:
     except BaseException:
         os.close(fd)
         raise
-    return Held(fd, piece)
+    return Held(fd, piece, after=_marker(size, piece.offset))
 
 
 def read_into(piece: shm.Slice, prefix: str, out: memoryview) -> None:
@@ -416,19 +452,24 @@ def read_into(piece: shm.Slice, prefix: str, out: memoryview) -> None:
 
 
 class HandOff:
-    """A writer's slices waiting for their next holder: each is released
-    once another holder's lock shows (`Held.handed_over`) or after
-    HANDOFF_TIMEOUT_S. One daemon thread per process, started on first use."""
+    """Slices this process lets go of once a condition holds, polled every
+    2 ms by one daemon thread (started on first use), or after `timeout_s`
+    in any case: a writer's slices until another holder's lock shows
+    (`add`), and a taker's releases until its writer has let go (`wait`)."""
 
     def __init__(self, timeout_s: float = HANDOFF_TIMEOUT_S) -> None:
         self._timeout_s = timeout_s
-        self._pending: list[tuple[Held, float]] = []
+        self._pending: list[tuple[Held, Callable[[Held], bool], float]] = []
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
 
     def add(self, held: Held) -> None:
+        """Keep a slice this process wrote until its next holder has taken it."""
+        self.wait(held, Held.handed_over)
+
+    def wait(self, held: Held, ready: Callable[[Held], bool]) -> None:
         with self._cond:
-            self._pending.append((held, time.monotonic() + self._timeout_s))
+            self._pending.append((held, ready, time.monotonic() + self._timeout_s))
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="slab-handoff", daemon=True)
                 self._thread.start()
@@ -445,20 +486,21 @@ class HandOff:
                     self._cond.wait()
                 pending = list(self._pending)
             now = time.monotonic()
-            done = [item for item in pending if item[1] <= now or item[0].handed_over()]
-            for held, _ in done:
-                held.release()
+            done = [item for item in pending if item[2] <= now or item[1](item[0])]
+            for held, _, _ in done:
+                held.close()
             with self._cond:
                 self._pending = [item for item in self._pending if item not in done]
-            # The taker never waits for this (it holds its own lock already):
-            # a slow poll only keeps a slice out of use a moment longer, and
+            # Nobody waits for this (a taker holds its own lock already): a
+            # slow poll only keeps a slice out of use a moment longer, and
             # spares the worker's CPU.
             time.sleep(0.002)
 
 
-def reclaim_later(held: Held, after_s: float = 0.2) -> None:
-    """Release a slice nobody will send after a moment in which its writer
-    (polling every 2 ms) sees our lock and drops its own."""
-    timer = threading.Timer(after_s, held.release)
-    timer.daemon = True
-    timer.start()
+# This process's hand-offs and deferred releases.
+_deferred = HandOff()
+
+
+def hand_off(held: Held) -> None:
+    """Keep a slice this process wrote until its next holder has taken it."""
+    _deferred.add(held)

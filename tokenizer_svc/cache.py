@@ -67,7 +67,9 @@ class PreprocessCache(ByteLRU[ItemResult]):
     def key(self, job: Job) -> bytes:
         """The job's key: model, settings (everything but the bytes and
         where the result goes), then the bytes."""
-        settings: Job = dataclasses.replace(job, data=b"", shm_prefix="", owner_pid=0, inline=False, slab=None)
+        settings: Job = dataclasses.replace(
+            job, data=b"", shm_prefix="", owner_pid=0, inline=False, slab=None, source=None
+        )
         if isinstance(settings, VideoJob):
             settings = dataclasses.replace(settings, budget_s=0.0)  # a time budget does not shape the item
         digest = hashlib.blake2b(digest_size=32)

@@ -13,11 +13,16 @@
   already running cannot be interrupted: it keeps its worker (that capacity
   is spent) until it finishes, and a callback then releases its result's
   segment, so abandoned work never leaks shared memory.
-- Admission: a request takes a worker slot (one per worker) before it
-  submits, waiting at most `queue_timeout_s` (else OVERLOADED, retriable).
-  So a submitted task starts at once, and the preprocessing timeout measures
-  the worker's time only, never a queue behind other requests. A slot comes
-  back when its task ends — for an abandoned task, when the worker is done.
+- Admission: a request takes one of 2 x W admission slots before it
+  submits, so each worker has its next task queued when it finishes one
+  (without that, each worker idled ~2 ms per task waiting on a round trip
+  through this process: `bench/preprocess.py`). A submitted task then takes
+  a running slot (one per worker) as a worker frees up, tasks starting in
+  the order they were submitted; its preprocessing timeout starts only then,
+  so it measures the worker's time, never a queue behind other requests. The
+  two waits together are bounded by `queue_timeout_s` each (else OVERLOADED,
+  retriable). Slots come back when the task ends — for an abandoned task,
+  when the worker is done with it.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
 from tokenizer_svc.errors import Overloaded, PreprocessTimeout, PreprocessWorkerCrashed
-from tokenizer_svc.preprocess import ItemResult, Job, init_worker, preprocess, warm_up
+from tokenizer_svc.preprocess import ItemResult, Job, init_worker, preprocess, stage_input, warm_up
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +55,22 @@ def _release_orphan(fut: concurrent.futures.Future[Any], prefix: str) -> None:
         log.info("released the tensors of abandoned preprocessing task")
 
 
+def _submit(pool: concurrent.futures.ProcessPoolExecutor, job: Job) -> concurrent.futures.Future[ItemResult]:
+    """Submit `job`, its bytes in a slab slice where it can (`stage_input`),
+    held until the task ends however it ends (a result, a crash, or a
+    caller that stopped waiting)."""
+    staged, held = stage_input(job)
+    try:
+        cfut = pool.submit(preprocess, staged)
+    except BaseException:
+        if held is not None:
+            held.close()
+        raise
+    if held is not None:
+        cfut.add_done_callback(lambda _: held.close())
+    return cfut
+
+
 def _abandon(fut: concurrent.futures.Future[Any], prefix: str) -> None:
     """Nobody waits for `fut` any more: drop it if it has not started, else
     release what it produces when it finishes."""
@@ -58,22 +79,31 @@ def _abandon(fut: concurrent.futures.Future[Any], prefix: str) -> None:
 
 
 class _Slot:
-    """A worker slot held by one request: released when the request is done
-    with it, or handed to a task that keeps running after its caller left."""
+    """A slot of `slots` held by one request: released when the request is
+    done with it, or handed to a task that keeps running after its caller
+    left. A slot of None holds nothing."""
 
-    def __init__(self, slots: asyncio.Semaphore) -> None:
+    def __init__(self, slots: asyncio.Semaphore | None) -> None:
         self._slots = slots
-        self._held = True
+        self._held = slots is not None
 
     def hand_to(self, fut: concurrent.futures.Future[Any]) -> None:
-        loop = asyncio.get_running_loop()
+        if not self._held or self._slots is None:
+            return
+        loop, slots = asyncio.get_running_loop(), self._slots
         self._held = False
-        fut.add_done_callback(lambda _: loop.call_soon_threadsafe(self._slots.release))
+        fut.add_done_callback(lambda _: loop.call_soon_threadsafe(slots.release))
 
     def release(self) -> None:
-        if self._held:
+        if self._held and self._slots is not None:
             self._held = False
             self._slots.release()
+
+
+def _drop(acquire: asyncio.Future[Any], slots: asyncio.Semaphore) -> None:
+    """Give up a pending `slots.acquire()`, or the slot it got meanwhile."""
+    if not acquire.cancel() and not acquire.cancelled() and acquire.exception() is None:
+        slots.release()
 
 
 class CpuPool:
@@ -86,7 +116,8 @@ class CpuPool:
         self.replacements = 0
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
         self._lock = asyncio.Lock()
-        self._slots = asyncio.Semaphore(workers)
+        self._admitted = asyncio.Semaphore(2 * workers)
+        self._running = asyncio.Semaphore(workers)
 
     @property
     def ready(self) -> bool:
@@ -160,16 +191,36 @@ class CpuPool:
     async def preprocess(self, job: Job, *, timeout_s: float, request_id: str) -> ItemResult:
         """Run one image or video through a worker; typed errors only."""
         try:
-            await asyncio.wait_for(self._slots.acquire(), self.queue_timeout_s)
+            await asyncio.wait_for(self._admitted.acquire(), self.queue_timeout_s)
         except TimeoutError as exc:
             raise Overloaded(
                 f"all {self.workers} preprocessing workers stayed busy for {self.queue_timeout_s:g}s; retry later"
             ) from exc
-        slot = _Slot(self._slots)
+        slot = _Slot(self._admitted)
         try:
             return await self._attempts(job, timeout_s, request_id, slot)
         finally:
             slot.release()
+
+    async def _start(self, afut: asyncio.Future[ItemResult]) -> _Slot:
+        """A running slot for a submitted task, taken as a worker frees up
+        (workers take tasks in the order they were submitted), or none for
+        a task that ended meanwhile. OVERLOADED after `queue_timeout_s`."""
+        acquire: asyncio.Future[Any] = asyncio.ensure_future(self._running.acquire())
+        either: set[asyncio.Future[Any]] = {acquire, afut}
+        try:
+            done, _ = await asyncio.wait(either, timeout=self.queue_timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            _drop(acquire, self._running)
+            raise
+        if acquire in done:
+            return _Slot(self._running)
+        _drop(acquire, self._running)
+        if afut.done():
+            return _Slot(None)
+        raise Overloaded(
+            f"a preprocessing task waited {self.queue_timeout_s:g}s for one of {self.workers} busy workers; retry later"
+        )
 
     async def _attempts(self, job: Job, timeout_s: float, request_id: str, slot: _Slot) -> ItemResult:
         for attempt in (1, 2):
@@ -194,7 +245,7 @@ class CpuPool:
         self, pool: concurrent.futures.ProcessPoolExecutor, job: Job, timeout_s: float, slot: _Slot
     ) -> ItemResult:
         try:
-            cfut = await asyncio.wait_for(asyncio.to_thread(pool.submit, preprocess, job), SUBMIT_TIMEOUT_S)
+            cfut = await asyncio.wait_for(asyncio.to_thread(_submit, pool, job), SUBMIT_TIMEOUT_S)
         except RuntimeError as exc:  # submitted while that pool was being shut down
             raise BrokenProcessPool(str(exc)) from exc
         except TimeoutError as exc:
@@ -203,15 +254,25 @@ class CpuPool:
             raise BrokenProcessPool(f"submit did not return within {SUBMIT_TIMEOUT_S}s") from exc
         afut = asyncio.wrap_future(cfut)
         try:
+            running = await self._start(afut)
+        except BaseException:  # OVERLOADED or cancelled: the task may run yet
+            slot.hand_to(cfut)
+            _abandon(cfut, job.shm_prefix)
+            raise
+        try:
             return await asyncio.wait_for(asyncio.shield(afut), timeout_s)
         except TimeoutError as exc:
             slot.hand_to(cfut)  # the worker stays busy until the task ends
+            running.hand_to(cfut)
             _abandon(cfut, job.shm_prefix)
             raise PreprocessTimeout(f"preprocessing took longer than {timeout_s:.1f}s") from exc
         except asyncio.CancelledError:
             slot.hand_to(cfut)
+            running.hand_to(cfut)
             _abandon(cfut, job.shm_prefix)
             raise
+        finally:
+            running.release()
 
     async def shutdown(self) -> None:
         pool, self._pool = self._pool, None

@@ -1,7 +1,10 @@
 """What a CPU worker runs: decode → image processor → the model family's
 item tensors → shared memory. Images and videos (`tokenizer_svc.video`).
 
-Only compressed bytes come in. With the shared-memory transport only
+Only compressed bytes come in: in a slice of the slab when there is one
+(`stage_input`: a pipe moves a megabyte-sized pickle in 64 KiB pieces, each
+a wake-up of the pool's feeder thread, which cost about 1 ms per image), else
+in the pickled job. With the shared-memory transport only
 metadata goes back (`ItemResult`): each encoder input (``pixel_values*``) is
 written once, straight into a slice of the tokenizer's slab (`mmsplit.slab`;
 the worker holds the slice until the tokenizer process takes it over), or
@@ -19,6 +22,7 @@ transformers. Tasks are pure functions of their input and may be retried.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import importlib
 import os
@@ -46,8 +50,6 @@ from tokenizer_svc.errors import InternalError, MediaUnsupported, Overloaded
 _processor: Any = None
 _family: families.Family | None = None
 _hook: Any = None
-# Slices this process wrote, until the tokenizer process holds them.
-_handoff = slab.HandOff()
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,8 @@ class ImageJob:
     # Return encoder inputs as bytes instead of writing segments (inline transport).
     inline: bool = False
     slab: SlabRef | None = None
+    # Where `data` is when it is not in the job (`stage_input`).
+    source: shm.Slice | None = None
 
 
 @dataclass(frozen=True)
@@ -85,6 +89,7 @@ class VideoJob:
     owner_pid: int
     inline: bool = False  # as ImageJob.inline
     slab: SlabRef | None = None
+    source: shm.Slice | None = None  # as ImageJob.source
 
 
 Job = ImageJob | VideoJob
@@ -150,7 +155,7 @@ def abandon(tensors: Iterable[ItemTensor], prefix: str) -> None:
             continue
         # SegmentError: the writer let it go already (its hand-off timed out, or it died).
         with contextlib.suppress(shm.SegmentError):
-            slab.reclaim_later(slab.take(shm.Slice(t.segment, t.offset, t.nbytes), prefix))
+            slab.take(shm.Slice(t.segment, t.offset, t.nbytes), prefix).release()
 
 
 def _exit_with(owner_pid: int) -> None:
@@ -167,12 +172,38 @@ def _exit_with(owner_pid: int) -> None:
     os._exit(0)
 
 
+# glibc's mallopt parameters, and the values a worker sets (see `keep_heap`).
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+HEAP_MMAP_THRESHOLD = 64 << 20
+HEAP_TRIM_THRESHOLD = 128 << 20
+
+
+def keep_heap() -> None:
+    """Keep a worker's freed buffers for the next image instead of handing
+    them back to the kernel. The processor allocates and frees the same few
+    large arrays per image (a 1920x1080 frame in float64 is 50 MB); with
+    glibc's defaults in a forkserver child those were mmapped and unmapped
+    each time, about 1,000 page faults per image and ~15 % of a worker's
+    time (measured: 25,000 faults per 24 images against none in a process
+    that had warmed up; with these settings, none). Arrays under 64 MiB come
+    from the heap, and up to 128 MiB of free heap is kept per worker, which
+    bounds what this costs in memory. No-op without glibc."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(_M_MMAP_THRESHOLD, HEAP_MMAP_THRESHOLD)
+        libc.mallopt(_M_TRIM_THRESHOLD, HEAP_TRIM_THRESHOLD)
+    except (OSError, AttributeError):
+        return
+
+
 def init_worker(model_dir: str, owner_pid: int, hook_module: str = "") -> None:
-    """Pool initializer: exit with the owner, one torch thread, the model's
-    image processor, and the optional worker hook (`worker_hook` setting): a
-    module whose `on_worker_start()` runs here and `on_decoded(image)` after
-    each decode. Tests substitute it to crash, stall or fail workers."""
+    """Pool initializer: exit with the owner, keep the heap (`keep_heap`),
+    one torch thread, the model's image processor, and the optional worker
+    hook (`worker_hook` setting): a module whose `on_worker_start()` runs
+    here and `on_decoded(image)` after each decode. Tests substitute it to
+    crash, stall or fail workers."""
     threading.Thread(target=_exit_with, args=(owner_pid,), name="owner-watch", daemon=True).start()
+    keep_heap()
     global _processor, _family, _hook
     if hook_module:
         _hook = importlib.import_module(hook_module)
@@ -188,10 +219,37 @@ def warm_up() -> int:
     return os.getpid()
 
 
+def stage_input(job: Job) -> tuple[Job, slab.Held | None]:
+    """(The tokenizer process.) `job` with its media bytes moved into a
+    slice of its slab, and that slice held, or `job` as it is when it has no
+    slab, the bytes are over its largest slice or it has no room now (this
+    only saves time; it never makes anyone wait). The caller holds the slice
+    until the task has ended, so the worker reads it without a lock."""
+    ref = job.slab
+    if ref is None or job.source is not None or not job.data or len(job.data) > ref.max_slice:
+        return job, None
+    try:
+        held = slab.write(ref.name, job.shm_prefix, memoryview(job.data), wait_s=0)
+    except shm.SegmentError:  # full now, or being removed (shutdown)
+        return job, None
+    return dataclasses.replace(job, data=b"", source=held.slice), held
+
+
+def _input(job: Job) -> bytes | bytearray:
+    """The job's media bytes: in the job, or in the slab slice it names."""
+    if job.source is None:
+        return job.data
+    data = bytearray(job.source.nbytes)
+    slab.read_into(job.source, job.shm_prefix, memoryview(data))
+    return data
+
+
 def preprocess(job: Job) -> ItemResult:
     """The task a worker runs for one image or video."""
     if _processor is None or _family is None:
         raise InternalError("worker has no image processor (initializer did not run)")
+    if job.source is not None:
+        job = dataclasses.replace(job, data=_input(job), source=None)  # type: ignore[arg-type]
     if isinstance(job, VideoJob):
         return _video(job, _processor, _family)
     return _image(job, _processor, _family)
@@ -248,7 +306,7 @@ def place(t: ItemTensor, data: memoryview, ref: SlabRef | None, prefix: str, own
         if ref is not None and t.nbytes <= ref.max_slice:
             hook = getattr(_hook, "on_slice_written", None)
             held = slab.write(ref.name, prefix, data, wait_s=ref.wait_s, on_written=hook)
-            _handoff.add(held)
+            slab.hand_off(held)
             return dataclasses.replace(t, segment=held.slice.segment, offset=held.slice.offset, inline=None)
         piece = shm.write_segment(prefix, owner_pid, data)
     except slab.SlabFull as exc:
@@ -256,11 +314,6 @@ def place(t: ItemTensor, data: memoryview, ref: SlabRef | None, prefix: str, own
     except shm.ShmFull as exc:
         raise Overloaded(str(exc)) from exc
     return dataclasses.replace(t, segment=piece.segment, inline=None)
-
-
-def hand_off(held: slab.Held) -> None:
-    """Keep `held` until its next holder has taken it (this process's hand-off thread)."""
-    _handoff.add(held)
 
 
 def _count(family: families.Family, modality: int, rows: dict[str, np.ndarray]) -> int:

@@ -50,7 +50,6 @@ from tokenizer_svc.preprocess import (
     SlabRef,
     VideoJob,
     abandon,
-    hand_off,
     place,
 )
 from tokenizer_svc.prompt import Media, PromptBuilder
@@ -513,7 +512,7 @@ class TokenizerService:
                         held = pool.put(memoryview(data), wait_s=self.settings.shm_slab_wait_s)
                     except slab.SlabFull as exc:
                         raise Overloaded(f"the GPU staging pool has no room: {exc}") from exc
-                    hand_off(held)
+                    slab.hand_off(held)
                     piece = held.slice
                     t = dataclasses.replace(t, segment=piece.segment, offset=piece.offset, inline=None, device=True)
                 tensors.append(t)

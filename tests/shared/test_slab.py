@@ -67,6 +67,18 @@ def test_the_hand_off_thread_lets_go_once_taken(owned: slab.Slab) -> None:
     assert owned.used_bytes() == 0
 
 
+def test_a_taker_that_lets_go_at_once_still_frees_its_writer(owned: slab.Slab) -> None:
+    # The writer polls for its taker's lock; a taker that released before
+    # the writer's next poll used to leave the writer holding the slice
+    # until its hand-off timed out. The taker now holds on until then.
+    writer = slab.write(owned.name, PREFIX, memoryview(tensor(1000, 4)), wait_s=0)
+    taker = slab.take(writer.slice, PREFIX)
+    taker.release()
+    assert owned.used_bytes() == slab.PAGE, "the taker let go before its writer saw it"
+    slab.HandOff(timeout_s=60).add(writer)  # the writer looks only now
+    assert wait_until(lambda: owned.used_bytes() == 0, timeout=5)
+
+
 def test_a_hand_off_that_nobody_takes_times_out(owned: slab.Slab) -> None:
     handoff = slab.HandOff(timeout_s=0.1)
     handoff.add(slab.write(owned.name, PREFIX, memoryview(tensor(1000, 3)), wait_s=0))

@@ -1,0 +1,108 @@
+"""The CPU pool's queue (`tokenizer_svc.pool`): each worker has its next task
+queued, a task's preprocessing budget starts when a worker takes it, and the
+wait for a worker is bounded. One real forkserver worker, with the
+fault-injecting hook's SLOW images (1.5 s in the worker each)."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing.forkserver
+import multiprocessing.resource_tracker
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from mmsplit import slab
+from tests.support.leaks import PROJECT_PREFIX, wait_until
+from tests.support.worker_hook import SLOW, marked
+from tokenizer_svc.errors import Overloaded
+from tokenizer_svc.pool import CpuPool
+from tokenizer_svc.preprocess import ImageJob, ItemResult, SlabRef
+
+PREFIX = PROJECT_PREFIX + "poolq"
+
+
+@pytest.fixture
+def owned() -> Iterator[slab.Slab]:
+    s = slab.Slab(PREFIX, os.getpid(), 16 << 20)
+    yield s
+    s.close()
+    # The pool ran in this process: its forkserver and resource tracker are
+    # children of ours, which the leak check would count. `_stop` is how
+    # CPython's own tests end them.
+    multiprocessing.forkserver._forkserver._stop()  # type: ignore[attr-defined]
+    multiprocessing.resource_tracker._resource_tracker._stop()  # type: ignore[attr-defined]
+
+
+async def one_worker(model: Path, queue_timeout_s: float) -> CpuPool:
+    pool = CpuPool(str(model), 1, worker_hook="tests.support.worker_hook", queue_timeout_s=queue_timeout_s)
+    await pool.start()
+    assert pool.ready
+    return pool
+
+
+def job(data: bytes, owned: slab.Slab) -> ImageJob:
+    return ImageJob(data, 40_000_000, 50.0, PREFIX, os.getpid(), slab=SlabRef(owned.name, owned.max_slice, 1.0))
+
+
+def let_go(result: ItemResult) -> None:
+    """Take the result's slices over and release them, as the service does."""
+    for piece in result.slab_slices:
+        slab.take(piece, PREFIX).release()
+
+
+def test_a_queued_task_s_budget_starts_when_its_worker_takes_it(tiny_model: Path, owned: slab.Slab) -> None:
+    asyncio.run(_two_in_a_row(tiny_model, owned))
+
+
+async def _two_in_a_row(tiny_model: Path, owned: slab.Slab) -> None:
+    # Two SLOW images on one worker with a 2.5 s budget: the second is
+    # submitted at once (queued behind the first) and ends about 3 s after it
+    # was submitted, yet it is within its budget: it was in a worker 1.5 s.
+    pool = await one_worker(tiny_model, queue_timeout_s=10)
+    try:
+        slow = marked(SLOW)
+        start = time.monotonic()
+        results = await asyncio.gather(
+            *(pool.preprocess(job(slow, owned), timeout_s=2.5, request_id=f"q{i}") for i in range(2))
+        )
+        assert time.monotonic() - start > 2.9, "the two ran one after the other"
+        for result in results:
+            assert result.tokens > 0
+            let_go(result)
+    finally:
+        await pool.shutdown()
+    assert wait_until(lambda: owned.used_bytes() == 0, timeout=5)
+
+
+def test_waiting_for_a_worker_is_bounded_and_abandoned_work_is_released(tiny_model: Path, owned: slab.Slab) -> None:
+    asyncio.run(_three_at_once(tiny_model, owned))
+
+
+async def _three_at_once(tiny_model: Path, owned: slab.Slab) -> None:
+    # One worker busy with a SLOW image for 1.5 s and a 0.5 s bound on the
+    # wait: the task queued behind it (submitted already) and the one that
+    # found no room in the queue are both OVERLOADED, and the queued one's
+    # slice, written when the worker gets to it after all, is let go.
+    pool = await one_worker(tiny_model, queue_timeout_s=0.5)
+    try:
+        slow = marked(SLOW)
+        outcomes = await asyncio.gather(
+            *(pool.preprocess(job(slow, owned), timeout_s=10, request_id=f"b{i}") for i in range(3)),
+            return_exceptions=True,
+        )
+        assert isinstance(outcomes[0], ItemResult), outcomes[0]
+        let_go(outcomes[0])
+        assert [type(o) for o in outcomes[1:]] == [Overloaded, Overloaded], outcomes
+        assert "waited 0.5s for one of 1 busy workers" in str(outcomes[1])
+        assert "stayed busy for 0.5s" in str(outcomes[2])
+        # The queued task runs once the worker is free, and its output is released.
+        assert wait_until(lambda: owned.used_bytes() == 0, timeout=10)
+        again = await pool.preprocess(job(marked((64, 48)), owned), timeout_s=10, request_id="after")
+        let_go(again)
+    finally:
+        await pool.shutdown()
+    assert wait_until(lambda: owned.used_bytes() == 0, timeout=5)
