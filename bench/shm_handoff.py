@@ -8,7 +8,12 @@ Measures, in one run and one process, per tensor size:
   shm     — a segment per tensor (the path with the slab off): write a new
             segment, read it into a fresh buffer, unlink
   inline  — encode the bytes into a TensorRef protobuf, decode, copy out
-and prints each as a ratio to `copy`. The tokenizer's worker pays the write,
+and prints each as a ratio to `copy`, the four taken in turn in each
+repetition (so the copy's source is not left in cache by the copy before it,
+as it is for none of the others). For comparison, "hot copy" is the copy
+alone in a tight loop (source and destination stay in L2 below ~2 MB), and
+slab/hot the slab path against it: the stricter ratio, and the one this
+benchmark printed before it took the paths in turn. The tokenizer's worker pays the write,
 each rank pays one read; a fresh segment pays its page faults, which the
 slab's pages, reserved once, do not.
 
@@ -38,14 +43,19 @@ SHAPES = {
 SLAB_BYTES = 64 << 20
 
 
-def timed(fn: Callable[[], None], repeat: int) -> float:
-    fn()  # warm up
-    samples = []
+def timed(paths: dict[str, Callable[[], None]], repeat: int) -> dict[str, float]:
+    """Median seconds of each path, the paths taken in turn within each
+    repetition, so a drift in this machine's speed (other tenants) falls on
+    all of them alike instead of on whichever ran during it."""
+    for fn in paths.values():
+        fn()  # warm up
+    samples: dict[str, list[float]] = {name: [] for name in paths}
     for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+        for name, fn in paths.items():
+            start = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - start)
+    return {name: statistics.median(got) for name, got in samples.items()}
 
 
 def main() -> None:
@@ -55,7 +65,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     print(
         f"{'tensor':24} {'MB':>6} {'copy µs':>9} {'slab µs':>9} {'shm µs':>9} {'inline µs':>10}"
-        f" {'slab/copy':>10} {'shm/copy':>9} {'inline/copy':>12}"
+        f" {'slab/copy':>10} {'shm/copy':>9} {'inline/copy':>12} {'hot copy µs':>12} {'slab/hot':>9}"
     )
     owned = slab.Slab(PREFIX, os.getpid(), SLAB_BYTES)
     try:
@@ -98,15 +108,21 @@ def row(label: str, shape: tuple[int, ...], owned: slab.Slab, rng: np.random.Gen
         spec = TensorSpec.from_pb(common_pb2.TensorRef.FromString(wire), prefix=PREFIX, max_bytes=1 << 30)
         spec.read_into(memoryview(dst), prefix=PREFIX, max_bytes=1 << 30)  # type: ignore[arg-type]
 
-    base = timed(copy, repeat)
-    t_slab = timed(via_slab, repeat)
+    via_slab()
     assert np.array_equal(dst, src)
-    t_shm = timed(via_shm, repeat)
-    t_inline = timed(via_inline, repeat)
+    dst.fill(0)
+    via_shm()
     assert np.array_equal(dst, src)
+    dst.fill(0)
+    via_inline()
+    assert np.array_equal(dst, src)
+    got = timed({"copy": copy, "slab": via_slab, "shm": via_shm, "inline": via_inline}, repeat)
+    base, t_slab, t_shm, t_inline = got["copy"], got["slab"], got["shm"], got["inline"]
+    hot = timed({"copy": copy}, repeat)["copy"]
     print(
         f"{label:24} {src.nbytes / 1e6:6.2f} {base * 1e6:9.0f} {t_slab * 1e6:9.0f} {t_shm * 1e6:9.0f}"
         f" {t_inline * 1e6:10.0f} {t_slab / base:9.1f}x {t_shm / base:8.1f}x {t_inline / base:11.1f}x"
+        f" {hot * 1e6:12.0f} {t_slab / hot:8.1f}x"
     )
 
 

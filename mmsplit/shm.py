@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import logging
 import os
@@ -93,6 +94,9 @@ def check_prefix(prefix: str) -> str:
     return prefix
 
 
+# Cached: a hand-over checks the same few names several times per tensor
+# (a slab's name is one for the process's life). Refusals are not cached.
+@functools.lru_cache(maxsize=1024)
 def parse_name(name: str, prefix: str) -> int:
     """Validate a segment name of `prefix`; return the pid it names (informational)."""
     m = _NAME_RE.match(name)
@@ -116,6 +120,7 @@ def new_name(prefix: str, owner_pid: int, *, slab: bool = False) -> str:
     return f"{prefix}-{owner_pid}-{'slab' + secrets.token_hex(6) if slab else secrets.token_hex(8)}"
 
 
+@functools.lru_cache(maxsize=1024)
 def is_slab(name: str) -> bool:
     """Whether `name` is a slab's: its slices are released by unlocking,
     never by unlinking the segment (`mmsplit.slab`)."""
@@ -159,13 +164,18 @@ def write_segment(prefix: str, owner_pid: int, data: memoryview) -> Slice:
 
 def open_segment(name: str, prefix: str, *, write: bool = False) -> int:
     """A descriptor of the segment of `prefix` under `name`, validated."""
+    return open_stat(name, prefix, write=write)[0]
+
+
+def open_stat(name: str, prefix: str, *, write: bool = False) -> tuple[int, os.stat_result]:
+    """`open_segment`, and the segment's stat (taken by the validation)."""
     parse_name(name, prefix)
     return _open(name, write=write)
 
 
-def _open(name: str, *, write: bool = False) -> int:
+def _open(name: str, *, write: bool = False) -> tuple[int, os.stat_result]:
     """A descriptor of the regular file of ours under `name` (read-only
-    unless `write`)."""
+    unless `write`), and its stat."""
     if "/" in name or "\x00" in name or name in ("", ".", ".."):
         raise BadSegmentName("the segment name is not of the form <prefix>-<pid>-<16 hex>")
     try:
@@ -184,7 +194,7 @@ def _open(name: str, *, write: bool = False) -> int:
     except BaseException:
         os.close(fd)
         raise
-    return fd
+    return fd, st
 
 
 def read_into(piece: Slice, prefix: str, out: memoryview, *, max_segment_bytes: int) -> None:
@@ -199,9 +209,9 @@ def read_into(piece: Slice, prefix: str, out: memoryview, *, max_segment_bytes: 
     out = out.cast("B")
     if out.nbytes != piece.nbytes:
         raise SegmentBounds(f"destination holds {out.nbytes} bytes, slice has {piece.nbytes}")
-    fd = _open(piece.segment)
+    fd, st = _open(piece.segment)
     try:
-        size = os.fstat(fd).st_size
+        size = st.st_size
         # A slab is bigger than any tensor by design; the slice is still capped.
         if size > max_segment_bytes and not is_slab(piece.segment):
             raise SegmentBounds(f"the segment has {size} bytes, over the cap {max_segment_bytes}")
@@ -227,7 +237,7 @@ class Lock:
     def __init__(self, name: str, prefix: str) -> None:
         parse_name(name, prefix)
         self.name = name
-        self._fd: int | None = _open(name)
+        self._fd: int | None = _open(name)[0]
         try:
             fcntl.flock(self._fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except OSError as exc:  # a janitor holds it exclusively: it is being swept
@@ -320,7 +330,7 @@ def sweep(prefix: str, *, grace_s: float, keep: Collection[str] = (), now: float
         if name in keep:
             continue
         try:
-            fd = _open(name)
+            fd, _ = _open(name)
         except SegmentError:
             continue  # gone meanwhile, or not a segment of ours: not ours to remove
         try:

@@ -123,18 +123,18 @@ def _conflict(fd: int, start: int, length: int) -> Range | None:
     return None if kind == fcntl.F_UNLCK else Range(got_start, got_length)
 
 
-def _open(name: str, prefix: str, *, write: bool) -> int:
+def _open(name: str, prefix: str, *, write: bool) -> tuple[int, int]:
     """A descriptor of slab `name`, holding the shared flock that keeps
-    janitors away while the descriptor is open."""
+    janitors away while the descriptor is open, and the slab's size."""
     if not shm.is_slab(name):
         raise shm.BadSegmentName("the segment name is not a slab's")
-    fd = shm.open_segment(name, prefix, write=write)
+    fd, st = shm.open_stat(name, prefix, write=write)
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except OSError as exc:  # a janitor holds it exclusively: it is being swept
         os.close(fd)
         raise shm.SegmentMissing("the slab is being removed") from exc
-    return fd
+    return fd, st.st_size
 
 
 def _pages(nbytes: int) -> int:
@@ -347,9 +347,8 @@ def lease(name: str, prefix: str, nbytes: int, fill: Callable[[int, int], None],
     (`mmsplit.devices`)."""
     if nbytes <= 0:
         raise ValueError("refusing to allocate an empty range")
-    fd = _open(name, prefix, write=True)
+    fd, size = _open(name, prefix, write=True)
     try:
-        size = os.fstat(fd).st_size
         offset = _allocated(fd, size, nbytes, wait_s, fill)
         if not _lock(fd, fcntl.F_RDLCK, _marker(size, offset), 1):
             raise OSError(errno.EDEADLK, "a slice's marker is locked by another writer")
@@ -411,9 +410,8 @@ def take(piece: shm.Slice, prefix: str) -> Held:
     or shm's errors for a name or range that is not a slab's."""
     if piece.offset % PAGE or piece.nbytes <= 0:
         raise shm.SegmentBounds("a slab slice starts on a page and is not empty")
-    fd = _open(piece.segment, prefix, write=False)
+    fd, size = _open(piece.segment, prefix, write=False)
     try:
-        size = os.fstat(fd).st_size
         span = _pages(piece.nbytes) * PAGE
         if piece.offset + span > size:
             raise shm.SegmentBounds(f"slice [{piece.offset}, {piece.offset + piece.nbytes}) lies outside the slab")
