@@ -206,6 +206,9 @@ class CpuPool:
         """A running slot for a submitted task, taken as a worker frees up
         (workers take tasks in the order they were submitted), or none for
         a task that ended meanwhile. OVERLOADED after `queue_timeout_s`."""
+        if not self._running.locked():  # a worker is free and nobody is ahead: no wait
+            await self._running.acquire()
+            return _Slot(self._running)
         acquire: asyncio.Future[Any] = asyncio.ensure_future(self._running.acquire())
         either: set[asyncio.Future[Any]] = {acquire, afut}
         try:
