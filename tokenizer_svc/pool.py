@@ -16,12 +16,13 @@
 - Admission: a request takes one of 2 x W admission slots before it
   submits, so each worker has its next task queued when it finishes one
   (without that, each worker idled ~2 ms per task waiting on a round trip
-  through this process: `bench/preprocess.py`). A submitted task then takes
-  a running slot (one per worker) as a worker frees up, tasks starting in
-  the order they were submitted; its preprocessing timeout starts only then,
-  so it measures the worker's time, never a queue behind other requests. The
-  two waits together are bounded by `queue_timeout_s` each (else OVERLOADED,
-  retriable). Slots come back when the task ends — for an abandoned task,
+  through this process: `bench/preprocess.py`). Workers take tasks in the
+  order they were submitted, so the k-th task of a pool (from 0) starts once
+  k - W + 1 of those before it have ended (`_Order`); its preprocessing
+  timeout starts only then, so it measures the worker's time, never a queue
+  behind other requests. Waiting for admission, and then for a worker, are
+  each bounded by `queue_timeout_s` (else OVERLOADED, retriable). An
+  admission slot comes back when its task ends — for an abandoned task,
   when the worker is done with it.
 """
 
@@ -29,10 +30,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import functools
 import logging
 import multiprocessing as mp
 import os
+import threading
+from collections.abc import Callable
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
@@ -55,20 +59,22 @@ def _release_orphan(fut: concurrent.futures.Future[Any], prefix: str) -> None:
         log.info("released the tensors of abandoned preprocessing task")
 
 
-def _submit(pool: concurrent.futures.ProcessPoolExecutor, job: Job) -> concurrent.futures.Future[ItemResult]:
+def _submit(
+    pool: concurrent.futures.ProcessPoolExecutor, order: _Order, job: Job
+) -> tuple[concurrent.futures.Future[ItemResult], int]:
     """Submit `job`, its bytes in a slab slice where it can (`stage_input`),
     held until the task ends however it ends (a result, a crash, or a
-    caller that stopped waiting)."""
+    caller that stopped waiting); the future and its ticket (`_Order`)."""
     staged, held = stage_input(job)
     try:
-        cfut = pool.submit(preprocess, staged)
+        cfut, ticket = order.submit(pool, preprocess, staged)
     except BaseException:
         if held is not None:
             held.close()
         raise
     if held is not None:
         cfut.add_done_callback(lambda _: held.close())
-    return cfut
+    return cfut, ticket
 
 
 def _abandon(fut: concurrent.futures.Future[Any], prefix: str) -> None:
@@ -79,31 +85,75 @@ def _abandon(fut: concurrent.futures.Future[Any], prefix: str) -> None:
 
 
 class _Slot:
-    """A slot of `slots` held by one request: released when the request is
-    done with it, or handed to a task that keeps running after its caller
-    left. A slot of None holds nothing."""
+    """An admission slot held by one request: released when the request is
+    done with it, or handed to a task that keeps running after its caller left."""
 
-    def __init__(self, slots: asyncio.Semaphore | None) -> None:
+    def __init__(self, slots: asyncio.Semaphore) -> None:
         self._slots = slots
-        self._held = slots is not None
+        self._held = True
 
     def hand_to(self, fut: concurrent.futures.Future[Any]) -> None:
-        if not self._held or self._slots is None:
-            return
-        loop, slots = asyncio.get_running_loop(), self._slots
+        loop = asyncio.get_running_loop()
         self._held = False
-        fut.add_done_callback(lambda _: loop.call_soon_threadsafe(slots.release))
+        fut.add_done_callback(lambda _: loop.call_soon_threadsafe(self._slots.release))
 
     def release(self) -> None:
-        if self._held and self._slots is not None:
+        if self._held:
             self._held = False
             self._slots.release()
 
 
-def _drop(acquire: asyncio.Future[Any], slots: asyncio.Semaphore) -> None:
-    """Give up a pending `slots.acquire()`, or the slot it got meanwhile."""
-    if not acquire.cancel() and not acquire.cancelled() and acquire.exception() is None:
-        slots.release()
+class _Order:
+    """Where the tasks of one executor stand: its workers take them in the
+    order they were submitted, so ticket k (the k-th task, from 0) starts
+    once k - W + 1 tasks have ended, whichever they were. Submission takes
+    a lock so that the tickets and the executor's queue agree."""
+
+    def __init__(self, workers: int, loop: asyncio.AbstractEventLoop) -> None:
+        self._workers = workers
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._submitted = 0
+        self._ended = 0  # on the event loop's thread only
+        self._waiting: list[tuple[int, asyncio.Future[None]]] = []
+
+    def submit(
+        self, pool: concurrent.futures.ProcessPoolExecutor, fn: Callable[..., Any], *args: Any
+    ) -> tuple[concurrent.futures.Future[Any], int]:
+        """(Any thread.) Submit, and the task's ticket."""
+        with self._lock:
+            cfut = pool.submit(fn, *args)
+            ticket = self._submitted
+            self._submitted += 1
+        cfut.add_done_callback(self._ended_soon)
+        return cfut, ticket
+
+    def _ended_soon(self, _: concurrent.futures.Future[Any]) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+            self._loop.call_soon_threadsafe(self._end)
+
+    def _end(self) -> None:
+        self._ended += 1
+        still = []
+        for ticket, fut in self._waiting:
+            if self._started(ticket):
+                if not fut.done():
+                    fut.set_result(None)
+            else:
+                still.append((ticket, fut))
+        self._waiting = still
+
+    def _started(self, ticket: int) -> bool:
+        return ticket < self._ended + self._workers
+
+    def started(self, ticket: int) -> asyncio.Future[None]:
+        """Done once a worker has (or is about to have) taken ticket `ticket`."""
+        fut = self._loop.create_future()
+        if self._started(ticket):
+            fut.set_result(None)
+        else:
+            self._waiting.append((ticket, fut))
+        return fut
 
 
 class CpuPool:
@@ -117,7 +167,7 @@ class CpuPool:
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
         self._lock = asyncio.Lock()
         self._admitted = asyncio.Semaphore(2 * workers)
-        self._running = asyncio.Semaphore(workers)
+        self._order: _Order | None = None  # of `_pool`
 
     @property
     def ready(self) -> bool:
@@ -162,7 +212,8 @@ class CpuPool:
         """Create the pool; on failure leave none (readiness NOT_SERVING) for
         `ensure` to retry."""
         try:
-            self._pool = await asyncio.to_thread(self._new_pool)
+            pool = await asyncio.to_thread(self._new_pool)
+            self._pool, self._order = pool, _Order(self.workers, asyncio.get_running_loop())
         except Exception:
             log.exception("creating the CPU pool failed; NOT_SERVING until a retry succeeds")
             return
@@ -181,8 +232,11 @@ class CpuPool:
                     await self._create()
         else:
             try:
-                # submit raises at once on a broken pool; the no-op itself is not awaited.
-                await asyncio.to_thread(pool.submit, warm_up)
+                # submit raises at once on a broken pool; the no-op itself is
+                # not awaited (it is counted in the pool's order: it takes a worker too).
+                order = self._order
+                submit = pool.submit if order is None else functools.partial(order.submit, pool)
+                await asyncio.to_thread(submit, warm_up)
             except (BrokenProcessPool, RuntimeError):
                 log.warning("CPU pool found broken while idle")
                 await self._replace(generation)
@@ -202,39 +256,33 @@ class CpuPool:
         finally:
             slot.release()
 
-    async def _start(self, afut: asyncio.Future[ItemResult]) -> _Slot:
-        """A running slot for a submitted task, taken as a worker frees up
-        (workers take tasks in the order they were submitted), or none for
-        a task that ended meanwhile. OVERLOADED after `queue_timeout_s`."""
-        if not self._running.locked():  # a worker is free and nobody is ahead: no wait
-            await self._running.acquire()
-            return _Slot(self._running)
-        acquire: asyncio.Future[Any] = asyncio.ensure_future(self._running.acquire())
-        either: set[asyncio.Future[Any]] = {acquire, afut}
+    async def _start(self, order: _Order, ticket: int, afut: asyncio.Future[ItemResult]) -> None:
+        """Return once a worker takes the task (`_Order`), or it has ended
+        meanwhile; OVERLOADED after `queue_timeout_s`."""
+        started = order.started(ticket)
+        if started.done():
+            return
+        either: set[asyncio.Future[Any]] = {started, afut}
         try:
-            done, _ = await asyncio.wait(either, timeout=self.queue_timeout_s, return_when=asyncio.FIRST_COMPLETED)
-        except BaseException:
-            _drop(acquire, self._running)
-            raise
-        if acquire in done:
-            return _Slot(self._running)
-        _drop(acquire, self._running)
-        if afut.done():
-            return _Slot(None)
-        raise Overloaded(
-            f"a preprocessing task waited {self.queue_timeout_s:g}s for one of {self.workers} busy workers; retry later"
-        )
+            await asyncio.wait(either, timeout=self.queue_timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            started.cancel()  # a no-op once it is done
+        if started.cancelled() and not afut.done():
+            raise Overloaded(
+                f"a preprocessing task waited {self.queue_timeout_s:g}s for one of {self.workers} busy workers;"
+                " retry later"
+            )
 
     async def _attempts(self, job: Job, timeout_s: float, request_id: str, slot: _Slot) -> ItemResult:
         for attempt in (1, 2):
             if self._pool is None and self._lock.locked():
                 async with self._lock:  # a replacement is under way: wait for it, not fail
                     pass
-            generation, pool = self.generation, self._pool
-            if pool is None:
+            generation, pool, order = self.generation, self._pool, self._order
+            if pool is None or order is None:
                 raise PreprocessWorkerCrashed("no CPU pool is available right now")
             try:
-                return await self._run(pool, job, timeout_s, slot)
+                return await self._run(pool, order, job, timeout_s, slot)
             except BrokenProcessPool as exc:
                 log.warning("request %s: worker pool broke (attempt %d)", request_id, attempt)
                 await self._replace(generation)
@@ -245,10 +293,10 @@ class CpuPool:
         raise AssertionError("unreachable")
 
     async def _run(
-        self, pool: concurrent.futures.ProcessPoolExecutor, job: Job, timeout_s: float, slot: _Slot
+        self, pool: concurrent.futures.ProcessPoolExecutor, order: _Order, job: Job, timeout_s: float, slot: _Slot
     ) -> ItemResult:
         try:
-            cfut = await asyncio.wait_for(asyncio.to_thread(_submit, pool, job), SUBMIT_TIMEOUT_S)
+            cfut, ticket = await asyncio.wait_for(asyncio.to_thread(_submit, pool, order, job), SUBMIT_TIMEOUT_S)
         except RuntimeError as exc:  # submitted while that pool was being shut down
             raise BrokenProcessPool(str(exc)) from exc
         except TimeoutError as exc:
@@ -257,25 +305,16 @@ class CpuPool:
             raise BrokenProcessPool(f"submit did not return within {SUBMIT_TIMEOUT_S}s") from exc
         afut = asyncio.wrap_future(cfut)
         try:
-            running = await self._start(afut)
-        except BaseException:  # OVERLOADED or cancelled: the task may run yet
-            slot.hand_to(cfut)
-            _abandon(cfut, job.shm_prefix)
-            raise
-        try:
+            await self._start(order, ticket, afut)
             return await asyncio.wait_for(asyncio.shield(afut), timeout_s)
         except TimeoutError as exc:
             slot.hand_to(cfut)  # the worker stays busy until the task ends
-            running.hand_to(cfut)
             _abandon(cfut, job.shm_prefix)
             raise PreprocessTimeout(f"preprocessing took longer than {timeout_s:.1f}s") from exc
-        except asyncio.CancelledError:
+        except (Overloaded, asyncio.CancelledError):  # the task may run yet
             slot.hand_to(cfut)
-            running.hand_to(cfut)
             _abandon(cfut, job.shm_prefix)
             raise
-        finally:
-            running.release()
 
     async def shutdown(self) -> None:
         pool, self._pool = self._pool, None

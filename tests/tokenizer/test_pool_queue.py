@@ -6,11 +6,12 @@ fault-injecting hook's SLOW images (1.5 s in the worker each)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing.forkserver
 import multiprocessing.resource_tracker
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
@@ -37,11 +38,17 @@ def owned() -> Iterator[slab.Slab]:
     multiprocessing.resource_tracker._resource_tracker._stop()  # type: ignore[attr-defined]
 
 
-async def one_worker(model: Path, queue_timeout_s: float) -> CpuPool:
+@contextlib.asynccontextmanager
+async def one_worker(model: Path, queue_timeout_s: float, owned: slab.Slab) -> AsyncIterator[CpuPool]:
+    """A pool of one worker; at the end, nothing of the slab is held."""
     pool = CpuPool(str(model), 1, worker_hook="tests.support.worker_hook", queue_timeout_s=queue_timeout_s)
     await pool.start()
     assert pool.ready
-    return pool
+    try:
+        yield pool
+    finally:
+        await pool.shutdown()
+    assert wait_until(lambda: owned.used_bytes() == 0, timeout=5)
 
 
 def job(data: bytes, owned: slab.Slab) -> ImageJob:
@@ -62,8 +69,7 @@ async def _two_in_a_row(tiny_model: Path, owned: slab.Slab) -> None:
     # Two SLOW images on one worker with a 2.5 s budget: the second is
     # submitted at once (queued behind the first) and ends about 3 s after it
     # was submitted, yet it is within its budget: it was in a worker 1.5 s.
-    pool = await one_worker(tiny_model, queue_timeout_s=10)
-    try:
+    async with one_worker(tiny_model, 10, owned) as pool:
         slow = marked(SLOW)
         start = time.monotonic()
         results = await asyncio.gather(
@@ -73,9 +79,6 @@ async def _two_in_a_row(tiny_model: Path, owned: slab.Slab) -> None:
         for result in results:
             assert result.tokens > 0
             let_go(result)
-    finally:
-        await pool.shutdown()
-    assert wait_until(lambda: owned.used_bytes() == 0, timeout=5)
 
 
 def test_waiting_for_a_worker_is_bounded_and_abandoned_work_is_released(tiny_model: Path, owned: slab.Slab) -> None:
@@ -87,22 +90,35 @@ async def _three_at_once(tiny_model: Path, owned: slab.Slab) -> None:
     # wait: the task queued behind it (submitted already) and the one that
     # found no room in the queue are both OVERLOADED, and the queued one's
     # slice, written when the worker gets to it after all, is let go.
-    pool = await one_worker(tiny_model, queue_timeout_s=0.5)
-    try:
+    async with one_worker(tiny_model, 0.5, owned) as pool:
         slow = marked(SLOW)
         outcomes = await asyncio.gather(
             *(pool.preprocess(job(slow, owned), timeout_s=10, request_id=f"b{i}") for i in range(3)),
             return_exceptions=True,
         )
-        assert isinstance(outcomes[0], ItemResult), outcomes[0]
-        let_go(outcomes[0])
-        assert [type(o) for o in outcomes[1:]] == [Overloaded, Overloaded], outcomes
-        assert "waited 0.5s for one of 1 busy workers" in str(outcomes[1])
+        # The first two are admitted; whichever was submitted first runs.
+        ran = [o for o in outcomes[:2] if isinstance(o, ItemResult)]
+        queued = [o for o in outcomes[:2] if not isinstance(o, ItemResult)]
+        assert len(ran) == 1, outcomes
+        let_go(ran[0])
+        assert isinstance(queued[0], Overloaded), queued
+        assert "waited 0.5s for one of 1 busy workers" in str(queued[0])
+        assert isinstance(outcomes[2], Overloaded), outcomes[2]
         assert "stayed busy for 0.5s" in str(outcomes[2])
-        # The queued task runs once the worker is free, and its output is released.
-        assert wait_until(lambda: owned.used_bytes() == 0, timeout=10)
-        again = await pool.preprocess(job(marked((64, 48)), owned), timeout_s=10, request_id="after")
+        # The next image queues behind the abandoned task (one worker, tasks
+        # in order): OVERLOADED while that one runs, as a retrying client
+        # sees, then served. By then the abandoned task has run, and its
+        # slice, which nobody took, is let go all the same.
+        again = await until_admitted(pool, job(marked((64, 48)), owned), within_s=10)
         let_go(again)
-    finally:
-        await pool.shutdown()
-    assert wait_until(lambda: owned.used_bytes() == 0, timeout=5)
+        assert wait_until(lambda: owned.used_bytes() == 0, timeout=5)
+
+
+async def until_admitted(pool: CpuPool, one: ImageJob, within_s: float) -> ItemResult:
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            return await pool.preprocess(one, timeout_s=10, request_id="again")
+        except Overloaded:
+            if time.monotonic() > deadline:
+                raise
