@@ -235,7 +235,7 @@ def stage_input(job: Job) -> tuple[Job, slab.Held | None]:
     return dataclasses.replace(job, data=b"", source=held.slice), held
 
 
-def _input(job: Job) -> bytes | bytearray:
+def media_bytes(job: Job) -> bytes | bytearray:
     """The job's media bytes: in the job, or in the slab slice it names."""
     if job.source is None:
         return job.data
@@ -249,7 +249,7 @@ def preprocess(job: Job) -> ItemResult:
     if _processor is None or _family is None:
         raise InternalError("worker has no image processor (initializer did not run)")
     if job.source is not None:
-        job = dataclasses.replace(job, data=_input(job), source=None)  # type: ignore[arg-type]
+        job = dataclasses.replace(job, data=media_bytes(job), source=None)  # type: ignore[arg-type]
     if isinstance(job, VideoJob):
         return _video(job, _processor, _family)
     return _image(job, _processor, _family)

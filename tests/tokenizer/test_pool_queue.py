@@ -21,7 +21,7 @@ from tests.support.leaks import PROJECT_PREFIX, wait_until
 from tests.support.worker_hook import SLOW, marked
 from tokenizer_svc.errors import Overloaded
 from tokenizer_svc.pool import CpuPool
-from tokenizer_svc.preprocess import ImageJob, ItemResult, SlabRef
+from tokenizer_svc.preprocess import ImageJob, ItemResult, SlabRef, media_bytes, stage_input
 
 PREFIX = PROJECT_PREFIX + "poolq"
 
@@ -122,3 +122,23 @@ async def until_admitted(pool: CpuPool, one: ImageJob, within_s: float) -> ItemR
         except Overloaded:
             if time.monotonic() > deadline:
                 raise
+
+
+def test_media_bytes_travel_in_a_slab_slice_when_there_is_room(owned: slab.Slab) -> None:
+    data = os.urandom(300_000)
+    staged, held = stage_input(job(data, owned))
+    assert held is not None
+    assert staged.data == b""
+    assert staged.source == held.slice
+    assert bytes(media_bytes(staged)) == data  # what the worker reads is the bytes sent
+    held.close()
+    # Over the largest slice, or no room now: the bytes stay in the job (it never waits).
+    big = job(os.urandom(owned.max_slice + 1), owned)
+    assert stage_input(big) == (big, None)
+    filling = [slab.write(owned.name, PREFIX, memoryview(os.urandom(owned.max_slice)), wait_s=0) for _ in range(4)]
+    try:
+        assert stage_input(job(data, owned)) == (job(data, owned), None)
+    finally:
+        for piece in filling:
+            piece.close()
+    assert owned.used_bytes() == 0
