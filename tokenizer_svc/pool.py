@@ -245,7 +245,10 @@ class CpuPool:
     async def preprocess(self, job: Job, *, timeout_s: float, request_id: str) -> ItemResult:
         """Run one image or video through a worker; typed errors only."""
         try:
-            await asyncio.wait_for(self._admitted.acquire(), self.queue_timeout_s)
+            if self._admitted.locked():
+                await asyncio.wait_for(self._admitted.acquire(), self.queue_timeout_s)
+            else:
+                await self._admitted.acquire()  # free, nobody ahead: returns at once
         except TimeoutError as exc:
             raise Overloaded(
                 f"all {self.workers} preprocessing workers stayed busy for {self.queue_timeout_s:g}s; retry later"
