@@ -60,12 +60,16 @@ def _release_orphan(fut: concurrent.futures.Future[Any], prefix: str) -> None:
 
 
 def _submit(
-    pool: concurrent.futures.ProcessPoolExecutor, order: _Order, job: Job
+    pool: concurrent.futures.ProcessPoolExecutor, order: _Order, job: Job, workers: int
 ) -> tuple[concurrent.futures.Future[ItemResult], int]:
     """Submit `job`, its bytes in a slab slice where it can (`stage_input`),
     held until the task ends however it ends (a result, a crash, or a
-    caller that stopped waiting); the future and its ticket (`_Order`)."""
-    staged, held = stage_input(job)
+    caller that stopped waiting); the future and its ticket (`_Order`).
+    At most 2 x W tasks hold an admission slot, so with inputs of at most a
+    quarter of the slab / (2 x W) each, inputs never take more than a
+    quarter of it (an abandoned task keeps its slot until it ends)."""
+    limit = job.slab.max_slice // (2 * workers) if job.slab is not None else 0
+    staged, held = stage_input(job, limit)
     try:
         cfut, ticket = order.submit(pool, preprocess, staged)
     except BaseException:
@@ -299,7 +303,9 @@ class CpuPool:
         self, pool: concurrent.futures.ProcessPoolExecutor, order: _Order, job: Job, timeout_s: float, slot: _Slot
     ) -> ItemResult:
         try:
-            cfut, ticket = await asyncio.wait_for(asyncio.to_thread(_submit, pool, order, job), SUBMIT_TIMEOUT_S)
+            cfut, ticket = await asyncio.wait_for(
+                asyncio.to_thread(_submit, pool, order, job, self.workers), SUBMIT_TIMEOUT_S
+            )
         except RuntimeError as exc:  # submitted while that pool was being shut down
             raise BrokenProcessPool(str(exc)) from exc
         except TimeoutError as exc:

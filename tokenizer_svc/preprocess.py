@@ -219,14 +219,15 @@ def warm_up() -> int:
     return os.getpid()
 
 
-def stage_input(job: Job) -> tuple[Job, slab.Held | None]:
+def stage_input(job: Job, limit: int) -> tuple[Job, slab.Held | None]:
     """(The tokenizer process.) `job` with its media bytes moved into a
     slice of its slab, and that slice held, or `job` as it is when it has no
-    slab, the bytes are over its largest slice or it has no room now (this
-    only saves time; it never makes anyone wait). The caller holds the slice
-    until the task has ended, so the worker reads it without a lock."""
+    slab, the bytes are over `limit` or the slab has no room now (this only
+    saves time; it never makes anyone wait). The caller holds the slice
+    until the task has ended, so the worker reads it without a lock, and
+    picks `limit` so that inputs never crowd out the tensors workers write."""
     ref = job.slab
-    if ref is None or job.source is not None or not job.data or len(job.data) > ref.max_slice:
+    if ref is None or job.source is not None or not job.data or len(job.data) > min(limit, ref.max_slice):
         return job, None
     try:
         held = slab.write(ref.name, job.shm_prefix, memoryview(job.data), wait_s=0)

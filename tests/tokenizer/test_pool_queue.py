@@ -126,18 +126,20 @@ async def until_admitted(pool: CpuPool, one: ImageJob, within_s: float) -> ItemR
 
 def test_media_bytes_travel_in_a_slab_slice_when_there_is_room(owned: slab.Slab) -> None:
     data = os.urandom(300_000)
-    staged, held = stage_input(job(data, owned))
+    staged, held = stage_input(job(data, owned), limit=1 << 20)
     assert held is not None
     assert staged.data == b""
     assert staged.source == held.slice
     assert bytes(media_bytes(staged)) == data  # what the worker reads is the bytes sent
     held.close()
-    # Over the largest slice, or no room now: the bytes stay in the job (it never waits).
+    # Over the limit (the pool's: a quarter of the slab / 2 W), or no room
+    # now: the bytes stay in the job (it never waits).
+    assert stage_input(job(data, owned), limit=len(data) - 1) == (job(data, owned), None)
     big = job(os.urandom(owned.max_slice + 1), owned)
-    assert stage_input(big) == (big, None)
+    assert stage_input(big, limit=1 << 30) == (big, None)
     filling = [slab.write(owned.name, PREFIX, memoryview(os.urandom(owned.max_slice)), wait_s=0) for _ in range(4)]
     try:
-        assert stage_input(job(data, owned)) == (job(data, owned), None)
+        assert stage_input(job(data, owned), limit=1 << 20) == (job(data, owned), None)
     finally:
         for piece in filling:
             piece.close()
