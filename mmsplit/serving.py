@@ -3,15 +3,17 @@ transport security (TLS, mutual TLS, a shared token), logging."""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import ipaddress
 import json
 import logging
 import random
+import signal
 import socket
 import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,19 @@ log = logging.getLogger(__name__)
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def run_service(main: Coroutine[Any, Any, int]) -> int:
+    """`asyncio.run(main)`, then SIGTERM and SIGINT ignored: the service has
+    stopped (its event loop handled the first one), and closing the loop put
+    back the default action, so a second one during the interpreter's
+    teardown (a second or so with torch loaded) killed the process with -15
+    instead of letting it exit with its own status."""
+    try:
+        return asyncio.run(main)
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
 
 
 PORTS_BELOW_EPHEMERAL = 10000  # where free_port looks: [this, the ephemeral range's start)

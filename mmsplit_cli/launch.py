@@ -120,8 +120,9 @@ class ServiceProcess:
             return ""
 
     def terminate(self) -> None:
-        """SIGTERM, once, without waiting (`stop` waits). Once only: a
-        second SIGTERM tells a draining service to stop at once."""
+        """SIGTERM, once, without waiting (`stop` waits). Once is enough:
+        a service that is stopping ignores further ones (it drains within
+        its grace period all the same)."""
         if self.proc.poll() is None and not self._terminated:
             self._terminated = True
             self.proc.send_signal(signal.SIGTERM)

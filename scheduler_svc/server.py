@@ -40,6 +40,7 @@ from mmsplit.serving import (
     is_loopback,
     new_server,
     read_secret,
+    run_service,
 )
 from scheduler_svc.collective import Rendezvous
 from scheduler_svc.errors import SchedulerUnavailable
@@ -188,7 +189,7 @@ def run(settings: SchedulerSettings) -> int:
         if boot.coll.rank != 0:
             run_follower_until_stopped(boot)
             return 0
-        return asyncio.run(_serve(dataclasses.replace(settings, tp=boot.coll.world_size), boot, None, security))
+        return run_service(_serve(dataclasses.replace(settings, tp=boot.coll.world_size), boot, None, security))
 
     rendezvous = Rendezvous("127.0.0.1", free_port(), 0, settings.tp)
     ranks = None
@@ -196,7 +197,7 @@ def run(settings: SchedulerSettings) -> int:
         ranks = LocalRanks(settings, rendezvous.addr, rendezvous.port)
         ranks.start()
     boot = _bootstrap_watching(settings, ranks, rendezvous)
-    return asyncio.run(_serve(settings, boot, ranks, security))
+    return run_service(_serve(settings, boot, ranks, security))
 
 
 # LeaderWorkerSet names a pod's place in its group with its own variables.

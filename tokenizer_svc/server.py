@@ -34,6 +34,7 @@ from mmsplit.serving import (
     health_server,
     new_server,
     read_secret,
+    run_service,
 )
 from mmsplit.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from tokenizer_svc.downstream import Schedulers
@@ -196,7 +197,7 @@ def run(settings: TokenizerSettings) -> int:
         )
     except (ValueError, OSError) as exc:
         raise SystemExit(f"mmsplit tokenizer: {exc}") from exc
-    return asyncio.run(_serve(settings, security, downstream))
+    return run_service(_serve(settings, security, downstream))
 
 
 def _load_processor(settings: TokenizerSettings) -> tuple[families.Family, Any, str | None]:

@@ -4,6 +4,7 @@ cannot start, a collective that would hang."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -164,6 +165,26 @@ def test_sigterm_under_load_drains_with_typed_errors(tiny_model: Path, tmp_path:
             assert wait_until(lambda: not project_segments(), timeout=10)
         finally:
             tok.stop()
+
+
+def stop_under_signal_flood(service: ServiceProcess) -> int:
+    """SIGTERM, then another every 10 ms until the process is gone; its exit status."""
+    proc = service.proc
+    service.terminate()
+    while proc.poll() is None:
+        time.sleep(0.01)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGTERM)
+    return service.stop()
+
+
+def test_more_sigterms_while_stopping_still_exit_0(tiny_model: Path, tmp_path: Path) -> None:
+    # Closing the event loop puts back SIGTERM's default action; the second
+    # or so of interpreter teardown after it (torch loaded) was a window in
+    # which another SIGTERM killed either service with -15.
+    with running_pair(tiny_model, tmp_path, scheduler_extra=["--tp", "1"]) as pair:
+        assert stop_under_signal_flood(pair.tokenizer) == 0
+        assert stop_under_signal_flood(pair.scheduler) == 0
 
 
 def test_a_rank_that_cannot_start_takes_the_group_down(tiny_model: Path, tmp_path: Path) -> None:
