@@ -180,12 +180,12 @@ class SchedulerLink:
 class Schedulers:
     """Every backend `--scheduler` names; `pick` chooses one per request."""
 
-    def __init__(self, settings: TokenizerSettings, security: ClientSecurity, *, gpu_uuid: str = "") -> None:
-        self.settings, self.security, self.gpu_uuid = settings, security, gpu_uuid
+    def __init__(self, settings: TokenizerSettings, security: ClientSecurity) -> None:
+        self.settings, self.security = settings, security
+        # Our staging pool's GPU: known once the pool is made (`set_gpu`).
+        self.gpu_uuid = ""
         targets, self._dns = backend_targets(settings.scheduler)
-        self.links: dict[str, SchedulerLink] = {
-            t: SchedulerLink(settings, security, t, gpu_uuid=gpu_uuid) for t in targets
-        }
+        self.links: dict[str, SchedulerLink] = {t: SchedulerLink(settings, security, t) for t in targets}
         self._turn = itertools.count()
 
     def set_gpu(self, gpu_uuid: str) -> None:
