@@ -426,6 +426,27 @@ def take(piece: shm.Slice, prefix: str) -> Held:
     return Held(fd, piece, after=_marker(size, piece.offset))
 
 
+def view(piece: shm.Slice, prefix: str) -> memoryview:
+    """A read-only view of a slab slice in this process's mapping of the
+    slab: the bytes in place, no copy. Valid to read while the slice is
+    held (`take`); the view keeps the mapping alive, never the slice."""
+    shm.parse_name(piece.segment, prefix)
+    whole = _mappings.cached(piece.segment)
+    if whole is None:
+        fd = shm.open_segment(piece.segment, prefix)
+        try:
+            whole = _mappings.view(fd, piece.segment, write=False)
+        finally:
+            os.close(fd)
+    try:
+        if piece.offset < 0 or piece.offset + piece.nbytes > whole.nbytes:
+            raise shm.SegmentBounds(f"slice [{piece.offset}, {piece.offset + piece.nbytes}) lies outside the slab")
+        # A writer's own mapping is writable: the view never is.
+        return whole[piece.offset : piece.offset + piece.nbytes].toreadonly()
+    finally:
+        whole.release()
+
+
 def read_into(piece: shm.Slice, prefix: str, out: memoryview) -> None:
     """Copy a slab slice into `out` (exactly `piece.nbytes`) through this
     process's mapping of the slab. The caller holds the slice (`take`), or
@@ -433,20 +454,11 @@ def read_into(piece: shm.Slice, prefix: str, out: memoryview) -> None:
     out = out.cast("B")
     if out.nbytes != piece.nbytes:
         raise shm.SegmentBounds(f"destination holds {out.nbytes} bytes, slice has {piece.nbytes}")
-    shm.parse_name(piece.segment, prefix)
-    view = _mappings.cached(piece.segment)
-    if view is None:
-        fd = shm.open_segment(piece.segment, prefix)
-        try:
-            view = _mappings.view(fd, piece.segment, write=False)
-        finally:
-            os.close(fd)
+    part = view(piece, prefix)
     try:
-        if piece.offset < 0 or piece.offset + piece.nbytes > view.nbytes:
-            raise shm.SegmentBounds(f"slice [{piece.offset}, {piece.offset + piece.nbytes}) lies outside the slab")
-        out[:] = view[piece.offset : piece.offset + piece.nbytes]
+        out[:] = part
     finally:
-        view.release()
+        part.release()
 
 
 class HandOff:

@@ -141,6 +141,25 @@ class TensorSpec:
         with _translated():
             shm.read_into(self.shm, prefix, out, max_segment_bytes=max_bytes)
 
+    def borrow(self, prefix: str) -> tuple[memoryview, slab.Held | None] | None:
+        """The tensor's bytes in place, read-only, where they can be had
+        without a copy: inline bytes as they arrived, or a slab slice in
+        this process's mapping under a lock of the caller's own (`take`;
+        release it when done with the view, which is valid until then).
+        None for a one-off segment or a CUDA-IPC range (`read_into`).
+        Raises InvalidTensorRef or TensorTransportFailed."""
+        if self.inline is not None:
+            return memoryview(self.inline).toreadonly(), None
+        if self.shm is None or not shm.is_slab(self.shm.segment):
+            return None
+        with _translated():
+            held = slab.take(self.shm, prefix)
+            try:
+                return slab.view(self.shm, prefix), held
+            except BaseException:
+                held.close()
+                raise
+
     def read_device(self, like: torch.device) -> torch.Tensor:
         """A CUDA-IPC reference's bytes as a uint8 tensor of this process's,
         on `like`'s device when it is a GPU (one device-to-device copy)."""

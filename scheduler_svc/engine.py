@@ -4,7 +4,7 @@
     all_gather (when requests join or leave) → release the step's segments
     (rank 0) → ONE batched decode forward for every running request → ONE
     batched prefill forward for the requests that join → sample every row
-    (rank 0)
+    (rank 0) → let go of what the reads lent (every rank; `reader.end_step`)
 
 The engine holds the batch: one row of the `RowCache` per running request,
 in the order the plans made them (joins append in plan order, leaves
@@ -103,7 +103,11 @@ class Engine:
         # The cache's tensors are made in inference mode; every in-place
         # change to them (joins, leaves) must happen in it too.
         with torch.inference_mode():
-            return self._step(plan)
+            try:
+                return self._step(plan)
+            finally:
+                # The step's borrowed tensors were last used by its prefill.
+                self.reader.end_step()
 
     def _step(self, plan: Plan) -> StepOutcome:
         for rid in plan.drop:
@@ -238,7 +242,8 @@ class Engine:
     def _media_kwargs(self, joining: list[tuple[NewRequest, ItemTensors | None]]) -> dict[str, torch.Tensor]:
         """Every item's tensors joined name by name with cat(dim=0), in plan
         order (the model fills placeholders in row-major order). Encoder
-        inputs are cast to the model's dtype; side tensors keep theirs."""
+        inputs are cast to the model's dtype; side tensors keep theirs.
+        The cat is the copy that makes borrowed tensors the engine's own."""
         parts: dict[str, list[torch.Tensor]] = {}
         for req, tensors in joining:
             for item, encoder in zip(req.items, tensors or (), strict=True):
@@ -277,7 +282,7 @@ class Engine:
                 if hit is None:
                     if not use_cache:
                         cache.misses += 1
-                    inputs = {name: t.to(self.device, self.dtype) for name, t in encoder.items()}
+                    inputs = {name: _owned(t, self.device, self.dtype) for name, t in encoder.items()}
                     inputs |= {name: torch.from_numpy(v).to(self.device) for name, v in item.side.items()}
                     misses.append((len(features), inputs, key, rows))
                 features.append((item.modality, hit))
@@ -350,6 +355,14 @@ class Engine:
                 raise NonFinitePixels(f"item {index}: {name} holds NaN or infinite values")
             out[name] = tensor
         return out
+
+
+def _owned(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A read tensor as a model input of the engine's own: converted or
+    moved (a copy either way), or copied. The reader only lends what it
+    read (a slab's read-only mapping), and a model may write its inputs."""
+    out = tensor.to(device, dtype)
+    return out.clone() if out is tensor else out
 
 
 class _Clock:

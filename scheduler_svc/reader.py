@@ -5,15 +5,26 @@ an `MmsplitError` (InvalidTensorRef / TensorTransportFailed). It is the
 component tests substitute to inject read failures on chosen ranks: the
 `tensor_reader` setting names a ``module:factory`` that is called as
 ``factory(rank=..., prefix=..., max_bytes=...)`` on every rank.
+
+What `read` returns is **borrowed**: the engine reads it (checks, hashes,
+converts or concatenates it into the model's own inputs) and never writes
+it or hands it to the model as is, and it stays valid until the step's
+`end_step`. That lets the shared-memory reader give the bytes in place —
+a slab slice through this process's mapping of the slab, held by a lock of
+the rank's own until the step ends; inline bytes as they arrived — so a
+tensor is copied once on its way into the model (by the conversion or the
+concatenation the model's inputs need anyway), not twice.
 """
 
 from __future__ import annotations
 
 import importlib
+import warnings
 from typing import Protocol
 
 import torch
 
+from mmsplit import slab
 from mmsplit.tensors import TensorSpec
 from scheduler_svc.settings import SchedulerSettings
 
@@ -26,17 +37,36 @@ TORCH_DTYPES = {
 }
 
 
+# Borrowed bytes are read-only (a slab mapping, a bytes object); torch warns
+# once that it cannot mark a tensor so. The engine never writes them.
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+
+
 class TensorReader(Protocol):
-    def read(self, request_id: str, spec: TensorSpec) -> torch.Tensor: ...
+    def read(self, request_id: str, spec: TensorSpec) -> torch.Tensor:
+        """The tensor, borrowed until `end_step`: read it, never write it."""
+        ...
+
+    def end_step(self) -> None:
+        """The step is over: what its reads lent may go (never raises)."""
+        ...
 
 
 class SharedMemoryReader:
-    """Reads shared-memory slices and inline bytes, copying once into a fresh tensor."""
+    """Lends slab slices and inline bytes in place; copies one-off segments
+    (read with pread, no mapping) and CUDA-IPC ranges into fresh tensors."""
 
     def __init__(self, *, rank: int, prefix: str, max_bytes: int) -> None:
         self.rank = rank
         self.prefix = prefix
         self.max_bytes = max_bytes
+        # The slices this step's reads lent, each under this rank's own lock.
+        self._held: list[slab.Held] = []
+
+    def end_step(self) -> None:
+        held, self._held = self._held, []
+        for lock in held:
+            lock.release()
 
     def read(self, request_id: str, spec: TensorSpec) -> torch.Tensor:
         if spec.cuda is not None:
@@ -45,9 +75,15 @@ class SharedMemoryReader:
                 torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
             )
             return spec.read_device(like).view(TORCH_DTYPES[spec.dtype]).reshape(spec.shape)
-        raw = torch.empty(spec.nbytes, dtype=torch.uint8)
-        out = memoryview(raw.numpy())  # type: ignore[arg-type]
-        spec.read_into(out, prefix=self.prefix, max_bytes=self.max_bytes)
+        lent = spec.borrow(self.prefix)
+        if lent is not None:
+            data, held = lent
+            if held is not None:
+                self._held.append(held)
+            raw = torch.frombuffer(data, dtype=torch.uint8)
+        else:
+            raw = torch.empty(spec.nbytes, dtype=torch.uint8)
+            spec.read_into(memoryview(raw.numpy()), prefix=self.prefix, max_bytes=self.max_bytes)  # type: ignore[arg-type]
         return raw.view(TORCH_DTYPES[spec.dtype]).reshape(spec.shape)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -125,3 +126,47 @@ def test_non_finite_logits_fail_only_that_request(model: torch.nn.Module, engine
     assert "non-finite" in rejected
     for req in [*others, late]:
         assert results[req.request_id] == reference(model, req), req.request_id
+
+
+@pytest.mark.parametrize("encoder_cache_bytes", [0, 64 << 20], ids=["media", "encoded"])
+def test_the_model_never_gets_the_bytes_the_reader_lent(model: torch.nn.Module, encoder_cache_bytes: int) -> None:
+    """What the reader lends (here: inline bytes in place) is read-only and
+    ends with the step; the vision tower gets a tensor of the engine's own
+    on both paths (inputs joined for the forward, or encoded apart for the
+    encoder cache), and the reader hears of every step's end."""
+    eos = frozenset([int(model.config.text_config.eos_token_id)])
+    reader = InlineReader()
+    engine = Engine(
+        model,
+        SoloGroup(),
+        reader,
+        torch.device("cpu"),
+        eos_token_ids=eos,
+        token_chunk=32,
+        encoder_cache_bytes=encoder_cache_bytes,
+    )
+    reqs = [request(f"r{i}", image_prompt(model, 1, [500 + i]), [pixels(20 + i)], max_tokens=2) for i in range(2)]
+    lent = []
+    for req in reqs:
+        assert req.specs[0].inline is not None
+        start = int(np.frombuffer(req.specs[0].inline, dtype=np.uint8).ctypes.data)
+        lent.append((start, start + len(req.specs[0].inline)))
+    seen: list[int] = []
+
+    def check(_: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+        ptr = args[0].data_ptr()
+        seen.append(ptr)
+        assert not any(lo <= ptr < hi for lo, hi in lent), "the tower got the reader's bytes"
+
+    hook = model.model.vision_tower.register_forward_pre_hook(check)  # type: ignore[union-attr,operator]
+    try:
+        results = drive(engine, {0: reqs[:1], 1: reqs[1:]}, model.config.text_config.eos_token_id)
+    finally:
+        hook.remove()
+    assert seen, "the tower ran"
+    assert all(results[req.request_id] == reference(model, req) for req in reqs)
+    engine.step(Plan(step=99, new=(request("x", [1, 2, 3]),), drop=(), feed=()))
+    steps = reader.steps_ended
+    with pytest.raises(RuntimeError, match="fed no token"):
+        engine.step(Plan(step=100, new=(), drop=(), feed=()))  # nobody fed "x"
+    assert reader.steps_ended == steps + 1, "a step that raised still ended its reads"

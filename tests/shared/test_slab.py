@@ -16,7 +16,7 @@ from mmsplit import shm, slab
 from mmsplit.common.v1 import common_pb2
 from mmsplit.tensors import TensorSpec
 from tests.support.holder import killed_after
-from tests.support.leaks import PROJECT_PREFIX, wait_until
+from tests.support.leaks import PROJECT_PREFIX, own_slab, wait_until
 
 PREFIX = PROJECT_PREFIX + "slab"  # this file's own, in this test process's
 MIB = 1 << 20
@@ -24,10 +24,8 @@ MIB = 1 << 20
 
 @pytest.fixture
 def owned() -> Iterator[slab.Slab]:
-    s = slab.Slab(PREFIX, os.getpid(), 4 * MIB)
-    yield s
-    s.close()
-    assert not shm.list_segments(PREFIX)
+    with own_slab(PREFIX, 4 * MIB) as s:
+        yield s
 
 
 def tensor(nbytes: int, seed: int) -> np.ndarray:

@@ -12,6 +12,7 @@ from mmsplit.common.v1 import common_pb2
 from mmsplit.sampling import Sampling
 from mmsplit.tensors import TensorSpec
 from scheduler_svc.plan import Item, NewRequest
+from scheduler_svc.reader import SharedMemoryReader
 
 IMAGE_SHAPE = (1, 3, 224, 224)
 # The tiny LLaVA's image token (the first token added to the tokenizer).
@@ -34,12 +35,22 @@ class SoloGroup:
         return [obj]
 
 
-class InlineReader:
-    """Reads inline tensors only (what these tests send)."""
+class InlineReader(SharedMemoryReader):
+    """The services' reader, given inline tensors only (what these tests
+    send): it lends their bytes in place, read-only, as it does in service.
+    Counts the steps it was told ended."""
+
+    def __init__(self) -> None:
+        super().__init__(rank=0, prefix="mmsplittest", max_bytes=1 << 30)
+        self.steps_ended = 0
 
     def read(self, request_id: str, spec: TensorSpec) -> torch.Tensor:
         assert spec.inline is not None
-        return torch.frombuffer(bytearray(spec.inline), dtype=torch.float32).reshape(spec.shape)
+        return super().read(request_id, spec)
+
+    def end_step(self) -> None:
+        self.steps_ended += 1
+        super().end_step()
 
 
 def pixels(seed: int, *, fill: float | None = None) -> TensorSpec:

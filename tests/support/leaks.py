@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
+
+from mmsplit import shm, slab
 
 SHM_DIR = Path("/dev/shm")
 
@@ -86,3 +90,13 @@ def wait_until(predicate, timeout: float, interval: float = 0.05) -> bool:  # ty
         if time.monotonic() >= deadline:
             return False
         time.sleep(interval)
+
+
+@contextlib.contextmanager
+def own_slab(prefix: str, nbytes: int) -> Iterator[slab.Slab]:
+    """A slab of this test process's, removed after; fails the test if any
+    segment of `prefix` is left."""
+    s = slab.Slab(prefix, os.getpid(), nbytes)
+    yield s
+    s.close()
+    assert not shm.list_segments(prefix)

@@ -1,0 +1,85 @@
+"""The rank's tensor reader lends slab slices in place (`scheduler_svc.reader`):
+no copy, a lock of the rank's own that outlives the sender's, let go when
+the step ends; a reference nobody holds is refused and leaves nothing held."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+
+from mmsplit import shm, slab
+from mmsplit.common.v1 import common_pb2
+from mmsplit.tensors import TensorSpec, TensorTransportFailed
+from scheduler_svc.reader import SharedMemoryReader
+from tests.support.leaks import PROJECT_PREFIX, own_slab
+
+PREFIX = PROJECT_PREFIX + "reader"
+MIB = 1 << 20
+SHAPE = (3, 64, 64)
+
+
+@pytest.fixture
+def owned() -> Iterator[slab.Slab]:
+    with own_slab(PREFIX, 4 * MIB) as s:
+        yield s
+
+
+@pytest.fixture
+def reader() -> SharedMemoryReader:
+    return SharedMemoryReader(rank=1, prefix=PREFIX, max_bytes=MIB)
+
+
+def sent(owned: slab.Slab, seed: int) -> tuple[np.ndarray, slab.Held, TensorSpec]:
+    """A tensor written into the slab and held by its sender (the
+    scheduler's rank 0 after Accepted, in service)."""
+    data = np.random.default_rng(seed).standard_normal(SHAPE, dtype=np.float32)
+    writer = slab.write(owned.name, PREFIX, memoryview(data), wait_s=0)  # type: ignore[arg-type]
+    sender = slab.take(writer.slice, PREFIX)
+    writer.release()
+    return data, sender, TensorSpec(common_pb2.DTYPE_FLOAT32, SHAPE, shm=writer.slice)
+
+
+def address(view: memoryview) -> int:
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+
+
+def test_a_slab_slice_is_lent_in_place_and_held_until_the_step_ends(
+    owned: slab.Slab, reader: SharedMemoryReader
+) -> None:
+    data, sender, spec = sent(owned, 1)
+    got = reader.read("r1", spec)
+    assert torch.equal(got, torch.from_numpy(data))
+    mapping = slab.view(shm.Slice(owned.name, 0, owned.size), PREFIX)
+    try:
+        start = address(mapping)
+        assert start <= got.data_ptr() < start + owned.size, "read in place, through the slab's mapping"
+    finally:
+        mapping.release()
+    sender.release()  # rank 0 lets go after the agreement
+    assert owned.used_bytes() > 0, "the reading rank holds the slice while its step uses it"
+    assert torch.equal(got, torch.from_numpy(data))
+    reader.end_step()
+    assert owned.used_bytes() == 0
+    reader.end_step()  # nothing more to let go
+
+
+def test_a_slice_nobody_holds_is_refused_and_nothing_stays_held(owned: slab.Slab, reader: SharedMemoryReader) -> None:
+    _, sender, spec = sent(owned, 2)
+    sender.release()
+    with pytest.raises(TensorTransportFailed):
+        reader.read("r2", spec)
+    assert owned.used_bytes() == 0
+    reader.end_step()
+
+
+def test_inline_bytes_are_lent_read_only(reader: SharedMemoryReader) -> None:
+    data = np.arange(np.prod(SHAPE), dtype=np.float32).reshape(SHAPE)
+    spec = TensorSpec(common_pb2.DTYPE_FLOAT32, SHAPE, inline=data.tobytes())
+    got = reader.read("r3", spec)
+    assert torch.equal(got, torch.from_numpy(data))
+    assert spec.inline is not None
+    assert got.data_ptr() == address(memoryview(spec.inline)), "no copy of the bytes that arrived"
+    reader.end_step()
