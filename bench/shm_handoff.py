@@ -6,7 +6,7 @@ Measures, in one run and one process, per tensor size:
             pre-faulted slab and writes it, the tokenizer takes it over,
             rank 0 takes it (Accepted), a rank's reader (the services' own,
             `scheduler_svc.reader`) lends it in place under a lock of its
-            own, rank 0 lets go (the agreement), the step ends
+            own, the step ends, rank 0 lets go
   slab+copy — the same, the rank copying the slice into a fresh buffer (what
             the reader did before it lent slices in place)
   shm     — a segment per tensor (the path with the slab off): write a new
@@ -118,8 +118,8 @@ def row(label: str, shape: tuple[int, ...], owned: slab.Slab, rng: np.random.Gen
             shm.read_into(rank0.slice, PREFIX, memoryview(dst), max_segment_bytes=1 << 30)  # type: ignore[arg-type]
             return torch.from_numpy(dst)
         finally:
-            rank0.release()  # the agreement
             rank.end_step()
+            rank0.release()  # after the step
 
     def via_slab_copy(src: np.ndarray = src) -> torch.Tensor:
         return via_slab(src, lend=False)

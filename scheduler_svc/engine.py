@@ -135,7 +135,8 @@ class Engine:
             failed_idx = {}
         if self.coll.rank == 0:
             # The agreement above is also the barrier that proves every rank
-            # has copied the step's tensors: release them, success or not.
+            # has copied the step's one-off segments: remove them, success or
+            # not. (Slab slices each rank lends under a lock of its own.)
             for req in plan.new:
                 for spec in req.specs:
                     spec.release()
