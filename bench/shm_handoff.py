@@ -7,7 +7,7 @@ Measures, in one run and one process, per tensor size:
             rank 0 takes it (Accepted), a rank's reader (the services' own,
             `scheduler_svc.reader`) lends it in place under a lock of its
             own, the step ends, rank 0 lets go
-  slab+copy — the same, the rank copying the slice into a fresh buffer (what
+  slab+copy — the same, the rank copying the slice into a fresh tensor (what
             the reader did before it lent slices in place)
   shm     — a segment per tensor (the path with the slab off): write a new
             segment, the reader copies it into a fresh buffer, unlink
@@ -115,8 +115,10 @@ def row(label: str, shape: tuple[int, ...], owned: slab.Slab, rng: np.random.Gen
         try:
             if lend:
                 return rank.read("bench", TensorSpec(common_pb2.DTYPE_FLOAT32, src.shape, shm=writer.slice))
-            shm.read_into(rank0.slice, PREFIX, memoryview(dst), max_segment_bytes=1 << 30)  # type: ignore[arg-type]
-            return torch.from_numpy(dst)
+            # What the reader did: a fresh tensor, the slice copied into it.
+            raw = torch.empty(src.nbytes, dtype=torch.uint8)
+            shm.read_into(rank0.slice, PREFIX, memoryview(raw.numpy()), max_segment_bytes=1 << 30)  # type: ignore[arg-type]
+            return raw.view(torch.float32).reshape(src.shape)
         finally:
             rank.end_step()
             rank0.release()  # after the step

@@ -13,7 +13,10 @@ it or hands it to the model as is, and it stays valid until the step's
 a slab slice through this process's mapping of the slab, held by a lock of
 the rank's own until the step ends; inline bytes as they arrived — so a
 tensor is copied once on its way into the model (by the conversion or the
-concatenation the model's inputs need anyway), not twice.
+concatenation the model's inputs need anyway), not twice, and no fresh
+tensor's pages are faulted in for it. bench/shm_handoff.py measures lending
+against copying into a fresh tensor: 1.3x faster at 1.35 MB, 1.6x at 6.8 MB,
+within noise at 0.6 MB (the rank's own lock costs about what the copy does).
 """
 
 from __future__ import annotations

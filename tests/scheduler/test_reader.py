@@ -42,6 +42,15 @@ def sent(owned: slab.Slab, seed: int) -> tuple[np.ndarray, slab.Held, TensorSpec
     return data, sender, TensorSpec(common_pb2.DTYPE_FLOAT32, SHAPE, shm=writer.slice)
 
 
+def in_slab(owned: slab.Slab, tensor: torch.Tensor) -> bool:
+    mapping = slab.view(shm.Slice(owned.name, 0, owned.size), PREFIX)
+    try:
+        start = address(mapping)
+        return start <= tensor.data_ptr() < start + owned.size
+    finally:
+        mapping.release()
+
+
 def address(view: memoryview) -> int:
     return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
 
@@ -52,13 +61,8 @@ def test_a_slab_slice_is_lent_in_place_and_held_until_the_step_ends(
     data, sender, spec = sent(owned, 1)
     got = reader.read("r1", spec)
     assert torch.equal(got, torch.from_numpy(data))
-    mapping = slab.view(shm.Slice(owned.name, 0, owned.size), PREFIX)
-    try:
-        start = address(mapping)
-        assert start <= got.data_ptr() < start + owned.size, "read in place, through the slab's mapping"
-    finally:
-        mapping.release()
-    sender.release()  # rank 0 lets go after the agreement
+    assert in_slab(owned, got), "read in place, through the slab's mapping"
+    sender.release()  # rank 0 lets go after the step: the other ranks hold on
     assert owned.used_bytes() > 0, "the reading rank holds the slice while its step uses it"
     assert torch.equal(got, torch.from_numpy(data))
     reader.end_step()
@@ -75,7 +79,7 @@ def test_a_slice_nobody_holds_is_refused_and_nothing_stays_held(owned: slab.Slab
     reader.end_step()
 
 
-def test_inline_bytes_are_lent_read_only(reader: SharedMemoryReader) -> None:
+def test_inline_bytes_are_lent_as_they_arrived(reader: SharedMemoryReader) -> None:
     data = np.arange(np.prod(SHAPE), dtype=np.float32).reshape(SHAPE)
     spec = TensorSpec(common_pb2.DTYPE_FLOAT32, SHAPE, inline=data.tobytes())
     got = reader.read("r3", spec)
