@@ -46,7 +46,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import InlineReader, SoloGroup, Timeline, build_model, cpu_seconds, percentile, run_clients, table
+from harness import SoloGroup, Timeline, build_model, cpu_seconds, inline_reader, percentile, run_clients, table
 
 from mmsplit_cli import samples
 from mmsplit_cli.client import make_request
@@ -146,7 +146,7 @@ class EngineArms:
         from scheduler_svc.plan import Item, NewRequest
 
         torch = hf.torch
-        self.engine = Engine(hf.model, SoloGroup(), InlineReader(), torch.device(hf.device), eos_token_ids=frozenset())
+        self.engine = Engine(hf.model, SoloGroup(), inline_reader(), torch.device(hf.device), eos_token_ids=frozenset())
         self.requests = []
         for i, (ids, pixel) in enumerate(zip(hf.ids, hf.pixels, strict=True)):
             data = pixel[0].float().cpu().numpy().tobytes()

@@ -128,13 +128,12 @@ class SoloGroup:
         return [obj]
 
 
-class InlineReader:
-    """Reads inline tensors (float32), as the engine's own reader would."""
+def inline_reader() -> Any:
+    """The services' own tensor reader, for an engine in this process given
+    inline tensors: it lends their bytes in place, as it does in service."""
+    from scheduler_svc.reader import SharedMemoryReader
 
-    def read(self, request_id: str, spec: Any) -> Any:
-        import torch
-
-        return torch.frombuffer(bytearray(spec.inline), dtype=torch.float32).reshape(spec.shape)
+    return SharedMemoryReader(rank=0, prefix="mmsplitbench", max_bytes=1 << 40)
 
 
 def cpu_seconds(scheduler_pid: int, tokenizer_pid: int) -> dict[str, float]:

@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import psutil
-from harness import InlineReader, SoloGroup, build_model, run_clients, table
+from harness import SoloGroup, build_model, inline_reader, run_clients, table
 
 from mmsplit.serving import free_port
 from mmsplit_cli.client import make_request
@@ -121,7 +121,7 @@ def compute_cost(model_dir: Path, n: int, steps: int = 16) -> float:
     from scheduler_svc.plan import NewRequest, Plan
 
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
-    engine = Engine(model, SoloGroup(), InlineReader(), torch.device("cpu"), eos_token_ids=frozenset())
+    engine = Engine(model, SoloGroup(), inline_reader(), torch.device("cpu"), eos_token_ids=frozenset())
     new = tuple(NewRequest(f"r{i}", (1, 22557, 1526, 100 + i), (), Sampling(max_tokens=1000)) for i in range(n))
     tokens = engine.step(Plan(step=0, new=new)).sampled
     best = float("inf")
