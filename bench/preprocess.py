@@ -121,7 +121,10 @@ async def measure(model: Path, workers: int, pictures: list[bytes], rounds: int)
         together_rate(apart, workers, model, pictures)
         before = serial_rate(model, pictures)
         for _ in range(rounds):
-            rate = await pool_rate(pool, pictures, owned)
+            # The pool does the work the W processes apart do together: each
+            # picture W times, so its start and its tail (the last images,
+            # when fewer than W are left) weigh as much as theirs.
+            rate = await pool_rate(pool, pictures * workers, owned)
             together = together_rate(apart, workers, model, pictures)
             after = serial_rate(model, pictures)
             serial = (before + after) / 2

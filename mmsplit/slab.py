@@ -32,9 +32,12 @@ Lifecycle of one slice:
 3. The scheduler's rank 0 does the same (`take`) before saying Accepted;
    the tokenizer then drops its lock. A reference to a range nobody holds
    is refused, so a forged or stale reference cannot read reused pixels.
-4. After the agreement (every rank has read), the scheduler drops its lock:
-   the pages are free for the next allocation. "Release" is an unlock; the
-   slab itself is never unlinked by a release.
+4. Each scheduler rank's reader takes a lock of its own (`take`) while it
+   reads the step's tensors and lends the slice to the step in place
+   (`view`: no copy); when the step ends every rank drops its locks, rank
+   0 the one from step 3 too, and the pages are free for the next
+   allocation. "Release" is an unlock; the slab itself is never unlinked by
+   a release.
 
 A writer that hands over by polling must see its taker's lock, however
 briefly the taker holds it. So the writer also read-locks one marker byte
