@@ -9,6 +9,7 @@ import ipaddress
 import json
 import logging
 import random
+import resource
 import signal
 import socket
 import sys
@@ -41,6 +42,34 @@ def run_service(main: Coroutine[Any, Any, int]) -> int:
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, signal.SIG_IGN)
+
+
+# A service holds one descriptor per shared-memory slice or segment it holds
+# (the lock lives on it): the tokenizer for each item in flight and each
+# entry of its preprocessing cache, the scheduler's rank 0 for each image of
+# every queued request, every rank for each image of its step. Some
+# container runtimes start processes with a soft limit of 1024.
+WANT_OPEN_FILES = 65536
+
+
+def raise_fd_limit(want: int = WANT_OPEN_FILES) -> int:
+    """Raise this process's soft limit on open files towards `want` (never
+    past the hard limit, never lower); the limit now. Children started
+    afterwards (ranks, the preprocessing pool's forkserver) inherit it. A
+    process still out of descriptors gets OVERLOADED, retriable (`shm`)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (OSError, ValueError) as exc:
+            log.warning("could not raise the open-file limit from %d: %s", soft, exc)
+    if soft != resource.RLIM_INFINITY and soft < 4096:
+        log.warning(
+            "open-file limit %d: each image in flight holds a descriptor; raise the hard limit (ulimit -Hn)", soft
+        )
+    return soft
 
 
 PORTS_BELOW_EPHEMERAL = 10000  # where free_port looks: [this, the ephemeral range's start)

@@ -27,6 +27,7 @@ moment between a worker writing a segment and its service locking it.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import functools
 import hashlib
@@ -81,6 +82,20 @@ class ShmFull(SegmentError):
     """/dev/shm has no room for a new segment."""
 
 
+class NoDescriptors(SegmentError):
+    """This process (or the system) has no file descriptor to spare: a
+    segment cannot be opened or created now. The server's condition, not
+    the segment's: callers answer OVERLOADED, retriable."""
+
+
+# open(2) failures that say nothing about what is under the name.
+_OUT_OF_DESCRIPTORS = (errno.EMFILE, errno.ENFILE)
+
+
+def _no_descriptors(exc: OSError) -> NoDescriptors:
+    return NoDescriptors(f"no file descriptor to spare ({exc.strerror}): raise the open-file limit")
+
+
 @dataclass(frozen=True)
 class Slice:
     segment: str
@@ -131,7 +146,12 @@ def is_slab(name: str) -> bool:
 def create_segment(name: str, nbytes: int) -> int:
     """Create segment `name` with `nbytes` reserved; return a read-write
     descriptor. ShmFull when /dev/shm has no room."""
-    fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS, 0o600)
+    try:
+        fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS, 0o600)
+    except OSError as exc:
+        if exc.errno in _OUT_OF_DESCRIPTORS:
+            raise _no_descriptors(exc) from exc
+        raise
     try:
         if nbytes:
             os.posix_fallocate(fd, 0, nbytes)
@@ -184,6 +204,8 @@ def _open(name: str, *, write: bool = False) -> tuple[int, os.stat_result]:
     except FileNotFoundError as exc:
         raise SegmentMissing("the segment does not exist (released already, or never created)") from exc
     except OSError as exc:  # ELOOP: a symlink; EACCES: not ours to read
+        if exc.errno in _OUT_OF_DESCRIPTORS:
+            raise _no_descriptors(exc) from exc
         raise NotASegment(f"the segment cannot be opened: {exc.strerror}") from exc
     try:
         st = os.fstat(fd)

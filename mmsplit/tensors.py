@@ -47,6 +47,13 @@ class TensorTransportFailed(MmsplitError):
     code = E.ERROR_CODE_FEATURE_TRANSPORT_FAILED
 
 
+class TensorResourcesExhausted(MmsplitError):
+    """The reference could not be opened for want of a resource of this
+    server's (file descriptors): the server's condition, retriable."""
+
+    code = E.ERROR_CODE_OVERLOADED
+
+
 @dataclass(frozen=True)
 class CudaRef:
     """A range of an exporter's GPU pool (`mmsplit.devices`): its handle and
@@ -215,6 +222,8 @@ def _translated() -> Iterator[None]:
     """shm's errors into ours, once, where they enter a request's life."""
     try:
         yield
+    except shm.NoDescriptors as exc:
+        raise TensorResourcesExhausted(str(exc)) from exc
     except (shm.BadSegmentName, shm.SegmentBounds, shm.NotASegment) as exc:
         # What the reference names is not a usable segment: the sender's fault.
         raise InvalidTensorRef(str(exc)) from exc

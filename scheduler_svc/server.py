@@ -39,6 +39,7 @@ from mmsplit.serving import (
     health_server,
     is_loopback,
     new_server,
+    raise_fd_limit,
     read_secret,
     run_service,
 )
@@ -168,6 +169,7 @@ def _metrics(settings: SchedulerSettings, step_loop: StepLoop) -> ServiceMetrics
 
 def run(settings: SchedulerSettings) -> int:
     """Run this process's part of the group; return the exit code."""
+    raise_fd_limit()  # before the ranks it starts, which inherit it
     try:
         model_dtype(settings.dtype, torch.device("cpu"))
         security = ServerSecurity(

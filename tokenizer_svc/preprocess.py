@@ -312,7 +312,7 @@ def place(t: ItemTensor, data: memoryview, ref: SlabRef | None, prefix: str, own
         piece = shm.write_segment(prefix, owner_pid, data)
     except slab.SlabFull as exc:
         raise Overloaded(f"the shared-memory slab has no room: {exc}") from exc
-    except shm.ShmFull as exc:
+    except (shm.ShmFull, shm.NoDescriptors) as exc:
         raise Overloaded(str(exc)) from exc
     return dataclasses.replace(t, segment=piece.segment, inline=None)
 

@@ -33,6 +33,7 @@ from mmsplit.serving import (
     ServerSecurity,
     health_server,
     new_server,
+    raise_fd_limit,
     read_secret,
     run_service,
 )
@@ -185,6 +186,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
 
 
 def run(settings: TokenizerSettings) -> int:
+    raise_fd_limit()  # before the preprocessing pool, whose workers inherit it
     try:
         security = ServerSecurity(cert=settings.tls_cert, key=settings.tls_key, client_ca=settings.tls_client_ca)
         security.credentials()  # unreadable certificate files fail here

@@ -368,6 +368,8 @@ class TokenizerService:
                     try:
                         self.slab = await asyncio.to_thread(slab.Slab, s.shm_prefix, self._pid, s.shm_slab_bytes)
                         log.info("created a %d-byte shared-memory slab", self.slab.size)
+                    except shm.NoDescriptors as exc:  # for now: the next request tries again
+                        raise Overloaded(f"the shared-memory slab could not be made: {exc}") from exc
                     except (OSError, shm.SegmentError) as exc:
                         self._slab_failed = True
                         log.error("no shared-memory slab (%s): one segment per tensor from now on", exc)
@@ -462,6 +464,8 @@ class TokenizerService:
             for lock in locks:
                 lock.release()
             result.abandon(self.settings.shm_prefix)
+            if isinstance(exc, shm.NoDescriptors):
+                raise Overloaded(f"a preprocessed item could not be held for hand-over: {exc}") from exc
             raise InternalError("a preprocessed item could not be held for hand-over") from exc
 
     async def _off_loop(self, fn: Callable[..., ItemResult], *args: Any) -> ItemResult:

@@ -1,0 +1,111 @@
+"""Out of file descriptors: every slice and segment a service holds keeps a
+descriptor open (its lock lives on it), and some container runtimes start
+processes with a soft limit of 1024. Both services raise the limit at start,
+and a process that still runs out answers OVERLOADED (retriable, the
+server's condition): never INVALID_REQUEST, as if the sender had named
+something that is not a segment."""
+
+from __future__ import annotations
+
+import json
+import resource
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from mmsplit import slab
+from mmsplit.serving import WANT_OPEN_FILES
+from tests.support.leaks import PROJECT_PREFIX, own_slab
+from tests.support.services import ROOT
+
+PREFIX = PROJECT_PREFIX + "fds"
+
+# Run in a child: the soft limit lowered, every descriptor used up, then each
+# path that opens a segment is tried and what it raised is printed.
+CHILD = r"""
+import json, os, resource, sys
+from mmsplit import shm
+from mmsplit.common.v1 import common_pb2
+from mmsplit.errors import MmsplitError, reason_of
+from mmsplit.tensors import TensorSpec
+from scheduler_svc.reader import SharedMemoryReader
+from tokenizer_svc.preprocess import ItemTensor, SlabRef, place
+
+arg = json.loads(sys.argv[1])
+piece = shm.Slice(arg["segment"], arg["offset"], arg["nbytes"])
+spec = TensorSpec(common_pb2.DTYPE_FLOAT32, (arg["nbytes"] // 4,), shm=piece)
+reader = SharedMemoryReader(rank=1, prefix=arg["prefix"], max_bytes=1 << 30)
+tensor = ItemTensor("pixel_values", "float32", (arg["nbytes"] // 4,), arg["nbytes"])
+data = memoryview(bytes(arg["nbytes"]))
+ref = SlabRef(arg["segment"], 1 << 20, 0.0)
+attempts = {
+    "rank 0 takes a slice at admission": lambda: spec.lock(arg["prefix"]),
+    "a rank lends a slice": lambda: reader.read("r", spec),
+    "a worker writes into the slab": lambda: place(tensor, data, ref, arg["prefix"], os.getpid()),
+    "a worker writes a segment of its own": lambda: place(tensor, data, None, arg["prefix"], os.getpid()),
+}
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+spent = []
+try:
+    while True:
+        spent.append(os.open("/dev/null", os.O_RDONLY))
+except OSError:
+    pass
+out = {}
+for what, attempt in attempts.items():
+    try:
+        attempt()
+        out[what] = "no error"
+    except MmsplitError as exc:
+        out[what] = reason_of(exc.error_code)
+    except Exception as exc:
+        out[what] = type(exc).__name__
+for fd in spent:
+    os.close(fd)
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture
+def owned() -> Iterator[slab.Slab]:
+    with own_slab(PREFIX, 4 << 20) as s:
+        yield s
+
+
+def test_out_of_descriptors_is_overloaded_on_every_path(owned: slab.Slab) -> None:
+    data = np.arange(1024, dtype=np.float32)
+    held = slab.write(owned.name, PREFIX, memoryview(data), wait_s=0)  # type: ignore[arg-type]
+    try:
+        arg = {"segment": owned.name, "offset": held.slice.offset, "nbytes": data.nbytes, "prefix": PREFIX}
+        done = subprocess.run(
+            [sys.executable, "-c", CHILD, json.dumps(arg)], capture_output=True, text=True, timeout=120, cwd=ROOT
+        )
+    finally:
+        held.close()
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got == {
+        "rank 0 takes a slice at admission": "OVERLOADED",
+        "a rank lends a slice": "OVERLOADED",
+        "a worker writes into the slab": "OVERLOADED",
+        "a worker writes a segment of its own": "OVERLOADED",
+    }
+    assert owned.used_bytes() == 0
+
+
+def test_a_service_raises_its_open_file_limit() -> None:
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    want = WANT_OPEN_FILES if hard == resource.RLIM_INFINITY else min(WANT_OPEN_FILES, hard)
+    if want <= 512:
+        pytest.skip(f"the hard limit here ({hard}) leaves nothing to raise")
+    script = (
+        "import resource\nfrom mmsplit.serving import raise_fd_limit\n"
+        f"resource.setrlimit(resource.RLIMIT_NOFILE, (512, {hard}))  # as a runtime may start it\n"
+        "print(raise_fd_limit(), resource.getrlimit(resource.RLIMIT_NOFILE)[0])"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == [str(want), str(want)]
