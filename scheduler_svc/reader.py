@@ -24,6 +24,7 @@ pages it kept).
 from __future__ import annotations
 
 import importlib
+import logging
 import warnings
 from typing import Protocol
 
@@ -41,6 +42,8 @@ TORCH_DTYPES = {
     5: torch.int64,
 }
 
+
+log = logging.getLogger(__name__)
 
 # Borrowed bytes are read-only (a slab mapping, a bytes object); torch warns
 # once that it cannot mark a tensor so. The engine never writes them.
@@ -71,7 +74,11 @@ class SharedMemoryReader:
     def end_step(self) -> None:
         held, self._held = self._held, []
         for lock in held:
-            lock.release()
+            try:
+                lock.release()
+            except Exception:  # never let one keep the others (or the step's end) from happening
+                log.exception("rank %d: releasing a lent slice failed; dropping its lock now", self.rank)
+                lock.close()
 
     def read(self, request_id: str, spec: TensorSpec) -> torch.Tensor:
         if spec.cuda is not None:

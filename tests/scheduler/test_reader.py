@@ -87,3 +87,20 @@ def test_inline_bytes_are_lent_as_they_arrived(reader: SharedMemoryReader) -> No
     assert spec.inline is not None
     assert got.data_ptr() == address(memoryview(spec.inline)), "no copy of the bytes that arrived"
     reader.end_step()
+
+
+def test_the_step_ends_even_when_a_release_fails(
+    owned: slab.Slab, reader: SharedMemoryReader, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sent_ = [sent(owned, seed) for seed in (5, 6)]
+    for _, _, spec in sent_:
+        reader.read("r", spec)
+    for _, sender, _ in sent_:
+        sender.release()
+
+    def broken(self: slab.Held) -> None:
+        raise OSError("injected")
+
+    monkeypatch.setattr(slab.Held, "release", broken)
+    reader.end_step()  # logs, never raises
+    assert owned.used_bytes() == 0, "every lent slice let go of all the same"
