@@ -31,17 +31,53 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
 def run_service(main: Coroutine[Any, Any, int]) -> int:
-    """`asyncio.run(main)`, then SIGTERM and SIGINT ignored: the service has
-    stopped (its event loop handled the first one), and closing the loop put
-    back the default action, so a second one during the interpreter's
-    teardown (a second or so with torch loaded) killed the process with -15
-    instead of letting it exit with its own status."""
+    """`asyncio.run(main)`, with SIGTERM and SIGINT ignored from the moment
+    `main` ends to the process's exit. `main` handles the first one (its
+    loop's handler starts the graceful stop); once it has stopped, another
+    must not kill the process with -15 instead of letting it exit with its
+    own status. Closing the loop puts back the default action, so it is
+    kept from doing that (`_ignore_stop_signals`): a second or so of
+    interpreter teardown with torch loaded, and the loop's own close, were
+    both windows in which a SIGTERM killed either service."""
+
+    async def guarded() -> int:
+        try:
+            return await main
+        finally:
+            _ignore_stop_signals(asyncio.get_running_loop())
+
     try:
-        return asyncio.run(main)
+        return asyncio.run(guarded())
     finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in STOP_SIGNALS:
             signal.signal(sig, signal.SIG_IGN)
+
+
+def _ignore_stop_signals(loop: asyncio.AbstractEventLoop) -> None:
+    """SIGTERM and SIGINT ignored from now on, with no moment at their
+    default action between: ignored first, then taken out of the loop's
+    table of handlers, so that closing the loop (which removes each handler
+    it holds, putting the default action back) leaves them ignored. The
+    table is the Unix loop's own (`_signal_handlers`); with a loop that has
+    none, the public way, which leaves a moment at the default action."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    table = getattr(loop, "_signal_handlers", None)
+    if not isinstance(table, dict):
+        for sig in STOP_SIGNALS:
+            loop.remove_signal_handler(sig)
+            signal.signal(sig, signal.SIG_IGN)
+        return
+    for sig in STOP_SIGNALS:
+        table.pop(sig, None)
+    if not table:
+        # What removing the last handler does: no wake-up writes to the
+        # loop's self-pipe, which its close is about to close.
+        signal.set_wakeup_fd(-1)
 
 
 # A service holds one descriptor per shared-memory slice or segment it holds
