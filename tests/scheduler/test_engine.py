@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from mmsplit.errors import E
-from scheduler_svc.engine import Engine
+from scheduler_svc.engine import Engine, all_finite
 from scheduler_svc.plan import NewRequest, Plan
 from tests.support.engine_kit import InlineReader, SoloGroup, pixels, request
 
@@ -170,3 +170,16 @@ def test_the_model_never_gets_the_bytes_the_reader_lent(model: torch.nn.Module, 
     with pytest.raises(RuntimeError, match="fed no token"):
         engine.step(Plan(step=100, new=(), drop=(), feed=()))  # nobody fed "x"
     assert reader.steps_ended == steps + 1, "a step that raised still ended its reads"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_one_non_finite_value_anywhere_is_found(dtype: torch.dtype) -> None:
+    rng = np.random.default_rng(3)
+    pixels_ = torch.from_numpy(rng.standard_normal((5, 3, 64, 64), dtype=np.float32)).to(dtype)
+    assert all_finite(pixels_)
+    assert all_finite(torch.full((4, 4), torch.finfo(dtype).max, dtype=dtype)), "huge but finite passes"
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for at in rng.integers(0, pixels_.numel(), 5):
+            spoiled = pixels_.clone()
+            spoiled.view(-1)[int(at)] = bad
+            assert not all_finite(spoiled), (bad, int(at))
