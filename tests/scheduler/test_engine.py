@@ -183,3 +183,35 @@ def test_one_non_finite_value_anywhere_is_found(dtype: torch.dtype) -> None:
             spoiled = pixels_.clone()
             spoiled.view(-1)[int(at)] = bad
             assert not all_finite(spoiled), (bad, int(at))
+
+
+def test_items_of_one_step_are_keyed_together_and_hit_the_encoder_cache(model: torch.nn.Module) -> None:
+    """Several requests with one or two images join in one step (their
+    items hashed on several threads); the same images later hit the
+    encoder cache; every request makes the tokens plain decoding makes."""
+    eos = int(model.config.text_config.eos_token_id)
+    engine = Engine(
+        model,
+        SoloGroup(),
+        InlineReader(),
+        torch.device("cpu"),
+        eos_token_ids=frozenset([eos]),
+        token_chunk=32,
+        encoder_cache_bytes=64 << 20,
+    )
+    images = [pixels(40 + i) for i in range(3)]
+
+    def batch(tag: str) -> list[NewRequest]:
+        return [
+            request(f"{tag}0", image_prompt(model, 1, [510]), [images[0]], max_tokens=3),
+            request(f"{tag}1", image_prompt(model, 2, [511]), [images[1], images[2]], max_tokens=3),
+            request(f"{tag}2", image_prompt(model, 1, [512]), [images[2]], max_tokens=3),
+        ]
+
+    first, again = batch("a"), batch("b")
+    results = drive(engine, {0: first}, eos)
+    assert engine.encoder_cache.hits == 0
+    results |= drive(engine, {0: again}, eos)
+    assert engine.encoder_cache.hits == 4, "every item of the second batch was encoded before"
+    for req in first + again:
+        assert results[req.request_id] == reference(model, req), req.request_id
