@@ -62,15 +62,13 @@ def _ignore_stop_signals(loop: asyncio.AbstractEventLoop) -> None:
     default action between: ignored first, then taken out of the loop's
     table of handlers, so that closing the loop (which removes each handler
     it holds, putting the default action back) leaves them ignored. The
-    table is the Unix loop's own (`_signal_handlers`); with a loop that has
-    none, the public way, which leaves a moment at the default action."""
+    table is the Unix loop's own (`_signal_handlers`); a loop without one
+    keeps the moment at the default action that `run_service` closes after
+    it."""
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
     table = getattr(loop, "_signal_handlers", None)
     if not isinstance(table, dict):
-        for sig in STOP_SIGNALS:
-            loop.remove_signal_handler(sig)
-            signal.signal(sig, signal.SIG_IGN)
         return
     for sig in STOP_SIGNALS:
         table.pop(sig, None)

@@ -502,8 +502,9 @@ class HandOff:
             done = [item for item in pending if item[2] <= now or item[1](item[0])]
             for held, _, _ in done:
                 held.close()
+            gone = {id(item) for item in done}
             with self._cond:
-                self._pending = [item for item in self._pending if item not in done]
+                self._pending = [item for item in self._pending if id(item) not in gone]
             # Nobody waits for this (a taker holds its own lock already): a
             # slow poll only keeps a slice out of use a moment longer, and
             # spares the worker's CPU.

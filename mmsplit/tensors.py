@@ -154,7 +154,8 @@ class TensorSpec:
         this process's mapping under a lock of the caller's own (`take`;
         release it when done with the view, which is valid until then).
         None for a one-off segment or a CUDA-IPC range (`read_into`).
-        Raises InvalidTensorRef or TensorTransportFailed."""
+        Raises InvalidTensorRef, TensorTransportFailed, or
+        TensorResourcesExhausted (no descriptor to spare: OVERLOADED)."""
         if self.inline is not None:
             return memoryview(self.inline).toreadonly(), None
         if self.shm is None or not shm.is_slab(self.shm.segment):

@@ -225,7 +225,8 @@ def stage_input(job: Job, limit: int) -> tuple[Job, slab.Held | None]:
     slab, the bytes are over `limit` or the slab has no room now (this only
     saves time; it never makes anyone wait). The caller holds the slice
     until the task has ended, so the worker reads it without a lock, and
-    picks `limit` so that inputs never crowd out the tensors workers write."""
+    picks `limit` so that inputs never crowd out the tensors workers write
+    (no more than the slab's largest slice is staged in any case)."""
     ref = job.slab
     if ref is None or job.source is not None or not job.data or len(job.data) > min(limit, ref.max_slice):
         return job, None
