@@ -2,12 +2,16 @@
 
 Measures, in one run and one process, per tensor size:
   copy    — a plain numpy copy (the floor every hand-off is compared to)
-  slab    — the path the services take: a worker allocates a slice of the
-            pre-faulted slab and writes it, the tokenizer takes it over,
-            rank 0 takes it (Accepted), a rank's reader (the services' own,
-            `scheduler_svc.reader`) lends it in place under a lock of its
-            own, the step ends, rank 0 lets go
-  slab+copy — the same, the rank copying the slice into a fresh tensor (what
+  slab r0 — the path the services take to rank 0: a worker allocates a
+            slice of the pre-faulted slab and writes it, the tokenizer takes
+            it over, rank 0 takes it (Accepted), rank 0's reader (the
+            services' own, `scheduler_svc.reader`) lends it in place under
+            that same lock (`slab.take` shares a slice its process holds),
+            the step ends, rank 0 lets go
+  slab rk — the same to another rank, whose reader takes a lock of its own
+            (another process: nothing to share); with two or more ranks the
+            step waits for this one
+  slab+copy — slab rk, the rank copying the slice into a fresh tensor (what
             the reader did before it lent slices in place)
   shm     — a segment per tensor (the path with the slab off): write a new
             segment, the reader copies it into a fresh buffer, unlink
@@ -15,10 +19,10 @@ Measures, in one run and one process, per tensor size:
             lends the decoded bytes
 and prints each as a ratio to `copy`, the paths taken in turn in each
 repetition (so the copy's source is not left in cache by the copy before it,
-as it is for none of the others), in an order rotated at each repetition
-(so each path follows each other path equally often). For comparison, "hot copy" is the copy
+as it is for none of the others), in an order shuffled at each repetition
+(so each path follows each other path about equally often). For comparison, "hot copy" is the copy
 alone in a tight loop (source and destination stay in L2 below ~2 MB), and
-slab/hot the slab path against it: the stricter ratio, and the one this
+the slab paths against it: the stricter ratios, and the ones this
 benchmark printed before it took the paths in turn. The tokenizer's worker pays the write,
 each rank pays one read; a fresh segment pays its page faults, which the
 slab's pages, reserved once, do not.
@@ -36,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -57,19 +62,34 @@ SHAPES = {
 SLAB_BYTES = 64 << 20
 
 
-def timed(paths: dict[str, Callable[[], None]], repeat: int) -> dict[str, float]:
+# Written before each timed run of a path: more than this machine's L2 and
+# its share of L3 hold, so every path starts from the same cold caches.
+EVICT_BYTES = 32 << 20
+
+
+def timed(
+    paths: dict[str, Callable[[], None]], repeat: int, *, before: Callable[[], None] | None = None
+) -> dict[str, float]:
     """Median seconds of each path, the paths taken in turn within each
     repetition, so a drift in this machine's speed (other tenants) falls on
-    all of them alike instead of on whichever ran during it."""
+    all of them alike instead of on whichever ran during it. `before` runs
+    untimed ahead of each run and sets the caches alike for every path."""
     for fn in paths.values():
         fn()  # warm up
     samples: dict[str, list[float]] = {name: [] for name in paths}
     names = list(paths)
-    for i in range(repeat):
-        # Each path runs after every other equally often: the one before
-        # leaves the caches (and the kernel's lock and page paths) cold or
-        # warm for it, so a fixed order would favour some paths.
-        for name in names[i % len(names) :] + names[: i % len(names)]:
+    order = random.Random(0)
+    for _ in range(repeat):
+        # A new order each repetition, and `before` between runs: the path
+        # before would leave the caches (and the kernel's lock and page
+        # paths) cold or warm for the next, so a fixed order, or one only
+        # rotated (each path then follows the same one nearly always),
+        # would favour some paths: one that follows another slab path finds
+        # the slab's first pages in cache, one that follows the copy does not.
+        order.shuffle(names)
+        for name in names:
+            if before is not None:
+                before()
             start = time.perf_counter()
             paths[name]()
             samples[name].append(time.perf_counter() - start)
@@ -82,9 +102,9 @@ def main() -> None:
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     print(
-        f"{'tensor':24} {'MB':>6} {'copy µs':>9} {'slab µs':>9} {'slab+copy µs':>13} {'shm µs':>9}"
-        f" {'inline µs':>10} {'slab/copy':>10} {'slab+copy/copy':>15} {'shm/copy':>9} {'inline/copy':>12}"
-        f" {'hot copy µs':>12} {'slab/hot':>9} {'slab+copy/hot':>14}"
+        f"{'tensor':24} {'MB':>5} {'copy µs':>8} {'hot µs':>7} {'slab r0':>8} {'slab rk':>8} {'slab+copy':>10}"
+        f" {'shm':>6} {'inline':>7}   per copy: {'r0':>5} {'rk':>5} {'+copy':>6} {'shm':>6} {'inline':>6}"
+        f"   per hot: {'r0':>5} {'rk':>5} {'+copy':>6}"
     )
     owned = slab.Slab(PREFIX, os.getpid(), SLAB_BYTES)
     try:
@@ -106,12 +126,15 @@ def row(label: str, shape: tuple[int, ...], owned: slab.Slab, rng: np.random.Gen
 
     rank = SharedMemoryReader(rank=0, prefix=PREFIX, max_bytes=1 << 30)
 
-    def via_slab(src: np.ndarray = src, *, lend: bool = True) -> torch.Tensor:
+    def via_slab(src: np.ndarray = src, *, rank0_reads: bool = True, lend: bool = True) -> torch.Tensor:
         writer = slab.write(owned.name, PREFIX, memoryview(src), wait_s=0)  # type: ignore[arg-type]
         tokenizer = slab.take(writer.slice, PREFIX)
         writer.release()
         rank0 = slab.take(writer.slice, PREFIX)  # before Accepted
         tokenizer.release()
+        if not rank0_reads:
+            # Another rank is another process: rank 0's lock is not there to share.
+            unshared(rank0)
         try:
             if lend:
                 return rank.read("bench", TensorSpec(common_pb2.DTYPE_FLOAT32, src.shape, shm=writer.slice))
@@ -123,8 +146,11 @@ def row(label: str, shape: tuple[int, ...], owned: slab.Slab, rng: np.random.Gen
             rank.end_step()
             rank0.release()  # after the step
 
+    def via_slab_other_rank(src: np.ndarray = src) -> torch.Tensor:
+        return via_slab(src, rank0_reads=False)
+
     def via_slab_copy(src: np.ndarray = src) -> torch.Tensor:
-        return via_slab(src, lend=False)
+        return via_slab(src, rank0_reads=False, lend=False)
 
     def via_shm(src: np.ndarray = src) -> torch.Tensor:
         piece = shm.write_segment(PREFIX, os.getpid(), memoryview(src))  # type: ignore[arg-type]
@@ -152,16 +178,40 @@ def row(label: str, shape: tuple[int, ...], owned: slab.Slab, rng: np.random.Gen
     for path in (via_slab_copy, via_shm, via_inline):
         dst.fill(0)
         assert torch.equal(path(), expect), path.__name__
-    got = timed(
-        {"copy": copy, "slab": via_slab, "slab+copy": via_slab_copy, "shm": via_shm, "inline": via_inline}, repeat
-    )
-    base, t_slab, t_copied, t_shm, t_inline = (got[k] for k in ("copy", "slab", "slab+copy", "shm", "inline"))
+    paths = {
+        "copy": copy,
+        "slab r0": via_slab,
+        "slab rk": via_slab_other_rank,
+        "slab+copy": via_slab_copy,
+        "shm": via_shm,
+        "inline": via_inline,
+    }
+    scratch = np.ones(EVICT_BYTES // 8)
+
+    def as_served(src: np.ndarray = src, scratch: np.ndarray = scratch) -> None:
+        """The caches as a worker leaves them when it hands a tensor over:
+        the tensor just made (in cache), everything else evicted by the
+        decode and preprocessing that made it (the slab's pages too)."""
+        scratch += 1.0
+        src.max()
+
+    got = timed(paths, repeat, before=as_served)
+    base, r0, rk, copied, seg, inline = (got[k] for k in paths)
     hot = timed({"copy": copy}, repeat)["copy"]
-    print(
-        f"{label:24} {src.nbytes / 1e6:6.2f} {base * 1e6:9.0f} {t_slab * 1e6:9.0f} {t_copied * 1e6:13.0f}"
-        f" {t_shm * 1e6:9.0f} {t_inline * 1e6:10.0f} {t_slab / base:9.1f}x {t_copied / base:14.1f}x"
-        f" {t_shm / base:8.1f}x {t_inline / base:11.1f}x {hot * 1e6:12.0f} {t_slab / hot:8.1f}x {t_copied / hot:13.1f}x"
+    us = " ".join(
+        f"{t * 1e6:{w}.0f}" for t, w in ((base, 8), (hot, 7), (r0, 8), (rk, 8), (copied, 10), (seg, 6), (inline, 7))
     )
+    per_copy = " ".join(f"{t / base:5.1f}x" for t in (r0, rk, copied, seg, inline))
+    per_hot = " ".join(f"{t / hot:5.1f}x" for t in (r0, rk, copied))
+    print(f"{label:24} {src.nbytes / 1e6:5.2f} {us}   per copy: {per_copy}   per hot: {per_hot}")
+
+
+def unshared(held: slab.Held) -> None:
+    """Take `held`'s slice out of this process's table of taken slices, so
+    that the next take locks it anew, as another process's would (the
+    held lock itself stays, and is released as before)."""
+    with slab._taken_lock:
+        slab._taken.pop((held.slice.segment, *held.span), None)
 
 
 if __name__ == "__main__":

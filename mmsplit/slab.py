@@ -32,12 +32,17 @@ Lifecycle of one slice:
 3. The scheduler's rank 0 does the same (`take`) before saying Accepted;
    the tokenizer then drops its lock. A reference to a range nobody holds
    is refused, so a forged or stale reference cannot read reused pixels.
-4. Each scheduler rank's reader takes a lock of its own (`take`) while it
-   reads the step's tensors and lends the slice to the step in place
-   (`view`: no copy); when the step ends every rank drops its locks, rank
-   0 the one from step 3 too, and the pages are free for the next
+4. Each scheduler rank's reader takes the slice (`take`) while it reads
+   the step's tensors and lends the slice to the step in place
+   (`Held.view`: no copy); when the step ends every rank lets go, rank 0
+   of its hold from step 3 too, and the pages are free for the next
    allocation. "Release" is an unlock; the slab itself is never unlinked by
    a release.
+
+Takers in one process share one lock per slice (`_Taken`): rank 0's reader
+finds the slice held since Accepted and only counts itself in, and the
+lock goes with the process's last holder. The other ranks, processes of
+their own, lock it themselves.
 
 A writer that hands over by polling must see its taker's lock, however
 briefly the taker holds it. So the writer also read-locks one marker byte
@@ -126,9 +131,9 @@ def _conflict(fd: int, start: int, length: int) -> Range | None:
     return None if kind == fcntl.F_UNLCK else Range(got_start, got_length)
 
 
-def _open(name: str, prefix: str, *, write: bool) -> tuple[int, int]:
+def _open(name: str, prefix: str, *, write: bool) -> tuple[int, os.stat_result]:
     """A descriptor of slab `name`, holding the shared flock that keeps
-    janitors away while the descriptor is open, and the slab's size."""
+    janitors away while the descriptor is open, and the slab's stat."""
     if not shm.is_slab(name):
         raise shm.BadSegmentName("the segment name is not a slab's")
     fd, st = shm.open_stat(name, prefix, write=write)
@@ -137,7 +142,7 @@ def _open(name: str, prefix: str, *, write: bool) -> tuple[int, int]:
     except OSError as exc:  # a janitor holds it exclusively: it is being swept
         os.close(fd)
         raise shm.SegmentMissing("the slab is being removed") from exc
-    return fd, st.st_size
+    return fd, st
 
 
 def _pages(nbytes: int) -> int:
@@ -161,9 +166,11 @@ class _Mappings:
         self._lock = threading.Lock()
         self._checked = 0.0
 
-    def view(self, fd: int, name: str, *, write: bool) -> memoryview:
-        """A view of the whole slab `fd` is open on, mapped on first use."""
-        ino = os.fstat(fd).st_ino
+    def view(self, fd: int, name: str, *, write: bool, ino: int | None = None) -> memoryview:
+        """A view of the whole slab `fd` is open on (its inode `ino`, when
+        the caller has it), mapped on first use."""
+        if ino is None:
+            ino = os.fstat(fd).st_ino
         with self._lock:
             self._forget_removed()
             got = self._maps.get(name)
@@ -281,15 +288,57 @@ def _marker(size: int, offset: int) -> int:
     return size + offset // PAGE
 
 
-class Held:
-    """One slice held by this process through a descriptor of its own: the
-    lock goes when it is released (or when this process dies). A writer's
-    also locks its marker; a taker's knows its writer's (`after`)."""
+class _Taken:
+    """A slice this process took over (`take`): one lock, through one
+    descriptor, however many holders in this process hold the slice. Rank
+    0's lock from Accepted and its reader's for the step are one lock, not
+    two: a take that finds the slice here costs no system call (against
+    seven for a lock of its own, taken and later released), and the lock
+    goes when the last holder here lets go. The kernel sees one holder per
+    process, which is all that the hand-over, the check that a reference is
+    held, and the janitor ask of it."""
 
-    def __init__(self, fd: int, piece: shm.Slice, *, after: int | None = None) -> None:
+    __slots__ = ("after", "fd", "holders", "ino", "key")
+
+    def __init__(self, key: tuple[str, int, int], fd: int, ino: int, after: int) -> None:
+        self.key = key
+        self.fd = fd
+        self.ino = ino
+        self.after = after
+        self.holders = 1
+
+    def drop(self) -> bool:
+        """One holder fewer; True when it was the last (the lock is then
+        no longer found by `take`, and the caller releases it)."""
+        with _taken_lock:
+            self.holders -= 1
+            if self.holders:
+                return False
+            if _taken.get(self.key) is self:
+                del _taken[self.key]
+            return True
+
+
+# Slices this process has taken, by (slab, offset, locked length).
+_taken: dict[tuple[str, int, int], _Taken] = {}
+_taken_lock = threading.Lock()
+
+
+class Held:
+    """One slice held by this process, under a lock through a descriptor of
+    its own (a writer's), or shared by this process's takers of the slice
+    (`_Taken`): the lock goes when the last holder releases it (or when this
+    process dies). A writer's also locks its marker; a taker's knows its
+    writer's (`after`)."""
+
+    def __init__(
+        self, fd: int, piece: shm.Slice, *, after: int | None = None, ino: int = 0, taken: _Taken | None = None
+    ) -> None:
         self._fd: int | None = fd
         self.slice = piece
         self._after = after
+        self._ino = ino
+        self._taken = taken
 
     @property
     def span(self) -> tuple[int, int]:
@@ -306,19 +355,46 @@ class Held:
         fd = self._fd
         return fd is None or self._after is None or _conflict(fd, self._after, 1) is None
 
+    def view(self) -> memoryview:
+        """The slice's bytes in place, read-only, through this process's
+        mapping of the slab (no copy); valid to read until released. The
+        mapping is checked against the file this lock is on, so no lookup
+        of the name is made."""
+        fd = self._fd
+        if fd is None:
+            raise SliceLost("the slice was released")
+        name, offset, nbytes = self.slice.segment, self.slice.offset, self.slice.nbytes
+        whole = _mappings.view(fd, name, write=False, ino=self._ino or None)
+        try:
+            # A writer's own mapping is writable: the view never is.
+            return whole[offset : offset + nbytes].toreadonly()
+        finally:
+            whole.release()
+
+    def _let_go(self) -> bool:
+        """This holder's claim given up; True when the lock is its to release."""
+        taken, self._taken = self._taken, None
+        return taken is None or taken.drop()
+
     def release(self) -> None:
         """Let go: now, or, while the writer still holds on (it has not
         polled since we took over), once it lets go, so that it sees our
-        lock (`_deferred`). Never blocks."""
-        if self.writer_gone():
+        lock (`_deferred`). Never blocks. The lock stays while other
+        holders in this process hold the slice."""
+        if self._fd is None:
+            return
+        if not self._let_go():
+            self._fd = None
+        elif self.writer_gone():
             self.close()
         else:
             _deferred.wait(self, Held.writer_gone)
 
     def close(self) -> None:
-        """Drop the lock now, whoever else holds the slice."""
+        """Drop the lock now, whoever else holds the slice (in this
+        process: this holder's claim only)."""
         fd, self._fd = self._fd, None
-        if fd is not None:
+        if fd is not None and self._let_go():
             os.close(fd)
 
 
@@ -350,7 +426,8 @@ def lease(name: str, prefix: str, nbytes: int, fill: Callable[[int, int], None],
     (`mmsplit.devices`)."""
     if nbytes <= 0:
         raise ValueError("refusing to allocate an empty range")
-    fd, size = _open(name, prefix, write=True)
+    fd, st = _open(name, prefix, write=True)
+    size = st.st_size
     try:
         offset = _allocated(fd, size, nbytes, wait_s, fill)
         if not _lock(fd, fcntl.F_RDLCK, _marker(size, offset), 1):
@@ -409,14 +486,22 @@ def take(piece: shm.Slice, prefix: str) -> Held:
     then a read lock of our own (refused while a writer has the range). The
     check comes first because a writer handing over lets go as soon as our
     lock shows; between the two steps a holder lets go only by its hand-off
-    timeout (`HANDOFF_TIMEOUT_S`), which nobody waits out. Raises SliceLost,
-    or shm's errors for a name or range that is not a slab's."""
+    timeout (`HANDOFF_TIMEOUT_S`), which nobody waits out. A slice this
+    process holds already from a take is shared, not locked again
+    (`_Taken`). Raises SliceLost, or shm's errors for a name or range that
+    is not a slab's."""
     if piece.offset % PAGE or piece.nbytes <= 0:
         raise shm.SegmentBounds("a slab slice starts on a page and is not empty")
-    fd, size = _open(piece.segment, prefix, write=False)
+    span = _pages(piece.nbytes) * PAGE
+    key = (piece.segment, piece.offset, span)
+    with _taken_lock:
+        taken = _taken.get(key)
+        if taken is not None:
+            taken.holders += 1
+            return Held(taken.fd, piece, after=taken.after, ino=taken.ino, taken=taken)
+    fd, st = _open(piece.segment, prefix, write=False)
     try:
-        span = _pages(piece.nbytes) * PAGE
-        if piece.offset + span > size:
+        if piece.offset + span > st.st_size:
             raise shm.SegmentBounds(f"slice [{piece.offset}, {piece.offset + piece.nbytes}) lies outside the slab")
         got = _conflict(fd, piece.offset, span)
         if got is None or got.start > piece.offset or got.end < piece.offset + span:
@@ -426,7 +511,12 @@ def take(piece: shm.Slice, prefix: str) -> Held:
     except BaseException:
         os.close(fd)
         raise
-    return Held(fd, piece, after=_marker(size, piece.offset))
+    taken = _Taken(key, fd, st.st_ino, _marker(st.st_size, piece.offset))
+    with _taken_lock:
+        # Another thread's take of the same slice may have won the race: this
+        # lock then stays a holder of its own, released as any other.
+        _taken.setdefault(key, taken)
+    return Held(fd, piece, after=taken.after, ino=st.st_ino, taken=taken)
 
 
 def view(piece: shm.Slice, prefix: str) -> memoryview:

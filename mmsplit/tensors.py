@@ -163,7 +163,7 @@ class TensorSpec:
         with _translated():
             held = slab.take(self.shm, prefix)
             try:
-                return slab.view(self.shm, prefix), held
+                return held.view(), held
             except BaseException:
                 held.close()
                 raise

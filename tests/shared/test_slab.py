@@ -128,6 +128,94 @@ def test_what_nobody_holds_cannot_be_taken(owned: slab.Slab) -> None:
         slab.take(shm.Slice(shm.new_name(PREFIX, 1), 0, 10), PREFIX)
 
 
+def open_descriptors() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_takers_in_one_process_share_one_lock_until_the_last_lets_go(owned: slab.Slab) -> None:
+    """Rank 0's lock from Accepted and its reader's for the step: the second
+    take opens nothing, and the slice stays held while either holds it."""
+    data = tensor(200_000, 11)
+    writer = slab.write(owned.name, PREFIX, memoryview(data), wait_s=0)
+    first = slab.take(writer.slice, PREFIX)
+    writer.release()
+    before = open_descriptors()
+    second = slab.take(writer.slice, PREFIX)
+    assert open_descriptors() == before, "the second take locked the slice again"
+    assert np.array_equal(np.frombuffer(second.view(), dtype=np.uint8), data)
+    first.release()
+    assert owned.used_bytes() == 4 * slab.PAGE, "one holder let go, the other still holds the slice"
+    assert np.array_equal(np.frombuffer(second.view(), dtype=np.uint8), data)
+    second.release()
+    assert owned.used_bytes() == 0
+    assert open_descriptors() == before - 1
+    with pytest.raises(slab.SliceLost):
+        slab.take(writer.slice, PREFIX)  # nothing of this process's is found for it any more
+    first.release()  # a holder that let go already: nothing happens
+    second.close()
+    assert owned.used_bytes() == 0
+
+
+def test_closing_a_shared_hold_drops_only_that_holder(owned: slab.Slab) -> None:
+    writer = slab.write(owned.name, PREFIX, memoryview(tensor(1000, 12)), wait_s=0)
+    first = slab.take(writer.slice, PREFIX)
+    writer.release()
+    second = slab.take(writer.slice, PREFIX)
+    second.close()
+    with pytest.raises(slab.SliceLost, match="released"):
+        second.view()
+    assert owned.used_bytes() == slab.PAGE
+    third = slab.take(writer.slice, PREFIX)  # still found: `first` holds it
+    first.close()
+    assert owned.used_bytes() == slab.PAGE
+    third.release()
+    assert owned.used_bytes() == 0
+
+
+def test_a_take_while_the_last_holder_waits_for_its_writer_locks_anew(owned: slab.Slab) -> None:
+    """The last holder's release waits for the writer to look (`Held.release`);
+    a take meanwhile gets a lock of its own, not the one about to go."""
+    writer = slab.write(owned.name, PREFIX, memoryview(tensor(1000, 13)), wait_s=0)
+    first = slab.take(writer.slice, PREFIX)
+    first.release()  # deferred: the writer has not seen it yet
+    before = open_descriptors()
+    second = slab.take(writer.slice, PREFIX)
+    assert open_descriptors() == before + 1
+    writer.release()
+    second.release()
+    assert wait_until(lambda: owned.used_bytes() == 0, timeout=5)
+
+
+def test_takes_racing_on_threads_all_let_go(owned: slab.Slab) -> None:
+    writer = slab.write(owned.name, PREFIX, memoryview(tensor(1000, 14)), wait_s=0)
+    anchor = slab.take(writer.slice, PREFIX)
+    writer.release()
+    anchor.release()  # the writer has gone: let go at once
+    writer = slab.write(owned.name, PREFIX, memoryview(tensor(1000, 14)), wait_s=0)
+    holders: list[slab.Held] = []
+    guard = threading.Lock()
+    start = threading.Barrier(8)
+
+    def taker() -> None:
+        start.wait()
+        for _ in range(50):
+            got = slab.take(writer.slice, PREFIX)
+            with guard:
+                holders.append(got)
+
+    threads = [threading.Thread(target=taker) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    writer.release()
+    for got in holders[:-1]:
+        got.release()
+    assert owned.used_bytes() == slab.PAGE
+    holders[-1].release()
+    assert owned.used_bytes() == 0
+
+
 def test_a_range_being_written_cannot_be_taken(owned: slab.Slab) -> None:
     fd = os.open(shm.SHM_DIR / owned.name, os.O_RDWR)
     try:
