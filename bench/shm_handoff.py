@@ -130,6 +130,7 @@ def row(label: str, shape: tuple[int, ...], owned: slab.Slab, rng: np.random.Gen
         writer = slab.write(owned.name, PREFIX, memoryview(src), wait_s=0)  # type: ignore[arg-type]
         tokenizer = slab.take(writer.slice, PREFIX)
         writer.release()
+        unshared(tokenizer)  # rank 0 is another process than the tokenizer
         rank0 = slab.take(writer.slice, PREFIX)  # before Accepted
         tokenizer.release()
         if not rank0_reads:
