@@ -1,91 +1,138 @@
 """The CPU process pool and its supervisor (DESIGN.md §5).
 
+Our own pool, not `concurrent.futures.ProcessPoolExecutor`:
+
 - Workers start by forkserver with `tokenizer_svc.preprocess` preloaded (never
-  plain fork: the gRPC server and torch threads already exist).
-- `submit` can block when workers die, so it runs off the event loop.
-- A broken pool is replaced once per generation: whichever request sees
-  generation g broken replaces it under the lock; others that saw g find
-  g+1 already there. The old pool shuts down off the event loop.
-- A task interrupted by a pool break is retried once on the new pool; a
-  second break under it is PreprocessWorkerCrashed.
-- A task whose caller stopped waiting (PREPROCESS_TIMEOUT, cancel) is
-  cancelled if it has not reached a worker yet, and costs nothing more. One
-  already running cannot be interrupted: it keeps its worker (that capacity
-  is spent) until it finishes, and a callback then releases its result's
-  segment, so abandoned work never leaks shared memory.
-- Admission: a request takes one of 2 x W admission slots before it
-  submits, so each worker has its next task queued when it finishes one
+  plain fork: the gRPC server and torch threads already exist), each with a
+  socket of its own to this process. The event loop writes a worker its
+  tasks and reads its answers through that socket, without blocking and
+  without a thread in between: the executor moved each task through a
+  thread of ours (its `submit` may block), its feeder thread and its manager
+  thread, about 1.8 ms of this process's CPU per image, taken from the
+  workers' cores (`bench/preprocess.py`).
+- A worker that dies costs only what it had: the task it was running is
+  retried once, on another worker; a second death under the same task is
+  PreprocessWorkerCrashed. A task it had queued but not started goes back
+  to the front of the queue. The dead worker alone is replaced ("CPU pool
+  replaced a worker"), off the event loop; the others keep working (the
+  executor broke as a whole, and every task in it failed over).
+- A task whose caller stopped waiting (PREPROCESS_TIMEOUT, cancel,
+  OVERLOADED) is dropped if no worker has it yet, and costs nothing more.
+  One a worker has cannot be interrupted: it keeps its worker (that capacity
+  is spent) until it finishes, and its result's segments and slices are
+  then released, so abandoned work never leaks shared memory.
+- Admission: a request takes one of 2 x W admission slots before it queues,
+  so each worker has its next task written to it when it finishes one
   (without that, each worker idled ~2 ms per task waiting on a round trip
-  through this process: `bench/preprocess.py`). Workers take tasks in the
-  order they were submitted, so the k-th task of a pool (from 0) starts once
-  k - W + 1 of those before it have ended (`_Order`); its preprocessing
-  timeout starts only then, so it measures the worker's time, never a queue
-  behind other requests. Waiting for admission, and then for a worker, are
-  each bounded by `queue_timeout_s` (else OVERLOADED, retriable). An
-  admission slot comes back when its task ends — for an abandoned task,
-  when the worker is done with it.
+  through this process). A task starts when it is the first of its
+  worker's; its preprocessing timeout starts only then, so it measures the
+  worker's time, never a queue behind other requests. Waiting for
+  admission, and then for a worker, are each bounded by `queue_timeout_s`
+  (else OVERLOADED, retriable). An admission slot comes back when its task
+  ends — for an abandoned task, when the worker is done with it.
+- Readiness: the pool serves while one worker lives. With none alive and
+  none starting (creation failing), requests fail at once
+  (PREPROCESS_WORKER_CRASHED) and `ensure` keeps trying to start them.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
+import collections
 import contextlib
-import functools
 import logging
 import multiprocessing as mp
+import multiprocessing.connection
 import os
-import threading
-from collections.abc import Callable
-from concurrent.futures.process import BrokenProcessPool
+import pickle
+import struct
 from typing import Any
 
-from tokenizer_svc.errors import Overloaded, PreprocessTimeout, PreprocessWorkerCrashed
-from tokenizer_svc.preprocess import ItemResult, Job, init_worker, preprocess, stage_input, warm_up
+from tokenizer_svc.errors import InternalError, Overloaded, PreprocessTimeout, PreprocessWorkerCrashed
+from tokenizer_svc.preprocess import ItemResult, Job, init_worker, preprocess, stage_input
 
 log = logging.getLogger(__name__)
 
-SUBMIT_TIMEOUT_S = 10.0
-PRELOAD = ["tokenizer_svc.preprocess", "transformers", "PIL.Image", "numpy"]
+PRELOAD = ["tokenizer_svc.preprocess", "tokenizer_svc.pool", "transformers", "PIL.Image", "numpy"]
+# How long a new worker may take to load the image processor.
+START_TIMEOUT_S = 120.0
+# How long a stopping worker gets to exit before it is killed.
+STOP_TIMEOUT_S = 5.0
+# Tasks written to one worker at a time: the one it runs and its next.
+PER_WORKER = 2
+# multiprocessing.Connection's framing (what the worker's `recv` reads).
+_SIZE = struct.Struct("!i")
+_LONG = struct.Struct("!Q")
 
 
-def _release_orphan(fut: concurrent.futures.Future[Any], prefix: str) -> None:
-    """Done-callback of a task nobody waits for any more."""
-    if fut.cancelled() or fut.exception() is not None:
-        return
-    result = fut.result()
-    if isinstance(result, ItemResult):
-        result.abandon(prefix)
-        log.info("released the tensors of abandoned preprocessing task")
-
-
-def _submit(
-    pool: concurrent.futures.ProcessPoolExecutor, order: _Order, job: Job, workers: int
-) -> tuple[concurrent.futures.Future[ItemResult], int]:
-    """Submit `job`, its bytes in a slab slice where it can (`stage_input`),
-    held until the task ends however it ends (a result, a crash, or a
-    caller that stopped waiting); the future and its ticket (`_Order`).
-    At most 2 x W tasks hold an admission slot, so with inputs of at most a
-    quarter of the slab / (2 x W) each, inputs never take more than a
-    quarter of it (an abandoned task keeps its slot until it ends)."""
-    limit = job.slab.max_slice // (2 * workers) if job.slab is not None else 0
-    staged, held = stage_input(job, limit)
+def _serve(conn: multiprocessing.connection.Connection, model_dir: str, owner_pid: int, hook: str) -> None:
+    """A worker's life: the initializer, then its tasks in the order they
+    come, each answered in turn; it ends when this process's end closes."""
     try:
-        cfut, ticket = order.submit(pool, preprocess, staged)
-    except BaseException:
+        init_worker(model_dir, owner_pid, hook)
+    except BaseException as exc:
+        conn.send(("failed", f"{type(exc).__name__}: {exc}"))
+        return
+    conn.send(("ready", os.getpid()))
+    while True:
+        try:
+            job = conn.recv()
+        except (EOFError, OSError):
+            return
+        if job is None:
+            return
+        reply: tuple[str, Any]
+        try:
+            reply = ("ok", preprocess(job))
+        except Exception as exc:
+            reply = ("error", exc)
+        try:
+            try:
+                conn.send(reply)
+            except (pickle.PicklingError, TypeError, AttributeError) as exc:  # the reply, not the socket
+                conn.send(("error", InternalError(f"a preprocessing result could not be sent back: {exc}")))
+        except OSError:  # the pool closed our socket (it stopped)
+            return
+
+
+def _frame(message: Any) -> bytes:
+    payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    if len(payload) > 0x7FFFFFFF:
+        return _SIZE.pack(-1) + _LONG.pack(len(payload)) + payload
+    return _SIZE.pack(len(payload)) + payload
+
+
+class _WorkerLost(Exception):
+    """The worker running a task died under it."""
+
+
+class _Task:
+    """One preprocessing task: its job (media staged in the slab where it
+    could be), the staged slice it holds until it ends, and its outcome."""
+
+    def __init__(self, job: Job, held: Any, loop: asyncio.AbstractEventLoop) -> None:
+        self.job = job
+        self.held = held
+        self.started: asyncio.Future[None] = loop.create_future()
+        self.done: asyncio.Future[ItemResult] = loop.create_future()
+        self.abandoned = False
+
+    def end(self) -> None:
+        held, self.held = self.held, None
         if held is not None:
             held.close()
-        raise
-    if held is not None:
-        cfut.add_done_callback(lambda _: held.close())
-    return cfut, ticket
 
 
-def _abandon(fut: concurrent.futures.Future[Any], prefix: str) -> None:
-    """Nobody waits for `fut` any more: drop it if it has not started, else
-    release what it produces when it finishes."""
-    if not fut.cancel():
-        fut.add_done_callback(functools.partial(_release_orphan, prefix=prefix))
+class _Worker:
+    def __init__(self, process: Any, conn: multiprocessing.connection.Connection, loop: asyncio.AbstractEventLoop):
+        self.process = process
+        self.conn = conn
+        self.fd = conn.fileno()
+        self.tasks: collections.deque[_Task] = collections.deque()  # written to it; the first runs
+        self.inbox = bytearray()
+        self.outbox = bytearray()
+        self.ready: asyncio.Future[int] = loop.create_future()
+        self.alive = True
 
 
 class _Slot:
@@ -96,68 +143,14 @@ class _Slot:
         self._slots = slots
         self._held = True
 
-    def hand_to(self, fut: concurrent.futures.Future[Any]) -> None:
-        loop = asyncio.get_running_loop()
+    def hand_to(self, fut: asyncio.Future[Any]) -> None:
         self._held = False
-        fut.add_done_callback(lambda _: loop.call_soon_threadsafe(self._slots.release))
+        fut.add_done_callback(lambda _: self._slots.release())
 
     def release(self) -> None:
         if self._held:
             self._held = False
             self._slots.release()
-
-
-class _Order:
-    """Where the tasks of one executor stand: its workers take them in the
-    order they were submitted, so ticket k (the k-th task, from 0) starts
-    once k - W + 1 tasks have ended, whichever they were. Submission takes
-    a lock so that the tickets and the executor's queue agree."""
-
-    def __init__(self, workers: int, loop: asyncio.AbstractEventLoop) -> None:
-        self._workers = workers
-        self._loop = loop
-        self._lock = threading.Lock()
-        self._submitted = 0
-        self._ended = 0  # on the event loop's thread only
-        self._waiting: list[tuple[int, asyncio.Future[None]]] = []
-
-    def submit(
-        self, pool: concurrent.futures.ProcessPoolExecutor, fn: Callable[..., Any], *args: Any
-    ) -> tuple[concurrent.futures.Future[Any], int]:
-        """(Any thread.) Submit, and the task's ticket."""
-        with self._lock:
-            cfut = pool.submit(fn, *args)
-            ticket = self._submitted
-            self._submitted += 1
-        cfut.add_done_callback(self._ended_soon)
-        return cfut, ticket
-
-    def _ended_soon(self, _: concurrent.futures.Future[Any]) -> None:
-        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
-            self._loop.call_soon_threadsafe(self._end)
-
-    def _end(self) -> None:
-        self._ended += 1
-        still = []
-        for ticket, fut in self._waiting:
-            if self._started(ticket):
-                if not fut.done():
-                    fut.set_result(None)
-            else:
-                still.append((ticket, fut))
-        self._waiting = still
-
-    def _started(self, ticket: int) -> bool:
-        return ticket < self._ended + self._workers
-
-    def started(self, ticket: int) -> asyncio.Future[None]:
-        """Done once a worker has (or is about to have) taken ticket `ticket`."""
-        fut = self._loop.create_future()
-        if self._started(ticket):
-            fut.set_result(None)
-        else:
-            self._waiting.append((ticket, fut))
-        return fut
 
 
 class CpuPool:
@@ -166,85 +159,235 @@ class CpuPool:
         self.worker_hook = worker_hook
         self.workers = workers
         self.queue_timeout_s = queue_timeout_s
-        self.generation = 0
         self.replacements = 0
-        self._pool: concurrent.futures.ProcessPoolExecutor | None = None
-        self._lock = asyncio.Lock()
+        self._live: list[_Worker] = []
+        self._starting = 0
+        self._queue: collections.deque[_Task] = collections.deque()
         self._admitted = asyncio.Semaphore(2 * workers)
-        self._order: _Order | None = None  # of `_pool`
+        self._closed = False
+        self._ctx = mp.get_context("forkserver")
+        self._background: set[asyncio.Task[Any]] = set()
 
     @property
     def ready(self) -> bool:
-        return self._pool is not None
+        return bool(self._live)
 
-    def _new_pool(self) -> concurrent.futures.ProcessPoolExecutor:
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(PRELOAD)
-        pool = concurrent.futures.ProcessPoolExecutor(
-            max_workers=self.workers,
-            mp_context=ctx,
-            initializer=init_worker,
-            initargs=(self.model_dir, os.getpid(), self.worker_hook),
-        )
-        # Start every worker now, so the first requests do not pay for it
-        # (and a failing initializer shows here, not in a request).
-        try:
-            for fut in [pool.submit(warm_up) for _ in range(self.workers)]:
-                fut.result(timeout=120)
-        except BaseException:
-            pool.shutdown(wait=True, cancel_futures=True)
-            raise
-        return pool
+    @property
+    def pids(self) -> list[int]:
+        """The live workers' process ids."""
+        return [w.process.pid for w in self._live]
 
     async def start(self) -> None:
-        await self._create()
-
-    async def _replace(self, seen_generation: int) -> None:
-        async with self._lock:
-            if self.generation != seen_generation:
-                return  # someone else replaced it already
-            old, self._pool = self._pool, None
-            self.generation += 1
-            if old is not None:
-                asyncio.get_running_loop().run_in_executor(None, lambda: old.shutdown(wait=True, cancel_futures=True))
-            await self._create()
-            if self._pool is not None:
-                self.replacements += 1
-                log.warning("CPU pool replaced (generation %d)", self.generation)
-
-    async def _create(self) -> None:
-        """Create the pool; on failure leave none (readiness NOT_SERVING) for
-        `ensure` to retry."""
-        try:
-            pool = await asyncio.to_thread(self._new_pool)
-            self._pool, self._order = pool, _Order(self.workers, asyncio.get_running_loop())
-        except Exception:
-            log.exception("creating the CPU pool failed; NOT_SERVING until a retry succeeds")
-            return
-        log.info("CPU pool started with %d forkserver workers", self.workers)
+        await self._fill(replacing=False)
 
     async def ensure(self) -> bool:
-        """Create the pool if there is none (after a failed creation), and
-        replace it if it broke while idle (a worker that dies with no task
-        breaks the pool silently; the next request would pay for the
-        replacement). The caller decides how often; returns whether a pool
-        exists."""
-        generation, pool = self.generation, self._pool
-        if pool is None:
-            async with self._lock:
-                if self._pool is None:
-                    await self._create()
+        """Start the workers missing (after a failed start or replacement);
+        the caller decides how often. Returns whether any worker is alive."""
+        if not self._closed and len(self._live) + self._starting < self.workers:
+            await self._fill(replacing=bool(self._live) or self.replacements > 0)
+        return self.ready
+
+    async def _fill(self, *, replacing: bool) -> None:
+        """Start workers until there are W (those starting counted)."""
+        missing = self.workers - len(self._live) - self._starting
+        if missing <= 0 or self._closed:
+            return
+        self._starting += missing
+        try:
+            got = await asyncio.gather(*(self._spawn() for _ in range(missing)), return_exceptions=True)
+        finally:
+            self._starting -= missing
+        for outcome in got:
+            if isinstance(outcome, BaseException):
+                log.error("starting a CPU worker failed: %s", outcome)
+            elif replacing:
+                self.replacements += 1
+                log.warning("CPU pool replaced a worker (pid %d; %d replaced so far)", outcome, self.replacements)
+        if self._live:
+            log.info("CPU pool has %d of %d forkserver workers", len(self._live), self.workers)
+            self._dispatch()
         else:
+            log.error("no CPU worker could be started; NOT_SERVING until one starts")
+            self._fail_queued()
+
+    async def _spawn(self) -> int:
+        """One worker, started and initialized; its pid."""
+        loop = asyncio.get_running_loop()
+        self._ctx.set_forkserver_preload(PRELOAD)
+        parent, child = self._ctx.Pipe(duplex=True)
+        process = self._ctx.Process(
+            target=_serve, args=(child, self.model_dir, os.getpid(), self.worker_hook), name="mmsplit-cpu", daemon=True
+        )
+        try:
+            await asyncio.to_thread(process.start)
+        except BaseException:
+            parent.close()
+            raise
+        finally:
+            child.close()
+        worker = _Worker(process, parent, loop)
+        os.set_blocking(worker.fd, False)
+        loop.add_reader(worker.fd, self._readable, worker)
+        try:
+            pid = await asyncio.wait_for(asyncio.shield(worker.ready), START_TIMEOUT_S)
+        except BaseException:
+            self._drop(worker)
+            await asyncio.to_thread(_reap, process)
+            raise
+        if self._closed:
+            self._drop(worker)
+            await asyncio.to_thread(_reap, process)
+            raise RuntimeError("the pool was shut down")
+        self._live.append(worker)
+        return pid
+
+    # -- the socket to each worker (event loop only) -------------------------
+
+    def _send(self, worker: _Worker, message: Any) -> None:
+        data = _frame(message)
+        if not worker.outbox:
             try:
-                # submit raises at once on a broken pool; the no-op itself is
-                # not awaited (it is counted in the pool's order: it takes a worker too).
-                order = self._order
-                submit = pool.submit if order is None else functools.partial(order.submit, pool)
-                await asyncio.to_thread(submit, warm_up)
-            except (BrokenProcessPool, RuntimeError):
-                log.warning("CPU pool found broken while idle")
-                await self._replace(generation)
-        return self._pool is not None
+                sent = os.write(worker.fd, data)
+            except BlockingIOError:
+                sent = 0
+            except OSError:  # it died: its end reads EOF, and `_lost` handles it
+                return
+            data = data[sent:]
+            if not data:
+                return
+            asyncio.get_running_loop().add_writer(worker.fd, self._writable, worker)
+        worker.outbox += data
+
+    def _writable(self, worker: _Worker) -> None:
+        try:
+            sent = os.write(worker.fd, worker.outbox)
+        except BlockingIOError:
+            return
+        except OSError:
+            sent = len(worker.outbox)
+        del worker.outbox[:sent]
+        if not worker.outbox:
+            asyncio.get_running_loop().remove_writer(worker.fd)
+
+    def _readable(self, worker: _Worker) -> None:
+        while True:
+            try:
+                got = os.read(worker.fd, 1 << 20)
+            except BlockingIOError:
+                break
+            except OSError:
+                got = b""
+            if not got:
+                self._lost(worker)
+                return
+            worker.inbox += got
+        while (message := _unframe(worker.inbox)) is not None:
+            self._message(worker, message)
+
+    def _message(self, worker: _Worker, message: tuple[str, Any]) -> None:
+        kind, value = message
+        if kind == "ready":
+            if not worker.ready.done():
+                worker.ready.set_result(value)
+            return
+        if kind == "failed":
+            if not worker.ready.done():
+                worker.ready.set_exception(RuntimeError(value))
+            return
+        if not worker.tasks:
+            log.error("a CPU worker answered a task it was never given; ignored")
+            return
+        task = worker.tasks.popleft()
+        self._settle(task, value if kind == "ok" else None, value if kind == "error" else None)
+        if worker.tasks and not worker.tasks[0].started.done():
+            worker.tasks[0].started.set_result(None)
+        self._dispatch()
+
+    def _settle(self, task: _Task, result: ItemResult | None, error: BaseException | None) -> None:
+        task.end()
+        if task.abandoned:
+            if result is not None:
+                result.abandon(task.job.shm_prefix)
+                log.info("released the tensors of abandoned preprocessing task")
+            if not task.done.done():
+                task.done.cancel()  # gives its admission slot back
+            return
+        if task.done.done():
+            return
+        if error is not None:
+            task.done.set_exception(error)
+        else:
+            task.done.set_result(result)  # type: ignore[arg-type]
+
+    def _lost(self, worker: _Worker) -> None:
+        """A worker's socket closed: it died (or stopped). Its running task
+        fails over to its caller's retry; those it had not started go back
+        to the front of the queue; a replacement starts."""
+        if not worker.alive:
+            return
+        self._drop(worker)
+        if not worker.ready.done():
+            code = worker.process.exitcode
+            worker.ready.set_exception(RuntimeError(f"the worker exited while starting (code {code})"))
+            return
+        if worker in self._live:
+            self._live.remove(worker)
+        tasks = list(worker.tasks)
+        worker.tasks.clear()
+        if tasks:
+            running = tasks.pop(0)
+            running.end()
+            if running.abandoned:
+                if not running.done.done():
+                    running.done.cancel()
+            elif not running.done.done():
+                running.done.set_exception(_WorkerLost())
+            for task in reversed(tasks):
+                if task.abandoned:
+                    task.end()
+                    task.done.cancel()
+                else:
+                    self._queue.appendleft(task)
+        reaper = asyncio.ensure_future(asyncio.to_thread(_reap, worker.process))
+        self._keep(reaper)
+        if not self._closed:
+            self._keep(asyncio.ensure_future(self._fill(replacing=True)))
+        self._dispatch()
+
+    def _drop(self, worker: _Worker) -> None:
+        loop = asyncio.get_running_loop()
+        worker.alive = False
+        loop.remove_reader(worker.fd)
+        loop.remove_writer(worker.fd)
+        worker.conn.close()
+
+    def _keep(self, task: asyncio.Future[Any]) -> None:
+        self._background.add(task)  # type: ignore[arg-type]
+        task.add_done_callback(self._background.discard)
+
+    def _dispatch(self) -> None:
+        """Give queued tasks to workers with room, the idlest first."""
+        while self._queue:
+            room = [w for w in self._live if w.alive and len(w.tasks) < PER_WORKER]
+            if not room:
+                break
+            worker = min(room, key=lambda w: len(w.tasks))
+            task = self._queue.popleft()
+            worker.tasks.append(task)
+            if len(worker.tasks) == 1:
+                task.started.set_result(None)
+            self._send(worker, task.job)
+        if self._queue and not self._live and not self._starting:
+            self._fail_queued()
+
+    def _fail_queued(self) -> None:
+        while self._queue:
+            task = self._queue.popleft()
+            task.end()
+            if not task.done.done():
+                task.done.set_exception(_WorkerLost())
+
+    # -- requests --------------------------------------------------------------
 
     async def preprocess(self, job: Job, *, timeout_s: float, request_id: str) -> ItemResult:
         """Run one image or video through a worker; typed errors only."""
@@ -263,69 +406,107 @@ class CpuPool:
         finally:
             slot.release()
 
-    async def _start(self, order: _Order, ticket: int, afut: asyncio.Future[ItemResult]) -> None:
-        """Return once a worker takes the task (`_Order`), or it has ended
-        meanwhile; OVERLOADED after `queue_timeout_s`."""
-        started = order.started(ticket)
-        if started.done():
-            return
-        either: set[asyncio.Future[Any]] = {started, afut}
-        try:
-            await asyncio.wait(either, timeout=self.queue_timeout_s, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            started.cancel()  # a no-op once it is done
-        if started.cancelled() and not afut.done():
-            raise Overloaded(
-                f"a preprocessing task waited {self.queue_timeout_s:g}s for one of {self.workers} busy workers;"
-                " retry later"
-            )
-
     async def _attempts(self, job: Job, timeout_s: float, request_id: str, slot: _Slot) -> ItemResult:
         for attempt in (1, 2):
-            if self._pool is None and self._lock.locked():
-                async with self._lock:  # a replacement is under way: wait for it, not fail
-                    pass
-            generation, pool, order = self.generation, self._pool, self._order
-            if pool is None or order is None:
+            if not self._live and not self._starting:
                 raise PreprocessWorkerCrashed("no CPU pool is available right now")
             try:
-                return await self._run(pool, order, job, timeout_s, slot)
-            except BrokenProcessPool as exc:
-                log.warning("request %s: worker pool broke (attempt %d)", request_id, attempt)
-                await self._replace(generation)
+                return await self._run(job, timeout_s, slot)
+            except _WorkerLost as exc:
+                if not self._live and not self._starting:
+                    raise PreprocessWorkerCrashed("no CPU pool is available right now") from exc
+                log.warning("request %s: a preprocessing worker died under it (attempt %d)", request_id, attempt)
                 if attempt == 2:
                     raise PreprocessWorkerCrashed(
                         "a preprocessing worker died twice while handling this request's media"
                     ) from exc
         raise AssertionError("unreachable")
 
-    async def _run(
-        self, pool: concurrent.futures.ProcessPoolExecutor, order: _Order, job: Job, timeout_s: float, slot: _Slot
-    ) -> ItemResult:
+    async def _run(self, job: Job, timeout_s: float, slot: _Slot) -> ItemResult:
+        # Media bytes go in a slab slice where there is room (never waits):
+        # at most 2 x W tasks hold an admission slot, so with inputs of at
+        # most a quarter of the slab / (2 x W) each, inputs never take more
+        # than a quarter of it.
+        limit = job.slab.max_slice // (2 * self.workers) if job.slab is not None else 0
+        staged, held = stage_input(job, limit)
+        task = _Task(staged, held, asyncio.get_running_loop())
+        self._queue.append(task)
+        self._dispatch()
         try:
-            cfut, ticket = await asyncio.wait_for(
-                asyncio.to_thread(_submit, pool, order, job, self.workers), SUBMIT_TIMEOUT_S
-            )
-        except RuntimeError as exc:  # submitted while that pool was being shut down
-            raise BrokenProcessPool(str(exc)) from exc
+            await self._start(task)
+            return await asyncio.wait_for(asyncio.shield(task.done), timeout_s)
         except TimeoutError as exc:
-            # A submit that does not return means a wedged pool: treat it as
-            # broken. (The thread stuck in it is abandoned, not reclaimed.)
-            raise BrokenProcessPool(f"submit did not return within {SUBMIT_TIMEOUT_S}s") from exc
-        afut = asyncio.wrap_future(cfut)
-        try:
-            await self._start(order, ticket, afut)
-            return await asyncio.wait_for(asyncio.shield(afut), timeout_s)
-        except TimeoutError as exc:
-            slot.hand_to(cfut)  # the worker stays busy until the task ends
-            _abandon(cfut, job.shm_prefix)
+            slot.hand_to(task.done)  # the worker stays busy until the task ends
+            self._abandon(task)
             raise PreprocessTimeout(f"preprocessing took longer than {timeout_s:.1f}s") from exc
-        except (Overloaded, asyncio.CancelledError):  # the task may run yet
-            slot.hand_to(cfut)
-            _abandon(cfut, job.shm_prefix)
+        except (Overloaded, asyncio.CancelledError):  # a worker may have it yet
+            slot.hand_to(task.done)
+            self._abandon(task)
             raise
 
+    async def _start(self, task: _Task) -> None:
+        """Return once a worker starts the task, or it has ended meanwhile;
+        OVERLOADED after `queue_timeout_s`."""
+        if task.started.done():
+            return
+        either: set[asyncio.Future[Any]] = {task.started, task.done}
+        await asyncio.wait(either, timeout=self.queue_timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        if not task.started.done() and not task.done.done():
+            raise Overloaded(
+                f"a preprocessing task waited {self.queue_timeout_s:g}s for one of {self.workers} busy workers;"
+                " retry later"
+            )
+
+    def _abandon(self, task: _Task) -> None:
+        """Nobody waits for `task` any more: drop it if no worker has it, else
+        release what it produces when it ends."""
+        task.abandoned = True
+        if task in self._queue:
+            self._queue.remove(task)
+            task.end()
+            task.done.cancel()
+        elif task.done.done() and not task.done.cancelled() and task.done.exception() is None:
+            task.done.result().abandon(task.job.shm_prefix)
+
     async def shutdown(self) -> None:
-        pool, self._pool = self._pool, None
-        if pool is not None:
-            await asyncio.to_thread(pool.shutdown, wait=True, cancel_futures=True)
+        self._closed = True
+        self._fail_queued()
+        workers, self._live = self._live, []
+        for worker in workers:
+            self._drop(worker)  # its end closes: the worker's recv ends, and so does it
+            for task in worker.tasks:
+                task.end()
+                if not task.done.done():
+                    task.done.set_exception(_WorkerLost())
+        await asyncio.gather(*(asyncio.to_thread(_reap, w.process) for w in workers))
+        for pending in list(self._background):
+            pending.cancel()
+        with contextlib.suppress(BaseException):
+            await asyncio.gather(*self._background, return_exceptions=True)
+
+
+def _unframe(inbox: bytearray) -> Any | None:
+    """The first whole message in `inbox` (removed from it), or None."""
+    if len(inbox) < _SIZE.size:
+        return None
+    (size,) = _SIZE.unpack_from(inbox)
+    start = _SIZE.size
+    if size == -1:
+        if len(inbox) < start + _LONG.size:
+            return None
+        (size,) = _LONG.unpack_from(inbox, start)
+        start += _LONG.size
+    if len(inbox) < start + size:
+        return None
+    with memoryview(inbox) as whole, whole[start : start + size] as payload:
+        message = pickle.loads(payload)
+    del inbox[: start + size]
+    return message
+
+
+def _reap(process: Any) -> None:
+    """Wait for a worker to exit; kill it if it does not (a thread's call)."""
+    process.join(STOP_TIMEOUT_S)
+    if process.exitcode is None:
+        process.kill()
+        process.join(STOP_TIMEOUT_S)

@@ -2,9 +2,8 @@
 item tensors → shared memory. Images and videos (`tokenizer_svc.video`).
 
 Only compressed bytes come in: in a slice of the slab when there is one
-(`stage_input`: a pipe moves a megabyte-sized pickle in 64 KiB pieces, each
-a wake-up of the pool's feeder thread, which cost about 1 ms per image), else
-in the pickled job. With the shared-memory transport only
+(`stage_input`: a megabyte-sized pickle crosses the worker's socket in
+pieces, each a wake-up of the event loop), else in the pickled job. With the shared-memory transport only
 metadata goes back (`ItemResult`): each encoder input (``pixel_values*``) is
 written once, straight into a slice of the tokenizer's slab (`mmsplit.slab`;
 the worker holds the slice until the tokenizer process takes it over), or

@@ -96,7 +96,7 @@ def _metrics(settings: TokenizerSettings, service: TokenizerService, pool: CpuPo
         lambda: {
             "preprocess_cache_hits": ("Lookups that found a preprocessed item", service.cache.hits),
             "preprocess_cache_misses": ("Lookups that did not", service.cache.misses),
-            "cpu_pool_replacements": ("Times the CPU pool was replaced after a worker died", pool.replacements),
+            "cpu_pool_replacements": ("CPU workers replaced after one died", pool.replacements),
             "preprocess_seconds": ("Time spent preprocessing media in workers, as awaited", service.preprocess_s),
             "preprocessed_items": ("Images and videos preprocessed by workers", service.preprocessed),
             "fetch_attempts": ("HTTP(S) fetch attempts", fetcher.attempts),

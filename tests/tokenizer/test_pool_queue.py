@@ -1,24 +1,33 @@
-"""The CPU pool's queue (`tokenizer_svc.pool`): each worker has its next task
-queued, a task's preprocessing budget starts when a worker takes it, and the
-wait for a worker is bounded. One real forkserver worker, with the
-fault-injecting hook's SLOW images (1.5 s in the worker each)."""
+"""The CPU pool (`tokenizer_svc.pool`): each worker has its next task
+queued, a task's preprocessing budget starts when a worker takes it, the
+wait for a worker is bounded, a worker that dies costs only its own tasks,
+and messages larger than a socket's buffer cross whole. Real forkserver
+workers, with the fault-injecting hook's SLOW images (1.5 s in the worker
+each)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import multiprocessing.forkserver
 import multiprocessing.resource_tracker
 import os
+import signal
+import socket
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
+from PIL import Image
+from transformers import AutoImageProcessor
 
-from mmsplit import slab
+from mmsplit import families, slab
 from tests.support.leaks import PROJECT_PREFIX, wait_until
 from tests.support.worker_hook import SLOW, marked
+from tokenizer_svc.decode import decode_image
 from tokenizer_svc.errors import Overloaded
 from tokenizer_svc.pool import CpuPool
 from tokenizer_svc.preprocess import ImageJob, ItemResult, SlabRef, media_bytes, stage_input
@@ -39,11 +48,14 @@ def owned() -> Iterator[slab.Slab]:
 
 
 @contextlib.asynccontextmanager
-async def one_worker(model: Path, queue_timeout_s: float, owned: slab.Slab) -> AsyncIterator[CpuPool]:
-    """A pool of one worker; at the end, nothing of the slab is held."""
-    pool = CpuPool(str(model), 1, worker_hook="tests.support.worker_hook", queue_timeout_s=queue_timeout_s)
+async def one_worker(
+    model: Path, queue_timeout_s: float, owned: slab.Slab, *, workers: int = 1
+) -> AsyncIterator[CpuPool]:
+    """A pool of one worker (or `workers`); at the end, nothing of the slab is held."""
+    pool = CpuPool(str(model), workers, worker_hook="tests.support.worker_hook", queue_timeout_s=queue_timeout_s)
     await pool.start()
     assert pool.ready
+    assert len(pool.pids) == workers
     try:
         yield pool
     finally:
@@ -144,3 +156,64 @@ def test_media_bytes_travel_in_a_slab_slice_when_there_is_room(owned: slab.Slab)
         for piece in filling:
             piece.close()
     assert owned.used_bytes() == 0
+
+
+def test_a_worker_that_dies_costs_only_its_own_task(tiny_model: Path, owned: slab.Slab) -> None:
+    asyncio.run(_one_dies(tiny_model, owned))
+
+
+async def _one_dies(tiny_model: Path, owned: slab.Slab) -> None:
+    # Two workers, each with a SLOW image; one is SIGKILLed. Its image is
+    # retried (and served); the other worker is not touched: same process,
+    # its image served once, no retry. Only the dead worker is replaced.
+    async with one_worker(tiny_model, 10, owned, workers=2) as pool:
+        first, second = pool.pids
+        tasks = [
+            asyncio.ensure_future(pool.preprocess(job(marked(SLOW), owned), timeout_s=10, request_id=f"d{i}"))
+            for i in range(2)
+        ]
+        await asyncio.sleep(0.5)  # both are in their workers' 1.5 s now
+        os.kill(first, signal.SIGKILL)
+        results = await asyncio.gather(*tasks)
+        for result in results:
+            assert result.tokens > 0
+            let_go(result)
+        assert wait_until(lambda: len(pool.pids) == 2, timeout=30)
+        assert second in pool.pids, "the worker that did not die kept working"
+        assert first not in pool.pids
+        assert pool.replacements == 1
+
+
+def test_messages_larger_than_a_socket_buffer_cross_whole(tiny_model: Path, owned: slab.Slab) -> None:
+    asyncio.run(_big_messages(tiny_model, owned))
+
+
+async def _big_messages(tiny_model: Path, owned: slab.Slab) -> None:
+    # The inline transport with no slab: the media bytes go in the job (a
+    # 2 MB PNG of noise) and the pixels come back in the result, both over
+    # a socket that holds a few hundred KB (written and read in pieces,
+    # never blocking the event loop). What comes back is what the
+    # worker's own code makes of the image in this process.
+    noise = np.random.default_rng(3).integers(0, 255, (800, 900, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(noise).save(buffer, "PNG")
+    data = buffer.getvalue()
+    assert len(data) > 1 << 20
+    big = ImageJob(data, 40_000_000, 50.0, PREFIX, os.getpid(), inline=True)
+    async with one_worker(tiny_model, 10, owned, workers=2) as pool:
+        results = await asyncio.gather(*(pool.preprocess(big, timeout_s=30, request_id=f"big{i}") for i in range(3)))
+    # The same decode, processor and rows the worker runs, in this process.
+    processor = AutoImageProcessor.from_pretrained(tiny_model)
+    family = families.load(tiny_model, frozenset(processor.model_input_names))
+    outputs = processor(images=decode_image(data, max_pixels=40_000_000), return_tensors="np")
+    rows = family.item_rows({name: np.asarray(value) for name, value in outputs.items()})
+    expected = {
+        name: np.ascontiguousarray(array, dtype=np.float32 if families.is_encoder_input(name) else None).tobytes()
+        for name, array in rows.items()
+    }
+    for result in results:
+        assert {t.name: t.inline for t in result.tensors} == expected
+    left, right = socket.socketpair()
+    with left, right:
+        buffered = left.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+    assert sum(len(b) for b in expected.values()) > 2 * buffered, "the pixels fill the socket more than twice"
