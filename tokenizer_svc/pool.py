@@ -281,8 +281,13 @@ class CpuPool:
                 self._lost(worker)
                 return
             worker.inbox += got
-        while (message := _unframe(worker.inbox)) is not None:
-            self._message(worker, message)
+        try:
+            while (message := _unframe(worker.inbox)) is not None:
+                self._message(worker, message)
+        except Exception:  # a message that does not decode: nothing more from it can be trusted
+            log.exception("a CPU worker sent what could not be read; replacing it")
+            worker.process.kill()
+            self._lost(worker)
 
     def _message(self, worker: _Worker, message: tuple[str, Any]) -> None:
         kind, value = message
