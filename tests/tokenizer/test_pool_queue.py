@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 from PIL import Image
 from transformers import AutoImageProcessor
@@ -28,7 +29,7 @@ from mmsplit import families, slab
 from tests.support.leaks import PROJECT_PREFIX, wait_until
 from tests.support.worker_hook import SLOW, marked
 from tokenizer_svc.decode import decode_image
-from tokenizer_svc.errors import Overloaded
+from tokenizer_svc.errors import Overloaded, PreprocessWorkerCrashed
 from tokenizer_svc.pool import CpuPool
 from tokenizer_svc.preprocess import ImageJob, ItemResult, SlabRef, media_bytes, stage_input
 
@@ -217,3 +218,28 @@ async def _big_messages(tiny_model: Path, owned: slab.Slab) -> None:
     with left, right:
         buffered = left.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
     assert sum(len(b) for b in expected.values()) > 2 * buffered, "the pixels fill the socket more than twice"
+
+
+def test_a_pool_shut_down_under_load_answers_every_caller(tiny_model: Path, owned: slab.Slab) -> None:
+    asyncio.run(_shut_down_under_load(tiny_model, owned))
+
+
+async def _shut_down_under_load(tiny_model: Path, owned: slab.Slab) -> None:
+    # One worker busy with a SLOW image, one task written to it behind that,
+    # one waiting in the queue: a shutdown answers all three callers with a
+    # typed error at once (none hangs), and the worker is gone after it.
+    pool = CpuPool(str(tiny_model), 1, worker_hook="tests.support.worker_hook", queue_timeout_s=30)
+    await pool.start()
+    (pid,) = pool.pids
+    calls = [
+        asyncio.ensure_future(pool.preprocess(job(marked(SLOW), owned), timeout_s=10, request_id=f"s{i}"))
+        for i in range(3)
+    ]
+    await asyncio.sleep(0.3)
+    started = time.monotonic()
+    await pool.shutdown()
+    outcomes = await asyncio.gather(*calls, return_exceptions=True)
+    assert all(isinstance(o, PreprocessWorkerCrashed) for o in outcomes), outcomes
+    assert time.monotonic() - started < 8
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert wait_until(lambda: owned.used_bytes() == 0, timeout=5)
