@@ -234,16 +234,18 @@ class CpuPool:
             self._drop(worker)
             await asyncio.to_thread(_reap, process)
             raise
-        if self._closed:
+        if self._closed or not worker.alive:  # shut down, or it died just after it said it was ready
             self._drop(worker)
             await asyncio.to_thread(_reap, process)
-            raise RuntimeError("the pool was shut down")
+            raise RuntimeError("the pool was shut down" if self._closed else "the worker died as it started")
         self._live.append(worker)
         return pid
 
     # -- the socket to each worker (event loop only) -------------------------
 
     def _send(self, worker: _Worker, message: Any) -> None:
+        if not worker.alive:  # its descriptor is closed, and its number may be another's now
+            return
         data = _frame(message)
         if not worker.outbox:
             try:
@@ -335,8 +337,9 @@ class CpuPool:
             code = worker.process.exitcode
             worker.ready.set_exception(RuntimeError(f"the worker exited while starting (code {code})"))
             return
-        if worker in self._live:
-            self._live.remove(worker)
+        if worker not in self._live:  # ready, not yet joined: its `_spawn` sees it died
+            return
+        self._live.remove(worker)
         tasks = list(worker.tasks)
         worker.tasks.clear()
         if tasks:
@@ -360,6 +363,10 @@ class CpuPool:
         self._dispatch()
 
     def _drop(self, worker: _Worker) -> None:
+        """Stop watching a worker's socket and close it, once (its descriptor's
+        number may belong to another worker's socket afterwards)."""
+        if not worker.alive:
+            return
         loop = asyncio.get_running_loop()
         worker.alive = False
         loop.remove_reader(worker.fd)
