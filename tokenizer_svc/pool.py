@@ -58,6 +58,10 @@ PRELOAD = ["tokenizer_svc.preprocess", "tokenizer_svc.pool", "transformers", "PI
 START_TIMEOUT_S = 120.0
 # How long a stopping worker gets to exit before it is killed.
 STOP_TIMEOUT_S = 5.0
+# A replacement that fails to start is tried this many times, the pauses
+# growing by this much, before the pool waits for `ensure` (every 2 s).
+REPLACE_TRIES = 3
+REPLACE_RETRY_S = 0.2
 # Tasks written to one worker at a time: the one it runs and its next.
 PER_WORKER = 2
 # multiprocessing.Connection's framing (what the worker's `recv` reads).
@@ -189,12 +193,22 @@ class CpuPool:
 
     async def _fill(self, *, replacing: bool) -> None:
         """Start workers until there are W (those starting counted)."""
-        missing = self.workers - len(self._live) - self._starting
-        if missing <= 0 or self._closed:
-            return
+        await self._started(self._reserve(), replacing=replacing)
+
+    def _reserve(self) -> int:
+        """Count the workers missing as starting, at once (so that nobody
+        meanwhile takes the pool for one with no worker coming); how many."""
+        missing = 0 if self._closed else max(0, self.workers - len(self._live) - self._starting)
         self._starting += missing
+        return missing
+
+    async def _started(self, missing: int, *, replacing: bool, tries: int = 1) -> None:
+        """Start `missing` workers reserved by `_reserve`, each tried up to
+        `tries` times."""
+        if not missing:
+            return
         try:
-            got = await asyncio.gather(*(self._spawn() for _ in range(missing)), return_exceptions=True)
+            got = await asyncio.gather(*(self._spawn_tried(tries) for _ in range(missing)), return_exceptions=True)
         finally:
             self._starting -= missing
         for outcome in got:
@@ -206,9 +220,22 @@ class CpuPool:
         if self._live:
             log.info("CPU pool has %d of %d forkserver workers", len(self._live), self.workers)
             self._dispatch()
-        else:
+        elif not self._starting:  # none alive, none coming: fail what waits, at once
             log.error("no CPU worker could be started; NOT_SERVING until one starts")
             self._fail_queued()
+
+    async def _spawn_tried(self, tries: int) -> int:
+        """`_spawn`, tried again after a short pause when it fails (a
+        replacement killed as it started, say), up to `tries` times."""
+        for attempt in range(1, tries + 1):
+            try:
+                return await self._spawn()
+            except Exception as exc:
+                if attempt == tries or self._closed:
+                    raise
+                log.warning("starting a CPU worker failed (%s); trying again", exc)
+                await asyncio.sleep(REPLACE_RETRY_S * attempt)
+        raise AssertionError("unreachable")
 
     async def _spawn(self) -> int:
         """One worker, started and initialized; its pid."""
@@ -359,7 +386,7 @@ class CpuPool:
         reaper = asyncio.ensure_future(asyncio.to_thread(_reap, worker.process))
         self._keep(reaper)
         if not self._closed:
-            self._keep(asyncio.ensure_future(self._fill(replacing=True)))
+            self._keep(asyncio.ensure_future(self._started(self._reserve(), replacing=True, tries=REPLACE_TRIES)))
         self._dispatch()
 
     def _drop(self, worker: _Worker) -> None:
