@@ -89,7 +89,7 @@ def _serve(conn: multiprocessing.connection.Connection, model_dir: str, owner_pi
         try:
             reply = ("ok", preprocess(job))
         except Exception as exc:
-            reply = ("error", exc)
+            reply = ("error", _portable(exc))
         try:
             try:
                 conn.send(reply)
@@ -97,6 +97,17 @@ def _serve(conn: multiprocessing.connection.Connection, model_dir: str, owner_pi
                 conn.send(("error", InternalError(f"a preprocessing result could not be sent back: {exc}")))
         except OSError:  # the pool closed our socket (it stopped)
             return
+
+
+def _portable(exc: Exception) -> Exception:
+    """`exc` if it survives pickling (ours do), else an InternalError that
+    says what it was: an exception the tokenizer could not rebuild would
+    read as garbage from a worker, which is then replaced."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+    except Exception:
+        return InternalError(f"preprocessing failed: {type(exc).__name__}: {exc}")
+    return exc
 
 
 def _frame(message: Any) -> bytes:

@@ -4,7 +4,9 @@ Images are marked by their size, so any encoding carries the mark:
 - SLOW (61x47): the worker sleeps 1.5 s before preprocessing;
 - POISON (67x43): the worker kills itself with SIGKILL;
 - MID_WRITE (71x41): the worker kills itself with SIGKILL after writing the
-  image's pixels into a slab slice, while it still holds the slice's write lock.
+  image's pixels into a slab slice, while it still holds the slice's write lock;
+- UNSENDABLE (73x37): the worker raises an exception that pickling cannot
+  rebuild (as some libraries' exceptions are).
 If the file named by MMSPLIT_TEST_FAIL_POOL_FILE exists, a new worker fails
 in its initializer (pool creation fails) until the file is removed.
 """
@@ -21,6 +23,7 @@ from PIL import Image
 SLOW = (61, 47)
 POISON = (67, 43)
 MID_WRITE = (71, 41)
+UNSENDABLE = (73, 37)
 _kill_on_write = False
 
 
@@ -30,6 +33,13 @@ def on_worker_start() -> None:
         raise RuntimeError("injected pool-creation failure")
 
 
+class Unbuildable(Exception):
+    """Pickled with args=(message,), rebuilt with one argument of two: fails."""
+
+    def __init__(self, what: str, why: str) -> None:
+        super().__init__(f"{what}: {why}")
+
+
 def on_decoded(image: Image.Image) -> None:
     global _kill_on_write
     _kill_on_write = image.size == MID_WRITE
@@ -37,6 +47,8 @@ def on_decoded(image: Image.Image) -> None:
         time.sleep(1.5)
     elif image.size == POISON:
         os.kill(os.getpid(), signal.SIGKILL)
+    elif image.size == UNSENDABLE:
+        raise Unbuildable("injected", "cannot be rebuilt")
 
 
 def on_slice_written() -> None:

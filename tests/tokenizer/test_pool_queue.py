@@ -27,9 +27,9 @@ from transformers import AutoImageProcessor
 
 from mmsplit import families, slab
 from tests.support.leaks import PROJECT_PREFIX, wait_until
-from tests.support.worker_hook import SLOW, marked
+from tests.support.worker_hook import SLOW, UNSENDABLE, marked
 from tokenizer_svc.decode import decode_image
-from tokenizer_svc.errors import Overloaded, PreprocessWorkerCrashed
+from tokenizer_svc.errors import InternalError, Overloaded, PreprocessWorkerCrashed
 from tokenizer_svc.pool import CpuPool
 from tokenizer_svc.preprocess import ImageJob, ItemResult, SlabRef, media_bytes, stage_input
 
@@ -243,3 +243,19 @@ async def _shut_down_under_load(tiny_model: Path, owned: slab.Slab) -> None:
     assert time.monotonic() - started < 8
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     assert wait_until(lambda: owned.used_bytes() == 0, timeout=5)
+
+
+def test_an_exception_a_worker_cannot_send_back_is_internal_and_the_worker_lives(
+    tiny_model: Path, owned: slab.Slab
+) -> None:
+    asyncio.run(_unsendable(tiny_model, owned))
+
+
+async def _unsendable(tiny_model: Path, owned: slab.Slab) -> None:
+    async with one_worker(tiny_model, 10, owned) as pool:
+        (pid,) = pool.pids
+        with pytest.raises(InternalError, match="Unbuildable: injected: cannot be rebuilt"):
+            await pool.preprocess(job(marked(UNSENDABLE), owned), timeout_s=10, request_id="u")
+        assert pool.pids == [pid], "the worker was not taken for broken"
+        assert pool.replacements == 0
+        let_go(await pool.preprocess(job(marked((64, 48)), owned), timeout_s=10, request_id="after"))
