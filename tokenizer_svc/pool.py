@@ -30,9 +30,10 @@ Our own pool, not `concurrent.futures.ProcessPoolExecutor`:
   admission, and then for a worker, are each bounded by `queue_timeout_s`
   (else OVERLOADED, retriable). An admission slot comes back when its task
   ends — for an abandoned task, when the worker is done with it.
-- Readiness: the pool serves while one worker lives. With none alive and
-  none starting (creation failing), requests fail at once
-  (PREPROCESS_WORKER_CRASHED) and `ensure` keeps trying to start them.
+- Readiness: the pool serves while one worker lives, or while replacements
+  start. Once the workers last started all failed and none lives, it does
+  not; with none alive and none starting, requests fail at once
+  (PREPROCESS_WORKER_CRASHED), and `ensure` keeps trying to start them.
 """
 
 from __future__ import annotations
@@ -177,6 +178,7 @@ class CpuPool:
         self.replacements = 0
         self._live: list[_Worker] = []
         self._starting = 0
+        self._failing = False  # the last workers started all failed, and none is alive
         self._queue: collections.deque[_Task] = collections.deque()
         self._admitted = asyncio.Semaphore(2 * workers)
         self._closed = False
@@ -185,7 +187,10 @@ class CpuPool:
 
     @property
     def ready(self) -> bool:
-        return bool(self._live)
+        """Serving: a worker is alive, or replacements are starting and the
+        last did not fail (a moment with every worker dead and their
+        replacements on the way is not worth a readiness flap)."""
+        return bool(self._live) or (self._starting > 0 and not self._failing)
 
     @property
     def pids(self) -> list[int]:
@@ -222,6 +227,7 @@ class CpuPool:
             got = await asyncio.gather(*(self._spawn_tried(tries) for _ in range(missing)), return_exceptions=True)
         finally:
             self._starting -= missing
+        self._failing = not self._live and all(isinstance(outcome, BaseException) for outcome in got)
         for outcome in got:
             if isinstance(outcome, BaseException):
                 log.error("starting a CPU worker failed: %s", outcome)

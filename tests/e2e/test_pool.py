@@ -166,7 +166,8 @@ def test_workers_killed_at_random_under_load_cost_only_their_own_images(pair: Pa
         assert wait_until(lambda: tokenizer_info(pair.tokenizer_address).info.shm_slab_used_bytes == 0, timeout=10)
         after = run_request(stub, make_request("x", [samples.good_png()], max_tokens=2), timeout=60)
         assert after.ok, after
-    assert health_status(pair.tokenizer_address, TOKENIZER_SERVICE) == "SERVING"
+    # Readiness is refreshed every 2 s.
+    assert wait_until(lambda: health_status(pair.tokenizer_address, TOKENIZER_SERVICE) == "SERVING", timeout=10)
 
 
 def test_failing_pool_creation_is_not_serving_until_it_clears(pair: Pair, pool_dir: Path) -> None:
