@@ -355,6 +355,9 @@ class CpuPool:
         self._dispatch()
 
     def _settle(self, task: _Task, result: ItemResult | None, error: BaseException | None) -> None:
+        """A task has ended (with a result, an error, or neither when its
+        worker is gone and nobody waits): its staged input goes, and its
+        caller learns, or an abandoned one's result is released."""
         task.end()
         if task.abandoned:
             if result is not None:
@@ -387,17 +390,10 @@ class CpuPool:
         tasks = list(worker.tasks)
         worker.tasks.clear()
         if tasks:
-            running = tasks.pop(0)
-            running.end()
-            if running.abandoned:
-                if not running.done.done():
-                    running.done.cancel()
-            elif not running.done.done():
-                running.done.set_exception(_WorkerLost())
-            for task in reversed(tasks):
+            self._settle(tasks[0], None, _WorkerLost())  # it was running: its caller retries
+            for task in reversed(tasks[1:]):
                 if task.abandoned:
-                    task.end()
-                    task.done.cancel()
+                    self._settle(task, None, None)
                 else:
                     self._queue.appendleft(task)
         reaper = asyncio.ensure_future(asyncio.to_thread(_reap, worker.process))
@@ -438,10 +434,7 @@ class CpuPool:
 
     def _fail_queued(self) -> None:
         while self._queue:
-            task = self._queue.popleft()
-            task.end()
-            if not task.done.done():
-                task.done.set_exception(_WorkerLost())
+            self._settle(self._queue.popleft(), None, _WorkerLost())
 
     # -- requests --------------------------------------------------------------
 
@@ -531,9 +524,7 @@ class CpuPool:
         for worker in workers:
             self._drop(worker)  # its end closes: the worker's recv ends, and so does it
             for task in worker.tasks:
-                task.end()
-                if not task.done.done():
-                    task.done.set_exception(_WorkerLost())
+                self._settle(task, None, _WorkerLost())
         await asyncio.gather(*(asyncio.to_thread(_reap, w.process) for w in workers))
         for pending in list(self._background):
             pending.cancel()

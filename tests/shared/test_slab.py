@@ -132,15 +132,22 @@ def open_descriptors() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
+def taken_over(owned: slab.Slab, data: np.ndarray) -> tuple[shm.Slice, slab.Held]:
+    """`data` written into the slab, taken over, and let go by its writer:
+    the slice, and this process's hold on it."""
+    writer = slab.write(owned.name, PREFIX, memoryview(data), wait_s=0)
+    held = slab.take(writer.slice, PREFIX)
+    writer.release()
+    return writer.slice, held
+
+
 def test_takers_in_one_process_share_one_lock_until_the_last_lets_go(owned: slab.Slab) -> None:
     """Rank 0's lock from Accepted and its reader's for the step: the second
     take opens nothing, and the slice stays held while either holds it."""
     data = tensor(200_000, 11)
-    writer = slab.write(owned.name, PREFIX, memoryview(data), wait_s=0)
-    first = slab.take(writer.slice, PREFIX)
-    writer.release()
+    piece, first = taken_over(owned, data)
     before = open_descriptors()
-    second = slab.take(writer.slice, PREFIX)
+    second = slab.take(piece, PREFIX)
     assert open_descriptors() == before, "the second take locked the slice again"
     assert np.array_equal(np.frombuffer(second.view(), dtype=np.uint8), data)
     first.release()
@@ -150,22 +157,20 @@ def test_takers_in_one_process_share_one_lock_until_the_last_lets_go(owned: slab
     assert owned.used_bytes() == 0
     assert open_descriptors() == before - 1
     with pytest.raises(slab.SliceLost):
-        slab.take(writer.slice, PREFIX)  # nothing of this process's is found for it any more
+        slab.take(piece, PREFIX)  # nothing of this process's is found for it any more
     first.release()  # a holder that let go already: nothing happens
     second.close()
     assert owned.used_bytes() == 0
 
 
 def test_closing_a_shared_hold_drops_only_that_holder(owned: slab.Slab) -> None:
-    writer = slab.write(owned.name, PREFIX, memoryview(tensor(1000, 12)), wait_s=0)
-    first = slab.take(writer.slice, PREFIX)
-    writer.release()
-    second = slab.take(writer.slice, PREFIX)
+    piece, first = taken_over(owned, tensor(1000, 12))
+    second = slab.take(piece, PREFIX)
     second.close()
     with pytest.raises(slab.SliceLost, match="released"):
         second.view()
     assert owned.used_bytes() == slab.PAGE
-    third = slab.take(writer.slice, PREFIX)  # still found: `first` holds it
+    third = slab.take(piece, PREFIX)  # still found: `first` holds it
     first.close()
     assert owned.used_bytes() == slab.PAGE
     third.release()
@@ -187,10 +192,6 @@ def test_a_take_while_the_last_holder_waits_for_its_writer_locks_anew(owned: sla
 
 
 def test_takes_racing_on_threads_all_let_go(owned: slab.Slab) -> None:
-    writer = slab.write(owned.name, PREFIX, memoryview(tensor(1000, 14)), wait_s=0)
-    anchor = slab.take(writer.slice, PREFIX)
-    writer.release()
-    anchor.release()  # the writer has gone: let go at once
     writer = slab.write(owned.name, PREFIX, memoryview(tensor(1000, 14)), wait_s=0)
     holders: list[slab.Held] = []
     guard = threading.Lock()
