@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
@@ -528,8 +527,9 @@ class CpuPool:
         await asyncio.gather(*(asyncio.to_thread(_reap, w.process) for w in workers))
         for pending in list(self._background):
             pending.cancel()
-        with contextlib.suppress(BaseException):
-            await asyncio.gather(*self._background, return_exceptions=True)
+        # Their outcomes (cancellations) are gathered, not raised; our own
+        # cancellation, if it comes, is not swallowed.
+        await asyncio.gather(*self._background, return_exceptions=True)
 
 
 def _unframe(inbox: bytearray) -> Any | None:
