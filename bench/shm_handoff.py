@@ -17,13 +17,14 @@ Measures, in one run and one process, per tensor size:
             segment, the reader copies it into a fresh buffer, unlink
   inline  — encode the bytes into a TensorRef protobuf, decode, the reader
             lends the decoded bytes
-and prints each as a ratio to `copy`, the paths taken in turn in each
-repetition (so the copy's source is not left in cache by the copy before it,
-as it is for none of the others), in an order shuffled at each repetition
-(so each path follows each other path about equally often). For comparison, "hot copy" is the copy
-alone in a tight loop (source and destination stay in L2 below ~2 MB), and
-the slab paths against it: the stricter ratios, and the ones this
-benchmark printed before it took the paths in turn. The tokenizer's worker pays the write,
+and prints each as a ratio to `copy`. Every run of every path starts from
+the caches a worker leaves when it hands a tensor over (the tensor just
+made, everything else evicted), and the paths are taken in turn in each
+repetition, in an order shuffled each time, so a drift in this machine's
+speed falls on all alike. For comparison, "hot copy" is the copy run right
+after the same copy (source and destination in L2 below ~2 MB, as in a
+tight loop of copies), timed in turn with the others, and the slab paths
+against it: the stricter ratios. The tokenizer's worker pays the write,
 each rank pays one read; a fresh segment pays its page faults, which the
 slab's pages, reserved once, do not.
 
@@ -68,12 +69,12 @@ EVICT_BYTES = 32 << 20
 
 
 def timed(
-    paths: dict[str, Callable[[], None]], repeat: int, *, before: Callable[[], None] | None = None
+    paths: dict[str, Callable[[], None]], repeat: int, *, before: dict[str, Callable[[], None]]
 ) -> dict[str, float]:
     """Median seconds of each path, the paths taken in turn within each
     repetition, so a drift in this machine's speed (other tenants) falls on
-    all of them alike instead of on whichever ran during it. `before` runs
-    untimed ahead of each run and sets the caches alike for every path."""
+    all of them alike instead of on whichever ran during it. `before[name]`
+    runs untimed ahead of each run of path `name` and sets its caches."""
     for fn in paths.values():
         fn()  # warm up
     samples: dict[str, list[float]] = {name: [] for name in paths}
@@ -88,8 +89,7 @@ def timed(
         # the slab's first pages in cache, one that follows the copy does not.
         order.shuffle(names)
         for name in names:
-            if before is not None:
-                before()
+            before[name]()
             start = time.perf_counter()
             paths[name]()
             samples[name].append(time.perf_counter() - start)
@@ -181,6 +181,7 @@ def row(label: str, shape: tuple[int, ...], owned: slab.Slab, rng: np.random.Gen
         assert torch.equal(path(), expect), path.__name__
     paths = {
         "copy": copy,
+        "hot copy": copy,
         "slab r0": via_slab,
         "slab rk": via_slab_other_rank,
         "slab+copy": via_slab_copy,
@@ -196,9 +197,12 @@ def row(label: str, shape: tuple[int, ...], owned: slab.Slab, rng: np.random.Gen
         scratch += 1.0
         src.max()
 
-    got = timed(paths, repeat, before=as_served)
-    base, r0, rk, copied, seg, inline = (got[k] for k in paths)
-    hot = timed({"copy": copy}, repeat)["copy"]
+    # The hot copy runs right after the same copy, both buffers in cache,
+    # as it would alone in a tight loop; every other path from the caches
+    # as served. Timed in turn with the others, so drift falls on all alike.
+    before = {name: copy if name == "hot copy" else as_served for name in paths}
+    got = timed(paths, repeat, before=before)
+    base, hot, r0, rk, copied, seg, inline = (got[k] for k in paths)
     us = " ".join(
         f"{t * 1e6:{w}.0f}" for t, w in ((base, 8), (hot, 7), (r0, 8), (rk, 8), (copied, 10), (seg, 6), (inline, 7))
     )

@@ -230,7 +230,7 @@ class DevicePool:
             self.leases.name,
             self.prefix,
             data.nbytes,
-            lambda _, offset: self.memory.write(offset, data),
+            lambda _fd, _ino, offset: self.memory.write(offset, data),
             wait_s=wait_s,
         )
 

@@ -104,3 +104,28 @@ def test_the_step_ends_even_when_a_release_fails(
     monkeypatch.setattr(slab.Held, "release", broken)
     reader.end_step()  # logs, never raises
     assert owned.used_bytes() == 0, "every lent slice let go of all the same"
+
+
+@pytest.mark.parametrize(
+    ("wire", "dtype"),
+    [
+        (common_pb2.DTYPE_FLOAT32, torch.float32),
+        (common_pb2.DTYPE_FLOAT16, torch.float16),
+        (common_pb2.DTYPE_BFLOAT16, torch.bfloat16),
+        (common_pb2.DTYPE_UINT8, torch.uint8),
+        (common_pb2.DTYPE_INT64, torch.int64),
+    ],
+)
+def test_every_dtype_is_lent_in_place_with_its_values(
+    reader: SharedMemoryReader, wire: int, dtype: torch.dtype
+) -> None:
+    # bfloat16, which numpy lacks, is lent as its bits and viewed back.
+    want = (torch.arange(int(np.prod(SHAPE))) % 251 * 0.5).to(dtype).reshape(SHAPE)
+    raw = want.view(torch.uint8).numpy().tobytes()
+    spec = TensorSpec(wire, SHAPE, inline=raw)
+    got = reader.read("r4", spec)
+    assert got.dtype == dtype
+    assert got.shape == SHAPE
+    assert torch.equal(got, want)
+    assert got.data_ptr() == address(memoryview(raw)), "lent, not copied"
+    reader.end_step()

@@ -132,6 +132,20 @@ def open_descriptors() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
+def descriptors_of(name: str) -> int:
+    """This process's descriptors open on the file `name` of /dev/shm (or
+    on what was that file, since removed)."""
+    path = str(shm.SHM_DIR / name)
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue  # the listing's own descriptor, closed since
+        count += target in (path, f"{path} (deleted)")
+    return count
+
+
 def taken_over(owned: slab.Slab, data: np.ndarray) -> tuple[shm.Slice, slab.Held]:
     """`data` written into the slab, taken over, and let go by its writer:
     the slice, and this process's hold on it."""
@@ -155,7 +169,7 @@ def test_takers_in_one_process_share_one_lock_until_the_last_lets_go(owned: slab
     assert np.array_equal(np.frombuffer(second.view(), dtype=np.uint8), data)
     second.release()
     assert owned.used_bytes() == 0
-    assert open_descriptors() == before - 1
+    assert open_descriptors() == before, "the last holder's descriptor is kept spare, not closed"
     with pytest.raises(slab.SliceLost):
         slab.take(piece, PREFIX)  # nothing of this process's is found for it any more
     first.release()  # a holder that let go already: nothing happens
@@ -238,20 +252,79 @@ def test_a_writer_killed_holding_a_slice_frees_it(owned: slab.Slab) -> None:
     assert owned.used_bytes() == 0
 
 
-def test_a_janitor_leaves_a_held_slab_and_removes_an_abandoned_one() -> None:
+def test_a_janitor_leaves_a_held_slab_and_removes_an_abandoned_one(owned: slab.Slab) -> None:
     s = slab.Slab(PREFIX, os.getpid(), 1 * MIB)
     try:
-        assert shm.sweep(PREFIX, grace_s=0, now=time.time() + 10) == []
+        assert shm.sweep(PREFIX, grace_s=0, now=time.time() + 10, keep=[owned.name]) == []
         held = slab.write(s.name, PREFIX, memoryview(tensor(1000, 7)), wait_s=0)
         owner_fd, s._fd = s._fd, None  # the owner dies (its flock goes) ...
         assert owner_fd is not None
         os.close(owner_fd)
         # ... but a holder of a slice keeps the slab from being swept.
-        assert shm.sweep(PREFIX, grace_s=0, now=time.time() + 10) == []
+        assert shm.sweep(PREFIX, grace_s=0, now=time.time() + 10, keep=[owned.name]) == []
+        holding = descriptors_of(s.name)  # the holder's, and the mapping's own
         held.release()
-        assert shm.sweep(PREFIX, grace_s=0, now=time.time() + 10) == [s.name]
+        # Its descriptor is kept spare for the next lock, and keeps nobody away.
+        assert descriptors_of(s.name) == holding
+        assert shm.sweep(PREFIX, grace_s=0, now=time.time() + 10, keep=[owned.name]) == [s.name]
+        # A spare of a removed slab is closed on a later use of any slab,
+        # a second after the last look at most, so it keeps no memory alive.
+        time.sleep(1.1)
+        slab.write(owned.name, PREFIX, memoryview(tensor(1000, 8)), wait_s=0).close()
+        assert descriptors_of(s.name) == 0
     finally:
         shm.unlink(s.name)
+
+
+def test_a_released_descriptor_serves_the_next_lock_and_holds_nothing(owned: slab.Slab) -> None:
+    """A holder that lets go keeps its descriptor spare (an open, a stat and
+    a flock fewer for the next slice); every lock through it is gone."""
+    _, held = taken_over(owned, tensor(100_000, 20))
+    holding = descriptors_of(owned.name)
+    held.release()
+    kept = descriptors_of(owned.name)
+    assert kept == holding, "the holder's descriptor was closed, not kept"
+    for seed in range(40):
+        data = tensor(100_000 + seed * 1000, seed)
+        _, held = taken_over(owned, data)
+        assert np.array_equal(np.frombuffer(held.view(), dtype=np.uint8), data)
+        held.release()
+        assert owned.used_bytes() == 0
+    assert descriptors_of(owned.name) == kept, "a slice opened descriptors it did not keep for the next"
+    # None of them holds a lock: another process fills the whole slab (the
+    # janitors' flock is left by spares too: see the janitor's test).
+    quarter = f"memoryview(np.ones({owned.max_slice}, np.uint8))"
+    fill = (
+        "import numpy as np; from mmsplit import slab; "
+        f"held = [slab.write({owned.name!r}, {PREFIX!r}, {quarter}, wait_s=0) for _ in range(4)]"
+    )
+    with killed_after(fill):
+        assert owned.used_bytes() == owned.size
+    assert owned.used_bytes() == 0
+
+
+def test_a_forked_child_never_shares_its_parents_descriptions(owned: slab.Slab) -> None:
+    """A child made by fork inherits its parent's descriptors, which are the
+    parent's open file descriptions: a lock through one is the parent's. The
+    child lets an inherited hold go without dropping the parent's lock, and
+    locks what it takes through descriptions of its own, which die with it."""
+    piece, held = taken_over(owned, tensor(200_000, 31))  # 4 pages, held by the parent
+    _, spare = taken_over(owned, tensor(1000, 30))
+    spare.release()  # the parent now has spare descriptors (a writer's, a taker's), inherited by the child
+    pid = os.fork()
+    if pid == 0:  # the child: only slab calls, then out without any cleanup
+        code = 1
+        try:
+            held.close()  # an inherited hold: the parent's lock must stay
+            slab.take(piece, PREFIX)  # a hold of its own, never released: it dies with the child
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert owned.used_bytes() == 4 * slab.PAGE, "the child's close dropped the parent's lock"
+    held.release()
+    assert owned.used_bytes() == 0, "the child's lock outlived it (taken through its parent's description)"
 
 
 def test_releasing_a_slab_reference_unlocks_and_never_unlinks(owned: slab.Slab) -> None:
