@@ -16,7 +16,7 @@ tensor is copied once on its way into the model (by the conversion or the
 concatenation the model's inputs need anyway), not twice, and no fresh
 tensor's pages are faulted in for it. bench/shm_handoff.py measures lending
 against copying into a fresh tensor, whole hand-offs to a rank other than
-0: 1.4x faster at 0.6 MB, 1.6 to 1.7x at 1.35 MB and 2.0x at 6.8 MB (three runs).
+0: 1.5x faster at 0.6 MB, 1.6 to 1.8x at 1.35 MB and 2.0 to 2.1x at 6.8 MB (four runs).
 On rank 0 the reader shares the lock rank 0 holds since Accepted (`slab.take`).
 """
 

@@ -4,12 +4,12 @@ Our own pool, not `concurrent.futures.ProcessPoolExecutor`:
 
 - Workers start by forkserver with `tokenizer_svc.preprocess` preloaded (never
   plain fork: the gRPC server and torch threads already exist), each with a
-  socket of its own to this process. The event loop writes a worker its
-  tasks and reads its answers through that socket, without blocking and
-  without a thread in between: the executor moved each task through a
-  thread of ours (its `submit` may block), its feeder thread and its manager
-  thread, about 1.8 ms of this process's CPU per image, taken from the
-  workers' cores (`bench/preprocess.py`).
+  socket of its own to this process (`tokenizer_svc.worker`). The event loop
+  writes a worker its tasks and reads its answers through that socket,
+  without blocking and without a thread in between: the executor moved
+  each task through a thread of ours (its `submit` may block), its feeder
+  thread and its manager thread, about 1.8 ms of this process's CPU per
+  image, taken from the workers' cores (`bench/preprocess.py`).
 - A worker that dies costs only what it had: the task it was running is
   retried once, on another worker; a second death under the same task is
   PreprocessWorkerCrashed. A task it had queued but not started goes back
@@ -44,77 +44,23 @@ import logging
 import multiprocessing as mp
 import multiprocessing.connection
 import os
-import pickle
-import struct
 from typing import Any
 
-from tokenizer_svc.errors import InternalError, Overloaded, PreprocessTimeout, PreprocessWorkerCrashed
-from tokenizer_svc.preprocess import ItemResult, Job, init_worker, preprocess, stage_input
+from tokenizer_svc.errors import Overloaded, PreprocessTimeout, PreprocessWorkerCrashed
+from tokenizer_svc.preprocess import ItemResult, Job, stage_input
+from tokenizer_svc.worker import WorkerLink, reap, serve
 
 log = logging.getLogger(__name__)
 
-PRELOAD = ["tokenizer_svc.preprocess", "tokenizer_svc.pool", "transformers", "PIL.Image", "numpy"]
+PRELOAD = ["tokenizer_svc.preprocess", "tokenizer_svc.worker", "transformers", "PIL.Image", "numpy"]
 # How long a new worker may take to load the image processor.
 START_TIMEOUT_S = 120.0
-# How long a stopping worker gets to exit before it is killed.
-STOP_TIMEOUT_S = 5.0
 # A replacement that fails to start is tried this many times, the pauses
 # growing by this much, before the pool waits for `ensure` (every 2 s).
 REPLACE_TRIES = 3
 REPLACE_RETRY_S = 0.2
 # Tasks written to one worker at a time: the one it runs and its next.
 PER_WORKER = 2
-# multiprocessing.Connection's framing (what the worker's `recv` reads).
-_SIZE = struct.Struct("!i")
-_LONG = struct.Struct("!Q")
-
-
-def _serve(conn: multiprocessing.connection.Connection, model_dir: str, owner_pid: int, hook: str) -> None:
-    """A worker's life: the initializer, then its tasks in the order they
-    come, each answered in turn; it ends when this process's end closes."""
-    try:
-        init_worker(model_dir, owner_pid, hook)
-    except BaseException as exc:
-        conn.send(("failed", f"{type(exc).__name__}: {exc}"))
-        return
-    conn.send(("ready", os.getpid()))
-    while True:
-        try:
-            job = conn.recv()
-        except (EOFError, OSError):
-            return
-        if job is None:
-            return
-        reply: tuple[str, Any]
-        try:
-            reply = ("ok", preprocess(job))
-        except Exception as exc:
-            reply = ("error", _portable(exc))
-        try:
-            try:
-                conn.send(reply)
-            except (pickle.PicklingError, TypeError, AttributeError) as exc:  # the reply, not the socket
-                conn.send(("error", InternalError(f"a preprocessing result could not be sent back: {exc}")))
-        except OSError:  # the pool closed our socket (it stopped)
-            return
-
-
-def _portable(exc: Exception) -> Exception:
-    """`exc` if it survives pickling (ours do), else an InternalError that
-    says what it was: an exception the tokenizer could not rebuild would
-    read as garbage from a worker, which is then replaced."""
-    try:
-        pickle.loads(pickle.dumps(exc))
-    except Exception:
-        return InternalError(f"preprocessing failed: {type(exc).__name__}: {exc}")
-    return exc
-
-
-def _frame(message: Any) -> bytes:
-    payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-    if len(payload) > 0x7FFFFFFF:
-        return _SIZE.pack(-1) + _LONG.pack(len(payload)) + payload
-    return _SIZE.pack(len(payload)) + payload
 
 
 class _WorkerLost(Exception):
@@ -139,15 +85,18 @@ class _Task:
 
 
 class _Worker:
-    def __init__(self, process: Any, conn: multiprocessing.connection.Connection, loop: asyncio.AbstractEventLoop):
-        self.process = process
-        self.conn = conn
-        self.fd = conn.fileno()
-        self.tasks: collections.deque[_Task] = collections.deque()  # written to it; the first runs
-        self.inbox = bytearray()
-        self.outbox = bytearray()
-        self.ready: asyncio.Future[int] = loop.create_future()
-        self.alive = True
+    """A worker as the pool sees it: its link, the tasks written to it (the
+    first runs), and its word that it is ready (its pid) or failed."""
+
+    def __init__(self, pool: CpuPool, process: Any, conn: multiprocessing.connection.Connection) -> None:
+        self.tasks: collections.deque[_Task] = collections.deque()
+        self.ready: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self.link = WorkerLink(
+            process,
+            conn,
+            on_message=lambda _, message: pool._message(self, message),
+            on_lost=lambda _: pool._lost(self),
+        )
 
 
 class _Slot:
@@ -194,7 +143,7 @@ class CpuPool:
     @property
     def pids(self) -> list[int]:
         """The live workers' process ids."""
-        return [w.process.pid for w in self._live]
+        return [w.link.pid for w in self._live]
 
     async def start(self) -> None:
         await self._fill(replacing=False)
@@ -255,11 +204,10 @@ class CpuPool:
 
     async def _spawn(self) -> int:
         """One worker, started and initialized; its pid."""
-        loop = asyncio.get_running_loop()
         self._ctx.set_forkserver_preload(PRELOAD)
         parent, child = self._ctx.Pipe(duplex=True)
         process = self._ctx.Process(
-            target=_serve, args=(child, self.model_dir, os.getpid(), self.worker_hook), name="mmsplit-cpu", daemon=True
+            target=serve, args=(child, self.model_dir, os.getpid(), self.worker_hook), name="mmsplit-cpu", daemon=True
         )
         try:
             await asyncio.to_thread(process.start)
@@ -268,71 +216,21 @@ class CpuPool:
             raise
         finally:
             child.close()
-        worker = _Worker(process, parent, loop)
-        os.set_blocking(worker.fd, False)
-        loop.add_reader(worker.fd, self._readable, worker)
+        worker = _Worker(self, process, parent)
         try:
             pid = await asyncio.wait_for(asyncio.shield(worker.ready), START_TIMEOUT_S)
         except BaseException:
-            self._drop(worker)
-            await asyncio.to_thread(_reap, process)
+            worker.link.close()
+            await asyncio.to_thread(reap, process)
             raise
-        if self._closed or not worker.alive:  # shut down, or it died just after it said it was ready
-            self._drop(worker)
-            await asyncio.to_thread(_reap, process)
+        if self._closed or not worker.link.open:  # shut down, or it died just after it said it was ready
+            worker.link.close()
+            await asyncio.to_thread(reap, process)
             raise RuntimeError("the pool was shut down" if self._closed else "the worker died as it started")
         self._live.append(worker)
         return pid
 
-    # -- the socket to each worker (event loop only) -------------------------
-
-    def _send(self, worker: _Worker, message: Any) -> None:
-        if not worker.alive:  # its descriptor is closed, and its number may be another's now
-            return
-        data = _frame(message)
-        if not worker.outbox:
-            try:
-                sent = os.write(worker.fd, data)
-            except BlockingIOError:
-                sent = 0
-            except OSError:  # it died: its end reads EOF, and `_lost` handles it
-                return
-            data = data[sent:]
-            if not data:
-                return
-            asyncio.get_running_loop().add_writer(worker.fd, self._writable, worker)
-        worker.outbox += data
-
-    def _writable(self, worker: _Worker) -> None:
-        try:
-            sent = os.write(worker.fd, worker.outbox)
-        except BlockingIOError:
-            return
-        except OSError:
-            sent = len(worker.outbox)
-        del worker.outbox[:sent]
-        if not worker.outbox:
-            asyncio.get_running_loop().remove_writer(worker.fd)
-
-    def _readable(self, worker: _Worker) -> None:
-        while True:
-            try:
-                got = os.read(worker.fd, 1 << 20)
-            except BlockingIOError:
-                break
-            except OSError:
-                got = b""
-            if not got:
-                self._lost(worker)
-                return
-            worker.inbox += got
-        try:
-            while (message := _unframe(worker.inbox)) is not None:
-                self._message(worker, message)
-        except Exception:  # a message that does not decode: nothing more from it can be trusted
-            log.exception("a CPU worker sent what could not be read; replacing it")
-            worker.process.kill()
-            self._lost(worker)
+    # -- what workers say (event loop only) ------------------------------------
 
     def _message(self, worker: _Worker, message: tuple[str, Any]) -> None:
         kind, value = message
@@ -376,11 +274,11 @@ class CpuPool:
         """A worker's socket closed: it died (or stopped). Its running task
         fails over to its caller's retry; those it had not started go back
         to the front of the queue; a replacement starts."""
-        if not worker.alive:
+        if not worker.link.open:
             return
-        self._drop(worker)
+        worker.link.close()
         if not worker.ready.done():
-            code = worker.process.exitcode
+            code = worker.link.process.exitcode
             worker.ready.set_exception(RuntimeError(f"the worker exited while starting (code {code})"))
             return
         if worker not in self._live:  # ready, not yet joined: its `_spawn` sees it died
@@ -395,22 +293,11 @@ class CpuPool:
                     self._settle(task, None, None)
                 else:
                     self._queue.appendleft(task)
-        reaper = asyncio.ensure_future(asyncio.to_thread(_reap, worker.process))
+        reaper = asyncio.ensure_future(asyncio.to_thread(reap, worker.link.process))
         self._keep(reaper)
         if not self._closed:
             self._keep(asyncio.ensure_future(self._started(self._reserve(), replacing=True, tries=REPLACE_TRIES)))
         self._dispatch()
-
-    def _drop(self, worker: _Worker) -> None:
-        """Stop watching a worker's socket and close it, once (its descriptor's
-        number may belong to another worker's socket afterwards)."""
-        if not worker.alive:
-            return
-        loop = asyncio.get_running_loop()
-        worker.alive = False
-        loop.remove_reader(worker.fd)
-        loop.remove_writer(worker.fd)
-        worker.conn.close()
 
     def _keep(self, task: asyncio.Future[Any]) -> None:
         self._background.add(task)  # type: ignore[arg-type]
@@ -419,7 +306,7 @@ class CpuPool:
     def _dispatch(self) -> None:
         """Give queued tasks to workers with room, the idlest first."""
         while self._queue:
-            room = [w for w in self._live if w.alive and len(w.tasks) < PER_WORKER]
+            room = [w for w in self._live if w.link.open and len(w.tasks) < PER_WORKER]
             if not room:
                 break
             worker = min(room, key=lambda w: len(w.tasks))
@@ -427,7 +314,7 @@ class CpuPool:
             worker.tasks.append(task)
             if len(worker.tasks) == 1:
                 task.started.set_result(None)
-            self._send(worker, task.job)
+            worker.link.send(task.job)
         if self._queue and not self._live and not self._starting:
             self._fail_queued()
 
@@ -521,39 +408,12 @@ class CpuPool:
         self._fail_queued()
         workers, self._live = self._live, []
         for worker in workers:
-            self._drop(worker)  # its end closes: the worker's recv ends, and so does it
+            worker.link.close()  # its end closes: the worker's recv ends, and so does it
             for task in worker.tasks:
                 self._settle(task, None, _WorkerLost())
-        await asyncio.gather(*(asyncio.to_thread(_reap, w.process) for w in workers))
+        await asyncio.gather(*(asyncio.to_thread(reap, w.link.process) for w in workers))
         for pending in list(self._background):
             pending.cancel()
         # Their outcomes (cancellations) are gathered, not raised; our own
         # cancellation, if it comes, is not swallowed.
         await asyncio.gather(*self._background, return_exceptions=True)
-
-
-def _unframe(inbox: bytearray) -> Any | None:
-    """The first whole message in `inbox` (removed from it), or None."""
-    if len(inbox) < _SIZE.size:
-        return None
-    (size,) = _SIZE.unpack_from(inbox)
-    start = _SIZE.size
-    if size == -1:
-        if len(inbox) < start + _LONG.size:
-            return None
-        (size,) = _LONG.unpack_from(inbox, start)
-        start += _LONG.size
-    if len(inbox) < start + size:
-        return None
-    with memoryview(inbox) as whole, whole[start : start + size] as payload:
-        message = pickle.loads(payload)
-    del inbox[: start + size]
-    return message
-
-
-def _reap(process: Any) -> None:
-    """Wait for a worker to exit; kill it if it does not (a thread's call)."""
-    process.join(STOP_TIMEOUT_S)
-    if process.exitcode is None:
-        process.kill()
-        process.join(STOP_TIMEOUT_S)
