@@ -13,6 +13,8 @@ Also: "W apart", W separate processes doing that serial work at once, and
 pool / W apart. The first ratio asks the pool to scale like W idle cores;
 the second asks only that it lose nothing on top of what this machine gives
 W processes at once (on 2 cloud cores, one busy core runs faster than two).
+"W apart / (W x serial)" is that: what this machine gives W processes at
+once, the ceiling of the first ratio for any pool of W processes.
 
     python bench/preprocess.py [--families llava,llava-next] [--workers 1,2] [--images 24] [--rounds 5]
 """
@@ -103,7 +105,8 @@ async def pool_rate(pool: CpuPool, pictures: list[bytes], owned: slab.Slab) -> f
 
 async def measure(model: Path, workers: int, pictures: list[bytes], rounds: int) -> list[float]:
     """Medians of: serial rate, W processes' rate together, pool rate,
-    pool / (W x serial) and pool / together, the ratios taken per round.
+    pool / (W x serial), pool / together and together / (W x serial), the
+    ratios taken per round.
     Each round's serial rate is the mean of one run just before and one
     just after its pool run: this machine's speed drifts by a third within
     a minute (other tenants), and rates taken seconds apart follow the
@@ -113,7 +116,7 @@ async def measure(model: Path, workers: int, pictures: list[bytes], rounds: int)
     ctx = mp.get_context("forkserver")
     apart = concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=keep_heap)
     owned = slab.Slab(PREFIX, os.getpid(), 256 << 20)
-    rows: list[tuple[float, float, float, float, float]] = []
+    rows: list[tuple[float, float, float, float, float, float]] = []
     try:
         # Warm-up: every picture once, so each worker's heap has grown to
         # what these sizes need (as a serving worker's has) before timing.
@@ -128,7 +131,9 @@ async def measure(model: Path, workers: int, pictures: list[bytes], rounds: int)
             together = together_rate(apart, workers, model, pictures)
             after = serial_rate(model, pictures)
             serial = (before + after) / 2
-            rows.append((serial, together, rate, rate / (workers * serial), rate / together))
+            rows.append(
+                (serial, together, rate, rate / (workers * serial), rate / together, together / (workers * serial))
+            )
             before = after
     finally:
         apart.shutdown()
@@ -147,11 +152,29 @@ def run(*, family_names: list[str], worker_counts: list[int], n_images: int, rou
         if not (model / "config.json").exists():
             build(model, cache_dir=ROOT / ".cache", family=name)
         for workers in worker_counts:
-            serial, together, rate, ratio, share = asyncio.run(measure(model, workers, pictures, rounds))
+            serial, together, rate, ratio, share, machine = asyncio.run(measure(model, workers, pictures, rounds))
             rows.append(
-                [name, workers, f"{serial:.1f}", f"{together:.1f}", f"{rate:.1f}", f"{ratio:.2f}", f"{share:.2f}"]
+                [
+                    name,
+                    workers,
+                    f"{serial:.1f}",
+                    f"{together:.1f}",
+                    f"{rate:.1f}",
+                    f"{ratio:.2f}",
+                    f"{share:.2f}",
+                    f"{machine:.2f}",
+                ]
             )
-    header = ["processor", "W", "serial img/s", "W apart img/s", "pool img/s", "pool / (W x serial)", "pool / W apart"]
+    header = [
+        "processor",
+        "W",
+        "serial img/s",
+        "W apart img/s",
+        "pool img/s",
+        "pool / (W x serial)",
+        "pool / W apart",
+        "W apart / (W x serial)",
+    ]
     return (
         f"{n_images} JPEGs 640x480..1920x1080; medians of {rounds} rounds, each pool run"
         " against the serial runs on either side of it\n" + table(header, rows)

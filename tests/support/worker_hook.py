@@ -8,7 +8,10 @@ Images are marked by their size, so any encoding carries the mark:
 - UNSENDABLE (73x37): the worker raises an exception that pickling cannot
   rebuild (as some libraries' exceptions are).
 If the file named by MMSPLIT_TEST_FAIL_POOL_FILE exists, a new worker fails
-in its initializer (pool creation fails) until the file is removed.
+in its initializer (pool creation fails) until the file is removed. For each
+file in the directory named by MMSPLIT_TEST_DIE_AT_START_DIR, one starting
+worker removes it and SIGKILLs itself in its initializer (a worker killed as
+it starts, by the OOM killer say).
 """
 
 from __future__ import annotations
@@ -31,6 +34,13 @@ def on_worker_start() -> None:
     marker = os.environ.get("MMSPLIT_TEST_FAIL_POOL_FILE")
     if marker and Path(marker).exists():
         raise RuntimeError("injected pool-creation failure")
+    deaths = os.environ.get("MMSPLIT_TEST_DIE_AT_START_DIR")
+    for death in sorted(Path(deaths).iterdir()) if deaths else []:
+        try:
+            death.unlink()  # one death per file, whoever removes it first
+        except FileNotFoundError:
+            continue
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 class Unbuildable(Exception):

@@ -28,6 +28,7 @@ from transformers import AutoImageProcessor
 from mmsplit import families, slab
 from tests.support.leaks import PROJECT_PREFIX, wait_until
 from tests.support.worker_hook import SLOW, UNSENDABLE, marked
+from tokenizer_svc import pool as pool_module
 from tokenizer_svc.decode import decode_image
 from tokenizer_svc.errors import InternalError, Overloaded, PreprocessWorkerCrashed
 from tokenizer_svc.pool import CpuPool
@@ -183,6 +184,35 @@ async def _one_dies(tiny_model: Path, owned: slab.Slab) -> None:
         assert second in pool.pids, "the worker that did not die kept working"
         assert first not in pool.pids
         assert pool.replacements == 1
+
+
+def test_a_replacement_killed_as_it_starts_is_tried_again(
+    tiny_model: Path, owned: slab.Slab, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    deaths = tmp_path / "deaths"
+    deaths.mkdir()
+    monkeypatch.setenv("MMSPLIT_TEST_DIE_AT_START_DIR", str(deaths))  # read by workers the forkserver makes
+    asyncio.run(_replacement_tried_again(tiny_model, owned, deaths))
+    assert not list(deaths.iterdir()), "the replacements did not die as they started"
+
+
+async def _replacement_tried_again(tiny_model: Path, owned: slab.Slab, deaths: Path) -> None:
+    # The only worker dies; its first REPLACE_TRIES - 1 replacements are
+    # killed as they start. The pool keeps trying (it is starting one all
+    # along, so it stays ready), and a request sent meanwhile waits for the
+    # last replacement and is served: never "no CPU pool".
+    async with one_worker(tiny_model, 30, owned) as pool:
+        (first,) = pool.pids
+        for i in range(pool_module.REPLACE_TRIES - 1):
+            await asyncio.to_thread((deaths / str(i)).touch)
+        os.kill(first, signal.SIGKILL)
+        result = await pool.preprocess(job(marked((64, 48)), owned), timeout_s=30, request_id="after")
+        assert result.tokens > 0
+        let_go(result)
+        assert len(pool.pids) == 1
+        assert first not in pool.pids
+        assert pool.replacements == 1
+        assert pool.ready
 
 
 def test_messages_larger_than_a_socket_buffer_cross_whole(tiny_model: Path, owned: slab.Slab) -> None:
