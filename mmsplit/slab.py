@@ -196,13 +196,15 @@ class _Local:
             raise shm.SegmentMissing("the slab is being removed") from exc
         return fd, st
 
-    def spare(self, name: str, prefix: str, fd: int, st: os.stat_result, *, write: bool, generation: int) -> None:
+    def spare(
+        self, name: str, prefix: str, fd: int, st: os.stat_result, *, write: bool, generation: int | None = None
+    ) -> None:
         """Drop every lock taken through `fd` (byte ranges and flock) and keep
         it for the next `descriptor` of the slab; closed when enough are kept
-        or the unlock fails. A descriptor of an earlier `generation` is only
-        closed: its description is shared with the parent process, whose
-        locks an unlock would drop."""
-        if generation != self.generation:
+        or the unlock fails. A descriptor of an earlier `generation` (None:
+        this one) is only closed: its description is shared with the parent
+        process, whose locks an unlock would drop."""
+        if generation is not None and generation != self.generation:
             os.close(fd)
             return
         try:
@@ -519,7 +521,7 @@ def lease(name: str, prefix: str, nbytes: int, fill: Callable[[int, int, int], N
         if not _lock(fd, fcntl.F_RDLCK, _marker(st.st_size, offset), 1):
             raise OSError(errno.EDEADLK, "a slice's marker is locked by another writer")
     except BaseException:  # SlabFull, mostly: the descriptor serves the next try
-        _local.spare(name, prefix, fd, st, write=True, generation=_local.generation)
+        _local.spare(name, prefix, fd, st, write=True)
         raise
     return Held(fd, shm.Slice(name, offset, nbytes), prefix=prefix, stat=st, write=True)
 
@@ -596,7 +598,7 @@ def take(piece: shm.Slice, prefix: str) -> Held:
         if not _lock(fd, fcntl.F_RDLCK, piece.offset, span):
             raise SliceLost("the slice is being written by someone else")
     except BaseException:
-        _local.spare(piece.segment, prefix, fd, st, write=False, generation=_local.generation)
+        _local.spare(piece.segment, prefix, fd, st, write=False)
         raise
     taken = _Taken(key, prefix, fd, st)
     with _taken_lock:

@@ -34,21 +34,15 @@ from mmsplit import slab
 from mmsplit.tensors import TensorSpec
 from scheduler_svc.settings import SchedulerSettings
 
-TORCH_DTYPES = {
-    1: torch.float32,
-    2: torch.float16,
-    3: torch.bfloat16,
-    4: torch.uint8,
-    5: torch.int64,
-}
-# How a lent tensor is made: a numpy array over the bytes, then torch's view
-# of it; bfloat16, which numpy lacks, as its bits, viewed as bfloat16 after.
-_LEND_AS = {
-    1: (np.float32, None),
-    2: (np.float16, None),
-    3: (np.uint16, torch.bfloat16),
-    4: (np.uint8, None),
-    5: (np.int64, None),
+# Wire dtype -> the torch dtype, and the numpy dtype a lent tensor is made
+# through (a numpy array over the bytes, then torch's view of it):
+# bfloat16, which numpy lacks, as its bits, viewed as bfloat16 after.
+DTYPES = {
+    1: (torch.float32, np.float32),
+    2: (torch.float16, np.float16),
+    3: (torch.bfloat16, np.uint16),
+    4: (torch.uint8, np.uint8),
+    5: (torch.int64, np.int64),
 }
 
 
@@ -95,8 +89,8 @@ class SharedMemoryReader:
             like = (
                 torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
             )
-            return spec.read_device(like).view(TORCH_DTYPES[spec.dtype]).reshape(spec.shape)
-        dtype = TORCH_DTYPES[spec.dtype]
+            return spec.read_device(like).view(DTYPES[spec.dtype][0]).reshape(spec.shape)
+        dtype, through = DTYPES[spec.dtype]
         lent = spec.borrow(self.prefix)
         if lent is None:
             raw = torch.empty(spec.nbytes, dtype=torch.uint8)
@@ -108,9 +102,8 @@ class SharedMemoryReader:
         # Through numpy, not `torch.frombuffer(...).view(...)`: the first
         # calls after a megabyte-sized copy run with cold caches, and there
         # torch's two calls cost 44 µs here against 30 for these.
-        kind, then = _LEND_AS[spec.dtype]
-        lent_tensor = torch.from_numpy(np.ndarray(spec.shape, kind, data))
-        return lent_tensor if then is None else lent_tensor.view(then)
+        lent_tensor = torch.from_numpy(np.ndarray(spec.shape, through, data))
+        return lent_tensor if lent_tensor.dtype == dtype else lent_tensor.view(dtype)
 
 
 def build_reader(settings: SchedulerSettings, rank: int) -> TensorReader:

@@ -219,14 +219,12 @@ class CpuPool:
         worker = _Worker(self, process, parent)
         try:
             pid = await asyncio.wait_for(asyncio.shield(worker.ready), START_TIMEOUT_S)
+            if self._closed or not worker.link.open:  # shut down, or it died just after it said it was ready
+                raise RuntimeError("the pool was shut down" if self._closed else "the worker died as it started")
         except BaseException:
             worker.link.close()
             await asyncio.to_thread(reap, process)
             raise
-        if self._closed or not worker.link.open:  # shut down, or it died just after it said it was ready
-            worker.link.close()
-            await asyncio.to_thread(reap, process)
-            raise RuntimeError("the pool was shut down" if self._closed else "the worker died as it started")
         self._live.append(worker)
         return pid
 
