@@ -37,16 +37,38 @@ from tokenizer_svc.preprocess import ImageJob, ItemResult, SlabRef, media_bytes,
 PREFIX = PROJECT_PREFIX + "poolq"
 
 
+@pytest.fixture(scope="module")
+def deaths(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """One forkserver for this module's pools, started before any test's
+    leak check looks and stopped at its end: it preloads transformers, and
+    starting one per test cost ~4 s each. Its workers read the worker
+    hook's MMSPLIT_TEST_DIE_AT_START_DIR from the environment it started
+    with, so that is set first: the directory yielded, empty unless a test
+    puts deaths in it. Each test's workers must still be gone after it
+    (`owned`), since the leak check does not count a forkserver's children
+    when the forkserver was there before the test."""
+    where = tmp_path_factory.mktemp("deaths")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("MMSPLIT_TEST_DIE_AT_START_DIR", str(where))
+        multiprocessing.get_context("forkserver").set_forkserver_preload(pool_module.PRELOAD)
+        multiprocessing.forkserver.ensure_running()
+    try:
+        yield where
+    finally:
+        # The forkserver and the resource tracker are children of this
+        # process; `_stop` is how CPython's own tests end them.
+        multiprocessing.forkserver._forkserver._stop()  # type: ignore[attr-defined]
+        multiprocessing.resource_tracker._resource_tracker._stop()  # type: ignore[attr-defined]
+
+
 @pytest.fixture
-def owned() -> Iterator[slab.Slab]:
+def owned(deaths: Path) -> Iterator[slab.Slab]:
     s = slab.Slab(PREFIX, os.getpid(), 16 << 20)
     yield s
     s.close()
-    # The pool ran in this process: its forkserver and resource tracker are
-    # children of ours, which the leak check would count. `_stop` is how
-    # CPython's own tests end them.
-    multiprocessing.forkserver._forkserver._stop()  # type: ignore[attr-defined]
-    multiprocessing.resource_tracker._resource_tracker._stop()  # type: ignore[attr-defined]
+    forkserver = psutil.Process(multiprocessing.forkserver._forkserver._forkserver_pid)  # type: ignore[attr-defined]
+    assert wait_until(lambda: not forkserver.children(), timeout=10), "a pool's workers outlived the test"
+    assert not list(deaths.iterdir()), "a death was left for the next test's workers"
 
 
 @contextlib.asynccontextmanager
@@ -186,12 +208,7 @@ async def _one_dies(tiny_model: Path, owned: slab.Slab) -> None:
         assert pool.replacements == 1
 
 
-def test_a_replacement_killed_as_it_starts_is_tried_again(
-    tiny_model: Path, owned: slab.Slab, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    deaths = tmp_path / "deaths"
-    deaths.mkdir()
-    monkeypatch.setenv("MMSPLIT_TEST_DIE_AT_START_DIR", str(deaths))  # read by workers the forkserver makes
+def test_a_replacement_killed_as_it_starts_is_tried_again(tiny_model: Path, owned: slab.Slab, deaths: Path) -> None:
     asyncio.run(_replacement_tried_again(tiny_model, owned, deaths))
     assert not list(deaths.iterdir()), "the replacements did not die as they started"
 
