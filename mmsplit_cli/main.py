@@ -15,26 +15,40 @@ import os
 import sys
 from pathlib import Path
 
-from mmsplit.serving import setup_logging
+from mmsplit.serving import raise_fd_limit, setup_logging
 from mmsplit_cli.config import add_settings_arguments, settings_from
 from mmsplit_cli.tiny_model import FAMILIES
 
 
 def _scheduler(args: argparse.Namespace) -> int:
-    from scheduler_svc.server import run
+    from scheduler_svc import group
     from scheduler_svc.settings import SchedulerSettings
 
     settings = settings_from(args, SchedulerSettings, "scheduler")
     setup_logging(settings.log_level, settings.log_format)
-    return run(settings)
+    # Ranks 1..N-1 import torch and transformers while this process does the
+    # same (below), instead of after: ~2.5 s less to SERVING at TP=2. They
+    # inherit the open-file limit they start with.
+    raise_fd_limit()
+    ranks = group.start_early(settings)
+    from scheduler_svc.server import run
+
+    return run(settings, ranks)
 
 
 def _tokenizer(args: argparse.Namespace) -> int:
-    from tokenizer_svc.server import run
+    from tokenizer_svc import forkserver
     from tokenizer_svc.settings import TokenizerSettings
 
     settings = settings_from(args, TokenizerSettings, "tokenizer")
     setup_logging(settings.log_level, settings.log_format)
+    # The CPU pool's forkserver imports transformers and torch while this
+    # process does the same (below), instead of after: ~4 s less to SERVING.
+    # Its workers inherit the open-file limit it starts with.
+    raise_fd_limit()
+    forkserver.start()
+    from tokenizer_svc.server import run
+
     return run(settings)
 
 

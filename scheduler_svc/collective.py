@@ -8,27 +8,18 @@ import datetime
 import logging
 import os
 import pickle
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+
+from scheduler_svc.group import Rendezvous
 
 log = logging.getLogger(__name__)
 
 # A step's plan fits one broadcast of this many bytes unless it carries
 # inline pixel tensors (then a second broadcast moves the rest).
 PLAN_BUFFER_BYTES = 64 * 1024
-
-
-@dataclass(frozen=True)
-class Rendezvous:
-    """Where and as whom a locally launched rank joins its group."""
-
-    addr: str
-    port: int
-    rank: int
-    world_size: int
 
 
 class Collective(Protocol):

@@ -1,19 +1,14 @@
-"""Starting, bootstrapping and watching the ranks of a local group.
+"""Bootstrapping a rank, and a follower rank's life.
 
-`LocalRanks` spawns ranks 1..N-1 as child processes of rank 0 (spawn, never
-fork: the parent already has torch threads). `bootstrap` is what every rank
-runs before its first step: join the group, load the model, and exchange the
-shared-memory namespace ids — that exchange is also the all-ranks-started
-barrier.
+`bootstrap` is what every rank runs before its first step: join the group,
+load the model, and exchange the shared-memory namespace ids — that
+exchange is also the all-ranks-started barrier. (`scheduler_svc.group`
+starts a local group's ranks 1..N-1.)
 """
 
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
-import multiprocessing.connection
-import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -21,8 +16,9 @@ import torch.distributed as dist
 
 from mmsplit import devices, shm
 from mmsplit.serving import setup_logging
-from scheduler_svc.collective import Rendezvous, TorchCollective, init_group, pick_device
+from scheduler_svc.collective import TorchCollective, init_group, pick_device
 from scheduler_svc.engine import Engine
+from scheduler_svc.group import Rendezvous
 from scheduler_svc.loop import run_follower
 from scheduler_svc.model import load_model, model_dtype, model_info
 from scheduler_svc.reader import build_reader
@@ -87,65 +83,3 @@ def run_follower_until_stopped(boot: Bootstrapped) -> None:
     run_follower(boot.engine, boot.coll)
     dist.destroy_process_group()
     log.info("rank %d stopped", boot.coll.rank)
-
-
-class LocalRanks:
-    """Ranks 1..N-1 as children of this process (rank 0)."""
-
-    def __init__(self, settings: SchedulerSettings, addr: str, port: int) -> None:
-        self.settings = settings
-        ctx = mp.get_context("spawn")
-        self.procs = [
-            ctx.Process(
-                target=follower_main,
-                args=(settings, Rendezvous(addr, port, rank, settings.tp)),
-                name=f"mmsplit-rank-{rank}",
-                daemon=True,
-            )
-            for rank in range(1, settings.tp)
-        ]
-        # Set before an orderly stop, so the monitor does not report it as a failure.
-        self.stopping = False
-
-    def start(self) -> None:
-        for p in self.procs:
-            p.start()
-        log.info("started ranks 1..%d as pids %s", self.settings.tp - 1, [p.pid for p in self.procs])
-
-    def first_dead(self) -> tuple[int, int | None] | None:
-        for rank, p in enumerate(self.procs, start=1):
-            if not p.is_alive():
-                return rank, p.exitcode
-        return None
-
-    def watch(self, on_exit: Callable[[int, int | None], None]) -> None:
-        """Call `on_exit(rank, exitcode)` from a thread when any rank exits."""
-
-        def wait() -> None:
-            sentinels = {p.sentinel: rank for rank, p in enumerate(self.procs, start=1)}
-            ready = multiprocessing.connection.wait(list(sentinels))
-            rank = sentinels[ready[0]]  # type: ignore[index]
-            proc = self.procs[rank - 1]
-            proc.join(1.0)  # the sentinel fires just before exitcode is known
-            if not self.stopping:
-                on_exit(rank, proc.exitcode)
-
-        if self.procs:
-            threading.Thread(target=wait, name="rank-monitor", daemon=True).start()
-
-    def join(self, timeout: float) -> bool:
-        for p in self.procs:
-            p.join(timeout)
-        return all(not p.is_alive() for p in self.procs)
-
-    def terminate(self, grace_s: float = 3.0) -> None:
-        """TERM, then KILL what is still alive after `grace_s`."""
-        for p in self.procs:
-            if p.is_alive():
-                p.terminate()
-        for p in self.procs:
-            p.join(grace_s)
-            if p.is_alive():
-                log.warning("rank process %s ignored SIGTERM; killing it", p.pid)
-                p.kill()
-                p.join(grace_s)

@@ -43,12 +43,12 @@ from mmsplit.serving import (
     read_secret,
     run_service,
 )
-from scheduler_svc.collective import Rendezvous
 from scheduler_svc.errors import SchedulerUnavailable
 from scheduler_svc.frontend import Frontend
+from scheduler_svc.group import LocalRanks, Rendezvous
 from scheduler_svc.loop import StepLoop
 from scheduler_svc.model import ModelInfo, model_dtype, model_info
-from scheduler_svc.ranks import Bootstrapped, LocalRanks, bootstrap, run_follower_until_stopped
+from scheduler_svc.ranks import Bootstrapped, bootstrap, run_follower_until_stopped
 from scheduler_svc.settings import SchedulerSettings
 
 log = logging.getLogger(__name__)
@@ -167,9 +167,20 @@ def _metrics(settings: SchedulerSettings, step_loop: StepLoop) -> ServiceMetrics
     return metrics
 
 
-def run(settings: SchedulerSettings) -> int:
-    """Run this process's part of the group; return the exit code."""
+def run(settings: SchedulerSettings, ranks: LocalRanks | None = None) -> int:
+    """Run this process's part of the group; return the exit code. `ranks`:
+    the local ranks 1..N-1 if already started (`group.start_early`), else
+    they are started here."""
     raise_fd_limit()  # before the ranks it starts, which inherit it
+    try:
+        return _run(settings, ranks)
+    except BaseException:
+        if ranks is not None:  # a start that failed before the group formed
+            ranks.terminate()
+        raise
+
+
+def _run(settings: SchedulerSettings, ranks: LocalRanks | None) -> int:
     try:
         model_dtype(settings.dtype, torch.device("cpu"))
         security = ServerSecurity(
@@ -193,11 +204,10 @@ def run(settings: SchedulerSettings) -> int:
             return 0
         return run_service(_serve(dataclasses.replace(settings, tp=boot.coll.world_size), boot, None, security))
 
-    rendezvous = Rendezvous("127.0.0.1", free_port(), 0, settings.tp)
-    ranks = None
-    if settings.tp > 1:
-        ranks = LocalRanks(settings, rendezvous.addr, rendezvous.port)
+    if ranks is None and settings.tp > 1:
+        ranks = LocalRanks(settings)
         ranks.start()
+    rendezvous = ranks.rendezvous if ranks else Rendezvous("127.0.0.1", free_port(), 0, 1)
     boot = _bootstrap_watching(settings, ranks, rendezvous)
     return run_service(_serve(settings, boot, ranks, security))
 

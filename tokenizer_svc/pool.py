@@ -41,18 +41,17 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import multiprocessing as mp
 import multiprocessing.connection
 import os
 from typing import Any
 
+from tokenizer_svc import forkserver
 from tokenizer_svc.errors import Overloaded, PreprocessTimeout, PreprocessWorkerCrashed
 from tokenizer_svc.preprocess import ItemResult, Job, stage_input
 from tokenizer_svc.worker import WorkerLink, reap, serve
 
 log = logging.getLogger(__name__)
 
-PRELOAD = ["tokenizer_svc.preprocess", "tokenizer_svc.worker", "transformers", "PIL.Image", "numpy"]
 # How long a new worker may take to load the image processor.
 START_TIMEOUT_S = 120.0
 # A replacement that fails to start is tried this many times, the pauses
@@ -130,7 +129,7 @@ class CpuPool:
         self._queue: collections.deque[_Task] = collections.deque()
         self._admitted = asyncio.Semaphore(2 * workers)
         self._closed = False
-        self._ctx = mp.get_context("forkserver")
+        self._ctx = forkserver.context()
         self._background: set[asyncio.Task[Any]] = set()
 
     @property
@@ -204,7 +203,7 @@ class CpuPool:
 
     async def _spawn(self) -> int:
         """One worker, started and initialized; its pid."""
-        self._ctx.set_forkserver_preload(PRELOAD)
+        forkserver.context()  # its preload, should the forkserver have to start again
         parent, child = self._ctx.Pipe(duplex=True)
         process = self._ctx.Process(
             target=serve, args=(child, self.model_dir, os.getpid(), self.worker_hook), name="mmsplit-cpu", daemon=True

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import resource
 import signal
 import threading
 import time
@@ -17,13 +18,14 @@ import psutil
 import pytest
 
 from mmsplit.client import Client
+from mmsplit.serving import WANT_OPEN_FILES
 from mmsplit.tokenizer.v1 import tokenizer_pb2_grpc
 from mmsplit_cli import samples
 from mmsplit_cli.client import Outcome, make_request, run_request
 from mmsplit_cli.launch import ServiceProcess, scheduler_args
 from tests.e2e.helpers import health_status
 from tests.support.leaks import project_segments, wait_until
-from tests.support.services import SCHEDULER_SERVICE, TOKENIZER_SERVICE, running_pair, start_scheduler
+from tests.support.services import ENV, SCHEDULER_SERVICE, TOKENIZER_SERVICE, running_pair, start_scheduler
 
 pytestmark = pytest.mark.e2e
 
@@ -68,6 +70,14 @@ def in_flight(address: str, n: int, *, max_tokens: int, tag: str = "load") -> li
 
 def rank_pids(scheduler: ServiceProcess) -> list[int]:
     return [p.pid for p in psutil.Process(scheduler.pid).children() if "spawn_main" in " ".join(p.cmdline())]
+
+
+def ended(pid: int) -> bool:
+    """Gone, or a zombie nobody has reaped yet."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 def test_rank_killed_mid_generation_then_restarted(tiny_model: Path, tmp_path: Path) -> None:
@@ -198,6 +208,28 @@ def test_a_rank_that_cannot_start_takes_the_group_down(tiny_model: Path, tmp_pat
     assert "tearing the group down" in proc.log_path.read_text()
 
 
+def test_ranks_leave_with_rank_0_killed_as_the_group_forms(tiny_model: Path, tmp_path: Path) -> None:
+    """Ranks 1..N-1 start before rank 0 has imported torch (to overlap the
+    imports), yet after it raised its open-file limit, which they inherit.
+    A rank 0 SIGKILLed meanwhile takes them with it at once, not after their
+    rendezvous times out."""
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    want = WANT_OPEN_FILES if hard == resource.RLIM_INFINITY else min(WANT_OPEN_FILES, hard)
+    limit = "unlimited" if hard == resource.RLIM_INFINITY else str(hard)
+    args = scheduler_args(tiny_model, tp=2, extra=["--startup-timeout-s", "300"])
+    wrapper = ["prlimit", f"--nofile=512:{limit}", "--"]  # as a runtime may start it
+    proc = ServiceProcess("scheduler", args, tmp_path / "scheduler.log", env=ENV, wrapper=wrapper)
+    try:
+        assert wait_until(lambda: "started ranks 1..1" in proc.log_path.read_text(), timeout=60)
+        (rank1,) = rank_pids(proc)
+        assert psutil.Process(rank1).rlimit(psutil.RLIMIT_NOFILE)[0] == want
+        os.kill(proc.pid, signal.SIGKILL)
+        assert proc.proc.wait(10) == -signal.SIGKILL
+        assert wait_until(lambda: ended(rank1), 10), "a rank outlived rank 0"
+    finally:
+        proc.stop()
+
+
 def test_missing_model_fails_fast(tmp_path: Path) -> None:
     proc = ServiceProcess("scheduler", scheduler_args(tmp_path / "nope", tp=2), tmp_path / "scheduler.log")
     try:
@@ -221,7 +253,7 @@ def test_stuck_rank_turns_into_a_clean_failure(tiny_model: Path, tmp_path: Path)
                 os.kill(rank1, signal.SIGCONT)
         for out in results:
             assert out.reason == "SCHEDULER_UNAVAILABLE", out
-        assert wait_until(lambda: not psutil.pid_exists(rank1) or psutil.Process(rank1).status() == "zombie", 20)
+        assert wait_until(lambda: ended(rank1), 20)
 
 
 def test_a_wedged_step_at_tp1_fails_the_group_cleanly(tiny_model: Path, tmp_path: Path) -> None:

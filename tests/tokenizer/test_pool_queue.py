@@ -28,6 +28,7 @@ from transformers import AutoImageProcessor
 from mmsplit import families, slab
 from tests.support.leaks import PROJECT_PREFIX, wait_until
 from tests.support.worker_hook import SLOW, UNSENDABLE, marked
+from tokenizer_svc import forkserver
 from tokenizer_svc import pool as pool_module
 from tokenizer_svc.decode import decode_image
 from tokenizer_svc.errors import InternalError, Overloaded, PreprocessWorkerCrashed
@@ -50,8 +51,7 @@ def deaths(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     where = tmp_path_factory.mktemp("deaths")
     with pytest.MonkeyPatch.context() as env:
         env.setenv("MMSPLIT_TEST_DIE_AT_START_DIR", str(where))
-        multiprocessing.get_context("forkserver").set_forkserver_preload(pool_module.PRELOAD)
-        multiprocessing.forkserver.ensure_running()
+        forkserver.start()
     try:
         yield where
     finally:
@@ -66,8 +66,8 @@ def owned(deaths: Path) -> Iterator[slab.Slab]:
     s = slab.Slab(PREFIX, os.getpid(), 16 << 20)
     yield s
     s.close()
-    forkserver = psutil.Process(multiprocessing.forkserver._forkserver._forkserver_pid)  # type: ignore[attr-defined]
-    assert wait_until(lambda: not forkserver.children(), timeout=10), "a pool's workers outlived the test"
+    server = psutil.Process(multiprocessing.forkserver._forkserver._forkserver_pid)  # type: ignore[attr-defined]
+    assert wait_until(lambda: not server.children(), timeout=10), "a pool's workers outlived the test"
     assert not list(deaths.iterdir()), "a death was left for the next test's workers"
 
 
