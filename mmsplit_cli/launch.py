@@ -174,8 +174,10 @@ def running_pair(
     scheduler_extra: Sequence[str] = (),
     tokenizer_extra: Sequence[str] = (),
     env: dict[str, str] | None = None,
+    wrapper: Sequence[str] = (),
 ) -> Iterator[Pair]:
-    """A scheduler and a tokenizer, both SERVING. On exit both are stopped
+    """A scheduler and a tokenizer, both SERVING, each run under `wrapper`
+    if given (a command such as `prlimit ... --`). On exit both are stopped
     (SIGTERM, then SIGKILL) unless already stopped, including any process
     the caller put in their place on the pair."""
     started: list[ServiceProcess] = []
@@ -184,9 +186,9 @@ def running_pair(
         # Both start at once: the tokenizer waits for the scheduler by itself.
         port = free_port()
         sched_args = scheduler_args(model, tp=tp, extra=["--port", str(port), *scheduler_extra])
-        started.append(ServiceProcess("scheduler", sched_args, logs / "scheduler.log", env=env))
+        started.append(ServiceProcess("scheduler", sched_args, logs / "scheduler.log", env=env, wrapper=wrapper))
         tok_args = tokenizer_args(model, f"127.0.0.1:{port}", extra=tokenizer_extra)
-        started.append(ServiceProcess("tokenizer", tok_args, logs / "tokenizer.log", env=env))
+        started.append(ServiceProcess("tokenizer", tok_args, logs / "tokenizer.log", env=env, wrapper=wrapper))
         sched, tok = started
         sched.wait_serving(SCHEDULER_SERVICE, 180)
         tok.wait_serving(TOKENIZER_SERVICE, 180)

@@ -12,17 +12,14 @@ import resource
 import subprocess
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
-import psutil
 import pytest
 
 from mmsplit import slab
 from mmsplit.serving import WANT_OPEN_FILES
-from mmsplit_cli.launch import ServiceProcess, tokenizer_args
-from tests.support.leaks import PROJECT_PREFIX, own_slab, wait_until
-from tests.support.services import ENV, ROOT
+from tests.support.leaks import PROJECT_PREFIX, own_slab
+from tests.support.services import ROOT
 
 PREFIX = PROJECT_PREFIX + "fds"
 
@@ -112,30 +109,3 @@ def test_a_service_raises_its_open_file_limit() -> None:
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == [str(want), str(want)]
-
-
-def test_the_tokenizer_s_cpu_workers_inherit_the_raised_limit(tiny_model: Path, tmp_path: Path) -> None:
-    """The forkserver the workers come from starts before the tokenizer's own
-    imports (`tokenizer_svc.forkserver`): it must start after the raise."""
-    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
-    want = WANT_OPEN_FILES if hard == resource.RLIM_INFINITY else min(WANT_OPEN_FILES, hard)
-    if want <= 512:
-        pytest.skip(f"the hard limit here ({hard}) leaves nothing to raise")
-    limit = "unlimited" if hard == resource.RLIM_INFINITY else str(hard)
-    # No scheduler: the pool starts all the same (NOT_SERVING until one answers).
-    args = tokenizer_args(tiny_model, "127.0.0.1:1", extra=["--cpu-workers", "2"])
-    wrapper = ["prlimit", f"--nofile=512:{limit}", "--"]
-    tok = ServiceProcess("tokenizer", args, tmp_path / "tokenizer.log", env=ENV, wrapper=wrapper)
-    try:
-        assert wait_until(lambda: "CPU pool has 2 of 2" in tok.log_path.read_text(), timeout=120)
-        main = psutil.Process(tok.pid)
-        forkservers = [c for c in main.children() if "forkserver" in " ".join(c.cmdline())]
-        assert len(forkservers) == 1
-        workers = forkservers[0].children()
-        assert len(workers) == 2
-        for process in [main, forkservers[0], *workers]:
-            assert process.rlimit(psutil.RLIMIT_NOFILE)[0] == want, process.cmdline()
-        tok.terminate()
-        assert tok.stop() == 0
-    finally:
-        tok.stop()

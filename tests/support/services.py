@@ -41,9 +41,10 @@ def running_pair(
     scheduler_extra: Sequence[str] = (),
     tokenizer_extra: Sequence[str] = (),
     env: dict[str, str] | None = None,
+    wrapper: Sequence[str] = (),
 ) -> Iterator[Pair]:
     environment = {**ENV, **(env or {})}
     with _running_pair(
-        model, logs, scheduler_extra=scheduler_extra, tokenizer_extra=tokenizer_extra, env=environment
+        model, logs, scheduler_extra=scheduler_extra, tokenizer_extra=tokenizer_extra, env=environment, wrapper=wrapper
     ) as pair:
         yield pair
