@@ -99,11 +99,15 @@ def raise_fd_limit(want: int = WANT_OPEN_FILES) -> int:
             soft = target
         except (OSError, ValueError) as exc:
             log.warning("could not raise the open-file limit from %d: %s", soft, exc)
-    if soft != resource.RLIM_INFINITY and soft < 4096:
+    if soft != resource.RLIM_INFINITY and soft < 4096 and soft not in _warned_limits:
+        _warned_limits.add(soft)  # once: the CLI raises it early, and `run` again
         log.warning(
             "open-file limit %d: each image in flight holds a descriptor; raise the hard limit (ulimit -Hn)", soft
         )
     return soft
+
+
+_warned_limits: set[int] = set()
 
 
 PORTS_BELOW_EPHEMERAL = 10000  # where free_port looks: [this, the ephemeral range's start)
