@@ -24,6 +24,7 @@ from mmsplit import shm
 from mmsplit.common.v1 import common_pb2
 from mmsplit.errors import RemoteError
 from mmsplit.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
+from mmsplit.serving import free_port
 from mmsplit.tokenizer.v1 import tokenizer_pb2_grpc
 from mmsplit_cli import samples
 from mmsplit_cli.client import Outcome, make_request, run_request
@@ -107,17 +108,18 @@ def test_two_tokenizers_in_separate_pid_namespaces_never_sweep_each_others_segme
     one scheduler (shared memory transport), and sweep every 0.3 s anything
     unlocked for 0.5 s. Under load, and while one of them stops, no request
     of the other fails; when both have stopped, no segment is left."""
+    port = free_port()  # all three start at once: the tokenizers wait for the scheduler by themselves
     sched = start_scheduler(
-        tiny_model, tmp_path / "scheduler.log", tp=1, extra=["--port", "0", "--janitor-interval-s", "0.3"]
+        tiny_model, tmp_path / "scheduler.log", tp=1, extra=["--port", str(port), "--janitor-interval-s", "0.3"]
     )
     tokenizers: list[ServiceProcess] = []
     try:
-        sched.wait_serving(SCHEDULER_SERVICE, 180)
         janitor = ["--janitor-interval-s", "0.3", "--segment-grace-s", "0.5"]
         wrapper = [sys.executable, "-m", "tests.support.pidns"]
         for name in ("tokenizer-a", "tokenizer-b"):
-            args = tokenizer_args(tiny_model, sched.address, extra=janitor)
+            args = tokenizer_args(tiny_model, f"127.0.0.1:{port}", extra=janitor)
             tokenizers.append(ServiceProcess(name, args, tmp_path / f"{name}.log", env=ENV, wrapper=wrapper))
+        sched.wait_serving(SCHEDULER_SERVICE, 180)
         for tok in tokenizers:
             tok.wait_serving(TOKENIZER_SERVICE, 180)
         a, b = tokenizers
@@ -151,15 +153,16 @@ def test_segments_of_requests_queued_at_a_killed_scheduler_go_in_one_janitor_pas
     restarted scheduler's first janitor pass removes them — not a lease.
     One-off segments (no slab): a slab's slices go with the scheduler's
     locks at once (tests/e2e/test_slab.py)."""
-    extra = ["--port", "0", "--max-running", "1"]
+    port = free_port()  # both start at once: the tokenizer waits for the scheduler by itself
+    extra = ["--port", str(port), "--max-running", "1"]
     sched = start_scheduler(tiny_model, tmp_path / "scheduler.log", tp=1, extra=extra)
     tok = None
     try:
-        sched.wait_serving(SCHEDULER_SERVICE, 180)
         args = tokenizer_args(
-            tiny_model, sched.address, extra=["--janitor-interval-s", "3600", "--shm-slab-bytes", "0"]
+            tiny_model, f"127.0.0.1:{port}", extra=["--janitor-interval-s", "3600", "--shm-slab-bytes", "0"]
         )
         tok = ServiceProcess("tokenizer", args, tmp_path / "tokenizer.log", env=ENV)
+        sched.wait_serving(SCHEDULER_SERVICE, 180)
         tok.wait_serving(TOKENIZER_SERVICE, 180)
         first = threading.Semaphore(0)
 
