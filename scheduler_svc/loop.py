@@ -108,6 +108,11 @@ class _Stop:
     pass
 
 
+class _Wake:
+    """Nothing to do but run the next step now, not at the next heartbeat
+    (draining: so that an idle loop says so at once)."""
+
+
 class StepLoop:
     def __init__(
         self,
@@ -129,7 +134,7 @@ class StepLoop:
         self.kv_budget_tokens = kv_budget_tokens
         self.post = post
         self.on_fatal = on_fatal
-        self.inbox: queue.SimpleQueue[Admission | _Abort | _Stop] = queue.SimpleQueue()
+        self.inbox: queue.SimpleQueue[Admission | _Abort | _Stop | _Wake] = queue.SimpleQueue()
         self._queued = 0  # admissions in the inbox or pending; guarded by _lock
         self._lock = threading.Lock()
         self._dead: BaseException | None = None
@@ -180,6 +185,7 @@ class StepLoop:
         """Refuse new requests; running ones go on. `idle` is set when none is left."""
         with self._lock:
             self._draining = True
+        self.inbox.put(_Wake())
 
     def request_stop(self) -> None:
         """Fail whatever is still queued or running with ShuttingDown, then stop every rank."""
@@ -242,6 +248,8 @@ class StepLoop:
                 self._pending.append(item)
             elif isinstance(item, _Abort):
                 self._abort(item.request_id)
+            elif isinstance(item, _Wake):
+                pass
             else:
                 self._stopping = True
                 self._fail_all(ShuttingDown("scheduler is shutting down"))

@@ -6,6 +6,7 @@ failing step types every request it holds — the ones joining it too."""
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -174,3 +175,20 @@ def test_a_failing_step_types_every_request_including_those_joining_it() -> None
         assert isinstance(failed, Failed)
         assert isinstance(failed.error, MmsplitError)
         assert failed.error.error_code == E.ERROR_CODE_SCHEDULER_UNAVAILABLE
+
+
+def test_an_idle_loop_told_to_drain_is_idle_at_once_not_at_its_next_heartbeat() -> None:
+    """A stop (SIGTERM) waits for `idle` before it stops the ranks; an idle
+    loop waits up to a heartbeat for work, so `begin_drain` wakes it."""
+    engine = FakeEngine()
+    h = Harness(engine, heartbeat_s=30.0)
+    h.thread.start()
+    h.submit("r0", max_tokens=2)
+    h.wait_ended(["r0"])
+    steps = len(engine.plans)
+    started = time.monotonic()
+    h.loop.begin_drain()
+    assert h.loop.idle.wait(5), "idle was not set"
+    assert time.monotonic() - started < 1
+    assert len(engine.plans) <= steps + 2  # a step or two (r0's row dropped, the drain seen), no more
+    h.stop()
