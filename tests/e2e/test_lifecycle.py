@@ -160,6 +160,8 @@ def test_sigterm_under_load_drains_with_typed_errors(tiny_model: Path, tmp_path:
             futures = in_flight(pair.tokenizer_address, 4, max_tokens=3000)
             short = in_flight(pair.tokenizer_address, 1, max_tokens=3, tag="short")
             assert pair.tokenizer.stop() == 0
+            # It exits without the interpreter's teardown (`mmsplit_cli.main`): its last words still reach the log.
+            assert "tokenizer stopped" in pair.tokenizer.log_path.read_text()
             for out in [f.result(timeout=30) for f in futures + short]:
                 assert out.ok or out.reason == "SHUTTING_DOWN", out
             assert short[0].result().ok
@@ -170,6 +172,9 @@ def test_sigterm_under_load_drains_with_typed_errors(tiny_model: Path, tmp_path:
             tok.wait_serving(TOKENIZER_SERVICE, 180)
             futures = in_flight(tok.address, 4, max_tokens=3000, tag="second")
             assert pair.scheduler.stop() == 0
+            log_text = pair.scheduler.log_path.read_text()
+            assert "rank 1 stopped" in log_text
+            assert "scheduler stopped" in log_text
             for out in [f.result(timeout=30) for f in futures]:
                 assert out.reason == "SHUTTING_DOWN", out
             assert wait_until(lambda: not project_segments(), timeout=10)
