@@ -4,7 +4,7 @@
 and watches them. This module imports nothing heavy: `mmsplit scheduler`
 starts the ranks before it imports torch and transformers itself, so that
 each rank's ~3 s of imports runs beside rank 0's instead of after it (a
-TP=2 group served in ~7.5 s here, and ~5 s with its ranks started first).
+TP=2 group served in ~7.5 s here, and ~4 s with its ranks started first).
 A rank imports what it runs (`scheduler_svc.ranks`) once it has started.
 """
 
