@@ -4,7 +4,7 @@ It preloads `tokenizer_svc.preprocess` (transformers, torch, PIL), ~5 s of
 imports here, so each worker and each replacement starts without them.
 `start` launches it before the tokenizer imports those same modules itself:
 the two imports then run side by side on two cores instead of one after the
-other. Measured here: a tokenizer served in ~9 s, and ~5 s when its
+other. Measured here: a tokenizer served in ~9 s, and ~4.5 s when its
 forkserver started first (`mmsplit_cli.main`).
 
 This module imports nothing heavy, so that it can run first.
