@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import resource
 import signal
 import threading
@@ -233,6 +234,23 @@ def test_ranks_leave_with_rank_0_killed_as_the_group_forms(tiny_model: Path, tmp
         assert wait_until(lambda: ended(rank1), 10), "a rank outlived rank 0"
     finally:
         proc.stop()
+
+
+def test_a_start_refused_after_the_ranks_started_leaves_no_rank(tiny_model: Path, tmp_path: Path) -> None:
+    """Ranks 1..N-1 start before rank 0 checks its certificate files: an
+    unreadable one ends the start with a clear message, and takes them down."""
+    extra = ["--tls-cert", str(tmp_path / "missing.pem"), "--tls-key", str(tmp_path / "missing.key")]
+    proc = start_scheduler(tiny_model, tmp_path / "scheduler.log", extra=extra)
+    try:
+        code = proc.proc.wait(120)
+    finally:
+        proc.stop()
+    log_text = proc.log_path.read_text()
+    assert code != 0
+    assert "No such file or directory" in log_text
+    started = re.search(r"started ranks 1\.\.1 as pids \[(\d+)\]", log_text)
+    assert started is not None, log_text[-2000:]
+    assert wait_until(lambda: ended(int(started[1])), 10), "rank 1 outlived the refused start"
 
 
 def test_missing_model_fails_fast(tmp_path: Path) -> None:
