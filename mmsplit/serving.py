@@ -8,6 +8,7 @@ import hmac
 import ipaddress
 import json
 import logging
+import os
 import random
 import resource
 import signal
@@ -17,7 +18,7 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -99,15 +100,23 @@ def raise_fd_limit(want: int = WANT_OPEN_FILES) -> int:
             soft = target
         except (OSError, ValueError) as exc:
             log.warning("could not raise the open-file limit from %d: %s", soft, exc)
-    if soft != resource.RLIM_INFINITY and soft < 4096 and soft not in _warned_limits:
-        _warned_limits.add(soft)  # once: the CLI raises it early, and `run` again
+    if soft != resource.RLIM_INFINITY and soft < 4096:
         log.warning(
             "open-file limit %d: each image in flight holds a descriptor; raise the hard limit (ulimit -Hn)", soft
         )
     return soft
 
 
-_warned_limits: set[int] = set()
+def exit_now(code: int) -> NoReturn:
+    """End this process with `code` once its logs are out, without the
+    interpreter's teardown (of torch and transformers: ~1 s here): for a
+    service or rank that has stopped in order (its servers, pools, ranks and
+    segments already closed), or one that must not wait for a thread stuck
+    in a collective."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 PORTS_BELOW_EPHEMERAL = 10000  # where free_port looks: [this, the ephemeral range's start)

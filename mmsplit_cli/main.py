@@ -11,18 +11,17 @@ mmsplit demo
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 from pathlib import Path
 from typing import NoReturn
 
-from mmsplit.serving import raise_fd_limit, setup_logging
+from mmsplit.serving import exit_now, raise_fd_limit, setup_logging
 from mmsplit_cli.config import add_settings_arguments, settings_from
 from mmsplit_cli.tiny_model import FAMILIES
 
 
-def _scheduler(args: argparse.Namespace) -> int:
+def _scheduler(args: argparse.Namespace) -> NoReturn:
     from scheduler_svc import group
     from scheduler_svc.settings import SchedulerSettings
 
@@ -35,10 +34,13 @@ def _scheduler(args: argparse.Namespace) -> int:
     ranks = group.start_early(settings)
     from scheduler_svc.server import run
 
-    return _exit_now(run(settings, ranks))
+    # Stopped in order: out without the interpreter's teardown, which every
+    # stop (a rolling update, a pod moved) would wait out. An exception on
+    # the way out never gets here: it ends the process with its traceback.
+    exit_now(run(settings, ranks))
 
 
-def _tokenizer(args: argparse.Namespace) -> int:
+def _tokenizer(args: argparse.Namespace) -> NoReturn:
     from tokenizer_svc import forkserver
     from tokenizer_svc.settings import TokenizerSettings
 
@@ -51,19 +53,7 @@ def _tokenizer(args: argparse.Namespace) -> int:
     forkserver.start()
     from tokenizer_svc.server import run
 
-    return _exit_now(run(settings))
-
-
-def _exit_now(code: int) -> NoReturn:
-    """End a service that has stopped in order (its servers, pools, ranks and
-    segments are already closed) without the interpreter's teardown of torch
-    and transformers: ~1 s more here, which every stop (a rolling update, a
-    pod moved) would wait out. An exception on the way out never gets here:
-    it ends the process the usual way, with its traceback."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    exit_now(run(settings))  # as the scheduler
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -14,12 +14,11 @@ import logging
 import multiprocessing as mp
 import multiprocessing.connection
 import os
-import sys
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from mmsplit.serving import free_port
+from mmsplit.serving import exit_now, free_port
 from scheduler_svc.settings import SchedulerSettings
 
 log = logging.getLogger(__name__)
@@ -46,13 +45,9 @@ def _follower(settings: SchedulerSettings, rendezvous: Rendezvous) -> None:
     from scheduler_svc.ranks import follower_main
 
     follower_main(settings, rendezvous)
-    # Stopped in order: the group is destroyed and the rank holds nothing.
-    # The interpreter's teardown of torch would take ~0.8 s more here, and
-    # rank 0's stop waits for this process to end.
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    # Stopped in order: the group is destroyed and the rank holds nothing;
+    # rank 0's stop waits for this process to end, teardown and all.
+    exit_now(0)
 
 
 def _exit_when_gone(sentinel: int) -> None:
@@ -71,7 +66,7 @@ class LocalRanks:
         self.procs = [
             ctx.Process(
                 target=_follower,
-                args=(settings, Rendezvous(self.rendezvous.addr, self.rendezvous.port, rank, settings.tp)),
+                args=(settings, replace(self.rendezvous, rank=rank)),
                 name=f"mmsplit-rank-{rank}",
                 daemon=True,
             )

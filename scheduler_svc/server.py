@@ -16,7 +16,6 @@ import dataclasses
 import logging
 import os
 import signal
-import sys
 import threading
 import time
 import uuid
@@ -35,11 +34,11 @@ from mmsplit.serving import (
     Health,
     RequestSummary,
     ServerSecurity,
+    exit_now,
     free_port,
     health_server,
     is_loopback,
     new_server,
-    raise_fd_limit,
     read_secret,
     run_service,
 )
@@ -170,8 +169,8 @@ def _metrics(settings: SchedulerSettings, step_loop: StepLoop) -> ServiceMetrics
 def run(settings: SchedulerSettings, ranks: LocalRanks | None = None) -> int:
     """Run this process's part of the group; return the exit code. `ranks`:
     the local ranks 1..N-1 if already started (`group.start_early`), else
-    they are started here."""
-    raise_fd_limit()  # before the ranks it starts, which inherit it
+    they are started here. The caller has raised the open-file limit
+    (`mmsplit_cli.main`), before any rank it started, which inherit it."""
     try:
         return _run(settings, ranks)
     except BaseException:
@@ -189,7 +188,7 @@ def _run(settings: SchedulerSettings, ranks: LocalRanks | None) -> int:
             client_ca=settings.tls_client_ca,
             token=read_secret(settings.auth_token_file) if settings.auth_token_file else "",
         )
-        security.credentials()  # unreadable certificate files fail here, before any rank starts
+        security.credentials()  # unreadable certificate files fail here (`run` takes early ranks down)
     except (ValueError, OSError) as exc:
         raise SystemExit(f"mmsplit scheduler: {exc}") from exc
     if settings.insecure and not is_loopback(settings.host) and not (settings.tls_client_ca or security.token):
@@ -240,8 +239,7 @@ def _bootstrap_watching(settings: SchedulerSettings, ranks: LocalRanks | None, r
             if dead is not None and not fut.done():
                 log.error("rank %d exited with code %s during startup; tearing the group down", *dead)
                 ranks.terminate()  # type: ignore[union-attr]
-                logging.shutdown()
-                os._exit(1)  # the bootstrap thread is stuck in a rendezvous
+                exit_now(1)  # the bootstrap thread is stuck in a rendezvous
         try:
             return fut.result()
         except BaseException:
@@ -392,9 +390,7 @@ async def _serve(
         if ranks is not None:
             ranks.terminate()
         log.error("scheduler exiting with status 1 so the group is restarted")
-        logging.shutdown()
-        sys.stdout.flush()
-        os._exit(1)
+        exit_now(1)
 
     # Drain: refuse new requests, let running ones finish within the grace
     # period, then fail the rest with SHUTTING_DOWN (a typed, retriable error).

@@ -33,7 +33,6 @@ from mmsplit.serving import (
     ServerSecurity,
     health_server,
     new_server,
-    raise_fd_limit,
     read_secret,
     run_service,
 )
@@ -186,7 +185,9 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
 
 
 def run(settings: TokenizerSettings) -> int:
-    raise_fd_limit()  # before the preprocessing pool, whose workers inherit it
+    """Serve until stopped; the exit code. The caller has raised the
+    open-file limit (`mmsplit_cli.main`) before it started the CPU pool's
+    forkserver, whose workers inherit it."""
     try:
         security = ServerSecurity(cert=settings.tls_cert, key=settings.tls_key, client_ca=settings.tls_client_ca)
         security.credentials()  # unreadable certificate files fail here

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import resource
 import signal
 import threading
 import time
@@ -19,12 +18,12 @@ import psutil
 import pytest
 
 from mmsplit.client import Client
-from mmsplit.serving import WANT_OPEN_FILES
 from mmsplit.tokenizer.v1 import tokenizer_pb2_grpc
 from mmsplit_cli import samples
 from mmsplit_cli.client import Outcome, make_request, run_request
 from mmsplit_cli.launch import ServiceProcess, scheduler_args
 from tests.e2e.helpers import health_status
+from tests.support import limits
 from tests.support.leaks import project_segments, wait_until
 from tests.support.services import ENV, SCHEDULER_SERVICE, TOKENIZER_SERVICE, running_pair, start_scheduler
 
@@ -219,16 +218,12 @@ def test_ranks_leave_with_rank_0_killed_as_the_group_forms(tiny_model: Path, tmp
     imports), yet after it raised its open-file limit, which they inherit.
     A rank 0 SIGKILLed meanwhile takes them with it at once, not after their
     rendezvous times out."""
-    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
-    want = WANT_OPEN_FILES if hard == resource.RLIM_INFINITY else min(WANT_OPEN_FILES, hard)
-    limit = "unlimited" if hard == resource.RLIM_INFINITY else str(hard)
     args = scheduler_args(tiny_model, tp=2, extra=["--startup-timeout-s", "300"])
-    wrapper = ["prlimit", f"--nofile=512:{limit}", "--"]  # as a runtime may start it
-    proc = ServiceProcess("scheduler", args, tmp_path / "scheduler.log", env=ENV, wrapper=wrapper)
+    proc = ServiceProcess("scheduler", args, tmp_path / "scheduler.log", env=ENV, wrapper=limits.started_low())
     try:
         assert wait_until(lambda: "started ranks 1..1" in proc.log_path.read_text(), timeout=60)
         (rank1,) = rank_pids(proc)
-        assert psutil.Process(rank1).rlimit(psutil.RLIMIT_NOFILE)[0] == want
+        assert psutil.Process(rank1).rlimit(psutil.RLIMIT_NOFILE)[0] == limits.RAISED
         os.kill(proc.pid, signal.SIGKILL)
         assert proc.proc.wait(10) == -signal.SIGKILL
         assert wait_until(lambda: ended(rank1), 10), "a rank outlived rank 0"

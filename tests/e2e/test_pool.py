@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import os
 import random
-import resource
 import signal
 import threading
 import time
@@ -19,18 +18,16 @@ import grpc
 import psutil
 import pytest
 
-from mmsplit.serving import WANT_OPEN_FILES
 from mmsplit.tokenizer.v1 import tokenizer_pb2_grpc
 from mmsplit_cli import samples
 from mmsplit_cli.client import make_request, run_request
 from tests.e2e.helpers import health_status
+from tests.support import limits
 from tests.support.leaks import project_segments, wait_until
 from tests.support.services import TOKENIZER_SERVICE, Pair, running_pair
 from tests.support.worker_hook import MID_WRITE, POISON, SLOW, marked
 
 pytestmark = pytest.mark.e2e
-
-HARD_FILES = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
 
 
 @pytest.fixture(scope="module")
@@ -50,10 +47,9 @@ def pair(tiny_model: Path, pool_dir: Path) -> Iterator[Pair]:
         "--preprocess-cache-bytes", "0",
     ]  # fmt: skip
     env = {"MMSPLIT_TEST_FAIL_POOL_FILE": str(pool_dir / "fail-pool")}
-    # Started with a soft open-file limit of 512, as some container runtimes
+    # Started with a low soft open-file limit, as some container runtimes
     # do: each service raises it, and its children must inherit the raised one.
-    limit = "unlimited" if HARD_FILES == resource.RLIM_INFINITY else str(HARD_FILES)
-    wrapper = ["prlimit", f"--nofile={min(512, HARD_FILES)}:{limit}", "--"]
+    wrapper = limits.started_low()
     # One rank is enough: these tests are about the tokenizer's pool.
     with running_pair(
         tiny_model, pool_dir, scheduler_extra=["--tp", "1"], tokenizer_extra=extra, env=env, wrapper=wrapper
@@ -84,16 +80,15 @@ def test_the_workers_inherit_the_raised_open_file_limit(pair: Pair) -> None:
     """The forkserver the workers come from starts before the tokenizer's own
     imports (`tokenizer_svc.forkserver`), yet after the tokenizer raised its
     limit (see `pair`)."""
-    want = WANT_OPEN_FILES if HARD_FILES == resource.RLIM_INFINITY else min(WANT_OPEN_FILES, HARD_FILES)
-    if want <= 512:
-        pytest.skip(f"the hard limit here ({HARD_FILES}) leaves nothing to raise")
+    if limits.nothing_to_raise():
+        pytest.skip(limits.nothing_to_raise())
     tokenizer = psutil.Process(pair.tokenizer.pid)
     forkservers = [c for c in tokenizer.children() if "forkserver" in " ".join(c.cmdline())]
     assert len(forkservers) == 1
     pool = workers(pair)
     assert len(pool) == 2
     for process in [psutil.Process(pair.scheduler.pid), tokenizer, *forkservers, *pool]:
-        assert process.rlimit(psutil.RLIMIT_NOFILE)[0] == want, process.cmdline()
+        assert process.rlimit(psutil.RLIMIT_NOFILE)[0] == limits.RAISED, process.cmdline()
 
 
 def test_worker_killed_with_8_requests_in_flight(pair: Pair) -> None:

@@ -8,7 +8,6 @@ something that is not a segment."""
 from __future__ import annotations
 
 import json
-import resource
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -17,7 +16,7 @@ import numpy as np
 import pytest
 
 from mmsplit import slab
-from mmsplit.serving import WANT_OPEN_FILES
+from tests.support import limits
 from tests.support.leaks import PROJECT_PREFIX, own_slab
 from tests.support.services import ROOT
 
@@ -97,15 +96,13 @@ def test_out_of_descriptors_is_overloaded_on_every_path(owned: slab.Slab) -> Non
 
 
 def test_a_service_raises_its_open_file_limit() -> None:
-    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
-    want = WANT_OPEN_FILES if hard == resource.RLIM_INFINITY else min(WANT_OPEN_FILES, hard)
-    if want <= 512:
-        pytest.skip(f"the hard limit here ({hard}) leaves nothing to raise")
+    if limits.nothing_to_raise():
+        pytest.skip(limits.nothing_to_raise())
     script = (
         "import resource\nfrom mmsplit.serving import raise_fd_limit\n"
-        f"resource.setrlimit(resource.RLIMIT_NOFILE, (512, {hard}))  # as a runtime may start it\n"
+        f"resource.setrlimit(resource.RLIMIT_NOFILE, ({limits.LOW}, {limits.HARD}))  # as a runtime may start it\n"
         "print(raise_fd_limit(), resource.getrlimit(resource.RLIMIT_NOFILE)[0])"
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split() == [str(want), str(want)]
+    assert done.stdout.split() == [str(limits.RAISED), str(limits.RAISED)]
