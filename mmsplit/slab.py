@@ -70,6 +70,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import mmap
 import os
 import struct
@@ -79,6 +80,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from mmsplit import shm
+
+log = logging.getLogger(__name__)
 
 # 64 KiB pages: a LLaVA-1.5 image (1.35 MB) is 21 pages; few locks per slab.
 PAGE = 1 << 16
@@ -678,9 +681,12 @@ class HandOff:
                     self._cond.wait()
                 pending = list(self._pending)
             now = time.monotonic()
-            done = [item for item in pending if item[2] <= now or item[1](item[0])]
+            done = [item for item in pending if item[2] <= now or _ready(item[0], item[1])]
             for held, _, _ in done:
-                held.close()
+                try:
+                    held.close()
+                except Exception:
+                    log.exception("slab hand-off: letting a slice go failed")
             gone = {id(item) for item in done}
             with self._cond:
                 self._pending = [item for item in self._pending if id(item) not in gone]
@@ -688,6 +694,18 @@ class HandOff:
             # slow poll only keeps a slice out of use a moment longer, and
             # spares the worker's CPU.
             time.sleep(0.002)
+
+
+def _ready(held: Held, ready: Callable[[Held], bool]) -> bool:
+    """`ready(held)`, or True when it fails: the hand-off thread is the
+    only one that lets its slices go, so one slice's failure must neither
+    end it (every later slice would stay held until this process exits)
+    nor keep that slice forever."""
+    try:
+        return ready(held)
+    except Exception:
+        log.exception("slab hand-off: checking a slice failed; letting it go now")
+        return True
 
 
 # This process's hand-offs and deferred releases.

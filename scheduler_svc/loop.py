@@ -263,7 +263,15 @@ class StepLoop:
         if now - self._last_sweep < self.settings.janitor_interval_s:
             return
         self._last_sweep = now
-        self.janitor_removed += len(shm.sweep(self.settings.shm_prefix, grace_s=self.settings.segment_grace_s))
+        try:
+            removed = shm.sweep(self.settings.shm_prefix, grace_s=self.settings.segment_grace_s)
+        except Exception:
+            # Housekeeping: a sweep that fails (no descriptor left to list
+            # /dev/shm with, say) is tried again next interval; it must not
+            # take the group down, as an exception in this thread would.
+            log.exception("the janitor's sweep failed; trying again in %gs", self.settings.janitor_interval_s)
+            return
+        self.janitor_removed += len(removed)
 
     def _abort(self, request_id: str) -> None:
         for adm in self._pending:

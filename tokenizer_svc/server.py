@@ -336,15 +336,21 @@ async def _watch(settings: TokenizerSettings, health: Health, service: Tokenizer
     link, pool = service.link, service.pool
     last_sweep = asyncio.get_running_loop().time()
     while True:
-        await link.refresh()
-        await pool.ensure()
-        await health.set_ready(link.connected and pool.ready)
-        now = asyncio.get_running_loop().time()
-        if now - last_sweep >= settings.janitor_interval_s:
-            held = set(service.held)
-            removed = await asyncio.to_thread(
-                shm.sweep, settings.shm_prefix, grace_s=settings.segment_grace_s, keep=held
-            )
-            service.janitor_removed += len(removed)
-            last_sweep = now
+        try:
+            await link.refresh()
+            await pool.ensure()
+            await health.set_ready(link.connected and pool.ready)
+            now = asyncio.get_running_loop().time()
+            if now - last_sweep >= settings.janitor_interval_s:
+                last_sweep = now
+                held = set(service.held)
+                removed = await asyncio.to_thread(
+                    shm.sweep, settings.shm_prefix, grace_s=settings.segment_grace_s, keep=held
+                )
+                service.janitor_removed += len(removed)
+        except Exception:
+            # This task is what keeps readiness true and the pool whole: one
+            # round that fails (no descriptor left for the sweep, say) must
+            # not end it, as an exception would, silently.
+            log.exception("a round of the tokenizer's watch failed; trying again in %gs", WATCH_INTERVAL_S)
         await asyncio.sleep(WATCH_INTERVAL_S)

@@ -18,6 +18,7 @@ from scheduler_svc.loop import Admission, Event, Failed, Finished, StepLoop, Tok
 from scheduler_svc.plan import Failure, Plan, StepOutcome
 from scheduler_svc.settings import SchedulerSettings
 from tests.support.engine_kit import SoloGroup, request
+from tests.support.leaks import wait_until
 
 EOS = 2
 SETTINGS = SchedulerSettings(model_dir=Path("unused"), heartbeat_s=0.05, batch_window_s=0.0, janitor_interval_s=1e9)
@@ -192,3 +193,29 @@ def test_an_idle_loop_told_to_drain_is_idle_at_once_not_at_its_next_heartbeat() 
     assert time.monotonic() - started < 1
     assert len(engine.plans) <= steps + 2  # a step or two (r0's row dropped, the drain seen), no more
     h.stop()
+
+
+def test_a_janitor_sweep_that_fails_is_logged_and_the_loop_goes_on(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The sweep runs on the step loop's thread, where an exception takes
+    the group down: one that fails (out of descriptors, say) is logged and
+    tried again next interval, and requests are served meanwhile."""
+    sweeps: list[str] = []
+
+    def failing_sweep(prefix: str, **_: object) -> list[str]:
+        sweeps.append(prefix)
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.setattr("scheduler_svc.loop.shm.sweep", failing_sweep)
+    h = Harness(FakeEngine(), janitor_interval_s=0.01)
+    h.thread.start()
+    assert wait_until(lambda: len(sweeps) >= 1, timeout=5)
+    for i in range(3):
+        h.submit(f"r{i}", max_tokens=20)
+    h.wait_ended([f"r{i}" for i in range(3)])
+    assert all(isinstance(ends(h, f"r{i}"), Finished) for i in range(3))
+    assert wait_until(lambda: len(sweeps) >= 3, timeout=5), "not tried again after it failed"
+    h.stop()
+    assert not h.fatal
+    assert "the janitor's sweep failed" in caplog.text

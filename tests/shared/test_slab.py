@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import itertools
 import os
@@ -75,6 +76,28 @@ def test_a_taker_that_lets_go_at_once_still_frees_its_writer(owned: slab.Slab) -
     assert owned.used_bytes() == slab.PAGE, "the taker let go before its writer saw it"
     slab.HandOff(timeout_s=60).add(writer)  # the writer looks only now
     assert wait_until(lambda: owned.used_bytes() == 0, timeout=5)
+
+
+def test_a_check_that_fails_does_not_stop_the_hand_off_thread(
+    owned: slab.Slab, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The thread is the only one that lets its slices go: a check that
+    raises lets that slice go (logged) and the thread serves the next."""
+    handoff = slab.HandOff()
+
+    def broken(_: slab.Held) -> bool:
+        raise OSError(errno.EBADF, "Bad file descriptor")
+
+    handoff.wait(slab.write(owned.name, PREFIX, memoryview(tensor(1000, 5)), wait_s=0), broken)
+    assert wait_until(lambda: handoff.pending() == 0, timeout=5)
+    assert owned.used_bytes() == 0
+    assert "checking a slice failed" in caplog.text
+    writer = slab.write(owned.name, PREFIX, memoryview(tensor(1000, 6)), wait_s=0)
+    handoff.add(writer)
+    taker = slab.take(writer.slice, PREFIX)
+    assert wait_until(lambda: handoff.pending() == 0, timeout=5)
+    taker.release()
+    assert owned.used_bytes() == 0
 
 
 def test_a_hand_off_that_nobody_takes_times_out(owned: slab.Slab) -> None:
