@@ -13,6 +13,13 @@ and prints streaming CPU per token ÷ compute time per token. On a machine
 where the services share the cores with the model (as here: 2 cores), that
 ratio is the share of the model's time the streaming path takes away.
 
+Then a stand-in scheduler faster than its tokenizer (a step every
+--step-ms, one token per request per step, made on a thread of its own as
+rank 0's step loop is): the tokens/s the clients get, against the tokens/s
+offered, and the messages per token, for rank 0 streaming one message per
+token (as it did before), with `--stream-interval 1` (one per step, and
+what queued up meanwhile together) and with `--stream-interval 4`.
+
     python bench/streaming.py [--n 32] [--tokens 64]
 """
 
@@ -20,10 +27,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -36,19 +46,62 @@ from mmsplit_cli.client import make_request
 from mmsplit_cli.launch import TOKENIZER_SERVICE, ServiceProcess, tokenizer_args
 
 
-def fake_scheduler(port: int) -> None:
-    """A SchedulerService that streams max_tokens tokens at once, one message each."""
+def fake_scheduler(port: int, step_ms: float = 0.0, per_token: bool = False, interval: int = 1) -> None:
+    """A SchedulerService that streams max_tokens tokens, no model. With
+    `step_ms` 0: at once, one message each. Otherwise as a scheduler that
+    makes one token per running request every `step_ms` (one step), its
+    events streamed by the scheduler's own `responses` (what queued up
+    meanwhile in one message), or one message per token (`per_token`, how
+    rank 0 streamed before)."""
     import grpc
 
     from mmsplit.common.v1 import common_pb2
     from mmsplit.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
     from mmsplit.serving import Health, new_server
+    from scheduler_svc.frontend import responses
+    from scheduler_svc.loop import Event, Finished, Token
 
     name = "mmsplit.scheduler.v1.SchedulerService"
+    running: dict[asyncio.Queue[Event], list[int]] = {}  # each stream's queue -> [made, max_tokens]
+
+    def steps(loop: asyncio.AbstractEventLoop) -> None:
+        """The step loop's stand-in, on a thread of its own as rank 0's is:
+        each step's events reach the event loop in one callback."""
+
+        def deliver() -> None:
+            for events, counts in list(running.items()):
+                counts[0] += 1
+                events.put_nowait(Token(1000 + counts[0] % 500))
+                if counts[0] == counts[1]:
+                    events.put_nowait(Finished(reason=1, prompt_tokens=1, completion_tokens=counts[1]))
+                    del running[events]
+
+        while True:
+            time.sleep(step_ms / 1000)
+            loop.call_soon_threadsafe(deliver)
+
+    async def one_per_token(events: asyncio.Queue[Event]):  # type: ignore[no-untyped-def]
+        while True:
+            event = await events.get()
+            if isinstance(event, Token):
+                yield scheduler_pb2.GenerateResponse(tokens=scheduler_pb2.Tokens(token_ids=[event.token_id]))
+            else:
+                yield scheduler_pb2.GenerateResponse(finished=scheduler_pb2.Finished(finish_reason=1))
+                return
 
     class Streamer(scheduler_pb2_grpc.SchedulerServiceServicer):
         async def Generate(self, request, context):  # type: ignore[no-untyped-def]  # noqa: N802
             yield scheduler_pb2.GenerateResponse(accepted=scheduler_pb2.Accepted())
+            if step_ms:
+                events: asyncio.Queue[Event] = asyncio.Queue()
+                running[events] = [0, request.sampling.max_tokens]
+                try:
+                    stream = one_per_token(events) if per_token else responses(events, interval)
+                    async for response in stream:
+                        yield response
+                finally:
+                    running.pop(events, None)
+                return
             for i in range(request.sampling.max_tokens):
                 await asyncio.sleep(0)  # every request gets a turn, as in a batched step
                 yield scheduler_pb2.GenerateResponse(tokens=scheduler_pb2.Tokens(token_ids=[1000 + i % 500]))
@@ -68,6 +121,8 @@ def fake_scheduler(port: int) -> None:
         scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(Streamer(), server)
         await server.start()
         await health.set_ready(True)
+        if step_ms:
+            threading.Thread(target=steps, args=(asyncio.get_running_loop(),), daemon=True).start()
         print("ready", flush=True)
         await server.wait_for_termination()
 
@@ -80,11 +135,14 @@ def cpu(proc: psutil.Process) -> float:
     return times.user + times.system
 
 
-def streaming_cost(model_dir: Path, n: int, tokens: int, workdir: Path) -> dict[str, float]:
-    """CPU microseconds per streamed token, by process."""
+def streaming_cost(
+    model_dir: Path, n: int, tokens: int, workdir: Path, fake_args: Sequence[str] = ()
+) -> dict[str, float]:
+    """CPU microseconds per streamed token, by process; also the clients'
+    tokens/s ("tok/s") and messages per token ("messages/token")."""
     port = free_port()
     fake = subprocess.Popen(
-        [sys.executable, __file__, "--fake-scheduler", str(port)], stdout=subprocess.PIPE, text=True
+        [sys.executable, __file__, "--fake-scheduler", str(port), *fake_args], stdout=subprocess.PIPE, text=True
     )
     tokenizer = None
     try:
@@ -98,12 +156,17 @@ def streaming_cost(model_dir: Path, n: int, tokens: int, workdir: Path) -> dict[
         procs = {"tokenizer": psutil.Process(tokenizer.pid), "scheduler gRPC": psutil.Process(fake.pid)}
         me = psutil.Process()
         before = {k: cpu(p) for k, p in procs.items()} | {"clients": cpu(me)}
-        made = 0
+        made = messages = 0
+        took = 0.0
         for _ in range(3):
-            timelines, _ = run_clients(tokenizer.address, requests, n)
+            timelines, wall = run_clients(tokenizer.address, requests, n)
             made += sum(len(t.token_ids) for t in timelines)
+            # A message's tokens arrive at one instant (`Timeline.token_times`).
+            messages += sum(len(set(t.token_times)) for t in timelines)
+            took += wall
         after = {k: cpu(p) for k, p in procs.items()} | {"clients": cpu(me)}
-        return {k: 1e6 * (after[k] - before[k]) / made for k in before}
+        cost = {k: 1e6 * (after[k] - before[k]) / made for k in before}
+        return cost | {"tok/s": made / took, "messages/token": messages / made}
     finally:
         if tokenizer is not None:
             tokenizer.stop()
@@ -137,22 +200,69 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=32, help="concurrent requests (and the decode batch)")
     parser.add_argument("--tokens", type=int, default=64, help="tokens per request")
+    parser.add_argument(
+        "--step-ms", type=float, default=1.0, help="the fast stand-in's step: one token per request per step"
+    )
     parser.add_argument("--fake-scheduler", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--fake-step-ms", type=float, default=0.0, help=argparse.SUPPRESS)
+    parser.add_argument("--fake-per-token", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--fake-interval", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.fake_scheduler:
-        fake_scheduler(args.fake_scheduler)
+        fake_scheduler(args.fake_scheduler, args.fake_step_ms, args.fake_per_token, args.fake_interval)
         return
     with tempfile.TemporaryDirectory(prefix="mmsplit-bench-") as tmp:
         tiny = build_model("tiny", Path(tmp))
         wide = build_model("8x512", Path(tmp))
         stream = streaming_cost(tiny, args.n, args.tokens, Path(tmp))
+        step = ["--fake-step-ms", str(args.step_ms)]
+        # In turn, twice each, so a drift in this machine's speed falls on both.
+        modes = {
+            "one message per token (before)": [*step, "--fake-per-token"],
+            "--stream-interval 1": step,
+            "--stream-interval 4": [*step, "--fake-interval", "4"],
+        }
+        fast: dict[str, list[dict[str, float]]] = {mode: [] for mode in modes}
+        for _ in range(2):
+            for mode, fake_args in modes.items():
+                fast[mode].append(streaming_cost(tiny, args.n, args.tokens, Path(tmp), fake_args))
         computes = {"tiny": compute_cost(tiny, args.n), "8x512": compute_cost(wide, args.n)}
-    total = sum(stream.values())
-    print(
-        f"streaming, CPU µs per token at {args.n} concurrent: " + ", ".join(f"{k} {v:.0f}" for k, v in stream.items())
-    )
+    cpu_keys = ("tokenizer", "scheduler gRPC", "clients")
+    total = sum(stream[k] for k in cpu_keys)
+    print(f"streaming, CPU µs per token at {args.n} concurrent: " + ", ".join(f"{k} {stream[k]:.0f}" for k in cpu_keys))
     rows = [[name, f"{us:.0f}", f"{total:.0f}", f"{total / us:.2f}"] for name, us in computes.items()]
     print(table(["model", f"decode µs/token at batch {args.n}", "streaming CPU µs/token", "streaming / decode"], rows))
+    offered = args.n * 1000 / args.step_ms
+    print(
+        f"\na stand-in scheduler faster than its tokenizer: {args.n} requests x {args.tokens} tokens,"
+        f" a step every {args.step_ms:g} ms ({offered:.0f} tokens/s offered); medians of 2 runs each, in turn"
+    )
+    fast_rows = []
+    for mode, runs in fast.items():
+        med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+        fast_rows.append(
+            [
+                mode,
+                f"{med['tok/s']:.0f}",
+                f"{med['tok/s'] / offered:.2f}",
+                f"{med['messages/token']:.2f}",
+                f"{med['tokenizer']:.0f}",
+                f"{med['scheduler gRPC']:.0f}",
+            ]
+        )
+    print(
+        table(
+            [
+                "rank 0 streams",
+                "tokens/s at the clients",
+                "of offered",
+                "messages/token",
+                "tokenizer µs/token",
+                "scheduler µs/token",
+            ],
+            fast_rows,
+        )
+    )
 
 
 if __name__ == "__main__":

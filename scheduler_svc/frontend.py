@@ -76,24 +76,9 @@ class Frontend:
         self._streams[rid] = events
         return admission
 
-    async def stream(self, admission: Admission) -> AsyncIterator[scheduler_pb2.GenerateResponse]:
-        """The request's events as responses; raises its failure, if any."""
-        events = self._streams[admission.request_id]
-        while True:
-            event = await events.get()
-            if isinstance(event, Token):
-                yield scheduler_pb2.GenerateResponse(tokens=scheduler_pb2.Tokens(token_ids=[event.token_id]))
-            elif isinstance(event, Finished):
-                yield scheduler_pb2.GenerateResponse(
-                    finished=scheduler_pb2.Finished(
-                        finish_reason=event.reason,  # type: ignore[arg-type]
-                        prompt_tokens=event.prompt_tokens,
-                        completion_tokens=event.completion_tokens,
-                    )
-                )
-                return
-            elif isinstance(event, Failed):
-                raise event.error
+    def stream(self, admission: Admission) -> AsyncIterator[scheduler_pb2.GenerateResponse]:
+        """The request's events as responses (`responses`); raises its failure, if any."""
+        return responses(self._streams[admission.request_id], self.settings.stream_interval)
 
     def fail_all(self, error: MmsplitError) -> None:
         """End every open stream with `error` (the group died while the step
@@ -250,3 +235,38 @@ def _side_tensor(index: int, name: str, spec: TensorSpec) -> np.ndarray:
             f"item {index}: {name} is a side tensor: inline, int64 or float32, at most {MAX_SIDE_BYTES} bytes"
         )
     return np.frombuffer(spec.inline, dtype=SIDE_DTYPES[spec.dtype]).reshape(spec.shape).copy()
+
+
+async def responses(events: asyncio.Queue[Event], interval: int = 1) -> AsyncIterator[scheduler_pb2.GenerateResponse]:
+    """A request's events as responses, ending with Finished (or raising the
+    failure). The first token goes out as soon as it comes (time to first
+    token); after it, each Tokens message waits for `interval` tokens
+    (`--stream-interval`), or the end. Tokens that queued up while the last
+    message was being sent go out together in any case, so a call that
+    fell behind catches up one message at a time, not one per token."""
+    event = await events.get()
+    first = True
+    while True:
+        if isinstance(event, Token):
+            ids = [event.token_id]
+            after: Event | None = None
+            while after is None and (not events.empty() or (not first and len(ids) < interval)):
+                queued = events.get_nowait() if not events.empty() else await events.get()
+                if isinstance(queued, Token):
+                    ids.append(queued.token_id)
+                else:
+                    after = queued
+            first = False
+            yield scheduler_pb2.GenerateResponse(tokens=scheduler_pb2.Tokens(token_ids=ids))
+            event = after if after is not None else await events.get()
+        elif isinstance(event, Finished):
+            yield scheduler_pb2.GenerateResponse(
+                finished=scheduler_pb2.Finished(
+                    finish_reason=event.reason,  # type: ignore[arg-type]
+                    prompt_tokens=event.prompt_tokens,
+                    completion_tokens=event.completion_tokens,
+                )
+            )
+            return
+        else:
+            raise event.error

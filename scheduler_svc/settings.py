@@ -75,6 +75,13 @@ class SchedulerSettings:
     )
     default_max_tokens: int = _opt(64, "max_tokens of a request that leaves it 0", min=1)
     max_tokens_limit: int = _opt(4096, "largest max_tokens accepted", min=1)
+    stream_interval: int = _opt(
+        1,
+        "tokens per streamed message of a running request: 1 sends each step's token as it comes; N sends "
+        "every N tokens (the first token and the end at once), N times fewer messages for the tokenizer to "
+        "relay, at the price of a burstier stream",
+        min=1,
+    )
     batch_window_s: float = _opt(
         0.002, "when idle, how long rank 0 waits after a first arrival for others to join the same step", min=0
     )
