@@ -296,8 +296,19 @@ class TokenizerService:
                     yield None
                 elif kind == "tokens":
                     ids = list(event.tokens.token_ids)
+                    if stops.stops and len(ids) > 1:
+                        # Token by token (a message may carry several: the scheduler's
+                        # --stream-interval): a stop string ends the stream at the token
+                        # it falls in, and the tokens after it are not reported.
+                        text = ""
+                        for n, token in enumerate(ids, start=1):
+                            text += stops.feed(decoder.push([token]))
+                            if stops.stopped:
+                                del ids[n:]
+                                break
+                    else:
+                        text = stops.feed(decoder.push(ids))
                     completion += len(ids)
-                    text = stops.feed(decoder.push(ids))
                     yield tokenizer_pb2.GenerateResponse(
                         request_id=rid, delta=tokenizer_pb2.TextDelta(text=text, token_ids=ids)
                     )

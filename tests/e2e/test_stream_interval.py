@@ -9,6 +9,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from transformers import AutoTokenizer
 
 from mmsplit.tokenizer.v1 import tokenizer_pb2_grpc
 from mmsplit_cli import samples
@@ -37,7 +38,7 @@ def test_tokens_come_four_at_a_time_after_the_first(pair: Pair) -> None:
     assert whole.finish_reason == "FINISH_REASON_LENGTH"
 
 
-def test_a_stop_string_inside_a_message_ends_the_text_before_it(pair: Pair) -> None:
+def test_a_stop_string_inside_a_message_ends_the_text_before_it(pair: Pair, tiny_model: Path) -> None:
     with grpc.insecure_channel(pair.tokenizer_address) as channel:
         stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
         free = run_request(stub, make_request("Go on.", max_tokens=12, min_tokens=12), timeout=60)
@@ -50,3 +51,9 @@ def test_a_stop_string_inside_a_message_ends_the_text_before_it(pair: Pair) -> N
     assert stopped.ok, stopped
     assert stopped.finish_reason == "FINISH_REASON_STOP"
     assert stopped.text == free.text[: free.text.index(stop)]
+    # As with one token a message: the tokens end with the one the stop string falls in.
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    kept = len(stopped.token_ids)
+    assert stopped.token_ids == free.token_ids[:kept]
+    assert stop in tokenizer.decode(free.token_ids[:kept], skip_special_tokens=True)
+    assert stop not in tokenizer.decode(free.token_ids[: kept - 1], skip_special_tokens=True)
