@@ -20,6 +20,10 @@ offered, and the messages per token, for rank 0 streaming one message per
 token (as it did before), with `--stream-interval 1` (one per step, and
 what queued up meanwhile together) and with `--stream-interval 4`.
 
+Last, the real services with the tiny model (and the 8x512 one with
+--services-8x512): tokens/s at the clients with --stream-interval 1 and 4,
+in turn, a fresh pair each run.
+
     python bench/streaming.py [--n 32] [--tokens 64]
 """
 
@@ -42,8 +46,9 @@ import psutil
 from harness import SoloGroup, build_model, inline_reader, run_clients, table
 
 from mmsplit.serving import free_port
+from mmsplit_cli import samples
 from mmsplit_cli.client import make_request
-from mmsplit_cli.launch import TOKENIZER_SERVICE, ServiceProcess, tokenizer_args
+from mmsplit_cli.launch import TOKENIZER_SERVICE, ServiceProcess, running_pair, tokenizer_args
 
 
 def fake_scheduler(port: int, step_ms: float = 0.0, per_token: bool = False, interval: int = 1) -> None:
@@ -174,6 +179,24 @@ def streaming_cost(
         fake.wait(10)
 
 
+def service_rates(model_dir: Path, n: int, tokens: int, workdir: Path, rounds: int = 3) -> dict[int, list[float]]:
+    """Tokens/s at the clients through the real services (TP=1), n
+    concurrent one-image requests of `tokens` tokens each, with the
+    scheduler's --stream-interval 1 and 4 in turn, a fresh pair each run."""
+    image = samples.good_png()
+    requests = [make_request(f"Say {i}", [image], max_tokens=tokens, min_tokens=tokens) for i in range(n)]
+    rates: dict[int, list[float]] = {1: [], 4: []}
+    for round_ in range(rounds):
+        for interval, got in rates.items():
+            logs = workdir / f"services-{interval}-{round_}"
+            logs.mkdir()
+            with running_pair(model_dir, logs, tp=1, scheduler_extra=["--stream-interval", str(interval)]) as pair:
+                run_clients(pair.tokenizer_address, requests, n)  # warm up
+                timelines, wall = run_clients(pair.tokenizer_address, requests, n)
+            got.append(sum(len(t.token_ids) for t in timelines) / wall)
+    return rates
+
+
 def compute_cost(model_dir: Path, n: int, steps: int = 16) -> float:
     """Microseconds of wall time per token of the engine's batched decode at batch n."""
     import torch
@@ -203,6 +226,9 @@ def main() -> None:
     parser.add_argument(
         "--step-ms", type=float, default=1.0, help="the fast stand-in's step: one token per request per step"
     )
+    parser.add_argument(
+        "--services-8x512", action="store_true", help="also run the real services with the 8x512 model (minutes)"
+    )
     parser.add_argument("--fake-scheduler", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--fake-step-ms", type=float, default=0.0, help=argparse.SUPPRESS)
     parser.add_argument("--fake-per-token", action="store_true", help=argparse.SUPPRESS)
@@ -227,6 +253,9 @@ def main() -> None:
             for mode, fake_args in modes.items():
                 fast[mode].append(streaming_cost(tiny, args.n, args.tokens, Path(tmp), fake_args))
         computes = {"tiny": compute_cost(tiny, args.n), "8x512": compute_cost(wide, args.n)}
+        services = {"tiny": service_rates(tiny, args.n, args.tokens, Path(tmp))}
+        if args.services_8x512:
+            services["8x512"] = service_rates(wide, args.n, args.tokens, Path(tmp))
     cpu_keys = ("tokenizer", "scheduler gRPC", "clients")
     total = sum(stream[k] for k in cpu_keys)
     print(f"streaming, CPU µs per token at {args.n} concurrent: " + ", ".join(f"{k} {stream[k]:.0f}" for k in cpu_keys))
@@ -263,6 +292,17 @@ def main() -> None:
             fast_rows,
         )
     )
+
+    print(
+        f"\nthe real services (TP=1), {args.n} concurrent one-image requests x {args.tokens} tokens,"
+        " tokens/s at the clients; the scheduler's --stream-interval 1 and 4 in turn, 3 rounds"
+    )
+    service_rows = []
+    for name, rates in services.items():
+        one, four = statistics.median(rates[1]), statistics.median(rates[4])
+        rounds = "; ".join(f"{k}: {', '.join(f'{r:.0f}' for r in v)}" for k, v in rates.items())
+        service_rows.append([name, f"{one:.0f}", f"{four:.0f}", f"{four / one:.2f}", rounds])
+    print(table(["model", "interval 1", "interval 4", "4 / 1", "every round"], service_rows))
 
 
 if __name__ == "__main__":
