@@ -253,6 +253,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians are reported")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (both arms)")
     parser.add_argument("--dtype", default="float32", help="model dtype of both arms")
+    parser.add_argument(
+        "--stream-interval", type=int, default=1, help="the scheduler's --stream-interval (tokens per message)"
+    )
     args = parser.parse_args()
     items = prompts(args.n)
     n = args.n
@@ -266,7 +269,7 @@ def main() -> None:
             for tp in tps:
                 logs = Path(tmp) / f"logs-{name}-{tp}"
                 logs.mkdir()
-                extra = ["--device", args.device, "--dtype", args.dtype]
+                extra = ["--device", args.device, "--dtype", args.dtype, "--stream-interval", str(args.stream_interval)]
                 with running_pair(model_dir, logs, tp=tp, scheduler_extra=extra) as pair:
                     # The in-process engine is TP=1: measured with the first TP size only.
                     r = measure(hf, engine if tp == tps[0] else None, pair, items, args.tokens, args.rounds)
@@ -334,6 +337,7 @@ def main() -> None:
         f"\n{n} one-image requests x {args.tokens} greedy tokens on {args.device} in {args.dtype}; tokens/s, "
         f"medians of {args.rounds} interleaved rounds; HF in process at TP=1 timing generate only "
         "(+prep: with its preprocessing counted in); services timed end to end from the client"
+        + (f"; the scheduler streams {args.stream_interval} tokens a message" if args.stream_interval > 1 else "")
     )
     print(table(header, rows))
 
