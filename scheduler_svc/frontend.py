@@ -245,18 +245,18 @@ async def responses(events: asyncio.Queue[Event], interval: int = 1) -> AsyncIte
     message was being sent go out together in any case, so a call that
     fell behind catches up one message at a time, not one per token."""
     event = await events.get()
-    first = True
+    want = 1  # tokens the next message waits for: the first goes alone
     while True:
         if isinstance(event, Token):
             ids = [event.token_id]
             after: Event | None = None
-            while after is None and (not events.empty() or (not first and len(ids) < interval)):
-                queued = events.get_nowait() if not events.empty() else await events.get()
+            while after is None and (len(ids) < want or not events.empty()):
+                queued = await events.get()  # no wait while the queue holds one
                 if isinstance(queued, Token):
                     ids.append(queued.token_id)
                 else:
                     after = queued
-            first = False
+            want = interval
             yield scheduler_pb2.GenerateResponse(tokens=scheduler_pb2.Tokens(token_ids=ids))
             event = after if after is not None else await events.get()
         elif isinstance(event, Finished):

@@ -95,3 +95,20 @@ class StopMatcher:
                     best = n
                     break
         return best
+
+
+def stream_text(decoder: IncrementalDecoder, stops: StopMatcher, ids: list[int]) -> tuple[str, int]:
+    """The text that one streamed message's `ids` add (a step's token, or
+    several: the scheduler's --stream-interval), and how many of the ids
+    count: all of them, or, when a stop string ends the stream
+    (`stops.stopped`), those up to the token it falls in. With stop strings
+    the ids go in one at a time, so where the stream ends does not depend
+    on how many tokens a message carries."""
+    if not stops.stops or len(ids) == 1:
+        return stops.feed(decoder.push(ids)), len(ids)
+    text = ""
+    for n, token in enumerate(ids, start=1):
+        text += stops.feed(decoder.push([token]))
+        if stops.stopped:
+            return text, n
+    return text, len(ids)

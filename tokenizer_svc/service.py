@@ -30,7 +30,7 @@ from mmsplit.scheduler.v1 import scheduler_pb2
 from mmsplit.tensors import NUMPY_TO_DTYPE, CudaRef, TensorSpec
 from mmsplit.tokenizer.v1 import tokenizer_pb2
 from tokenizer_svc.cache import PreprocessCache, fingerprint
-from tokenizer_svc.detokenize import IncrementalDecoder, StopMatcher
+from tokenizer_svc.detokenize import IncrementalDecoder, StopMatcher, stream_text
 from tokenizer_svc.downstream import SchedulerLink, Schedulers
 from tokenizer_svc.errors import (
     InternalError,
@@ -296,19 +296,9 @@ class TokenizerService:
                     yield None
                 elif kind == "tokens":
                     ids = list(event.tokens.token_ids)
-                    if stops.stops and len(ids) > 1:
-                        # Token by token (a message may carry several: the scheduler's
-                        # --stream-interval): a stop string ends the stream at the token
-                        # it falls in, and the tokens after it are not reported.
-                        text = ""
-                        for n, token in enumerate(ids, start=1):
-                            text += stops.feed(decoder.push([token]))
-                            if stops.stopped:
-                                del ids[n:]
-                                break
-                    else:
-                        text = stops.feed(decoder.push(ids))
-                    completion += len(ids)
+                    text, kept = stream_text(decoder, stops, ids)
+                    del ids[kept:]  # those after the token a stop string falls in are not reported
+                    completion += kept
                     yield tokenizer_pb2.GenerateResponse(
                         request_id=rid, delta=tokenizer_pb2.TextDelta(text=text, token_ids=ids)
                     )

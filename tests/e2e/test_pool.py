@@ -153,8 +153,8 @@ def test_workers_killed_at_random_under_load_cost_only_their_own_images(pair: Pa
     that has lived a second: started, and working) is SIGKILLed every
     50-300 ms, until at least 240 requests were sent and 10 workers killed
     (a fixed number of requests ran out before the tenth kill on a fast
-    day, the outcome hanging on this machine's speed). Every request is served or fails PREPROCESS_WORKER_CRASHED
-    because a worker died twice under one of its images (typed, never a
+    day, the outcome hanging on this machine's speed). Every request is
+    served or fails PREPROCESS_WORKER_CRASHED because a worker died twice under one of its images (typed, never a
     hang, never another error); the slab holds nothing afterwards, and the
     pool is whole and serving again. (Workers killed as they start, again
     and again, are a pool that cannot start: fail fast, NOT_SERVING, as

@@ -67,15 +67,14 @@ def test_a_failure_after_queued_tokens_sends_the_tokens_then_raises() -> None:
 
 def test_an_interval_sends_the_first_token_at_once_then_every_n_and_the_rest_at_the_end() -> None:
     async def scenario() -> list[object]:
-        events: asyncio.Queue[Event] = asyncio.Queue()
+        events: asyncio.Queue[Event] = asyncio.Queue(maxsize=1)
         stream = responses(events, interval=3)
         got: list[object] = []
 
         async def produce() -> None:
-            for token in range(8):  # one per step, the reader waiting in between
-                events.put_nowait(Token(token))
-                await asyncio.sleep(0.001)
-            events.put_nowait(Finished(reason=1, prompt_tokens=3, completion_tokens=8))
+            for token in range(8):  # one per step: room for one, so never two queued
+                await events.put(Token(token))
+            await events.put(Finished(reason=1, prompt_tokens=3, completion_tokens=8))
 
         producer = asyncio.create_task(produce())
         got.append(await anext(stream))

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from tokenizer_svc.detokenize import IncrementalDecoder, StopMatcher
+from tokenizer_svc.detokenize import IncrementalDecoder, StopMatcher, stream_text
 
 MIXED = (
     "Héllo wörld, naïve café 🙂 — 東京タワーは高い。Ünïcödé ☃ snow, 🎉🎉 done. "
@@ -123,3 +123,27 @@ def test_no_stop_strings_passes_everything_through() -> None:
     matcher = StopMatcher(())
     assert feed_all(matcher, ["a", "b", "c"]) == "abc"
     assert not matcher.stopped
+
+
+def test_a_message_of_several_tokens_stops_where_one_token_a_message_would(tokenizer: Any) -> None:
+    """The scheduler may send several tokens a message (--stream-interval):
+    the stream still ends at the token the stop string falls in."""
+    ids = tokenizer("one two three four five six seven", add_special_tokens=False)["input_ids"]
+
+    def run(messages: list[list[int]]) -> tuple[str, list[int]]:
+        decoder, stops = IncrementalDecoder(tokenizer), StopMatcher(("three",))
+        shown, kept = "", []
+        for message in messages:
+            text, n = stream_text(decoder, stops, message)
+            shown, kept = shown + text, kept + message[:n]
+            if stops.stopped:
+                break
+        return shown, kept
+
+    one_each = run([[i] for i in ids])
+    four_each = run([ids[i : i + 4] for i in range(0, len(ids), 4)])
+    assert one_each == four_each
+    assert one_each[0] == "one two "
+    assert len(one_each[1]) < 4, "the stop string falls inside the first message of four"
+    assert "three" in tokenizer.decode(one_each[1])
+    assert "three" not in tokenizer.decode(one_each[1][:-1])
