@@ -49,6 +49,9 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = tokenizer_pb2.DESCRIPTOR.services_by_name["TokenizerService"].full_name
 MAX_REQUEST_ID = 128
 WATCH_INTERVAL_S = 2.0
+# A watch that keeps failing logs its traceback once, then a line every
+# this many rounds (a minute at the default interval), then its recovery.
+WATCH_LOG_EVERY = 30
 DEADLINE_SLACK_S = 0.25
 
 
@@ -335,6 +338,7 @@ async def _watch(settings: TokenizerSettings, health: Health, service: Tokenizer
     (the scheduler died after accepting them)."""
     link, pool = service.link, service.pool
     last_sweep = asyncio.get_running_loop().time()
+    failed = 0  # rounds failed in a row
     while True:
         try:
             await link.refresh()
@@ -348,9 +352,18 @@ async def _watch(settings: TokenizerSettings, health: Health, service: Tokenizer
                     shm.sweep, settings.shm_prefix, grace_s=settings.segment_grace_s, keep=held
                 )
                 service.janitor_removed += len(removed)
+            if failed:
+                log.warning("the tokenizer's watch recovered after %d failed round(s)", failed)
+                failed = 0
         except Exception:
             # This task is what keeps readiness true and the pool whole: one
             # round that fails (no descriptor left for the sweep, say) must
-            # not end it, as an exception would, silently.
-            log.exception("a round of the tokenizer's watch failed; trying again in %gs", WATCH_INTERVAL_S)
+            # not end it, as an exception would, silently. A cause that
+            # persists is logged in full once, then counted, not repeated
+            # every round.
+            failed += 1
+            if failed == 1:
+                log.exception("a round of the tokenizer's watch failed; trying again every %gs", WATCH_INTERVAL_S)
+            elif failed % WATCH_LOG_EVERY == 0:
+                log.error("the tokenizer's watch has failed %d rounds in a row (the first is logged above)", failed)
         await asyncio.sleep(WATCH_INTERVAL_S)

@@ -20,16 +20,18 @@ class FakeLink:
 
 
 class FlakyPool:
-    """`ensure` fails its first call (as a sweep or a spawn out of descriptors would)."""
+    """`ensure` fails its first `failures` calls (as a sweep or a spawn out
+    of descriptors would)."""
 
     ready = True
 
-    def __init__(self) -> None:
+    def __init__(self, failures: int = 1) -> None:
+        self.failures = failures
         self.calls = 0
 
     async def ensure(self) -> bool:
         self.calls += 1
-        if self.calls == 1:
+        if self.calls <= self.failures:
             raise OSError(errno.EMFILE, "Too many open files")
         return True
 
@@ -42,19 +44,15 @@ class FakeHealth:
         self.ready.append(ready)
 
 
-def test_a_round_that_fails_is_logged_and_the_watch_goes_on(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    monkeypatch.setattr(server, "WATCH_INTERVAL_S", 0.01)
-    health = FakeHealth()
-    service = SimpleNamespace(link=FakeLink(), pool=FlakyPool(), held=set(), janitor_removed=0)
+def watch_until(health: FakeHealth, service: SimpleNamespace, ready_rounds: int) -> None:
+    """Run the watch until it has set readiness `ready_rounds` times, then cancel it."""
     settings = SimpleNamespace(janitor_interval_s=1e9, shm_prefix="unused", segment_grace_s=1.0)
 
     async def scenario() -> None:
         watch = asyncio.create_task(server._watch(settings, health, service))  # type: ignore[arg-type]
         try:
             for _ in range(500):
-                if len(health.ready) >= 2:
+                if len(health.ready) >= ready_rounds:
                     break
                 await asyncio.sleep(0.01)
         finally:
@@ -63,6 +61,36 @@ def test_a_round_that_fails_is_logged_and_the_watch_goes_on(
                 await watch
 
     asyncio.run(scenario())
+
+
+def test_a_round_that_fails_is_logged_and_the_watch_goes_on(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(server, "WATCH_INTERVAL_S", 0.01)
+    health = FakeHealth()
+    service = SimpleNamespace(link=FakeLink(), pool=FlakyPool(), held=set(), janitor_removed=0)
+    watch_until(health, service, 2)
     assert health.ready[:2] == [True, True], "readiness was not refreshed after the failed round"
     assert service.pool.calls >= 3
     assert "a round of the tokenizer's watch failed" in caplog.text
+
+
+def test_a_failure_that_persists_is_logged_in_full_once_then_counted(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(server, "WATCH_INTERVAL_S", 0.01)
+    monkeypatch.setattr(server, "WATCH_LOG_EVERY", 3)
+    health = FakeHealth()
+    service = SimpleNamespace(link=FakeLink(), pool=FlakyPool(failures=7), held=set(), janitor_removed=0)
+    watch_until(health, service, 1)
+    assert health.ready[:1] == [True]
+    watched = [r for r in caplog.records if r.name == server.log.name]
+    tracebacks = [r for r in watched if r.exc_info]
+    assert len(tracebacks) == 1, "a failure that persists must not log its traceback every round"
+    assert "Too many open files" in caplog.text
+    counted = [r.getMessage() for r in watched if "rounds in a row" in r.getMessage()]
+    assert counted == [
+        "the tokenizer's watch has failed 3 rounds in a row (the first is logged above)",
+        "the tokenizer's watch has failed 6 rounds in a row (the first is logged above)",
+    ]
+    assert "the tokenizer's watch recovered after 7 failed round(s)" in caplog.text
