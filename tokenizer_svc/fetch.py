@@ -160,7 +160,7 @@ class Fetcher:
                     async with self._client().get(url, allow_redirects=False) as resp:
                         location = resp.headers.get("Location")
                         if resp.status in REDIRECTS and location:
-                            url = urllib.parse.urljoin(url, location)
+                            url = _redirected(url, location)
                             continue
                         if 400 <= resp.status < 500:
                             raise MediaNotFound(f"the origin answered {resp.status} for {url}")
@@ -193,7 +193,9 @@ class Fetcher:
 
     def _check_url(self, url: str) -> None:
         """Every hop: scheme, allowed domains, and an IP literal's address
-        (names are vetted by the resolver, as they are resolved)."""
+        (names are vetted by the resolver, as they are resolved). The
+        client's URL was parsed already (`MediaLoader.load`), a redirect's by
+        `_redirected`."""
         parts = urllib.parse.urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise MediaSourceForbidden(f"{url} is not an http(s) URL")
@@ -212,3 +214,15 @@ class Fetcher:
             return
         if not is_public(str(literal)):
             raise MediaSourceForbidden(f"{host} is not a public address")
+
+
+def _redirected(url: str, location: str) -> str:
+    """Where a redirect from `url` to `location` goes. A Location that is
+    not a URL is the origin's fault (MediaFetchFailed), not ours: it would
+    otherwise raise ValueError, an internal error, from deep in urllib."""
+    try:
+        target = urllib.parse.urljoin(url, location)
+        urllib.parse.urlsplit(target)  # what `_check_url` will parse next
+    except ValueError as exc:
+        raise MediaFetchFailed(f"the origin redirected {url} to {location!r}, which is not a valid URL") from exc
+    return target

@@ -42,13 +42,17 @@ class MediaLoader:
         if source != "url" or not media.url:
             raise InvalidRequest(f"{kind} has neither data nor url")
         url = media.url
-        scheme = urllib.parse.urlsplit(url).scheme.lower()
+        try:
+            parts = urllib.parse.urlsplit(url)
+        except ValueError as exc:  # a bracketed host left open, say
+            raise InvalidRequest(f"the {kind} URL cannot be parsed: {exc}") from exc
+        scheme = parts.scheme.lower()
         if scheme == "data":
             return self._data_url(url, cap, kind)
         if scheme in ("http", "https"):
             return await self.fetcher.fetch(url, cap)
         if scheme in ("", "file"):
-            path = urllib.parse.urlsplit(url).path if scheme == "file" else url
+            path = parts.path if scheme == "file" else url
             return await asyncio.get_running_loop().run_in_executor(self.io_pool, self._read_file, path, cap, kind)
         raise MediaSourceForbidden(f"URL scheme {scheme!r} is not accepted")
 

@@ -83,6 +83,10 @@ class Origin(http.server.BaseHTTPRequestHandler):
             self.send_response(302)
             self.send_header("Location", f"http://localhost:{self.server.server_address[1]}/ok")
             self.end_headers()
+        elif self.path == "/to-nowhere":
+            self.send_response(302)
+            self.send_header("Location", "http://[::1/x.png")
+            self.end_headers()
         elif self.path == "/loop":
             self.send_response(302)
             self.send_header("Location", "/loop")
@@ -171,6 +175,16 @@ def test_origin_behaviours(tmp_path: Path, origin: str) -> None:
         load(loader(tmp_path), url=f"{origin}/big")
     with pytest.raises(MediaFetchFailed):
         load(loader(tmp_path), url=f"{origin}/loop")
+
+
+def test_a_url_that_does_not_parse_is_the_client_s_error_and_a_redirect_to_one_the_origin_s(
+    tmp_path: Path, origin: str
+) -> None:
+    with pytest.raises(InvalidRequest, match="cannot be parsed"):
+        load(loader(tmp_path), url="http://[::1/x.png")
+    with pytest.raises(MediaFetchFailed, match="not a valid URL"):
+        load(loader(tmp_path), url=f"{origin}/to-nowhere")
+    assert Origin.hits["/to-nowhere"] == 1  # the same answer again would not help
 
 
 def test_private_addresses_are_refused_by_default(tmp_path: Path, origin: str) -> None:
