@@ -8,6 +8,7 @@ Hierarchy::
     ├── InternalError                 a bug on our side
     ├── ShuttingDown                  the server is draining (both services)
     ├── Unauthenticated               no valid credentials (token, client certificate)
+    ├── MalformedMessage              the request's bytes are not its method's message
     └── RemoteError                   an error a peer reported over gRPC
 
 Every foreign exception is translated once, where it enters our code, into an
@@ -136,6 +137,14 @@ class Unauthenticated(MmsplitError):
     """The caller presented no valid credentials (client, not retriable)."""
 
     code = E.ERROR_CODE_UNAUTHENTICATED
+
+
+class MalformedMessage(MmsplitError):
+    """The request's bytes do not parse as its method's protobuf message
+    (client, not retriable): the one check no servicer can make, since
+    gRPC parses before it calls one (`mmsplit.serving.RefuseMalformed`)."""
+
+    code = E.ERROR_CODE_INVALID_REQUEST
 
 
 class RemoteError(MmsplitError):

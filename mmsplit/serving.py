@@ -4,7 +4,9 @@ transport security (TLS, mutual TLS, a shared token), logging."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
+import inspect
 import ipaddress
 import json
 import logging
@@ -21,10 +23,11 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from mmsplit.errors import Unauthenticated
+from mmsplit.errors import MalformedMessage, Unauthenticated
 
 log = logging.getLogger(__name__)
 
@@ -354,6 +357,86 @@ class TokenAuth(grpc.aio.ServerInterceptor):
         return self._deny
 
 
+class _Malformed:
+    """What a request that does not parse becomes, for its handler to refuse."""
+
+
+async def _refuse_malformed(context: grpc.aio.ServicerContext) -> NoReturn:
+    await context.abort_with_status(
+        MalformedMessage("the request is not a valid protobuf message of this method's type").to_status()
+    )
+    raise AssertionError("abort_with_status returned")
+
+
+def _refusing_malformed(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    """`handler` with a parse failure answered INVALID_ARGUMENT (our
+    ErrorInfo, INVALID_REQUEST) before the servicer runs."""
+    parse = handler.request_deserializer
+    assert parse is not None
+
+    def tolerant(raw: bytes) -> object:
+        try:
+            return parse(raw)
+        except DecodeError:
+            return _Malformed()
+
+    serialize = handler.response_serializer
+    if not handler.response_streaming:
+        unary = handler.unary_unary
+
+        async def answer(request: object, context: grpc.aio.ServicerContext) -> object:
+            if isinstance(request, _Malformed):
+                await _refuse_malformed(context)
+            return await unary(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(answer, tolerant, serialize)
+    stream = handler.unary_stream
+    if not inspect.isasyncgenfunction(stream):  # a coroutine that writes with context.write
+
+        async def write(request: object, context: grpc.aio.ServicerContext) -> object:
+            if isinstance(request, _Malformed):
+                await _refuse_malformed(context)
+            return await stream(request, context)
+
+        return grpc.unary_stream_rpc_method_handler(write, tolerant, serialize)
+
+    async def relay(request: object, context: grpc.aio.ServicerContext) -> Any:
+        if isinstance(request, _Malformed):
+            await _refuse_malformed(context)
+        # Closed with this generator, so the servicer's own clean-up (its
+        # `finally`) runs when gRPC closes the call, not when it is collected.
+        async with contextlib.aclosing(stream(request, context)) as events:
+            async for event in events:
+                yield event
+
+    return grpc.unary_stream_rpc_method_handler(relay, tolerant, serialize)
+
+
+class RefuseMalformed(grpc.aio.ServerInterceptor):
+    """A request whose bytes do not parse as its method's message gets
+    INVALID_ARGUMENT with our ErrorInfo (INVALID_REQUEST), where gRPC itself
+    answers UNKNOWN and names protobuf's exception. For methods with a unary
+    request (all of ours, and health); a streamed request (reflection) is
+    left to gRPC. One wrapped handler per method, made on its first call."""
+
+    def __init__(self) -> None:
+        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+            return handler
+        method = handler_call_details.method or ""
+        known = self._wrapped.get(method)
+        if known is None or known[0] is not handler:
+            known = self._wrapped[method] = (handler, _refusing_malformed(handler))
+        return known[1]
+
+
 async def new_server(
     *,
     host: str,
@@ -373,9 +456,10 @@ async def new_server(
         ("grpc.so_reuseport", 0),
     ]
     security = security or ServerSecurity()
-    server = grpc.aio.server(
-        options=options, interceptors=security.interceptors(), maximum_concurrent_rpcs=max_concurrent_rpcs
-    )
+    # Credentials first: a caller without them learns nothing, not even
+    # whether its bytes parse.
+    interceptors = [*security.interceptors(), RefuseMalformed()]
+    server = grpc.aio.server(options=options, interceptors=interceptors, maximum_concurrent_rpcs=max_concurrent_rpcs)
     health_pb2_grpc.add_HealthServicer_to_server(health_.servicer, server)
     names = [*service_names, HEALTH_SERVICE, reflection.SERVICE_NAME]
     reflection.enable_server_reflection(names, server)
@@ -390,7 +474,7 @@ async def new_server(
 async def health_server(host: str, port: int, health_: Health) -> tuple[grpc.aio.Server, int]:
     """A plaintext server of grpc.health.v1 alone, for orchestrators' probes
     when the main port is TLS-only or bound to loopback."""
-    server = grpc.aio.server()
+    server = grpc.aio.server(interceptors=[RefuseMalformed()])
     health_pb2_grpc.add_HealthServicer_to_server(health_.servicer, server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
