@@ -99,10 +99,11 @@ class MediaLoader:
             raise MediaSourceForbidden(f"{raw} is not readable") from exc
         except OSError as exc:
             raise MediaNotFound(f"{raw} cannot be opened") from exc
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):  # a directory, a FIFO, a device; before fdopen, which raises on a directory
+            os.close(fd)
+            raise MediaNotFound(f"{raw} is not a regular file")
         with os.fdopen(fd, "rb") as f:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise MediaNotFound(f"{raw} is not a regular file")
             if st.st_size > cap:
                 raise MediaTooLarge(f"{raw} is {st.st_size} bytes, over the {kind} limit of {cap}")
             data = f.read(cap + 1)  # it may have grown since fstat

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import os
 import http.server
 import threading
 import time
@@ -160,6 +161,15 @@ def test_files_only_under_the_allowed_dir(tmp_path: Path) -> None:
         load(loader(tmp_path), url="nope.png")
     with pytest.raises(MediaSourceForbidden):
         load(loader(tmp_path), url="ftp://example.invalid/x.png")
+
+
+def test_a_directory_is_not_a_file_and_costs_no_descriptor(tmp_path: Path) -> None:
+    (tmp_path / "sub").mkdir()
+    before = len(os.listdir("/proc/self/fd"))
+    for url in ("sub", "file://", str(tmp_path)):
+        with pytest.raises(MediaNotFound, match="not a regular file"):
+            load(loader(tmp_path), url=url)
+    assert len(os.listdir("/proc/self/fd")) == before
 
 
 def test_origin_behaviours(tmp_path: Path, origin: str) -> None:
