@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import os
 import http.server
+import os
 import threading
 import time
 from collections.abc import Iterator
