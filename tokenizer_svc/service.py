@@ -100,7 +100,8 @@ class TokenizerService:
         self.slab: slab.Slab | None = None
         # The GPU staging pool of the CUDA-IPC transport (`start_device_pool`).
         self.device_pool: devices.DevicePool | None = None
-        self._slab_lock = asyncio.Lock()
+        # The slab's making, once begun: a task of its own (`_slab_ref`).
+        self._slab_making: asyncio.Task[None] | None = None
         self._slab_failed = False
         # Downstream request ids: unique to this process's life, so clients
         # that pick the same request_id never collide at the scheduler.
@@ -357,27 +358,47 @@ class TokenizerService:
             raise
 
     async def _slab_ref(self) -> SlabRef | None:
-        """Where shared-memory tensors go: the slab (created now if this is
+        """Where shared-memory tensors go: the slab (made now if this is
         the first time), or None for a segment per tensor (slab off, or its
-        creation failed: logged once, and the service goes on without it)."""
+        making failed: logged once, and the service goes on without it).
+
+        The slab is made by one task that every request waits for, shielded:
+        a request cancelled meanwhile (another of its images failed, its
+        client left) must not cancel the making, whose thread would make the
+        slab all the same and leave it recorded nowhere, 128 MiB of
+        /dev/shm that nothing removes while this process lives; and the
+        next request would make another."""
         s = self.settings
         if not s.shm_slab_bytes or self._slab_failed:
             return None
         if self.slab is None:
-            async with self._slab_lock:
-                if self.slab is None and not self._slab_failed:
-                    try:
-                        self.slab = await asyncio.to_thread(slab.Slab, s.shm_prefix, self._pid, s.shm_slab_bytes)
-                        log.info("created a %d-byte shared-memory slab", self.slab.size)
-                    except shm.NoDescriptors as exc:  # for now: the next request tries again
-                        raise Overloaded(f"the shared-memory slab could not be made: {exc}") from exc
-                    except (OSError, shm.SegmentError) as exc:
-                        self._slab_failed = True
-                        log.error("no shared-memory slab (%s): one segment per tensor from now on", exc)
-                        return None
+            if self._slab_making is None:
+                self._slab_making = asyncio.create_task(self._make_slab())
+                # Read here, so that a failure nobody waits for any more is not reported as unread.
+                self._slab_making.add_done_callback(lambda task: task.cancelled() or task.exception())
+            await asyncio.shield(self._slab_making)
         if self.slab is None:
             return None
         return SlabRef(self.slab.name, self.slab.max_slice, s.shm_slab_wait_s)
+
+    async def _make_slab(self) -> None:
+        s = self.settings
+        try:
+            self.slab = await asyncio.to_thread(slab.Slab, s.shm_prefix, self._pid, s.shm_slab_bytes)
+            log.info("created a %d-byte shared-memory slab", self.slab.size)
+        except shm.NoDescriptors as exc:  # for now: the next request tries again
+            self._slab_making = None
+            raise Overloaded(f"the shared-memory slab could not be made: {exc}") from exc
+        except (OSError, shm.SegmentError) as exc:
+            self._slab_failed = True
+            log.error("no shared-memory slab (%s): one segment per tensor from now on", exc)
+
+    async def settle_pools(self) -> None:
+        """Wait for a slab still being made (its requests were cancelled), so
+        that `close_pools` removes it too."""
+        making = self._slab_making
+        if making is not None:
+            await asyncio.wait([making])
 
     def start_device_pool(self, backend: devices.Backend) -> str:
         """Create the CUDA-IPC staging pool when the backend has a GPU and a

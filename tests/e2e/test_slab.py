@@ -7,6 +7,9 @@
 - A slab too small for a burst: every request succeeds or fails OVERLOADED
   (retriable), nothing else; afterwards nothing is held, the next request
   succeeds and health is SERVING. The slab goes with the tokenizer's stop.
+- A first request whose other image fails while the slab is being made
+  (the request is cancelled then): one slab in all, made once, and none
+  after the stop.
 (A worker SIGKILLed mid-write: tests/e2e/test_pool.py. Locks, allocation and
 hand-over: tests/shared/test_slab.py.)
 """
@@ -152,3 +155,29 @@ def test_a_full_slab_is_overloaded_and_nothing_else(tiny_model: Path, tmp_path: 
             assert health_status(pair.tokenizer_address, TOKENIZER_SERVICE) == "SERVING"
         pid = pair.tokenizer.pid
     assert not segments_of(pid), "the slab outlived its tokenizer"
+
+
+def test_a_request_cancelled_while_the_slab_is_made_leaves_no_second_slab(tiny_model: Path, tmp_path: Path) -> None:
+    """The first shared-memory request makes the slab (a 128 MiB fallocate,
+    tens of ms). A data URL that is not base64 beside a good image fails at
+    once, before any slab is needed, which cancels the good image's work
+    while the slab is being made: the slab is still recorded, so the next
+    request uses it instead of making another (the first would stay in
+    /dev/shm, unowned by any code, until the tokenizer's pid is reused or a
+    janitor outlives it)."""
+    with running_pair(tiny_model, tmp_path, scheduler_extra=["--tp", "1"]) as pair:
+        pid = pair.tokenizer.pid
+        with grpc.insecure_channel(pair.tokenizer_address) as channel:
+            stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
+            first = make_request("<image> <image>", [samples.good_png()], max_tokens=1)
+            first.images.add(url="data:image/png;base64,@@@")
+            failed = run_request(stub, first)
+            assert failed.reason == "INVALID_REQUEST", failed
+            assert run_request(stub, make_request("Look.", [samples.good_png(seed=3)], max_tokens=1)).ok
+        # The cancelled request's slab is made in a thread: it may land after the answer.
+        time.sleep(1.0)
+        slabs = {n for n in segments_of(pid) if "-slab" in n}
+        assert len(slabs) == 1, f"{len(slabs)} slabs: {sorted(slabs)}"
+        log = (tmp_path / "tokenizer.log").read_text()
+        assert log.count("shared-memory slab") == 1
+    assert not segments_of(pid), "a slab outlived its tokenizer"
