@@ -1,0 +1,100 @@
+"""Clients that leave at every moment of a request's life, under load:
+cancelled or out of time while the media is fetched, waits for a worker,
+is preprocessed, waits for the scheduler, or streams; some requests with a
+sibling image that fails at once. Afterwards nothing is held anywhere (no
+slab slice, no request on any rank, only the slab in /dev/shm), health is
+SERVING and the next request succeeds."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+
+import grpc
+import pytest
+
+from mmsplit.errors import RemoteError
+from mmsplit.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from mmsplit_cli import samples
+from mmsplit_cli.client import make_request, run_request
+from tests.conftest import SCHEDULER_SERVICE, TOKENIZER_SERVICE, Services
+from tests.e2e.helpers import health_status, rank_active_requests, tokenizer_stub
+from tests.e2e.test_slab import tokenizer_info
+from tests.support.leaks import PROJECT_PREFIX, wait_until
+
+pytestmark = pytest.mark.e2e
+REQUESTS = 400
+# What a client that leaves may see: its own cancellation or deadline, or
+# the request's own outcome when it ended first.
+LEFT = {"CANCELLED", "DEADLINE_EXCEEDED"}
+
+
+def storm(seed: int) -> list[tuple[tokenizer_pb2.GenerateRequest, str, float]]:
+    """(request, how its client behaves, after how many seconds)."""
+    rng = random.Random(seed)
+    images = [samples.encode(samples.gradient(320, 240, seed=20_000 + i), "JPEG") for i in range(60)]
+    plan = []
+    for i in range(REQUESTS):
+        shape = rng.random()
+        if shape < 0.15:  # a sibling that fails before any slab or worker is needed
+            request = make_request("<image> <image> Compare.", [rng.choice(images)], max_tokens=4)
+            request.images.add(url="data:image/png;base64,@@@")
+        elif shape < 0.25:
+            request = make_request("Say something.", max_tokens=rng.randint(1, 16))
+        else:
+            request = make_request("Look.", [rng.choice(images)], max_tokens=rng.randint(1, 16))
+        behaviour = rng.choice(["cancel", "cancel", "deadline", "stay"])
+        plan.append((request, behaviour, rng.uniform(0.0, 0.4)))
+    return plan
+
+
+async def _run(address: str, plan: list[tuple[tokenizer_pb2.GenerateRequest, str, float]]) -> list[str]:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
+        slots = asyncio.Semaphore(32)
+
+        async def one(request: tokenizer_pb2.GenerateRequest, behaviour: str, after_s: float) -> str:
+            async with slots:
+                timeout = after_s + 0.01 if behaviour == "deadline" else 120
+                call = stub.Generate(request, timeout=timeout)
+                if behaviour == "cancel":
+                    asyncio.get_running_loop().call_later(after_s, call.cancel)
+                try:
+                    async for _ in call:
+                        pass
+                except asyncio.CancelledError:
+                    return "CANCELLED"  # the call's own cancel, raised by its iterator
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() == grpc.StatusCode.CANCELLED:
+                        return "CANCELLED"
+                    return RemoteError.from_rpc_error(exc).reason
+                return ""
+
+        return await asyncio.gather(*(one(*entry) for entry in plan))
+
+
+def test_clients_that_leave_at_any_moment_leave_nothing_behind(services: Services) -> None:
+    plan = storm(seed=7)
+    outcomes = asyncio.run(_run(services.tokenizer_address, plan))
+    for (request, behaviour, _), got in zip(plan, outcomes, strict=True):
+        bad_sibling = any(image.url for image in request.images)
+        allowed = {"", *LEFT} if behaviour != "stay" else {""}
+        if bad_sibling:
+            allowed = {"INVALID_REQUEST", *LEFT}
+        assert got in allowed, (behaviour, bad_sibling, got)
+    assert outcomes.count("CANCELLED") > 20, "too few requests were cancelled to test anything"
+    assert outcomes.count("") > 20, "too few requests succeeded to test anything"
+    address = services.tokenizer_address
+    assert wait_until(lambda: tokenizer_info(address).info.shm_slab_used_bytes == 0, timeout=20), "a slice stayed held"
+    assert wait_until(lambda: not any(rank_active_requests(services.scheduler_address)), timeout=20)
+    pid = services.tokenizer.pid
+    left = [n for n in os.listdir("/dev/shm") if n.startswith(f"{PROJECT_PREFIX}-{pid}-") and "-slab" not in n]
+    assert not left, f"segments besides the slab: {left}"
+    slabs = [n for n in os.listdir("/dev/shm") if n.startswith(f"{PROJECT_PREFIX}-{pid}-slab")]
+    assert len(slabs) == 1, slabs
+    with grpc.insecure_channel(address) as channel:
+        after = run_request(tokenizer_stub(channel), make_request("Look.", [samples.good_png(seed=5)], max_tokens=2))
+    assert after.ok, after
+    assert health_status(address, TOKENIZER_SERVICE) == "SERVING"
+    assert health_status(services.scheduler_address, SCHEDULER_SERVICE) == "SERVING"
