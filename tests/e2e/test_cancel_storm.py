@@ -35,7 +35,7 @@ def storm(seed: int) -> list[tuple[tokenizer_pb2.GenerateRequest, str, float]]:
     rng = random.Random(seed)
     images = [samples.encode(samples.gradient(320, 240, seed=20_000 + i), "JPEG") for i in range(60)]
     plan = []
-    for i in range(REQUESTS):
+    for _ in range(REQUESTS):
         shape = rng.random()
         if shape < 0.15:  # a sibling that fails before any slab or worker is needed
             request = make_request("<image> <image> Compare.", [rng.choice(images)], max_tokens=4)
