@@ -381,6 +381,8 @@ def _refusing_malformed(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler
             return _Malformed()
 
     serialize = handler.response_serializer
+    if handler.request_streaming:
+        return _refusing_malformed_stream(handler, tolerant)
     if not handler.response_streaming:
         unary = handler.unary_unary
 
@@ -412,12 +414,49 @@ def _refusing_malformed(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler
     return grpc.unary_stream_rpc_method_handler(relay, tolerant, serialize)
 
 
+def _refusing_malformed_stream(
+    handler: grpc.RpcMethodHandler, tolerant: Callable[[bytes], object]
+) -> grpc.RpcMethodHandler:
+    """The same for a streamed request (reflection's): the first message
+    that does not parse ends the call."""
+
+    async def checked(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+        async for request in requests:
+            if isinstance(request, _Malformed):
+                await _refuse_malformed(context)
+            yield request
+
+    serialize = handler.response_serializer
+    if not handler.response_streaming:
+        unary = handler.stream_unary
+
+        async def answer(requests: Any, context: grpc.aio.ServicerContext) -> object:
+            return await unary(checked(requests, context), context)
+
+        return grpc.stream_unary_rpc_method_handler(answer, tolerant, serialize)
+    stream = handler.stream_stream
+    if not inspect.isasyncgenfunction(stream):
+
+        async def write(requests: Any, context: grpc.aio.ServicerContext) -> object:
+            return await stream(checked(requests, context), context)
+
+        return grpc.stream_stream_rpc_method_handler(write, tolerant, serialize)
+
+    async def relay(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+        async with contextlib.aclosing(stream(checked(requests, context), context)) as events:
+            async for event in events:
+                yield event
+
+    return grpc.stream_stream_rpc_method_handler(relay, tolerant, serialize)
+
+
 class RefuseMalformed(grpc.aio.ServerInterceptor):
     """A request whose bytes do not parse as its method's message gets
     INVALID_ARGUMENT with our ErrorInfo (INVALID_REQUEST), where gRPC itself
-    answers UNKNOWN and names protobuf's exception. For methods with a unary
-    request (all of ours, and health); a streamed request (reflection) is
-    left to gRPC. One wrapped handler per method, made on its first call."""
+    answers UNKNOWN and names protobuf's exception: every method, ours,
+    health's and reflection's (whose requests are a stream: the first that
+    does not parse ends the call). One wrapped handler per method, made on
+    its first call."""
 
     def __init__(self) -> None:
         self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
@@ -428,7 +467,7 @@ class RefuseMalformed(grpc.aio.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(handler_call_details)
-        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+        if handler is None or handler.request_deserializer is None:
             return handler
         method = handler_call_details.method or ""
         known = self._wrapped.get(method)

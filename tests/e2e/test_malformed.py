@@ -24,6 +24,7 @@ TOKENIZER_METHODS = [
     ("/mmsplit.tokenizer.v1.TokenizerService/GetServerInfo", False),
     ("/grpc.health.v1.Health/Check", False),
     ("/grpc.health.v1.Health/Watch", True),  # a servicer that writes with context.write
+    ("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", None),  # a streamed request
 ]
 SCHEDULER_METHODS = [
     ("/mmsplit.scheduler.v1.SchedulerService/Generate", True),
@@ -31,12 +32,15 @@ SCHEDULER_METHODS = [
 ]
 
 
-def call_raw(address: str, method: str, streaming: bool, payload: bytes) -> grpc.RpcError:
-    """The error a call of `method` with `payload` as its request ends in."""
+def call_raw(address: str, method: str, streaming: bool | None, payload: bytes) -> grpc.RpcError:
+    """The error a call of `method` with `payload` as its request ends in
+    (`streaming`: whether the answer is a stream; None: both are)."""
     with grpc.insecure_channel(address) as channel:
         identity = {"request_serializer": lambda b: b, "response_deserializer": lambda b: b}
         try:
-            if streaming:
+            if streaming is None:
+                list(channel.stream_stream(method, **identity)(iter([payload]), timeout=10))
+            elif streaming:
                 list(channel.unary_stream(method, **identity)(payload, timeout=10))
             else:
                 channel.unary_unary(method, **identity)(payload, timeout=10)
