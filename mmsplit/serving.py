@@ -370,7 +370,9 @@ async def _refuse_malformed(context: grpc.aio.ServicerContext) -> NoReturn:
 
 def _refusing_malformed(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     """`handler` with a parse failure answered INVALID_ARGUMENT (our
-    ErrorInfo, INVALID_REQUEST) before the servicer runs."""
+    ErrorInfo, INVALID_REQUEST) before the servicer acts on it: a unary
+    request is checked before the servicer runs; in a streamed request
+    (reflection's) the first message that does not parse ends the call."""
     parse = handler.request_deserializer
     assert parse is not None
 
@@ -380,74 +382,43 @@ def _refusing_malformed(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler
         except DecodeError:
             return _Malformed()
 
-    serialize = handler.response_serializer
-    if handler.request_streaming:
-        return _refusing_malformed_stream(handler, tolerant)
-    if not handler.response_streaming:
-        unary = handler.unary_unary
-
-        async def answer(request: object, context: grpc.aio.ServicerContext) -> object:
-            if isinstance(request, _Malformed):
-                await _refuse_malformed(context)
-            return await unary(request, context)
-
-        return grpc.unary_unary_rpc_method_handler(answer, tolerant, serialize)
-    stream = handler.unary_stream
-    if not inspect.isasyncgenfunction(stream):  # a coroutine that writes with context.write
-
-        async def write(request: object, context: grpc.aio.ServicerContext) -> object:
-            if isinstance(request, _Malformed):
-                await _refuse_malformed(context)
-            return await stream(request, context)
-
-        return grpc.unary_stream_rpc_method_handler(write, tolerant, serialize)
-
-    async def relay(request: object, context: grpc.aio.ServicerContext) -> Any:
-        if isinstance(request, _Malformed):
-            await _refuse_malformed(context)
-        # Closed with this generator, so the servicer's own clean-up (its
-        # `finally`) runs when gRPC closes the call, not when it is collected.
-        async with contextlib.aclosing(stream(request, context)) as events:
-            async for event in events:
-                yield event
-
-    return grpc.unary_stream_rpc_method_handler(relay, tolerant, serialize)
-
-
-def _refusing_malformed_stream(
-    handler: grpc.RpcMethodHandler, tolerant: Callable[[bytes], object]
-) -> grpc.RpcMethodHandler:
-    """The same for a streamed request (reflection's): the first message
-    that does not parse ends the call."""
-
-    async def checked(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def checked_stream(requests: Any, context: grpc.aio.ServicerContext) -> Any:
         async for request in requests:
             if isinstance(request, _Malformed):
                 await _refuse_malformed(context)
             yield request
 
-    serialize = handler.response_serializer
-    if not handler.response_streaming:
-        unary = handler.stream_unary
+    async def checked(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        """What the servicer is given: the request, or its stream, checked."""
+        if handler.request_streaming:
+            return checked_stream(request, context)
+        if isinstance(request, _Malformed):
+            await _refuse_malformed(context)
+        return request
 
-        async def answer(requests: Any, context: grpc.aio.ServicerContext) -> object:
-            return await unary(checked(requests, context), context)
+    kind = (
+        ("stream" if handler.request_streaming else "unary")
+        + "_"
+        + ("stream" if handler.response_streaming else "unary")
+    )
+    servicer = getattr(handler, kind)
+    make = getattr(grpc, f"{kind}_rpc_method_handler")
+    if not handler.response_streaming or not inspect.isasyncgenfunction(servicer):
+        # One answer, or a stream the servicer writes with context.write.
 
-        return grpc.stream_unary_rpc_method_handler(answer, tolerant, serialize)
-    stream = handler.stream_stream
-    if not inspect.isasyncgenfunction(stream):
+        async def answer(request: Any, context: grpc.aio.ServicerContext) -> object:
+            return await servicer(await checked(request, context), context)
 
-        async def write(requests: Any, context: grpc.aio.ServicerContext) -> object:
-            return await stream(checked(requests, context), context)
+        return make(answer, tolerant, handler.response_serializer)
 
-        return grpc.stream_stream_rpc_method_handler(write, tolerant, serialize)
-
-    async def relay(requests: Any, context: grpc.aio.ServicerContext) -> Any:
-        async with contextlib.aclosing(stream(checked(requests, context), context)) as events:
+    async def relay(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        # Closed with this generator, so the servicer's own clean-up (its
+        # `finally`) runs when gRPC closes the call, not when it is collected.
+        async with contextlib.aclosing(servicer(await checked(request, context), context)) as events:
             async for event in events:
                 yield event
 
-    return grpc.stream_stream_rpc_method_handler(relay, tolerant, serialize)
+    return make(relay, tolerant, handler.response_serializer)
 
 
 class RefuseMalformed(grpc.aio.ServerInterceptor):

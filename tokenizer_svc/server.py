@@ -326,8 +326,7 @@ async def _serve(settings: TokenizerSettings, security: ServerSecurity, downstre
         shm.unlink(name)
     if left:
         log.warning("removed %d segment(s) still owned at shutdown", len(left))
-    await service.settle_pools()
-    service.close_pools()
+    await service.close_pools()
     log.info("tokenizer stopped")
     return 0
 

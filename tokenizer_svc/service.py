@@ -393,13 +393,6 @@ class TokenizerService:
             self._slab_failed = True
             log.error("no shared-memory slab (%s): one segment per tensor from now on", exc)
 
-    async def settle_pools(self) -> None:
-        """Wait for a slab still being made (its requests were cancelled), so
-        that `close_pools` removes it too."""
-        making = self._slab_making
-        if making is not None:
-            await asyncio.wait([making])
-
     def start_device_pool(self, backend: devices.Backend) -> str:
         """Create the CUDA-IPC staging pool when the backend has a GPU and a
         pool size is set; its GPU's UUID ("" for none)."""
@@ -410,8 +403,11 @@ class TokenizerService:
         log.info("GPU staging pool of %d bytes on %s (CUDA IPC)", self.device_pool.size, self.device_pool.uuid)
         return self.device_pool.uuid
 
-    def close_pools(self) -> None:
-        """Remove the slab and the GPU pool (at shutdown, once no request is left)."""
+    async def close_pools(self) -> None:
+        """Remove the slab and the GPU pool (at shutdown, once no request is
+        left), after a slab still being made (its requests were cancelled)."""
+        if self._slab_making is not None:
+            await asyncio.wait([self._slab_making])
         if self.slab is not None:
             self.slab.close()
         if self.device_pool is not None:

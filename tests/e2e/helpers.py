@@ -7,11 +7,17 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from mmsplit.common.v1 import common_pb2
 from mmsplit.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
-from mmsplit.tokenizer.v1 import tokenizer_pb2_grpc
+from mmsplit.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 
 
 def tokenizer_stub(channel: grpc.Channel) -> tokenizer_pb2_grpc.TokenizerServiceStub:
     return tokenizer_pb2_grpc.TokenizerServiceStub(channel)
+
+
+def tokenizer_info(address: str) -> tokenizer_pb2.GetServerInfoResponse:
+    with grpc.insecure_channel(address) as channel:
+        stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
+        return stub.GetServerInfo(tokenizer_pb2.GetServerInfoRequest(), timeout=5)
 
 
 def health_status(address: str, service: str) -> str:

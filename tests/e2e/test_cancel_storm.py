@@ -19,8 +19,7 @@ from mmsplit.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from mmsplit_cli import samples
 from mmsplit_cli.client import make_request, run_request
 from tests.conftest import SCHEDULER_SERVICE, TOKENIZER_SERVICE, Services
-from tests.e2e.helpers import health_status, rank_active_requests, tokenizer_stub
-from tests.e2e.test_slab import tokenizer_info
+from tests.e2e.helpers import health_status, rank_active_requests, tokenizer_info, tokenizer_stub
 from tests.support.leaks import PROJECT_PREFIX, wait_until
 
 pytestmark = pytest.mark.e2e

@@ -132,7 +132,7 @@ def test_a_worker_killed_mid_write_leaves_its_slab_slice_free(pair: Pair) -> Non
     """The hook SIGKILLs the worker after it wrote an image's pixels into a
     slab slice, while it still holds the slice's write lock (on the retry
     too): the lock went with the worker, so no byte of the slab stays taken."""
-    from tests.e2e.test_slab import tokenizer_info
+    from tests.e2e.helpers import tokenizer_info
 
     before = replacements(pair)
     with grpc.insecure_channel(pair.tokenizer_address) as channel:
@@ -162,7 +162,7 @@ def test_workers_killed_at_random_under_load_cost_only_their_own_images(pair: Pa
     one killed as it starts is tried again, as `tests/tokenizer/
     test_pool_queue.py` has it. Killing young workers here too made the
     outcome depend on how fast this machine started them.)"""
-    from tests.e2e.test_slab import tokenizer_info
+    from tests.e2e.helpers import tokenizer_info
 
     images = [samples.encode(samples.gradient(320, 240, seed=i), "JPEG") for i in range(24)]
     stop = threading.Event()

@@ -31,18 +31,12 @@ from mmsplit.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from mmsplit_cli import samples
 from mmsplit_cli.client import Outcome, make_request, run_request
 from tests.conftest import TOKENIZER_SERVICE, Services
-from tests.e2e.helpers import health_status
+from tests.e2e.helpers import health_status, tokenizer_info
 from tests.support.leaks import PROJECT_PREFIX, wait_until
 from tests.support.services import running_pair
 
 pytestmark = pytest.mark.e2e
 REQUESTS = 2000
-
-
-def tokenizer_info(address: str) -> tokenizer_pb2.GetServerInfoResponse:
-    with grpc.insecure_channel(address) as channel:
-        stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
-        return stub.GetServerInfo(tokenizer_pb2.GetServerInfoRequest(), timeout=5)
 
 
 def segments_of(pid: int) -> set[str]:
