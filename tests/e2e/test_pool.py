@@ -58,11 +58,19 @@ def pair(tiny_model: Path, pool_dir: Path) -> Iterator[Pair]:
         yield p
 
 
+def forkservers(pair: Pair) -> list[psutil.Process]:
+    """The tokenizer's live forkservers (one, but for a moment after one died)."""
+    found = []
+    for child in psutil.Process(pair.tokenizer.pid).children():
+        with contextlib.suppress(psutil.NoSuchProcess):  # gone, or a zombie not yet reaped
+            if child.status() != psutil.STATUS_ZOMBIE and "forkserver" in " ".join(child.cmdline()):
+                found.append(child)
+    return found
+
+
 def workers(pair: Pair) -> list[psutil.Process]:
     """Pool workers: children of the tokenizer's forkserver."""
-    tokenizer = psutil.Process(pair.tokenizer.pid)
-    forkservers = [c for c in tokenizer.children() if "forkserver" in " ".join(c.cmdline())]
-    return [w for f in forkservers for w in f.children()]
+    return [w for f in forkservers(pair) for w in f.children()]
 
 
 def age_s(process: psutil.Process) -> float:
@@ -282,3 +290,41 @@ def test_a_burst_waits_for_workers_outside_the_budget(pair: Pair) -> None:
             results = list(pool.map(lambda r: run_request(stub, r, timeout=60), burst))
         assert [r.reason for r in results if not r.ok] == []
         assert max(r.latency_s for r in results) > 3.0, "the last ones waited for a worker"
+
+
+def test_a_killed_forkserver_is_started_again_for_the_next_replacement(pair: Pair) -> None:
+    """The forkserver the workers are forked from (a process with torch and
+    transformers loaded, one the kernel's OOM killer may choose) SIGKILLed:
+    the workers it forked serve on, and each of them that dies is replaced
+    from a new forkserver, started with its preload. No request fails, and
+    the pool ends whole, every worker from the new forkserver."""
+    before = replacements(pair)
+    (server,) = forkservers(pair)
+    old = workers(pair)
+    assert len(old) == 2
+    os.kill(server.pid, signal.SIGKILL)
+    assert wait_until(lambda: not server.is_running() or server.status() == psutil.STATUS_ZOMBIE, timeout=5)
+    with grpc.insecure_channel(pair.tokenizer_address) as channel:
+        stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
+        images = [samples.encode(samples.gradient(64, 48, seed=i), "PNG") for i in range(3)]
+
+        def served(tag: str) -> list[Outcome]:
+            return [
+                run_request(stub, make_request("x", [image], max_tokens=1, request_id=f"{tag}-{i}"), timeout=60)
+                for i, image in enumerate(images)
+            ]
+
+        failed = [o for o in served("orphaned") if not o.ok]
+        assert not failed, failed
+        for n, victim in enumerate(old, start=1):
+            os.kill(victim.pid, signal.SIGKILL)
+            failed = [o for o in served(f"after-kill-{n}") if not o.ok]
+            assert not failed, failed
+            # The first replacement waits for the new forkserver's imports (~5 s here).
+            assert wait_until(lambda n=n: replacements(pair) == before + n, timeout=60), replacements(pair) - before
+    (restarted,) = forkservers(pair)
+    assert restarted.pid != server.pid
+    now = workers(pair)
+    assert len(now) == 2
+    assert not {w.pid for w in now} & {w.pid for w in old}
+    assert health_status(pair.tokenizer_address, TOKENIZER_SERVICE) == "SERVING"
