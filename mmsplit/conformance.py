@@ -273,6 +273,10 @@ class Kit:
         expect(reply.HasField("scheduler"), "no scheduler info")
         expect(sched.tp_size >= 1, f"scheduler.tp_size is {sched.tp_size}")
         expect(reply.transport in sched.transports, "the transport in use is not one the scheduler offers")
+        expect(
+            not (info.vocabulary and sched.vocabulary) or info.vocabulary == sched.vocabulary,
+            "the tokenizer uses a scheduler whose vocabulary digest differs from its own",
+        )
         return f"model={info.model} transport={common_pb2.Transport.Name(reply.transport)} scheduler tp={sched.tp_size}"
 
     def tokenizer_stream(self) -> str:

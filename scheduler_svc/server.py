@@ -25,7 +25,7 @@ import grpc
 import torch
 import torch.distributed as dist
 
-from mmsplit import __version__, devices, shm
+from mmsplit import __version__, devices, shm, vocabulary
 from mmsplit.common.v1 import common_pb2
 from mmsplit.errors import InternalError, MmsplitError
 from mmsplit.metrics import ServiceMetrics
@@ -250,7 +250,7 @@ def _bootstrap_watching(settings: SchedulerSettings, ranks: LocalRanks | None, r
 
 
 def server_info(
-    settings: SchedulerSettings, info: ModelInfo, shm_namespace: str, kv_budget_tokens: int
+    settings: SchedulerSettings, info: ModelInfo, shm_namespace: str, kv_budget_tokens: int, vocabulary_digest: str
 ) -> common_pb2.ServerInfo:
     transports = [common_pb2.TRANSPORT_INLINE]
     if shm_namespace:
@@ -267,6 +267,7 @@ def server_info(
         shm_prefix=settings.shm_prefix,
         version=__version__,
         kv_budget_tokens=kv_budget_tokens,
+        vocabulary=vocabulary_digest,
     )
 
 
@@ -317,6 +318,8 @@ async def _serve(
     for sig in (signal.SIGTERM, signal.SIGINT):
         aio_loop.add_signal_handler(sig, stop.set)
 
+    # Loading the tokenizer for it takes a moment: meanwhile the step loop starts.
+    vocab = asyncio.ensure_future(asyncio.to_thread(vocabulary.of_checkpoint, settings.model_dir))
     info = model_info(settings.model_dir)
     budget = kv_budget(settings, info, boot.engine.dtype.itemsize)
     step_loop = StepLoop(
@@ -346,13 +349,20 @@ async def _serve(
     if settings.health_port:
         probes, probe_port = await health_server("0.0.0.0", settings.health_port, health)
         log.info("health alone on port %d", probe_port)
-    described = server_info(settings, info, boot.shm_namespace, budget)
+    described = server_info(settings, info, boot.shm_namespace, budget, await vocab)
     frontend = Frontend(step_loop, settings, info, cuda_uuids=frozenset(described.cuda_device_uuids))
     metrics = _metrics(settings, step_loop)
     servicer = SchedulerServicer(frontend, described, step_loop, metrics)
     scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(servicer, server)
     await server.start()
-    log.info("scheduler listening on %s:%d (tp=%d, model=%s)", settings.host, port, settings.tp, info.name)
+    log.info(
+        "scheduler listening on %s:%d (tp=%d, model=%s, vocabulary %s)",
+        settings.host,
+        port,
+        settings.tp,
+        info.name,
+        described.vocabulary or "unknown",
+    )
     log.info(
         "batch: up to %d rows, KV budget %d tokens (%s), prefill up to %d tokens per step",
         settings.max_running,

@@ -92,9 +92,15 @@ class SchedulerLink:
         *,
         server_name: str = "",
         gpu_uuid: str = "",
+        vocabulary: str = "",
     ) -> None:
         self.settings = settings
         self.target = target
+        # Ours (`mmsplit.vocabulary`): a scheduler that publishes another is
+        # never sent a request; `refused` is its digest while it does.
+        self.vocabulary = vocabulary
+        self.refused = ""
+        self._unverified = False
         self.inflight = 0  # this tokenizer's requests on it now
         # Requests may carry inline tensors (the scheduler enforces its own
         # limit on them); its responses are small. A scheduler that comes back
@@ -141,9 +147,12 @@ class SchedulerLink:
         except grpc.aio.AioRpcError as exc:
             if self.info is not None:
                 log.warning("scheduler %s stopped answering: %s", self.target, exc.code())
-            self.info = None
+            self.info, self.refused = None, ""
             return False
         info = reply.info
+        if not self._same_vocabulary(info):
+            self.info = None
+            return False
         transport = choose_transport(info, self._namespace, self.settings.shm_prefix, self.gpu_uuid)
         if self.info is None or transport != self.transport:
             log.info(
@@ -154,6 +163,30 @@ class SchedulerLink:
                 common_pb2.Transport.Name(transport),
             )
         self.info, self.transport = info, transport
+        return True
+
+    def _same_vocabulary(self, info: common_pb2.ServerInfo) -> bool:
+        """Whether the scheduler that described itself as `info` means the
+        same tokens by the same ids as we do; said in the log when that changes.
+        A scheduler (or a tokenizer) that publishes no digest is trusted."""
+        if self.vocabulary and info.vocabulary and info.vocabulary != self.vocabulary:
+            if self.refused != info.vocabulary:
+                log.error(
+                    "scheduler %s serves model %s with another vocabulary than ours (digest %s, ours %s):"
+                    " it gets no requests while it does; check --scheduler and both services' --model",
+                    self.target,
+                    info.model,
+                    info.vocabulary,
+                    self.vocabulary,
+                )
+            self.refused = info.vocabulary
+            return False
+        if self.refused:
+            log.info("scheduler %s now serves our vocabulary", self.target)
+        self.refused = ""
+        if self.vocabulary and not info.vocabulary and not self._unverified:
+            log.warning("scheduler %s publishes no vocabulary digest: its token ids are taken on trust", self.target)
+        self._unverified = not info.vocabulary
         return True
 
     async def generate(
@@ -180,12 +213,16 @@ class SchedulerLink:
 class Schedulers:
     """Every backend `--scheduler` names; `pick` chooses one per request."""
 
-    def __init__(self, settings: TokenizerSettings, security: ClientSecurity) -> None:
+    def __init__(self, settings: TokenizerSettings, security: ClientSecurity, *, vocabulary: str = "") -> None:
+        """`vocabulary`: our digest (`mmsplit.vocabulary`); "" trusts every scheduler."""
         self.settings, self.security = settings, security
         # Our staging pool's GPU: known once the pool is made (`set_gpu`).
         self.gpu_uuid = ""
+        self.vocabulary = vocabulary
         targets, self._dns = backend_targets(settings.scheduler)
-        self.links: dict[str, SchedulerLink] = {t: SchedulerLink(settings, security, t) for t in targets}
+        self.links: dict[str, SchedulerLink] = {
+            t: SchedulerLink(settings, security, t, vocabulary=vocabulary) for t in targets
+        }
         self._turn = itertools.count()
 
     def set_gpu(self, gpu_uuid: str) -> None:
@@ -202,6 +239,11 @@ class Schedulers:
     def primary(self) -> SchedulerLink | None:
         """A connected backend (the first), for what asks about "the" scheduler."""
         return next((link for link in self.links.values() if link.connected), None)
+
+    @property
+    def refused_all(self) -> bool:
+        """No backend is connected, and some answer with another vocabulary."""
+        return not self.connected and any(link.refused for link in self.links.values())
 
     def pick(self, exclude: Collection[SchedulerLink] = (), transport: int = 0) -> SchedulerLink | None:
         """The ready backend with the fewest of this tokenizer's requests in
@@ -237,7 +279,12 @@ class Schedulers:
         for target in targets - set(self.links):
             log.info("scheduler backend %s (from %s) added", target, self._dns)
             self.links[target] = SchedulerLink(
-                self.settings, self.security, target, server_name=host, gpu_uuid=self.gpu_uuid
+                self.settings,
+                self.security,
+                target,
+                server_name=host,
+                gpu_uuid=self.gpu_uuid,
+                vocabulary=self.vocabulary,
             )
         for target in set(self.links) - targets:
             link = self.links[target]

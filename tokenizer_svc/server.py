@@ -22,7 +22,7 @@ from typing import Any
 
 import grpc
 
-from mmsplit import __version__, devices, families, shm
+from mmsplit import __version__, devices, families, shm, vocabulary
 from mmsplit.common.v1 import common_pb2
 from mmsplit.errors import InternalError, MmsplitError
 from mmsplit.metrics import ServiceMetrics
@@ -172,6 +172,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
                 shm_namespace=shm.namespace_id(),
                 shm_prefix=self.settings.shm_prefix,
                 version=__version__,
+                vocabulary=self.service.link.vocabulary,
                 preprocess_cache_hits=self.service.cache.hits,
                 preprocess_cache_misses=self.service.cache.misses,
                 preprocess_cache_bytes=self.service.cache.bytes,
@@ -261,7 +262,9 @@ async def _serve(settings: TokenizerSettings, security: ServerSecurity, downstre
     )
     await pool.start()
     media = MediaLoader(settings)
-    link = Schedulers(settings, downstream)
+    ours = await asyncio.to_thread(vocabulary.of_checkpoint, settings.model_dir)
+    log.info("vocabulary %s", ours)
+    link = Schedulers(settings, downstream, vocabulary=ours)
     service = TokenizerService(settings, family, tokenizer, media, pool, link, chat_template=template)
     try:
         backend = await asyncio.to_thread(devices.configure, settings.cuda_ipc_backend)

@@ -181,7 +181,9 @@ class TokenizerService:
         backend = self.link.pick()
         if backend is None:
             raise SchedulerUnavailable(
-                "no scheduler is reachable; retry shortly",
+                "no scheduler serves this tokenizer's model (theirs has another vocabulary)"
+                if self.link.refused_all
+                else "no scheduler is reachable; retry shortly",
                 retry_after_ms=self.settings.unavailable_retry_after_ms,
             )
         # Counted on its backend from now on (a failover moves it).
