@@ -49,6 +49,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from mmsplit.common.v1 import common_pb2
 from mmsplit.errors import DOMAIN, TABLE, error_info_of, reason_of
+from mmsplit.pairing import Pairing
 from mmsplit.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from mmsplit.serving import read_secret
 from mmsplit.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
@@ -273,10 +274,8 @@ class Kit:
         expect(reply.HasField("scheduler"), "no scheduler info")
         expect(sched.tp_size >= 1, f"scheduler.tp_size is {sched.tp_size}")
         expect(reply.transport in sched.transports, "the transport in use is not one the scheduler offers")
-        expect(
-            not (info.vocabulary and sched.vocabulary) or info.vocabulary == sched.vocabulary,
-            "the tokenizer uses a scheduler whose vocabulary digest differs from its own",
-        )
+        differ = Pairing.of(info).differences(Pairing.of(sched))
+        expect(not differ, f"the tokenizer uses a scheduler of another {' and '.join(differ)}")
         return f"model={info.model} transport={common_pb2.Transport.Name(reply.transport)} scheduler tp={sched.tp_size}"
 
     def tokenizer_stream(self) -> str:

@@ -25,7 +25,7 @@ import grpc
 import torch
 import torch.distributed as dist
 
-from mmsplit import __version__, devices, shm, vocabulary
+from mmsplit import __version__, devices, pairing, shm
 from mmsplit.common.v1 import common_pb2
 from mmsplit.errors import InternalError, MmsplitError
 from mmsplit.metrics import ServiceMetrics
@@ -250,7 +250,7 @@ def _bootstrap_watching(settings: SchedulerSettings, ranks: LocalRanks | None, r
 
 
 def server_info(
-    settings: SchedulerSettings, info: ModelInfo, shm_namespace: str, kv_budget_tokens: int, vocabulary_digest: str
+    settings: SchedulerSettings, info: ModelInfo, shm_namespace: str, kv_budget_tokens: int, vocabulary: str
 ) -> common_pb2.ServerInfo:
     transports = [common_pb2.TRANSPORT_INLINE]
     if shm_namespace:
@@ -267,7 +267,8 @@ def server_info(
         shm_prefix=settings.shm_prefix,
         version=__version__,
         kv_budget_tokens=kv_budget_tokens,
-        vocabulary=vocabulary_digest,
+        vocabulary=vocabulary,
+        item_rules=pairing.item_rules(info.family),
     )
 
 
@@ -319,7 +320,7 @@ async def _serve(
         aio_loop.add_signal_handler(sig, stop.set)
 
     # Loading the tokenizer for it takes a moment: meanwhile the step loop starts.
-    vocab = asyncio.ensure_future(asyncio.to_thread(vocabulary.of_checkpoint, settings.model_dir))
+    vocab = asyncio.ensure_future(asyncio.to_thread(pairing.vocabulary, settings.model_dir))
     info = model_info(settings.model_dir)
     budget = kv_budget(settings, info, boot.engine.dtype.itemsize)
     step_loop = StepLoop(
@@ -356,12 +357,13 @@ async def _serve(
     scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(servicer, server)
     await server.start()
     log.info(
-        "scheduler listening on %s:%d (tp=%d, model=%s, vocabulary %s)",
+        "scheduler listening on %s:%d (tp=%d, model=%s, vocabulary %s, item rules %s)",
         settings.host,
         port,
         settings.tp,
         info.name,
         described.vocabulary or "unknown",
+        described.item_rules,
     )
     log.info(
         "batch: up to %d rows, KV budget %d tokens (%s), prefill up to %d tokens per step",

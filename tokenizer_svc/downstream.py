@@ -36,6 +36,7 @@ import grpc
 from mmsplit import shm
 from mmsplit.common.v1 import common_pb2
 from mmsplit.errors import E, RemoteError
+from mmsplit.pairing import UNKNOWN, Pairing
 from mmsplit.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from mmsplit.serving import ClientSecurity
 from mmsplit.tokenizer.v1 import tokenizer_pb2
@@ -92,15 +93,15 @@ class SchedulerLink:
         *,
         server_name: str = "",
         gpu_uuid: str = "",
-        vocabulary: str = "",
+        pairing: Pairing = UNKNOWN,
     ) -> None:
         self.settings = settings
         self.target = target
-        # Ours (`mmsplit.vocabulary`): a scheduler that publishes another is
-        # never sent a request; `refused` is its digest while it does.
-        self.vocabulary = vocabulary
+        # Ours (`mmsplit.pairing`): a scheduler whose digests differ is never
+        # sent a request; `refused` says what differs while it does.
+        self.pairing = pairing
         self.refused = ""
-        self._unverified = False
+        self._trusted: list[str] = []
         self.inflight = 0  # this tokenizer's requests on it now
         # Requests may carry inline tensors (the scheduler enforces its own
         # limit on them); its responses are small. A scheduler that comes back
@@ -150,7 +151,7 @@ class SchedulerLink:
             self.info, self.refused = None, ""
             return False
         info = reply.info
-        if not self._same_vocabulary(info):
+        if not self._pairs_with(info):
             self.info = None
             return False
         transport = choose_transport(info, self._namespace, self.settings.shm_prefix, self.gpu_uuid)
@@ -165,28 +166,30 @@ class SchedulerLink:
         self.info, self.transport = info, transport
         return True
 
-    def _same_vocabulary(self, info: common_pb2.ServerInfo) -> bool:
-        """Whether the scheduler that described itself as `info` means the
-        same tokens by the same ids as we do; said in the log when that changes.
-        A scheduler (or a tokenizer) that publishes no digest is trusted."""
-        if self.vocabulary and info.vocabulary and info.vocabulary != self.vocabulary:
-            if self.refused != info.vocabulary:
+    def _pairs_with(self, info: common_pb2.ServerInfo) -> bool:
+        """Whether the scheduler that described itself as `info` serves our
+        model as far as what we send it goes (`mmsplit.pairing`); said in
+        the log when that changes. A digest it does not publish is trusted."""
+        theirs = Pairing.of(info)
+        differ = " and ".join(self.pairing.differences(theirs))
+        if differ:
+            if self.refused != differ:
                 log.error(
-                    "scheduler %s serves model %s with another vocabulary than ours (digest %s, ours %s):"
-                    " it gets no requests while it does; check --scheduler and both services' --model",
+                    "scheduler %s serves model %s with another %s than ours: it gets no requests while it does;"
+                    " check --scheduler and both services' --model",
                     self.target,
                     info.model,
-                    info.vocabulary,
-                    self.vocabulary,
+                    differ,
                 )
-            self.refused = info.vocabulary
+            self.refused = differ
             return False
         if self.refused:
-            log.info("scheduler %s now serves our vocabulary", self.target)
+            log.info("scheduler %s now serves our model", self.target)
         self.refused = ""
-        if self.vocabulary and not info.vocabulary and not self._unverified:
-            log.warning("scheduler %s publishes no vocabulary digest: its token ids are taken on trust", self.target)
-        self._unverified = not info.vocabulary
+        trusted = self.pairing.unpublished(theirs)
+        if trusted and trusted != self._trusted:
+            log.warning("scheduler %s publishes no digest of its %s: taken on trust", self.target, " or ".join(trusted))
+        self._trusted = trusted
         return True
 
     async def generate(
@@ -213,16 +216,14 @@ class SchedulerLink:
 class Schedulers:
     """Every backend `--scheduler` names; `pick` chooses one per request."""
 
-    def __init__(self, settings: TokenizerSettings, security: ClientSecurity, *, vocabulary: str = "") -> None:
-        """`vocabulary`: our digest (`mmsplit.vocabulary`); "" trusts every scheduler."""
+    def __init__(self, settings: TokenizerSettings, security: ClientSecurity, *, pairing: Pairing = UNKNOWN) -> None:
+        """`pairing`: our digests (`mmsplit.pairing`); empty ones trust every scheduler."""
         self.settings, self.security = settings, security
         # Our staging pool's GPU: known once the pool is made (`set_gpu`).
         self.gpu_uuid = ""
-        self.vocabulary = vocabulary
+        self.pairing = pairing
         targets, self._dns = backend_targets(settings.scheduler)
-        self.links: dict[str, SchedulerLink] = {
-            t: SchedulerLink(settings, security, t, vocabulary=vocabulary) for t in targets
-        }
+        self.links = {t: SchedulerLink(settings, security, t, pairing=pairing) for t in targets}
         self._turn = itertools.count()
 
     def set_gpu(self, gpu_uuid: str) -> None:
@@ -241,9 +242,12 @@ class Schedulers:
         return next((link for link in self.links.values() if link.connected), None)
 
     @property
-    def refused_all(self) -> bool:
-        """No backend is connected, and some answer with another vocabulary."""
-        return not self.connected and any(link.refused for link in self.links.values())
+    def refused_all(self) -> str:
+        """What differs ("vocabulary", ...) when no backend is connected and
+        some answer as another model; else ""."""
+        if self.connected:
+            return ""
+        return next((link.refused for link in self.links.values() if link.refused), "")
 
     def pick(self, exclude: Collection[SchedulerLink] = (), transport: int = 0) -> SchedulerLink | None:
         """The ready backend with the fewest of this tokenizer's requests in
@@ -284,7 +288,7 @@ class Schedulers:
                 target,
                 server_name=host,
                 gpu_uuid=self.gpu_uuid,
-                vocabulary=self.vocabulary,
+                pairing=self.pairing,
             )
         for target in set(self.links) - targets:
             link = self.links[target]

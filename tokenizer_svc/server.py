@@ -22,7 +22,7 @@ from typing import Any
 
 import grpc
 
-from mmsplit import __version__, devices, families, shm, vocabulary
+from mmsplit import __version__, devices, families, pairing, shm
 from mmsplit.common.v1 import common_pb2
 from mmsplit.errors import InternalError, MmsplitError
 from mmsplit.metrics import ServiceMetrics
@@ -172,7 +172,8 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
                 shm_namespace=shm.namespace_id(),
                 shm_prefix=self.settings.shm_prefix,
                 version=__version__,
-                vocabulary=self.service.link.vocabulary,
+                vocabulary=self.service.link.pairing.vocabulary,
+                item_rules=self.service.link.pairing.item_rules,
                 preprocess_cache_hits=self.service.cache.hits,
                 preprocess_cache_misses=self.service.cache.misses,
                 preprocess_cache_bytes=self.service.cache.bytes,
@@ -262,9 +263,9 @@ async def _serve(settings: TokenizerSettings, security: ServerSecurity, downstre
     )
     await pool.start()
     media = MediaLoader(settings)
-    ours = await asyncio.to_thread(vocabulary.of_checkpoint, settings.model_dir)
-    log.info("vocabulary %s", ours)
-    link = Schedulers(settings, downstream, vocabulary=ours)
+    ours = await asyncio.to_thread(pairing.of_checkpoint, settings.model_dir, family)
+    log.info("vocabulary %s, item rules %s", ours.vocabulary, ours.item_rules)
+    link = Schedulers(settings, downstream, pairing=ours)
     service = TokenizerService(settings, family, tokenizer, media, pool, link, chat_template=template)
     try:
         backend = await asyncio.to_thread(devices.configure, settings.cuda_ipc_backend)

@@ -181,7 +181,7 @@ class TokenizerService:
         backend = self.link.pick()
         if backend is None:
             raise SchedulerUnavailable(
-                "no scheduler serves this tokenizer's model (theirs has another vocabulary)"
+                f"no scheduler serves this tokenizer's model (theirs has another {self.link.refused_all})"
                 if self.link.refused_all
                 else "no scheduler is reachable; retry shortly",
                 retry_after_ms=self.settings.unavailable_retry_after_ms,

@@ -69,6 +69,20 @@ class Family:
     video_config: dict[str, Any] = field(repr=False, default_factory=dict)
 
     # ---- both sides ----
+    def rules(self) -> dict[str, Any]:
+        """What this family's item checks follow from (`mmsplit.pairing`):
+        its name, its placeholders, the tensors an item may carry, and (in
+        each family) the config values its counts and shapes read. A
+        tokenizer and a scheduler must agree on all of it."""
+        return {
+            "family": self.name,
+            "placeholders": {
+                str(modality): [p.token, p.token_id, p.before, p.after]
+                for modality, p in sorted(self.placeholders.items())
+            },
+            "inputs": sorted(self.input_names),
+        }
+
     def count(self, modality: int, shapes: dict[str, tuple[int, ...]], side: dict[str, np.ndarray]) -> int:
         """Check one item's tensor shapes and side values; return the number
         of placeholder tokens it fills. Raise BadItem."""

@@ -32,6 +32,11 @@ class Llava(Family):
         full = self.config.get("vision_feature_select_strategy", "default") == "full"
         return patches + int(full)
 
+    def rules(self) -> dict[str, Any]:
+        strategy = self.config.get("vision_feature_select_strategy", "default")
+        patch = int(self.vision.get("patch_size", 14))
+        return {**super().rules(), "side": self.side, "channels": self.channels, "patch": patch, "strategy": strategy}
+
     def count(self, modality: int, shapes: dict[str, tuple[int, ...]], side: dict[str, np.ndarray]) -> int:
         if modality != IMAGE:
             raise BadItem(f"{self.name} takes images only")

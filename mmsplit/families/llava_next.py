@@ -46,6 +46,9 @@ class LlavaNext(Llava):
         sizes = torch.cat([item["image_sizes"] for item in items])
         return list(body.get_image_features(pixel_values=pixels, image_sizes=sizes, return_dict=True).pooler_output)
 
+    def rules(self) -> dict[str, Any]:
+        return {**super().rules(), "pinpoints": self.pinpoints}
+
     @property
     def pinpoints(self) -> list[tuple[int, int]]:
         return [(int(h), int(w)) for h, w in self.config.get("image_grid_pinpoints") or []]

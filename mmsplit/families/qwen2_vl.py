@@ -38,6 +38,14 @@ class QwenVL(Family):
     def vision(self) -> dict[str, Any]:
         return dict(self.config.get("vision_config") or {})
 
+    def rules(self) -> dict[str, Any]:
+        return {
+            **super().rules(),
+            "merge": self.merge,
+            "row_width": self.row_width(),
+            "temporal_patch": self.temporal_patch_size,
+        }
+
     @property
     def merge(self) -> int:
         return int(self.vision.get("spatial_merge_size", 2))
