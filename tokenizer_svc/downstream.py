@@ -313,6 +313,7 @@ class Schedulers:
                 ready=link.ready,
                 transport=link.transport if link.connected else common_pb2.TRANSPORT_UNSPECIFIED,
                 requests_in_flight=link.inflight,
+                serves_another_model=link.refused,
             )
             for link in self.links.values()
         ]

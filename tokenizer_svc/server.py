@@ -74,6 +74,12 @@ def _metrics(settings: TokenizerSettings, service: TokenizerService, pool: CpuPo
         "backend",
         lambda: {link.target: float(link.ready) for link in service.link.links.values()},
     )
+    metrics.gauge_by(
+        "backend_serves_another_model",
+        "1 while a scheduler backend answers as a server of another model (vocabulary or item rules): no requests",
+        "backend",
+        lambda: {link.target: float(bool(link.refused)) for link in service.link.links.values()},
+    )
     metrics.gauge(
         "shm_bytes",
         "Bytes of this process's shared-memory segments now",

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import urllib.request
+
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from mmsplit.common.v1 import common_pb2
 from mmsplit.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
@@ -34,3 +37,18 @@ def scheduler_info(scheduler_address: str) -> common_pb2.ServerInfo:
 
 def rank_active_requests(scheduler_address: str) -> list[int]:
     return list(scheduler_info(scheduler_address).rank_active_requests)
+
+
+def exposition(port: int) -> str:
+    """A service's /metrics text."""
+    return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+
+
+def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample, keyed by (name, sorted labels); parsing fails on a format error."""
+    text = exposition(port)
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }

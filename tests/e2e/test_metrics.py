@@ -8,17 +8,16 @@ import re
 import subprocess
 import sys
 import threading
-import urllib.request
 from pathlib import Path
 
 import grpc
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from mmsplit.tokenizer.v1 import tokenizer_pb2_grpc
 from mmsplit_cli import samples
 from mmsplit_cli.client import make_request, run_request
 from tests.conftest import Services
+from tests.e2e.helpers import exposition, scrape
 from tests.support.faults import failing_request_id
 from tests.support.leaks import wait_until
 
@@ -32,20 +31,6 @@ def port_of(log: Path) -> int:
 
 
 PROMTOOL = Path(sys.executable).parent / "promtool"  # the Makefile puts it in the venv
-
-
-def exposition(port: int) -> str:
-    return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-
-
-def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """Every sample, keyed by (name, sorted labels); parsing fails on a format error."""
-    text = exposition(port)
-    return {
-        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    }
 
 
 def test_counts_by_outcome_after_a_scripted_mix(services: Services) -> None:
@@ -135,6 +120,7 @@ def test_counts_by_outcome_after_a_scripted_mix(services: Services) -> None:
     backend = (("backend", services.scheduler_address),)
     assert after[("mmsplit_tokenizer_backend_requests_in_flight", backend)] == 0
     assert after[("mmsplit_tokenizer_backend_ready", backend)] == 1
+    assert after[("mmsplit_tokenizer_backend_serves_another_model", backend)] == 0
     scheduler = scrape(sched_port)
     assert ("mmsplit_scheduler_kv_budget_tokens", ()) in scheduler
     steps = ("mmsplit_scheduler_step_duration_seconds_count", ())

@@ -17,11 +17,12 @@ from pathlib import Path
 import grpc
 import pytest
 
+from mmsplit.serving import free_port
 from mmsplit.tokenizer.v1 import tokenizer_pb2_grpc
 from mmsplit_cli import samples
 from mmsplit_cli.client import make_request, run_request
 from tests.conftest import SCHEDULER_SERVICE, TOKENIZER_SERVICE, Services
-from tests.e2e.helpers import health_status, scheduler_info, tokenizer_info
+from tests.e2e.helpers import health_status, scheduler_info, scrape, tokenizer_info
 from tests.support.leaks import wait_until
 from tests.support.services import ENV, ServiceProcess, tokenizer_args
 
@@ -45,7 +46,9 @@ def test_a_scheduler_of_another_model_gets_no_requests(
 ) -> None:
     """A tokenizer of another family pointed at the shared pair's LLaVA-1.5
     scheduler: Qwen2-VL's vocabulary differs too; LLaVA-NeXT's is the same."""
-    args = tokenizer_args(family_models(family), services.scheduler_address, extra=["--preprocess-cache-bytes", "0"])
+    metrics = free_port()
+    extra = ["--preprocess-cache-bytes", "0", "--metrics-port", str(metrics)]
+    args = tokenizer_args(family_models(family), services.scheduler_address, extra=extra)
     wrong = ServiceProcess("tokenizer", args, tmp_path / "tokenizer.log", env=ENV)
     try:
         wrong.wait_bound(180)
@@ -56,7 +59,9 @@ def test_a_scheduler_of_another_model_gets_no_requests(
         theirs = scheduler_info(services.scheduler_address)
         assert info.info.item_rules not in ("", theirs.item_rules)
         assert (info.info.vocabulary == theirs.vocabulary) == (family == "llava-next")
-        assert [b.ready for b in info.backends] == [False]
+        assert [(b.ready, b.serves_another_model) for b in info.backends] == [(False, differ)]
+        backend = (("backend", services.scheduler_address),)
+        assert scrape(metrics)[("mmsplit_tokenizer_backend_serves_another_model", backend)] == 1
         with grpc.insecure_channel(wrong.address) as channel:
             out = run_request(
                 tokenizer_pb2_grpc.TokenizerServiceStub(channel),

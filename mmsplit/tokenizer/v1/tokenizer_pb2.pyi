@@ -82,13 +82,15 @@ class GetServerInfoResponse(_message.Message):
     def __init__(self, info: _Optional[_Union[_common_pb2.ServerInfo, _Mapping]] = ..., scheduler: _Optional[_Union[_common_pb2.ServerInfo, _Mapping]] = ..., transport: _Optional[_Union[_common_pb2.Transport, str]] = ..., backends: _Optional[_Iterable[_Union[SchedulerBackend, _Mapping]]] = ...) -> None: ...
 
 class SchedulerBackend(_message.Message):
-    __slots__ = ("address", "ready", "transport", "requests_in_flight")
+    __slots__ = ("address", "ready", "transport", "requests_in_flight", "serves_another_model")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    SERVES_ANOTHER_MODEL_FIELD_NUMBER: _ClassVar[int]
     address: str
     ready: bool
     transport: _common_pb2.Transport
     requests_in_flight: int
-    def __init__(self, address: _Optional[str] = ..., ready: _Optional[bool] = ..., transport: _Optional[_Union[_common_pb2.Transport, str]] = ..., requests_in_flight: _Optional[int] = ...) -> None: ...
+    serves_another_model: str
+    def __init__(self, address: _Optional[str] = ..., ready: _Optional[bool] = ..., transport: _Optional[_Union[_common_pb2.Transport, str]] = ..., requests_in_flight: _Optional[int] = ..., serves_another_model: _Optional[str] = ...) -> None: ...
