@@ -447,6 +447,33 @@ class RefuseMalformed(grpc.aio.ServerInterceptor):
         return known[1]
 
 
+# Pings a peer may send without data between them: our servers accept one a
+# second (gRPC's default, one per 5 minutes, answers a client that pings more
+# often with GOAWAY "too_many_pings"), so `--keepalive-s` is at least 1.
+MIN_PING_INTERVAL_MS = 1000
+
+
+def keepalive_options(keepalive_s: float, timeout_s: float) -> list[tuple[str, int]]:
+    """HTTP/2 keepalive of our end of a connection (a server's connections,
+    or a channel): a ping every `keepalive_s`, the connection closed when
+    one goes unanswered for `timeout_s`, also while no call or no data
+    moves (a request queued or in a long prefill: gRPC stops pinging such a
+    connection after two pings by default). 0: we send no pings.
+
+    Without it a peer that vanishes without a word (its node lost, a
+    partition: no FIN, no RST) is found only by TCP, after ~15 minutes of
+    retransmissions: its streams hang until their deadlines, and a
+    scheduler generates for a tokenizer that is gone."""
+    if keepalive_s <= 0:
+        return []
+    return [
+        ("grpc.keepalive_time_ms", int(keepalive_s * 1000)),
+        ("grpc.keepalive_timeout_ms", int(timeout_s * 1000)),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+
+
 async def new_server(
     *,
     host: str,
@@ -456,14 +483,21 @@ async def new_server(
     max_message_bytes: int,
     security: ServerSecurity | None = None,
     max_concurrent_rpcs: int | None = None,
+    keepalive_s: float = 0.0,
+    keepalive_timeout_s: float = 10.0,
 ) -> tuple[grpc.aio.Server, int]:
     """A server with health and reflection registered; returns it and its bound
     port (`port` 0 picks a free one). The caller adds its servicers first via
-    the returned server, then starts it."""
+    the returned server, then starts it. It pings its clients as
+    `keepalive_options` says, and accepts their pings up to one a second,
+    with or without calls."""
     options = [
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.so_reuseport", 0),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),
+        ("grpc.keepalive_permit_without_calls", 1),
+        *keepalive_options(keepalive_s, keepalive_timeout_s),
     ]
     security = security or ServerSecurity()
     # Credentials first: a caller without them learns nothing, not even

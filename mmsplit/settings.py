@@ -50,6 +50,13 @@ def check(settings: Any, *extra: str) -> None:
         raise InvalidSettings("; ".join(problems))
 
 
+def keepalive_problems(keepalive_s: float) -> list[str]:
+    """`--keepalive-s` pings no more often than servers accept (`mmsplit.serving`)."""
+    if 0 < keepalive_s < 1:
+        return [f"--keepalive-s must be 0 (off) or at least 1, not {keepalive_s:g}"]
+    return []
+
+
 def prefix_problems(prefix: str) -> list[str]:
     """`--shm-prefix` must be a prefix `mmsplit.shm` accepts."""
     try:

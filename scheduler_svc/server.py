@@ -345,6 +345,8 @@ async def _serve(
         service_names=[SERVICE_NAME],
         max_message_bytes=settings.max_message_bytes,
         security=security,
+        keepalive_s=settings.keepalive_s,
+        keepalive_timeout_s=settings.keepalive_timeout_s,
     )
     probes = None
     if settings.health_port:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mmsplit.serving import LOG_FORMATS, is_loopback
-from mmsplit.settings import check, prefix_problems
+from mmsplit.settings import check, keepalive_problems, prefix_problems
 from mmsplit.settings import opt as _opt
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "debug", "info", "warning", "error")
@@ -118,6 +118,16 @@ class SchedulerSettings:
         min=0,
     )
     shutdown_grace_s: float = _opt(5.0, "seconds running requests get to finish on SIGTERM", min=0)
+    keepalive_s: float = _opt(
+        20.0,
+        "seconds between HTTP/2 keepalive pings on every connection this service holds (its clients'): a peer that "
+        "stops answering (its node gone, a network partition) is found within this plus --keepalive-timeout-s, and "
+        "its calls end (their requests aborted, their memory released); at least 1; 0 = off",
+        min=0,
+    )
+    keepalive_timeout_s: float = _opt(
+        10.0, "how long a keepalive ping may go unanswered before its connection is closed", min=0.1
+    )
     max_message_bytes: int = _opt(256 * 1024 * 1024, "largest gRPC message", min=1024)
     stats_interval_s: float = _opt(10.0, "how often the step loop logs its statistics", min=0.01)
     log_level: str = _opt("INFO", "logging level", choices=LOG_LEVELS)
@@ -128,6 +138,7 @@ class SchedulerSettings:
 
     def __post_init__(self) -> None:
         extra = prefix_problems(self.shm_prefix)
+        extra.extend(keepalive_problems(self.keepalive_s))
         extra.extend(security_problems(self))
         if self.default_max_tokens > self.max_tokens_limit:
             extra.append(

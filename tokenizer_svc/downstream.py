@@ -38,7 +38,7 @@ from mmsplit.common.v1 import common_pb2
 from mmsplit.errors import E, RemoteError
 from mmsplit.pairing import UNKNOWN, Pairing
 from mmsplit.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
-from mmsplit.serving import ClientSecurity
+from mmsplit.serving import ClientSecurity, keepalive_options
 from mmsplit.tokenizer.v1 import tokenizer_pb2
 from tokenizer_svc.errors import SchedulerUnavailable
 from tokenizer_svc.settings import TokenizerSettings
@@ -115,6 +115,10 @@ class SchedulerLink:
             ("grpc.min_reconnect_backoff_ms", RECONNECT_INITIAL_MS),
             ("grpc.max_reconnect_backoff_ms", RECONNECT_MAX_MS),
             ("grpc.service_config", SERVICE_CONFIG),
+            # A scheduler that vanishes without a word is found by its
+            # unanswered pings: the requests on it fail SCHEDULER_UNAVAILABLE
+            # then, not at their deadlines.
+            *keepalive_options(settings.keepalive_s, settings.keepalive_timeout_s),
         ]
         if server_name and not security.server_name:
             # A backend found through DNS is dialled by address; its

@@ -287,6 +287,8 @@ async def _serve(settings: TokenizerSettings, security: ServerSecurity, downstre
         service_names=[SERVICE_NAME],
         max_message_bytes=settings.message_limit,
         security=security,
+        keepalive_s=settings.keepalive_s,
+        keepalive_timeout_s=settings.keepalive_timeout_s,
     )
     metrics = _metrics(settings, service, pool)
     tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server(TokenizerServicer(service, settings, metrics), server)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mmsplit.serving import LOG_FORMATS
-from mmsplit.settings import check, prefix_problems
+from mmsplit.settings import check, keepalive_problems, prefix_problems
 from mmsplit.settings import opt as _opt
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "debug", "info", "warning", "error")
@@ -136,6 +136,16 @@ class TokenizerSettings:
         min=0,
     )
     shutdown_grace_s: float = _opt(5.0, "seconds running requests get to finish on SIGTERM", min=0)
+    keepalive_s: float = _opt(
+        20.0,
+        "seconds between HTTP/2 keepalive pings on every connection this service holds (its clients', and its "
+        "schedulers'): a peer that stops answering (its node gone, a network partition) is found within this plus "
+        "--keepalive-timeout-s, and its calls end (their requests aborted, their memory released); at least 1; 0 = off",
+        min=0,
+    )
+    keepalive_timeout_s: float = _opt(
+        10.0, "how long a keepalive ping may go unanswered before its connection is closed", min=0.1
+    )
     max_message_bytes: int = _opt(
         0,
         "largest request message, bytes; 0 = what the media limits allow (images x --max-image-bytes, the "
@@ -153,6 +163,7 @@ class TokenizerSettings:
 
     def __post_init__(self) -> None:
         extra = prefix_problems(self.shm_prefix)
+        extra.extend(keepalive_problems(self.keepalive_s))
         if bool(self.tls_cert) != bool(self.tls_key):
             extra.append("--tls-cert and --tls-key go together")
         if self.tls_client_ca and not self.tls_cert:

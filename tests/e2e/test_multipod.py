@@ -13,7 +13,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,12 +20,12 @@ from typing import Any
 import pytest
 
 from mmsplit_cli.launch import ServiceProcess
-from tests.conftest import ROOT, SCHEDULER_SERVICE, TOKENIZER_SERVICE
+from tests.conftest import SCHEDULER_SERVICE, TOKENIZER_SERVICE
 from tests.support import netns as netns_support
 from tests.support.faults import failing_request_id
 from tests.support.leaks import wait_until
 from tests.support.pods import Pods, pods
-from tests.support.services import ENV
+from tests.support.services import ENV, stop_all
 
 pytestmark = pytest.mark.e2e
 WHY_NOT = netns_support.available()
@@ -85,23 +84,7 @@ def cluster(tiny_model: Path, tmp_path: Path) -> Iterator[tuple[Pods, list[Servi
             tokenizer.wait_logged(f"{TOKENIZER_SERVICE} readiness: SERVING", 180)
             yield net, started[:2], tokenizer
         finally:
-            for proc in reversed(started):
-                proc.terminate()
-            for proc in reversed(started):
-                proc.stop()
-
-
-def client(net: Pods, tokenizer: ServiceProcess, specs: list[dict[str, Any]]) -> subprocess.Popen[str]:
-    """The requests, sent from inside the tokenizer's pod."""
-    command = [
-        *net.wrapper("tok"),
-        sys.executable,
-        "-m",
-        "tests.support.pod_client",
-        tokenizer.address,
-        json.dumps(specs),
-    ]
-    return subprocess.Popen(command, stdout=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, **ENV})
+            stop_all(started)
 
 
 def outcomes(proc: subprocess.Popen[str]) -> dict[str, dict[str, Any]]:
@@ -119,7 +102,7 @@ def test_a_group_spread_over_three_pods_serves_agrees_and_fails_cleanly(cluster)
     bad = failing_request_id(1, "multipod")
     specs = [{"request_id": f"pod-{i}", "max_tokens": 3, "image": True} for i in range(6)]
     specs.append({"request_id": bad, "max_tokens": 3, "image": True})
-    results = outcomes(client(net, tokenizer, specs))
+    results = outcomes(net.client("tok", tokenizer.address, specs))
     assert len(results) == 7, results
     assert results.pop(bad)["reason"] == "FEATURE_TRANSPORT_FAILED"
     assert all(r["ok"] and r["completion_tokens"] == 3 for r in results.values()), results
@@ -131,7 +114,7 @@ def test_a_group_spread_over_three_pods_serves_agrees_and_fails_cleanly(cluster)
 
     # Rank 1's pod dies with requests in flight.
     specs = [{"request_id": f"long-{i}", "max_tokens": 900, "image": True} for i in range(3)]
-    running = client(net, tokenizer, specs)
+    running = net.client("tok", tokenizer.address, specs)
     assert running.stdout is not None
     started = set()
     while len(started) < 3:

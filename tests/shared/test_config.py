@@ -57,6 +57,8 @@ def test_types_and_required() -> None:
         (TokenizerSettings, "tokenizer", ["--cpu-workers", "0"], "--cpu-workers must be at least 1"),
         (TokenizerSettings, "tokenizer", ["--max-inflight", "0"], "--max-inflight must be at least 1"),
         (TokenizerSettings, "tokenizer", ["--shm-prefix", "bad/prefix"], "--shm-prefix: invalid shared-memory prefix"),
+        (TokenizerSettings, "tokenizer", ["--keepalive-s", "0.5"], "--keepalive-s must be 0 (off) or at least 1"),
+        (SchedulerSettings, "scheduler", ["--keepalive-s", "0.5"], "--keepalive-s must be 0 (off) or at least 1"),
     ],
 )
 def test_settings_out_of_range_stop_the_service_with_a_clear_message(

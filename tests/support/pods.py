@@ -12,11 +12,14 @@ until it exits (the caller stops its processes first)."""
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import subprocess
 import sys
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 
 def ip(*args: str) -> None:
@@ -49,6 +52,14 @@ class Pods:
         if shm_size:
             command += [sys.executable, "-m", "tests.support.mountns", shm_size]
         return command
+
+    def client(self, pod: str, address: str, specs: list[dict[str, Any]]) -> subprocess.Popen[str]:
+        """`tests.support.pod_client` sending these requests to `address`
+        from inside `pod`; its JSON lines on stdout."""
+        from tests.support.services import ENV, ROOT
+
+        command = [*self.wrapper(pod), sys.executable, "-m", "tests.support.pod_client", address, json.dumps(specs)]
+        return subprocess.Popen(command, stdout=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, **ENV})
 
     def pids(self, pod: str) -> list[int]:
         out = subprocess.run(

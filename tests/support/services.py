@@ -48,3 +48,11 @@ def running_pair(
         model, logs, scheduler_extra=scheduler_extra, tokenizer_extra=tokenizer_extra, env=environment, wrapper=wrapper
     ) as pair:
         yield pair
+
+
+def stop_all(processes: Sequence[ServiceProcess]) -> None:
+    """SIGTERM each (the last started first), then wait for each to end."""
+    for proc in reversed(processes):
+        proc.terminate()
+    for proc in reversed(processes):
+        proc.stop()

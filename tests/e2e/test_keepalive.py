@@ -1,0 +1,116 @@
+"""A connection whose peer vanishes without closing it (its node lost, a
+network partition: no FIN, no RST) is found by keepalive pings, on both
+sides, within --keepalive-s + --keepalive-timeout-s: the tokenizer fails the
+request SCHEDULER_UNAVAILABLE, and the scheduler aborts it, where both
+would otherwise wait for TCP's retransmissions (~15 minutes) or the
+request's deadline, the scheduler generating all the while.
+
+The scheduler and the tokenizer are in network namespaces of their own
+(tests/support/pods.py), joined by one veth link; setting the link down
+mid-generation drops every packet between them, and setting it up again
+brings the tokenizer back to its scheduler."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mmsplit_cli.launch import ServiceProcess
+from tests.conftest import SCHEDULER_SERVICE, TOKENIZER_SERVICE
+from tests.support import netns as netns_support
+from tests.support.leaks import wait_until
+from tests.support.pods import Pods, ip, pods
+from tests.support.services import ENV, stop_all
+
+pytestmark = pytest.mark.e2e
+WHY_NOT = netns_support.available()
+GRPC_PORT = 50051
+# Pings every 2 s, 1 s to answer: a vanished peer is found within ~3 s.
+KEEPALIVE = ["--keepalive-s", "2", "--keepalive-timeout-s", "1"]
+FOUND_WITHIN_S = 10.0
+
+
+@pytest.fixture
+def pair(tiny_model: Path, tmp_path: Path) -> Iterator[tuple[Pods, ServiceProcess, ServiceProcess]]:
+    if WHY_NOT:
+        pytest.skip(WHY_NOT)
+    with pods(["sched", "tok"], [("sched", "tok")]) as net:
+        address = net.link("sched", "tok").address("sched")
+        started: list[ServiceProcess] = []
+        try:
+            scheduler = [
+                "scheduler", "--model", str(tiny_model), "--tp", "1",
+                "--host", address, "--port", str(GRPC_PORT), "--insecure", "true", *KEEPALIVE,
+            ]  # fmt: skip
+            started.append(
+                ServiceProcess(
+                    "scheduler", scheduler, tmp_path / "scheduler.log", env=ENV, wrapper=net.wrapper("sched")
+                )
+            )
+            tokenizer = [
+                "tokenizer", "--model", str(tiny_model),
+                "--scheduler", f"{address}:{GRPC_PORT}", "--port", "0", *KEEPALIVE,
+            ]  # fmt: skip
+            started.append(
+                ServiceProcess("tokenizer", tokenizer, tmp_path / "tokenizer.log", env=ENV, wrapper=net.wrapper("tok"))
+            )
+            started[0].wait_logged(f"{SCHEDULER_SERVICE} readiness: SERVING", 180)
+            started[1].wait_logged(f"{TOKENIZER_SERVICE} readiness: SERVING", 180)
+            yield net, started[0], started[1]
+        finally:
+            stop_all(started)
+
+
+def next_line(proc: subprocess.Popen[str], timeout_s: float) -> dict[str, Any]:
+    """The client's next JSON line; fails when none comes within `timeout_s`."""
+    stdout = proc.stdout
+    assert stdout is not None
+    got: list[str] = []
+    reader = threading.Thread(target=lambda: got.append(stdout.readline()), daemon=True)
+    reader.start()
+    reader.join(timeout_s)
+    assert any(got), f"nothing from the client within {timeout_s:g}s"
+    line: dict[str, Any] = json.loads(got[0])
+    return line
+
+
+@pytest.mark.skipif(bool(WHY_NOT), reason=WHY_NOT or "namespaces can be made")
+def test_a_peer_that_vanishes_is_found_on_both_sides(pair) -> None:  # type: ignore[no-untyped-def]
+    net, scheduler, tokenizer = pair
+    link = net.link("sched", "tok")
+    running = net.client("tok", tokenizer.address, [{"request_id": "long", "max_tokens": 3000}])
+    try:
+        assert next_line(running, 60) == {"started": "long"}
+        ip("-n", net.namespaces["sched"], "link", "set", link.interface("sched"), "down")
+        cut = time.monotonic()
+        ended = next_line(running, FOUND_WITHIN_S)
+        assert ended["request_id"] == "long"
+        assert ended["reason"] == "SCHEDULER_UNAVAILABLE", ended
+        assert ended["completion_tokens"] < 3000
+        # The scheduler found the tokenizer gone too, and aborted the request.
+        finished = re.compile(r"request \S+\.long finished: CANCELLED, \d+\+(\d+) tokens")
+        assert wait_until(
+            lambda: finished.search(scheduler.log_path.read_text()),
+            timeout=max(0.0, cut + FOUND_WITHIN_S - time.monotonic()),
+        ), "the scheduler went on generating for a tokenizer it could not reach"
+        assert running.wait(10) == 0
+    finally:
+        if running.poll() is None:
+            running.kill()
+            running.wait()
+    ip("-n", net.namespaces["sched"], "link", "set", link.interface("sched"), "up")
+
+    def served() -> bool:
+        again = net.client("tok", tokenizer.address, [{"request_id": "after", "max_tokens": 2}])
+        out, _ = again.communicate(timeout=60)
+        return any(json.loads(line).get("ok") for line in out.splitlines())
+
+    assert wait_until(served, timeout=30, interval=1.0), "the tokenizer did not get back to its scheduler"
