@@ -485,12 +485,16 @@ async def new_server(
     max_concurrent_rpcs: int | None = None,
     keepalive_s: float = 0.0,
     keepalive_timeout_s: float = 10.0,
+    max_connection_age_s: float = 0.0,
 ) -> tuple[grpc.aio.Server, int]:
     """A server with health and reflection registered; returns it and its bound
     port (`port` 0 picks a free one). The caller adds its servicers first via
     the returned server, then starts it. It pings its clients as
     `keepalive_options` says, and accepts their pings up to one a second,
-    with or without calls."""
+    with or without calls. With `max_connection_age_s`, each connection is
+    sent GOAWAY after that long (gRPC adds ±10 %): its calls run to their
+    end on it, and the client opens a new one for the next, which a load
+    balancer in front may send to another server."""
     options = [
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
@@ -499,6 +503,8 @@ async def new_server(
         ("grpc.keepalive_permit_without_calls", 1),
         *keepalive_options(keepalive_s, keepalive_timeout_s),
     ]
+    if max_connection_age_s > 0:
+        options.append(("grpc.max_connection_age_ms", int(max_connection_age_s * 1000)))
     security = security or ServerSecurity()
     # Credentials first: a caller without them learns nothing, not even
     # whether its bytes parse.

@@ -289,6 +289,7 @@ async def _serve(settings: TokenizerSettings, security: ServerSecurity, downstre
         security=security,
         keepalive_s=settings.keepalive_s,
         keepalive_timeout_s=settings.keepalive_timeout_s,
+        max_connection_age_s=settings.max_connection_age_s,
     )
     metrics = _metrics(settings, service, pool)
     tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server(TokenizerServicer(service, settings, metrics), server)

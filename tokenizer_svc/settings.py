@@ -143,6 +143,13 @@ class TokenizerSettings:
         "--keepalive-timeout-s, and its calls end (their requests aborted, their memory released); at least 1; 0 = off",
         min=0,
     )
+    max_connection_age_s: float = _opt(
+        0.0,
+        "seconds after which a client's connection is asked to go (HTTP/2 GOAWAY; its running calls finish on it, "
+        "its next ones open a new one): behind a Kubernetes Service, clients then spread over tokenizers added by "
+        "scaling instead of keeping the ones they first reached; 0 = never",
+        min=0,
+    )
     keepalive_timeout_s: float = _opt(
         10.0, "how long a keepalive ping may go unanswered before its connection is closed", min=0.1
     )
