@@ -26,11 +26,13 @@ import grpc
 
 from mmsplit.common.v1 import common_pb2
 from mmsplit.errors import error_info_of
+from mmsplit.keepalive import keepalive_options
 from mmsplit.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 
 SERVICE = tokenizer_pb2.DESCRIPTOR.services_by_name["TokenizerService"].full_name
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 RETRY_BUFFER_BYTES = 64 * 1024 * 1024  # requests up to this size can be retried
+KEEPALIVE_TIMEOUT_S = 10.0  # how long a keepalive ping may go unanswered
 
 
 # ---- errors ----
@@ -212,7 +214,12 @@ def _add(done: Completion, event: Delta | Finished) -> None:
 
 
 def _options(
-    retries: int, initial_backoff_s: float, max_backoff_s: float, server_name: str, retry_buffer_bytes: int
+    retries: int,
+    initial_backoff_s: float,
+    max_backoff_s: float,
+    server_name: str,
+    retry_buffer_bytes: int,
+    keepalive_s: float,
 ) -> list[tuple[str, Any]]:
     options: list[tuple[str, Any]] = [
         ("grpc.service_config", service_config(retries, initial_backoff_s, max_backoff_s)),
@@ -223,6 +230,9 @@ def _options(
         ("grpc.per_rpc_retry_buffer_size", retry_buffer_bytes),
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        # A tokenizer that vanishes mid-stream (its node lost) is found
+        # within keepalive_s + 10 s, not at the call's deadline.
+        *keepalive_options(keepalive_s, KEEPALIVE_TIMEOUT_S),
     ]
     if server_name:
         options.append(("grpc.ssl_target_name_override", server_name))
@@ -246,8 +256,9 @@ class _Connection:
         initial_backoff_s: float = 0.2,
         max_backoff_s: float = 5.0,
         retry_buffer_bytes: int = RETRY_BUFFER_BYTES,
+        keepalive_s: float = 20.0,
     ) -> None:
-        options = _options(retries, initial_backoff_s, max_backoff_s, server_name, retry_buffer_bytes)
+        options = _options(retries, initial_backoff_s, max_backoff_s, server_name, retry_buffer_bytes, keepalive_s)
         credentials = (
             grpc.ssl_channel_credentials(root_certificates, private_key, certificate_chain)
             if root_certificates is not None

@@ -36,9 +36,10 @@ import grpc
 from mmsplit import shm
 from mmsplit.common.v1 import common_pb2
 from mmsplit.errors import E, RemoteError
+from mmsplit.keepalive import keepalive_options
 from mmsplit.pairing import UNKNOWN, Pairing
 from mmsplit.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
-from mmsplit.serving import ClientSecurity, keepalive_options
+from mmsplit.serving import ClientSecurity
 from mmsplit.tokenizer.v1 import tokenizer_pb2
 from tokenizer_svc.errors import SchedulerUnavailable
 from tokenizer_svc.settings import TokenizerSettings
