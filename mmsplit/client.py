@@ -32,7 +32,6 @@ from mmsplit.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 SERVICE = tokenizer_pb2.DESCRIPTOR.services_by_name["TokenizerService"].full_name
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 RETRY_BUFFER_BYTES = 64 * 1024 * 1024  # requests up to this size can be retried
-KEEPALIVE_TIMEOUT_S = 10.0  # how long a keepalive ping may go unanswered
 
 
 # ---- errors ----
@@ -220,6 +219,7 @@ def _options(
     server_name: str,
     retry_buffer_bytes: int,
     keepalive_s: float,
+    keepalive_timeout_s: float,
 ) -> list[tuple[str, Any]]:
     options: list[tuple[str, Any]] = [
         ("grpc.service_config", service_config(retries, initial_backoff_s, max_backoff_s)),
@@ -231,8 +231,8 @@ def _options(
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         # A tokenizer that vanishes mid-stream (its node lost) is found
-        # within keepalive_s + 10 s, not at the call's deadline.
-        *keepalive_options(keepalive_s, KEEPALIVE_TIMEOUT_S),
+        # within keepalive_s + keepalive_timeout_s, not at the call's deadline.
+        *keepalive_options(keepalive_s, keepalive_timeout_s),
     ]
     if server_name:
         options.append(("grpc.ssl_target_name_override", server_name))
@@ -257,8 +257,11 @@ class _Connection:
         max_backoff_s: float = 5.0,
         retry_buffer_bytes: int = RETRY_BUFFER_BYTES,
         keepalive_s: float = 20.0,
+        keepalive_timeout_s: float = 10.0,
     ) -> None:
-        options = _options(retries, initial_backoff_s, max_backoff_s, server_name, retry_buffer_bytes, keepalive_s)
+        options = _options(
+            retries, initial_backoff_s, max_backoff_s, server_name, retry_buffer_bytes, keepalive_s, keepalive_timeout_s
+        )
         credentials = (
             grpc.ssl_channel_credentials(root_certificates, private_key, certificate_chain)
             if root_certificates is not None

@@ -5,10 +5,13 @@ request SCHEDULER_UNAVAILABLE, and the scheduler aborts it, where both
 would otherwise wait for TCP's retransmissions (~15 minutes) or the
 request's deadline, the scheduler generating all the while.
 
-The scheduler and the tokenizer are in network namespaces of their own
-(tests/support/pods.py), joined by one veth link; setting the link down
-mid-generation drops every packet between them, and setting it up again
-brings the tokenizer back to its scheduler."""
+The same holds between a client and the tokenizer: the client's stream
+ends UNAVAILABLE, and the tokenizer and the scheduler abort the request.
+
+The scheduler, the tokenizer and a client are in network namespaces of
+their own (tests/support/pods.py), joined by veth links; setting a link
+down mid-generation drops every packet across it, and setting it up again
+brings the two sides back together."""
 
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ from tests.support.services import ENV, stop_all
 pytestmark = pytest.mark.e2e
 WHY_NOT = netns_support.available()
 GRPC_PORT = 50051
+TOKENIZER_PORT = 50052
 # Pings every 2 s, 1 s to answer: a vanished peer is found within ~3 s.
 KEEPALIVE = ["--keepalive-s", "2", "--keepalive-timeout-s", "1"]
 FOUND_WITHIN_S = 10.0
@@ -42,7 +46,7 @@ FOUND_WITHIN_S = 10.0
 def pair(tiny_model: Path, tmp_path: Path) -> Iterator[tuple[Pods, ServiceProcess, ServiceProcess]]:
     if WHY_NOT:
         pytest.skip(WHY_NOT)
-    with pods(["sched", "tok"], [("sched", "tok")]) as net:
+    with pods(["sched", "tok", "cli"], [("sched", "tok"), ("tok", "cli")]) as net:
         address = net.link("sched", "tok").address("sched")
         started: list[ServiceProcess] = []
         try:
@@ -57,7 +61,8 @@ def pair(tiny_model: Path, tmp_path: Path) -> Iterator[tuple[Pods, ServiceProces
             )
             tokenizer = [
                 "tokenizer", "--model", str(tiny_model),
-                "--scheduler", f"{address}:{GRPC_PORT}", "--port", "0", *KEEPALIVE,
+                "--scheduler", f"{address}:{GRPC_PORT}", "--host", "0.0.0.0", "--port", str(TOKENIZER_PORT),
+                *KEEPALIVE,
             ]  # fmt: skip
             started.append(
                 ServiceProcess("tokenizer", tokenizer, tmp_path / "tokenizer.log", env=ENV, wrapper=net.wrapper("tok"))
@@ -114,3 +119,31 @@ def test_a_peer_that_vanishes_is_found_on_both_sides(pair) -> None:  # type: ign
         return any(json.loads(line).get("ok") for line in out.splitlines())
 
     assert wait_until(served, timeout=30, interval=1.0), "the tokenizer did not get back to its scheduler"
+
+
+@pytest.mark.skipif(bool(WHY_NOT), reason=WHY_NOT or "namespaces can be made")
+def test_a_client_that_vanishes_is_found_and_its_request_aborted(pair) -> None:  # type: ignore[no-untyped-def]
+    net, scheduler, tokenizer = pair
+    link = net.link("tok", "cli")
+    address = f"{link.address('tok')}:{TOKENIZER_PORT}"
+    running = net.client("cli", address, [{"request_id": "gone", "max_tokens": 3000}], keepalive_s=2)
+    try:
+        assert next_line(running, 60) == {"started": "gone"}
+        ip("-n", net.namespaces["cli"], "link", "set", link.interface("cli"), "down")
+        cut = time.monotonic()
+        ended = next_line(running, FOUND_WITHIN_S)
+        assert ended["request_id"] == "gone"
+        assert not ended["ok"]
+        assert ended["completion_tokens"] < 3000
+
+        def aborted(log: Path, rid: str) -> bool:
+            return re.search(rf"request {rid} finished: CANCELLED", log.read_text()) is not None
+
+        left = max(0.0, cut + FOUND_WITHIN_S - time.monotonic())
+        assert wait_until(lambda: aborted(tokenizer.log_path, "gone"), timeout=left), "the tokenizer did not notice"
+        assert wait_until(lambda: aborted(scheduler.log_path, r"\S+\.gone"), timeout=5), "the scheduler generated on"
+        assert running.wait(10) == 0
+    finally:
+        if running.poll() is None:
+            running.kill()
+            running.wait()

@@ -1,5 +1,6 @@
 """A client a test runs inside a pod's network namespace (where its own
-process cannot reach): ``python -m tests.support.pod_client ADDRESS SPEC``.
+process cannot reach): ``python -m tests.support.pod_client ADDRESS SPEC
+[KEEPALIVE_S]`` (the client's keepalive, 1 s to answer a ping; its default without).
 
 SPEC is JSON: a list of {"request_id", "max_tokens", "image": bool}. The
 requests run at once through `mmsplit.client.Client` (no retries). Stdout
@@ -50,7 +51,9 @@ def one(client: Client, spec: dict[str, Any]) -> None:
 
 def main() -> None:
     address, specs = sys.argv[1], json.loads(sys.argv[2])
-    with Client(address, retries=0) as client, ThreadPoolExecutor(len(specs)) as pool:
+    # The test's keepalive: a ping every KEEPALIVE_S, a second to answer it.
+    keepalive = {"keepalive_s": float(sys.argv[3]), "keepalive_timeout_s": 1.0} if len(sys.argv) > 3 else {}
+    with Client(address, retries=0, **keepalive) as client, ThreadPoolExecutor(len(specs)) as pool:
         list(pool.map(lambda spec: one(client, spec), specs))
 
 

@@ -53,12 +53,16 @@ class Pods:
             command += [sys.executable, "-m", "tests.support.mountns", shm_size]
         return command
 
-    def client(self, pod: str, address: str, specs: list[dict[str, Any]]) -> subprocess.Popen[str]:
+    def client(
+        self, pod: str, address: str, specs: list[dict[str, Any]], *, keepalive_s: float | None = None
+    ) -> subprocess.Popen[str]:
         """`tests.support.pod_client` sending these requests to `address`
         from inside `pod`; its JSON lines on stdout."""
         from tests.support.services import ENV, ROOT
 
         command = [*self.wrapper(pod), sys.executable, "-m", "tests.support.pod_client", address, json.dumps(specs)]
+        if keepalive_s is not None:
+            command.append(str(keepalive_s))
         return subprocess.Popen(command, stdout=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, **ENV})
 
     def pids(self, pod: str) -> list[int]:
