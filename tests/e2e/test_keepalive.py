@@ -87,30 +87,45 @@ def next_line(proc: subprocess.Popen[str], timeout_s: float) -> dict[str, Any]:
     return line
 
 
-@pytest.mark.skipif(bool(WHY_NOT), reason=WHY_NOT or "namespaces can be made")
-def test_a_peer_that_vanishes_is_found_on_both_sides(pair) -> None:  # type: ignore[no-untyped-def]
-    net, scheduler, tokenizer = pair
-    link = net.link("sched", "tok")
-    running = net.client("tok", tokenizer.address, [{"request_id": "long", "max_tokens": 3000}])
+def cut_mid_stream(
+    net: Pods, client_pod: str, address: str, rid: str, cut: tuple[str, str], *, keepalive_s: float | None = None
+) -> tuple[dict[str, Any], float]:
+    """A long request from `client_pod` to `address`; once it streams, the
+    link `cut` (pod, its peer) goes down at the pod's end. The client's last
+    line (it must come within FOUND_WITHIN_S), and when the cut was."""
+    cut_pod = cut[0]
+    link = net.link(*cut)
+    running = net.client(client_pod, address, [{"request_id": rid, "max_tokens": 3000}], keepalive_s=keepalive_s)
     try:
-        assert next_line(running, 60) == {"started": "long"}
-        ip("-n", net.namespaces["sched"], "link", "set", link.interface("sched"), "down")
+        assert next_line(running, 60) == {"started": rid}
+        ip("-n", net.namespaces[cut_pod], "link", "set", link.interface(cut_pod), "down")
         cut = time.monotonic()
         ended = next_line(running, FOUND_WITHIN_S)
-        assert ended["request_id"] == "long"
-        assert ended["reason"] == "SCHEDULER_UNAVAILABLE", ended
+        assert ended["request_id"] == rid
+        assert not ended["ok"]
         assert ended["completion_tokens"] < 3000
-        # The scheduler found the tokenizer gone too, and aborted the request.
-        finished = re.compile(r"request \S+\.long finished: CANCELLED, \d+\+(\d+) tokens")
-        assert wait_until(
-            lambda: finished.search(scheduler.log_path.read_text()),
-            timeout=max(0.0, cut + FOUND_WITHIN_S - time.monotonic()),
-        ), "the scheduler went on generating for a tokenizer it could not reach"
         assert running.wait(10) == 0
+        return ended, cut
     finally:
         if running.poll() is None:
             running.kill()
             running.wait()
+
+
+def aborted(service: ServiceProcess, rid: str, by: float) -> bool:
+    """Whether `service` logs request `rid` (a pattern) ended CANCELLED by monotonic time `by`."""
+    found = re.compile(rf"request {rid} finished: CANCELLED")
+    return wait_until(lambda: found.search(service.log_path.read_text()), timeout=max(0.0, by - time.monotonic()))
+
+
+@pytest.mark.skipif(bool(WHY_NOT), reason=WHY_NOT or "namespaces can be made")
+def test_a_peer_that_vanishes_is_found_on_both_sides(pair) -> None:  # type: ignore[no-untyped-def]
+    net, scheduler, tokenizer = pair
+    ended, cut = cut_mid_stream(net, "tok", tokenizer.address, "long", ("sched", "tok"))
+    assert ended["reason"] == "SCHEDULER_UNAVAILABLE", ended
+    # The scheduler found the tokenizer gone too, and aborted the request.
+    assert aborted(scheduler, r"\S+\.long", cut + FOUND_WITHIN_S), "the scheduler generated on for nobody"
+    link = net.link("sched", "tok")
     ip("-n", net.namespaces["sched"], "link", "set", link.interface("sched"), "up")
 
     def served() -> bool:
@@ -124,26 +139,7 @@ def test_a_peer_that_vanishes_is_found_on_both_sides(pair) -> None:  # type: ign
 @pytest.mark.skipif(bool(WHY_NOT), reason=WHY_NOT or "namespaces can be made")
 def test_a_client_that_vanishes_is_found_and_its_request_aborted(pair) -> None:  # type: ignore[no-untyped-def]
     net, scheduler, tokenizer = pair
-    link = net.link("tok", "cli")
-    address = f"{link.address('tok')}:{TOKENIZER_PORT}"
-    running = net.client("cli", address, [{"request_id": "gone", "max_tokens": 3000}], keepalive_s=2)
-    try:
-        assert next_line(running, 60) == {"started": "gone"}
-        ip("-n", net.namespaces["cli"], "link", "set", link.interface("cli"), "down")
-        cut = time.monotonic()
-        ended = next_line(running, FOUND_WITHIN_S)
-        assert ended["request_id"] == "gone"
-        assert not ended["ok"]
-        assert ended["completion_tokens"] < 3000
-
-        def aborted(log: Path, rid: str) -> bool:
-            return re.search(rf"request {rid} finished: CANCELLED", log.read_text()) is not None
-
-        left = max(0.0, cut + FOUND_WITHIN_S - time.monotonic())
-        assert wait_until(lambda: aborted(tokenizer.log_path, "gone"), timeout=left), "the tokenizer did not notice"
-        assert wait_until(lambda: aborted(scheduler.log_path, r"\S+\.gone"), timeout=5), "the scheduler generated on"
-        assert running.wait(10) == 0
-    finally:
-        if running.poll() is None:
-            running.kill()
-            running.wait()
+    address = f"{net.link('tok', 'cli').address('tok')}:{TOKENIZER_PORT}"
+    _, cut = cut_mid_stream(net, "cli", address, "gone", ("cli", "tok"), keepalive_s=2)
+    assert aborted(tokenizer, "gone", cut + FOUND_WITHIN_S), "the tokenizer did not notice its client gone"
+    assert aborted(scheduler, r"\S+\.gone", time.monotonic() + 5), "the scheduler generated on for nobody"
