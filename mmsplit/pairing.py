@@ -12,7 +12,10 @@ family with another vision config, refuses every request with an image as
 INVALID_REQUEST, which blames the client for a deployment's mistake.
 
 So each service publishes two digests in `ServerInfo`, and the tokenizer
-sends nothing to a scheduler whose digests differ from its own:
+sends nothing to a scheduler whose digests differ from its own; it also
+sends its digests with each request (`METADATA`), and the scheduler refuses
+one whose digests differ from its own (SCHEDULER_UNAVAILABLE: the tokenizer
+tries another backend):
 
 - `vocabulary`: the vocabulary only (every token and its id, added tokens
   included), not config.json nor the bytes of the tokenizer's files: a
@@ -32,7 +35,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +43,12 @@ from mmsplit.common.v1 import common_pb2
 from mmsplit.families import Family
 
 log = logging.getLogger(__name__)
+
+
+# The request metadata a tokenizer sends its digests in: the scheduler checks
+# each request too, which closes the moment between a scheduler's replacement
+# by another model's and the tokenizer's next look at it (2 s).
+METADATA = ("mmsplit-vocabulary", "mmsplit-item-rules")
 
 
 @dataclass(frozen=True)
@@ -52,6 +61,18 @@ class Pairing:
     @classmethod
     def of(cls, info: common_pb2.ServerInfo) -> Pairing:
         return cls(info.vocabulary, info.item_rules)
+
+    @classmethod
+    def from_metadata(cls, metadata: Sequence[tuple[str, str | bytes]] | None) -> Pairing:
+        """The digests a caller sent with its request (`metadata`)."""
+        got = {key: value for key, value in metadata or () if key in METADATA and isinstance(value, str)}
+        return cls(got.get(METADATA[0], ""), got.get(METADATA[1], ""))
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        """Request metadata that carries these digests (the ones there are)."""
+        return tuple(
+            (key, value) for key, value in zip(METADATA, (self.vocabulary, self.item_rules), strict=True) if value
+        )
 
     def differences(self, theirs: Pairing) -> list[str]:
         """What differs between ours and theirs, in words (empty: nothing

@@ -66,6 +66,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
     ) -> None:
         self.frontend = frontend
         self.info = info
+        self.pairing = pairing.Pairing.of(info)
         self.step_loop = step_loop
         self.metrics = metrics
 
@@ -75,6 +76,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         rid = request.request_id
         summary = RequestSummary(rid, items=len(request.items) + len(request.pixel_values))
         try:
+            self._check_pairing(context)
             admission = self.frontend.admit(request)
         except MmsplitError as exc:
             log.info("request %s rejected: %s", rid, exc)
@@ -104,6 +106,15 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             # Cancel, deadline, disconnect, or normal end.
             self.frontend.end(rid)
             summary.log(log, self.metrics)
+
+    def _check_pairing(self, context: grpc.aio.ServicerContext) -> None:
+        """Refuse a caller that says it serves another model (`mmsplit.pairing`):
+        a tokenizer that has not yet seen that this scheduler was replaced."""
+        differ = self.pairing.differences(pairing.Pairing.from_metadata(context.invocation_metadata()))
+        if differ:
+            raise SchedulerUnavailable(
+                f"this scheduler serves another model (another {' and '.join(differ)} than the caller's)"
+            )
 
     async def GetServerInfo(  # noqa: N802
         self, request: scheduler_pb2.GetServerInfoRequest, context: grpc.aio.ServicerContext

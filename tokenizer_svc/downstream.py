@@ -126,7 +126,7 @@ class SchedulerLink:
             # certificate names the Service.
             options.append(("grpc.ssl_target_name_override", server_name))
         self.channel = security.channel(target, options)
-        self._metadata = security.metadata()
+        self._metadata = (*security.metadata(), *pairing.metadata())
         self.stub = scheduler_pb2_grpc.SchedulerServiceStub(self.channel)
         self.info: common_pb2.ServerInfo | None = None
         self.transport = common_pb2.TRANSPORT_UNSPECIFIED

@@ -17,12 +17,16 @@ from pathlib import Path
 import grpc
 import pytest
 
+from mmsplit.common.v1 import common_pb2
+from mmsplit.errors import RemoteError
+from mmsplit.pairing import Pairing
+from mmsplit.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from mmsplit.serving import free_port
 from mmsplit.tokenizer.v1 import tokenizer_pb2_grpc
 from mmsplit_cli import samples
 from mmsplit_cli.client import make_request, run_request
 from tests.conftest import SCHEDULER_SERVICE, TOKENIZER_SERVICE, Services
-from tests.e2e.helpers import health_status, scheduler_info, scrape, tokenizer_info
+from tests.e2e.helpers import health_status, rank_active_requests, scheduler_info, scrape, tokenizer_info
 from tests.support.leaks import wait_until
 from tests.support.services import ENV, ServiceProcess, tokenizer_args
 
@@ -85,3 +89,32 @@ def test_a_scheduler_of_another_model_gets_no_requests(
             timeout=60,
         )
     assert after.ok, after
+
+
+def test_the_scheduler_refuses_a_request_from_a_caller_of_another_model(services: Services) -> None:
+    """The tokenizer sends its digests with each request, and the scheduler
+    checks them: a tokenizer that has not yet seen its scheduler replaced
+    by another model's (it looks every 2 s) is refused, retriably."""
+    ours = Pairing.of(scheduler_info(services.scheduler_address))
+    request = scheduler_pb2.GenerateRequest(input_ids=[1, 306, 4966], sampling=common_pb2.SamplingParams(max_tokens=2))
+    with grpc.insecure_channel(services.scheduler_address) as channel:
+        stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
+
+        def call(rid: str, metadata: tuple[tuple[str, str], ...]) -> str:
+            request.request_id = rid
+            try:
+                events = list(stub.Generate(request, timeout=60, metadata=metadata))
+            except grpc.RpcError as exc:
+                error = RemoteError.from_rpc_error(exc)
+                return f"{exc.code().name} {error.reason}: {error.message}"  # type: ignore[attr-defined]
+            return "ok" if events[-1].HasField("finished") else "unfinished"
+
+        assert call("same", ours.metadata()) == "ok"
+        assert call("unsaid", ()) == "ok"  # a caller that says nothing is trusted
+        other = Pairing(vocabulary="0" * 32, item_rules=ours.item_rules)
+        refused = call("other", other.metadata())
+        assert refused == (
+            "UNAVAILABLE SCHEDULER_UNAVAILABLE: this scheduler serves another model (another vocabulary than the"
+            " caller's)"
+        ), refused
+    assert wait_until(lambda: rank_active_requests(services.scheduler_address) == [0, 0], timeout=10)
