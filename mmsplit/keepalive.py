@@ -25,6 +25,12 @@ def keepalive_options(keepalive_s: float, timeout_s: float) -> list[tuple[str, i
     return [
         ("grpc.keepalive_time_ms", int(keepalive_s * 1000)),
         ("grpc.keepalive_timeout_ms", int(timeout_s * 1000)),
+        # What gRPC core waits for a ping's answer (60 s by default): the
+        # keepalive timeout alone becomes TCP_USER_TIMEOUT, which finds a
+        # peer whose packets are lost, but not one whose kernel still
+        # acknowledges them while the process does not run (SIGSTOP, a
+        # frozen cgroup): that one took 60 s (tests/e2e/test_keepalive.py).
+        ("grpc.http2.ping_timeout_ms", int(timeout_s * 1000)),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
     ]

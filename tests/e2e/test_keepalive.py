@@ -16,7 +16,9 @@ brings the two sides back together."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import subprocess
 import threading
 import time
@@ -24,14 +26,18 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 
+from mmsplit.errors import RemoteError
+from mmsplit.tokenizer.v1 import tokenizer_pb2_grpc
+from mmsplit_cli.client import make_request, run_request
 from mmsplit_cli.launch import ServiceProcess
 from tests.conftest import SCHEDULER_SERVICE, TOKENIZER_SERVICE
 from tests.support import netns as netns_support
 from tests.support.leaks import wait_until
 from tests.support.pods import Pods, ip, pods
-from tests.support.services import ENV, stop_all
+from tests.support.services import ENV, running_pair, stop_all
 
 pytestmark = pytest.mark.e2e
 WHY_NOT = netns_support.available()
@@ -143,3 +149,32 @@ def test_a_client_that_vanishes_is_found_and_its_request_aborted(pair) -> None: 
     _, cut = cut_mid_stream(net, "cli", address, "gone", ("cli", "tok"), keepalive_s=2)
     assert aborted(tokenizer, "gone", cut + FOUND_WITHIN_S), "the tokenizer did not notice its client gone"
     assert aborted(scheduler, r"\S+\.gone", time.monotonic() + 5), "the scheduler generated on for nobody"
+
+
+def test_a_frozen_scheduler_is_found_and_the_group_serves_once_it_thaws(tiny_model: Path, tmp_path: Path) -> None:
+    """A scheduler whose process stops running (SIGSTOP: a frozen cgroup, a
+    node in swap death) keeps its TCP connections open, and the kernel keeps
+    accepting: only unanswered pings show it. Its requests fail
+    SCHEDULER_UNAVAILABLE within seconds; once it runs again it aborts them
+    (their tokenizer has gone from them) and serves new ones."""
+    with (
+        running_pair(tiny_model, tmp_path, scheduler_extra=["--tp", "1", *KEEPALIVE], tokenizer_extra=KEEPALIVE) as p,
+        grpc.insecure_channel(p.tokenizer_address) as channel,
+    ):
+        stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
+        events = stub.Generate(
+            make_request("Go on.", max_tokens=3000, min_tokens=3000, request_id="frozen"), timeout=120
+        )
+        next(events)  # it streams
+        os.kill(p.scheduler.pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        try:
+            with pytest.raises(grpc.RpcError) as failed:
+                for _ in events:
+                    pass
+            assert time.monotonic() - stopped < FOUND_WITHIN_S
+            assert RemoteError.from_rpc_error(failed.value).reason == "SCHEDULER_UNAVAILABLE"
+        finally:
+            os.kill(p.scheduler.pid, signal.SIGCONT)
+        assert aborted(p.scheduler, r"\S+\.frozen", time.monotonic() + FOUND_WITHIN_S), "it generated on for nobody"
+        assert wait_until(lambda: run_request(stub, make_request("Hi.", max_tokens=2), timeout=30).ok, timeout=30)
