@@ -23,6 +23,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -34,9 +35,10 @@ from mmsplit.tokenizer.v1 import tokenizer_pb2_grpc
 from mmsplit_cli.client import make_request, run_request
 from mmsplit_cli.launch import ServiceProcess
 from tests.conftest import SCHEDULER_SERVICE, TOKENIZER_SERVICE
+from tests.e2e.helpers import scheduler_info
 from tests.support import netns as netns_support
 from tests.support.leaks import wait_until
-from tests.support.pods import Pods, ip, pods
+from tests.support.pods import Pods, ip, pods, start_client
 from tests.support.services import ENV, running_pair, stop_all
 
 pytestmark = pytest.mark.e2e
@@ -178,3 +180,34 @@ def test_a_frozen_scheduler_is_found_and_the_group_serves_once_it_thaws(tiny_mod
             os.kill(p.scheduler.pid, signal.SIGCONT)
         assert aborted(p.scheduler, r"\S+\.frozen", time.monotonic() + FOUND_WITHIN_S), "it generated on for nobody"
         assert wait_until(lambda: run_request(stub, make_request("Hi.", max_tokens=2), timeout=30).ok, timeout=30)
+
+
+def test_a_frozen_client_s_queued_request_is_aborted(tiny_model: Path, tmp_path: Path) -> None:
+    """A client whose process stops running (a stopped consumer) while its
+    request waits in the scheduler's queue would keep that place until the
+    request's turn came and its output filled the connection's window; the
+    tokenizer's pings find it, and the request is aborted where it waits."""
+    blockers = 8
+    scheduler = ["--tp", "1", "--max-running", "1", *KEEPALIVE]
+    with (
+        running_pair(tiny_model, tmp_path, scheduler_extra=scheduler, tokenizer_extra=KEEPALIVE) as p,
+        grpc.insecure_channel(p.tokenizer_address) as channel,
+        ThreadPoolExecutor(blockers) as pool,
+    ):
+        stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
+        # One runs, the others queue: ~2 s each here, the batch holding one.
+        long = [make_request("Go on.", max_tokens=1000, min_tokens=1000, request_id=f"b{i}") for i in range(blockers)]
+        ahead = [pool.submit(run_request, stub, request, 120) for request in long]
+        assert wait_until(lambda: scheduler_info(p.scheduler_address).queued_requests == blockers - 1, timeout=30)
+        client = start_client(p.tokenizer_address, [{"request_id": "stopped", "max_tokens": 4}], keepalive_s=0)
+        try:
+            assert wait_until(lambda: scheduler_info(p.scheduler_address).queued_requests == blockers, timeout=30)
+            os.kill(client.pid, signal.SIGSTOP)
+            frozen = time.monotonic()
+            assert aborted(p.tokenizer, "stopped", frozen + FOUND_WITHIN_S), "its request kept its place in the queue"
+            assert aborted(p.scheduler, r"\S+\.stopped", time.monotonic() + 5)
+            assert not any(f.done() for f in ahead[2:]), "the queue ran out before the check: add blockers"
+        finally:
+            client.kill()
+            client.wait()
+        assert all(f.result().ok for f in ahead)

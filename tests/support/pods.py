@@ -56,14 +56,8 @@ class Pods:
     def client(
         self, pod: str, address: str, specs: list[dict[str, Any]], *, keepalive_s: float | None = None
     ) -> subprocess.Popen[str]:
-        """`tests.support.pod_client` sending these requests to `address`
-        from inside `pod`; its JSON lines on stdout."""
-        from tests.support.services import ENV, ROOT
-
-        command = [*self.wrapper(pod), sys.executable, "-m", "tests.support.pod_client", address, json.dumps(specs)]
-        if keepalive_s is not None:
-            command.append(str(keepalive_s))
-        return subprocess.Popen(command, stdout=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, **ENV})
+        """`start_client` inside `pod`."""
+        return start_client(address, specs, keepalive_s=keepalive_s, wrapper=self.wrapper(pod))
 
     def pids(self, pod: str) -> list[int]:
         out = subprocess.run(
@@ -73,6 +67,19 @@ class Pods:
 
     def link(self, a: str, b: str) -> Link:
         return next(link for link in self.links if set(link.ends) == {a, b})
+
+
+def start_client(
+    address: str, specs: list[dict[str, Any]], *, keepalive_s: float | None = None, wrapper: Sequence[str] = ()
+) -> subprocess.Popen[str]:
+    """`tests.support.pod_client` sending these requests to `address` (run
+    under `wrapper`, such as a pod's); its JSON lines on stdout."""
+    from tests.support.services import ENV, ROOT
+
+    command = [*wrapper, sys.executable, "-m", "tests.support.pod_client", address, json.dumps(specs)]
+    if keepalive_s is not None:
+        command.append(str(keepalive_s))
+    return subprocess.Popen(command, stdout=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, **ENV})
 
 
 @contextlib.contextmanager
