@@ -9,6 +9,7 @@ import dataclasses
 from collections.abc import Iterable
 from typing import Any, TypeVar
 
+from mmsplit.keepalive import MIN_PING_INTERVAL_MS
 from mmsplit.shm import check_prefix
 
 T = TypeVar("T")
@@ -51,9 +52,10 @@ def check(settings: Any, *extra: str) -> None:
 
 
 def keepalive_problems(keepalive_s: float) -> list[str]:
-    """`--keepalive-s` pings no more often than servers accept (`mmsplit.serving`)."""
-    if 0 < keepalive_s < 1:
-        return [f"--keepalive-s must be 0 (off) or at least 1, not {keepalive_s:g}"]
+    """`--keepalive-s` pings no more often than our servers accept (`mmsplit.keepalive`)."""
+    least = MIN_PING_INTERVAL_MS / 1000
+    if 0 < keepalive_s < least:
+        return [f"--keepalive-s must be 0 (off) or at least {least:g}, not {keepalive_s:g}"]
     return []
 
 

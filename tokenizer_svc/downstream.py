@@ -247,7 +247,7 @@ class Schedulers:
         return next((link for link in self.links.values() if link.connected), None)
 
     @property
-    def refused_all(self) -> str:
+    def serving_another_model(self) -> str:
         """What differs ("vocabulary", ...) when no backend is connected and
         some answer as another model; else ""."""
         if self.connected:

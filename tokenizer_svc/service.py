@@ -180,9 +180,10 @@ class TokenizerService:
         # depends on where it is.
         backend = self.link.pick()
         if backend is None:
+            differ = self.link.serving_another_model
             raise SchedulerUnavailable(
-                f"no scheduler serves this tokenizer's model (theirs has another {self.link.refused_all})"
-                if self.link.refused_all
+                f"no scheduler serves this tokenizer's model (theirs has another {differ})"
+                if differ
                 else "no scheduler is reachable; retry shortly",
                 retry_after_ms=self.settings.unavailable_retry_after_ms,
             )
