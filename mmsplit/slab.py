@@ -28,7 +28,8 @@ Lifecycle of one slice:
    atomically.
 2. The tokenizer process checks that the writer's lock is there, then takes
    its own read lock (`take`), so the chain of holders is unbroken. The
-   worker notices the other holder and drops its lock (`HandOff`).
+   worker notices the other holder, between its tasks, and drops its lock
+   (`HandOff`).
 3. The scheduler's rank 0 does the same (`take`) before saying Accepted;
    the tokenizer then drops its lock. A reference to a range nobody holds
    is refused, so a forged or stale reference cannot read reused pixels.
@@ -541,6 +542,10 @@ def _allocated(fd: int, st: os.stat_result, nbytes: int, wait_s: float, fill: Ca
     while (page := _allocate(fd, need, total)) is None:
         if time.monotonic() >= deadline:
             raise SlabFull(f"no room for {nbytes} more bytes of {size} now")
+        if not _deferred.threaded:
+            # This process lets go of what it handed off only when it polls,
+            # and its own slices, taken meanwhile, may be the room it waits for.
+            _deferred.poll()
         time.sleep(delay)
         delay = min(delay * 2, 0.02)
     offset = page * PAGE
@@ -647,13 +652,18 @@ def read_into(piece: shm.Slice, prefix: str, out: memoryview) -> None:
 
 
 class HandOff:
-    """Slices this process lets go of once a condition holds, polled every
-    2 ms by one daemon thread (started on first use), or after `timeout_s`
-    in any case: a writer's slices until another holder's lock shows
-    (`add`), and a taker's releases until its writer has let go (`wait`)."""
+    """Slices this process lets go of once a condition holds, or after
+    `timeout_s` in any case: a writer's slices until another holder's lock
+    shows (`add`), and a taker's releases until its writer has let go
+    (`wait`). Checked every 2 ms by one daemon thread (started on first
+    use), or, with `threaded=False`, only when the owner calls `poll`: a
+    pool worker polls between its tasks and while it waits for one
+    (`tokenizer_svc.worker`), which spares it a thread that woke five times
+    per image and took the GIL from the preprocessing each time."""
 
-    def __init__(self, timeout_s: float = HANDOFF_TIMEOUT_S) -> None:
+    def __init__(self, timeout_s: float = HANDOFF_TIMEOUT_S, *, threaded: bool = True) -> None:
         self._timeout_s = timeout_s
+        self.threaded = threaded
         self._pending: list[tuple[Held, Callable[[Held], bool], float]] = []
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -665,7 +675,7 @@ class HandOff:
     def wait(self, held: Held, ready: Callable[[Held], bool]) -> None:
         with self._cond:
             self._pending.append((held, ready, time.monotonic() + self._timeout_s))
-            if self._thread is None:
+            if self.threaded and self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="slab-handoff", daemon=True)
                 self._thread.start()
             self._cond.notify()
@@ -674,26 +684,38 @@ class HandOff:
         with self._cond:
             return len(self._pending)
 
+    def poll(self) -> int:
+        """One check of every pending slice now, letting go of those that
+        are ready (or timed out); how many are still pending."""
+        with self._cond:
+            pending = list(self._pending)
+        if pending:
+            self._check(pending)
+        return self.pending()
+
     def _run(self) -> None:
         while True:
             with self._cond:
                 while not self._pending:
                     self._cond.wait()
                 pending = list(self._pending)
-            now = time.monotonic()
-            done = [item for item in pending if item[2] <= now or _ready(item[0], item[1])]
-            for held, _, _ in done:
-                try:
-                    held.close()
-                except Exception:
-                    log.exception("slab hand-off: letting a slice go failed")
-            gone = {id(item) for item in done}
-            with self._cond:
-                self._pending = [item for item in self._pending if id(item) not in gone]
+            self._check(pending)
             # Nobody waits for this (a taker holds its own lock already): a
             # slow poll only keeps a slice out of use a moment longer, and
             # spares the worker's CPU.
             time.sleep(0.002)
+
+    def _check(self, pending: list[tuple[Held, Callable[[Held], bool], float]]) -> None:
+        now = time.monotonic()
+        done = [item for item in pending if item[2] <= now or _ready(item[0], item[1])]
+        for held, _, _ in done:
+            try:
+                held.close()
+            except Exception:
+                log.exception("slab hand-off: letting a slice go failed")
+        gone = {id(item) for item in done}
+        with self._cond:
+            self._pending = [item for item in self._pending if id(item) not in gone]
 
 
 def _ready(held: Held, ready: Callable[[Held], bool]) -> bool:
@@ -715,6 +737,22 @@ _deferred = HandOff()
 def hand_off(held: Held) -> None:
     """Keep a slice this process wrote until its next holder has taken it."""
     _deferred.add(held)
+
+
+def poll_hand_offs_here() -> None:
+    """From now on this process's hand-offs and deferred releases wait for
+    `poll_hand_offs`, not for a thread of their own. Called before any is
+    pending (a pool worker, as it starts)."""
+    global _deferred
+    if _deferred.pending():
+        raise RuntimeError("hand-offs are pending already")
+    _deferred = HandOff(threaded=False)
+
+
+def poll_hand_offs() -> int:
+    """Check this process's hand-offs and deferred releases now (see
+    `poll_hand_offs_here`); how many are still pending."""
+    return _deferred.poll()
 
 
 def _after_fork() -> None:

@@ -21,6 +21,7 @@ import struct
 from collections.abc import Callable
 from typing import Any
 
+from mmsplit import slab
 from tokenizer_svc.errors import InternalError
 from tokenizer_svc.preprocess import init_worker, preprocess
 
@@ -28,6 +29,8 @@ log = logging.getLogger(__name__)
 
 # How long a stopping worker gets to exit before it is killed.
 STOP_TIMEOUT_S = 5.0
+# How often an idle worker checks whether the slices it wrote were taken.
+HAND_OFF_POLL_S = 0.002
 # multiprocessing.Connection's framing (what the worker's `recv` reads).
 _SIZE = struct.Struct("!i")
 _LONG = struct.Struct("!Q")
@@ -43,9 +46,15 @@ def serve(conn: multiprocessing.connection.Connection, model_dir: str, owner_pid
     except BaseException as exc:
         conn.send(("failed", f"{type(exc).__name__}: {exc}"))
         return
+    slab.poll_hand_offs_here()
     conn.send(("ready", os.getpid()))
     while True:
         try:
+            # Slices written for earlier tasks go once the tokenizer has
+            # taken them: checked between tasks, and every HAND_OFF_POLL_S
+            # while no task is waiting.
+            while slab.poll_hand_offs() and not conn.poll(HAND_OFF_POLL_S):
+                pass
             job = conn.recv()
         except (EOFError, OSError):
             return

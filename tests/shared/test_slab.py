@@ -100,6 +100,41 @@ def test_a_check_that_fails_does_not_stop_the_hand_off_thread(
     assert owned.used_bytes() == 0
 
 
+def test_an_unthreaded_hand_off_lets_go_only_when_polled(owned: slab.Slab) -> None:
+    handoff = slab.HandOff(threaded=False)
+    writer = slab.write(owned.name, PREFIX, memoryview(tensor(1000, 7)), wait_s=0)
+    handoff.add(writer)
+    assert handoff.poll() == 1, "let go before anyone took it"
+    taker = slab.take(writer.slice, PREFIX)
+    time.sleep(0.05)
+    assert handoff.pending() == 1, "let go without a poll: a thread is checking"
+    assert handoff.poll() == 0
+    assert owned.used_bytes() == slab.PAGE  # the taker's now
+    taker.release()
+    assert owned.used_bytes() == 0
+
+
+def test_a_writer_that_polls_frees_its_taken_slices_while_it_waits_for_room(
+    owned: slab.Slab, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pool worker lets go of what it handed off only when it polls: when
+    the slab is full of its own slices, taken and let go of by their taker
+    meanwhile, its wait for room must poll, or it waits out `wait_s` for
+    room that is only its own to give."""
+    monkeypatch.setattr(slab, "_deferred", slab.HandOff(threaded=False))
+    for i in range(4):  # 4 x 1 MiB: the slab is full
+        writer = slab.write(owned.name, PREFIX, memoryview(tensor(MIB, i)), wait_s=0)
+        slab.hand_off(writer)
+        slab.take(writer.slice, PREFIX).release()  # deferred: its writer has not polled
+    assert owned.used_bytes() == 4 * MIB
+    started = time.monotonic()
+    held = slab.write(owned.name, PREFIX, memoryview(tensor(MIB, 9)), wait_s=10)
+    assert time.monotonic() - started < 5
+    held.release()
+    assert slab.poll_hand_offs() == 0
+    assert owned.used_bytes() == 0
+
+
 def test_a_hand_off_that_nobody_takes_times_out(owned: slab.Slab) -> None:
     handoff = slab.HandOff(timeout_s=0.1)
     handoff.add(slab.write(owned.name, PREFIX, memoryview(tensor(1000, 3)), wait_s=0))
