@@ -4,10 +4,19 @@ done serially in one process, measured in the same run.
 For each model family's processor (LLaVA-1.5 and LLaVA-NeXT by default) and
 each pool size W: images/s through `CpuPool` with W workers (decode, the
 model's image processor, the family's rows, the write into a slice of a
-slab, as the service does with shared memory; all jobs submitted at once)
-/ (W x images/s of one process doing decode + processor + rows serially
-with one torch thread). 1.0 means the pool costs nothing on
-top of the work itself. Slices are taken over and released as they come.
+slab, as the service does with shared memory) under steady load / (W x
+images/s of one process doing decode + processor + rows serially with one
+torch thread). 1.0 means the pool costs nothing on top of the work itself.
+Slices are taken over and released as they come.
+
+Steady load (`steady_rate`): 3 x W callers keep the pool busy, and the
+images finished within a window are counted, as a serving pool runs. Also
+"batch / (W x serial)": W copies of the pictures submitted at once and
+timed until the last is done; that adds the batch's drain, where one
+worker idles while another finishes the last image (2-27 ms of a 360 ms
+LLaVA-1.5 batch at W=2 here, 2-7 % of its time), which a pool in service
+never has, and which the W processes apart below never have either (each
+does the same pictures, so they end together).
 
 Also: "W apart", W separate processes doing that serial work at once, and
 pool / W apart. The first ratio asks the pool to scale like W idle cores;
@@ -16,7 +25,8 @@ W processes at once (on 2 cloud cores, one busy core runs faster than two).
 "W apart / (W x serial)" is that: what this machine gives W processes at
 once, the ceiling of the first ratio for any pool of W processes.
 
-    python bench/preprocess.py [--families llava,llava-next] [--workers 1,2] [--images 24] [--rounds 5]
+    python bench/preprocess.py [--families llava,llava-next] [--workers 1,2] [--images 24] [--rounds 7]
+                               [--window-s 2.0]
 """
 
 from __future__ import annotations
@@ -24,11 +34,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import itertools
 import multiprocessing as mp
 import os
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -46,6 +58,8 @@ from tokenizer_svc.preprocess import ImageJob, SlabRef, keep_heap
 SIZES = [(640, 480), (800, 600), (1024, 768), (1280, 720), (1600, 900), (1920, 1080)]
 MAX_PIXELS = 40_000_000
 PREFIX = "mmsplitbench"
+# Before the steady-load window opens: every worker busy, its next task written to it.
+WARM_UP_S = 0.2
 
 
 def images(n: int) -> list[bytes]:
@@ -89,50 +103,98 @@ def together_rate(
     return workers * len(pictures) / (max(e for _, e in spans) - min(s for s, _ in spans))
 
 
-async def pool_rate(pool: CpuPool, pictures: list[bytes], owned: slab.Slab) -> float:
+def _jobs(pictures: list[bytes], owned: slab.Slab) -> Iterator[ImageJob]:
     ref = SlabRef(owned.name, owned.max_slice, wait_s=60)
-    jobs = [ImageJob(d, MAX_PIXELS, 50.0, PREFIX, os.getpid(), slab=ref) for d in pictures]
+    for data in itertools.cycle(pictures):
+        yield ImageJob(data, MAX_PIXELS, 50.0, PREFIX, os.getpid(), slab=ref)
 
-    async def one(i: int, job: ImageJob) -> None:
-        result = await pool.preprocess(job, timeout_s=120, request_id=f"bench-{i}")
-        for piece in result.slab_slices:  # taken over, as the service does, then let go
-            slab.take(piece, PREFIX).release()
 
+async def _one(pool: CpuPool, job: ImageJob, i: int) -> None:
+    result = await pool.preprocess(job, timeout_s=120, request_id=f"bench-{i}")
+    for piece in result.slab_slices:  # taken over, as the service does, then let go
+        slab.take(piece, PREFIX).release()
+
+
+async def batch_rate(pool: CpuPool, pictures: list[bytes], owned: slab.Slab) -> float:
+    """Images/s of `pictures` submitted at once, until the last is done:
+    this includes the batch's drain, where workers that have no task left
+    idle while the others finish theirs."""
+    jobs = _jobs(pictures, owned)
     start = time.perf_counter()
-    await asyncio.gather(*(one(i, job) for i, job in enumerate(jobs)))
+    await asyncio.gather(*(_one(pool, next(jobs), i) for i in range(len(pictures))))
     return len(pictures) / (time.perf_counter() - start)
 
 
-async def measure(model: Path, workers: int, pictures: list[bytes], rounds: int) -> list[float]:
-    """Medians of: serial rate, W processes' rate together, pool rate,
-    pool / (W x serial), pool / together and together / (W x serial), the
-    ratios taken per round.
-    Each round's serial rate is the mean of one run just before and one
-    just after its pool run: this machine's speed drifts by a third within
-    a minute (other tenants), and rates taken seconds apart follow the
-    drift, not the pool."""
+async def steady_rate(pool: CpuPool, workers: int, pictures: list[bytes], owned: slab.Slab, window_s: float) -> float:
+    """Images/s under steady load: 3 x W callers, each submitting its next
+    picture (cycling through `pictures`) as soon as its last is done, so
+    that every worker always has its next task; the images finished within
+    `window_s`, after a warm-up of WARM_UP_S. The images in progress at the
+    window's two edges are what makes this count differ from the work
+    done; they are as likely any picture at either edge (the window spans
+    several passes through the pictures), so the count is the work done
+    on average, and the rate that of a pool in service, which never
+    drains."""
+    jobs = _jobs(pictures, owned)
+    done: list[float] = []
+    start = time.perf_counter()
+    end = start + WARM_UP_S + window_s
+
+    async def caller(c: int) -> None:
+        i = c
+        while time.perf_counter() < end:
+            await _one(pool, next(jobs), i)
+            done.append(time.perf_counter())
+            i += 3 * workers
+
+    await asyncio.gather(*(caller(c) for c in range(3 * workers)))
+    return sum(1 for t in done if start + WARM_UP_S <= t < end) / window_s
+
+
+async def measure(model: Path, workers: int, pictures: list[bytes], rounds: int, window_s: float) -> list[float]:
+    """Medians of: serial rate, W processes' rate together, pool rate
+    (steady), pool / (W x serial), pool / together, together / (W x
+    serial) and the batch pool rate / (W x serial), the ratios taken per
+    round.
+    Every rate is taken against the mean of the serial runs just before
+    and just after it (a round: serial, steady pool, serial, batch pool
+    and W apart, serial; its last serial run is the next round's first),
+    and pool / W apart is the quotient of the two against serial: this
+    machine's speed drifts by a third within a minute and by a tenth
+    within seconds (other tenants), and rates taken further apart follow
+    the drift, not the pool."""
     pool = CpuPool(str(model), workers, queue_timeout_s=600)
     await pool.start()
     ctx = mp.get_context("forkserver")
     apart = concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=keep_heap)
     owned = slab.Slab(PREFIX, os.getpid(), 256 << 20)
-    rows: list[tuple[float, float, float, float, float, float]] = []
+    rows: list[tuple[float, ...]] = []
     try:
         # Warm-up: every picture once, so each worker's heap has grown to
         # what these sizes need (as a serving worker's has) before timing.
-        await pool_rate(pool, pictures, owned)
+        await batch_rate(pool, pictures, owned)
         together_rate(apart, workers, model, pictures)
         before = serial_rate(model, pictures)
         for _ in range(rounds):
-            # The pool does the work the W processes apart do together: each
-            # picture W times, so its start and its tail (the last images,
-            # when fewer than W are left) weigh as much as theirs.
-            rate = await pool_rate(pool, pictures * workers, owned)
+            rate = await steady_rate(pool, workers, pictures, owned, window_s)
+            middle = serial_rate(model, pictures)
+            # The batch: the work the W processes apart do together, each
+            # picture W times.
+            batch = await batch_rate(pool, pictures * workers, owned)
             together = together_rate(apart, workers, model, pictures)
             after = serial_rate(model, pictures)
-            serial = (before + after) / 2
+            ratio = rate / (workers * (before + middle) / 2)
+            machine = together / (workers * (middle + after) / 2)
             rows.append(
-                (serial, together, rate, rate / (workers * serial), rate / together, together / (workers * serial))
+                (
+                    (before + middle + after) / 3,
+                    together,
+                    rate,
+                    ratio,
+                    ratio / machine,
+                    machine,
+                    batch / (workers * (middle + after) / 2),
+                )
             )
             before = after
     finally:
@@ -142,7 +204,9 @@ async def measure(model: Path, workers: int, pictures: list[bytes], rounds: int)
     return [statistics.median(column) for column in zip(*rows, strict=True)]
 
 
-def run(*, family_names: list[str], worker_counts: list[int], n_images: int, rounds: int, workdir: Path) -> str:
+def run(
+    *, family_names: list[str], worker_counts: list[int], n_images: int, rounds: int, window_s: float, workdir: Path
+) -> str:
     from mmsplit_cli.tiny_model import build
 
     pictures = images(n_images)
@@ -152,7 +216,9 @@ def run(*, family_names: list[str], worker_counts: list[int], n_images: int, rou
         if not (model / "config.json").exists():
             build(model, cache_dir=ROOT / ".cache", family=name)
         for workers in worker_counts:
-            serial, together, rate, ratio, share, machine = asyncio.run(measure(model, workers, pictures, rounds))
+            serial, together, rate, ratio, share, machine, batch = asyncio.run(
+                measure(model, workers, pictures, rounds, window_s)
+            )
             rows.append(
                 [
                     name,
@@ -163,6 +229,7 @@ def run(*, family_names: list[str], worker_counts: list[int], n_images: int, rou
                     f"{ratio:.2f}",
                     f"{share:.2f}",
                     f"{machine:.2f}",
+                    f"{batch:.2f}",
                 ]
             )
     header = [
@@ -174,10 +241,12 @@ def run(*, family_names: list[str], worker_counts: list[int], n_images: int, rou
         "pool / (W x serial)",
         "pool / W apart",
         "W apart / (W x serial)",
+        "batch / (W x serial)",
     ]
     return (
-        f"{n_images} JPEGs 640x480..1920x1080; medians of {rounds} rounds, each pool run"
-        " against the serial runs on either side of it\n" + table(header, rows)
+        f"{n_images} JPEGs 640x480..1920x1080; medians of {rounds} rounds, each rate against the"
+        f" serial runs on either side of it; pool: steady load, {window_s:g} s window;"
+        " batch: all at once, until the last is done\n" + table(header, rows)
     )
 
 
@@ -186,7 +255,8 @@ def main() -> None:
     parser.add_argument("--families", default="llava,llava-next")
     parser.add_argument("--workers", default="1,2")
     parser.add_argument("--images", type=int, default=24)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--window-s", type=float, default=2.0, help="how long the steady-load rate is counted")
     parser.add_argument("--workdir", type=Path, help="where the tiny models go (default: a temporary directory)")
     args = parser.parse_args()
     with scratch_dir(args.workdir) as where:
@@ -196,6 +266,7 @@ def main() -> None:
                 worker_counts=[int(w) for w in args.workers.split(",")],
                 n_images=args.images,
                 rounds=args.rounds,
+                window_s=args.window_s,
                 workdir=where,
             )
         )
