@@ -9,8 +9,9 @@ images/s of one process doing decode + processor + rows serially with one
 torch thread). 1.0 means the pool costs nothing on top of the work itself.
 Slices are taken over and released as they come.
 
-Steady load (`steady_rate`): 3 x W callers keep the pool busy, and the
-images finished within a window are counted, as a serving pool runs. Also
+Steady load (`steady_rate`): 3 x W callers keep the pool busy, as in
+service, and whole passes through the pictures (about `--window-s`) are
+timed from one image's end to another's. Also
 "batch / (W x serial)": W copies of the pictures submitted at once and
 timed until the last is done; that adds the batch's drain, where one
 worker idles while another finishes the last image (2-27 ms of a 360 ms
@@ -58,7 +59,7 @@ from tokenizer_svc.preprocess import ImageJob, SlabRef, keep_heap
 SIZES = [(640, 480), (800, 600), (1024, 768), (1280, 720), (1600, 900), (1920, 1080)]
 MAX_PIXELS = 40_000_000
 PREFIX = "mmsplitbench"
-# Before the steady-load window opens: every worker busy, its next task written to it.
+# Before steady-load timing starts: every worker busy, its next task written to it.
 WARM_UP_S = 0.2
 
 
@@ -125,30 +126,39 @@ async def batch_rate(pool: CpuPool, pictures: list[bytes], owned: slab.Slab) -> 
     return len(pictures) / (time.perf_counter() - start)
 
 
-async def steady_rate(pool: CpuPool, workers: int, pictures: list[bytes], owned: slab.Slab, window_s: float) -> float:
+async def steady_rate(pool: CpuPool, workers: int, pictures: list[bytes], owned: slab.Slab, passes: int) -> float:
     """Images/s under steady load: 3 x W callers, each submitting its next
     picture (cycling through `pictures`) as soon as its last is done, so
-    that every worker always has its next task; the images finished within
-    `window_s`, after a warm-up of WARM_UP_S. The images in progress at the
-    window's two edges are what makes this count differ from the work
-    done; they are as likely any picture at either edge (the window spans
-    several passes through the pictures), so the count is the work done
-    on average, and the rate that of a pool in service, which never
-    drains."""
+    that every worker always has its next task; timed from the first
+    image finished after a warm-up of WARM_UP_S to the one `passes` x
+    len(pictures) images later. So the images counted are whole passes
+    through the pictures (up to the order of a few at either end): a count
+    of the images finished in a fixed time would weigh whichever pictures
+    its window happens to hold, the same ones in every round, since each
+    round starts from the first picture. The rate is that of a pool in
+    service, which never drains."""
     jobs = _jobs(pictures, owned)
     done: list[float] = []
-    start = time.perf_counter()
-    end = start + WARM_UP_S + window_s
+    counted = passes * len(pictures)
+    warm_until = time.perf_counter() + WARM_UP_S
+    first: int | None = None
+
+    def finished() -> bool:
+        return first is not None and len(done) > first + counted
 
     async def caller(c: int) -> None:
+        nonlocal first
         i = c
-        while time.perf_counter() < end:
+        while not finished():
             await _one(pool, next(jobs), i)
             done.append(time.perf_counter())
+            if first is None and done[-1] >= warm_until:
+                first = len(done) - 1
             i += 3 * workers
 
     await asyncio.gather(*(caller(c) for c in range(3 * workers)))
-    return sum(1 for t in done if start + WARM_UP_S <= t < end) / window_s
+    assert first is not None
+    return counted / (done[first + counted] - done[first])
 
 
 async def measure(model: Path, workers: int, pictures: list[bytes], rounds: int, window_s: float) -> list[float]:
@@ -176,7 +186,8 @@ async def measure(model: Path, workers: int, pictures: list[bytes], rounds: int,
         together_rate(apart, workers, model, pictures)
         before = serial_rate(model, pictures)
         for _ in range(rounds):
-            rate = await steady_rate(pool, workers, pictures, owned, window_s)
+            passes = max(1, round(window_s * workers * before / len(pictures)))
+            rate = await steady_rate(pool, workers, pictures, owned, passes)
             middle = serial_rate(model, pictures)
             # The batch: the work the W processes apart do together, each
             # picture W times.
@@ -245,7 +256,7 @@ def run(
     ]
     return (
         f"{n_images} JPEGs 640x480..1920x1080; medians of {rounds} rounds, each rate against the"
-        f" serial runs on either side of it; pool: steady load, {window_s:g} s window;"
+        f" serial runs on either side of it; pool: steady load, whole passes of about {window_s:g} s;"
         " batch: all at once, until the last is done\n" + table(header, rows)
     )
 
@@ -256,7 +267,7 @@ def main() -> None:
     parser.add_argument("--workers", default="1,2")
     parser.add_argument("--images", type=int, default=24)
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--window-s", type=float, default=2.0, help="how long the steady-load rate is counted")
+    parser.add_argument("--window-s", type=float, default=2.0, help="about how long the steady-load rate is timed")
     parser.add_argument("--workdir", type=Path, help="where the tiny models go (default: a temporary directory)")
     args = parser.parse_args()
     with scratch_dir(args.workdir) as where:
