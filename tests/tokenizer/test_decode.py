@@ -57,6 +57,26 @@ def test_transparency_is_composited_over_white() -> None:
     assert im.getpixel((0, 0)) == (255, 255, 255)
 
 
+@pytest.mark.parametrize("fmt", ["JPEG", "PNG", "WEBP"])
+def test_an_rgb_image_comes_back_whole_and_readable(fmt: str) -> None:
+    """RGB needing no turn is returned as decoded, not copied: its pixels
+    must still be there (closing a PIL image drops them)."""
+    data = encode(samples.gradient(64, 48), fmt)
+    out = decode_image(data, max_pixels=LIMIT)
+    with Image.open(io.BytesIO(data)) as reference:
+        expected = np.asarray(reference.convert("RGB"))
+    assert np.array_equal(np.asarray(out), expected)
+
+
+def test_an_animated_rgb_webp_gives_its_first_frame_readable() -> None:
+    frames = [Image.new("RGB", (8, 8), c) for c in ((255, 0, 0), (0, 255, 0))]
+    buf = io.BytesIO()
+    frames[0].save(buf, format="WEBP", save_all=True, append_images=frames[1:], lossless=True)
+    out = decode_image(buf.getvalue(), max_pixels=LIMIT)
+    assert out.mode == "RGB"
+    assert out.getpixel((4, 4)) == (255, 0, 0)
+
+
 def test_sixteen_bit_grayscale_keeps_its_range() -> None:
     arr = np.full((4, 4), 40000, dtype=np.uint16)
     im = decode_image(encode(Image.fromarray(arr), "PNG"), max_pixels=LIMIT)
