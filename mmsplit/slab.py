@@ -670,9 +670,12 @@ class HandOff:
 
     def __init__(self, timeout_s: float = HANDOFF_TIMEOUT_S, *, threaded: bool = True) -> None:
         self._timeout_s = timeout_s
-        self.threaded = threaded
+        self._threaded = threaded
         self._pending: list[tuple[Held, Callable[[Held], bool], float]] = []
         self._cond = threading.Condition()
+        # One check at a time: the thread's, and those of writers waiting for
+        # room (`poll`), would otherwise test and close the same slices at once.
+        self._checking = threading.Lock()
         self._thread: threading.Thread | None = None
 
     def add(self, held: Held) -> None:
@@ -682,7 +685,7 @@ class HandOff:
     def wait(self, held: Held, ready: Callable[[Held], bool]) -> None:
         with self._cond:
             self._pending.append((held, ready, time.monotonic() + self._timeout_s))
-            if self.threaded and self._thread is None:
+            if self._threaded and self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="slab-handoff", daemon=True)
                 self._thread.start()
             self._cond.notify()
@@ -694,10 +697,7 @@ class HandOff:
     def poll(self) -> int:
         """One check of every pending slice now, letting go of those that
         are ready (or timed out); how many are still pending."""
-        with self._cond:
-            pending = list(self._pending)
-        if pending:
-            self._check(pending)
+        self._check()
         return self.pending()
 
     def _run(self) -> None:
@@ -705,24 +705,26 @@ class HandOff:
             with self._cond:
                 while not self._pending:
                     self._cond.wait()
-                pending = list(self._pending)
-            self._check(pending)
+            self._check()
             # Nobody waits for this (a taker holds its own lock already; a
             # writer short of room polls itself): a slow poll only keeps a
             # slice out of use a moment longer, and spares the CPU.
             time.sleep(HANDOFF_POLL_S)
 
-    def _check(self, pending: list[tuple[Held, Callable[[Held], bool], float]]) -> None:
-        now = time.monotonic()
-        done = [item for item in pending if item[2] <= now or _ready(item[0], item[1])]
-        for held, _, _ in done:
-            try:
-                held.close()
-            except Exception:
-                log.exception("slab hand-off: letting a slice go failed")
-        gone = {id(item) for item in done}
-        with self._cond:
-            self._pending = [item for item in self._pending if id(item) not in gone]
+    def _check(self) -> None:
+        with self._checking:
+            with self._cond:
+                pending = list(self._pending)
+            now = time.monotonic()
+            done = [item for item in pending if item[2] <= now or _ready(item[0], item[1])]
+            for held, _, _ in done:
+                try:
+                    held.close()
+                except Exception:
+                    log.exception("slab hand-off: letting a slice go failed")
+            gone = {id(item) for item in done}
+            with self._cond:
+                self._pending = [item for item in self._pending if id(item) not in gone]
 
 
 def _ready(held: Held, ready: Callable[[Held], bool]) -> bool:
