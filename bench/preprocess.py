@@ -26,6 +26,16 @@ W processes at once (on 2 cloud cores, one busy core runs faster than two).
 "W apart / (W x serial)" is that: what this machine gives W processes at
 once, the ceiling of the first ratio for any pool of W processes.
 
+And pool / (W x serial) taken apart (their product, per round): "workers'
+time at work", the share of the workers' wall time under steady load that
+went to decode and processor, as each worker timed it (`ItemResult.stages`),
+so 1 minus it is the pool's own cost (reading the job, writing the slice,
+the socket, the gap to the next task); and "work in pool / serial", how
+fast that same work ran in the workers against the serial runs around it.
+The first is the pool's doing; the second is this machine's: on a shared
+host the serial runs seconds apart differ by up to a fifth, and that, not
+the pool, is most of what moves the first ratio from one run to the next.
+
     python bench/preprocess.py [--families llava,llava-next] [--workers 1,2] [--images 24] [--rounds 7]
                                [--window-s 2.0]
 """
@@ -54,7 +64,7 @@ from mmsplit import families, slab
 from mmsplit_cli import samples
 from tokenizer_svc.decode import decode_image
 from tokenizer_svc.pool import CpuPool
-from tokenizer_svc.preprocess import ImageJob, SlabRef, keep_heap
+from tokenizer_svc.preprocess import STAGES, ImageJob, SlabRef, keep_heap
 
 SIZES = [(640, 480), (800, 600), (1024, 768), (1280, 720), (1600, 900), (1920, 1080)]
 MAX_PIXELS = 40_000_000
@@ -110,10 +120,14 @@ def _jobs(pictures: list[bytes], owned: slab.Slab) -> Iterator[ImageJob]:
         yield ImageJob(data, MAX_PIXELS, 50.0, PREFIX, os.getpid(), slab=ref)
 
 
-async def _one(pool: CpuPool, job: ImageJob, i: int) -> None:
+async def _one(pool: CpuPool, job: ImageJob, i: int) -> float:
+    """One image through the pool; the seconds its worker spent on the
+    work itself (decode and processor, what `serial_span` times)."""
     result = await pool.preprocess(job, timeout_s=120, request_id=f"bench-{i}")
     for piece in result.slab_slices:  # taken over, as the service does, then let go
         slab.take(piece, PREFIX).release()
+    spent = dict(zip(STAGES, result.stages, strict=True))
+    return spent["decode"] + spent["process"]
 
 
 async def batch_rate(pool: CpuPool, pictures: list[bytes], owned: slab.Slab) -> float:
@@ -126,8 +140,13 @@ async def batch_rate(pool: CpuPool, pictures: list[bytes], owned: slab.Slab) -> 
     return len(pictures) / (time.perf_counter() - start)
 
 
-async def steady_rate(pool: CpuPool, workers: int, pictures: list[bytes], owned: slab.Slab, passes: int) -> float:
-    """Images/s under steady load: 3 x W callers, each submitting its next
+async def steady_rate(
+    pool: CpuPool, workers: int, pictures: list[bytes], owned: slab.Slab, passes: int
+) -> tuple[float, float]:
+    """Images/s under steady load, and the share of the workers' time in
+    that window spent on the work itself (decode and processor; the rest
+    is the pool's own cost: reading the job, writing the slice, the socket,
+    waiting for the next task). Steady load: 3 x W callers, each submitting its next
     picture (cycling through `pictures`) as soon as its last is done, so
     that every worker always has its next task; timed from the first
     image finished after a warm-up of WARM_UP_S to the one `passes` x
@@ -138,7 +157,7 @@ async def steady_rate(pool: CpuPool, workers: int, pictures: list[bytes], owned:
     round starts from the first picture. The rate is that of a pool in
     service, which never drains."""
     jobs = _jobs(pictures, owned)
-    done: list[float] = []
+    done: list[tuple[float, float]] = []  # (when, work seconds)
     counted = passes * len(pictures)
     warm_until = time.perf_counter() + WARM_UP_S
     first: int | None = None
@@ -150,22 +169,25 @@ async def steady_rate(pool: CpuPool, workers: int, pictures: list[bytes], owned:
         nonlocal first
         i = c
         while not finished():
-            await _one(pool, next(jobs), i)
-            done.append(time.perf_counter())
-            if first is None and done[-1] >= warm_until:
+            work = await _one(pool, next(jobs), i)
+            done.append((time.perf_counter(), work))
+            if first is None and done[-1][0] >= warm_until:
                 first = len(done) - 1
             i += 3 * workers
 
     await asyncio.gather(*(caller(c) for c in range(3 * workers)))
     assert first is not None
-    return counted / (done[first + counted] - done[first])
+    span = done[first + counted][0] - done[first][0]
+    work = sum(w for _, w in done[first + 1 : first + counted + 1])
+    return counted / span, work / (workers * span)
 
 
 async def measure(model: Path, workers: int, pictures: list[bytes], rounds: int, window_s: float) -> list[float]:
     """Medians of: serial rate, W processes' rate together, pool rate
     (steady), pool / (W x serial), pool / together, together / (W x
-    serial) and the batch pool rate / (W x serial), the ratios taken per
-    round.
+    serial), the workers' time at work and the work's speed in the pool
+    against serial (see the module's doc), and the batch pool rate / (W x
+    serial), the ratios taken per round.
     Every rate is taken against the mean of the serial runs just before
     and just after it (a round: serial, steady pool, serial, batch pool
     and W apart, serial; its last serial run is the next round's first),
@@ -187,7 +209,7 @@ async def measure(model: Path, workers: int, pictures: list[bytes], rounds: int,
         before = serial_rate(model, pictures)
         for _ in range(rounds):
             passes = max(1, round(window_s * workers * before / len(pictures)))
-            rate = await steady_rate(pool, workers, pictures, owned, passes)
+            rate, busy = await steady_rate(pool, workers, pictures, owned, passes)
             middle = serial_rate(model, pictures)
             # The batch: the work the W processes apart do together, each
             # picture W times.
@@ -195,6 +217,10 @@ async def measure(model: Path, workers: int, pictures: list[bytes], rounds: int,
             together = together_rate(apart, workers, model, pictures)
             after = serial_rate(model, pictures)
             ratio = rate / (workers * (before + middle) / 2)
+            # ratio = busy x speed: the share of worker time that is work,
+            # times how fast the work itself went in the workers against
+            # serially (this machine's drift and contention, not the pool).
+            speed = ratio / busy
             machine = together / (workers * (middle + after) / 2)
             rows.append(
                 (
@@ -204,6 +230,8 @@ async def measure(model: Path, workers: int, pictures: list[bytes], rounds: int,
                     ratio,
                     ratio / machine,
                     machine,
+                    busy,
+                    speed,
                     batch / (workers * (middle + after) / 2),
                 )
             )
@@ -227,7 +255,7 @@ def run(
         if not (model / "config.json").exists():
             build(model, cache_dir=ROOT / ".cache", family=name)
         for workers in worker_counts:
-            serial, together, rate, ratio, share, machine, batch = asyncio.run(
+            serial, together, rate, ratio, share, machine, busy, speed, batch = asyncio.run(
                 measure(model, workers, pictures, rounds, window_s)
             )
             rows.append(
@@ -240,6 +268,8 @@ def run(
                     f"{ratio:.2f}",
                     f"{share:.2f}",
                     f"{machine:.2f}",
+                    f"{busy:.3f}",
+                    f"{speed:.2f}",
                     f"{batch:.2f}",
                 ]
             )
@@ -252,6 +282,8 @@ def run(
         "pool / (W x serial)",
         "pool / W apart",
         "W apart / (W x serial)",
+        "workers' time at work",
+        "work in pool / serial",
         "batch / (W x serial)",
     ]
     return (

@@ -113,6 +113,14 @@ def _metrics(settings: TokenizerSettings, service: TokenizerService, pool: CpuPo
             "janitor_removed_segments": ("Orphaned segments the janitor removed", service.janitor_removed),
         }
     )
+    metrics.counter_by(
+        "preprocess_worker_seconds",
+        "Time CPU workers spent on items, by stage (read: input from the slab; decode; process: the image"
+        " processor; write: into shared memory). preprocess_seconds less their sum is the pool's own cost"
+        " and queueing",
+        "stage",
+        lambda: dict(service.worker_s),
+    )
     port = metrics.serve("0.0.0.0", settings.metrics_port)
     log.info("metrics on port %d (/metrics)", port)
     return metrics

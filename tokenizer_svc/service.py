@@ -43,6 +43,7 @@ from tokenizer_svc.errors import (
 from tokenizer_svc.media import MediaLoader
 from tokenizer_svc.pool import CpuPool
 from tokenizer_svc.preprocess import (
+    STAGES,
     ImageJob,
     ItemResult,
     ItemTensor,
@@ -81,6 +82,8 @@ class TokenizerService:
         # Counted for the metrics.
         self.preprocessed = 0
         self.preprocess_s = 0.0
+        # What workers spent per stage (`preprocess.STAGES`), summed over items.
+        self.worker_s = dict.fromkeys(STAGES, 0.0)
         self.janitor_removed = 0
         self.media = media
         self.pool = pool
@@ -452,6 +455,8 @@ class TokenizerService:
             result = await self.pool.preprocess(job, timeout_s=timeout_s, request_id=rid)
             self.preprocessed += 1
             self.preprocess_s += time.perf_counter() - started
+            for name, seconds in zip(STAGES, result.stages, strict=False):
+                self.worker_s[name] += seconds
             result = dataclasses.replace(result, content_hash=key[:16])
         if stage:
             if self.cache.enabled and cached is None:

@@ -117,6 +117,8 @@ def test_counts_by_outcome_after_a_scripted_mix(services: Services) -> None:
     ):
         assert (f"mmsplit_tokenizer_{name}", ()) in after, name
     assert ("mmsplit_tokenizer_requests_in_flight", ()) in after
+    for stage in ("read", "decode", "process", "write"):
+        assert ("mmsplit_tokenizer_preprocess_worker_seconds_total", (("stage", stage),)) in after, stage
     backend = (("backend", services.scheduler_address),)
     assert after[("mmsplit_tokenizer_backend_requests_in_flight", backend)] == 0
     assert after[("mmsplit_tokenizer_backend_ready", backend)] == 1

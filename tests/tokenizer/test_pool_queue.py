@@ -26,6 +26,7 @@ from PIL import Image
 from transformers import AutoImageProcessor
 
 from mmsplit import families, slab
+from mmsplit_cli import samples
 from tests.support.leaks import PROJECT_PREFIX, wait_until
 from tests.support.worker_hook import SLOW, UNSENDABLE, marked
 from tokenizer_svc import forkserver
@@ -33,7 +34,7 @@ from tokenizer_svc import pool as pool_module
 from tokenizer_svc.decode import decode_image
 from tokenizer_svc.errors import InternalError, Overloaded, PreprocessWorkerCrashed
 from tokenizer_svc.pool import CpuPool
-from tokenizer_svc.preprocess import ImageJob, ItemResult, SlabRef, media_bytes, stage_input
+from tokenizer_svc.preprocess import STAGES, ImageJob, ItemResult, SlabRef, media_bytes, stage_input
 
 PREFIX = PROJECT_PREFIX + "poolq"
 
@@ -265,6 +266,27 @@ async def _big_messages(tiny_model: Path, owned: slab.Slab) -> None:
     with left, right:
         buffered = left.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
     assert sum(len(b) for b in expected.values()) > 2 * buffered, "the pixels fill the socket more than twice"
+
+
+def test_a_worker_s_time_is_counted_by_stage(tiny_model: Path, owned: slab.Slab) -> None:
+    asyncio.run(_stages(tiny_model, owned))
+
+
+async def _stages(tiny_model: Path, owned: slab.Slab) -> None:
+    # A 1280x720 JPEG: its bytes are staged in the slab (read), then
+    # decoded, processed and written into a slice. Each stage took time,
+    # and all of them together no more than the caller waited.
+    data = samples.encode(samples.gradient(1280, 720, seed=1), "JPEG", quality=90)
+    async with one_worker(tiny_model, 10, owned) as pool:
+        let_go(await pool.preprocess(job(data, owned), timeout_s=30, request_id="warm"))
+        started = time.perf_counter()
+        result = await pool.preprocess(job(data, owned), timeout_s=30, request_id="timed")
+        waited = time.perf_counter() - started
+        let_go(result)
+    spent = dict(zip(STAGES, result.stages, strict=True))
+    assert set(spent) == {"read", "decode", "process", "write"}
+    assert all(seconds > 0 for seconds in spent.values()), spent
+    assert sum(spent.values()) <= waited, (spent, waited)
 
 
 def test_a_pool_shut_down_under_load_answers_every_caller(tiny_model: Path, owned: slab.Slab) -> None:
