@@ -1,32 +1,46 @@
 """The forkserver the CPU pool's workers are forked from (`tokenizer_svc.pool`).
 
-It preloads `tokenizer_svc.preprocess` (transformers, torch, PIL), ~5 s of
-imports here, so each worker and each replacement starts without them.
-`start` launches it before the tokenizer imports those same modules itself:
-the two imports then run side by side on two cores instead of one after the
-other. Measured here: a tokenizer served in ~9 s, and ~4.5 s when its
-forkserver started first (`mmsplit_cli.main`).
+A worker must start with transformers, torch and PIL imported (~5-8 s of
+imports here) and without the tokenizer's threads, so workers are forked
+from a forkserver that has imported them and runs no other thread. The
+tokenizer starts it as a fork of itself (`start_forked`), once its own
+imports are done and before it starts any thread: the forkserver then costs
+no imports at all. Started the other way, as multiprocessing does
+(`start`: a new interpreter that imports `PRELOAD`), it imported the same
+modules a second time: ~7 s of CPU per tokenizer start on a slow host,
+about half of what a tokenizer costs to start, and on a busy node (or a
+test suite that starts ~40 tokenizers) that CPU is wall time. `start` is
+what runs when `start_forked` cannot fork safely (the process already runs
+a Python thread), and what multiprocessing runs again if the forkserver dies.
 
 The forkserver leaves when the tokenizer is gone (its end of a pipe
-closes). It leaves without the interpreter's teardown of what it preloaded
-(`_leave_at_once`): that teardown cost ~1.2 s of CPU here after every
-tokenizer's exit, on the cores the next process starts on. Nothing of the
-forkserver's needs it: it holds no buffered output and no state that outlives
-it, and its workers are processes of their own that end by `os._exit`.
+closes), without the interpreter's teardown of what it imported: that
+teardown cost ~1.2 s of CPU here after every tokenizer's exit, on the cores
+the next process starts on. Nothing of the forkserver's needs it: it holds
+no buffered output and no state that outlives it, and its workers are
+processes of their own that end by `os._exit`.
 
-This module imports nothing heavy, so that it can run first.
+This module imports nothing heavy.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
+import ctypes
+import importlib
 import logging
 import multiprocessing as mp
+import multiprocessing.connection
 import multiprocessing.context
 import multiprocessing.forkserver
+import multiprocessing.resource_tracker
 import os
+import socket
 import sys
+import threading
 import types
+from typing import Any, NoReturn
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +68,82 @@ def start() -> None:
         log.warning("could not start the CPU pool's forkserver early: %s", exc)
 
 
+# What a forkserver forked from the tokenizer calls itself (its comm, as
+# `ps` and `top` show it; at most 15 bytes). Its workers call themselves WORKER.
+NAME = b"mmsplit-forksrv"
+WORKER = b"mmsplit-cpu"
+
+
+def start_forked() -> None:
+    """Start the forkserver as a fork of this process, if it is not running:
+    call it once this process has imported what the workers need and
+    before it starts any thread (forking a process that runs other threads
+    can leave the child holding their locks). Falls back to `start` where
+    this process already runs a Python thread. The pool finds it as
+    multiprocessing's forkserver: workers are asked of it over its socket,
+    and should it die, multiprocessing starts one the other way (`start`)."""
+    context()
+    for module in PRELOAD:
+        importlib.import_module(module)
+    if threading.active_count() > 1:
+        log.warning("this process runs other threads: starting the CPU pool's forkserver as a new process")
+        start()
+        return
+    server: Any = multiprocessing.forkserver._forkserver  # type: ignore[attr-defined]
+    with server._lock:
+        multiprocessing.resource_tracker.ensure_running()
+        if server._forkserver_pid is not None:
+            pid, _ = os.waitpid(server._forkserver_pid, os.WNOHANG)
+            if not pid:
+                return  # running
+            os.close(server._forkserver_alive_fd)
+        with socket.socket(socket.AF_UNIX) as listener:
+            address = multiprocessing.connection.arbitrary_address("AF_UNIX")  # type: ignore[attr-defined]
+            listener.bind(address)
+            os.chmod(address, 0o600)
+            listener.listen()
+            # Every client holds the write end; the forkserver leaves at its EOF.
+            alive_r, alive_w = os.pipe()
+            pid = os.fork()
+            if pid == 0:
+                _serve_forked(listener.fileno(), alive_r)
+            os.close(alive_r)
+        server._forkserver_address = address
+        server._forkserver_alive_fd = alive_w
+        server._forkserver_pid = pid
+    log.info("CPU pool forkserver forked as pid %d", pid)
+
+
+def _serve_forked(listener_fd: int, alive_r: int) -> NoReturn:
+    """The forked forkserver's life: only the descriptors it serves with
+    and the standard streams kept (as a new process would have), then
+    multiprocessing's forkserver loop, until the tokenizer is gone."""
+    global LEAVES_AT_ONCE
+    code = 0
+    try:
+        keep = {0, 1, 2, listener_fd, alive_r}
+        for fd in [int(name) for name in os.listdir("/proc/self/fd")]:
+            if fd not in keep:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        name_process(NAME)
+        LEAVES_AT_ONCE = True
+        multiprocessing.forkserver.main(listener_fd, alive_r, [])
+    except SystemExit:  # the tokenizer is gone
+        pass
+    except BaseException:
+        code = 1
+        sys.excepthook(*sys.exc_info())
+    finally:
+        _leave_at_once(code)
+
+
+def name_process(name: bytes) -> None:
+    """Set this process's name (prctl PR_SET_NAME); Linux only, else nothing."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).prctl(15, ctypes.c_char_p(name[:15]), 0, 0, 0)
+
+
 def _preloaded_by_forkserver() -> bool:
     """Whether this import is the forkserver's preload (`PRELOAD`), made
     from multiprocessing's forkserver loop, and not any other process's."""
@@ -65,17 +155,19 @@ def _preloaded_by_forkserver() -> bool:
     return False
 
 
-def _leave_at_once() -> None:
+def _leave_at_once(code: int = 0) -> NoReturn:
     """The forkserver's exit, once its loop has ended: skip the teardown of
     torch and transformers' modules."""
     for stream in (sys.stdout, sys.stderr):
         if stream is not None:
-            stream.flush()
-    os._exit(0)
+            with contextlib.suppress(OSError, ValueError):
+                stream.flush()
+    os._exit(code)
 
 
 # True in the forkserver and the workers forked from it (which end by
 # `os._exit` and never run exit hooks); False in any other process.
+# (`_serve_forked` sets it in a forked one.)
 LEAVES_AT_ONCE = _preloaded_by_forkserver()
 if LEAVES_AT_ONCE:
     atexit.register(_leave_at_once)

@@ -27,6 +27,7 @@ from tests.support import limits
 from tests.support.leaks import project_segments, wait_until
 from tests.support.services import TOKENIZER_SERVICE, Pair, running_pair
 from tests.support.worker_hook import MID_WRITE, POISON, SLOW, marked
+from tokenizer_svc import forkserver
 
 pytestmark = pytest.mark.e2e
 
@@ -58,12 +59,18 @@ def pair(tiny_model: Path, pool_dir: Path) -> Iterator[Pair]:
         yield p
 
 
+def is_forkserver(process: psutil.Process) -> bool:
+    """The tokenizer's fork of itself (`forkserver.start_forked`), or a
+    forkserver multiprocessing started anew after that one died."""
+    return process.name() == forkserver.NAME.decode() or "forkserver" in " ".join(process.cmdline())
+
+
 def forkservers(pair: Pair) -> list[psutil.Process]:
     """The tokenizer's live forkservers (one, but for a moment after one died)."""
     found = []
     for child in psutil.Process(pair.tokenizer.pid).children():
         with contextlib.suppress(psutil.NoSuchProcess):  # gone, or a zombie not yet reaped
-            if child.status() != psutil.STATUS_ZOMBIE and "forkserver" in " ".join(child.cmdline()):
+            if child.status() != psutil.STATUS_ZOMBIE and is_forkserver(child):
                 found.append(child)
     return found
 
@@ -86,14 +93,16 @@ def replacements(pair: Pair) -> int:
 
 
 def test_the_workers_inherit_the_raised_open_file_limit(pair: Pair) -> None:
-    """The forkserver the workers come from starts before the tokenizer's own
-    imports (`tokenizer_svc.forkserver`), yet after the tokenizer raised its
-    limit (see `pair`)."""
+    """The forkserver the workers come from is a fork of the tokenizer
+    (`tokenizer_svc.forkserver`), made after the tokenizer raised its limit
+    (see `pair`)."""
     if limits.nothing_to_raise():
         pytest.skip(limits.nothing_to_raise())
     tokenizer = psutil.Process(pair.tokenizer.pid)
-    forkservers = [c for c in tokenizer.children() if "forkserver" in " ".join(c.cmdline())]
+    forkservers = [c for c in tokenizer.children() if is_forkserver(c)]
     assert len(forkservers) == 1
+    assert forkservers[0].name() == forkserver.NAME.decode(), "the forkserver was not forked from the tokenizer"
+    assert forkservers[0].cmdline() == tokenizer.cmdline()
     pool = workers(pair)
     assert len(pool) == 2
     for process in [psutil.Process(pair.scheduler.pid), tokenizer, *forkservers, *pool]:

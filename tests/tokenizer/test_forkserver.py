@@ -1,6 +1,8 @@
 """The CPU pool's forkserver (`tokenizer_svc.forkserver`): it leaves without
 the interpreter's teardown of torch and transformers (~1.2 s of CPU here),
-and no other process is made to."""
+and no other process is made to; the tokenizer's fork of itself serves
+workers as a forkserver started anew does, with none of the tokenizer's
+descriptors, and leaves with it."""
 
 from __future__ import annotations
 
@@ -26,13 +28,32 @@ SCRIPT = textwrap.dedent(
     from tokenizer_svc import forkserver
 
     forkserver.start()
-    ctx = forkserver.context()
-    ours, theirs = ctx.Pipe()
-    worker = ctx.Process(target=forkserver_probe.report, args=(theirs,))
-    worker.start()
-    said = ours.recv()
-    worker.join()
+    said = forkserver_probe.ask_a_worker()
     print(said, forkserver.LEAVES_AT_ONCE, multiprocessing.forkserver._forkserver._forkserver_pid)
+    """
+)
+
+
+# The tokenizer's way (`mmsplit_cli.main`): its imports done, no thread
+# started, the forkserver is a fork of it. Prints as SCRIPT does, then the
+# forkserver's name, whether it holds the file this process had open when
+# it forked, and whether it is this process's child; then waits to be told
+# to exit.
+FORKED = textwrap.dedent(
+    """
+    import multiprocessing.forkserver, os, sys
+    import psutil
+    from tests.support import forkserver_probe
+    from tokenizer_svc import forkserver
+
+    held = open(sys.executable, "rb")
+    forkserver.start_forked()
+    said = forkserver_probe.ask_a_worker()
+    pid = multiprocessing.forkserver._forkserver._forkserver_pid
+    server = psutil.Process(pid)
+    holds = any(f.path == sys.executable for f in server.open_files())
+    print(said, forkserver.LEAVES_AT_ONCE, pid, server.name(), holds, server.ppid() == os.getpid(), flush=True)
+    sys.stdin.readline()
     """
 )
 
@@ -53,4 +74,28 @@ def test_only_the_forkserver_leaves_without_teardown_and_it_does_leave() -> None
     in_worker, in_parent, server = done.stdout.split()
     assert in_worker == "True", "the forkserver did not take its exit hook"
     assert in_parent == "False", "the tokenizer's own process took the forkserver's exit hook"
+    assert wait_until(lambda: gone(int(server)), timeout=10), "the forkserver outlived its tokenizer"
+
+
+def test_the_tokenizer_s_fork_of_itself_serves_workers_and_leaves_with_it() -> None:
+    with subprocess.Popen(
+        [sys.executable, "-c", FORKED], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    ) as script:
+        assert script.stdout is not None
+        assert script.stdin is not None
+        try:
+            line = script.stdout.readline()
+            in_worker, in_parent, server, name, holds, child = line.split()
+            assert in_worker == "True", "a worker of the forked forkserver does not know it"
+            assert in_parent == "False", "the tokenizer's own process took the forkserver's exit hook"
+            assert name == forkserver.NAME.decode(), "not the fork: a forkserver started anew"
+            assert child == "True"
+            assert holds == "False", "the forkserver kept a descriptor of the tokenizer's"
+            assert not gone(int(server))
+            script.stdin.write("\n")
+            script.stdin.flush()
+            assert script.wait(60) == 0
+        finally:
+            if script.poll() is None:
+                script.kill()
     assert wait_until(lambda: gone(int(server)), timeout=10), "the forkserver outlived its tokenizer"
