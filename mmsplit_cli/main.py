@@ -27,9 +27,11 @@ def _scheduler(args: argparse.Namespace) -> NoReturn:
 
     settings = settings_from(args, SchedulerSettings, "scheduler")
     setup_logging(settings.log_level, settings.log_format)
-    # Ranks 1..N-1 import torch and transformers while this process does the
-    # same (below), instead of after: ~2.5 s less to SERVING at TP=2. They
-    # inherit the open-file limit they start with.
+    # Ranks 1..N-1 that must be spawned (CUDA) import torch and transformers
+    # while this process does the same (below), instead of after: ~2.5 s
+    # less to SERVING at TP=2. On CPU they are forks of this process once
+    # its imports are done (`run`), and import nothing. Either way they
+    # inherit the open-file limit.
     raise_fd_limit()
     ranks = group.start_early(settings)
     from scheduler_svc.server import run

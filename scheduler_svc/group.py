@@ -1,15 +1,20 @@
 """Ranks 1..N-1 of a local group, as child processes of rank 0.
 
-`LocalRanks` spawns them (spawn, never fork: rank 0 will have torch threads)
-and watches them. This module imports nothing heavy: `mmsplit scheduler`
-starts the ranks before it imports torch and transformers itself, so that
-each rank's ~3 s of imports runs beside rank 0's instead of after it (a
-TP=2 group served in ~7.5 s here, and ~4 s with its ranks started first).
-A rank imports what it runs (`scheduler_svc.ranks`) once it has started.
+`LocalRanks` starts them and watches them. On CPU they are forks of rank 0,
+made once rank 0 has imported torch and transformers and before it starts a
+thread (`start_late`): a rank then costs no imports at all (5-10 s of CPU
+each here). Where CUDA may be used they are spawned instead, as new
+interpreters (a process that has touched CUDA cannot be forked), and
+started before rank 0 imports anything (`start_early`), so that each rank's
+imports run beside rank 0's instead of after them (a TP=2 group served in
+~7.5 s, and ~4 s with its ranks started first). This module imports nothing
+heavy; a spawned rank imports what it runs (`scheduler_svc.ranks`) once it
+has started.
 """
 
 from __future__ import annotations
 
+import glob
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
@@ -17,8 +22,9 @@ import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
-from mmsplit.serving import exit_now, free_port
+from mmsplit.serving import exit_now, free_port, name_process
 from scheduler_svc.settings import SchedulerSettings
 
 log = logging.getLogger(__name__)
@@ -39,6 +45,7 @@ def _follower(settings: SchedulerSettings, rendezvous: Rendezvous) -> None:
     module. The rank leaves with rank 0: once rank 0 is gone (killed while
     the group was forming, say) nothing else would end it before its
     rendezvous timed out."""
+    name_process(f"mmsplit-rank{rendezvous.rank}".encode())
     parent = mp.parent_process()
     if parent is not None:
         threading.Thread(target=_exit_when_gone, args=(parent.sentinel,), name="rank-0-watch", daemon=True).start()
@@ -59,10 +66,11 @@ class LocalRanks:
     """Ranks 1..N-1 as children of this process (rank 0), joining the group
     at `rendezvous` (rank 0's: a free port on 127.0.0.1)."""
 
-    def __init__(self, settings: SchedulerSettings) -> None:
+    def __init__(self, settings: SchedulerSettings, method: str = "spawn") -> None:
         self.settings = settings
+        self.method = method  # "fork" or "spawn"
         self.rendezvous = Rendezvous("127.0.0.1", free_port(), 0, settings.tp)
-        ctx = mp.get_context("spawn")
+        ctx: Any = mp.get_context(method)
         self.procs = [
             ctx.Process(
                 target=_follower,
@@ -78,7 +86,7 @@ class LocalRanks:
     def start(self) -> None:
         for p in self.procs:
             p.start()
-        log.info("started ranks 1..%d as pids %s", self.settings.tp - 1, [p.pid for p in self.procs])
+        log.info("started ranks 1..%d as pids %s (%s)", self.settings.tp - 1, [p.pid for p in self.procs], self.method)
 
     def first_dead(self) -> tuple[int, int | None] | None:
         for rank, p in enumerate(self.procs, start=1):
@@ -119,11 +127,30 @@ class LocalRanks:
                 p.join(grace_s)
 
 
+def forkable(settings: SchedulerSettings) -> bool:
+    """Whether the ranks may be forks of rank 0: the group runs on CPU
+    (`--device cpu`, or `auto` on a machine with no NVIDIA device)."""
+    return settings.device == "cpu" or (settings.device == "auto" and not glob.glob("/dev/nvidia[0-9]*"))
+
+
 def start_early(settings: SchedulerSettings) -> LocalRanks | None:
-    """The local ranks 1..N-1, started now (None when there are none: TP=1,
-    or `--launch env`, where each rank is a process of its own)."""
+    """The local ranks 1..N-1, spawned now, before rank 0's imports, where
+    they cannot be forks of rank 0 later (`forkable`); else None (and None
+    for TP=1 or `--launch env`, where each rank is a process of its own)."""
+    if settings.launch == "env" or settings.tp <= 1 or forkable(settings):
+        return None
+    ranks = LocalRanks(settings, "spawn")
+    ranks.start()
+    return ranks
+
+
+def start_late(settings: SchedulerSettings) -> LocalRanks | None:
+    """The local ranks 1..N-1, started now that rank 0 has imported what
+    they run: forks of it where `forkable` and it runs no other thread yet,
+    else spawned. None for TP=1 or `--launch env`."""
     if settings.launch == "env" or settings.tp <= 1:
         return None
-    ranks = LocalRanks(settings)
+    method = "fork" if forkable(settings) and threading.active_count() == 1 else "spawn"
+    ranks = LocalRanks(settings, method)
     ranks.start()
     return ranks

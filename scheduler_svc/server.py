@@ -44,7 +44,7 @@ from mmsplit.serving import (
 )
 from scheduler_svc.errors import SchedulerUnavailable
 from scheduler_svc.frontend import Frontend
-from scheduler_svc.group import LocalRanks, Rendezvous
+from scheduler_svc.group import LocalRanks, Rendezvous, start_late
 from scheduler_svc.loop import StepLoop
 from scheduler_svc.model import ModelInfo, model_dtype, model_info
 from scheduler_svc.ranks import Bootstrapped, bootstrap, run_follower_until_stopped
@@ -214,9 +214,8 @@ def _run(settings: SchedulerSettings, ranks: LocalRanks | None) -> int:
             return 0
         return run_service(_serve(dataclasses.replace(settings, tp=boot.coll.world_size), boot, None, security))
 
-    if ranks is None and settings.tp > 1:
-        ranks = LocalRanks(settings)
-        ranks.start()
+    if ranks is None:
+        ranks = start_late(settings)  # forks of this process, on CPU (`scheduler_svc.group`)
     rendezvous = ranks.rendezvous if ranks else Rendezvous("127.0.0.1", free_port(), 0, 1)
     boot = _bootstrap_watching(settings, ranks, rendezvous)
     return run_service(_serve(settings, boot, ranks, security))

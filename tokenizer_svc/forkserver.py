@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import importlib
 import logging
 import multiprocessing as mp
@@ -41,6 +40,8 @@ import sys
 import threading
 import types
 from typing import Any, NoReturn
+
+from mmsplit.serving import name_process
 
 log = logging.getLogger(__name__)
 
@@ -136,12 +137,6 @@ def _serve_forked(listener_fd: int, alive_r: int) -> NoReturn:
         sys.excepthook(*sys.exc_info())
     finally:
         _leave_at_once(code)
-
-
-def name_process(name: bytes) -> None:
-    """Set this process's name (prctl PR_SET_NAME); Linux only, else nothing."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None).prctl(15, ctypes.c_char_p(name[:15]), 0, 0, 0)
 
 
 def _preloaded_by_forkserver() -> bool:

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from mmsplit import slab
+from mmsplit.serving import name_process
 from tokenizer_svc import forkserver
 from tokenizer_svc.errors import InternalError
 from tokenizer_svc.preprocess import init_worker, preprocess
@@ -42,7 +43,7 @@ def serve(conn: multiprocessing.connection.Connection, model_dir: str, owner_pid
     come, each answered in turn; it ends when this process's end closes.
     Says ("ready", pid) or ("failed", why) first, then ("ok", result) or
     ("error", exception) per task."""
-    forkserver.name_process(forkserver.WORKER)
+    name_process(forkserver.WORKER)
     try:
         init_worker(model_dir, owner_pid, hook)
     except BaseException as exc:

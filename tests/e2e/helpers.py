@@ -5,6 +5,7 @@ from __future__ import annotations
 import urllib.request
 
 import grpc
+import psutil
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -52,3 +53,10 @@ def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
         for family in text_string_to_metric_families(text)
         for sample in family.samples
     }
+
+
+def rank_processes(scheduler_pid: int) -> list[psutil.Process]:
+    """Ranks 1..N-1 of a local group, in rank order: rank 0's children that
+    call themselves mmsplit-rankN (forked or spawned, `scheduler_svc.group`)."""
+    ranks = [p for p in psutil.Process(scheduler_pid).children() if p.name().startswith("mmsplit-rank")]
+    return sorted(ranks, key=lambda p: int(p.name().removeprefix("mmsplit-rank")))

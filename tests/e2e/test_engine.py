@@ -28,7 +28,7 @@ from mmsplit_cli import samples
 from mmsplit_cli.client import Outcome, make_request, run_request
 from scheduler_svc.model import model_info
 from tests.conftest import SCHEDULER_SERVICE, Services
-from tests.e2e.helpers import health_status, rank_active_requests
+from tests.e2e.helpers import health_status, rank_active_requests, rank_processes
 from tests.support.faults import failing_request_id
 from tests.support.leaks import wait_until
 from tests.support.reference import Ask, greedy
@@ -300,7 +300,6 @@ def test_stop_strings_stop_token_ids_and_min_tokens(services: Services) -> None:
 def test_requests_in_flight_when_a_rank_is_killed_get_a_typed_scheduler_unavailable(
     tiny_model: Path, tmp_path: Path
 ) -> None:
-    import psutil
 
     sched = start_scheduler(tiny_model, tmp_path / "scheduler.log", extra=["--port", "0"])
     try:
@@ -328,7 +327,7 @@ def test_requests_in_flight_when_a_rank_is_killed_get_a_typed_scheduler_unavaila
             t.start()
         for _ in range(3):
             assert first.acquire(timeout=60)
-        ranks = [p for p in psutil.Process(sched.pid).children() if "spawn_main" in " ".join(p.cmdline())]
+        ranks = rank_processes(sched.pid)
         os.kill(ranks[0].pid, signal.SIGKILL)
         for t in threads:
             t.join(60)

@@ -22,7 +22,7 @@ from mmsplit.tokenizer.v1 import tokenizer_pb2_grpc
 from mmsplit_cli import samples
 from mmsplit_cli.client import Outcome, make_request, run_request
 from mmsplit_cli.launch import ServiceProcess, scheduler_args
-from tests.e2e.helpers import health_status
+from tests.e2e.helpers import health_status, rank_processes
 from tests.support import limits
 from tests.support.leaks import project_segments, wait_until
 from tests.support.services import ENV, SCHEDULER_SERVICE, TOKENIZER_SERVICE, running_pair, start_scheduler
@@ -69,7 +69,7 @@ def in_flight(address: str, n: int, *, max_tokens: int, tag: str = "load") -> li
 
 
 def rank_pids(scheduler: ServiceProcess) -> list[int]:
-    return [p.pid for p in psutil.Process(scheduler.pid).children() if "spawn_main" in " ".join(p.cmdline())]
+    return [p.pid for p in rank_processes(scheduler.pid)]
 
 
 def ended(pid: int) -> bool:
