@@ -231,10 +231,20 @@ def test_ranks_leave_with_rank_0_killed_as_the_group_forms(tiny_model: Path, tmp
         proc.stop()
 
 
-def test_a_start_refused_after_the_ranks_started_leaves_no_rank(tiny_model: Path, tmp_path: Path) -> None:
-    """Ranks 1..N-1 start before rank 0 checks its certificate files: an
-    unreadable one ends the start with a clear message, and takes them down."""
-    extra = ["--tls-cert", str(tmp_path / "missing.pem"), "--tls-key", str(tmp_path / "missing.key")]
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_a_refused_start_leaves_no_rank(tiny_model: Path, tmp_path: Path, device: str) -> None:
+    """An unreadable certificate file ends the start with a clear message.
+    Spawned ranks (where CUDA may be used: `--device cuda`, which this check
+    comes before) start before rank 0 checks its files, and it takes them
+    down; on CPU the ranks are forks made after the check, so none starts."""
+    extra = [
+        "--device",
+        device,
+        "--tls-cert",
+        str(tmp_path / "missing.pem"),
+        "--tls-key",
+        str(tmp_path / "missing.key"),
+    ]
     proc = start_scheduler(tiny_model, tmp_path / "scheduler.log", extra=extra)
     try:
         code = proc.proc.wait(120)
@@ -243,8 +253,12 @@ def test_a_start_refused_after_the_ranks_started_leaves_no_rank(tiny_model: Path
     log_text = proc.log_path.read_text()
     assert code != 0
     assert "No such file or directory" in log_text
-    started = re.search(r"started ranks 1\.\.1 as pids \[(\d+)\]", log_text)
+    started = re.search(r"started ranks 1\.\.1 as pids \[(\d+)\] \((\w+)\)", log_text)
+    if device == "cpu":
+        assert started is None, log_text[-2000:]
+        return
     assert started is not None, log_text[-2000:]
+    assert started[2] == "spawn"
     assert wait_until(lambda: ended(int(started[1])), 10), "rank 1 outlived the refused start"
 
 
