@@ -80,7 +80,7 @@ def start_forked() -> None:
     call it once this process has imported what the workers need and
     before it starts any thread (forking a process that runs other threads
     can leave the child holding their locks). Falls back to `start` where
-    this process already runs a Python thread. The pool finds it as
+    this process already runs a Python thread, or cannot fork now. The pool finds it as
     multiprocessing's forkserver: workers are asked of it over its socket,
     and should it die, multiprocessing starts one the other way (`start`)."""
     context()
@@ -92,27 +92,46 @@ def start_forked() -> None:
         return
     server: Any = multiprocessing.forkserver._forkserver  # type: ignore[attr-defined]
     with server._lock:
-        multiprocessing.resource_tracker.ensure_running()
         if server._forkserver_pid is not None:
             pid, _ = os.waitpid(server._forkserver_pid, os.WNOHANG)
             if not pid:
                 return  # running
             os.close(server._forkserver_alive_fd)
-        with socket.socket(socket.AF_UNIX) as listener:
-            address = multiprocessing.connection.arbitrary_address("AF_UNIX")  # type: ignore[attr-defined]
-            listener.bind(address)
-            os.chmod(address, 0o600)
-            listener.listen()
-            # Every client holds the write end; the forkserver leaves at its EOF.
-            alive_r, alive_w = os.pipe()
+            server._forkserver_address = server._forkserver_alive_fd = server._forkserver_pid = None
+        try:
+            multiprocessing.resource_tracker.ensure_running()
+            server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = _fork()
+        except OSError as exc:
+            failed: OSError | None = exc
+        else:
+            failed = None
+    if failed is not None:  # no fork now (memory, process limit): a new process, or the pool's retries
+        log.warning("could not fork the CPU pool's forkserver (%s): starting it as a new process", failed)
+        start()
+        return
+    log.info("CPU pool forkserver forked as pid %d", server._forkserver_pid)
+
+
+def _fork() -> tuple[str, int, int]:
+    """Fork the forkserver: (its address, the write end of its "alive"
+    pipe, its pid). Leaves nothing open behind a failure."""
+    with socket.socket(socket.AF_UNIX) as listener:
+        address = multiprocessing.connection.arbitrary_address("AF_UNIX")  # type: ignore[attr-defined]
+        listener.bind(address)
+        os.chmod(address, 0o600)
+        listener.listen()
+        # Every client holds the write end; the forkserver leaves at its EOF.
+        alive_r, alive_w = os.pipe()
+        try:
             pid = os.fork()
-            if pid == 0:
-                _serve_forked(listener.fileno(), alive_r)
+        except OSError:
             os.close(alive_r)
-        server._forkserver_address = address
-        server._forkserver_alive_fd = alive_w
-        server._forkserver_pid = pid
-    log.info("CPU pool forkserver forked as pid %d", pid)
+            os.close(alive_w)
+            raise
+        if pid == 0:
+            _serve_forked(listener.fileno(), alive_r)
+        os.close(alive_r)
+    return address, alive_w, pid
 
 
 def _serve_forked(listener_fd: int, alive_r: int) -> NoReturn:

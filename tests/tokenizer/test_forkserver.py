@@ -58,6 +58,29 @@ FORKED = textwrap.dedent(
 )
 
 
+# The same when this process cannot fork (os.fork raising, as it does when
+# out of memory or processes): a forkserver started as a new process serves
+# the worker instead. Prints the worker's answer and the server's command.
+UNFORKABLE = textwrap.dedent(
+    """
+    import errno, multiprocessing.forkserver, os
+    import psutil
+    from tests.support import forkserver_probe
+    from tokenizer_svc import forkserver
+
+    def no_fork():
+        raise OSError(errno.EAGAIN, "Resource temporarily unavailable")
+
+    real_fork, os.fork = os.fork, no_fork
+    forkserver.start_forked()
+    os.fork = real_fork
+    said = forkserver_probe.ask_a_worker()
+    pid = multiprocessing.forkserver._forkserver._forkserver_pid
+    print(said, " ".join(psutil.Process(pid).cmdline()))
+    """
+)
+
+
 def gone(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
@@ -99,3 +122,14 @@ def test_the_tokenizer_s_fork_of_itself_serves_workers_and_leaves_with_it() -> N
             if script.poll() is None:
                 script.kill()
     assert wait_until(lambda: gone(int(server)), timeout=10), "the forkserver outlived its tokenizer"
+
+
+def test_a_tokenizer_that_cannot_fork_starts_its_forkserver_as_a_new_process() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", UNFORKABLE], cwd=ROOT, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    in_worker, command = done.stdout.split(" ", 1)
+    assert in_worker == "True"
+    assert "multiprocessing.forkserver import main" in command
+    assert "could not fork the CPU pool's forkserver" in done.stderr
