@@ -6,8 +6,15 @@ each pool size W: images/s through `CpuPool` with W workers (decode, the
 model's image processor, the family's rows, the write into a slice of a
 slab, as the service does with shared memory) under steady load / (W x
 images/s of one process doing decode + processor + rows serially with one
-torch thread). 1.0 means the pool costs nothing on top of the work itself.
-Slices are taken over and released as they come.
+torch thread). Slices are taken over and released as they come.
+
+The serial baseline calls the model's processor as it comes
+(`processor(images=image)`); the workers call it as the service does,
+without the RGB copy of an RGB image (`rgb_as_is`) and without the PIL
+processors' numpy round trips (`tokenizer_svc.pil_resize`), for the same
+tensors (tests/tokenizer/test_preprocess.py). So the first ratio is the
+pool against the plain way of doing this work, and can pass 1.0; the
+"work in pool / serial" column below shows how much of it is that saving.
 
 Steady load (`steady_rate`): 3 x W callers keep the pool busy, as in
 service, and whole passes through the pictures (about `--window-s`) are

@@ -42,7 +42,7 @@ import torch
 from transformers import AutoImageProcessor
 
 from mmsplit import families, shm, slab
-from tokenizer_svc import video
+from tokenizer_svc import pil_resize, video
 from tokenizer_svc.decode import decode_image
 from tokenizer_svc.errors import InternalError, MediaUnsupported, Overloaded
 
@@ -206,7 +206,8 @@ def keep_heap() -> None:
 
 def init_worker(model_dir: str, owner_pid: int, hook_module: str = "") -> None:
     """Pool initializer: exit with the owner, keep the heap (`keep_heap`),
-    one torch thread, the model's image processor, and the optional worker
+    one torch thread, the model's image processor (with `pil_resize`'s
+    shortcuts), and the optional worker
     hook (`worker_hook` setting): a module whose `on_worker_start()` runs
     here and `on_decoded(image)` after each decode. Tests substitute it to
     crash, stall or fail workers."""
@@ -219,6 +220,7 @@ def init_worker(model_dir: str, owner_pid: int, hook_module: str = "") -> None:
             _hook.on_worker_start()
     torch.set_num_threads(1)
     _processor = AutoImageProcessor.from_pretrained(Path(model_dir))
+    pil_resize.install(_processor)
     _family = families.load(Path(model_dir), frozenset(_processor.model_input_names))
 
 
@@ -295,7 +297,8 @@ def _image(job: ImageJob, processor: Any, family: families.Family, clock: _Clock
     if ratio > job.max_aspect_ratio:
         raise MediaUnsupported(f"aspect ratio {image.width}x{image.height} exceeds {job.max_aspect_ratio:g}:1")
     try:
-        outputs = processor(images=image, return_tensors="np", **rgb_as_is(image))
+        with pil_resize.processing():
+            outputs = processor(images=image, return_tensors="np", **rgb_as_is(image))
         rows = family.item_rows({name: np.asarray(value) for name, value in outputs.items()})
         tokens = _count(family, families.IMAGE, rows)
     except (ValueError, TypeError, OSError, IndexError, KeyError) as exc:

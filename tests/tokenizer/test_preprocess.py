@@ -1,4 +1,6 @@
-"""The worker's image path gives the tensors the model's own processor gives."""
+"""The worker's image path gives the tensors the model's own processor gives:
+with the RGB copy skipped (`rgb_as_is`) and with the resize shortcuts
+(`pil_resize`)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from PIL import Image
 from transformers import AutoImageProcessor
 
 from mmsplit_cli import samples
+from tokenizer_svc import pil_resize
 from tokenizer_svc.decode import decode_image
 from tokenizer_svc.preprocess import rgb_as_is
 
@@ -51,3 +54,53 @@ def test_an_rgb_image_with_a_transparency_key_is_left_to_the_processor() -> None
     assert image.mode == "RGB"
     assert image.info.get("transparency") is not None
     assert rgb_as_is(image) == {}
+
+
+# Round trips each family skips per image with `pil_resize`: its copy of the
+# decoded image made into a PIL image again (LLaVA-NeXT: best-fit grid and
+# base image), and "resizes" to the same size (NeXT: base image and every
+# 336x336 patch, at least 3 for the pictures below).
+SHORTCUTS = {"llava": (1, 0), "llava-next": (2, 3), "qwen2-vl": (1, 0)}
+
+
+@pytest.mark.parametrize("family", ["llava", "llava-next", "qwen2-vl"])
+def test_the_resize_shortcuts_change_no_tensor(family: str, family_models: Callable[[str], Path]) -> None:
+    processor = AutoImageProcessor.from_pretrained(family_models(family))
+    assert pil_resize.install(processor)
+    pictures = [
+        samples.encode(samples.gradient(1920, 1080, seed=4), "JPEG", quality=90),
+        samples.encode(samples.gradient(640, 480, seed=5), "JPEG", quality=90),
+        samples.encode(samples.gradient(300, 500, seed=3), "PNG"),
+        samples.encode(samples.gradient(336, 336, seed=6), "PNG"),
+    ]
+    from_decoded, same_size = SHORTCUTS[family]
+    for data in pictures:
+        image = decode_image(data, max_pixels=40_000_000)
+        before = dict(pil_resize.skipped)
+        with pil_resize.processing():
+            fast = processor(images=image, return_tensors="np", **rgb_as_is(image))
+        taken = {kind: pil_resize.skipped[kind] - before[kind] for kind in before}
+        stock = processor(images=image, return_tensors="np", **rgb_as_is(image))  # outside: stock
+        assert pil_resize.skipped == before | {k: before[k] + taken[k] for k in taken}, "a shortcut outside"
+        assert taken["from_decoded"] == from_decoded, image.size
+        assert taken["same_size"] >= same_size, image.size
+        assert fast.keys() == stock.keys()
+        for name in stock:
+            assert np.array_equal(np.asarray(fast[name]), np.asarray(stock[name])), name
+            assert np.asarray(fast[name]).dtype == np.asarray(stock[name]).dtype, name
+
+
+def test_an_image_the_processor_converts_is_not_resized_from_the_decoded_one(
+    family_models: Callable[[str], Path],
+) -> None:
+    """With a transparency key the processor composites first: its array is
+    not the decoded image, so that image must not stand in for it."""
+    processor = AutoImageProcessor.from_pretrained(family_models("llava"))
+    pil_resize.install(processor)
+    image = decode_image(_png_with_a_transparent_colour(), max_pixels=40_000_000)
+    before = pil_resize.skipped["from_decoded"]
+    with pil_resize.processing():
+        fast = processor(images=image, return_tensors="np", **rgb_as_is(image))
+    assert pil_resize.skipped["from_decoded"] == before
+    stock = processor(images=image, return_tensors="np")
+    assert np.array_equal(fast["pixel_values"], stock["pixel_values"])
