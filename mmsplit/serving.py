@@ -11,6 +11,7 @@ import inspect
 import ipaddress
 import json
 import logging
+import multiprocessing.util
 import os
 import random
 import resource
@@ -119,12 +120,45 @@ def name_process(name: bytes) -> None:
         ctypes.CDLL(None).prctl(15, ctypes.c_char_p(name[:15]), 0, 0, 0)
 
 
+# (pid, cleanup): what `exit_now` runs, in the process that registered it.
+_exit_cleanups: list[tuple[int, Callable[[], None]]] = []
+
+
+def at_exit_now(cleanup: Callable[[], None]) -> None:
+    """Have `exit_now` run `cleanup` (in this process only, not in a fork
+    of it), for what must not outlive the process, such as a directory. An
+    OSError from it is ignored."""
+    _exit_cleanups.append((os.getpid(), cleanup))
+
+
+def remove_multiprocessing_dir() -> None:
+    """Remove this process's multiprocessing temporary directory (/tmp/pymp-*,
+    where a forkserver started the usual way listens), as multiprocessing's
+    exit hook would: `os._exit` skips that hook, and the directories added up
+    (one per tokenizer run). Only in the process that made it: the hook's
+    finalizer does nothing in a fork, which inherits the directory's name
+    and must not remove it from under its parent."""
+    util = multiprocessing.util
+    remove = getattr(util, "_remove_temp_dir", None)
+    for finalizer in list(getattr(util, "_finalizer_registry", {}).values()):
+        if remove is not None and getattr(finalizer, "_callback", None) is remove:
+            with contextlib.suppress(OSError):  # removed already: nothing left to do
+                finalizer()
+
+
 def exit_now(code: int) -> NoReturn:
     """End this process with `code` once its logs are out, without the
     interpreter's teardown (of torch and transformers: ~1 s here): for a
     service or rank that has stopped in order (its servers, pools, ranks and
     segments already closed), or one that must not wait for a thread stuck
-    in a collective."""
+    in a collective. What of the exit hooks would outlive the process is
+    done here: multiprocessing's temporary directory is removed
+    (`remove_multiprocessing_dir`), and what `at_exit_now` registered runs."""
+    remove_multiprocessing_dir()
+    for pid, cleanup in reversed(_exit_cleanups):
+        if pid == os.getpid():
+            with contextlib.suppress(OSError):
+                cleanup()
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -1,8 +1,10 @@
 """Fixtures shared by every test.
 
 - `no_leaks` (autouse) fails any test that leaves a project segment in
-  /dev/shm or a child process alive (segments released asynchronously get a
-  bounded grace period; what remains is removed and the test fails).
+  /dev/shm, a child process alive or a file in the services' temporary
+  directory (TMPDIR of every service the tests start; what is released
+  asynchronously gets a bounded grace period; what remains is removed and
+  the test fails).
 - `tiny_model`: one tiny random-weight LLaVA per session.
 - `services`: one scheduler (2 ranks, fault-injecting tensor reader) and one
   tokenizer per session, real processes on 127.0.0.1.
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -26,7 +29,7 @@ import pytest
 
 from mmsplit.serving import free_port
 from tests.support import messages
-from tests.support.leaks import children, project_segments, wait_until
+from tests.support.leaks import SERVICE_TMP, children, project_segments, service_temp_leftovers, wait_until
 from tests.support.services import ROOT, SCHEDULER_SERVICE, TOKENIZER_SERVICE, Pair, running_pair
 
 __all__ = ["ROOT", "SCHEDULER_SERVICE", "TOKENIZER_SERVICE", "Services"]
@@ -56,11 +59,32 @@ def record_error_messages() -> Iterator[None]:
         )
 
 
+@pytest.fixture(scope="session", autouse=True)
+def service_temp_dir() -> Iterator[None]:
+    """The services' temporary directory lives as long as the session. A
+    file left in it by a test's services fails that test (`no_leaks`); one
+    left by the session's services (stopped after the last test) fails here."""
+    SERVICE_TMP.mkdir(mode=0o700, exist_ok=True)
+    yield
+    wait_until(lambda: not service_temp_leftovers(), timeout=10)
+    left = service_temp_leftovers()
+    shutil.rmtree(SERVICE_TMP, ignore_errors=True)
+    if left:
+        pytest.fail(f"files left in the services' temporary directory by the session's services: {left}")
+
+
 @pytest.fixture(autouse=True)
 def no_leaks() -> Iterator[None]:
     before = children()
     yield
     problems = []
+    if not wait_until(lambda: not service_temp_leftovers(), timeout=10):
+        left = service_temp_leftovers()
+        for name in left:
+            shutil.rmtree(SERVICE_TMP / name, ignore_errors=True)
+            with contextlib.suppress(FileNotFoundError, IsADirectoryError):
+                (SERVICE_TMP / name).unlink()
+        problems.append(f"files left in the services' temporary directory: {left}")
     if not wait_until(lambda: not project_segments(), timeout=10):
         left = project_segments()
         for name in left:

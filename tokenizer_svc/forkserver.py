@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import importlib
 import logging
 import multiprocessing as mp
@@ -35,13 +36,15 @@ import multiprocessing.context
 import multiprocessing.forkserver
 import multiprocessing.resource_tracker
 import os
+import shutil
 import socket
 import sys
+import tempfile
 import threading
 import types
 from typing import Any, NoReturn
 
-from mmsplit.serving import name_process
+from mmsplit.serving import at_exit_now, name_process
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +76,8 @@ def start() -> None:
 # `ps` and `top` show it; at most 15 bytes). Its workers call themselves WORKER.
 NAME = b"mmsplit-forksrv"
 WORKER = b"mmsplit-cpu"
+# The directory (in the temporary directory) a forked forkserver listens in.
+SOCKET_DIR_PREFIX = "mmsplit-forksrv-"
 
 
 def start_forked() -> None:
@@ -114,30 +119,42 @@ def start_forked() -> None:
 
 def _fork() -> tuple[str, int, int]:
     """Fork the forkserver: (its address, the write end of its "alive"
-    pipe, its pid). Leaves nothing open behind a failure."""
-    with socket.socket(socket.AF_UNIX) as listener:
-        address = multiprocessing.connection.arbitrary_address("AF_UNIX")  # type: ignore[attr-defined]
-        listener.bind(address)
-        os.chmod(address, 0o600)
-        listener.listen()
-        # Every client holds the write end; the forkserver leaves at its EOF.
-        alive_r, alive_w = os.pipe()
-        try:
-            pid = os.fork()
-        except OSError:
+    pipe, its pid). Its socket is in a directory of its own (mode 0700, as
+    multiprocessing's), which the forkserver removes when it leaves (so a
+    tokenizer that is killed leaves nothing in the temporary directory),
+    and so does the tokenizer when it exits (`exit_now`: in a PID
+    namespace the forkserver is killed as the tokenizer leaves). Leaves
+    nothing open or made behind a failure."""
+    where = tempfile.mkdtemp(prefix=SOCKET_DIR_PREFIX)
+    try:
+        with socket.socket(socket.AF_UNIX) as listener:
+            address = os.path.join(where, "listener")
+            listener.bind(address)
+            os.chmod(address, 0o600)
+            listener.listen()
+            # Every client holds the write end; the forkserver leaves at its EOF.
+            alive_r, alive_w = os.pipe()
+            try:
+                pid = os.fork()
+            except OSError:
+                os.close(alive_r)
+                os.close(alive_w)
+                raise
+            if pid == 0:
+                _serve_forked(listener.fileno(), alive_r, where)
             os.close(alive_r)
-            os.close(alive_w)
-            raise
-        if pid == 0:
-            _serve_forked(listener.fileno(), alive_r)
-        os.close(alive_r)
+    except BaseException:
+        shutil.rmtree(where, ignore_errors=True)
+        raise
+    at_exit_now(functools.partial(shutil.rmtree, where, ignore_errors=True))
     return address, alive_w, pid
 
 
-def _serve_forked(listener_fd: int, alive_r: int) -> NoReturn:
+def _serve_forked(listener_fd: int, alive_r: int, socket_dir: str) -> NoReturn:
     """The forked forkserver's life: only the descriptors it serves with
     and the standard streams kept (as a new process would have), then
-    multiprocessing's forkserver loop, until the tokenizer is gone."""
+    multiprocessing's forkserver loop, until the tokenizer is gone; then
+    its socket's directory removed."""
     global LEAVES_AT_ONCE
     code = 0
     try:
@@ -155,6 +172,7 @@ def _serve_forked(listener_fd: int, alive_r: int) -> NoReturn:
         code = 1
         sys.excepthook(*sys.exc_info())
     finally:
+        shutil.rmtree(socket_dir, ignore_errors=True)
         _leave_at_once(code)
 
 

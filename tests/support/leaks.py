@@ -1,9 +1,11 @@
-"""What a test may not leave behind: project segments in /dev/shm, child processes."""
+"""What a test may not leave behind: project segments in /dev/shm, child
+processes, files in the services' temporary directory."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,6 +29,57 @@ def _prefix() -> str:
 
 
 PROJECT_PREFIX = _prefix()
+
+# The temporary directory (TMPDIR) of the services the tests start
+# (`tests.support.services.ENV`), one per pytest-xdist worker: what a
+# service leaves in it outlived the service (multiprocessing's pymp-*
+# directories did, one per tokenizer run).
+# Made and removed by the session (tests/conftest.py).
+SERVICE_TMP = Path(tempfile.gettempdir()) / f"{PROJECT_PREFIX}-services-tmp"
+
+
+# Caches by design in a temporary directory: one directory of a fixed name,
+# reused by every run (torch makes its compile cache, torchinductor_<user>,
+# on import).
+CACHES = ("torchinductor_",)
+
+
+def service_temp_leftovers(directory: Path = SERVICE_TMP) -> list[str]:
+    """What is in the services' temporary directory (or `directory`) that
+    no live process uses: every entry but a directory holding a socket
+    that is still bound (a running service's forkserver socket, as
+    /proc/net/unix lists them), and but the CACHES."""
+    if not directory.exists():
+        return []
+    bound = _bound_unix_paths()
+    left = []
+    for entry in sorted(os.listdir(directory)):
+        path = directory / entry
+        inside = [str(p) for p in path.iterdir()] if path.is_dir() and not path.is_symlink() else []
+        if not entry.startswith(CACHES) and not any(p in bound for p in inside):
+            left.append(entry)
+    return left
+
+
+def _bound_unix_paths() -> set[str]:
+    """Paths of the Unix sockets bound in the network namespaces of this
+    process and its descendants (services run in namespaces of their own)."""
+    paths: set[str] = set()
+    seen: set[int] = set()
+    for pid in {os.getpid(), *children()}:
+        try:
+            namespace = os.stat(f"/proc/{pid}/ns/net").st_ino
+            if namespace in seen:
+                continue
+            table = Path(f"/proc/{pid}/net/unix").read_text()
+        except OSError:  # it has just ended
+            continue
+        seen.add(namespace)
+        for line in table.splitlines()[1:]:
+            fields = line.split()
+            if len(fields) >= 8 and fields[7].startswith("/"):
+                paths.add(fields[7])
+    return paths
 
 
 def project_segments() -> list[str]:

@@ -18,11 +18,12 @@ from mmsplit_cli.launch import (
 from mmsplit_cli.launch import (
     running_pair as _running_pair,
 )
+from tests.support.leaks import SERVICE_TMP
 
 __all__ = ["ROOT", "SCHEDULER_SERVICE", "TOKENIZER_SERVICE", "Pair", "running_pair"]
 
 ROOT = Path(__file__).resolve().parents[2]
-ENV = {"PYTHONPATH": str(ROOT)}
+ENV = {"PYTHONPATH": str(ROOT), "TMPDIR": str(SERVICE_TMP)}
 
 
 def start_scheduler(model: Path, log: Path, *, tp: int = 2, extra: Sequence[str] = ()) -> ServiceProcess:

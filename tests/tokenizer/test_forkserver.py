@@ -2,18 +2,22 @@
 the interpreter's teardown of torch and transformers (~1.2 s of CPU here),
 and no other process is made to; the tokenizer's fork of itself serves
 workers as a forkserver started anew does, with none of the tokenizer's
-descriptors, and leaves with it."""
+descriptors, and leaves with it; and neither way leaves a file behind in
+the temporary directory, however the tokenizer ends."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import psutil
+import pytest
 
-from tests.support.leaks import wait_until
+from tests.support.leaks import CACHES, service_temp_leftovers, wait_until
 from tokenizer_svc import forkserver
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -81,6 +85,31 @@ UNFORKABLE = textwrap.dedent(
 )
 
 
+# The exec'd forkserver listens in multiprocessing's temporary directory
+# (pymp-*), which the tokenizer's `exit_now` removes as multiprocessing's
+# exit hook would; a fork of the tokenizer that calls it (a rank, say) does
+# not remove it. Prints whether the directory was there after the fork's
+# exit, then exits as the services do.
+EXITS_NOW = textwrap.dedent(
+    """
+    import multiprocessing.util, os
+    from mmsplit.serving import exit_now
+    from tests.support import forkserver_probe
+    from tokenizer_svc import forkserver
+
+    forkserver.start()
+    forkserver_probe.ask_a_worker()
+    where = multiprocessing.util.get_temp_dir()
+    pid = os.fork()
+    if pid == 0:
+        exit_now(0)
+    os.waitpid(pid, 0)
+    print(os.path.isdir(where), flush=True)
+    exit_now(0)
+    """
+)
+
+
 def gone(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
@@ -100,9 +129,13 @@ def test_only_the_forkserver_leaves_without_teardown_and_it_does_leave() -> None
     assert wait_until(lambda: gone(int(server)), timeout=10), "the forkserver outlived its tokenizer"
 
 
-def test_the_tokenizer_s_fork_of_itself_serves_workers_and_leaves_with_it() -> None:
+@pytest.mark.parametrize("end", ["exits", "killed"])
+def test_the_tokenizer_s_fork_of_itself_serves_workers_and_leaves_with_it(end: str, tmp_path: Path) -> None:
+    """Whether the tokenizer exits or is killed, its forkserver leaves, and
+    takes its socket's directory with it."""
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
     with subprocess.Popen(
-        [sys.executable, "-c", FORKED], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", FORKED], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
     ) as script:
         assert script.stdout is not None
         assert script.stdin is not None
@@ -115,13 +148,30 @@ def test_the_tokenizer_s_fork_of_itself_serves_workers_and_leaves_with_it() -> N
             assert child == "True"
             assert holds == "False", "the forkserver kept a descriptor of the tokenizer's"
             assert not gone(int(server))
-            script.stdin.write("\n")
-            script.stdin.flush()
-            assert script.wait(60) == 0
+            (socket_dir,) = [e for e in os.listdir(tmp_path) if not e.startswith(CACHES)]
+            assert socket_dir.startswith(forkserver.SOCKET_DIR_PREFIX)
+            if end == "killed":
+                script.send_signal(signal.SIGKILL)
+                assert script.wait(60) == -signal.SIGKILL
+            else:
+                script.stdin.write("\n")
+                script.stdin.flush()
+                assert script.wait(60) == 0
         finally:
             if script.poll() is None:
                 script.kill()
     assert wait_until(lambda: gone(int(server)), timeout=10), "the forkserver outlived its tokenizer"
+    assert wait_until(lambda: not service_temp_leftovers(tmp_path), timeout=10), os.listdir(tmp_path)
+
+
+def test_a_service_that_exits_now_leaves_no_multiprocessing_directory(tmp_path: Path) -> None:
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-c", EXITS_NOW], cwd=ROOT, capture_output=True, text=True, timeout=120, check=False, env=env
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True"], "a fork's exit removed its parent's directory"
+    assert wait_until(lambda: not service_temp_leftovers(tmp_path), timeout=10), os.listdir(tmp_path)
 
 
 def test_a_tokenizer_that_cannot_fork_starts_its_forkserver_as_a_new_process() -> None:
