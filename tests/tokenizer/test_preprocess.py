@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -84,10 +85,41 @@ def test_the_resize_shortcuts_change_no_tensor(family: str, family_models: Calla
         assert pil_resize.skipped == before | {k: before[k] + taken[k] for k in taken}, "a shortcut outside"
         assert taken["from_decoded"] == from_decoded, image.size
         assert taken["same_size"] >= same_size, image.size
-        assert fast.keys() == stock.keys()
-        for name in stock:
-            assert np.array_equal(np.asarray(fast[name]), np.asarray(stock[name])), name
-            assert np.asarray(fast[name]).dtype == np.asarray(stock[name]).dtype, name
+        _assert_same(fast, stock)
+    # Edges: sizes where a shortcut may or may not apply, a 3x3 image (its
+    # array's shape reads either way), extreme aspect ratios, a grayscale
+    # image and an EXIF-rotated photo (both RGB once decoded).
+    rng = np.random.default_rng(0)
+    edges = [_png(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)) for w, h in ((1, 1), (3, 3), (4000, 100), (17, 999))]
+    edges += [_png(rng.integers(0, 255, (200, 300), dtype=np.uint8)), _rotated_jpeg(rng)]
+    for data in edges:
+        image = decode_image(data, max_pixels=40_000_000)
+        with pil_resize.processing():
+            fast = processor(images=image, return_tensors="np", **rgb_as_is(image))
+        _assert_same(fast, processor(images=image, return_tensors="np", **rgb_as_is(image)))
+
+
+def _assert_same(fast: Any, stock: Any) -> None:
+    assert fast.keys() == stock.keys()
+    for name in stock:
+        assert np.array_equal(np.asarray(fast[name]), np.asarray(stock[name])), name
+        assert np.asarray(fast[name]).dtype == np.asarray(stock[name]).dtype, name
+
+
+def _png(pixels: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+def _rotated_jpeg(rng: np.random.Generator) -> bytes:
+    """A 200x120 JPEG whose EXIF says: turn 90 degrees (decoded as 120x200)."""
+    image = Image.fromarray(rng.integers(0, 255, (120, 200, 3), dtype=np.uint8))
+    exif = image.getexif()
+    exif[0x0112] = 6  # Orientation: rotate 90 CW
+    buffer = io.BytesIO()
+    image.save(buffer, "JPEG", exif=exif.tobytes())
+    return buffer.getvalue()
 
 
 def test_an_image_the_processor_converts_is_not_resized_from_the_decoded_one(
