@@ -31,11 +31,13 @@ def _prefix() -> str:
 PROJECT_PREFIX = _prefix()
 
 # The temporary directory (TMPDIR) of the services the tests start
-# (`tests.support.services.ENV`), one per pytest-xdist worker: what a
-# service leaves in it outlived the service (multiprocessing's pymp-*
-# directories did, one per tokenizer run).
+# (`tests.support.services.ENV`), one per test process (each pytest-xdist
+# worker): what a service leaves in it outlived the service
+# (multiprocessing's pymp-* directories did, one per tokenizer run). Named
+# by this process's id, so that neither what an interrupted session left
+# nor another session running at the same time is taken for this one's.
 # Made and removed by the session (tests/conftest.py).
-SERVICE_TMP = Path(tempfile.gettempdir()) / f"{PROJECT_PREFIX}-services-tmp"
+SERVICE_TMP = Path(tempfile.gettempdir()) / f"{PROJECT_PREFIX}-services-tmp-{os.getpid()}"
 
 
 # Caches by design in a temporary directory: one directory of a fixed name,
