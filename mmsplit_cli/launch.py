@@ -11,10 +11,11 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -26,6 +27,22 @@ log = logging.getLogger(__name__)
 SCHEDULER_SERVICE = "mmsplit.scheduler.v1.SchedulerService"
 TOKENIZER_SERVICE = "mmsplit.tokenizer.v1.TokenizerService"
 _LISTENING = re.compile(r"listening on (\S+):(\d+)")
+
+# How a service without a wrapper is started: (arguments after `mmsplit`,
+# the full environment) -> a process object with Popen's pid, stderr (text),
+# poll, wait, send_signal and kill. None: `subprocess.Popen` of a new
+# interpreter. The test suite sets a launcher that forks services from a
+# process that has already imported torch and transformers
+# (tests/support/zygote.py), so a start costs the service's own work only.
+Launcher = Callable[[Sequence[str], dict[str, str]], Any]
+_launcher: Launcher | None = None
+
+
+def set_launcher(launcher: Launcher | None) -> Launcher | None:
+    """Use `launcher` for services started without a wrapper; returns the previous one."""
+    global _launcher
+    previous, _launcher = _launcher, launcher
+    return previous
 
 
 class ServiceProcess:
@@ -48,14 +65,18 @@ class ServiceProcess:
         self._terminated = False
         self._log = open(log_path, "w")  # noqa: SIM115 (closed by the reader thread)
         full_env = {**os.environ, **(env or {})}
-        self.proc = subprocess.Popen(
-            [*wrapper, sys.executable, "-m", "mmsplit_cli", *args],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            stdin=subprocess.DEVNULL,
-            text=True,
-            env=full_env,
-        )
+        self.proc: Any
+        if _launcher is not None and not wrapper:
+            self.proc = _launcher(list(args), full_env)
+        else:
+            self.proc = subprocess.Popen(
+                [*wrapper, sys.executable, "-m", "mmsplit_cli", *args],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                stdin=subprocess.DEVNULL,
+                text=True,
+                env=full_env,
+            )
         self._reader = threading.Thread(target=self._read, name=f"{name}-log", daemon=True)
         self._reader.start()
 

@@ -5,6 +5,9 @@
   directory (TMPDIR of every service the tests start; what is released
   asynchronously gets a bounded grace period; what remains is removed and
   the test fails).
+- `service_launcher` (autouse): services the tests start without a wrapper
+  are forked by a preloaded zygote, not new interpreters
+  (`tests/support/zygote.py`).
 - `tiny_model`: one tiny random-weight LLaVA per session.
 - `services`: one scheduler (2 ranks, fault-injecting tensor reader) and one
   tokenizer per session, real processes on 127.0.0.1.
@@ -30,7 +33,15 @@ import pytest
 from mmsplit.serving import free_port
 from tests.support import messages
 from tests.support.leaks import SERVICE_TMP, children, project_segments, service_temp_leftovers, wait_until
-from tests.support.services import ROOT, SCHEDULER_SERVICE, TOKENIZER_SERVICE, Pair, running_pair
+from tests.support.services import (
+    ROOT,
+    SCHEDULER_SERVICE,
+    TOKENIZER_SERVICE,
+    Pair,
+    installed_launcher,
+    running_pair,
+    zygote_pid,
+)
 
 __all__ = ["ROOT", "SCHEDULER_SERVICE", "TOKENIZER_SERVICE", "Services"]
 
@@ -57,6 +68,15 @@ def record_error_messages() -> Iterator[None]:
         pytest.fail(
             f"{len(leaked)} error message(s) told a client internals (of {len(messages.seen)} seen): {leaked[:5]}"
         )
+
+
+@pytest.fixture(scope="session", autouse=True)
+def service_launcher() -> Iterator[None]:
+    """Services the tests start without a wrapper are forked by a preloaded
+    zygote (`tests/support/zygote.py`). Set up before, and so torn down
+    after, every other session fixture: the session's services stop first."""
+    with installed_launcher():
+        yield
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -102,13 +122,17 @@ def no_leaks() -> Iterator[None]:
 
 
 def _new_children(before: set[int]) -> set[int]:
-    """Processes that appeared during the test, except those under a process
-    that was already there (a longer-lived fixture's service that replaced
-    its own workers: that service owns them, not the test)."""
+    """Processes that appeared during the test, except the zygote (the
+    session's, started by whichever test first needed it) and those under a
+    process that was already there (a longer-lived fixture's service that
+    replaced its own workers: that service owns them, not the test). The
+    zygote is the parent of every service it forked, so it does not count
+    as such a process."""
+    zygote = zygote_pid()
     new = set()
-    for pid in children() - before:
+    for pid in children() - before - {zygote}:
         with contextlib.suppress(psutil.NoSuchProcess):
-            if not any(parent.pid in before for parent in psutil.Process(pid).parents()):
+            if not any(parent.pid in before and parent.pid != zygote for parent in psutil.Process(pid).parents()):
                 new.add(pid)
     return new
 

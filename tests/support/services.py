@@ -1,8 +1,17 @@
 """Service pairs for tests: `mmsplit_cli.launch` with the repository on
-PYTHONPATH, so the services can import the test hooks in `tests.support`."""
+PYTHONPATH, so the services can import the test hooks in `tests.support`.
+
+Services started without a wrapper are forked by a preloaded zygote
+(`tests/support/zygote.py`, started on first use, one per test process):
+`install_launcher` sets it up for the session. MMSPLIT_TEST_ZYGOTE=0 starts
+every service as a new interpreter instead (slower; what production does).
+"""
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -13,17 +22,68 @@ from mmsplit_cli.launch import (
     Pair,
     ServiceProcess,
     scheduler_args,
+    set_launcher,
     tokenizer_args,
 )
 from mmsplit_cli.launch import (
     running_pair as _running_pair,
 )
 from tests.support.leaks import SERVICE_TMP
+from tests.support.zygote import ForkedProcess, Zygote
 
 __all__ = ["ROOT", "SCHEDULER_SERVICE", "TOKENIZER_SERVICE", "Pair", "running_pair"]
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {"PYTHONPATH": str(ROOT), "TMPDIR": str(SERVICE_TMP)}
+
+
+class LazyZygote:
+    """The launcher the suite installs: a zygote started on the first
+    service start (a test process that starts none pays nothing)."""
+
+    def __init__(self) -> None:
+        self._zygote: Zygote | None = None
+        self._workdir: str | None = None
+
+    def __call__(self, argv: Sequence[str], env: dict[str, str]) -> ForkedProcess:
+        if self._zygote is None:
+            self._workdir = tempfile.mkdtemp(prefix="mmsplit-zygote-")
+            self._zygote = Zygote(Path(self._workdir), ENV)
+        return self._zygote.start(argv, env)
+
+    @property
+    def pid(self) -> int | None:
+        return self._zygote.pid if self._zygote is not None else None
+
+    def close(self) -> None:
+        if self._zygote is not None:
+            self._zygote.close()
+            self._zygote = None
+        if self._workdir is not None:
+            shutil.rmtree(self._workdir, ignore_errors=True)
+            self._workdir = None
+
+
+_zygote = LazyZygote()
+
+
+def zygote_pid() -> int | None:
+    """The zygote's pid, once started (it and only it may outlive a test)."""
+    return _zygote.pid
+
+
+@contextmanager
+def installed_launcher() -> Iterator[None]:
+    """For the session: services without a wrapper come from the zygote."""
+    if os.environ.get("MMSPLIT_TEST_ZYGOTE", "1") == "0":
+        yield
+        return
+    previous = set_launcher(_zygote)
+    try:
+        yield
+    finally:
+        set_launcher(previous)
+        _zygote.close()
 
 
 def start_scheduler(model: Path, log: Path, *, tp: int = 2, extra: Sequence[str] = ()) -> ServiceProcess:
