@@ -54,7 +54,11 @@ def pair(tiny_model: Path, pool_dir: Path) -> Iterator[Pair]:
         "--preprocess-timeout-s", "4",
         "--preprocess-cache-bytes", "0",
     ]  # fmt: skip
-    env = {"MMSPLIT_TEST_FAIL_POOL_FILE": str(pool_dir / "fail-pool")}
+    (pool_dir / "serving").mkdir()
+    env = {
+        "MMSPLIT_TEST_FAIL_POOL_FILE": str(pool_dir / "fail-pool"),
+        "MMSPLIT_TEST_SERVING_DIR": str(serving_dir(pool_dir)),
+    }
     # Started with a low soft open-file limit, as some container runtimes
     # do: each service raises it, and its children must inherit the raised one.
     wrapper = limits.started_low()
@@ -86,12 +90,9 @@ def workers(pair: Pair) -> list[psutil.Process]:
     return [w for f in forkservers(pair) for w in f.children()]
 
 
-def age_s(process: psutil.Process) -> float:
-    """How long `process` has run (0 for one gone meanwhile)."""
-    try:
-        return time.time() - process.create_time()
-    except psutil.NoSuchProcess:
-        return 0.0
+def serving_dir(pool_dir: Path) -> Path:
+    """Where each pool worker marks itself once it has decoded an image (`tests.support.worker_hook`)."""
+    return pool_dir / "serving"
 
 
 def replacements(pair: Pair) -> int:
@@ -171,9 +172,9 @@ def test_a_worker_killed_mid_write_leaves_its_slab_slice_free(pair: Pair) -> Non
     assert health_status(pair.tokenizer_address, TOKENIZER_SERVICE) == "SERVING"
 
 
-def test_workers_killed_at_random_under_load_cost_only_their_own_images(pair: Pair) -> None:
+def test_workers_killed_at_random_under_load_cost_only_their_own_images(pair: Pair, pool_dir: Path) -> None:
     """Eight clients send two-image requests while a serving worker (one
-    that has lived a second: started, and working) is SIGKILLed every
+    that has decoded an image: started, and working) is SIGKILLed every
     50-300 ms, until at least 240 requests were sent and 10 workers killed
     (a fixed number of requests ran out before the tenth kill on a fast
     day, the outcome hanging on this machine's speed). Every request is
@@ -184,7 +185,10 @@ def test_workers_killed_at_random_under_load_cost_only_their_own_images(pair: Pa
     `test_failing_pool_creation_is_not_serving_until_it_clears` has it;
     one killed as it starts is tried again, as `tests/tokenizer/
     test_pool_queue.py` has it. Killing young workers here too made the
-    outcome depend on how fast this machine started them.)"""
+    outcome depend on how fast this machine started them: a worker a
+    second old was taken for a serving one, but on a busy host starting
+    took longer, so replacements were killed as they started until the
+    pool gave up, "no CPU pool is available right now".)"""
     from tests.e2e.helpers import tokenizer_info
 
     images = [samples.encode(samples.gradient(320, 240, seed=i), "JPEG") for i in range(24)]
@@ -195,7 +199,8 @@ def test_workers_killed_at_random_under_load_cost_only_their_own_images(pair: Pa
         nonlocal kills
         rng = random.Random(7)
         while not stop.wait(rng.uniform(0.05, 0.3)):
-            alive = [w for w in workers(pair) if age_s(w) >= 1.0]
+            serving = {int(p.name) for p in serving_dir(pool_dir).iterdir()}
+            alive = [w for w in workers(pair) if w.pid in serving]
             if alive:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(rng.choice(alive).pid, signal.SIGKILL)

@@ -11,7 +11,10 @@ If the file named by MMSPLIT_TEST_FAIL_POOL_FILE exists, a new worker fails
 in its initializer (pool creation fails) until the file is removed. For each
 file in the directory named by MMSPLIT_TEST_DIE_AT_START_DIR, one starting
 worker removes it and SIGKILLs itself in its initializer (a worker killed as
-it starts, by the OOM killer say).
+it starts, by the OOM killer say). If MMSPLIT_TEST_SERVING_DIR names a
+directory, a worker writes a file named by its pid there once it has
+decoded an image: it has started and serves (what a test that kills only
+serving workers looks for, however long starting took).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ POISON = (67, 43)
 MID_WRITE = (71, 41)
 UNSENDABLE = (73, 37)
 _kill_on_write = False
+_said_serving = False
 
 
 def on_worker_start() -> None:
@@ -51,7 +55,11 @@ class Unbuildable(Exception):
 
 
 def on_decoded(image: Image.Image) -> None:
-    global _kill_on_write
+    global _kill_on_write, _said_serving
+    serving = os.environ.get("MMSPLIT_TEST_SERVING_DIR")
+    if serving and not _said_serving:
+        _said_serving = True
+        (Path(serving) / str(os.getpid())).touch()
     _kill_on_write = image.size == MID_WRITE
     if image.size == SLOW:
         time.sleep(1.5)
