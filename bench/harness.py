@@ -48,7 +48,8 @@ def build_model(name: str, workdir: Path) -> Path:
     out = workdir / f"model-{name}"
     if (out / "config.json").exists():
         return out
-    return build(out, cache_dir=ROOT / ".cache", text_layers=layers, text_hidden=hidden)
+    # Prompts as written: the baselines run `generate` on the same text.
+    return build(out, cache_dir=ROOT / ".cache", text_layers=layers, text_hidden=hidden, chat_template=False)
 
 
 @dataclass

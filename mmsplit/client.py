@@ -7,6 +7,15 @@
         for event in client.generate("What is this?", images=[open("cat.jpg", "rb").read()], max_tokens=16):
             print(event.text, end="", flush=True)
 
+A conversation goes as `messages` instead of a prompt: (role, content)
+pairs, the content a string or a list of strings, `ImagePart`s and
+`VideoPart`s in order; the server renders it with the model's chat template.
+
+    client.complete(messages=[
+        ("system", "Answer in one word."),
+        ("user", ["What is this?", ImagePart(open("cat.jpg", "rb").read())]),
+    ])
+
 Failures raise `RequestFailed` subclasses decoded from the status's
 ErrorInfo: `reason` (the ErrorCode name), `retriable`, `request_id`, the gRPC
 code and the message. Retriable failures that end a call before any response
@@ -155,9 +164,59 @@ def service_config(retries: int, initial_backoff_s: float, max_backoff_s: float)
     return json.dumps(config)
 
 
+@dataclass(frozen=True)
+class ImagePart:
+    """An image in a conversation turn: bytes (sent inline) or a URL
+    (data:, http(s), or a path under the server's allowed directory)."""
+
+    source: bytes | str
+
+
+@dataclass(frozen=True)
+class VideoPart:
+    """A video in a conversation turn (models that take video)."""
+
+    source: bytes | str
+
+
+# (role, content): role "system", "user" or "assistant"; content text, or
+# parts in order.
+Message = tuple[str, "str | ImagePart | VideoPart | Sequence[str | ImagePart | VideoPart]"]
+_ROLES = {
+    "system": tokenizer_pb2.CHAT_ROLE_SYSTEM,
+    "user": tokenizer_pb2.CHAT_ROLE_USER,
+    "assistant": tokenizer_pb2.CHAT_ROLE_ASSISTANT,
+}
+
+
+def chat_messages(messages: Sequence[Message]) -> list[tokenizer_pb2.ChatMessage]:
+    """`messages` as the contract's ChatMessages."""
+    out = []
+    for role, content in messages:
+        if role not in _ROLES:
+            raise ValueError(f"role {role!r} is not one of {', '.join(_ROLES)}")
+        message = tokenizer_pb2.ChatMessage(role=_ROLES[role])
+        for part in [content] if isinstance(content, str | ImagePart | VideoPart) else content:
+            if isinstance(part, str):
+                message.content.add(text=part)
+            elif isinstance(part, ImagePart):
+                message.content.add(image=_source(tokenizer_pb2.Image, part.source))
+            elif isinstance(part, VideoPart):
+                message.content.add(video=_source(tokenizer_pb2.Video, part.source))
+            else:
+                raise TypeError(f"a content part is text, ImagePart or VideoPart, not {type(part).__name__}")
+        out.append(message)
+    return out
+
+
+def _source(cls: Any, source: bytes | str) -> Any:
+    return cls(url=source) if isinstance(source, str) else cls(data=source)
+
+
 def build_request(
-    prompt: str,
+    prompt: str = "",
     *,
+    messages: Sequence[Message] = (),
     images: Sequence[bytes | str] = (),
     videos: Sequence[bytes | str] = (),
     request_id: str = "",
@@ -170,8 +229,9 @@ def build_request(
     stop: Sequence[str] = (),
     stop_token_ids: Sequence[int] = (),
 ) -> tokenizer_pb2.GenerateRequest:
-    """A GenerateRequest; media given as bytes are sent inline, as str by URL
-    (data:, http(s), or a path under the server's allowed directory)."""
+    """A GenerateRequest of a prompt (with `images` and `videos`) or of a
+    conversation (`messages`); media given as bytes are sent inline, as str
+    by URL (data:, http(s), or a path under the server's allowed directory)."""
     sampling = common_pb2.SamplingParams(
         max_tokens=max_tokens,
         temperature=temperature,
@@ -186,9 +246,10 @@ def build_request(
     return tokenizer_pb2.GenerateRequest(
         request_id=request_id,
         prompt=prompt,
-        images=[tokenizer_pb2.Image(url=m) if isinstance(m, str) else tokenizer_pb2.Image(data=m) for m in images],
-        videos=[tokenizer_pb2.Video(url=m) if isinstance(m, str) else tokenizer_pb2.Video(data=m) for m in videos],
+        images=[_source(tokenizer_pb2.Image, m) for m in images],
+        videos=[_source(tokenizer_pb2.Video, m) for m in videos],
         sampling=sampling,
+        messages=chat_messages(messages),
     )
 
 
@@ -282,9 +343,9 @@ class Client(_Connection):
             return grpc.insecure_channel(address, options=options)
         return grpc.secure_channel(address, credentials, options=options)
 
-    def generate(self, prompt: str, *, timeout: float | None = None, **kwargs: Any) -> Iterator[Delta | Finished]:
+    def generate(self, prompt: str = "", *, timeout: float | None = None, **kwargs: Any) -> Iterator[Delta | Finished]:
         """The stream: deltas, then one Finished. Raises RequestFailed.
-        `kwargs` are `build_request`'s (images, videos, sampling, request_id)."""
+        `kwargs` are `build_request`'s (messages, images, videos, sampling, request_id)."""
         return self.send(build_request(prompt, **kwargs), timeout=timeout)
 
     def send(
@@ -299,7 +360,7 @@ class Client(_Connection):
         except grpc.RpcError as exc:
             raise decode_error(exc) from None
 
-    def complete(self, prompt: str, *, timeout: float | None = None, **kwargs: Any) -> Completion:
+    def complete(self, prompt: str = "", *, timeout: float | None = None, **kwargs: Any) -> Completion:
         done = Completion()
         for event in self.generate(prompt, timeout=timeout, **kwargs):
             _add(done, event)
@@ -331,7 +392,7 @@ class AsyncClient(_Connection):
 
     async def generate(
         self,
-        prompt: str,
+        prompt: str = "",
         *,
         timeout: float | None = None,  # noqa: ASYNC109 (the call's gRPC deadline, which the server sees)
         **kwargs: Any,
@@ -347,7 +408,7 @@ class AsyncClient(_Connection):
 
     async def complete(
         self,
-        prompt: str,
+        prompt: str = "",
         *,
         timeout: float | None = None,  # noqa: ASYNC109 (as generate)
         **kwargs: Any,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import grpc
 
-from mmsplit.client import Client, Delta, Finished, RequestFailed, build_request
+from mmsplit.client import Client, Delta, Finished, ImagePart, Message, RequestFailed, VideoPart, build_request
 from mmsplit.common.v1 import common_pb2
 from mmsplit.errors import RemoteError
 from mmsplit.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
@@ -106,12 +106,16 @@ def generate_command(args: argparse.Namespace) -> int:
         server_name=args.tls_server_name,
         retries=args.retries,
     )
+    images = [Path(p).read_bytes() for p in args.image]
+    videos = [Path(p).read_bytes() for p in args.video]
+    messages = conversation(args.turns, images, videos)
     with client:
         try:
             events = client.generate(
-                args.prompt,
-                images=[Path(p).read_bytes() for p in args.image],
-                videos=[Path(p).read_bytes() for p in args.video],
+                args.prompt or "",
+                messages=messages,
+                images=[] if messages else images,
+                videos=[] if messages else videos,
                 request_id=args.request_id,
                 max_tokens=args.max_tokens,
                 temperature=args.temperature,
@@ -138,6 +142,21 @@ def generate_command(args: argparse.Namespace) -> int:
                 print(f"\nerror: {exc.grpc_code} {exc.reason}: {exc.message}", file=sys.stderr)
             return 2
     return 0
+
+
+def conversation(turns: list[tuple[str, str]], images: list[bytes], videos: list[bytes]) -> list[Message]:
+    """`--system`/`--user`/`--assistant` turns in the order given; the
+    `--image` and `--video` files go to the last user turn, before its text."""
+    messages: list[Message] = [(role, text) for role, text in turns]
+    if not messages:
+        return []
+    last_user = max((i for i, (role, _) in enumerate(turns) if role == "user"), default=None)
+    if last_user is None:
+        raise SystemExit("mmsplit generate: a conversation needs at least one --user turn")
+    parts: list[str | ImagePart | VideoPart] = [ImagePart(b) for b in images]
+    parts += [VideoPart(b) for b in videos]
+    messages[last_user] = ("user", [*parts, turns[last_user][1]])
+    return messages
 
 
 def _event_json(event: Delta | Finished) -> dict[str, object]:

@@ -3,6 +3,7 @@
 mmsplit scheduler --model DIR --tp N --port P
 mmsplit tokenizer --model DIR --scheduler HOST:PORT --port P
 mmsplit generate --server HOST:PORT [--image FILE ...] [--video FILE ...] [--max-tokens N] [--json] "prompt"
+mmsplit generate --server HOST:PORT [--system TEXT] --user TEXT [--assistant TEXT --user TEXT ...] [--image FILE]
 mmsplit conformance --tokenizer HOST:PORT [--scheduler HOST:PORT]
 mmsplit tiny-model DIR [--family llava|llava-next|qwen2-vl|qwen2.5-vl]
 mmsplit demo
@@ -14,7 +15,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from mmsplit.serving import exit_now, raise_fd_limit, setup_logging
 from mmsplit_cli.config import add_settings_arguments, settings_from
@@ -58,9 +59,21 @@ def _tokenizer(args: argparse.Namespace) -> NoReturn:
     exit_now(run(settings))  # as the scheduler
 
 
+class _Turn(argparse.Action):
+    """Collects (role, text) of --system/--user/--assistant in the order given."""
+
+    def __call__(
+        self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option: Any = None
+    ) -> None:
+        turns = [*getattr(namespace, self.dest, []), (str(option).lstrip("-"), values)]
+        setattr(namespace, self.dest, turns)
+
+
 def _generate(args: argparse.Namespace) -> int:
     from mmsplit_cli.client import generate_command
 
+    if bool(args.prompt) == bool(args.turns):
+        raise SystemExit("mmsplit generate: give a prompt or a conversation (--user, ...), one of the two")
     return generate_command(args)
 
 
@@ -80,6 +93,7 @@ def _tiny_model(args: argparse.Namespace) -> int:
         family=args.family,
         text_layers=args.text_layers,
         text_hidden=args.text_hidden,
+        chat_template=args.chat_template,
     )
     return 0
 
@@ -126,12 +140,21 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--retries", type=int, default=3, help="retries of a retriable failure before any output (gRPC's policy)"
     )
+    for role in ("system", "user", "assistant"):
+        p.add_argument(
+            f"--{role}",
+            dest="turns",
+            action=_Turn,
+            default=[],
+            metavar="TEXT",
+            help=f"a {role} turn of a conversation (turns go in the order given; instead of a prompt)",
+        )
     p.add_argument("--json", action="store_true", help="print one JSON object per event")
     p.add_argument("--tls-ca", default="", help="PEM CA certificates: connect with TLS, trusting them")
     p.add_argument("--tls-cert", default="", help="PEM client certificate, when the server requires one")
     p.add_argument("--tls-key", default="", help="PEM private key of --tls-cert")
     p.add_argument("--tls-server-name", default="", help="name the server's certificate carries, if not --server's")
-    p.add_argument("prompt")
+    p.add_argument("prompt", nargs="?", help="the prompt (or a conversation: --system, --user, --assistant)")
     p.set_defaults(func=_generate)
 
     p = sub.add_parser(
@@ -149,6 +172,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-dir", type=Path, default=Path(".cache"), help=cache_help)
     p.add_argument("--text-layers", type=int, default=2, help="layers of the text model")
     p.add_argument("--text-hidden", type=int, default=64, help="hidden size of the text model")
+    p.add_argument(
+        "--no-chat-template",
+        dest="chat_template",
+        action="store_false",
+        help="LLaVA families: write no chat template (prompts are then used as written; conversations are refused)",
+    )
     p.set_defaults(func=_tiny_model)
 
     p = sub.add_parser("demo", help="both services, a tiny model, scripted requests, a table of outcomes")

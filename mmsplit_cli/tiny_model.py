@@ -42,6 +42,25 @@ QWEN_CHAT_TEMPLATE = (
     "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
+# The templates llava-hf's LLaVA-1.5 and LLaVA-NeXT (Mistral) checkpoints
+# ship, in their shape: each turn's images first, then its text.
+LLAVA_CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] != 'system' %}{{ message['role'].upper() + ': ' }}{% endif %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}{{ '<image>\\n' }}{% endfor %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}{{ content['text'] + ' ' }}"
+    "{% endfor %}{% endfor %}{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
+)
+LLAVA_NEXT_CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] == 'system' %}"
+    "{{ '<<SYS>>\\n' + message['content'][0]['text'] + '\\n<</SYS>>\\n\\n' }}"
+    "{% elif message['role'] == 'user' %}{{ '[INST] ' }}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}{{ '<image>\\n' }}{% endfor %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}{{ content['text'] }}{% endfor %}"
+    "{{ ' [/INST]' }}{% elif message['role'] == 'assistant' %}{{ ' ' + message['content'][0]['text'] + '</s> ' }}"
+    "{% else %}{{ raise_exception('Only system, user and assistant roles are supported!') }}{% endif %}{% endfor %}"
+)
+CHAT_TEMPLATES = {"llava": LLAVA_CHAT_TEMPLATE, "llava-next": LLAVA_NEXT_CHAT_TEMPLATE}
+
 
 def tokenizer_wheel(cache_dir: Path) -> Path:
     """The mistral-common wheel in `cache_dir`, downloaded with pip if missing."""
@@ -67,12 +86,15 @@ def build(
     seed: int = 0,
     text_layers: int = 2,
     text_hidden: int = 64,
+    chat_template: bool = True,
 ) -> Path:
     """Write the model directory `out` (config, weights, generation config,
     tokenizer, processor files); return it. `text_layers` and `text_hidden`
     size the text model (the benchmarks use a larger one: 8 layers, 512
     wide); heads are 64 wide at 512 and more, 16 wide below, with half as
-    many KV heads."""
+    many KV heads. `chat_template`: write the chat template the family's
+    public checkpoints ship (the Qwen families always have theirs); without
+    it a LLaVA model's prompts are used as written."""
     import torch
 
     if family not in FAMILIES:
@@ -88,7 +110,7 @@ def build(
     }
     out.mkdir(parents=True, exist_ok=True)
     if family in ("llava", "llava-next"):
-        model, writers = _llava(family, cache_dir, text)
+        model, writers = _llava(family, cache_dir, text, chat_template)
     else:
         model, writers = _qwen(family, cache_dir, text)
     torch.manual_seed(seed)
@@ -117,7 +139,7 @@ def _spm_tokenizer(cache_dir: Path, specials: list[str]):  # type: ignore[no-unt
     return tokenizer
 
 
-def _llava(family: str, cache_dir: Path, text: dict[str, Any]):  # type: ignore[no-untyped-def]
+def _llava(family: str, cache_dir: Path, text: dict[str, Any], chat_template: bool):  # type: ignore[no-untyped-def]
     from transformers import (
         CLIPImageProcessorPil,
         CLIPVisionConfig,
@@ -133,6 +155,8 @@ def _llava(family: str, cache_dir: Path, text: dict[str, Any]):  # type: ignore[
     )
 
     tokenizer = _spm_tokenizer(cache_dir, [IMAGE_TOKEN])
+    if chat_template:
+        tokenizer.chat_template = CHAT_TEMPLATES[family]
     image_token_id = tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
     vision = CLIPVisionConfig(
         hidden_size=32,
@@ -159,6 +183,7 @@ def _llava(family: str, cache_dir: Path, text: dict[str, Any]):  # type: ignore[
         "vision_feature_select_strategy": "default",
         "image_token": IMAGE_TOKEN,
         "num_additional_image_tokens": 1,
+        "chat_template": CHAT_TEMPLATES[family] if chat_template else None,
     }
     if family == "llava":
         processor = LlavaProcessor(

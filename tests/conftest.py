@@ -139,14 +139,19 @@ def _new_children(before: set[int]) -> set[int]:
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny LLaVA without a chat template: its prompts are used as
+    written, so the references (tests/support/reference.py) run the same
+    text. `chat_models` has the families with their templates."""
     from mmsplit_cli.tiny_model import build
 
-    return build(tmp_path_factory.mktemp("model") / "tiny-llava", cache_dir=ROOT / ".cache")
+    return build(tmp_path_factory.mktemp("model") / "tiny-llava", cache_dir=ROOT / ".cache", chat_template=False)
 
 
 @pytest.fixture(scope="session")
 def family_models(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Callable[[str], Path]:
-    """family name -> a tiny model of that family, built once per session on first use."""
+    """family name -> a tiny model of that family, built once per session on
+    first use; the LLaVA families without a chat template (as `tiny_model`),
+    the Qwen ones with theirs (they have no other form)."""
     from mmsplit_cli.tiny_model import build
 
     built: dict[str, Path] = {"llava": tiny_model}
@@ -154,7 +159,32 @@ def family_models(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) ->
     def get(family: str) -> Path:
         if family not in built:
             built[family] = build(
-                tmp_path_factory.mktemp("model") / f"tiny-{family}", cache_dir=ROOT / ".cache", family=family
+                tmp_path_factory.mktemp("model") / f"tiny-{family}",
+                cache_dir=ROOT / ".cache",
+                family=family,
+                chat_template=False,
+            )
+        return built[family]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def chat_models(
+    tmp_path_factory: pytest.TempPathFactory, family_models: Callable[[str], Path]
+) -> Callable[[str], Path]:
+    """family name -> a tiny model of that family with the chat template its
+    public checkpoints ship (what `mmsplit tiny-model` writes by default)."""
+    from mmsplit_cli.tiny_model import build
+
+    built: dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        if family.startswith("qwen"):
+            return family_models(family)
+        if family not in built:
+            built[family] = build(
+                tmp_path_factory.mktemp("model") / f"chat-{family}", cache_dir=ROOT / ".cache", family=family
             )
         return built[family]
 

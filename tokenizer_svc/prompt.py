@@ -19,6 +19,11 @@ template with the generation prompt, exactly as
 ``processor.apply_chat_template(messages, add_generation_prompt=True)``
 renders it; the template's own special tokens are then real control tokens
 (the user's text was checked before it was placed).
+
+Conversations (`build_chat`): every turn's parts go to the template as they
+are, so the text equals ``processor.apply_chat_template(messages,
+add_generation_prompt=True)`` for the same conversation. Media come only as
+parts: a text part may not hold a media marker either.
 """
 
 from __future__ import annotations
@@ -35,6 +40,16 @@ from tokenizer_svc.errors import InternalError, InvalidRequest
 class Media:
     modality: int
     tokens: int  # placeholders this item fills (the family's rule)
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One message of a conversation: its role ("system", "user",
+    "assistant") and its parts in order: ("text", str), ("image", ""),
+    ("video", "")."""
+
+    role: str
+    parts: tuple[tuple[str, str], ...]
 
 
 @dataclass(frozen=True)
@@ -77,12 +92,7 @@ class PromptBuilder:
         text = prompt
         for whole, marker in self._wrapped.items():
             text = text.replace(whole, marker)
-        bare = self._marker_re.sub("", text)
-        for token in (*self._control, *self._structural):
-            if token in bare:
-                raise InvalidRequest(
-                    f"the prompt contains {token!r}, a control token of this model; it cannot be sent as text"
-                )
+        self._check_text(self._marker_re.sub("", text), "the prompt")
         found = [self._by_marker[m] for m in self._marker_re.findall(text)]
         sent = sorted(m.modality for m in media)
         if found and sorted(found) != sent:
@@ -101,6 +111,65 @@ class PromptBuilder:
             # No markers: the images first, then the videos, one per line.
             text = "".join(self.holders[m].token + "\n" for m in sent) + text
             found = sent
+        return self._tokenize(text, found, media)
+
+    def build_chat(self, turns: list[Turn], media: list[Media]) -> BuiltPrompt:
+        """A conversation rendered by the chat template with the generation
+        prompt. `media` are the images of every turn in order, then the
+        videos in order; the k-th image part takes the k-th image."""
+        if self.chat_template is None:
+            raise InvalidRequest(
+                "this model has no chat template, so a conversation (messages) cannot be rendered; "
+                "send a prompt instead, or start the tokenizer with --chat-template FILE"
+            )
+        kinds = {"image": IMAGE, "video": VIDEO}
+        conversation: list[dict[str, Any]] = []
+        for i, turn in enumerate(turns):
+            content: list[dict[str, str]] = []
+            for j, (kind, text) in enumerate(turn.parts):
+                if kind == "text":
+                    self._check_text(text, f"messages[{i}].content[{j}]", markers=True)
+                    content.append({"type": "text", "text": text})
+                else:
+                    content.append({"type": kind})
+            conversation.append({"role": turn.role, "content": content})
+        sent = [kinds[kind] for turn in turns for kind, _ in turn.parts if kind != "text"]
+        if sorted(sent) != sorted(m.modality for m in media):
+            raise InternalError("the conversation's media parts do not match its media")
+        try:
+            rendered: str = self.tokenizer.apply_chat_template(
+                conversation, chat_template=self.chat_template, tokenize=False, add_generation_prompt=True
+            )
+        except Exception as exc:  # a template's raise_exception(): it refuses this conversation's shape
+            raise InvalidRequest(f"the model's chat template refused the conversation: {exc}") from exc
+        for whole, marker in self._wrapped.items():
+            rendered = rendered.replace(whole, marker)
+        found = [self._by_marker[m] for m in self._marker_re.findall(rendered)]
+        if sorted(found) != sorted(sent):
+            raise InvalidRequest(
+                f"the model's chat template placed {_names(found)} for the conversation's {_names(sent)}; "
+                "it does not render every image and video part once"
+            )
+        return self._tokenize(rendered, found, media, templated=True)
+
+    def _check_text(self, text: str, where: str, *, markers: bool = False) -> None:
+        """User text may not hold the model's control tokens (nor, with
+        `markers`, its media markers): they would be tokenized into the
+        tokens themselves."""
+        for token in (*self._control, *self._structural, *(self._by_marker if markers else ())):
+            if token in text:
+                raise InvalidRequest(
+                    f"{where} contains {token!r}, a control token of this model; it cannot be sent as text"
+                )
+
+    def _tokenize(
+        self, text: str, found: list[int], media: list[Media], *, templated: bool | None = None
+    ) -> BuiltPrompt:
+        """`text` with each marker expanded into its item's placeholders
+        (`found`: the markers' modalities in text order), tokenized in one
+        call, with each item's placeholder runs."""
+        if templated is None:
+            templated = self.chat_template is not None
         # The k-th marker of a modality takes the k-th item of that modality.
         queues = {m: [item for item in media if item.modality == m] for m in set(found)}
         pieces = self._marker_re.split(text)
@@ -111,7 +180,7 @@ class PromptBuilder:
         full = "".join(expanded)
         # A template that writes the BOS itself must not get a second one.
         bos = getattr(self.tokenizer, "bos_token", None)
-        add_special = not (self.chat_template is not None and bos and full.startswith(bos))
+        add_special = not (templated and bos and full.startswith(bos))
         ids: list[int] = list(self.tokenizer(full, add_special_tokens=add_special)["input_ids"])
         return BuiltPrompt(ids, self._runs(ids, media))
 

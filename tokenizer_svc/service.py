@@ -24,18 +24,17 @@ from typing import Any
 
 from mmsplit import devices, families, shm, slab
 from mmsplit.common.v1 import common_pb2
-from mmsplit.errors import E, RemoteError
+from mmsplit.errors import E, MmsplitError, RemoteError
 from mmsplit.sampling import Sampling
 from mmsplit.scheduler.v1 import scheduler_pb2
 from mmsplit.tensors import NUMPY_TO_DTYPE, CudaRef, TensorSpec
 from mmsplit.tokenizer.v1 import tokenizer_pb2
 from tokenizer_svc.cache import PreprocessCache, fingerprint
+from tokenizer_svc.conversation import Located, Parsed, parse
 from tokenizer_svc.detokenize import IncrementalDecoder, StopMatcher, stream_text
 from tokenizer_svc.downstream import SchedulerLink, Schedulers
 from tokenizer_svc.errors import (
     InternalError,
-    InvalidRequest,
-    MediaUnsupported,
     Overloaded,
     SchedulerUnavailable,
     ShuttingDown,
@@ -178,7 +177,7 @@ class TokenizerService:
     async def _generate(
         self, request: tokenizer_pb2.GenerateRequest, rid: str, timeout_s: float | None
     ) -> AsyncGenerator[tokenizer_pb2.GenerateResponse, None]:
-        self._validate(request)
+        parsed = self._validate(request)
         # The backend first: whether its media go by shared memory or inline
         # depends on where it is.
         backend = self.link.pick()
@@ -194,7 +193,7 @@ class TokenizerService:
         assigned = Assigned(backend)
         backend.inflight += 1
         try:
-            async for response in self._generate_on(request, rid, timeout_s, assigned, backend.transport):
+            async for response in self._generate_on(request, parsed, rid, timeout_s, assigned, backend.transport):
                 yield response
         finally:
             assigned.backend.inflight -= 1
@@ -202,18 +201,23 @@ class TokenizerService:
     async def _generate_on(
         self,
         request: tokenizer_pb2.GenerateRequest,
+        parsed: Parsed,
         rid: str,
         timeout_s: float | None,
         assigned: Assigned,
         transport: int,
     ) -> AsyncGenerator[tokenizer_pb2.GenerateResponse, None]:
-        prepared = await self._prepare_media(request, rid, transport)
+        prepared = await self._prepare_media(parsed.media, rid, transport)
         results = [p.result for p in prepared]
         owned = [segment for r in results for segment in r.segments]
         self.held.update(owned)
         accepted = False
         try:
-            prompt = self.prompts.build(request.prompt, [Media(r.modality, r.tokens) for r in results])
+            media = [Media(r.modality, r.tokens) for r in results]
+            if parsed.turns is None:
+                prompt = self.prompts.build(parsed.prompt, media)
+            else:
+                prompt = self.prompts.build_chat(parsed.turns, media)
             # Items go in prompt order (by their first placeholder).
             items = sorted(zip(prompt.runs, results, strict=True), key=lambda pair: pair[0][0][0])
             downstream = scheduler_pb2.GenerateRequest(
@@ -330,26 +334,16 @@ class TokenizerService:
         matched. Responses and errors carry the client's id alone."""
         return f"{self.instance}-{next(self._ids):x}.{rid[:64]}"
 
-    def _validate(self, request: tokenizer_pb2.GenerateRequest) -> None:
+    def _validate(self, request: tokenizer_pb2.GenerateRequest) -> Parsed:
         Sampling.from_pb(request.sampling, max_tokens_limit=self.settings.max_tokens_limit)
-        s = self.settings
-        if len(request.prompt) > s.max_prompt_chars:
-            raise InvalidRequest(f"prompt has {len(request.prompt)} characters, at most {s.max_prompt_chars}")
-        if not request.prompt and not request.images and not request.videos:
-            raise InvalidRequest("the request has neither a prompt nor media")
-        if len(request.images) > s.max_images_per_request:
-            raise InvalidRequest(f"{len(request.images)} images, at most {s.max_images_per_request}")
-        if request.videos and not self.family.takes_video:
-            raise MediaUnsupported(f"this model ({self.family.name}) takes no video")
-        if len(request.videos) > s.max_videos_per_request:
-            raise InvalidRequest(f"{len(request.videos)} videos, at most {s.max_videos_per_request}")
+        return parse(request, self.settings, self.family)
 
-    async def _prepare_media(self, request: tokenizer_pb2.GenerateRequest, rid: str, transport: int) -> list[Prepared]:
+    async def _prepare_media(self, media: list[Located], rid: str, transport: int) -> list[Prepared]:
         """Every image and video fetched, preprocessed and locked, or none
         held: on any failure or cancellation the others' work is awaited and
-        released. In request order: the images, then the videos."""
-        media = [*request.images, *request.videos]
-        tasks = [asyncio.create_task(self._one(medium, rid, transport)) for medium in media]
+        released. In request order: the images, then the videos. An error
+        about one names where it was in the request (metadata "param")."""
+        tasks = [asyncio.create_task(self._located(m, rid, transport)) for m in media]
         if not tasks:
             return []
         try:
@@ -418,6 +412,13 @@ class TokenizerService:
             self.slab.close()
         if self.device_pool is not None:
             self.device_pool.close()
+
+    async def _located(self, located: Located, rid: str, transport: int) -> Prepared:
+        try:
+            return await self._one(located.medium, rid, transport)
+        except MmsplitError as exc:
+            exc.metadata.setdefault("param", located.where)
+            raise
 
     async def _one(self, medium: tokenizer_pb2.Image | tokenizer_pb2.Video, rid: str, transport: int) -> Prepared:
         data = await self.media.load(medium)  # IO pool, its own timeouts

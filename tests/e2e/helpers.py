@@ -60,3 +60,16 @@ def rank_processes(scheduler_pid: int) -> list[psutil.Process]:
     call themselves mmsplit-rankN (forked or spawned, `scheduler_svc.group`)."""
     ranks = [p for p in psutil.Process(scheduler_pid).children() if p.name().startswith("mmsplit-rank")]
     return sorted(ranks, key=lambda p: int(p.name().removeprefix("mmsplit-rank")))
+
+
+def png(height: int, width: int, seed: int) -> bytes:
+    """A PNG of random pixels."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 255, (height, width, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return buf.getvalue()

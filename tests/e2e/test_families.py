@@ -30,22 +30,13 @@ from mmsplit.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from mmsplit_cli import samples
 from mmsplit_cli.client import make_request, run_request
 from tests.conftest import SCHEDULER_SERVICE, TOKENIZER_SERVICE, Services
-from tests.e2e.helpers import health_status, rank_active_requests, scheduler_info
+from tests.e2e.helpers import health_status, png, rank_active_requests, scheduler_info
 from tests.support import family_kit, hf_family, video_corpus
 from tests.support.leaks import PROJECT_PREFIX, project_segments, wait_until
 from tests.support.services import Pair, running_pair
 
 pytestmark = pytest.mark.e2e
 MAX_TOKENS = 6
-
-
-def png(height: int, width: int, seed: int) -> bytes:
-    from PIL import Image
-
-    pixels = np.random.default_rng(seed).integers(0, 255, (height, width, 3), dtype=np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(pixels).save(buf, format="PNG")
-    return buf.getvalue()
 
 
 @pytest.fixture(scope="module")

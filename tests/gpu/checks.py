@@ -348,7 +348,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     name = torch.cuda.get_device_name(0) if DEVICE == "cuda" else DEVICE
     report("INFO", "device", f"{name}, torch {torch.__version__}")
-    model_dir = build(out / "tiny", cache_dir=ROOT / ".cache")
+    model_dir = build(out / "tiny", cache_dir=ROOT / ".cache", chat_template=False)  # prompts as written, as generate
     logs = out / "logs"
     logs.mkdir(exist_ok=True)
     started = time.monotonic()

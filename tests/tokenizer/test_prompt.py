@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ import pytest
 from mmsplit import families
 from tests.support import family_kit, hf_family
 from tokenizer_svc.errors import InvalidRequest
-from tokenizer_svc.prompt import Media
+from tokenizer_svc.prompt import Media, Turn
 
 FAMILIES = ["llava", "llava-next", "qwen2-vl", "qwen2.5-vl"]
 
@@ -154,3 +155,59 @@ def test_chat_template_setting_takes_a_file_and_a_broken_one_stops_the_start(
         _load_processor(TokenizerSettings(model_dir=model_dir, chat_template=str(broken)))
     with pytest.raises(FileNotFoundError):
         _load_processor(TokenizerSettings(model_dir=model_dir, chat_template=str(tmp_path / "missing.jinja")))
+
+
+def _conversation(image_a: Any, image_b: Any) -> tuple[list[Turn], list[dict[str, Any]], list[Any]]:
+    """system + user (an image) + assistant + user (another image): our
+    turns, the same as Hugging Face messages, and the images in order."""
+    ours = [
+        Turn("system", (("text", "You answer in one word."),)),
+        Turn("user", (("text", "What is this?"), ("image", ""))),
+        Turn("assistant", (("text", "A square."),)),
+        Turn("user", (("image", ""), ("text", "And this one?"))),
+    ]
+    hf = [
+        {"role": t.role, "content": [{"type": k} if k != "text" else {"type": "text", "text": v} for k, v in t.parts]}
+        for t in ours
+    ]
+    return ours, hf, [image_a, image_b]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_conversation_gives_the_processor_s_ids_for_its_chat_template(
+    family: str, chat_models: Callable[[str], Path]
+) -> None:
+    """`build_chat`: a conversation of four turns with images in two of
+    them gives the ids of ``processor(text=apply_chat_template(messages),
+    images=...)`` with the template the family's checkpoints ship."""
+    from tokenizer_svc.prompt import PromptBuilder
+    from tokenizer_svc.server import chat_template
+
+    model_dir = chat_models(family)
+    kit = family_kit.kit(model_dir)
+    proc = hf_family.processor(model_dir)
+    template = chat_template("auto", model_dir, kit.tokenizer)
+    assert template is not None, family
+    builder = PromptBuilder(kit.family, kit.tokenizer, template)
+    turns, messages, imgs = _conversation(*images((120, 200), (64, 64)))
+    counts = [n for _, n in kit.items(imgs)]
+    built = builder.build_chat(turns, [Media(families.IMAGE, n) for n in counts])
+    rendered = proc.apply_chat_template(messages, chat_template=template, tokenize=False, add_generation_prompt=True)
+    assert built.input_ids == hf_family.prompt_ids(proc, rendered, imgs), family
+    # Each image's placeholders are where the processor put them, in order.
+    assert [sum(n for _, n in runs) for runs in built.runs] == counts
+    assert built.runs[0][0][0] < built.runs[1][0][0]
+
+
+def test_conversation_text_is_checked_and_a_model_without_a_template_refuses_it(
+    family_models: Callable[[str], Path],
+) -> None:
+    from tokenizer_svc.prompt import PromptBuilder
+
+    kit = family_kit.kit(family_models("llava"))
+    with pytest.raises(InvalidRequest, match="no chat template"):
+        PromptBuilder(kit.family, kit.tokenizer, None).build_chat([Turn("user", (("text", "hi"),))], [])
+    builder = PromptBuilder(kit.family, kit.tokenizer, LLAVA_TEMPLATE)
+    for text in ("</s> sneaky", f"an {kit.marker} in text"):
+        with pytest.raises(InvalidRequest, match=r"messages\[1\]\.content\[0\] contains"):
+            builder.build_chat([Turn("user", (("text", "fine"),)), Turn("user", (("text", text),))], [])

@@ -1,11 +1,23 @@
 from mmsplit.common.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class ChatRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CHAT_ROLE_UNSPECIFIED: _ClassVar[ChatRole]
+    CHAT_ROLE_SYSTEM: _ClassVar[ChatRole]
+    CHAT_ROLE_USER: _ClassVar[ChatRole]
+    CHAT_ROLE_ASSISTANT: _ClassVar[ChatRole]
+CHAT_ROLE_UNSPECIFIED: ChatRole
+CHAT_ROLE_SYSTEM: ChatRole
+CHAT_ROLE_USER: ChatRole
+CHAT_ROLE_ASSISTANT: ChatRole
 
 class Image(_message.Message):
     __slots__ = ("data", "url")
@@ -24,18 +36,38 @@ class Video(_message.Message):
     def __init__(self, data: _Optional[bytes] = ..., url: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "images", "sampling", "videos")
+    __slots__ = ("request_id", "prompt", "images", "sampling", "videos", "messages")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     VIDEOS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     images: _containers.RepeatedCompositeFieldContainer[Image]
     sampling: _common_pb2.SamplingParams
     videos: _containers.RepeatedCompositeFieldContainer[Video]
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., videos: _Optional[_Iterable[_Union[Video, _Mapping]]] = ...) -> None: ...
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., videos: _Optional[_Iterable[_Union[Video, _Mapping]]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
+
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: ChatRole
+    content: _containers.RepeatedCompositeFieldContainer[ContentPart]
+    def __init__(self, role: _Optional[_Union[ChatRole, str]] = ..., content: _Optional[_Iterable[_Union[ContentPart, _Mapping]]] = ...) -> None: ...
+
+class ContentPart(_message.Message):
+    __slots__ = ("text", "image", "video")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    VIDEO_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    image: Image
+    video: Video
+    def __init__(self, text: _Optional[str] = ..., image: _Optional[_Union[Image, _Mapping]] = ..., video: _Optional[_Union[Video, _Mapping]] = ...) -> None: ...
 
 class TextDelta(_message.Message):
     __slots__ = ("text", "token_ids")

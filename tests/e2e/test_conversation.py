@@ -1,0 +1,129 @@
+"""Conversations through real servers, for every family with the chat
+template its public checkpoints ship (`mmsplit tiny-model`'s default):
+greedy tokens of a system + user + assistant + user conversation, with
+images in two turns, equal single-process `generate` on
+``processor.apply_chat_template(messages)``; and what a conversation may
+not be is refused with a typed error naming where."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from mmsplit.client import ImagePart, build_request
+from mmsplit.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from mmsplit_cli.client import run_request
+from tests.e2e.helpers import png
+from tests.support import hf_family
+from tests.support.services import Pair, running_pair
+
+pytestmark = pytest.mark.e2e
+MAX_TOKENS = 6
+
+
+@pytest.fixture(scope="module", params=["llava", "llava-next", "qwen2-vl", "qwen2.5-vl"])
+def chat_pair(
+    request: pytest.FixtureRequest, chat_models: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, Pair]]:
+    family = request.param
+    with running_pair(chat_models(family), tmp_path_factory.mktemp(f"chat-{family}")) as pair:
+        yield family, pair
+
+
+def conversation(a: bytes, b: bytes) -> list[tuple[str, Any]]:
+    return [
+        ("system", "You answer in one word."),
+        ("user", ["What is this?", ImagePart(a)]),
+        ("assistant", "A square."),
+        ("user", [ImagePart(b), "And this one, next to it?"]),
+    ]
+
+
+def as_hf(messages: list[tuple[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    for role, content in messages:
+        parts = [content] if isinstance(content, str) else content
+        out.append(
+            {
+                "role": role,
+                "content": [{"type": "text", "text": p} if isinstance(p, str) else {"type": "image"} for p in parts],
+            }
+        )
+    return out
+
+
+def test_a_conversation_with_images_in_two_turns_gets_the_tokens_of_generate(chat_pair: tuple[str, Pair]) -> None:
+    from tokenizer_svc.decode import decode_image
+
+    family, pair = chat_pair
+    a, b = png(120, 200, 1), png(224, 224, 2)
+    messages = conversation(a, b)
+    request = build_request(messages=messages, max_tokens=MAX_TOKENS)
+    with grpc.insecure_channel(pair.tokenizer_address) as channel:
+        out = run_request(tokenizer_pb2_grpc.TokenizerServiceStub(channel), request, timeout=120)
+    assert out.ok, (family, out)
+    proc = hf_family.processor(pair.model)
+    text = proc.apply_chat_template(as_hf(messages), tokenize=False, add_generation_prompt=True)
+    images = [decode_image(x, max_pixels=10**8) for x in (a, b)]
+    assert out.token_ids == hf_family.generate(pair.model, proc, text, images, MAX_TOKENS), family
+
+
+def test_what_a_conversation_may_not_be_is_refused_naming_where(chat_pair: tuple[str, Pair]) -> None:
+    family, pair = chat_pair
+    good = png(64, 64, 3)
+    marker = "<image>" if family.startswith("llava") else "<|image_pad|>"
+    cases: list[tuple[tokenizer_pb2.GenerateRequest, str, str]] = [
+        (build_request("a prompt", messages=[("user", "hi")]), "INVALID_REQUEST", ""),
+        (build_request(messages=[("user", "hi"), ("system", "late")]), "INVALID_REQUEST", "messages[1]"),
+        (build_request(messages=[("assistant", ["hm", ImagePart(good)])]), "INVALID_REQUEST", "messages[0].content[1]"),
+        (build_request(messages=[("user", ["fine", f"a {marker} here"])]), "INVALID_REQUEST", ""),
+        (
+            build_request(messages=[("user", ["one", ImagePart(good)]), ("user", ImagePart(good[: len(good) // 2]))]),
+            "MEDIA_DECODE_FAILED",
+            "messages[1].content[0]",
+        ),
+        (build_request(messages=[("user", [ImagePart(good)] * 9)]), "INVALID_REQUEST", ""),
+    ]
+    with grpc.insecure_channel(pair.tokenizer_address) as channel:
+        stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
+        for request, reason, param in cases:
+            out = run_request(stub, request, timeout=60)
+            assert (out.reason, out.metadata.get("param", "")) == (reason, param), (family, out)
+        after = run_request(stub, build_request(messages=[("user", "hello")], max_tokens=2), timeout=60)
+    assert after.ok, after
+
+
+def test_the_cli_sends_a_conversation_with_the_image_in_the_last_user_turn(
+    chat_pair: tuple[str, Pair], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`mmsplit generate --system ... --user ... --assistant ... --user ... --image F --json`:
+    the tokens of the same conversation built with the client library."""
+    import json
+
+    from mmsplit_cli.main import parser
+
+    family, pair = chat_pair
+    picture = png(80, 90, 4)
+    (tmp_path / "p.png").write_bytes(picture)
+    argv = ["generate", "--server", pair.tokenizer_address, "--max-tokens", str(MAX_TOKENS), "--json"]
+    argv += ["--system", "Be brief.", "--user", "Hi.", "--assistant", "Hello.", "--user", "What is it?"]
+    args = parser().parse_args([*argv, "--image", str(tmp_path / "p.png")])
+    assert args.func(args) == 0
+    events = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    ids = [t for e in events for t in e.get("token_ids", [])]
+    messages = [
+        ("system", "Be brief."),
+        ("user", "Hi."),
+        ("assistant", "Hello."),
+        ("user", [ImagePart(picture), "What is it?"]),
+    ]
+    with grpc.insecure_channel(pair.tokenizer_address) as channel:
+        stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
+        same = run_request(stub, build_request(messages=messages, max_tokens=MAX_TOKENS), timeout=60)
+    assert same.ok, same
+    assert ids == same.token_ids, (family, events)
+    assert events[-1]["finished"]["completion_tokens"] == len(ids)

@@ -1,0 +1,101 @@
+"""A request's text and media in one shape, whether it came as a prompt
+(with `images` and `videos`) or as a conversation (`messages`).
+
+Media keep their order within a modality, which is what pairs a medium
+with its placeholder (the k-th image part takes the k-th image marker the
+template writes). Each medium also knows where it was in the request
+(``images[1]``, ``messages[2].content[0]``): an error about it names that
+place (ErrorInfo metadata ``param``; the HTTP error body's ``param``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mmsplit.families import Family
+from mmsplit.tokenizer.v1 import tokenizer_pb2
+from tokenizer_svc.errors import InvalidRequest, MediaUnsupported
+from tokenizer_svc.prompt import Turn
+from tokenizer_svc.settings import TokenizerSettings
+
+ROLES = {
+    tokenizer_pb2.CHAT_ROLE_SYSTEM: "system",
+    tokenizer_pb2.CHAT_ROLE_USER: "user",
+    tokenizer_pb2.CHAT_ROLE_ASSISTANT: "assistant",
+}
+
+Medium = tokenizer_pb2.Image | tokenizer_pb2.Video
+
+
+@dataclass(frozen=True)
+class Located:
+    medium: Medium
+    where: str  # the field path naming it in the request
+
+
+@dataclass(frozen=True)
+class Parsed:
+    prompt: str
+    turns: list[Turn] | None  # None: a prompt request
+    # In the order the service prepares them: the images, then the videos.
+    media: list[Located]
+
+
+def parse(request: tokenizer_pb2.GenerateRequest, settings: TokenizerSettings, family: Family) -> Parsed:
+    """The request's shape, checked against the per-request limits."""
+    if request.messages:
+        if request.prompt or request.images or request.videos:
+            raise InvalidRequest("give either messages or prompt (with images and videos), not both")
+        parsed = _conversation(request.messages)
+        chars = sum(len(text) for turn in parsed.turns or [] for kind, text in turn.parts if kind == "text")
+    else:
+        images = [Located(m, f"images[{i}]") for i, m in enumerate(request.images)]
+        videos = [Located(m, f"videos[{i}]") for i, m in enumerate(request.videos)]
+        parsed = Parsed(request.prompt, None, [*images, *videos])
+        chars = len(request.prompt)
+        if not request.prompt and not parsed.media:
+            raise InvalidRequest("the request has neither a prompt nor media")
+    s = settings
+    if chars > s.max_prompt_chars:
+        raise InvalidRequest(f"prompt has {chars} characters, at most {s.max_prompt_chars}")
+    n_images = sum(isinstance(m.medium, tokenizer_pb2.Image) for m in parsed.media)
+    n_videos = len(parsed.media) - n_images
+    if n_images > s.max_images_per_request:
+        raise InvalidRequest(f"{n_images} images, at most {s.max_images_per_request}")
+    if n_videos and not family.takes_video:
+        first = next(m for m in parsed.media if isinstance(m.medium, tokenizer_pb2.Video))
+        raise MediaUnsupported(f"this model ({family.name}) takes no video", metadata={"param": first.where})
+    if n_videos > s.max_videos_per_request:
+        raise InvalidRequest(f"{n_videos} videos, at most {s.max_videos_per_request}")
+    return parsed
+
+
+def _conversation(messages: list[tokenizer_pb2.ChatMessage]) -> Parsed:
+    turns: list[Turn] = []
+    images: list[Located] = []
+    videos: list[Located] = []
+    for i, message in enumerate(messages):
+        role = ROLES.get(message.role)
+        if role is None:
+            raise InvalidRequest(f"messages[{i}] has no role (system, user or assistant)", metadata=_at(i))
+        if role == "system" and i:
+            raise InvalidRequest("only the first message may be a system message", metadata=_at(i))
+        parts: list[tuple[str, str]] = []
+        for j, part in enumerate(message.content):
+            kind = part.WhichOneof("part")
+            where = f"messages[{i}].content[{j}]"
+            if kind is None:
+                raise InvalidRequest(f"{where} is empty (text, image or video)", metadata={"param": where})
+            if kind != "text" and role != "user":
+                raise InvalidRequest(f"{where}: only user messages may carry media", metadata={"param": where})
+            if kind == "image":
+                images.append(Located(part.image, where))
+            elif kind == "video":
+                videos.append(Located(part.video, where))
+            parts.append((kind, part.text if kind == "text" else ""))
+        turns.append(Turn(role, tuple(parts)))
+    return Parsed("", turns, [*images, *videos])
+
+
+def _at(i: int) -> dict[str, str]:
+    return {"param": f"messages[{i}]"}
