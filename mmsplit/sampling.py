@@ -21,12 +21,18 @@ MAX_TEMPERATURE = 100.0
 MAX_STOP_TOKEN_IDS = 32
 MAX_STOP_STRINGS = 8
 MAX_STOP_CHARS = 128
+MAX_TOP_LOGPROBS = 20
 
 
 class InvalidSampling(MmsplitError):
-    """A sampling parameter is outside the contract's limits (client, not retriable)."""
+    """A sampling parameter is outside the contract's limits (client, not
+    retriable). Every message starts with the field it is about
+    ("sampling.temperature ..."), which the error names as its "param"."""
 
     code = E.ERROR_CODE_INVALID_REQUEST
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, metadata={"param": message.split(" ", 1)[0].rstrip(":")})
 
 
 @dataclass(frozen=True)
@@ -39,6 +45,8 @@ class Sampling:
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
+    logprobs: bool = False
+    top_logprobs: int = 0
 
     @property
     def greedy(self) -> bool:
@@ -90,6 +98,11 @@ class Sampling:
         if any(not 1 <= len(s) <= MAX_STOP_CHARS for s in stop):
             raise InvalidSampling(f"sampling.stop: each string must have 1 to {MAX_STOP_CHARS} characters")
 
+        if pb.top_logprobs > MAX_TOP_LOGPROBS:
+            raise InvalidSampling(f"sampling.top_logprobs {pb.top_logprobs} is over the limit {MAX_TOP_LOGPROBS}")
+        if pb.top_logprobs and not pb.logprobs:
+            raise InvalidSampling("sampling.top_logprobs needs logprobs")
+
         return cls(
             max_tokens=max_tokens,
             temperature=float(temperature),
@@ -99,4 +112,6 @@ class Sampling:
             min_tokens=int(pb.min_tokens),
             stop_token_ids=stop_ids,
             stop=stop,
+            logprobs=bool(pb.logprobs),
+            top_logprobs=int(pb.top_logprobs),
         )

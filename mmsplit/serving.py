@@ -288,6 +288,10 @@ class Health:
         await self.servicer.set("", SERVING)
         await self.servicer.set(self.service_name, NOT_SERVING)
 
+    @property
+    def ready(self) -> bool:
+        return self._ready
+
     async def set_ready(self, ready: bool) -> None:
         if ready != self._ready:
             log.info("%s readiness: %s", self.service_name, "SERVING" if ready else "NOT_SERVING")

@@ -56,9 +56,17 @@ class ServiceProcess:
         log_path: Path,
         env: dict[str, str] | None = None,
         wrapper: Sequence[str] = (),
+        *,
+        echo: str | None = None,
+        new_group: bool = False,
     ) -> None:
-        """`wrapper` is a command the service runs under (a namespace launcher)."""
+        """`wrapper` is a command the service runs under (a namespace
+        launcher). `echo`: also write each log line to this process's
+        standard error, after this name. `new_group`: in a process group of
+        its own (a terminal's Ctrl-C then reaches only this process, which
+        stops the service itself)."""
         self.name = name
+        self._echo = echo
         self.log_path = log_path
         self.port: int | None = None
         self._bound = threading.Event()
@@ -66,7 +74,7 @@ class ServiceProcess:
         self._log = open(log_path, "w")  # noqa: SIM115 (closed by the reader thread)
         full_env = {**os.environ, **(env or {})}
         self.proc: Any
-        if _launcher is not None and not wrapper:
+        if _launcher is not None and not wrapper and not new_group:
             self.proc = _launcher(list(args), full_env)
         else:
             self.proc = subprocess.Popen(
@@ -76,6 +84,7 @@ class ServiceProcess:
                 stdin=subprocess.DEVNULL,
                 text=True,
                 env=full_env,
+                start_new_session=new_group,
             )
         self._reader = threading.Thread(target=self._read, name=f"{name}-log", daemon=True)
         self._reader.start()
@@ -93,6 +102,9 @@ class ServiceProcess:
         for line in self.proc.stderr:
             self._log.write(line)
             self._log.flush()
+            if self._echo:
+                sys.stderr.write(f"[{self._echo}] {line}")
+                sys.stderr.flush()
             if self.port is None and (m := _LISTENING.search(line)):
                 self.port = int(m.group(2))
                 self._bound.set()
@@ -168,7 +180,8 @@ def scheduler_args(model: Path, *, tp: int, extra: Sequence[str] = ()) -> list[s
 
 
 def tokenizer_args(model: Path, scheduler: str, *, extra: Sequence[str] = ()) -> list[str]:
-    return ["tokenizer", "--model", str(model), "--scheduler", scheduler, "--port", "0", *extra]
+    # No HTTP API unless `extra` asks for one (--http-port N): its default port is fixed.
+    return ["tokenizer", "--model", str(model), "--scheduler", scheduler, "--port", "0", "--http-port", "0", *extra]
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """`mmsplit` — run the services, talk to them, build the tiny model, run the demo.
 
+mmsplit serve --model DIR [--tp N]          (both services: gRPC :50052, OpenAI API :8000)
 mmsplit scheduler --model DIR --tp N --port P
 mmsplit tokenizer --model DIR --scheduler HOST:PORT --port P
 mmsplit generate --server HOST:PORT [--image FILE ...] [--video FILE ...] [--max-tokens N] [--json] "prompt"
@@ -98,6 +99,12 @@ def _tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from mmsplit_cli.serve import serve_command
+
+    return serve_command(args)
+
+
 def _demo(args: argparse.Namespace) -> int:
     from mmsplit_cli.demo import run_demo
 
@@ -112,6 +119,14 @@ def parser() -> argparse.ArgumentParser:
         prog="mmsplit", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = top.add_subparsers(dest="command", required=True)
+
+    from mmsplit_cli.serve import add_arguments as add_serve_arguments
+
+    p = sub.add_parser(
+        "serve", help="a scheduler group and a tokenizer on this machine: gRPC on 50052, the OpenAI API on 8000"
+    )
+    add_serve_arguments(p)
+    p.set_defaults(func=_serve)
 
     p = sub.add_parser("scheduler", help="run the tensor-parallel scheduler group (rank 0 serves gRPC)")
     add_settings_arguments(p, SchedulerSettings, "scheduler")

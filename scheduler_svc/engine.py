@@ -42,7 +42,7 @@ from scheduler_svc.errors import NonFinitePixels
 from scheduler_svc.kvcache import ForwardInputs, RowCache
 from scheduler_svc.plan import Item, NewRequest, Plan, StepOutcome
 from scheduler_svc.reader import TensorReader
-from scheduler_svc.sampler import RowSampling, Sampler, make_generator
+from scheduler_svc.sampler import Logprob, RowSampling, Sampler, make_generator
 
 log = logging.getLogger(__name__)
 
@@ -162,9 +162,13 @@ class Engine:
 
         sampled: dict[str, int] = {}
         rejected: dict[str, str] = {}
+        logprobs: dict[str, Logprob] = {}
         if self.coll.rank == 0 and logits:
             batch = [row.sampling for row in self.rows]
-            for row, result in zip(self.rows, self.sampler.sample(torch.cat(logits), batch), strict=True):  # type: ignore[arg-type]
+            results, by_row = self.sampler.sample_rows(torch.cat(logits), batch)  # type: ignore[arg-type]
+            for i, lp in by_row.items():
+                logprobs[self.rows[i].request.request_id] = lp
+            for row, result in zip(self.rows, results, strict=True):
                 if isinstance(result, str):
                     rejected[row.request.request_id] = result
                 else:
@@ -177,6 +181,7 @@ class Engine:
             active_per_rank=list(self._active_per_rank),
             rejected=rejected,
             phases=clock.laps,
+            logprobs=logprobs,
         )
 
     # ---- rows ----

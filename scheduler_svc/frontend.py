@@ -23,6 +23,7 @@ from scheduler_svc.errors import InvalidRequest, InvalidTensorRef, MmsplitError
 from scheduler_svc.loop import Admission, Event, Failed, Finished, StepLoop, Token
 from scheduler_svc.model import ModelInfo
 from scheduler_svc.plan import Item, NewRequest
+from scheduler_svc.sampler import Logprob
 from scheduler_svc.settings import SchedulerSettings
 
 MAX_REQUEST_ID = 128
@@ -237,6 +238,12 @@ def _side_tensor(index: int, name: str, spec: TensorSpec) -> np.ndarray:
     return np.frombuffer(spec.inline, dtype=SIDE_DTYPES[spec.dtype]).reshape(spec.shape).copy()
 
 
+def _logprob_pb(lp: Logprob | None) -> common_pb2.TokenLogprob:
+    if lp is None:
+        return common_pb2.TokenLogprob()
+    return common_pb2.TokenLogprob(logprob=lp.logprob, top_token_ids=lp.top_ids, top_logprobs=lp.top_logprobs)
+
+
 async def responses(events: asyncio.Queue[Event], interval: int = 1) -> AsyncIterator[scheduler_pb2.GenerateResponse]:
     """A request's events as responses, ending with Finished (or raising the
     failure). The first token goes out as soon as it comes (time to first
@@ -248,16 +255,19 @@ async def responses(events: asyncio.Queue[Event], interval: int = 1) -> AsyncIte
     want = 1  # tokens the next message waits for: the first goes alone
     while True:
         if isinstance(event, Token):
-            ids = [event.token_id]
+            tokens = [event]
             after: Event | None = None
-            while after is None and (len(ids) < want or not events.empty()):
+            while after is None and (len(tokens) < want or not events.empty()):
                 queued = await events.get()  # no wait while the queue holds one
                 if isinstance(queued, Token):
-                    ids.append(queued.token_id)
+                    tokens.append(queued)
                 else:
                     after = queued
             want = interval
-            yield scheduler_pb2.GenerateResponse(tokens=scheduler_pb2.Tokens(token_ids=ids))
+            message = scheduler_pb2.Tokens(token_ids=[t.token_id for t in tokens])
+            if tokens[0].logprob is not None:
+                message.logprobs.extend(_logprob_pb(t.logprob) for t in tokens)
+            yield scheduler_pb2.GenerateResponse(tokens=message)
             event = after if after is not None else await events.get()
         elif isinstance(event, Finished):
             yield scheduler_pb2.GenerateResponse(

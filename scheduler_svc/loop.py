@@ -37,6 +37,7 @@ from scheduler_svc.errors import (
     error_for_code,
 )
 from scheduler_svc.plan import Failure, NewRequest, Plan
+from scheduler_svc.sampler import Logprob
 from scheduler_svc.settings import SchedulerSettings
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Token:
     token_id: int
+    logprob: Logprob | None = None  # when the request asked (SamplingParams.logprobs)
 
 
 @dataclass(frozen=True)
@@ -209,7 +211,7 @@ class StepLoop:
                 for rid in self._aborted.intersection(plan.drop):
                     log.info("request %s aborted on all %d ranks", rid, self.coll.world_size)
                 self._aborted.difference_update(plan.drop)
-                self._settle(outcome.failed, outcome.sampled, outcome.rejected)
+                self._settle(outcome.failed, outcome.sampled, outcome.rejected, outcome.logprobs)
                 self._flush()
                 self.step_started = None
                 took = time.monotonic() - started
@@ -323,7 +325,13 @@ class StepLoop:
             log.debug("step %d admits %s", plan.step, [a.request_id for a in admitted])
         return plan
 
-    def _settle(self, failed: dict[str, Failure], sampled: dict[str, int], rejected: dict[str, str]) -> None:
+    def _settle(
+        self,
+        failed: dict[str, Failure],
+        sampled: dict[str, int],
+        rejected: dict[str, str],
+        logprobs: dict[str, Logprob] | None = None,
+    ) -> None:
         for adm in self._joining:
             adm.unlock()  # the engine released the step's segments after the agreement
             failure = failed.get(adm.request_id)
@@ -360,7 +368,7 @@ class StepLoop:
                 continue
             adm = running
             adm.generated += 1
-            self._outbox.append((adm, Token(token)))
+            self._outbox.append((adm, Token(token, (logprobs or {}).get(rid))))
             reason = self._finish_reason(adm, token)
             if reason is None:
                 adm.next_token = token

@@ -9,6 +9,7 @@ each running request feeds next (sampled on rank 0 only).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -80,3 +81,6 @@ class StepOutcome:
     rejected: dict[str, str] = field(default_factory=dict)
     # Seconds this rank spent in each phase of the step (read, decode, prefill, sample).
     phases: dict[str, float] = field(default_factory=dict)
+    # request id -> the sampled token's log probability, for the requests
+    # that asked (rank 0 only).
+    logprobs: dict[str, Any] = field(default_factory=dict)

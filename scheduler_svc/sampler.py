@@ -5,6 +5,11 @@ rows each draw from their own `torch.Generator` (seeded per request), so a
 request's tokens do not depend on what else is in the batch. The order of
 the processors is transformers' own: temperature, then top_k, then top_p.
 
+Log probabilities (rows whose request asked) are of the distribution the
+token was drawn from: log_softmax of the logits (after the min_tokens
+suppression) for greedy rows; the log of the renormalized probabilities
+after temperature, top_k and top_p for sampled ones.
+
 Isolation: nothing one row carries can fail the others. A row whose logits
 are not finite, or whose sampling raises, gets an error message instead of
 a token; the step loop fails that request alone and drops it on every rank
@@ -43,6 +48,16 @@ def make_generator(params: Sampling, seed: int, device: torch.device) -> torch.G
     return gen
 
 
+@dataclass(frozen=True)
+class Logprob:
+    """A drawn token's log probability and the top alternatives (ids and
+    log probabilities, most likely first)."""
+
+    logprob: float
+    top_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+
+
 class Sampler:
     def __init__(self, eos_token_ids: frozenset[int]) -> None:
         self.eos_token_ids = tuple(sorted(eos_token_ids))
@@ -50,6 +65,12 @@ class Sampler:
     def sample(self, logits: torch.Tensor, rows: Sequence[RowSampling]) -> list[int | str]:
         """`logits` is ``[rows, vocab]``; returns each row's token, or an
         error message for a row that cannot be sampled."""
+        return self.sample_rows(logits, rows)[0]
+
+    def sample_rows(
+        self, logits: torch.Tensor, rows: Sequence[RowSampling]
+    ) -> tuple[list[int | str], dict[int, Logprob]]:
+        """`sample`, and the log probabilities of the rows that asked (by row index)."""
         if logits.shape[0] != len(rows):
             raise ValueError(f"{logits.shape[0]} logit rows for {len(rows)} requests")
         logits = logits.float()
@@ -60,18 +81,25 @@ class Sampler:
         finite = torch.isfinite(top).tolist()
         greedy = greedy_t.tolist()
         out: list[int | str] = []
+        logprobs: dict[int, Logprob] = {}
         for i, row in enumerate(rows):
             if not finite[i]:
                 out.append("the model produced non-finite logits for this request")
             elif row.params.greedy:
                 out.append(int(greedy[i]))
+                if row.params.logprobs:
+                    logprobs[i] = _logprob(torch.log_softmax(logits[i], dim=0), int(greedy[i]), row.params)
             else:
                 try:
-                    out.append(_draw(logits[i], row.params, row.generator))
+                    token, probs = _draw(logits[i], row.params, row.generator)
+                    out.append(token)
+                    if row.params.logprobs:
+                        # top_p leaves the kept probabilities as they were: renormalize.
+                        logprobs[i] = _logprob(torch.log(probs / probs.sum()), token, row.params)
                 except Exception as exc:  # one row's failure must not fail the batch
                     log.exception("sampling failed for request %s", row.request_id)
                     out.append(f"sampling failed: {type(exc).__name__}")
-        return out
+        return out, logprobs
 
     def _suppress_stops(self, logits: torch.Tensor, rows: Sequence[RowSampling]) -> None:
         """Before min_tokens, neither EOS nor a request's stop ids may be drawn."""
@@ -82,7 +110,15 @@ class Sampler:
                     logits[i, banned] = float("-inf")
 
 
-def _draw(logits: torch.Tensor, params: Sampling, generator: torch.Generator | None) -> int:
+def _logprob(logprobs: torch.Tensor, token: int, params: Sampling) -> Logprob:
+    if not params.top_logprobs:
+        return Logprob(float(logprobs[token]))
+    top = torch.topk(logprobs, min(params.top_logprobs, logprobs.shape[0]))
+    return Logprob(float(logprobs[token]), tuple(top.indices.tolist()), tuple(top.values.tolist()))
+
+
+def _draw(logits: torch.Tensor, params: Sampling, generator: torch.Generator | None) -> tuple[int, torch.Tensor]:
+    """The drawn token and the distribution it was drawn from."""
     # Subtract the maximum first: every value is then <= 0 and dividing by
     # any positive temperature, however small, cannot make +inf or NaN.
     scores = (logits - logits.max()) / params.temperature
@@ -98,4 +134,4 @@ def _draw(logits: torch.Tensor, params: Sampling, generator: torch.Generator | N
         drop = (torch.cumsum(sorted_probs, dim=0) - sorted_probs) >= params.top_p
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return int(torch.multinomial(probs, 1, generator=generator)), probs

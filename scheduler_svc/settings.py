@@ -23,7 +23,9 @@ class SchedulerSettings:
         "127.0.0.1",
         "address to serve gRPC on; anything but loopback requires mutual TLS or a token (or --insecure)",
     )
-    port: int = _opt(0, "port to serve gRPC on; 0 picks a free one (logged)", min=0)
+    port: int = _opt(
+        50051, "port to serve gRPC on (the tokenizer's --scheduler default); 0 picks a free one (logged)", min=0
+    )
     tls_cert: str = _opt("", "PEM certificate (chain) of this server: serve TLS (with --tls-key)")
     tls_key: str = _opt("", "PEM private key of --tls-cert")
     tls_client_ca: str = _opt("", "PEM CA certificates: require clients to present a certificate they signed (mTLS)")

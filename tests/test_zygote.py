@@ -47,7 +47,7 @@ def test_exit_code_and_standard_error_are_the_interpreter_s(zygote: Zygote) -> N
 
 def test_a_signalled_service_reports_the_signal_and_wait_times_out_first(zygote: Zygote, tiny_model: Path) -> None:
     # A tokenizer whose scheduler never answers: it runs until stopped.
-    args = ["tokenizer", "--model", str(tiny_model), "--scheduler", "127.0.0.1:9", "--port", "0"]
+    args = ["tokenizer", "--model", str(tiny_model), "--scheduler", "127.0.0.1:9", "--port", "0", "--http-port", "0"]
     proc = zygote.start(args, _env(TMPDIR=str(SERVICE_TMP)))
     assert proc.stderr.readline(), "the service wrote nothing"
     with pytest.raises(subprocess.TimeoutExpired):

@@ -24,6 +24,8 @@ from tokenizer_svc.fetch import Fetcher
 from tokenizer_svc.settings import TokenizerSettings
 
 log = logging.getLogger(__name__)
+# A data: URL this long is decoded off the event loop.
+BIG_DATA_URL = 256 * 1024
 
 
 class MediaLoader:
@@ -48,6 +50,8 @@ class MediaLoader:
             raise InvalidRequest(f"the {kind} URL cannot be parsed: {exc}") from exc
         scheme = parts.scheme.lower()
         if scheme == "data":
+            if len(url) > BIG_DATA_URL:  # decoding megabytes of base64 would stall every other request
+                return await asyncio.to_thread(self._data_url, url, cap, kind)
             return self._data_url(url, cap, kind)
         if scheme in ("http", "https"):
             return await self.fetcher.fetch(url, cap)

@@ -39,6 +39,8 @@ from mmsplit.serving import (
 from mmsplit.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from tokenizer_svc.downstream import Schedulers
 from tokenizer_svc.errors import InvalidRequest
+from tokenizer_svc.http_api import HttpApi
+from tokenizer_svc.http_api import start as start_http
 from tokenizer_svc.media import MediaLoader
 from tokenizer_svc.pool import CpuPool
 from tokenizer_svc.service import TokenizerService
@@ -142,7 +144,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
             # Neither logged nor echoed: it may be anything.
             invalid = InvalidRequest(f"request_id must be 1..{MAX_REQUEST_ID} printable characters")
             await context.abort_with_status(invalid.to_status())
-        summary = RequestSummary(rid, images=len(request.images), videos=len(request.videos))
+        summary = RequestSummary(rid, protocol="grpc", images=len(request.images), videos=len(request.videos))
         try:
             async for response in self.service.generate(request, rid, context.time_remaining()):
                 if response.HasField("delta") and response.delta.token_ids:
@@ -217,6 +219,8 @@ def run(settings: TokenizerSettings) -> int:
             token=read_secret(settings.scheduler_auth_token_file) if settings.scheduler_auth_token_file else "",
             server_name=settings.scheduler_tls_server_name,
         )
+        if settings.api_key_file:
+            read_secret(settings.api_key_file)  # unreadable or empty: fails here
     except (ValueError, OSError) as exc:
         raise SystemExit(f"mmsplit tokenizer: {exc}") from exc
     return run_service(_serve(settings, security, downstream))
@@ -302,6 +306,29 @@ async def _serve(settings: TokenizerSettings, security: ServerSecurity, downstre
     metrics = _metrics(settings, service, pool)
     tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server(TokenizerServicer(service, settings, metrics), server)
     await server.start()
+    http = None
+    if settings.http_port:
+        api = HttpApi(
+            service,
+            model=settings.served_model_name or settings.model_dir.name,
+            ready=lambda: health.ready,
+            api_key=read_secret(settings.api_key_file) if settings.api_key_file else "",
+            max_body_bytes=settings.http_body_limit,
+            metrics=metrics,
+        )
+        if metrics is not None:
+            metrics.counter_by(
+                "http_responses",
+                "HTTP API responses by route and status (route status, e.g. '/v1/chat/completions 200')",
+                "route_status",
+                lambda: {f"{route} {status}": n for (route, status), n in api.responses.items()},
+            )
+        try:
+            http, http_port = await start_http(api, settings.host, settings.http_port)
+        except OSError as exc:  # the port is taken, say
+            where = f"{settings.host}:{settings.http_port}"
+            raise SystemExit(f"mmsplit tokenizer: cannot serve HTTP on {where}: {exc}") from exc
+        log.info("OpenAI-compatible HTTP API on http://%s:%d/v1", settings.host, http_port)
     probes = None
     if settings.health_port:
         probes, probe_port = await health_server("0.0.0.0", settings.health_port, health)
@@ -334,6 +361,8 @@ async def _serve(settings: TokenizerSettings, security: ServerSecurity, downstre
         log.warning("grace period over; ending %d request(s) with SHUTTING_DOWN", len(stragglers))
         await asyncio.wait(stragglers, timeout=10)
     await server.stop(1.0)
+    if http is not None:
+        await http.cleanup()
     if probes is not None:
         await probes.stop(0)
     await pool.shutdown()

@@ -310,9 +310,8 @@ class TokenizerService:
                     text, kept = stream_text(decoder, stops, ids)
                     del ids[kept:]  # those after the token a stop string falls in are not reported
                     completion += kept
-                    yield tokenizer_pb2.GenerateResponse(
-                        request_id=rid, delta=tokenizer_pb2.TextDelta(text=text, token_ids=ids)
-                    )
+                    delta = tokenizer_pb2.TextDelta(text=text, token_ids=ids, logprobs=event.tokens.logprobs[:kept])
+                    yield tokenizer_pb2.GenerateResponse(request_id=rid, delta=delta)
                     if stops.stopped:
                         yield _finished(rid, common_pb2.FINISH_REASON_STOP, len(downstream.input_ids), completion)
                         return

@@ -32,10 +32,30 @@ class TokenizerSettings:
     scheduler_tls_server_name: str = _opt("", "name the scheduler's certificate carries, when not its address")
     scheduler_auth_token_file: str = _opt("", "file holding the token the scheduler requires")
     host: str = _opt("127.0.0.1", "address to serve gRPC on")
-    port: int = _opt(0, "port to serve gRPC on; 0 picks a free one (logged)", min=0)
+    port: int = _opt(
+        50052, "port to serve gRPC on (mmsplit generate's --server default); 0 picks a free one (logged)", min=0
+    )
     tls_cert: str = _opt("", "PEM certificate (chain) of this server: serve TLS to clients (with --tls-key)")
     tls_key: str = _opt("", "PEM private key of --tls-cert")
     tls_client_ca: str = _opt("", "PEM CA certificates: require clients to present a certificate they signed")
+    http_port: int = _opt(
+        8000,
+        "serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /health) on this "
+        "port of --host; 0 = off",
+        min=0,
+    )
+    served_model_name: str = _opt(
+        "", "the model's name in the HTTP API (requests naming another get 404); empty = the model directory's name"
+    )
+    api_key_file: str = _opt(
+        "", "file holding the API key every /v1 HTTP request must bear (Authorization: Bearer KEY); empty = none"
+    )
+    http_max_body_bytes: int = _opt(
+        0,
+        "largest HTTP request body, bytes (413 beyond it); 0 = what the media limits allow as base64 data: URLs "
+        "(images x --max-image-bytes and videos x --max-video-bytes, times 4/3, plus the prompt and some room)",
+        min=0,
+    )
     health_port: int = _opt(
         0, "also serve grpc.health.v1 alone, plaintext, on this port of all addresses (probes); 0 = off", min=0
     )
@@ -180,6 +200,14 @@ class TokenizerSettings:
         if self.scheduler_tls_cert and not self.scheduler_tls_ca:
             extra.append("--scheduler-tls-cert needs --scheduler-tls-ca (a client certificate goes over TLS)")
         check(self, *extra)
+
+    @property
+    def http_body_limit(self) -> int:
+        """The largest HTTP request body this server reads (`http_max_body_bytes`, or derived)."""
+        if self.http_max_body_bytes:
+            return self.http_max_body_bytes
+        media = self.max_images_per_request * self.max_image_bytes + self.max_videos_per_request * self.max_video_bytes
+        return media * 4 // 3 + 4 * self.max_prompt_chars + 1024 * 1024
 
     @property
     def message_limit(self) -> int:

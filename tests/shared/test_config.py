@@ -21,7 +21,7 @@ def test_flag_beats_command_env_beats_shared_env_beats_default() -> None:
     assert parse(SchedulerSettings, "scheduler", ["--port", "3"], env).port == 3
     assert parse(SchedulerSettings, "scheduler", [], env).port == 2
     assert parse(TokenizerSettings, "tokenizer", [], env).port == 1
-    assert parse(TokenizerSettings, "tokenizer", [], {"MMSPLIT_MODEL_DIR": "/m"}).port == 0
+    assert parse(TokenizerSettings, "tokenizer", [], {"MMSPLIT_MODEL_DIR": "/m"}).port == 50052  # the default
     assert parse(SchedulerSettings, "scheduler", [], env).model_dir == Path("/m")
 
 

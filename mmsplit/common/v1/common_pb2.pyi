@@ -158,7 +158,7 @@ class MultimodalItem(_message.Message):
     def __init__(self, modality: _Optional[_Union[Modality, str]] = ..., tensors: _Optional[_Mapping[str, TensorRef]] = ..., placeholders: _Optional[_Iterable[_Union[PlaceholderRange, _Mapping]]] = ..., content_hash: _Optional[bytes] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "seed", "top_p", "top_k", "min_tokens", "stop_token_ids", "stop")
+    __slots__ = ("max_tokens", "temperature", "seed", "top_p", "top_k", "min_tokens", "stop_token_ids", "stop", "logprobs", "top_logprobs")
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
@@ -167,6 +167,8 @@ class SamplingParams(_message.Message):
     MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     seed: int
@@ -175,7 +177,19 @@ class SamplingParams(_message.Message):
     min_tokens: int
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     stop: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., seed: _Optional[int] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ...) -> None: ...
+    logprobs: bool
+    top_logprobs: int
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., seed: _Optional[int] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
+
+class TokenLogprob(_message.Message):
+    __slots__ = ("logprob", "top_token_ids", "top_logprobs")
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    logprob: float
+    top_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ServerInfo(_message.Message):
     __slots__ = ("model", "tp_size", "transports", "shm_namespace", "shm_prefix", "version", "rank_active_requests", "running_requests", "queued_requests", "kv_budget_tokens", "kv_reserved_tokens", "preprocess_cache_hits", "preprocess_cache_misses", "preprocess_cache_bytes", "encoder_cache_hits", "encoder_cache_misses", "encoder_cache_bytes", "shm_slab_bytes", "shm_slab_used_bytes", "cuda_device_uuids", "cuda_ipc_pool_bytes", "cuda_ipc_pool_used_bytes", "vocabulary", "item_rules")

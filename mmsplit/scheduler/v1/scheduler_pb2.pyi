@@ -26,10 +26,12 @@ class Accepted(_message.Message):
     def __init__(self) -> None: ...
 
 class Tokens(_message.Message):
-    __slots__ = ("token_ids",)
+    __slots__ = ("token_ids", "logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class Finished(_message.Message):
     __slots__ = ("finish_reason", "prompt_tokens", "completion_tokens")

@@ -1,0 +1,170 @@
+"""`mmsplit serve`: a scheduler group and a tokenizer on this machine, one
+command.
+
+    mmsplit serve --model DIR [--tp N] [--host H] [--port 50052] [--http-port 8000]
+
+The scheduler listens on a free loopback port and requires a random token
+that only its tokenizer is given (a file in a directory only this user can
+enter, removed at the end): other users of the host cannot send it
+requests. The tokenizer serves gRPC and the OpenAI-compatible HTTP API on
+the fixed default ports. Both logs go to standard error, each line after
+its service's name; a ready line says where to send requests. SIGINT or
+SIGTERM stops both (the tokenizer first, then the scheduler, each draining
+its requests); a second one ends them at once. A model directory that is
+not there, or a port that is taken, stops the command before anything
+starts, with one line saying so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from types import FrameType
+
+from mmsplit_cli.launch import SCHEDULER_SERVICE, TOKENIZER_SERVICE, ServiceProcess
+
+START_TIMEOUT_S = 600.0  # a real checkpoint can take minutes to load
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, type=Path, help="local checkpoint directory")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of the scheduler group (default 1)")
+    p.add_argument("--host", default="127.0.0.1", help="address the tokenizer serves gRPC and HTTP on")
+    p.add_argument("--port", type=int, default=50052, help="the tokenizer's gRPC port (default 50052)")
+    p.add_argument("--http-port", type=int, default=8000, help="the OpenAI-compatible HTTP API's port; 0 = off")
+    for service, example in (("scheduler", "--scheduler-arg=--device=cuda"), ("tokenizer", "")):
+        p.add_argument(
+            f"--{service}-arg",
+            action="append",
+            default=[],
+            metavar="ARG",
+            help=f"one more argument for `mmsplit {service}` (repeatable)" + (f", e.g. {example}" if example else ""),
+        )
+
+
+def serve_command(args: argparse.Namespace) -> int:
+    problem = _precheck(args)
+    if problem:
+        print(f"mmsplit serve: {problem}", file=sys.stderr)
+        return 2
+    private = Path(tempfile.mkdtemp(prefix="mmsplit-serve-"))  # mode 0700
+    stopping = threading.Event()
+    started: list[ServiceProcess] = []
+    stops = 0
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        nonlocal stops
+        stops += 1
+        if stops == 1:
+            print("mmsplit serve: stopping (the tokenizer, then the scheduler); again to stop at once", file=sys.stderr)
+            stopping.set()
+        else:
+            print("mmsplit serve: stopping at once", file=sys.stderr)
+            for proc in started:
+                proc.proc.kill()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        token = private / "scheduler-token"
+        token.write_text(secrets.token_hex(32))
+        token.chmod(0o600)
+        scheduler_port = _free_loopback_port()
+        scheduler = [
+            "scheduler", "--model", str(args.model), "--tp", str(args.tp), "--host", "127.0.0.1",
+            "--port", str(scheduler_port), "--auth-token-file", str(token), *args.scheduler_arg,
+        ]  # fmt: skip
+        tokenizer = [
+            "tokenizer", "--model", str(args.model), "--scheduler", f"127.0.0.1:{scheduler_port}",
+            "--scheduler-auth-token-file", str(token), "--host", args.host, "--port", str(args.port),
+            "--http-port", str(args.http_port), *args.tokenizer_arg,
+        ]  # fmt: skip
+        # Separate process groups: a terminal's Ctrl-C reaches this process
+        # only, which stops the services in order.
+        started.append(ServiceProcess("scheduler", scheduler, Path(os.devnull), echo="scheduler", new_group=True))
+        started.append(ServiceProcess("tokenizer", tokenizer, Path(os.devnull), echo="tokenizer", new_group=True))
+        if not _wait_serving(started, stopping):
+            if stopping.is_set():
+                return _stop(started)
+            failed = next((p for p in started if p.proc.poll() is not None), None)
+            who = failed.name if failed else "a service"
+            print(f"mmsplit serve: the {who} could not start (its log is above); stopping", file=sys.stderr)
+            _stop(started)
+            return 1
+        where = f"{args.host}:{args.port}"
+        http = f", OpenAI API http://{args.host}:{args.http_port}/v1" if args.http_port else ""
+        print(f"mmsplit serve: ready: gRPC {where}{http} (model {args.model.name}, tp {args.tp})", file=sys.stderr)
+        while not stopping.wait(0.5):
+            gone = next((p for p in started if p.proc.poll() is not None), None)
+            if gone is not None:
+                print(f"mmsplit serve: the {gone.name} exited ({gone.proc.returncode}); stopping", file=sys.stderr)
+                _stop(started)
+                return 1
+        return _stop(started)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        shutil.rmtree(private, ignore_errors=True)
+
+
+def _precheck(args: argparse.Namespace) -> str:
+    model: Path = args.model
+    if not model.is_dir():
+        return f"--model {model}: no such directory (give a local checkpoint directory)"
+    if not (model / "config.json").is_file():
+        return f"--model {model}: not a model directory (it has no config.json)"
+    if args.tp < 1:
+        return "--tp must be at least 1"
+    for flag, port in (("--port", args.port), ("--http-port", args.http_port)):
+        if port and not _free(args.host, port):
+            return f"{flag} {port}: {args.host}:{port} is in use (stop what holds it, or pick another port)"
+    return ""
+
+
+def _free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def _free_loopback_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_serving(started: list[ServiceProcess], stopping: threading.Event) -> bool:
+    """Both SERVING (True), or one exited or a stop was asked (False)."""
+    services = {"scheduler": SCHEDULER_SERVICE, "tokenizer": TOKENIZER_SERVICE}
+    deadline = time.monotonic() + START_TIMEOUT_S
+    for proc in started:
+        while True:
+            if stopping.is_set() or any(p.proc.poll() is not None for p in started) or time.monotonic() > deadline:
+                return False
+            try:
+                proc.wait_serving(services[proc.name], timeout=2.0)
+                break
+            except RuntimeError:
+                continue
+    return True
+
+
+def _stop(started: list[ServiceProcess]) -> int:
+    """The tokenizer first (it drains, then leaves), then the scheduler."""
+    codes = []
+    for proc in reversed(started):
+        proc.terminate()
+        codes.append(proc.stop(timeout=60))
+    return 0 if all(code == 0 for code in codes) else 1

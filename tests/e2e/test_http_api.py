@@ -1,0 +1,382 @@
+"""The OpenAI-compatible HTTP API through real servers, driven by the
+official `openai` SDK (sync and async, streaming and not): the same greedy
+text as gRPC for the same conversation, streamed or not; every bad input a
+typed OpenAI error with its status, code and param, and a good request
+succeeding after each; retriable errors say when to retry and the SDK
+never resends one that cannot succeed; a client that leaves mid-stream
+leaves nothing held."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import socket
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import openai
+import pytest
+
+from mmsplit.client import ImagePart, VideoPart, build_request
+from mmsplit.serving import free_port
+from mmsplit.tokenizer.v1 import tokenizer_pb2_grpc
+from mmsplit_cli import samples
+from mmsplit_cli.client import run_request
+from tests.e2e.helpers import rank_active_requests, tokenizer_info
+from tests.support.leaks import PROJECT_PREFIX, project_segments, wait_until
+from tests.support.services import Pair, running_pair
+
+pytestmark = pytest.mark.e2e
+KEY = "sk-test-0123456789"
+BODY_LIMIT = 2 * 1024 * 1024
+
+
+@dataclass
+class Api:
+    pair: Pair
+    url: str  # http://127.0.0.1:PORT/v1
+    model: str
+    metrics: str  # http://127.0.0.1:PORT/metrics
+    closed_port: int  # a loopback port the fetch guard lets through, where nothing listens
+
+    def client(self, **kwargs: Any) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url, api_key=KEY, **kwargs)
+
+    def seen(self, route_status: str) -> float:
+        """Responses the server counted for 'ROUTE STATUS'."""
+        text = urllib.request.urlopen(self.metrics, timeout=10).read().decode()
+        for line in text.splitlines():
+            if line.startswith("mmsplit_tokenizer_http_responses_total{") and f'"{route_status}"' in line:
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+
+def _closed_port() -> int:
+    """A loopback port nothing listens on (bound, then closed)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _api(model: Path, logs: Path, *, tp: str = "1") -> Iterator[Api]:
+    (logs / "key").write_text(KEY + "\n")
+    http, metrics, closed = free_port(), free_port(), _closed_port()
+    tokenizer = [
+        "--http-port", str(http),
+        "--api-key-file", str(logs / "key"),
+        "--http-max-body-bytes", str(BODY_LIMIT),
+        "--metrics-port", str(metrics),
+        "--private-fetch-exempt", f"127.0.0.1:{closed}",
+        "--fetch-retries", "0",
+    ]  # fmt: skip
+    with running_pair(model, logs, scheduler_extra=["--tp", tp], tokenizer_extra=tokenizer) as pair:
+        yield Api(pair, f"http://127.0.0.1:{http}/v1", model.name, f"http://127.0.0.1:{metrics}/metrics", closed)
+
+
+@pytest.fixture(scope="module")
+def api(chat_models: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Api]:
+    yield from _api(chat_models("llava"), tmp_path_factory.mktemp("http"))
+
+
+def data_url(data: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+def image_part(data: bytes) -> dict[str, Any]:
+    return {"type": "image_url", "image_url": {"url": data_url(data), "detail": "high"}}
+
+
+A, B = samples.good_png(seed=11), samples.good_png(seed=12)
+CONVERSATION: list[dict[str, Any]] = [
+    {"role": "system", "content": "You answer briefly."},
+    {"role": "user", "content": [{"type": "text", "text": "What is this?"}, image_part(A)]},
+    {"role": "assistant", "content": "A picture."},
+    {"role": "user", "content": [image_part(B), {"type": "text", "text": "And this?"}]},
+]
+SAME_OVER_GRPC = [
+    ("system", "You answer briefly."),
+    ("user", ["What is this?", ImagePart(A)]),
+    ("assistant", "A picture."),
+    ("user", [ImagePart(B), "And this?"]),
+]
+
+
+def grpc_text(pair: Pair, messages: list[Any], max_tokens: int) -> str:
+    with grpc.insecure_channel(pair.tokenizer_address) as channel:
+        out = run_request(
+            tokenizer_pb2_grpc.TokenizerServiceStub(channel), build_request(messages=messages, max_tokens=max_tokens)
+        )
+    assert out.ok, out
+    return out.text
+
+
+def test_a_conversation_is_the_same_over_http_and_grpc_streamed_or_not(api: Api) -> None:
+    client = api.client()
+    whole = client.chat.completions.create(model=api.model, messages=CONVERSATION, max_tokens=8, temperature=0)
+    choice = whole.choices[0]
+    assert choice.message.role == "assistant"
+    assert choice.finish_reason in ("stop", "length")
+    assert whole.usage is not None
+    assert whole.usage.completion_tokens > 0
+    assert whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
+    assert choice.message.content == grpc_text(api.pair, SAME_OVER_GRPC, 8)
+
+    chunks = list(
+        client.chat.completions.create(
+            model=api.model,
+            messages=CONVERSATION,
+            max_tokens=8,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == choice.message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [choice.finish_reason]
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_the_async_sdk_streams_and_completions_take_a_prompt(api: Api) -> None:
+    async def run() -> tuple[str, str]:
+        client = openai.AsyncOpenAI(base_url=api.url, api_key=KEY)
+        stream = await client.chat.completions.create(
+            model=api.model, messages=[{"role": "user", "content": "Tell me a story."}], max_tokens=6, stream=True
+        )
+        text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+        done = await client.completions.create(model=api.model, prompt="Once upon a time", max_tokens=6)
+        await client.close()
+        return text, done.choices[0].text
+
+    chat_text, completion = asyncio.run(run())
+    assert chat_text == grpc_text(api.pair, [("user", "Tell me a story.")], 6)
+    with grpc.insecure_channel(api.pair.tokenizer_address) as channel:
+        plain = run_request(
+            tokenizer_pb2_grpc.TokenizerServiceStub(channel), build_request("Once upon a time", max_tokens=6)
+        )
+    assert completion == plain.text
+
+
+def test_stop_lists_and_n_choices(api: Api) -> None:
+    client = api.client()
+    question = [{"role": "user", "content": "Count: one two three"}]
+    free = client.chat.completions.create(model=api.model, messages=question, max_tokens=12).choices[0].message.content
+    assert free
+    cut = free[len(free) // 2 :][:3].strip() or free[-1]
+    stopped = client.chat.completions.create(model=api.model, messages=question, max_tokens=12, stop=[cut, "\u2603"])
+    assert stopped.choices[0].finish_reason == "stop"
+    assert stopped.choices[0].message.content == free[: free.index(cut)]
+    two = client.chat.completions.create(model=api.model, messages=question, max_tokens=6, n=2, seed=5, temperature=1)
+    assert [c.index for c in two.choices] == [0, 1]
+    assert two.usage is not None
+    assert 2 <= two.usage.completion_tokens <= 12, two.usage
+    again = client.chat.completions.create(model=api.model, messages=question, max_tokens=6, n=2, seed=5, temperature=1)
+    assert [c.message.content for c in again.choices] == [c.message.content for c in two.choices], "seeded"
+    streamed = client.chat.completions.create(
+        model=api.model, messages=question, max_tokens=6, n=2, seed=5, temperature=1, stream=True
+    )
+    texts = ["", ""]
+    for chunk in streamed:
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+    assert texts == [c.message.content for c in two.choices]
+
+
+def _bad(api: Api, call: Callable[[openai.OpenAI], Any]) -> openai.APIStatusError:
+    with pytest.raises(openai.APIStatusError) as info:
+        call(api.client(max_retries=2))
+    return info.value
+
+
+def _good_after(api: Api) -> None:
+    ok = api.client().chat.completions.create(
+        model=api.model, messages=[{"role": "user", "content": [image_part(A), {"type": "text", "text": "Hi"}]}],
+        max_tokens=2,
+    )  # fmt: skip
+    assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+def _chat(content: list[dict[str, Any]], **kwargs: Any) -> Callable[[openai.OpenAI], Any]:
+    def call(client: openai.OpenAI) -> Any:
+        model = kwargs.pop("model", "chat-llava")
+        return client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": content}], max_tokens=2, **kwargs
+        )
+
+    return call
+
+
+def test_bad_inputs_get_typed_errors_that_the_sdk_does_not_resend(api: Api) -> None:
+    corrupt = A[: len(A) // 2]
+    text = {"type": "text", "text": "What is it?"}
+    unknown = {"type": "image_url", "image_url": {"url": data_url(b"plain text, no picture format", "image/x-unknown")}}
+    cases: list[tuple[Callable[[openai.OpenAI], Any], type[openai.APIStatusError], int, str, str | None]] = [
+        (_chat([text, image_part(corrupt)]), openai.BadRequestError, 400, "MEDIA_DECODE_FAILED",
+         "messages[0].content[1]"),
+        (_chat([text, unknown]),
+         openai.BadRequestError, 400, "MEDIA_UNSUPPORTED", "messages[0].content[1]"),
+        (_chat([text, {"type": "image_url", "image_url": {"url": "http://127.0.0.2:9/x.png"}}]),
+         openai.PermissionDeniedError, 403, "MEDIA_SOURCE_FORBIDDEN", "messages[0].content[1]"),
+        (_chat([text, image_part(b"\x89PNG" + bytes(3 * 1024 * 1024))]), openai.APIStatusError, 413,
+         "MEDIA_TOO_LARGE", None),
+        (_chat([text], model="no-such-model"), openai.NotFoundError, 404, "NOT_FOUND", "model"),
+        (_chat([text], temperature=-1), openai.BadRequestError, 400, "INVALID_REQUEST", "temperature"),
+        (_chat([text], n=99), openai.BadRequestError, 400, "INVALID_REQUEST", "n"),
+    ]  # fmt: skip
+    for call, cls, status, code, param in cases:
+        before = api.seen(f"/v1/chat/completions {status}")
+        error = _bad(api, call)
+        assert type(error) is cls, (code, error)
+        assert error.status_code == status, (code, error)
+        body = error.body if isinstance(error.body, dict) else {}
+        assert (body.get("code"), body.get("param")) == (code, param), (code, body)
+        assert error.response.headers.get("x-should-retry") == "false"
+        # Seen once: the SDK did not resend it.
+        seen = f"/v1/chat/completions {status}"
+        assert wait_until(lambda s=seen, b=before: api.seen(s) == b + 1, timeout=5), code
+        _good_after(api)
+
+
+def test_unreachable_media_is_a_retriable_502_with_retry_after(api: Api) -> None:
+    call = _chat([{"type": "image_url", "image_url": {"url": f"http://127.0.0.1:{api.closed_port}/x.png"}}])
+    with pytest.raises(openai.APIStatusError) as info:
+        call(api.client(max_retries=0))
+    error = info.value
+    assert error.status_code == 502
+    assert isinstance(error.body, dict)
+    assert error.body["code"] == "MEDIA_FETCH_FAILED"
+    assert error.response.headers.get("x-should-retry") == "true"
+    assert int(error.response.headers["Retry-After"]) >= 1
+    _good_after(api)
+
+
+def test_raw_http_mistakes_key_body_and_health(api: Api) -> None:
+    base = api.url.removesuffix("/v1")
+
+    def post(path: str, data: bytes, key: str = KEY) -> tuple[int, dict[str, Any]]:
+        request = urllib.request.Request(
+            base + path, data=data, headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=30) as reply:
+                return reply.status, json.loads(reply.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read())
+
+    status, body = post("/v1/chat/completions", b"{not json")
+    assert (status, body["error"]["code"]) == (400, "INVALID_REQUEST")
+    status, body = post("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "x"}]}).encode(),
+                        key="wrong")  # fmt: skip
+    assert (status, body["error"]["code"], body["error"]["type"]) == (401, "UNAUTHENTICATED", "authentication_error")
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=api.url, api_key="wrong").models.list()
+    status, body = post("/v1/chat/completions", b"{" + b" " * (BODY_LIMIT + 10) + b"}")
+    assert (status, body["error"]["code"]) == (413, "MEDIA_TOO_LARGE")
+    assert [m.id for m in api.client().models.list()] == [api.model]
+    with urllib.request.urlopen(base + "/health", timeout=10) as reply:
+        assert reply.status == 200
+    _good_after(api)
+
+
+def test_a_client_that_leaves_mid_stream_leaves_nothing_held(api: Api) -> None:
+    client = api.client()
+    stream = client.chat.completions.create(
+        model=api.model,
+        messages=[{"role": "user", "content": [image_part(B), {"type": "text", "text": "Go on and on."}]}],
+        max_tokens=2000,
+        stream=True,
+        extra_body={"min_tokens": 2000},
+    )
+    first = next(iter(stream))
+    assert first.choices[0].delta.role == "assistant"
+    next(iter(stream))
+    assert any(rank_active_requests(api.pair.scheduler_address)), "the request was over before the client left"
+    left = time.monotonic()
+    stream.close()
+    assert wait_until(lambda: not any(rank_active_requests(api.pair.scheduler_address)), timeout=2), "a row stayed"
+    assert time.monotonic() - left < 2.5
+    info = tokenizer_info(api.pair.tokenizer_address).info
+    assert info.shm_slab_used_bytes == 0
+    mine = [n for n in project_segments() if n.startswith(f"{PROJECT_PREFIX}-{api.pair.tokenizer.pid}-")]
+    assert not mine, mine
+    _good_after(api)
+
+
+@pytest.fixture(scope="module")
+def qwen_api(chat_models: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Api]:
+    yield from _api(chat_models("qwen2-vl"), tmp_path_factory.mktemp("http-qwen"))
+
+
+def test_video_url_on_a_video_model_is_the_same_over_http_and_grpc(qwen_api: Api) -> None:
+    clip = samples.video(frames=8)
+    content = [
+        {"type": "video_url", "video_url": {"url": data_url(clip, "video/mp4")}},
+        {"type": "text", "text": "What moves?"},
+    ]
+    reply = qwen_api.client().chat.completions.create(
+        model=qwen_api.model, messages=[{"role": "user", "content": content}], max_tokens=6
+    )
+    assert reply.choices[0].message.content == grpc_text(qwen_api.pair, [("user", [VideoPart(clip), "What moves?"])], 6)
+
+
+def test_logprobs_are_the_model_s_log_softmax_and_the_same_over_http(api: Api) -> None:
+    """Greedy: each token's log probability equals log_softmax of the
+    model's own logits at its position (single-process HF forward), and
+    the top 5 are that distribution's top 5; over HTTP, the same values in
+    OpenAI's shape, streamed or not."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from mmsplit.tokenizer.v1 import tokenizer_pb2
+    from tests.support import hf_family
+
+    messages = [("system", "Be brief."), ("user", "Name three colors.")]
+    request = build_request(messages=messages, max_tokens=6)
+    request.sampling.logprobs, request.sampling.top_logprobs = True, 5
+    ids: list[int] = []
+    got: list[tokenizer_pb2.TokenLogprob] = []
+    with grpc.insecure_channel(api.pair.tokenizer_address) as channel:
+        for event in tokenizer_pb2_grpc.TokenizerServiceStub(channel).Generate(request, timeout=60):
+            if event.HasField("delta"):
+                assert len(event.delta.logprobs) == len(event.delta.token_ids)
+                ids += event.delta.token_ids
+                got += event.delta.logprobs
+    assert ids
+    proc = hf_family.processor(api.pair.model)
+    text = proc.apply_chat_template(
+        [{"role": r, "content": [{"type": "text", "text": t}]} for r, t in messages],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    prompt = hf_family.prompt_ids(proc, text, [])
+    model = AutoModelForImageTextToText.from_pretrained(api.pair.model, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1]
+    expected = torch.log_softmax(logits.float(), dim=-1)
+    for k, (token, lp) in enumerate(zip(ids, got, strict=True)):
+        assert lp.logprob == pytest.approx(float(expected[k, token]), abs=1e-4), k
+        top = torch.topk(expected[k], 5)
+        assert list(lp.top_token_ids) == top.indices.tolist(), k
+        assert list(lp.top_logprobs) == pytest.approx(top.values.tolist(), abs=1e-4)
+
+    client = api.client()
+    chat = [{"role": r, "content": t} for r, t in messages]
+    whole = client.chat.completions.create(model=api.model, messages=chat, max_tokens=6, logprobs=True, top_logprobs=5)
+    content = whole.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert [c.logprob for c in content] == pytest.approx([lp.logprob for lp in got], abs=1e-6)
+    assert all(len(c.top_logprobs) == 5 for c in content)
+    assert len(content) == len(ids)
+    streamed = client.chat.completions.create(
+        model=api.model, messages=chat, max_tokens=6, logprobs=True, top_logprobs=5, stream=True
+    )
+    entries = [e for c in streamed if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content or []]
+    assert [e.logprob for e in entries] == pytest.approx([lp.logprob for lp in got], abs=1e-6)

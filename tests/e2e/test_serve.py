@@ -1,0 +1,99 @@
+"""`mmsplit serve` as a user runs it: one command, a ready line, a request
+with the OpenAI SDK and one over gRPC, Ctrl-C (SIGINT), exit 0, nothing
+left; a port in use or a missing model is one clear line and a non-zero
+exit before anything starts."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import openai
+import pytest
+
+from mmsplit.client import Client
+from mmsplit.serving import free_port
+from tests.support.services import ENV, ROOT
+
+pytestmark = pytest.mark.e2e
+
+
+def _serve(args: list[str]) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "mmsplit_cli", "serve", *args],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, **ENV},
+    )
+
+
+def test_one_command_serves_both_apis_and_ctrl_c_stops_it_cleanly(chat_models: Callable[[str], Path]) -> None:
+    grpc_port, http_port = free_port(), free_port()
+    model = chat_models("llava")
+    proc = _serve(["--model", str(model), "--port", str(grpc_port), "--http-port", str(http_port)])
+    lines: list[str] = []
+    ready = threading.Event()
+
+    def read() -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            lines.append(line)
+            if "mmsplit serve: ready:" in line:
+                ready.set()
+        ready.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert ready.wait(180), "".join(lines[-30:])
+        assert proc.poll() is None, "".join(lines[-30:])
+        said = next(line for line in lines if "ready:" in line)
+        assert f"127.0.0.1:{grpc_port}" in said
+        assert f"http://127.0.0.1:{http_port}/v1" in said
+        sdk = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="none")
+        reply = sdk.chat.completions.create(
+            model=model.name, messages=[{"role": "user", "content": "Hello"}], max_tokens=3
+        )
+        assert reply.choices[0].finish_reason in ("stop", "length")
+        with Client(f"127.0.0.1:{grpc_port}") as client:
+            assert client.complete(messages=[("user", "Hello")], max_tokens=3).text == reply.choices[0].message.content
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0, "".join(lines[-30:])
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        reader.join(10)
+    text = "".join(lines)
+    assert "Traceback" not in text, text[-3000:]
+    assert "stopping (the tokenizer, then the scheduler)" in text
+
+
+def test_a_port_in_use_or_a_missing_model_is_one_line_before_anything_starts(
+    chat_models: Callable[[str], Path], tmp_path: Path
+) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = _serve(["--model", str(chat_models("llava")), "--http-port", str(port), "--port", str(free_port())])
+        _, err = done.communicate(timeout=60)
+    assert done.returncode == 2
+    assert err.strip().splitlines() == [
+        f"mmsplit serve: --http-port {port}: 127.0.0.1:{port} is in use (stop what holds it, or pick another port)"
+    ]
+    missing = _serve(["--model", str(tmp_path / "nope")])
+    _, err = missing.communicate(timeout=60)
+    assert missing.returncode == 2
+    assert err.strip().splitlines() == [
+        f"mmsplit serve: --model {tmp_path / 'nope'}: no such directory (give a local checkpoint directory)"
+    ]

@@ -1,0 +1,121 @@
+"""The OpenAI request shapes map onto the contract as documented
+(tokenizer_svc/openai_api.py), and every refusal names its field."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from mmsplit.errors import E
+from mmsplit.tokenizer.v1 import tokenizer_pb2
+from tokenizer_svc import openai_api
+from tokenizer_svc.errors import InvalidRequest, MediaTooLarge, Overloaded
+
+
+def test_content_parts_and_shorthands_become_message_parts() -> None:
+    call = openai_api.parse_chat(
+        {
+            "model": "m",
+            "messages": [
+                {"role": "developer", "content": "Be brief."},
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "Look:"},
+                        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA==", "detail": "low"}},
+                        {"image_url": "https://example.invalid/a.png"},
+                        {"type": "video_url", "video_url": {"url": "https://example.invalid/v.mp4"}},
+                    ],
+                },
+                {"role": "assistant", "content": None},
+            ],
+            "some_future_field": {"ignored": True},
+        }
+    )
+    system, user, assistant = call.request.messages
+    assert system.role == tokenizer_pb2.CHAT_ROLE_SYSTEM
+    assert [p.WhichOneof("part") for p in user.content] == ["text", "image", "image", "video"]
+    assert user.content[2].image.url == "https://example.invalid/a.png"
+    assert list(assistant.content) == []
+    assert (call.n, call.stream, call.include_usage) == (1, False, False)
+
+
+def test_sampling_fields_map_and_max_tokens_takes_the_smaller() -> None:
+    call = openai_api.parse_chat(
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 30,
+            "max_completion_tokens": 20,
+            "temperature": 0.5,
+            "top_p": 0.9,
+            "top_k": -1,
+            "seed": 7,
+            "stop": "END",
+            "stop_token_ids": [2],
+            "min_tokens": 3,
+            "n": 3,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+    )
+    s = call.request.sampling
+    assert (s.max_tokens, s.temperature, round(s.top_p, 3), s.top_k, s.seed) == (20, 0.5, 0.9, 0, 7)
+    assert (list(s.stop), list(s.stop_token_ids), s.min_tokens) == (["END"], [2], 3)
+    assert (call.n, call.stream, call.include_usage) == (3, True, True)
+    seeds = [call.choice(i).sampling.seed for i in range(3)]
+    assert seeds[0] == 7
+    assert len(set(seeds)) == 3
+    assert all(0 < x < 2**63 for x in seeds)
+    assert call.choice(1).messages == call.request.messages
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]}, "messages[0].content[0].type"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+         "messages[0].content[0].image_url.url"),
+        ({"messages": [{"role": "user", "content": "x"}], "n": 9}, "n"),
+        ({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, "temperature"),
+        ({"messages": [{"role": "user", "content": "x"}], "stop": [1]}, "stop"),
+        ({"messages": [{"role": "user", "content": "x"}], "logprobs": 1}, "logprobs"),
+        ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, "top_logprobs"),
+        ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
+    ],
+)  # fmt: skip
+def test_refusals_name_their_field(body: dict[str, Any], param: str) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        openai_api.parse_chat(body)
+    assert openai_api.param_name(info.value) == param
+
+
+def test_logprobs_are_asked_as_each_api_spells_it() -> None:
+    chat = openai_api.parse_chat({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 5})
+    assert (chat.request.sampling.logprobs, chat.request.sampling.top_logprobs) == (True, 5)
+    legacy = openai_api.parse_completion({"prompt": "x", "logprobs": 3})
+    assert (legacy.request.sampling.logprobs, legacy.request.sampling.top_logprobs) == (True, 3)
+
+
+def test_completions_take_one_prompt() -> None:
+    assert openai_api.parse_completion({"prompt": ["once"]}).request.prompt == "once"
+    with pytest.raises(InvalidRequest):
+        openai_api.parse_completion({"prompt": ["a", "b"]})
+
+
+def test_error_statuses_and_retry_headers() -> None:
+    status, body, headers = openai_api.error_body(MediaTooLarge("too big", metadata={"param": "messages[0]"}))
+    assert (status, body["error"]["code"], body["error"]["param"]) == (413, "MEDIA_TOO_LARGE", "messages[0]")
+    assert headers == {"x-should-retry": "false"}
+    status, body, headers = openai_api.error_body(Overloaded("busy", retry_after_ms=2500))
+    assert (status, headers) == (429, {"x-should-retry": "true", "Retry-After": "3"})
+    # Every ErrorCode has a status; the retriable ones are 429 or 5xx.
+    from mmsplit.errors import TABLE
+
+    for code, kind in TABLE.items():
+        assert code in openai_api.STATUS, E.Name(code)
+        if kind.retriable:
+            assert openai_api.STATUS[code][0] in (429, 502, 503, 504), E.Name(code)

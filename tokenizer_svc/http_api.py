@@ -1,0 +1,358 @@
+"""The OpenAI-compatible HTTP API (`--http-port`), served by aiohttp on the
+tokenizer's event loop, beside its gRPC server: the same `TokenizerService`
+runs every request, so an HTTP request is prepared, admitted, cancelled and
+released exactly as a gRPC one.
+
+Routes: POST /v1/chat/completions, POST /v1/completions (both streaming or
+not), GET /v1/models, GET /health (200 only while a scheduler backend is
+ready, else 503). With `--api-key-file`, every /v1 route needs
+``Authorization: Bearer <key>`` (401 otherwise; compared in constant time).
+
+Streams are server-sent events: for chat a first chunk with the assistant's
+role, then content deltas, a chunk with the finish reason, the usage chunk
+when `stream_options.include_usage` asks (``choices: []``), then
+``data: [DONE]``. An error after the stream began is one
+``data: {"error": ...}`` event, then ``[DONE]``; never a silent close. While
+nothing comes (a long fetch, preprocessing or prefill) a comment line
+(``: keep-alive``) goes out every KEEPALIVE_S, so proxies keep the
+connection. A client that disconnects cancels its request at once (the
+handler is cancelled: aiohttp's handler_cancellation), and everything the
+request held is released as for a gRPC cancel.
+
+Errors are the OpenAI body ``{"error": {"message", "type", "param",
+"code"}}``, `code` our ErrorCode name, the status from one table
+(`openai_api.STATUS`); a body over `--http-max-body-bytes` is 413 in that
+shape, malformed JSON 400, and a bug 500 with ``x-should-retry: false``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from mmsplit.errors import InternalError, MmsplitError, Unauthenticated
+from mmsplit.serving import RequestSummary
+from mmsplit.tokenizer.v1 import tokenizer_pb2
+from tokenizer_svc import openai_api
+from tokenizer_svc.errors import InvalidRequest
+from tokenizer_svc.service import TokenizerService
+
+log = logging.getLogger(__name__)
+
+KEEPALIVE_S = 15.0
+# A body this large is parsed off the event loop.
+BIG_BODY = 1 << 20
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class HttpApi:
+    """The routes, over one `TokenizerService`."""
+
+    def __init__(
+        self,
+        service: TokenizerService,
+        *,
+        model: str,
+        ready: Callable[[], bool],
+        api_key: str = "",
+        max_body_bytes: int,
+        metrics: Any = None,
+        keepalive_s: float = KEEPALIVE_S,
+    ) -> None:
+        self.service = service
+        self.model = model
+        self.ready = ready
+        self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
+        self.metrics = metrics
+        self.keepalive_s = keepalive_s
+        self.created = int(time.time())
+        # (route, status) -> responses, for the metrics.
+        self.responses: dict[tuple[str, int], int] = {}
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._errors])
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        return app
+
+    # ---- middleware: every error in the OpenAI shape, auth, counting ----
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        route = request.match_info.route.resource.canonical if request.match_info.route.resource else "other"
+        response: web.StreamResponse
+        try:
+            if request.path.startswith("/v1/") and self.api_key:
+                self._authenticate(request)
+            response = await handler(request)
+        except MmsplitError as exc:
+            response = _error_response(exc)
+        except web.HTTPRequestEntityTooLarge:
+            response = _json(
+                413,
+                openai_api.error_json(
+                    f"the request body is over the limit of {self.max_body_bytes} bytes", "invalid_request_error",
+                    "MEDIA_TOO_LARGE",
+                ),
+                {"x-should-retry": "false"},
+            )  # fmt: skip
+        except web.HTTPException as exc:  # no such route, method not allowed
+            status = exc.status
+            kind = "not_found_error" if status == 404 else "invalid_request_error"
+            code = "NOT_FOUND" if status == 404 else "INVALID_REQUEST"
+            response = _json(status, openai_api.error_json(exc.reason, kind, code), {"x-should-retry": "false"})
+        except Exception:
+            incident = uuid.uuid4().hex[:12]
+            log.exception("HTTP %s %s failed on an unexpected error (incident %s)", request.method, route, incident)
+            response = _error_response(InternalError(f"internal error (incident {incident})"))
+        key = (route, response.status)
+        self.responses[key] = self.responses.get(key, 0) + 1
+        return response
+
+    def _authenticate(self, request: web.Request) -> None:
+        given = request.headers.get("Authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+            raise Unauthenticated("a valid API key is required (Authorization: Bearer <key>)")
+
+    # ---- routes ----
+
+    async def health(self, request: web.Request) -> web.Response:
+        if self.ready():
+            return web.json_response({"status": "ok"})
+        return web.json_response({"status": "not ready"}, status=503, headers={"Retry-After": "1"})
+
+    async def models(self, request: web.Request) -> web.Response:
+        card = {"id": self.model, "object": "model", "created": self.created, "owned_by": "mmsplit"}
+        return web.json_response({"object": "list", "data": [card]})
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=True)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=False)
+
+    async def _generate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+        body = await _body(request)
+        model = body.get("model") if isinstance(body, dict) else None
+        if model is not None and model != self.model:
+            status, kind = openai_api.NOT_FOUND
+            error = openai_api.error_json(
+                f"the model {model!r} does not exist here; this server serves {self.model!r}",
+                kind,
+                "NOT_FOUND",
+                "model",
+            )
+            return _json(status, error, {"x-should-retry": "false"})
+        call = openai_api.parse_chat(body) if chat else openai_api.parse_completion(body)
+        rid = uuid.uuid4().hex
+        shape = openai_api.Shape.of(chat, rid, self.model)
+        summary = RequestSummary(rid, protocol="http", route=request.path, choices=call.n)
+        try:
+            if call.stream:
+                return await self._stream(request, call, shape, rid, summary)
+            choices = openai_api.Choices(call.n, self.service.tokenizer)
+            async for i, response in self._choices(call, rid):
+                _count(summary, response)
+                choices.add(i, response)
+            summary.finished("STOP", choices.prompt_tokens, sum(choices.completion_tokens))
+            body = shape.complete(choices, logprobs=call.request.sampling.logprobs)
+            return web.json_response(body, headers={"x-request-id": rid})
+        except MmsplitError as exc:
+            summary.outcome = exc.reason
+            raise
+        finally:
+            summary.log(log, self.metrics)
+
+    async def _choices(
+        self, call: openai_api.Call, rid: str
+    ) -> AsyncIterator[tuple[int, tokenizer_pb2.GenerateResponse]]:
+        """Every choice's responses as they come, tagged with the choice's
+        index. The choices run at once; the first error ends them all."""
+        if call.n == 1:
+            async for response in self.service.generate(call.request, rid, None):
+                yield 0, response
+            return
+        queue: asyncio.Queue[tuple[int, tokenizer_pb2.GenerateResponse] | BaseException | None] = asyncio.Queue()
+
+        async def one(i: int) -> None:
+            try:
+                async for response in self.service.generate(call.choice(i), f"{rid}-{i}", None):
+                    queue.put_nowait((i, response))
+            except MmsplitError as exc:
+                queue.put_nowait(exc)
+            finally:
+                queue.put_nowait(None)
+
+        tasks = [asyncio.create_task(one(i)) for i in range(call.n)]
+        try:
+            running = call.n
+            while running:
+                item = await queue.get()
+                if item is None:
+                    running -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _stream(
+        self,
+        request: web.Request,
+        call: openai_api.Call,
+        shape: openai_api.Shape,
+        rid: str,
+        summary: RequestSummary,
+    ) -> web.StreamResponse:
+        """Server-sent events. Errors before the first byte are ordinary
+        error responses (the middleware); after it, an error event."""
+        events = _Prefetch(self._choices(call, rid))
+        first = await events.first(self.keepalive_s)
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "x-request-id": rid}
+        )
+        await response.prepare(request)
+        choices = openai_api.Choices(call.n, self.service.tokenizer)
+        try:
+            for i in range(call.n):
+                if (opening := shape.first(i)) is not None:
+                    await _send(response, opening)
+            if first is None:  # nothing yet after a keepalive period: say so, then wait on
+                await response.write(b": keep-alive\n\n")
+            async for item in events.rest(first, self.keepalive_s):
+                if item is None:
+                    await response.write(b": keep-alive\n\n")
+                    continue
+                i, event = item
+                _count(summary, event)
+                shown = choices.add(i, event)
+                if shown is not None:
+                    await _send(response, shape.delta(i, shown))
+            if call.include_usage:
+                await _send(response, shape.usage_chunk(choices))
+            summary.finished("STOP", choices.prompt_tokens, sum(choices.completion_tokens))
+        except MmsplitError as exc:
+            summary.outcome = exc.reason
+            log.info("request %s failed: %s", rid, exc)
+            _, body, _ = openai_api.error_body(exc)
+            await _send(response, body)
+        except Exception:
+            summary.outcome = "INTERNAL"
+            incident = uuid.uuid4().hex[:12]
+            log.exception("request %s failed on an unexpected error (incident %s)", rid, incident)
+            await _send(
+                response, openai_api.error_json(f"internal error (incident {incident})", "server_error", "INTERNAL")
+            )
+        finally:
+            await events.aclose()
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+
+class _Prefetch:
+    """An event source read with a patience: None when nothing came within
+    it (the stream then sends a keep-alive), the first event read before
+    the response starts, so that an error that comes at once is an
+    ordinary error response."""
+
+    def __init__(self, source: AsyncIterator[Any]) -> None:
+        self._source = source
+        self._next: asyncio.Task[Any] | None = None
+        self._done = False
+
+    async def _get(self, patience_s: float) -> tuple[bool, Any]:
+        """(True, event), (True, None) for a timeout, or (False, None) at the end."""
+        if self._next is None:
+            self._next = asyncio.ensure_future(anext(self._source))
+        done, _ = await asyncio.wait([self._next], timeout=patience_s)
+        if not done:
+            return True, None
+        task, self._next = self._next, None
+        try:
+            return True, task.result()
+        except StopAsyncIteration:
+            self._done = True
+            return False, None
+
+    async def first(self, patience_s: float) -> Any:
+        ok, event = await self._get(patience_s)
+        return event if ok else _END
+
+    async def rest(self, first: Any, patience_s: float) -> AsyncIterator[Any]:
+        if first is _END:
+            return
+        if first is not None:
+            yield first
+        while not self._done:
+            ok, event = await self._get(patience_s)
+            if ok:
+                yield event
+
+    async def aclose(self) -> None:
+        if self._next is not None:
+            self._next.cancel()
+            with contextlib.suppress(BaseException):
+                await self._next
+        with contextlib.suppress(RuntimeError):  # a generator still running its cancelled step
+            await self._source.aclose()  # type: ignore[attr-defined]
+
+
+_END = object()
+
+
+def _count(summary: RequestSummary, response: tokenizer_pb2.GenerateResponse) -> None:
+    if response.HasField("delta") and response.delta.token_ids:
+        summary.token()
+
+
+async def _body(request: web.Request) -> Any:
+    raw = await request.read()
+    try:
+        if len(raw) > BIG_BODY:
+            return await asyncio.to_thread(json.loads, raw)
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidRequest(f"the request body is not valid JSON: {exc}") from exc
+
+
+async def _send(response: web.StreamResponse, obj: dict[str, Any]) -> None:
+    await response.write(b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n")
+
+
+def _json(status: int, body: dict[str, Any], headers: dict[str, str]) -> web.Response:
+    return web.json_response(body, status=status, headers=headers)
+
+
+def _error_response(exc: MmsplitError) -> web.Response:
+    status, body, headers = openai_api.error_body(exc)
+    return _json(status, body, headers)
+
+
+async def start(api: HttpApi, host: str, port: int) -> tuple[web.AppRunner, int]:
+    """Serve `api` on host:port (0: a free one); the runner and the port.
+    Handlers are cancelled when their client disconnects."""
+    runner = web.AppRunner(api.app(), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port, shutdown_timeout=0).start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    return runner, runner.addresses[0][1]

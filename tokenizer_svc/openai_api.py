@@ -1,0 +1,417 @@
+"""The OpenAI-compatible API's shapes: a JSON body into the contract's
+GenerateRequest, the contract's events into chat and completion objects and
+chunks, and our errors into HTTP statuses and OpenAI error bodies. No I/O
+here (`tokenizer_svc.http_api` serves it).
+
+What is accepted, as vLLM, SGLang and TGI accept it:
+- `/v1/chat/completions`: `messages` with roles system (or developer),
+  user, assistant; content a string or parts `text`, `image_url` (data: or
+  http(s); `detail` is accepted and ignored: the model's processor decides
+  the resolution), `video_url` (models that take video), and the untyped
+  shorthands `{"image_url": "..."}` and `{"video_url": "..."}`.
+- `/v1/completions`: `prompt`, a string (or a list holding one).
+- Parameters: temperature, top_p, top_k, seed, stop (a string or a list),
+  max_tokens and max_completion_tokens (the smaller when both), min_tokens,
+  stop_token_ids, n (up to MAX_N), stream, stream_options.include_usage,
+  logprobs and top_logprobs (chat: a boolean and 0 to 20; completions: the
+  legacy integer, the number of top entries). Unknown fields are ignored
+  (logged at debug).
+
+The HTTP status of each ErrorCode is one table (`STATUS`), next to the gRPC
+one in `mmsplit.errors`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from mmsplit.common.v1 import common_pb2
+from mmsplit.errors import E, MmsplitError
+from mmsplit.sampling import MAX_TOP_LOGPROBS
+from mmsplit.tokenizer.v1 import tokenizer_pb2
+from tokenizer_svc.errors import InvalidRequest
+
+log = logging.getLogger(__name__)
+
+MAX_N = 8
+# Seeds of the n choices: choice i of a request seeded s samples with
+# s + i * SEED_STRIDE (mod 2^63, never 0, which means "derive one").
+SEED_STRIDE = 0x9E3779B97F4A7C15
+_U63 = (1 << 63) - 1
+
+# ErrorCode -> (HTTP status, OpenAI error type). Retriable codes also get
+# Retry-After; every error says x-should-retry, so the OpenAI SDK (which
+# retries 408, 409, 429 and every 5xx unless told) never resends a request
+# that cannot succeed, and does resend one that may.
+STATUS: dict[int, tuple[int, str]] = {
+    E.ERROR_CODE_INVALID_REQUEST: (400, "invalid_request_error"),
+    E.ERROR_CODE_MEDIA_DECODE_FAILED: (400, "invalid_request_error"),
+    E.ERROR_CODE_MEDIA_UNSUPPORTED: (400, "invalid_request_error"),
+    E.ERROR_CODE_MEDIA_NOT_FOUND: (400, "invalid_request_error"),
+    E.ERROR_CODE_MEDIA_TOO_LARGE: (413, "invalid_request_error"),
+    E.ERROR_CODE_MEDIA_SOURCE_FORBIDDEN: (403, "permission_error"),
+    E.ERROR_CODE_UNAUTHENTICATED: (401, "authentication_error"),
+    E.ERROR_CODE_OVERLOADED: (429, "rate_limit_error"),
+    E.ERROR_CODE_MEDIA_FETCH_FAILED: (502, "server_error"),
+    E.ERROR_CODE_PREPROCESS_TIMEOUT: (504, "server_error"),
+    E.ERROR_CODE_DEADLINE_EXCEEDED: (504, "server_error"),
+    E.ERROR_CODE_PREPROCESS_WORKER_CRASHED: (503, "server_error"),
+    E.ERROR_CODE_FEATURE_TRANSPORT_FAILED: (503, "server_error"),
+    E.ERROR_CODE_SCHEDULER_UNAVAILABLE: (503, "server_error"),
+    E.ERROR_CODE_SHUTTING_DOWN: (503, "server_error"),
+    E.ERROR_CODE_CANCELLED: (499, "invalid_request_error"),  # the client went away; nobody reads it
+    E.ERROR_CODE_INTERNAL: (500, "server_error"),
+}
+NOT_FOUND = (404, "not_found_error")
+FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length"}
+ROLES = {
+    "system": tokenizer_pb2.CHAT_ROLE_SYSTEM,
+    "developer": tokenizer_pb2.CHAT_ROLE_SYSTEM,
+    "user": tokenizer_pb2.CHAT_ROLE_USER,
+    "assistant": tokenizer_pb2.CHAT_ROLE_ASSISTANT,
+}
+KNOWN = {
+    "model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
+    "stop", "min_tokens", "stop_token_ids", "n", "stream", "stream_options", "logprobs", "top_logprobs", "user",
+}  # fmt: skip
+
+
+def error_body(exc: MmsplitError) -> tuple[int, dict[str, Any], dict[str, str]]:
+    """(status, body, headers) of an error response."""
+    status, kind = STATUS.get(exc.error_code, (500, "server_error"))
+    return status, error_json(exc.message, kind, exc.reason, param_name(exc)), retry_headers(exc)
+
+
+def error_json(message: str, kind: str, code: str, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def retry_headers(exc: MmsplitError) -> dict[str, str]:
+    if not exc.kind.retriable:
+        return {"x-should-retry": "false"}
+    seconds = max(1, math.ceil(exc.retry_after_ms / 1000)) if exc.retry_after_ms else 1
+    return {"x-should-retry": "true", "Retry-After": str(seconds)}
+
+
+@dataclass(frozen=True)
+class Call:
+    """A parsed request: the contract's request (the first choice's seed),
+    and how to answer."""
+
+    request: tokenizer_pb2.GenerateRequest
+    n: int
+    stream: bool
+    include_usage: bool
+
+    def choice(self, i: int) -> tokenizer_pb2.GenerateRequest:
+        """The request of choice `i`: its own seed, derived from the request's."""
+        if i == 0:
+            return self.request
+        out = tokenizer_pb2.GenerateRequest()
+        out.CopyFrom(self.request)
+        base = self.request.sampling.seed
+        if base:
+            out.sampling.seed = ((base + i * SEED_STRIDE) & _U63) or 1
+        return out
+
+
+def parse_chat(body: Any) -> Call:
+    body = _object(body)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise _invalid("messages must be a non-empty list", "messages")
+    request = tokenizer_pb2.GenerateRequest(messages=[_message(m, i) for i, m in enumerate(messages)])
+    logprobs = body.get("logprobs")
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise _invalid("logprobs must be true or false", "logprobs")
+    request.sampling.logprobs = bool(logprobs)
+    top = _int(body, "top_logprobs")
+    if top is not None:
+        if not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise _invalid(f"top_logprobs must be within [0, {MAX_TOP_LOGPROBS}]", "top_logprobs")
+        if top and not logprobs:
+            raise _invalid("top_logprobs needs logprobs: true", "top_logprobs")
+        request.sampling.top_logprobs = top
+    return _finish(body, request)
+
+
+def parse_completion(body: Any) -> Call:
+    body = _object(body)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    if not isinstance(prompt, str) or not prompt:
+        raise _invalid("prompt must be a non-empty string (one prompt per request)", "prompt")
+    request = tokenizer_pb2.GenerateRequest(prompt=prompt)
+    top = _int(body, "logprobs")  # the legacy API: how many top entries, 0 for the token's own only
+    if top is not None:
+        if not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise _invalid(f"logprobs must be within [0, {MAX_TOP_LOGPROBS}]", "logprobs")
+        request.sampling.logprobs = True
+        request.sampling.top_logprobs = top
+    return _finish(body, request)
+
+
+def _object(body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise _invalid("the request body must be a JSON object", None)
+    unknown = sorted(set(body) - KNOWN)
+    if unknown:
+        log.debug("ignored request fields: %s", ", ".join(unknown))
+    return body
+
+
+def _message(m: Any, i: int) -> tokenizer_pb2.ChatMessage:
+    where = f"messages[{i}]"
+    if not isinstance(m, dict):
+        raise _invalid(f"{where} must be an object with role and content", where)
+    role = ROLES.get(m.get("role"))  # type: ignore[arg-type]
+    if role is None:
+        raise _invalid(f"{where}.role must be one of system, developer, user, assistant", f"{where}.role")
+    content = m.get("content")
+    out = tokenizer_pb2.ChatMessage(role=role)
+    if isinstance(content, str):
+        out.content.add(text=content)
+    elif isinstance(content, list):
+        for j, part in enumerate(content):
+            _part(out, part, f"{where}.content[{j}]")
+    elif content is not None or role != tokenizer_pb2.CHAT_ROLE_ASSISTANT:
+        raise _invalid(f"{where}.content must be a string or a list of parts", f"{where}.content")
+    return out
+
+
+def _part(out: tokenizer_pb2.ChatMessage, part: Any, where: str) -> None:
+    if not isinstance(part, dict):
+        raise _invalid(f"{where} must be an object", where)
+    kind = part.get("type") or next((k for k in ("text", "image_url", "video_url") if k in part), None)
+    if kind == "text":
+        if not isinstance(part.get("text"), str):
+            raise _invalid(f"{where}.text must be a string", f"{where}.text")
+        out.content.add(text=part["text"])
+    elif kind in ("image_url", "video_url"):
+        value = part.get(kind)
+        url = value.get("url") if isinstance(value, dict) else value
+        if not isinstance(url, str) or not url:
+            raise _invalid(f"{where}.{kind}.url must be a non-empty string", f"{where}.{kind}.url")
+        if kind == "image_url":
+            out.content.add(image=tokenizer_pb2.Image(url=url))
+        else:
+            out.content.add(video=tokenizer_pb2.Video(url=url))
+    else:
+        raise _invalid(f"{where}: part type {kind!r} is not supported (text, image_url, video_url)", f"{where}.type")
+
+
+def _finish(body: dict[str, Any], request: tokenizer_pb2.GenerateRequest) -> Call:
+    """The sampling fields (checked again, with the model's limits, by the
+    service) and how to answer."""
+    s = request.sampling
+    limits = [v for v in (_int(body, "max_tokens"), _int(body, "max_completion_tokens")) if v is not None]
+    if limits:
+        if min(limits) < 1:
+            raise _invalid("max_tokens must be at least 1", "max_tokens")
+        s.max_tokens = min(limits)
+    temperature = _number(body, "temperature")
+    if temperature is not None:
+        s.temperature = temperature
+    top_p = _number(body, "top_p")
+    if top_p is not None:
+        s.top_p = top_p
+    for name in ("top_k", "min_tokens"):
+        value = _int(body, name)
+        if value is not None:
+            if value < 0 and not (name == "top_k" and value == -1):  # -1: off, as vLLM takes it
+                raise _invalid(f"{name} must not be negative", name)
+            setattr(s, name, max(value, 0))
+    seed = _int(body, "seed")
+    if seed is not None:
+        s.seed = seed & _U63 or 1  # 0 means "derive one": an explicit 0 is a seed too
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if stop is not None:
+        if not isinstance(stop, list) or not all(isinstance(x, str) for x in stop):
+            raise _invalid("stop must be a string or a list of strings", "stop")
+        s.stop.extend(stop)
+    ids = body.get("stop_token_ids")
+    if ids is not None:
+        if not isinstance(ids, list) or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in ids):
+            raise _invalid("stop_token_ids must be a list of token ids", "stop_token_ids")
+        s.stop_token_ids.extend(ids)
+    n = _int(body, "n")
+    if n is not None and not 1 <= n <= MAX_N:
+        raise _invalid(f"n must be within [1, {MAX_N}]", "n")
+    options = body.get("stream_options")
+    include_usage = isinstance(options, dict) and options.get("include_usage", True) is True
+    return Call(request, n or 1, body.get("stream") is True, include_usage)
+
+
+def _int(body: dict[str, Any], name: str) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _invalid(f"{name} must be an integer", name)
+    return value
+
+
+def _number(body: dict[str, Any], name: str) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise _invalid(f"{name} must be a number", name)
+    return float(value)
+
+
+def _invalid(message: str, param: str | None) -> InvalidRequest:
+    return InvalidRequest(message, metadata={"param": param} if param else None)
+
+
+def param_name(exc: MmsplitError) -> str | None:
+    """The field an error names, as the OpenAI request spells it."""
+    param = exc.metadata.get("param")
+    return param.removeprefix("sampling.") if param else None
+
+
+class Choices:
+    """What n choices of one request have produced, for the final object
+    and the usage: text, finish reason and token counts per choice."""
+
+    def __init__(self, n: int, tokens: Any = None) -> None:
+        """`tokens`: the tokenizer, to name the tokens of log probabilities."""
+        self.text = [""] * n
+        self.finish: list[str | None] = [None] * n
+        self.prompt_tokens = 0
+        self.completion_tokens = [0] * n
+        self.logprobs: list[list[dict[str, Any]]] = [[] for _ in range(n)]
+        self.tokens = tokens
+
+    def add(self, i: int, response: tokenizer_pb2.GenerateResponse) -> Shown | None:
+        """Record a response of choice `i`: what to show of it, or None
+        when it adds nothing to show."""
+        kind = response.WhichOneof("event")
+        if kind == "delta":
+            d = response.delta
+            entries = [self._entry(t, lp) for t, lp in zip(d.token_ids, d.logprobs, strict=False)]
+            if not d.text and not entries:
+                return None
+            self.text[i] += d.text
+            self.logprobs[i] += entries
+            return Shown(d.text, None, entries)
+        if kind == "finished":
+            f = response.finished
+            self.finish[i] = FINISH.get(f.finish_reason, "stop")
+            self.prompt_tokens = f.prompt_tokens
+            self.completion_tokens[i] = f.completion_tokens
+            return Shown("", self.finish[i], [])
+        return None
+
+    def _entry(self, token: int, lp: common_pb2.TokenLogprob) -> dict[str, Any]:
+        """OpenAI's chat form of one token's log probability."""
+        top = [
+            {"token": self._text(t), "logprob": v, "bytes": list(self._text(t).encode())}
+            for t, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)
+        ]
+        text = self._text(token)
+        return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode()), "top_logprobs": top}
+
+    def _text(self, token: int) -> str:
+        return str(self.tokens.decode([token])) if self.tokens is not None else str(token)
+
+    def usage(self) -> dict[str, int]:
+        completion = sum(self.completion_tokens)
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": self.prompt_tokens + completion,
+        }
+
+
+@dataclass(frozen=True)
+class Shown:
+    """What one response adds to a choice: text, a finish reason, and the
+    log probabilities of its tokens (empty unless asked)."""
+
+    text: str
+    finish: str | None
+    logprobs: list[dict[str, Any]]
+
+
+def completion_logprobs(entries: list[dict[str, Any]], start: int = 0) -> dict[str, Any]:
+    """The legacy completions form of log probabilities (text offsets from `start`)."""
+    offsets, at = [], start
+    for e in entries:
+        offsets.append(at)
+        at += len(e["token"])
+    return {
+        "tokens": [e["token"] for e in entries],
+        "token_logprobs": [e["logprob"] for e in entries],
+        "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+        "text_offset": offsets,
+    }
+
+
+@dataclass(frozen=True)
+class Shape:
+    """How one endpoint's objects look: chat completions or completions."""
+
+    chat: bool
+    id: str
+    model: str
+    created: int
+
+    @classmethod
+    def of(cls, chat: bool, rid: str, model: str) -> Shape:
+        return cls(chat, ("chatcmpl-" if chat else "cmpl-") + rid, model, int(time.time()))
+
+    def _head(self, chunk: bool) -> dict[str, Any]:
+        kind = "chat.completion" if self.chat else "text_completion"
+        return {"id": self.id, "object": kind + (".chunk" if chunk and self.chat else ""), "created": self.created,
+                "model": self.model}  # fmt: skip
+
+    def complete(self, choices: Choices, logprobs: bool = False) -> dict[str, Any]:
+        out = self._head(chunk=False)
+        out["choices"] = []
+        for i, (text, f) in enumerate(zip(choices.text, choices.finish, strict=True)):
+            lps = self._logprobs(choices.logprobs[i]) if logprobs else None
+            if self.chat:
+                message = {"role": "assistant", "content": text}
+                out["choices"].append({"index": i, "message": message, "logprobs": lps, "finish_reason": f})
+            else:
+                out["choices"].append({"index": i, "text": text, "logprobs": lps, "finish_reason": f})
+        out["usage"] = choices.usage()
+        return out
+
+    def _logprobs(self, entries: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"content": entries} if self.chat else completion_logprobs(entries)
+
+    def first(self, i: int) -> dict[str, Any] | None:
+        """A chat stream's first chunk of a choice: the assistant's role."""
+        if not self.chat:
+            return None
+        return self.chunk(i, {"role": "assistant", "content": ""}, None)
+
+    def delta(self, i: int, shown: Shown) -> dict[str, Any]:
+        delta = {"content": shown.text} if shown.text or not shown.finish else {}
+        return self.chunk(i, delta, shown.finish, self._logprobs(shown.logprobs) if shown.logprobs else None)
+
+    def chunk(
+        self, i: int, delta: dict[str, Any], finish: str | None, logprobs: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        out = self._head(chunk=True)
+        if self.chat:
+            out["choices"] = [{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]
+        else:
+            text = delta.get("content", "")
+            out["choices"] = [{"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish}]
+        return out
+
+    def usage_chunk(self, choices: Choices) -> dict[str, Any]:
+        out = self._head(chunk=True)
+        out["choices"] = []
+        out["usage"] = choices.usage()
+        return out
