@@ -29,12 +29,17 @@ class FakeEngine:
     ids choose trouble: "bad" fails the agreement, "reject" fails on rank 0,
     and a step that a "doomed" request joins raises (a broken collective)."""
 
-    def __init__(self) -> None:
+    def __init__(self, hold: threading.Event | None = None) -> None:
         self.rows: set[str] = set()
         self.plans: list[Plan] = []
         self.widest = 0
+        # Set: from the second step on, each step waits for it (a test that
+        # must act while a request is still running, however slow its thread).
+        self.hold = hold
 
     def step(self, plan: Plan) -> StepOutcome:
+        if self.hold is not None and self.plans:
+            assert self.hold.wait(10), "the test never let the engine go on"
         self.plans.append(plan)
         if any("doomed" in r.request_id for r in plan.new):
             raise RuntimeError("a collective broke")
@@ -160,13 +165,18 @@ def test_a_request_failed_on_rank_0_is_typed_and_dropped_next_step() -> None:
 
 
 def test_a_failing_step_types_every_request_including_those_joining_it() -> None:
-    engine = FakeEngine()
+    # "early" is still running when "doomed" comes: the engine holds its
+    # second step until then (on a busy host the loop once ran all of
+    # early's 500 steps before this thread submitted "doomed").
+    going = threading.Event()
+    engine = FakeEngine(hold=going)
     h = Harness(engine)
     h.submit("early", max_tokens=500)
     h.thread.start()
     with h.done:
         assert h.done.wait_for(lambda: len(h.events.get("early", [])) >= 1, 10)
     h.submit("doomed", max_tokens=50)
+    going.set()
     h.wait_ended(["early", "doomed"])
     h.thread.join(10)
     assert len(h.fatal) == 1
