@@ -20,6 +20,11 @@ offered, and the messages per token, for rank 0 streaming one message per
 token (as it did before), with `--stream-interval 1` (one per step, and
 what queued up meanwhile together) and with `--stream-interval 4`.
 
+Then the same streaming over the OpenAI-compatible HTTP API (server-sent
+events from /v1/completions, the same tokenizer and stand-in) next to
+gRPC, in turn, three times each: the tokenizer's CPU per token by protocol
+and HTTP ÷ gRPC (the target: at most 1.5).
+
 Last, the real services with the tiny model (and the 8x512 one with
 --services-8x512): tokens/s at the clients with --stream-interval 1 and 4,
 in turn, a fresh pair each run.
@@ -140,11 +145,38 @@ def cpu(proc: psutil.Process) -> float:
     return times.user + times.system
 
 
+async def _http_stream(url: str, n: int, tokens: int) -> tuple[int, int, float]:
+    """n concurrent streamed /v1/completions: (tokens, events, wall seconds)."""
+    import json
+
+    import aiohttp
+
+    made = events = 0
+
+    async def one(session: aiohttp.ClientSession, i: int) -> None:
+        nonlocal made, events
+        body = {"prompt": f"Say {i}", "max_tokens": tokens, "stream": True, "stream_options": {"include_usage": True}}
+        async with session.post(url, json=body) as reply:
+            async for line in reply.content:
+                if not line.startswith(b"data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                events += 1
+                if chunk.get("usage"):
+                    made += chunk["usage"]["completion_tokens"]
+
+    start = time.perf_counter()
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=n)) as session:
+        await asyncio.gather(*(one(session, i) for i in range(n)))
+    return made, events, time.perf_counter() - start
+
+
 def streaming_cost(
-    model_dir: Path, n: int, tokens: int, workdir: Path, fake_args: Sequence[str] = ()
+    model_dir: Path, n: int, tokens: int, workdir: Path, fake_args: Sequence[str] = (), *, http: bool = False
 ) -> dict[str, float]:
     """CPU microseconds per streamed token, by process; also the clients'
-    tokens/s ("tok/s") and messages per token ("messages/token")."""
+    tokens/s ("tok/s") and messages per token ("messages/token"). `http`:
+    the clients stream over the OpenAI-compatible API instead of gRPC."""
     port = free_port()
     fake = subprocess.Popen(
         [sys.executable, __file__, "--fake-scheduler", str(port), *fake_args], stdout=subprocess.PIPE, text=True
@@ -153,10 +185,13 @@ def streaming_cost(
     try:
         assert fake.stdout is not None
         fake.stdout.readline()
-        args = tokenizer_args(model_dir, f"127.0.0.1:{port}")
+        http_port = free_port()
+        args = tokenizer_args(model_dir, f"127.0.0.1:{port}", extra=["--http-port", str(http_port)] if http else [])
         tokenizer = ServiceProcess("tokenizer", args, workdir / "tokenizer.log")
         tokenizer.wait_serving(TOKENIZER_SERVICE, 120)
         requests = [make_request(f"Say {i}", max_tokens=tokens) for i in range(n)]
+        if http:
+            return _http_cost(tokenizer, fake, f"http://127.0.0.1:{http_port}/v1/completions", n, tokens)
         run_clients(tokenizer.address, requests, n)  # warm up
         procs = {"tokenizer": psutil.Process(tokenizer.pid), "scheduler gRPC": psutil.Process(fake.pid)}
         me = psutil.Process()
@@ -177,6 +212,23 @@ def streaming_cost(
             tokenizer.stop()
         fake.terminate()
         fake.wait(10)
+
+
+def _http_cost(
+    tokenizer: ServiceProcess, fake: subprocess.Popen[str], url: str, n: int, tokens: int
+) -> dict[str, float]:
+    asyncio.run(_http_stream(url, n, tokens))  # warm up
+    procs = {"tokenizer": psutil.Process(tokenizer.pid), "scheduler gRPC": psutil.Process(fake.pid)}
+    me = psutil.Process()
+    before = {k: cpu(p) for k, p in procs.items()} | {"clients": cpu(me)}
+    made = events = 0
+    took = 0.0
+    for _ in range(3):
+        m, e, wall = asyncio.run(_http_stream(url, n, tokens))
+        made, events, took = made + m, events + e, took + wall
+    after = {k: cpu(p) for k, p in procs.items()} | {"clients": cpu(me)}
+    cost = {k: 1e6 * (after[k] - before[k]) / made for k in before}
+    return cost | {"tok/s": made / took, "messages/token": events / made}
 
 
 def service_rates(model_dir: Path, n: int, tokens: int, workdir: Path, rounds: int = 3) -> dict[int, list[float]]:
@@ -252,6 +304,10 @@ def main() -> None:
         for _ in range(2):
             for mode, fake_args in modes.items():
                 fast[mode].append(streaming_cost(tiny, args.n, args.tokens, Path(tmp), fake_args))
+        protocols: dict[str, list[dict[str, float]]] = {"gRPC": [], "HTTP (SSE)": []}
+        for _ in range(3):
+            for name, runs in protocols.items():
+                runs.append(streaming_cost(tiny, args.n, args.tokens, Path(tmp), http=name != "gRPC"))
         computes = {"tiny": compute_cost(tiny, args.n), "8x512": compute_cost(wide, args.n)}
         services = {"tiny": service_rates(tiny, args.n, args.tokens, Path(tmp))}
         if args.services_8x512:
@@ -292,6 +348,17 @@ def main() -> None:
             fast_rows,
         )
     )
+
+    print(
+        f"\nthe same streaming by protocol ({args.n} concurrent x {args.tokens} tokens, the stand-in streaming at"
+        " once); the tokenizer's CPU per token, median of 3 runs each, in turn"
+    )
+    med = {name: statistics.median(r["tokenizer"] for r in runs) for name, runs in protocols.items()}
+    proto_rows = [
+        [name, f"{med[name]:.0f}", ", ".join(f"{r['tokenizer']:.0f}" for r in runs), f"{med[name] / med['gRPC']:.2f}"]
+        for name, runs in protocols.items()
+    ]
+    print(table(["protocol", "tokenizer µs/token", "every run", "÷ gRPC"], proto_rows))
 
     print(
         f"\nthe real services (TP=1), {args.n} concurrent one-image requests x {args.tokens} tokens,"
