@@ -179,38 +179,10 @@ class HttpApi:
     async def _choices(
         self, call: openai_api.Call, rid: str
     ) -> AsyncIterator[tuple[int, tokenizer_pb2.GenerateResponse]]:
-        """Every choice's responses as they come, tagged with the choice's
-        index. The choices run at once; the first error ends them all."""
-        if call.n == 1:
-            async for response in self.service.generate(call.request, rid, None):
-                yield 0, response
-            return
-        queue: asyncio.Queue[tuple[int, tokenizer_pb2.GenerateResponse] | BaseException | None] = asyncio.Queue()
-
-        async def one(i: int) -> None:
-            try:
-                async for response in self.service.generate(call.choice(i), f"{rid}-{i}", None):
-                    queue.put_nowait((i, response))
-            except MmsplitError as exc:
-                queue.put_nowait(exc)
-            finally:
-                queue.put_nowait(None)
-
-        tasks = [asyncio.create_task(one(i)) for i in range(call.n)]
-        try:
-            running = call.n
-            while running:
-                item = await queue.get()
-                if item is None:
-                    running -= 1
-                elif isinstance(item, BaseException):
-                    raise item
-                else:
-                    yield item
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+        """Every choice's responses as they come (the service runs the n
+        choices), with the choice's index."""
+        async for response in self.service.generate(call.request, rid, None):
+            yield response.index, response
 
     async def _stream(
         self,

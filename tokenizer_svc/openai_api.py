@@ -37,10 +37,7 @@ from tokenizer_svc.errors import InvalidRequest
 
 log = logging.getLogger(__name__)
 
-MAX_N = 8
-# Seeds of the n choices: choice i of a request seeded s samples with
-# s + i * SEED_STRIDE (mod 2^63, never 0, which means "derive one").
-SEED_STRIDE = 0x9E3779B97F4A7C15
+MAX_N = 8  # the service's MAX_CHOICES
 _U63 = (1 << 63) - 1
 
 # ErrorCode -> (HTTP status, OpenAI error type). Retriable codes also get
@@ -99,24 +96,12 @@ def retry_headers(exc: MmsplitError) -> dict[str, str]:
 
 @dataclass(frozen=True)
 class Call:
-    """A parsed request: the contract's request (the first choice's seed),
-    and how to answer."""
+    """A parsed request (the contract's, n included) and how to answer."""
 
     request: tokenizer_pb2.GenerateRequest
     n: int
     stream: bool
     include_usage: bool
-
-    def choice(self, i: int) -> tokenizer_pb2.GenerateRequest:
-        """The request of choice `i`: its own seed, derived from the request's."""
-        if i == 0:
-            return self.request
-        out = tokenizer_pb2.GenerateRequest()
-        out.CopyFrom(self.request)
-        base = self.request.sampling.seed
-        if base:
-            out.sampling.seed = ((base + i * SEED_STRIDE) & _U63) or 1
-        return out
 
 
 def parse_chat(body: Any) -> Call:
@@ -244,6 +229,7 @@ def _finish(body: dict[str, Any], request: tokenizer_pb2.GenerateRequest) -> Cal
     n = _int(body, "n")
     if n is not None and not 1 <= n <= MAX_N:
         raise _invalid(f"n must be within [1, {MAX_N}]", "n")
+    request.n = n or 1
     options = body.get("stream_options")
     include_usage = isinstance(options, dict) and options.get("include_usage", True) is True
     return Call(request, n or 1, body.get("stream") is True, include_usage)

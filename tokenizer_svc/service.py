@@ -35,6 +35,7 @@ from tokenizer_svc.detokenize import IncrementalDecoder, StopMatcher, stream_tex
 from tokenizer_svc.downstream import SchedulerLink, Schedulers
 from tokenizer_svc.errors import (
     InternalError,
+    InvalidRequest,
     Overloaded,
     SchedulerUnavailable,
     ShuttingDown,
@@ -56,6 +57,13 @@ from tokenizer_svc.prompt import Media, PromptBuilder
 from tokenizer_svc.settings import TokenizerSettings
 
 log = logging.getLogger(__name__)
+# Choices one request may ask for (GenerateRequest.n).
+MAX_CHOICES = 8
+# Choice i of a request seeded s samples with s + i * SEED_STRIDE (mod 2^63,
+# never 0, which means "derived from the downstream request id").
+SEED_STRIDE = 0x9E3779B97F4A7C15
+_U63 = (1 << 63) - 1
+
 # A call that ended with one of these before the scheduler accepted it goes
 # to another backend (once).
 FAILOVER_CODES = frozenset({E.ERROR_CODE_SCHEDULER_UNAVAILABLE, E.ERROR_CODE_SHUTTING_DOWN})
@@ -117,9 +125,16 @@ class TokenizerService:
             raise ShuttingDown("this tokenizer is shutting down; retry on another replica")
         if self.inflight >= self.settings.max_inflight:
             raise Overloaded(f"{self.inflight} requests in flight, the limit is {self.settings.max_inflight}")
+        n = request.n or 1
+        if n > MAX_CHOICES:
+            raise InvalidRequest(f"n {n} is over the limit {MAX_CHOICES}", metadata={"param": "n"})
         self.inflight += 1
         try:
-            async for response in self._run_in_own_task(self._generate(request, request_id, timeout_s)):
+            if n == 1:
+                source = self._generate(request, request_id, timeout_s)
+            else:
+                source = self._choices(request, request_id, timeout_s, n)
+            async for response in self._run_in_own_task(source):
                 yield response
         finally:
             self.inflight -= 1
@@ -160,6 +175,40 @@ class TokenizerService:
                 task.cancel()
                 await _settle([task])
             self.tasks.discard(task)
+
+    async def _choices(
+        self, request: tokenizer_pb2.GenerateRequest, rid: str, timeout_s: float | None, n: int
+    ) -> AsyncGenerator[tokenizer_pb2.GenerateResponse, None]:
+        """n independent generations at once, each response tagged with its
+        choice; the first failure ends them all (the others are cancelled
+        and their cleanup awaited) and is raised."""
+        queue: asyncio.Queue[tokenizer_pb2.GenerateResponse | BaseException | None] = asyncio.Queue()
+
+        async def one(i: int) -> None:
+            try:
+                async for response in self._generate(choice_request(request, i), rid, timeout_s):
+                    response.index = i
+                    queue.put_nowait(response)
+            except Exception as exc:  # the request's failure, typed or not: the caller raises it
+                queue.put_nowait(exc)
+            finally:
+                queue.put_nowait(None)
+
+        tasks = [asyncio.create_task(one(i)) for i in range(n)]
+        try:
+            running = n
+            while running:
+                item = await queue.get()
+                if item is None:
+                    running -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await _settle(tasks)
 
     def begin_drain(self) -> None:
         self.draining = True
@@ -632,6 +681,17 @@ class Prepared:
 
     result: ItemResult
     locks: list[shm.Lock | slab.Held]
+
+
+def choice_request(request: tokenizer_pb2.GenerateRequest, i: int) -> tokenizer_pb2.GenerateRequest:
+    """The request of choice `i`: one choice, its own seed (none stays none:
+    each choice then derives one from its own downstream id)."""
+    out = tokenizer_pb2.GenerateRequest()
+    out.CopyFrom(request)
+    out.n = 1
+    if request.sampling.seed and i:
+        out.sampling.seed = ((request.sampling.seed + i * SEED_STRIDE) & _U63) or 1
+    return out
 
 
 def _unlock(prepared: list[Prepared]) -> None:

@@ -127,3 +127,32 @@ def test_the_cli_sends_a_conversation_with_the_image_in_the_last_user_turn(
     assert same.ok, same
     assert ids == same.token_ids, (family, events)
     assert events[-1]["finished"]["completion_tokens"] == len(ids)
+
+
+def test_n_choices_over_grpc_are_tagged_seeded_and_each_finished(chat_pair: tuple[str, Pair]) -> None:
+    """GenerateRequest.n: every response names its choice, each choice has
+    its own Finished, greedy choices agree, seeded sampled ones repeat."""
+    family, pair = chat_pair
+    with grpc.insecure_channel(pair.tokenizer_address) as channel:
+        stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
+
+        def texts(request: tokenizer_pb2.GenerateRequest) -> dict[int, str]:
+            out: dict[int, str] = {}
+            finished: list[int] = []
+            for event in stub.Generate(request, timeout=60):
+                if event.HasField("delta"):
+                    out[event.index] = out.get(event.index, "") + event.delta.text
+                elif event.HasField("finished"):
+                    finished.append(event.index)
+            assert sorted(finished) == list(range(request.n)), (family, finished)
+            return out
+
+        greedy = build_request(messages=[("user", "Hi there.")], max_tokens=4)
+        greedy.n = 3
+        assert len(set(texts(greedy).values())) == 1, family
+        sampled = build_request(messages=[("user", "Hi there.")], max_tokens=6, temperature=1.0, seed=9)
+        sampled.n = 2
+        assert texts(sampled) == texts(sampled), family
+        sampled.n = 9
+        out = run_request(stub, sampled, timeout=30)
+    assert (out.reason, out.metadata.get("param")) == ("INVALID_REQUEST", "n")

@@ -63,11 +63,15 @@ def test_sampling_fields_map_and_max_tokens_takes_the_smaller() -> None:
     assert (s.max_tokens, s.temperature, round(s.top_p, 3), s.top_k, s.seed) == (20, 0.5, 0.9, 0, 7)
     assert (list(s.stop), list(s.stop_token_ids), s.min_tokens) == (["END"], [2], 3)
     assert (call.n, call.stream, call.include_usage) == (3, True, True)
-    seeds = [call.choice(i).sampling.seed for i in range(3)]
+    assert call.request.n == 3
+    from tokenizer_svc.service import choice_request
+
+    seeds = [choice_request(call.request, i).sampling.seed for i in range(3)]
     assert seeds[0] == 7
     assert len(set(seeds)) == 3
     assert all(0 < x < 2**63 for x in seeds)
-    assert call.choice(1).messages == call.request.messages
+    assert choice_request(call.request, 1).messages == call.request.messages
+    assert choice_request(call.request, 1).n == 1
 
 
 @pytest.mark.parametrize(
