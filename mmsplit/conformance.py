@@ -1,7 +1,7 @@
 """The contract's conformance kit: what a server implementing our protos must
 do that a `.proto` cannot say.
 
-    mmsplit conformance --tokenizer HOST:PORT [--scheduler HOST:PORT]
+    mmsplit conformance --tokenizer HOST:PORT [--scheduler HOST:PORT] [--http http://HOST:PORT/v1]
 
 It speaks only the protos (the generated stubs, `grpc.health.v1` and server
 reflection) and the error table of DESIGN.md §4 (`mmsplit.errors.TABLE`); it
@@ -24,6 +24,7 @@ What it checks, per service:
   deadline passes, the scheduler's running + queued requests come back to
   what they were (read through GetServerInfo) within a bound.
 - unknown fields in a request are tolerated (proto3 forward compatibility).
+- with --http, the OpenAI-compatible API (`mmsplit.conformance_http`).
 
 Run it against an otherwise idle server: the propagation checks compare the
 scheduler's request counts before and after.
@@ -584,6 +585,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-cert", default="", help="PEM client certificate, when the servers require one")
     p.add_argument("--tls-key", default="", help="PEM private key of --tls-cert")
     p.add_argument("--scheduler-token-file", default="", help="file holding the token the scheduler requires")
+    p.add_argument(
+        "--http", default="", help="base URL of the OpenAI-compatible API (http://HOST:PORT/v1) to check too"
+    )
+    p.add_argument("--api-key-file", default="", help="file holding the HTTP API's key, when it requires one")
 
 
 def run_command(args: argparse.Namespace) -> int:
@@ -608,5 +613,10 @@ def run_command(args: argparse.Namespace) -> int:
         results = kit.all()
     finally:
         kit.close()
+    if args.http:
+        from mmsplit.conformance_http import HttpKit
+
+        key = read_secret(args.api_key_file) if args.api_key_file else ""
+        results += HttpKit(args.http, key, args.timeout).all()
     print(table(results))
     return 1 if any(r.verdict == "FAIL" for r in results) else 0

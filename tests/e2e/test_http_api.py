@@ -380,3 +380,37 @@ def test_logprobs_are_the_model_s_log_softmax_and_the_same_over_http(api: Api) -
     )
     entries = [e for c in streamed if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content or []]
     assert [e.logprob for e in entries] == pytest.approx([lp.logprob for lp in got], abs=1e-6)
+
+
+def test_the_conformance_kit_passes_our_http_api_and_fails_a_broken_one(api: Api, tmp_path: Path) -> None:
+    import http.server
+    import threading
+
+    from mmsplit.conformance_http import HttpKit
+
+    ours = HttpKit(api.url, KEY).all()
+    assert {r.name: r.verdict for r in ours} == dict.fromkeys((r.name for r in ours), "PASS"), ours
+    assert len(ours) == 7
+
+    class Broken(http.server.BaseHTTPRequestHandler):
+        def _plain(self) -> None:
+            self.send_response(500)
+            self.send_header("Content-Type", "text/plain")
+            self.end_headers()
+            self.wfile.write(b"Internal Server Error")
+
+        do_GET = do_POST = _plain  # noqa: N815
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Broken)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        theirs = HttpKit(f"http://127.0.0.1:{server.server_address[1]}/v1", timeout_s=10).all()
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(10)
+    assert {r.verdict for r in theirs} == {"FAIL"}, theirs

@@ -1,0 +1,143 @@
+"""The conformance kit's checks of an OpenAI-compatible HTTP API
+(`mmsplit conformance ... --http http://HOST:PORT/v1`), stdlib only.
+
+- health: GET /health (beside /v1) is 200;
+- models: GET /v1/models lists the model, in OpenAI's list shape;
+- chat: a completion has an assistant message, a finish reason and usage
+  that adds up;
+- stream: server-sent events with the assistant's role first, exactly one
+  finish reason, the usage chunk (choices []) when asked, `[DONE]` last;
+- error shape: a bad parameter is 400 with {"error": {message, type, param,
+  code}}, code INVALID_REQUEST, param naming it, x-should-retry false;
+- unknown model 404, malformed JSON 400, each in the same shape.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from typing import Any
+
+from mmsplit.conformance import Failed, Result, expect
+
+
+class HttpKit:
+    def __init__(self, base: str, api_key: str = "", timeout_s: float = 60.0) -> None:
+        self.base = base.rstrip("/")
+        self.root = self.base.removesuffix("/v1")
+        self.api_key = api_key
+        self.timeout_s = timeout_s
+        self.model = ""
+
+    def all(self) -> list[Result]:
+        checks: list[tuple[str, Callable[[], str | None]]] = [
+            ("http.health", self.health),
+            ("http.models", self.models),
+            ("http.chat", self.chat),
+            ("http.stream", self.stream),
+            ("http.error_shape", self.error_shape),
+            ("http.unknown_model", self.unknown_model),
+            ("http.malformed_json", self.malformed_json),
+        ]
+        results = []
+        for name, check in checks:
+            try:
+                results.append(Result(name, "PASS", check() or ""))
+            except Failed as exc:
+                results.append(Result(name, "FAIL", str(exc)))
+            except Exception as exc:  # a check that broke is a failed check
+                results.append(Result(name, "FAIL", f"{type(exc).__name__}: {exc}"))
+        return results
+
+    # ---- HTTP ----
+
+    def _call(self, method: str, url: str, body: bytes | None = None) -> tuple[int, dict[str, str], bytes]:
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        request = urllib.request.Request(url, data=body, headers=headers, method=method)
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as reply:
+                return reply.status, dict(reply.headers), reply.read()
+        except urllib.error.HTTPError as exc:
+            return exc.code, dict(exc.headers), exc.read()
+
+    def _post(self, path: str, body: dict[str, Any]) -> tuple[int, dict[str, str], bytes]:
+        return self._call("POST", self.base + path, json.dumps(body).encode())
+
+    def _chat_body(self, **extra: Any) -> dict[str, Any]:
+        return {"model": self.model, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 4, **extra}
+
+    # ---- checks ----
+
+    def health(self) -> str:
+        status, _, _ = self._call("GET", self.root + "/health")
+        expect(status == 200, f"GET /health is {status}, expected 200 on a ready server")
+        return "200"
+
+    def models(self) -> str:
+        status, _, raw = self._call("GET", self.base + "/models")
+        expect(status == 200, f"GET /v1/models is {status}")
+        body = json.loads(raw)
+        expect(body.get("object") == "list" and body.get("data"), f"not a list of models: {body}")
+        self.model = body["data"][0].get("id", "")
+        expect(bool(self.model) and body["data"][0].get("object") == "model", f"not a model card: {body['data'][0]}")
+        return self.model
+
+    def chat(self) -> str:
+        status, _, raw = self._post("/chat/completions", self._chat_body())
+        expect(status == 200, f"status {status}: {raw[:200]!r}")
+        body = json.loads(raw)
+        choice = body["choices"][0]
+        expect(choice["message"]["role"] == "assistant", f"message role {choice['message'].get('role')!r}")
+        expect(isinstance(choice["message"]["content"], str), "message content is not a string")
+        expect(choice["finish_reason"] in ("stop", "length"), f"finish_reason {choice['finish_reason']!r}")
+        usage = body["usage"]
+        expect(usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"], f"usage {usage}")
+        return f"{usage['completion_tokens']} tokens"
+
+    def stream(self) -> str:
+        body = self._chat_body(stream=True, stream_options={"include_usage": True})
+        status, headers, raw = self._post("/chat/completions", body)
+        expect(status == 200, f"status {status}")
+        kind = {k.lower(): v for k, v in headers.items()}.get("content-type", "")
+        expect(kind.startswith("text/event-stream"), f"content type {kind!r}")
+        data = [line[6:] for line in raw.decode().splitlines() if line.startswith("data: ")]
+        expect(bool(data) and data[-1] == "[DONE]", "the stream does not end with data: [DONE]")
+        chunks = [json.loads(d) for d in data[:-1]]
+        expect(all("error" not in c for c in chunks), "an error event in a good stream")
+        expect(chunks[0]["choices"][0]["delta"].get("role") == "assistant", "the first chunk is not the role")
+        finishes = [
+            c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]
+        ]
+        expect(len(finishes) == 1, f"{len(finishes)} chunks with a finish reason, expected 1")
+        expect(chunks[-1]["choices"] == [] and "usage" in chunks[-1], "no usage chunk (choices []) before [DONE]")
+        return f"{len(chunks)} chunks"
+
+    def _error(self, status: int, raw: bytes, headers: dict[str, str], want: int, code: str) -> dict[str, Any]:
+        expect(status == want, f"status {status}, expected {want}")
+        error = json.loads(raw).get("error")
+        expect(isinstance(error, dict), f"no error object: {raw[:200]!r}")
+        expect({"message", "type", "param", "code"} <= set(error), f"error lacks fields: {error}")
+        expect(error["code"] == code, f"code {error['code']!r}, expected {code!r}")
+        retry = {k.lower(): v for k, v in headers.items()}.get("x-should-retry")
+        expect(retry == "false", f"x-should-retry {retry!r}, expected 'false'")
+        return error
+
+    def error_shape(self) -> str:
+        status, headers, raw = self._post("/chat/completions", self._chat_body(temperature=-1))
+        error = self._error(status, raw, headers, 400, "INVALID_REQUEST")
+        expect(error["param"] == "temperature", f"param {error['param']!r}, expected 'temperature'")
+        return error["message"][:60]
+
+    def unknown_model(self) -> str:
+        status, headers, raw = self._post("/chat/completions", {**self._chat_body(), "model": "no-such-model-here"})
+        self._error(status, raw, headers, 404, "NOT_FOUND")
+        return "404"
+
+    def malformed_json(self) -> str:
+        status, headers, raw = self._call("POST", self.base + "/chat/completions", b"{not json")
+        self._error(status, raw, headers, 400, "INVALID_REQUEST")
+        return "400"
