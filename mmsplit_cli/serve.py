@@ -31,6 +31,7 @@ from pathlib import Path
 from types import FrameType
 
 from mmsplit_cli.launch import SCHEDULER_SERVICE, TOKENIZER_SERVICE, ServiceProcess
+from mmsplit_cli.startup import first_problem
 
 START_TIMEOUT_S = 600.0  # a real checkpoint can take minutes to load
 
@@ -116,27 +117,10 @@ def serve_command(args: argparse.Namespace) -> int:
 
 
 def _precheck(args: argparse.Namespace) -> str:
-    model: Path = args.model
-    if not model.is_dir():
-        return f"--model {model}: no such directory (give a local checkpoint directory)"
-    if not (model / "config.json").is_file():
-        return f"--model {model}: not a model directory (it has no config.json)"
     if args.tp < 1:
         return "--tp must be at least 1"
-    for flag, port in (("--port", args.port), ("--http-port", args.http_port)):
-        if port and not _free(args.host, port):
-            return f"{flag} {port}: {args.host}:{port} is in use (stop what holds it, or pick another port)"
-    return ""
-
-
-def _free(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
+    ports = [(args.host, args.port, "--port"), (args.host, args.http_port, "--http-port")]
+    return first_problem(args.model, ports)
 
 
 def _free_loopback_port() -> int:

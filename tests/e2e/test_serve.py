@@ -89,7 +89,8 @@ def test_a_port_in_use_or_a_missing_model_is_one_line_before_anything_starts(
         _, err = done.communicate(timeout=60)
     assert done.returncode == 2
     assert err.strip().splitlines() == [
-        f"mmsplit serve: --http-port {port}: 127.0.0.1:{port} is in use (stop what holds it, or pick another port)"
+        f"mmsplit serve: --http-port {port}: 127.0.0.1:{port} cannot be bound (Address already in use): "
+        "stop what holds it, or pick another"
     ]
     missing = _serve(["--model", str(tmp_path / "nope")])
     _, err = missing.communicate(timeout=60)

@@ -1,0 +1,69 @@
+"""Start-up checks made before anything heavy is imported or loaded (torch,
+transformers, the weights): each problem is one line that names the setting
+and says what to do, and the service exits 2 without a traceback.
+
+- `--model` is a local directory holding a config.json of a supported
+  family; a Hugging Face Hub id is refused with how to download it (the
+  services load local checkpoints only: no hub access is assumed);
+- the ports the service will bind are free (found before minutes of loading,
+  not after).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+from pathlib import Path
+
+from mmsplit import families
+
+# owner/name, as the Hub spells a repository: not a path anyone would mean.
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def model_problem(model: Path) -> str:
+    """What is wrong with `--model` (empty when nothing is)."""
+    text = str(model)
+    if not model.exists():
+        if _HUB_ID.match(text):
+            return (
+                f"--model {text}: no such directory; it looks like a Hugging Face Hub id, and mmsplit loads local "
+                f"checkpoints only: download it first (huggingface-cli download {text} --local-dir DIR) and give DIR"
+            )
+        return f"--model {text}: no such directory (give a local checkpoint directory)"
+    if not model.is_dir():
+        return f"--model {text}: not a directory (give a local checkpoint directory)"
+    config = model / "config.json"
+    if not config.is_file():
+        return f"--model {text}: not a model directory (it has no config.json)"
+    try:
+        model_type = json.loads(config.read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError) as exc:
+        return f"--model {text}: its config.json cannot be read: {exc}"
+    supported = families.supported()
+    if model_type not in supported:
+        return (
+            f"--model {text}: model type {model_type!r} is not supported; mmsplit serves "
+            f"{', '.join(sorted(supported))} (multimodal models with an image encoder)"
+        )
+    return ""
+
+
+def port_problem(host: str, port: int, flag: str) -> str:
+    """Whether `host:port` can be bound now (empty when it can, or port 0)."""
+    if not port:
+        return ""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            return f"{flag} {port}: {host}:{port} cannot be bound ({exc.strerror}): stop what holds it, or pick another"
+    return ""
+
+
+def first_problem(model: Path, ports: list[tuple[str, int, str]]) -> str:
+    """The first problem of the model directory and the (host, port, flag) ports."""
+    return model_problem(model) or next((p for h, port, f in ports if (p := port_problem(h, port, f))), "")

@@ -1,0 +1,83 @@
+"""Start-up mistakes as a user makes them: each is one line on stderr naming
+the problem, exit status 2, no traceback, and nothing loaded (the services
+are started as new interpreters here, as a user starts them, and end in a
+few seconds)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.support.services import ENV, ROOT
+
+pytestmark = pytest.mark.e2e
+
+
+def start(service: str, model: str, *extra: str) -> tuple[int, list[str], float]:
+    began = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "mmsplit_cli", service, "--model", model, *extra],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, **ENV},
+        check=False,
+    )
+    return done.returncode, done.stderr.strip().splitlines(), time.monotonic() - began
+
+
+@pytest.fixture(scope="module")
+def not_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("not-models")
+    empty = root / "empty"
+    empty.mkdir()
+    text_only = root / "text-only"
+    text_only.mkdir()
+    (text_only / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
+    return {"empty": empty, "text-only": text_only, "missing": root / "nope"}
+
+
+SERVICES = {
+    "scheduler": ["--tp", "1", "--port", "0"],
+    "tokenizer": ["--port", "0", "--http-port", "0", "--scheduler", "127.0.0.1:9"],
+}
+
+
+@pytest.mark.parametrize("service", list(SERVICES))
+def test_model_mistakes_are_one_line_before_anything_loads(service: str, not_models: dict[str, Path]) -> None:
+    cases = {
+        str(not_models["missing"]): "no such directory (give a local checkpoint directory)",
+        "llava-hf/llava-1.5-7b-hf": "looks like a Hugging Face Hub id",
+        str(not_models["empty"]): "not a model directory (it has no config.json)",
+        str(not_models["text-only"]): "model type 'llama' is not supported",
+    }
+    for model, says in cases.items():
+        code, lines, took = start(service, model, *SERVICES[service])
+        assert code == 2, (service, model, lines)
+        assert len(lines) == 1, (service, model, lines)
+        assert lines[0].startswith(f"mmsplit {service}: --model {model}: "), lines
+        assert says in lines[0], lines
+        assert took < 30, f"{service} took {took:.1f}s to refuse {model}: it loaded something"
+
+
+@pytest.mark.parametrize("service", list(SERVICES))
+def test_a_port_in_use_is_one_line_before_the_model_loads(service: str, chat_models: Callable[[str], Path]) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, lines, _ = start(service, str(chat_models("llava")), *SERVICES[service], "--port", str(port))
+    assert code == 2, lines
+    assert lines == [
+        f"mmsplit {service}: --port {port}: 127.0.0.1:{port} cannot be bound (Address already in use): "
+        "stop what holds it, or pick another"
+    ]
