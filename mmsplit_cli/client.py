@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -106,8 +107,12 @@ def generate_command(args: argparse.Namespace) -> int:
         server_name=args.tls_server_name,
         retries=args.retries,
     )
-    images = [Path(p).read_bytes() for p in args.image]
-    videos = [Path(p).read_bytes() for p in args.video]
+    try:
+        images = [_medium(p) for p in args.image]
+        videos = [_medium(p) for p in args.video]
+    except OSError as exc:
+        print(f"mmsplit generate: {exc.filename}: {exc.strerror}", file=sys.stderr)
+        return 2
     messages = conversation(args.turns, images, videos)
     with client:
         try:
@@ -127,13 +132,17 @@ def generate_command(args: argparse.Namespace) -> int:
                 stop_token_ids=args.stop_token_id,
                 timeout=args.timeout,
             )
-            for event in events:
-                if args.json:
-                    print(json.dumps(_event_json(event)), flush=True)
-                else:
-                    print(event.text, end="", flush=True)
-            if not args.json:
-                print()
+            try:
+                for event in events:
+                    if args.json:
+                        print(json.dumps(_event_json(event)), flush=True)
+                    else:
+                        print(event.text, end="", flush=True)
+                if not args.json:
+                    print()
+            except BrokenPipeError:  # `| head` has read what it wanted: not an error
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+                return 0
         except RequestFailed as exc:
             error = {"code": exc.grpc_code, "reason": exc.reason, "message": exc.message, "retriable": exc.retriable}
             if args.json:
@@ -144,7 +153,14 @@ def generate_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def conversation(turns: list[tuple[str, str]], images: list[bytes], videos: list[bytes]) -> list[Message]:
+def _medium(given: str) -> bytes | str:
+    """A file's bytes, or a URL as it is (the server fetches it)."""
+    if given.startswith(("http://", "https://", "data:")):
+        return given
+    return Path(given).read_bytes()
+
+
+def conversation(turns: list[tuple[str, str]], images: list[bytes | str], videos: list[bytes | str]) -> list[Message]:
     """`--system`/`--user`/`--assistant` turns in the order given; the
     `--image` and `--video` files go to the last user turn, before its text."""
     messages: list[Message] = [(role, text) for role, text in turns]
@@ -152,7 +168,8 @@ def conversation(turns: list[tuple[str, str]], images: list[bytes], videos: list
         return []
     last_user = max((i for i, (role, _) in enumerate(turns) if role == "user"), default=None)
     if last_user is None:
-        raise SystemExit("mmsplit generate: a conversation needs at least one --user turn")
+        print("mmsplit generate: a conversation needs at least one --user turn", file=sys.stderr)
+        raise SystemExit(2)
     parts: list[str | ImagePart | VideoPart] = [ImagePart(b) for b in images]
     parts += [VideoPart(b) for b in videos]
     messages[last_user] = ("user", [*parts, turns[last_user][1]])

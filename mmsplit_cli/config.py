@@ -35,7 +35,30 @@ def _parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"not a boolean: {text!r}")
 
 
-def _parser_for(kind: object) -> Callable[[str], Any]:
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+    "ki": 1024, "kib": 1024, "mi": 1024**2, "mib": 1024**2, "gi": 1024**3, "gib": 1024**3,
+}  # fmt: skip
+
+
+def _parse_size(text: str) -> int:
+    """Bytes: a whole number, or one with a unit (4GiB, 256MiB, 64k, 1.5GB)."""
+    raw = text.strip().replace("_", "")
+    number = raw.rstrip("bBiIkKmMgG ")
+    unit = raw[len(number) :].strip().lower()
+    try:
+        value = float(number) * _UNITS[unit]
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (bytes, or with a unit: 256MiB, 4GiB, 64k)") from None
+    if value != int(value):
+        raise argparse.ArgumentTypeError(f"not a whole number of bytes: {text!r}")
+    return int(value)
+
+
+def _parser_for(kind: object, name: str = "") -> Callable[[str], Any]:
+    if kind is int and name.endswith("_bytes"):
+        return _parse_size
     parsers: dict[object, Callable[[str], Any]] = {bool: _parse_bool, int: int, float: float, Path: Path}
     return parsers.get(kind, str)
 
@@ -54,8 +77,15 @@ def add_settings_arguments(parser: argparse.ArgumentParser, cls: type, command: 
         required = f.default is dataclasses.MISSING
         default = "(required)" if required else repr(f.default)
         help_text = f"{f.metadata.get('help', '')} [env {own} or {shared}; default {default}]"
+        if kind is bool:
+            # A switch (--insecure), which also takes a value (--insecure false), as older manifests say it.
+            parser.add_argument(
+                flag, dest=f.name, type=_parse_bool, nargs="?", const=True, default=None, help=help_text,
+                metavar="BOOL",
+            )  # fmt: skip
+            continue
         parser.add_argument(
-            flag, dest=f.name, type=_parser_for(kind), default=None, help=help_text, metavar=f.name.upper()
+            flag, dest=f.name, type=_parser_for(kind, f.name), default=None, help=help_text, metavar=f.name.upper()
         )
 
 
@@ -72,7 +102,7 @@ def settings_from(args: argparse.Namespace, cls: type[S], command: str, env: Map
                     kind = hints[f.name]
                     raw = env[name]
                     try:
-                        value = _parser_for(kind)(raw)
+                        value = _parser_for(kind, f.name)(raw)
                     except (ValueError, argparse.ArgumentTypeError) as exc:
                         raise SystemExit(f"mmsplit: {name}={raw!r}: {exc}") from exc
                     break

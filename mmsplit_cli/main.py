@@ -28,6 +28,11 @@ def _scheduler(args: argparse.Namespace) -> NoReturn:
     from scheduler_svc.settings import SchedulerSettings
 
     settings = settings_from(args, SchedulerSettings, "scheduler")
+    # Before any heavy import or the weights: a wrong directory or a taken
+    # port is one line now, not a traceback minutes from now. (Ranks other
+    # than 0 of an env-launched group bind nothing.)
+    ports = [(settings.host, settings.port, "--port")] if settings.launch == "local" else []
+    _refuse_start("scheduler", settings.model_dir, ports)
     setup_logging(settings.log_level, settings.log_format)
     # Ranks 1..N-1 that must be spawned (CUDA) import torch and transformers
     # while this process does the same (below), instead of after: ~2.5 s
@@ -49,6 +54,11 @@ def _tokenizer(args: argparse.Namespace) -> NoReturn:
     from tokenizer_svc.settings import TokenizerSettings
 
     settings = settings_from(args, TokenizerSettings, "tokenizer")
+    _refuse_start(
+        "tokenizer",
+        settings.model_dir,
+        [(settings.host, settings.port, "--port"), (settings.host, settings.http_port, "--http-port")],
+    )
     setup_logging(settings.log_level, settings.log_format)
     # The CPU pool's forkserver is a fork of this process once its imports
     # are done and before any thread starts: it imports nothing itself.
@@ -58,6 +68,26 @@ def _tokenizer(args: argparse.Namespace) -> NoReturn:
 
     forkserver.start_forked()
     exit_now(run(settings))  # as the scheduler
+
+
+def _refuse_start(service: str, model: Path, ports: list[tuple[str, int, str]]) -> None:
+    from mmsplit_cli.startup import first_problem
+
+    problem = first_problem(model, ports)
+    if problem:
+        print(f"mmsplit {service}: {problem}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def _count(text: str) -> int:
+    """A whole number, 0 or more (argparse says which flag otherwise)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative")
+    return value
 
 
 class _Turn(argparse.Action):
@@ -74,7 +104,8 @@ def _generate(args: argparse.Namespace) -> int:
     from mmsplit_cli.client import generate_command
 
     if bool(args.prompt) == bool(args.turns):
-        raise SystemExit("mmsplit generate: give a prompt or a conversation (--user, ...), one of the two")
+        print("mmsplit generate: give a prompt or a conversation (--user, ...), one of the two", file=sys.stderr)
+        return 2
     return generate_command(args)
 
 
@@ -118,6 +149,9 @@ def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(
         prog="mmsplit", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    from mmsplit import __version__
+
+    top.add_argument("--version", action="version", version=f"mmsplit {__version__}")
     sub = top.add_subparsers(dest="command", required=True)
 
     from mmsplit_cli.serve import add_arguments as add_serve_arguments
@@ -138,18 +172,18 @@ def parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="send one request to a tokenizer service and print the stream")
     p.add_argument("--server", default="127.0.0.1:50052", help="tokenizer address HOST:PORT")
-    p.add_argument("--image", action="append", default=[], type=Path, help="image file, sent as inline bytes")
     p.add_argument(
-        "--video", action="append", default=[], type=Path, help="video file, sent as inline bytes (Qwen-VL models)"
+        "--image", action="append", default=[], help="image file (sent as inline bytes) or URL (http(s):, data:)"
     )
-    p.add_argument("--max-tokens", type=int, default=0, help="0 = the server's default")
+    p.add_argument("--video", action="append", default=[], help="video file or URL, as --image (Qwen-VL models)")
+    p.add_argument("--max-tokens", type=_count, default=0, help="0 = the server's default")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy, else within [0.001, 100]")
-    p.add_argument("--seed", type=int, default=0, help="0 = derived from the request id")
+    p.add_argument("--seed", type=_count, default=0, help="0 = derived from the request id")
     p.add_argument("--top-p", type=float, default=None, help="nucleus sampling, within (0, 1]; default off")
-    p.add_argument("--top-k", type=int, default=0, help="0 = off")
-    p.add_argument("--min-tokens", type=int, default=0, help="no end-of-sequence or stop token before this many")
+    p.add_argument("--top-k", type=_count, default=0, help="0 = off")
+    p.add_argument("--min-tokens", type=_count, default=0, help="no end-of-sequence or stop token before this many")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--stop-token-id", action="append", default=[], type=int, help="stop token id (repeatable)")
+    p.add_argument("--stop-token-id", action="append", default=[], type=_count, help="stop token id (repeatable)")
     p.add_argument("--request-id", default="")
     p.add_argument("--timeout", type=float, default=120.0, help="deadline of the call, seconds")
     p.add_argument(

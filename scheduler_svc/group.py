@@ -14,11 +14,13 @@ has started.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
 import os
+import signal
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -28,6 +30,10 @@ from mmsplit.serving import exit_now, free_port, name_process
 from scheduler_svc.settings import SchedulerSettings
 
 log = logging.getLogger(__name__)
+
+# What rank 0 sends a local rank it wants gone (its default action ends the
+# process); SIGINT and SIGTERM are ignored there.
+LEAVE_SIGNAL = signal.SIGUSR1
 
 
 @dataclass(frozen=True)
@@ -46,6 +52,13 @@ def _follower(settings: SchedulerSettings, rendezvous: Rendezvous) -> None:
     the group was forming, say) nothing else would end it before its
     rendezvous timed out."""
     name_process(f"mmsplit-rank{rendezvous.rank}".encode())
+    # A terminal's Ctrl-C and a stop of the whole process group reach every
+    # rank; the stop is rank 0's to run (it drains, then tells the ranks in
+    # the plan). A rank that died of the signal instead would take the group
+    # down with an error. Rank 0 asks a laggard to go with LEAVE_SIGNAL.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(LEAVE_SIGNAL, signal.SIG_DFL)
     parent = mp.parent_process()
     if parent is not None:
         threading.Thread(target=_exit_when_gone, args=(parent.sentinel,), name="rank-0-watch", daemon=True).start()
@@ -115,14 +128,16 @@ class LocalRanks:
         return all(not p.is_alive() for p in self.procs)
 
     def terminate(self, grace_s: float = 3.0) -> None:
-        """TERM, then KILL what is still alive after `grace_s`."""
+        """LEAVE_SIGNAL (ranks ignore SIGTERM: see `_follower`), then KILL
+        what is still alive after `grace_s`."""
         for p in self.procs:
-            if p.is_alive():
-                p.terminate()
+            if p.is_alive() and p.pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, LEAVE_SIGNAL)
         for p in self.procs:
             p.join(grace_s)
             if p.is_alive():
-                log.warning("rank process %s ignored SIGTERM; killing it", p.pid)
+                log.warning("rank process %s did not leave when asked; killing it", p.pid)
                 p.kill()
                 p.join(grace_s)
 

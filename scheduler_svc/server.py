@@ -326,8 +326,27 @@ async def _serve(
     aio_loop = asyncio.get_running_loop()
     fatal = asyncio.Event()
     stop = asyncio.Event()
+
+    def on_signal(sig: signal.Signals) -> None:
+        if not stop.is_set():
+            log.info(
+                "%s: stopping; running requests get up to %.1fs (Ctrl-C again to stop at once)",
+                sig.name,
+                settings.shutdown_grace_s,
+            )
+            stop.set()
+            return
+        if sig != signal.SIGINT:  # an orchestrator resending TERM: the drain goes on
+            log.info("%s again: still stopping", sig.name)
+            return
+        log.warning("%s again: stopping at once", sig.name)
+        if ranks is not None:
+            ranks.stopping = True
+            ranks.terminate(grace_s=1.0)
+        exit_now(1)
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        aio_loop.add_signal_handler(sig, stop.set)
+        aio_loop.add_signal_handler(sig, on_signal, sig)
 
     # Loading the tokenizer for it takes a moment: meanwhile the step loop starts.
     vocab = asyncio.ensure_future(asyncio.to_thread(pairing.vocabulary, settings.model_dir))

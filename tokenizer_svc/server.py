@@ -31,6 +31,7 @@ from mmsplit.serving import (
     Health,
     RequestSummary,
     ServerSecurity,
+    exit_now,
     health_server,
     new_server,
     read_secret,
@@ -263,8 +264,24 @@ def chat_template(choice: str, model_dir: Path, tokenizer: Any) -> str | None:
 async def _serve(settings: TokenizerSettings, security: ServerSecurity, downstream: ClientSecurity) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
+
+    def on_signal(sig: signal.Signals) -> None:
+        if not stop.is_set():
+            log.info(
+                "%s: stopping; running requests get up to %.1fs (Ctrl-C again to stop at once)",
+                sig.name,
+                settings.shutdown_grace_s,
+            )
+            stop.set()
+            return
+        if sig != signal.SIGINT:  # an orchestrator resending TERM: the drain goes on
+            log.info("%s again: still stopping", sig.name)
+            return
+        log.warning("%s again: stopping at once", sig.name)
+        exit_now(1)
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal, sig)
 
     await asyncio.to_thread(shm.sweep, settings.shm_prefix, grace_s=settings.segment_grace_s)
     health = Health(SERVICE_NAME)

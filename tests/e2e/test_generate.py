@@ -255,3 +255,40 @@ def test_each_finished_request_is_one_json_log_line_with_its_outcome(services: S
     # The scheduler (text logs here) has its own line for the request it ran.
     scheduler_log = services.scheduler.log_path  # type: ignore[attr-defined]
     assert wait_until(lambda: f".{ok_id} finished: OK, " in scheduler_log.read_text(), timeout=10)
+
+
+def test_the_cli_takes_an_image_url_and_a_closed_pipe_is_no_error(services: Services) -> None:
+    """`mmsplit generate --image data:... --json | head -1`: the same tokens
+    as the image sent as bytes, and the reader leaving early ends the
+    command quietly (exit 0, nothing on stderr)."""
+    import base64
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    image = samples.encode(samples.gradient(64, 48, seed=21), "PNG")  # small: one argument holds at most 128 KiB
+    url = "data:image/png;base64," + base64.b64encode(image).decode()
+    argv = [sys.executable, "-m", "mmsplit_cli", "generate", "--server", services.tokenizer_address]
+    done = subprocess.run(
+        [*argv, "--image", url, "--max-tokens", "5", "--json", "Look."],
+        capture_output=True, text=True, timeout=120, cwd=ROOT, check=True,
+    )  # fmt: skip
+    ids = [t for line in done.stdout.splitlines() for t in json.loads(line).get("token_ids", [])]
+    with grpc.insecure_channel(services.tokenizer_address) as channel:
+        same = run_request(
+            tokenizer_pb2_grpc.TokenizerServiceStub(channel), make_request("Look.", [image], max_tokens=5)
+        )
+    assert ids == same.token_ids
+
+    proc = subprocess.Popen(
+        [*argv, "--max-tokens", "200", "--min-tokens", "200", "--json", "Go on."],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    assert proc.stdout.readline()
+    proc.stdout.close()  # as `head -1` does
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert err == "", err

@@ -1,0 +1,62 @@
+"""The CLI as a person types it: mistakes are one message and a non-zero
+exit, never a traceback; switches, sizes with units and --version work."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mmsplit import __version__
+from mmsplit_cli.config import add_settings_arguments, settings_from
+from mmsplit_cli.main import parser
+from scheduler_svc.settings import SchedulerSettings
+from tests.support.services import ROOT
+from tokenizer_svc.settings import TokenizerSettings
+
+
+def run(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "mmsplit_cli", *argv], capture_output=True, text=True, timeout=120, cwd=ROOT, check=False
+    )
+
+
+def test_version_and_user_mistakes_in_generate(tmp_path: Path) -> None:
+    done = run("--version")
+    assert (done.returncode, done.stdout.strip()) == (0, f"mmsplit {__version__}")
+    cases = {
+        ("generate", "--max-tokens", "-5", "hi"): "argument --max-tokens: -5 is negative",
+        ("generate", "--top-k", "lots", "hi"): "argument --top-k: 'lots' is not a whole number",
+        ("generate", "--image", str(tmp_path / "missing.png"), "hi"): f"{tmp_path / 'missing.png'}: No such file",
+        ("generate",): "give a prompt or a conversation",
+        ("generate", "--user", "hi", "a prompt too"): "give a prompt or a conversation",
+        ("generate", "--system", "only a system turn"): "needs at least one --user turn",
+    }
+    for argv, says in cases.items():
+        done = run(*argv, "--server", "127.0.0.1:9")
+        assert done.returncode == 2, (argv, done.stderr)
+        assert says in done.stderr, (argv, done.stderr)
+        assert "Traceback" not in done.stderr, (argv, done.stderr)
+
+
+def _settings(cls: type, command: str, *argv: str) -> object:
+    p = argparse.ArgumentParser()
+    add_settings_arguments(p, cls, command)
+    return settings_from(p.parse_args(["--model", "m", *argv]), cls, command, env={})
+
+
+def test_boolean_settings_are_switches_and_sizes_take_units() -> None:
+    assert _settings(SchedulerSettings, "scheduler", "--insecure").insecure is True  # type: ignore[attr-defined]
+    assert _settings(SchedulerSettings, "scheduler", "--insecure", "false").insecure is False  # type: ignore[attr-defined]
+    tok = _settings(TokenizerSettings, "tokenizer", "--shm-slab-bytes", "256MiB", "--max-image-bytes", "4GiB")
+    assert (tok.shm_slab_bytes, tok.max_image_bytes) == (256 * 2**20, 4 * 2**30)  # type: ignore[attr-defined]
+    with pytest.raises(SystemExit):
+        _settings(TokenizerSettings, "tokenizer", "--shm-slab-bytes", "lots")
+
+
+def test_conversation_flags_keep_their_order() -> None:
+    args = parser().parse_args(["generate", "--system", "s", "--user", "u1", "--assistant", "a", "--user", "u2"])
+    assert args.turns == [("system", "s"), ("user", "u1"), ("assistant", "a"), ("user", "u2")]
