@@ -229,10 +229,14 @@ class RequestSummary:
         self.outcome = "CANCELLED"  # unless the stream ends or fails
         self.finish_reason = ""
         self.prompt_tokens = self.completion_tokens = 0
+        # Tokens streamed so far: what a request that did not finish (cut,
+        # failed) reports as its completion tokens.
+        self.streamed = 0
 
-    def token(self) -> None:
+    def token(self, n: int = 1) -> None:
         if self.first_token is None:
             self.first_token = time.perf_counter()
+        self.streamed += n
 
     def finished(self, finish_reason: str, prompt_tokens: int, completion_tokens: int) -> None:
         self.outcome = "OK"
@@ -241,6 +245,8 @@ class RequestSummary:
 
     def log(self, logger: logging.Logger, metrics: Any = None) -> None:
         """Log the line; count it in `metrics` (a `mmsplit.metrics.ServiceMetrics`) too."""
+        if self.outcome != "OK":
+            self.completion_tokens = self.streamed
         duration = time.perf_counter() - self.start
         ttft = None if self.first_token is None else self.first_token - self.start
         if metrics is not None:

@@ -87,7 +87,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             yield ACCEPTED
             async for response in self.frontend.stream(admission):
                 if response.HasField("tokens"):
-                    summary.token()
+                    summary.token(len(response.tokens.token_ids))
                 elif response.HasField("finished"):
                     f = response.finished
                     summary.finished(

@@ -80,6 +80,22 @@ def service_launcher() -> Iterator[None]:
 
 
 @pytest.fixture(scope="session", autouse=True)
+def no_unread_task_errors(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """No service log of the session (each lies under this process's base
+    temporary directory) says "Task exception was never retrieved": a
+    failure that nobody handled, which a client-caused path (a deadline, a
+    cancel) once produced."""
+    yield
+    found = [
+        str(path)
+        for path in tmp_path_factory.getbasetemp().rglob("*.log")
+        if "Task exception was never retrieved" in path.read_text(errors="replace")
+    ]
+    if found:
+        pytest.fail(f"service logs with an unread task exception: {found}")
+
+
+@pytest.fixture(scope="session", autouse=True)
 def service_temp_dir() -> Iterator[None]:
     """The services' temporary directory lives as long as the session. A
     file left in it by a test's services fails that test (`no_leaks`); one

@@ -291,7 +291,7 @@ _END = object()
 
 def _count(summary: RequestSummary, response: tokenizer_pb2.GenerateResponse) -> None:
     if response.HasField("delta") and response.delta.token_ids:
-        summary.token()
+        summary.token(len(response.delta.token_ids))
 
 
 async def _body(request: web.Request) -> Any:

@@ -149,7 +149,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
         try:
             async for response in self.service.generate(request, rid, context.time_remaining()):
                 if response.HasField("delta") and response.delta.token_ids:
-                    summary.token()
+                    summary.token(len(response.delta.token_ids))
                 elif response.HasField("finished"):
                     f = response.finished
                     summary.finished(
@@ -332,6 +332,7 @@ async def _serve(settings: TokenizerSettings, security: ServerSecurity, downstre
             api_key=read_secret(settings.api_key_file) if settings.api_key_file else "",
             max_body_bytes=settings.http_body_limit,
             metrics=metrics,
+            keepalive_s=settings.http_keepalive_s,
         )
         if metrics is not None:
             metrics.counter_by(

@@ -174,6 +174,12 @@ class TokenizerService:
             if not task.done():
                 task.cancel()
                 await _settle([task])
+            elif not task.cancelled():
+                # Our caller went away (its deadline, say) just as the work
+                # failed (the same deadline, downstream): nobody raises that
+                # failure now, and unread it would be logged as "Task
+                # exception was never retrieved" when the task is collected.
+                task.exception()
             self.tasks.discard(task)
 
     async def _choices(

@@ -56,6 +56,9 @@ class TokenizerSettings:
         "(images x --max-image-bytes and videos x --max-video-bytes, times 4/3, plus the prompt and some room)",
         min=0,
     )
+    http_keepalive_s: float = _opt(
+        15.0, "a streamed HTTP response says ': keep-alive' this often while nothing else comes (proxies)", min=0.01
+    )
     health_port: int = _opt(
         0, "also serve grpc.health.v1 alone, plaintext, on this port of all addresses (probes); 0 = off", min=0
     )

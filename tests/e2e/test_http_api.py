@@ -310,6 +310,15 @@ def test_a_client_that_leaves_mid_stream_leaves_nothing_held(api: Api) -> None:
     assert time.monotonic() - left < 2.5
     mine = [n for n in project_segments() if n.startswith(f"{PROJECT_PREFIX}-{api.pair.tokenizer.pid}-")]
     assert not mine, mine
+    # Its log line counts what it streamed (it once said "0+0 tokens").
+    import re
+
+    def cut() -> list[int]:
+        text = api.pair.tokenizer.log_path.read_text()
+        return [int(n) for n in re.findall(r"finished: CANCELLED, \d+\+(\d+) tokens", text)]
+
+    assert wait_until(lambda: bool(cut()), timeout=5)
+    assert cut()[-1] >= 2, cut()
     _good_after(api)
 
 
@@ -416,3 +425,51 @@ def test_the_conformance_kit_passes_our_http_api_and_fails_a_broken_one(api: Api
         server.server_close()
         thread.join(10)
     assert {r.verdict for r in theirs} == {"FAIL"}, theirs
+
+
+def _sse(url: str, body: dict[str, Any]) -> list[str]:
+    """A streamed response's lines, as they came (keep-alive comments included)."""
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as reply:
+        return [line.decode().rstrip("\n") for line in reply if line.strip()]
+
+
+def test_a_stream_keeps_the_connection_alive_and_ends_an_error_with_an_event(
+    chat_models: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """While a slow image is preprocessed nothing is ready to send: comment
+    lines keep the connection; and a scheduler that dies mid-stream ends it
+    with one error event, then [DONE] (its own pair: this kills it)."""
+    from tests.support.worker_hook import SLOW, marked
+
+    http = free_port()
+    tokenizer = ["--http-port", str(http), "--http-keepalive-s", "0.2", "--worker-hook", "tests.support.worker_hook"]
+    with running_pair(chat_models("llava"), tmp_path, scheduler_extra=["--tp", "1"], tokenizer_extra=tokenizer) as pair:
+        url = f"http://127.0.0.1:{http}/v1/chat/completions"
+        slow = {"type": "image_url", "image_url": {"url": data_url(marked(SLOW))}}
+        lines = _sse(url, {"messages": [{"role": "user", "content": [slow]}], "max_tokens": 2, "stream": True})
+        # The role chunk goes out at once; then, for the 1.5 s the worker
+        # sleeps on this image, a comment every 0.2 s, all before the end.
+        finish = next(i for i, line in enumerate(lines) if '"finish_reason":"' in line)
+        assert lines[:finish].count(": keep-alive") >= 3, lines[:12]
+        assert lines[-1] == "data: [DONE]"
+
+        got: list[str] = []
+
+        def read() -> None:
+            body = {"messages": [{"role": "user", "content": "Go on."}], "max_tokens": 900, "stream": True,
+                    "min_tokens": 900}  # fmt: skip
+            got.extend(_sse(url, body))
+
+        import threading
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        assert wait_until(lambda: any(rank_active_requests(pair.scheduler_address)), timeout=30)
+        pair.scheduler.proc.kill()
+        reader.join(60)
+    errors = [json.loads(line[6:]) for line in got if line.startswith("data: {") and '"error"' in line]
+    assert len(errors) == 1, got[-5:]
+    assert errors[0]["error"]["code"] == "SCHEDULER_UNAVAILABLE"
+    assert got[-1] == "data: [DONE]"
+    assert any('"content"' in line for line in got), "nothing streamed before the error"
