@@ -382,11 +382,10 @@ class StepLoop:
         # The sampler never draws these before min_tokens.
         if token in self.eos_token_ids or token in adm.request.sampling.stop_token_ids:
             return common_pb2.FINISH_REASON_STOP
-        if (
-            adm.generated >= adm.request.sampling.max_tokens
-            or len(adm.request.input_ids) + adm.generated >= self.max_context
-        ):
+        if adm.generated >= adm.request.sampling.max_tokens:
             return common_pb2.FINISH_REASON_LENGTH
+        if len(adm.request.input_ids) + adm.generated >= self.max_context:
+            return common_pb2.FINISH_REASON_CONTEXT_LENGTH
         return None
 
     def _flush(self) -> None:

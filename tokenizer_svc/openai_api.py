@@ -64,7 +64,11 @@ STATUS: dict[int, tuple[int, str]] = {
     E.ERROR_CODE_INTERNAL: (500, "server_error"),
 }
 NOT_FOUND = (404, "not_found_error")
-FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length"}
+FINISH = {
+    common_pb2.FINISH_REASON_STOP: "stop",
+    common_pb2.FINISH_REASON_LENGTH: "length",
+    common_pb2.FINISH_REASON_CONTEXT_LENGTH: "length",
+}
 ROLES = {
     "system": tokenizer_pb2.CHAT_ROLE_SYSTEM,
     "developer": tokenizer_pb2.CHAT_ROLE_SYSTEM,

@@ -473,3 +473,32 @@ def test_a_stream_keeps_the_connection_alive_and_ends_an_error_with_an_event(
     assert errors[0]["error"]["code"] == "SCHEDULER_UNAVAILABLE"
     assert got[-1] == "data: [DONE]"
     assert any('"content"' in line for line in got), "nothing streamed before the error"
+
+
+def test_a_max_tokens_beyond_the_context_ends_with_a_reason_that_says_so(api: Api) -> None:
+    """Served up to the context, then FINISH_REASON_CONTEXT_LENGTH (the
+    OpenAI API: "length"), the completion filling every position left."""
+    request = build_request(messages=[("user", "Go on.")], max_tokens=3000, min_tokens=3000)
+    with grpc.insecure_channel(api.pair.tokenizer_address) as channel:
+        out = run_request(tokenizer_pb2_grpc.TokenizerServiceStub(channel), request, timeout=120)
+    assert out.finish_reason == "FINISH_REASON_CONTEXT_LENGTH", out.finish_reason
+    config = json.loads((api.pair.model / "config.json").read_text())
+    context = config["text_config"]["max_position_embeddings"]
+    prompt = len(hf_prompt_ids(api, [("user", "Go on.")]))
+    assert len(out.token_ids) == context - prompt
+    short = api.client().chat.completions.create(
+        model=api.model, messages=[{"role": "user", "content": "Go on."}], max_tokens=2, extra_body={"min_tokens": 2}
+    )
+    assert short.choices[0].finish_reason == "length"
+
+
+def hf_prompt_ids(api: Api, messages: list[tuple[str, str]]) -> list[int]:
+    from tests.support import hf_family
+
+    proc = hf_family.processor(api.pair.model)
+    text = proc.apply_chat_template(
+        [{"role": r, "content": [{"type": "text", "text": t}]} for r, t in messages],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    return hf_family.prompt_ids(proc, text, [])

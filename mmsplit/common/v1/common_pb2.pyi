@@ -56,6 +56,7 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_STOP: _ClassVar[FinishReason]
+    FINISH_REASON_CONTEXT_LENGTH: _ClassVar[FinishReason]
 ERROR_CODE_UNSPECIFIED: ErrorCode
 ERROR_CODE_INVALID_REQUEST: ErrorCode
 ERROR_CODE_MEDIA_DECODE_FAILED: ErrorCode
@@ -91,6 +92,7 @@ MODALITY_AUDIO: Modality
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_STOP: FinishReason
+FINISH_REASON_CONTEXT_LENGTH: FinishReason
 
 class ShmSlice(_message.Message):
     __slots__ = ("segment", "offset", "nbytes")
