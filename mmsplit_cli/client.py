@@ -187,3 +187,51 @@ def _event_json(event: Delta | Finished) -> dict[str, object]:
             "completion_tokens": event.completion_tokens,
         },
     }
+
+
+def info_command(args: argparse.Namespace) -> int:
+    """`mmsplit info`: a server's GetServerInfo as JSON (a tokenizer's, else a scheduler's)."""
+    from google.protobuf.json_format import MessageToJson
+
+    from mmsplit.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+    with grpc.insecure_channel(args.server) as channel:
+        asks = [
+            (tokenizer_pb2_grpc.TokenizerServiceStub(channel).GetServerInfo, tokenizer_pb2.GetServerInfoRequest()),
+            (scheduler_pb2_grpc.SchedulerServiceStub(channel).GetServerInfo, scheduler_pb2.GetServerInfoRequest()),
+        ]
+        for call, request in asks:
+            try:
+                reply = call(request, timeout=args.timeout)
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.UNIMPLEMENTED:  # type: ignore[attr-defined]
+                    continue
+                print(f"mmsplit info: {args.server}: {exc.code().name}: {exc.details()}", file=sys.stderr)  # type: ignore[attr-defined]
+                return 1
+            print(MessageToJson(reply, indent=2))
+            return 0
+    print(f"mmsplit info: {args.server} serves neither the tokenizer nor the scheduler service", file=sys.stderr)
+    return 1
+
+
+def health_command(args: argparse.Namespace) -> int:
+    """`mmsplit health`: live ("") and ready (each service the server has)
+    per grpc.health.v1; exit 0 when it is live and ready, else 1."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from mmsplit_cli.launch import SCHEDULER_SERVICE, TOKENIZER_SERVICE
+
+    statuses: dict[str, str] = {}
+    with grpc.insecure_channel(args.server) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        for service in ("", TOKENIZER_SERVICE, SCHEDULER_SERVICE):
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=args.timeout)
+                statuses[service] = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.NOT_FOUND:  # type: ignore[attr-defined]
+                    continue  # not this server's service
+                statuses[service] = exc.code().name  # type: ignore[attr-defined]
+    for service, status in statuses.items():
+        print(f"{service or '(live)'}: {status}")
+    return 0 if statuses and all(s == "SERVING" for s in statuses.values()) else 1

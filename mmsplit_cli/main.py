@@ -5,6 +5,7 @@ mmsplit scheduler --model DIR --tp N --port P
 mmsplit tokenizer --model DIR --scheduler HOST:PORT --port P
 mmsplit generate --server HOST:PORT [--image FILE ...] [--video FILE ...] [--max-tokens N] [--json] "prompt"
 mmsplit generate --server HOST:PORT [--system TEXT] --user TEXT [--assistant TEXT --user TEXT ...] [--image FILE]
+mmsplit info|health --server HOST:PORT
 mmsplit conformance --tokenizer HOST:PORT [--scheduler HOST:PORT]
 mmsplit tiny-model DIR [--family llava|llava-next|qwen2-vl|qwen2.5-vl]
 mmsplit demo
@@ -130,6 +131,18 @@ def _tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _info(args: argparse.Namespace) -> int:
+    from mmsplit_cli.client import info_command
+
+    return info_command(args)
+
+
+def _health(args: argparse.Namespace) -> int:
+    from mmsplit_cli.client import health_command
+
+    return health_command(args)
+
+
 def _serve(args: argparse.Namespace) -> int:
     from mmsplit_cli.serve import serve_command
 
@@ -205,6 +218,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-server-name", default="", help="name the server's certificate carries, if not --server's")
     p.add_argument("prompt", nargs="?", help="the prompt (or a conversation: --system, --user, --assistant)")
     p.set_defaults(func=_generate)
+
+    for name, func, what in (
+        ("info", _info, "print a server's GetServerInfo as JSON"),
+        ("health", _health, "print a server's health (live, ready); exit 0 only when both"),
+    ):
+        p = sub.add_parser(name, help=what)
+        p.add_argument("--server", default="127.0.0.1:50052", help="address HOST:PORT (a tokenizer or a scheduler)")
+        p.add_argument("--timeout", type=float, default=10.0, help="deadline of each call, seconds")
+        p.set_defaults(func=func)
 
     p = sub.add_parser(
         "conformance", help="check a server against the contract's promises; a table, non-zero on failure"

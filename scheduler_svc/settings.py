@@ -17,7 +17,12 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "debug", "info", "warning", "
 
 @dataclass(frozen=True)
 class SchedulerSettings:
-    model_dir: Path = field(metadata={"help": "local checkpoint directory (LLaVA family)", "flag": "--model"})
+    model_dir: Path = field(
+        metadata={
+            "help": "local checkpoint directory of a supported family (LLaVA-1.5, LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL)",
+            "flag": "--model",
+        }
+    )
     tp: int = _opt(1, "number of tensor-parallel ranks", min=1)
     host: str = _opt(
         "127.0.0.1",

@@ -45,6 +45,8 @@ from tokenizer_svc.errors import SchedulerUnavailable
 from tokenizer_svc.settings import TokenizerSettings
 
 log = logging.getLogger(__name__)
+# While the tokenizer waits for its scheduler, a log line this often.
+WAIT_LOG_S = 15.0
 RECONNECT_INITIAL_MS = 250
 RECONNECT_MAX_MS = 2000
 SCHEDULER_SERVICE = scheduler_pb2.DESCRIPTOR.services_by_name["SchedulerService"].full_name
@@ -303,12 +305,27 @@ class Schedulers:
                 await link.close()
 
     async def wait_connected(self, timeout_s: float) -> bool:
+        """Until a backend answers (True) or `timeout_s` passes (False);
+        says at once that it waits, and every WAIT_LOG_S after, naming where."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
+        started = loop.time()
+        said = started
+        first = True
         while not await self.refresh():
-            if loop.time() >= deadline:
+            now = loop.time()
+            if first or now - said >= WAIT_LOG_S:
+                waited = f" (waited {now - started:.0f}s)" if not first else ""
+                log.info(
+                    "waiting for a scheduler at %s%s; serving NOT_SERVING until one answers",
+                    self.settings.scheduler,
+                    waited,
+                )
+                first, said = False, now
+            if now - started >= timeout_s:
                 return False
             await asyncio.sleep(0.5)
+        if not first:
+            log.info("a scheduler at %s answers", self.settings.scheduler)
         return True
 
     def backends(self) -> list[tokenizer_pb2.SchedulerBackend]:

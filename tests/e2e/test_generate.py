@@ -292,3 +292,27 @@ def test_the_cli_takes_an_image_url_and_a_closed_pipe_is_no_error(services: Serv
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
     assert err == "", err
+
+
+def test_info_and_health_commands(services: Services) -> None:
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    def run(*argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "mmsplit_cli", *argv], capture_output=True, text=True, timeout=60, cwd=ROOT
+        )
+
+    tok = run("info", "--server", services.tokenizer_address)
+    assert tok.returncode == 0, tok.stderr
+    assert json.loads(tok.stdout)["info"]["model"] == services.model.name
+    sched = run("info", "--server", services.scheduler_address)
+    assert sched.returncode == 0, sched.stderr
+    assert json.loads(sched.stdout)["info"]["tpSize"] == 2
+    health = run("health", "--server", services.tokenizer_address)
+    assert (health.returncode, health.stdout.splitlines()) == (0, ["(live): SERVING", f"{TOKENIZER_SERVICE}: SERVING"])
+    gone = run("health", "--server", "127.0.0.1:9", "--timeout", "1")
+    assert gone.returncode == 1

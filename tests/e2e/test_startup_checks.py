@@ -81,3 +81,17 @@ def test_a_port_in_use_is_one_line_before_the_model_loads(service: str, chat_mod
         f"mmsplit {service}: --port {port}: 127.0.0.1:{port} cannot be bound (Address already in use): "
         "stop what holds it, or pick another"
     ]
+
+
+def test_a_tokenizer_waiting_for_its_scheduler_says_so_at_once(tiny_model: Path, tmp_path: Path) -> None:
+    from mmsplit_cli.launch import ServiceProcess, tokenizer_args
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        nobody = f"127.0.0.1:{s.getsockname()[1]}"
+    tok = ServiceProcess("tokenizer", tokenizer_args(tiny_model, nobody), tmp_path / "tokenizer.log", env=ENV)
+    try:
+        tok.wait_logged(f"waiting for a scheduler at {nobody}; serving NOT_SERVING until one answers", 120)
+        assert tok.proc.poll() is None
+    finally:
+        assert tok.stop() == 0
