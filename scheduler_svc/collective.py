@@ -8,6 +8,7 @@ import datetime
 import logging
 import os
 import pickle
+import socket
 from typing import Any, Protocol
 
 import torch
@@ -104,6 +105,28 @@ def pick_device(setting: str) -> torch.device:
     return torch.device("cuda", dist.get_rank() % torch.cuda.device_count())
 
 
+# Rank 0's listening socket of a local group's store: it lives as long as the process.
+_store_listener: list[socket.socket] = []
+
+
+def _local_store(rendezvous: Rendezvous, timeout: datetime.timedelta) -> dist.TCPStore:
+    """The store of a group on this host. Rank 0 binds its socket to the
+    rendezvous address (loopback) and hands it to the store: torch's own
+    store listens on every address of the host, where anyone who can reach
+    the port could write into the group's rendezvous (it has no
+    authentication)."""
+    if rendezvous.rank != 0:
+        return dist.TCPStore(rendezvous.addr, rendezvous.port, rendezvous.world_size, False, timeout)
+    listener = socket.socket(socket.AF_INET6 if ":" in rendezvous.addr else socket.AF_INET)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((rendezvous.addr, rendezvous.port))
+    listener.listen(max(64, rendezvous.world_size))
+    _store_listener.append(listener)
+    return dist.TCPStore(
+        rendezvous.addr, rendezvous.port, rendezvous.world_size, True, timeout, master_listen_fd=listener.fileno()
+    )
+
+
 def init_group(*, rendezvous: Rendezvous | None, device: str, timeout_s: float, startup_timeout_s: float) -> None:
     """Join the group: gloo on CPU, NCCL on CUDA. With `rendezvous` (local
     launch) over TCP at its address; without it through torch's ``env://``
@@ -114,13 +137,11 @@ def init_group(*, rendezvous: Rendezvous | None, device: str, timeout_s: float, 
     after `timeout_s` instead of hanging."""
     use_cuda = _uses_cuda(device)
     backend = "nccl" if use_cuda else "gloo"
+    startup = datetime.timedelta(seconds=startup_timeout_s)
     if rendezvous is None:
-        url = "env://"
-        rank, world = -1, -1
+        store, rank, world = next(dist.rendezvous("env://", -1, -1, timeout=startup))
     else:
-        url = f"tcp://{rendezvous.addr}:{rendezvous.port}"
-        rank, world = rendezvous.rank, rendezvous.world_size
-    store, rank, world = next(dist.rendezvous(url, rank, world, timeout=datetime.timedelta(seconds=startup_timeout_s)))
+        store, rank, world = _local_store(rendezvous, startup), rendezvous.rank, rendezvous.world_size
     store.set_timeout(datetime.timedelta(seconds=timeout_s))
     if use_cuda:
         # The device first (NCCL binds its communicator to the current one),

@@ -172,7 +172,7 @@ def _metrics(settings: SchedulerSettings, step_loop: StepLoop) -> ServiceMetrics
         batch_rows.observe(rows)
 
     step_loop.on_step = on_step
-    port = metrics.serve("0.0.0.0", settings.metrics_port)
+    port = metrics.serve(settings.metrics_host or settings.host, settings.metrics_port)
     log.info("metrics on port %d (/metrics)", port)
     return metrics
 
@@ -379,7 +379,7 @@ async def _serve(
     )
     probes = None
     if settings.health_port:
-        probes, probe_port = await health_server("0.0.0.0", settings.health_port, health)
+        probes, probe_port = await health_server(settings.health_host or settings.host, settings.health_port, health)
         log.info("health alone on port %d", probe_port)
     described = server_info(settings, info, boot.shm_namespace, budget, await vocab)
     frontend = Frontend(step_loop, settings, info, cuda_uuids=frozenset(described.cuda_device_uuids))

@@ -38,9 +38,8 @@ class SchedulerSettings:
         "", "file holding a shared token every call must carry (authorization: Bearer <token>); health is exempt"
     )
     insecure: bool = _opt(False, "allow serving a non-loopback address with neither mutual TLS nor a token")
-    health_port: int = _opt(
-        0, "also serve grpc.health.v1 alone, plaintext, on this port of all addresses (probes); 0 = off", min=0
-    )
+    health_port: int = _opt(0, "also serve grpc.health.v1 alone, plaintext, on this port (probes); 0 = off", min=0)
+    health_host: str = _opt("", "address of the --health-port server; empty = --host")
     launch: str = _opt(
         "local",
         "'local': this process is rank 0 and spawns ranks 1..tp-1 here; 'env': this process is the rank "
@@ -138,7 +137,8 @@ class SchedulerSettings:
     max_message_bytes: int = _opt(256 * 1024 * 1024, "largest gRPC message", min=1024)
     stats_interval_s: float = _opt(10.0, "how often the step loop logs its statistics", min=0.01)
     log_level: str = _opt("INFO", "logging level", choices=LOG_LEVELS)
-    metrics_port: int = _opt(0, "serve Prometheus /metrics (plain HTTP) on this port of all addresses; 0 = off", min=0)
+    metrics_port: int = _opt(0, "serve Prometheus /metrics (plain HTTP) on this port; 0 = off", min=0)
+    metrics_host: str = _opt("", "address of the --metrics-port server; empty = --host")
     log_format: str = _opt(
         "text", "text, or json: one JSON object per line, finished requests with their fields", choices=LOG_FORMATS
     )

@@ -9,8 +9,13 @@ until vetted:
   literal in a URL is vetted directly (it is never resolved). A name any of
   whose addresses is not public is refused as a whole.
 - **Public means public.** Addresses are classified by what they reach:
-  IPv4-mapped, NAT64 (64:ff9b::/96) and 6to4 (2002::/16) IPv6 forms by the
-  IPv4 address they embed (`ipaddress.is_global` calls some of those global).
+  IPv4-mapped, IPv4-compatible (::a.b.c.d), NAT64 (64:ff9b::/96) and 6to4
+  (2002::/16) IPv6 forms by the IPv4 address they embed (`ipaddress.is_global`
+  calls some of those global); the local-use NAT64 prefix (64:ff9b:1::/48,
+  RFC 8215) translates to whatever its operator chose, so it is never public.
+- **Numbers are written one way.** A host that is all numbers but not a
+  canonical address (`127.1`, `2130706433`, `0177.0.0.1`, `0x7f.0.0.1`) is
+  refused here, whatever a resolver or HTTP client would make of it.
 - **Every hop is a new destination.** Redirects are followed by hand, at most
   MAX_REDIRECTS, each vetted again (domain allow-list included).
 - **One deadline per attempt** covers resolving, connecting, redirects and
@@ -32,6 +37,7 @@ import importlib
 import ipaddress
 import logging
 import random
+import re
 import socket
 import urllib.parse
 
@@ -47,12 +53,21 @@ MAX_REDIRECTS = 3
 CHUNK = 64 * 1024
 REDIRECTS = (301, 302, 303, 307, 308)
 NAT64 = ipaddress.ip_network("64:ff9b::/96")
+LOCAL_NAT64 = ipaddress.ip_network("64:ff9b:1::/48")
+IPV4_COMPATIBLE = ipaddress.ip_network("::/96")
+# Numbers and dots only (decimal, octal or hex parts): an IPv4 address in a
+# form only some parsers read, unless it is the canonical dotted quad.
+_NUMERIC_HOST = re.compile(r"(0x[0-9a-f]*|[0-9]+)(\.(0x[0-9a-f]*|[0-9]+)){0,3}\.?")
 
 
 def is_public(address: str) -> bool:
     """Whether `address` reaches the public internet (and nothing of ours)."""
     ip = ipaddress.ip_address(address.split("%", 1)[0])
     if isinstance(ip, ipaddress.IPv6Address):
+        if ip in LOCAL_NAT64:
+            return False
+        if ip in IPV4_COMPATIBLE and int(ip) > 1:  # ::a.b.c.d (:: and ::1 are not global as they are)
+            return is_public(str(ipaddress.IPv4Address(int(ip))))
         embedded = ip.ipv4_mapped or ip.sixtofour
         if embedded is None and ip in NAT64:
             embedded = ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
@@ -209,6 +224,8 @@ class Fetcher:
         try:
             literal = ipaddress.ip_address(host.strip("[]"))
         except ValueError:
+            if _NUMERIC_HOST.fullmatch(host):
+                raise MediaSourceForbidden(f"{host} is a numeric host that is not a canonical address") from None
             return
         if self.settings.allow_private_fetch or f"{host}:{port}" in self._exempt:
             return

@@ -124,7 +124,7 @@ def _metrics(settings: TokenizerSettings, service: TokenizerService, pool: CpuPo
         "stage",
         lambda: dict(service.worker_s),
     )
-    port = metrics.serve("0.0.0.0", settings.metrics_port)
+    port = metrics.serve(settings.metrics_host or settings.host, settings.metrics_port)
     log.info("metrics on port %d (/metrics)", port)
     return metrics
 
@@ -349,7 +349,7 @@ async def _serve(settings: TokenizerSettings, security: ServerSecurity, downstre
         log.info("OpenAI-compatible HTTP API on http://%s:%d/v1", settings.host, http_port)
     probes = None
     if settings.health_port:
-        probes, probe_port = await health_server("0.0.0.0", settings.health_port, health)
+        probes, probe_port = await health_server(settings.health_host or settings.host, settings.health_port, health)
         log.info("health alone on port %d", probe_port)
     log.info("tokenizer listening on %s:%d (scheduler %s)", settings.host, port, settings.scheduler)
 

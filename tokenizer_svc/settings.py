@@ -59,9 +59,8 @@ class TokenizerSettings:
     http_keepalive_s: float = _opt(
         15.0, "a streamed HTTP response says ': keep-alive' this often while nothing else comes (proxies)", min=0.01
     )
-    health_port: int = _opt(
-        0, "also serve grpc.health.v1 alone, plaintext, on this port of all addresses (probes); 0 = off", min=0
-    )
+    health_port: int = _opt(0, "also serve grpc.health.v1 alone, plaintext, on this port (probes); 0 = off", min=0)
+    health_host: str = _opt("", "address of the --health-port server; empty = --host")
     shm_prefix: str = _opt("mmsplit", "prefix of the shared-memory segments this service creates")
     shm_slab_bytes: int = _opt(
         128 * 1024 * 1024,
@@ -186,7 +185,8 @@ class TokenizerSettings:
         "", "module imported by each CPU worker: on_worker_start(), on_decoded(image) (tests inject faults with it)"
     )
     log_level: str = _opt("INFO", "logging level", choices=LOG_LEVELS)
-    metrics_port: int = _opt(0, "serve Prometheus /metrics (plain HTTP) on this port of all addresses; 0 = off", min=0)
+    metrics_port: int = _opt(0, "serve Prometheus /metrics (plain HTTP) on this port; 0 = off", min=0)
+    metrics_host: str = _opt("", "address of the --metrics-port server; empty = --host")
     log_format: str = _opt(
         "text", "text, or json: one JSON object per line, finished requests with their fields", choices=LOG_FORMATS
     )

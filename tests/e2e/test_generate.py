@@ -316,3 +316,19 @@ def test_info_and_health_commands(services: Services) -> None:
     assert (health.returncode, health.stdout.splitlines()) == (0, ["(live): SERVING", f"{TOKENIZER_SERVICE}: SERVING"])
     gone = run("health", "--server", "127.0.0.1:9", "--timeout", "1")
     assert gone.returncode == 1
+
+
+def test_side_servers_bind_the_service_s_host(services: Services) -> None:
+    """The shared pair serves on 127.0.0.1 with /metrics on: every TCP port
+    either service listens on is on 127.0.0.1: gRPC, /metrics (which bound
+    0.0.0.0 whatever --host said), and the TP=2 group's rendezvous store
+    (torch's own listened on every address, unauthenticated) and gloo."""
+    import psutil
+
+    for proc in (services.tokenizer, services.scheduler):
+        listening = [
+            c.laddr for c in psutil.Process(proc.pid).net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN
+        ]
+        assert len(listening) >= 2, (proc.name, listening)  # gRPC and /metrics
+        # gRPC's listener is dual-stack: 127.0.0.1 shows in its IPv4-mapped form.
+        assert {a.ip.removeprefix("::ffff:") for a in listening} == {"127.0.0.1"}, (proc.name, listening)

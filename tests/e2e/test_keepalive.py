@@ -187,7 +187,11 @@ def test_a_frozen_client_s_queued_request_is_aborted(tiny_model: Path, tmp_path:
     request waits in the scheduler's queue would keep that place until the
     request's turn came and its output filled the connection's window; the
     tokenizer's pings find it, and the request is aborted where it waits."""
-    blockers = 8
+    # The check needs blockers still queued after the client was found (up
+    # to FOUND_WITHIN_S + 5 s); a blocker takes ~1-2 s here, less on a fast
+    # host, where 8 once ran out. Only the first runs to completion (the rest
+    # are let go): more cost nothing.
+    blockers = 32
     scheduler = ["--tp", "1", "--max-running", "1", *KEEPALIVE]
     with (
         running_pair(tiny_model, tmp_path, scheduler_extra=scheduler, tokenizer_extra=KEEPALIVE) as p,

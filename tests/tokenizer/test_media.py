@@ -272,6 +272,10 @@ def test_a_body_cut_short_is_a_failed_fetch(tmp_path: Path, origin: str, path: s
         ("2002:0a00:0001::1", False),  # 6to4 of 10.0.0.1
         ("64:ff9b::5db8:d822", True),  # NAT64 of 93.184.216.34
         ("224.0.0.1", False),
+        ("64:ff9b:1::5db8:d822", False),  # local-use NAT64: translates to whatever its operator chose
+        ("::127.0.0.1", False),  # IPv4-compatible form of 127.0.0.1
+        ("::10.0.0.1", False),
+        ("::93.184.216.34", True),
     ],
 )
 def test_addresses_are_classified_by_what_they_reach(address: str, public: bool) -> None:
@@ -284,6 +288,19 @@ def test_addresses_are_classified_by_what_they_reach(address: str, public: bool)
 def test_private_literals_in_disguise_are_refused(tmp_path: Path, literal: str) -> None:
     with pytest.raises(MediaSourceForbidden):
         load(loader(tmp_path, allow_private_fetch=False), url=f"http://{literal}:9/x.png")
+
+
+@pytest.mark.parametrize(
+    "host", ["127.1", "2130706433", "0177.0.0.1", "0x7f.0.0.1", "0x7f000001", "127.0.1", "1.2.3.4."]
+)
+def test_numeric_hosts_that_are_not_canonical_addresses_are_refused(tmp_path: Path, host: str) -> None:
+    """Refused by the URL check itself, not by whatever an HTTP client's or
+    resolver's parser makes of them (aiohttp 3.14 refuses some on its own)."""
+    from tokenizer_svc.fetch import Fetcher
+
+    media = loader(tmp_path, allow_private_fetch=True)  # even where private addresses are allowed
+    with pytest.raises(MediaSourceForbidden, match="numeric host"):
+        Fetcher(media.settings)._check_url(f"http://{host}:9/x.png")
 
 
 def test_a_name_with_any_private_answer_is_refused_before_connecting(tmp_path: Path, origin: str) -> None:
