@@ -18,26 +18,33 @@ def tokenizer_stub(channel: grpc.Channel) -> tokenizer_pb2_grpc.TokenizerService
     return tokenizer_pb2_grpc.TokenizerServiceStub(channel)
 
 
-def tokenizer_info(address: str) -> tokenizer_pb2.GetServerInfoResponse:
+# The deadline of these reads. Short by default: some tests read a server
+# they froze (SIGSTOP) and expect to be told quickly. A test that reads a
+# busy server (a storm just ended, a loaded host) passes a longer one.
+READ_TIMEOUT_S = 5.0
+
+
+def tokenizer_info(address: str, timeout: float = READ_TIMEOUT_S) -> tokenizer_pb2.GetServerInfoResponse:
     with grpc.insecure_channel(address) as channel:
         stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
-        return stub.GetServerInfo(tokenizer_pb2.GetServerInfoRequest(), timeout=5)
+        return stub.GetServerInfo(tokenizer_pb2.GetServerInfoRequest(), timeout=timeout)
 
 
-def health_status(address: str, service: str) -> str:
+def health_status(address: str, service: str, timeout: float = READ_TIMEOUT_S) -> str:
     with grpc.insecure_channel(address) as channel:
-        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+        request = health_pb2.HealthCheckRequest(service=service)
+        reply = health_pb2_grpc.HealthStub(channel).Check(request, timeout=timeout)
         return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
 
-def scheduler_info(scheduler_address: str) -> common_pb2.ServerInfo:
+def scheduler_info(scheduler_address: str, timeout: float = READ_TIMEOUT_S) -> common_pb2.ServerInfo:
     with grpc.insecure_channel(scheduler_address) as channel:
         stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
-        return stub.GetServerInfo(scheduler_pb2.GetServerInfoRequest(), timeout=5).info
+        return stub.GetServerInfo(scheduler_pb2.GetServerInfoRequest(), timeout=timeout).info
 
 
-def rank_active_requests(scheduler_address: str) -> list[int]:
-    return list(scheduler_info(scheduler_address).rank_active_requests)
+def rank_active_requests(scheduler_address: str, timeout: float = READ_TIMEOUT_S) -> list[int]:
+    return list(scheduler_info(scheduler_address, timeout).rank_active_requests)
 
 
 def exposition(port: int) -> str:
