@@ -48,6 +48,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from mmsplit.checks import Failed, Result, Skipped, expect, run_check, table
 from mmsplit.common.v1 import common_pb2
 from mmsplit.errors import DOMAIN, TABLE, error_info_of, reason_of
 from mmsplit.pairing import Pairing
@@ -64,26 +65,6 @@ REFLECTION_SERVICE = reflection_pb2.DESCRIPTOR.services_by_name["ServerReflectio
 # bytes. Neither exists in any of our messages.
 UNKNOWN_FIELDS = b"\xf8\x7c\x01" + b"\xf2\x7c\x03abc"
 SETTLE_S = 15.0  # how long a cancelled or expired request may take to leave the scheduler
-
-
-@dataclass(frozen=True)
-class Result:
-    name: str
-    verdict: str  # PASS, FAIL or SKIP
-    detail: str = ""
-
-
-class Failed(Exception):
-    """A check's expectation did not hold; the message says which."""
-
-
-class Skipped(Exception):
-    """A check that cannot run with what it was given; the message says why."""
-
-
-def expect(condition: bool, message: str) -> None:
-    if not condition:
-        raise Failed(message)
 
 
 @dataclass
@@ -169,17 +150,7 @@ class Kit:
 
     # ---- running ----
     def run(self, name: str, check: Callable[[], str | None]) -> None:
-        try:
-            detail = check() or ""
-            self.results.append(Result(name, "PASS", detail))
-        except Skipped as exc:
-            self.results.append(Result(name, "SKIP", str(exc)))
-        except Failed as exc:
-            self.results.append(Result(name, "FAIL", str(exc)))
-        except grpc.RpcError as exc:
-            self.results.append(Result(name, "FAIL", f"unexpected {exc.code().name}: {exc.details()!r}"))
-        except Exception as exc:  # a check that broke is a failed check, reported, not a crash of the kit
-            self.results.append(Result(name, "FAIL", f"{type(exc).__name__}: {exc}"))
+        self.results.append(run_check(name, check, _describe_rpc_error))
 
     def all(self) -> list[Result]:
         checks: list[tuple[str, Callable[[], str | None]]] = [
@@ -564,13 +535,10 @@ CLIENT_ERRORS: Sequence[tuple[str, int, Callable[[tokenizer_pb2.GenerateRequest]
 
 
 # ---- the command ----
-def table(results: Sequence[Result]) -> str:
-    width = max(len(r.name) for r in results)
-    lines = [f"{'check':<{width}}  verdict  detail", f"{'-' * width}  -------  ------"]
-    lines += [f"{r.name:<{width}}  {r.verdict:<7}  {r.detail}" for r in results]
-    counts = {v: sum(r.verdict == v for r in results) for v in ("PASS", "FAIL", "SKIP")}
-    lines.append(f"\n{counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIP']} skipped")
-    return "\n".join(lines)
+def _describe_rpc_error(exc: Exception) -> str | None:
+    if isinstance(exc, grpc.RpcError):
+        return f"unexpected {exc.code().name}: {exc.details()!r}"  # type: ignore[attr-defined]
+    return None
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -20,7 +20,7 @@ import urllib.request
 from collections.abc import Callable
 from typing import Any
 
-from mmsplit.conformance import Failed, Result, expect
+from mmsplit.checks import Result, expect, run_check
 
 
 class HttpKit:
@@ -41,15 +41,7 @@ class HttpKit:
             ("http.unknown_model", self.unknown_model),
             ("http.malformed_json", self.malformed_json),
         ]
-        results = []
-        for name, check in checks:
-            try:
-                results.append(Result(name, "PASS", check() or ""))
-            except Failed as exc:
-                results.append(Result(name, "FAIL", str(exc)))
-            except Exception as exc:  # a check that broke is a failed check
-                results.append(Result(name, "FAIL", f"{type(exc).__name__}: {exc}"))
-        return results
+        return [run_check(name, check) for name, check in checks]
 
     # ---- HTTP ----
 
