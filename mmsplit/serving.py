@@ -41,6 +41,29 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
+def on_stop_signals(
+    loop: asyncio.AbstractEventLoop, stop: asyncio.Event, grace_s: float, before_exit: Callable[[], None] = lambda: None
+) -> None:
+    """SIGTERM or SIGINT sets `stop` (the service drains, its requests get
+    `grace_s`); a second SIGINT (Ctrl-C again) ends the process at once,
+    exit 1, after `before_exit`, and says so; a second SIGTERM, as
+    orchestrators resend it, lets the drain go on."""
+
+    def on_signal(sig: signal.Signals) -> None:
+        if not stop.is_set():
+            log.info("%s: stopping; running requests get up to %.1fs (Ctrl-C again to stop at once)", sig.name, grace_s)
+            stop.set()
+        elif sig != signal.SIGINT:
+            log.info("%s again: still stopping", sig.name)
+        else:
+            log.warning("%s again: stopping at once", sig.name)
+            before_exit()
+            exit_now(1)
+
+    for sig in STOP_SIGNALS:
+        loop.add_signal_handler(sig, on_signal, sig)
+
+
 def run_service(main: Coroutine[Any, Any, int]) -> int:
     """`asyncio.run(main)`, with SIGTERM and SIGINT ignored from the moment
     `main` ends to the process's exit. `main` handles the first one (its

@@ -15,7 +15,6 @@ import concurrent.futures
 import dataclasses
 import logging
 import os
-import signal
 import threading
 import time
 import uuid
@@ -39,6 +38,7 @@ from mmsplit.serving import (
     health_server,
     is_loopback,
     new_server,
+    on_stop_signals,
     read_secret,
     run_service,
 )
@@ -327,26 +327,12 @@ async def _serve(
     fatal = asyncio.Event()
     stop = asyncio.Event()
 
-    def on_signal(sig: signal.Signals) -> None:
-        if not stop.is_set():
-            log.info(
-                "%s: stopping; running requests get up to %.1fs (Ctrl-C again to stop at once)",
-                sig.name,
-                settings.shutdown_grace_s,
-            )
-            stop.set()
-            return
-        if sig != signal.SIGINT:  # an orchestrator resending TERM: the drain goes on
-            log.info("%s again: still stopping", sig.name)
-            return
-        log.warning("%s again: stopping at once", sig.name)
+    def stop_ranks_now() -> None:
         if ranks is not None:
             ranks.stopping = True
             ranks.terminate(grace_s=1.0)
-        exit_now(1)
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        aio_loop.add_signal_handler(sig, on_signal, sig)
+    on_stop_signals(aio_loop, stop, settings.shutdown_grace_s, stop_ranks_now)
 
     # Loading the tokenizer for it takes a moment: meanwhile the step loop starts.
     vocab = asyncio.ensure_future(asyncio.to_thread(pairing.vocabulary, settings.model_dir))

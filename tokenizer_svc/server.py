@@ -14,7 +14,6 @@ import contextlib
 import json
 import logging
 import os
-import signal
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -31,9 +30,9 @@ from mmsplit.serving import (
     Health,
     RequestSummary,
     ServerSecurity,
-    exit_now,
     health_server,
     new_server,
+    on_stop_signals,
     read_secret,
     run_service,
 )
@@ -265,23 +264,7 @@ async def _serve(settings: TokenizerSettings, security: ServerSecurity, downstre
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
 
-    def on_signal(sig: signal.Signals) -> None:
-        if not stop.is_set():
-            log.info(
-                "%s: stopping; running requests get up to %.1fs (Ctrl-C again to stop at once)",
-                sig.name,
-                settings.shutdown_grace_s,
-            )
-            stop.set()
-            return
-        if sig != signal.SIGINT:  # an orchestrator resending TERM: the drain goes on
-            log.info("%s again: still stopping", sig.name)
-            return
-        log.warning("%s again: stopping at once", sig.name)
-        exit_now(1)
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, on_signal, sig)
+    on_stop_signals(loop, stop, settings.shutdown_grace_s)
 
     await asyncio.to_thread(shm.sweep, settings.shm_prefix, grace_s=settings.segment_grace_s)
     health = Health(SERVICE_NAME)
