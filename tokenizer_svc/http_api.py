@@ -193,9 +193,26 @@ class HttpApi:
         summary: RequestSummary,
     ) -> web.StreamResponse:
         """Server-sent events. Errors before the first byte are ordinary
-        error responses (the middleware); after it, an error event."""
+        error responses (the middleware); after it, an error event. However
+        the handler ends (a client gone while its media were still being
+        fetched included), the request's work is closed here."""
         events = _Prefetch(self._choices(call, rid))
-        first = await events.first(self.keepalive_s)
+        try:
+            first = await events.first(self.keepalive_s)
+            return await self._sse(request, events, first, call, shape, rid, summary)
+        finally:
+            await events.aclose()
+
+    async def _sse(
+        self,
+        request: web.Request,
+        events: _Prefetch,
+        first: Any,
+        call: openai_api.Call,
+        shape: openai_api.Shape,
+        rid: str,
+        summary: RequestSummary,
+    ) -> web.StreamResponse:
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "x-request-id": rid}
         )
@@ -231,8 +248,6 @@ class HttpApi:
             await _send(
                 response, openai_api.error_json(f"internal error (incident {incident})", "server_error", "INTERNAL")
             )
-        finally:
-            await events.aclose()
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
@@ -278,10 +293,15 @@ class _Prefetch:
                 yield event
 
     async def aclose(self) -> None:
+        """Cancel the step in flight and wait for it (its cleanup releases
+        what the request held), then close the source. `asyncio.wait` does
+        not raise the step's own cancellation, and a cancellation of the
+        caller while it waits still reaches the caller."""
         if self._next is not None:
             self._next.cancel()
-            with contextlib.suppress(BaseException):
-                await self._next
+            await asyncio.wait([self._next])
+            if not self._next.cancelled():
+                self._next.exception()  # read: the request's end, which nobody reports now
         with contextlib.suppress(RuntimeError):  # a generator still running its cancelled step
             await self._source.aclose()  # type: ignore[attr-defined]
 
@@ -302,6 +322,8 @@ async def _body(request: web.Request) -> Any:
         return json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise InvalidRequest(f"the request body is not valid JSON: {exc}") from exc
+    except RecursionError as exc:  # valid JSON nested deeper than the parser goes
+        raise InvalidRequest("the request body nests too deeply") from exc
 
 
 async def _send(response: web.StreamResponse, obj: dict[str, Any]) -> None:

@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 
 MAX_N = 8  # the service's MAX_CHOICES
 _U63 = (1 << 63) - 1
+_U32 = (1 << 32) - 1
 
 # ErrorCode -> (HTTP status, OpenAI error type). Retriable codes also get
 # Retry-After; every error says x-should-retry, so the OpenAI SDK (which
@@ -158,7 +159,7 @@ def _message(m: Any, i: int) -> tokenizer_pb2.ChatMessage:
     where = f"messages[{i}]"
     if not isinstance(m, dict):
         raise _invalid(f"{where} must be an object with role and content", where)
-    role = ROLES.get(m.get("role"))  # type: ignore[arg-type]
+    role = ROLES.get(m["role"]) if isinstance(m.get("role"), str) else None
     if role is None:
         raise _invalid(f"{where}.role must be one of system, developer, user, assistant", f"{where}.role")
     content = m.get("content")
@@ -227,7 +228,9 @@ def _finish(body: dict[str, Any], request: tokenizer_pb2.GenerateRequest) -> Cal
         s.stop.extend(stop)
     ids = body.get("stop_token_ids")
     if ids is not None:
-        if not isinstance(ids, list) or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in ids):
+        if not isinstance(ids, list) or not all(
+            isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= _U32 for x in ids
+        ):
             raise _invalid("stop_token_ids must be a list of token ids", "stop_token_ids")
         s.stop_token_ids.extend(ids)
     n = _int(body, "n")
@@ -240,11 +243,16 @@ def _finish(body: dict[str, Any], request: tokenizer_pb2.GenerateRequest) -> Cal
 
 
 def _int(body: dict[str, Any], name: str) -> int | None:
+    """An integer field. Every one of them lands in an unsigned 32-bit field
+    of the contract (seed aside: 64 bits, and reduced), so a larger value is
+    refused here as the client's, not left to fail as ours."""
     value = body.get(name)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
         raise _invalid(f"{name} must be an integer", name)
+    if name != "seed" and value > _U32:
+        raise _invalid(f"{name} {value} is too large", name)
     return value
 
 

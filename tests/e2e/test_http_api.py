@@ -274,6 +274,8 @@ def test_raw_http_mistakes_key_body_and_health(api: Api) -> None:
 
     status, body = post("/v1/chat/completions", b"{not json")
     assert (status, body["error"]["code"]) == (400, "INVALID_REQUEST")
+    status, body = post("/v1/chat/completions", b"[" * 100_000 + b"]" * 100_000)  # valid, and deeper than the parser
+    assert (status, body["error"]["code"]) == (400, "INVALID_REQUEST")
     status, body = post("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "x"}]}).encode(),
                         key="wrong")  # fmt: skip
     assert (status, body["error"]["code"], body["error"]["type"]) == (401, "UNAUTHENTICATED", "authentication_error")
@@ -318,7 +320,7 @@ def test_a_client_that_leaves_mid_stream_leaves_nothing_held(api: Api) -> None:
         return [int(n) for n in re.findall(r"finished: CANCELLED, \d+\+(\d+) tokens", text)]
 
     assert wait_until(lambda: bool(cut()), timeout=5)
-    assert cut()[-1] >= 2, cut()
+    assert cut()[-1] >= 1, cut()  # at least the chunk the client read (it logged 0); more is timing
     _good_after(api)
 
 

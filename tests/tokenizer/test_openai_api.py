@@ -89,6 +89,12 @@ def test_sampling_fields_map_and_max_tokens_takes_the_smaller() -> None:
         ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, "top_logprobs"),
         ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
+        # Past the contract's 32 bits: the client's error, not an internal one.
+        ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 2**40}, "max_tokens"),
+        ({"messages": [{"role": "user", "content": "x"}], "min_tokens": 2**33}, "min_tokens"),
+        ({"messages": [{"role": "user", "content": "x"}], "top_k": 2**33}, "top_k"),
+        ({"messages": [{"role": "user", "content": "x"}], "stop_token_ids": [2**40]}, "stop_token_ids"),
+        ({"messages": [{"role": ["user"], "content": "x"}]}, "messages[0].role"),
     ],
 )  # fmt: skip
 def test_refusals_name_their_field(body: dict[str, Any], param: str) -> None:
@@ -123,3 +129,38 @@ def test_error_statuses_and_retry_headers() -> None:
         assert code in openai_api.STATUS, E.Name(code)
         if kind.retriable:
             assert openai_api.STATUS[code][0] in (429, 502, 503, 504), E.Name(code)
+
+
+def test_a_stream_cancelled_before_its_first_event_closes_the_request() -> None:
+    """A client gone while its request is still being prepared (nothing
+    sent yet): the handler's cancellation closes the request's work at once
+    (the service's cleanup runs), not whenever it would have ended."""
+    import asyncio
+
+    from mmsplit.serving import RequestSummary
+    from tokenizer_svc.http_api import HttpApi
+
+    async def run() -> bool:
+        started, closed = asyncio.Event(), asyncio.Event()
+
+        class Preparing:
+            tokenizer = None
+
+            async def generate(self, request: Any, rid: str, timeout_s: Any) -> Any:
+                try:
+                    started.set()
+                    await asyncio.Event().wait()  # media still being prepared
+                    yield None
+                finally:
+                    closed.set()
+
+        api = HttpApi(Preparing(), model="m", ready=lambda: True, max_body_bytes=1 << 20)  # type: ignore[arg-type]
+        call = openai_api.parse_chat({"messages": [{"role": "user", "content": "x"}], "stream": True})
+        shape = openai_api.Shape.of(True, "r", "m")
+        handler = asyncio.create_task(api._stream(None, call, shape, "r", RequestSummary("r")))  # type: ignore[arg-type]
+        await asyncio.wait_for(started.wait(), 10)
+        handler.cancel()
+        await asyncio.wait([handler])
+        return closed.is_set()
+
+    assert asyncio.run(run()), "the request's work outlived its client"
