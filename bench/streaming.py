@@ -42,7 +42,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -189,24 +189,22 @@ def streaming_cost(
         args = tokenizer_args(model_dir, f"127.0.0.1:{port}", extra=["--http-port", str(http_port)] if http else [])
         tokenizer = ServiceProcess("tokenizer", args, workdir / "tokenizer.log")
         tokenizer.wait_serving(TOKENIZER_SERVICE, 120)
-        requests = [make_request(f"Say {i}", max_tokens=tokens) for i in range(n)]
         if http:
-            return _http_cost(tokenizer, fake, f"http://127.0.0.1:{http_port}/v1/completions", n, tokens)
-        run_clients(tokenizer.address, requests, n)  # warm up
-        procs = {"tokenizer": psutil.Process(tokenizer.pid), "scheduler gRPC": psutil.Process(fake.pid)}
-        me = psutil.Process()
-        before = {k: cpu(p) for k, p in procs.items()} | {"clients": cpu(me)}
-        made = messages = 0
-        took = 0.0
-        for _ in range(3):
-            timelines, wall = run_clients(tokenizer.address, requests, n)
-            made += sum(len(t.token_ids) for t in timelines)
-            # A message's tokens arrive at one instant (`Timeline.token_times`).
-            messages += sum(len(set(t.token_times)) for t in timelines)
-            took += wall
-        after = {k: cpu(p) for k, p in procs.items()} | {"clients": cpu(me)}
-        cost = {k: 1e6 * (after[k] - before[k]) / made for k in before}
-        return cost | {"tok/s": made / took, "messages/token": messages / made}
+            url = f"http://127.0.0.1:{http_port}/v1/completions"
+
+            def once() -> tuple[int, int, float]:
+                return asyncio.run(_http_stream(url, n, tokens))
+
+        else:
+            requests = [make_request(f"Say {i}", max_tokens=tokens) for i in range(n)]
+
+            def once() -> tuple[int, int, float]:
+                timelines, wall = run_clients(tokenizer.address, requests, n)  # type: ignore[union-attr]
+                # A message's tokens arrive at one instant (`Timeline.token_times`).
+                messages = sum(len(set(t.token_times)) for t in timelines)
+                return sum(len(t.token_ids) for t in timelines), messages, wall
+
+        return _cpu_per_token(tokenizer, fake, once)
     finally:
         if tokenizer is not None:
             tokenizer.stop()
@@ -214,21 +212,24 @@ def streaming_cost(
         fake.wait(10)
 
 
-def _http_cost(
-    tokenizer: ServiceProcess, fake: subprocess.Popen[str], url: str, n: int, tokens: int
+def _cpu_per_token(
+    tokenizer: ServiceProcess, fake: subprocess.Popen[str], once: Callable[[], tuple[int, int, float]]
 ) -> dict[str, float]:
-    asyncio.run(_http_stream(url, n, tokens))  # warm up
+    """`once` (a round of the clients: tokens, messages, wall seconds) run to
+    warm up, then three times measured: CPU µs per token by process, the
+    clients' tokens/s and messages per token."""
+    once()
     procs = {"tokenizer": psutil.Process(tokenizer.pid), "scheduler gRPC": psutil.Process(fake.pid)}
     me = psutil.Process()
     before = {k: cpu(p) for k, p in procs.items()} | {"clients": cpu(me)}
-    made = events = 0
+    made = messages = 0
     took = 0.0
     for _ in range(3):
-        m, e, wall = asyncio.run(_http_stream(url, n, tokens))
-        made, events, took = made + m, events + e, took + wall
+        m, e, wall = once()
+        made, messages, took = made + m, messages + e, took + wall
     after = {k: cpu(p) for k, p in procs.items()} | {"clients": cpu(me)}
     cost = {k: 1e6 * (after[k] - before[k]) / made for k in before}
-    return cost | {"tok/s": made / took, "messages/token": events / made}
+    return cost | {"tok/s": made / took, "messages/token": messages / made}
 
 
 def service_rates(model_dir: Path, n: int, tokens: int, workdir: Path, rounds: int = 3) -> dict[int, list[float]]:

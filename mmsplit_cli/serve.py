@@ -22,7 +22,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import threading
@@ -30,6 +29,7 @@ import time
 from pathlib import Path
 from types import FrameType
 
+from mmsplit.serving import free_port
 from mmsplit_cli.launch import SCHEDULER_SERVICE, TOKENIZER_SERVICE, ServiceProcess
 from mmsplit_cli.startup import first_problem
 
@@ -78,7 +78,7 @@ def serve_command(args: argparse.Namespace) -> int:
         token = private / "scheduler-token"
         token.write_text(secrets.token_hex(32))
         token.chmod(0o600)
-        scheduler_port = _free_loopback_port()
+        scheduler_port = free_port()
         scheduler = [
             "scheduler", "--model", str(args.model), "--tp", str(args.tp), "--host", "127.0.0.1",
             "--port", str(scheduler_port), "--auth-token-file", str(token), *args.scheduler_arg,
@@ -121,12 +121,6 @@ def _precheck(args: argparse.Namespace) -> str:
         return "--tp must be at least 1"
     ports = [(args.host, args.port, "--port"), (args.host, args.http_port, "--http-port")]
     return first_problem(args.model, ports)
-
-
-def _free_loopback_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _wait_serving(started: list[ServiceProcess], stopping: threading.Event) -> bool:

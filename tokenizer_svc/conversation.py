@@ -25,6 +25,12 @@ ROLES = {
 }
 
 Medium = tokenizer_pb2.Image | tokenizer_pb2.Video
+# Choices one request may ask for (GenerateRequest.n).
+MAX_CHOICES = 8
+# Choice i of a request seeded s samples with s + i * SEED_STRIDE (mod 2^63,
+# never 0, which means "derived from the downstream request id").
+SEED_STRIDE = 0x9E3779B97F4A7C15
+_U63 = (1 << 63) - 1
 
 
 @dataclass(frozen=True)
@@ -99,3 +105,14 @@ def _conversation(messages: list[tokenizer_pb2.ChatMessage]) -> Parsed:
 
 def _at(i: int) -> dict[str, str]:
     return {"param": f"messages[{i}]"}
+
+
+def choice_request(request: tokenizer_pb2.GenerateRequest, i: int) -> tokenizer_pb2.GenerateRequest:
+    """The request of choice `i`: one choice, its own seed (none stays none:
+    each choice then derives one from its own downstream id)."""
+    out = tokenizer_pb2.GenerateRequest()
+    out.CopyFrom(request)
+    out.n = 1
+    if request.sampling.seed and i:
+        out.sampling.seed = ((request.sampling.seed + i * SEED_STRIDE) & _U63) or 1
+    return out

@@ -12,7 +12,7 @@ What is accepted, as vLLM, SGLang and TGI accept it:
 - `/v1/completions`: `prompt`, a string (or a list holding one).
 - Parameters: temperature, top_p, top_k, seed, stop (a string or a list),
   max_tokens and max_completion_tokens (the smaller when both), min_tokens,
-  stop_token_ids, n (up to MAX_N), stream, stream_options.include_usage,
+  stop_token_ids, n (up to MAX_CHOICES), stream, stream_options.include_usage,
   logprobs and top_logprobs (chat: a boolean and 0 to 20; completions: the
   legacy integer, the number of top entries). Unknown fields are ignored
   (logged at debug).
@@ -33,11 +33,11 @@ from mmsplit.common.v1 import common_pb2
 from mmsplit.errors import E, MmsplitError
 from mmsplit.sampling import MAX_TOP_LOGPROBS
 from mmsplit.tokenizer.v1 import tokenizer_pb2
+from tokenizer_svc.conversation import MAX_CHOICES
 from tokenizer_svc.errors import InvalidRequest
 
 log = logging.getLogger(__name__)
 
-MAX_N = 8  # the service's MAX_CHOICES
 _U63 = (1 << 63) - 1
 _U32 = (1 << 32) - 1
 
@@ -234,8 +234,8 @@ def _finish(body: dict[str, Any], request: tokenizer_pb2.GenerateRequest) -> Cal
             raise _invalid("stop_token_ids must be a list of token ids", "stop_token_ids")
         s.stop_token_ids.extend(ids)
     n = _int(body, "n")
-    if n is not None and not 1 <= n <= MAX_N:
-        raise _invalid(f"n must be within [1, {MAX_N}]", "n")
+    if n is not None and not 1 <= n <= MAX_CHOICES:
+        raise _invalid(f"n must be within [1, {MAX_CHOICES}]", "n")
     request.n = n or 1
     options = body.get("stream_options")
     include_usage = isinstance(options, dict) and options.get("include_usage", True) is True
@@ -310,12 +310,12 @@ class Choices:
 
     def _entry(self, token: int, lp: common_pb2.TokenLogprob) -> dict[str, Any]:
         """OpenAI's chat form of one token's log probability."""
-        top = [
-            {"token": self._text(t), "logprob": v, "bytes": list(self._text(t).encode())}
-            for t, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)
-        ]
+        top = [self._named(t, v) for t, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)]
+        return {**self._named(token, lp.logprob), "top_logprobs": top}
+
+    def _named(self, token: int, logprob: float) -> dict[str, Any]:
         text = self._text(token)
-        return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode()), "top_logprobs": top}
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
     def _text(self, token: int) -> str:
         return str(self.tokens.decode([token])) if self.tokens is not None else str(token)

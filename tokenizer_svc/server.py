@@ -219,11 +219,10 @@ def run(settings: TokenizerSettings) -> int:
             token=read_secret(settings.scheduler_auth_token_file) if settings.scheduler_auth_token_file else "",
             server_name=settings.scheduler_tls_server_name,
         )
-        if settings.api_key_file:
-            read_secret(settings.api_key_file)  # unreadable or empty: fails here
+        api_key = read_secret(settings.api_key_file) if settings.api_key_file else ""  # unreadable or empty: here
     except (ValueError, OSError) as exc:
         raise SystemExit(f"mmsplit tokenizer: {exc}") from exc
-    return run_service(_serve(settings, security, downstream))
+    return run_service(_serve(settings, security, downstream, api_key))
 
 
 def _load_processor(settings: TokenizerSettings) -> tuple[families.Family, Any, str | None]:
@@ -260,7 +259,9 @@ def chat_template(choice: str, model_dir: Path, tokenizer: Any) -> str | None:
     return own if isinstance(own, str) and own else None
 
 
-async def _serve(settings: TokenizerSettings, security: ServerSecurity, downstream: ClientSecurity) -> int:
+async def _serve(
+    settings: TokenizerSettings, security: ServerSecurity, downstream: ClientSecurity, api_key: str
+) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
 
@@ -312,7 +313,7 @@ async def _serve(settings: TokenizerSettings, security: ServerSecurity, downstre
             service,
             model=settings.served_model_name or settings.model_dir.name,
             ready=lambda: health.ready,
-            api_key=read_secret(settings.api_key_file) if settings.api_key_file else "",
+            api_key=api_key,
             max_body_bytes=settings.http_body_limit,
             metrics=metrics,
             keepalive_s=settings.http_keepalive_s,

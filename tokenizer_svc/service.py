@@ -30,7 +30,7 @@ from mmsplit.scheduler.v1 import scheduler_pb2
 from mmsplit.tensors import NUMPY_TO_DTYPE, CudaRef, TensorSpec
 from mmsplit.tokenizer.v1 import tokenizer_pb2
 from tokenizer_svc.cache import PreprocessCache, fingerprint
-from tokenizer_svc.conversation import Located, Parsed, parse
+from tokenizer_svc.conversation import MAX_CHOICES, Located, Parsed, choice_request, parse
 from tokenizer_svc.detokenize import IncrementalDecoder, StopMatcher, stream_text
 from tokenizer_svc.downstream import SchedulerLink, Schedulers
 from tokenizer_svc.errors import (
@@ -57,13 +57,6 @@ from tokenizer_svc.prompt import Media, PromptBuilder
 from tokenizer_svc.settings import TokenizerSettings
 
 log = logging.getLogger(__name__)
-# Choices one request may ask for (GenerateRequest.n).
-MAX_CHOICES = 8
-# Choice i of a request seeded s samples with s + i * SEED_STRIDE (mod 2^63,
-# never 0, which means "derived from the downstream request id").
-SEED_STRIDE = 0x9E3779B97F4A7C15
-_U63 = (1 << 63) - 1
-
 # A call that ended with one of these before the scheduler accepted it goes
 # to another backend (once).
 FAILOVER_CODES = frozenset({E.ERROR_CODE_SCHEDULER_UNAVAILABLE, E.ERROR_CODE_SHUTTING_DOWN})
@@ -687,17 +680,6 @@ class Prepared:
 
     result: ItemResult
     locks: list[shm.Lock | slab.Held]
-
-
-def choice_request(request: tokenizer_pb2.GenerateRequest, i: int) -> tokenizer_pb2.GenerateRequest:
-    """The request of choice `i`: one choice, its own seed (none stays none:
-    each choice then derives one from its own downstream id)."""
-    out = tokenizer_pb2.GenerateRequest()
-    out.CopyFrom(request)
-    out.n = 1
-    if request.sampling.seed and i:
-        out.sampling.seed = ((request.sampling.seed + i * SEED_STRIDE) & _U63) or 1
-    return out
 
 
 def _unlock(prepared: list[Prepared]) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-import socket
 import time
 import urllib.error
 import urllib.request
@@ -58,16 +57,9 @@ class Api:
         return 0.0
 
 
-def _closed_port() -> int:
-    """A loopback port nothing listens on (bound, then closed)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _api(model: Path, logs: Path, *, tp: str = "1") -> Iterator[Api]:
     (logs / "key").write_text(KEY + "\n")
-    http, metrics, closed = free_port(), free_port(), _closed_port()
+    http, metrics, closed = free_port(), free_port(), free_port()  # closed: nothing listens there
     tokenizer = [
         "--http-port", str(http),
         "--api-key-file", str(logs / "key"),

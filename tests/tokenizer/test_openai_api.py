@@ -64,7 +64,7 @@ def test_sampling_fields_map_and_max_tokens_takes_the_smaller() -> None:
     assert (list(s.stop), list(s.stop_token_ids), s.min_tokens) == (["END"], [2], 3)
     assert (call.n, call.stream, call.include_usage) == (3, True, True)
     assert call.request.n == 3
-    from tokenizer_svc.service import choice_request
+    from tokenizer_svc.conversation import choice_request
 
     seeds = [choice_request(call.request, i).sampling.seed for i in range(3)]
     assert seeds[0] == 7
