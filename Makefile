@@ -4,13 +4,16 @@
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
+# What the services need (make demo), then what tests and tools add (make test, check).
 STAMP  := $(VENV)/.installed-stamp
+DEV    := $(VENV)/.dev-stamp
+# The client's own dependencies as wheels: tests/test_packaging.py installs the
+# built client wheel into a fresh venv from here, with no registry.
+CLIENT_WHEELS := $(VENV)/client-wheels
 
-.PHONY: venv demo test check fmt proto baseline bench bench-engine wheels image clean
+.PHONY: venv dev demo test check fmt proto baseline bench bench-engine dist wheels image clean
 
-$(STAMP): requirements.txt pyproject.toml
-	@command -v kubectl >/dev/null || { echo "installing kubectl (renders deploy/ in the tests)"; \
-	  apt-get install -y -q kubectl >/dev/null 2>&1 || apt-get install -y -q kubernetes-client; }
+$(STAMP): requirements.txt pyproject.toml client/pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	# Byte-compiled here, on every core (pip compiles on one: 50 of its 110 s).
@@ -20,7 +23,17 @@ $(STAMP): requirements.txt pyproject.toml
 	# tests are Python 3.12 syntax and do not compile: hence the `|| true`.)
 	$(BIN)/python -m pip install --quiet --no-compile -r requirements.txt
 	$(BIN)/python -m compileall -qq -j 0 $(VENV)/lib >/dev/null || true
-	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e .
+	# The two distributions of this repository, editable: the light client
+	# (the `mmsplit` package) and the server, which depends on it.
+	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e ./client -e .
+	touch $@
+
+$(DEV): $(STAMP) requirements-dev.txt
+	@command -v kubectl >/dev/null || { echo "installing kubectl (renders deploy/ in the tests)"; \
+	  apt-get install -y -q kubectl >/dev/null 2>&1 || apt-get install -y -q kubernetes-client; }
+	$(BIN)/python -m pip install --quiet -r requirements-dev.txt
+	$(BIN)/python -m pip download --quiet --only-binary :all: --dest $(CLIENT_WHEELS) \
+	  $$(grep -E '^(grpcio|grpcio-status|grpcio-health-checking|grpcio-reflection|protobuf|googleapis-common-protos)==' requirements.txt)
 	$(MAKE) --no-print-directory $(BIN)/promtool
 	touch $@
 
@@ -33,34 +46,35 @@ $(BIN)/promtool:
 	mv $(VENV)/.promtool/usr/bin/promtool $@ && rm -rf $(VENV)/.promtool
 
 venv: $(STAMP)
+dev: $(DEV)
 
 ## Both services, a tiny local model, scripted requests, a table of outcomes.
 demo: $(STAMP)
 	$(BIN)/mmsplit demo
 
 ## The whole test suite (contract checks included), two workers (a file to a worker).
-test: $(STAMP)
+test: $(DEV)
 	$(BIN)/python -m pytest -n 2 --dist loadfile
 
 ## Lint, types and the proto style: ruff, mypy, buf lint, buf format.
-check: $(STAMP)
+check: $(DEV)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 	$(BIN)/buf lint protos
 	$(BIN)/buf format --diff --exit-code protos
 
-fmt: $(STAMP)
+fmt: $(DEV)
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 	$(BIN)/buf format -w protos
 
 ## Regenerate the committed Python code of the protos.
-proto: $(STAMP)
+proto: $(DEV)
 	$(BIN)/python tools/gen_protos.py
 
 ## Record the current contract as the baseline `buf breaking` compares against.
-baseline: $(STAMP)
+baseline: $(DEV)
 	$(BIN)/buf build protos -o protos/baseline.binpb
 
 ## Benchmarks (each prints ratios against a baseline measured in the same run).
@@ -72,6 +86,11 @@ bench: $(STAMP)
 bench-engine: $(STAMP)
 	$(BIN)/python bench/engine.py
 	$(BIN)/python bench/streaming.py
+
+## Both wheels into dist/: mmsplit-client (light) and mmsplit (the server, depending on it).
+dist: $(STAMP)
+	rm -rf dist build && $(BIN)/python -m pip wheel --quiet --no-deps --no-build-isolation --wheel-dir dist ./client . && rm -rf build
+	@ls dist
 
 ## The CPU build of torch for the container image (Containerfile copies wheels/).
 wheels: $(STAMP)

@@ -80,7 +80,7 @@ def main() -> None:
     if args.rank is not None:
         rank_main(args.rank, args.port, args.steps)
         return
-    from mmsplit.serving import free_port
+    from mmsplit_server.serving import free_port
 
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}

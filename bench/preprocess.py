@@ -67,8 +67,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness import ROOT, scratch_dir, table
 
-from mmsplit import families, slab
 from mmsplit_cli import samples
+from mmsplit_server import families, slab
 from tokenizer_svc.decode import decode_image
 from tokenizer_svc.pool import CpuPool
 from tokenizer_svc.preprocess import STAGES, ImageJob, SlabRef, keep_heap

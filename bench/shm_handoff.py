@@ -52,9 +52,9 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from mmsplit import shm, slab
 from mmsplit.common.v1 import common_pb2
-from mmsplit.tensors import TensorSpec
+from mmsplit_server import shm, slab
+from mmsplit_server.tensors import TensorSpec
 from scheduler_svc.reader import SharedMemoryReader
 
 PREFIX = "mmsplitbench"

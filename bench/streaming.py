@@ -50,10 +50,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import psutil
 from harness import SoloGroup, build_model, inline_reader, run_clients, table
 
-from mmsplit.serving import free_port
 from mmsplit_cli import samples
 from mmsplit_cli.client import make_request
 from mmsplit_cli.launch import TOKENIZER_SERVICE, ServiceProcess, running_pair, tokenizer_args
+from mmsplit_server.serving import free_port
 
 
 def fake_scheduler(port: int, step_ms: float = 0.0, per_token: bool = False, interval: int = 1) -> None:
@@ -67,7 +67,7 @@ def fake_scheduler(port: int, step_ms: float = 0.0, per_token: bool = False, int
 
     from mmsplit.common.v1 import common_pb2
     from mmsplit.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
-    from mmsplit.serving import Health, new_server
+    from mmsplit_server.serving import Health, new_server
     from scheduler_svc.frontend import responses
     from scheduler_svc.loop import Event, Finished, Token
 
@@ -255,7 +255,7 @@ def compute_cost(model_dir: Path, n: int, steps: int = 16) -> float:
     import torch
     from transformers import AutoModelForImageTextToText
 
-    from mmsplit.sampling import Sampling
+    from mmsplit_server.sampling import Sampling
     from scheduler_svc.engine import Engine
     from scheduler_svc.plan import NewRequest, Plan
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -44,6 +45,15 @@ RETRY_BUFFER_BYTES = 64 * 1024 * 1024  # requests up to this size can be retried
 
 
 # ---- errors ----
+def read_secret(path: str) -> str:
+    """A token file (a bearer token, an API key)'s content (surrounding whitespace removed); empty is an error.
+    Both services and the conformance kit read theirs with this."""
+    token = Path(path).read_text().strip()
+    if not token:
+        raise ValueError(f"{path} is empty")
+    return token
+
+
 class RequestFailed(Exception):
     """A failed call: the server's ErrorCode name, whether retrying can help,
     the request id it echoed, the gRPC status code and message."""

@@ -2,6 +2,7 @@
 do that a `.proto` cannot say.
 
     mmsplit conformance --tokenizer HOST:PORT [--scheduler HOST:PORT] [--http http://HOST:PORT/v1]
+    mmsplit-conformance ...    # the same, from the light client distribution alone
 
 It speaks only the protos (the generated stubs, `grpc.health.v1` and server
 reflection) and the error table of DESIGN.md §4 (`mmsplit.errors.TABLE`); it
@@ -33,7 +34,6 @@ scheduler's request counts before and after.
 from __future__ import annotations
 
 import argparse
-import io
 import math
 import struct
 import time
@@ -45,15 +45,21 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+try:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+except ImportError as exc:  # the light client without its extra
+    raise ImportError(
+        f"{exc.name} is missing: the conformance kit needs pip install 'mmsplit-client[conformance]'", name=exc.name
+    ) from exc
 
 from mmsplit.checks import Failed, Result, Skipped, expect, run_check, table
+from mmsplit.client import read_secret
 from mmsplit.common.v1 import common_pb2
 from mmsplit.errors import DOMAIN, TABLE, error_info_of, reason_of
 from mmsplit.pairing import Pairing
 from mmsplit.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
-from mmsplit.serving import read_secret
 from mmsplit.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 
 E = common_pb2.ErrorCode
@@ -79,25 +85,26 @@ class Options:
 
 
 # ---- media the checks send (made here: the kit depends on no test code) ----
-def png(width: int = 64, height: int = 48) -> bytes:
-    from PIL import Image
+def _chunk(kind: bytes, data: bytes) -> bytes:
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
 
-    out = io.BytesIO()
-    Image.new("RGB", (width, height), (90, 140, 200)).save(out, format="PNG")
-    return out.getvalue()
+
+def _png(width: int, height: int, idat: bytes) -> bytes:
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)  # 8-bit RGB
+    return b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", header) + _chunk(b"IDAT", idat) + _chunk(b"IEND", b"")
+
+
+def png(width: int = 64, height: int = 48) -> bytes:
+    """A valid RGB PNG of one colour (the standard library alone: the kit
+    needs nothing but gRPC)."""
+    row = b"\0" + bytes((90, 140, 200)) * width  # filter type 0, then the pixels
+    return _png(width, height, zlib.compress(row * height))
 
 
 def png_claiming(width: int, height: int) -> bytes:
     """A PNG whose header claims width x height, with one tiny IDAT: a bomb
     any server must refuse before allocating the pixels."""
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return (
-        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
-    )
+    return _png(width, height, zlib.compress(b"\0" * 64))
 
 
 # ---- the error a failed call carries ----
@@ -588,3 +595,15 @@ def run_command(args: argparse.Namespace) -> int:
         results += HttpKit(args.http, key, args.timeout).all()
     print(table(results))
     return 1 if any(r.verdict == "FAIL" for r in results) else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`mmsplit-conformance` (`python -m mmsplit.conformance`): the kit
+    without the server distribution."""
+    parser = argparse.ArgumentParser(prog="mmsplit-conformance", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run_command(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -142,7 +142,7 @@ class Unauthenticated(MmsplitError):
 class MalformedMessage(MmsplitError):
     """The request's bytes do not parse as its method's protobuf message
     (client, not retriable): the one check no servicer can make, since
-    gRPC parses before it calls one (`mmsplit.serving.RefuseMalformed`)."""
+    gRPC parses before it calls one (`mmsplit_server.serving.RefuseMalformed`)."""
 
     code = E.ERROR_CODE_INVALID_REQUEST
 

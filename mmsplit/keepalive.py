@@ -1,5 +1,5 @@
 """HTTP/2 keepalive, as both services and the client library set it up
-(`mmsplit.serving`, `mmsplit.client`)."""
+(`mmsplit_server.serving`, `mmsplit.client`)."""
 
 from __future__ import annotations
 

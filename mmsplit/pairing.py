@@ -38,9 +38,12 @@ import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mmsplit.common.v1 import common_pb2
-from mmsplit.families import Family
+
+if TYPE_CHECKING:  # the servers' own package; this module ships in the light client
+    from mmsplit_server.families import Family
 
 log = logging.getLogger(__name__)
 

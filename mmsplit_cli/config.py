@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
-from mmsplit.settings import InvalidSettings
+from mmsplit_server.settings import InvalidSettings
 
 S = TypeVar("S")
 

@@ -18,13 +18,13 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from mmsplit import shm
 from mmsplit.client import Client, Delta, RequestFailed
 from mmsplit.tokenizer.v1 import tokenizer_pb2
 from mmsplit_cli import samples
 from mmsplit_cli.client import Outcome, make_request
 from mmsplit_cli.launch import SCHEDULER_SERVICE, TOKENIZER_SERVICE, running_pair
 from mmsplit_cli.tiny_model import build
+from mmsplit_server import shm
 
 
 @dataclass

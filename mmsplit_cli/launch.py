@@ -20,7 +20,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from mmsplit.serving import free_port
+from mmsplit_server.serving import free_port
 
 log = logging.getLogger(__name__)
 

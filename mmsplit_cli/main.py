@@ -19,9 +19,9 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
-from mmsplit.serving import exit_now, raise_fd_limit, setup_logging
 from mmsplit_cli.config import add_settings_arguments, settings_from
 from mmsplit_cli.tiny_model import FAMILIES
+from mmsplit_server.serving import exit_now, raise_fd_limit, setup_logging
 
 
 def _scheduler(args: argparse.Namespace) -> NoReturn:

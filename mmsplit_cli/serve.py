@@ -29,9 +29,9 @@ import time
 from pathlib import Path
 from types import FrameType
 
-from mmsplit.serving import free_port
 from mmsplit_cli.launch import SCHEDULER_SERVICE, TOKENIZER_SERVICE, ServiceProcess
 from mmsplit_cli.startup import first_problem
+from mmsplit_server.serving import free_port
 
 START_TIMEOUT_S = 600.0  # a real checkpoint can take minutes to load
 

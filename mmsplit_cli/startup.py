@@ -16,7 +16,7 @@ import re
 import socket
 from pathlib import Path
 
-from mmsplit import families
+from mmsplit_server import families
 
 # owner/name, as the Hub spells a repository: not a path anyone would mean.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")

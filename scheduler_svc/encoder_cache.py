@@ -26,7 +26,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from mmsplit.lru import ByteLRU
+from mmsplit_server.lru import ByteLRU
 
 
 def _size(features: torch.Tensor) -> int:

@@ -32,9 +32,9 @@ from typing import Any
 
 import torch
 
-from mmsplit import families
 from mmsplit.errors import E, InternalError, MmsplitError
-from mmsplit.families import Family
+from mmsplit_server import families
+from mmsplit_server.families import Family
 from scheduler_svc.agreement import agree_on_failures
 from scheduler_svc.collective import Collective
 from scheduler_svc.encoder_cache import EncoderCache

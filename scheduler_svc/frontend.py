@@ -15,10 +15,10 @@ from collections.abc import AsyncIterator
 import numpy as np
 
 from mmsplit.common.v1 import common_pb2
-from mmsplit.families import IMAGE, BadItem, is_encoder_input
-from mmsplit.sampling import Sampling
 from mmsplit.scheduler.v1 import scheduler_pb2
-from mmsplit.tensors import TensorSpec
+from mmsplit_server.families import IMAGE, BadItem, is_encoder_input
+from mmsplit_server.sampling import Sampling
+from mmsplit_server.tensors import TensorSpec
 from scheduler_svc.errors import InvalidRequest, InvalidTensorRef, MmsplitError
 from scheduler_svc.loop import Admission, Event, Failed, Finished, StepLoop, Token
 from scheduler_svc.model import ModelInfo

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from mmsplit.serving import exit_now, free_port, name_process
+from mmsplit_server.serving import exit_now, free_port, name_process
 from scheduler_svc.settings import SchedulerSettings
 
 log = logging.getLogger(__name__)

@@ -24,8 +24,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from mmsplit import shm, slab
 from mmsplit.common.v1 import common_pb2
+from mmsplit_server import shm, slab
 from scheduler_svc.collective import Collective
 from scheduler_svc.engine import Engine
 from scheduler_svc.errors import (

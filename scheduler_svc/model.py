@@ -12,9 +12,9 @@ from transformers import AutoConfig, AutoModelForImageTextToText
 from transformers.distributed import DistributedConfig
 from transformers.utils import logging as hf_logging
 
-from mmsplit import families
-from mmsplit.families.base import read_json
-from mmsplit.families.llava import Llava
+from mmsplit_server import families
+from mmsplit_server.families.base import read_json
+from mmsplit_server.families.llava import Llava
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from mmsplit import devices, shm
-from mmsplit.serving import setup_logging
+from mmsplit_server import devices, shm
+from mmsplit_server.serving import setup_logging
 from scheduler_svc.collective import TorchCollective, init_group, pick_device
 from scheduler_svc.engine import Engine
 from scheduler_svc.group import Rendezvous

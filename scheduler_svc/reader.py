@@ -30,8 +30,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from mmsplit import slab
-from mmsplit.tensors import TensorSpec
+from mmsplit_server import slab
+from mmsplit_server.tensors import TensorSpec
 from scheduler_svc.settings import SchedulerSettings
 
 # Wire dtype -> the torch dtype, and the numpy dtype a lent tensor is made

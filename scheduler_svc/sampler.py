@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mmsplit.sampling import Sampling
+from mmsplit_server.sampling import Sampling
 
 log = logging.getLogger(__name__)
 

@@ -24,12 +24,14 @@ import grpc
 import torch
 import torch.distributed as dist
 
-from mmsplit import __version__, devices, pairing, shm
+from mmsplit import __version__, pairing
+from mmsplit.client import read_secret
 from mmsplit.common.v1 import common_pb2
 from mmsplit.errors import InternalError, MmsplitError
-from mmsplit.metrics import ServiceMetrics
 from mmsplit.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
-from mmsplit.serving import (
+from mmsplit_server import devices, shm
+from mmsplit_server.metrics import ServiceMetrics
+from mmsplit_server.serving import (
     Health,
     RequestSummary,
     ServerSecurity,
@@ -39,7 +41,6 @@ from mmsplit.serving import (
     is_loopback,
     new_server,
     on_stop_signals,
-    read_secret,
     run_service,
 )
 from scheduler_svc.errors import SchedulerUnavailable

@@ -1,16 +1,16 @@
 """Settings of the scheduler service. Built once by the CLI (flags with
 MMSPLIT_* environment fallbacks, see `mmsplit_cli.config`) and passed down;
 nothing else reads the environment. Each field's `help` is its documentation;
-ranges and choices are checked when the object is made (`mmsplit.settings`)."""
+ranges and choices are checked when the object is made (`mmsplit_server.settings`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mmsplit.serving import LOG_FORMATS, is_loopback
-from mmsplit.settings import check, keepalive_problems, prefix_problems
-from mmsplit.settings import opt as _opt
+from mmsplit_server.serving import LOG_FORMATS, is_loopback
+from mmsplit_server.settings import check, keepalive_problems, prefix_problems
+from mmsplit_server.settings import opt as _opt
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "debug", "info", "warning", "error")
 
@@ -103,7 +103,7 @@ class SchedulerSettings:
         min=0.1,
     )
     cuda_ipc_backend: str = _opt(
-        "mmsplit.devices:cuda_backend",
+        "mmsplit_server.devices:cuda_backend",
         "module:factory of what opens CUDA IPC handles (tests substitute a fake device); the transport is "
         "offered when it reports GPUs and every rank is on this host (--launch local)",
     )

@@ -30,7 +30,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from mmsplit.serving import free_port
+from mmsplit_server.serving import free_port
 from tests.support import messages
 from tests.support.leaks import SERVICE_TMP, children, project_segments, service_temp_leftovers, wait_until
 from tests.support.services import (

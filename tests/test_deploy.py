@@ -252,6 +252,11 @@ def test_the_containerfile_lints_and_names_only_what_exists() -> None:
             assert "--dest wheels torch==2.13.0" in (ROOT / "Makefile").read_text()
             continue
         assert (ROOT / src).exists(), src
+    # Every package of both distributions goes into the image, and both are installed.
+    packages = {d.name for d in ROOT.iterdir() if (d / "__init__.py").is_file()} - {"tests", "bench"}
+    assert packages <= {src.rstrip("/") for src in sources}, packages
+    assert "client/" in sources
+    assert "./client ." in text
     # The entrypoint is the console script the package installs.
     entry = re.search(r'ENTRYPOINT \["(\w+)"\]', text)
     assert entry is not None

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mmsplit.lru import ByteLRU
+from mmsplit_server.lru import ByteLRU
 from tokenizer_svc.preprocess import ItemResult, Job, VideoJob
 
 FINGERPRINT_FILES = ("config.json", "preprocessor_config.json", "video_preprocessor_config.json")

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mmsplit.families import Family
 from mmsplit.tokenizer.v1 import tokenizer_pb2
+from mmsplit_server.families import Family
 from tokenizer_svc.errors import InvalidRequest, MediaUnsupported
 from tokenizer_svc.prompt import Turn
 from tokenizer_svc.settings import TokenizerSettings

@@ -33,14 +33,14 @@ from collections.abc import AsyncGenerator, Collection
 
 import grpc
 
-from mmsplit import shm
 from mmsplit.common.v1 import common_pb2
 from mmsplit.errors import E, RemoteError
 from mmsplit.keepalive import keepalive_options
 from mmsplit.pairing import UNKNOWN, Pairing
 from mmsplit.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
-from mmsplit.serving import ClientSecurity
 from mmsplit.tokenizer.v1 import tokenizer_pb2
+from mmsplit_server import shm
+from mmsplit_server.serving import ClientSecurity
 from tokenizer_svc.errors import SchedulerUnavailable
 from tokenizer_svc.settings import TokenizerSettings
 

@@ -4,7 +4,7 @@ Hierarchy (the shared base lives in `mmsplit.errors`)::
 
     MmsplitError
     ├── InvalidRequest            client  no retry  bad prompt, too many images, bad source
-    ├── InvalidSampling           client  no retry  sampling parameter out of limits (mmsplit.sampling)
+    ├── InvalidSampling           client  no retry  sampling parameter out of limits (mmsplit_server.sampling)
     ├── MediaDecodeFailed         client  no retry  truncated/corrupt bytes, lazy-decode failure
     ├── MediaUnsupported          client  no retry  not an image we accept (format, mode)
     ├── MediaTooLarge             client  no retry  bytes, pixels, decompression bomb

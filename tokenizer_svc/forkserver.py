@@ -44,7 +44,7 @@ import threading
 import types
 from typing import Any, NoReturn
 
-from mmsplit.serving import at_exit_now, name_process
+from mmsplit_server.serving import at_exit_now, name_process
 
 log = logging.getLogger(__name__)
 

@@ -40,8 +40,8 @@ from typing import Any
 from aiohttp import web
 
 from mmsplit.errors import InternalError, MmsplitError, Unauthenticated
-from mmsplit.serving import RequestSummary
 from mmsplit.tokenizer.v1 import tokenizer_pb2
+from mmsplit_server.serving import RequestSummary
 from tokenizer_svc import openai_api
 from tokenizer_svc.errors import InvalidRequest
 from tokenizer_svc.service import TokenizerService

@@ -31,8 +31,8 @@ from typing import Any
 
 from mmsplit.common.v1 import common_pb2
 from mmsplit.errors import E, MmsplitError
-from mmsplit.sampling import MAX_TOP_LOGPROBS
 from mmsplit.tokenizer.v1 import tokenizer_pb2
+from mmsplit_server.sampling import MAX_TOP_LOGPROBS
 from tokenizer_svc.conversation import MAX_CHOICES
 from tokenizer_svc.errors import InvalidRequest
 

@@ -5,7 +5,7 @@ Only compressed bytes come in: in a slice of the slab when there is one
 (`stage_input`: a megabyte-sized pickle crosses the worker's socket in
 pieces, each a wake-up of the event loop), else in the pickled job. With the shared-memory transport only
 metadata goes back (`ItemResult`): each encoder input (``pixel_values*``) is
-written once, straight into a slice of the tokenizer's slab (`mmsplit.slab`;
+written once, straight into a slice of the tokenizer's slab (`mmsplit_server.slab`;
 the worker holds the slice until the tokenizer process takes it over), or
 into a new segment of its own when there is no slab or the tensor is over
 the slab's largest slice. With the inline transport (a scheduler that does not
@@ -41,7 +41,7 @@ import numpy as np
 import torch
 from transformers import AutoImageProcessor
 
-from mmsplit import families, shm, slab
+from mmsplit_server import families, shm, slab
 from tokenizer_svc import pil_resize, video
 from tokenizer_svc.decode import decode_image
 from tokenizer_svc.errors import InternalError, MediaUnsupported, Overloaded

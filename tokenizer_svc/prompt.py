@@ -4,7 +4,7 @@ model's own processor expands it, and the placeholder runs of every item.
 Fidelity: the expanded text is tokenized in one call of the tokenizer, the
 way transformers' processors do it, so the ids equal the processor's for the
 same text and media (tested per family). The expansion rule is the family's
-(`mmsplit.families`), the same code the scheduler checks items with.
+(`mmsplit_server.families`), the same code the scheduler checks items with.
 
 Control tokens: user text may not contain the text of any special or added
 token of the tokenizer (``</s>``, ``<|im_start|>``, ...) except the media
@@ -32,7 +32,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from mmsplit.families import IMAGE, VIDEO, Family
+from mmsplit_server.families import IMAGE, VIDEO, Family
 from tokenizer_svc.errors import InternalError, InvalidRequest
 
 

@@ -21,11 +21,14 @@ from typing import Any
 
 import grpc
 
-from mmsplit import __version__, devices, families, pairing, shm
+from mmsplit import __version__, pairing
+from mmsplit.client import read_secret
 from mmsplit.common.v1 import common_pb2
 from mmsplit.errors import InternalError, MmsplitError
-from mmsplit.metrics import ServiceMetrics
-from mmsplit.serving import (
+from mmsplit.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from mmsplit_server import devices, families, shm
+from mmsplit_server.metrics import ServiceMetrics
+from mmsplit_server.serving import (
     ClientSecurity,
     Health,
     RequestSummary,
@@ -33,10 +36,8 @@ from mmsplit.serving import (
     health_server,
     new_server,
     on_stop_signals,
-    read_secret,
     run_service,
 )
-from mmsplit.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from tokenizer_svc.downstream import Schedulers
 from tokenizer_svc.errors import InvalidRequest
 from tokenizer_svc.http_api import HttpApi

@@ -22,13 +22,13 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from mmsplit import devices, families, shm, slab
 from mmsplit.common.v1 import common_pb2
 from mmsplit.errors import E, MmsplitError, RemoteError
-from mmsplit.sampling import Sampling
 from mmsplit.scheduler.v1 import scheduler_pb2
-from mmsplit.tensors import NUMPY_TO_DTYPE, CudaRef, TensorSpec
 from mmsplit.tokenizer.v1 import tokenizer_pb2
+from mmsplit_server import devices, families, shm, slab
+from mmsplit_server.sampling import Sampling
+from mmsplit_server.tensors import NUMPY_TO_DTYPE, CudaRef, TensorSpec
 from tokenizer_svc.cache import PreprocessCache, fingerprint
 from tokenizer_svc.conversation import MAX_CHOICES, Located, Parsed, choice_request, parse
 from tokenizer_svc.detokenize import IncrementalDecoder, StopMatcher, stream_text

@@ -1,16 +1,16 @@
 """Settings of the tokenizer service. Built once by the CLI (flags with
 MMSPLIT_* environment fallbacks, see `mmsplit_cli.config`) and passed down;
 nothing else reads the environment. Each field's `help` is its documentation;
-ranges and choices are checked when the object is made (`mmsplit.settings`)."""
+ranges and choices are checked when the object is made (`mmsplit_server.settings`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mmsplit.serving import LOG_FORMATS
-from mmsplit.settings import check, keepalive_problems, prefix_problems
-from mmsplit.settings import opt as _opt
+from mmsplit_server.serving import LOG_FORMATS
+from mmsplit_server.settings import check, keepalive_problems, prefix_problems
+from mmsplit_server.settings import opt as _opt
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "debug", "info", "warning", "error")
 
@@ -78,7 +78,7 @@ class TokenizerSettings:
         min=0,
     )
     cuda_ipc_backend: str = _opt(
-        "mmsplit.devices:cuda_backend", "module:factory of the device backend (tests substitute a fake device)"
+        "mmsplit_server.devices:cuda_backend", "module:factory of the device backend (tests substitute a fake device)"
     )
     cpu_workers: int = _opt(2, "processes decoding and preprocessing images", min=1)
     io_threads: int = _opt(4, "threads reading image files (under --allowed-media-dir)", min=1)

@@ -21,8 +21,8 @@ import struct
 from collections.abc import Callable
 from typing import Any
 
-from mmsplit import slab
-from mmsplit.serving import name_process
+from mmsplit_server import slab
+from mmsplit_server.serving import name_process
 from tokenizer_svc import forkserver
 from tokenizer_svc.errors import InternalError
 from tokenizer_svc.preprocess import init_worker, preprocess

@@ -4,13 +4,17 @@
     python tools/gen_protos.py --out DIR  # writes under DIR (the freshness test)
 
 The output is `*_pb2.py`, `*_pb2.pyi` and `*_pb2_grpc.py` from
-`python -m grpc_tools.protoc`, plus an empty `__init__.py` in each generated
-package directory so the generated modules import as regular packages.
+`python -m grpc_tools.protoc`, a relative symbolic link to each `.proto` beside
+its modules (the client distribution ships the contract's source as package
+data; the wheel holds the file itself), and an
+empty `__init__.py` in each generated package directory so the generated
+modules import as regular packages.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -48,7 +52,15 @@ def generate(out: Path) -> list[Path]:
             if sub != Path("mmsplit") and not init.exists():
                 init.write_text("")
         stem = f.stem
-        generated += [rel_dir / f"{stem}_pb2.py", rel_dir / f"{stem}_pb2.pyi", rel_dir / f"{stem}_pb2_grpc.py"]
+        link = out / rel_dir / f.name
+        link.unlink(missing_ok=True)
+        link.symlink_to(os.path.relpath(f, link.parent))
+        generated += [
+            rel_dir / f.name,
+            rel_dir / f"{stem}_pb2.py",
+            rel_dir / f"{stem}_pb2.pyi",
+            rel_dir / f"{stem}_pb2_grpc.py",
+        ]
     return generated
 
 

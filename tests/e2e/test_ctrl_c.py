@@ -13,10 +13,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from mmsplit.serving import free_port
 from mmsplit.tokenizer.v1 import tokenizer_pb2_grpc
 from mmsplit_cli.client import make_request
 from mmsplit_cli.launch import SCHEDULER_SERVICE, TOKENIZER_SERVICE, ServiceProcess, scheduler_args, tokenizer_args
+from mmsplit_server.serving import free_port
 from tests.e2e.helpers import rank_processes
 from tests.support.leaks import wait_until
 from tests.support.services import ENV

@@ -12,8 +12,8 @@ import pytest
 
 from mmsplit.common.v1 import common_pb2
 from mmsplit.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
-from mmsplit.serving import free_port
 from mmsplit_cli.launch import ServiceProcess
+from mmsplit_server.serving import free_port
 from scheduler_svc.model import model_info
 from tests.conftest import SCHEDULER_SERVICE
 

@@ -24,10 +24,10 @@ import openai
 import pytest
 
 from mmsplit.client import ImagePart, VideoPart, build_request
-from mmsplit.serving import free_port
 from mmsplit.tokenizer.v1 import tokenizer_pb2_grpc
 from mmsplit_cli import samples
 from mmsplit_cli.client import run_request
+from mmsplit_server.serving import free_port
 from tests.e2e.helpers import rank_active_requests, tokenizer_info
 from tests.support.leaks import PROJECT_PREFIX, project_segments, wait_until
 from tests.support.services import Pair, running_pair

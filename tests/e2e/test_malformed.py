@@ -1,7 +1,7 @@
 """Bytes that are not a protobuf message of the method's type, sent to
 either service: INVALID_ARGUMENT with our ErrorInfo (INVALID_REQUEST), not
 gRPC's UNKNOWN naming protobuf's exception, and nothing else breaks
-(`mmsplit.serving.RefuseMalformed`)."""
+(`mmsplit_server.serving.RefuseMalformed`)."""
 
 from __future__ import annotations
 

@@ -23,11 +23,11 @@ import grpc
 import pytest
 
 from mmsplit.common.v1 import common_pb2
-from mmsplit.serving import free_port
 from mmsplit.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from mmsplit_cli import samples
 from mmsplit_cli.client import Outcome, make_request, run_request
 from mmsplit_cli.launch import ServiceProcess, scheduler_args
+from mmsplit_server.serving import free_port
 from tests.conftest import SCHEDULER_SERVICE, TOKENIZER_SERVICE, Services
 from tests.e2e.helpers import health_status
 from tests.support.leaks import wait_until

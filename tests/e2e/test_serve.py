@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from mmsplit.client import Client
-from mmsplit.serving import free_port
+from mmsplit_server.serving import free_port
 from tests.support.services import ENV, ROOT
 
 pytestmark = pytest.mark.e2e

@@ -1,4 +1,4 @@
-"""The shared-memory slab (`mmsplit.slab`) through the real services.
+"""The shared-memory slab (`mmsplit_server.slab`) through the real services.
 
 - Under a 2,000-request mixed load on the shared pair (distinct images
   through the workers, repeats from the preprocessing cache, corrupt images,

@@ -98,7 +98,7 @@ def test_each_rank_s_cache_digest_comes_back_in_the_same_collective() -> None:
 
 @pytest.mark.timeout(120)
 def test_real_two_process_gloo_agreement() -> None:
-    from mmsplit.serving import free_port
+    from mmsplit_server.serving import free_port
 
     port = str(free_port())
     codes = {0: ["0", "0", "2"], 1: ["0", "11", "0"]}

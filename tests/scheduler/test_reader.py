@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from mmsplit import shm, slab
 from mmsplit.common.v1 import common_pb2
-from mmsplit.tensors import TensorSpec, TensorTransportFailed
+from mmsplit_server import shm, slab
+from mmsplit_server.tensors import TensorSpec, TensorTransportFailed
 from scheduler_svc.reader import SharedMemoryReader
 from tests.support.leaks import PROJECT_PREFIX, own_slab
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mmsplit.sampling import Sampling
+from mmsplit_server.sampling import Sampling
 from scheduler_svc.sampler import RowSampling, Sampler, make_generator
 
 EOS = 3

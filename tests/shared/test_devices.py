@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from mmsplit import devices, shm, slab
 from mmsplit.common.v1 import common_pb2
-from mmsplit.tensors import CudaRef, InvalidTensorRef, TensorSpec, TensorTransportFailed
+from mmsplit_server import devices, shm, slab
+from mmsplit_server.tensors import CudaRef, InvalidTensorRef, TensorSpec, TensorTransportFailed
 from tests.support import fake_device
 from tests.support.holder import killed_after
 from tests.support.leaks import PROJECT_PREFIX
@@ -67,7 +67,7 @@ def test_an_importer_killed_holding_a_range_frees_it(pool: devices.DevicePool) -
     writer = pool.put(memoryview(np.ones(1000, np.uint8)), wait_s=0)
     piece = writer.slice
     args = f"{piece.segment!r}, {piece.offset}, {piece.nbytes}"
-    take = f"from mmsplit import slab, shm; slab.take(shm.Slice({args}), {PREFIX!r})"
+    take = f"from mmsplit_server import slab, shm; slab.take(shm.Slice({args}), {PREFIX!r})"
     with killed_after(take):
         writer.release()
         assert pool.used_bytes() == slab.PAGE, "the importer holds it"

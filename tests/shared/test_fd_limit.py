@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from mmsplit import slab
+from mmsplit_server import slab
 from tests.support import limits
 from tests.support.leaks import PROJECT_PREFIX, own_slab
 from tests.support.services import ROOT
@@ -26,10 +26,10 @@ PREFIX = PROJECT_PREFIX + "fds"
 # path that opens a segment is tried and what it raised is printed.
 CHILD = r"""
 import json, os, resource, sys
-from mmsplit import shm
+from mmsplit_server import shm
 from mmsplit.common.v1 import common_pb2
 from mmsplit.errors import MmsplitError, reason_of
-from mmsplit.tensors import TensorSpec
+from mmsplit_server.tensors import TensorSpec
 from scheduler_svc.reader import SharedMemoryReader
 from tokenizer_svc.preprocess import ItemTensor, SlabRef, place
 
@@ -99,7 +99,7 @@ def test_a_service_raises_its_open_file_limit() -> None:
     if limits.nothing_to_raise():
         pytest.skip(limits.nothing_to_raise())
     script = (
-        "import resource\nfrom mmsplit.serving import raise_fd_limit\n"
+        "import resource\nfrom mmsplit_server.serving import raise_fd_limit\n"
         f"resource.setrlimit(resource.RLIMIT_NOFILE, ({limits.LOW}, {limits.HARD}))  # as a runtime may start it\n"
         "print(raise_fd_limit(), resource.getrlimit(resource.RLIMIT_NOFILE)[0])"
     )

@@ -11,8 +11,9 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from mmsplit import families, pairing
+from mmsplit import pairing
 from mmsplit_cli.tiny_model import SPM_MEMBER, tokenizer_wheel
+from mmsplit_server import families
 from tests.support.services import ROOT
 
 

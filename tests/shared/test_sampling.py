@@ -8,7 +8,7 @@ import pytest
 
 from mmsplit.common.v1 import common_pb2
 from mmsplit.errors import E
-from mmsplit.sampling import InvalidSampling, Sampling
+from mmsplit_server.sampling import InvalidSampling, Sampling
 
 
 def check(pb: common_pb2.SamplingParams, **kw: object) -> Sampling:

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mmsplit import shm
+from mmsplit_server import shm
 from tests.support.leaks import PROJECT_PREFIX
 from tests.support.planted import planted as plant
 
@@ -110,7 +110,7 @@ def test_a_lock_held_by_another_process_keeps_the_segment_and_dies_with_it() -> 
         [
             sys.executable,
             "-c",
-            "import sys, time; from mmsplit import shm; "
+            "import sys, time; from mmsplit_server import shm; "
             f"lock = shm.Lock({piece.segment!r}, {PREFIX!r}); print('locked', flush=True); time.sleep(60)",
         ],
         stdout=subprocess.PIPE,

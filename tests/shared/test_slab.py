@@ -1,4 +1,4 @@
-"""The slab's leases: byte-range locks as the allocation map (`mmsplit.slab`)."""
+"""The slab's leases: byte-range locks as the allocation map (`mmsplit_server.slab`)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from mmsplit import shm, slab
 from mmsplit.common.v1 import common_pb2
-from mmsplit.tensors import TensorSpec
+from mmsplit_server import shm, slab
+from mmsplit_server.tensors import TensorSpec
 from tests.support.holder import killed_after
 from tests.support.leaks import PROJECT_PREFIX, own_slab, wait_until
 
@@ -302,7 +302,7 @@ def test_a_range_being_written_cannot_be_taken(owned: slab.Slab) -> None:
 def test_a_writer_killed_holding_a_slice_frees_it(owned: slab.Slab) -> None:
     """Locks vanish with their process: no janitor, no timeout."""
     write = (
-        "import numpy as np; from mmsplit import slab; "
+        "import numpy as np; from mmsplit_server import slab; "
         f"slab.write({owned.name!r}, {PREFIX!r}, memoryview(np.ones(500_000, np.uint8)), wait_s=0)"
     )
     with killed_after(write):
@@ -353,7 +353,7 @@ def test_a_released_descriptor_serves_the_next_lock_and_holds_nothing(owned: sla
     # janitors' flock is left by spares too: see the janitor's test).
     quarter = f"memoryview(np.ones({owned.max_slice}, np.uint8))"
     fill = (
-        "import numpy as np; from mmsplit import slab; "
+        "import numpy as np; from mmsplit_server import slab; "
         f"held = [slab.write({owned.name!r}, {PREFIX!r}, {quarter}, wait_s=0) for _ in range(4)]"
     )
     with killed_after(fill):

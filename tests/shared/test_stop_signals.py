@@ -1,5 +1,5 @@
 """A service that has stopped ignores further SIGTERMs to its exit
-(`mmsplit.serving.run_service`). Here without a model, so the stop takes
+(`mmsplit_server.serving.run_service`). Here without a model, so the stop takes
 microseconds and a flood of SIGTERMs (one every 0.1 ms) lands in every
 part of it, the event loop's own close included: closing a loop puts back
 SIGTERM's default action, which killed every such process before."""
@@ -16,7 +16,7 @@ from tests.support.services import ROOT
 
 SERVICE = """
 import asyncio, signal, sys
-from mmsplit.serving import run_service
+from mmsplit_server.serving import run_service
 
 async def main() -> int:
     loop = asyncio.get_running_loop()

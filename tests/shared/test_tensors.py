@@ -5,9 +5,9 @@ import os
 import numpy as np
 import pytest
 
-from mmsplit import shm
 from mmsplit.common.v1 import common_pb2
-from mmsplit.tensors import InvalidTensorRef, TensorSpec, TensorTransportFailed
+from mmsplit_server import shm
+from mmsplit_server.tensors import InvalidTensorRef, TensorSpec, TensorTransportFailed
 from tests.support.leaks import PROJECT_PREFIX
 
 PREFIX = PROJECT_PREFIX + "tensors"  # this file's own, in this test process's

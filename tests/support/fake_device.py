@@ -14,7 +14,7 @@ import os
 import numpy as np
 import torch
 
-from mmsplit import devices, shm, slab
+from mmsplit_server import devices, shm, slab
 
 PREFIX = os.environ.get("MMSPLIT_SHM_PREFIX", "mmsplit")
 

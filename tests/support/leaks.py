@@ -12,7 +12,7 @@ from pathlib import Path
 
 import psutil
 
-from mmsplit import shm, slab
+from mmsplit_server import shm, slab
 
 SHM_DIR = Path("/dev/shm")
 

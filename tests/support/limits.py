@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import resource
 
-from mmsplit.serving import WANT_OPEN_FILES
+from mmsplit_server.serving import WANT_OPEN_FILES
 
 HARD = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
 # What a service raises its soft limit to here (it cannot pass the hard one).

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from mmsplit import shm
+from mmsplit_server import shm
 
 
 @contextmanager

@@ -64,7 +64,7 @@ PRELOAD = [
     "tokenizer_svc.server",
     "tokenizer_svc.preprocess",
     "tokenizer_svc.worker",
-    "mmsplit.families",
+    "mmsplit_server.families",
     "torch.distributed",
     "transformers.models.llava.modeling_llava",
     "transformers.models.llava_next.modeling_llava_next",
@@ -212,7 +212,7 @@ def _become_service(request: dict, stderr_fd: int, close: Sequence[int]) -> None
         traceback.print_exc()
     finally:
         # What the interpreter's exit would run (a service's own stop leaves
-        # by os._exit before this: `mmsplit.serving.exit_now`).
+        # by os._exit before this: `mmsplit_server.serving.exit_now`).
         with contextlib.suppress(BaseException):
             atexit._run_exitfuncs()
             sys.stdout.flush()

@@ -93,7 +93,7 @@ UNFORKABLE = textwrap.dedent(
 EXITS_NOW = textwrap.dedent(
     """
     import multiprocessing.util, os
-    from mmsplit.serving import exit_now
+    from mmsplit_server.serving import exit_now
     from tests.support import forkserver_probe
     from tokenizer_svc import forkserver
 

@@ -137,7 +137,7 @@ def test_a_stream_cancelled_before_its_first_event_closes_the_request() -> None:
     (the service's cleanup runs), not whenever it would have ended."""
     import asyncio
 
-    from mmsplit.serving import RequestSummary
+    from mmsplit_server.serving import RequestSummary
     from tokenizer_svc.http_api import HttpApi
 
     async def run() -> bool:

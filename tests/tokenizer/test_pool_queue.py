@@ -25,8 +25,8 @@ import pytest
 from PIL import Image
 from transformers import AutoImageProcessor
 
-from mmsplit import families, slab
 from mmsplit_cli import samples
+from mmsplit_server import families, slab
 from tests.support.leaks import PROJECT_PREFIX, wait_until
 from tests.support.worker_hook import SLOW, UNSENDABLE, marked
 from tokenizer_svc import forkserver

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from mmsplit import families
+from mmsplit_server import families
 from tests.support import family_kit, hf_family
 from tokenizer_svc.errors import InvalidRequest
 from tokenizer_svc.prompt import Media, Turn

@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mmsplit import families
 from mmsplit.errors import MmsplitError
 from mmsplit_cli import samples
+from mmsplit_server import families
 from tests.support import hf_family, video_corpus
 from tokenizer_svc import video
 from tokenizer_svc.errors import PreprocessTimeout

@@ -4,7 +4,7 @@ The tokenizer stages preprocessed tensors into one allocation on its GPU (a
 `DevicePool`) and exports the pool's IPC handle; ranks on the same node open
 the handle once per pool and copy each tensor's range into a tensor of their
 own. The pool's memory is leased exactly as the shared-memory slab's is
-(`mmsplit.slab`): a **lease map** — a sparse slab file in /dev/shm whose
+(`mmsplit_server.slab`): a **lease map** — a sparse slab file in /dev/shm whose
 byte ranges stand for the pool's — carries the byte-range locks. The writer
 holds a range from the moment it is allocated, rank 0 takes its own lock
 before `Accepted`, the tokenizer then lets go, and rank 0 lets go after the
@@ -34,7 +34,7 @@ from typing import Any, Protocol
 
 import torch
 
-from mmsplit import shm, slab
+from mmsplit_server import shm, slab
 
 MAX_HANDLE_BYTES = 4096
 
@@ -168,7 +168,7 @@ _loaded: dict[str, Backend] = {}
 _loaded_lock = threading.Lock()
 
 
-DEFAULT_BACKEND = "mmsplit.devices:cuda_backend"
+DEFAULT_BACKEND = "mmsplit_server.devices:cuda_backend"
 _current = DEFAULT_BACKEND
 
 

@@ -12,7 +12,7 @@ import importlib
 from pathlib import Path
 from typing import Any
 
-from mmsplit.families.base import IMAGE, VIDEO, BadItem, Family, Placeholders, is_encoder_input, read_json
+from mmsplit_server.families.base import IMAGE, VIDEO, BadItem, Family, Placeholders, is_encoder_input, read_json
 
 MODULES = ("llava", "llava_next", "qwen2_vl")
 VIDEO_CONFIG = "video_preprocessor_config.json"
@@ -33,7 +33,7 @@ def supported() -> dict[str, str]:
     """model_type -> adapter module."""
     out: dict[str, str] = {}
     for module in MODULES:
-        for model_type in importlib.import_module(f"mmsplit.families.{module}").MODEL_TYPES:
+        for model_type in importlib.import_module(f"mmsplit_server.families.{module}").MODEL_TYPES:
             out[model_type] = module
     return out
 
@@ -67,7 +67,7 @@ def _module(config: dict[str, Any]) -> Any:
     modules = supported()
     if model_type not in modules:
         raise ValueError(f"model type {model_type!r} is not supported; supported: {', '.join(sorted(modules))}")
-    return importlib.import_module(f"mmsplit.families.{modules[model_type]}")
+    return importlib.import_module(f"mmsplit_server.families.{modules[model_type]}")
 
 
 def _input_names(model_dir: Path) -> frozenset[str]:

@@ -12,9 +12,9 @@ from typing import Any
 
 import numpy as np
 
-from mmsplit.families.base import IMAGE, BadItem, Family, ints, need
-from mmsplit.families.llava import Llava
-from mmsplit.families.llava import build as build_llava
+from mmsplit_server.families.base import IMAGE, BadItem, Family, ints, need
+from mmsplit_server.families.llava import Llava
+from mmsplit_server.families.llava import build as build_llava
 
 MODEL_TYPES = ("llava_next",)
 MAX_SIDE = 1 << 15

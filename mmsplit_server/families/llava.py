@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from mmsplit.families.base import IMAGE, BadItem, Family, Placeholders, need
+from mmsplit_server.families.base import IMAGE, BadItem, Family, Placeholders, need
 
 MODEL_TYPES = ("llava",)
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from mmsplit.families.base import IMAGE, VIDEO, BadItem, Family, Placeholders, ints, need
+from mmsplit_server.families.base import IMAGE, VIDEO, BadItem, Family, Placeholders, ints, need
 
 MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
 GRID_NAMES: dict[int, tuple[str, str]] = {

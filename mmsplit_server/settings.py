@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from typing import Any, TypeVar
 
 from mmsplit.keepalive import MIN_PING_INTERVAL_MS
-from mmsplit.shm import check_prefix
+from mmsplit_server.shm import check_prefix
 
 T = TypeVar("T")
 
@@ -60,7 +60,7 @@ def keepalive_problems(keepalive_s: float) -> list[str]:
 
 
 def prefix_problems(prefix: str) -> list[str]:
-    """`--shm-prefix` must be a prefix `mmsplit.shm` accepts."""
+    """`--shm-prefix` must be a prefix `mmsplit_server.shm` accepts."""
     try:
         check_prefix(prefix)
     except ValueError as exc:

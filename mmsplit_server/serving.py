@@ -267,7 +267,7 @@ class RequestSummary:
         self.prompt_tokens, self.completion_tokens = prompt_tokens, completion_tokens
 
     def log(self, logger: logging.Logger, metrics: Any = None) -> None:
-        """Log the line; count it in `metrics` (a `mmsplit.metrics.ServiceMetrics`) too."""
+        """Log the line; count it in `metrics` (a `mmsplit_server.metrics.ServiceMetrics`) too."""
         if self.outcome != "OK":
             self.completion_tokens = self.streamed
         duration = time.perf_counter() - self.start
@@ -340,14 +340,6 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
-
-
-def read_secret(path: str) -> str:
-    """A token file's content (surrounding whitespace removed); empty is an error."""
-    token = Path(path).read_text().strip()
-    if not token:
-        raise ValueError(f"{path} is empty")
-    return token
 
 
 @dataclass(frozen=True)

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
-from mmsplit import devices, shm, slab
 from mmsplit.common.v1 import common_pb2
 from mmsplit.errors import E, MmsplitError
-from mmsplit.shm import Lock
+from mmsplit_server import devices, shm, slab
+from mmsplit_server.shm import Lock
 
 D = common_pb2.Dtype
 
@@ -55,7 +55,7 @@ class TensorResourcesExhausted(MmsplitError):
 
 @dataclass(frozen=True)
 class CudaRef:
-    """A range of an exporter's GPU pool (`mmsplit.devices`): its handle and
+    """A range of an exporter's GPU pool (`mmsplit_server.devices`): its handle and
     device, and the range of the pool's lease map standing for it."""
 
     handle: bytes

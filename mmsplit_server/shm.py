@@ -47,7 +47,7 @@ SHM_DIR = Path("/dev/shm")
 DEFAULT_PREFIX = "mmsplit"
 _PREFIX = r"[A-Za-z][A-Za-z0-9_]{0,31}"
 _PREFIX_RE = re.compile(rf"^{_PREFIX}$")
-# The random part of a slab's name (`mmsplit.slab`) starts with "slab".
+# The random part of a slab's name (`mmsplit_server.slab`) starts with "slab".
 _NAME_RE = re.compile(rf"^(?P<prefix>{_PREFIX})-(?P<pid>[0-9]{{1,10}})-(?P<rand>[0-9a-f]{{16}}|slab[0-9a-f]{{12}})$")
 _OPEN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
@@ -138,7 +138,7 @@ def new_name(prefix: str, owner_pid: int, *, slab: bool = False) -> str:
 @functools.lru_cache(maxsize=1024)
 def is_slab(name: str) -> bool:
     """Whether `name` is a slab's: its slices are released by unlocking,
-    never by unlinking the segment (`mmsplit.slab`)."""
+    never by unlinking the segment (`mmsplit_server.slab`)."""
     m = _NAME_RE.match(name)
     return m is not None and m["rand"].startswith("slab")
 
@@ -221,10 +221,10 @@ def _open(name: str, *, write: bool = False) -> tuple[int, os.stat_result]:
 
 def read_into(piece: Slice, prefix: str, out: memoryview, *, max_segment_bytes: int) -> None:
     """Copy a validated slice into `out` (writable, exactly `piece.nbytes`).
-    A slab's slice is read through the slab's mapping (`mmsplit.slab`)."""
+    A slab's slice is read through the slab's mapping (`mmsplit_server.slab`)."""
     parse_name(piece.segment, prefix)
     if is_slab(piece.segment):
-        from mmsplit import slab  # slab builds on this module
+        from mmsplit_server import slab  # slab builds on this module
 
         slab.read_into(piece, prefix, out)
         return
@@ -311,7 +311,7 @@ RELEASE_FAILURES = _Counter()
 def segment_bytes(prefix: str, *, creator_pid: int | None = None) -> int:
     """Memory the prefix's segments take in /dev/shm now (of one creator
     pid, as its name says, when given): blocks allocated, not sizes, so a
-    sparse lease map (`mmsplit.devices`) counts for what it holds, nothing."""
+    sparse lease map (`mmsplit_server.devices`) counts for what it holds, nothing."""
     total = 0
     for name in list_segments(prefix):
         if creator_pid is None or name.split("-")[-2:-1] == [str(creator_pid)]:

@@ -80,7 +80,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from mmsplit import shm
+from mmsplit_server import shm
 
 log = logging.getLogger(__name__)
 
@@ -312,7 +312,7 @@ class Slab:
 
     def __init__(self, prefix: str, owner_pid: int, nbytes: int, *, sparse: bool = False) -> None:
         """`sparse`: a lease map only — the file's bytes are never written
-        (its ranges stand for memory elsewhere, `mmsplit.devices`), so its
+        (its ranges stand for memory elsewhere, `mmsplit_server.devices`), so its
         size is set, not reserved, and costs no memory."""
         if nbytes < 4 * PAGE:
             raise ValueError(f"a slab needs at least {4 * PAGE} bytes")
@@ -522,7 +522,7 @@ def lease(name: str, prefix: str, nbytes: int, fill: Callable[[int, int, int], N
     """Allocate `nbytes` of slab `name` and call `fill(fd, inode, offset)`
     while the range is write-locked; return it held under a read lock. The
     slab's own bytes (`write`), or memory elsewhere that a sparse lease map
-    stands for (`mmsplit.devices`)."""
+    stands for (`mmsplit_server.devices`)."""
     if nbytes <= 0:
         raise ValueError("refusing to allocate an empty range")
     fd, st = _local.descriptor(name, prefix, write=True)
