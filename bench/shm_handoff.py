@@ -145,7 +145,7 @@ def row(label: str, shape: tuple[int, ...], owned: slab.Slab, rng: np.random.Gen
                 return rank.read("bench", TensorSpec(common_pb2.DTYPE_FLOAT32, src.shape, shm=writer.slice))
             # What the reader did: a fresh tensor, the slice copied into it.
             raw = torch.empty(src.nbytes, dtype=torch.uint8)
-            shm.read_into(rank0.slice, PREFIX, memoryview(raw.numpy()), max_segment_bytes=1 << 30)  # type: ignore[arg-type]
+            slab.read_slice(rank0.slice, PREFIX, memoryview(raw.numpy()), max_segment_bytes=1 << 30)  # type: ignore[arg-type]
             return raw.view(torch.float32).reshape(src.shape)
         finally:
             rank.end_step()

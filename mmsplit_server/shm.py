@@ -220,22 +220,20 @@ def _open(name: str, *, write: bool = False) -> tuple[int, os.stat_result]:
 
 
 def read_into(piece: Slice, prefix: str, out: memoryview, *, max_segment_bytes: int) -> None:
-    """Copy a validated slice into `out` (writable, exactly `piece.nbytes`).
-    A slab's slice is read through the slab's mapping (`mmsplit_server.slab`)."""
+    """Copy a validated slice of a one-off segment into `out` (writable,
+    exactly `piece.nbytes`). A slab's slice is read through the slab's
+    mapping: `slab.read_slice` takes either kind (the slab builds on this
+    module, never the other way)."""
     parse_name(piece.segment, prefix)
     if is_slab(piece.segment):
-        from mmsplit_server import slab  # slab builds on this module
-
-        slab.read_into(piece, prefix, out)
-        return
+        raise BadSegmentName("a slab's slice is read through the slab (slab.read_slice)")
     out = out.cast("B")
     if out.nbytes != piece.nbytes:
         raise SegmentBounds(f"destination holds {out.nbytes} bytes, slice has {piece.nbytes}")
     fd, st = _open(piece.segment)
     try:
         size = st.st_size
-        # A slab is bigger than any tensor by design; the slice is still capped.
-        if size > max_segment_bytes and not is_slab(piece.segment):
+        if size > max_segment_bytes:
             raise SegmentBounds(f"the segment has {size} bytes, over the cap {max_segment_bytes}")
         if piece.offset + piece.nbytes > size:
             raise SegmentBounds(

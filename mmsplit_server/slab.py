@@ -643,6 +643,16 @@ def view(piece: shm.Slice, prefix: str) -> memoryview:
         whole.release()
 
 
+def read_slice(piece: shm.Slice, prefix: str, out: memoryview, *, max_segment_bytes: int) -> None:
+    """Copy a slice of a slab or of a one-off segment into `out`. A slab is
+    bigger than any tensor by design, so only a one-off segment is capped
+    by `max_segment_bytes`."""
+    if shm.is_slab(piece.segment):
+        read_into(piece, prefix, out)  # its view checks the name
+    else:
+        shm.read_into(piece, prefix, out, max_segment_bytes=max_segment_bytes)
+
+
 def read_into(piece: shm.Slice, prefix: str, out: memoryview) -> None:
     """Copy a slab slice into `out` (exactly `piece.nbytes`) through this
     process's mapping of the slab. The caller holds the slice (`take`), or

@@ -145,7 +145,7 @@ class TensorSpec:
         if self.shm is None:
             raise InvalidTensorRef("tensor reference has no location")
         with _TRANSLATED:
-            shm.read_into(self.shm, prefix, out, max_segment_bytes=max_bytes)
+            slab.read_slice(self.shm, prefix, out, max_segment_bytes=max_bytes)
 
     def borrow(self, prefix: str) -> tuple[memoryview, slab.Held | None] | None:
         """The tensor's bytes in place, read-only, where they can be had

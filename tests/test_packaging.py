@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import sysconfig
-import threading
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +21,7 @@ import pytest
 
 import mmsplit
 from mmsplit_server.serving import free_port
+from tests.support.serve_output import ServeOutput
 from tests.support.services import ENV, ROOT
 
 pytestmark = pytest.mark.e2e
@@ -80,11 +81,16 @@ def _installed(python: Path) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def wheels(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Both wheels, built as `make dist` builds them (its build/ directory
-    kept out of the checkout)."""
-    out = tmp_path_factory.mktemp("dist")
+    """Both wheels, built as `make dist` builds them, from a copy of the
+    sources (setuptools writes build/ and *.egg-info where it builds)."""
+    src, out = tmp_path_factory.mktemp("src"), tmp_path_factory.mktemp("dist")
+    skip = shutil.ignore_patterns("__pycache__", "*.egg-info", "build")
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    for name in ("client", "mmsplit", "mmsplit_server", "mmsplit_cli", "tokenizer_svc", "scheduler_svc"):
+        shutil.copytree(ROOT / name, src / name, ignore=skip)  # the .proto links become files
     _run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
-          "--wheel-dir", str(out), "./client", "."], cwd=ROOT)  # fmt: skip
+          "--wheel-dir", str(out), "./client", "."], cwd=src)  # fmt: skip
     built = {p.name.split("-")[0]: p for p in out.glob("*.whl")}
     assert set(built) == {"mmsplit", "mmsplit_client"}, built
     return built
@@ -125,31 +131,18 @@ def served(tmp_path: Path, wheels: dict[str, Path], tiny_model: Path) -> Iterato
         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         env=_env(), cwd=tmp_path,
     )  # fmt: skip
-    lines: list[str] = []
-    ready = threading.Event()
-
-    def read() -> None:
-        assert proc.stderr is not None
-        for line in proc.stderr:
-            lines.append(line)
-            if "mmsplit serve: ready:" in line:
-                ready.set()
-        ready.set()
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
+    out = ServeOutput(proc)
     try:
-        assert ready.wait(180), "".join(lines[-30:])
-        assert proc.poll() is None, "".join(lines[-30:])
+        assert out.wait_ready(180), out.tail()
         yield f"127.0.0.1:{port}"
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(60) == 0, "".join(lines[-30:])
+        assert proc.wait(60) == 0, out.tail()
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-        reader.join(10)
-    assert "Traceback" not in "".join(lines), "".join(lines)[-3000:]
+        out.join()
+    assert "Traceback" not in out.text, out.text[-3000:]
 
 
 def test_the_client_wheel_alone_talks_to_services_from_the_server_wheel(client_venv: Path, served: str) -> None:

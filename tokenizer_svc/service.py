@@ -611,7 +611,7 @@ class TokenizerService:
         """The bytes of a tensor held in one of our segments."""
         assert t.segment is not None
         buf = bytearray(t.nbytes)
-        shm.read_into(
+        slab.read_slice(
             shm.Slice(t.segment, t.offset, t.nbytes),
             self.settings.shm_prefix,
             memoryview(buf),

@@ -10,7 +10,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import pytest
 
 from mmsplit.client import Client
 from mmsplit_server.serving import free_port
+from tests.support.serve_output import ServeOutput
 from tests.support.services import ENV, ROOT
 
 pytestmark = pytest.mark.e2e
@@ -40,22 +40,10 @@ def test_one_command_serves_both_apis_and_ctrl_c_stops_it_cleanly(chat_models: C
     grpc_port, http_port = free_port(), free_port()
     model = chat_models("llava")
     proc = _serve(["--model", str(model), "--port", str(grpc_port), "--http-port", str(http_port)])
-    lines: list[str] = []
-    ready = threading.Event()
-
-    def read() -> None:
-        assert proc.stderr is not None
-        for line in proc.stderr:
-            lines.append(line)
-            if "mmsplit serve: ready:" in line:
-                ready.set()
-        ready.set()
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
+    out = ServeOutput(proc)
+    lines = out.lines
     try:
-        assert ready.wait(180), "".join(lines[-30:])
-        assert proc.poll() is None, "".join(lines[-30:])
+        assert out.wait_ready(180), out.tail()
         said = next(line for line in lines if "ready:" in line)
         assert f"127.0.0.1:{grpc_port}" in said
         assert f"http://127.0.0.1:{http_port}/v1" in said
@@ -72,8 +60,8 @@ def test_one_command_serves_both_apis_and_ctrl_c_stops_it_cleanly(chat_models: C
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-        reader.join(10)
-    text = "".join(lines)
+        out.join()
+    text = out.text
     assert "Traceback" not in text, text[-3000:]
     assert "stopping (the tokenizer, then the scheduler)" in text
 

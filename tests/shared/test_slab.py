@@ -35,7 +35,7 @@ def tensor(nbytes: int, seed: int) -> np.ndarray:
 
 def read(piece: shm.Slice) -> np.ndarray:
     out = np.empty(piece.nbytes, dtype=np.uint8)
-    shm.read_into(piece, PREFIX, memoryview(out), max_segment_bytes=1)  # a slab is never capped by its size
+    slab.read_slice(piece, PREFIX, memoryview(out), max_segment_bytes=1)  # a slab is never capped by its size
     return out
 
 
@@ -49,6 +49,10 @@ def test_write_take_hand_over_read_release(owned: slab.Slab) -> None:
     assert writer.handed_over()
     writer.release()
     assert np.array_equal(read(taker.slice), data)
+    with pytest.raises(shm.BadSegmentName):  # one-off segments only: a slab is read through its mapping
+        shm.read_into(
+            taker.slice, PREFIX, memoryview(np.empty(taker.slice.nbytes, np.uint8)), max_segment_bytes=1 << 30
+        )
     assert owned.used_bytes() == 10 * slab.PAGE  # the taker holds it now
     taker.release()
     assert owned.used_bytes() == 0

@@ -52,7 +52,7 @@ class FakeBackend:
             name = json.loads(handle)["fake"]
             out = np.empty(nbytes, dtype=np.uint8)
             view = memoryview(out)  # type: ignore[arg-type]
-            shm.read_into(shm.Slice(name, offset, nbytes), PREFIX, view, max_segment_bytes=1 << 40)
+            slab.read_slice(shm.Slice(name, offset, nbytes), PREFIX, view, max_segment_bytes=1 << 40)
         except (ValueError, KeyError, TypeError, shm.SegmentError) as exc:
             raise devices.DeviceError(f"the fake device handle could not be opened: {type(exc).__name__}") from exc
         return torch.from_numpy(out)
