@@ -46,8 +46,9 @@ RETRY_BUFFER_BYTES = 64 * 1024 * 1024  # requests up to this size can be retried
 
 # ---- errors ----
 def read_secret(path: str) -> str:
-    """A token file (a bearer token, an API key)'s content (surrounding whitespace removed); empty is an error.
-    Both services and the conformance kit read theirs with this."""
+    """The content of a token file (a bearer token, an API key), surrounding
+    whitespace removed; an empty file is an error. Both services and the
+    conformance kit read theirs with this."""
     token = Path(path).read_text().strip()
     if not token:
         raise ValueError(f"{path} is empty")
