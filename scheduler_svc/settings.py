@@ -8,15 +8,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mmsplit_server.serving import LOG_FORMATS, is_loopback
-from mmsplit_server.settings import check, keepalive_problems, prefix_problems
+from mmsplit_server.serving import is_loopback
+from mmsplit_server.settings import ServiceSettings
 from mmsplit_server.settings import opt as _opt
 
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "debug", "info", "warning", "error")
 
-
-@dataclass(frozen=True)
-class SchedulerSettings:
+@dataclass(frozen=True, kw_only=True)
+class SchedulerSettings(ServiceSettings):
     model_dir: Path = field(
         metadata={
             "help": "local checkpoint directory of a supported family (LLaVA-1.5, LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL)",
@@ -31,15 +29,10 @@ class SchedulerSettings:
     port: int = _opt(
         50051, "port to serve gRPC on (the tokenizer's --scheduler default); 0 picks a free one (logged)", min=0
     )
-    tls_cert: str = _opt("", "PEM certificate (chain) of this server: serve TLS (with --tls-key)")
-    tls_key: str = _opt("", "PEM private key of --tls-cert")
-    tls_client_ca: str = _opt("", "PEM CA certificates: require clients to present a certificate they signed (mTLS)")
     auth_token_file: str = _opt(
         "", "file holding a shared token every call must carry (authorization: Bearer <token>); health is exempt"
     )
     insecure: bool = _opt(False, "allow serving a non-loopback address with neither mutual TLS nor a token")
-    health_port: int = _opt(0, "also serve grpc.health.v1 alone, plaintext, on this port (probes); 0 = off", min=0)
-    health_host: str = _opt("", "address of the --health-port server; empty = --host")
     launch: str = _opt(
         "local",
         "'local': this process is rank 0 and spawns ranks 1..tp-1 here; 'env': this process is the rank "
@@ -58,9 +51,7 @@ class SchedulerSettings:
         "model dtype: 'auto' (float32 on CPU, bfloat16 on CUDA), 'float32', 'bfloat16' or 'float16'",
         choices=("auto", "float32", "bfloat16", "float16"),
     )
-    shm_prefix: str = _opt("mmsplit", "prefix of the shared-memory segment names accepted")
     max_tensor_bytes: int = _opt(64 * 1024 * 1024, "largest tensor (and segment) accepted, bytes", min=1)
-    max_images_per_request: int = _opt(8, "images one request may carry", min=0)
     max_new_per_step: int = _opt(32, "new requests admitted into one step; the rest wait", min=1)
     max_running: int = _opt(64, "requests generating at once (rows of the batch)", min=1)
     max_queue: int = _opt(256, "accepted requests waiting for room; beyond this, OVERLOADED at once", min=1)
@@ -80,7 +71,6 @@ class SchedulerSettings:
         min=0,
     )
     default_max_tokens: int = _opt(64, "max_tokens of a request that leaves it 0", min=1)
-    max_tokens_limit: int = _opt(4096, "largest max_tokens accepted", min=1)
     stream_interval: int = _opt(
         1,
         "tokens per streamed message of a running request: 1 sends each step's token as it comes; N sends "
@@ -111,47 +101,23 @@ class SchedulerSettings:
         "",
         "'module:factory' building each rank's tensor reader (scheduler_svc/reader.py); empty = shared memory/inline",
     )
-    janitor_interval_s: float = _opt(30.0, "how often unowned segments of the prefix are swept", min=0.01)
-    segment_grace_s: float = _opt(
-        30.0,
-        "a segment of the prefix nobody holds a lock on, older than this, is an orphan the janitor removes",
-        min=0.01,
-    )
     encoder_cache_bytes: int = _opt(
         256 * 1024 * 1024,
         "bytes of encoder outputs each rank keeps for items seen before (keyed by the tensors' bytes, which "
         "each rank hashes itself), on the model's device; a hit skips the vision tower; 0 = off",
         min=0,
     )
-    shutdown_grace_s: float = _opt(5.0, "seconds running requests get to finish on SIGTERM", min=0)
-    keepalive_s: float = _opt(
-        20.0,
-        "seconds between HTTP/2 keepalive pings on every connection this service holds (its clients'): a peer that "
-        "stops answering (its node gone, a network partition) is found within this plus --keepalive-timeout-s, and "
-        "its calls end (their requests aborted, their memory released); at least 1; 0 = off",
-        min=0,
-    )
-    keepalive_timeout_s: float = _opt(
-        10.0, "how long a keepalive ping may go unanswered before its connection is closed", min=0.1
-    )
-    max_message_bytes: int = _opt(256 * 1024 * 1024, "largest gRPC message", min=1024)
+    max_message_bytes: int = _opt(256 * 1024 * 1024, "largest gRPC message, bytes", min=1024)
     stats_interval_s: float = _opt(10.0, "how often the step loop logs its statistics", min=0.01)
-    log_level: str = _opt("INFO", "logging level", choices=LOG_LEVELS)
-    metrics_port: int = _opt(0, "serve Prometheus /metrics (plain HTTP) on this port; 0 = off", min=0)
-    metrics_host: str = _opt("", "address of the --metrics-port server; empty = --host")
-    log_format: str = _opt(
-        "text", "text, or json: one JSON object per line, finished requests with their fields", choices=LOG_FORMATS
-    )
 
-    def __post_init__(self) -> None:
-        extra = prefix_problems(self.shm_prefix)
-        extra.extend(keepalive_problems(self.keepalive_s))
-        extra.extend(security_problems(self))
+    def problems(self) -> list[str]:
+        problems = super().problems()
+        problems.extend(security_problems(self))
         if self.default_max_tokens > self.max_tokens_limit:
-            extra.append(
+            problems.append(
                 f"--default-max-tokens ({self.default_max_tokens}) is over --max-tokens-limit ({self.max_tokens_limit})"
             )
-        check(self, *extra)
+        return problems
 
 
 def security_problems(s: SchedulerSettings) -> list[str]:
@@ -159,10 +125,6 @@ def security_problems(s: SchedulerSettings) -> list[str]:
     loopback it may be open; anywhere else only a caller with a client
     certificate or the token may name segments to it."""
     problems = []
-    if bool(s.tls_cert) != bool(s.tls_key):
-        problems.append("--tls-cert and --tls-key go together")
-    if s.tls_client_ca and not s.tls_cert:
-        problems.append("--tls-client-ca needs --tls-cert and --tls-key (mutual TLS is TLS first)")
     if not is_loopback(s.host) and not (s.tls_client_ca or s.auth_token_file) and not s.insecure:
         problems.append(
             f"--host {s.host} is not a loopback address: the scheduler's port must then require mutual TLS "

@@ -8,15 +8,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mmsplit_server.serving import LOG_FORMATS
-from mmsplit_server.settings import check, keepalive_problems, prefix_problems
+from mmsplit_server.settings import ServiceSettings
 from mmsplit_server.settings import opt as _opt
 
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "debug", "info", "warning", "error")
 
-
-@dataclass(frozen=True)
-class TokenizerSettings:
+@dataclass(frozen=True, kw_only=True)
+class TokenizerSettings(ServiceSettings):
     model_dir: Path = field(
         metadata={"help": "local checkpoint directory (its processor is loaded)", "flag": "--model"}
     )
@@ -31,12 +28,10 @@ class TokenizerSettings:
     scheduler_tls_key: str = _opt("", "PEM private key of --scheduler-tls-cert")
     scheduler_tls_server_name: str = _opt("", "name the scheduler's certificate carries, when not its address")
     scheduler_auth_token_file: str = _opt("", "file holding the token the scheduler requires")
-    host: str = _opt("127.0.0.1", "address to serve gRPC on")
     port: int = _opt(
         50052, "port to serve gRPC on (mmsplit generate's --server default); 0 picks a free one (logged)", min=0
     )
     tls_cert: str = _opt("", "PEM certificate (chain) of this server: serve TLS to clients (with --tls-key)")
-    tls_key: str = _opt("", "PEM private key of --tls-cert")
     tls_client_ca: str = _opt("", "PEM CA certificates: require clients to present a certificate they signed")
     http_port: int = _opt(
         8000,
@@ -59,9 +54,6 @@ class TokenizerSettings:
     http_keepalive_s: float = _opt(
         15.0, "a streamed HTTP response says ': keep-alive' this often while nothing else comes (proxies)", min=0.01
     )
-    health_port: int = _opt(0, "also serve grpc.health.v1 alone, plaintext, on this port (probes); 0 = off", min=0)
-    health_host: str = _opt("", "address of the --health-port server; empty = --host")
-    shm_prefix: str = _opt("mmsplit", "prefix of the shared-memory segments this service creates")
     shm_slab_bytes: int = _opt(
         128 * 1024 * 1024,
         "size of the pre-faulted shared-memory slab pixel tensors are written into, created on the first "
@@ -76,9 +68,6 @@ class TokenizerSettings:
         "size of the GPU staging pool pixel tensors are handed over from by CUDA IPC, when the device backend "
         "reports a GPU (used with schedulers that can open handles of it); 0 = no CUDA IPC",
         min=0,
-    )
-    cuda_ipc_backend: str = _opt(
-        "mmsplit_server.devices:cuda_backend", "module:factory of the device backend (tests substitute a fake device)"
     )
     cpu_workers: int = _opt(2, "processes decoding and preprocessing images", min=1)
     io_threads: int = _opt(4, "threads reading image files (under --allowed-media-dir)", min=1)
@@ -107,7 +96,6 @@ class TokenizerSettings:
     max_aspect_ratio: float = _opt(
         50.0, "longest side / shortest side accepted (a 1x20000 strip would resize into gigabytes)", min=1
     )
-    max_images_per_request: int = _opt(8, "images one request may carry", min=0)
     max_videos_per_request: int = _opt(1, "videos one request may carry (models that take video)", min=0)
     max_video_bytes: int = _opt(50 * 1024 * 1024, "largest encoded video, bytes", min=1)
     max_video_frame_pixels: int = _opt(
@@ -144,12 +132,6 @@ class TokenizerSettings:
         "", "comma-separated HOST:PORT destinations exempt from the private-address guard (a sidecar, a test origin)"
     )
     max_inflight: int = _opt(256, "requests in progress; beyond this, OVERLOADED at once", min=1)
-    janitor_interval_s: float = _opt(30.0, "how often orphaned segments of the prefix are swept", min=0.01)
-    segment_grace_s: float = _opt(
-        30.0,
-        "a segment of the prefix nobody holds a lock on, older than this, is an orphan the janitor removes",
-        min=0.01,
-    )
     scheduler_wait_s: float = _opt(120.0, "how long startup waits for the scheduler before serving NOT_SERVING", min=0)
     unavailable_retry_after_ms: int = _opt(
         1000,
@@ -157,7 +139,6 @@ class TokenizerSettings:
         "wait this long before the next attempt (server pushback); 0 leaves the wait to their own backoff",
         min=0,
     )
-    shutdown_grace_s: float = _opt(5.0, "seconds running requests get to finish on SIGTERM", min=0)
     keepalive_s: float = _opt(
         20.0,
         "seconds between HTTP/2 keepalive pings on every connection this service holds (its clients', and its "
@@ -172,9 +153,6 @@ class TokenizerSettings:
         "scaling instead of keeping the ones they first reached; 0 = never",
         min=0,
     )
-    keepalive_timeout_s: float = _opt(
-        10.0, "how long a keepalive ping may go unanswered before its connection is closed", min=0.1
-    )
     max_message_bytes: int = _opt(
         0,
         "largest request message, bytes; 0 = what the media limits allow (images x --max-image-bytes, the "
@@ -184,25 +162,14 @@ class TokenizerSettings:
     worker_hook: str = _opt(
         "", "module imported by each CPU worker: on_worker_start(), on_decoded(image) (tests inject faults with it)"
     )
-    log_level: str = _opt("INFO", "logging level", choices=LOG_LEVELS)
-    metrics_port: int = _opt(0, "serve Prometheus /metrics (plain HTTP) on this port; 0 = off", min=0)
-    metrics_host: str = _opt("", "address of the --metrics-port server; empty = --host")
-    log_format: str = _opt(
-        "text", "text, or json: one JSON object per line, finished requests with their fields", choices=LOG_FORMATS
-    )
 
-    def __post_init__(self) -> None:
-        extra = prefix_problems(self.shm_prefix)
-        extra.extend(keepalive_problems(self.keepalive_s))
-        if bool(self.tls_cert) != bool(self.tls_key):
-            extra.append("--tls-cert and --tls-key go together")
-        if self.tls_client_ca and not self.tls_cert:
-            extra.append("--tls-client-ca needs --tls-cert and --tls-key")
+    def problems(self) -> list[str]:
+        problems = super().problems()
         if bool(self.scheduler_tls_cert) != bool(self.scheduler_tls_key):
-            extra.append("--scheduler-tls-cert and --scheduler-tls-key go together")
+            problems.append("--scheduler-tls-cert and --scheduler-tls-key go together")
         if self.scheduler_tls_cert and not self.scheduler_tls_ca:
-            extra.append("--scheduler-tls-cert needs --scheduler-tls-ca (a client certificate goes over TLS)")
-        check(self, *extra)
+            problems.append("--scheduler-tls-cert needs --scheduler-tls-ca (a client certificate goes over TLS)")
+        return problems
 
     @property
     def http_body_limit(self) -> int:

@@ -1,11 +1,13 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 import pytest
 
 from mmsplit_cli.config import add_settings_arguments, settings_from
+from mmsplit_server.settings import InvalidSettings, ServiceSettings
 from scheduler_svc.settings import SchedulerSettings
 from tokenizer_svc.settings import TokenizerSettings
 
@@ -75,3 +77,22 @@ def test_every_problem_is_listed_at_once() -> None:
         parse(SchedulerSettings, "scheduler", ["--model", "/m", "--tp", "0", "--max-queue", "0"], {})
     assert "--tp" in str(info.value)
     assert "--max-queue" in str(info.value)
+
+
+@pytest.mark.parametrize("cls", [TokenizerSettings, SchedulerSettings])
+def test_both_services_share_one_settings_base(cls: type) -> None:
+    """What both services take is declared once (`ServiceSettings`): each
+    shared setting has the same flag, type and checks in both, and the
+    base's cross-field checks run in each service's own."""
+    assert issubclass(cls, ServiceSettings)
+    ours = {f.name: f for f in dataclasses.fields(cls)}
+    for base_field in dataclasses.fields(ServiceSettings):
+        f = ours[base_field.name]
+        assert f.type == base_field.type, f.name
+        assert f.metadata.get("flag") == base_field.metadata.get("flag"), f.name
+        assert f.metadata.get("choices") == base_field.metadata.get("choices"), f.name
+    with pytest.raises(InvalidSettings) as err:
+        cls(model_dir=Path("/m"), tls_cert="c.pem", shm_prefix="bad/prefix", keepalive_s=0.001)
+    message = str(err.value)
+    assert "--tls-cert and --tls-key go together" in message
+    assert "--shm-prefix" in message and "--keepalive-s" in message
