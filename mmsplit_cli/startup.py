@@ -29,7 +29,7 @@ def model_problem(model: Path) -> str:
         if _HUB_ID.match(text):
             return (
                 f"--model {text}: no such directory; it looks like a Hugging Face Hub id, and mmsplit loads local "
-                f"checkpoints only: download it first (huggingface-cli download {text} --local-dir DIR) and give DIR"
+                f"checkpoints only: download it first (hf download {text} --local-dir DIR) and give DIR"
             )
         return f"--model {text}: no such directory (give a local checkpoint directory)"
     if not model.is_dir():

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -95,3 +96,17 @@ def test_a_tokenizer_waiting_for_its_scheduler_says_so_at_once(tiny_model: Path,
         assert tok.proc.poll() is None
     finally:
         assert tok.stop() == 0
+
+
+def test_the_hub_id_hint_names_a_command_that_exists() -> None:
+    """The refusal of a Hub id says how to download it with the command the
+    installed huggingface_hub really ships (`hf`; `huggingface-cli` is gone)."""
+    from mmsplit_cli.startup import model_problem
+
+    problem = model_problem(Path("llava-hf/llava-1.5-7b-hf"))
+    command = re.search(r"\((hf download \S+ --local-dir DIR)\)", problem)
+    assert command, problem
+    hf = Path(sys.executable).parent / "hf"
+    shown = subprocess.run([str(hf), "download", "--help"], capture_output=True, text=True, timeout=60)
+    assert shown.returncode == 0, shown.stderr
+    assert "--local-dir" in shown.stdout
