@@ -53,7 +53,7 @@ import numpy as np
 import torch
 
 from mmsplit.common.v1 import common_pb2
-from mmsplit_server import shm, slab
+from mmsplit_server import grants, shm, slab
 from mmsplit_server.tensors import TensorSpec
 from scheduler_svc.reader import SharedMemoryReader
 
@@ -111,19 +111,34 @@ def main() -> None:
         f"   per hot: {'r0':>5} {'rk':>5} {'+copy':>6}"
     )
     owned = slab.Slab(PREFIX, os.getpid(), SLAB_BYTES)
+    table = grants.GrantTable(PREFIX, os.getpid(), 64)
     try:
         for label, shape in SHAPES.items():
-            row(label, shape, owned, rng, args.repeat)
+            row(label, shape, owned, table, rng, args.repeat)
     finally:
         owned.close()
+        table.close()
     left = shm.list_segments(PREFIX)
     assert not left, f"benchmark leaked segments: {left}"
 
 
-def row(label: str, shape: tuple[int, ...], owned: slab.Slab, rng: np.random.Generator, repeat: int) -> None:
+def row(
+    label: str,
+    shape: tuple[int, ...],
+    owned: slab.Slab,
+    table: grants.GrantTable,
+    rng: np.random.Generator,
+    repeat: int,
+) -> None:
     """One tensor size: each path timed, checked, and printed as a ratio to a copy."""
     src = rng.standard_normal(shape, dtype=np.float32)
     dst = np.empty_like(src)
+
+    def granted(piece: shm.Slice) -> TensorSpec:
+        """The reference as the tokenizer sends it: granted (issued here,
+        ended by the caller; both are part of a hand-off's cost)."""
+        grant = table.issue(piece.segment, piece.offset, piece.nbytes)
+        return TensorSpec(common_pb2.DTYPE_FLOAT32, src.shape, shm=piece, grant=grant)
 
     def copy(src: np.ndarray = src, dst: np.ndarray = dst) -> None:
         np.copyto(dst, src)
@@ -140,9 +155,10 @@ def row(label: str, shape: tuple[int, ...], owned: slab.Slab, rng: np.random.Gen
         if not rank0_reads:
             # Another rank is another process: rank 0's lock is not there to share.
             unshared(rank0)
+        spec = granted(writer.slice)
         try:
             if lend:
-                return rank.read("bench", TensorSpec(common_pb2.DTYPE_FLOAT32, src.shape, shm=writer.slice))
+                return rank.read("bench", spec)
             # What the reader did: a fresh tensor, the slice copied into it.
             raw = torch.empty(src.nbytes, dtype=torch.uint8)
             slab.read_slice(rank0.slice, PREFIX, memoryview(raw.numpy()), max_segment_bytes=1 << 30)  # type: ignore[arg-type]
@@ -150,6 +166,7 @@ def row(label: str, shape: tuple[int, ...], owned: slab.Slab, rng: np.random.Gen
         finally:
             rank.end_step()
             rank0.release()  # after the step
+            table.revoke(spec.grant)  # type: ignore[arg-type]
 
     def via_slab_other_rank(src: np.ndarray = src) -> torch.Tensor:
         return via_slab(src, rank0_reads=False)
@@ -159,11 +176,13 @@ def row(label: str, shape: tuple[int, ...], owned: slab.Slab, rng: np.random.Gen
 
     def via_shm(src: np.ndarray = src) -> torch.Tensor:
         piece = shm.write_segment(PREFIX, os.getpid(), memoryview(src))  # type: ignore[arg-type]
+        spec = granted(piece)
         try:
-            return rank.read("bench", TensorSpec(common_pb2.DTYPE_FLOAT32, src.shape, shm=piece))
+            return rank.read("bench", spec)
         finally:
             shm.unlink(piece.segment)
             rank.end_step()
+            table.revoke(spec.grant)  # type: ignore[arg-type]
 
     def via_inline(src: np.ndarray = src) -> torch.Tensor:
         wire = TensorSpec(common_pb2.DTYPE_FLOAT32, src.shape, inline=src.tobytes()).to_pb().SerializeToString()
@@ -186,8 +205,10 @@ def row(label: str, shape: tuple[int, ...], owned: slab.Slab, rng: np.random.Gen
     # The slab's tensor is checked while its slice is held (its bytes are
     # the slab's; the next write reuses them).
     writer = slab.write(owned.name, PREFIX, memoryview(src), wait_s=0)  # type: ignore[arg-type]
-    assert torch.equal(rank.read("check", TensorSpec(common_pb2.DTYPE_FLOAT32, src.shape, shm=writer.slice)), expect)
+    check = granted(writer.slice)
+    assert torch.equal(rank.read("check", check), expect)
     rank.end_step()
+    table.revoke(check.grant)  # type: ignore[arg-type]
     writer.close()
     for path in (via_slab_copy, via_shm, via_inline):
         dst.fill(0)

@@ -48,7 +48,9 @@ DEFAULT_PREFIX = "mmsplit"
 _PREFIX = r"[A-Za-z][A-Za-z0-9_]{0,31}"
 _PREFIX_RE = re.compile(rf"^{_PREFIX}$")
 # The random part of a slab's name (`mmsplit_server.slab`) starts with "slab".
-_NAME_RE = re.compile(rf"^(?P<prefix>{_PREFIX})-(?P<pid>[0-9]{{1,10}})-(?P<rand>[0-9a-f]{{16}}|slab[0-9a-f]{{12}})$")
+_NAME_RE = re.compile(
+    rf"^(?P<prefix>{_PREFIX})-(?P<pid>[0-9]{{1,10}})-(?P<rand>[0-9a-f]{{16}}|slab[0-9a-f]{{12}}|grant[0-9a-f]{{11}})$"
+)
 _OPEN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
@@ -131,8 +133,21 @@ def namespace_id() -> str:
     return hashlib.sha256(f"{boot_id}:{os.stat(SHM_DIR).st_dev}".encode()).hexdigest()[:32]
 
 
-def new_name(prefix: str, owner_pid: int, *, slab: bool = False) -> str:
-    return f"{prefix}-{owner_pid}-{'slab' + secrets.token_hex(6) if slab else secrets.token_hex(8)}"
+def new_name(prefix: str, owner_pid: int, *, slab: bool = False, grants: bool = False) -> str:
+    """A fresh name: a one-off segment's, a slab's (`slab`) or a grant table's (`grants`)."""
+    if slab:
+        rand = "slab" + secrets.token_hex(6)
+    elif grants:
+        rand = "grant" + secrets.token_hex(6)[:11]
+    else:
+        rand = secrets.token_hex(8)
+    return f"{prefix}-{owner_pid}-{rand}"
+
+
+def is_grant_table(name: str) -> bool:
+    """Whether `name` is a grant table's (`mmsplit_server.grants`)."""
+    m = _NAME_RE.match(name)
+    return m is not None and m["rand"].startswith("grant")
 
 
 @functools.lru_cache(maxsize=1024)

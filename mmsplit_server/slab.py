@@ -32,7 +32,10 @@ Lifecycle of one slice:
    (`HandOff`).
 3. The scheduler's rank 0 does the same (`take`) before saying Accepted;
    the tokenizer then drops its lock. A reference to a range nobody holds
-   is refused, so a forged or stale reference cannot read reused pixels.
+   is refused, so a stale reference cannot read reused pixels; and before
+   any `take`, every rank checks the reference's grant
+   (`mmsplit_server.grants`), so a forged one cannot read held pixels
+   either (holding a range says nothing about who may read it).
 4. Each scheduler rank's reader takes the slice (`take`) while it reads
    the step's tensors and lends the slice to the step in place
    (`Held.view`: no copy); when the step ends every rank lets go, rank 0

@@ -4,7 +4,9 @@
 Everything that can be checked from the message alone is checked in
 `from_pb` (dtype allow-list, shape, size cap, name pattern, byte counts);
 what needs the segment itself (existence, bounds) is checked by `read_into`
-on every rank.
+on every rank. A reference to shared or GPU memory is a capability: every
+method that locks or reads one first verifies its grant
+(`mmsplit_server.grants`), so naming a location is not enough to read it.
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ import torch
 
 from mmsplit.common.v1 import common_pb2
 from mmsplit.errors import E, MmsplitError
-from mmsplit_server import devices, shm, slab
-from mmsplit_server.shm import Lock
+from mmsplit_server import devices, grants, shm, slab
+from mmsplit_server.shm import Lock, Slice
 
 D = common_pb2.Dtype
 
@@ -70,6 +72,7 @@ class TensorSpec:
     shm: shm.Slice | None = None
     inline: bytes | None = None
     cuda: CudaRef | None = None
+    grant: grants.Grant | None = None  # with shm and cuda: the sender's proof (mmsplit_server.grants)
 
     @property
     def itemsize(self) -> int:
@@ -98,6 +101,8 @@ class TensorSpec:
                     lease=lease.segment,
                 )
             )
+        if self.grant is not None:
+            ref.grant.CopyFrom(common_pb2.Grant(table=self.grant.table, index=self.grant.index, tag=self.grant.tag))
         return ref
 
     @classmethod
@@ -124,13 +129,15 @@ class TensorSpec:
                 shm.parse_name(ref.shm.segment, prefix)
             except shm.BadSegmentName as exc:
                 raise InvalidTensorRef(str(exc)) from exc
-            return cls(ref.dtype, shape, shm=shm.Slice(ref.shm.segment, ref.shm.offset, ref.shm.nbytes))
+            piece = shm.Slice(ref.shm.segment, ref.shm.offset, ref.shm.nbytes)
+            return cls(ref.dtype, shape, shm=piece, grant=_grant(ref, prefix))
         if location == "inline":
             if len(ref.inline) != nbytes:
                 raise InvalidTensorRef(f"inline payload has {len(ref.inline)} bytes, shape needs {nbytes}")
             return cls(ref.dtype, shape, inline=ref.inline)
         if location == "cuda_ipc":
-            return cls(ref.dtype, shape, cuda=_cuda_ref(ref.cuda_ipc, nbytes, prefix, cuda_uuids))
+            cuda = _cuda_ref(ref.cuda_ipc, nbytes, prefix, cuda_uuids)
+            return cls(ref.dtype, shape, cuda=cuda, grant=_grant(ref, prefix))
         raise InvalidTensorRef("tensor reference has no location")
 
     def read_into(self, out: memoryview, *, prefix: str, max_bytes: int) -> None:
@@ -140,11 +147,13 @@ class TensorSpec:
             out.cast("B")[:] = self.inline
             return
         if self.cuda is not None:
-            out.cast("B")[:] = memoryview(self.read_device(torch.device("cpu")).cpu().numpy())  # type: ignore[arg-type]
+            raw = self.read_device(torch.device("cpu"), prefix)
+            out.cast("B")[:] = memoryview(raw.cpu().numpy())  # type: ignore[arg-type]
             return
         if self.shm is None:
             raise InvalidTensorRef("tensor reference has no location")
         with _TRANSLATED:
+            self._verify(self.shm, prefix)
             slab.read_slice(self.shm, prefix, out, max_segment_bytes=max_bytes)
 
     def borrow(self, prefix: str) -> tuple[memoryview, slab.Held | None] | None:
@@ -160,6 +169,7 @@ class TensorSpec:
         if self.shm is None or not shm.is_slab(self.shm.segment):
             return None
         with _TRANSLATED:
+            self._verify(self.shm, prefix)
             held = slab.take(self.shm, prefix)
             try:
                 return held.view(), held
@@ -167,11 +177,13 @@ class TensorSpec:
                 held.close()
                 raise
 
-    def read_device(self, like: torch.device) -> torch.Tensor:
+    def read_device(self, like: torch.device, prefix: str) -> torch.Tensor:
         """A CUDA-IPC reference's bytes as a uint8 tensor of this process's,
         on `like`'s device when it is a GPU (one device-to-device copy)."""
         assert self.cuda is not None
         lease = self.cuda.lease
+        with _TRANSLATED:
+            self._verify(lease, prefix)
         try:
             return devices.current().read(self.cuda.handle, lease.offset, lease.nbytes, like)
         except devices.DeviceError as exc:
@@ -180,23 +192,41 @@ class TensorSpec:
     def lock(self, prefix: str) -> Lock | slab.Held | None:
         """Take ownership of the referenced segment or slab slice (None for
         inline bytes); InvalidTensorRef or TensorTransportFailed when it
-        cannot be had. A slab slice must be held by its sender right now
-        (`slab.take`), so a reference to a free or reused range is refused."""
+        cannot be had. The grant is verified first, so a refused reference
+        never locks anything; and a slab slice must be held by its sender
+        right now (`slab.take`)."""
         if self.cuda is not None:
             with _TRANSLATED:
+                self._verify(self.cuda.lease, prefix)
                 return slab.take(self.cuda.lease, prefix)
         if self.shm is None:
             return None
         with _TRANSLATED:
+            self._verify(self.shm, prefix)
             if shm.is_slab(self.shm.segment):
                 return slab.take(self.shm, prefix)
             return shm.Lock(self.shm.segment, prefix)
+
+    def _verify(self, piece: Slice, prefix: str) -> None:
+        grants.verify(self.grant, piece.segment, piece.offset, piece.nbytes, prefix)
 
     def release(self) -> None:
         """Unlink the segment this spec refers to (idempotent, never raises).
         A slab slice is released by dropping its lock, never by unlinking."""
         if self.shm is not None and not shm.is_slab(self.shm.segment):
             shm.unlink(self.shm.segment)
+
+
+def _grant(ref: common_pb2.TensorRef, prefix: str) -> grants.Grant:
+    if not ref.HasField("grant"):
+        raise InvalidTensorRef("a reference to shared or GPU memory must carry its grant")
+    try:
+        shm.parse_name(ref.grant.table, prefix)
+    except shm.BadSegmentName as exc:
+        raise InvalidTensorRef(f"grant table: {exc}") from exc
+    if not shm.is_grant_table(ref.grant.table):
+        raise InvalidTensorRef("grant table: not a grant table's name")
+    return grants.Grant(ref.grant.table, ref.grant.index, bytes(ref.grant.tag))
 
 
 def _cuda_ref(pb: common_pb2.CudaIpcHandle, nbytes: int, prefix: str, uuids: Collection[str]) -> CudaRef:
@@ -229,7 +259,7 @@ class _Translated:
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
         if isinstance(exc, shm.NoDescriptors):
             raise TensorResourcesExhausted(str(exc)) from exc
-        if isinstance(exc, (shm.BadSegmentName, shm.SegmentBounds, shm.NotASegment)):
+        if isinstance(exc, (shm.BadSegmentName, shm.SegmentBounds, shm.NotASegment, grants.GrantRefused)):
             # What the reference names is not a usable segment: the sender's fault.
             raise InvalidTensorRef(str(exc)) from exc
         if isinstance(exc, (shm.SegmentMissing, shm.ForeignSegment, slab.SliceLost)):

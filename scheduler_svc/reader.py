@@ -89,7 +89,7 @@ class SharedMemoryReader:
             like = (
                 torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
             )
-            return spec.read_device(like).view(DTYPES[spec.dtype][0]).reshape(spec.shape)
+            return spec.read_device(like, self.prefix).view(DTYPES[spec.dtype][0]).reshape(spec.shape)
         dtype, through = DTYPES[spec.dtype]
         lent = spec.borrow(self.prefix)
         if lent is None:

@@ -6,6 +6,11 @@ written into are ours — this process holds a lock on each — until the
 scheduler, holding its own locks, sends `Accepted`; then we drop ours. Before
 that, whatever ends the request (an error, a broken stream, the client's
 cancel) unlinks them here. After it, the scheduler releases them.
+
+Every reference to shared or GPU memory is granted to its request
+(`mmsplit_server.grants`): the scheduler reads nothing a reference names
+unless our grant table vouches for it, and we end the request's grants at
+its first token (every rank has read its tensors by then) or its end.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from mmsplit.common.v1 import common_pb2
 from mmsplit.errors import E, MmsplitError, RemoteError
 from mmsplit.scheduler.v1 import scheduler_pb2
 from mmsplit.tokenizer.v1 import tokenizer_pb2
-from mmsplit_server import devices, families, shm, slab
+from mmsplit_server import devices, families, grants, shm, slab
 from mmsplit_server.sampling import Sampling
 from mmsplit_server.tensors import NUMPY_TO_DTYPE, CudaRef, TensorSpec
 from tokenizer_svc.cache import PreprocessCache, fingerprint
@@ -37,6 +42,7 @@ from tokenizer_svc.errors import (
     InternalError,
     InvalidRequest,
     Overloaded,
+    PreprocessWorkerCrashed,
     SchedulerUnavailable,
     ShuttingDown,
 )
@@ -106,6 +112,8 @@ class TokenizerService:
         # The slab's making, once begun: a task of its own (`_slab_ref`).
         self._slab_making: asyncio.Task[None] | None = None
         self._slab_failed = False
+        # Made with the first reference to shared or GPU memory (`_grant`).
+        self.grants: grants.GrantTable | None = None
         # Downstream request ids: unique to this process's life, so clients
         # that pick the same request_id never collide at the scheduler.
         self.instance = secrets.token_hex(4)
@@ -260,6 +268,7 @@ class TokenizerService:
         owned = [segment for r in results for segment in r.segments]
         self.held.update(owned)
         accepted = False
+        granted: list[grants.Grant] = []
         try:
             media = [Media(r.modality, r.tokens) for r in results]
             if parsed.turns is None:
@@ -271,7 +280,7 @@ class TokenizerService:
             downstream = scheduler_pb2.GenerateRequest(
                 request_id=self._downstream_id(rid),
                 input_ids=prompt.input_ids,
-                items=[self._item(r, runs, transport) for runs, r in items],
+                items=[self._item(r, runs, transport, granted) for runs, r in items],
                 sampling=request.sampling,
             )
             if transport != common_pb2.TRANSPORT_SHM:
@@ -287,8 +296,11 @@ class TokenizerService:
                         accepted = True
                         _unlock(prepared)
                     else:
+                        # Every rank has read the tensors by the first token.
+                        self._revoke(granted)
                         yield response
         finally:
+            self._revoke(granted)
             self.held.difference_update(segment for r in results for segment in r.segments)
             if not accepted:
                 self._release(owned)
@@ -459,6 +471,8 @@ class TokenizerService:
             self.slab.close()
         if self.device_pool is not None:
             self.device_pool.close()
+        if self.grants is not None:
+            self.grants.close()
 
     async def _located(self, located: Located, rid: str, transport: int) -> Prepared:
         try:
@@ -499,18 +513,25 @@ class TokenizerService:
             # Seen before: no decoding or preprocessing, only the hand-over copy.
             result = await self._off_loop(self._materialize, cached, inline, slab_ref)
         else:
-            started = time.perf_counter()
-            result = await self.pool.preprocess(job, timeout_s=timeout_s, request_id=rid)
-            self.preprocessed += 1
-            self.preprocess_s += time.perf_counter() - started
-            for name, seconds in zip(STAGES, result.stages, strict=False):
-                self.worker_s[name] += seconds
-            result = dataclasses.replace(result, content_hash=key[:16])
+            result = await self._preprocess(job, timeout_s, rid, key)
         if stage:
             if self.cache.enabled and cached is None:
                 self.cache.put(key, result)  # inline: the bytes the worker returned
             return self._hold(await self._off_loop(self._stage, result))
-        prepared = self._hold(result)
+        try:
+            prepared = self._hold(result)
+        except _WriterLost:
+            # Killed between sending its result and handing its slices over:
+            # their bytes cannot be trusted. Once more, as for a worker that
+            # dies while it works (`CpuPool.preprocess`).
+            log.warning("request %s: a preprocessing worker died before handing its item over; again", rid)
+            result = await self._preprocess(job, timeout_s, rid, key)
+            try:
+                prepared = self._hold(result)
+            except _WriterLost as exc:
+                raise PreprocessWorkerCrashed(
+                    "a preprocessing worker died twice while handling this request's media"
+                ) from exc
         if self.cache.enabled and cached is None:
             try:
                 shared = any(t.segment is not None for t in result.tensors)
@@ -524,7 +545,19 @@ class TokenizerService:
                 raise
         return prepared
 
+    async def _preprocess(self, job: Job, timeout_s: float, rid: str, key: bytes) -> ItemResult:
+        """`job` done by the CPU pool, counted for the metrics."""
+        started = time.perf_counter()
+        result = await self.pool.preprocess(job, timeout_s=timeout_s, request_id=rid)
+        self.preprocessed += 1
+        self.preprocess_s += time.perf_counter() - started
+        for name, seconds in zip(STAGES, result.stages, strict=False):
+            self.worker_s[name] += seconds
+        return dataclasses.replace(result, content_hash=key[:16])
+
     def _hold(self, result: ItemResult) -> Prepared:
+        """This process's locks on `result`'s segments and slices; _WriterLost
+        when a slice's writer is gone before handing it over."""
         locks: list[shm.Lock | slab.Held] = []
         try:
             # This process owns the segments and slices from here until the
@@ -540,6 +573,8 @@ class TokenizerService:
             result.abandon(self.settings.shm_prefix)
             if isinstance(exc, shm.NoDescriptors):
                 raise Overloaded(f"a preprocessed item could not be held for hand-over: {exc}") from exc
+            if isinstance(exc, slab.SliceLost):
+                raise _WriterLost("its preprocessing worker died before handing it over") from exc
             raise InternalError("a preprocessed item could not be held for hand-over") from exc
 
     async def _off_loop(self, fn: Callable[..., ItemResult], *args: Any) -> ItemResult:
@@ -642,29 +677,58 @@ class TokenizerService:
             slab=slab_ref,
         )
 
-    def _item(self, result: ItemResult, runs: list[tuple[int, int]], transport: int) -> common_pb2.MultimodalItem:
+    def _item(
+        self, result: ItemResult, runs: list[tuple[int, int]], transport: int, granted: list[grants.Grant]
+    ) -> common_pb2.MultimodalItem:
         return common_pb2.MultimodalItem(
             modality=result.modality,  # type: ignore[arg-type]
-            tensors={t.name: self._tensor_ref(t, transport) for t in result.tensors},
+            tensors={t.name: self._tensor_ref(t, transport, granted) for t in result.tensors},
             placeholders=[common_pb2.PlaceholderRange(offset=o, length=n) for o, n in runs],
             content_hash=result.content_hash,
         )
 
-    def _tensor_ref(self, t: ItemTensor, transport: int) -> common_pb2.TensorRef:
+    def _tensor_ref(self, t: ItemTensor, transport: int, granted: list[grants.Grant]) -> common_pb2.TensorRef:
         dtype = NUMPY_TO_DTYPE[t.dtype]
         if t.segment is None:
             return TensorSpec(dtype, t.shape, inline=t.inline).to_pb()
+        piece = shm.Slice(t.segment, t.offset, t.nbytes)
         if t.device and self.device_pool is not None:
-            cuda = CudaRef(self.device_pool.handle, self.device_pool.uuid, shm.Slice(t.segment, t.offset, t.nbytes))
-            return TensorSpec(dtype, t.shape, cuda=cuda).to_pb()
+            cuda = CudaRef(self.device_pool.handle, self.device_pool.uuid, piece)
+            return TensorSpec(dtype, t.shape, cuda=cuda, grant=self._grant(piece, granted)).to_pb()
         if transport == common_pb2.TRANSPORT_SHM:
-            return TensorSpec(dtype, t.shape, shm=shm.Slice(t.segment, t.offset, t.nbytes)).to_pb()
+            return TensorSpec(dtype, t.shape, shm=piece, grant=self._grant(piece, granted)).to_pb()
         return TensorSpec(dtype, t.shape, inline=self._read(t)).to_pb()
+
+    def _grant(self, piece: shm.Slice, granted: list[grants.Grant]) -> grants.Grant:
+        """Grant `piece` to the request whose grants `granted` collects. A
+        full table is OVERLOADED (it holds an entry per tensor of every
+        request in flight, with room to spare)."""
+        if self.grants is None:
+            s = self.settings
+            entries = max(64, s.max_inflight * (s.max_images_per_request + s.max_videos_per_request) * MAX_CHOICES)
+            self.grants = grants.GrantTable(s.shm_prefix, self._pid, entries)
+        try:
+            grant = self.grants.issue(piece.segment, piece.offset, piece.nbytes)
+        except grants.TableFull as exc:
+            raise Overloaded(f"no grant can be issued: {exc}") from exc
+        granted.append(grant)
+        return grant
+
+    def _revoke(self, granted: list[grants.Grant]) -> None:
+        if self.grants is not None:
+            for grant in granted:
+                self.grants.revoke(grant)
+        granted.clear()
 
     @staticmethod
     def _release(segments: list[str]) -> None:
         for name in segments:
             shm.unlink(name)
+
+
+class _WriterLost(PreprocessWorkerCrashed):
+    """A worker's slice was no longer held when this process came to take
+    it over: the worker died after sending its result (`_hold`)."""
 
 
 @dataclass

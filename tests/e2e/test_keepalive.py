@@ -210,7 +210,10 @@ def test_a_frozen_client_s_queued_request_is_aborted(tiny_model: Path, tmp_path:
             frozen = time.monotonic()
             assert aborted(p.tokenizer, "stopped", frozen + FOUND_WITHIN_S), "its request kept its place in the queue"
             assert aborted(p.scheduler, r"\S+\.stopped", time.monotonic() + 5)
-            assert not any(f.done() for f in ahead[2:]), "the queue ran out before the check: add blockers"
+            assert not any(f.done() for f in ahead[2:]), (
+                "the queue ran out before the check: add blockers",
+                [f.result() for f in ahead if f.done()],
+            )
         finally:
             client.kill()
             client.wait()

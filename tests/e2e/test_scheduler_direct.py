@@ -23,6 +23,7 @@ from scheduler_svc.model import model_info
 from tests.conftest import SCHEDULER_SERVICE, Services
 from tests.e2e.helpers import health_status, rank_active_requests
 from tests.support.faults import failing_request_id
+from tests.support.granting import grant_ref, grant_table
 from tests.support.leaks import PROJECT_PREFIX, project_segments, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -72,6 +73,7 @@ def malformed_cases() -> list[tuple[str, common_pb2.TensorRef, str]]:
             "FEATURE_TRANSPORT_FAILED",
         ),
         ("another prefix", shm_ref(f"other-{PID}-0123456789abcdef", IMAGE), "INVALID_REQUEST"),
+        ("no grant", shm_ref(real, IMAGE), "INVALID_REQUEST"),
         ("nbytes != shape x itemsize", shm_ref(real, IMAGE, nbytes=100), "INVALID_REQUEST"),
         ("offset past the end", shm_ref(real, IMAGE, offset=GOOD.nbytes), "INVALID_REQUEST"),
         ("negative shape", common_pb2.TensorRef(dtype=F32, shape=[3, -224, 224], inline=b""), "INVALID_REQUEST"),
@@ -100,10 +102,13 @@ def test_malformed_reference_gets_its_code_and_the_group_keeps_serving(
         segment = shm.write_segment(PROJECT_PREFIX, PID, memoryview(GOOD))
         ref.shm.segment = segment.segment
     try:
-        request = scheduler_pb2.GenerateRequest(
-            request_id=f"bad-{uuid.uuid4().hex[:8]}", input_ids=prompt_ids(services, 1), pixel_values=[ref]
-        )
-        reason, metadata = outcome(sched, request)
+        with grant_table(PROJECT_PREFIX) as table:
+            if ref.WhichOneof("location") == "shm" and case != "no grant":
+                grant_ref(ref, table)  # what the case probes lies past the grant
+            request = scheduler_pb2.GenerateRequest(
+                request_id=f"bad-{uuid.uuid4().hex[:8]}", input_ids=prompt_ids(services, 1), pixel_values=[ref]
+            )
+            reason, metadata = outcome(sched, request)
         assert reason == expected, (case, metadata)
         if expected == "FEATURE_TRANSPORT_FAILED":
             # Refused at admission: rank 0 locks every segment before it

@@ -12,8 +12,10 @@ import torch
 
 from mmsplit.common.v1 import common_pb2
 from mmsplit_server import shm, slab
+from mmsplit_server.grants import GrantTable
 from mmsplit_server.tensors import TensorSpec, TensorTransportFailed
 from scheduler_svc.reader import SharedMemoryReader
+from tests.support.granting import grant_table, granted
 from tests.support.leaks import PROJECT_PREFIX, own_slab
 
 PREFIX = PROJECT_PREFIX + "reader"
@@ -28,18 +30,24 @@ def owned() -> Iterator[slab.Slab]:
 
 
 @pytest.fixture
+def table() -> Iterator[GrantTable]:
+    with grant_table(PREFIX) as t:
+        yield t
+
+
+@pytest.fixture
 def reader() -> SharedMemoryReader:
     return SharedMemoryReader(rank=1, prefix=PREFIX, max_bytes=MIB)
 
 
-def sent(owned: slab.Slab, seed: int) -> tuple[np.ndarray, slab.Held, TensorSpec]:
-    """A tensor written into the slab and held by its sender (the
-    scheduler's rank 0 after Accepted, in service)."""
+def sent(owned: slab.Slab, seed: int, table: GrantTable) -> tuple[np.ndarray, slab.Held, TensorSpec]:
+    """A tensor written into the slab, granted, and held by its sender
+    (the scheduler's rank 0 after Accepted, in service)."""
     data = np.random.default_rng(seed).standard_normal(SHAPE, dtype=np.float32)
     writer = slab.write(owned.name, PREFIX, memoryview(data), wait_s=0)  # type: ignore[arg-type]
     sender = slab.take(writer.slice, PREFIX)
     writer.release()
-    return data, sender, TensorSpec(common_pb2.DTYPE_FLOAT32, SHAPE, shm=writer.slice)
+    return data, sender, granted(TensorSpec(common_pb2.DTYPE_FLOAT32, SHAPE, shm=writer.slice), table)
 
 
 def in_slab(owned: slab.Slab, tensor: torch.Tensor) -> bool:
@@ -56,9 +64,9 @@ def address(view: memoryview) -> int:
 
 
 def test_a_slab_slice_is_lent_in_place_and_held_until_the_step_ends(
-    owned: slab.Slab, reader: SharedMemoryReader
+    owned: slab.Slab, reader: SharedMemoryReader, table: GrantTable
 ) -> None:
-    data, sender, spec = sent(owned, 1)
+    data, sender, spec = sent(owned, 1, table)
     got = reader.read("r1", spec)
     assert torch.equal(got, torch.from_numpy(data))
     assert in_slab(owned, got), "read in place, through the slab's mapping"
@@ -70,8 +78,10 @@ def test_a_slab_slice_is_lent_in_place_and_held_until_the_step_ends(
     reader.end_step()  # nothing more to let go
 
 
-def test_a_slice_nobody_holds_is_refused_and_nothing_stays_held(owned: slab.Slab, reader: SharedMemoryReader) -> None:
-    _, sender, spec = sent(owned, 2)
+def test_a_slice_nobody_holds_is_refused_and_nothing_stays_held(
+    owned: slab.Slab, reader: SharedMemoryReader, table: GrantTable
+) -> None:
+    _, sender, spec = sent(owned, 2, table)
     sender.release()
     with pytest.raises(TensorTransportFailed):
         reader.read("r2", spec)
@@ -90,9 +100,9 @@ def test_inline_bytes_are_lent_as_they_arrived(reader: SharedMemoryReader) -> No
 
 
 def test_the_step_ends_even_when_a_release_fails(
-    owned: slab.Slab, reader: SharedMemoryReader, monkeypatch: pytest.MonkeyPatch
+    owned: slab.Slab, reader: SharedMemoryReader, table: GrantTable, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    sent_ = [sent(owned, seed) for seed in (5, 6)]
+    sent_ = [sent(owned, seed, table) for seed in (5, 6)]
     for _, _, spec in sent_:
         reader.read("r", spec)
     for _, sender, _ in sent_:

@@ -95,4 +95,5 @@ def test_both_services_share_one_settings_base(cls: type) -> None:
         cls(model_dir=Path("/m"), tls_cert="c.pem", shm_prefix="bad/prefix", keepalive_s=0.001)
     message = str(err.value)
     assert "--tls-cert and --tls-key go together" in message
-    assert "--shm-prefix" in message and "--keepalive-s" in message
+    assert "--shm-prefix" in message
+    assert "--keepalive-s" in message

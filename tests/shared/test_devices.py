@@ -13,8 +13,10 @@ import torch
 
 from mmsplit.common.v1 import common_pb2
 from mmsplit_server import devices, shm, slab
+from mmsplit_server.grants import GrantTable
 from mmsplit_server.tensors import CudaRef, InvalidTensorRef, TensorSpec, TensorTransportFailed
 from tests.support import fake_device
+from tests.support.granting import grant_table, granted
 from tests.support.holder import killed_after
 from tests.support.leaks import PROJECT_PREFIX
 from tokenizer_svc.downstream import choose_transport
@@ -32,21 +34,29 @@ def pool() -> Iterator[devices.DevicePool]:
     devices.configure("")
 
 
-def spec_of(p: devices.DevicePool, held: slab.Held, shape: tuple[int, ...]) -> TensorSpec:
-    return TensorSpec(T.DTYPE_UINT8, shape, cuda=CudaRef(p.handle, p.uuid, held.slice))
+@pytest.fixture
+def table() -> Iterator[GrantTable]:
+    with grant_table(PREFIX) as t:
+        yield t
 
 
-def test_staged_bytes_reach_the_reader_and_the_range_is_freed_after(pool: devices.DevicePool) -> None:
+def spec_of(p: devices.DevicePool, held: slab.Held, shape: tuple[int, ...], table: GrantTable) -> TensorSpec:
+    return granted(TensorSpec(T.DTYPE_UINT8, shape, cuda=CudaRef(p.handle, p.uuid, held.slice)), table)
+
+
+def test_staged_bytes_reach_the_reader_and_the_range_is_freed_after(
+    pool: devices.DevicePool, table: GrantTable
+) -> None:
     data = np.random.default_rng(1).integers(0, 255, 300_000, dtype=np.uint8)
     writer = pool.put(memoryview(data), wait_s=0)
     assert pool.used_bytes() == 5 * slab.PAGE
-    wire = spec_of(pool, writer, (300_000,)).to_pb().SerializeToString()
+    wire = spec_of(pool, writer, (300_000,), table).to_pb().SerializeToString()
     spec = TensorSpec.from_pb(
         T.TensorRef.FromString(wire), prefix=PREFIX, max_bytes=1 << 30, cuda_uuids=[fake_device.uuid()]
     )
     rank0 = spec.lock(PREFIX)  # before Accepted
     writer.release()  # the tokenizer lets go once it hears Accepted
-    assert np.array_equal(spec.read_device(torch.device("cpu")).numpy(), data)
+    assert np.array_equal(spec.read_device(torch.device("cpu"), PREFIX).numpy(), data)
     assert pool.used_bytes() == 5 * slab.PAGE
     spec.release()  # a lease is never unlinked ...
     assert rank0 is not None
@@ -74,10 +84,10 @@ def test_an_importer_killed_holding_a_range_frees_it(pool: devices.DevicePool) -
     assert pool.used_bytes() == 0
 
 
-def test_references_are_checked(pool: devices.DevicePool) -> None:
+def test_references_are_checked(pool: devices.DevicePool, table: GrantTable) -> None:
     writer = pool.put(memoryview(np.ones(64, np.uint8)), wait_s=0)
     try:
-        good = spec_of(pool, writer, (64,)).to_pb()
+        good = spec_of(pool, writer, (64,), table).to_pb()
         with pytest.raises(InvalidTensorRef, match="not offered"):
             TensorSpec.from_pb(good, prefix=PREFIX, max_bytes=1 << 20)
         with pytest.raises(InvalidTensorRef, match="cannot open"):

@@ -17,6 +17,7 @@ import pytest
 
 from mmsplit_server import slab
 from tests.support import limits
+from tests.support.granting import grant_table
 from tests.support.leaks import PROJECT_PREFIX, own_slab
 from tests.support.services import ROOT
 
@@ -26,7 +27,7 @@ PREFIX = PROJECT_PREFIX + "fds"
 # path that opens a segment is tried and what it raised is printed.
 CHILD = r"""
 import json, os, resource, sys
-from mmsplit_server import shm
+from mmsplit_server import grants, shm
 from mmsplit.common.v1 import common_pb2
 from mmsplit.errors import MmsplitError, reason_of
 from mmsplit_server.tensors import TensorSpec
@@ -35,7 +36,8 @@ from tokenizer_svc.preprocess import ItemTensor, SlabRef, place
 
 arg = json.loads(sys.argv[1])
 piece = shm.Slice(arg["segment"], arg["offset"], arg["nbytes"])
-spec = TensorSpec(common_pb2.DTYPE_FLOAT32, (arg["nbytes"] // 4,), shm=piece)
+grant = grants.Grant(arg["table"], arg["index"], bytes.fromhex(arg["tag"]))
+spec = TensorSpec(common_pb2.DTYPE_FLOAT32, (arg["nbytes"] // 4,), shm=piece, grant=grant)
 reader = SharedMemoryReader(rank=1, prefix=arg["prefix"], max_bytes=1 << 30)
 tensor = ItemTensor("pixel_values", "float32", (arg["nbytes"] // 4,), arg["nbytes"])
 data = memoryview(bytes(arg["nbytes"]))
@@ -78,10 +80,13 @@ def test_out_of_descriptors_is_overloaded_on_every_path(owned: slab.Slab) -> Non
     data = np.arange(1024, dtype=np.float32)
     held = slab.write(owned.name, PREFIX, memoryview(data), wait_s=0)  # type: ignore[arg-type]
     try:
-        arg = {"segment": owned.name, "offset": held.slice.offset, "nbytes": data.nbytes, "prefix": PREFIX}
-        done = subprocess.run(
-            [sys.executable, "-c", CHILD, json.dumps(arg)], capture_output=True, text=True, timeout=120, cwd=ROOT
-        )
+        with grant_table(PREFIX) as table:
+            grant = table.issue(owned.name, held.slice.offset, data.nbytes)
+            arg = {"segment": owned.name, "offset": held.slice.offset, "nbytes": data.nbytes, "prefix": PREFIX}
+            arg |= {"table": grant.table, "index": grant.index, "tag": grant.tag.hex()}
+            done = subprocess.run(
+                [sys.executable, "-c", CHILD, json.dumps(arg)], capture_output=True, text=True, timeout=120, cwd=ROOT
+            )
     finally:
         held.close()
     assert done.returncode == 0, done.stderr[-3000:]

@@ -16,6 +16,7 @@ import pytest
 from mmsplit.common.v1 import common_pb2
 from mmsplit_server import shm, slab
 from mmsplit_server.tensors import TensorSpec
+from tests.support.granting import grant_table, granted
 from tests.support.holder import killed_after
 from tests.support.leaks import PROJECT_PREFIX, own_slab, wait_until
 
@@ -392,14 +393,15 @@ def test_a_forked_child_never_shares_its_parents_descriptions(owned: slab.Slab) 
 def test_releasing_a_slab_reference_unlocks_and_never_unlinks(owned: slab.Slab) -> None:
     data = tensor(4096, 8)
     writer = slab.write(owned.name, PREFIX, memoryview(data), wait_s=0)
-    spec = TensorSpec(common_pb2.DTYPE_UINT8, (4096,), shm=writer.slice)
-    lock = spec.lock(PREFIX)
-    writer.release()
-    out = np.empty(4096, dtype=np.uint8)
-    spec.read_into(memoryview(out), prefix=PREFIX, max_bytes=1 << 20)
-    assert np.array_equal(out, data)
-    spec.release()
-    assert lock is not None
-    lock.release()
+    with grant_table(PREFIX) as table:
+        spec = granted(TensorSpec(common_pb2.DTYPE_UINT8, (4096,), shm=writer.slice), table)
+        lock = spec.lock(PREFIX)
+        writer.release()
+        out = np.empty(4096, dtype=np.uint8)
+        spec.read_into(memoryview(out), prefix=PREFIX, max_bytes=1 << 20)
+        assert np.array_equal(out, data)
+        spec.release()
+        assert lock is not None
+        lock.release()
     assert shm.list_segments(PREFIX) == [owned.name]
     assert owned.used_bytes() == 0

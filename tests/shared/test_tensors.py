@@ -8,6 +8,7 @@ import pytest
 from mmsplit.common.v1 import common_pb2
 from mmsplit_server import shm
 from mmsplit_server.tensors import InvalidTensorRef, TensorSpec, TensorTransportFailed
+from tests.support.granting import grant_table, granted
 from tests.support.leaks import PROJECT_PREFIX
 
 PREFIX = PROJECT_PREFIX + "tensors"  # this file's own, in this test process's
@@ -18,13 +19,22 @@ def ref(**kwargs: object) -> common_pb2.TensorRef:
     return common_pb2.TensorRef(**kwargs)  # type: ignore[arg-type]
 
 
-def good_shm_ref(name: str, nbytes: int = 24) -> common_pb2.TensorRef:
+NAME = f"{PREFIX}-{os.getpid()}-0123456789abcdef"
+TABLE = f"{PREFIX}-{os.getpid()}-grant0123456789a"
+
+
+def good_shm_ref(name: str, nbytes: int = 24, table: str = TABLE) -> common_pb2.TensorRef:
     return ref(
-        dtype=common_pb2.DTYPE_FLOAT32, shape=[2, 3], shm=common_pb2.ShmSlice(segment=name, offset=0, nbytes=nbytes)
+        dtype=common_pb2.DTYPE_FLOAT32,
+        shape=[2, 3],
+        shm=common_pb2.ShmSlice(segment=name, offset=0, nbytes=nbytes),
+        grant=common_pb2.Grant(table=table, index=0, tag=b"t" * 16),
     )
 
 
-NAME = f"{PREFIX}-{os.getpid()}-0123456789abcdef"
+def ungranted(message: common_pb2.TensorRef) -> common_pb2.TensorRef:
+    message.ClearField("grant")
+    return message
 
 
 @pytest.mark.parametrize(
@@ -42,6 +52,9 @@ NAME = f"{PREFIX}-{os.getpid()}-0123456789abcdef"
         (good_shm_ref(NAME, nbytes=25), "nbytes"),
         (good_shm_ref("../../etc/passwd"), "name"),
         (good_shm_ref(f"other-{os.getpid()}-0123456789abcdef"), "prefix"),
+        (ungranted(good_shm_ref(NAME)), "no grant"),
+        (good_shm_ref(NAME, table=f"other-{os.getpid()}-grant0123456789a"), "grant prefix"),
+        (good_shm_ref(NAME, table=NAME), "not a grant table"),
     ],
 )
 def test_malformed_references_are_invalid(message: common_pb2.TensorRef, why: str) -> None:
@@ -53,14 +66,16 @@ def test_roundtrip_shm_and_inline() -> None:
     data = np.arange(6, dtype=np.float32).reshape(2, 3)
     piece = shm.write_segment(PREFIX, os.getpid(), memoryview(data))
     try:
-        spec = TensorSpec.from_pb(good_shm_ref(piece.segment), prefix=PREFIX, max_bytes=CAP)
-        assert TensorSpec.from_pb(spec.to_pb(), prefix=PREFIX, max_bytes=CAP) == spec
-        out = np.empty_like(data)
-        spec.read_into(memoryview(out), prefix=PREFIX, max_bytes=CAP)
-        assert np.array_equal(out, data)
-        spec.release()
-        with pytest.raises(TensorTransportFailed):
+        with grant_table(PREFIX) as table:
+            wire = granted(TensorSpec.from_pb(good_shm_ref(piece.segment), prefix=PREFIX, max_bytes=CAP), table).to_pb()
+            spec = TensorSpec.from_pb(wire, prefix=PREFIX, max_bytes=CAP)
+            assert TensorSpec.from_pb(spec.to_pb(), prefix=PREFIX, max_bytes=CAP) == spec
+            out = np.empty_like(data)
             spec.read_into(memoryview(out), prefix=PREFIX, max_bytes=CAP)
+            assert np.array_equal(out, data)
+            spec.release()
+            with pytest.raises(TensorTransportFailed):
+                spec.read_into(memoryview(out), prefix=PREFIX, max_bytes=CAP)
     finally:
         shm.unlink(piece.segment)
     inline = TensorSpec.from_pb(
@@ -74,10 +89,11 @@ def test_roundtrip_shm_and_inline() -> None:
 def test_slice_past_the_end_of_a_real_segment_is_invalid() -> None:
     piece = shm.write_segment(PREFIX, os.getpid(), memoryview(b"\0" * 24))
     try:
-        message = good_shm_ref(piece.segment)
-        message.shm.offset = 16
-        spec = TensorSpec.from_pb(message, prefix=PREFIX, max_bytes=CAP)
-        with pytest.raises(InvalidTensorRef):
-            spec.read_into(memoryview(bytearray(24)), prefix=PREFIX, max_bytes=CAP)
+        with grant_table(PREFIX) as table:
+            message = good_shm_ref(piece.segment)
+            message.shm.offset = 16
+            spec = granted(TensorSpec.from_pb(message, prefix=PREFIX, max_bytes=CAP), table)
+            with pytest.raises(InvalidTensorRef):
+                spec.read_into(memoryview(bytearray(24)), prefix=PREFIX, max_bytes=CAP)
     finally:
         shm.unlink(piece.segment)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import psutil
 
-from mmsplit_server import shm, slab
+from mmsplit_server import grants, shm, slab
 
 SHM_DIR = Path("/dev/shm")
 
@@ -87,13 +87,30 @@ def _bound_unix_paths() -> set[str]:
 def project_segments() -> list[str]:
     """Segments of the project in /dev/shm that should not be there: all of
     them, except a live tokenizer's slab with no slice taken (its owner
-    holds a flock on it, and nobody holds a byte-range lock)."""
+    holds a flock on it, and nobody holds a byte-range lock), and a live
+    tokenizer's grant table with no grant left (every entry cleared: a
+    grant its request did not end is a leak too)."""
     # The test processes' own prefixes start with it too (tests/shared).
     names = sorted(n for n in os.listdir(SHM_DIR) if n.startswith(PROJECT_PREFIX))
-    if any("-slab" in n for n in names):
+    if any("-slab" in n or "-grant" in n for n in names):
         locks = _locks()
-        names = [n for n in names if not ("-slab" in n and _idle_owned(n, locks))]
+        names = [
+            n
+            for n in names
+            if not ("-slab" in n and _idle_owned(n, locks))
+            and not ("-grant" in n and _idle_owned(n, locks) and not live_grants(n))
+        ]
     return names
+
+
+def live_grants(name: str) -> int:
+    """Entries of grant table `name` that are granted now (0 when it is gone)."""
+    try:
+        data = (SHM_DIR / name).read_bytes()
+    except FileNotFoundError:
+        return 0
+    entry, tag = grants.ENTRY, grants.TAG_BYTES
+    return sum(1 for at in range(0, len(data), entry) if any(data[at : at + tag]))
 
 
 def slabs() -> list[str]:

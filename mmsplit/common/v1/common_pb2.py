@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1emmsplit/common/v1/common.proto\x12\x11mmsplit.common.v1\";\n\x08ShmSlice\x12\x0f\n\x07segment\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\"c\n\rCudaIpcHandle\x12\x0e\n\x06handle\x18\x01 \x01(\x0c\x12\x13\n\x0b\x64\x65vice_uuid\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\x12\r\n\x05lease\x18\x05 \x01(\t\"\xc3\x01\n\tTensorRef\x12\'\n\x05\x64type\x18\x01 \x01(\x0e\x32\x18.mmsplit.common.v1.Dtype\x12\r\n\x05shape\x18\x02 \x03(\x03\x12*\n\x03shm\x18\x03 \x01(\x0b\x32\x1b.mmsplit.common.v1.ShmSliceH\x00\x12\x34\n\x08\x63uda_ipc\x18\x04 \x01(\x0b\x32 .mmsplit.common.v1.CudaIpcHandleH\x00\x12\x10\n\x06inline\x18\x05 \x01(\x0cH\x00\x42\n\n\x08location\"2\n\x10PlaceholderRange\x12\x0e\n\x06offset\x18\x01 \x01(\r\x12\x0e\n\x06length\x18\x02 \x01(\r\"\x9f\x02\n\x0eMultimodalItem\x12-\n\x08modality\x18\x01 \x01(\x0e\x32\x1b.mmsplit.common.v1.Modality\x12?\n\x07tensors\x18\x02 \x03(\x0b\x32..mmsplit.common.v1.MultimodalItem.TensorsEntry\x12\x39\n\x0cplaceholders\x18\x03 \x03(\x0b\x32#.mmsplit.common.v1.PlaceholderRange\x12\x14\n\x0c\x63ontent_hash\x18\x04 \x01(\x0c\x1aL\n\x0cTensorsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12+\n\x05value\x18\x02 \x01(\x0b\x32\x1c.mmsplit.common.v1.TensorRef:\x02\x38\x01\"\xd6\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\x0c\n\x04seed\x18\x03 \x01(\x04\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x05 \x01(\r\x12\x12\n\nmin_tokens\x18\x06 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\n \x01(\rB\x08\n\x06_top_p\"L\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"\x8f\x05\n\nServerInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07tp_size\x18\x02 \x01(\r\x12\x30\n\ntransports\x18\x03 \x03(\x0e\x32\x1c.mmsplit.common.v1.Transport\x12\x15\n\rshm_namespace\x18\x04 \x01(\t\x12\x12\n\nshm_prefix\x18\x05 \x01(\t\x12\x0f\n\x07version\x18\x06 \x01(\t\x12\x1c\n\x14rank_active_requests\x18\x07 \x03(\r\x12\x18\n\x10running_requests\x18\x08 \x01(\r\x12\x17\n\x0fqueued_requests\x18\t \x01(\r\x12\x18\n\x10kv_budget_tokens\x18\n \x01(\x04\x12\x1a\n\x12kv_reserved_tokens\x18\x0b \x01(\x04\x12\x1d\n\x15preprocess_cache_hits\x18\x0c \x01(\x04\x12\x1f\n\x17preprocess_cache_misses\x18\r \x01(\x04\x12\x1e\n\x16preprocess_cache_bytes\x18\x0e \x01(\x04\x12\x1a\n\x12\x65ncoder_cache_hits\x18\x0f \x01(\x04\x12\x1c\n\x14\x65ncoder_cache_misses\x18\x10 \x01(\x04\x12\x1b\n\x13\x65ncoder_cache_bytes\x18\x11 \x01(\x04\x12\x16\n\x0eshm_slab_bytes\x18\x12 \x01(\x04\x12\x1b\n\x13shm_slab_used_bytes\x18\x13 \x01(\x04\x12\x19\n\x11\x63uda_device_uuids\x18\x14 \x03(\t\x12\x1b\n\x13\x63uda_ipc_pool_bytes\x18\x15 \x01(\x04\x12 \n\x18\x63uda_ipc_pool_used_bytes\x18\x16 \x01(\x04\x12\x12\n\nvocabulary\x18\x17 \x01(\t\x12\x12\n\nitem_rules\x18\x18 \x01(\t*\xe1\x04\n\tErrorCode\x12\x1a\n\x16\x45RROR_CODE_UNSPECIFIED\x10\x00\x12\x1e\n\x1a\x45RROR_CODE_INVALID_REQUEST\x10\x01\x12\"\n\x1e\x45RROR_CODE_MEDIA_DECODE_FAILED\x10\x02\x12 \n\x1c\x45RROR_CODE_MEDIA_UNSUPPORTED\x10\x03\x12\x1e\n\x1a\x45RROR_CODE_MEDIA_TOO_LARGE\x10\x04\x12\x1e\n\x1a\x45RROR_CODE_MEDIA_NOT_FOUND\x10\x05\x12%\n!ERROR_CODE_MEDIA_SOURCE_FORBIDDEN\x10\x06\x12!\n\x1d\x45RROR_CODE_MEDIA_FETCH_FAILED\x10\x07\x12!\n\x1d\x45RROR_CODE_PREPROCESS_TIMEOUT\x10\x08\x12(\n$ERROR_CODE_PREPROCESS_WORKER_CRASHED\x10\t\x12\x19\n\x15\x45RROR_CODE_OVERLOADED\x10\n\x12\'\n#ERROR_CODE_FEATURE_TRANSPORT_FAILED\x10\x0b\x12$\n ERROR_CODE_SCHEDULER_UNAVAILABLE\x10\x0c\x12\x18\n\x14\x45RROR_CODE_CANCELLED\x10\r\x12\x17\n\x13\x45RROR_CODE_INTERNAL\x10\x0e\x12 \n\x1c\x45RROR_CODE_DEADLINE_EXCEEDED\x10\x0f\x12\x1c\n\x18\x45RROR_CODE_SHUTTING_DOWN\x10\x10\x12\x1e\n\x1a\x45RROR_CODE_UNAUTHENTICATED\x10\x11*z\n\x05\x44type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03\x12\x0f\n\x0b\x44TYPE_UINT8\x10\x04\x12\x0f\n\x0b\x44TYPE_INT64\x10\x05*g\n\tTransport\x12\x19\n\x15TRANSPORT_UNSPECIFIED\x10\x00\x12\x11\n\rTRANSPORT_SHM\x10\x01\x12\x16\n\x12TRANSPORT_CUDA_IPC\x10\x02\x12\x14\n\x10TRANSPORT_INLINE\x10\x03*`\n\x08Modality\x12\x18\n\x14MODALITY_UNSPECIFIED\x10\x00\x12\x12\n\x0eMODALITY_IMAGE\x10\x01\x12\x12\n\x0eMODALITY_VIDEO\x10\x02\x12\x12\n\x0eMODALITY_AUDIO\x10\x03*\x81\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12 \n\x1c\x46INISH_REASON_CONTEXT_LENGTH\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1emmsplit/common/v1/common.proto\x12\x11mmsplit.common.v1\";\n\x08ShmSlice\x12\x0f\n\x07segment\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06nbytes\x18\x03 \x01(\x04\"c\n\rCudaIpcHandle\x12\x0e\n\x06handle\x18\x01 \x01(\x0c\x12\x13\n\x0b\x64\x65vice_uuid\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\x12\r\n\x05lease\x18\x05 \x01(\t\"2\n\x05Grant\x12\r\n\x05table\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x0b\n\x03tag\x18\x03 \x01(\x0c\"\xec\x01\n\tTensorRef\x12\'\n\x05\x64type\x18\x01 \x01(\x0e\x32\x18.mmsplit.common.v1.Dtype\x12\r\n\x05shape\x18\x02 \x03(\x03\x12*\n\x03shm\x18\x03 \x01(\x0b\x32\x1b.mmsplit.common.v1.ShmSliceH\x00\x12\x34\n\x08\x63uda_ipc\x18\x04 \x01(\x0b\x32 .mmsplit.common.v1.CudaIpcHandleH\x00\x12\x10\n\x06inline\x18\x05 \x01(\x0cH\x00\x12\'\n\x05grant\x18\x06 \x01(\x0b\x32\x18.mmsplit.common.v1.GrantB\n\n\x08location\"2\n\x10PlaceholderRange\x12\x0e\n\x06offset\x18\x01 \x01(\r\x12\x0e\n\x06length\x18\x02 \x01(\r\"\x9f\x02\n\x0eMultimodalItem\x12-\n\x08modality\x18\x01 \x01(\x0e\x32\x1b.mmsplit.common.v1.Modality\x12?\n\x07tensors\x18\x02 \x03(\x0b\x32..mmsplit.common.v1.MultimodalItem.TensorsEntry\x12\x39\n\x0cplaceholders\x18\x03 \x03(\x0b\x32#.mmsplit.common.v1.PlaceholderRange\x12\x14\n\x0c\x63ontent_hash\x18\x04 \x01(\x0c\x1aL\n\x0cTensorsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12+\n\x05value\x18\x02 \x01(\x0b\x32\x1c.mmsplit.common.v1.TensorRef:\x02\x38\x01\"\xd6\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\x0c\n\x04seed\x18\x03 \x01(\x04\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x05 \x01(\r\x12\x12\n\nmin_tokens\x18\x06 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\n \x01(\rB\x08\n\x06_top_p\"L\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"\x8f\x05\n\nServerInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07tp_size\x18\x02 \x01(\r\x12\x30\n\ntransports\x18\x03 \x03(\x0e\x32\x1c.mmsplit.common.v1.Transport\x12\x15\n\rshm_namespace\x18\x04 \x01(\t\x12\x12\n\nshm_prefix\x18\x05 \x01(\t\x12\x0f\n\x07version\x18\x06 \x01(\t\x12\x1c\n\x14rank_active_requests\x18\x07 \x03(\r\x12\x18\n\x10running_requests\x18\x08 \x01(\r\x12\x17\n\x0fqueued_requests\x18\t \x01(\r\x12\x18\n\x10kv_budget_tokens\x18\n \x01(\x04\x12\x1a\n\x12kv_reserved_tokens\x18\x0b \x01(\x04\x12\x1d\n\x15preprocess_cache_hits\x18\x0c \x01(\x04\x12\x1f\n\x17preprocess_cache_misses\x18\r \x01(\x04\x12\x1e\n\x16preprocess_cache_bytes\x18\x0e \x01(\x04\x12\x1a\n\x12\x65ncoder_cache_hits\x18\x0f \x01(\x04\x12\x1c\n\x14\x65ncoder_cache_misses\x18\x10 \x01(\x04\x12\x1b\n\x13\x65ncoder_cache_bytes\x18\x11 \x01(\x04\x12\x16\n\x0eshm_slab_bytes\x18\x12 \x01(\x04\x12\x1b\n\x13shm_slab_used_bytes\x18\x13 \x01(\x04\x12\x19\n\x11\x63uda_device_uuids\x18\x14 \x03(\t\x12\x1b\n\x13\x63uda_ipc_pool_bytes\x18\x15 \x01(\x04\x12 \n\x18\x63uda_ipc_pool_used_bytes\x18\x16 \x01(\x04\x12\x12\n\nvocabulary\x18\x17 \x01(\t\x12\x12\n\nitem_rules\x18\x18 \x01(\t*\xe1\x04\n\tErrorCode\x12\x1a\n\x16\x45RROR_CODE_UNSPECIFIED\x10\x00\x12\x1e\n\x1a\x45RROR_CODE_INVALID_REQUEST\x10\x01\x12\"\n\x1e\x45RROR_CODE_MEDIA_DECODE_FAILED\x10\x02\x12 \n\x1c\x45RROR_CODE_MEDIA_UNSUPPORTED\x10\x03\x12\x1e\n\x1a\x45RROR_CODE_MEDIA_TOO_LARGE\x10\x04\x12\x1e\n\x1a\x45RROR_CODE_MEDIA_NOT_FOUND\x10\x05\x12%\n!ERROR_CODE_MEDIA_SOURCE_FORBIDDEN\x10\x06\x12!\n\x1d\x45RROR_CODE_MEDIA_FETCH_FAILED\x10\x07\x12!\n\x1d\x45RROR_CODE_PREPROCESS_TIMEOUT\x10\x08\x12(\n$ERROR_CODE_PREPROCESS_WORKER_CRASHED\x10\t\x12\x19\n\x15\x45RROR_CODE_OVERLOADED\x10\n\x12\'\n#ERROR_CODE_FEATURE_TRANSPORT_FAILED\x10\x0b\x12$\n ERROR_CODE_SCHEDULER_UNAVAILABLE\x10\x0c\x12\x18\n\x14\x45RROR_CODE_CANCELLED\x10\r\x12\x17\n\x13\x45RROR_CODE_INTERNAL\x10\x0e\x12 \n\x1c\x45RROR_CODE_DEADLINE_EXCEEDED\x10\x0f\x12\x1c\n\x18\x45RROR_CODE_SHUTTING_DOWN\x10\x10\x12\x1e\n\x1a\x45RROR_CODE_UNAUTHENTICATED\x10\x11*z\n\x05\x44type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT16\x10\x02\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x03\x12\x0f\n\x0b\x44TYPE_UINT8\x10\x04\x12\x0f\n\x0b\x44TYPE_INT64\x10\x05*g\n\tTransport\x12\x19\n\x15TRANSPORT_UNSPECIFIED\x10\x00\x12\x11\n\rTRANSPORT_SHM\x10\x01\x12\x16\n\x12TRANSPORT_CUDA_IPC\x10\x02\x12\x14\n\x10TRANSPORT_INLINE\x10\x03*`\n\x08Modality\x12\x18\n\x14MODALITY_UNSPECIFIED\x10\x00\x12\x12\n\x0eMODALITY_IMAGE\x10\x01\x12\x12\n\x0eMODALITY_VIDEO\x10\x02\x12\x12\n\x0eMODALITY_AUDIO\x10\x03*\x81\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12 \n\x1c\x46INISH_REASON_CONTEXT_LENGTH\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,32 +33,34 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_MULTIMODALITEM_TENSORSENTRY']._loaded_options = None
   _globals['_MULTIMODALITEM_TENSORSENTRY']._serialized_options = b'8\001'
-  _globals['_ERRORCODE']._serialized_start=1709
-  _globals['_ERRORCODE']._serialized_end=2318
-  _globals['_DTYPE']._serialized_start=2320
-  _globals['_DTYPE']._serialized_end=2442
-  _globals['_TRANSPORT']._serialized_start=2444
-  _globals['_TRANSPORT']._serialized_end=2547
-  _globals['_MODALITY']._serialized_start=2549
-  _globals['_MODALITY']._serialized_end=2645
-  _globals['_FINISHREASON']._serialized_start=2648
-  _globals['_FINISHREASON']._serialized_end=2777
+  _globals['_ERRORCODE']._serialized_start=1802
+  _globals['_ERRORCODE']._serialized_end=2411
+  _globals['_DTYPE']._serialized_start=2413
+  _globals['_DTYPE']._serialized_end=2535
+  _globals['_TRANSPORT']._serialized_start=2537
+  _globals['_TRANSPORT']._serialized_end=2640
+  _globals['_MODALITY']._serialized_start=2642
+  _globals['_MODALITY']._serialized_end=2738
+  _globals['_FINISHREASON']._serialized_start=2741
+  _globals['_FINISHREASON']._serialized_end=2870
   _globals['_SHMSLICE']._serialized_start=53
   _globals['_SHMSLICE']._serialized_end=112
   _globals['_CUDAIPCHANDLE']._serialized_start=114
   _globals['_CUDAIPCHANDLE']._serialized_end=213
-  _globals['_TENSORREF']._serialized_start=216
-  _globals['_TENSORREF']._serialized_end=411
-  _globals['_PLACEHOLDERRANGE']._serialized_start=413
-  _globals['_PLACEHOLDERRANGE']._serialized_end=463
-  _globals['_MULTIMODALITEM']._serialized_start=466
-  _globals['_MULTIMODALITEM']._serialized_end=753
-  _globals['_MULTIMODALITEM_TENSORSENTRY']._serialized_start=677
-  _globals['_MULTIMODALITEM_TENSORSENTRY']._serialized_end=753
-  _globals['_SAMPLINGPARAMS']._serialized_start=756
-  _globals['_SAMPLINGPARAMS']._serialized_end=970
-  _globals['_TOKENLOGPROB']._serialized_start=972
-  _globals['_TOKENLOGPROB']._serialized_end=1048
-  _globals['_SERVERINFO']._serialized_start=1051
-  _globals['_SERVERINFO']._serialized_end=1706
+  _globals['_GRANT']._serialized_start=215
+  _globals['_GRANT']._serialized_end=265
+  _globals['_TENSORREF']._serialized_start=268
+  _globals['_TENSORREF']._serialized_end=504
+  _globals['_PLACEHOLDERRANGE']._serialized_start=506
+  _globals['_PLACEHOLDERRANGE']._serialized_end=556
+  _globals['_MULTIMODALITEM']._serialized_start=559
+  _globals['_MULTIMODALITEM']._serialized_end=846
+  _globals['_MULTIMODALITEM_TENSORSENTRY']._serialized_start=770
+  _globals['_MULTIMODALITEM_TENSORSENTRY']._serialized_end=846
+  _globals['_SAMPLINGPARAMS']._serialized_start=849
+  _globals['_SAMPLINGPARAMS']._serialized_end=1063
+  _globals['_TOKENLOGPROB']._serialized_start=1065
+  _globals['_TOKENLOGPROB']._serialized_end=1141
+  _globals['_SERVERINFO']._serialized_start=1144
+  _globals['_SERVERINFO']._serialized_end=1799
 # @@protoc_insertion_point(module_scope)

@@ -118,19 +118,31 @@ class CudaIpcHandle(_message.Message):
     lease: str
     def __init__(self, handle: _Optional[bytes] = ..., device_uuid: _Optional[str] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., lease: _Optional[str] = ...) -> None: ...
 
+class Grant(_message.Message):
+    __slots__ = ("table", "index", "tag")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    index: int
+    tag: bytes
+    def __init__(self, table: _Optional[str] = ..., index: _Optional[int] = ..., tag: _Optional[bytes] = ...) -> None: ...
+
 class TensorRef(_message.Message):
-    __slots__ = ("dtype", "shape", "shm", "cuda_ipc", "inline")
+    __slots__ = ("dtype", "shape", "shm", "cuda_ipc", "inline", "grant")
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
     CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
     INLINE_FIELD_NUMBER: _ClassVar[int]
+    GRANT_FIELD_NUMBER: _ClassVar[int]
     dtype: Dtype
     shape: _containers.RepeatedScalarFieldContainer[int]
     shm: ShmSlice
     cuda_ipc: CudaIpcHandle
     inline: bytes
-    def __init__(self, dtype: _Optional[_Union[Dtype, str]] = ..., shape: _Optional[_Iterable[int]] = ..., shm: _Optional[_Union[ShmSlice, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ..., inline: _Optional[bytes] = ...) -> None: ...
+    grant: Grant
+    def __init__(self, dtype: _Optional[_Union[Dtype, str]] = ..., shape: _Optional[_Iterable[int]] = ..., shm: _Optional[_Union[ShmSlice, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ..., inline: _Optional[bytes] = ..., grant: _Optional[_Union[Grant, _Mapping]] = ...) -> None: ...
 
 class PlaceholderRange(_message.Message):
     __slots__ = ("offset", "length")
