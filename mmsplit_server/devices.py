@@ -21,6 +21,16 @@ without a GPU.
 
 The handle travels as JSON of plain fields (never pickle: the scheduler
 decodes what a caller sent).
+
+An importer keeps each pool it opened (`Imported`): opening a handle maps
+the exporter's whole allocation, and keeps it allocated while it stays open.
+So each rank closes a pool once its exporter is gone (its lease map removed:
+the tokenizer stopped, or its janitor swept it after a crash), checked at
+most once a second from the end of each step (rank 0's heartbeat makes steps
+on every rank even when idle), and keeps at most `--cuda-ipc-max-pools` open,
+closing the least recently used one beyond that. Without this, each
+tokenizer restart or scale-in left a whole staging pool mapped, and so
+allocated, on every rank's GPU until the scheduler restarted.
 """
 
 from __future__ import annotations
@@ -28,8 +38,12 @@ from __future__ import annotations
 import base64
 import importlib
 import json
+import logging
 import threading
+import time
+from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -37,6 +51,10 @@ import torch
 from mmsplit_server import shm, slab
 
 MAX_HANDLE_BYTES = 4096
+# Pools an importer keeps open at most (`--cuda-ipc-max-pools` on the scheduler).
+DEFAULT_MAX_POOLS = 8
+
+log = logging.getLogger(__name__)
 
 
 class DeviceError(Exception):
@@ -56,19 +74,26 @@ class Exported(Protocol):
         """Free the allocation (importers' copies are theirs)."""
 
 
+class Opened(Protocol):
+    """An exporter's allocation as an importer opened it."""
+
+    def read(self, offset: int, nbytes: int, like: torch.device) -> torch.Tensor:
+        """A tensor of this process's (on `like`'s device type) holding a copy
+        of [offset, offset + nbytes); DeviceError for a range outside it."""
+
+    def close(self) -> None:
+        """Let the allocation go (its memory is freed once its exporter and
+        every importer have let go)."""
+
+
 class Backend(Protocol):
     def uuids(self) -> list[str]:
         """The devices this process can export from or import on."""
 
     def allocate(self, nbytes: int) -> Exported: ...
 
-    def read(self, handle: bytes, offset: int, nbytes: int, like: torch.device) -> torch.Tensor:
-        """A tensor of this process's (on `like`'s device type) holding a copy of
-        [offset, offset + nbytes) of the exporter's allocation; the opened
-        handle is kept for the next read. DeviceError if it cannot be opened."""
-
-    def forget(self, handle: bytes) -> None:
-        """Close an opened handle (its exporter's pool is gone)."""
+    def open(self, handle: bytes) -> Opened:
+        """Open an exporter's handle; DeviceError if it cannot be opened here."""
 
 
 # --- torch's CUDA IPC ---------------------------------------------------------
@@ -90,15 +115,37 @@ class _CudaExported:
         self.memory = torch.empty(0, dtype=torch.uint8)
 
 
+class _CudaOpened:
+    def __init__(self, storage: torch.UntypedStorage) -> None:
+        self.storage: torch.UntypedStorage | None = storage
+
+    def read(self, offset: int, nbytes: int, like: torch.device) -> torch.Tensor:
+        storage = self.storage
+        if storage is None:
+            raise DeviceError("the pool was closed")
+        if offset + nbytes > storage.nbytes():
+            raise DeviceError("the range lies outside the exported allocation")
+        whole = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+        target = like if like.type == "cuda" else storage.device
+        out = whole[offset : offset + nbytes].to(target, copy=True)
+        torch.cuda.synchronize(out.device)
+        return out
+
+    def close(self) -> None:
+        # The mapping goes with the last reference to the storage; the
+        # caching allocator's IPC bookkeeping is told to let it go now.
+        self.storage = None
+        if torch.cuda.is_available():
+            torch.cuda.ipc_collect()
+
+
 class CudaBackend:
     """torch's CUDA IPC: an allocation shared by `_share_cuda_`, opened by
     `UntypedStorage._new_shared_cuda` (what torch.multiprocessing's reductions
-    use), cached per handle."""
+    use)."""
 
     def __init__(self, index: int = 0) -> None:
         self.index = index
-        self._opened: dict[bytes, torch.UntypedStorage] = {}
-        self._lock = threading.Lock()
 
     def uuids(self) -> list[str]:
         if not torch.cuda.is_available():
@@ -108,26 +155,12 @@ class CudaBackend:
     def allocate(self, nbytes: int) -> Exported:
         return _CudaExported(nbytes, self.index)
 
-    def read(self, handle: bytes, offset: int, nbytes: int, like: torch.device) -> torch.Tensor:
-        with self._lock:
-            storage = self._opened.get(handle)
-            if storage is None:
-                try:
-                    storage = torch.UntypedStorage._new_shared_cuda(*_decode(handle))  # type: ignore[attr-defined]
-                except (RuntimeError, TypeError, ValueError) as exc:
-                    raise DeviceError(f"the CUDA IPC handle could not be opened: {type(exc).__name__}") from exc
-                self._opened[handle] = storage
-        if offset + nbytes > storage.nbytes():
-            raise DeviceError("the range lies outside the exported allocation")
-        whole = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
-        target = like if like.type == "cuda" else storage.device
-        out = whole[offset : offset + nbytes].to(target, copy=True)
-        torch.cuda.synchronize(out.device)
-        return out
-
-    def forget(self, handle: bytes) -> None:
-        with self._lock:
-            self._opened.pop(handle, None)
+    def open(self, handle: bytes) -> Opened:
+        try:
+            storage = torch.UntypedStorage._new_shared_cuda(*_decode(handle))  # type: ignore[attr-defined]
+        except (RuntimeError, TypeError, ValueError) as exc:
+            raise DeviceError(f"the CUDA IPC handle could not be opened: {type(exc).__name__}") from exc
+        return _CudaOpened(storage)
 
 
 def cuda_backend() -> Backend:
@@ -191,6 +224,102 @@ def configure(spec: str) -> Backend:
 
 def current() -> Backend:
     return load(_current)
+
+
+# --- the importer's open pools ------------------------------------------------
+
+
+@dataclass
+class _Pool:
+    opened: Opened
+    lease: str  # the exporter's lease map: gone when the exporter is
+    readers: int = 0
+    closing: bool = False
+
+
+class Imported:
+    """The pools this process opened, by handle: kept for the next read,
+    closed once their exporter is gone (`tidy`), and at most `max_pools`
+    of them (the least recently used beyond that is closed; one being read
+    is closed when its read ends)."""
+
+    def __init__(self, max_pools: int = DEFAULT_MAX_POOLS) -> None:
+        self.max_pools = max_pools
+        self._pools: OrderedDict[bytes, _Pool] = OrderedDict()
+        self._lock = threading.Lock()
+        self._tidied = 0.0
+
+    def read(
+        self, backend: Backend, handle: bytes, lease: str, offset: int, nbytes: int, like: torch.device
+    ) -> torch.Tensor:
+        """A copy of [offset, offset + nbytes) of the pool `handle` names
+        (opened now, or kept from before); DeviceError if it cannot be."""
+        with self._lock:
+            pool = self._pools.get(handle)
+            if pool is None or pool.lease != lease:
+                if pool is not None:  # the same handle, another lease map: not the pool we opened
+                    raise DeviceError("the CUDA IPC handle does not belong to this lease map")
+                pool = _Pool(backend.open(handle), lease)
+                self._pools[handle] = pool
+                self._over_cap()
+            self._pools.move_to_end(handle)
+            pool.readers += 1
+        try:
+            return pool.opened.read(offset, nbytes, like)
+        finally:
+            with self._lock:
+                pool.readers -= 1
+                if pool.closing and not pool.readers:
+                    pool.opened.close()
+
+    def tidy(self, *, every_s: float = 1.0) -> int:
+        """Close the pools whose exporter is gone (at most once per
+        `every_s`; 0 checks now); how many were closed."""
+        now = time.monotonic()
+        with self._lock:
+            if every_s and now - self._tidied < every_s:
+                return 0
+            self._tidied = now
+            leases = {pool.lease for pool in self._pools.values()}
+        gone = {lease for lease in leases if not lease_alive(lease)}
+        if not gone:
+            return 0
+        with self._lock:
+            closed = [handle for handle, pool in self._pools.items() if pool.lease in gone]
+            for handle in closed:
+                self._close(handle)
+        log.info("closed %d CUDA IPC pool(s) whose exporter is gone", len(closed))
+        return len(closed)
+
+    def count(self) -> int:
+        """Pools open now."""
+        with self._lock:
+            return len(self._pools)
+
+    def close_all(self) -> None:
+        with self._lock:
+            for handle in list(self._pools):
+                self._close(handle)
+
+    def _over_cap(self) -> None:
+        while len(self._pools) > self.max_pools:
+            oldest = next(iter(self._pools))
+            log.info("more than %d CUDA IPC pools open: closing the least recently used", self.max_pools)
+            self._close(oldest)
+
+    def _close(self, handle: bytes) -> None:
+        pool = self._pools.pop(handle)
+        pool.closing = True
+        if not pool.readers:
+            pool.opened.close()
+
+
+imported = Imported()
+
+
+def read(handle: bytes, lease: str, offset: int, nbytes: int, like: torch.device) -> torch.Tensor:
+    """This process's read of an exporter's range (`Imported.read`, with the current backend)."""
+    return imported.read(current(), handle, lease, offset, nbytes, like)
 
 
 # --- the exporter's pool -------------------------------------------------------

@@ -185,7 +185,7 @@ class TensorSpec:
         with _TRANSLATED:
             self._verify(lease, prefix)
         try:
-            return devices.current().read(self.cuda.handle, lease.offset, lease.nbytes, like)
+            return devices.read(self.cuda.handle, lease.segment, lease.offset, lease.nbytes, like)
         except devices.DeviceError as exc:
             raise TensorTransportFailed(str(exc)) from exc
 

@@ -46,6 +46,7 @@ def bootstrap(settings: SchedulerSettings, rendezvous: Rendezvous | None) -> Boo
     )
     torch.set_num_threads(max(1, torch.get_num_threads() // dist.get_world_size()))
     devices.configure(settings.cuda_ipc_backend)
+    devices.imported.max_pools = settings.cuda_ipc_max_pools
     device = pick_device(settings.device)
     dtype = model_dtype(settings.dtype, device)
     model = load_model(settings.model_dir, world_size=dist.get_world_size(), device=device, dtype=dtype)

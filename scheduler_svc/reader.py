@@ -30,7 +30,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from mmsplit_server import slab
+from mmsplit_server import devices, slab
 from mmsplit_server.tensors import TensorSpec
 from scheduler_svc.settings import SchedulerSettings
 
@@ -75,6 +75,12 @@ class SharedMemoryReader:
         self._held: list[slab.Held] = []
 
     def end_step(self) -> None:
+        # Every rank steps at least once per heartbeat: pools of tokenizers
+        # that are gone are closed here, on each rank (at most once a second).
+        try:
+            devices.imported.tidy()
+        except Exception:
+            log.exception("rank %d: closing the CUDA IPC pools of gone tokenizers failed", self.rank)
         held, self._held = self._held, []
         for lock in held:
             try:

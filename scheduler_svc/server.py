@@ -130,6 +130,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         cache = self.step_loop.engine.encoder_cache
         info.encoder_cache_hits, info.encoder_cache_misses = cache.hits, cache.misses
         info.encoder_cache_bytes = cache.bytes
+        info.cuda_ipc_open_pools = devices.imported.count()
         return scheduler_pb2.GetServerInfoResponse(info=info)
 
 
@@ -158,6 +159,9 @@ def _metrics(settings: SchedulerSettings, step_loop: StepLoop) -> ServiceMetrics
         }
     )
     metrics.gauge("encoder_cache_bytes", "Bytes the encoder-output cache holds (rank 0)", lambda: cache.bytes)
+    metrics.gauge(
+        "cuda_ipc_open_pools", "CUDA IPC pools of tokenizers this rank holds open (rank 0)", devices.imported.count
+    )
     metrics.gauge(
         "shm_bytes",
         "Bytes of the prefix's segments in this host's /dev/shm: handed over by tokenizers and not yet released",

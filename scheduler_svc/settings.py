@@ -97,6 +97,12 @@ class SchedulerSettings(ServiceSettings):
         "module:factory of what opens CUDA IPC handles (tests substitute a fake device); the transport is "
         "offered when it reports GPUs and every rank is on this host (--launch local)",
     )
+    cuda_ipc_max_pools: int = _opt(
+        8,
+        "CUDA IPC pools (one per tokenizer exporting to this group) each rank keeps open at most; the least "
+        "recently used beyond it is closed, and a pool whose tokenizer is gone is closed within a second or so",
+        min=1,
+    )
     tensor_reader: str = _opt(
         "",
         "'module:factory' building each rank's tensor reader (scheduler_svc/reader.py); empty = shared memory/inline",

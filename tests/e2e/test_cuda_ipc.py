@@ -27,7 +27,7 @@ from mmsplit_cli import samples
 from mmsplit_cli.client import make_request, run_request
 from mmsplit_cli.launch import ServiceProcess, tokenizer_args
 from tests.conftest import SCHEDULER_SERVICE, TOKENIZER_SERVICE, Services
-from tests.e2e.helpers import health_status, rank_active_requests
+from tests.e2e.helpers import health_status, rank_active_requests, scheduler_info
 from tests.support import fake_device
 from tests.support.faults import failing_request_id
 from tests.support.leaks import PROJECT_PREFIX, wait_until
@@ -150,9 +150,14 @@ def test_a_killed_tokenizer_leaves_nothing_after_one_janitor_pass(
             return [n for n in os.listdir("/dev/shm") if n.startswith(f"{PROJECT_PREFIX}-{doomed.pid}-")]
 
         assert len(left()) == 3, left()  # its fake device memory, its pool's lease map and its grant table
+        pools = lambda: scheduler_info(services.scheduler_address).cuda_ipc_open_pools  # noqa: E731
+        opened = pools()  # its pool among them: its request was read
+        assert opened >= 1
         os.kill(doomed.pid, signal.SIGKILL)
         thread.join(60)
         assert wait_until(lambda: not left(), timeout=15), left()
+        # Its lease map gone, every rank closes its pool (rank 0's count is published).
+        assert wait_until(lambda: pools() == opened - 1, timeout=15), (opened, pools())
     finally:
         doomed.stop()
     assert wait_until(lambda: rank_active_requests(services.scheduler_address) == [0, 0], timeout=10)

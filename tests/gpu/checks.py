@@ -285,12 +285,21 @@ def rank_killed(proc: ServiceProcess) -> None:
     report("PASS" if ok else "FAIL", "rank 1 SIGKILLed fails the group cleanly (TP=2)", detail)
 
 
+def open_pools(address: str) -> int:
+    """The CUDA IPC pools the scheduler at `address` holds open (rank 0's)."""
+    with grpc.insecure_channel(address) as channel:
+        stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
+        return int(stub.GetServerInfo(scheduler_pb2.GetServerInfoRequest(), timeout=5).info.cuda_ipc_open_pools)
+
+
 @check("CUDA IPC hand-off")
 def cuda_ipc(pair, model_dir: Path, logs: Path) -> None:  # type: ignore[no-untyped-def]
     """A tokenizer with a GPU staging pool on the pair's scheduler: CUDA IPC is
     chosen, its greedy tokens equal the pair's own tokenizer's with the pool
     off (shared memory), a cancel leaves the pool's used bytes at 0, and a
-    SIGKILL of that tokenizer leaves the scheduler serving."""
+    SIGKILL of that tokenizer leaves the scheduler serving and, once a
+    janitor has removed the dead tokenizer's lease map, its pool closed on
+    the ranks (rank 0's count of open pools goes down by one)."""
     import os
     import signal
 
@@ -330,13 +339,20 @@ def cuda_ipc(pair, model_dir: Path, logs: Path) -> None:  # type: ignore[no-unty
             call.cancel()
         time.sleep(1.0)
         used = info(tok.address).info.cuda_ipc_pool_used_bytes
+        opened = open_pools(pair.scheduler_address)
         os.kill(tok.pid, signal.SIGKILL)
         time.sleep(3.0)
         alive = pair.scheduler.proc.poll() is None
-        ok = same == 4 and used == 0 and alive
+        # The scheduler's janitor (every 30 s by default) removes the lease map.
+        deadline = time.monotonic() + 45
+        while open_pools(pair.scheduler_address) >= opened and time.monotonic() < deadline:
+            time.sleep(0.5)
+        closed = open_pools(pair.scheduler_address) == opened - 1
+        ok = same == 4 and used == 0 and alive and opened >= 1 and closed
         detail = (
             f"{same}/4 token-identical to shared memory; pool used after a cancel: {used}; "
-            f"scheduler alive after the tokenizer's SIGKILL: {alive}"
+            f"scheduler alive after the tokenizer's SIGKILL: {alive}; open pools {opened} before, "
+            f"{open_pools(pair.scheduler_address)} after"
         )
         report("PASS" if ok else "FAIL", "CUDA IPC hand-off", detail)
     finally:

@@ -31,6 +31,8 @@ def pool() -> Iterator[devices.DevicePool]:
     p = devices.DevicePool(devices.current(), PREFIX, os.getpid(), 1 << 20)
     yield p
     p.close()
+    devices.imported.tidy(every_s=0)  # what this process opened of it goes with it
+    assert devices.imported.count() == 0
     devices.configure("")
 
 
@@ -127,3 +129,44 @@ def test_handles_are_plain_fields_never_pickles() -> None:
     for bad in (b"\x80\x04K\x01.", b'[{"x": 1}]', b"[[1]]", b"[" + b"1," * 3000 + b"1]"):
         with pytest.raises(ValueError, match="not a CUDA IPC handle"):
             devices._decode(bad)
+
+
+def test_a_tokenizer_restarted_20_times_leaves_at_most_the_cap_open() -> None:
+    """An importer opens each exporter's pool once and keeps it for the
+    next read; 20 exporters in turn (a tokenizer restarted 20 times, none of
+    them stopping cleanly) leave at most the cap open, and once their lease
+    maps are gone (their tokenizer stopped, or the janitor swept after it)
+    every one is closed, its memory let go."""
+    devices.configure("tests.support.fake_device:make")
+    backend = devices.current()
+    importer = devices.Imported(max_pools=3)
+    already = fake_device.FakeOpened.live
+    pools = []
+    try:
+        for i in range(20):
+            pool = devices.DevicePool(backend, PREFIX, os.getpid(), 1 << 20)
+            pools.append(pool)
+            data = np.full(1000, i, np.uint8)
+            held = pool.put(memoryview(data), wait_s=0)
+            piece = held.slice
+            got = importer.read(backend, pool.handle, pool.leases.name, piece.offset, piece.nbytes, torch.device("cpu"))
+            assert np.array_equal(got.numpy(), data)
+            held.release()
+            assert importer.count() == min(i + 1, 3)
+            assert fake_device.FakeOpened.live - already == importer.count()
+        # The last three are open; their exporters stop.
+        for pool in pools[-3:]:
+            pool.close()
+        assert importer.tidy(every_s=0) == 3
+        assert importer.count() == 0
+        assert fake_device.FakeOpened.live == already
+        # A read of a gone exporter's pool is refused, and opens nothing.
+        with pytest.raises(devices.DeviceError):
+            importer.read(backend, pools[-1].handle, pools[-1].leases.name, 0, 1000, torch.device("cpu"))
+        assert importer.count() == 0
+    finally:
+        importer.close_all()
+        for pool in pools[:-3]:
+            pool.close()
+        devices.configure("")
+    assert not shm.list_segments(PREFIX)

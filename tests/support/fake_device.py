@@ -40,6 +40,36 @@ class FakeExported:
         self._memory.close()
 
 
+class FakeOpened:
+    """The fake memory as an importer holds it: an open descriptor of its
+    segment, which keeps the memory allocated, as an opened CUDA IPC handle
+    keeps the exporter's GPU memory, until closed. `live` counts those open
+    in this process."""
+
+    live = 0
+
+    def __init__(self, name: str) -> None:
+        self._fd: int | None = shm.open_segment(name, PREFIX)
+        self.size = os.fstat(self._fd).st_size
+        FakeOpened.live += 1
+
+    def read(self, offset: int, nbytes: int, like: torch.device) -> torch.Tensor:
+        if self._fd is None:
+            raise devices.DeviceError("the pool was closed")
+        if offset + nbytes > self.size:
+            raise devices.DeviceError("the range lies outside the exported allocation")
+        out = np.empty(nbytes, dtype=np.uint8)
+        if os.preadv(self._fd, [memoryview(out)], offset) != nbytes:  # type: ignore[list-item]
+            raise devices.DeviceError("the fake device memory is shorter than its range")
+        return torch.from_numpy(out)
+
+    def close(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+            FakeOpened.live -= 1
+
+
 class FakeBackend:
     def uuids(self) -> list[str]:
         return [uuid()]
@@ -47,18 +77,11 @@ class FakeBackend:
     def allocate(self, nbytes: int) -> devices.Exported:
         return FakeExported(nbytes)
 
-    def read(self, handle: bytes, offset: int, nbytes: int, like: torch.device) -> torch.Tensor:
+    def open(self, handle: bytes) -> devices.Opened:
         try:
-            name = json.loads(handle)["fake"]
-            out = np.empty(nbytes, dtype=np.uint8)
-            view = memoryview(out)  # type: ignore[arg-type]
-            slab.read_slice(shm.Slice(name, offset, nbytes), PREFIX, view, max_segment_bytes=1 << 40)
+            return FakeOpened(json.loads(handle)["fake"])
         except (ValueError, KeyError, TypeError, shm.SegmentError) as exc:
             raise devices.DeviceError(f"the fake device handle could not be opened: {type(exc).__name__}") from exc
-        return torch.from_numpy(out)
-
-    def forget(self, handle: bytes) -> None:
-        pass
 
 
 def make() -> devices.Backend:
