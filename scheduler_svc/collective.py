@@ -14,7 +14,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from scheduler_svc.group import Rendezvous
+from scheduler_svc.rendezvous import Rendezvous
 
 log = logging.getLogger(__name__)
 

@@ -23,10 +23,11 @@ import os
 import signal
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from mmsplit_server.serving import exit_now, free_port, name_process
+from scheduler_svc.rendezvous import Rendezvous
 from scheduler_svc.settings import SchedulerSettings
 
 log = logging.getLogger(__name__)
@@ -34,16 +35,6 @@ log = logging.getLogger(__name__)
 # What rank 0 sends a local rank it wants gone (its default action ends the
 # process); SIGINT and SIGTERM are ignored there.
 LEAVE_SIGNAL = signal.SIGUSR1
-
-
-@dataclass(frozen=True)
-class Rendezvous:
-    """Where and as whom a locally launched rank joins its group."""
-
-    addr: str
-    port: int
-    rank: int
-    world_size: int
 
 
 def _follower(settings: SchedulerSettings, rendezvous: Rendezvous) -> None:

@@ -18,10 +18,10 @@ from mmsplit_server import devices, shm
 from mmsplit_server.serving import setup_logging
 from scheduler_svc.collective import TorchCollective, init_group, pick_device
 from scheduler_svc.engine import Engine
-from scheduler_svc.group import Rendezvous
 from scheduler_svc.loop import run_follower
 from scheduler_svc.model import load_model, model_dtype, model_info
 from scheduler_svc.reader import build_reader
+from scheduler_svc.rendezvous import Rendezvous
 from scheduler_svc.settings import SchedulerSettings
 
 log = logging.getLogger(__name__)

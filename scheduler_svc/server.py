@@ -45,10 +45,11 @@ from mmsplit_server.serving import (
 )
 from scheduler_svc.errors import SchedulerUnavailable
 from scheduler_svc.frontend import Frontend
-from scheduler_svc.group import LocalRanks, Rendezvous, start_late
+from scheduler_svc.group import LocalRanks, start_late
 from scheduler_svc.loop import StepLoop
 from scheduler_svc.model import ModelInfo, model_dtype, model_info
 from scheduler_svc.ranks import Bootstrapped, bootstrap, run_follower_until_stopped
+from scheduler_svc.rendezvous import Rendezvous
 from scheduler_svc.settings import SchedulerSettings
 
 log = logging.getLogger(__name__)
