@@ -27,6 +27,7 @@ from mmsplit.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from mmsplit_cli import samples
 from mmsplit_cli.client import make_request
 from mmsplit_cli.launch import ServiceProcess, scheduler_args, tokenizer_args
+from tests.support.local_token import scheduler_channel
 
 SIZES = [(640, 480), (800, 600), (1024, 768), (1280, 720), (1600, 900), (1920, 1080)]
 
@@ -40,7 +41,7 @@ def cache_counts(tokenizer: str, scheduler: str) -> tuple[int, int, int, int]:
     with grpc.insecure_channel(tokenizer) as channel:
         stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
         tok = stub.GetServerInfo(tokenizer_pb2.GetServerInfoRequest(), timeout=5).info
-    with grpc.insecure_channel(scheduler) as channel:
+    with scheduler_channel(scheduler) as channel:
         stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
         sched = stub.GetServerInfo(scheduler_pb2.GetServerInfoRequest(), timeout=5).info
     return tok.preprocess_cache_hits, tok.preprocess_cache_misses, sched.encoder_cache_hits, sched.encoder_cache_misses

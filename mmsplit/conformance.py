@@ -54,6 +54,7 @@ except ImportError as exc:  # the light client without its extra
         f"{exc.name} is missing: the conformance kit needs pip install 'mmsplit-client[conformance]'", name=exc.name
     ) from exc
 
+from mmsplit import localauth
 from mmsplit.checks import Failed, Result, Skipped, expect, run_check, table
 from mmsplit.client import read_secret
 from mmsplit.common.v1 import common_pb2
@@ -139,8 +140,14 @@ class Kit:
         self.tok = tokenizer_pb2_grpc.TokenizerServiceStub(self.tokenizer)
         self.scheduler = self._channel(options.scheduler, channel_options) if options.scheduler else None
         self.sched = scheduler_pb2_grpc.SchedulerServiceStub(self.scheduler) if self.scheduler else None
+        # Without a token given, a scheduler of this host on loopback is
+        # called with its local token, as its own user's clients do.
         self.sched_metadata = (
-            (("authorization", f"Bearer {options.scheduler_token}"),) if options.scheduler_token else ()
+            (("authorization", f"Bearer {options.scheduler_token}"),)
+            if options.scheduler_token
+            else localauth.LocalToken(options.scheduler).metadata()
+            if options.scheduler
+            else ()
         )
 
     def _channel(self, target: str, channel_options: list[tuple[str, Any]]) -> grpc.Channel:
@@ -174,7 +181,7 @@ class Kit:
         ]
         if self.scheduler is not None:
             checks += [
-                *self._common_checks("scheduler", self.scheduler, SCHEDULER_SERVICE),
+                *self._common_checks("scheduler", self.scheduler, SCHEDULER_SERVICE, self.sched_metadata),
                 ("scheduler.server_info", self.scheduler_server_info),
                 ("scheduler.stream.events", self.scheduler_stream),
                 (
@@ -197,7 +204,7 @@ class Kit:
 
     # ---- both services ----
     def _common_checks(
-        self, label: str, channel: grpc.Channel, service: str
+        self, label: str, channel: grpc.Channel, service: str, metadata: tuple[tuple[str, str], ...] = ()
     ) -> list[tuple[str, Callable[[], str | None]]]:
         def live() -> str:
             return self._health(channel, "")
@@ -219,7 +226,7 @@ class Kit:
         def listed() -> str:
             stub = reflection_pb2_grpc.ServerReflectionStub(channel)
             replies = stub.ServerReflectionInfo(
-                iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10, metadata=metadata
             )
             names = {s.name for reply in replies for s in reply.list_services_response.service}
             missing = {service, HEALTH_SERVICE, REFLECTION_SERVICE} - names

@@ -193,8 +193,11 @@ def info_command(args: argparse.Namespace) -> int:
     """`mmsplit info`: a server's GetServerInfo as JSON (a tokenizer's, else a scheduler's)."""
     from google.protobuf.json_format import MessageToJson
 
+    from mmsplit import localauth
     from mmsplit.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 
+    # A scheduler of this host on loopback asks for its local token (mmsplit.localauth).
+    metadata = localauth.LocalToken(args.server).metadata()
     with grpc.insecure_channel(args.server) as channel:
         asks = [
             (tokenizer_pb2_grpc.TokenizerServiceStub(channel).GetServerInfo, tokenizer_pb2.GetServerInfoRequest()),
@@ -202,7 +205,7 @@ def info_command(args: argparse.Namespace) -> int:
         ]
         for call, request in asks:
             try:
-                reply = call(request, timeout=args.timeout)
+                reply = call(request, timeout=args.timeout, metadata=metadata)
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.UNIMPLEMENTED:  # type: ignore[attr-defined]
                     continue

@@ -111,6 +111,11 @@ class ServiceSettings:
     max_images_per_request: int = opt(8, "images one request may carry", min=0)
     max_tokens_limit: int = opt(4096, "largest max_tokens accepted", min=1)
     max_message_bytes: int = opt(256 * 1024 * 1024, "largest gRPC message, bytes", min=0)
+    runtime_dir: str = opt(
+        "",
+        "a directory only this user may enter (mode 700), for the scheduler's local token (mmsplit.localauth); "
+        "empty = $XDG_RUNTIME_DIR/mmsplit, else /tmp/mmsplit-<uid>",
+    )
     shutdown_grace_s: float = opt(5.0, "seconds running requests get to finish on SIGTERM or Ctrl-C", min=0)
     keepalive_s: float = opt(
         20.0,

@@ -19,12 +19,13 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, MutableMapping
+from pathlib import Path
 
 import grpc
 import torch
 import torch.distributed as dist
 
-from mmsplit import __version__, pairing
+from mmsplit import __version__, localauth, pairing
 from mmsplit.client import read_secret
 from mmsplit.common.v1 import common_pb2
 from mmsplit.errors import InternalError, MmsplitError
@@ -208,9 +209,17 @@ def _run(settings: SchedulerSettings, ranks: LocalRanks | None) -> int:
         security.credentials()  # unreadable certificate files fail here (`run` takes early ranks down)
     except (ValueError, OSError) as exc:
         raise SystemExit(f"mmsplit scheduler: {exc}") from exc
-    if settings.insecure and not is_loopback(settings.host) and not (settings.tls_client_ca or security.token):
+    local = None
+    if is_loopback(settings.host) and not (settings.tls_client_ca or security.token or settings.insecure):
+        # Loopback is open to every user of the host: a token only ours can read.
+        try:
+            local = localauth.private_dir(runtime_dir(settings), create=True)
+        except (localauth.RuntimeDirError, OSError) as exc:
+            raise SystemExit(f"mmsplit scheduler: --runtime-dir: {exc}") from exc
+        security = dataclasses.replace(security, token=localauth.new_token())
+    if settings.insecure and not (settings.tls_client_ca or security.token):
         log.warning("serving %s with neither mutual TLS nor a token (--insecure)", settings.host)
-    if security.token and not security.cert:
+    if security.token and not security.cert and local is None:
         log.warning("the token travels unencrypted: add --tls-cert and --tls-key where the network is not trusted")
     if settings.launch == "env":
         adopt_leaderworkerset_env(os.environ)
@@ -218,13 +227,13 @@ def _run(settings: SchedulerSettings, ranks: LocalRanks | None) -> int:
         if boot.coll.rank != 0:
             run_follower_until_stopped(boot)
             return 0
-        return run_service(_serve(dataclasses.replace(settings, tp=boot.coll.world_size), boot, None, security))
+        return run_service(_serve(dataclasses.replace(settings, tp=boot.coll.world_size), boot, None, security, local))
 
     if ranks is None:
         ranks = start_late(settings)  # forks of this process, on CPU (`scheduler_svc.group`)
     rendezvous = ranks.rendezvous if ranks else Rendezvous("127.0.0.1", free_port(), 0, 1)
     boot = _bootstrap_watching(settings, ranks, rendezvous)
-    return run_service(_serve(settings, boot, ranks, security))
+    return run_service(_serve(settings, boot, ranks, security, local))
 
 
 # LeaderWorkerSet names a pod's place in its group with its own variables.
@@ -326,8 +335,39 @@ def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[[], object]) 
         log.debug("dropped a callback after the event loop closed")
 
 
+def runtime_dir(settings: SchedulerSettings) -> Path:
+    return Path(settings.runtime_dir) if settings.runtime_dir else localauth.default_dir()
+
+
 async def _serve(
-    settings: SchedulerSettings, boot: Bootstrapped, ranks: LocalRanks | None, security: ServerSecurity
+    settings: SchedulerSettings,
+    boot: Bootstrapped,
+    ranks: LocalRanks | None,
+    security: ServerSecurity,
+    local: Path | None,
+) -> int:
+    """Serve until stopped; with `local` (a private directory), the
+    scheduler's local token is published there for as long as it serves."""
+    published: list[Path] = []
+
+    def withdraw() -> None:
+        for path in published:
+            localauth.withdraw(path, security.token)
+
+    try:
+        return await _serve_published(settings, boot, ranks, security, local, published, withdraw)
+    finally:
+        withdraw()
+
+
+async def _serve_published(
+    settings: SchedulerSettings,
+    boot: Bootstrapped,
+    ranks: LocalRanks | None,
+    security: ServerSecurity,
+    local: Path | None,
+    published: list[Path],
+    withdraw: Callable[[], None],
 ) -> int:
     aio_loop = asyncio.get_running_loop()
     fatal = asyncio.Event()
@@ -378,6 +418,8 @@ async def _serve(
     metrics = _metrics(settings, step_loop)
     servicer = SchedulerServicer(frontend, described, step_loop, metrics)
     scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(servicer, server)
+    if local is not None:
+        published.append(localauth.provision(local, port, security.token))
     await server.start()
     log.info(
         "scheduler listening on %s:%d (tp=%d, model=%s, vocabulary %s, item rules %s)",
@@ -425,6 +467,7 @@ async def _serve(
         if ranks is not None:
             ranks.terminate()
         log.error("scheduler exiting with status 1 so the group is restarted")
+        withdraw()
         exit_now(1)
 
     # Drain: refuse new requests, let running ones finish within the grace

@@ -24,7 +24,8 @@ class SchedulerSettings(ServiceSettings):
     tp: int = _opt(1, "number of tensor-parallel ranks", min=1)
     host: str = _opt(
         "127.0.0.1",
-        "address to serve gRPC on; anything but loopback requires mutual TLS or a token (or --insecure)",
+        "address to serve gRPC on; on loopback with no credentials configured, a local token only this user can "
+        "read (--runtime-dir) is required; anything else requires mutual TLS or a token (or --insecure)",
     )
     port: int = _opt(
         50051, "port to serve gRPC on (the tokenizer's --scheduler default); 0 picks a free one (logged)", min=0
@@ -32,7 +33,7 @@ class SchedulerSettings(ServiceSettings):
     auth_token_file: str = _opt(
         "", "file holding a shared token every call must carry (authorization: Bearer <token>); health is exempt"
     )
-    insecure: bool = _opt(False, "allow serving a non-loopback address with neither mutual TLS nor a token")
+    insecure: bool = _opt(False, "serve with neither mutual TLS nor a token, nor a local token on loopback")
     launch: str = _opt(
         "local",
         "'local': this process is rank 0 and spawns ranks 1..tp-1 here; 'env': this process is the rank "

@@ -32,7 +32,7 @@ import pytest
 
 from mmsplit_server.serving import free_port
 from tests.support import messages
-from tests.support.leaks import SERVICE_TMP, children, project_segments, service_temp_leftovers, wait_until
+from tests.support.leaks import RUNTIME_DIR, SERVICE_TMP, children, project_segments, service_temp_leftovers, wait_until
 from tests.support.services import (
     ROOT,
     SCHEDULER_SERVICE,
@@ -101,7 +101,9 @@ def service_temp_dir() -> Iterator[None]:
     file left in it by a test's services fails that test (`no_leaks`); one
     left by the session's services (stopped after the last test) fails here."""
     SERVICE_TMP.mkdir(mode=0o700, exist_ok=True)
+    RUNTIME_DIR.mkdir(mode=0o700, exist_ok=True)
     yield
+    shutil.rmtree(RUNTIME_DIR, ignore_errors=True)
     wait_until(lambda: not service_temp_leftovers(), timeout=10)
     left = service_temp_leftovers()
     shutil.rmtree(SERVICE_TMP, ignore_errors=True)

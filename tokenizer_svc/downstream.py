@@ -30,9 +30,11 @@ import json
 import logging
 import socket
 from collections.abc import AsyncGenerator, Collection
+from pathlib import Path
 
 import grpc
 
+from mmsplit import localauth
 from mmsplit.common.v1 import common_pb2
 from mmsplit.errors import E, RemoteError
 from mmsplit.keepalive import keepalive_options
@@ -128,13 +130,20 @@ class SchedulerLink:
             # certificate names the Service.
             options.append(("grpc.ssl_target_name_override", server_name))
         self.channel = security.channel(target, options)
-        self._metadata = (*security.metadata(), *pairing.metadata())
+        self._fixed = (*security.metadata(), *pairing.metadata())
+        # With no token of ours, a scheduler of this host on loopback is
+        # called with its local token (mmsplit.localauth), read as it changes.
+        directory = Path(settings.runtime_dir) if settings.runtime_dir else None
+        self._local = None if security.token else localauth.LocalToken(target, directory)
         self.stub = scheduler_pb2_grpc.SchedulerServiceStub(self.channel)
         self.info: common_pb2.ServerInfo | None = None
         self.transport = common_pb2.TRANSPORT_UNSPECIFIED
         self._namespace = shm.namespace_id()
         # The GPU of this tokenizer's CUDA-IPC staging pool ("" without one).
         self.gpu_uuid = gpu_uuid
+
+    def _metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._fixed if self._local is None else (*self._fixed, *self._local.metadata())
 
     @property
     def connected(self) -> bool:
@@ -150,7 +159,7 @@ class SchedulerLink:
         (and disconnected) when it does not answer."""
         try:
             reply = await self.stub.GetServerInfo(
-                scheduler_pb2.GetServerInfoRequest(), timeout=timeout_s, metadata=self._metadata
+                scheduler_pb2.GetServerInfoRequest(), timeout=timeout_s, metadata=self._metadata()
             )
         except grpc.aio.AioRpcError as exc:
             if self.info is not None:
@@ -202,7 +211,7 @@ class SchedulerLink:
     async def generate(
         self, request: scheduler_pb2.GenerateRequest, *, timeout_s: float | None
     ) -> AsyncGenerator[scheduler_pb2.GenerateResponse, None]:
-        call = self.stub.Generate(request, timeout=timeout_s, metadata=self._metadata)
+        call = self.stub.Generate(request, timeout=timeout_s, metadata=self._metadata())
         try:
             async for response in call:
                 yield response

@@ -12,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from mmsplit.common.v1 import common_pb2
 from mmsplit.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from mmsplit.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from tests.support.local_token import scheduler_channel
 
 
 def tokenizer_stub(channel: grpc.Channel) -> tokenizer_pb2_grpc.TokenizerServiceStub:
@@ -38,7 +39,7 @@ def health_status(address: str, service: str, timeout: float = READ_TIMEOUT_S) -
 
 
 def scheduler_info(scheduler_address: str, timeout: float = READ_TIMEOUT_S) -> common_pb2.ServerInfo:
-    with grpc.insecure_channel(scheduler_address) as channel:
+    with scheduler_channel(scheduler_address) as channel:
         stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
         return stub.GetServerInfo(scheduler_pb2.GetServerInfoRequest(), timeout=timeout).info
 

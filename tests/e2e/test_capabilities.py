@@ -34,6 +34,7 @@ from scheduler_svc.model import model_info
 from tests.conftest import TOKENIZER_SERVICE
 from tests.e2e.helpers import health_status, scheduler_info, tokenizer_info
 from tests.support.leaks import PROJECT_PREFIX, wait_until
+from tests.support.local_token import scheduler_channel
 from tests.support.services import ENV, running_pair
 
 pytestmark = pytest.mark.e2e
@@ -71,7 +72,7 @@ def direct(address: str, ref: common_pb2.TensorRef, input_ids: list[int]) -> Rem
         pixel_values=[ref],
         sampling=common_pb2.SamplingParams(max_tokens=1),
     )
-    with grpc.insecure_channel(address) as channel:
+    with scheduler_channel(address) as channel:
         try:
             list(scheduler_pb2_grpc.SchedulerServiceStub(channel).Generate(request, timeout=60))
         except grpc.RpcError as exc:

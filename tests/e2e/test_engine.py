@@ -31,6 +31,7 @@ from tests.conftest import SCHEDULER_SERVICE, Services
 from tests.e2e.helpers import health_status, rank_active_requests, rank_processes
 from tests.support.faults import failing_request_id
 from tests.support.leaks import wait_until
+from tests.support.local_token import scheduler_channel
 from tests.support.reference import Ask, greedy
 from tests.support.services import Pair, running_pair, start_scheduler
 
@@ -186,7 +187,7 @@ def direct(
     request = scheduler_pb2.GenerateRequest(
         request_id=rid or f"direct-{uuid.uuid4().hex[:8]}", input_ids=ids, pixel_values=images, sampling=sampling
     )
-    with grpc.insecure_channel(services.scheduler_address) as channel:
+    with scheduler_channel(services.scheduler_address) as channel:
         try:
             events = list(scheduler_pb2_grpc.SchedulerServiceStub(channel).Generate(request, timeout=60))
         except grpc.RpcError as exc:
@@ -313,7 +314,7 @@ def test_requests_in_flight_when_a_rank_is_killed_get_a_typed_scheduler_unavaila
                 input_ids=[1, 22557, 1526, 100 + i],
                 sampling=common_pb2.SamplingParams(max_tokens=1000, min_tokens=1000),
             )
-            with grpc.insecure_channel(sched.address) as channel:
+            with scheduler_channel(sched.address) as channel:
                 try:
                     for event in scheduler_pb2_grpc.SchedulerServiceStub(channel).Generate(request, timeout=120):
                         if event.HasField("tokens"):

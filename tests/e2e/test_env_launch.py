@@ -6,7 +6,6 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-import grpc
 import numpy as np
 import pytest
 
@@ -16,6 +15,7 @@ from mmsplit_cli.launch import ServiceProcess
 from mmsplit_server.serving import free_port
 from scheduler_svc.model import model_info
 from tests.conftest import SCHEDULER_SERVICE
+from tests.support.local_token import scheduler_channel
 
 pytestmark = pytest.mark.e2e
 
@@ -36,7 +36,7 @@ def test_two_ranks_started_separately_serve_and_stop(tiny_model: Path, tmp_path:
             pixel_values=[ref],
             sampling=common_pb2.SamplingParams(max_tokens=4),
         )
-        with grpc.insecure_channel(rank0.address) as channel:
+        with scheduler_channel(rank0.address) as channel:
             stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
             assert stub.GetServerInfo(scheduler_pb2.GetServerInfoRequest(), timeout=5).info.tp_size == 2
             events = list(stub.Generate(request, timeout=60))

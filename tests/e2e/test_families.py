@@ -33,6 +33,7 @@ from tests.conftest import SCHEDULER_SERVICE, TOKENIZER_SERVICE, Services
 from tests.e2e.helpers import health_status, png, rank_active_requests, scheduler_info
 from tests.support import family_kit, hf_family, video_corpus
 from tests.support.leaks import PROJECT_PREFIX, project_segments, wait_until
+from tests.support.local_token import scheduler_channel
 from tests.support.services import Pair, running_pair
 
 pytestmark = pytest.mark.e2e
@@ -222,7 +223,7 @@ def test_malformed_items_are_refused_and_the_group_keeps_serving(family_pair: tu
     kit = family_kit.kit(pair.model)
     images = [Image.open(io.BytesIO(png(120, 200, 4))), Image.open(io.BytesIO(png(90, 300, 5)))]
     good = kit.message("good", f"Here: {kit.marker} and {kit.marker}", images, max_tokens=2)
-    with grpc.insecure_channel(pair.scheduler_address) as channel:
+    with scheduler_channel(pair.scheduler_address) as channel:
         stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
         outcomes = {name: _outcome(stub, m) for name, m in _malformed(kit, good).items()}
         assert outcomes == dict.fromkeys(outcomes, "INVALID_REQUEST"), outcomes

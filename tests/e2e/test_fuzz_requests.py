@@ -31,6 +31,7 @@ from mmsplit_cli.client import make_request, run_request
 from scheduler_svc.model import model_info
 from tests.conftest import SCHEDULER_SERVICE, TOKENIZER_SERVICE, Services
 from tests.e2e.helpers import health_status, tokenizer_stub
+from tests.support.local_token import scheduler_channel
 
 pytestmark = pytest.mark.e2e
 
@@ -168,7 +169,7 @@ def scheduler_requests(draw: st.DrawFn, image_token: int, per_image: int) -> sch
 def test_scheduler_requests_end_in_success_or_a_typed_error(services: Services, data: st.DataObject) -> None:
     info = model_info(services.model)
     request = data.draw(scheduler_requests(info.image_token_id, info.tokens_per_image))
-    with grpc.insecure_channel(services.scheduler_address) as channel:
+    with scheduler_channel(services.scheduler_address) as channel:
         failure: grpc.RpcError | None = None
         try:
             list(scheduler_pb2_grpc.SchedulerServiceStub(channel).Generate(request, timeout=60))

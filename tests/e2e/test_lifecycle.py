@@ -25,6 +25,7 @@ from mmsplit_cli.launch import ServiceProcess, scheduler_args
 from tests.e2e.helpers import health_status, rank_processes
 from tests.support import limits
 from tests.support.leaks import project_segments, wait_until
+from tests.support.local_token import scheduler_channel
 from tests.support.services import ENV, SCHEDULER_SERVICE, TOKENIZER_SERVICE, running_pair, start_scheduler
 
 pytestmark = pytest.mark.e2e
@@ -319,7 +320,7 @@ def test_a_wedged_step_at_tp1_fails_the_group_cleanly(tiny_model: Path, tmp_path
                 pixel_values=pixels,
                 sampling=common_pb2.SamplingParams(max_tokens=900, min_tokens=900),
             )
-            with grpc.insecure_channel(sched.address) as channel:
+            with scheduler_channel(sched.address) as channel:
                 try:
                     for event in scheduler_pb2_grpc.SchedulerServiceStub(channel).Generate(request, timeout=120):
                         if event.HasField("tokens"):

@@ -13,6 +13,7 @@ from mmsplit_cli import samples
 from mmsplit_cli.client import make_request, run_request
 from tests.conftest import TOKENIZER_SERVICE, Services
 from tests.e2e.helpers import health_status, tokenizer_stub
+from tests.support.local_token import scheduler_channel
 
 pytestmark = pytest.mark.e2e
 
@@ -35,7 +36,7 @@ SCHEDULER_METHODS = [
 def call_raw(address: str, method: str, streaming: bool | None, payload: bytes) -> grpc.RpcError:
     """The error a call of `method` with `payload` as its request ends in
     (`streaming`: whether the answer is a stream; None: both are)."""
-    with grpc.insecure_channel(address) as channel:
+    with scheduler_channel(address) as channel:  # a scheduler asks for its local token
         identity = {"request_serializer": lambda b: b, "response_deserializer": lambda b: b}
         try:
             if streaming is None:

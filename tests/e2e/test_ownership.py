@@ -34,6 +34,7 @@ from tests.conftest import SCHEDULER_SERVICE, TOKENIZER_SERVICE, Services
 from tests.e2e.helpers import health_status, rank_active_requests, scheduler_info
 from tests.support.granting import grant_ref, grant_table
 from tests.support.leaks import PROJECT_PREFIX, project_segments, wait_until
+from tests.support.local_token import scheduler_channel
 from tests.support.planted import planted as plant
 from tests.support.services import ENV, start_scheduler
 
@@ -57,7 +58,7 @@ def test_what_is_planted_under_a_segment_name_fails_its_request_only(services: S
         "another user's file": "FEATURE_TRANSPORT_FAILED",
     }
     pid = services.scheduler.pid
-    with grpc.insecure_channel(services.scheduler_address) as channel, grant_table(PROJECT_PREFIX) as table:
+    with scheduler_channel(services.scheduler_address) as channel, grant_table(PROJECT_PREFIX) as table:
         stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
         for kind, name in planted.items():
             ref = common_pb2.TensorRef(

@@ -28,6 +28,7 @@ from mmsplit_server.serving import free_port
 from tests.conftest import SCHEDULER_SERVICE, TOKENIZER_SERVICE, Services
 from tests.e2e.helpers import health_status, rank_active_requests, scheduler_info, scrape, tokenizer_info
 from tests.support.leaks import wait_until
+from tests.support.local_token import scheduler_channel
 from tests.support.services import ENV, ServiceProcess, tokenizer_args
 
 pytestmark = pytest.mark.e2e
@@ -97,7 +98,7 @@ def test_the_scheduler_refuses_a_request_from_a_caller_of_another_model(services
     by another model's (it looks every 2 s) is refused, retriably."""
     ours = Pairing.of(scheduler_info(services.scheduler_address))
     request = scheduler_pb2.GenerateRequest(input_ids=[1, 306, 4966], sampling=common_pb2.SamplingParams(max_tokens=2))
-    with grpc.insecure_channel(services.scheduler_address) as channel:
+    with scheduler_channel(services.scheduler_address) as channel:
         stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
 
         def call(rid: str, metadata: tuple[tuple[str, str], ...]) -> str:

@@ -25,6 +25,7 @@ from tests.e2e.helpers import health_status, rank_active_requests
 from tests.support.faults import failing_request_id
 from tests.support.granting import grant_ref, grant_table
 from tests.support.leaks import PROJECT_PREFIX, project_segments, wait_until
+from tests.support.local_token import scheduler_channel
 
 pytestmark = pytest.mark.e2e
 F32 = common_pb2.DTYPE_FLOAT32
@@ -32,7 +33,7 @@ F32 = common_pb2.DTYPE_FLOAT32
 
 @pytest.fixture
 def sched(services: Services):  # type: ignore[no-untyped-def]
-    with grpc.insecure_channel(services.scheduler_address) as channel:
+    with scheduler_channel(services.scheduler_address) as channel:
         yield scheduler_pb2_grpc.SchedulerServiceStub(channel)
 
 

@@ -17,6 +17,7 @@ from mmsplit_cli import samples
 from mmsplit_cli.client import Outcome, make_request, run_request
 from tests.conftest import SCHEDULER_SERVICE, TOKENIZER_SERVICE, Services
 from tests.e2e.helpers import health_status
+from tests.support.local_token import scheduler_channel
 
 pytestmark = pytest.mark.e2e
 
@@ -87,7 +88,7 @@ def test_health_and_reflection(services: Services, which: str) -> None:
     service = TOKENIZER_SERVICE if which == "tokenizer" else SCHEDULER_SERVICE
     assert health_status(address, "") == "SERVING"
     assert health_status(address, service) == "SERVING"
-    with grpc.insecure_channel(address) as channel:
+    with scheduler_channel(address) as channel:
         stub = reflection_pb2_grpc.ServerReflectionStub(channel)
         replies = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5)
         names = {s.name for reply in replies for s in reply.list_services_response.service}

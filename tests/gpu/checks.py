@@ -52,6 +52,7 @@ from mmsplit_cli.client import make_request, run_request  # noqa: E402
 from mmsplit_cli.launch import SCHEDULER_SERVICE, ServiceProcess, running_pair, scheduler_args  # noqa: E402
 from mmsplit_cli.tiny_model import build  # noqa: E402
 from scheduler_svc.model import model_info  # noqa: E402
+from tests.support.local_token import scheduler_channel  # noqa: E402
 
 RESULTS: list[tuple[str, str, str]] = []
 DEVICE = sys.argv[2] if len(sys.argv) > 2 else "cuda"
@@ -155,7 +156,7 @@ def direct(address: str, ids: list[int], images: list[common_pb2.TensorRef], sam
     request = scheduler_pb2.GenerateRequest(
         request_id=f"gpu-{random.randrange(1 << 30)}", input_ids=ids, pixel_values=images, sampling=sampling
     )
-    with grpc.insecure_channel(address) as channel:
+    with scheduler_channel(address) as channel:
         try:
             list(scheduler_pb2_grpc.SchedulerServiceStub(channel).Generate(request, timeout=60))
         except grpc.RpcError as exc:
@@ -201,7 +202,7 @@ def two_ranks_one_gpu(model_dir: Path, logs: Path) -> None:
     proc = ServiceProcess("scheduler-tp2", scheduler_args(model_dir, tp=2, extra=extra), logs / "tp2.log")
     try:
         proc.wait_serving(SCHEDULER_SERVICE, 120)
-        with grpc.insecure_channel(proc.address) as channel:
+        with scheduler_channel(proc.address) as channel:
             request = scheduler_pb2.GenerateRequest(
                 request_id="tp2", input_ids=[1, 22557, 1526], sampling=common_pb2.SamplingParams(max_tokens=8)
             )
@@ -233,7 +234,7 @@ def rank1_read_failure(address: str, model_dir: Path) -> None:
         request = scheduler_pb2.GenerateRequest(
             request_id=rid, input_ids=ids, pixel_values=[pixels], sampling=common_pb2.SamplingParams(max_tokens=4)
         )
-        with grpc.insecure_channel(address) as channel:
+        with scheduler_channel(address) as channel:
             try:
                 list(scheduler_pb2_grpc.SchedulerServiceStub(channel).Generate(request, timeout=60))
             except grpc.RpcError as exc:
@@ -258,7 +259,7 @@ def rank_killed(proc: ServiceProcess) -> None:
         sampling=common_pb2.SamplingParams(max_tokens=4000, min_tokens=4000),
     )
     outcome: list[str] = []
-    with grpc.insecure_channel(proc.address) as channel:
+    with scheduler_channel(proc.address) as channel:
         call = scheduler_pb2_grpc.SchedulerServiceStub(channel).Generate(request, timeout=120)
         events = iter(call)
         next(events)
@@ -287,7 +288,7 @@ def rank_killed(proc: ServiceProcess) -> None:
 
 def open_pools(address: str) -> int:
     """The CUDA IPC pools the scheduler at `address` holds open (rank 0's)."""
-    with grpc.insecure_channel(address) as channel:
+    with scheduler_channel(address) as channel:
         stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
         return int(stub.GetServerInfo(scheduler_pb2.GetServerInfoRequest(), timeout=5).info.cuda_ipc_open_pools)
 

@@ -1,7 +1,9 @@
 """Call a scheduler with chosen credentials and print what happened, one
 JSON line (run inside a test's network namespace):
 
-    python -m tests.support.call_scheduler ADDRESS [--token T] [--ca F [--cert F --key F] [--server-name N]]
+    python -m tests.support.call_scheduler ADDRESS [--token T | --local] [--ca F [--cert F --key F] [--server-name N]]
+
+(`--local`: the scheduler's local token, as a client of this user finds it, `mmsplit.localauth`.)
 
 Prints {"info": code, "generate": code, "health": status, "reason": ErrorInfo reason or ""}.
 """
@@ -15,6 +17,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from mmsplit import localauth
 from mmsplit.common.v1 import common_pb2
 from mmsplit.errors import error_info_of
 from mmsplit.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
@@ -24,6 +27,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("address")
     parser.add_argument("--token", default="")
+    parser.add_argument("--local", action="store_true")
     parser.add_argument("--ca", default="")
     parser.add_argument("--cert", default="")
     parser.add_argument("--key", default="")
@@ -40,6 +44,8 @@ def main() -> None:
     else:
         channel = grpc.insecure_channel(args.address)
     metadata = (("authorization", f"Bearer {args.token}"),) if args.token else ()
+    if args.local:
+        metadata = localauth.LocalToken(args.address).metadata()
     out: dict[str, str] = {"reason": ""}
     with channel:
         stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)

@@ -39,6 +39,13 @@ PROJECT_PREFIX = _prefix()
 # Made and removed by the session (tests/conftest.py).
 SERVICE_TMP = Path(tempfile.gettempdir()) / f"{PROJECT_PREFIX}-services-tmp-{os.getpid()}"
 
+# The services' runtime directory (their schedulers' local tokens,
+# `mmsplit.localauth`), one per test process, through the environment as the
+# prefix is: made and removed by the session (tests/conftest.py), so that
+# the token files of schedulers a test killed are not left in /tmp.
+RUNTIME_DIR = Path(tempfile.gettempdir()) / f"{PROJECT_PREFIX}-runtime-{os.getpid()}"
+os.environ["MMSPLIT_RUNTIME_DIR"] = str(RUNTIME_DIR)
+
 
 # Caches by design in a temporary directory: one directory of a fixed name,
 # reused by every run (torch makes its compile cache, torchinductor_<user>,
