@@ -219,7 +219,7 @@ def _run(settings: SchedulerSettings, ranks: LocalRanks | None) -> int:
         security = dataclasses.replace(security, token=localauth.new_token())
     if settings.insecure and not (settings.tls_client_ca or security.token):
         log.warning("serving %s with neither mutual TLS nor a token (--insecure)", settings.host)
-    if security.token and not security.cert and local is None:
+    if security.token and not security.cert and not is_loopback(settings.host):
         log.warning("the token travels unencrypted: add --tls-cert and --tls-key where the network is not trusted")
     if settings.launch == "env":
         adopt_leaderworkerset_env(os.environ)

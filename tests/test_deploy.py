@@ -94,8 +94,10 @@ def pod_templates(obj: dict[str, Any]) -> list[tuple[str, dict[str, Any], dict[s
         return [("pod", template, template["metadata"]["labels"])]
     if obj["kind"] == "LeaderWorkerSet":
         group = obj["spec"]["leaderWorkerTemplate"]
-        # The LWS controller labels every pod with its set and its index.
-        base = {f"{LWS_LABELS}/name": obj["metadata"]["name"]}
+        # The LWS controller labels every pod with its set, its group's
+        # index (ours have one group) and its index in the group.
+        assert obj["spec"].get("replicas", 1) == 1, "one group: the per-group policies name index 0 only"
+        base = {f"{LWS_LABELS}/name": obj["metadata"]["name"], f"{LWS_LABELS}/group-index": "0"}
         out = [("worker", group["workerTemplate"], {**base, **group["workerTemplate"]["metadata"]["labels"]})]
         if "leaderTemplate" in group:
             leader = group["leaderTemplate"]
@@ -271,3 +273,105 @@ def test_the_containerfile_lints_and_names_only_what_exists() -> None:
     # The build context leaves out what the image must not carry.
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert {".venv", ".git", "tests"} <= set(ignored)
+
+
+MONITORING = {"namespaceSelector": {"matchLabels": {"mmsplit.io/monitoring": "true"}}}
+
+
+def test_every_pod_is_locked_down(rendered: tuple[str, list[dict[str, Any]]]) -> None:
+    """The tokenizer runs FFmpeg and PIL on untrusted bytes: no API token,
+    the runtime's default seccomp profile, a read-only root file system
+    (what is written goes to an emptyDir at /tmp), bounded scratch space."""
+    overlay, objs = rendered
+    pods = [(obj["metadata"]["name"], role, t) for obj in objs for role, t, _ in pod_templates(obj)]
+    assert pods, overlay
+    for name, role, template in pods:
+        where = f"{overlay}/{name}/{role}"
+        spec = template["spec"]
+        assert spec.get("automountServiceAccountToken") is False, where
+        assert spec["securityContext"].get("seccompProfile") == {"type": "RuntimeDefault"}, where
+        assert spec["securityContext"].get("runAsNonRoot") is True, where
+        scratch = {v["name"] for v in spec.get("volumes", []) if "emptyDir" in v}
+        for container in spec["containers"]:
+            at = f"{where}/{container['name']}"
+            context = container["securityContext"]
+            assert context.get("readOnlyRootFilesystem") is True, at
+            assert context.get("allowPrivilegeEscalation") is False, at
+            assert context.get("capabilities") == {"drop": ["ALL"]}, at
+            resources = container["resources"]
+            assert "ephemeral-storage" in resources["requests"], at
+            assert "ephemeral-storage" in resources["limits"], at
+            tmp = [m for m in container["volumeMounts"] if m["mountPath"] == "/tmp"]
+            assert tmp, f"{at}: nothing writable at /tmp"
+            assert tmp[0]["name"] in scratch, f"{at}: /tmp is not an emptyDir"
+
+
+def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    assert set(selector) <= {"matchLabels"}, selector  # what these policies use
+    return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
+
+
+def _admitted_from(policies: list[dict[str, Any]], labels: dict[str, str], port: int) -> list[dict[str, Any]] | None:
+    """Where traffic to `port` of a pod with `labels` may come from under
+    `policies`: None for anywhere, else the peers (empty: nowhere)."""
+    peers: list[dict[str, Any]] = []
+    for policy in policies:
+        spec = policy["spec"]
+        if "Ingress" not in spec["policyTypes"] or not _selects(spec["podSelector"], labels):
+            continue
+        for rule in spec.get("ingress", []):
+            ports = rule.get("ports")
+            if ports is not None and not any(p["port"] == port for p in ports):
+                continue
+            if "from" not in rule:
+                return None
+            peers.extend(rule["from"])
+    return peers
+
+
+def test_network_policies_let_in_only_who_needs_each_port(rendered: tuple[str, list[dict[str, Any]]]) -> None:
+    """Default deny for every pod; clients reach the tokenizer's gRPC and
+    HTTP ports; only tokenizers reach a scheduler's gRPC port; only the
+    labelled monitoring namespace reaches metrics; only a group's own pods
+    reach its rendezvous and collective ports; the health-only ports are
+    the kubelet's (nothing on the network)."""
+    overlay, objs = rendered
+    policies = [obj for obj in objs if obj["kind"] == "NetworkPolicy"]
+    tokenizer_pods = {
+        "podSelector": {
+            "matchLabels": {"app.kubernetes.io/name": "mmsplit", "app.kubernetes.io/component": "tokenizer"}
+        }
+    }
+    checked = set()
+    for obj in objs:
+        for role, template, labels in pod_templates(obj):
+            deny = [p for p in policies if _selects(p["spec"]["podSelector"], labels) and not p["spec"].get("ingress")]
+            assert deny, f"{overlay}/{obj['metadata']['name']}/{role}: no default-deny policy selects it"
+            for container in template["spec"]["containers"]:
+                # A multi-pod group's own pods reach all of each other's
+                # ports: gloo and NCCL choose theirs at run time (ranks hold
+                # the group's certificate anyway).
+                group = {k: v for k, v in labels.items() if k.startswith(LWS_LABELS) and "worker-index" not in k}
+                peers = [{"podSelector": {"matchLabels": group}}] if group else []
+                for port in container.get("ports", []):
+                    where = f"{overlay}/{obj['metadata']['name']}/{role}/{port['name']}"
+                    got = _admitted_from(policies, labels, port["containerPort"])
+                    if got is not None:
+                        assert all(peer in got for peer in peers), where
+                        got = [peer for peer in got if peer not in peers]
+                    name = port["name"]
+                    if name in ("grpc", "http") and labels["app.kubernetes.io/component"] == "tokenizer":
+                        assert got is None, where
+                    elif name == "grpc":
+                        assert got == [tokenizer_pods], where
+                    elif name.endswith("metrics"):
+                        assert got == [MONITORING], where
+                    elif name.endswith("health"):
+                        assert got == [], where
+                    elif name == "rendezvous":
+                        assert peers, where
+                        assert got == [], where  # the group's own pods only
+                    else:
+                        raise AssertionError(f"{where}: a port no test says who may reach")
+                    checked.add(name)
+    assert {"grpc", "metrics"} <= checked, checked
