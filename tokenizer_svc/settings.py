@@ -99,7 +99,9 @@ class TokenizerSettings(ServiceSettings):
     max_videos_per_request: int = _opt(1, "videos one request may carry (models that take video)", min=0)
     max_video_bytes: int = _opt(50 * 1024 * 1024, "largest encoded video, bytes", min=1)
     max_video_frame_pixels: int = _opt(
-        3840 * 2160, "largest video frame, width x height (checked from the headers, before decoding)", min=1
+        3840 * 2160,
+        "largest video frame, width x height (checked from the headers, and by the decoder for every frame)",
+        min=1,
     )
     max_video_duration_s: float = _opt(600.0, "longest video, seconds (declared and as demuxed)", min=0.01)
     max_video_file_frames: int = _opt(

@@ -37,10 +37,16 @@ from PIL import Image
 
 try:
     import av
+    import av.logging
 except ImportError:  # a pinned requirement; absent only where the wheel was not carried (the GPU checks)
     av = None  # type: ignore[assignment]
 
 from tokenizer_svc.errors import MediaDecodeFailed, MediaTooLarge, MediaUnsupported, PreprocessTimeout
+
+# Streams a video file may hold (each is probed when the file is opened).
+MAX_STREAMS = 16
+# What FFmpeg logs when a frame is over the decoder's max_pixels.
+OVER_MAX_PIXELS = "exceeds specified max pixel count"
 
 # FFmpeg demuxer names (the mov demuxer also reads mp4, m4v, 3gp, mj2).
 CONTAINERS = ("mov", "matroska", "avi", "mpegts", "ogg", "flv")
@@ -141,12 +147,17 @@ def decode_video(
     return Video(frames, indices, total, fps, width, height)
 
 
-def _open(data: bytes) -> Any:
+def _open(data: bytes, limits: VideoLimits) -> Any:
     try:
-        container = av.open(
+        # (PyAV's stubs type stream_options as strings; it takes a dict per stream.)
+        container = av.open(  # type: ignore[call-overload]
             io.BytesIO(data),
             mode="r",
             options={"format_whitelist": ",".join(CONTAINERS)},
+            # Opening decodes a few frames of each stream to learn their
+            # parameters: under the frame-size limit too (by stream index;
+            # a file with more streams than this is refused below).
+            stream_options=[{"max_pixels": str(limits.max_pixels)}] * MAX_STREAMS,
             metadata_errors="ignore",
         )
     except (av.InvalidDataError, av.ArgumentError, av.FFmpegError) as exc:
@@ -157,7 +168,9 @@ def _open(data: bytes) -> Any:
     return container
 
 
-def _stream(container: Any) -> Any:
+def _stream(container: Any, limits: VideoLimits) -> Any:
+    if len(container.streams) > MAX_STREAMS:
+        raise MediaUnsupported(f"the file holds {len(container.streams)} streams, over {MAX_STREAMS}")
     if not container.streams:
         raise MediaDecodeFailed("the file holds no streams (no frames)")
     if not container.streams.video:
@@ -167,13 +180,18 @@ def _stream(container: Any) -> Any:
     if codec not in CODECS:
         raise MediaUnsupported(f"video codec {codec!r} is not accepted ({', '.join(sorted(CODECS))})")
     stream.codec_context.thread_count = 1  # one worker, one core
+    # The frame-size limit inside the decoder: a frame over it (a size the
+    # headers never declared: MJPEG carries one per packet, H.264 can send a
+    # new SPS, VP9 can change size on any frame) fails before its buffer is
+    # allocated, where a check after decoding came after the memory.
+    stream.codec_context.options = {"max_pixels": str(limits.max_pixels)}
     return stream
 
 
 def _probe(data: bytes, limits: VideoLimits) -> tuple[int, float, int, int]:
     """Checks on the headers, then a demux-only pass: (frames, fps, width, height)."""
-    with _open(data) as container:
-        stream = _stream(container)
+    with _open(data, limits) as container:
+        stream = _stream(container, limits)
         width, height = stream.codec_context.width, stream.codec_context.height
         if width < 0 or height < 0:
             raise MediaDecodeFailed(f"video claims size {width}x{height}")
@@ -229,14 +247,15 @@ def _frames(
     frames: list[Image.Image] = []
     size: tuple[int, int] | None = None
     decoded = 0
-    with _open(data) as container:
-        stream = _stream(container)
+    with _open(data, limits) as container:
+        stream = _stream(container, limits)
         for frame in _decode(container, stream, limits):
             index, decoded = decoded, decoded + 1
-            if index not in wanted:
-                continue
+            # Every frame, sampled or not (the decoder's own bound holds first).
             if frame.width * frame.height > limits.max_pixels:
                 raise MediaTooLarge(f"a frame is {frame.width}x{frame.height} pixels, over {limits.max_pixels}")
+            if index not in wanted:
+                continue
             if size is None:
                 size = (frame.width, frame.height)
             image = frame.to_image(width=size[0], height=size[1])
@@ -252,7 +271,23 @@ def _frames(
 def _decode(container: Any, stream: Any, limits: VideoLimits) -> Iterator[Any]:
     for packet in container.demux(stream):
         _check_deadline(limits)
-        yield from packet.decode()
+        # FFmpeg says why it refused a frame only in its log: captured here
+        # (at ERROR, so a frame over the decoder's limit is named), never
+        # passed on to the worker's stderr.
+        level = av.logging.get_level()
+        av.logging.set_level(av.logging.ERROR)
+        with av.logging.Capture() as logs:
+            try:
+                frames = packet.decode()
+            except av.FFmpegError as exc:
+                said = " ".join(message for _, _, message in logs) + str(exc)
+                if OVER_MAX_PIXELS in said:
+                    size = said.split("Picture size ", 1)[-1].split(" ", 1)[0]
+                    raise MediaTooLarge(f"a frame is {size} pixels, over the limit of {limits.max_pixels}") from exc
+                raise
+            finally:
+                av.logging.set_level(level)
+        yield from frames
 
 
 def _check_deadline(limits: VideoLimits) -> None:
