@@ -117,9 +117,19 @@ class _Slot:
 
 
 class CpuPool:
-    def __init__(self, model_dir: str, workers: int, *, worker_hook: str = "", queue_timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        model_dir: str,
+        workers: int,
+        *,
+        worker_hook: str = "",
+        queue_timeout_s: float = 30.0,
+        memory_bytes: int = 0,
+    ) -> None:
         self.model_dir = model_dir
         self.worker_hook = worker_hook
+        # Address space each worker may add to what it holds once started (0: no limit).
+        self.memory_bytes = memory_bytes
         self.workers = workers
         self.queue_timeout_s = queue_timeout_s
         self.replacements = 0
@@ -206,7 +216,10 @@ class CpuPool:
         forkserver.context()  # its preload, should the forkserver have to start again
         parent, child = self._ctx.Pipe(duplex=True)
         process = self._ctx.Process(
-            target=serve, args=(child, self.model_dir, os.getpid(), self.worker_hook), name="mmsplit-cpu", daemon=True
+            target=serve,
+            args=(child, self.model_dir, os.getpid(), self.worker_hook, self.memory_bytes),
+            name="mmsplit-cpu",
+            daemon=True,
         )
         try:
             await asyncio.to_thread(process.start)

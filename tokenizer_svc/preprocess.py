@@ -25,6 +25,7 @@ import ctypes
 import dataclasses
 import importlib
 import os
+import resource
 import select
 import threading
 import time
@@ -44,7 +45,7 @@ from transformers import AutoImageProcessor
 from mmsplit_server import families, shm, slab
 from tokenizer_svc import pil_resize, video
 from tokenizer_svc.decode import decode_image
-from tokenizer_svc.errors import InternalError, MediaUnsupported, Overloaded
+from tokenizer_svc.errors import InternalError, MediaTooLarge, MediaUnsupported, Overloaded
 
 _processor: Any = None
 _family: families.Family | None = None
@@ -204,7 +205,7 @@ def keep_heap() -> None:
         return
 
 
-def init_worker(model_dir: str, owner_pid: int, hook_module: str = "") -> None:
+def init_worker(model_dir: str, owner_pid: int, hook_module: str = "", memory_bytes: int = 0) -> None:
     """Pool initializer: exit with the owner, keep the heap (`keep_heap`),
     one torch thread, the model's image processor (with `pil_resize`'s
     shortcuts), and the optional worker
@@ -222,6 +223,31 @@ def init_worker(model_dir: str, owner_pid: int, hook_module: str = "") -> None:
     _processor = AutoImageProcessor.from_pretrained(Path(model_dir))
     pil_resize.install(_processor)
     _family = families.load(Path(model_dir), frozenset(_processor.model_input_names))
+    if memory_bytes:
+        limit_address_space(memory_bytes)
+
+
+def limit_address_space(extra_bytes: int) -> int:
+    """Cap this process's address space (RLIMIT_AS, soft) at what it maps
+    now plus `extra_bytes`: an item whose decoding or preprocessing would
+    need more gets MemoryError (MEDIA_TOO_LARGE) in this worker, which then
+    serves on, instead of growing until the kernel's OOM killer takes the
+    pod. The limit set, in bytes."""
+    mapped = _vm_size()
+    limit = mapped + extra_bytes
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    if hard != resource.RLIM_INFINITY:
+        limit = min(limit, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+    return limit
+
+
+def _vm_size() -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmSize:"):
+                return int(line.split()[1]) * 1024
+    raise OSError("no VmSize in /proc/self/status")
 
 
 def warm_up() -> int:
@@ -264,10 +290,13 @@ def preprocess(job: Job) -> ItemResult:
     if job.source is not None:
         job = dataclasses.replace(job, data=media_bytes(job), source=None)  # type: ignore[arg-type]
     clock.lap("read")
-    if isinstance(job, VideoJob):
-        result = _video(job, _processor, _family, clock)
-    else:
-        result = _image(job, _processor, _family, clock)
+    try:
+        if isinstance(job, VideoJob):
+            result = _video(job, _processor, _family, clock)
+        else:
+            result = _image(job, _processor, _family, clock)
+    except MemoryError as exc:
+        raise MediaTooLarge("the item needs more memory than a worker may use (--worker-memory-bytes)") from exc
     clock.lap("write")
     return dataclasses.replace(result, stages=clock.seconds())
 

@@ -280,6 +280,7 @@ async def _serve(
         settings.cpu_workers,
         worker_hook=settings.worker_hook,
         queue_timeout_s=settings.preprocess_queue_timeout_s,
+        memory_bytes=settings.worker_memory_limit,
     )
     await pool.start()
     media = MediaLoader(settings)

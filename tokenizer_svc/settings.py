@@ -161,6 +161,14 @@ class TokenizerSettings(ServiceSettings):
         "prompt, some room), so a request within every limit always fits",
         min=0,
     )
+    worker_memory_bytes: int = _opt(
+        0,
+        "address space each CPU worker may add to what it maps once started (RLIMIT_AS): an item that needs more "
+        "fails MEDIA_TOO_LARGE and the worker serves on, where it would otherwise grow until the OOM killer takes "
+        "the pod; 0 = derived from the media limits: 1 GiB + 8 bytes x the larger of --max-image-pixels and "
+        "--max-video-frame-pixels x --video-max-frames",
+        min=0,
+    )
     worker_hook: str = _opt(
         "", "module imported by each CPU worker: on_worker_start(), on_decoded(image) (tests inject faults with it)"
     )
@@ -180,6 +188,14 @@ class TokenizerSettings(ServiceSettings):
             return self.http_max_body_bytes
         media = self.max_images_per_request * self.max_image_bytes + self.max_videos_per_request * self.max_video_bytes
         return media * 4 // 3 + 4 * self.max_prompt_chars + 1024 * 1024
+
+    @property
+    def worker_memory_limit(self) -> int:
+        """The address space a CPU worker may add (`worker_memory_bytes`, or derived)."""
+        if self.worker_memory_bytes:
+            return self.worker_memory_bytes
+        pixels = max(self.max_image_pixels, self.max_video_frame_pixels * self.video_max_frames)
+        return (1 << 30) + 8 * pixels
 
     @property
     def message_limit(self) -> int:

@@ -38,14 +38,16 @@ _SIZE = struct.Struct("!i")
 _LONG = struct.Struct("!Q")
 
 
-def serve(conn: multiprocessing.connection.Connection, model_dir: str, owner_pid: int, hook: str) -> None:
+def serve(
+    conn: multiprocessing.connection.Connection, model_dir: str, owner_pid: int, hook: str, memory_bytes: int = 0
+) -> None:
     """A worker's life: the initializer, then its tasks in the order they
     come, each answered in turn; it ends when this process's end closes.
     Says ("ready", pid) or ("failed", why) first, then ("ok", result) or
     ("error", exception) per task."""
     name_process(forkserver.WORKER)
     try:
-        init_worker(model_dir, owner_pid, hook)
+        init_worker(model_dir, owner_pid, hook, memory_bytes)
     except BaseException as exc:
         conn.send(("failed", f"{type(exc).__name__}: {exc}"))
         return

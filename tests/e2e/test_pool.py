@@ -27,7 +27,7 @@ from tests.e2e.helpers import health_status
 from tests.support import limits
 from tests.support.leaks import SERVICE_TMP, project_segments, service_temp_leftovers, wait_until
 from tests.support.services import TOKENIZER_SERVICE, Pair, running_pair
-from tests.support.worker_hook import MID_WRITE, POISON, SLOW, marked
+from tests.support.worker_hook import HOG, MID_WRITE, POISON, SLOW, marked
 from tokenizer_svc import forkserver
 
 pytestmark = pytest.mark.e2e
@@ -53,6 +53,7 @@ def pair(tiny_model: Path, pool_dir: Path) -> Iterator[Pair]:
         "--cpu-workers", "2",
         "--preprocess-timeout-s", "4",
         "--preprocess-cache-bytes", "0",
+        "--worker-memory-bytes", "1GiB",
     ]  # fmt: skip
     (pool_dir / "serving").mkdir()
     env = {
@@ -149,6 +150,24 @@ def test_poison_input_gets_a_typed_error_after_two_crashes(pair: Pair) -> None:
         assert wait_until(lambda: replacements(pair) == before + 2, timeout=10), replacements(pair) - before
         after = run_request(stub, make_request("x", [samples.good_png()], max_tokens=2), timeout=60)
         assert after.ok, after
+    assert health_status(pair.tokenizer_address, TOKENIZER_SERVICE) == "SERVING"
+
+
+def test_a_worker_that_allocates_past_its_limit_fails_its_item_and_serves_on(pair: Pair) -> None:
+    """The worker's address space is capped (`--worker-memory-bytes 1GiB`
+    here): an item that maps more fails MEDIA_TOO_LARGE in that worker,
+    which stays (no replacement); the next request succeeds."""
+    before = replacements(pair)
+    pids = {w.pid for w in workers(pair)}
+    with grpc.insecure_channel(pair.tokenizer_address) as channel:
+        stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
+        out = run_request(stub, make_request("x", [marked(HOG)], max_tokens=1), timeout=60)
+        assert out.reason == "MEDIA_TOO_LARGE", out
+        assert "--worker-memory-bytes" in out.message
+        after = run_request(stub, make_request("x", [samples.good_png()], max_tokens=2), timeout=60)
+        assert after.ok, after
+    assert replacements(pair) == before
+    assert {w.pid for w in workers(pair)} == pids
     assert health_status(pair.tokenizer_address, TOKENIZER_SERVICE) == "SERVING"
 
 

@@ -6,7 +6,9 @@ Images are marked by their size, so any encoding carries the mark:
 - MID_WRITE (71x41): the worker kills itself with SIGKILL after writing the
   image's pixels into a slab slice, while it still holds the slice's write lock;
 - UNSENDABLE (73x37): the worker raises an exception that pickling cannot
-  rebuild (as some libraries' exceptions are).
+  rebuild (as some libraries' exceptions are);
+- HOG (79x31): the worker maps 4 GiB (never touched, so it costs nothing
+  where nothing limits it): over its --worker-memory-bytes, a MemoryError.
 If the file named by MMSPLIT_TEST_FAIL_POOL_FILE exists, a new worker fails
 in its initializer (pool creation fails) until the file is removed. For each
 file in the directory named by MMSPLIT_TEST_DIE_AT_START_DIR, one starting
@@ -24,12 +26,14 @@ import signal
 import time
 from pathlib import Path
 
+import numpy as np
 from PIL import Image
 
 SLOW = (61, 47)
 POISON = (67, 43)
 MID_WRITE = (71, 41)
 UNSENDABLE = (73, 37)
+HOG = (79, 31)
 _kill_on_write = False
 _said_serving = False
 
@@ -67,6 +71,9 @@ def on_decoded(image: Image.Image) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     elif image.size == UNSENDABLE:
         raise Unbuildable("injected", "cannot be rebuilt")
+    elif image.size == HOG:
+        hog = np.empty(4 << 30, dtype=np.uint8)
+        del hog
 
 
 def on_slice_written() -> None:
