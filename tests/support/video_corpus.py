@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from mmsplit_cli import samples
+from tests.support.bad_videos import resized_midstream
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,13 @@ def corpus() -> list[Case]:
         Case("zero frames", "MEDIA_DECODE_FAILED", zero_frames()),
         Case("huge declared frame size", "MEDIA_TOO_LARGE", huge_declared_size()),
         Case("longer than the limit (800 s)", "MEDIA_TOO_LARGE", samples.video(frames=20, fps=Fraction(1, 40))),
+        # Headers that understate a frame (64x64 declared, one 4096x4096 frame):
+        # refused by the decoder's own limit (tests/tokenizer/test_video_bounds.py
+        # measures the memory).
+        *(
+            Case(f"a frame larger than declared ({codec})", "MEDIA_TOO_LARGE", resized_midstream(codec, big=4096, at=1))
+            for codec in ("mjpeg", "h264", "vp9")
+        ),
         Case("wrong container (a PNG)", "MEDIA_UNSUPPORTED", samples.good_png()),
         Case("random bytes", "MEDIA_UNSUPPORTED", bytes(range(256)) * 8),
         Case("audio only (M4A)", "MEDIA_UNSUPPORTED", samples.audio_only()),
