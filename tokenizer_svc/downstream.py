@@ -135,6 +135,7 @@ class SchedulerLink:
         # called with its local token (mmsplit.localauth), read as it changes.
         directory = Path(settings.runtime_dir) if settings.runtime_dir else None
         self._local = None if security.token else localauth.LocalToken(target, directory)
+        self._denied = False  # the last look was refused UNAUTHENTICATED (said once)
         self.stub = scheduler_pb2_grpc.SchedulerServiceStub(self.channel)
         self.info: common_pb2.ServerInfo | None = None
         self.transport = common_pb2.TRANSPORT_UNSPECIFIED
@@ -164,8 +165,19 @@ class SchedulerLink:
         except grpc.aio.AioRpcError as exc:
             if self.info is not None:
                 log.warning("scheduler %s stopped answering: %s", self.target, exc.code())
+            denied = exc.code() == grpc.StatusCode.UNAUTHENTICATED
+            if denied and not self._denied:
+                log.error(
+                    "scheduler %s refuses this tokenizer's credentials (%s): it gets no requests; on one host run "
+                    "both services as the same user with the same --runtime-dir (the scheduler's local token), "
+                    "else give --scheduler-auth-token-file or mutual TLS",
+                    self.target,
+                    exc.details(),
+                )
+            self._denied = denied
             self.info, self.refused = None, ""
             return False
+        self._denied = False
         info = reply.info
         if not self._pairs_with(info):
             self.info = None

@@ -90,3 +90,28 @@ def test_the_token_goes_with_its_scheduler_and_a_shared_directory_is_refused(tin
     assert code != 0
     assert any("--runtime-dir" in line and "mode 755" in line for line in lines), lines[-5:]
     assert not any("Traceback" in line for line in lines), lines[-20:]
+
+
+def test_a_tokenizer_without_the_token_says_why_it_gets_no_scheduler(tiny_model: Path, tmp_path: Path) -> None:
+    """A tokenizer looking for the local token in another runtime directory
+    than its scheduler's (another user, another container) is refused: it
+    says so once, naming what to do, and stays NOT_SERVING."""
+    from mmsplit_cli.launch import TOKENIZER_SERVICE
+    from tests.support.services import start_tokenizer
+
+    sched = start_scheduler(tiny_model, tmp_path / "scheduler.log", tp=1, extra=["--runtime-dir", str(tmp_path / "a")])
+    tok = None
+    try:
+        sched.wait_serving(SCHEDULER_SERVICE, 180)
+        elsewhere = tmp_path / "b"
+        elsewhere.mkdir(mode=0o700)
+        tok = start_tokenizer(
+            tiny_model, sched.address, tmp_path / "tokenizer.log", extra=["--runtime-dir", str(elsewhere)]
+        )
+        tok.wait_logged("refuses this tokenizer's credentials", 180)
+        assert health_status(tok.address, TOKENIZER_SERVICE) == "NOT_SERVING"
+        assert (tmp_path / "tokenizer.log").read_text().count("refuses this tokenizer's credentials") == 1
+    finally:
+        if tok is not None:
+            assert tok.stop() == 0
+        assert sched.stop() == 0
