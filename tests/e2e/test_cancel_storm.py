@@ -21,7 +21,7 @@ from mmsplit_cli import samples
 from mmsplit_cli.client import make_request, run_request
 from tests.conftest import SCHEDULER_SERVICE, TOKENIZER_SERVICE, Services
 from tests.e2e.helpers import health_status, rank_active_requests, tokenizer_info, tokenizer_stub
-from tests.support.leaks import PROJECT_PREFIX, live_grants, wait_until
+from tests.support.leaks import PROJECT_PREFIX, holders, live_grants, wait_until
 
 pytestmark = pytest.mark.e2e
 REQUESTS = 400
@@ -96,7 +96,12 @@ def test_clients_that_leave_at_any_moment_leave_nothing_behind(services: Service
     assert outcomes.count("") > 20, f"too few requests succeeded to test anything: {tally}"
     address = services.tokenizer_address
     held = lambda: tokenizer_info(address, READ_S).info.shm_slab_used_bytes  # noqa: E731
-    assert wait_until(lambda: held() == 0, timeout=60), f"a slice stayed held: {held()} bytes"
+    if not wait_until(lambda: held() == 0, timeout=60):
+        # Who holds it, for the record (tokenizer, a worker, a rank).
+        slab = next(
+            n for n in os.listdir("/dev/shm") if n.startswith(f"{PROJECT_PREFIX}-{services.tokenizer.pid}-slab")
+        )
+        raise AssertionError(f"a slice stayed held: {held()} bytes; holders: {holders(slab)}")
     active = lambda: rank_active_requests(services.scheduler_address, READ_S)  # noqa: E731
     assert wait_until(lambda: not any(active()), timeout=60), f"requests stayed on the ranks: {active()}"
     pid = services.tokenizer.pid

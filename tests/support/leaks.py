@@ -120,6 +120,34 @@ def live_grants(name: str) -> int:
     return sum(1 for at in range(0, len(data), entry) if any(data[at : at + tag]))
 
 
+def holders(name: str) -> list[str]:
+    """Who holds what of segment `name` now: for every process of ours with
+    a descriptor on it, its pid, name, descriptor and the locks taken
+    through it (from /proc/<pid>/fdinfo), for a failure to say who kept a
+    slice."""
+    target = str(SHM_DIR / name)
+    found = []
+    for pid in sorted(int(p) for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+            comm = Path(f"/proc/{pid}/comm").read_text().strip()
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}") != target:
+                    continue
+                locks = [
+                    line.split(":", 1)[1].strip()
+                    for line in Path(f"/proc/{pid}/fdinfo/{fd}").read_text().splitlines()
+                    if line.startswith("lock:")
+                ]
+            except OSError:
+                continue
+            found.append(f"pid {pid} ({comm}) fd {fd}: {'; '.join(locks) or 'no lock'}")
+    return found
+
+
 def slabs() -> list[str]:
     return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(PROJECT_PREFIX) and "-slab" in n)
 
