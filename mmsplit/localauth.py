@@ -40,6 +40,11 @@ class RuntimeDirError(ValueError):
     """The runtime directory is not private to this user."""
 
 
+def runtime_dir(setting: str = "") -> Path:
+    """The runtime directory a service's `--runtime-dir` names, else the default."""
+    return Path(setting) if setting else default_dir()
+
+
 def default_dir(env: dict[str, str] | None = None) -> Path:
     env = dict(os.environ) if env is None else env
     if env.get("MMSPLIT_RUNTIME_DIR"):
@@ -128,7 +133,7 @@ class LocalToken:
 
     def __init__(self, target: str, directory: Path | None = None) -> None:
         self.port = is_local(target)
-        self.directory = directory or default_dir()
+        self.directory = directory or default_dir()  # a client without settings: the default
         self._seen: tuple[int, int, int] | None = None
         self._metadata: tuple[tuple[str, str], ...] = ()
 

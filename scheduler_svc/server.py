@@ -213,7 +213,7 @@ def _run(settings: SchedulerSettings, ranks: LocalRanks | None) -> int:
     if is_loopback(settings.host) and not (settings.tls_client_ca or security.token or settings.insecure):
         # Loopback is open to every user of the host: a token only ours can read.
         try:
-            local = localauth.private_dir(runtime_dir(settings), create=True)
+            local = localauth.private_dir(localauth.runtime_dir(settings.runtime_dir), create=True)
         except (localauth.RuntimeDirError, OSError) as exc:
             raise SystemExit(f"mmsplit scheduler: --runtime-dir: {exc}") from exc
         security = dataclasses.replace(security, token=localauth.new_token())
@@ -333,10 +333,6 @@ def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[[], object]) 
         loop.call_soon_threadsafe(callback)
     except RuntimeError:  # the event loop closed during shutdown; nobody listens
         log.debug("dropped a callback after the event loop closed")
-
-
-def runtime_dir(settings: SchedulerSettings) -> Path:
-    return Path(settings.runtime_dir) if settings.runtime_dir else localauth.default_dir()
 
 
 async def _serve(

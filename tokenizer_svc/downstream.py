@@ -30,7 +30,6 @@ import json
 import logging
 import socket
 from collections.abc import AsyncGenerator, Collection
-from pathlib import Path
 
 import grpc
 
@@ -133,7 +132,7 @@ class SchedulerLink:
         self._fixed = (*security.metadata(), *pairing.metadata())
         # With no token of ours, a scheduler of this host on loopback is
         # called with its local token (mmsplit.localauth), read as it changes.
-        directory = Path(settings.runtime_dir) if settings.runtime_dir else None
+        directory = localauth.runtime_dir(settings.runtime_dir)
         self._local = None if security.token else localauth.LocalToken(target, directory)
         self._denied = False  # the last look was refused UNAUTHENTICATED (said once)
         self.stub = scheduler_pb2_grpc.SchedulerServiceStub(self.channel)

@@ -706,7 +706,10 @@ class TokenizerService:
         if self.grants is None:
             s = self.settings
             entries = max(64, s.max_inflight * (s.max_images_per_request + s.max_videos_per_request) * MAX_CHOICES)
-            self.grants = grants.GrantTable(s.shm_prefix, self._pid, entries)
+            try:
+                self.grants = grants.GrantTable(s.shm_prefix, self._pid, entries)
+            except (OSError, shm.SegmentError) as exc:  # /dev/shm full, no descriptor: this server's state
+                raise Overloaded(f"no grant table could be made: {exc}") from exc
         try:
             grant = self.grants.issue(piece.segment, piece.offset, piece.nbytes)
         except grants.TableFull as exc:

@@ -269,25 +269,26 @@ def _frames(
 
 
 def _decode(container: Any, stream: Any, limits: VideoLimits) -> Iterator[Any]:
-    for packet in container.demux(stream):
-        _check_deadline(limits)
-        # FFmpeg says why it refused a frame only in its log: captured here
-        # (at ERROR, so a frame over the decoder's limit is named), never
-        # passed on to the worker's stderr.
-        level = av.logging.get_level()
-        av.logging.set_level(av.logging.ERROR)
+    # FFmpeg says why it refused a frame only in its log: captured for the
+    # whole decode (at ERROR, so a frame over the decoder's limit is named),
+    # never passed on to the worker's stderr. Once per video, not per packet.
+    level = av.logging.get_level()
+    av.logging.set_level(av.logging.ERROR)
+    try:
         with av.logging.Capture() as logs:
-            try:
-                frames = packet.decode()
-            except av.FFmpegError as exc:
-                said = " ".join(message for _, _, message in logs) + str(exc)
-                if OVER_MAX_PIXELS in said:
-                    size = said.split("Picture size ", 1)[-1].split(" ", 1)[0]
-                    raise MediaTooLarge(f"a frame is {size} pixels, over the limit of {limits.max_pixels}") from exc
-                raise
-            finally:
-                av.logging.set_level(level)
-        yield from frames
+            for packet in container.demux(stream):
+                _check_deadline(limits)
+                try:
+                    frames = packet.decode()
+                except av.FFmpegError as exc:
+                    said = " ".join(message for _, _, message in logs) + str(exc)
+                    if OVER_MAX_PIXELS in said:
+                        size = said.split("Picture size ", 1)[-1].split(" ", 1)[0]
+                        raise MediaTooLarge(f"a frame is {size} pixels, over the limit of {limits.max_pixels}") from exc
+                    raise
+                yield from frames
+    finally:
+        av.logging.set_level(level)
 
 
 def _check_deadline(limits: VideoLimits) -> None:
