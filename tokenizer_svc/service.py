@@ -172,16 +172,18 @@ class TokenizerService:
                 raise ShuttingDown("the tokenizer shut down while this request ran")
             task.result()  # the request's error, if it failed
         finally:
-            if not task.done():
-                task.cancel()
-                await _settle([task])
-            elif not task.cancelled():
-                # Our caller went away (its deadline, say) just as the work
-                # failed (the same deadline, downstream): nobody raises that
-                # failure now, and unread it would be logged as "Task
-                # exception was never retrieved" when the task is collected.
-                task.exception()
-            self.tasks.discard(task)
+            try:
+                if not task.done():
+                    task.cancel()
+                    await _settle([task])
+                elif not task.cancelled():
+                    # Our caller went away (its deadline, say) just as the work
+                    # failed (the same deadline, downstream): nobody raises that
+                    # failure now, and unread it would be logged as "Task
+                    # exception was never retrieved" when the task is collected.
+                    task.exception()
+            finally:
+                self.tasks.discard(task)
 
     async def _choices(
         self, request: tokenizer_pb2.GenerateRequest, rid: str, timeout_s: float | None, n: int
@@ -410,10 +412,16 @@ class TokenizerService:
         except BaseException:
             for task in tasks:
                 task.cancel()
-            await _settle(tasks)
-            done = [t.result() for t in tasks if not t.cancelled() and t.exception() is None]
-            self._release([segment for p in done for segment in p.result.segments])
-            _unlock(done)
+            try:
+                await _settle(tasks)
+            finally:
+                # Also when we are cancelled while the others wind down (a
+                # client leaving just after a sibling failed): `_settle`
+                # re-raises that once every task is done, and what is done
+                # and held is still ours to let go of.
+                done = [t.result() for t in tasks if t.done() and not t.cancelled() and t.exception() is None]
+                self._release([segment for p in done for segment in p.result.segments])
+                _unlock(done)
             raise
 
     async def _slab_ref(self) -> SlabRef | None:

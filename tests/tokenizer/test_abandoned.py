@@ -21,6 +21,8 @@ import pytest
 from mmsplit.common.v1 import common_pb2
 from mmsplit.tokenizer.v1 import tokenizer_pb2
 from tests.support.leaks import PROJECT_PREFIX, project_segments, wait_until
+from tokenizer_svc.conversation import Located
+from tokenizer_svc.errors import InvalidRequest
 from tokenizer_svc.preprocess import ItemResult, ItemTensor, Job
 from tokenizer_svc.server import _load_processor
 from tokenizer_svc.service import TokenizerService
@@ -145,6 +147,63 @@ def test_the_item_of_a_request_that_was_not_cancelled_is_held_for_hand_over(tiny
                 lock.release()
             owned = service.slab
             assert await asyncio.to_thread(lambda: wait_until(lambda: owned.used_bytes() == 0, RELEASED_WITHIN_S))
+        finally:
+            await service.close_pools()
+
+    asyncio.run(main())
+
+
+class Siblings(Media):
+    """Media whose loads the test orders: "bad" fails once "go" is set;
+    "slow" waits for it too and, when cancelled, takes until "unwound" to
+    wind down (as a fetch or a worker's task does)."""
+
+    def __init__(self) -> None:
+        self.go, self.unwound, self.winding = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+    async def load(self, medium: Any) -> bytes:
+        if medium.url.endswith("bad.jpg"):
+            await self.go.wait()
+            raise InvalidRequest("not an image")
+        if medium.url.endswith("slow.jpg"):
+            try:
+                await self.go.wait()
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                self.winding.set()
+                await self.unwound.wait()
+                raise
+        return await super().load(medium)
+
+
+def test_a_ready_sibling_is_released_when_the_request_is_cancelled_while_the_others_wind_down(
+    tiny_model: Path,
+) -> None:
+    """One image ready and held, a sibling fails, and the client leaves while
+    a third is still winding down: the ready one's slice is released all the
+    same (the cancel storm's slice held forever, issue 38)."""
+
+    async def main() -> None:
+        service, _ = service_for(tiny_model, 16 << 20)
+        media = Siblings()
+        service.media = media  # type: ignore[assignment]
+        try:
+            ready = tokenizer_pb2.Image(url="file:///image.jpg")
+            await service._one(ready, "warm", common_pb2.TRANSPORT_SHM)  # the next is a cache hit: a slab slice
+            located = [Located(tokenizer_pb2.Image(url=f"file:///{name}.jpg"), f"images[{i}]")
+                       for i, name in enumerate(["image", "bad", "slow"])]  # fmt: skip
+            request = asyncio.create_task(service._prepare_media(located, "r", common_pb2.TRANSPORT_SHM))
+            assert service.slab is not None
+            owned = service.slab
+            assert await asyncio.to_thread(lambda: wait_until(lambda: owned.used_bytes() > 0, 30))
+            media.go.set()  # "bad" fails; the request cancels "slow" and waits for it
+            await asyncio.wait_for(media.winding.wait(), 30)
+            request.cancel()  # the client leaves meanwhile
+            media.unwound.set()
+            with pytest.raises(asyncio.CancelledError):
+                await request
+            gone = await asyncio.to_thread(lambda: wait_until(lambda: owned.used_bytes() == 0, RELEASED_WITHIN_S))
+            assert gone, f"{owned.used_bytes()} bytes of the slab stayed held after the request was cancelled"
         finally:
             await service.close_pools()
 
