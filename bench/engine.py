@@ -140,8 +140,8 @@ class EngineArms:
 
     def __init__(self, hf: HfArms, tokens: int) -> None:
         from mmsplit.common.v1 import common_pb2
+        from mmsplit_server.handoff.reference import TensorSpec
         from mmsplit_server.sampling import Sampling
-        from mmsplit_server.tensors import TensorSpec
         from scheduler_svc.engine import Engine
         from scheduler_svc.plan import Item, NewRequest
 

@@ -68,7 +68,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import ROOT, scratch_dir, table
 
 from mmsplit_cli import samples
-from mmsplit_server import families, slab
+from mmsplit_server import families
+from mmsplit_server.handoff import ranges
 from tokenizer_svc.decode import decode_image
 from tokenizer_svc.pool import CpuPool
 from tokenizer_svc.preprocess import STAGES, ImageJob, SlabRef, keep_heap
@@ -121,7 +122,7 @@ def together_rate(
     return workers * len(pictures) / (max(e for _, e in spans) - min(s for s, _ in spans))
 
 
-def _jobs(pictures: list[bytes], owned: slab.Slab) -> Iterator[ImageJob]:
+def _jobs(pictures: list[bytes], owned: ranges.Slab) -> Iterator[ImageJob]:
     ref = SlabRef(owned.name, owned.max_slice, wait_s=60)
     for data in itertools.cycle(pictures):
         yield ImageJob(data, MAX_PIXELS, 50.0, PREFIX, os.getpid(), slab=ref)
@@ -132,12 +133,12 @@ async def _one(pool: CpuPool, job: ImageJob, i: int) -> float:
     work itself (decode and processor, what `serial_span` times)."""
     result = await pool.preprocess(job, timeout_s=120, request_id=f"bench-{i}")
     for piece in result.slab_slices:  # taken over, as the service does, then let go
-        slab.take(piece, PREFIX).release()
+        ranges.take(piece, PREFIX).release()
     spent = dict(zip(STAGES, result.stages, strict=True))
     return spent["decode"] + spent["process"]
 
 
-async def batch_rate(pool: CpuPool, pictures: list[bytes], owned: slab.Slab) -> float:
+async def batch_rate(pool: CpuPool, pictures: list[bytes], owned: ranges.Slab) -> float:
     """Images/s of `pictures` submitted at once, until the last is done:
     this includes the batch's drain, where workers that have no task left
     idle while the others finish theirs."""
@@ -148,7 +149,7 @@ async def batch_rate(pool: CpuPool, pictures: list[bytes], owned: slab.Slab) -> 
 
 
 async def steady_rate(
-    pool: CpuPool, workers: int, pictures: list[bytes], owned: slab.Slab, passes: int
+    pool: CpuPool, workers: int, pictures: list[bytes], owned: ranges.Slab, passes: int
 ) -> tuple[float, float]:
     """Images/s under steady load, and the share of the workers' time in
     that window spent on the work itself (decode and processor; the rest
@@ -206,7 +207,7 @@ async def measure(model: Path, workers: int, pictures: list[bytes], rounds: int,
     await pool.start()
     ctx = mp.get_context("forkserver")
     apart = concurrent.futures.ProcessPoolExecutor(workers, mp_context=ctx, initializer=keep_heap)
-    owned = slab.Slab(PREFIX, os.getpid(), 256 << 20)
+    owned = ranges.Slab(PREFIX, os.getpid(), 256 << 20)
     rows: list[tuple[float, ...]] = []
     try:
         # Warm-up: every picture once, so each worker's heap has grown to

@@ -6,7 +6,7 @@ Measures, in one run and one process, per tensor size:
             slice of the pre-faulted slab and writes it, the tokenizer takes
             it over, rank 0 takes it (Accepted), rank 0's reader (the
             services' own, `scheduler_svc.reader`) lends it in place under
-            that same lock (`slab.take` shares a slice its process holds),
+            that same lock (`ranges.take` shares a slice its process holds),
             the step ends, rank 0 lets go
   slab rk — the same to another rank, whose reader takes a lock of its own
             (another process: nothing to share); with two or more ranks the
@@ -53,8 +53,8 @@ import numpy as np
 import torch
 
 from mmsplit.common.v1 import common_pb2
-from mmsplit_server import grants, shm, slab
-from mmsplit_server.tensors import TensorSpec
+from mmsplit_server.handoff import files, grants, ranges, reference, segment, slab
+from mmsplit_server.handoff.reference import TensorSpec
 from scheduler_svc.reader import SharedMemoryReader
 
 PREFIX = "mmsplitbench"
@@ -110,7 +110,7 @@ def main() -> None:
         f" {'inline':>6} {'→slab':>6}"
         f"   per hot: {'r0':>5} {'rk':>5} {'+copy':>6}"
     )
-    owned = slab.Slab(PREFIX, os.getpid(), SLAB_BYTES)
+    owned = ranges.Slab(PREFIX, os.getpid(), SLAB_BYTES)
     table = grants.GrantTable(PREFIX, os.getpid(), 64)
     try:
         for label, shape in SHAPES.items():
@@ -118,14 +118,14 @@ def main() -> None:
     finally:
         owned.close()
         table.close()
-    left = shm.list_segments(PREFIX)
+    left = files.list_segments(PREFIX)
     assert not left, f"benchmark leaked segments: {left}"
 
 
 def row(
     label: str,
     shape: tuple[int, ...],
-    owned: slab.Slab,
+    owned: ranges.Slab,
     table: grants.GrantTable,
     rng: np.random.Generator,
     repeat: int,
@@ -134,7 +134,7 @@ def row(
     src = rng.standard_normal(shape, dtype=np.float32)
     dst = np.empty_like(src)
 
-    def granted(piece: shm.Slice) -> TensorSpec:
+    def granted(piece: files.Slice) -> TensorSpec:
         """The reference as the tokenizer sends it: granted (issued here,
         ended by the caller; both are part of a hand-off's cost)."""
         grant = table.issue(piece.segment, piece.offset, piece.nbytes)
@@ -146,11 +146,11 @@ def row(
     rank = SharedMemoryReader(rank=0, prefix=PREFIX, max_bytes=1 << 30)
 
     def via_slab(src: np.ndarray = src, *, rank0_reads: bool = True, lend: bool = True) -> torch.Tensor:
-        writer = slab.write(owned.name, PREFIX, memoryview(src), wait_s=0)  # type: ignore[arg-type]
-        tokenizer = slab.take(writer.slice, PREFIX)
+        writer = slab.place(owned.name, PREFIX, memoryview(src), wait_s=0)  # type: ignore[arg-type]
+        tokenizer = ranges.take(writer.slice, PREFIX)
         writer.release()
         unshared(tokenizer)  # rank 0 is another process than the tokenizer
-        rank0 = slab.take(writer.slice, PREFIX)  # before Accepted
+        rank0 = ranges.take(writer.slice, PREFIX)  # before Accepted
         tokenizer.release()
         if not rank0_reads:
             # Another rank is another process: rank 0's lock is not there to share.
@@ -161,7 +161,7 @@ def row(
                 return rank.read("bench", spec)
             # What the reader did: a fresh tensor, the slice copied into it.
             raw = torch.empty(src.nbytes, dtype=torch.uint8)
-            slab.read_slice(rank0.slice, PREFIX, memoryview(raw.numpy()), max_segment_bytes=1 << 30)  # type: ignore[arg-type]
+            reference.read_slice(rank0.slice, PREFIX, memoryview(raw.numpy()), max_segment_bytes=1 << 30)  # type: ignore[arg-type]
             return raw.view(torch.float32).reshape(src.shape)
         finally:
             rank.end_step()
@@ -175,12 +175,12 @@ def row(
         return via_slab(src, rank0_reads=False, lend=False)
 
     def via_shm(src: np.ndarray = src) -> torch.Tensor:
-        piece = shm.write_segment(PREFIX, os.getpid(), memoryview(src))  # type: ignore[arg-type]
+        piece = segment.place(PREFIX, os.getpid(), memoryview(src))  # type: ignore[arg-type]
         spec = granted(piece)
         try:
             return rank.read("bench", spec)
         finally:
-            shm.unlink(piece.segment)
+            files.unlink(piece.segment)
             rank.end_step()
             table.revoke(spec.grant)  # type: ignore[arg-type]
 
@@ -194,8 +194,8 @@ def row(
 
     # The slab's own pages as a copy's destination (bench-only: nobody else
     # uses this slab, so its first bytes need no lease here).
-    fd, stat = slab._local.descriptor(owned.name, PREFIX, write=True)
-    mapping = slab._local.view(fd, owned.name, write=True, ino=stat.st_ino)
+    fd, stat = ranges._local.descriptor(owned.name, PREFIX, write=True)
+    mapping = ranges._local.view(fd, owned.name, write=True, ino=stat.st_ino)
     into_slab = np.frombuffer(mapping, dtype=src.dtype, count=src.size).reshape(src.shape)
 
     def copy_to_slab(src: np.ndarray = src, into_slab: np.ndarray = into_slab) -> None:
@@ -204,7 +204,7 @@ def row(
     expect = torch.from_numpy(src)
     # The slab's tensor is checked while its slice is held (its bytes are
     # the slab's; the next write reuses them).
-    writer = slab.write(owned.name, PREFIX, memoryview(src), wait_s=0)  # type: ignore[arg-type]
+    writer = slab.place(owned.name, PREFIX, memoryview(src), wait_s=0)  # type: ignore[arg-type]
     check = granted(writer.slice)
     assert torch.equal(rank.read("check", check), expect)
     rank.end_step()
@@ -241,7 +241,7 @@ def row(
     finally:
         del into_slab
         mapping.release()
-        slab._local.spare(owned.name, PREFIX, fd, stat, write=True)
+        ranges._local.spare(owned.name, PREFIX, fd, stat, write=True)
     base, hot, r0, rk, copied, seg, inline, to_slab = (got[k] for k in paths)
     us = " ".join(
         f"{t * 1e6:{w}.0f}"
@@ -252,12 +252,12 @@ def row(
     print(f"{label:24} {src.nbytes / 1e6:5.2f} {us}   per copy: {per_copy}   per hot: {per_hot}")
 
 
-def unshared(held: slab.Held) -> None:
+def unshared(held: ranges.Held) -> None:
     """Take `held`'s slice out of this process's table of taken slices, so
     that the next take locks it anew, as another process's would (the
     held lock itself stays, and is released as before)."""
-    with slab._taken_lock:
-        slab._taken.pop((held.slice.segment, *held.span), None)
+    with ranges._taken_lock:
+        ranges._taken.pop((held.slice.segment, *held.span), None)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from mmsplit_cli import samples
 from mmsplit_cli.client import Outcome, make_request
 from mmsplit_cli.launch import SCHEDULER_SERVICE, TOKENIZER_SERVICE, running_pair
 from mmsplit_cli.tiny_model import build
-from mmsplit_server import shm
+from mmsplit_server.handoff import files
 
 
 @dataclass
@@ -186,7 +186,7 @@ def _run(root: Path, tp: int, cache_dir: Path) -> int:
             print(f"building the tiny {family} model in {model} ...", flush=True)
             build(model, cache_dir=cache_dir, family=family)
         problems += _act(family, model, root / f"logs-{family}", media, tp, script)
-    left = shm.list_segments(shm.DEFAULT_PREFIX)
+    left = files.list_segments(files.DEFAULT_PREFIX)
     print(f"shared-memory segments of the project left in /dev/shm: {len(left)}")
     if left:
         problems.append(f"segments left behind: {left}")

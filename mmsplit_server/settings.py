@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from mmsplit.keepalive import MIN_PING_INTERVAL_MS
+from mmsplit_server.handoff.files import check_prefix
 from mmsplit_server.serving import LOG_FORMATS
-from mmsplit_server.shm import check_prefix
 
 T = TypeVar("T")
 
@@ -63,7 +63,7 @@ def keepalive_problems(keepalive_s: float) -> list[str]:
 
 
 def prefix_problems(prefix: str) -> list[str]:
-    """`--shm-prefix` must be a prefix `mmsplit_server.shm` accepts."""
+    """`--shm-prefix` must be a prefix `mmsplit_server.handoff.files` accepts."""
     try:
         check_prefix(prefix)
     except ValueError as exc:
@@ -105,7 +105,7 @@ class ServiceSettings:
         min=0.01,
     )
     cuda_ipc_backend: str = opt(
-        "mmsplit_server.devices:cuda_backend",
+        "mmsplit_server.handoff.cuda_ipc:cuda_backend",
         "module:factory of the device backend that makes or opens CUDA IPC handles (tests substitute a fake device)",
     )
     max_images_per_request: int = opt(8, "images one request may carry", min=0)

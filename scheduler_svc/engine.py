@@ -1,10 +1,11 @@
 """One step on one rank (DESIGN.md §6).
 
     apply drops and feeds → read the new requests' tensors → ONE agreement
-    all_gather (when requests join or leave) → release the step's segments
-    (rank 0) → ONE batched decode forward for every running request → ONE
-    batched prefill forward for the requests that join → sample every row
-    (rank 0) → let go of what the reads lent (every rank; `reader.end_step`)
+    all_gather (when requests join or leave) → ONE batched decode forward
+    for every running request → ONE batched prefill forward for the
+    requests that join → sample every row (rank 0) → let go of what the
+    reads lent (every rank; `reader.end_step`); rank 0's loop then releases
+    the joiners' claims from `Accepted` (`loop.Admission.release`)
 
 The engine holds the batch: one row of the `RowCache` per running request,
 in the order the plans made them (joins append in plan order, leaves
@@ -136,13 +137,6 @@ class Engine:
             # holds what it held after the last step. Every rank runs this
             # same plan, so all of them skip the collective together.
             failed_idx = {}
-        if self.coll.rank == 0:
-            # The agreement above is also the barrier that proves every rank
-            # has copied the step's one-off segments: remove them, success or
-            # not. (Slab slices each rank lends under a lock of its own.)
-            for req in plan.new:
-                for spec in req.specs:
-                    spec.release()
         failed = {plan.new[i].request_id: f for i, f in failed_idx.items()}
         joining = [(req, tensors[i]) for i, req in enumerate(plan.new) if i not in failed_idx]
 

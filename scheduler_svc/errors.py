@@ -5,9 +5,9 @@ Hierarchy (the shared base lives in `mmsplit.errors`)::
     MmsplitError
     ├── InvalidRequest             client: malformed request (INVALID_REQUEST)
     ├── InvalidSampling            client: sampling parameter out of limits (mmsplit_server.sampling)
-    ├── InvalidTensorRef           client: malformed reference (mmsplit_server.tensors)
+    ├── InvalidTensorRef           client: malformed reference (mmsplit_server.handoff.reference)
     ├── NonFinitePixels            client: NaN/Inf in a pixel tensor, found on every rank
-    ├── TensorTransportFailed      server, retriable: a rank could not read (mmsplit_server.tensors)
+    ├── TensorTransportFailed      server, retriable: a rank could not read (mmsplit_server.handoff.reference)
     ├── Overloaded                 server, retriable: admission queue full
     ├── SchedulerUnavailable       server, retriable: a rank died, a collective failed
     ├── ShuttingDown               server, retriable: draining on SIGTERM (mmsplit.errors)
@@ -18,8 +18,8 @@ Hierarchy (the shared base lives in `mmsplit.errors`)::
 from __future__ import annotations
 
 from mmsplit.errors import E, InternalError, MmsplitError, ShuttingDown
+from mmsplit_server.handoff.reference import InvalidTensorRef, TensorTransportFailed
 from mmsplit_server.sampling import InvalidSampling
-from mmsplit_server.tensors import InvalidTensorRef, TensorTransportFailed
 
 __all__ = [
     "InternalError",

@@ -17,8 +17,8 @@ import numpy as np
 from mmsplit.common.v1 import common_pb2
 from mmsplit.scheduler.v1 import scheduler_pb2
 from mmsplit_server.families import IMAGE, BadItem, is_encoder_input
+from mmsplit_server.handoff.reference import TensorSpec
 from mmsplit_server.sampling import Sampling
-from mmsplit_server.tensors import TensorSpec
 from scheduler_svc.errors import InvalidRequest, InvalidTensorRef, MmsplitError
 from scheduler_svc.loop import Admission, Event, Failed, Finished, StepLoop, Token
 from scheduler_svc.model import ModelInfo
@@ -63,16 +63,16 @@ class Frontend:
         # Events are delivered on this event loop's thread (StepLoop.post).
         events: asyncio.Queue[Event] = asyncio.Queue()
         admission = Admission(request=request, emit=events.put_nowait, reserve=reserve)
-        # Ownership first (DESIGN.md §3): lock every segment, then say
-        # Accepted; the sender drops its own locks once it hears that.
+        # Ownership first (DESIGN.md §3): take every tensor over, then say
+        # Accepted; the sender disowns its own claims once it hears that.
         try:
             for spec in request.specs:
-                lock = spec.lock(self.settings.shm_prefix)
-                if lock is not None:
-                    admission.locks.append(lock)
+                claim = spec.take(self.settings.shm_prefix)
+                if claim is not None:
+                    admission.claims.append(claim)
             self.step_loop.submit(admission)
         except BaseException:
-            admission.unlock()
+            admission.disown()  # still the sender's to release
             raise
         self._streams[rid] = events
         return admission

@@ -25,7 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from mmsplit.common.v1 import common_pb2
-from mmsplit_server import shm, slab
+from mmsplit_server.handoff import files
+from mmsplit_server.handoff.reference import Claim
 from scheduler_svc.collective import Collective
 from scheduler_svc.engine import Engine
 from scheduler_svc.errors import (
@@ -71,9 +72,9 @@ class Admission:
     emit: Callable[[Event], None]
     # KV-cache tokens this request may come to hold: prompt + max_tokens, capped at the context.
     reserve: int
-    # Rank 0's ownership of the request's segments (taken before Accepted),
-    # held until they are released after the step that reads them.
-    locks: list[shm.Lock | slab.Held] = field(default_factory=list)
+    # Rank 0's claims on the request's tensors (taken before Accepted),
+    # released after the step that reads them.
+    claims: list[Claim] = field(default_factory=list)
     generated: int = 0
     next_token: int | None = None
 
@@ -81,15 +82,16 @@ class Admission:
     def request_id(self) -> str:
         return self.request.request_id
 
-    def unlock(self) -> None:
-        for lock in self.locks:
-            lock.release()
+    def disown(self) -> None:
+        """Refused before Accepted: the tensors stay their sender's."""
+        for claim in self.claims:
+            claim.disown()
 
     def release(self) -> None:
-        """Remove the request's segments and drop their locks."""
-        for spec in self.request.specs:
-            spec.release()
-        self.unlock()
+        """Let the request's tensors go (idempotent): every rank has read
+        them once its first step is over, or it never runs."""
+        for claim in self.claims:
+            claim.release()
 
 
 @dataclass(frozen=True)
@@ -266,7 +268,7 @@ class StepLoop:
             return
         self._last_sweep = now
         try:
-            removed = shm.sweep(self.settings.shm_prefix, grace_s=self.settings.segment_grace_s)
+            removed = files.sweep(self.settings.shm_prefix, grace_s=self.settings.segment_grace_s)
         except Exception:
             # Housekeeping: a sweep that fails (no descriptor left to list
             # /dev/shm with, say) is tried again next interval; it must not
@@ -333,7 +335,7 @@ class StepLoop:
         logprobs: dict[str, Logprob] | None = None,
     ) -> None:
         for adm in self._joining:
-            adm.unlock()  # the engine released the step's segments after the agreement
+            adm.release()  # every rank has read the step's tensors
             failure = failed.get(adm.request_id)
             if failure is None:
                 self._running[adm.request_id] = adm

@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from mmsplit_server.handoff.reference import TensorSpec
 from mmsplit_server.sampling import Sampling
-from mmsplit_server.tensors import TensorSpec
 
 
 @dataclass(frozen=True)

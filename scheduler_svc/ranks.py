@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from mmsplit_server import devices, shm
+from mmsplit_server.handoff import cuda_ipc, files
 from mmsplit_server.serving import setup_logging
 from scheduler_svc.collective import TorchCollective, init_group, pick_device
 from scheduler_svc.engine import Engine
@@ -45,8 +45,8 @@ def bootstrap(settings: SchedulerSettings, rendezvous: Rendezvous | None) -> Boo
         startup_timeout_s=settings.startup_timeout_s,
     )
     torch.set_num_threads(max(1, torch.get_num_threads() // dist.get_world_size()))
-    devices.configure(settings.cuda_ipc_backend)
-    devices.imported.max_pools = settings.cuda_ipc_max_pools
+    cuda_ipc.configure(settings.cuda_ipc_backend)
+    cuda_ipc.imported.max_pools = settings.cuda_ipc_max_pools
     device = pick_device(settings.device)
     dtype = model_dtype(settings.dtype, device)
     model = load_model(settings.model_dir, world_size=dist.get_world_size(), device=device, dtype=dtype)
@@ -64,7 +64,7 @@ def bootstrap(settings: SchedulerSettings, rendezvous: Rendezvous | None) -> Boo
     # Last, so it doubles as the barrier "every rank has everything it needs":
     # a rank that failed above never joins it, and rank 0 never serves.
     namespaces: list[str] = [""] * coll.world_size
-    dist.all_gather_object(namespaces, shm.namespace_id())
+    dist.all_gather_object(namespaces, files.namespace_id())
     shared = namespaces[0] if len(set(namespaces)) == 1 else ""
     if not shared and coll.rank == 0:
         log.warning("ranks see different /dev/shm (%s); only inline tensors are accepted", namespaces)

@@ -17,7 +17,7 @@ concatenation the model's inputs need anyway), not twice, and no fresh
 tensor's pages are faulted in for it. bench/shm_handoff.py measures lending
 against copying into a fresh tensor, whole hand-offs to a rank other than
 0: 1.5x faster at 0.6 MB, 1.6 to 1.8x at 1.35 MB and 2.0 to 2.1x at 6.8 MB (four runs).
-On rank 0 the reader shares the lock rank 0 holds since Accepted (`slab.take`).
+On rank 0 the reader shares the lock rank 0 holds since Accepted (`ranges.take`).
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from mmsplit_server import devices, slab
-from mmsplit_server.tensors import TensorSpec
+from mmsplit_server.handoff import cuda_ipc, ranges
+from mmsplit_server.handoff.reference import Claim, TensorSpec
 from scheduler_svc.settings import SchedulerSettings
 
 # Wire dtype -> the torch dtype, and the numpy dtype a lent tensor is made
@@ -65,46 +65,40 @@ class TensorReader(Protocol):
 
 class SharedMemoryReader:
     """Lends slab slices and inline bytes in place; copies one-off segments
-    (read with pread, no mapping) and CUDA-IPC ranges into fresh tensors."""
+    (read with pread, no mapping) and CUDA-IPC ranges into fresh tensors
+    (`TensorSpec.lend`)."""
 
     def __init__(self, *, rank: int, prefix: str, max_bytes: int) -> None:
         self.rank = rank
         self.prefix = prefix
         self.max_bytes = max_bytes
-        # The slices this step's reads lent, each under this rank's own lock.
-        self._held: list[slab.Held] = []
+        # The claims of this step's reads (slices lent in place), each this rank's own.
+        self._held: list[Claim] = []
 
     def end_step(self) -> None:
         # Every rank steps at least once per heartbeat: pools of tokenizers
         # that are gone are closed here, on each rank (at most once a second).
         try:
-            devices.imported.tidy()
+            cuda_ipc.imported.tidy()
         except Exception:
             log.exception("rank %d: closing the CUDA IPC pools of gone tokenizers failed", self.rank)
         held, self._held = self._held, []
-        for lock in held:
+        for claim in held:
             try:
-                lock.release()
+                claim.release()
             except Exception:  # never let one keep the others (or the step's end) from happening
                 log.exception("rank %d: releasing a lent slice failed; dropping its lock now", self.rank)
-                lock.close()
+                if isinstance(claim, ranges.Held):  # what lends in place: a slab slice
+                    claim.close()
 
     def read(self, request_id: str, spec: TensorSpec) -> torch.Tensor:
-        if spec.cuda is not None:
-            # Straight from the exporter's GPU pool into this rank's device.
-            like = (
-                torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-            )
-            return spec.read_device(like, self.prefix).view(DTYPES[spec.dtype][0]).reshape(spec.shape)
         dtype, through = DTYPES[spec.dtype]
-        lent = spec.borrow(self.prefix)
-        if lent is None:
-            raw = torch.empty(spec.nbytes, dtype=torch.uint8)
-            spec.read_into(memoryview(raw.numpy()), prefix=self.prefix, max_bytes=self.max_bytes)  # type: ignore[arg-type]
-            return raw.view(dtype).view(spec.shape)
-        data, held = lent
-        if held is not None:
-            self._held.append(held)
+        lent = spec.lend(self.prefix, max_bytes=self.max_bytes)
+        if lent.claim is not None:
+            self._held.append(lent.claim)
+        data = lent.data
+        if isinstance(data, torch.Tensor):  # a copy: a one-off segment's, or a CUDA-IPC range's
+            return data.view(dtype).view(spec.shape)
         # Through numpy, not `torch.frombuffer(...).view(...)`: the first
         # calls after a megabyte-sized copy run with cold caches, and there
         # torch's two calls cost 44 µs here against 30 for these.

@@ -30,7 +30,7 @@ from mmsplit.client import read_secret
 from mmsplit.common.v1 import common_pb2
 from mmsplit.errors import InternalError, MmsplitError
 from mmsplit.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
-from mmsplit_server import devices, shm
+from mmsplit_server.handoff import cuda_ipc, files
 from mmsplit_server.metrics import ServiceMetrics
 from mmsplit_server.serving import (
     Health,
@@ -132,7 +132,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         cache = self.step_loop.engine.encoder_cache
         info.encoder_cache_hits, info.encoder_cache_misses = cache.hits, cache.misses
         info.encoder_cache_bytes = cache.bytes
-        info.cuda_ipc_open_pools = devices.imported.count()
+        info.cuda_ipc_open_pools = cuda_ipc.imported.count()
         return scheduler_pb2.GetServerInfoResponse(info=info)
 
 
@@ -162,12 +162,12 @@ def _metrics(settings: SchedulerSettings, step_loop: StepLoop) -> ServiceMetrics
     )
     metrics.gauge("encoder_cache_bytes", "Bytes the encoder-output cache holds (rank 0)", lambda: cache.bytes)
     metrics.gauge(
-        "cuda_ipc_open_pools", "CUDA IPC pools of tokenizers this rank holds open (rank 0)", devices.imported.count
+        "cuda_ipc_open_pools", "CUDA IPC pools of tokenizers this rank holds open (rank 0)", cuda_ipc.imported.count
     )
     metrics.gauge(
         "shm_bytes",
         "Bytes of the prefix's segments in this host's /dev/shm: handed over by tokenizers and not yet released",
-        lambda: shm.segment_bytes(settings.shm_prefix),
+        lambda: files.segment_bytes(settings.shm_prefix),
     )
     step_seconds = metrics.histogram("step_duration_seconds", "Time of one step (plan, reads, agreement, forwards)")
     batch_rows = metrics.histogram(
@@ -303,7 +303,7 @@ def cuda_uuids(settings: SchedulerSettings, shm_namespace: str) -> list[str]:
     the pools' lease maps are); else none."""
     if settings.launch != "local" or not shm_namespace:
         return []
-    return devices.current().uuids()
+    return cuda_ipc.current().uuids()
 
 
 def kv_budget(settings: SchedulerSettings, info: ModelInfo, itemsize: int) -> int:

@@ -94,7 +94,7 @@ class SchedulerSettings(ServiceSettings):
         min=0.1,
     )
     cuda_ipc_backend: str = _opt(
-        "mmsplit_server.devices:cuda_backend",
+        "mmsplit_server.handoff.cuda_ipc:cuda_backend",
         "module:factory of what opens CUDA IPC handles (tests substitute a fake device); the transport is "
         "offered when it reports GPUs and every rank is on this host (--launch local)",
     )

@@ -98,3 +98,30 @@ def test_the_packages_import_each_other_without_a_cycle() -> None:
 
 def test_the_check_finds_a_cycle() -> None:
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+TRANSPORTS = ("inline", "segment", "slab", "cuda_ipc")
+
+
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen: set[str] = set()
+    todo = [start]
+    while todo:
+        for nxt in graph[todo.pop()] - seen:
+            seen.add(nxt)
+            todo.append(nxt)
+    return seen
+
+
+def test_no_transport_of_the_hand_off_imports_another() -> None:
+    """One interface over four transports (`mmsplit_server.handoff`): each
+    transport builds on the shared machinery only, never on another
+    transport, directly or through something else; the interface knows them
+    all."""
+    graph = import_graph()
+    names = {t: f"mmsplit_server.handoff.{t}" for t in TRANSPORTS}
+    for transport, module in names.items():
+        others = {m for t, m in names.items() if t != transport}
+        assert not reachable(graph, module) & others, f"{module} reaches {sorted(reachable(graph, module) & others)}"
+    assert set(names.values()) <= graph["mmsplit_server.handoff.reference"]
+    assert graph["mmsplit_server.handoff"] == set(), "the package module imports nothing"

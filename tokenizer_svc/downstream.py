@@ -40,7 +40,7 @@ from mmsplit.keepalive import keepalive_options
 from mmsplit.pairing import UNKNOWN, Pairing
 from mmsplit.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from mmsplit.tokenizer.v1 import tokenizer_pb2
-from mmsplit_server import shm
+from mmsplit_server.handoff import files
 from mmsplit_server.serving import ClientSecurity
 from tokenizer_svc.errors import SchedulerUnavailable
 from tokenizer_svc.settings import TokenizerSettings
@@ -138,7 +138,7 @@ class SchedulerLink:
         self.stub = scheduler_pb2_grpc.SchedulerServiceStub(self.channel)
         self.info: common_pb2.ServerInfo | None = None
         self.transport = common_pb2.TRANSPORT_UNSPECIFIED
-        self._namespace = shm.namespace_id()
+        self._namespace = files.namespace_id()
         # The GPU of this tokenizer's CUDA-IPC staging pool ("" without one).
         self.gpu_uuid = gpu_uuid
 

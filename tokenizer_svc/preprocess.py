@@ -5,7 +5,7 @@ Only compressed bytes come in: in a slice of the slab when there is one
 (`stage_input`: a megabyte-sized pickle crosses the worker's socket in
 pieces, each a wake-up of the event loop), else in the pickled job. With the shared-memory transport only
 metadata goes back (`ItemResult`): each encoder input (``pixel_values*``) is
-written once, straight into a slice of the tokenizer's slab (`mmsplit_server.slab`;
+written once, straight into a slice of the tokenizer's slab (`mmsplit_server.handoff.slab`;
 the worker holds the slice until the tokenizer process takes it over), or
 into a new segment of its own when there is no slab or the tensor is over
 the slab's largest slice. With the inline transport (a scheduler that does not
@@ -42,7 +42,8 @@ import numpy as np
 import torch
 from transformers import AutoImageProcessor
 
-from mmsplit_server import families, shm, slab
+from mmsplit_server import families
+from mmsplit_server.handoff import files, ranges, reference, slab
 from tokenizer_svc import pil_resize, video
 from tokenizer_svc.decode import decode_image
 from tokenizer_svc.errors import InternalError, MediaTooLarge, MediaUnsupported, Overloaded
@@ -72,7 +73,7 @@ class ImageJob:
     inline: bool = False
     slab: SlabRef | None = None
     # Where `data` is when it is not in the job (`stage_input`).
-    source: shm.Slice | None = None
+    source: files.Slice | None = None
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,7 @@ class VideoJob:
     owner_pid: int
     inline: bool = False  # as ImageJob.inline
     slab: SlabRef | None = None
-    source: shm.Slice | None = None  # as ImageJob.source
+    source: files.Slice | None = None  # as ImageJob.source
 
 
 Job = ImageJob | VideoJob
@@ -110,8 +111,8 @@ class ItemTensor:
     device: bool = False  # in the GPU staging pool (CUDA IPC)
 
     @property
-    def slice(self) -> shm.Slice | None:
-        return None if self.segment is None else shm.Slice(self.segment, self.offset, self.nbytes)
+    def slice(self) -> files.Slice | None:
+        return None if self.segment is None else files.Slice(self.segment, self.offset, self.nbytes)
 
 
 # The stages a worker's time on one item is counted in (`ItemResult.stages`).
@@ -141,12 +142,12 @@ class ItemResult:
     @property
     def segments(self) -> list[str]:
         """The one-off segments (released by unlinking)."""
-        return [t.segment for t in self.tensors if t.segment is not None and not shm.is_slab(t.segment)]
+        return [t.segment for t in self.tensors if t.segment is not None and not files.is_slab(t.segment)]
 
     @property
-    def slab_slices(self) -> list[shm.Slice]:
+    def slab_slices(self) -> list[files.Slice]:
         """The slab slices (released by unlocking)."""
-        return [t.slice for t in self.tensors if t.slice is not None and shm.is_slab(t.slice.segment)]
+        return [t.slice for t in self.tensors if t.slice is not None and files.is_slab(t.slice.segment)]
 
     def abandon(self, prefix: str) -> None:
         """Release what nobody will send (`abandon`)."""
@@ -154,17 +155,14 @@ class ItemResult:
 
 
 def abandon(tensors: Iterable[ItemTensor], prefix: str) -> None:
-    """Release tensors nobody will send: unlink their segments, and take
-    their slab slices (or pool ranges) over from the writer only to let them go."""
+    """Release tensors nobody will send: each taken over from its writer
+    only to be let go of (`reference.hold`, then the one release)."""
     for t in tensors:
-        if t.segment is None:
-            continue
-        if not shm.is_slab(t.segment):
-            shm.unlink(t.segment)
+        if t.slice is None:
             continue
         # SegmentError: the writer let it go already (its hand-off timed out, or it died).
-        with contextlib.suppress(shm.SegmentError):
-            slab.take(shm.Slice(t.segment, t.offset, t.nbytes), prefix).release()
+        with contextlib.suppress(files.SegmentError):
+            reference.hold(t.slice, prefix).release()
 
 
 def _exit_with(owner_pid: int) -> None:
@@ -174,7 +172,7 @@ def _exit_with(owner_pid: int) -> None:
     try:
         fd = os.pidfd_open(owner_pid)
     except (OSError, AttributeError):  # owner gone already, or no pidfd (not Linux ≥ 5.3)
-        while shm.pid_alive(owner_pid):
+        while files.pid_alive(owner_pid):
             time.sleep(1.0)
     else:
         select.select([fd], [], [])  # readable once the process has exited
@@ -255,7 +253,7 @@ def warm_up() -> int:
     return os.getpid()
 
 
-def stage_input(job: Job, limit: int) -> tuple[Job, slab.Held | None]:
+def stage_input(job: Job, limit: int) -> tuple[Job, ranges.Held | None]:
     """(The tokenizer process.) `job` with its media bytes moved into a
     slice of its slab, and that slice held, or `job` as it is when it has no
     slab, the bytes are over `limit` or the slab has no room now (this only
@@ -267,8 +265,8 @@ def stage_input(job: Job, limit: int) -> tuple[Job, slab.Held | None]:
     if ref is None or job.source is not None or not job.data or len(job.data) > min(limit, ref.max_slice):
         return job, None
     try:
-        held = slab.write(ref.name, job.shm_prefix, memoryview(job.data), wait_s=0)
-    except shm.SegmentError:  # full now, or being removed (shutdown)
+        held = slab.place(ref.name, job.shm_prefix, memoryview(job.data), wait_s=0)
+    except files.SegmentError:  # full now, or being removed (shutdown)
         return job, None
     return dataclasses.replace(job, data=b"", source=held.slice), held
 
@@ -378,23 +376,26 @@ def _video(job: VideoJob, processor: Any, family: families.Family, clock: _Clock
 
 
 def place(t: ItemTensor, data: memoryview, ref: SlabRef | None, prefix: str, owner_pid: int) -> ItemTensor:
-    """An encoder input put in shared memory: a slice of the slab, kept by
-    this process's hand-off until the tokenizer process takes it, when there
-    is a slab and it fits; else a segment of its own. No room is OVERLOADED.
-    The worker hook's `on_slice_written` runs while the slice is still
-    write-locked (tests kill the worker there)."""
+    """An encoder input put in shared memory (`reference.place`): a slice of
+    the slab, kept by this process's hand-off until the tokenizer process
+    takes it, when there is a slab and it fits; else a segment of its own.
+    No room is OVERLOADED. The worker hook's `on_slice_written` runs while
+    the slice is still write-locked (tests kill the worker there)."""
     try:
-        if ref is not None and t.nbytes <= ref.max_slice:
-            hook = getattr(_hook, "on_slice_written", None)
-            held = slab.write(ref.name, prefix, data, wait_s=ref.wait_s, on_written=hook)
-            slab.hand_off(held)
-            return dataclasses.replace(t, segment=held.slice.segment, offset=held.slice.offset, inline=None)
-        piece = shm.write_segment(prefix, owner_pid, data)
-    except slab.SlabFull as exc:
+        piece = reference.place(
+            data,
+            prefix=prefix,
+            owner_pid=owner_pid,
+            slab_name=None if ref is None else ref.name,
+            max_slice=0 if ref is None else ref.max_slice,
+            wait_s=0.0 if ref is None else ref.wait_s,
+            on_written=getattr(_hook, "on_slice_written", None),
+        )
+    except ranges.SlabFull as exc:
         raise Overloaded(f"the shared-memory slab has no room: {exc}") from exc
-    except (shm.ShmFull, shm.NoDescriptors) as exc:
+    except (files.ShmFull, files.NoDescriptors) as exc:
         raise Overloaded(str(exc)) from exc
-    return dataclasses.replace(t, segment=piece.segment, inline=None)
+    return dataclasses.replace(t, segment=piece.segment, offset=piece.offset, inline=None)
 
 
 def _count(family: families.Family, modality: int, rows: dict[str, np.ndarray]) -> int:

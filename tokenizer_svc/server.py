@@ -26,7 +26,8 @@ from mmsplit.client import read_secret
 from mmsplit.common.v1 import common_pb2
 from mmsplit.errors import InternalError, MmsplitError
 from mmsplit.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
-from mmsplit_server import devices, families, shm
+from mmsplit_server import families
+from mmsplit_server.handoff import cuda_ipc, files
 from mmsplit_server.metrics import ServiceMetrics
 from mmsplit_server.serving import (
     ClientSecurity,
@@ -86,7 +87,7 @@ def _metrics(settings: TokenizerSettings, service: TokenizerService, pool: CpuPo
     metrics.gauge(
         "shm_bytes",
         "Bytes of this process's shared-memory segments now",
-        lambda: shm.segment_bytes(settings.shm_prefix, creator_pid=os.getpid()),
+        lambda: files.segment_bytes(settings.shm_prefix, creator_pid=os.getpid()),
     )
     metrics.gauge(
         "shm_slab_bytes",
@@ -180,13 +181,13 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
     ) -> tokenizer_pb2.GetServerInfoResponse:
         link = self.service.link
         primary = link.primary
-        slab, gpu = self.service.slab, self.service.device_pool
+        own_slab, gpu = self.service.slab, self.service.device_pool
         return tokenizer_pb2.GetServerInfoResponse(
             info=common_pb2.ServerInfo(
                 model=self.settings.model_dir.name,
                 tp_size=1,
                 transports=[common_pb2.TRANSPORT_SHM, common_pb2.TRANSPORT_INLINE],
-                shm_namespace=shm.namespace_id(),
+                shm_namespace=files.namespace_id(),
                 shm_prefix=self.settings.shm_prefix,
                 version=__version__,
                 vocabulary=self.service.link.pairing.vocabulary,
@@ -194,8 +195,8 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
                 preprocess_cache_hits=self.service.cache.hits,
                 preprocess_cache_misses=self.service.cache.misses,
                 preprocess_cache_bytes=self.service.cache.bytes,
-                shm_slab_bytes=slab.size if slab else 0,
-                shm_slab_used_bytes=slab.used_bytes() if slab else 0,
+                shm_slab_bytes=own_slab.size if own_slab else 0,
+                shm_slab_used_bytes=own_slab.used_bytes() if own_slab else 0,
                 cuda_device_uuids=[gpu.uuid] if gpu else [],
                 cuda_ipc_pool_bytes=gpu.size if gpu else 0,
                 cuda_ipc_pool_used_bytes=gpu.used_bytes() if gpu else 0,
@@ -268,7 +269,7 @@ async def _serve(
 
     on_stop_signals(loop, stop, settings.shutdown_grace_s)
 
-    await asyncio.to_thread(shm.sweep, settings.shm_prefix, grace_s=settings.segment_grace_s)
+    await asyncio.to_thread(files.sweep, settings.shm_prefix, grace_s=settings.segment_grace_s)
     health = Health(SERVICE_NAME)
     await health.start()
     try:
@@ -289,9 +290,9 @@ async def _serve(
     link = Schedulers(settings, downstream, pairing=ours)
     service = TokenizerService(settings, family, tokenizer, media, pool, link, chat_template=template)
     try:
-        backend = await asyncio.to_thread(devices.configure, settings.cuda_ipc_backend)
+        backend = await asyncio.to_thread(cuda_ipc.configure, settings.cuda_ipc_backend)
         gpu_uuid = await asyncio.to_thread(service.start_device_pool, backend)
-    except (OSError, RuntimeError, shm.SegmentError) as exc:  # no room on the GPU, or in /dev/shm for its lease map
+    except (OSError, RuntimeError, files.SegmentError) as exc:  # no room on the GPU, or in /dev/shm for its lease map
         raise SystemExit(f"mmsplit tokenizer: the GPU staging pool could not be made: {exc}") from exc
     link.set_gpu(gpu_uuid)
 
@@ -377,7 +378,7 @@ async def _serve(
     # unlocked is a janitor's to remove.
     left = list(service.held)
     for name in left:
-        shm.unlink(name)
+        files.unlink(name)
     if left:
         log.warning("removed %d segment(s) still owned at shutdown", len(left))
     await service.close_pools()
@@ -403,7 +404,7 @@ async def _watch(settings: TokenizerSettings, health: Health, service: Tokenizer
                 last_sweep = now
                 held = set(service.held)
                 removed = await asyncio.to_thread(
-                    shm.sweep, settings.shm_prefix, grace_s=settings.segment_grace_s, keep=held
+                    files.sweep, settings.shm_prefix, grace_s=settings.segment_grace_s, keep=held
                 )
                 service.janitor_removed += len(removed)
             if failed:

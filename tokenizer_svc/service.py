@@ -1,14 +1,15 @@
 """One request end to end: fetch and preprocess the images and videos, build
 the prompt, call the scheduler, relay its stream as text.
 
-Ownership of segments (DESIGN.md §3): the segments this request's media were
-written into are ours — this process holds a lock on each — until the
-scheduler, holding its own locks, sends `Accepted`; then we drop ours. Before
+Ownership of what the media were placed in (DESIGN.md §3; the hand-off's
+interface is `mmsplit_server.handoff.reference`): slab slices and one-off
+segments are ours — this process holds a claim on each — until the
+scheduler, holding its own, sends `Accepted`; then we disown ours. Before
 that, whatever ends the request (an error, a broken stream, the client's
-cancel) unlinks them here. After it, the scheduler releases them.
+cancel) releases them here. After it, the scheduler releases them.
 
 Every reference to shared or GPU memory is granted to its request
-(`mmsplit_server.grants`): the scheduler reads nothing a reference names
+(`mmsplit_server.handoff.grants`): the scheduler reads nothing a reference names
 unless our grant table vouches for it, and we end the request's grants at
 its first token (every rank has read its tensors by then) or its end.
 """
@@ -31,9 +32,10 @@ from mmsplit.common.v1 import common_pb2
 from mmsplit.errors import E, MmsplitError, RemoteError
 from mmsplit.scheduler.v1 import scheduler_pb2
 from mmsplit.tokenizer.v1 import tokenizer_pb2
-from mmsplit_server import devices, families, grants, shm, slab
+from mmsplit_server import families
+from mmsplit_server.handoff import cuda_ipc, files, grants, ranges, reference
+from mmsplit_server.handoff.reference import NUMPY_TO_DTYPE, CudaRef, TensorSpec
 from mmsplit_server.sampling import Sampling
-from mmsplit_server.tensors import NUMPY_TO_DTYPE, CudaRef, TensorSpec
 from tokenizer_svc.cache import PreprocessCache, fingerprint
 from tokenizer_svc.conversation import MAX_CHOICES, Located, Parsed, choice_request, parse
 from tokenizer_svc.detokenize import IncrementalDecoder, StopMatcher, stream_text
@@ -106,9 +108,9 @@ class TokenizerService:
         self._pid = os.getpid()
         # Created on the first shared-memory request (`_slab_ref`): a
         # tokenizer whose schedulers all take bytes inline never touches /dev/shm.
-        self.slab: slab.Slab | None = None
+        self.slab: ranges.Slab | None = None
         # The GPU staging pool of the CUDA-IPC transport (`start_device_pool`).
-        self.device_pool: devices.DevicePool | None = None
+        self.device_pool: cuda_ipc.DevicePool | None = None
         # The slab's making, once begun: a task of its own (`_slab_ref`).
         self._slab_making: asyncio.Task[None] | None = None
         self._slab_failed = False
@@ -267,9 +269,8 @@ class TokenizerService:
     ) -> AsyncGenerator[tokenizer_pb2.GenerateResponse, None]:
         prepared = await self._prepare_media(parsed.media, rid, transport)
         results = [p.result for p in prepared]
-        owned = [segment for r in results for segment in r.segments]
+        owned = [name for r in results for name in r.segments]
         self.held.update(owned)
-        accepted = False
         granted: list[grants.Grant] = []
         try:
             media = [Media(r.modality, r.tokens) for r in results]
@@ -286,27 +287,25 @@ class TokenizerService:
                 sampling=request.sampling,
             )
             if transport != common_pb2.TRANSPORT_SHM:
-                # The bytes are in the message now; the segments have done their job.
-                self._release(owned)
-                owned = []
+                # Their bytes are in the message now: one-off segments have done their job.
+                for p in prepared:
+                    p.release_segments()
             events = self._send(downstream, timeout_s, assigned, transport)
             async with contextlib.aclosing(self._relay(rid, downstream, events)) as relay:
                 async for response in relay:
                     if response is None:
-                        # The scheduler holds its own locks on the segments
+                        # The scheduler holds its own claims on the tensors
                         # now and releases them from here on: drop ours.
-                        accepted = True
-                        _unlock(prepared)
+                        for p in prepared:
+                            p.disown()
                     else:
                         # Every rank has read the tensors by the first token.
                         self._revoke(granted)
                         yield response
         finally:
             self._revoke(granted)
-            self.held.difference_update(segment for r in results for segment in r.segments)
-            if not accepted:
-                self._release(owned)
-            _unlock(prepared)
+            self.held.difference_update(owned)
+            _release(prepared)  # what was disowned is the scheduler's: untouched
 
     async def _send(
         self, downstream: scheduler_pb2.GenerateRequest, timeout_s: float | None, assigned: Assigned, transport: int
@@ -419,9 +418,7 @@ class TokenizerService:
                 # client leaving just after a sibling failed): `_settle`
                 # re-raises that once every task is done, and what is done
                 # and held is still ours to let go of.
-                done = [t.result() for t in tasks if t.done() and not t.cancelled() and t.exception() is None]
-                self._release([segment for p in done for segment in p.result.segments])
-                _unlock(done)
+                _release([t.result() for t in tasks if t.done() and not t.cancelled() and t.exception() is None])
             raise
 
     async def _slab_ref(self) -> SlabRef | None:
@@ -451,22 +448,22 @@ class TokenizerService:
     async def _make_slab(self) -> None:
         s = self.settings
         try:
-            self.slab = await asyncio.to_thread(slab.Slab, s.shm_prefix, self._pid, s.shm_slab_bytes)
+            self.slab = await asyncio.to_thread(ranges.Slab, s.shm_prefix, self._pid, s.shm_slab_bytes)
             log.info("created a %d-byte shared-memory slab", self.slab.size)
-        except shm.NoDescriptors as exc:  # for now: the next request tries again
+        except files.NoDescriptors as exc:  # for now: the next request tries again
             self._slab_making = None
             raise Overloaded(f"the shared-memory slab could not be made: {exc}") from exc
-        except (OSError, shm.SegmentError) as exc:
+        except (OSError, files.SegmentError) as exc:
             self._slab_failed = True
             log.error("no shared-memory slab (%s): one segment per tensor from now on", exc)
 
-    def start_device_pool(self, backend: devices.Backend) -> str:
+    def start_device_pool(self, backend: cuda_ipc.Backend) -> str:
         """Create the CUDA-IPC staging pool when the backend has a GPU and a
         pool size is set; its GPU's UUID ("" for none)."""
         s = self.settings
         if not s.cuda_ipc_pool_bytes or not backend.uuids():
             return ""
-        self.device_pool = devices.DevicePool(backend, s.shm_prefix, self._pid, s.cuda_ipc_pool_bytes)
+        self.device_pool = cuda_ipc.DevicePool(backend, s.shm_prefix, self._pid, s.cuda_ipc_pool_bytes)
         log.info("GPU staging pool of %d bytes on %s (CUDA IPC)", self.device_pool.size, self.device_pool.uuid)
         return self.device_pool.uuid
 
@@ -548,8 +545,7 @@ class TokenizerService:
                 # Only the cache misses out: the item itself is fine.
                 log.warning("request %s: a preprocessed item could not be kept in the cache", rid, exc_info=True)
             except BaseException:  # cancelled: nobody will send what we hold
-                _unlock([prepared])
-                self._release(result.segments)
+                prepared.release()
                 raise
         return prepared
 
@@ -564,24 +560,23 @@ class TokenizerService:
         return dataclasses.replace(result, content_hash=key[:16])
 
     def _hold(self, result: ItemResult) -> Prepared:
-        """This process's locks on `result`'s segments and slices; _WriterLost
+        """This process's claims on `result`'s segments and slices; _WriterLost
         when a slice's writer is gone before handing it over."""
-        locks: list[shm.Lock | slab.Held] = []
+        claims: list[tuple[files.Slice, reference.Claim]] = []
         try:
             # This process owns the segments and slices from here until the
             # scheduler accepts them; a slice's writer lets go once it sees us.
-            for segment in result.segments:
-                locks.append(shm.Lock(segment, self.settings.shm_prefix))
-            for piece in result.slab_slices:
-                locks.append(slab.take(piece, self.settings.shm_prefix))
-            return Prepared(result, locks)
-        except shm.SegmentError as exc:
-            for lock in locks:
-                lock.release()
+            for t in result.tensors:
+                if t.slice is not None:
+                    claims.append((t.slice, reference.hold(t.slice, self.settings.shm_prefix)))
+            return Prepared(result, claims)
+        except files.SegmentError as exc:
+            for _, claim in claims:
+                claim.release()
             result.abandon(self.settings.shm_prefix)
-            if isinstance(exc, shm.NoDescriptors):
+            if isinstance(exc, files.NoDescriptors):
                 raise Overloaded(f"a preprocessed item could not be held for hand-over: {exc}") from exc
-            if isinstance(exc, slab.SliceLost):
+            if isinstance(exc, ranges.SliceLost):
                 raise _WriterLost("its preprocessing worker died before handing it over") from exc
             raise InternalError("a preprocessed item could not be held for hand-over") from exc
 
@@ -631,9 +626,9 @@ class TokenizerService:
                 if families.is_encoder_input(t.name) and data is not None:
                     try:
                         held = pool.put(memoryview(data), wait_s=self.settings.shm_slab_wait_s)
-                    except slab.SlabFull as exc:
+                    except ranges.SlabFull as exc:
                         raise Overloaded(f"the GPU staging pool has no room: {exc}") from exc
-                    slab.hand_off(held)
+                    ranges.hand_off(held)
                     piece = held.slice
                     t = dataclasses.replace(t, segment=piece.segment, offset=piece.offset, inline=None, device=True)
                 tensors.append(t)
@@ -654,8 +649,8 @@ class TokenizerService:
         """The bytes of a tensor held in one of our segments."""
         assert t.segment is not None
         buf = bytearray(t.nbytes)
-        slab.read_slice(
-            shm.Slice(t.segment, t.offset, t.nbytes),
+        reference.read_slice(
+            files.Slice(t.segment, t.offset, t.nbytes),
             self.settings.shm_prefix,
             memoryview(buf),
             max_segment_bytes=t.nbytes,
@@ -699,7 +694,7 @@ class TokenizerService:
         dtype = NUMPY_TO_DTYPE[t.dtype]
         if t.segment is None:
             return TensorSpec(dtype, t.shape, inline=t.inline).to_pb()
-        piece = shm.Slice(t.segment, t.offset, t.nbytes)
+        piece = files.Slice(t.segment, t.offset, t.nbytes)
         if t.device and self.device_pool is not None:
             cuda = CudaRef(self.device_pool.handle, self.device_pool.uuid, piece)
             return TensorSpec(dtype, t.shape, cuda=cuda, grant=self._grant(piece, granted)).to_pb()
@@ -707,7 +702,7 @@ class TokenizerService:
             return TensorSpec(dtype, t.shape, shm=piece, grant=self._grant(piece, granted)).to_pb()
         return TensorSpec(dtype, t.shape, inline=self._read(t)).to_pb()
 
-    def _grant(self, piece: shm.Slice, granted: list[grants.Grant]) -> grants.Grant:
+    def _grant(self, piece: files.Slice, granted: list[grants.Grant]) -> grants.Grant:
         """Grant `piece` to the request whose grants `granted` collects. A
         full table is OVERLOADED (it holds an entry per tensor of every
         request in flight, with room to spare)."""
@@ -716,7 +711,7 @@ class TokenizerService:
             entries = max(64, s.max_inflight * (s.max_images_per_request + s.max_videos_per_request) * MAX_CHOICES)
             try:
                 self.grants = grants.GrantTable(s.shm_prefix, self._pid, entries)
-            except (OSError, shm.SegmentError) as exc:  # /dev/shm full, no descriptor: this server's state
+            except (OSError, files.SegmentError) as exc:  # /dev/shm full, no descriptor: this server's state
                 raise Overloaded(f"no grant table could be made: {exc}") from exc
         try:
             grant = self.grants.issue(piece.segment, piece.offset, piece.nbytes)
@@ -730,11 +725,6 @@ class TokenizerService:
             for grant in granted:
                 self.grants.revoke(grant)
         granted.clear()
-
-    @staticmethod
-    def _release(segments: list[str]) -> None:
-        for name in segments:
-            shm.unlink(name)
 
 
 class _WriterLost(PreprocessWorkerCrashed):
@@ -751,16 +741,33 @@ class Assigned:
 
 @dataclass
 class Prepared:
-    """A preprocessed image or video and this process's locks on its segments."""
+    """A preprocessed image or video and this process's claims on where its
+    tensors were placed."""
 
     result: ItemResult
-    locks: list[shm.Lock | slab.Held]
+    claims: list[tuple[files.Slice, reference.Claim]]
+
+    def disown(self) -> None:
+        """The scheduler took them over: they are its to release now."""
+        for _, claim in self.claims:
+            claim.disown()
+
+    def release(self) -> None:
+        """Nobody will send them: let them go (idempotent; a disowned claim
+        is left alone)."""
+        for _, claim in self.claims:
+            claim.release()
+
+    def release_segments(self) -> None:
+        """Let the one-off segments go, whose bytes went in the message."""
+        for piece, claim in self.claims:
+            if not files.is_slab(piece.segment):
+                claim.release()
 
 
-def _unlock(prepared: list[Prepared]) -> None:
+def _release(prepared: list[Prepared]) -> None:
     for p in prepared:
-        for lock in p.locks:
-            lock.release()
+        p.release()
 
 
 def _finished(rid: str, reason: int, prompt_tokens: int, completion_tokens: int) -> tokenizer_pb2.GenerateResponse:

@@ -21,7 +21,7 @@ import struct
 from collections.abc import Callable
 from typing import Any
 
-from mmsplit_server import slab
+from mmsplit_server.handoff import ranges
 from mmsplit_server.serving import name_process
 from tokenizer_svc import forkserver
 from tokenizer_svc.errors import InternalError
@@ -51,14 +51,14 @@ def serve(
     except BaseException as exc:
         conn.send(("failed", f"{type(exc).__name__}: {exc}"))
         return
-    slab.poll_hand_offs_here()
+    ranges.poll_hand_offs_here()
     conn.send(("ready", os.getpid()))
     while True:
         try:
             # Slices written for earlier tasks go once the tokenizer has
             # taken them: checked between tasks, and every HAND_OFF_POLL_S
             # while no task is waiting.
-            while slab.poll_hand_offs() and not conn.poll(HAND_OFF_POLL_S):
+            while ranges.poll_hand_offs() and not conn.poll(HAND_OFF_POLL_S):
                 pass
             job = conn.recv()
         except (EOFError, OSError):

@@ -1,4 +1,4 @@
-"""A reference is a capability, not a name (`mmsplit_server.grants`), proven
+"""A reference is a capability, not a name (`mmsplit_server.handoff.grants`), proven
 through real servers: the hostile review's reproduction (a direct scheduler
 call naming a slab page another request holds, which used to be Accepted and
 described the victim's pixels) is refused, and so are the same attack on a
@@ -29,7 +29,7 @@ from mmsplit_cli import samples
 from mmsplit_cli.client import Outcome, make_request, run_request
 from mmsplit_cli.launch import ServiceProcess, tokenizer_args
 from mmsplit_cli.tiny_model import IMAGE_SIZE
-from mmsplit_server import grants, slab
+from mmsplit_server.handoff import grants, ranges
 from scheduler_svc.model import model_info
 from tests.conftest import TOKENIZER_SERVICE
 from tests.e2e.helpers import health_status, scheduler_info, tokenizer_info
@@ -135,16 +135,16 @@ def test_forged_and_replayed_references_read_nothing_and_pin_nothing(tiny_model:
                 (slab_name,) = {n for n in segments_of(pid) if "-slab" in n}
                 (table,) = {n for n in segments_of(pid) if "-grant" in n}
                 size = tokenizer_info(pair.tokenizer_address).info.shm_slab_bytes
-                real, victim_page = live_grant(table, slab_name, range(0, size, slab.PAGE))
+                real, victim_page = live_grant(table, slab_name, range(0, size, ranges.PAGE))
                 before = scheduler_info(pair.scheduler_address)
                 attempts = {
                     "no grant, the victim's page": ref_to(slab_name, victim_page, None),
                     "a guessed tag, the victim's page": ref_to(
                         slab_name, victim_page, grants.Grant(table, real.index, os.urandom(16))
                     ),
-                    "the victim's tag, the next page": ref_to(slab_name, victim_page + slab.PAGE, real),
+                    "the victim's tag, the next page": ref_to(slab_name, victim_page + ranges.PAGE, real),
                     "a guessed tag, a free page": ref_to(
-                        slab_name, size - 8 * slab.PAGE, grants.Grant(table, real.index, os.urandom(16))
+                        slab_name, size - 8 * ranges.PAGE, grants.Grant(table, real.index, os.urandom(16))
                     ),
                 }
                 said = {what: direct(pair.scheduler_address, ref, input_ids) for what, ref in attempts.items()}

@@ -27,7 +27,7 @@ from mmsplit.tokenizer.v1 import tokenizer_pb2_grpc
 from mmsplit_cli import samples
 from mmsplit_cli.client import Outcome, make_request, run_request
 from mmsplit_cli.launch import ServiceProcess, tokenizer_args
-from mmsplit_server import shm
+from mmsplit_server.handoff import files
 from mmsplit_server.serving import free_port
 from scheduler_svc.model import model_info
 from tests.conftest import SCHEDULER_SERVICE, TOKENIZER_SERVICE, Services
@@ -80,7 +80,7 @@ def test_what_is_planted_under_a_segment_name_fails_its_request_only(services: S
     with grpc.insecure_channel(services.tokenizer_address) as channel:
         good = run_request(tokenizer_pb2_grpc.TokenizerServiceStub(channel), make_request("Hi", max_tokens=2))
     assert good.ok, good
-    assert all(os.path.lexists(shm.SHM_DIR / name) for name in planted.values())
+    assert all(os.path.lexists(files.SHM_DIR / name) for name in planted.values())
     assert wait_until(lambda: rank_active_requests(services.scheduler_address) == [0, 0], timeout=10)
 
 

@@ -18,7 +18,7 @@ from mmsplit.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from mmsplit.tokenizer.v1 import tokenizer_pb2_grpc
 from mmsplit_cli import samples
 from mmsplit_cli.client import make_request, run_request
-from mmsplit_server import shm
+from mmsplit_server.handoff import files, segment
 from scheduler_svc.model import model_info
 from tests.conftest import SCHEDULER_SERVICE, Services
 from tests.e2e.helpers import health_status, rank_active_requests
@@ -98,10 +98,10 @@ def malformed_cases() -> list[tuple[str, common_pb2.TensorRef, str]]:
 def test_malformed_reference_gets_its_code_and_the_group_keeps_serving(
     sched, services: Services, case: str, ref: common_pb2.TensorRef, expected: str
 ) -> None:
-    segment = None
+    made = None
     if ref.WhichOneof("location") == "shm" and ref.shm.segment == "REAL":
-        segment = shm.write_segment(PROJECT_PREFIX, PID, memoryview(GOOD))
-        ref.shm.segment = segment.segment
+        made = segment.place(PROJECT_PREFIX, PID, memoryview(GOOD))
+        ref.shm.segment = made.segment
     try:
         with grant_table(PROJECT_PREFIX) as table:
             if ref.WhichOneof("location") == "shm" and case != "no grant":
@@ -117,8 +117,8 @@ def test_malformed_reference_gets_its_code_and_the_group_keeps_serving(
             assert "failed_ranks" not in metadata
             assert metadata["grpc"] == "INTERNAL"
     finally:
-        if segment is not None:
-            shm.unlink(segment.segment)  # rejected before acceptance: still ours
+        if made is not None:
+            files.unlink(made.segment)  # rejected before acceptance: still ours
     good = scheduler_pb2.GenerateRequest(
         request_id=f"good-{uuid.uuid4().hex[:8]}",
         input_ids=prompt_ids(services, 1),

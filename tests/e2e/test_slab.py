@@ -1,4 +1,4 @@
-"""The shared-memory slab (`mmsplit_server.slab`) through the real services.
+"""The shared-memory slab (`mmsplit_server.handoff.slab`) through the real services.
 
 - Under a 2,000-request mixed load on the shared pair (distinct images
   through the workers, repeats from the preprocessing cache, corrupt images,
@@ -91,7 +91,7 @@ def test_under_a_2000_request_mixed_load_dev_shm_holds_exactly_the_slab_and_the_
     assert polls > 10, "the watcher did not run during the load"
     assert polls >= load_s / 0.02 / 4, ("the watcher was starved during the load", polls, load_s)
     names = set().union(*seen)
-    # The slab and the grant table (`mmsplit_server.grants`), made once, whose
+    # The slab and the grant table (`mmsplit_server.handoff.grants`), made once, whose
     # entries all end with their requests.
     assert len(names) == 2, f"not only the slab and the grant table: {sorted(names)[:5]}"
     (table,) = {n for n in names if "-grant" in n}

@@ -217,7 +217,7 @@ def test_a_janitor_sweep_that_fails_is_logged_and_the_loop_goes_on(
         sweeps.append(prefix)
         raise OSError(24, "Too many open files")
 
-    monkeypatch.setattr("scheduler_svc.loop.shm.sweep", failing_sweep)
+    monkeypatch.setattr("scheduler_svc.loop.files.sweep", failing_sweep)
     h = Harness(FakeEngine(), janitor_interval_s=0.01)
     h.thread.start()
     assert wait_until(lambda: len(sweeps) >= 1, timeout=5)

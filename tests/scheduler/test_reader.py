@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from mmsplit.common.v1 import common_pb2
-from mmsplit_server import shm, slab
-from mmsplit_server.grants import GrantTable
-from mmsplit_server.tensors import TensorSpec, TensorTransportFailed
+from mmsplit_server.handoff import files, ranges, slab
+from mmsplit_server.handoff.grants import GrantTable
+from mmsplit_server.handoff.reference import TensorSpec, TensorTransportFailed
 from scheduler_svc.reader import SharedMemoryReader
 from tests.support.granting import grant_table, granted
 from tests.support.leaks import PROJECT_PREFIX, own_slab
@@ -24,7 +24,7 @@ SHAPE = (3, 64, 64)
 
 
 @pytest.fixture
-def owned() -> Iterator[slab.Slab]:
+def owned() -> Iterator[ranges.Slab]:
     with own_slab(PREFIX, 4 * MIB) as s:
         yield s
 
@@ -40,18 +40,18 @@ def reader() -> SharedMemoryReader:
     return SharedMemoryReader(rank=1, prefix=PREFIX, max_bytes=MIB)
 
 
-def sent(owned: slab.Slab, seed: int, table: GrantTable) -> tuple[np.ndarray, slab.Held, TensorSpec]:
+def sent(owned: ranges.Slab, seed: int, table: GrantTable) -> tuple[np.ndarray, ranges.Held, TensorSpec]:
     """A tensor written into the slab, granted, and held by its sender
     (the scheduler's rank 0 after Accepted, in service)."""
     data = np.random.default_rng(seed).standard_normal(SHAPE, dtype=np.float32)
-    writer = slab.write(owned.name, PREFIX, memoryview(data), wait_s=0)  # type: ignore[arg-type]
-    sender = slab.take(writer.slice, PREFIX)
+    writer = slab.place(owned.name, PREFIX, memoryview(data), wait_s=0)  # type: ignore[arg-type]
+    sender = ranges.take(writer.slice, PREFIX)
     writer.release()
     return data, sender, granted(TensorSpec(common_pb2.DTYPE_FLOAT32, SHAPE, shm=writer.slice), table)
 
 
-def in_slab(owned: slab.Slab, tensor: torch.Tensor) -> bool:
-    mapping = slab.view(shm.Slice(owned.name, 0, owned.size), PREFIX)
+def in_slab(owned: ranges.Slab, tensor: torch.Tensor) -> bool:
+    mapping = slab.view(files.Slice(owned.name, 0, owned.size), PREFIX)
     try:
         start = address(mapping)
         return start <= tensor.data_ptr() < start + owned.size
@@ -64,7 +64,7 @@ def address(view: memoryview) -> int:
 
 
 def test_a_slab_slice_is_lent_in_place_and_held_until_the_step_ends(
-    owned: slab.Slab, reader: SharedMemoryReader, table: GrantTable
+    owned: ranges.Slab, reader: SharedMemoryReader, table: GrantTable
 ) -> None:
     data, sender, spec = sent(owned, 1, table)
     got = reader.read("r1", spec)
@@ -79,7 +79,7 @@ def test_a_slab_slice_is_lent_in_place_and_held_until_the_step_ends(
 
 
 def test_a_slice_nobody_holds_is_refused_and_nothing_stays_held(
-    owned: slab.Slab, reader: SharedMemoryReader, table: GrantTable
+    owned: ranges.Slab, reader: SharedMemoryReader, table: GrantTable
 ) -> None:
     _, sender, spec = sent(owned, 2, table)
     sender.release()
@@ -100,7 +100,7 @@ def test_inline_bytes_are_lent_as_they_arrived(reader: SharedMemoryReader) -> No
 
 
 def test_the_step_ends_even_when_a_release_fails(
-    owned: slab.Slab, reader: SharedMemoryReader, table: GrantTable, monkeypatch: pytest.MonkeyPatch
+    owned: ranges.Slab, reader: SharedMemoryReader, table: GrantTable, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     sent_ = [sent(owned, seed, table) for seed in (5, 6)]
     for _, _, spec in sent_:
@@ -108,10 +108,10 @@ def test_the_step_ends_even_when_a_release_fails(
     for _, sender, _ in sent_:
         sender.release()
 
-    def broken(self: slab.Held) -> None:
+    def broken(self: ranges.Held) -> None:
         raise OSError("injected")
 
-    monkeypatch.setattr(slab.Held, "release", broken)
+    monkeypatch.setattr(ranges.Held, "release", broken)
     reader.end_step()  # logs, never raises
     assert owned.used_bytes() == 0, "every lent slice let go of all the same"
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from mmsplit.common.v1 import common_pb2
-from mmsplit_server import devices, shm, slab
-from mmsplit_server.grants import GrantTable
-from mmsplit_server.tensors import CudaRef, InvalidTensorRef, TensorSpec, TensorTransportFailed
+from mmsplit_server.handoff import cuda_ipc, files, ranges
+from mmsplit_server.handoff.grants import GrantTable
+from mmsplit_server.handoff.reference import CudaRef, InvalidTensorRef, TensorSpec, TensorTransportFailed
 from tests.support import fake_device
 from tests.support.granting import grant_table, granted
 from tests.support.holder import killed_after
@@ -26,14 +26,14 @@ T = common_pb2
 
 
 @pytest.fixture
-def pool() -> Iterator[devices.DevicePool]:
-    devices.configure("tests.support.fake_device:make")
-    p = devices.DevicePool(devices.current(), PREFIX, os.getpid(), 1 << 20)
+def pool() -> Iterator[cuda_ipc.DevicePool]:
+    cuda_ipc.configure("tests.support.fake_device:make")
+    p = cuda_ipc.DevicePool(cuda_ipc.current(), PREFIX, os.getpid(), 1 << 20)
     yield p
     p.close()
-    devices.imported.tidy(every_s=0)  # what this process opened of it goes with it
-    assert devices.imported.count() == 0
-    devices.configure("")
+    cuda_ipc.imported.tidy(every_s=0)  # what this process opened of it goes with it
+    assert cuda_ipc.imported.count() == 0
+    cuda_ipc.configure("")
 
 
 @pytest.fixture
@@ -42,51 +42,53 @@ def table() -> Iterator[GrantTable]:
         yield t
 
 
-def spec_of(p: devices.DevicePool, held: slab.Held, shape: tuple[int, ...], table: GrantTable) -> TensorSpec:
+def spec_of(p: cuda_ipc.DevicePool, held: ranges.Held, shape: tuple[int, ...], table: GrantTable) -> TensorSpec:
     return granted(TensorSpec(T.DTYPE_UINT8, shape, cuda=CudaRef(p.handle, p.uuid, held.slice)), table)
 
 
 def test_staged_bytes_reach_the_reader_and_the_range_is_freed_after(
-    pool: devices.DevicePool, table: GrantTable
+    pool: cuda_ipc.DevicePool, table: GrantTable
 ) -> None:
     data = np.random.default_rng(1).integers(0, 255, 300_000, dtype=np.uint8)
     writer = pool.put(memoryview(data), wait_s=0)
-    assert pool.used_bytes() == 5 * slab.PAGE
+    assert pool.used_bytes() == 5 * ranges.PAGE
     wire = spec_of(pool, writer, (300_000,), table).to_pb().SerializeToString()
     spec = TensorSpec.from_pb(
         T.TensorRef.FromString(wire), prefix=PREFIX, max_bytes=1 << 30, cuda_uuids=[fake_device.uuid()]
     )
-    rank0 = spec.lock(PREFIX)  # before Accepted
+    rank0 = spec.take(PREFIX)  # before Accepted
     writer.release()  # the tokenizer lets go once it hears Accepted
-    assert np.array_equal(spec.read_device(torch.device("cpu"), PREFIX).numpy(), data)
-    assert pool.used_bytes() == 5 * slab.PAGE
-    spec.release()  # a lease is never unlinked ...
+    lent = spec.lend(PREFIX, max_bytes=1 << 30, like=torch.device("cpu"))
+    assert lent.claim is None  # a copy
+    assert isinstance(lent.data, torch.Tensor)
+    assert np.array_equal(lent.data.numpy(), data)
+    assert pool.used_bytes() == 5 * ranges.PAGE  # rank 0 holds it ...
     assert rank0 is not None
-    rank0.release()  # ... its range is free once its last holder lets go
+    rank0.release()  # ... and its range is free once its last holder lets go
     assert pool.used_bytes() == 0
 
 
-def test_a_full_pool_says_so(pool: devices.DevicePool) -> None:
+def test_a_full_pool_says_so(pool: cuda_ipc.DevicePool) -> None:
     held = [pool.put(memoryview(np.zeros(500_000, np.uint8)), wait_s=0) for _ in range(2)]
-    with pytest.raises(slab.SlabFull):
+    with pytest.raises(ranges.SlabFull):
         pool.put(memoryview(np.zeros(500_000, np.uint8)), wait_s=0.01)
     for h in held:
         h.release()
     assert pool.used_bytes() == 0
 
 
-def test_an_importer_killed_holding_a_range_frees_it(pool: devices.DevicePool) -> None:
+def test_an_importer_killed_holding_a_range_frees_it(pool: cuda_ipc.DevicePool) -> None:
     writer = pool.put(memoryview(np.ones(1000, np.uint8)), wait_s=0)
     piece = writer.slice
     args = f"{piece.segment!r}, {piece.offset}, {piece.nbytes}"
-    take = f"from mmsplit_server import slab, shm; slab.take(shm.Slice({args}), {PREFIX!r})"
+    take = f"from mmsplit_server.handoff import files, ranges; ranges.take(files.Slice({args}), {PREFIX!r})"
     with killed_after(take):
         writer.release()
-        assert pool.used_bytes() == slab.PAGE, "the importer holds it"
+        assert pool.used_bytes() == ranges.PAGE, "the importer holds it"
     assert pool.used_bytes() == 0
 
 
-def test_references_are_checked(pool: devices.DevicePool, table: GrantTable) -> None:
+def test_references_are_checked(pool: cuda_ipc.DevicePool, table: GrantTable) -> None:
     writer = pool.put(memoryview(np.ones(64, np.uint8)), wait_s=0)
     try:
         good = spec_of(pool, writer, (64,), table).to_pb()
@@ -96,7 +98,7 @@ def test_references_are_checked(pool: devices.DevicePool, table: GrantTable) -> 
             TensorSpec.from_pb(good, prefix=PREFIX, max_bytes=1 << 20, cuda_uuids=["GPU-other"])
         bad_lease = T.TensorRef()
         bad_lease.CopyFrom(good)
-        bad_lease.cuda_ipc.lease = shm.new_name(PREFIX, 1)  # a segment's name, not a lease map's
+        bad_lease.cuda_ipc.lease = files.new_name(PREFIX, 1)  # a segment's name, not a lease map's
         with pytest.raises(InvalidTensorRef, match="lease"):
             TensorSpec.from_pb(bad_lease, prefix=PREFIX, max_bytes=1 << 20, cuda_uuids=[pool.uuid])
         wrong_size = T.TensorRef()
@@ -109,7 +111,7 @@ def test_references_are_checked(pool: devices.DevicePool, table: GrantTable) -> 
         writer.release()
     # Nobody holds the range any more: the reference cannot be taken.
     with pytest.raises(TensorTransportFailed, match="not held"):
-        freed.lock(PREFIX)
+        freed.take(PREFIX)
 
 
 def test_cuda_ipc_is_chosen_only_for_the_same_gpu_and_dev_shm() -> None:
@@ -125,10 +127,10 @@ def test_cuda_ipc_is_chosen_only_for_the_same_gpu_and_dev_shm() -> None:
 
 def test_handles_are_plain_fields_never_pickles() -> None:
     fields = (0, b"\x01\x02", 4096, 0, b"ref", 8, b"", False)
-    assert devices._decode(devices._encode(fields)) == fields
+    assert cuda_ipc._decode(cuda_ipc._encode(fields)) == fields
     for bad in (b"\x80\x04K\x01.", b'[{"x": 1}]', b"[[1]]", b"[" + b"1," * 3000 + b"1]"):
         with pytest.raises(ValueError, match="not a CUDA IPC handle"):
-            devices._decode(bad)
+            cuda_ipc._decode(bad)
 
 
 def test_a_tokenizer_restarted_20_times_leaves_at_most_the_cap_open() -> None:
@@ -137,14 +139,14 @@ def test_a_tokenizer_restarted_20_times_leaves_at_most_the_cap_open() -> None:
     them stopping cleanly) leave at most the cap open, and once their lease
     maps are gone (their tokenizer stopped, or the janitor swept after it)
     every one is closed, its memory let go."""
-    devices.configure("tests.support.fake_device:make")
-    backend = devices.current()
-    importer = devices.Imported(max_pools=3)
+    cuda_ipc.configure("tests.support.fake_device:make")
+    backend = cuda_ipc.current()
+    importer = cuda_ipc.Imported(max_pools=3)
     already = fake_device.FakeOpened.live
     pools = []
     try:
         for i in range(20):
-            pool = devices.DevicePool(backend, PREFIX, os.getpid(), 1 << 20)
+            pool = cuda_ipc.DevicePool(backend, PREFIX, os.getpid(), 1 << 20)
             pools.append(pool)
             data = np.full(1000, i, np.uint8)
             held = pool.put(memoryview(data), wait_s=0)
@@ -161,12 +163,12 @@ def test_a_tokenizer_restarted_20_times_leaves_at_most_the_cap_open() -> None:
         assert importer.count() == 0
         assert fake_device.FakeOpened.live == already
         # A read of a gone exporter's pool is refused, and opens nothing.
-        with pytest.raises(devices.DeviceError):
+        with pytest.raises(cuda_ipc.DeviceError):
             importer.read(backend, pools[-1].handle, pools[-1].leases.name, 0, 1000, torch.device("cpu"))
         assert importer.count() == 0
     finally:
         importer.close_all()
         for pool in pools[:-3]:
             pool.close()
-        devices.configure("")
-    assert not [n for n in shm.list_segments(PREFIX) if n.split("-")[1] == str(os.getpid())]
+        cuda_ipc.configure("")
+    assert not [n for n in files.list_segments(PREFIX) if n.split("-")[1] == str(os.getpid())]

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from mmsplit_server import slab
+from mmsplit_server.handoff import ranges, slab
 from tests.support import limits
 from tests.support.granting import grant_table
 from tests.support.leaks import PROJECT_PREFIX, own_slab
@@ -27,15 +27,15 @@ PREFIX = PROJECT_PREFIX + "fds"
 # path that opens a segment is tried and what it raised is printed.
 CHILD = r"""
 import json, os, resource, sys
-from mmsplit_server import grants, shm
 from mmsplit.common.v1 import common_pb2
 from mmsplit.errors import MmsplitError, reason_of
-from mmsplit_server.tensors import TensorSpec
+from mmsplit_server.handoff import files, grants
+from mmsplit_server.handoff.reference import TensorSpec
 from scheduler_svc.reader import SharedMemoryReader
 from tokenizer_svc.preprocess import ItemTensor, SlabRef, place
 
 arg = json.loads(sys.argv[1])
-piece = shm.Slice(arg["segment"], arg["offset"], arg["nbytes"])
+piece = files.Slice(arg["segment"], arg["offset"], arg["nbytes"])
 grant = grants.Grant(arg["table"], arg["index"], bytes.fromhex(arg["tag"]))
 spec = TensorSpec(common_pb2.DTYPE_FLOAT32, (arg["nbytes"] // 4,), shm=piece, grant=grant)
 reader = SharedMemoryReader(rank=1, prefix=arg["prefix"], max_bytes=1 << 30)
@@ -43,7 +43,7 @@ tensor = ItemTensor("pixel_values", "float32", (arg["nbytes"] // 4,), arg["nbyte
 data = memoryview(bytes(arg["nbytes"]))
 ref = SlabRef(arg["segment"], 1 << 20, 0.0)
 attempts = {
-    "rank 0 takes a slice at admission": lambda: spec.lock(arg["prefix"]),
+    "rank 0 takes a slice at admission": lambda: spec.take(arg["prefix"]),
     "a rank lends a slice": lambda: reader.read("r", spec),
     "a worker writes into the slab": lambda: place(tensor, data, ref, arg["prefix"], os.getpid()),
     "a worker writes a segment of its own": lambda: place(tensor, data, None, arg["prefix"], os.getpid()),
@@ -71,14 +71,14 @@ print(json.dumps(out))
 
 
 @pytest.fixture
-def owned() -> Iterator[slab.Slab]:
+def owned() -> Iterator[ranges.Slab]:
     with own_slab(PREFIX, 4 << 20) as s:
         yield s
 
 
-def test_out_of_descriptors_is_overloaded_on_every_path(owned: slab.Slab) -> None:
+def test_out_of_descriptors_is_overloaded_on_every_path(owned: ranges.Slab) -> None:
     data = np.arange(1024, dtype=np.float32)
-    held = slab.write(owned.name, PREFIX, memoryview(data), wait_s=0)  # type: ignore[arg-type]
+    held = slab.place(owned.name, PREFIX, memoryview(data), wait_s=0)  # type: ignore[arg-type]
     try:
         with grant_table(PREFIX) as table:
             grant = table.issue(owned.name, held.slice.offset, data.nbytes)

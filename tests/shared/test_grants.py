@@ -1,4 +1,4 @@
-"""References are capabilities (`mmsplit_server.grants`): a slab slice, a
+"""References are capabilities (`mmsplit_server.handoff.grants`): a slab slice, a
 one-off segment or a lease range is read only through a live grant for
 exactly that location, checked before any lock, refused all alike."""
 
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from mmsplit.common.v1 import common_pb2
-from mmsplit_server import grants, shm, slab
-from mmsplit_server.tensors import InvalidTensorRef, TensorSpec
+from mmsplit_server.handoff import files, grants, ranges, segment, slab
+from mmsplit_server.handoff.reference import InvalidTensorRef, TensorSpec
 from tests.support.granting import grant_table, granted
 from tests.support.leaks import PROJECT_PREFIX, own_slab, slab_locks
 
@@ -20,7 +20,7 @@ PREFIX = PROJECT_PREFIX + "grants"
 CAP = 1 << 24
 
 
-def slice_spec(piece: shm.Slice) -> TensorSpec:
+def slice_spec(piece: files.Slice) -> TensorSpec:
     return TensorSpec(common_pb2.DTYPE_UINT8, (piece.nbytes,), shm=piece)
 
 
@@ -28,11 +28,11 @@ def refused(spec: TensorSpec) -> str:
     """The message every way of using `spec` is refused with (one, or the test fails)."""
     said = set()
     uses = [
-        lambda: spec.lock(PREFIX),
+        lambda: spec.take(PREFIX),
         lambda: spec.read_into(memoryview(bytearray(spec.nbytes)), prefix=PREFIX, max_bytes=CAP),
     ]
-    if spec.shm is not None and shm.is_slab(spec.shm.segment):
-        uses.append(lambda: spec.borrow(PREFIX))  # lends a slab's slice in place (a one-off segment is read)
+    if spec.shm is not None and files.is_slab(spec.shm.segment):
+        uses.append(lambda: spec.lend(PREFIX, max_bytes=CAP))  # a slab's slice in place (a one-off segment is read)
     for use in uses:
         with pytest.raises(InvalidTensorRef) as err:
             use()
@@ -42,22 +42,21 @@ def refused(spec: TensorSpec) -> str:
 
 
 def test_a_granted_slice_reads_and_every_other_reference_is_refused_alike() -> None:
-    data = np.random.default_rng(3).integers(0, 255, 3 * slab.PAGE, dtype=np.uint8)
-    with own_slab(PREFIX, 16 * slab.PAGE) as s, grant_table(PREFIX) as table:
-        writer = slab.write(s.name, PREFIX, memoryview(data), wait_s=0)
+    data = np.random.default_rng(3).integers(0, 255, 3 * ranges.PAGE, dtype=np.uint8)
+    with own_slab(PREFIX, 16 * ranges.PAGE) as s, grant_table(PREFIX) as table:
+        writer = slab.place(s.name, PREFIX, memoryview(data), wait_s=0)
         good = granted(slice_spec(writer.slice), table)
         locks = slab_locks(s.name)["OFDLCK"]  # the writer's: its slice and its marker
-        lent = good.borrow(PREFIX)
-        assert lent is not None
-        view, held = lent
+        view, held = good.lend(PREFIX, max_bytes=CAP)
+        assert isinstance(view, memoryview)
         assert bytes(view) == data.tobytes()
-        assert held is not None
+        assert isinstance(held, ranges.Held)
         view.release()
         held.close()
         assert slab_locks(s.name)["OFDLCK"] == locks
 
         forged = dataclasses.replace(good, grant=grants.Grant(table.name, good.grant.index, os.urandom(16)))  # type: ignore[union-attr]
-        elsewhere = granted(slice_spec(shm.Slice(s.name, slab.PAGE, slab.PAGE)), table)
+        elsewhere = granted(slice_spec(files.Slice(s.name, ranges.PAGE, ranges.PAGE)), table)
         moved = dataclasses.replace(elsewhere, grant=good.grant)  # a real tag, carried to another page
         missing = dataclasses.replace(good, grant=None)
         no_table = dataclasses.replace(
@@ -78,7 +77,7 @@ def test_a_granted_slice_reads_and_every_other_reference_is_refused_alike() -> N
 
 
 def test_a_one_off_segment_is_granted_too_and_a_refusal_never_removes_it() -> None:
-    piece = shm.write_segment(PREFIX, os.getpid(), memoryview(b"\x07" * 4096))
+    piece = segment.place(PREFIX, os.getpid(), memoryview(b"\x07" * 4096))
     try:
         with grant_table(PREFIX) as table:
             good = granted(slice_spec(piece), table)
@@ -89,9 +88,9 @@ def test_a_one_off_segment_is_granted_too_and_a_refusal_never_removes_it() -> No
             assert out == b"\x07" * 4096
             table.close()  # its tokenizer stopped: every grant ends
             refused(good)
-        assert piece.segment in shm.list_segments(PREFIX)
+        assert piece.segment in files.list_segments(PREFIX)
     finally:
-        shm.unlink(piece.segment)
+        files.unlink(piece.segment)
 
 
 def test_entries_are_per_grant_and_a_full_table_says_so() -> None:
@@ -108,4 +107,4 @@ def test_entries_are_per_grant_and_a_full_table_says_so() -> None:
         with pytest.raises(grants.GrantRefused):
             grants.verify(first, "a", 0, 1, PREFIX)
         table.revoke(second)
-    assert not shm.list_segments(PREFIX)
+    assert not files.list_segments(PREFIX)

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from mmsplit.common.v1 import common_pb2
-from mmsplit_server import shm
-from mmsplit_server.tensors import InvalidTensorRef, TensorSpec, TensorTransportFailed
+from mmsplit_server.handoff import files, segment
+from mmsplit_server.handoff.reference import InvalidTensorRef, TensorSpec, TensorTransportFailed
 from tests.support.granting import grant_table, granted
 from tests.support.leaks import PROJECT_PREFIX
 
@@ -64,7 +64,7 @@ def test_malformed_references_are_invalid(message: common_pb2.TensorRef, why: st
 
 def test_roundtrip_shm_and_inline() -> None:
     data = np.arange(6, dtype=np.float32).reshape(2, 3)
-    piece = shm.write_segment(PREFIX, os.getpid(), memoryview(data))
+    piece = segment.place(PREFIX, os.getpid(), memoryview(data))
     try:
         with grant_table(PREFIX) as table:
             wire = granted(TensorSpec.from_pb(good_shm_ref(piece.segment), prefix=PREFIX, max_bytes=CAP), table).to_pb()
@@ -73,11 +73,13 @@ def test_roundtrip_shm_and_inline() -> None:
             out = np.empty_like(data)
             spec.read_into(memoryview(out), prefix=PREFIX, max_bytes=CAP)
             assert np.array_equal(out, data)
-            spec.release()
+            claim = spec.take(PREFIX)
+            assert claim is not None
+            claim.release()  # its owner's release removes a one-off segment
             with pytest.raises(TensorTransportFailed):
                 spec.read_into(memoryview(out), prefix=PREFIX, max_bytes=CAP)
     finally:
-        shm.unlink(piece.segment)
+        files.unlink(piece.segment)
     inline = TensorSpec.from_pb(
         ref(dtype=common_pb2.DTYPE_FLOAT32, shape=[2, 3], inline=data.tobytes()), prefix=PREFIX, max_bytes=CAP
     )
@@ -87,7 +89,7 @@ def test_roundtrip_shm_and_inline() -> None:
 
 
 def test_slice_past_the_end_of_a_real_segment_is_invalid() -> None:
-    piece = shm.write_segment(PREFIX, os.getpid(), memoryview(b"\0" * 24))
+    piece = segment.place(PREFIX, os.getpid(), memoryview(b"\0" * 24))
     try:
         with grant_table(PREFIX) as table:
             message = good_shm_ref(piece.segment)
@@ -96,4 +98,4 @@ def test_slice_past_the_end_of_a_real_segment_is_invalid() -> None:
             with pytest.raises(InvalidTensorRef):
                 spec.read_into(memoryview(bytearray(24)), prefix=PREFIX, max_bytes=CAP)
     finally:
-        shm.unlink(piece.segment)
+        files.unlink(piece.segment)

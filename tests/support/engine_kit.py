@@ -9,8 +9,8 @@ import numpy as np
 import torch
 
 from mmsplit.common.v1 import common_pb2
+from mmsplit_server.handoff.reference import TensorSpec
 from mmsplit_server.sampling import Sampling
-from mmsplit_server.tensors import TensorSpec
 from scheduler_svc.plan import Item, NewRequest
 from scheduler_svc.reader import SharedMemoryReader
 

@@ -14,23 +14,23 @@ import os
 import numpy as np
 import torch
 
-from mmsplit_server import devices, shm, slab
+from mmsplit_server.handoff import cuda_ipc, files, ranges
 
 PREFIX = os.environ.get("MMSPLIT_SHM_PREFIX", "mmsplit")
 
 
 def uuid() -> str:
-    return "FAKE-" + shm.namespace_id()[:12]
+    return "FAKE-" + files.namespace_id()[:12]
 
 
 class FakeExported:
     def __init__(self, nbytes: int) -> None:
-        self._memory = slab.Slab(PREFIX, os.getpid(), nbytes)
+        self._memory = ranges.Slab(PREFIX, os.getpid(), nbytes)
         self.handle = json.dumps({"fake": self._memory.name}).encode()
         self.uuid = uuid()
 
     def write(self, offset: int, data: memoryview) -> None:
-        fd = shm.open_segment(self._memory.name, PREFIX, write=True)
+        fd = files.open_segment(self._memory.name, PREFIX, write=True)
         try:
             os.pwrite(fd, data, offset)
         finally:
@@ -49,18 +49,18 @@ class FakeOpened:
     live = 0
 
     def __init__(self, name: str) -> None:
-        self._fd: int | None = shm.open_segment(name, PREFIX)
+        self._fd: int | None = files.open_segment(name, PREFIX)
         self.size = os.fstat(self._fd).st_size
         FakeOpened.live += 1
 
     def read(self, offset: int, nbytes: int, like: torch.device) -> torch.Tensor:
         if self._fd is None:
-            raise devices.DeviceError("the pool was closed")
+            raise cuda_ipc.DeviceError("the pool was closed")
         if offset + nbytes > self.size:
-            raise devices.DeviceError("the range lies outside the exported allocation")
+            raise cuda_ipc.DeviceError("the range lies outside the exported allocation")
         out = np.empty(nbytes, dtype=np.uint8)
         if os.preadv(self._fd, [memoryview(out)], offset) != nbytes:  # type: ignore[list-item]
-            raise devices.DeviceError("the fake device memory is shorter than its range")
+            raise cuda_ipc.DeviceError("the fake device memory is shorter than its range")
         return torch.from_numpy(out)
 
     def close(self) -> None:
@@ -74,15 +74,15 @@ class FakeBackend:
     def uuids(self) -> list[str]:
         return [uuid()]
 
-    def allocate(self, nbytes: int) -> devices.Exported:
+    def allocate(self, nbytes: int) -> cuda_ipc.Exported:
         return FakeExported(nbytes)
 
-    def open(self, handle: bytes) -> devices.Opened:
+    def open(self, handle: bytes) -> cuda_ipc.Opened:
         try:
             return FakeOpened(json.loads(handle)["fake"])
-        except (ValueError, KeyError, TypeError, shm.SegmentError) as exc:
-            raise devices.DeviceError(f"the fake device handle could not be opened: {type(exc).__name__}") from exc
+        except (ValueError, KeyError, TypeError, files.SegmentError) as exc:
+            raise cuda_ipc.DeviceError(f"the fake device handle could not be opened: {type(exc).__name__}") from exc
 
 
-def make() -> devices.Backend:
+def make() -> cuda_ipc.Backend:
     return FakeBackend()

@@ -14,7 +14,7 @@ import numpy as np
 from mmsplit.common.v1 import common_pb2
 from mmsplit.scheduler.v1 import scheduler_pb2
 from mmsplit_server import families
-from mmsplit_server.tensors import NUMPY_TO_DTYPE
+from mmsplit_server.handoff.reference import NUMPY_TO_DTYPE
 from tokenizer_svc.prompt import Media, PromptBuilder
 
 MARKERS = {

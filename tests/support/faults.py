@@ -15,7 +15,7 @@ import threading
 
 import torch
 
-from mmsplit_server.tensors import TensorSpec, TensorTransportFailed
+from mmsplit_server.handoff.reference import TensorSpec, TensorTransportFailed
 from scheduler_svc.reader import SharedMemoryReader
 
 MARKER = re.compile(r"inject-read-failure-rank(\d+)")

@@ -1,5 +1,5 @@
 """Grants for the references tests make by hand: what a tokenizer does
-(`mmsplit_server.grants`) for specs a test builds itself."""
+(`mmsplit_server.handoff.grants`) for specs a test builds itself."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from mmsplit.common.v1 import common_pb2
-from mmsplit_server import grants
-from mmsplit_server.tensors import TensorSpec
+from mmsplit_server.handoff import grants
+from mmsplit_server.handoff.reference import TensorSpec
 
 
 @contextmanager

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import psutil
 
-from mmsplit_server import grants, shm, slab
+from mmsplit_server.handoff import files, grants, ranges
 
 SHM_DIR = Path("/dev/shm")
 
@@ -200,10 +200,10 @@ def wait_until(predicate, timeout: float, interval: float = 0.05) -> bool:  # ty
 
 
 @contextlib.contextmanager
-def own_slab(prefix: str, nbytes: int) -> Iterator[slab.Slab]:
+def own_slab(prefix: str, nbytes: int) -> Iterator[ranges.Slab]:
     """A slab of this test process's, removed after; fails the test if any
     segment of `prefix` is left."""
-    s = slab.Slab(prefix, os.getpid(), nbytes)
+    s = ranges.Slab(prefix, os.getpid(), nbytes)
     yield s
     s.close()
-    assert not shm.list_segments(prefix)
+    assert not files.list_segments(prefix)

@@ -84,7 +84,7 @@ async def cancelled_while_written(service: TokenizerService, pool: Pool) -> Item
     image = tokenizer_pb2.Image(url="file:///image.jpg")
     first = await service._one(image, "first", common_pb2.TRANSPORT_SHM)
     assert len(pool.jobs) == 1
-    assert not first.locks  # pixels inline: nothing in shared memory yet
+    assert not first.claims  # pixels inline: nothing in shared memory yet
     held = HeldUp(service)
     request = asyncio.create_task(service._one(image, "second", common_pb2.TRANSPORT_SHM))
     assert await asyncio.to_thread(held.written.wait, 30), "the cache hit never wrote its item"
@@ -142,9 +142,8 @@ def test_the_item_of_a_request_that_was_not_cancelled_is_held_for_hand_over(tiny
             assert len(pool.jobs) == 1
             assert service.slab is not None
             assert service.slab.used_bytes() > 0
-            assert [lock.slice for lock in prepared.locks] == prepared.result.slab_slices  # type: ignore[union-attr]
-            for lock in prepared.locks:
-                lock.release()
+            assert [piece for piece, _ in prepared.claims] == prepared.result.slab_slices
+            prepared.release()
             owned = service.slab
             assert await asyncio.to_thread(lambda: wait_until(lambda: owned.used_bytes() == 0, RELEASED_WITHIN_S))
         finally:

@@ -26,7 +26,8 @@ from PIL import Image
 from transformers import AutoImageProcessor
 
 from mmsplit_cli import samples
-from mmsplit_server import families, slab
+from mmsplit_server import families
+from mmsplit_server.handoff import ranges, slab
 from tests.support.leaks import PROJECT_PREFIX, wait_until
 from tests.support.worker_hook import SLOW, UNSENDABLE, marked
 from tokenizer_svc import forkserver
@@ -63,8 +64,8 @@ def deaths(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 
 @pytest.fixture
-def owned(deaths: Path) -> Iterator[slab.Slab]:
-    s = slab.Slab(PREFIX, os.getpid(), 16 << 20)
+def owned(deaths: Path) -> Iterator[ranges.Slab]:
+    s = ranges.Slab(PREFIX, os.getpid(), 16 << 20)
     yield s
     s.close()
     server = psutil.Process(multiprocessing.forkserver._forkserver._forkserver_pid)  # type: ignore[attr-defined]
@@ -74,7 +75,7 @@ def owned(deaths: Path) -> Iterator[slab.Slab]:
 
 @contextlib.asynccontextmanager
 async def one_worker(
-    model: Path, queue_timeout_s: float, owned: slab.Slab, *, workers: int = 1
+    model: Path, queue_timeout_s: float, owned: ranges.Slab, *, workers: int = 1
 ) -> AsyncIterator[CpuPool]:
     """A pool of one worker (or `workers`); at the end, nothing of the slab is held."""
     pool = CpuPool(str(model), workers, worker_hook="tests.support.worker_hook", queue_timeout_s=queue_timeout_s)
@@ -88,21 +89,21 @@ async def one_worker(
     assert wait_until(lambda: owned.used_bytes() == 0, timeout=5)
 
 
-def job(data: bytes, owned: slab.Slab) -> ImageJob:
+def job(data: bytes, owned: ranges.Slab) -> ImageJob:
     return ImageJob(data, 40_000_000, 50.0, PREFIX, os.getpid(), slab=SlabRef(owned.name, owned.max_slice, 1.0))
 
 
 def let_go(result: ItemResult) -> None:
     """Take the result's slices over and release them, as the service does."""
     for piece in result.slab_slices:
-        slab.take(piece, PREFIX).release()
+        ranges.take(piece, PREFIX).release()
 
 
-def test_a_queued_task_s_budget_starts_when_its_worker_takes_it(tiny_model: Path, owned: slab.Slab) -> None:
+def test_a_queued_task_s_budget_starts_when_its_worker_takes_it(tiny_model: Path, owned: ranges.Slab) -> None:
     asyncio.run(_two_in_a_row(tiny_model, owned))
 
 
-async def _two_in_a_row(tiny_model: Path, owned: slab.Slab) -> None:
+async def _two_in_a_row(tiny_model: Path, owned: ranges.Slab) -> None:
     # Two SLOW images on one worker with a 2.5 s budget: the second is
     # submitted at once (queued behind the first) and ends about 3 s after it
     # was submitted, yet it is within its budget: it was in a worker 1.5 s.
@@ -118,11 +119,11 @@ async def _two_in_a_row(tiny_model: Path, owned: slab.Slab) -> None:
             let_go(result)
 
 
-def test_waiting_for_a_worker_is_bounded_and_abandoned_work_is_released(tiny_model: Path, owned: slab.Slab) -> None:
+def test_waiting_for_a_worker_is_bounded_and_abandoned_work_is_released(tiny_model: Path, owned: ranges.Slab) -> None:
     asyncio.run(_three_at_once(tiny_model, owned))
 
 
-async def _three_at_once(tiny_model: Path, owned: slab.Slab) -> None:
+async def _three_at_once(tiny_model: Path, owned: ranges.Slab) -> None:
     # One worker busy with a SLOW image for 1.5 s and a 0.5 s bound on the
     # wait: the task queued behind it (submitted already) and the one that
     # found no room in the queue are both OVERLOADED, and the queued one's
@@ -161,7 +162,7 @@ async def until_admitted(pool: CpuPool, one: ImageJob, within_s: float) -> ItemR
                 raise
 
 
-def test_media_bytes_travel_in_a_slab_slice_when_there_is_room(owned: slab.Slab) -> None:
+def test_media_bytes_travel_in_a_slab_slice_when_there_is_room(owned: ranges.Slab) -> None:
     data = os.urandom(300_000)
     staged, held = stage_input(job(data, owned), limit=1 << 20)
     assert held is not None
@@ -174,7 +175,7 @@ def test_media_bytes_travel_in_a_slab_slice_when_there_is_room(owned: slab.Slab)
     assert stage_input(job(data, owned), limit=len(data) - 1) == (job(data, owned), None)
     big = job(os.urandom(owned.max_slice + 1), owned)
     assert stage_input(big, limit=1 << 30) == (big, None)
-    filling = [slab.write(owned.name, PREFIX, memoryview(os.urandom(owned.max_slice)), wait_s=0) for _ in range(4)]
+    filling = [slab.place(owned.name, PREFIX, memoryview(os.urandom(owned.max_slice)), wait_s=0) for _ in range(4)]
     try:
         assert stage_input(job(data, owned), limit=1 << 20) == (job(data, owned), None)
     finally:
@@ -183,11 +184,11 @@ def test_media_bytes_travel_in_a_slab_slice_when_there_is_room(owned: slab.Slab)
     assert owned.used_bytes() == 0
 
 
-def test_a_worker_that_dies_costs_only_its_own_task(tiny_model: Path, owned: slab.Slab) -> None:
+def test_a_worker_that_dies_costs_only_its_own_task(tiny_model: Path, owned: ranges.Slab) -> None:
     asyncio.run(_one_dies(tiny_model, owned))
 
 
-async def _one_dies(tiny_model: Path, owned: slab.Slab) -> None:
+async def _one_dies(tiny_model: Path, owned: ranges.Slab) -> None:
     # Two workers, each with a SLOW image; one is SIGKILLed. Its image is
     # retried (and served); the other worker is not touched: same process,
     # its image served once, no retry. Only the dead worker is replaced.
@@ -209,12 +210,12 @@ async def _one_dies(tiny_model: Path, owned: slab.Slab) -> None:
         assert pool.replacements == 1
 
 
-def test_a_replacement_killed_as_it_starts_is_tried_again(tiny_model: Path, owned: slab.Slab, deaths: Path) -> None:
+def test_a_replacement_killed_as_it_starts_is_tried_again(tiny_model: Path, owned: ranges.Slab, deaths: Path) -> None:
     asyncio.run(_replacement_tried_again(tiny_model, owned, deaths))
     assert not list(deaths.iterdir()), "the replacements did not die as they started"
 
 
-async def _replacement_tried_again(tiny_model: Path, owned: slab.Slab, deaths: Path) -> None:
+async def _replacement_tried_again(tiny_model: Path, owned: ranges.Slab, deaths: Path) -> None:
     # The only worker dies; its first REPLACE_TRIES - 1 replacements are
     # killed as they start. The pool keeps trying (it is starting one all
     # along, so it stays ready), and a request sent meanwhile waits for the
@@ -233,11 +234,11 @@ async def _replacement_tried_again(tiny_model: Path, owned: slab.Slab, deaths: P
         assert pool.ready
 
 
-def test_messages_larger_than_a_socket_buffer_cross_whole(tiny_model: Path, owned: slab.Slab) -> None:
+def test_messages_larger_than_a_socket_buffer_cross_whole(tiny_model: Path, owned: ranges.Slab) -> None:
     asyncio.run(_big_messages(tiny_model, owned))
 
 
-async def _big_messages(tiny_model: Path, owned: slab.Slab) -> None:
+async def _big_messages(tiny_model: Path, owned: ranges.Slab) -> None:
     # The inline transport with no slab: the media bytes go in the job (a
     # 2 MB PNG of noise) and the pixels come back in the result, both over
     # a socket that holds a few hundred KB (written and read in pieces,
@@ -268,11 +269,11 @@ async def _big_messages(tiny_model: Path, owned: slab.Slab) -> None:
     assert sum(len(b) for b in expected.values()) > 2 * buffered, "the pixels fill the socket more than twice"
 
 
-def test_a_worker_s_time_is_counted_by_stage(tiny_model: Path, owned: slab.Slab) -> None:
+def test_a_worker_s_time_is_counted_by_stage(tiny_model: Path, owned: ranges.Slab) -> None:
     asyncio.run(_stages(tiny_model, owned))
 
 
-async def _stages(tiny_model: Path, owned: slab.Slab) -> None:
+async def _stages(tiny_model: Path, owned: ranges.Slab) -> None:
     # A 1280x720 JPEG: its bytes are staged in the slab (read), then
     # decoded, processed and written into a slice. Each stage took time,
     # and all of them together no more than the caller waited.
@@ -289,11 +290,11 @@ async def _stages(tiny_model: Path, owned: slab.Slab) -> None:
     assert sum(spent.values()) <= waited, (spent, waited)
 
 
-def test_a_pool_shut_down_under_load_answers_every_caller(tiny_model: Path, owned: slab.Slab) -> None:
+def test_a_pool_shut_down_under_load_answers_every_caller(tiny_model: Path, owned: ranges.Slab) -> None:
     asyncio.run(_shut_down_under_load(tiny_model, owned))
 
 
-async def _shut_down_under_load(tiny_model: Path, owned: slab.Slab) -> None:
+async def _shut_down_under_load(tiny_model: Path, owned: ranges.Slab) -> None:
     # One worker busy with a SLOW image, one task written to it behind that,
     # one waiting in the queue: a shutdown answers all three callers with a
     # typed error at once (none hangs), and the worker is gone after it.
@@ -315,12 +316,12 @@ async def _shut_down_under_load(tiny_model: Path, owned: slab.Slab) -> None:
 
 
 def test_an_exception_a_worker_cannot_send_back_is_internal_and_the_worker_lives(
-    tiny_model: Path, owned: slab.Slab
+    tiny_model: Path, owned: ranges.Slab
 ) -> None:
     asyncio.run(_unsendable(tiny_model, owned))
 
 
-async def _unsendable(tiny_model: Path, owned: slab.Slab) -> None:
+async def _unsendable(tiny_model: Path, owned: ranges.Slab) -> None:
     async with one_worker(tiny_model, 10, owned) as pool:
         (pid,) = pool.pids
         with pytest.raises(InternalError, match="Unbuildable: injected: cannot be rebuilt"):

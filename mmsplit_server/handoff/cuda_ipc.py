@@ -1,14 +1,16 @@
-"""Device memory handed from the tokenizer to scheduler ranks by CUDA IPC.
+"""The CUDA-IPC transport: device memory handed from the tokenizer to
+scheduler ranks by CUDA IPC.
 
 The tokenizer stages preprocessed tensors into one allocation on its GPU (a
 `DevicePool`) and exports the pool's IPC handle; ranks on the same node open
 the handle once per pool and copy each tensor's range into a tensor of their
 own. The pool's memory is leased exactly as the shared-memory slab's is
-(`mmsplit_server.slab`): a **lease map** — a sparse slab file in /dev/shm whose
-byte ranges stand for the pool's — carries the byte-range locks. The writer
+(`ranges`, as under the slab transport): a **lease map** — a sparse
+slab file in /dev/shm whose byte ranges stand for the pool's — carries the
+byte-range locks. The writer
 holds a range from the moment it is allocated, rank 0 takes its own lock
 before `Accepted`, the tokenizer then lets go, and rank 0 lets go after the
-agreement (every rank has copied). Locks vanish with their holder, so a dead
+step (every rank has copied). Locks vanish with their holder, so a dead
 importer never pins pool memory; a dead exporter's GPU memory goes with it
 (and its lease map is swept like any unowned segment). No pid, no lease
 timer, no release message.
@@ -48,7 +50,7 @@ from typing import Any, Protocol
 
 import torch
 
-from mmsplit_server import shm, slab
+from mmsplit_server.handoff import files, ranges
 
 MAX_HANDLE_BYTES = 4096
 # Pools an importer keeps open at most (`--cuda-ipc-max-pools` on the scheduler).
@@ -201,7 +203,7 @@ _loaded: dict[str, Backend] = {}
 _loaded_lock = threading.Lock()
 
 
-DEFAULT_BACKEND = "mmsplit_server.devices:cuda_backend"
+DEFAULT_BACKEND = "mmsplit_server.handoff.cuda_ipc:cuda_backend"
 _current = DEFAULT_BACKEND
 
 
@@ -331,7 +333,7 @@ class DevicePool:
     offsets). Created once; removed with `close`."""
 
     def __init__(self, backend: Backend, prefix: str, owner_pid: int, nbytes: int) -> None:
-        self.leases = slab.Slab(prefix, owner_pid, nbytes, sparse=True)
+        self.leases = ranges.Slab(prefix, owner_pid, nbytes, sparse=True)
         try:
             self.memory = backend.allocate(self.leases.size)
         except BaseException:
@@ -351,11 +353,11 @@ class DevicePool:
     def handle(self) -> bytes:
         return self.memory.handle
 
-    def put(self, data: memoryview, *, wait_s: float) -> slab.Held:
+    def put(self, data: memoryview, *, wait_s: float) -> ranges.Held:
         """Stage `data` in a free range; the range comes back held by this
         process (a read lock on the lease map). SlabFull when there is no room."""
         data = data.cast("B")
-        return slab.lease(
+        return ranges.lease(
             self.leases.name,
             self.prefix,
             data.nbytes,
@@ -374,7 +376,7 @@ class DevicePool:
 def lease_alive(name: str) -> bool:
     """Whether an exporter's lease map still exists (else its pool is gone)."""
     try:
-        (shm.SHM_DIR / name).stat()
+        (files.SHM_DIR / name).stat()
     except FileNotFoundError:
         return False
     return True

@@ -1,27 +1,30 @@
-"""Shared-memory segments: naming, creation, validated reading, ownership by
-lock, release, sweeping.
+"""The files every transport of the hand-off is made of: shared-memory
+segments under /dev/shm, their names, creation, validated opening, removal
+and sweeping, and the errors all of it raises.
 
-The one module that touches /dev/shm (DESIGN.md §3). Segments are plain files
-under /dev/shm used through file descriptors, not `multiprocessing.shared_memory`:
-Python 3.11's resource_tracker unlinks segments behind our back when a process
-that merely attached exits, and warns about segments another process unlinked.
+Segments are plain files under /dev/shm used through file descriptors, not
+`multiprocessing.shared_memory`: Python 3.11's resource_tracker unlinks
+segments behind our back when a process that merely attached exits, and
+warns about segments another process unlinked.
 
-Names are ``<prefix>-<creator pid>-<16 hex>``; the pid is informational only
-(pids lie across pid namespaces). Segments are created O_CREAT|O_EXCL with
-mode 0600 and their size reserved with posix_fallocate, so a full /dev/shm is
-an error at creation rather than a SIGBUS at first touch.
+Names are ``<prefix>-<creator pid>-<16 hex>`` (a one-off segment),
+``…-slab<12 hex>`` (a slab, or a CUDA-IPC pool's lease map) or
+``…-grant<11 hex>`` (a grant table); the pid is informational only (pids
+lie across pid namespaces). Segments are created O_CREAT|O_EXCL with mode
+0600 and their size reserved with posix_fallocate, so a full /dev/shm is an
+error at creation rather than a SIGBUS at first touch.
 
 /dev/shm is shared with whoever else can write to it, so nothing found there
 is trusted: a segment is opened O_NOFOLLOW|O_NONBLOCK (a symlink fails, a FIFO
 cannot block the opener) and must be a regular file of this process's user.
 
-Ownership (DESIGN.md §3, turn 2): whoever owns a segment holds a shared
-`flock` on it through an open descriptor (`Lock`). The hand-over is
-"receiver locks, then says Accepted, then the sender unlocks". Locks vanish
+Whoever holds a segment keeps a shared `flock` on it through an open
+descriptor (`segment.Claim`, and every holder of a slab slice). Locks vanish
 with their process however it dies and work across pid namespaces on one
-tmpfs, so a janitor that gets an exclusive lock without waiting knows nobody
-owns the segment and may unlink it — after a grace period that covers the
-moment between a worker writing a segment and its service locking it.
+tmpfs, so a janitor (`sweep`) that gets an exclusive lock without waiting
+knows nobody holds the segment and may unlink it — after a grace period that
+covers the moment between a worker writing a segment and its service
+taking it.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ SHM_DIR = Path("/dev/shm")
 DEFAULT_PREFIX = "mmsplit"
 _PREFIX = r"[A-Za-z][A-Za-z0-9_]{0,31}"
 _PREFIX_RE = re.compile(rf"^{_PREFIX}$")
-# The random part of a slab's name (`mmsplit_server.slab`) starts with "slab".
+# The random part of a slab's name (`mmsplit_server.handoff.slab`) starts with "slab".
 _NAME_RE = re.compile(
     rf"^(?P<prefix>{_PREFIX})-(?P<pid>[0-9]{{1,10}})-(?P<rand>[0-9a-f]{{16}}|slab[0-9a-f]{{12}}|grant[0-9a-f]{{11}})$"
 )
@@ -145,7 +148,7 @@ def new_name(prefix: str, owner_pid: int, *, slab: bool = False, grants: bool = 
 
 
 def is_grant_table(name: str) -> bool:
-    """Whether `name` is a grant table's (`mmsplit_server.grants`)."""
+    """Whether `name` is a grant table's (`mmsplit_server.handoff.grants`)."""
     m = _NAME_RE.match(name)
     return m is not None and m["rand"].startswith("grant")
 
@@ -153,7 +156,7 @@ def is_grant_table(name: str) -> bool:
 @functools.lru_cache(maxsize=1024)
 def is_slab(name: str) -> bool:
     """Whether `name` is a slab's: its slices are released by unlocking,
-    never by unlinking the segment (`mmsplit_server.slab`)."""
+    never by unlinking the segment (`mmsplit_server.handoff.slab`)."""
     m = _NAME_RE.match(name)
     return m is not None and m["rand"].startswith("slab")
 
@@ -177,26 +180,6 @@ def create_segment(name: str, nbytes: int) -> int:
     return fd
 
 
-def write_segment(prefix: str, owner_pid: int, data: memoryview) -> Slice:
-    """Create a new segment holding exactly `data` (C-contiguous bytes)."""
-    data = data.cast("B")
-    nbytes = data.nbytes
-    if nbytes == 0:
-        raise ValueError("refusing to create an empty segment")
-    name = new_name(prefix, owner_pid)
-    fd = create_segment(name, nbytes)
-    try:
-        written = 0
-        while written < nbytes:
-            written += os.pwrite(fd, data[written:], written)
-    except BaseException:
-        unlink(name)
-        raise
-    finally:
-        os.close(fd)
-    return Slice(name, 0, nbytes)
-
-
 def open_segment(name: str, prefix: str, *, write: bool = False) -> int:
     """A descriptor of the segment of `prefix` under `name`, validated."""
     return open_stat(name, prefix, write=write)[0]
@@ -205,10 +188,10 @@ def open_segment(name: str, prefix: str, *, write: bool = False) -> int:
 def open_stat(name: str, prefix: str, *, write: bool = False) -> tuple[int, os.stat_result]:
     """`open_segment`, and the segment's stat (taken by the validation)."""
     parse_name(name, prefix)
-    return _open(name, write=write)
+    return open_file(name, write=write)
 
 
-def _open(name: str, *, write: bool = False) -> tuple[int, os.stat_result]:
+def open_file(name: str, *, write: bool = False) -> tuple[int, os.stat_result]:
     """A descriptor of the regular file of ours under `name` (read-only
     unless `write`), and its stat."""
     if "/" in name or "\x00" in name or name in ("", ".", ".."):
@@ -232,59 +215,6 @@ def _open(name: str, *, write: bool = False) -> tuple[int, os.stat_result]:
         os.close(fd)
         raise
     return fd, st
-
-
-def read_into(piece: Slice, prefix: str, out: memoryview, *, max_segment_bytes: int) -> None:
-    """Copy a validated slice of a one-off segment into `out` (writable,
-    exactly `piece.nbytes`). A slab's slice is read through the slab's
-    mapping: `slab.read_slice` takes either kind (the slab builds on this
-    module, never the other way)."""
-    parse_name(piece.segment, prefix)
-    if is_slab(piece.segment):
-        raise BadSegmentName("a slab's slice is read through the slab (slab.read_slice)")
-    out = out.cast("B")
-    if out.nbytes != piece.nbytes:
-        raise SegmentBounds(f"destination holds {out.nbytes} bytes, slice has {piece.nbytes}")
-    fd, st = _open(piece.segment)
-    try:
-        size = st.st_size
-        if size > max_segment_bytes:
-            raise SegmentBounds(f"the segment has {size} bytes, over the cap {max_segment_bytes}")
-        if piece.offset + piece.nbytes > size:
-            raise SegmentBounds(
-                f"slice [{piece.offset}, {piece.offset + piece.nbytes}) lies outside the segment of {size} bytes"
-            )
-        done = 0
-        while done < piece.nbytes:
-            n = os.preadv(fd, [out[done:]], piece.offset + done)
-            if n == 0:
-                raise SegmentBounds("the segment shrank while being read")
-            done += n
-    finally:
-        os.close(fd)
-
-
-class Lock:
-    """Ownership of one segment: a shared flock held through an open
-    descriptor until `release` (or until this process dies). Shared, so the
-    sender and the receiver can both hold it during the hand-over."""
-
-    def __init__(self, name: str, prefix: str) -> None:
-        parse_name(name, prefix)
-        self.name = name
-        self._fd: int | None = _open(name)[0]
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except OSError as exc:  # a janitor holds it exclusively: it is being swept
-            os.close(self._fd)
-            self._fd = None
-            raise SegmentMissing("the segment is being removed") from exc
-
-    def release(self) -> None:
-        """Drop the lock (idempotent); the segment stays."""
-        fd, self._fd = self._fd, None
-        if fd is not None:
-            os.close(fd)
 
 
 def unlink(name: str) -> bool:
@@ -324,7 +254,7 @@ RELEASE_FAILURES = _Counter()
 def segment_bytes(prefix: str, *, creator_pid: int | None = None) -> int:
     """Memory the prefix's segments take in /dev/shm now (of one creator
     pid, as its name says, when given): blocks allocated, not sizes, so a
-    sparse lease map (`mmsplit_server.devices`) counts for what it holds, nothing."""
+    sparse lease map (`mmsplit_server.handoff.cuda_ipc`) counts for what it holds, nothing."""
     total = 0
     for name in list_segments(prefix):
         if creator_pid is None or name.split("-")[-2:-1] == [str(creator_pid)]:
@@ -365,7 +295,7 @@ def sweep(prefix: str, *, grace_s: float, keep: Collection[str] = (), now: float
         if name in keep:
             continue
         try:
-            fd, _ = _open(name)
+            fd, _ = open_file(name)
         except SegmentError:
             continue  # gone meanwhile, or not a segment of ours: not ours to remove
         try:

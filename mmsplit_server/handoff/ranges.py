@@ -1,4 +1,9 @@
-"""The slab: one pre-allocated shared-memory segment that pixel tensors are
+"""Ranges of a shared file leased by byte-range locks: the machinery under
+the slab transport (`slab`: the ranges are the tensor's bytes) and the
+CUDA-IPC transport (`cuda_ipc`: a sparse lease map whose ranges stand for a
+GPU pool's), which neither transport imports from the other.
+
+The slab is one pre-allocated shared-memory segment that pixel tensors are
 written into, slice by slice, instead of a new segment per tensor.
 
 A new segment costs a page fault per page (about 1 GB/s here against tens of
@@ -34,7 +39,7 @@ Lifecycle of one slice:
    the tokenizer then drops its lock. A reference to a range nobody holds
    is refused, so a stale reference cannot read reused pixels; and before
    any `take`, every rank checks the reference's grant
-   (`mmsplit_server.grants`), so a forged one cannot read held pixels
+   (`mmsplit_server.handoff.grants`), so a forged one cannot read held pixels
    either (holding a range says nothing about who may read it).
 4. Each scheduler rank's reader takes the slice (`take`) while it reads
    the step's tensors and lends the slice to the step in place
@@ -61,7 +66,7 @@ the writer holding the slice until its hand-off timed out, a minute later
 allocation spent most of the workers' time in fcntl).
 
 Every holder also keeps a shared `flock` on the slab file while it holds a
-slice, so a janitor (`shm.sweep`, which needs an exclusive flock) never
+slice, so a janitor (`files.sweep`, which needs an exclusive flock) never
 removes a slab in use; the owning tokenizer holds one for the slab's life.
 `flock` and `fcntl` locks are independent on Linux, so the two never clash.
 
@@ -83,7 +88,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from mmsplit_server import shm
+from mmsplit_server.handoff import files
 
 log = logging.getLogger(__name__)
 
@@ -106,11 +111,11 @@ HANDOFF_TIMEOUT_S = 60.0
 HANDOFF_POLL_S = 0.02
 
 
-class SlabFull(shm.SegmentError):
+class SlabFull(files.SegmentError):
     """No run of free pages long enough for the tensor within the wait."""
 
 
-class SliceLost(shm.SegmentError):
+class SliceLost(files.SegmentError):
     """The slice is not held by its previous holder any more: it may have
     been reused, so its bytes cannot be trusted."""
 
@@ -195,18 +200,18 @@ class _Local:
         the shared flock that keeps janitors away while it is in use, and
         the slab's stat. A spare one when there is one; give it back with
         `spare` (or close it)."""
-        if not shm.is_slab(name):
-            raise shm.BadSegmentName("the segment name is not a slab's")
+        if not files.is_slab(name):
+            raise files.BadSegmentName("the segment name is not a slab's")
         with self._lock:
             self._forget_removed()
             spares = self._spare.get((name, prefix, write))
             got = spares.pop() if spares else None
-        fd, st = got if got is not None else shm.open_stat(name, prefix, write=write)
+        fd, st = got if got is not None else files.open_stat(name, prefix, write=write)
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except OSError as exc:  # a janitor holds it exclusively: it is being swept
             os.close(fd)
-            raise shm.SegmentMissing("the slab is being removed") from exc
+            raise files.SegmentMissing("the slab is being removed") from exc
         return fd, st
 
     def spare(
@@ -266,7 +271,7 @@ class _Local:
         if got is None:
             return None
         try:
-            if os.stat(f"{shm.SHM_DIR}/{name}").st_ino != got[0]:
+            if os.stat(f"{files.SHM_DIR}/{name}").st_ino != got[0]:
                 return None
         except FileNotFoundError:
             return None
@@ -283,7 +288,7 @@ class _Local:
             """The inode under `name` now (None: no file), one stat per name."""
             if name not in inodes:
                 try:
-                    inodes[name] = os.stat(f"{shm.SHM_DIR}/{name}").st_ino
+                    inodes[name] = os.stat(f"{files.SHM_DIR}/{name}").st_ino
                 except FileNotFoundError:
                     inodes[name] = None
             return inodes[name]
@@ -309,27 +314,39 @@ class _Local:
 _local = _Local()
 
 
+def mapping(fd: int, name: str, *, write: bool, ino: int | None = None) -> memoryview:
+    """A view of the whole file `fd` is open on, through this process's
+    mapping of it (made on first use, kept while it is the file under `name`)."""
+    return _local.view(fd, name, write=write, ino=ino)
+
+
+def cached_mapping(name: str) -> memoryview | None:
+    """This process's mapping of `name`, if it has one and it is still the
+    file under that name."""
+    return _local.cached(name)
+
+
 class Slab:
     """The owner's slab (the tokenizer process): created at a fixed size,
     kept under a shared flock until `close`, which removes it."""
 
     def __init__(self, prefix: str, owner_pid: int, nbytes: int, *, sparse: bool = False) -> None:
         """`sparse`: a lease map only — the file's bytes are never written
-        (its ranges stand for memory elsewhere, `mmsplit_server.devices`), so its
+        (its ranges stand for memory elsewhere, `mmsplit_server.handoff.cuda_ipc`), so its
         size is set, not reserved, and costs no memory."""
         if nbytes < 4 * PAGE:
             raise ValueError(f"a slab needs at least {4 * PAGE} bytes")
         self.size = _pages(nbytes) * PAGE
         self.prefix = prefix
-        self.name = shm.new_name(prefix, owner_pid, slab=True)
-        fd = shm.create_segment(self.name, 0 if sparse else self.size)
+        self.name = files.new_name(prefix, owner_pid, slab=True)
+        fd = files.create_segment(self.name, 0 if sparse else self.size)
         if sparse:
             os.ftruncate(fd, self.size)
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BaseException:
             os.close(fd)
-            shm.unlink(self.name)
+            files.unlink(self.name)
             raise
         self._fd: int | None = fd
 
@@ -342,7 +359,7 @@ class Slab:
         """Bytes of the slab under some holder's lock now."""
         if self._fd is None:
             return 0
-        fd = os.open(shm.SHM_DIR / self.name, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(files.SHM_DIR / self.name, os.O_RDONLY | os.O_CLOEXEC)
         try:
             return _used(fd, 0, self.size)
         finally:
@@ -353,7 +370,7 @@ class Slab:
         reading what they hold; nothing new can be written."""
         fd, self._fd = self._fd, None
         if fd is not None:
-            shm.unlink(self.name)
+            files.unlink(self.name)
             os.close(fd)
 
 
@@ -422,7 +439,7 @@ class Held:
     def __init__(
         self,
         fd: int,
-        piece: shm.Slice,
+        piece: files.Slice,
         *,
         prefix: str,
         stat: os.stat_result,
@@ -484,10 +501,15 @@ class Held:
             return
         if not self._let_go():
             self._fd = None
-        elif self.writer_gone():
+        elif _ready(self, Held.writer_gone):  # or cannot tell: let go now rather than keep it
             self.close()
         else:
             _deferred.wait(self, Held.writer_gone)
+
+    def disown(self) -> None:
+        """A slice is owned by its holders together: letting go as an owner
+        or not is the same (`release`)."""
+        self.release()
 
     def close(self) -> None:
         """Drop the lock now, whoever else holds the slice (in this
@@ -500,32 +522,11 @@ class Held:
             )
 
 
-def write(
-    name: str, prefix: str, data: memoryview, *, wait_s: float, on_written: Callable[[], None] | None = None
-) -> Held:
-    """Allocate a slice of slab `name`, copy `data` into it through this
-    process's mapping and return it held under a read lock. Waits up to
-    `wait_s` for room; raises SlabFull. `on_written` runs while the slice is
-    still write-locked (a test hook)."""
-    data = data.cast("B")
-
-    def fill(fd: int, ino: int, offset: int) -> None:
-        view = _local.view(fd, name, write=True, ino=ino)
-        try:
-            view[offset : offset + data.nbytes] = data
-        finally:
-            view.release()
-        if on_written is not None:
-            on_written()
-
-    return lease(name, prefix, data.nbytes, fill, wait_s=wait_s)
-
-
 def lease(name: str, prefix: str, nbytes: int, fill: Callable[[int, int, int], None], *, wait_s: float) -> Held:
     """Allocate `nbytes` of slab `name` and call `fill(fd, inode, offset)`
     while the range is write-locked; return it held under a read lock. The
-    slab's own bytes (`write`), or memory elsewhere that a sparse lease map
-    stands for (`mmsplit_server.devices`)."""
+    slab's own bytes (`slab.place`), or memory elsewhere that a sparse lease map
+    stands for (`mmsplit_server.handoff.cuda_ipc`)."""
     if nbytes <= 0:
         raise ValueError("refusing to allocate an empty range")
     fd, st = _local.descriptor(name, prefix, write=True)
@@ -536,7 +537,7 @@ def lease(name: str, prefix: str, nbytes: int, fill: Callable[[int, int, int], N
     except BaseException:  # SlabFull, mostly: the descriptor serves the next try
         _local.spare(name, prefix, fd, st, write=True)
         raise
-    return Held(fd, shm.Slice(name, offset, nbytes), prefix=prefix, stat=st, write=True)
+    return Held(fd, files.Slice(name, offset, nbytes), prefix=prefix, stat=st, write=True)
 
 
 def _allocated(fd: int, st: os.stat_result, nbytes: int, wait_s: float, fill: Callable[[int, int, int], None]) -> int:
@@ -585,7 +586,7 @@ def _allocate(fd: int, need: int, total: int) -> int | None:
     return None
 
 
-def take(piece: shm.Slice, prefix: str) -> Held:
+def take(piece: files.Slice, prefix: str) -> Held:
     """Take over a slice from its current holder, who keeps it until it sees
     our lock: first the check that a holder's lock covers the slice (else it
     is free, or was never allocated, and its bytes are not the ones named),
@@ -597,7 +598,7 @@ def take(piece: shm.Slice, prefix: str) -> Held:
     (`_Taken`). Raises SliceLost, or shm's errors for a name or range that
     is not a slab's."""
     if piece.offset % PAGE or piece.nbytes <= 0:
-        raise shm.SegmentBounds("a slab slice starts on a page and is not empty")
+        raise files.SegmentBounds("a slab slice starts on a page and is not empty")
     span = _pages(piece.nbytes) * PAGE
     key = (piece.segment, piece.offset, span)
     with _taken_lock:
@@ -608,7 +609,7 @@ def take(piece: shm.Slice, prefix: str) -> Held:
     fd, st = _local.descriptor(piece.segment, prefix, write=False)
     try:
         if piece.offset + span > st.st_size:
-            raise shm.SegmentBounds(f"slice [{piece.offset}, {piece.offset + piece.nbytes}) lies outside the slab")
+            raise files.SegmentBounds(f"slice [{piece.offset}, {piece.offset + piece.nbytes}) lies outside the slab")
         got = _conflict(fd, piece.offset, span)
         if got is None or got.start > piece.offset or got.end < piece.offset + span:
             raise SliceLost("the slice is not held by its sender (released, or never allocated)")
@@ -623,51 +624,6 @@ def take(piece: shm.Slice, prefix: str) -> Held:
         # lock then stays a holder of its own, released as any other.
         _taken.setdefault(key, taken)
     return Held(fd, piece, prefix=prefix, stat=st, write=False, after=taken.after, taken=taken)
-
-
-def view(piece: shm.Slice, prefix: str) -> memoryview:
-    """A read-only view of a slab slice in this process's mapping of the
-    slab: the bytes in place, no copy. Valid to read while the slice is
-    held (`take`); the view keeps the mapping alive, never the slice."""
-    shm.parse_name(piece.segment, prefix)
-    whole = _local.cached(piece.segment)
-    if whole is None:
-        fd = shm.open_segment(piece.segment, prefix)
-        try:
-            whole = _local.view(fd, piece.segment, write=False)
-        finally:
-            os.close(fd)
-    try:
-        if piece.offset < 0 or piece.offset + piece.nbytes > whole.nbytes:
-            raise shm.SegmentBounds(f"slice [{piece.offset}, {piece.offset + piece.nbytes}) lies outside the slab")
-        # A writer's own mapping is writable: the view never is.
-        return whole[piece.offset : piece.offset + piece.nbytes].toreadonly()
-    finally:
-        whole.release()
-
-
-def read_slice(piece: shm.Slice, prefix: str, out: memoryview, *, max_segment_bytes: int) -> None:
-    """Copy a slice of a slab or of a one-off segment into `out`. A slab is
-    bigger than any tensor by design, so only a one-off segment is capped
-    by `max_segment_bytes`."""
-    if shm.is_slab(piece.segment):
-        read_into(piece, prefix, out)  # its view checks the name
-    else:
-        shm.read_into(piece, prefix, out, max_segment_bytes=max_segment_bytes)
-
-
-def read_into(piece: shm.Slice, prefix: str, out: memoryview) -> None:
-    """Copy a slab slice into `out` (exactly `piece.nbytes`) through this
-    process's mapping of the slab. The caller holds the slice (`take`), or
-    another holder does until every reader is done (the agreement)."""
-    out = out.cast("B")
-    if out.nbytes != piece.nbytes:
-        raise shm.SegmentBounds(f"destination holds {out.nbytes} bytes, slice has {piece.nbytes}")
-    part = view(piece, prefix)
-    try:
-        out[:] = part
-    finally:
-        part.release()
 
 
 class HandOff:

@@ -50,14 +50,14 @@ import threading
 import time
 from dataclasses import dataclass
 
-from mmsplit_server import shm
+from mmsplit_server.handoff import files
 
 ENTRY = 64
 TAG_BYTES = 16
 _ZERO_TAG = bytes(TAG_BYTES)
 
 
-class GrantRefused(shm.SegmentError):
+class GrantRefused(files.SegmentError):
     """The reference is not one its sender granted for this location (or the
     grant has ended). One message for every cause, by design."""
 
@@ -65,7 +65,7 @@ class GrantRefused(shm.SegmentError):
         super().__init__("the reference is not granted by its sender (forged, or its request has ended)")
 
 
-class TableFull(shm.SegmentError):
+class TableFull(files.SegmentError):
     """Every entry of the grant table is in use."""
 
 
@@ -89,14 +89,14 @@ class GrantTable:
         if entries < 1:
             raise ValueError("a grant table needs at least one entry")
         self.entries = entries
-        self.name = shm.new_name(prefix, owner_pid, grants=True)
-        fd = shm.create_segment(self.name, entries * ENTRY)
+        self.name = files.new_name(prefix, owner_pid, grants=True)
+        fd = files.create_segment(self.name, entries * ENTRY)
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
             self._map = mmap.mmap(fd, entries * ENTRY, flags=mmap.MAP_SHARED)
         except BaseException:
             os.close(fd)
-            shm.unlink(self.name)
+            files.unlink(self.name)
             raise
         self._fd: int | None = fd
         self._free = list(range(entries - 1, -1, -1))
@@ -142,7 +142,7 @@ class GrantTable:
                 return
             self._map[:] = bytes(len(self._map))
             self._map.close()
-            shm.unlink(self.name)
+            files.unlink(self.name)
             os.close(fd)
 
 
@@ -161,7 +161,7 @@ class _Tables:
             self._forget_removed()
             got = self._maps.get(table)
         if got is None:
-            fd, st = shm.open_stat(table, prefix)
+            fd, st = files.open_stat(table, prefix)
             try:
                 mapping = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ) if st.st_size else None
             finally:
@@ -184,7 +184,7 @@ class _Tables:
         self._checked = now
         for name, (ino, _) in list(self._maps.items()):
             try:
-                current = os.stat(f"{shm.SHM_DIR}/{name}").st_ino
+                current = os.stat(f"{files.SHM_DIR}/{name}").st_ino
             except FileNotFoundError:
                 current = None
             if current != ino:
@@ -203,9 +203,9 @@ def verify(grant: Grant | None, segment: str, offset: int, nbytes: int, prefix: 
         raise GrantRefused()
     try:
         stored = _tables.entry(grant.table, grant.index, prefix)
-    except shm.NoDescriptors:
+    except files.NoDescriptors:
         raise  # this server's condition (OVERLOADED), not the reference's
-    except (shm.SegmentError, OSError, ValueError) as exc:
+    except (files.SegmentError, OSError, ValueError) as exc:
         raise GrantRefused() from exc
     expected = grant.tag + location_digest(segment, offset, nbytes)
     if not hmac.compare_digest(stored, expected):
