@@ -15,9 +15,16 @@ stop, and the token each row feeds next, arrive in the plan.
 
 Isolation: a request's tensors are checked (readable, finite) on every rank
 before the agreement, so a bad one is dropped everywhere before any model
-collective. What can only fail on rank 0 (sampling, non-finite logits of one
-row) fails that request alone: it is reported in `StepOutcome.rejected` and
-the loop drops it on every rank in the next plan.
+collective. What a joiner's prefill needs besides the forward — its encoder
+outputs (encoded alone when the step's batched encode raises, and checked
+against its placeholder count) and its positions — is made per request and,
+under TP, agreed on in one more gather, so a request that fails there (on
+any rank) fails alone and every rank drops it before the forward. A prefill
+forward that raises at TP=1 is undone and each joiner tried alone; under TP
+the other ranks may be inside the forward's collectives, so it ends the
+group as before. What can only fail on rank 0 (sampling, non-finite logits
+of one row) fails that request alone: it is reported in
+`StepOutcome.rejected` and the loop drops it on every rank in the next plan.
 """
 
 from __future__ import annotations
@@ -41,7 +48,7 @@ from scheduler_svc.collective import Collective
 from scheduler_svc.encoder_cache import EncoderCache
 from scheduler_svc.errors import NonFinitePixels
 from scheduler_svc.kvcache import ForwardInputs, RowCache
-from scheduler_svc.plan import Item, NewRequest, Plan, StepOutcome
+from scheduler_svc.plan import Failure, Item, NewRequest, Plan, StepOutcome
 from scheduler_svc.reader import TensorReader
 from scheduler_svc.sampler import Logprob, RowSampling, Sampler, make_generator
 
@@ -66,6 +73,18 @@ class Row:
 ItemTensors = list[dict[str, torch.Tensor]]
 
 
+@dataclass
+class _Joiner:
+    """A request joining this step, and what its prefill needs besides its ids."""
+
+    request: NewRequest
+    tensors: ItemTensors | None
+    # Encoder outputs by item (families whose outputs are cached): (modality, output).
+    features: list[tuple[int, torch.Tensor | None]] = field(default_factory=list)
+    positions: torch.Tensor | None = None  # M-RoPE: [3, prompt length]
+    rope_delta: int = 0
+
+
 class Engine:
     def __init__(
         self,
@@ -78,6 +97,7 @@ class Engine:
         family: Family | None = None,
         token_chunk: int = 256,
         encoder_cache_bytes: int = 0,
+        hook: Any = None,
     ) -> None:
         self.model = model
         # The adapter builds positions (M-RoPE); by default from the model's own config.
@@ -102,6 +122,8 @@ class Engine:
         self._hidden = int(model.config.get_text_config().hidden_size)  # type: ignore[union-attr,operator]
         self._keys: dict[str, list[bytes]] = {}  # this step's new requests: each item's cache key
         self._hash_pool: concurrent.futures.ThreadPoolExecutor | None = None  # made on first use
+        # Fault injection for tests (the `engine_hook` setting): before_prefill, on_encoded.
+        self._hook = hook
 
     def step(self, plan: Plan) -> StepOutcome:
         # The cache's tensors are made in inference mode; every in-place
@@ -145,14 +167,20 @@ class Engine:
         if self.rows:
             logits.append(self._decode())
             clock.lap("decode")
-        deltas: list[int] = []
         if joining:
-            prefill_logits, deltas = self._prefill(joining, use_cache)
-            logits.append(prefill_logits)
+            ready, lost = self._prepare(joining, use_cache)
+            prefill_logits, ready, dropped = self._prefill(ready) if ready else (None, [], {})
+            lost |= dropped
+            if prefill_logits is not None:
+                logits.append(prefill_logits)
             clock.lap("prefill")
-        for i, (req, _) in enumerate(joining):
-            self.index[req.request_id] = len(self.rows)
-            self.rows.append(Row(req, sampling=self._row_sampling(req), rope_delta=deltas[i] if deltas else 0))
+            # Every rank drops the same joiners (agreed, or TP=1): their rows never were.
+            failed |= lost
+            self._active_per_rank = [n - len(lost) for n in self._active_per_rank]
+            for j in ready:
+                req = j.request
+                self.index[req.request_id] = len(self.rows)
+                self.rows.append(Row(req, sampling=self._row_sampling(req), rope_delta=j.rope_delta))
 
         sampled: dict[str, int] = {}
         rejected: dict[str, str] = {}
@@ -213,34 +241,99 @@ class Engine:
         hidden = self._body(self._decode_body, ids, inputs)
         return self._head(hidden[:, -1])
 
-    def _prefill(
-        self, joining: list[tuple[NewRequest, ItemTensors | None]], use_cache: bool = False
-    ) -> tuple[torch.Tensor, list[int]]:
-        """The joining prompts in one right-padded forward; each row's logits
-        at its last prompt token ``[joining, vocab]``, and (M-RoPE families)
-        each row's rope delta."""
-        lengths = [len(req.input_ids) for req, _ in joining]
-        ids = torch.full((len(joining), max(lengths)), PAD_ID, dtype=torch.long)
-        for i, (req, _) in enumerate(joining):
-            ids[i, : lengths[i]] = torch.tensor(req.input_ids, dtype=torch.long)
-        extra: dict[str, Any] = (
-            self._encoded_kwargs(joining, use_cache) if self.encoder_cache.enabled else self._media_kwargs(joining)
-        )
+    def _prepare(
+        self, joining: list[tuple[NewRequest, ItemTensors | None]], use_cache: bool
+    ) -> tuple[list[_Joiner], dict[str, Failure]]:
+        """What each joiner's prefill needs besides the forward: its encoder
+        outputs (families whose outputs are cached) and its positions
+        (M-RoPE), made per request, so a request that fails there fails
+        alone. Under TP every rank's verdicts are agreed on in one gather,
+        so every rank keeps the same joiners. The joiners kept, in order,
+        and the failures."""
+        joiners = [_Joiner(req, tensors) for req, tensors in joining]
+        codes, messages = [0] * len(joiners), [""] * len(joiners)
+        if self.encoder_cache.enabled:
+            self._encode(joiners, use_cache, codes, messages)
+        for i, j in enumerate(joiners):
+            if codes[i]:
+                continue
+            req = j.request
+            try:
+                if self._hook is not None and hasattr(self._hook, "before_prefill"):
+                    self._hook.before_prefill(self.coll.rank, req)
+                if self.family.uses_mrope and req.items:
+                    j.positions, j.rope_delta = self.family.rope_positions(
+                        self.model, list(req.input_ids), list(req.items)
+                    )
+            except Exception as exc:
+                codes[i], messages[i] = self._failed_on(req, exc, "preparing its prefill")
+        if self.coll.world_size > 1:
+            failed_idx, _ = agree_on_failures(self.coll, codes, messages, active=0)
+        else:
+            failed_idx = {i: Failure(c, (0,), {0: messages[i]}) for i, c in enumerate(codes) if c}
+        lost = {joiners[i].request.request_id: f for i, f in failed_idx.items()}
+        return [j for i, j in enumerate(joiners) if i not in failed_idx], lost
+
+    def _prefill(self, joiners: list[_Joiner]) -> tuple[torch.Tensor | None, list[_Joiner], dict[str, Failure]]:
+        """The joiners' prompts in one right-padded forward: each row's logits
+        at its last prompt token ``[joiners, vocab]``. At TP=1 a forward
+        that raises is undone and each joiner tried alone, so the one at
+        fault fails alone; under TP the others ranks may wait inside the
+        forward's collectives, and it raises. The logits (None: no joiner
+        left), the joiners prefilled, and the failures."""
+        first = self.cache.rows
+        try:
+            return self._forward(joiners), joiners, {}
+        except Exception:
+            if self.coll.world_size > 1:
+                raise
+            self.cache.truncate(first)
+            log.warning("a prefill of %d requests failed; each is tried alone", len(joiners), exc_info=True)
+        logits: list[torch.Tensor] = []
+        kept: list[_Joiner] = []
+        lost: dict[str, Failure] = {}
+        for j in joiners:
+            before = self.cache.rows
+            try:
+                logits.append(self._forward([j]))
+                kept.append(j)
+            except Exception as exc:
+                self.cache.truncate(before)
+                code, message = self._failed_on(j.request, exc, "its prefill")
+                lost[j.request.request_id] = Failure(code, (0,), {0: message})
+        return (torch.cat(logits) if logits else None), kept, lost
+
+    def _forward(self, joiners: list[_Joiner]) -> torch.Tensor:
+        """One prefill forward over `joiners` (rows appended to the cache)."""
+        lengths = [len(j.request.input_ids) for j in joiners]
+        ids = torch.full((len(joiners), max(lengths)), PAD_ID, dtype=torch.long)
+        for i, j in enumerate(joiners):
+            ids[i, : lengths[i]] = torch.tensor(j.request.input_ids, dtype=torch.long)
+        extra: dict[str, Any]
+        if self.encoder_cache.enabled:
+            features = [(modality, out) for j in joiners for modality, out in j.features if out is not None]
+            extra = self.family.encoded_kwargs(features) if features else {}
+        else:
+            extra = self._media_kwargs([(j.request, j.tensors) for j in joiners])
         inputs = self.cache.begin_prefill(lengths)
-        deltas: list[int] = []
         if self.family.uses_mrope:
             positions = inputs.position_ids[None].repeat(3, 1, 1)  # padding keeps plain positions (masked)
-            for i, (req, _) in enumerate(joining):
-                if req.items:
-                    rope, delta = self.family.rope_positions(self.model, list(req.input_ids), list(req.items))
-                    positions[:, i, : lengths[i]] = rope.to(positions.device)
-                    deltas.append(delta)
-                else:
-                    deltas.append(0)
+            for i, j in enumerate(joiners):
+                if j.positions is not None:
+                    positions[:, i, : lengths[i]] = j.positions.to(positions.device)
             inputs = ForwardInputs(positions, inputs.attention_mask)
         hidden = self._body(self._prefill_body, ids.to(self.device), inputs, **extra)
         last = torch.tensor(lengths, device=self.device) - 1
-        return self._head(hidden[torch.arange(len(joining), device=self.device), last]), deltas
+        return self._head(hidden[torch.arange(len(joiners), device=self.device), last])
+
+    def _failed_on(self, req: NewRequest, exc: BaseException, what: str) -> tuple[int, str]:
+        """The typed verdict on one request whose `what` raised `exc`."""
+        log.warning("rank %d: request %s failed in %s", self.coll.rank, req.request_id, what, exc_info=exc)
+        if isinstance(exc, MmsplitError):
+            return exc.error_code, exc.message
+        if isinstance(exc, (MemoryError, torch.OutOfMemoryError)):
+            return E.ERROR_CODE_OVERLOADED, f"this request ran out of memory in {what}; retry, or send a shorter one"
+        return E.ERROR_CODE_INTERNAL, f"the model failed on this request in {what} ({type(exc).__name__}, logged)"
 
     def _media_kwargs(self, joining: list[tuple[NewRequest, ItemTensors | None]]) -> dict[str, torch.Tensor]:
         """Every item's tensors joined name by name with cat(dim=0), in plan
@@ -269,17 +362,20 @@ class Engine:
                 digest.update(key + (b"1" if self.encoder_cache.would_hit(key, rows, self._hidden) else b"0"))
         return int.from_bytes(digest.digest(), "little")
 
-    def _encoded_kwargs(self, joining: list[tuple[NewRequest, ItemTensors | None]], use_cache: bool) -> dict[str, Any]:
-        """The joining items' encoder outputs, in plan order: from the cache
-        where every rank has them, the rest encoded now (one call per
-        modality) and kept. Only requests every rank agreed on get here, in
-        the same order on every rank, so the caches change alike."""
+    def _encode(self, joiners: list[_Joiner], use_cache: bool, codes: list[int], messages: list[str]) -> None:
+        """Each joiner's encoder outputs, in plan order: from the cache where
+        every rank has them, the rest encoded now (one call per modality;
+        when it raises, each request's items alone, so the one at fault
+        fails alone) and kept. An output that does not fit its item's
+        placeholders fails its request. Only requests every rank agreed on
+        get here, in the same order on every rank, so the caches change
+        alike for what encodes alike."""
         cache = self.encoder_cache
-        features: list[tuple[int, torch.Tensor | None]] = []
-        misses: list[tuple[int, dict[str, torch.Tensor], bytes, int]] = []
-        for req, tensors in joining:
-            keys = self._keys.get(req.request_id, [])
-            for item, encoder, key in zip(req.items, tensors or (), keys, strict=True):
+        # (joiner, item, inputs, key, placeholder rows) of every item to encode.
+        misses: list[tuple[int, int, dict[str, torch.Tensor], bytes, int]] = []
+        for ji, j in enumerate(joiners):
+            keys = self._keys.get(j.request.request_id, [])
+            for k, (item, encoder, key) in enumerate(zip(j.request.items, j.tensors or (), keys, strict=True)):
                 rows = sum(length for _, length in item.placeholders)
                 hit = cache.take(key, rows, self._hidden) if use_cache else None
                 if hit is None:
@@ -287,19 +383,64 @@ class Engine:
                         cache.misses += 1
                     inputs = {name: _owned(t, self.device, self.dtype) for name, t in encoder.items()}
                     inputs |= {name: torch.from_numpy(v).to(self.device) for name, v in item.side.items()}
-                    misses.append((len(features), inputs, key, rows))
-                features.append((item.modality, hit))
-        for modality in dict.fromkeys(features[i][0] for i, *_ in misses):
-            mine = [m for m in misses if features[m[0]][0] == modality]
-            encoded = self.family.encode(self._prefill_body, modality, [inputs for _, inputs, _, _ in mine])
-            for (index, _, key, rows), output in zip(mine, encoded, strict=True):
+                    misses.append((ji, k, inputs, key, rows))
+                j.features.append((item.modality, hit))
+        for modality in dict.fromkeys(joiners[ji].request.items[k].modality for ji, k, *_ in misses):
+            mine = [m for m in misses if joiners[m[0]].request.items[m[1]].modality == modality]
+            outputs = self._encoded(joiners, modality, mine, codes, messages)
+            for (ji, k, _, key, rows), output in zip(mine, outputs, strict=True):
+                if output is None or codes[ji]:
+                    continue
+                j = joiners[ji]
+                if self._hook is not None and hasattr(self._hook, "on_encoded"):
+                    output = self._hook.on_encoded(self.coll.rank, j.request, k, output)
                 if tuple(output.shape) != (rows, self._hidden):
-                    raise InternalError(f"the encoder made {list(output.shape)} for an item of {rows} tokens")
-                features[index] = (modality, output)
+                    codes[ji], messages[ji] = self._failed_on(
+                        j.request,
+                        InternalError(f"the encoder made {list(output.shape)} for an item of {rows} tokens"),
+                        "encoding its media",
+                    )
+                    continue
+                j.features[k] = (modality, output)
                 cache.keep(key, output)
-        if not features:
-            return {}
-        return self.family.encoded_kwargs([(modality, out) for modality, out in features if out is not None])
+
+    def _encoded(
+        self,
+        joiners: list[_Joiner],
+        modality: int,
+        mine: list[tuple[int, int, dict[str, torch.Tensor], bytes, int]],
+        codes: list[int],
+        messages: list[str],
+    ) -> list[torch.Tensor | None]:
+        """`mine`'s encoder outputs (None for a request whose encode raised),
+        in one call; when it raises, each request's items in a call of their
+        own. A deterministic failure raises alike on every rank, so every
+        rank makes the same calls."""
+
+        def encode(items: list[dict[str, torch.Tensor]]) -> list[torch.Tensor | None]:
+            outputs = list(self.family.encode(self._prefill_body, modality, items))
+            if len(outputs) != len(items):
+                raise InternalError(f"the encoder made {len(outputs)} outputs for {len(items)} items")
+            return outputs
+
+        try:
+            return encode([inputs for _, _, inputs, _, _ in mine])
+        except Exception:
+            log.warning("rank %d: encoding %d items failed; each request's alone", self.coll.rank, len(mine))
+        outputs: list[torch.Tensor | None] = []
+        for ji in dict.fromkeys(m[0] for m in mine):
+            theirs = [m for m in mine if m[0] == ji]
+            try:
+                outputs += encode([m[2] for m in theirs])
+            except Exception as exc:
+                codes[ji], messages[ji] = self._failed_on(joiners[ji].request, exc, "encoding its media")
+                outputs += [None] * len(theirs)
+        # Back in `mine`'s order (grouped by request above).
+        order = [i for ji in dict.fromkeys(m[0] for m in mine) for i, m in enumerate(mine) if m[0] == ji]
+        placed: list[torch.Tensor | None] = [None] * len(mine)
+        for position, output in zip(order, outputs, strict=True):
+            placed[position] = output
+        return placed
 
     def _body(self, body: torch.nn.Module, ids: torch.Tensor, inputs: ForwardInputs, **extra: Any) -> torch.Tensor:
         out = body(

@@ -159,6 +159,13 @@ class RowCache(Cache):
         if not self.lengths:
             self._free()
 
+    def truncate(self, rows: int) -> None:
+        """Drop every row from `rows` on (what a failed prefill appended):
+        zeroed, as any row that leaves."""
+        while self.rows > rows:
+            self.remove(self.rows - 1)
+        self._step = None
+
     def nbytes(self) -> int:
         return sum(store.nbytes for store in (*self._keys, *self._values) if store is not None)
 

@@ -8,6 +8,7 @@ starts a local group's ranks 1..N-1.)
 
 from __future__ import annotations
 
+import importlib
 import logging
 from dataclasses import dataclass
 
@@ -60,6 +61,7 @@ def bootstrap(settings: SchedulerSettings, rendezvous: Rendezvous | None) -> Boo
         eos_token_ids=info.eos_token_ids,
         family=info.family,
         encoder_cache_bytes=settings.encoder_cache_bytes,
+        hook=importlib.import_module(settings.engine_hook) if settings.engine_hook else None,
     )
     # Last, so it doubles as the barrier "every rank has everything it needs":
     # a rank that failed above never joins it, and rank 0 never serves.

@@ -108,6 +108,11 @@ class SchedulerSettings(ServiceSettings):
         "",
         "'module:factory' building each rank's tensor reader (scheduler_svc/reader.py); empty = shared memory/inline",
     )
+    engine_hook: str = _opt(
+        "",
+        "a module whose functions each rank's engine calls at fixed points of a prefill (before_prefill, "
+        "on_encoded), for fault injection in tests; empty = none",
+    )
     encoder_cache_bytes: int = _opt(
         256 * 1024 * 1024,
         "bytes of encoder outputs each rank keeps for items seen before (keyed by the tensors' bytes, which "

@@ -223,11 +223,13 @@ Services = Pair
 
 @pytest.fixture(scope="session")
 def services(tiny_model: Path, media_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
-    """The shared pair: 2 ranks, a tensor reader that fails on request, a
-    0.1 s batch window (so simultaneous requests share a step), the fake GPU
-    as its CUDA-IPC backend; the tokenizer logs JSON lines; both serve /metrics."""
+    """The shared pair: 2 ranks, a tensor reader and an engine hook that
+    fail on request (tests/support/faults.py), a 0.1 s batch window (so
+    simultaneous requests share a step), the fake GPU as its CUDA-IPC
+    backend; the tokenizer logs JSON lines; both serve /metrics."""
     logs = tmp_path_factory.mktemp("logs")
     scheduler = ["--tensor-reader", "tests.support.faults:make_reader", "--batch-window-s", "0.1"]
+    scheduler += ["--engine-hook", "tests.support.faults"]
     # Opens handles of the fake GPU (tests/e2e/test_cuda_ipc.py); the shared
     # tokenizer has no GPU pool, so it sends by shared memory all the same.
     scheduler += ["--cuda-ipc-backend", "tests.support.fake_device:make"]

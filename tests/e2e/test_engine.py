@@ -221,7 +221,14 @@ def test_poisoned_pixels_fail_their_request_only(services: Services, case: str, 
     assert_still_serving(services, pid)
 
 
-def test_16_good_requests_keep_their_tokens_while_4_hostile_ones_join_the_same_step(services: Services) -> None:
+def test_16_good_requests_keep_their_tokens_while_6_hostile_ones_join_the_same_step(services: Services) -> None:
+    """Hostile requests fail alone with typed errors however they fail:
+    poisoned pixels and a read that fails on one rank (at the agreement),
+    NaN logits (on rank 0, after the forward), a prefill that raises on
+    rank 0 only and an encoder output that does not fit its placeholders
+    (between the agreement and the forward: agreed on again). The good
+    ones in the same steps keep the tokens they make alone, and the group
+    its processes."""
     pid = services.scheduler.pid
     good = [(prompt_ids(services, 1), inline(seed=200 + i)) for i in range(16)]
     greedy8 = common_pb2.SamplingParams(max_tokens=8)
@@ -239,6 +246,8 @@ def test_16_good_requests_keep_their_tokens_while_4_hostile_ones_join_the_same_s
             (f"inf-{tag}", inline(float("inf")), "INVALID_REQUEST"),
             (f"huge-{tag}", inline(3e38), "INTERNAL"),
             (failing_request_id(1, tag), inline(seed=9), "FEATURE_TRANSPORT_FAILED"),
+            (f"inject-prefill-failure-rank0-{tag}", inline(seed=10), "INTERNAL"),
+            (f"inject-short-encoder-output-{tag}", inline(seed=11), "INTERNAL"),
         ]
         jobs = [(f"good-{tag}-{i}", ids, img, greedy8) for i, (ids, img) in enumerate(good)]
         jobs += [(rid, prompt_ids(services, 1), img, hostile_sampling) for rid, img, _ in hostile]

@@ -185,20 +185,28 @@ def test_one_non_finite_value_anywhere_is_found(dtype: torch.dtype) -> None:
             assert not all_finite(spoiled), (bad, int(at))
 
 
+def encoding_engine(model: torch.nn.Module, hook: object = None) -> Engine:
+    """An engine of a group of one whose family's encoder outputs are cached
+    (so the vision tower runs apart from the prefill forward)."""
+    eos = frozenset([int(model.config.text_config.eos_token_id)])
+    return Engine(
+        model,
+        SoloGroup(),
+        InlineReader(),
+        torch.device("cpu"),
+        eos_token_ids=eos,
+        token_chunk=32,
+        encoder_cache_bytes=64 << 20,
+        hook=hook,
+    )
+
+
 def test_items_of_one_step_are_keyed_together_and_hit_the_encoder_cache(model: torch.nn.Module) -> None:
     """Several requests with one or two images join in one step (their
     items hashed on several threads); the same images later hit the
     encoder cache; every request makes the tokens plain decoding makes."""
     eos = int(model.config.text_config.eos_token_id)
-    engine = Engine(
-        model,
-        SoloGroup(),
-        InlineReader(),
-        torch.device("cpu"),
-        eos_token_ids=frozenset([eos]),
-        token_chunk=32,
-        encoder_cache_bytes=64 << 20,
-    )
+    engine = encoding_engine(model)
     images = [pixels(40 + i) for i in range(3)]
 
     def batch(tag: str) -> list[NewRequest]:
@@ -214,4 +222,76 @@ def test_items_of_one_step_are_keyed_together_and_hit_the_encoder_cache(model: t
     results |= drive(engine, {0: again}, eos)
     assert engine.encoder_cache.hits == 4, "every item of the second batch was encoded before"
     for req in first + again:
+        assert results[req.request_id] == reference(model, req), req.request_id
+
+
+class Faults:
+    """An engine hook (what the `engine_hook` setting names: here an object
+    with the same functions) that fails the requests it names: in the
+    preparation of their prefill, or by an encoder output one row short of
+    their placeholders."""
+
+    def __init__(self, *, raising: set[str], short: set[str]) -> None:
+        self.raising, self.short = raising, short
+
+    def before_prefill(self, rank: int, req: NewRequest) -> None:
+        if req.request_id in self.raising:
+            raise RuntimeError("injected into the prefill's preparation")
+
+    def on_encoded(self, rank: int, req: NewRequest, index: int, output: torch.Tensor) -> torch.Tensor:
+        return output[:-1] if req.request_id in self.short else output
+
+
+def test_a_request_whose_prefill_cannot_be_prepared_fails_alone(model: torch.nn.Module) -> None:
+    """Two of ten joiners of one step fail in their prefill's making (an
+    encoder output that does not fit its placeholders, an error while
+    preparing): each fails alone with a typed error, the eight others make
+    the tokens they make alone, and the batch goes on."""
+    eos = int(model.config.text_config.eos_token_id)
+    engine = encoding_engine(model, hook=Faults(raising={"raises"}, short={"short"}))
+    good = [request(f"ok{i}", image_prompt(model, 1, [520 + i]), [pixels(60 + i)], max_tokens=4) for i in range(8)]
+    short = request("short", image_prompt(model, 1, [530]), [pixels(70)], max_tokens=4)
+    raises = request("raises", image_prompt(model, 1, [531]), [pixels(71)], max_tokens=4)
+    running = request("running", image_prompt(model, 1, [532]), [pixels(72)], max_tokens=6)
+    results = drive(engine, {0: [running], 1: [*good[:4], short, raises, *good[4:]]}, eos)
+    assert results["short"] == results["raises"] == f"failed:{E.ERROR_CODE_INTERNAL}"
+    for req in [*good, running]:
+        assert results[req.request_id] == reference(model, req), req.request_id
+    # Every item encoded was kept but the one that did not fit its placeholders.
+    assert len(engine.encoder_cache) == 10, "the short output was kept"
+
+
+class FailingBody(torch.nn.Module):
+    """The model's multimodal body, raising for prompts that hold a marker
+    token: RuntimeError for BAD, MemoryError for HUGE."""
+
+    BAD, HUGE = 31_001, 31_002
+
+    def __init__(self, body: torch.nn.Module) -> None:
+        super().__init__()
+        self.body = body
+
+    def forward(self, input_ids: torch.Tensor, **kwargs: object) -> object:
+        if bool((input_ids == self.BAD).any()):
+            raise RuntimeError("injected into the prefill forward")
+        if bool((input_ids == self.HUGE).any()):
+            raise MemoryError
+        return self.body(input_ids=input_ids, **kwargs)
+
+
+def test_a_prefill_forward_that_raises_fails_only_its_request(model: torch.nn.Module, engine: Engine) -> None:
+    """At TP=1 a prefill forward that raises is undone and each joiner
+    tried alone: the one at fault fails with a typed error (out of memory:
+    OVERLOADED, retriable), the others in its step make their usual tokens,
+    and rows already running are untouched."""
+    eos = int(model.config.text_config.eos_token_id)
+    engine._prefill_body = FailingBody(engine._prefill_body)
+    good = [request(f"ok{i}", image_prompt(model, 1, [540 + i]), [pixels(80 + i)], max_tokens=4) for i in range(8)]
+    bad = request("bad", image_prompt(model, 1, [FailingBody.BAD]), [pixels(90)], max_tokens=4)
+    huge = request("huge", image_prompt(model, 0, [FailingBody.HUGE, 7]), max_tokens=4)
+    running = request("running", image_prompt(model, 1, [541]), [pixels(91)], max_tokens=6)
+    results = drive(engine, {0: [running], 1: [*good[:5], bad, *good[5:], huge]}, eos)
+    assert results["bad"] == f"failed:{E.ERROR_CODE_INTERNAL}"
+    assert results["huge"] == f"failed:{E.ERROR_CODE_OVERLOADED}"
+    for req in [*good, running]:
         assert results[req.request_id] == reference(model, req), req.request_id

@@ -1,4 +1,5 @@
-"""Failure injection by substitution: a tensor reader that fails on one rank.
+"""Failure injection by substitution: a tensor reader that fails on one
+rank, and an engine hook that fails a prefill.
 
 The scheduler under test is started with
 ``--tensor-reader tests.support.faults:make_reader``. A request whose id
@@ -6,6 +7,12 @@ contains ``inject-read-failure-rank<N>`` fails its tensor read on rank N only
 (as if that rank could not open the segment); one whose id contains
 ``wedge-the-step`` blocks its read forever (a wedged step); every other read
 is real.
+
+With ``--engine-hook tests.support.faults`` too: a request whose id contains
+``inject-prefill-failure-rank<N>`` raises while rank N prepares its prefill
+(after the reads' agreement: as positions or an encoder of one rank might),
+and one whose id contains ``inject-short-encoder-output`` gets an encoder
+output one row short of its placeholders on every rank.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import threading
 import torch
 
 from mmsplit_server.handoff.reference import TensorSpec, TensorTransportFailed
+from scheduler_svc.plan import NewRequest
 from scheduler_svc.reader import SharedMemoryReader
 
 MARKER = re.compile(r"inject-read-failure-rank(\d+)")
@@ -38,3 +46,17 @@ def make_reader(*, rank: int, prefix: str, max_bytes: int) -> FaultyReader:
 
 def failing_request_id(rank: int, suffix: str) -> str:
     return f"inject-read-failure-rank{rank}-{suffix}"
+
+
+PREFILL_MARKER = re.compile(r"inject-prefill-failure-rank(\d+)")
+SHORT = "inject-short-encoder-output"
+
+
+def before_prefill(rank: int, request: NewRequest) -> None:
+    m = PREFILL_MARKER.search(request.request_id)
+    if m is not None and int(m.group(1)) == rank:
+        raise RuntimeError(f"injected prefill failure on rank {rank}")
+
+
+def on_encoded(rank: int, request: NewRequest, index: int, output: torch.Tensor) -> torch.Tensor:
+    return output[:-1] if SHORT in request.request_id else output
