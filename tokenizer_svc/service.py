@@ -38,7 +38,7 @@ from mmsplit_server.handoff.reference import NUMPY_TO_DTYPE, CudaRef, TensorSpec
 from mmsplit_server.sampling import Sampling
 from tokenizer_svc.cache import PreprocessCache, fingerprint
 from tokenizer_svc.conversation import MAX_CHOICES, Located, Parsed, choice_request, parse
-from tokenizer_svc.detokenize import IncrementalDecoder, StopMatcher, stream_text
+from tokenizer_svc.detokenize import StopMatcher, make_decoder, stream_text
 from tokenizer_svc.downstream import SchedulerLink, Schedulers
 from tokenizer_svc.errors import (
     InternalError,
@@ -358,7 +358,7 @@ class TokenizerService:
         delta per step (text may be empty while a character or a possible
         stop string is held back), then Finished. A stop string ends the
         stream here, and closing the call aborts the request downstream."""
-        decoder = IncrementalDecoder(self.tokenizer)
+        decoder = make_decoder(self.tokenizer)
         stops = StopMatcher(tuple(downstream.sampling.stop))
         completion = 0
         try:

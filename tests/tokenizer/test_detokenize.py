@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 from typing import Any
 
 import pytest
+from tokenizers.decoders import DecodeStream
 
-from tokenizer_svc.detokenize import IncrementalDecoder, StopMatcher, stream_text
+from tokenizer_svc.detokenize import IncrementalDecoder, StopMatcher, StreamDecoder, make_decoder, stream_text
 
 MIXED = (
     "Héllo wörld, naïve café 🙂 — 東京タワーは高い。Ünïcödé ☃ snow, 🎉🎉 done. "
@@ -147,3 +149,71 @@ def test_a_message_of_several_tokens_stops_where_one_token_a_message_would(token
     assert len(one_each[1]) < 4, "the stop string falls inside the first message of four"
     assert "three" in tokenizer.decode(one_each[1])
     assert "three" not in tokenizer.decode(one_each[1][:-1])
+
+
+def random_ids(tokenizer: Any, n: int, seed: int) -> list[int]:
+    """`n` ids drawn from the whole vocabulary, a quarter of them lone byte
+    tokens (the pieces of characters, in any order: what a model sampling at
+    a high temperature can emit)."""
+    rng = random.Random(seed)
+    byte_ids = [tokenizer.convert_tokens_to_ids(f"<0x{b:02X}>") for b in range(256)]
+    return [rng.choice(byte_ids) if rng.random() < 0.25 else rng.randrange(tokenizer.vocab_size) for _ in range(n)]
+
+
+def streamed(decoder: StreamDecoder | IncrementalDecoder, ids: list[int], rng: random.Random) -> str:
+    text, i = "", 0
+    while i < len(ids):
+        n = rng.choice([1, 1, 1, 2, 4])
+        text += decoder.push(ids[i : i + n])
+        i += n
+    return text + decoder.flush()
+
+
+def test_the_stream_decoder_is_what_a_fast_tokenizer_gets(tokenizer: Any) -> None:
+    assert isinstance(make_decoder(tokenizer), StreamDecoder)
+    assert isinstance(make_decoder(CountingTokenizer(tokenizer)), IncrementalDecoder)  # no backend to stream on
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_4096_random_ids_stream_to_exactly_one_final_decode(tokenizer: Any, seed: int) -> None:
+    ids = random_ids(tokenizer, 4096, seed)
+    decoder = make_decoder(tokenizer)
+    text = streamed(decoder, ids, random.Random(seed))
+    assert text == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+class Flaky:
+    """A `DecodeStream` that raises at its `fail_at`-th step (as a real one
+    does on a prefix it did not expect)."""
+
+    def __init__(self, fail_at: int) -> None:
+        self.inner = DecodeStream(skip_special_tokens=True)
+        self.steps = 0
+        self.fail_at = fail_at
+
+    def step(self, backend: Any, ids: Any) -> str | None:
+        self.steps += 1
+        if self.steps == self.fail_at:
+            raise Exception("Invalid prefix encountered while decoding stream")
+        chunk: str | None = self.inner.step(backend, ids)
+        return chunk
+
+
+@pytest.mark.parametrize("fail_at", [1, 2, 7, 50, 200, 400])
+def test_a_stream_that_raises_falls_back_and_the_text_stays_exact(tokenizer: Any, fail_at: int) -> None:
+    """Wherever the stream raises — inside a character split over byte
+    tokens too — the request decodes on without it and its text is one
+    decode of every id: nothing lost, nothing twice."""
+    ids = random_ids(tokenizer, 1200, fail_at)
+    decoder = StreamDecoder(tokenizer, tokenizer.backend_tokenizer, stream=Flaky(fail_at))
+    text = streamed(decoder, ids, random.Random(fail_at))
+    assert decoder.fell_back
+    assert text == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_a_character_cut_at_the_end_comes_out_at_flush_from_the_stream(tokenizer: Any) -> None:
+    ids = tokenizer.encode("ok 👩", add_special_tokens=False)[:-1]  # cut inside the emoji's four bytes
+    decoder = make_decoder(tokenizer)
+    text = "".join(decoder.push([i]) for i in ids)
+    assert "\ufffd" not in text
+    assert text + decoder.flush() == tokenizer.decode(ids, skip_special_tokens=True)
