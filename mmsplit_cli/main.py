@@ -126,6 +126,7 @@ def _tiny_model(args: argparse.Namespace) -> int:
         family=args.family,
         text_layers=args.text_layers,
         text_hidden=args.text_hidden,
+        max_positions=args.max_positions,
         chat_template=args.chat_template,
     )
     return 0
@@ -243,6 +244,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-dir", type=Path, default=Path(".cache"), help=cache_help)
     p.add_argument("--text-layers", type=int, default=2, help="layers of the text model")
     p.add_argument("--text-hidden", type=int, default=64, help="hidden size of the text model")
+    p.add_argument("--max-positions", type=int, default=1024, help="the text model's context (max_position_embeddings)")
     p.add_argument(
         "--no-chat-template",
         dest="chat_template",

@@ -86,13 +86,15 @@ def build(
     seed: int = 0,
     text_layers: int = 2,
     text_hidden: int = 64,
+    max_positions: int = 1024,
     chat_template: bool = True,
 ) -> Path:
     """Write the model directory `out` (config, weights, generation config,
     tokenizer, processor files); return it. `text_layers` and `text_hidden`
     size the text model (the benchmarks use a larger one: 8 layers, 512
     wide); heads are 64 wide at 512 and more, 16 wide below, with half as
-    many KV heads. `chat_template`: write the chat template the family's
+    many KV heads. `max_positions`: the text model's context (the chunked
+    prefill benchmark uses 8,192). `chat_template`: write the chat template the family's
     public checkpoints ship (the Qwen families always have theirs); without
     it a LLaVA model's prompts are used as written."""
     import torch
@@ -106,7 +108,7 @@ def build(
         "num_hidden_layers": text_layers,
         "num_attention_heads": heads,
         "num_key_value_heads": heads // 2,
-        "max_position_embeddings": 1024,
+        "max_position_embeddings": max_positions,
     }
     out.mkdir(parents=True, exist_ok=True)
     if family in ("llava", "llava-next"):

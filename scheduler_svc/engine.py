@@ -13,6 +13,16 @@ swap-remove in plan order), so every rank holds the same rows in the same
 order by construction. It holds no policy: which requests join, leave or
 stop, and the token each row feeds next, arrive in the plan.
 
+Chunked prefill: a prompt longer than `prefill_chunk` tokens (the
+`max_prefill_tokens` setting) is prefilled one chunk a step, in a cache of
+one row of its own, while the running rows go on decoding each step; its
+row joins the batch, and its first token is sampled, with its last chunk.
+Long prompts queue for this one at a time, in plan order. Media go with
+their placeholders: each chunk gets the rows of the encoder outputs its
+placeholders take (families whose outputs are computed apart, with the
+encoder cache on); a request with media the model encodes inside its
+forward is prefilled whole.
+
 Isolation: a request's tensors are checked (readable, finite) on every rank
 before the agreement, so a bad one is dropped everywhere before any model
 collective. What a joiner's prefill needs besides the forward — its encoder
@@ -85,6 +95,15 @@ class _Joiner:
     rope_delta: int = 0
 
 
+@dataclass
+class _Chunked:
+    """A long prompt being prefilled a chunk a step, in a cache of its own."""
+
+    joiner: _Joiner
+    cache: RowCache
+    done: int = 0  # prompt tokens prefilled so far
+
+
 class Engine:
     def __init__(
         self,
@@ -98,6 +117,7 @@ class Engine:
         token_chunk: int = 256,
         encoder_cache_bytes: int = 0,
         hook: Any = None,
+        prefill_chunk: int = 0,
     ) -> None:
         self.model = model
         # The adapter builds positions (M-RoPE); by default from the model's own config.
@@ -124,6 +144,11 @@ class Engine:
         self._hash_pool: concurrent.futures.ThreadPoolExecutor | None = None  # made on first use
         # Fault injection for tests (the `engine_hook` setting): before_prefill, on_encoded.
         self._hook = hook
+        # Prompts longer than this are prefilled a chunk a step (0: never).
+        self.prefill_chunk = prefill_chunk
+        self._layers = layers
+        self._token_chunk = token_chunk
+        self._chunked: list[_Chunked] = []  # in plan order; the first goes on each step
 
     def step(self, plan: Plan) -> StepOutcome:
         # The cache's tensors are made in inference mode; every in-place
@@ -169,6 +194,7 @@ class Engine:
             clock.lap("decode")
         if joining:
             ready, lost = self._prepare(joining, use_cache)
+            ready = [j for j in ready if not self._chunks(j)]
             prefill_logits, ready, dropped = self._prefill(ready) if ready else (None, [], {})
             lost |= dropped
             if prefill_logits is not None:
@@ -178,12 +204,15 @@ class Engine:
             failed |= lost
             self._active_per_rank = [n - len(lost) for n in self._active_per_rank]
             for j in ready:
-                req = j.request
-                self.index[req.request_id] = len(self.rows)
-                self.rows.append(Row(req, sampling=self._row_sampling(req), rope_delta=j.rope_delta))
+                self._join(j)
+        rejected: dict[str, str] = {}
+        if self._chunked:
+            chunk_logits = self._next_chunk(rejected)
+            if chunk_logits is not None:
+                logits.append(chunk_logits)
+            clock.lap("chunk")
 
         sampled: dict[str, int] = {}
-        rejected: dict[str, str] = {}
         logprobs: dict[str, Logprob] = {}
         if self.coll.rank == 0 and logits:
             batch = [row.sampling for row in self.rows]
@@ -207,7 +236,13 @@ class Engine:
         )
 
     # ---- rows ----
+    def _join(self, j: _Joiner) -> None:
+        req = j.request
+        self.index[req.request_id] = len(self.rows)
+        self.rows.append(Row(req, sampling=self._row_sampling(req), rope_delta=j.rope_delta))
+
     def _remove(self, rid: str) -> None:
+        self._chunked = [c for c in self._chunked if c.joiner.request.request_id != rid]
         row = self.index.pop(rid, None)
         if row is None:  # never joined (failed at admission) or already gone
             return
@@ -326,6 +361,65 @@ class Engine:
         last = torch.tensor(lengths, device=self.device) - 1
         return self._head(hidden[torch.arange(len(joiners), device=self.device), last])
 
+    def _chunks(self, j: _Joiner) -> bool:
+        """Whether `j` is prefilled in chunks (then it is queued for them):
+        its prompt is longer than a chunk, and its media, if any, come as
+        encoder outputs that a chunk can take a part of."""
+        if not self.prefill_chunk or len(j.request.input_ids) <= self.prefill_chunk:
+            return False
+        if j.request.items and not self.encoder_cache.enabled:
+            return False
+        log.debug("request %s: %d prompt tokens, prefilled in chunks of %d", j.request.request_id,
+                  len(j.request.input_ids), self.prefill_chunk)  # fmt: skip
+        self._chunked.append(_Chunked(j, RowCache(self._layers, dtype=self.dtype, device=self.device,
+                                                  token_chunk=self._token_chunk, row_chunk=1)))  # fmt: skip
+        return True
+
+    def _next_chunk(self, rejected: dict[str, str]) -> torch.Tensor | None:
+        """The next chunk of the first long prompt; when it was the last, its
+        row joins the batch and its logits ``[1, vocab]`` are returned. At
+        TP=1 a chunk that raises fails its request alone (on rank 0, in
+        `rejected`: the loop drops it on every rank); under TP it raises."""
+        c = self._chunked[0]
+        req = c.joiner.request
+        start, end = c.done, min(len(req.input_ids), c.done + self.prefill_chunk)
+        try:
+            hidden = self._chunk_forward(c, start, end)
+        except Exception as exc:
+            if self.coll.world_size > 1:
+                raise
+            self._chunked.pop(0)
+            rejected[req.request_id] = self._failed_on(req, exc, "a chunk of its prefill")[1]
+            return None
+        c.done = end
+        if end < len(req.input_ids):
+            return None
+        self._chunked.pop(0)
+        self.cache.adopt(c.cache)
+        self._join(c.joiner)
+        return self._head(hidden[:, -1])
+
+    def _chunk_forward(self, c: _Chunked, start: int, end: int) -> torch.Tensor:
+        """Tokens ``[start, end)`` of `c`'s prompt through the model, over its
+        own cache; the hidden states ``[1, end - start, hidden]``."""
+        j = c.joiner
+        ids = torch.tensor([j.request.input_ids[start:end]], dtype=torch.long, device=self.device)
+        inputs = c.cache.begin_prefill([end - start]) if start == 0 else c.cache.begin_extend(end - start)
+        if j.positions is not None:
+            inputs = ForwardInputs(j.positions[:, None, start:end].to(self.device), inputs.attention_mask)
+        elif self.family.uses_mrope:  # text only: the same position on all three axes
+            inputs = ForwardInputs(inputs.position_ids[None].repeat(3, 1, 1), inputs.attention_mask)
+        features: list[tuple[int, torch.Tensor]] = []
+        for item, (modality, output) in zip(j.request.items, j.features, strict=True):
+            row = 0  # the item's output rows are its placeholders', run after run
+            for offset, length in item.placeholders:
+                lo, hi = max(start, offset), min(end, offset + length)
+                if lo < hi and output is not None:
+                    features.append((modality, output[row + lo - offset : row + hi - offset]))
+                row += length
+        extra = self.family.encoded_kwargs(features) if features else {}
+        return self._body(self._prefill_body, ids, inputs, c.cache, **extra)
+
     def _failed_on(self, req: NewRequest, exc: BaseException, what: str) -> tuple[int, str]:
         """The typed verdict on one request whose `what` raised `exc`."""
         log.warning("rank %d: request %s failed in %s", self.coll.rank, req.request_id, what, exc_info=exc)
@@ -442,12 +536,19 @@ class Engine:
             placed[position] = output
         return placed
 
-    def _body(self, body: torch.nn.Module, ids: torch.Tensor, inputs: ForwardInputs, **extra: Any) -> torch.Tensor:
+    def _body(
+        self,
+        body: torch.nn.Module,
+        ids: torch.Tensor,
+        inputs: ForwardInputs,
+        cache: RowCache | None = None,
+        **extra: Any,
+    ) -> torch.Tensor:
         out = body(
             input_ids=ids,
             position_ids=inputs.position_ids,
             attention_mask=inputs.attention_mask,
-            past_key_values=self.cache,
+            past_key_values=self.cache if cache is None else cache,
             use_cache=True,
             **extra,
         )

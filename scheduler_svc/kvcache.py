@@ -11,6 +11,10 @@ requests of different lengths decode together in one forward:
   overwritten by its later tokens).
 - **decode** feeds one token per live row: ``begin_decode()`` then one
   forward. Each row writes its new token at its own length.
+- **a long prompt in chunks** (chunked prefill) fills a cache of one row
+  of its own: `begin_prefill` for the first chunk, `begin_extend` for each
+  next (the chunk attends over the row's keys so far and its own), then
+  `adopt` copies the finished row to the end of the batch's cache.
 - **leave** is swap-remove: the last row moves into the hole. Rows therefore
   move only by `remove`, which the engine calls in plan order, so every rank
   holds the same rows in the same order (the invariant TP depends on).
@@ -73,6 +77,8 @@ class _Step:
     # Decode: where each row writes its token (its length before the step).
     write_at: torch.Tensor | None
     kv_len: int
+    # Extend (one row): where the chunk's keys start (the row's length before it).
+    offset: int = 0
 
 
 class RowCache(Cache):
@@ -141,6 +147,38 @@ class RowCache(Cache):
         visible = key[None, :] <= write_at[:, None]  # [rows, kv_len]
         return ForwardInputs(write_at[:, None], self._additive(visible[:, None, None, :]))
 
+    def begin_extend(self, q_len: int) -> ForwardInputs:
+        """The next `q_len` tokens of this cache's one row (a long prompt's
+        next chunk): each attends over the row's keys so far and the
+        chunk's own up to itself, at positions that go on from the row's."""
+        if self.rows != 1 or q_len < 1:
+            raise ValueError(f"extending needs one row and a non-empty chunk (rows {self.rows}, chunk {q_len})")
+        offset = self.lengths[0]
+        kv_len = offset + q_len
+        self._reserve(1, kv_len)
+        self._step = _Step(0, 1, q_len, None, kv_len, offset)
+        self.lengths[0] = kv_len
+        key = torch.arange(kv_len, device=self.device)
+        query = torch.arange(offset, kv_len, device=self.device)
+        visible = key[None, :] <= query[:, None]  # [q_len, kv_len]
+        return ForwardInputs(query[None], self._additive(visible[None, None]))
+
+    def adopt(self, other: RowCache) -> None:
+        """Append `other`'s one row (a long prompt prefilled in chunks) as
+        the last row of this cache."""
+        if other.rows != 1:
+            raise ValueError("only a cache of one row is adopted")
+        n, row = other.lengths[0], self.rows
+        self._reserve(row + 1, n)
+        for mine, theirs in ((self._keys, other._keys), (self._values, other._values)):
+            for i, source in enumerate(theirs):
+                if source is None:
+                    continue
+                if mine[i] is None:
+                    mine[i] = self._zeros_like(source)
+                mine[i][row, :, :n] = source[0, :, :n]  # type: ignore[index]
+        self.lengths.append(n)
+
     def remove(self, row: int) -> None:
         """Drop `row`; the last row moves into its place (swap-remove)."""
         last = self.rows - 1
@@ -181,6 +219,10 @@ class RowCache(Cache):
             keys = self._keys[layer_idx] = self._zeros_like(key_states)
             values = self._values[layer_idx] = self._zeros_like(value_states)
         rows = slice(step.first_row, step.first_row + step.rows)
+        if step.offset:  # a chunk of one row's prompt: after what the row holds
+            keys[0, :, step.offset : step.kv_len] = key_states[0]
+            values[0, :, step.offset : step.kv_len] = value_states[0]
+            return keys[:1, :, : step.kv_len], values[:1, :, : step.kv_len]
         if step.write_at is None:
             keys[rows, :, : step.q_len] = key_states
             values[rows, :, : step.q_len] = value_states

@@ -61,6 +61,7 @@ def bootstrap(settings: SchedulerSettings, rendezvous: Rendezvous | None) -> Boo
         eos_token_ids=info.eos_token_ids,
         family=info.family,
         encoder_cache_bytes=settings.encoder_cache_bytes,
+        prefill_chunk=settings.max_prefill_tokens,
         hook=importlib.import_module(settings.engine_hook) if settings.engine_hook else None,
     )
     # Last, so it doubles as the barrier "every rank has everything it needs":

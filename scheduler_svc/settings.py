@@ -59,7 +59,8 @@ class SchedulerSettings(ServiceSettings):
     max_prefill_tokens: int = _opt(
         4096,
         "tokens of one step's batched prefill (joining requests x their longest prompt); a longer "
-        "prompt is prefilled alone",
+        "prompt is prefilled in chunks of this many tokens, one a step, while the running requests go on "
+        "decoding (with media: when the family's encoder outputs are cached, else whole)",
         min=1,
     )
     kv_cache_bytes: int = _opt(

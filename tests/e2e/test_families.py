@@ -58,7 +58,10 @@ def family_pair(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[tuple[str, Pair]]:
     """Each family's pair at TP=2 (LLaVA-1.5 is the session's shared pair);
-    the others slow down frames of the worker hook's SLOW size."""
+    the others slow down frames of the worker hook's SLOW size. Qwen2-VL's
+    prefills prompts of over 32 tokens in chunks of 32, a step each (with
+    its M-RoPE positions and encoder outputs cut to match); Qwen2.5-VL's
+    prefills them whole, batched."""
     family = request.param
     if family == "llava":
         yield family, services
@@ -68,7 +71,11 @@ def family_pair(
     with running_pair(
         family_models(family),
         logs,
-        scheduler_extra=["--batch-window-s", "0.05"],
+        scheduler_extra=[
+            "--batch-window-s",
+            "0.05",
+            *(["--max-prefill-tokens", "32", "--log-level", "DEBUG"] if family == "qwen2-vl" else []),
+        ],
         tokenizer_extra=["--worker-hook", "tests.support.worker_hook", "--allowed-media-dir", str(media)],
         env={"TMPDIR": str(tmp)},
     ) as pair:
@@ -137,6 +144,9 @@ def test_greedy_tokens_equal_the_model_in_one_batch(family_pair: tuple[str, Pair
             text = "".join(markers[p[0]] if isinstance(p, tuple) else p for p in parts)
         expected = hf_family.generate(pair.model, proc, text, decoded, MAX_TOKENS, clips)
         assert out.token_ids == expected, (family, parts)
+    if family == "qwen2-vl":
+        chunked = [line for line in pair.scheduler.log_path.read_text().splitlines() if "prefilled in chunks" in line]
+        assert len(chunked) >= 2 * 4, "the media asks were not prefilled in chunks (a line per rank each)"
 
     # Sent again, one at a time: the items' encoder outputs come from the
     # scheduler's cache (counted), and the tokens are the same.

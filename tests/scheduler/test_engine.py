@@ -14,7 +14,7 @@ import torch
 
 from mmsplit.errors import E
 from scheduler_svc.engine import Engine, all_finite
-from scheduler_svc.plan import NewRequest, Plan
+from scheduler_svc.plan import NewRequest, Plan, StepOutcome
 from tests.support.engine_kit import InlineReader, SoloGroup, pixels, request
 
 
@@ -295,3 +295,51 @@ def test_a_prefill_forward_that_raises_fails_only_its_request(model: torch.nn.Mo
     assert results["huge"] == f"failed:{E.ERROR_CODE_OVERLOADED}"
     for req in [*good, running]:
         assert results[req.request_id] == reference(model, req), req.request_id
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_while_the_others_decode(model: torch.nn.Module) -> None:
+    """Prompts longer than a chunk (16 tokens here), with images whose
+    placeholder runs chunks cut through, are prefilled one chunk a step:
+    their tokens are those of one prefill, and a request already running
+    gets a token every step meanwhile."""
+    eos = int(model.config.text_config.eos_token_id)
+    engine = Engine(
+        model,
+        SoloGroup(),
+        InlineReader(),
+        torch.device("cpu"),
+        eos_token_ids=frozenset([eos]),
+        token_chunk=32,
+        encoder_cache_bytes=64 << 20,
+        prefill_chunk=16,
+    )
+    rng = random.Random(11)
+    running = request("running", image_prompt(model, 0, [600, 601]), max_tokens=40)
+    long = [
+        request("long1", image_prompt(model, 2, [rng.randrange(100, 30000) for _ in range(21)]),
+                [pixels(95), pixels(96)], max_tokens=5),
+        request("long2", [1, *(rng.randrange(100, 30000) for _ in range(50))], max_tokens=5),
+    ]  # fmt: skip
+    short = request("short", image_prompt(model, 1, [602])[:10], max_tokens=3)  # 10 tokens: one prefill
+    steps_with_a_token: list[int] = []
+    original = engine.step
+
+    chunk_steps = 0
+
+    def step(plan: Plan) -> StepOutcome:
+        nonlocal chunk_steps
+        outcome = original(plan)
+        chunk_steps += "chunk" in outcome.phases
+        if "running" in outcome.sampled:
+            steps_with_a_token.append(plan.step)
+        return outcome
+
+    engine.step = step  # type: ignore[method-assign]
+    results = drive(engine, {0: [running], 1: [long[0]], 2: [short, long[1]]}, eos)
+    for req in [running, *long, short]:
+        assert results[req.request_id] == reference(model, req), req.request_id
+    # A step per chunk of 16 (one long prompt's at a time), and a token every step for "running".
+    assert chunk_steps == sum(-(-len(req.input_ids) // 16) for req in long) == 14
+    assert len(short.input_ids) <= 16
+    assert len(results["running"]) == 40
+    assert steps_with_a_token == list(range(40)), "the running request missed a step"
