@@ -1,0 +1,375 @@
+"""Chaos soak: many faults at once, for a set time, under mixed load.
+
+One tokenizer in front of two scheduler groups (TP=2 each, the tiny
+Qwen2-VL, which takes images and videos),
+and clients that keep C requests in flight for the whole run: over gRPC
+through `mmsplit.client` (its retries on), and over the OpenAI-compatible
+HTTP API through the official `openai` SDK (its retries on); good images,
+text, videos, corrupt images, and clients that cancel mid-request. Meanwhile
+a fault injector, at random times drawn from a seed, SIGKILLs a CPU worker,
+the tokenizer's forkserver, rank 1 of a group, or a whole group; freezes a
+rank (SIGSTOP, then SIGCONT a moment later); and restarts every group it
+took down on the same port. Filling the tokenizer's /dev/shm is not among
+the faults yet (it needs the tokenizer in a mount namespace of its own, so
+its schedulers would take bytes inline: another setup).
+
+Every request must end with an answer: its tokens, or a typed error that is
+retriable or its own bad input. Printed: requests by outcome (ok, each
+ErrorCode, cancelled by the client, untyped, lost: no answer within the
+client's deadline), retries made by the clients (HTTP: the SDK's; gRPC's
+own are not visible), p50 and p99 of the successes' latency, the faults
+injected, what was left in /dev/shm and in the slab after the load, and the
+tokenizer's descriptors and resident memory at the start and the end. Exit
+status 1 when something was lost, untyped or left behind.
+
+    python bench/chaos.py [--minutes 10] [--concurrency 12] [--seed 1] [--fault-every-s 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import signal
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import grpc
+import psutil
+from harness import percentile, scratch_dir, table
+
+from mmsplit.client import AsyncClient, RequestFailed
+from mmsplit.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from mmsplit_cli import samples
+from mmsplit_cli.launch import SCHEDULER_SERVICE, TOKENIZER_SERVICE, ServiceProcess, scheduler_args, tokenizer_args
+from mmsplit_server.serving import free_port
+
+IMAGES = [samples.encode(samples.gradient(320, 240, seed=i), "JPEG") for i in range(12)]
+VIDEO = samples.video(frames=6, seed=3)
+CORRUPT = samples.good_png(seed=1)[:300]
+# A client's own bad input, and what a fault may cause (retriable, typed).
+OWN_FAULT = {"MEDIA_DECODE_FAILED"}
+DEADLINE_S = 90.0  # a request with no answer by then is lost
+# The served model's name (its directory's), for the HTTP requests.
+MODEL_NAME = [""]
+FAULTS = ("worker", "forkserver", "rank1", "group", "freeze")
+
+
+@dataclass
+class Tally:
+    outcomes: Counter[str] = field(default_factory=Counter)
+    latencies: list[float] = field(default_factory=list)
+    retries: int = 0
+    faults: Counter[str] = field(default_factory=Counter)
+    bad: list[str] = field(default_factory=list)  # what fails the run: lost, untyped, not retriable
+
+
+class Group:
+    """One scheduler group on a fixed port, restarted when it dies."""
+
+    def __init__(self, name: str, model: Path, logs: Path, prefix: str) -> None:
+        self.name, self.model, self.logs, self.prefix = name, model, logs, prefix
+        self.port = free_port()
+        self.starts = 0
+        self.proc = self._start()
+
+    def _start(self) -> ServiceProcess:
+        self.starts += 1
+        args = scheduler_args(self.model, tp=2, extra=["--port", str(self.port), "--shm-prefix", self.prefix])
+        return ServiceProcess(self.name, args, self.logs / f"{self.name}-{self.starts}.log")
+
+    def ranks(self) -> list[psutil.Process]:
+        try:
+            return [psutil.Process(self.proc.pid), *psutil.Process(self.proc.pid).children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
+
+    def restart_if_dead(self) -> bool:
+        if self.proc.proc.poll() is None:
+            return False
+        self.proc.stop()
+        self.proc = self._start()
+        return True
+
+    def stop(self) -> None:
+        self.proc.stop()
+
+
+async def one(
+    i: int, rng: random.Random, address: str, http: str, tally: Tally, stop_at: float, openai_client: object
+) -> None:
+    """Requests one after another until the run ends."""
+    async with AsyncClient(address, retries=3) as client:
+        while time.monotonic() < stop_at:
+            kind = rng.choices(["image", "text", "http", "video", "corrupt", "cancel"], [5, 2, 3, 1, 1, 2])[0]
+            started = time.monotonic()
+            outcome = await asyncio.wait_for(_request(kind, rng, client, openai_client, tally), DEADLINE_S + 5)
+            if outcome == "ok":
+                tally.latencies.append(time.monotonic() - started)
+            tally.outcomes[outcome] += 1
+
+
+async def _request(kind: str, rng: random.Random, client: AsyncClient, api: object, tally: Tally) -> str:
+    image = rng.choice(IMAGES)
+    try:
+        if kind == "http":
+            import openai
+
+            url = "data:image/jpeg;base64," + __import__("base64").b64encode(image).decode()
+            content = [{"type": "text", "text": "Describe it."}, {"type": "image_url", "image_url": {"url": url}}]
+            raw = await api.chat.completions.with_raw_response.create(  # type: ignore[attr-defined]
+                model=MODEL_NAME[0], messages=[{"role": "user", "content": content}], max_tokens=6, timeout=DEADLINE_S
+            )
+            tally.retries += int(raw.retries_taken)
+            return "ok" if raw.parse().choices else "http: no choices"
+        if kind == "cancel":
+            gen = client.generate("Look.", images=[image], max_tokens=32, timeout=DEADLINE_S)
+            task = asyncio.ensure_future(_drain(gen))
+            await asyncio.sleep(rng.uniform(0.0, 0.5))
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                return "cancelled by the client"
+            return "ok"
+        if kind == "text":
+            await client.complete("Tell me something.", max_tokens=rng.randint(1, 12), timeout=DEADLINE_S)
+        elif kind == "video":
+            await client.complete("Watch.", videos=[VIDEO], max_tokens=4, timeout=DEADLINE_S)
+        elif kind == "corrupt":
+            await client.complete("Look.", images=[CORRUPT], max_tokens=4, timeout=DEADLINE_S)
+            tally.bad.append("a corrupt image succeeded")
+        else:
+            await client.complete("Look.", images=[image], max_tokens=rng.randint(1, 12), timeout=DEADLINE_S)
+        return "ok"
+    except RequestFailed as exc:
+        if exc.reason == "DEADLINE_EXCEEDED" or exc.grpc_code == "DEADLINE_EXCEEDED":
+            tally.bad.append(f"lost: {kind} had no answer in {DEADLINE_S:.0f}s")
+            return "lost"
+        if not exc.reason or exc.reason == "UNKNOWN":
+            tally.bad.append(f"untyped: {kind}: {exc}")
+            return "untyped"
+        if exc.reason == "MEDIA_UNSUPPORTED" and kind == "video":
+            return "video: the model takes none"  # the client's ask, typed (a model without video)
+        if not exc.retriable and exc.reason not in OWN_FAULT:
+            tally.bad.append(f"not retriable: {kind}: {exc.reason}: {exc}")
+        if exc.reason in OWN_FAULT and kind != "corrupt":
+            tally.bad.append(f"{kind} failed as bad input: {exc}")
+        return exc.reason
+    except Exception as exc:  # the SDK's errors: typed when the server answered with its JSON error body
+        import openai
+
+        if isinstance(exc, openai.APIStatusError):
+            code = (exc.body or {}).get("code") if isinstance(exc.body, dict) else None
+            if not code:
+                tally.bad.append(f"untyped HTTP {exc.status_code}: {exc}")
+                return "untyped"
+            if exc.response.headers.get("x-should-retry") != "true":
+                tally.bad.append(f"not retriable over HTTP: {code}")
+            return str(code)
+        if isinstance(exc, openai.APITimeoutError):
+            tally.bad.append("lost: an HTTP request had no answer")
+            return "lost"
+        tally.bad.append(f"untyped: {kind}: {type(exc).__name__}: {exc}")
+        return "untyped"
+
+
+async def _drain(gen: object) -> None:
+    async for _ in gen:  # type: ignore[attr-defined]
+        pass
+
+
+def tokenizer_tree(pid: int) -> tuple[psutil.Process | None, list[psutil.Process]]:
+    """(the forkserver, its workers) under the tokenizer process."""
+    try:
+        children = psutil.Process(pid).children()
+    except psutil.NoSuchProcess:
+        return None, []
+    for child in children:
+        workers = child.children()
+        if workers:
+            return child, workers
+    return None, []
+
+
+async def inject(rng: random.Random, tokenizer_pid: int, groups: list[Group], every_s: float, stop_at: float,
+                 tally: Tally) -> None:  # fmt: skip
+    while time.monotonic() < stop_at - every_s:
+        await asyncio.sleep(rng.uniform(0.5, 1.5) * every_s)
+        fault = rng.choice(FAULTS)
+        group = rng.choice(groups)
+        forkserver, workers = tokenizer_tree(tokenizer_pid)
+        ranks = group.ranks()
+        target: psutil.Process | None = None
+        if fault == "worker" and workers:
+            target = rng.choice(workers)
+        elif fault == "forkserver" and forkserver is not None:
+            target = forkserver
+        elif fault == "rank1" and len(ranks) > 1:
+            target = ranks[1]
+        elif fault == "group" and ranks:
+            target = ranks[0]
+        elif fault == "freeze" and len(ranks) > 1:
+            ranks[1].send_signal(signal.SIGSTOP)
+            await asyncio.sleep(rng.uniform(0.5, 2.0))
+            ranks[1].send_signal(signal.SIGCONT)
+            tally.faults[fault] += 1
+            continue
+        if target is None:
+            continue
+        try:
+            target.send_signal(signal.SIGKILL)
+            tally.faults[fault] += 1
+        except psutil.NoSuchProcess:
+            pass
+
+
+async def keep_groups_up(groups: list[Group], stop_at: float, tally: Tally) -> None:
+    while time.monotonic() < stop_at + DEADLINE_S:
+        for group in groups:
+            if await asyncio.to_thread(group.restart_if_dead):
+                tally.faults["restarts"] += 1
+        await asyncio.sleep(0.5)
+
+
+def footprint(pid: int) -> tuple[int, int]:
+    proc = psutil.Process(pid)
+    return proc.num_fds(), proc.memory_info().rss
+
+
+def segments(prefix: str) -> list[str]:
+    return sorted(n for n in os.listdir("/dev/shm") if n.startswith(f"{prefix}-"))
+
+
+def slab_used(address: str) -> int:
+    with grpc.insecure_channel(address) as channel:
+        stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
+        info = stub.GetServerInfo(tokenizer_pb2.GetServerInfoRequest(), timeout=30).info
+    return int(info.shm_slab_used_bytes)
+
+
+def wait_until(check: object, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():  # type: ignore[operator]
+            return True
+        time.sleep(0.2)
+    return False
+
+
+async def load(args: argparse.Namespace, tok: ServiceProcess, http: str, groups: list[Group], tally: Tally) -> None:
+    import openai
+
+    rng = random.Random(args.seed)
+    stop_at = time.monotonic() + args.minutes * 60
+    api = openai.AsyncOpenAI(base_url=f"http://{http}/v1", api_key="none", max_retries=3)
+    clients = [
+        one(i, random.Random(rng.random()), tok.address, http, tally, stop_at, api) for i in range(args.concurrency)
+    ]
+    keeper = asyncio.ensure_future(keep_groups_up(groups, stop_at, tally))
+    injector = asyncio.ensure_future(inject(random.Random(args.seed + 1), tok.pid, groups, args.fault_every_s,
+                                            stop_at, tally))  # fmt: skip
+    try:
+        await asyncio.gather(*clients)
+        await injector
+    finally:
+        keeper.cancel()
+        await api.close()
+
+
+def build_qwen(workdir: Path) -> Path:
+    """The tiny Qwen2-VL (images and videos), built once in `workdir`."""
+    from harness import ROOT
+
+    from mmsplit_cli.tiny_model import build
+
+    out = workdir / "model-qwen2-vl"
+    return out if (out / "config.json").exists() else build(out, cache_dir=ROOT / ".cache", family="qwen2-vl")
+
+
+async def warm_up(address: str) -> None:
+    async with AsyncClient(address, retries=3) as client:
+        await asyncio.gather(*(client.complete("Look.", images=[im], max_tokens=2) for im in IMAGES))
+
+
+def run(args: argparse.Namespace, workdir: Path, model: Path | None = None) -> tuple[int, Tally]:
+    """The soak (`args`: minutes, concurrency, seed, fault_every_s, prefix);
+    the exit status and the tally. `model`: the tiny LLaVA's directory (else built here)."""
+    model = model or build_qwen(workdir)
+    MODEL_NAME[0] = model.name
+    prefix = args.prefix
+    logs = workdir / "chaos-logs"
+    logs.mkdir(exist_ok=True)
+    groups = [Group(f"scheduler{k}", model, logs, prefix) for k in range(2)]
+    http = f"127.0.0.1:{free_port()}"
+    schedulers = ",".join(f"127.0.0.1:{g.port}" for g in groups)
+    extra = ["--shm-prefix", prefix, "--http-port", http.rsplit(":", 1)[1], "--cpu-workers", "2"]
+    tok = ServiceProcess("tokenizer", tokenizer_args(model, schedulers, extra=extra), logs / "tokenizer.log")
+    tally = Tally()
+    try:
+        for g in groups:
+            g.proc.wait_serving(SCHEDULER_SERVICE, 180)
+        tok.wait_serving(TOKENIZER_SERVICE, 180)
+        # Warmed up first (the slab, the grant table, the workers, both
+        # groups' channels), so the start is what the end is compared with.
+        asyncio.run(warm_up(tok.address))
+        fds0, rss0 = footprint(tok.pid)
+        started = time.monotonic()
+        asyncio.run(load(args, tok, http, groups, tally))
+        took = time.monotonic() - started
+        for g in groups:  # every group back before the books are closed
+            g.restart_if_dead()
+            g.proc.wait_serving(SCHEDULER_SERVICE, 180)
+        idle = wait_until(lambda: slab_used(tok.address) == 0, 60)
+        fds1, rss1 = footprint(tok.pid)
+        mine = [n for n in segments(prefix) if n.startswith(f"{prefix}-{tok.pid}-")]
+        left = [n for n in segments(prefix) if n not in mine]
+    finally:
+        tok.stop()
+        for g in groups:
+            g.stop()
+    total = sum(tally.outcomes.values())
+    print(f"{total} requests in {took:.0f}s by {args.concurrency} clients; seed {args.seed}")
+    print(table(["outcome", "requests"], sorted(tally.outcomes.items(), key=lambda kv: -kv[1])))
+    print(f"faults: {dict(tally.faults)}; HTTP retries by the SDK: {tally.retries}")
+    lat = tally.latencies
+    print(f"latency of successes: p50 {percentile(lat, 50):.2f}s, p99 {percentile(lat, 99):.2f}s")
+    print(f"left in /dev/shm besides the live tokenizer's slab and grant table: {left}; the tokenizer's own: {mine}")
+    print(f"slab back to 0 bytes used: {idle}")
+    print(f"tokenizer descriptors {fds0} -> {fds1}, resident {rss0 >> 20} -> {rss1 >> 20} MiB")
+    problems = list(tally.bad)
+    if left:
+        problems.append(f"segments left: {left}")
+    strays = [n for n in mine if "-slab" not in n and "-grant" not in n]
+    if strays:
+        problems.append(f"the tokenizer kept segments besides its slab and grant table: {strays}")
+    if not idle:
+        problems.append("slab slices stayed held")
+    if fds1 > fds0 * 1.1 + 8:
+        problems.append(f"descriptors grew {fds0} -> {fds1}")
+    for problem in problems[:20]:
+        print("PROBLEM:", problem)
+    return (1 if problems else 0), tally
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--minutes", type=float, default=10.0)
+    parser.add_argument("--concurrency", type=int, default=12)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--fault-every-s", type=float, default=6.0)
+    parser.add_argument("--workdir", type=Path, default=None)
+    parser.add_argument("--prefix", default="mmsplitchaos", help="the services' --shm-prefix")
+    args = parser.parse_args()
+    with scratch_dir(args.workdir) as workdir:
+        sys.exit(run(args, workdir)[0])
+
+
+if __name__ == "__main__":
+    main()
