@@ -186,16 +186,22 @@ async def _drain(gen: object) -> None:
 
 
 def tokenizer_tree(pid: int) -> tuple[psutil.Process | None, list[psutil.Process]]:
-    """(the forkserver, its workers) under the tokenizer process."""
+    """(the tokenizer's forkserver, its CPU workers), found by their process
+    names and the tokenizer's command line (which they share): a worker
+    whose forkserver was killed lives on, reparented, until it is replaced."""
     try:
-        children = psutil.Process(pid).children()
+        command = psutil.Process(pid).cmdline()
     except psutil.NoSuchProcess:
         return None, []
-    for child in children:
-        workers = child.children()
-        if workers:
-            return child, workers
-    return None, []
+    forkserver, workers = None, []
+    for proc in psutil.process_iter(["name", "cmdline"]):
+        if proc.info["cmdline"] != command:
+            continue
+        if proc.info["name"] == "mmsplit-forksrv":
+            forkserver = proc
+        elif proc.info["name"] == "mmsplit-cpu":
+            workers.append(proc)
+    return forkserver, workers
 
 
 async def inject(rng: random.Random, tokenizer_pid: int, groups: list[Group], every_s: float, stop_at: float,
