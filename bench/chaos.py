@@ -228,6 +228,7 @@ async def inject(rng: random.Random, tokenizer_pid: int, groups: list[Group], ev
             tally.faults[fault] += 1
             continue
         if target is None:
+            tally.faults[f"{fault} (none to hit)"] += 1
             continue
         try:
             target.send_signal(signal.SIGKILL)
