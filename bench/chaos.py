@@ -4,8 +4,8 @@ One tokenizer in front of two scheduler groups (TP=2 each, the tiny
 Qwen2-VL, which takes images and videos),
 and clients that keep C requests in flight for the whole run: over gRPC
 through `mmsplit.client` (its retries on), and over the OpenAI-compatible
-HTTP API through the official `openai` SDK (its retries on); good images,
-text, videos, corrupt images, and clients that cancel mid-request. Meanwhile
+HTTP API through the official `openai` SDK (its retries on); images (most
+seen before, some never), text, videos, corrupt images, and clients that cancel mid-request. Meanwhile
 a fault injector, at random times drawn from a seed, SIGKILLs a CPU worker,
 the tokenizer's forkserver, rank 1 of a group, or a whole group; freezes a
 rank (SIGSTOP, then SIGCONT a moment later); and restarts every group it
@@ -116,7 +116,8 @@ async def one(
 
 
 async def _request(kind: str, rng: random.Random, client: AsyncClient, api: object, tally: Tally) -> str:
-    image = rng.choice(IMAGES)
+    # Mostly images seen before (the preprocessing cache's), some never seen (the CPU workers').
+    image = rng.choice(IMAGES) if rng.random() < 0.7 else fresh_image(rng)
     try:
         if kind == "http":
             import openai
@@ -180,27 +181,39 @@ async def _request(kind: str, rng: random.Random, client: AsyncClient, api: obje
         return "untyped"
 
 
+def fresh_image(rng: random.Random) -> bytes:
+    return samples.encode(samples.gradient(160, 120, seed=rng.randrange(1 << 30)), "JPEG")
+
+
 async def _drain(gen: object) -> None:
     async for _ in gen:  # type: ignore[attr-defined]
         pass
 
 
 def tokenizer_tree(pid: int) -> tuple[psutil.Process | None, list[psutil.Process]]:
-    """(the tokenizer's forkserver, its CPU workers), found by their process
-    names and the tokenizer's command line (which they share): a worker
-    whose forkserver was killed lives on, reparented, until it is replaced."""
+    """(the tokenizer's forkserver, its CPU workers): among its descendants,
+    and among processes with its command line (a worker whose forkserver
+    was killed lives on, reparented). Once its own forkserver is gone the
+    pool forks workers from multiprocessing's (a `-c` command line)."""
     try:
-        command = psutil.Process(pid).cmdline()
+        tokenizer = psutil.Process(pid)
+        command = tokenizer.cmdline()
+        found = {p.pid: p for p in tokenizer.children(recursive=True)}
     except psutil.NoSuchProcess:
         return None, []
+    for proc in psutil.process_iter(["cmdline"]):
+        if proc.info["cmdline"] == command and proc.pid != pid:
+            found.setdefault(proc.pid, proc)
     forkserver, workers = None, []
-    for proc in psutil.process_iter(["name", "cmdline"]):
-        if proc.info["cmdline"] != command:
+    for proc in found.values():
+        try:
+            name, line = proc.name(), " ".join(proc.cmdline())
+        except psutil.Error:
             continue
-        if proc.info["name"] == "mmsplit-forksrv":
-            forkserver = proc
-        elif proc.info["name"] == "mmsplit-cpu":
+        if name == "mmsplit-cpu":
             workers.append(proc)
+        elif name == "mmsplit-forksrv" or "multiprocessing.forkserver" in line:
+            forkserver = proc
     return forkserver, workers
 
 
