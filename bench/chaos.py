@@ -114,9 +114,7 @@ class Group:
         self.proc.stop()
 
 
-async def one(
-    i: int, rng: random.Random, address: str, http: str, tally: Tally, stop_at: float, openai_client: object
-) -> None:
+async def one(rng: random.Random, address: str, tally: Tally, stop_at: float, openai_client: object) -> None:
     """Requests one after another until the run ends."""
     async with AsyncClient(address, retries=3) as client:
         while time.monotonic() < stop_at:
@@ -302,9 +300,7 @@ async def load(args: argparse.Namespace, tok: ServiceProcess, http: str, groups:
     rng = random.Random(args.seed)
     stop_at = time.monotonic() + args.minutes * 60
     api = openai.AsyncOpenAI(base_url=f"http://{http}/v1", api_key="none", max_retries=3)
-    clients = [
-        one(i, random.Random(rng.random()), tok.address, http, tally, stop_at, api) for i in range(args.concurrency)
-    ]
+    clients = [one(random.Random(rng.random()), tok.address, tally, stop_at, api) for _ in range(args.concurrency)]
     keeper = asyncio.ensure_future(keep_groups_up(groups, stop_at, tally))
     injector = asyncio.ensure_future(inject(random.Random(args.seed + 1), tok.pid, groups, args.fault_every_s,
                                             stop_at, tally))  # fmt: skip

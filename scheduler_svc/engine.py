@@ -194,7 +194,9 @@ class Engine:
             clock.lap("decode")
         if joining:
             ready, lost = self._prepare(joining, use_cache)
-            ready = [j for j in ready if not self._chunks(j)]
+            for j in [j for j in ready if self._chunked_prefill(j)]:
+                self._queue_chunks(j)
+            ready = [j for j in ready if not self._chunked_prefill(j)]
             prefill_logits, ready, dropped = self._prefill(ready) if ready else (None, [], {})
             lost |= dropped
             if prefill_logits is not None:
@@ -361,19 +363,19 @@ class Engine:
         last = torch.tensor(lengths, device=self.device) - 1
         return self._head(hidden[torch.arange(len(joiners), device=self.device), last])
 
-    def _chunks(self, j: _Joiner) -> bool:
-        """Whether `j` is prefilled in chunks (then it is queued for them):
-        its prompt is longer than a chunk, and its media, if any, come as
-        encoder outputs that a chunk can take a part of."""
+    def _chunked_prefill(self, j: _Joiner) -> bool:
+        """Whether `j` is prefilled in chunks: its prompt is longer than a
+        chunk, and its media, if any, come as encoder outputs that a chunk
+        can take a part of."""
         if not self.prefill_chunk or len(j.request.input_ids) <= self.prefill_chunk:
             return False
-        if j.request.items and not self.encoder_cache.enabled:
-            return False
+        return not (j.request.items and not self.encoder_cache.enabled)
+
+    def _queue_chunks(self, j: _Joiner) -> None:
         log.debug("request %s: %d prompt tokens, prefilled in chunks of %d", j.request.request_id,
                   len(j.request.input_ids), self.prefill_chunk)  # fmt: skip
         self._chunked.append(_Chunked(j, RowCache(self._layers, dtype=self.dtype, device=self.device,
                                                   token_chunk=self._token_chunk, row_chunk=1)))  # fmt: skip
-        return True
 
     def _next_chunk(self, rejected: dict[str, str]) -> torch.Tensor | None:
         """The next chunk of the first long prompt; when it was the last, its
