@@ -149,6 +149,7 @@ class Finished:
     completion_tokens: int
     text: str = ""  # always empty: lets a loop print every event's text
     request_id: str = ""
+    cached_tokens: int = 0  # of prompt_tokens, those taken from the scheduler's prefix cache
 
 
 @dataclass
@@ -239,10 +240,13 @@ def build_request(
     min_tokens: int = 0,
     stop: Sequence[str] = (),
     stop_token_ids: Sequence[int] = (),
+    cache_salt: str = "",
 ) -> tokenizer_pb2.GenerateRequest:
     """A GenerateRequest of a prompt (with `images` and `videos`) or of a
     conversation (`messages`); media given as bytes are sent inline, as str
-    by URL (data:, http(s), or a path under the server's allowed directory)."""
+    by URL (data:, http(s), or a path under the server's allowed directory).
+    Requests share the scheduler's cached prompt blocks only when their
+    `cache_salt` is the same."""
     sampling = common_pb2.SamplingParams(
         max_tokens=max_tokens,
         temperature=temperature,
@@ -261,6 +265,7 @@ def build_request(
         videos=[_source(tokenizer_pb2.Video, m) for m in videos],
         sampling=sampling,
         messages=chat_messages(messages),
+        cache_salt=cache_salt,
     )
 
 
@@ -271,7 +276,9 @@ def _event(response: tokenizer_pb2.GenerateResponse) -> Delta | Finished | None:
     if kind == "finished":
         f = response.finished
         reason = common_pb2.FinishReason.Name(f.finish_reason).removeprefix("FINISH_REASON_")
-        return Finished(reason, f.prompt_tokens, f.completion_tokens, request_id=response.request_id)
+        return Finished(
+            reason, f.prompt_tokens, f.completion_tokens, request_id=response.request_id, cached_tokens=f.cached_tokens
+        )
     return None
 
 

@@ -32,6 +32,7 @@ class Outcome:
     message: str = ""
     metadata: dict[str, str] = field(default_factory=dict)
     latency_s: float = 0.0
+    cached_tokens: int = 0  # prompt tokens taken from the scheduler's prefix cache
 
     @property
     def ok(self) -> bool:
@@ -84,6 +85,7 @@ def run_request(
                 out.token_ids.extend(event.delta.token_ids)
             elif event.HasField("finished"):
                 out.finish_reason = common_pb2.FinishReason.Name(event.finished.finish_reason)
+                out.cached_tokens = event.finished.cached_tokens
     except grpc.RpcError as exc:
         error = RemoteError.from_rpc_error(exc)
         out.grpc_code = exc.code().name  # type: ignore[attr-defined]
@@ -185,6 +187,7 @@ def _event_json(event: Delta | Finished) -> dict[str, object]:
             "finish_reason": event.finish_reason,
             "prompt_tokens": event.prompt_tokens,
             "completion_tokens": event.completion_tokens,
+            "cached_tokens": event.cached_tokens,
         },
     }
 

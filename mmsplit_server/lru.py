@@ -36,6 +36,14 @@ class ByteLRU(Generic[V]):
         found = self._entries.get(key)
         return found[0] if found is not None else None
 
+    def keys(self) -> list[bytes]:
+        """Every key, least recently used first."""
+        return list(self._entries)
+
+    def touch(self, key: bytes) -> None:
+        """Make `key` (which must be held) the most recent, counting nothing."""
+        self._entries.move_to_end(key)
+
     def get(self, key: bytes, valid: Callable[[V], bool] = lambda _: True) -> V | None:
         """The entry, made most recent, when it passes `valid` (else it is
         dropped); counts a hit or a miss."""

@@ -59,6 +59,7 @@ from scheduler_svc.encoder_cache import EncoderCache
 from scheduler_svc.errors import NonFinitePixels
 from scheduler_svc.kvcache import ForwardInputs, RowCache
 from scheduler_svc.plan import Failure, Item, NewRequest, Plan, StepOutcome
+from scheduler_svc.prefix_cache import BLOCK_TOKENS, NO_MATCH, Match, PrefixCache, Runs, chain
 from scheduler_svc.reader import TensorReader
 from scheduler_svc.sampler import Logprob, RowSampling, Sampler, make_generator
 
@@ -77,6 +78,10 @@ class Row:
     sampling: RowSampling | None = field(default=None, repr=False)  # rank 0 only
     # M-RoPE families: added to every position after the prompt.
     rope_delta: int = 0
+    # The tokens fed after the prompt (each plan's feed), and the prompt's
+    # items as the prefix cache keys them: what its blocks are kept under.
+    fed: list[int] = field(default_factory=list)
+    runs: Runs = field(default_factory=Runs)
 
 
 # One joining request's encoder inputs: per item, forward name -> tensor.
@@ -93,6 +98,14 @@ class _Joiner:
     features: list[tuple[int, torch.Tensor | None]] = field(default_factory=list)
     positions: torch.Tensor | None = None  # M-RoPE: [3, prompt length]
     rope_delta: int = 0
+    runs: Runs = field(default_factory=Runs)
+    # The prompt's start taken from the prefix cache: [layers, 2, heads, tokens, head dim].
+    prefix: torch.Tensor | None = None
+
+    @property
+    def cached(self) -> int:
+        """Prompt tokens taken from the prefix cache (their prefill is skipped)."""
+        return 0 if self.prefix is None else int(self.prefix.shape[3])
 
 
 @dataclass
@@ -118,6 +131,7 @@ class Engine:
         encoder_cache_bytes: int = 0,
         hook: Any = None,
         prefill_chunk: int = 0,
+        prefix_cache_bytes: int = 0,
     ) -> None:
         self.model = model
         # The adapter builds positions (M-RoPE); by default from the model's own config.
@@ -149,6 +163,15 @@ class Engine:
         self._layers = layers
         self._token_chunk = token_chunk
         self._chunked: list[_Chunked] = []  # in plan order; the first goes on each step
+        # KV of finished requests' prompts (and outputs), by blocks.
+        self.prefix_cache = PrefixCache(prefix_cache_bytes)
+        self._matches: dict[str, Match] = {}  # this step's new requests: what they could take
+        self._cached: dict[str, int] = {}  # this step's joiners: prompt tokens taken from it
+
+    @property
+    def prefilling(self) -> bool:
+        """Whether a long prompt is on its way in, a chunk a step."""
+        return bool(self._chunked)
 
     def step(self, plan: Plan) -> StepOutcome:
         # The cache's tensors are made in inference mode; every in-place
@@ -161,14 +184,17 @@ class Engine:
                 self.reader.end_step()
 
     def _step(self, plan: Plan) -> StepOutcome:
+        keep = set(plan.keep)
         for rid in plan.drop:
-            self._remove(rid)
+            self._remove(rid, keep=rid in keep)
+        self._cached = {}
         for rid, token in plan.feed:
             # A missing id here means the ranks diverged: fail loudly, never guess.
             self.rows[self.index[rid]].feed = token
 
         clock = _Clock()
         tensors, codes, messages = self._read_new(plan.new)
+        self._matches = self._match(plan.new)
         use_cache = False
         if plan.new or plan.drop:
             digests: list[int] = []
@@ -177,6 +203,9 @@ class Engine:
             )
             # Every rank would hit the same entries (else none is used this step).
             use_cache = len(set(digests)) == 1
+            if not use_cache:
+                log.warning("rank %d, step %d: the ranks' caches disagree; none is used this step", self.coll.rank,
+                            plan.step)  # fmt: skip
             # What each rank holds after this step: the agreed joiners join everywhere.
             self._active_per_rank = [n + len(plan.new) - len(failed_idx) for n in held]
         else:
@@ -228,6 +257,10 @@ class Engine:
                     sampled[row.request.request_id] = result
                     row.sampling.generated += 1  # type: ignore[union-attr]
             clock.lap("sample")
+        if self.prefix_cache.enabled and (plan.keep or self._cached) and log.isEnabledFor(logging.DEBUG):
+            store = self.prefix_cache
+            log.debug("rank %d after step %d: prefix cache %d blocks, %d bytes, keys %s", self.coll.rank, plan.step,
+                      len(store), store.nbytes, store.fingerprint())  # fmt: skip
         return StepOutcome(
             sampled=sampled,
             failed=failed,
@@ -235,24 +268,42 @@ class Engine:
             rejected=rejected,
             phases=clock.laps,
             logprobs=logprobs,
+            cached=self._cached,
         )
 
     # ---- rows ----
     def _join(self, j: _Joiner) -> None:
         req = j.request
         self.index[req.request_id] = len(self.rows)
-        self.rows.append(Row(req, sampling=self._row_sampling(req), rope_delta=j.rope_delta))
+        self.rows.append(Row(req, sampling=self._row_sampling(req), rope_delta=j.rope_delta, runs=j.runs))
+        self._cached[req.request_id] = j.cached
 
-    def _remove(self, rid: str) -> None:
+    def _remove(self, rid: str, *, keep: bool = False) -> None:
         self._chunked = [c for c in self._chunked if c.joiner.request.request_id != rid]
         row = self.index.pop(rid, None)
         if row is None:  # never joined (failed at admission) or already gone
             return
+        if keep and self.prefix_cache.enabled:
+            self._keep(self.rows[row], row)
         self.cache.remove(row)
         last = self.rows.pop()
         if row < len(self.rows):
             self.rows[row] = last
             self.index[last.request.request_id] = row
+
+    def _keep(self, row: Row, index: int) -> None:
+        """Keep the full blocks of a leaving row's KV in the prefix cache:
+        its prompt and the tokens it was fed after it."""
+        length = self.cache.lengths[index]
+        tokens = [*row.request.input_ids, *row.fed][:length]
+        keys = chain(tokens, row.runs, row.request.cache_salt, blocks=length // BLOCK_TOKENS)
+        held = self.prefix_cache.held(keys)
+        if held == len(keys):
+            self.prefix_cache.keep(keys, None)
+            return
+        kv = self.cache.row_kv(index, held * BLOCK_TOKENS, len(keys) * BLOCK_TOKENS)
+        if kv is not None:
+            self.prefix_cache.keep(keys, kv, first=held)
 
     def _row_sampling(self, req: NewRequest) -> RowSampling | None:
         if self.coll.rank != 0:
@@ -268,6 +319,8 @@ class Engine:
         if None in feeds:
             missing = [r.request.request_id for r in self.rows if r.feed is None]
             raise RuntimeError(f"the plan fed no token to running requests {missing}")
+        for row in self.rows:
+            row.fed.append(row.feed)  # type: ignore[arg-type]
         ids = torch.tensor(feeds, dtype=torch.long, device=self.device)[:, None]
         inputs = self.cache.begin_decode()
         if self.family.uses_mrope:
@@ -287,8 +340,14 @@ class Engine:
         alone. Under TP every rank's verdicts are agreed on in one gather,
         so every rank keeps the same joiners. The joiners kept, in order,
         and the failures."""
-        joiners = [_Joiner(req, tensors) for req, tensors in joining]
+        joiners = [_Joiner(req, tensors, runs=self._runs(req)) for req, tensors in joining]
         codes, messages = [0] * len(joiners), [""] * len(joiners)
+        if self.prefix_cache.enabled:
+            # In plan order on every rank, for the joiners every rank agreed
+            # on: the stores change alike.
+            for j in joiners:
+                match = self._matches.get(j.request.request_id, NO_MATCH) if use_cache else NO_MATCH
+                j.prefix = self.prefix_cache.take(match, len(j.request.input_ids))
         if self.encoder_cache.enabled:
             self._encode(joiners, use_cache, codes, messages)
         for i, j in enumerate(joiners):
@@ -341,41 +400,65 @@ class Engine:
         return (torch.cat(logits) if logits else None), kept, lost
 
     def _forward(self, joiners: list[_Joiner]) -> torch.Tensor:
-        """One prefill forward over `joiners` (rows appended to the cache)."""
-        lengths = [len(j.request.input_ids) for j in joiners]
+        """One prefill forward over `joiners` (rows appended to the cache),
+        each from the end of its cached prefix."""
+        starts = [j.cached for j in joiners]
+        lengths = [len(j.request.input_ids) - start for j, start in zip(joiners, starts, strict=True)]
         ids = torch.full((len(joiners), max(lengths)), PAD_ID, dtype=torch.long)
         for i, j in enumerate(joiners):
-            ids[i, : lengths[i]] = torch.tensor(j.request.input_ids, dtype=torch.long)
+            ids[i, : lengths[i]] = torch.tensor(j.request.input_ids[starts[i] :], dtype=torch.long)
         extra: dict[str, Any]
         if self.encoder_cache.enabled:
-            features = [(modality, out) for j in joiners for modality, out in j.features if out is not None]
+            features = [f for j in joiners for f in self._features(j, j.cached, len(j.request.input_ids))]
             extra = self.family.encoded_kwargs(features) if features else {}
         else:
-            extra = self._media_kwargs([(j.request, j.tensors) for j in joiners])
-        inputs = self.cache.begin_prefill(lengths)
+            extra = self._media_kwargs([(j.request, j.tensors, j.cached) for j in joiners])
+        prefixes = [j.prefix for j in joiners] if any(starts) else None
+        inputs = self.cache.begin_prefill(lengths, prefixes)
         if self.family.uses_mrope:
             positions = inputs.position_ids[None].repeat(3, 1, 1)  # padding keeps plain positions (masked)
             for i, j in enumerate(joiners):
                 if j.positions is not None:
-                    positions[:, i, : lengths[i]] = j.positions.to(positions.device)
+                    positions[:, i, : lengths[i]] = j.positions[:, starts[i] :].to(positions.device)
             inputs = ForwardInputs(positions, inputs.attention_mask)
         hidden = self._body(self._prefill_body, ids.to(self.device), inputs, **extra)
         last = torch.tensor(lengths, device=self.device) - 1
         return self._head(hidden[torch.arange(len(joiners), device=self.device), last])
 
+    def _features(self, j: _Joiner, start: int, end: int) -> list[tuple[int, torch.Tensor]]:
+        """The encoder outputs of `j`'s placeholders in prompt tokens ``[start,
+        end)``, item by item: whole items whole, a cut item's rows run by run."""
+        features: list[tuple[int, torch.Tensor]] = []
+        for item, (modality, output) in zip(j.request.items, j.features, strict=True):
+            if output is None or not item.placeholders:
+                continue
+            first, last = item.placeholders[0][0], item.placeholders[-1][0] + item.placeholders[-1][1]
+            if start <= first and last <= end:
+                features.append((modality, output))
+                continue
+            row = 0  # the item's output rows are its placeholders', run after run
+            for offset, length in item.placeholders:
+                lo, hi = max(start, offset), min(end, offset + length)
+                if lo < hi:
+                    features.append((modality, output[row + lo - offset : row + hi - offset]))
+                row += length
+        return features
+
     def _chunked_prefill(self, j: _Joiner) -> bool:
         """Whether `j` is prefilled in chunks: its prompt is longer than a
         chunk, and its media, if any, come as encoder outputs that a chunk
         can take a part of."""
-        if not self.prefill_chunk or len(j.request.input_ids) <= self.prefill_chunk:
+        if not self.prefill_chunk or len(j.request.input_ids) - j.cached <= self.prefill_chunk:
             return False
         return not (j.request.items and not self.encoder_cache.enabled)
 
     def _queue_chunks(self, j: _Joiner) -> None:
         log.debug("request %s: %d prompt tokens, prefilled in chunks of %d", j.request.request_id,
                   len(j.request.input_ids), self.prefill_chunk)  # fmt: skip
-        self._chunked.append(_Chunked(j, RowCache(self._layers, dtype=self.dtype, device=self.device,
-                                                  token_chunk=self._token_chunk, row_chunk=1)))  # fmt: skip
+        cache = RowCache(self._layers, dtype=self.dtype, device=self.device, token_chunk=self._token_chunk, row_chunk=1)
+        if j.prefix is not None:
+            cache.append_row(j.prefix)
+        self._chunked.append(_Chunked(j, cache, done=j.cached))
 
     def _next_chunk(self, rejected: dict[str, str]) -> torch.Tensor | None:
         """The next chunk of the first long prompt; when it was the last, its
@@ -406,19 +489,12 @@ class Engine:
         own cache; the hidden states ``[1, end - start, hidden]``."""
         j = c.joiner
         ids = torch.tensor([j.request.input_ids[start:end]], dtype=torch.long, device=self.device)
-        inputs = c.cache.begin_prefill([end - start]) if start == 0 else c.cache.begin_extend(end - start)
+        inputs = c.cache.begin_extend(end - start) if c.cache.rows else c.cache.begin_prefill([end - start])
         if j.positions is not None:
             inputs = ForwardInputs(j.positions[:, None, start:end].to(self.device), inputs.attention_mask)
         elif self.family.uses_mrope:  # text only: the same position on all three axes
             inputs = ForwardInputs(inputs.position_ids[None].repeat(3, 1, 1), inputs.attention_mask)
-        features: list[tuple[int, torch.Tensor]] = []
-        for item, (modality, output) in zip(j.request.items, j.features, strict=True):
-            row = 0  # the item's output rows are its placeholders', run after run
-            for offset, length in item.placeholders:
-                lo, hi = max(start, offset), min(end, offset + length)
-                if lo < hi and output is not None:
-                    features.append((modality, output[row + lo - offset : row + hi - offset]))
-                row += length
+        features = self._features(j, start, end)
         extra = self.family.encoded_kwargs(features) if features else {}
         return self._body(self._prefill_body, ids, inputs, c.cache, **extra)
 
@@ -431,14 +507,17 @@ class Engine:
             return E.ERROR_CODE_OVERLOADED, f"this request ran out of memory in {what}; retry, or send a shorter one"
         return E.ERROR_CODE_INTERNAL, f"the model failed on this request in {what} ({type(exc).__name__}, logged)"
 
-    def _media_kwargs(self, joining: list[tuple[NewRequest, ItemTensors | None]]) -> dict[str, torch.Tensor]:
+    def _media_kwargs(self, joining: list[tuple[NewRequest, ItemTensors | None, int]]) -> dict[str, torch.Tensor]:
         """Every item's tensors joined name by name with cat(dim=0), in plan
-        order (the model fills placeholders in row-major order). Encoder
-        inputs are cast to the model's dtype; side tensors keep theirs.
-        The cat is the copy that makes borrowed tensors the engine's own."""
+        order (the model fills placeholders in row-major order), but for the
+        items before where each prefill starts (inside its cached prefix).
+        Encoder inputs are cast to the model's dtype; side tensors keep
+        theirs. The cat is the copy that makes borrowed tensors the engine's own."""
         parts: dict[str, list[torch.Tensor]] = {}
-        for req, tensors in joining:
+        for req, tensors, start in joining:
             for item, encoder in zip(req.items, tensors or (), strict=True):
+                if item.placeholders and item.placeholders[0][0] < start:
+                    continue
                 for name, tensor in encoder.items():
                     parts.setdefault(name, []).append(tensor.to(self.device, self.dtype))
                 for name, value in item.side.items():
@@ -446,17 +525,39 @@ class Engine:
         return {name: torch.cat(chunks) for name, chunks in parts.items()}
 
     def _cache_digest(self, new: tuple[NewRequest, ...]) -> int:
-        """What this rank would take from the encoder cache for the step's new
-        requests (each item's key, and whether it would hit), as one number
-        for the agreement; 0 without a cache."""
-        if not self.encoder_cache.enabled:
+        """What this rank would take from its caches for the step's new
+        requests (each item's encoder-cache key and whether it would hit,
+        each prompt's prefix match), as one number for the agreement; 0
+        without a cache."""
+        if not (self.encoder_cache.enabled or self.prefix_cache.enabled):
             return 0
         digest = hashlib.blake2b(digest_size=7)
         for req in new:
-            for key, item in zip(self._keys.get(req.request_id, ()), req.items, strict=False):
-                rows = sum(length for _, length in item.placeholders)
-                digest.update(key + (b"1" if self.encoder_cache.would_hit(key, rows, self._hidden) else b"0"))
+            if self.encoder_cache.enabled:
+                for key, item in zip(self._keys.get(req.request_id, ()), req.items, strict=False):
+                    rows = sum(length for _, length in item.placeholders)
+                    digest.update(key + (b"1" if self.encoder_cache.would_hit(key, rows, self._hidden) else b"0"))
+            match = self._matches.get(req.request_id, NO_MATCH)
+            digest.update(len(match.keys).to_bytes(4, "little") + (match.keys[-1] if match.keys else b""))
+        if self.prefix_cache.enabled:
+            digest.update(self.prefix_cache.history)
         return int.from_bytes(digest.digest(), "little")
+
+    def _runs(self, req: NewRequest) -> Runs:
+        """`req`'s items as the prefix cache keys them (this rank's digests)."""
+        return Runs(tuple(self._keys.get(req.request_id, ())), tuple(item.placeholders for item in req.items))
+
+    def _match(self, new: tuple[NewRequest, ...]) -> dict[str, Match]:
+        """What each new request could take from the prefix cache (changes
+        nothing: taken after the agreement, by the joiners every rank kept)."""
+        if not self.prefix_cache.enabled:
+            return {}
+        matches = {}
+        for req in new:
+            runs = self._runs(req)
+            if len(runs.digests) == len(req.items):  # else an item was unreadable: it fails
+                matches[req.request_id] = self.prefix_cache.match(req.input_ids, runs, req.cache_salt)
+        return matches
 
     def _encode(self, joiners: list[_Joiner], use_cache: bool, codes: list[int], messages: list[str]) -> None:
         """Each joiner's encoder outputs, in plan order: from the cache where
@@ -472,6 +573,9 @@ class Engine:
         for ji, j in enumerate(joiners):
             keys = self._keys.get(j.request.request_id, [])
             for k, (item, encoder, key) in enumerate(zip(j.request.items, j.tensors or (), keys, strict=True)):
+                if item.placeholders and item.placeholders[-1][0] + item.placeholders[-1][1] <= j.cached:
+                    j.features.append((item.modality, None))  # inside the cached prefix: not needed
+                    continue
                 rows = sum(length for _, length in item.placeholders)
                 hit = cache.take(key, rows, self._hidden) if use_cache else None
                 if hit is None:
@@ -587,7 +691,7 @@ class Engine:
             tensors.append(read)
             codes.append(0)
             messages.append("")
-        if self.encoder_cache.enabled:
+        if self.encoder_cache.enabled or self.prefix_cache.enabled:
             self._key_items(new, tensors, codes, messages)
         return tensors, codes, messages
 

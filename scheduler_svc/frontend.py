@@ -27,6 +27,7 @@ from scheduler_svc.sampler import Logprob
 from scheduler_svc.settings import SchedulerSettings
 
 MAX_REQUEST_ID = 128
+MAX_CACHE_SALT = 256
 FLOAT_DTYPES = (1, 2, 3)
 
 
@@ -119,7 +120,9 @@ class Frontend:
             default_max_tokens=self.settings.default_max_tokens,
             vocab_size=self.info.vocab_size,
         )
-        return NewRequest(request_id=rid, input_ids=ids, items=items, sampling=sampling)
+        if len(pb.cache_salt) > MAX_CACHE_SALT:
+            raise InvalidRequest(f"cache_salt must be at most {MAX_CACHE_SALT} characters")
+        return NewRequest(request_id=rid, input_ids=ids, items=items, sampling=sampling, cache_salt=pb.cache_salt)
 
     # ---- multimodal items ----
     def _items(self, pb: scheduler_pb2.GenerateRequest, ids: tuple[int, ...]) -> tuple[Item, ...]:
@@ -264,7 +267,9 @@ async def responses(events: asyncio.Queue[Event], interval: int = 1) -> AsyncIte
                 else:
                     after = queued
             want = interval
-            message = scheduler_pb2.Tokens(token_ids=[t.token_id for t in tokens])
+            message = scheduler_pb2.Tokens(
+                token_ids=[t.token_id for t in tokens], cached_tokens=tokens[0].cached_tokens
+            )
             if tokens[0].logprob is not None:
                 message.logprobs.extend(_logprob_pb(t.logprob) for t in tokens)
             yield scheduler_pb2.GenerateResponse(tokens=message)
@@ -275,6 +280,7 @@ async def responses(events: asyncio.Queue[Event], interval: int = 1) -> AsyncIte
                     finish_reason=event.reason,  # type: ignore[arg-type]
                     prompt_tokens=event.prompt_tokens,
                     completion_tokens=event.completion_tokens,
+                    cached_tokens=event.cached_tokens,
                 )
             )
             return

@@ -9,6 +9,10 @@ requests of different lengths decode together in one forward:
   forward over the right-padded prompts. Each row's keys land at ``0..L-1``
   (padding writes past a row's length are never attended and are
   overwritten by its later tokens).
+- **a prefill after a cached prefix** (the prefix cache): rows appended
+  by ``begin_prefill(lengths, prefixes)`` start holding their prefix's keys
+  and values; each row's prompt tokens go on from there (keys at
+  ``P..P+L-1``, attending over the prefix and themselves).
 - **decode** feeds one token per live row: ``begin_decode()`` then one
   forward. Each row writes its new token at its own length.
 - **a long prompt in chunks** (chunked prefill) fills a cache of one row
@@ -79,6 +83,8 @@ class _Step:
     kv_len: int
     # Extend (one row): where the chunk's keys start (the row's length before it).
     offset: int = 0
+    # Prefill after cached prefixes: where each row's keys start (None: all at 0).
+    offsets: tuple[int, ...] | None = None
 
 
 class RowCache(Cache):
@@ -118,21 +124,52 @@ class RowCache(Cache):
     def row_capacity(self) -> int:
         return self._row_capacity
 
-    def begin_prefill(self, prompt_lengths: list[int]) -> ForwardInputs:
+    def begin_prefill(
+        self, prompt_lengths: list[int], prefixes: list[torch.Tensor | None] | None = None
+    ) -> ForwardInputs:
         """Append one row per prompt (in order) for a prefill forward over
-        the right-padded prompts ``[len(prompt_lengths), max(prompt_lengths)]``."""
+        the right-padded prompts ``[len(prompt_lengths), max(prompt_lengths)]``.
+        A row given a prefix (``[layers, 2, kv heads, P, head dim]``, as
+        `row_kv` returns) starts with it: its prompt goes on at position P."""
         if not prompt_lengths or min(prompt_lengths) < 1:
             raise ValueError(f"prefill needs non-empty prompts, got lengths {prompt_lengths}")
         first, n, q_len = self.rows, len(prompt_lengths), max(prompt_lengths)
-        self._reserve(first + n, q_len)
-        self.lengths.extend(prompt_lengths)
-        self._step = _Step(first, n, q_len, None, q_len)
-        lengths = torch.tensor(prompt_lengths, device=self.device)
-        key = torch.arange(q_len, device=self.device)
-        # Row b, query i may see key j when j <= i (causal) and j < L_b (not padding).
-        visible = (key[None, None, :] <= key[None, :, None]) & (key[None, None, :] < lengths[:, None, None])
-        position_ids = key.expand(n, q_len)
-        return ForwardInputs(position_ids, self._additive(visible[:, None]))
+        offsets = [0 if p is None else int(p.shape[3]) for p in prefixes or [None] * n]
+        if len(offsets) != n:
+            raise ValueError(f"{len(offsets)} prefixes for {n} prompts")
+        kv_len = max(offsets) + q_len
+        self._reserve(first + n, kv_len)
+        for b, prefix in enumerate(prefixes or ()):
+            if prefix is not None:
+                self._load(first + b, prefix)
+        self.lengths.extend(o + length for o, length in zip(offsets, prompt_lengths, strict=True))
+        shifted = tuple(offsets) if any(offsets) else None
+        self._step = _Step(first, n, q_len, None, kv_len, offsets=shifted)
+        start = torch.tensor(offsets, device=self.device)
+        end = start + torch.tensor(prompt_lengths, device=self.device)
+        key = torch.arange(kv_len, device=self.device)
+        query = start[:, None] + torch.arange(q_len, device=self.device)[None]  # [n, q_len]: absolute positions
+        # Row b, query i may see key j when j <= its position (causal, the
+        # prefix included) and j is not padding.
+        visible = (key[None, None, :] <= query[:, :, None]) & (key[None, None, :] < end[:, None, None])
+        return ForwardInputs(query, self._additive(visible[:, None]))
+
+    def append_row(self, prefix: torch.Tensor) -> None:
+        """Append a row holding `prefix` (``[layers, 2, kv heads, P, head
+        dim]``): a long prompt's cached start, before its chunks extend it."""
+        row = self.rows
+        self._reserve(row + 1, int(prefix.shape[3]))
+        self._load(row, prefix)
+        self.lengths.append(int(prefix.shape[3]))
+
+    def row_kv(self, row: int, start: int, end: int) -> torch.Tensor | None:
+        """The keys and values of `row` at ``[start, end)`` as one tensor
+        ``[layers, 2, kv heads, end - start, head dim]`` (a copy; None before
+        any forward allocated the layers)."""
+        pairs = list(zip(self._keys, self._values, strict=True))
+        if any(k is None or v is None for k, v in pairs):
+            return None
+        return torch.stack([torch.stack((k[row, :, start:end], v[row, :, start:end])) for k, v in pairs])  # type: ignore[index]
 
     def begin_decode(self) -> ForwardInputs:
         """One new token for every live row, each at its own position."""
@@ -223,6 +260,11 @@ class RowCache(Cache):
             keys[0, :, step.offset : step.kv_len] = key_states[0]
             values[0, :, step.offset : step.kv_len] = value_states[0]
             return keys[:1, :, : step.kv_len], values[:1, :, : step.kv_len]
+        if step.offsets is not None:  # rows after cached prefixes: each at its own offset
+            for b, offset in enumerate(step.offsets):
+                keys[step.first_row + b, :, offset : offset + step.q_len] = key_states[b]
+                values[step.first_row + b, :, offset : offset + step.q_len] = value_states[b]
+            return keys[rows, :, : step.kv_len], values[rows, :, : step.kv_len]
         if step.write_at is None:
             keys[rows, :, : step.q_len] = key_states
             values[rows, :, : step.q_len] = value_states
@@ -239,6 +281,17 @@ class RowCache(Cache):
         return max(self.lengths, default=0)
 
     # ---- storage ----
+    def _load(self, row: int, prefix: torch.Tensor) -> None:
+        """Write `prefix` (``[layers, 2, kv heads, P, head dim]``) at the start of `row`."""
+        if prefix.shape[0] != len(self._keys):
+            raise ValueError(f"a prefix of {prefix.shape[0]} layers for a cache of {len(self._keys)}")
+        n = int(prefix.shape[3])
+        for i in range(len(self._keys)):
+            for stores, part in ((self._keys, prefix[i, 0]), (self._values, prefix[i, 1])):
+                if stores[i] is None:
+                    stores[i] = self._zeros_like(part[None])
+                stores[i][row, :, :n] = part  # type: ignore[index]
+
     def _additive(self, visible: torch.Tensor) -> torch.Tensor:
         mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device)
         return mask.masked_fill_(~visible, torch.finfo(self.dtype).min)

@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 class Token:
     token_id: int
     logprob: Logprob | None = None  # when the request asked (SamplingParams.logprobs)
+    cached_tokens: int = 0  # first token only: the prompt tokens taken from the prefix cache
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,7 @@ class Finished:
     reason: int  # common_pb2.FinishReason
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # of the prompt's, taken from the prefix cache
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,7 @@ class Admission:
     claims: list[Claim] = field(default_factory=list)
     generated: int = 0
     next_token: int | None = None
+    cached_tokens: int = 0  # prompt tokens the engine took from the prefix cache
 
     @property
     def request_id(self) -> str:
@@ -147,6 +150,8 @@ class StepLoop:
         self._running: dict[str, Admission] = {}
         self._joining: list[Admission] = []  # admitted into the step that is running
         self._drop: list[str] = []
+        # Of the next drops, those whose KV the prefix cache may keep.
+        self._keep: list[str] = []
         self._aborted: set[str] = set()
         self._outbox: list[tuple[Admission, Event]] = []
         self._stopping = False
@@ -213,6 +218,9 @@ class StepLoop:
                 for rid in self._aborted.intersection(plan.drop):
                     log.info("request %s aborted on all %d ranks", rid, self.coll.world_size)
                 self._aborted.difference_update(plan.drop)
+                for rid, cached in outcome.cached.items():
+                    if (adm := self._running.get(rid) or self._joined(rid)) is not None:
+                        adm.cached_tokens = cached
                 self._settle(outcome.failed, outcome.sampled, outcome.rejected, outcome.logprobs)
                 self._flush()
                 self.step_started = None
@@ -287,6 +295,7 @@ class StepLoop:
                 return
         if self._running.pop(request_id, None) is not None:
             self._drop.append(request_id)
+            self._keep.append(request_id)  # its KV is sound: later turns may use it
             self._aborted.add(request_id)
 
     def _plan(self) -> Plan:
@@ -321,8 +330,9 @@ class StepLoop:
             drop=tuple(self._drop),
             feed=feed,  # type: ignore[arg-type]
             stop=self._stopping,
+            keep=tuple(self._keep),
         )
-        self._drop = []
+        self._drop, self._keep = [], []
         if admitted:
             log.debug("step %d admits %s", plan.step, [a.request_id for a in admitted])
         return plan
@@ -370,15 +380,21 @@ class StepLoop:
                 continue
             adm = running
             adm.generated += 1
-            self._outbox.append((adm, Token(token, (logprobs or {}).get(rid))))
+            cached = adm.cached_tokens if adm.generated == 1 else 0
+            self._outbox.append((adm, Token(token, (logprobs or {}).get(rid), cached)))
             reason = self._finish_reason(adm, token)
             if reason is None:
                 adm.next_token = token
                 continue
             prompt = len(adm.request.input_ids)
-            self._outbox.append((adm, Finished(reason, prompt, adm.generated)))
+            self._outbox.append((adm, Finished(reason, prompt, adm.generated, adm.cached_tokens)))
             del self._running[rid]
             self._drop.append(rid)
+            self._keep.append(rid)
+
+    def _joined(self, rid: str) -> Admission | None:
+        """The admission of this step's joiner `rid` (None if it is not one)."""
+        return next((adm for adm in self._joining if adm.request_id == rid), None)
 
     def _finish_reason(self, adm: Admission, token: int) -> int | None:
         # The sampler never draws these before min_tokens.

@@ -39,6 +39,8 @@ class NewRequest:
     items: tuple[Item, ...]
     # Validated at admission; only rank 0 samples, the others carry it along.
     sampling: Sampling
+    # Isolates this request's prefix-cache blocks from those of other salts.
+    cache_salt: str = ""
 
     @property
     def specs(self) -> list[TensorSpec]:
@@ -52,6 +54,9 @@ class Plan:
     new: tuple[NewRequest, ...] = ()
     # Requests leaving the batch (finished, aborted); unknown ids are ignored.
     drop: tuple[str, ...] = ()
+    # Of those, the ones whose KV the prefix cache may keep (they finished
+    # or were aborted; never one that failed, whose KV may be poisoned).
+    keep: tuple[str, ...] = ()
     # (request id, token) for each running request that continues.
     feed: tuple[tuple[str, int], ...] = ()
     stop: bool = False
@@ -84,3 +89,6 @@ class StepOutcome:
     # request id -> the sampled token's log probability, for the requests
     # that asked (rank 0 only).
     logprobs: dict[str, Any] = field(default_factory=dict)
+    # request id -> prompt tokens taken from the prefix cache, for the
+    # requests that joined this step (every rank).
+    cached: dict[str, int] = field(default_factory=dict)

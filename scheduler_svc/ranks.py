@@ -62,6 +62,7 @@ def bootstrap(settings: SchedulerSettings, rendezvous: Rendezvous | None) -> Boo
         family=info.family,
         encoder_cache_bytes=settings.encoder_cache_bytes,
         prefill_chunk=settings.max_prefill_tokens,
+        prefix_cache_bytes=settings.prefix_cache_bytes,
         hook=importlib.import_module(settings.engine_hook) if settings.engine_hook else None,
     )
     # Last, so it doubles as the barrier "every rank has everything it needs":

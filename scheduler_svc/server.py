@@ -132,6 +132,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         cache = self.step_loop.engine.encoder_cache
         info.encoder_cache_hits, info.encoder_cache_misses = cache.hits, cache.misses
         info.encoder_cache_bytes = cache.bytes
+        prefix = self.step_loop.engine.prefix_cache
+        info.prefix_cache_hits, info.prefix_cache_misses = prefix.hits, prefix.lookups - prefix.hits
+        info.prefix_cache_hit_tokens, info.prefix_cache_bytes = prefix.hit_tokens, prefix.nbytes
         info.cuda_ipc_open_pools = cuda_ipc.imported.count()
         return scheduler_pb2.GetServerInfoResponse(info=info)
 
@@ -161,6 +164,23 @@ def _metrics(settings: SchedulerSettings, step_loop: StepLoop) -> ServiceMetrics
         }
     )
     metrics.gauge("encoder_cache_bytes", "Bytes the encoder-output cache holds (rank 0)", lambda: cache.bytes)
+    prefix = step_loop.engine.prefix_cache
+    metrics.counters(
+        lambda: {
+            "prefix_cache_hits": ("Prompts that took at least one block from the prefix cache (rank 0)", prefix.hits),
+            "prefix_cache_misses": (
+                "Prompts that took no block from the prefix cache (rank 0)",
+                prefix.lookups - prefix.hits,
+            ),
+            "prefix_cache_prompt_tokens": (
+                "Prompt tokens looked up in the prefix cache (rank 0)",
+                prefix.prompt_tokens,
+            ),
+            "prefix_cache_hit_tokens": ("Prompt tokens taken from the prefix cache (rank 0)", prefix.hit_tokens),
+            "prefix_cache_evictions": ("Blocks the prefix cache let go for room (rank 0)", prefix.evictions),
+        }
+    )
+    metrics.gauge("prefix_cache_bytes", "Bytes the prefix cache holds (rank 0)", lambda: prefix.nbytes)
     metrics.gauge(
         "cuda_ipc_open_pools", "CUDA IPC pools of tokenizers this rank holds open (rank 0)", cuda_ipc.imported.count
     )

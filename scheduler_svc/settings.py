@@ -120,6 +120,14 @@ class SchedulerSettings(ServiceSettings):
         "each rank hashes itself), on the model's device; a hit skips the vision tower; 0 = off",
         min=0,
     )
+    prefix_cache_bytes: int = _opt(
+        1024**3,
+        "bytes of finished requests' keys and values each rank keeps, in blocks of 16 tokens, for later "
+        "prompts that start the same (a conversation resent whole each turn): a hit skips the prefill of "
+        "its blocks. Keyed by the tokens, each image's or video's tensors as this rank hashes them, and "
+        "the request's cache_salt; on the model's device, beside --kv-cache-bytes; 0 = off",
+        min=0,
+    )
     max_message_bytes: int = _opt(256 * 1024 * 1024, "largest gRPC message, bytes", min=1024)
     stats_interval_s: float = _opt(10.0, "how often the step loop logs its statistics", min=0.01)
 

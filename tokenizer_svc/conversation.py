@@ -27,6 +27,8 @@ ROLES = {
 Medium = tokenizer_pb2.Image | tokenizer_pb2.Video
 # Choices one request may ask for (GenerateRequest.n).
 MAX_CHOICES = 8
+# Characters of GenerateRequest.cache_salt.
+MAX_CACHE_SALT = 256
 # Choice i of a request seeded s samples with s + i * SEED_STRIDE (mod 2^63,
 # never 0, which means "derived from the downstream request id").
 SEED_STRIDE = 0x9E3779B97F4A7C15

@@ -14,8 +14,10 @@ What is accepted, as vLLM, SGLang and TGI accept it:
   max_tokens and max_completion_tokens (the smaller when both), min_tokens,
   stop_token_ids, n (up to MAX_CHOICES), stream, stream_options.include_usage,
   logprobs and top_logprobs (chat: a boolean and 0 to 20; completions: the
-  legacy integer, the number of top entries). Unknown fields are ignored
-  (logged at debug).
+  legacy integer, the number of top entries), and vLLM's `cache_salt` (a
+  tenant's prefix-cache isolation). Unknown fields are ignored (logged at
+  debug). The usage reports `prompt_tokens_details.cached_tokens`: prompt
+  tokens the scheduler took from its prefix cache.
 
 The HTTP status of each ErrorCode is one table (`STATUS`), next to the gRPC
 one in `mmsplit.errors`.
@@ -33,7 +35,7 @@ from mmsplit.common.v1 import common_pb2
 from mmsplit.errors import E, MmsplitError
 from mmsplit.tokenizer.v1 import tokenizer_pb2
 from mmsplit_server.sampling import MAX_TOP_LOGPROBS
-from tokenizer_svc.conversation import MAX_CHOICES
+from tokenizer_svc.conversation import MAX_CACHE_SALT, MAX_CHOICES
 from tokenizer_svc.errors import InvalidRequest
 
 log = logging.getLogger(__name__)
@@ -79,6 +81,7 @@ ROLES = {
 KNOWN = {
     "model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
     "stop", "min_tokens", "stop_token_ids", "n", "stream", "stream_options", "logprobs", "top_logprobs", "user",
+    "cache_salt",
 }  # fmt: skip
 
 
@@ -237,6 +240,13 @@ def _finish(body: dict[str, Any], request: tokenizer_pb2.GenerateRequest) -> Cal
     if n is not None and not 1 <= n <= MAX_CHOICES:
         raise _invalid(f"n must be within [1, {MAX_CHOICES}]", "n")
     request.n = n or 1
+    salt = body.get("cache_salt")
+    if salt is not None:
+        if not isinstance(salt, str) or not salt or len(salt) > MAX_CACHE_SALT:
+            raise _invalid(
+                f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT} characters", "cache_salt"
+            )
+        request.cache_salt = salt
     options = body.get("stream_options")
     include_usage = isinstance(options, dict) and options.get("include_usage", True) is True
     return Call(request, n or 1, body.get("stream") is True, include_usage)
@@ -284,6 +294,7 @@ class Choices:
         self.text = [""] * n
         self.finish: list[str | None] = [None] * n
         self.prompt_tokens = 0
+        self.cached_tokens = 0  # of the prompt's, from the scheduler's prefix cache (the most of any choice)
         self.completion_tokens = [0] * n
         self.logprobs: list[list[dict[str, Any]]] = [[] for _ in range(n)]
         self.tokens = tokens
@@ -304,6 +315,7 @@ class Choices:
             f = response.finished
             self.finish[i] = FINISH.get(f.finish_reason, "stop")
             self.prompt_tokens = f.prompt_tokens
+            self.cached_tokens = max(self.cached_tokens, f.cached_tokens)
             self.completion_tokens[i] = f.completion_tokens
             return Shown("", self.finish[i], [])
         return None
@@ -320,12 +332,13 @@ class Choices:
     def _text(self, token: int) -> str:
         return str(self.tokens.decode([token])) if self.tokens is not None else str(token)
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
         completion = sum(self.completion_tokens)
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": completion,
             "total_tokens": self.prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
 
 

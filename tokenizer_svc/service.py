@@ -37,7 +37,7 @@ from mmsplit_server.handoff import cuda_ipc, files, grants, ranges, reference
 from mmsplit_server.handoff.reference import NUMPY_TO_DTYPE, CudaRef, TensorSpec
 from mmsplit_server.sampling import Sampling
 from tokenizer_svc.cache import PreprocessCache, fingerprint
-from tokenizer_svc.conversation import MAX_CHOICES, Located, Parsed, choice_request, parse
+from tokenizer_svc.conversation import MAX_CACHE_SALT, MAX_CHOICES, Located, Parsed, choice_request, parse
 from tokenizer_svc.detokenize import StopMatcher, make_decoder, stream_text
 from tokenizer_svc.downstream import SchedulerLink, Schedulers
 from tokenizer_svc.errors import (
@@ -285,6 +285,7 @@ class TokenizerService:
                 input_ids=prompt.input_ids,
                 items=[self._item(r, runs, transport, granted) for runs, r in items],
                 sampling=request.sampling,
+                cache_salt=request.cache_salt,
             )
             if transport != common_pb2.TRANSPORT_SHM:
                 # Their bytes are in the message now: one-off segments have done their job.
@@ -360,13 +361,14 @@ class TokenizerService:
         stream here, and closing the call aborts the request downstream."""
         decoder = make_decoder(self.tokenizer)
         stops = StopMatcher(tuple(downstream.sampling.stop))
-        completion = 0
+        completion = cached = 0
         try:
             async for event in stream:
                 kind = event.WhichOneof("event")
                 if kind == "accepted":
                     yield None
                 elif kind == "tokens":
+                    cached = cached or event.tokens.cached_tokens
                     ids = list(event.tokens.token_ids)
                     text, kept = stream_text(decoder, stops, ids)
                     del ids[kept:]  # those after the token a stop string falls in are not reported
@@ -374,7 +376,9 @@ class TokenizerService:
                     delta = tokenizer_pb2.TextDelta(text=text, token_ids=ids, logprobs=event.tokens.logprobs[:kept])
                     yield tokenizer_pb2.GenerateResponse(request_id=rid, delta=delta)
                     if stops.stopped:
-                        yield _finished(rid, common_pb2.FINISH_REASON_STOP, len(downstream.input_ids), completion)
+                        yield _finished(
+                            rid, common_pb2.FINISH_REASON_STOP, len(downstream.input_ids), completion, cached
+                        )
                         return
                 elif kind == "finished":
                     f = event.finished
@@ -383,7 +387,7 @@ class TokenizerService:
                     if tail:
                         yield tokenizer_pb2.GenerateResponse(request_id=rid, delta=tokenizer_pb2.TextDelta(text=tail))
                     reason = common_pb2.FINISH_REASON_STOP if stops.stopped else f.finish_reason
-                    yield _finished(rid, reason, f.prompt_tokens, f.completion_tokens)
+                    yield _finished(rid, reason, f.prompt_tokens, f.completion_tokens, f.cached_tokens)
                     return
         finally:
             await stream.aclose()  # cancels the call downstream when it has not ended
@@ -396,6 +400,10 @@ class TokenizerService:
 
     def _validate(self, request: tokenizer_pb2.GenerateRequest) -> Parsed:
         Sampling.from_pb(request.sampling, max_tokens_limit=self.settings.max_tokens_limit)
+        if len(request.cache_salt) > MAX_CACHE_SALT:
+            raise InvalidRequest(
+                f"cache_salt must be at most {MAX_CACHE_SALT} characters", metadata={"param": "cache_salt"}
+            )
         return parse(request, self.settings, self.family)
 
     async def _prepare_media(self, media: list[Located], rid: str, transport: int) -> list[Prepared]:
@@ -770,13 +778,16 @@ def _release(prepared: list[Prepared]) -> None:
         p.release()
 
 
-def _finished(rid: str, reason: int, prompt_tokens: int, completion_tokens: int) -> tokenizer_pb2.GenerateResponse:
+def _finished(
+    rid: str, reason: int, prompt_tokens: int, completion_tokens: int, cached_tokens: int
+) -> tokenizer_pb2.GenerateResponse:
     return tokenizer_pb2.GenerateResponse(
         request_id=rid,
         finished=tokenizer_pb2.Finished(
             finish_reason=reason,  # type: ignore[arg-type]
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
+            cached_tokens=cached_tokens,
         ),
     )
 

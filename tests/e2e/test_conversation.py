@@ -156,3 +156,41 @@ def test_n_choices_over_grpc_are_tagged_seeded_and_each_finished(chat_pair: tupl
         sampled.n = 9
         out = run_request(stub, sampled, timeout=30)
     assert (out.reason, out.metadata.get("param")) == ("INVALID_REQUEST", "n")
+
+
+def test_a_conversation_resent_whole_each_turn_hits_the_prefix_cache_and_keeps_its_tokens(
+    chat_pair: tuple[str, Pair],
+) -> None:
+    """Four turns of one chat, each resent whole with the answers so far
+    (images in turns 1 and 3), the way chat clients do: every turn's
+    tokens equal `generate` on the whole conversation (the scheduler's
+    prefix cache is on by default), and turns 2 to 4 report prompt tokens
+    taken from it."""
+    from tokenizer_svc.decode import decode_image
+
+    family, pair = chat_pair
+    a, b = png(96, 128, 5), png(128, 96, 6)
+    asks: list[list[Any]] = [
+        ["Describe this picture: its colors, its shapes, where the light comes from and what it shows.", ImagePart(a)],
+        ["Now say it again in other words, at more length, for a child who cannot see it."],
+        [ImagePart(b), "And this second picture: how does it differ from the first one?"],
+        ["Which of the two would you hang in a kitchen, and why?"],
+    ]
+    messages: list[tuple[str, Any]] = [("system", "You are a careful describer of pictures.")]
+    proc = hf_family.processor(pair.model)
+    with grpc.insecure_channel(pair.tokenizer_address) as channel:
+        stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
+        for turn, ask in enumerate(asks):
+            messages.append(("user", ask))
+            out = run_request(stub, build_request(messages=messages, max_tokens=MAX_TOKENS), timeout=120)
+            assert out.ok, (family, turn, out)
+            text = proc.apply_chat_template(as_hf(messages), tokenize=False, add_generation_prompt=True)
+            shown = [p.source for _, content in messages if not isinstance(content, str) for p in content
+                     if isinstance(p, ImagePart)]  # fmt: skip
+            images = [decode_image(x, max_pixels=10**8) for x in shown]
+            assert out.token_ids == hf_family.generate(pair.model, proc, text, images, MAX_TOKENS), (family, turn)
+            if turn:
+                assert out.cached_tokens > 0, (family, turn, out)
+            else:
+                assert out.cached_tokens == 0
+            messages.append(("assistant", out.text))

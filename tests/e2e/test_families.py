@@ -148,8 +148,9 @@ def test_greedy_tokens_equal_the_model_in_one_batch(family_pair: tuple[str, Pair
         chunked = [line for line in pair.scheduler.log_path.read_text().splitlines() if "prefilled in chunks" in line]
         assert len(chunked) >= 2 * 4, "the media asks were not prefilled in chunks (a line per rank each)"
 
-    # Sent again, one at a time: the items' encoder outputs come from the
-    # scheduler's cache (counted), and the tokens are the same.
+    # Sent again, one at a time, under another cache_salt (so no block of
+    # the prefix cache serves them): the items' encoder outputs come from
+    # the scheduler's encoder cache (counted), and the tokens are the same.
     again = [0, 4] if family.startswith("qwen") else [0]
     hits_before = scheduler_info(pair.scheduler_address).encoder_cache_hits
     with grpc.insecure_channel(pair.tokenizer_address) as channel:
@@ -158,10 +159,22 @@ def test_greedy_tokens_equal_the_model_in_one_batch(family_pair: tuple[str, Pair
             parts = asks[i]
             prompt = "".join(markers[p[0]] if isinstance(p, tuple) else p for p in parts)
             request = make_request(prompt, media(parts, "image"), videos=media(parts, "video"), max_tokens=MAX_TOKENS)
+            request.cache_salt = "another tenant"
             repeat = run_request(stub, request, timeout=120)
             assert repeat.token_ids == outs[i].token_ids, (family, parts)
-    hits = scheduler_info(pair.scheduler_address).encoder_cache_hits - hits_before
-    assert hits == len(again), (family, hits)
+            assert repeat.cached_tokens == 0, "a salt of its own shares no block"
+        hits = scheduler_info(pair.scheduler_address).encoder_cache_hits - hits_before
+        assert hits == len(again), (family, hits)
+        # A prompt with text after its image, twice: the second takes the
+        # first's blocks through the image from the prefix cache (the same
+        # on both ranks) and makes the same tokens.
+        prompt = (
+            markers["image"] + " Tell me all about this picture: its colors, its shapes, its light, in long sentences."
+        )
+        first, second = (run_request(stub, make_request(prompt, [square], max_tokens=MAX_TOKENS)) for _ in range(2))
+        assert first.ok, first
+        assert second.token_ids == first.token_ids, family
+        assert second.cached_tokens > max(first.cached_tokens, 63), (family, first.cached_tokens, second.cached_tokens)
     assert wait_until(lambda: rank_active_requests(pair.scheduler_address) == [0, 0], timeout=10)
 
 

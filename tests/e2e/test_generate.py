@@ -182,8 +182,9 @@ def test_error_info_carries_request_id_and_retriable(stub) -> None:
 
 def test_an_image_seen_before_is_served_from_both_caches(services: Services) -> None:
     """The tokenizer's preprocessing cache and the scheduler's encoder-output
-    cache (both ranks) each count one miss, then one hit; the tokens are the
-    same either way."""
+    cache (both ranks) each count one miss, then one hit (the second request
+    under a cache_salt of its own, so that the prefix cache does not serve
+    the image first); the tokens are the same either way."""
     from mmsplit.tokenizer.v1 import tokenizer_pb2
     from tests.e2e.helpers import scheduler_info
 
@@ -202,7 +203,9 @@ def test_an_image_seen_before_is_served_from_both_caches(services: Services) -> 
         before, encoder_before = info(), encoder()
         first = run_request(stub, make_request("Describe it.", [image], max_tokens=4), timeout=60)
         between, encoder_between = info(), encoder()
-        second = run_request(stub, make_request("Describe it.", [image], max_tokens=4), timeout=60)
+        again = make_request("Describe it.", [image], max_tokens=4)
+        again.cache_salt = "test_an_image_seen_before"
+        second = run_request(stub, again, timeout=60)
         after, encoder_after = info(), encoder()
     assert first.ok, first
     assert second.ok, second

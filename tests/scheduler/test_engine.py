@@ -15,7 +15,16 @@ import torch
 from mmsplit.errors import E
 from scheduler_svc.engine import Engine, all_finite
 from scheduler_svc.plan import NewRequest, Plan, StepOutcome
-from tests.support.engine_kit import InlineReader, SoloGroup, pixels, request
+from tests.support.engine_kit import (
+    InlineReader,
+    SoloGroup,
+    drive,
+    image_prompt,
+    pixels,
+    reference,
+    request,
+    solo_engine,
+)
 
 
 @pytest.fixture(scope="module")
@@ -29,59 +38,6 @@ def model(tiny_model: Path) -> torch.nn.Module:
 def engine(model: torch.nn.Module) -> Engine:
     eos = frozenset([int(model.config.text_config.eos_token_id)])
     return Engine(model, SoloGroup(), InlineReader(), torch.device("cpu"), eos_token_ids=eos, token_chunk=32)
-
-
-def reference(model: torch.nn.Module, req: NewRequest) -> list[int]:
-    """Greedy by full recomputation, stopping at EOS like the scheduler."""
-    eos = model.config.text_config.eos_token_id
-    seq = list(req.input_ids)
-    images = [torch.frombuffer(bytearray(s.inline or b""), dtype=torch.float32).reshape(s.shape) for s in req.specs]
-    extra = {"pixel_values": torch.cat(images)} if images else {}
-    out: list[int] = []
-    with torch.inference_mode():
-        while len(out) < req.sampling.max_tokens:
-            token = int(model(input_ids=torch.tensor([seq]), **extra).logits[0, -1].argmax())  # type: ignore[operator]
-            out.append(token)
-            if token == eos:
-                break
-            seq.append(token)
-    return out
-
-
-def drive(engine: Engine, arrivals: dict[int, list[NewRequest]], eos: int) -> dict[str, list[int] | str]:
-    """Run plans the way the step loop makes them: joins at their step,
-    each running request fed its last token, finished or failed ones dropped
-    in the next plan. Returns each request's tokens, or its error."""
-    results: dict[str, list[int] | str] = {}
-    limits: dict[str, int] = {}
-    feeds: dict[str, int] = {}
-    drop: list[str] = []
-    step = 0
-    while step <= max(arrivals) or feeds or drop:
-        new = tuple(arrivals.get(step, ()))
-        limits.update({r.request_id: r.sampling.max_tokens for r in new})
-        outcome = engine.step(Plan(step=step, new=new, drop=tuple(drop), feed=tuple(feeds.items())))
-        drop, feeds = [], {}
-        for rid, failure in outcome.failed.items():
-            results[rid] = f"failed:{failure.code}"
-        for rid, why in outcome.rejected.items():
-            results[rid] = f"rejected:{why}"
-            drop.append(rid)
-        for rid, token in outcome.sampled.items():
-            made = results.setdefault(rid, [])
-            assert isinstance(made, list)
-            made.append(token)
-            if token == eos or len(made) >= limits[rid]:
-                drop.append(rid)
-            else:
-                feeds[rid] = token
-        step += 1
-    assert not engine.rows, "every request left"
-    return results
-
-
-def image_prompt(model: torch.nn.Module, n_images: int, text: list[int]) -> list[int]:
-    return [1, *([model.config.image_token_id] * 64 * n_images), *text]
 
 
 def test_continuous_batching_with_images_equals_greedy_decoding(model: torch.nn.Module, engine: Engine) -> None:
@@ -188,17 +144,7 @@ def test_one_non_finite_value_anywhere_is_found(dtype: torch.dtype) -> None:
 def encoding_engine(model: torch.nn.Module, hook: object = None) -> Engine:
     """An engine of a group of one whose family's encoder outputs are cached
     (so the vision tower runs apart from the prefill forward)."""
-    eos = frozenset([int(model.config.text_config.eos_token_id)])
-    return Engine(
-        model,
-        SoloGroup(),
-        InlineReader(),
-        torch.device("cpu"),
-        eos_token_ids=eos,
-        token_chunk=32,
-        encoder_cache_bytes=64 << 20,
-        hook=hook,
-    )
+    return solo_engine(model, encoder_cache_bytes=64 << 20, hook=hook)
 
 
 def test_items_of_one_step_are_keyed_together_and_hit_the_encoder_cache(model: torch.nn.Module) -> None:

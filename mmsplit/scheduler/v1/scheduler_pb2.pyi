@@ -8,40 +8,46 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "input_ids", "pixel_values", "sampling", "items")
+    __slots__ = ("request_id", "input_ids", "pixel_values", "sampling", "items", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     PIXEL_VALUES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     ITEMS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     input_ids: _containers.RepeatedScalarFieldContainer[int]
     pixel_values: _containers.RepeatedCompositeFieldContainer[_common_pb2.TensorRef]
     sampling: _common_pb2.SamplingParams
     items: _containers.RepeatedCompositeFieldContainer[_common_pb2.MultimodalItem]
-    def __init__(self, request_id: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., pixel_values: _Optional[_Iterable[_Union[_common_pb2.TensorRef, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., items: _Optional[_Iterable[_Union[_common_pb2.MultimodalItem, _Mapping]]] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, request_id: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., pixel_values: _Optional[_Iterable[_Union[_common_pb2.TensorRef, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., items: _Optional[_Iterable[_Union[_common_pb2.MultimodalItem, _Mapping]]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class Accepted(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class Tokens(_message.Message):
-    __slots__ = ("token_ids", "logprobs")
+    __slots__ = ("token_ids", "logprobs", "cached_tokens")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class Finished(_message.Message):
-    __slots__ = ("finish_reason", "prompt_tokens", "completion_tokens")
+    __slots__ = ("finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     finish_reason: _common_pb2.FinishReason
     prompt_tokens: int
     completion_tokens: int
-    def __init__(self, finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("accepted", "tokens", "finished")

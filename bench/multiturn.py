@@ -1,0 +1,216 @@
+"""Multi-turn chat with images: what the scheduler's prefix cache saves, and
+what it costs when nothing is shared.
+
+In ONE run, on the 8-layer 512-wide tiny LLaVA, the scheduler's `Engine` in
+this process (a group of one; its encoder cache on, as in service), with
+the prefix cache on (`--prefix-cache-bytes`, default 1 GiB) and off, arms
+interleaved over rounds:
+
+- **multi-turn**: C conversations at once, 4 turns each. Turn 1 is a
+  system prompt of S tokens, an image and a question; each later turn
+  resends the whole conversation — every earlier prompt and answer — plus
+  a new question, as chat clients do. The C conversations' turn t join in
+  one step; a turn's time to first token is that step's time (its prefill
+  and the first token). Printed per turn: TTFT with the cache on and off
+  and their ratio, the share of the prompt taken from the cache, and
+  tokens/s over the whole workload.
+- **no shared prefix**: the same number of requests and tokens, every
+  prompt its own random text (the cache looks up, misses, and keeps every
+  finished request's blocks): tokens/s with the cache on and off.
+
+Also whether both arms made the same tokens (greedy: they must).
+
+    python bench/multiturn.py [--conversations 4] [--system 300] [--answer 8] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness import SoloGroup, build_model, inline_reader, scratch_dir, table
+
+TURNS = 4
+IMAGE_TOKENS = 64  # the tiny LLaVA's placeholders per image
+IMAGE_TOKEN_ID = 32000
+
+
+def engine(model: Any, prefix_bytes: int) -> Any:
+    import torch
+
+    from scheduler_svc.engine import Engine
+
+    return Engine(model, SoloGroup(), inline_reader(), torch.device("cpu"), eos_token_ids=frozenset(),
+                  encoder_cache_bytes=256 << 20, prefix_cache_bytes=prefix_bytes)  # fmt: skip
+
+
+def image(seed: int) -> Any:
+    import numpy as np
+
+    from mmsplit.common.v1 import common_pb2
+    from mmsplit_server.handoff.reference import TensorSpec
+
+    array = np.random.default_rng(seed).standard_normal((1, 3, 224, 224), dtype=np.float32)
+    return TensorSpec(common_pb2.DTYPE_FLOAT32, (1, 3, 224, 224), inline=array.tobytes())
+
+
+def request(rid: str, ids: list[int], pictures: list[Any], answer: int) -> Any:
+    from mmsplit.common.v1 import common_pb2
+    from mmsplit_server.sampling import Sampling
+    from scheduler_svc.plan import Item, NewRequest
+
+    runs = [i for i, t in enumerate(ids) if t == IMAGE_TOKEN_ID and (i == 0 or ids[i - 1] != IMAGE_TOKEN_ID)]
+    items = tuple(
+        Item(common_pb2.MODALITY_IMAGE, (("pixel_values", spec),), {}, ((start, IMAGE_TOKENS),))
+        for start, spec in zip(runs, pictures, strict=True)
+    )
+    return NewRequest(rid, tuple(ids), items, Sampling(max_tokens=answer, min_tokens=answer))
+
+
+def run_turns(eng: Any, batches: list[list[Any]]) -> tuple[list[float], dict[str, list[int]], float, int]:
+    """Each batch joins in one step and decodes to its end before the next
+    joins. (the join steps' seconds, every request's tokens, the whole
+    time, tokens made)."""
+    from scheduler_svc.plan import Plan
+
+    made: dict[str, list[int]] = {}
+    joins: list[float] = []
+    step = 0
+    started = time.perf_counter()
+    for batch in batches:
+        feeds: dict[str, int] = {}
+        drop: tuple[str, ...] = ()
+        new = tuple(batch)
+        while new or feeds or drop:
+            t0 = time.perf_counter()
+            outcome = eng.step(Plan(step=step, new=new, drop=drop, feed=tuple(feeds.items()), keep=drop))
+            if new:
+                joins.append(time.perf_counter() - t0)
+            step += 1
+            new, feeds, done = (), {}, []
+            for rid, token in outcome.sampled.items():
+                made.setdefault(rid, []).append(token)
+                if len(made[rid]) >= batch[0].sampling.max_tokens:
+                    done.append(rid)
+                else:
+                    feeds[rid] = token
+            drop = tuple(done)
+    return joins, made, time.perf_counter() - started, sum(len(v) for v in made.values())
+
+
+Workload = tuple[list[list[float]], dict[str, list[int]], float, int]
+
+
+def conversations(eng: Any, n: int, system: int, answer: int, seed: int) -> Workload:
+    """The multi-turn workload: per turn, each step's join time."""
+    rng = random.Random(seed)
+    prefix = [1, *(rng.randrange(100, 30000) for _ in range(system))]
+    chats = [
+        {"ids": [*prefix, *([IMAGE_TOKEN_ID] * IMAGE_TOKENS)], "pictures": [image(seed * 100 + c)]} for c in range(n)
+    ]
+    per_turn: list[list[float]] = []
+    made: dict[str, list[int]] = {}
+    total, tokens = 0.0, 0
+    for turn in range(TURNS):
+        batch = []
+        for c, chat in enumerate(chats):
+            chat["ids"] = [*chat["ids"], *(rng.randrange(100, 30000) for _ in range(rng.randrange(20, 40)))]
+            batch.append(request(f"c{c}t{turn}", chat["ids"], chat["pictures"], answer))
+        joins, out, seconds, count = run_turns(eng, [batch])
+        per_turn.append(joins)
+        made |= out
+        total += seconds
+        tokens += count
+        for c, chat in enumerate(chats):
+            chat["ids"] = [*chat["ids"], *out[f"c{c}t{turn}"]]
+    return per_turn, made, total, tokens
+
+
+def unshared(eng: Any, n: int, lengths: list[int], answer: int, seed: int) -> tuple[float, int, dict[str, list[int]]]:
+    """As many requests as the multi-turn workload, of its prompt lengths,
+    every prompt its own random text."""
+    rng = random.Random(seed + 7)
+    batches = [
+        [
+            request(f"u{t}-{c}", [1, *(rng.randrange(100, 30000) for _ in range(length - 1))], [], answer)
+            for c in range(n)
+        ]
+        for t, length in enumerate(lengths)
+    ]
+    _, made, seconds, tokens = run_turns(eng, batches)
+    return seconds, tokens, made
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--conversations", type=int, default=4)
+    parser.add_argument("--system", type=int, default=300, help="system prompt tokens")
+    parser.add_argument("--answer", type=int, default=8, help="tokens of each answer")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--workdir", type=Path, default=None)
+    args = parser.parse_args()
+
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    torch.set_grad_enabled(False)
+    with scratch_dir(args.workdir) as workdir:
+        model = AutoModelForImageTextToText.from_pretrained(build_model("8x512", workdir), dtype=torch.float32).eval()
+        arms = {"on": 1 << 30, "off": 0}
+        ttft: dict[str, list[list[float]]] = {arm: [[] for _ in range(TURNS)] for arm in arms}
+        rate: dict[str, list[float]] = {arm: [] for arm in arms}
+        flat: dict[str, list[float]] = {arm: [] for arm in arms}
+        same = True
+        hit = prompt = 0
+        lengths: list[int] = []
+        for r in range(args.rounds + 1):  # round 0 warms up and is not counted
+            made: dict[str, dict[str, list[int]]] = {}
+            for arm, size in arms.items():
+                eng = engine(model, size)
+                per_turn, made[arm], seconds, tokens = conversations(
+                    eng, args.conversations, args.system, args.answer, r
+                )
+                if arm == "on":
+                    hit += eng.prefix_cache.hit_tokens if r else 0
+                    prompt += eng.prefix_cache.prompt_tokens if r else 0
+                if r:
+                    for t, joins in enumerate(per_turn):
+                        ttft[arm][t] += joins
+                    rate[arm].append(tokens / seconds)
+            same &= made["on"] == made["off"]
+            lengths = [args.system + IMAGE_TOKENS + 30 + t * (30 + args.answer) for t in range(TURNS)]
+            unshared_made = {}
+            for arm, size in arms.items():
+                eng = engine(model, size)
+                seconds, tokens, unshared_made[arm] = unshared(eng, args.conversations, lengths, args.answer, r)
+                if r:
+                    flat[arm].append(tokens / seconds)
+            same &= unshared_made["on"] == unshared_made["off"]
+        rows = []
+        for t in range(TURNS):
+            on, off = statistics.median(ttft["on"][t]), statistics.median(ttft["off"][t])
+            rows.append([t + 1, f"{off * 1000:.0f}", f"{on * 1000:.0f}", f"{on / off:.2f}x"])
+        print(f"{args.conversations} conversations x {TURNS} turns: a {args.system}-token system prompt, an image "
+              f"({IMAGE_TOKENS} tokens) and a question, then the whole conversation again each turn with a new "
+              f"question; {args.answer}-token answers; {args.rounds} rounds, arms interleaved")  # fmt: skip
+        print(table(["turn", "TTFT off ms", "TTFT on ms", "on/off"], rows))
+        later = [statistics.median(ttft["on"][t]) / statistics.median(ttft["off"][t]) for t in range(1, TURNS)]
+        print(f"turns 2-{TURNS}: TTFT with the cache {max(later):.2f}x of without at worst (target <= 0.25x)")
+        print(f"prompt tokens taken from the cache: {hit / max(prompt, 1):.0%} of all (turn 1 included)")
+        on, off = statistics.median(rate["on"]), statistics.median(rate["off"])
+        print(f"multi-turn tokens/s: on {on:.0f}, off {off:.0f} ({on / off:.2f}x)")
+        on, off = statistics.median(flat["on"]), statistics.median(flat["off"])
+        print(f"no shared prefix ({args.conversations} x {TURNS} requests of {lengths[0]}-{lengths[-1]} tokens): "
+              f"tokens/s on {on:.0f}, off {off:.0f} ({on / off:.3f}x; target >= 0.97x)")  # fmt: skip
+        print(f"same tokens with the cache on and off (every request, every round): {same}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,210 @@
+"""The prefix cache: the KV of finished requests, kept in blocks, so a later
+request whose prompt starts with the same blocks skips their prefill (a chat
+client resends the whole conversation, images included, every turn).
+
+A block is `BLOCK_TOKENS` prompt (or generated) tokens. Its key chains:
+
+- its parent's key (the first block's parent is the request's `cache_salt`,
+  so tenants with different salts never share a block);
+- its token ids;
+- for every multimodal placeholder run it overlaps: that item's digest —
+  the scheduler's own hash of the tensors it read and their side values
+  (grids, sizes), never a hash a client or tokenizer brought — the run's
+  index and where in the run the block starts.
+
+Placeholder ids are the same for every image, so ids alone would give a new
+image the previous image's KV; with the item's digest in the key the same
+text with another image misses from the image's first block on. A match
+ends on a block boundary that is outside every item's span (never between an
+item's first and last placeholder, so what follows the match needs whole
+items only) and leaves at least the prompt's last token to prefill (its
+logits make the first token).
+
+Every rank must hold the same blocks in the same order (a hit changes the
+prefill's shape, and under TP the forward's collectives must match): the
+store changes only at points every rank reaches in plan order — blocks kept
+when a row leaves (`keep`, for the requests the plan names), touched when a
+joiner every rank agreed on takes its match (`take`) — and eviction is least
+recently used by that order, never by time. A match's length and the
+store's `history` (a digest of every change made to it, which determines
+its blocks and their order) are part of the step's agreement digest, so
+ranks whose stores somehow differ use no cached block. Within one chain a parent is always more recent than its
+children (a chain is touched leaf first), so eviction never orphans a block.
+
+A block is stored as one tensor ``[layers, 2 (keys, values), kv heads, BLOCK_TOKENS,
+head dim]`` on the model's device, this rank's shard of the heads under TP.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from mmsplit_server.lru import ByteLRU
+
+BLOCK_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class Runs:
+    """A prompt's multimodal items as the keys need them: per item, its
+    digest and its placeholder runs ``(offset, length)``."""
+
+    digests: tuple[bytes, ...] = ()
+    placeholders: tuple[tuple[tuple[int, int], ...], ...] = ()
+
+    def spans(self) -> list[tuple[int, int]]:
+        """Each item's span: from its first placeholder to past its last."""
+        return [(runs[0][0], runs[-1][0] + runs[-1][1]) for runs in self.placeholders if runs]
+
+
+@dataclass(frozen=True)
+class Match:
+    """What a prompt could take from the store: the keys of its first
+    `tokens // BLOCK_TOKENS` blocks."""
+
+    keys: tuple[bytes, ...]
+
+    @property
+    def tokens(self) -> int:
+        return len(self.keys) * BLOCK_TOKENS
+
+
+NO_MATCH = Match(())
+
+
+def chain(ids: Sequence[int], runs: Runs, salt: str = "", *, blocks: int | None = None) -> list[bytes]:
+    """The keys of the first `blocks` full blocks of `ids` (all by default)."""
+    n = len(ids) // BLOCK_TOKENS if blocks is None else min(blocks, len(ids) // BLOCK_TOKENS)
+    # Per block, the runs it overlaps: (item, run index, where in the run the block starts).
+    overlaps: list[list[tuple[int, int, int]]] = [[] for _ in range(n)]
+    for item, item_runs in enumerate(runs.placeholders):
+        for r, (offset, length) in enumerate(item_runs):
+            first, last = offset // BLOCK_TOKENS, (offset + length - 1) // BLOCK_TOKENS
+            for b in range(first, min(last + 1, n)):
+                overlaps[b].append((item, r, b * BLOCK_TOKENS - offset))
+    parent = hashlib.blake2b(b"mmsplit-prefix-v1|" + salt.encode(), digest_size=16).digest()
+    keys: list[bytes] = []
+    for b in range(n):
+        h = hashlib.blake2b(parent, digest_size=16)
+        h.update(struct.pack(f"<{BLOCK_TOKENS}q", *ids[b * BLOCK_TOKENS : (b + 1) * BLOCK_TOKENS]))
+        for item, r, start in overlaps[b]:
+            h.update(runs.digests[item] + struct.pack("<IIq", item, r, start))
+        parent = h.digest()
+        keys.append(parent)
+    return keys
+
+
+def usable_blocks(prompt_length: int, runs: Runs) -> int:
+    """How many leading blocks of a prompt a match may cover: it must leave
+    the last token to prefill and end outside every item's span."""
+    n = (prompt_length - 1) // BLOCK_TOKENS
+    spans = runs.spans()
+    while n > 0 and any(lo < n * BLOCK_TOKENS < hi for lo, hi in spans):
+        n -= 1
+    return n
+
+
+class PrefixCache:
+    def __init__(self, capacity_bytes: int) -> None:
+        self._blocks: ByteLRU[torch.Tensor] = ByteLRU(capacity_bytes)
+        # Counted on every rank alike; the services report rank 0's.
+        self.lookups = 0  # prompts looked up (requests joining)
+        self.hits = 0  # of them, those that took at least one block
+        self.prompt_tokens = 0  # prompt tokens looked up
+        self.hit_tokens = 0  # of them, the ones taken from the store
+        # Every change so far, chained: equal on two ranks exactly when
+        # their stores went through the same changes (so hold the same blocks
+        # in the same order).
+        self.history = bytes(16)
+
+    @property
+    def enabled(self) -> bool:
+        return self._blocks.enabled
+
+    @property
+    def nbytes(self) -> int:
+        return self._blocks.bytes
+
+    @property
+    def capacity(self) -> int:
+        return self._blocks.capacity
+
+    @property
+    def evictions(self) -> int:
+        return self._blocks.evictions
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def keys(self) -> list[bytes]:
+        """Every block's key, least recently used first."""
+        return self._blocks.keys()
+
+    def fingerprint(self) -> str:
+        """A digest of `keys()` (for the debug log that tests compare across ranks)."""
+        return hashlib.blake2b(b"".join(self.keys()), digest_size=8).hexdigest()
+
+    def match(self, ids: Sequence[int], runs: Runs, salt: str = "") -> Match:
+        """The longest usable run of stored blocks `ids` starts with; changes nothing."""
+        if not self.enabled:
+            return NO_MATCH
+        keys = chain(ids, runs, salt, blocks=usable_blocks(len(ids), runs))
+        return Match(tuple(keys[: self.held(keys)]))
+
+    def take(self, match: Match, prompt_tokens: int) -> torch.Tensor | None:
+        """A match's KV ``[layers, 2, heads, tokens, head dim]`` (None for an
+        empty match), its blocks made most recent; counts the lookup."""
+        self.lookups += 1
+        self.prompt_tokens += prompt_tokens
+        if not match.keys:
+            return None
+        blocks = [self._blocks.peek(key) for key in match.keys]
+        if any(block is None for block in blocks):
+            raise RuntimeError("a matched block left the prefix cache before it was taken")
+        self._record(b"take", match.keys)
+        self._touch(match.keys)
+        self.hits += 1
+        self.hit_tokens += match.tokens
+        return torch.cat(blocks, dim=3)  # type: ignore[arg-type]
+
+    def held(self, keys: Sequence[bytes]) -> int:
+        """How many of `keys`' leading blocks are stored."""
+        n = 0
+        while n < len(keys) and self._blocks.peek(keys[n]) is not None:
+            n += 1
+        return n
+
+    def keep(self, keys: Sequence[bytes], kv: torch.Tensor | None, *, first: int = 0) -> int:
+        """Store a leaving row's blocks under `keys` (one per block, as `chain`
+        made them), the first `first` of which are stored already; `kv`
+        ``[layers, 2, heads, (len(keys) - first) x BLOCK_TOKENS, head dim]``
+        holds the others (None when there are none). As many blocks as the
+        budget holds are kept, and the chain made most recent. The blocks added."""
+        if not self.enabled or not keys:
+            return 0
+        self._record(b"keep", keys)
+        added = 0
+        if kv is not None:
+            block_bytes = kv[:, :, :, :BLOCK_TOKENS].numel() * kv.element_size()
+            fits = self.capacity // block_bytes
+            for b in range(first, min(len(keys), fits)):
+                block = kv[:, :, :, (b - first) * BLOCK_TOKENS : (b - first + 1) * BLOCK_TOKENS].clone()
+                self._blocks.put(keys[b], block, block_bytes)
+                added += 1
+            keys = keys[:fits]
+        self._touch(keys)
+        return added
+
+    def _record(self, change: bytes, keys: Sequence[bytes]) -> None:
+        self.history = hashlib.blake2b(self.history + change + b"".join(keys), digest_size=16).digest()
+
+    def _touch(self, keys: Sequence[bytes]) -> None:
+        # Leaf first, so the root ends most recent: eviction takes a
+        # chain's deepest blocks before their parents.
+        for key in reversed(keys):
+            self._blocks.touch(key)

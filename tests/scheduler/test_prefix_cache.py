@@ -1,0 +1,182 @@
+"""The prefix cache in the engine of a group of one (the tiny LLaVA):
+conversations resent whole, images included, take their earlier turns'
+blocks and make the greedy tokens they make with the cache off; a key never
+lets a new image, another position or another tenant's salt reuse a block;
+the store stays within its bytes."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from scheduler_svc.engine import Engine
+from scheduler_svc.plan import NewRequest
+from scheduler_svc.prefix_cache import BLOCK_TOKENS, PrefixCache, Runs, chain, usable_blocks
+from tests.support.engine_kit import drive, pixels, reference, request, solo_engine
+
+IMAGE_TOKENS = 64  # the tiny LLaVA's placeholders per image
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model: Path) -> torch.nn.Module:
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText.from_pretrained(tiny_model, dtype=torch.float32).eval()
+
+
+def make_engine(model: torch.nn.Module, *, prefix: int, encoder: int = 64 << 20, chunk: int = 0) -> Engine:
+    return solo_engine(model, encoder_cache_bytes=encoder, prefix_cache_bytes=prefix, prefill_chunk=chunk)
+
+
+# ---- keys ----
+def runs_of(req: NewRequest, digests: list[bytes]) -> Runs:
+    return Runs(tuple(digests), tuple(item.placeholders for item in req.items))
+
+
+def test_a_key_covers_the_item_the_salt_and_everything_before() -> None:
+    text = list(range(100, 100 + 3 * BLOCK_TOKENS))
+    ids = [*text[:20], *([7] * 40), *text[:20]]  # an image run at 20..59
+    runs_a = Runs((b"A" * 16,), (((20, 40),),))
+    runs_b = Runs((b"B" * 16,), (((20, 40),),))
+    a, b = chain(ids, runs_a), chain(ids, runs_b)
+    assert len(a) == len(ids) // BLOCK_TOKENS == 5
+    assert a[0] == b[0], "the block before the image is the same text"
+    assert all(x != y for x, y in zip(a[1:], b[1:], strict=True)), "another image: no block from its first on"
+    moved = chain([*text[:4], *ids[:-4]], Runs((b"A" * 16,), (((24, 40),),)))
+    assert not set(moved) & set(a), "the same image at another position shares nothing"
+    assert not set(chain(ids, runs_a, "tenant-2")) & set(a), "another salt shares nothing"
+    assert chain(ids, runs_a) == a, "keys are a function of their inputs"
+    # A match ends outside the image's span and leaves the last token to prefill.
+    assert usable_blocks(len(ids), runs_a) == 4  # 64: past the image
+    assert usable_blocks(50, runs_a) == 1  # 16 (32 and 48 are inside 20..60)
+    assert usable_blocks(65, Runs()) == 4
+    assert usable_blocks(64, Runs()) == 3
+
+
+def test_the_store_keeps_within_its_bytes_and_evicts_deepest_blocks_first() -> None:
+    block = torch.zeros(2, 2, 1, BLOCK_TOKENS, 4)  # 2 layers: 1 KiB a block
+    size = block.numel() * block.element_size()
+    store = PrefixCache(3 * size)
+    ids = list(range(4 * BLOCK_TOKENS + 1))
+    keys = chain(ids, Runs())
+    assert store.keep(keys, torch.zeros(2, 2, 1, 4 * BLOCK_TOKENS, 4)) == 3, "only what the budget holds"
+    assert store.nbytes == 3 * size
+    assert store.held(keys) == 3
+    other = chain([9, *ids[1:]], Runs())
+    store.keep(other[:1], torch.ones(2, 2, 1, BLOCK_TOKENS, 4))
+    assert store.nbytes <= store.capacity
+    assert store.held(keys) == 2, "the deepest block went first; the chain's root stays"
+    match = store.match(ids, Runs())
+    assert match.tokens == 2 * BLOCK_TOKENS
+    kv = store.take(match, len(ids))
+    assert kv is not None
+    assert tuple(kv.shape) == (2, 2, 1, 2 * BLOCK_TOKENS, 4)
+
+
+# ---- the engine ----
+def conversation(model: torch.nn.Module, engine: Engine, turns: list[tuple[int, list[int]]], tag: str):
+    """Turns of one chat resent whole: each prompt is the last one, its
+    answer, and the next turn (an image or not, then text). Returns each
+    turn's tokens and its cached prompt tokens."""
+    eos = int(model.config.text_config.eos_token_id)
+    ids: list[int] = [1]
+    images = []
+    outputs, cached = [], []
+    for t, (image_seed, text) in enumerate(turns):
+        if image_seed >= 0:
+            ids += [model.config.image_token_id] * IMAGE_TOKENS
+            images.append(pixels(image_seed))
+        ids += text
+        req = request(f"{tag}{t}", ids, list(images), max_tokens=6)
+        seen: dict[str, int] = {}
+        out = drive(engine, {0: [req]}, eos, seen)[req.request_id]
+        assert isinstance(out, list), out
+        outputs.append(out)
+        cached.append(seen[req.request_id])
+        ids = [*ids, *out]
+    return outputs, cached
+
+
+def turns(seed: int) -> list[tuple[int, list[int]]]:
+    rng = random.Random(seed)
+    return [
+        (
+            rng.choice([-1, seed * 10 + t, seed * 10 + t]),
+            [rng.randrange(100, 30000) for _ in range(rng.randrange(3, 40))],
+        )
+        for t in range(4)
+    ]
+
+
+@pytest.mark.parametrize("encoder", [64 << 20, 0], ids=["encoded", "media"])
+def test_multi_turn_conversations_with_images_hit_and_keep_their_greedy_tokens(
+    model: torch.nn.Module, encoder: int
+) -> None:
+    on, off = make_engine(model, prefix=64 << 20, encoder=encoder), make_engine(model, prefix=0, encoder=encoder)
+    for seed in range(3):
+        # An image in the first turn at least, and text enough after it that
+        # a block ends past it (a match never ends inside an image).
+        chat = [(seed * 10, list(range(500, 520))), *turns(seed)[1:]]
+        with_cache, cached = conversation(model, on, chat, f"on{seed}")
+        without, none = conversation(model, off, chat, f"off{seed}")
+        assert with_cache == without, seed
+        assert none == [0, 0, 0, 0]
+        assert cached[0] == 0
+        assert all(c >= IMAGE_TOKENS for c in cached[1:]), cached
+    assert on.prefix_cache.hits >= 9
+    assert on.prefix_cache.nbytes > 0
+
+
+def test_a_hit_then_chunks_gives_the_tokens_of_one_prefill(model: torch.nn.Module) -> None:
+    """A turn whose new part is longer than a chunk goes on in chunks from
+    the end of its cached prefix."""
+    on = make_engine(model, prefix=64 << 20, chunk=24)
+    off = make_engine(model, prefix=0)
+    rng = random.Random(5)
+    chat = [
+        (1, [510, 511]),
+        (2, [rng.randrange(100, 30000) for _ in range(30)]),
+        (-1, [rng.randrange(100, 30000) for _ in range(60)]),
+    ]
+    with_cache, cached = conversation(model, on, chat, "chunk")
+    without, _ = conversation(model, off, chat, "plain")
+    assert with_cache == without
+    assert all(c > 0 for c in cached[1:]), cached
+
+
+def test_no_block_is_shared_past_a_different_image_or_across_salts(model: torch.nn.Module) -> None:
+    eos = int(model.config.text_config.eos_token_id)
+    engine = make_engine(model, prefix=64 << 20)
+    text = [rng for rng in range(700, 700 + 40)]
+    first = request(
+        "first", [*text, *([model.config.image_token_id] * IMAGE_TOKENS), *range(800, 830)], [pixels(1)], max_tokens=4
+    )
+    other_image = request("other", list(first.input_ids), [pixels(2)], max_tokens=4)
+    same_image = request("same", list(first.input_ids), [pixels(1)], max_tokens=4)
+    salted = dataclasses.replace(same_image, request_id="salted", cache_salt="tenant-2")
+    seen: dict[str, int] = {}
+    results = drive(engine, {0: [first], 8: [other_image], 16: [same_image], 24: [salted]}, eos, seen)
+    assert seen["first"] == 0
+    assert seen["other"] == 32, "the text before the image, not past its first placeholder"
+    assert seen["same"] == 128, "through the image (40..104) to the last block of the 134-token prompt"
+    assert seen["salted"] == 0
+    for req in (first, other_image, same_image, salted):
+        assert results[req.request_id] == reference(model, req), req.request_id
+
+
+def test_a_full_store_evicts_and_stays_within_its_bytes(model: torch.nn.Module) -> None:
+    """A store of a few blocks under a stream of conversations: it never
+    holds more than its bytes, and every answer equals the uncached one."""
+    probe = make_engine(model, prefix=64 << 20)
+    conversation(model, probe, [(-1, list(range(300, 340)))], "probe")
+    block = probe.prefix_cache.nbytes // len(probe.prefix_cache)
+    on, off = make_engine(model, prefix=12 * block), make_engine(model, prefix=0)
+    for seed in range(4):
+        chat = turns(100 + seed)
+        assert conversation(model, on, chat, f"s{seed}")[0] == conversation(model, off, chat, f"u{seed}")[0]
+        assert on.prefix_cache.nbytes <= on.prefix_cache.capacity
+    assert on.prefix_cache.evictions > 0
