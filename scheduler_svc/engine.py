@@ -299,11 +299,11 @@ class Engine:
         keys = chain(tokens, row.runs, row.request.cache_salt, blocks=length // BLOCK_TOKENS)
         held = self.prefix_cache.held(keys)
         if held == len(keys):
-            self.prefix_cache.keep(keys, None)
+            self.prefix_cache.keep(keys, [])
             return
-        kv = self.cache.row_kv(index, held * BLOCK_TOKENS, len(keys) * BLOCK_TOKENS)
-        if kv is not None:
-            self.prefix_cache.keep(keys, kv, first=held)
+        blocks = self.cache.row_blocks(index, held * BLOCK_TOKENS, len(keys) * BLOCK_TOKENS, BLOCK_TOKENS)
+        if blocks is not None:
+            self.prefix_cache.keep(keys, blocks, first=held)
 
     def _row_sampling(self, req: NewRequest) -> RowSampling | None:
         if self.coll.rank != 0:

@@ -162,14 +162,25 @@ class RowCache(Cache):
         self._load(row, prefix)
         self.lengths.append(int(prefix.shape[3]))
 
-    def row_kv(self, row: int, start: int, end: int) -> torch.Tensor | None:
-        """The keys and values of `row` at ``[start, end)`` as one tensor
-        ``[layers, 2, kv heads, end - start, head dim]`` (a copy; None before
-        any forward allocated the layers)."""
+    def row_blocks(self, row: int, start: int, end: int, size: int) -> list[torch.Tensor] | None:
+        """The keys and values of `row` at ``[start, end)`` in blocks of
+        `size` tokens, each one tensor of its own ``[layers, 2, kv heads,
+        size, head dim]`` (copied once; None before any forward allocated
+        the layers)."""
         pairs = list(zip(self._keys, self._values, strict=True))
         if any(k is None or v is None for k, v in pairs):
             return None
-        return torch.stack([torch.stack((k[row, :, start:end], v[row, :, start:end])) for k, v in pairs])  # type: ignore[index]
+        first = pairs[0][0]
+        assert first is not None
+        shape = (len(pairs), 2, first.shape[1], size, first.shape[3])
+        blocks = []
+        for at in range(start, end, size):
+            block = torch.empty(shape, dtype=first.dtype, device=first.device)
+            for i, (k, v) in enumerate(pairs):
+                block[i, 0].copy_(k[row, :, at : at + size])  # type: ignore[index]
+                block[i, 1].copy_(v[row, :, at : at + size])  # type: ignore[index]
+            blocks.append(block)
+        return blocks
 
     def begin_decode(self) -> ForwardInputs:
         """One new token for every live row, each at its own position."""

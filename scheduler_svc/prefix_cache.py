@@ -179,22 +179,21 @@ class PrefixCache:
             n += 1
         return n
 
-    def keep(self, keys: Sequence[bytes], kv: torch.Tensor | None, *, first: int = 0) -> int:
+    def keep(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor], *, first: int = 0) -> int:
         """Store a leaving row's blocks under `keys` (one per block, as `chain`
-        made them), the first `first` of which are stored already; `kv`
-        ``[layers, 2, heads, (len(keys) - first) x BLOCK_TOKENS, head dim]``
-        holds the others (None when there are none). As many blocks as the
-        budget holds are kept, and the chain made most recent. The blocks added."""
+        made them), the first `first` of which are stored already; `blocks`
+        (``[layers, 2, heads, BLOCK_TOKENS, head dim]`` each, tensors of their
+        own) are the others. As many as the budget holds are kept, and the
+        chain made most recent. The blocks added."""
         if not self.enabled or not keys:
             return 0
         self._record(b"keep", keys)
         added = 0
-        if kv is not None:
-            block_bytes = kv[:, :, :, :BLOCK_TOKENS].numel() * kv.element_size()
+        if blocks:
+            block_bytes = blocks[0].numel() * blocks[0].element_size()
             fits = self.capacity // block_bytes
-            for b in range(first, min(len(keys), fits)):
-                block = kv[:, :, :, (b - first) * BLOCK_TOKENS : (b - first + 1) * BLOCK_TOKENS].clone()
-                self._blocks.put(keys[b], block, block_bytes)
+            for key, block in zip(keys[first:fits], blocks, strict=False):
+                self._blocks.put(key, block, block_bytes)
                 added += 1
             keys = keys[:fits]
         self._touch(keys)

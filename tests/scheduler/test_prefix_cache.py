@@ -63,11 +63,12 @@ def test_the_store_keeps_within_its_bytes_and_evicts_deepest_blocks_first() -> N
     store = PrefixCache(3 * size)
     ids = list(range(4 * BLOCK_TOKENS + 1))
     keys = chain(ids, Runs())
-    assert store.keep(keys, torch.zeros(2, 2, 1, 4 * BLOCK_TOKENS, 4)) == 3, "only what the budget holds"
+    blocks = [torch.zeros(2, 2, 1, BLOCK_TOKENS, 4) for _ in range(4)]
+    assert store.keep(keys, blocks) == 3, "only what the budget holds"
     assert store.nbytes == 3 * size
     assert store.held(keys) == 3
     other = chain([9, *ids[1:]], Runs())
-    store.keep(other[:1], torch.ones(2, 2, 1, BLOCK_TOKENS, 4))
+    store.keep(other[:1], [torch.ones(2, 2, 1, BLOCK_TOKENS, 4)])
     assert store.nbytes <= store.capacity
     assert store.held(keys) == 2, "the deepest block went first; the chain's root stays"
     match = store.match(ids, Runs())
