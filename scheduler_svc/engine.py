@@ -65,6 +65,9 @@ from scheduler_svc.sampler import Logprob, RowSampling, Sampler, make_generator
 
 log = logging.getLogger(__name__)
 
+# The agreement's cache digest: 31 bits for the encoder cache, 31 for the prefix cache.
+_HALF_BITS = 31
+_HALF = (1 << _HALF_BITS) - 1
 # Right-padding of prompts in a batched prefill; never attended (the mask
 # hides it), so any id inside the vocabulary that is not a placeholder works.
 PAD_ID = 0
@@ -167,6 +170,7 @@ class Engine:
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
         self._matches: dict[str, Match] = {}  # this step's new requests: what they could take
         self._cached: dict[str, int] = {}  # this step's joiners: prompt tokens taken from it
+        self._agreed = (True, True)  # whether the ranks' encoder and prefix caches agreed when last used
 
     @property
     def prefilling(self) -> bool:
@@ -195,17 +199,21 @@ class Engine:
         clock = _Clock()
         tensors, codes, messages = self._read_new(plan.new)
         self._matches = self._match(plan.new)
-        use_cache = False
+        use_encoder = use_prefix = False
         if plan.new or plan.drop:
             digests: list[int] = []
             failed_idx, held = agree_on_failures(
                 self.coll, codes, messages, active=len(self.rows), digest=self._cache_digest(plan.new), digests=digests
             )
-            # Every rank would hit the same entries (else none is used this step).
-            use_cache = len(set(digests)) == 1
-            if not use_cache:
-                log.warning("rank %d, step %d: the ranks' caches disagree; none is used this step", self.coll.rank,
-                            plan.step)  # fmt: skip
+            # Every rank would hit the same entries of a cache (else that
+            # cache is not used this step).
+            use_encoder = len({d & _HALF for d in digests}) == 1
+            use_prefix = len({d >> _HALF_BITS for d in digests}) == 1
+            if (use_encoder, use_prefix) != self._agreed and plan.new:
+                said = ["agree" if ok else "disagree (not used)" for ok in (use_encoder, use_prefix)]
+                log.warning("rank %d, step %d: the ranks' encoder caches %s, their prefix caches %s",
+                            self.coll.rank, plan.step, *said)  # fmt: skip
+                self._agreed = (use_encoder, use_prefix)
             # What each rank holds after this step: the agreed joiners join everywhere.
             self._active_per_rank = [n + len(plan.new) - len(failed_idx) for n in held]
         else:
@@ -222,7 +230,7 @@ class Engine:
             logits.append(self._decode())
             clock.lap("decode")
         if joining:
-            ready, lost = self._prepare(joining, use_cache)
+            ready, lost = self._prepare(joining, use_encoder, use_prefix)
             for j in [j for j in ready if self._chunked_prefill(j)]:
                 self._queue_chunks(j)
             ready = [j for j in ready if not self._chunked_prefill(j)]
@@ -284,7 +292,16 @@ class Engine:
         if row is None:  # never joined (failed at admission) or already gone
             return
         if keep and self.prefix_cache.enabled:
-            self._keep(self.rows[row], row)
+            try:
+                self._keep(self.rows[row], row)
+            except Exception:
+                # Out of memory, say: the row leaves all the same. This
+                # rank's store may now differ from the others', so its
+                # history says so and no rank uses a cached prefix again
+                # (the agreement compares histories).
+                log.exception("rank %d: keeping the blocks of %s failed; the prefix cache is off from now on",
+                              self.coll.rank, rid)  # fmt: skip
+                self.prefix_cache.spoil(self.coll.rank)
         self.cache.remove(row)
         last = self.rows.pop()
         if row < len(self.rows):
@@ -332,7 +349,7 @@ class Engine:
         return self._head(hidden[:, -1])
 
     def _prepare(
-        self, joining: list[tuple[NewRequest, ItemTensors | None]], use_cache: bool
+        self, joining: list[tuple[NewRequest, ItemTensors | None]], use_encoder: bool, use_prefix: bool
     ) -> tuple[list[_Joiner], dict[str, Failure]]:
         """What each joiner's prefill needs besides the forward: its encoder
         outputs (families whose outputs are cached) and its positions
@@ -344,12 +361,17 @@ class Engine:
         codes, messages = [0] * len(joiners), [""] * len(joiners)
         if self.prefix_cache.enabled:
             # In plan order on every rank, for the joiners every rank agreed
-            # on: the stores change alike.
-            for j in joiners:
-                match = self._matches.get(j.request.request_id, NO_MATCH) if use_cache else NO_MATCH
-                j.prefix = self.prefix_cache.take(match, len(j.request.input_ids))
+            # on: the stores change alike (`take` changes the store before
+            # it copies, so a copy that fails on one rank changes nothing
+            # else; the request fails on every rank through the agreement).
+            for i, j in enumerate(joiners):
+                match = self._matches.get(j.request.request_id, NO_MATCH) if use_prefix else NO_MATCH
+                try:
+                    j.prefix = self.prefix_cache.take(match, len(j.request.input_ids))
+                except Exception as exc:
+                    codes[i], messages[i] = self._failed_on(j.request, exc, "taking its cached prefix")
         if self.encoder_cache.enabled:
-            self._encode(joiners, use_cache, codes, messages)
+            self._encode(joiners, use_encoder, codes, messages)
         for i, j in enumerate(joiners):
             if codes[i]:
                 continue
@@ -526,22 +548,23 @@ class Engine:
 
     def _cache_digest(self, new: tuple[NewRequest, ...]) -> int:
         """What this rank would take from its caches for the step's new
-        requests (each item's encoder-cache key and whether it would hit,
-        each prompt's prefix match), as one number for the agreement; 0
-        without a cache."""
+        requests (each item's encoder-cache key and whether it would hit;
+        each prompt's prefix match and the prefix cache's history), as one
+        number for the agreement: 31 bits for each cache; 0 without one."""
         if not (self.encoder_cache.enabled or self.prefix_cache.enabled):
             return 0
-        digest = hashlib.blake2b(digest_size=7)
+        encoder, prefix = hashlib.blake2b(digest_size=8), hashlib.blake2b(self.prefix_cache.history, digest_size=8)
         for req in new:
             if self.encoder_cache.enabled:
                 for key, item in zip(self._keys.get(req.request_id, ()), req.items, strict=False):
                     rows = sum(length for _, length in item.placeholders)
-                    digest.update(key + (b"1" if self.encoder_cache.would_hit(key, rows, self._hidden) else b"0"))
+                    encoder.update(key + (b"1" if self.encoder_cache.would_hit(key, rows, self._hidden) else b"0"))
             match = self._matches.get(req.request_id, NO_MATCH)
-            digest.update(len(match.keys).to_bytes(4, "little") + (match.keys[-1] if match.keys else b""))
-        if self.prefix_cache.enabled:
-            digest.update(self.prefix_cache.history)
-        return int.from_bytes(digest.digest(), "little")
+            prefix.update(len(match.keys).to_bytes(4, "little") + (match.keys[-1] if match.keys else b""))
+        # Two halves of one int64 of the agreement's row: each cache's own.
+        low = int.from_bytes(encoder.digest(), "little") & _HALF
+        high = int.from_bytes(prefix.digest(), "little") & _HALF
+        return low | high << _HALF_BITS
 
     def _runs(self, req: NewRequest) -> Runs:
         """`req`'s items as the prefix cache keys them (this rank's digests)."""

@@ -199,6 +199,12 @@ class PrefixCache:
         self._touch(keys)
         return added
 
+    def spoil(self, rank: int) -> None:
+        """This rank's store may differ from the others' (a change failed
+        half done): make its history its own, so no rank uses a cached
+        prefix from now on."""
+        self._record(b"spoiled by rank %d" % rank, ())
+
     def _record(self, change: bytes, keys: Sequence[bytes]) -> None:
         self.history = hashlib.blake2b(self.history + change + b"".join(keys), digest_size=16).digest()
 

@@ -181,3 +181,30 @@ def test_a_full_store_evicts_and_stays_within_its_bytes(model: torch.nn.Module) 
         assert conversation(model, on, chat, f"s{seed}")[0] == conversation(model, off, chat, f"u{seed}")[0]
         assert on.prefix_cache.nbytes <= on.prefix_cache.capacity
     assert on.prefix_cache.evictions > 0
+
+
+def test_a_block_copy_that_fails_costs_nothing_but_its_blocks(model: torch.nn.Module) -> None:
+    """Keeping a leaving row's blocks runs out of memory, then taking a
+    match does: the row leaves all the same and the batch goes on; the
+    request whose prefix could not be copied fails alone (OVERLOADED,
+    retriable), and the next one is served from the store."""
+    from mmsplit.errors import E
+
+    eos = int(model.config.text_config.eos_token_id)
+    engine = make_engine(model, prefix=64 << 20)
+    ids = [1, *range(300, 360)]
+    first, second, third, fourth = (request(f"r{i}", ids, max_tokens=3) for i in range(4))
+    real_blocks, real_take = engine.cache.row_blocks, engine.prefix_cache.take
+    engine.cache.row_blocks = lambda *a: (_ for _ in ()).throw(MemoryError())  # type: ignore[method-assign]
+    seen: dict[str, int] = {}
+    results = drive(engine, {0: [first]}, eos, seen)
+    assert len(engine.prefix_cache) == 0, "nothing was kept"
+    engine.cache.row_blocks = real_blocks  # type: ignore[method-assign]
+    results |= drive(engine, {0: [second]}, eos, seen)
+    engine.prefix_cache.take = lambda *a: (_ for _ in ()).throw(MemoryError())  # type: ignore[method-assign]
+    results |= drive(engine, {0: [third]}, eos, seen)
+    engine.prefix_cache.take = real_take  # type: ignore[method-assign]
+    results |= drive(engine, {0: [fourth]}, eos, seen)
+    expected = reference(model, first)
+    assert results == {"r0": expected, "r1": expected, "r2": f"failed:{E.ERROR_CODE_OVERLOADED}", "r3": expected}
+    assert (seen["r0"], seen["r1"], seen["r3"]) == (0, 0, 48)
