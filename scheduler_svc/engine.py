@@ -19,9 +19,10 @@ one row of its own, while the running rows go on decoding each step; its
 row joins the batch, and its first token is sampled, with its last chunk.
 Long prompts queue for this one at a time, in plan order. Media go with
 their placeholders: each chunk gets the rows of the encoder outputs its
-placeholders take (families whose outputs are computed apart, with the
-encoder cache on); a request with media the model encodes inside its
-forward is prefilled whole.
+placeholders take (the encoder's outputs are computed apart, which every
+family does with the encoder cache on); with `encoder_cache_bytes` 0 the
+model encodes media inside its forward, and a request with media is
+prefilled whole (admission refuses one longer than a chunk).
 
 Isolation: a request's tensors are checked (readable, finite) on every rank
 before the agreement, so a bad one is dropped everywhere before any model

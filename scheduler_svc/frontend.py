@@ -54,6 +54,7 @@ class Frontend:
         rid = request.request_id
         if rid in self._streams:
             raise InvalidRequest(f"request id {rid!r} is already running")
+        self._check_prefill(request)
         reserve = min(len(request.input_ids) + request.sampling.max_tokens, self.info.max_context)
         budget = self.step_loop.kv_budget_tokens
         if reserve > budget:
@@ -99,6 +100,24 @@ class Frontend:
         unknown and finished requests."""
         self._streams.pop(request_id, None)
         self.step_loop.abort(request_id)
+
+    def _check_prefill(self, request: NewRequest) -> None:
+        """A prompt longer than one step's prefill budget is prefilled in
+        chunks; one with media that the model encodes inside its forward (a
+        family without separate encoding, or the encoder cache off) cannot
+        be cut, so it must fit one step, or it is refused now rather than
+        run alone and out of memory later."""
+        s, n = self.settings, len(request.input_ids)
+        if not request.items or n <= s.max_prefill_tokens:
+            return
+        if self.info.family.caches_encoder_outputs and s.encoder_cache_bytes:
+            return
+        why = "--encoder-cache-bytes is 0" if self.info.family.caches_encoder_outputs else "its family encodes it"
+        raise InvalidRequest(
+            f"a prompt of {n} tokens with media is prefilled in one step here (the forward encodes the media: "
+            f"{why}), and one step's prefill is limited to --max-prefill-tokens {s.max_prefill_tokens}; send "
+            "fewer or smaller media, or raise the limit"
+        )
 
     def _validate(self, pb: scheduler_pb2.GenerateRequest) -> NewRequest:
         rid = pb.request_id

@@ -60,7 +60,8 @@ class SchedulerSettings(ServiceSettings):
         4096,
         "tokens of one step's batched prefill (joining requests x their longest prompt); a longer "
         "prompt is prefilled in chunks of this many tokens, one a step, while the running requests go on "
-        "decoding (with media: when the family's encoder outputs are cached, else whole)",
+        "decoding (with media too, while the encoder cache is on; with it off, a prompt with media longer than "
+        "this is refused)",
         min=1,
     )
     kv_cache_bytes: int = _opt(

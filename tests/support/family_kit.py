@@ -83,13 +83,16 @@ def kit(model_dir: Path) -> Kit:
     return Kit(model_dir, family, tokenizer, processor, PromptBuilder(family, tokenizer))
 
 
-def admit(model_dir: Path, message: scheduler_pb2.GenerateRequest) -> Any:
-    """The scheduler's admission checks on `message` (raises what it raises)."""
+def admit(model_dir: Path, message: scheduler_pb2.GenerateRequest, **settings: Any) -> Any:
+    """The scheduler's admission checks on `message`, under `settings`
+    (SchedulerSettings fields), before the queue: the request, or what they raise."""
     from scheduler_svc.frontend import Frontend
     from scheduler_svc.settings import SchedulerSettings
 
-    frontend = Frontend(None, SchedulerSettings(model_dir=model_dir), _infos(model_dir))  # type: ignore[arg-type]
-    return frontend._validate(message)
+    frontend = Frontend(None, SchedulerSettings(model_dir=model_dir, **settings), _infos(model_dir))  # type: ignore[arg-type]
+    request = frontend._validate(message)
+    frontend._check_prefill(request)
+    return request
 
 
 _info_cache: dict[Path, Any] = {}
