@@ -44,8 +44,9 @@ def build(workdir: Path) -> Path:
 def run(
     model: object, streams: int, prompt: int, chunk: int, window: int, seed: int
 ) -> tuple[list[float], float, dict[str, list[int]], list[float]]:
-    """(the seconds of `window` steps from the long prompt's arrival, its
-    time to first token, every request's tokens, the decode steps before)."""
+    """(the seconds of `window` steps from the long prompt's arrival (0:
+    until its first token), its time to first token, every request's
+    tokens, the decode steps before)."""
     import torch
 
     from mmsplit_server.sampling import Sampling
@@ -70,7 +71,7 @@ def run(
     ttft = 0.0
     step = 0
     with torch.inference_mode():
-        while len(steps) < window:
+        while len(steps) < window or (not window and not ttft):
             new = tuple(short) if step == 0 else (long,) if step == WARM_STEPS else ()
             started = time.perf_counter()
             drop = ("long",) if "long" in made and "long" in engine.index else ()
@@ -112,15 +113,18 @@ def main() -> None:
         ttfts: dict[str, list[float]] = {arm: [] for arm in arms}
         tokens: dict[str, dict[str, list[int]]] = {}
         before: list[float] = []
-        window = -(-args.prompt // args.chunk)
+        first: dict[str, list[float]] = {}  # round 0's steps, by arm
         for r in range(args.rounds):
+            window = 0  # the chunked arm's: until the long prompt's first token
             for arm, chunk in arms.items():
                 steps, ttft, made, plain = run(model, args.streams, args.prompt, chunk, window, seed=r)
+                window = window or len(steps)
                 gaps[arm] += steps
                 before += plain
                 ttfts[arm].append(ttft)
                 if r == 0:
                     tokens[arm] = made
+                    first[arm] = steps
         rows = []
         for arm in arms:
             p50, p99 = percentile(gaps[arm], 50), percentile(gaps[arm], 99)
@@ -130,6 +134,8 @@ def main() -> None:
               f"{args.rounds} rounds, arms interleaved")  # fmt: skip
         print(f"a plain decode step before it arrives: {statistics.median(before) * 1000:.0f} ms (median)")
         print(table(["prefill", "ITL p50 ms", "ITL p99 ms", "worst ms", "p99/p50", "long TTFT s", "steps"], rows))
+        print("round 0, each step while it joins, ms: " + "; ".join(
+            f"{arm} " + " ".join(f"{s * 1000:.0f}" for s in steps) for arm, steps in first.items()))  # fmt: skip
         a, b = tokens["chunked"], tokens["whole"]
         # The arms run different numbers of steps: the streams' tokens agree as far as both went.
         same = a.keys() == b.keys() and all(a[k][: len(b[k])] == b[k][: len(a[k])] for k in a)
