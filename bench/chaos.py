@@ -201,20 +201,28 @@ async def _drain(gen: object) -> None:
         pass
 
 
-def tokenizer_tree(pid: int) -> tuple[psutil.Process | None, list[psutil.Process]]:
+def tokenizer_tree(pid: int, prefix: str) -> tuple[psutil.Process | None, list[psutil.Process]]:
     """(the tokenizer's forkserver, its CPU workers): among its descendants,
-    and among processes with its command line (a worker whose forkserver
-    was killed lives on, reparented). Once its own forkserver is gone the
-    pool forks workers from multiprocessing's (a `-c` command line)."""
+    among processes with its command line, and among processes that call
+    themselves CPU workers and map the tokenizer's slab. A worker whose
+    forkserver was killed lives on (and goes on serving), reparented, with
+    its forkserver's command line: the tokenizer's own, or once that
+    forkserver is gone multiprocessing's (`python -c ...`), which only its
+    slab mapping (`/dev/shm/<prefix>-<tokenizer pid>-...`) ties to this
+    tokenizer."""
     try:
         tokenizer = psutil.Process(pid)
         command = tokenizer.cmdline()
         found = {p.pid: p for p in tokenizer.children(recursive=True)}
     except psutil.NoSuchProcess:
         return None, []
-    for proc in psutil.process_iter(["cmdline"]):
-        if proc.info["cmdline"] == command and proc.pid != pid:
-            found.setdefault(proc.pid, proc)
+    slab = f"/dev/shm/{prefix}-{pid}-"
+    for proc in psutil.process_iter(["cmdline", "name"]):
+        if proc.pid == pid or proc.pid in found:
+            continue
+        mine = proc.info["name"] == "mmsplit-cpu" and _maps(proc.pid, slab)
+        if mine or proc.info["cmdline"] == command:
+            found[proc.pid] = proc
     forkserver, workers = None, []
     for proc in found.values():
         try:
@@ -228,13 +236,22 @@ def tokenizer_tree(pid: int) -> tuple[psutil.Process | None, list[psutil.Process
     return forkserver, workers
 
 
+def _maps(pid: int, path: str) -> bool:
+    """Whether process `pid` maps a file whose path starts with `path`."""
+    try:
+        with open(f"/proc/{pid}/maps") as maps:
+            return any(path in line for line in maps)
+    except OSError:
+        return False
+
+
 async def inject(rng: random.Random, tokenizer_pid: int, groups: list[Group], every_s: float, stop_at: float,
-                 tally: Tally) -> None:  # fmt: skip
+                 tally: Tally, prefix: str) -> None:  # fmt: skip
     while time.monotonic() < stop_at - every_s:
         await asyncio.sleep(rng.uniform(0.5, 1.5) * every_s)
         fault = rng.choice(FAULTS)
         group = rng.choice(groups)
-        forkserver, workers = tokenizer_tree(tokenizer_pid)
+        forkserver, workers = tokenizer_tree(tokenizer_pid, prefix)
         ranks = group.ranks()
         target: psutil.Process | None = None
         if fault == "worker" and workers:
@@ -303,7 +320,7 @@ async def load(args: argparse.Namespace, tok: ServiceProcess, http: str, groups:
     clients = [one(random.Random(rng.random()), tok.address, tally, stop_at, api) for _ in range(args.concurrency)]
     keeper = asyncio.ensure_future(keep_groups_up(groups, stop_at, tally))
     injector = asyncio.ensure_future(inject(random.Random(args.seed + 1), tok.pid, groups, args.fault_every_s,
-                                            stop_at, tally))  # fmt: skip
+                                            stop_at, tally, args.prefix))  # fmt: skip
     try:
         await asyncio.gather(*clients)
         await injector

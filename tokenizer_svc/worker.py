@@ -210,8 +210,12 @@ def _unframe(inbox: bytearray) -> Any | None:
 
 
 def reap(process: Any) -> None:
-    """Wait for a worker to exit; kill it if it does not (a thread's call)."""
+    """Wait for a worker to exit; kill it if it does not; then let go of
+    the descriptors its `Process` holds (the forkserver's pipes to it),
+    now rather than whenever the object is collected (a thread's call)."""
     process.join(STOP_TIMEOUT_S)
     if process.exitcode is None:
         process.kill()
         process.join(STOP_TIMEOUT_S)
+    if process.exitcode is not None:
+        process.close()
