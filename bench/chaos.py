@@ -8,10 +8,16 @@ HTTP API through the official `openai` SDK (its retries on); images (most
 seen before, some never), text, videos, corrupt images, and clients that cancel mid-request. Meanwhile
 a fault injector, at random times drawn from a seed, SIGKILLs a CPU worker,
 the tokenizer's forkserver, rank 1 of a group, or a whole group; freezes a
-rank (SIGSTOP, then SIGCONT a moment later); and restarts every group it
-took down on the same port. Filling the tokenizer's /dev/shm is not among
-the faults yet (it needs the tokenizer in a mount namespace of its own, so
-its schedulers would take bytes inline: another setup).
+rank (SIGSTOP, then SIGCONT a moment later); with `--shm-size`, fills
+/dev/shm to within a few MiB of its limit for a few seconds; and restarts
+every group it took down on the same port. `--shm-size SIZE` runs the whole
+soak (this script, the tokenizer and both groups, which then still share
+memory) in a mount namespace of its own with a tmpfs of SIZE on /dev/shm,
+never the host's (root only; the fault is refused unless /dev/shm is
+another file system than it was before). `--caches off` turns the tokenizer's preprocessing cache and the
+schedulers' encoder and prefix caches off, so that what grows is not a
+cache filling up: the tokenizer's resident memory must then be back within
+10 % of its start (with the caches on it grows by up to their bounds).
 
 Every request must end with an answer: its tokens, or a typed error that is
 retriable or its own bad input. Printed: requests by outcome (ok, each
@@ -23,12 +29,14 @@ tokenizer's descriptors and resident memory at the start and the end. Exit
 status 1 when something was lost, untyped or left behind.
 
     python bench/chaos.py [--minutes 10] [--concurrency 12] [--seed 1] [--fault-every-s 6]
+                          [--shm-size 1g] [--caches on|off]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import random
 import signal
@@ -59,6 +67,13 @@ DEADLINE_S = 90.0  # a request with no answer by then is lost
 # The served model's name (its directory's), for the HTTP requests.
 MODEL_NAME = [""]
 FAULTS = ("worker", "forkserver", "rank1", "group", "freeze")
+SHM_FAULT = "shm-full"  # drawn only with a /dev/shm of the run's own (--shm-size)
+SHM_MARGIN = 4 << 20  # what the fault leaves free
+# In the environment of the run re-executed in a mount namespace of its
+# own: the device number of the host's /dev/shm.
+PRIVATE_SHM_ENV = "MMSPLIT_CHAOS_HOST_SHM_DEV"
+NO_CACHES = {"tokenizer": ["--preprocess-cache-bytes", "0"],
+             "scheduler": ["--encoder-cache-bytes", "0", "--prefix-cache-bytes", "0"]}  # fmt: skip
 
 
 @dataclass
@@ -73,15 +88,16 @@ class Tally:
 class Group:
     """One scheduler group on a fixed port, restarted when it dies."""
 
-    def __init__(self, name: str, model: Path, logs: Path, prefix: str) -> None:
-        self.name, self.model, self.logs, self.prefix = name, model, logs, prefix
+    def __init__(self, name: str, model: Path, logs: Path, prefix: str, extra: list[str]) -> None:
+        self.name, self.model, self.logs, self.prefix, self.extra = name, model, logs, prefix, extra
         self.port = free_port()
         self.starts = 0
         self.proc = self._start()
 
     def _start(self) -> ServiceProcess:
         self.starts += 1
-        args = scheduler_args(self.model, tp=2, extra=["--port", str(self.port), "--shm-prefix", self.prefix])
+        extra = ["--port", str(self.port), "--shm-prefix", self.prefix, *self.extra]
+        args = scheduler_args(self.model, tp=2, extra=extra)
         return ServiceProcess(self.name, args, self.logs / f"{self.name}-{self.starts}.log")
 
     def ranks(self) -> list[psutil.Process]:
@@ -245,11 +261,45 @@ def _maps(pid: int, path: str) -> bool:
         return False
 
 
+def private_shm() -> bool:
+    """Whether /dev/shm here is not the host's: this run was re-executed in
+    a mount namespace of its own (`--shm-size`), and /dev/shm is no longer
+    the file system it was before (whose device the environment carries)."""
+    host = os.environ.get(PRIVATE_SHM_ENV, "")
+    return host.isdigit() and os.stat("/dev/shm").st_dev != int(host)
+
+
+async def fill_shm(rng: random.Random) -> bool:
+    """Fill this namespace's /dev/shm to within SHM_MARGIN of its limit
+    (the pages reserved, as the services reserve theirs) for 1-4 s; whether
+    it did."""
+    if not private_shm():
+        return False
+    stat = os.statvfs("/dev/shm")
+    size = stat.f_bavail * stat.f_frsize - SHM_MARGIN
+    if size <= 0:
+        return False
+    path = f"/dev/shm/chaosfill-{os.getpid()}"
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    try:
+        with contextlib.suppress(OSError):  # someone took pages meanwhile: as full as it gets
+            os.posix_fallocate(fd, 0, size)
+        await asyncio.sleep(rng.uniform(1.0, 4.0))
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    return True
+
+
 async def inject(rng: random.Random, tokenizer_pid: int, groups: list[Group], every_s: float, stop_at: float,
                  tally: Tally, prefix: str) -> None:  # fmt: skip
+    faults = (*FAULTS, SHM_FAULT) if private_shm() else FAULTS
     while time.monotonic() < stop_at - every_s:
         await asyncio.sleep(rng.uniform(0.5, 1.5) * every_s)
-        fault = rng.choice(FAULTS)
+        fault = rng.choice(faults)
+        if fault == SHM_FAULT:
+            tally.faults[fault if await fill_shm(rng) else f"{fault} (none to hit)"] += 1
+            continue
         group = rng.choice(groups)
         forkserver, workers = tokenizer_tree(tokenizer_pid, prefix)
         ranks = group.ranks()
@@ -352,10 +402,13 @@ def run(args: argparse.Namespace, workdir: Path, model: Path | None = None) -> t
     prefix = args.prefix
     logs = workdir / "chaos-logs"
     logs.mkdir(exist_ok=True)
-    groups = [Group(f"scheduler{k}", model, logs, prefix) for k in range(2)]
+    caches = getattr(args, "caches", "on")
+    off = caches == "off"
+    groups = [Group(f"scheduler{k}", model, logs, prefix, NO_CACHES["scheduler"] if off else []) for k in range(2)]
     http = f"127.0.0.1:{free_port()}"
     schedulers = ",".join(f"127.0.0.1:{g.port}" for g in groups)
     extra = ["--shm-prefix", prefix, "--http-port", http.rsplit(":", 1)[1], "--cpu-workers", "2"]
+    extra += NO_CACHES["tokenizer"] if off else []
     tok = ServiceProcess("tokenizer", tokenizer_args(model, schedulers, extra=extra), logs / "tokenizer.log")
     tally = Tally()
     try:
@@ -380,7 +433,9 @@ def run(args: argparse.Namespace, workdir: Path, model: Path | None = None) -> t
         for g in groups:
             g.stop()
     total = sum(tally.outcomes.values())
-    print(f"{total} requests in {took:.0f}s by {args.concurrency} clients; seed {args.seed}")
+    where = f"a /dev/shm of its own ({os.statvfs('/dev/shm').f_blocks * os.statvfs('/dev/shm').f_frsize >> 20} MiB)"
+    print(f"{total} requests in {took:.0f}s by {args.concurrency} clients; seed {args.seed}; caches {caches}; "
+          f"{where if private_shm() else 'the host /dev/shm'}")  # fmt: skip
     print(table(["outcome", "requests"], sorted(tally.outcomes.items(), key=lambda kv: -kv[1])))
     print(f"faults: {dict(tally.faults)}; HTTP retries by the SDK: {tally.retries}")
     lat = tally.latencies
@@ -398,6 +453,8 @@ def run(args: argparse.Namespace, workdir: Path, model: Path | None = None) -> t
         problems.append("slab slices stayed held")
     if fds1 > fds0 * 1.1 + 8:
         problems.append(f"descriptors grew {fds0} -> {fds1}")
+    if off and rss1 > rss0 * 1.1:
+        problems.append(f"resident memory grew {rss0 >> 20} -> {rss1 >> 20} MiB with the caches off")
     for problem in problems[:20]:
         print("PROBLEM:", problem)
     return (1 if problems else 0), tally
@@ -411,7 +468,21 @@ def main() -> None:
     parser.add_argument("--fault-every-s", type=float, default=6.0)
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--prefix", default="mmsplitchaos", help="the services' --shm-prefix")
+    parser.add_argument("--shm-size", default="", help="run in a mount namespace with a tmpfs of this size on "
+                        "/dev/shm (e.g. 1g; root only), and fill it as one of the faults")  # fmt: skip
+    parser.add_argument("--caches", choices=("on", "off"), default="on",
+                        help="off: the services' caches off, and resident memory checked")  # fmt: skip
     args = parser.parse_args()
+    if args.shm_size and not os.environ.get(PRIVATE_SHM_ENV):
+        # The same command again, in a mount namespace with a /dev/shm of its own.
+        root = str(Path(__file__).resolve().parent.parent)
+        env = {**os.environ, PRIVATE_SHM_ENV: str(os.stat("/dev/shm").st_dev), "PYTHONPATH": root}
+        script = str(Path(sys.argv[0]).resolve())
+        command = [sys.executable, "-m", "tests.support.mountns", args.shm_size, sys.executable, script, *sys.argv[1:]]
+        os.chdir(root)
+        os.execve(sys.executable, command, env)
+    if args.shm_size and not private_shm():
+        sys.exit("--shm-size: /dev/shm is still the host's; refusing to fill it")
     with scratch_dir(args.workdir) as workdir:
         sys.exit(run(args, workdir)[0])
 
