@@ -36,6 +36,10 @@ class Collective(Protocol):
     def gather_to_0(self, obj: Any) -> list[Any] | None:
         """Every rank's `obj` on rank 0 (None elsewhere)."""
 
+    def gather_columns_to_0(self, part: torch.Tensor, widths: list[int]) -> torch.Tensor | None:
+        """Every rank's 2-D `part` (``[rows, widths[rank]]``, the same rows
+        everywhere) side by side in rank order on rank 0 (None elsewhere)."""
+
 
 class TorchCollective:
     def __init__(self, device: torch.device) -> None:
@@ -85,6 +89,21 @@ class TorchCollective:
         out = [torch.empty_like(row) for _ in range(self.world_size)]
         dist.all_gather(out, row)
         return torch.stack(out).cpu()
+
+    def gather_columns_to_0(self, part: torch.Tensor, widths: list[int]) -> torch.Tensor | None:
+        if self.world_size == 1:
+            return part
+        # gather takes equal shapes: every part padded to the widest.
+        widest = max(widths)
+        if part.shape[1] < widest:
+            part = torch.nn.functional.pad(part, (0, widest - part.shape[1]))
+        part = part.contiguous()
+        if self.rank != 0:
+            dist.gather(part, None, dst=0)
+            return None
+        parts = [torch.empty_like(part) for _ in range(self.world_size)]
+        dist.gather(part, parts, dst=0)
+        return torch.cat([p[:, :w] for p, w in zip(parts, widths, strict=True)], dim=1)
 
     def gather_to_0(self, obj: Any) -> list[Any] | None:
         if self.world_size == 1:

@@ -167,6 +167,10 @@ class Engine:
         self._layers = layers
         self._token_chunk = token_chunk
         self._chunked: list[_Chunked] = []  # in plan order; the first goes on each step
+        # Under TP, this rank's rows of the LM head and every rank's count
+        # of them: the logits are gathered to rank 0 only (the one that
+        # samples), not to every rank as the TP plan's layer would.
+        self._head_shard, self._head_widths = self._sharded_head()
         # KV of finished requests' prompts (and outputs), by blocks.
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
         self._matches: dict[str, Match] = {}  # this step's new requests: what they could take
@@ -686,9 +690,37 @@ class Engine:
         return hidden
 
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits of the rows' last positions only (never of whole prompts)."""
-        logits: torch.Tensor = self.model.lm_head(hidden)  # type: ignore[operator]
-        return logits.float()
+        """Logits of the rows' last positions only (never of whole prompts),
+        ``[rows, vocab]`` on rank 0; under TP the other ranks get ``[rows,
+        0]`` (only rank 0 samples)."""
+        if self._head_shard is None:
+            logits: torch.Tensor = self.model.lm_head(hidden)  # type: ignore[operator]
+            return logits.float()
+        part = torch.nn.functional.linear(hidden, self._head_shard).float()
+        gathered = self.coll.gather_columns_to_0(part, self._head_widths)
+        return gathered if gathered is not None else part[:, :0]
+
+    def _sharded_head(self) -> tuple[torch.Tensor | None, list[int]]:
+        """(this rank's rows of the LM head's weight, each rank's count),
+        when the TP plan sharded it by rows of the vocabulary, without a
+        bias; else (None, [])."""
+        if self.coll.world_size == 1:
+            return None, []
+        from torch.distributed.tensor import DTensor, Shard
+
+        head = getattr(self.model, "lm_head", None)
+        weight = getattr(head, "weight", None)
+        sharded = isinstance(weight, DTensor) and tuple(weight.placements) == (Shard(0),)
+        usable = sharded and getattr(head, "bias", None) is None
+        # Every rank answers, so every rank takes the same path (and the gather below runs everywhere).
+        votes = self.coll.all_gather_row(torch.tensor([int(usable), weight.to_local().shape[0] if usable else 0]))  # type: ignore[union-attr]
+        if not bool(votes[:, 0].all()):
+            log.info("rank %d: the LM head is not sharded by rows: logits gathered to every rank", self.coll.rank)
+            return None, []
+        widths = [int(w) for w in votes[:, 1]]
+        log.info("rank %d: the LM head's logits go to rank 0 only (%d of its %d rows here)", self.coll.rank,
+                 widths[self.coll.rank], sum(widths))  # fmt: skip
+        return weight.to_local(), widths  # type: ignore[union-attr]
 
     # ---- tensors ----
     def _read_new(self, new: tuple[NewRequest, ...]) -> tuple[list[ItemTensors | None], list[int], list[str]]:
