@@ -495,6 +495,9 @@ class Engine:
         c = self._chunked[0]
         req = c.joiner.request
         start, end = c.done, min(len(req.input_ids), c.done + self.prefill_chunk)
+        if start == c.joiner.cached:  # its first chunk: the batch's rows will need its length
+            self.cache.grow_ahead(len(req.input_ids), steps=-(-(len(req.input_ids) - start) // self.prefill_chunk))
+        self.cache.advance_growth()
         try:
             hidden = self._chunk_forward(c, start, end)
         except Exception as exc:

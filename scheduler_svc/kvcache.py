@@ -19,6 +19,12 @@ requests of different lengths decode together in one forward:
   of its own: `begin_prefill` for the first chunk, `begin_extend` for each
   next (the chunk attends over the row's keys so far and its own), then
   `adopt` copies the finished row to the end of the batch's cache.
+- **growing ahead**: a long prompt's row, adopted, grows every row's token
+  capacity to its length at once, and a grown cache must be zeroed whole
+  (GBs: hundreds of ms in one step). `grow_ahead(tokens, steps)` makes the
+  grown storage while the prompt's chunks are prefilled and `advance_growth`
+  zeroes a share of it each step; the growth itself is then a copy of the
+  live rows.
 - **leave** is swap-remove: the last row moves into the hole. Rows therefore
   move only by `remove`, which the engine calls in plan order, so every rank
   holds the same rows in the same order (the invariant TP depends on).
@@ -73,6 +79,18 @@ class _RowLayer(CacheLayerMixin):
         return -1
 
 
+@dataclass
+class _Growth:
+    """Storage made ahead of a growth to `rows` x `tokens`: per layer, the
+    keys' and values' new tensors, the first `zeroed` of them zeroed."""
+
+    rows: int
+    tokens: int
+    stores: list[tuple[list[torch.Tensor | None], int, torch.Tensor]]
+    per_step: int
+    zeroed: int = 0
+
+
 @dataclass(frozen=True)
 class _Step:
     first_row: int
@@ -110,6 +128,7 @@ class RowCache(Cache):
         self._row_capacity = 0
         self._token_capacity = 0
         self._step: _Step | None = None
+        self._growth: _Growth | None = None
 
     # ---- what the engine calls ----
     @property
@@ -252,6 +271,34 @@ class RowCache(Cache):
             self.remove(self.rows - 1)
         self._step = None
 
+    def grow_ahead(self, tokens: int, steps: int) -> None:
+        """Make the storage for one more row and rows of `tokens` tokens now,
+        to be zeroed over the next `steps` calls of `advance_growth`; the
+        growth that needs it (the long row's `adopt`) then only copies the
+        live rows. Nothing when the capacity suffices or nothing is allocated."""
+        token_cap = _round_up(tokens, self.token_chunk)
+        row_cap = max(self._row_capacity, _round_up(self.rows + 1, self.row_chunk))
+        pairs = [(stores, i) for stores in (self._keys, self._values) for i in range(len(stores))]
+        if token_cap <= self._token_capacity or any(stores[i] is None for stores, i in pairs):
+            return
+        made = []
+        for stores, i in pairs:
+            old = stores[i]
+            assert old is not None
+            shape = (row_cap, old.shape[1], token_cap, old.shape[3])
+            made.append((stores, i, torch.empty(shape, dtype=old.dtype, device=old.device)))
+        self._growth = _Growth(row_cap, token_cap, made, per_step=math.ceil(len(made) / max(1, steps)))
+
+    def advance_growth(self) -> None:
+        """Zero the next share of the storage `grow_ahead` made."""
+        growth = self._growth
+        if growth is None:
+            return
+        end = min(len(growth.stores), growth.zeroed + growth.per_step)
+        for _, _, tensor in growth.stores[growth.zeroed : end]:
+            tensor.zero_()
+        growth.zeroed = end
+
     def nbytes(self) -> int:
         return sum(store.nbytes for store in (*self._keys, *self._values) if store is not None)
 
@@ -312,6 +359,17 @@ class RowCache(Cache):
         token_cap = max(self._token_capacity, _round_up(tokens, self.token_chunk))
         if (row_cap, token_cap) == (self._row_capacity, self._token_capacity):
             return
+        growth, self._growth = self._growth, None
+        if growth is not None and row_cap <= growth.rows and token_cap <= growth.tokens:
+            for k, (stores, i, new) in enumerate(growth.stores):
+                if k >= growth.zeroed:
+                    new.zero_()
+                old = stores[i]
+                assert old is not None
+                new[: self.rows, :, : old.shape[2]] = old[: self.rows]
+                stores[i] = new
+            self._row_capacity, self._token_capacity = growth.rows, growth.tokens
+            return
         for stores in (self._keys, self._values):
             for i, old in enumerate(stores):
                 if old is not None:
@@ -326,6 +384,7 @@ class RowCache(Cache):
         return torch.zeros(shape, dtype=states.dtype, device=states.device)
 
     def _free(self) -> None:
+        self._growth = None
         self._keys = [None] * len(self._keys)
         self._values = [None] * len(self._values)
         self._row_capacity = self._token_capacity = 0

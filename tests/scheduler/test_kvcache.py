@@ -98,6 +98,44 @@ def test_capacity_grows_in_chunks_keeps_the_rows_and_is_freed_when_empty() -> No
     assert (c.rows, c.row_capacity, c.token_capacity, c.nbytes()) == (0, 0, 0, 0)
 
 
+def test_a_growth_made_ahead_is_zeroed_a_share_a_step_and_then_only_copies_the_rows() -> None:
+    """A long row's adoption grows every row to its length: made ahead
+    (`grow_ahead`) and zeroed over the steps before (`advance_growth`), the
+    growth keeps the rows, leaves every other position zero, and uses the
+    storage made ahead (no allocation at the adoption)."""
+    c = cache(token_chunk=8, row_chunk=2)
+    for value, length in ((1.0, 3), (2.0, 5)):
+        c.begin_prefill([length])
+        fill(c, 1, length, value)
+    long = cache(token_chunk=8, row_chunk=1)
+    long.begin_prefill([20])
+    fill(long, 1, 20, 9.0)
+    c.grow_ahead(20, steps=2)
+    made = c._growth
+    assert made is not None
+    assert (made.rows, made.tokens, len(made.stores)) == (4, 24, 2)  # one more row; keys and values
+    ahead = [t for _, _, t in made.stores]
+    for t in ahead:
+        t.fill_(float("nan"))  # what uninitialized memory may hold: it must all be zeroed
+    c.advance_growth()
+    assert made.zeroed == 1
+    c.begin_decode()  # rows still decode meanwhile (within the old capacity)
+    fill(c, 2, 1, 3.0)
+    c.adopt(long)
+    assert c._growth is None
+    assert c._keys[0] is ahead[0]
+    assert c._values[0] is ahead[1], "the share not zeroed ahead is zeroed at the growth"
+    assert (c.row_capacity, c.token_capacity, c.lengths) == (4, 24, [4, 6, 20])
+    keys = c._keys[0]
+    assert keys[0, 0, :5, 0].tolist() == [1.0, 1.0, 1.0, 3.0, 0.0]
+    assert keys[1, 0, :7, 0].tolist() == [2.0] * 5 + [3.0, 0.0]
+    assert keys[2, 0, :21, 0].tolist() == [9.0] * 20 + [0.0]
+    for t in (keys, c._values[0]):
+        assert torch.isfinite(t).all()
+        assert float(t[:, :, 21:].abs().sum()) == 0.0
+        assert float(t[3].abs().sum()) == 0.0
+
+
 @pytest.fixture(scope="module")
 def llama() -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
