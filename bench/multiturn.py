@@ -18,9 +18,13 @@ interleaved over rounds:
   prompt its own random text (the cache looks up, misses, and keeps every
   finished request's blocks): tokens/s with the cache on and off.
 
-Also whether both arms made the same tokens (greedy: they must).
+Also whether both arms made the same tokens (greedy: they must); and,
+unless `--no-chunked`, one round of `bench/chunked_prefill.py` (16 streams
+decoding while a 6,000-token prompt joins, with chunked prefill and
+without: the streams' inter-token latency p50 and p99), so that every
+figure of the issue's Engine II targets comes from this one script.
 
-    python bench/multiturn.py [--conversations 4] [--system 300] [--answer 8] [--rounds 3]
+    python bench/multiturn.py [--conversations 4] [--system 300] [--answer 8] [--rounds 3] [--no-chunked]
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import SoloGroup, build_model, inline_reader, scratch_dir, table
+from harness import SoloGroup, build_model, inline_reader, percentile, scratch_dir, table
 
 TURNS = 4
 IMAGE_TOKENS = 64  # the tiny LLaVA's placeholders per image
@@ -155,6 +159,7 @@ def main() -> None:
     parser.add_argument("--answer", type=int, default=8, help="tokens of each answer")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--workdir", type=Path, default=None)
+    parser.add_argument("--no-chunked", action="store_true", help="skip the chunked-prefill round")
     args = parser.parse_args()
 
     import torch
@@ -210,6 +215,23 @@ def main() -> None:
         print(f"no shared prefix ({args.conversations} x {TURNS} requests of {lengths[0]}-{lengths[-1]} tokens): "
               f"tokens/s on {on:.0f}, off {off:.0f} ({on / off:.3f}x; target >= 0.97x)")  # fmt: skip
         print(f"same tokens with the cache on and off (every request, every round): {same}")
+        if not args.no_chunked:
+            chunked(workdir)
+
+
+def chunked(workdir: Path) -> None:
+    """One round of bench/chunked_prefill.py's comparison, its figures."""
+    import chunked_prefill
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(chunked_prefill.build(workdir), dtype=torch.float32).eval()
+    steps, _, _, _ = chunked_prefill.run(model, 16, 6000, 512, 0, seed=0)
+    whole, _, _, _ = chunked_prefill.run(model, 16, 6000, 0, len(steps), seed=0)
+    for name, gaps in (("chunked (512)", steps), ("whole", whole)):
+        p50, p99 = percentile(gaps, 50), percentile(gaps, 99)
+        print(f"16 streams while a 6000-token prompt joins, {name}: ITL p50 {p50 * 1000:.0f} ms, "
+              f"p99 {p99 * 1000:.0f} ms ({p99 / p50:.1f}x; target <= 3x with chunking)")  # fmt: skip
 
 
 if __name__ == "__main__":
