@@ -30,3 +30,24 @@ def test_engine_benchmark_prints_every_ratio() -> None:
     row = [line for line in result.stdout.splitlines() if line.startswith("tiny ")][-1]  # the table's
     assert row.split()[-1] == "4/4", "the services' greedy tokens equal HF's"
     assert "CPU seconds at 4 concurrent" in result.stdout
+
+
+def test_multiturn_benchmark_prints_every_figure_and_both_arms_agree() -> None:
+    args = ["--conversations", "2", "--system", "20", "--answer", "3", "--rounds", "1", "--no-chunked"]
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "multiturn.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, **ENV},
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    for line in (
+        "TTFT on ms",
+        "turns 2-4: TTFT with the cache",
+        "prompt tokens taken from the cache",
+        "no shared prefix",
+    ):
+        assert line in result.stdout
+    assert "same tokens with the cache on and off (every request, every round): True" in result.stdout
