@@ -22,8 +22,9 @@ cache filling up: the tokenizer's resident memory must then be back within
 Every request must end with an answer: its tokens, or a typed error that is
 retriable or its own bad input. Printed: requests by outcome (ok, each
 ErrorCode, cancelled by the client, untyped, lost: no answer within the
-client's deadline), retries made by the clients (HTTP: the SDK's; gRPC's
-own are not visible), p50 and p99 of the successes' latency, the faults
+client's deadline), retries made by the clients (HTTP: the SDK's; gRPC:
+the calls the tokenizer saw carrying `grpc-previous-rpc-attempts`, which
+gRPC adds to a retry, from its metrics), p50 and p99 of the successes' latency, the faults
 injected, what was left in /dev/shm and in the slab after the load, and the
 tokenizer's descriptors and resident memory at the start and the end. Exit
 status 1 when something was lost, untyped or left behind.
@@ -81,6 +82,7 @@ class Tally:
     outcomes: Counter[str] = field(default_factory=Counter)
     latencies: list[float] = field(default_factory=list)
     retries: int = 0
+    grpc_retries: int = 0  # calls the tokenizer saw marked as gRPC's retries (its metrics)
     faults: Counter[str] = field(default_factory=Counter)
     bad: list[str] = field(default_factory=list)  # what fails the run: lost, untyped, not retriable
 
@@ -336,6 +338,17 @@ async def keep_groups_up(groups: list[Group], stop_at: float, tally: Tally) -> N
         await asyncio.sleep(0.5)
 
 
+def scraped(port: int, name: str) -> int:
+    """A counter from the tokenizer's /metrics (0 when it is not there)."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        for line in reply.read().decode().splitlines():
+            if line.startswith(name + " ") or line.startswith(name + "{"):
+                return int(float(line.rsplit(" ", 1)[1]))
+    return 0
+
+
 def footprint(pid: int) -> tuple[int, int]:
     proc = psutil.Process(pid)
     return proc.num_fds(), proc.memory_info().rss
@@ -407,7 +420,9 @@ def run(args: argparse.Namespace, workdir: Path, model: Path | None = None) -> t
     groups = [Group(f"scheduler{k}", model, logs, prefix, NO_CACHES["scheduler"] if off else []) for k in range(2)]
     http = f"127.0.0.1:{free_port()}"
     schedulers = ",".join(f"127.0.0.1:{g.port}" for g in groups)
+    metrics = free_port()
     extra = ["--shm-prefix", prefix, "--http-port", http.rsplit(":", 1)[1], "--cpu-workers", "2"]
+    extra += ["--metrics-port", str(metrics)]
     extra += NO_CACHES["tokenizer"] if off else []
     tok = ServiceProcess("tokenizer", tokenizer_args(model, schedulers, extra=extra), logs / "tokenizer.log")
     tally = Tally()
@@ -426,6 +441,7 @@ def run(args: argparse.Namespace, workdir: Path, model: Path | None = None) -> t
             g.serve_again(180)
         idle = wait_until(lambda: slab_used(tok.address) == 0, 60)
         fds1, rss1 = footprint(tok.pid)
+        tally.grpc_retries = scraped(metrics, "mmsplit_tokenizer_grpc_retried_calls_total")
         mine = [n for n in segments(prefix) if n.startswith(f"{prefix}-{tok.pid}-")]
         left = [n for n in segments(prefix) if n not in mine]
     finally:
@@ -437,7 +453,8 @@ def run(args: argparse.Namespace, workdir: Path, model: Path | None = None) -> t
     print(f"{total} requests in {took:.0f}s by {args.concurrency} clients; seed {args.seed}; caches {caches}; "
           f"{where if private_shm() else 'the host /dev/shm'}")  # fmt: skip
     print(table(["outcome", "requests"], sorted(tally.outcomes.items(), key=lambda kv: -kv[1])))
-    print(f"faults: {dict(tally.faults)}; HTTP retries by the SDK: {tally.retries}")
+    print(f"faults: {dict(tally.faults)}; retries: HTTP by the SDK {tally.retries}, gRPC by the channel "
+          f"{tally.grpc_retries}")  # fmt: skip
     lat = tally.latencies
     print(f"latency of successes: p50 {percentile(lat, 50):.2f}s, p99 {percentile(lat, 99):.2f}s")
     print(f"left in /dev/shm besides the live tokenizer's slab and grant table: {left}; the tokenizer's own: {mine}")

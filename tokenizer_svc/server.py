@@ -137,6 +137,9 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
         self.service = service
         self.settings = settings
         self.metrics = metrics
+        # Calls that were gRPC's retries of an earlier attempt (the client's
+        # channel adds grpc-previous-rpc-attempts to each retry).
+        self.retried_calls = 0
 
     async def Generate(  # noqa: N802 (gRPC method name)
         self, request: tokenizer_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -147,6 +150,8 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
             invalid = InvalidRequest(f"request_id must be 1..{MAX_REQUEST_ID} printable characters")
             await context.abort_with_status(invalid.to_status())
         summary = RequestSummary(rid, protocol="grpc", images=len(request.images), videos=len(request.videos))
+        if any(key == "grpc-previous-rpc-attempts" for key, _ in context.invocation_metadata() or ()):
+            self.retried_calls += 1
         try:
             async for response in self.service.generate(request, rid, context.time_remaining()):
                 if response.HasField("delta") and response.delta.token_ids:
@@ -308,7 +313,17 @@ async def _serve(
         max_connection_age_s=settings.max_connection_age_s,
     )
     metrics = _metrics(settings, service, pool)
-    tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server(TokenizerServicer(service, settings, metrics), server)
+    servicer = TokenizerServicer(service, settings, metrics)
+    if metrics is not None:
+        metrics.counters(
+            lambda: {
+                "grpc_retried_calls": (
+                    "Generate calls that were a gRPC client's retries of an earlier attempt",
+                    servicer.retried_calls,
+                )
+            }
+        )
+    tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server(servicer, server)
     await server.start()
     http = None
     if settings.http_port:

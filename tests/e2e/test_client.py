@@ -76,11 +76,15 @@ class _FlakyTokenizer(tokenizer_pb2_grpc.TokenizerServiceServicer):
     def __init__(self, failures: int) -> None:
         self.failures = failures
         self.calls = 0
+        # Each call's grpc-previous-rpc-attempts (what the tokenizer counts retries by).
+        self.previous: list[str | None] = []
 
     async def Generate(
         self, request: tokenizer_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[tokenizer_pb2.GenerateResponse]:
         self.calls += 1
+        metadata = dict(context.invocation_metadata() or ())
+        self.previous.append(metadata.get("grpc-previous-rpc-attempts"))  # type: ignore[arg-type]
         if self.calls <= self.failures:
             await context.abort_with_status(SchedulerUnavailable("the scheduler is down").to_status("r"))
         yield tokenizer_pb2.GenerateResponse(delta=tokenizer_pb2.TextDelta(text="ok", token_ids=[7]))
@@ -88,6 +92,8 @@ class _FlakyTokenizer(tokenizer_pb2_grpc.TokenizerServiceServicer):
 
 
 def test_retriable_failures_are_retried_by_the_service_config() -> None:
+    seen: list[list[str | None]] = []
+
     async def run(failures: int, retries: int, image: bytes = b"") -> tuple[int, object]:
         flaky = _FlakyTokenizer(failures)
         server = grpc.aio.server()
@@ -103,11 +109,14 @@ def test_retriable_failures_are_retried_by_the_service_config() -> None:
                     outcome = exc
         finally:
             await server.stop(None)
+        seen.append(flaky.previous)
         return flaky.calls, outcome
 
     calls, done = asyncio.run(run(failures=2, retries=3))
     assert calls == 3
     assert getattr(done, "token_ids", None) == [7]
+    # gRPC marks each retry (the tokenizer's grpc_retried_calls metric counts them).
+    assert seen[-1] == [None, "1", "2"]
     # A request far over gRPC's default retry buffer (256 KiB) is retried too.
     calls, done = asyncio.run(run(failures=2, retries=3, image=b"\xff" * (3 << 20)))
     assert calls == 3
