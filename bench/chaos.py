@@ -131,6 +131,14 @@ class Group:
     def stop(self) -> None:
         self.proc.stop()
 
+    def footprints(self) -> list[tuple[int, int]]:
+        """(descriptors, resident bytes) of each rank, rank 0 first."""
+        out = []
+        for rank in self.ranks():
+            with contextlib.suppress(psutil.Error):
+                out.append(footprint(rank.pid))
+        return out
+
 
 async def one(rng: random.Random, address: str, tally: Tally, stop_at: float, openai_client: object) -> None:
     """Requests one after another until the run ends."""
@@ -434,6 +442,7 @@ def run(args: argparse.Namespace, workdir: Path, model: Path | None = None) -> t
         # groups' channels), so the start is what the end is compared with.
         asyncio.run(warm_up(tok.address))
         fds0, rss0 = footprint(tok.pid)
+        ranks0 = [g.footprints() for g in groups]
         started = time.monotonic()
         asyncio.run(load(args, tok, http, groups, tally))
         took = time.monotonic() - started
@@ -441,6 +450,7 @@ def run(args: argparse.Namespace, workdir: Path, model: Path | None = None) -> t
             g.serve_again(180)
         idle = wait_until(lambda: slab_used(tok.address) == 0, 60)
         fds1, rss1 = footprint(tok.pid)
+        ranks1 = [g.footprints() for g in groups]
         tally.grpc_retries = scraped(metrics, "mmsplit_tokenizer_grpc_retried_calls_total")
         mine = [n for n in segments(prefix) if n.startswith(f"{prefix}-{tok.pid}-")]
         left = [n for n in segments(prefix) if n not in mine]
@@ -460,6 +470,13 @@ def run(args: argparse.Namespace, workdir: Path, model: Path | None = None) -> t
     print(f"left in /dev/shm besides the live tokenizer's slab and grant table: {left}; the tokenizer's own: {mine}")
     print(f"slab back to 0 bytes used: {idle}")
     print(f"tokenizer descriptors {fds0} -> {fds1}, resident {rss0 >> 20} -> {rss1 >> 20} MiB")
+    for g, before, after in zip(groups, ranks0, ranks1, strict=True):
+        # A group restarted during the run is new processes: its end is
+        # compared with the first one's start (what a group costs after a
+        # start and under the load).
+        print(f"{g.name} (started {g.starts} times): " + "; ".join(
+            f"rank {r} descriptors {a[0]} -> {b[0]}, resident {a[1] >> 20} -> {b[1] >> 20} MiB"
+            for r, (a, b) in enumerate(zip(before, after, strict=False))))  # fmt: skip
     problems = list(tally.bad)
     if left:
         problems.append(f"segments left: {left}")
@@ -472,6 +489,11 @@ def run(args: argparse.Namespace, workdir: Path, model: Path | None = None) -> t
         problems.append(f"descriptors grew {fds0} -> {fds1}")
     if off and rss1 > rss0 * 1.1:
         problems.append(f"resident memory grew {rss0 >> 20} -> {rss1 >> 20} MiB with the caches off")
+    for g, before, after in zip(groups, ranks0, ranks1, strict=True):
+        for r, (a, b) in enumerate(zip(before, after, strict=False)):
+            if b[0] > a[0] * 1.1 + 8 or (off and b[1] > a[1] * 1.1):
+                problems.append(f"{g.name} rank {r} grew: descriptors {a[0]} -> {b[0]}, resident {a[1] >> 20} -> "
+                                f"{b[1] >> 20} MiB")  # fmt: skip
     for problem in problems[:20]:
         print("PROBLEM:", problem)
     return (1 if problems else 0), tally
