@@ -33,7 +33,7 @@ def test_engine_benchmark_prints_every_ratio() -> None:
 
 
 def test_multiturn_benchmark_prints_every_figure_and_both_arms_agree() -> None:
-    args = ["--conversations", "2", "--system", "20", "--answer", "3", "--rounds", "1", "--no-chunked"]
+    args = ["--conversations", "1", "--system", "16", "--answer", "2", "--rounds", "1", "--no-chunked"]
     result = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "multiturn.py"), *args],
         capture_output=True,
