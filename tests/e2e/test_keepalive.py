@@ -213,8 +213,12 @@ def test_a_frozen_client_s_queued_request_is_aborted(tiny_model: Path, tmp_path:
             # Aborted where it waited: it never ran a step (blockers that
             # finished meanwhile, fast on an idle host, do not matter while
             # some are still ahead of it).
-            log = p.scheduler.log_path.read_text()
-            assert re.search(r"request \S+\.stopped aborted before its first step", log), "it ran before it was found"
+            # (The step loop logs it when it takes the abort, which may come
+            # after the call's own end is logged on a loaded host.)
+            where = re.compile(r"request \S+\.stopped aborted before its first step")
+            assert wait_until(lambda: where.search(p.scheduler.log_path.read_text()), timeout=15), (
+                "it ran before it was found"
+            )
             assert not all(f.done() for f in ahead), (
                 "the queue ran out before the check: add blockers",
                 [f.result() for f in ahead if f.done()],

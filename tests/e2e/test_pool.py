@@ -279,8 +279,17 @@ def test_workers_killed_at_random_under_load_cost_only_their_own_images(pair: Pa
         assert max(o.latency_s for o in outcomes) < 30
         assert wait_until(lambda: len(workers(pair)) == 2, timeout=30)
         assert wait_until(lambda: tokenizer_info(pair.tokenizer_address).info.shm_slab_used_bytes == 0, timeout=10)
-        after = run_request(stub, make_request("x", [samples.good_png()], max_tokens=2), timeout=60)
-        assert after.ok, after
+        # Serving again: a request succeeds (on a saturated host a fresh
+        # worker's first image may still take over the 4 s budget once:
+        # PREPROCESS_TIMEOUT, typed and retriable, as a client would retry).
+        tries: list[Outcome] = []
+
+        def served() -> bool:
+            tries.append(run_request(stub, make_request("x", [samples.good_png()], max_tokens=2), timeout=60))
+            return tries[-1].ok
+
+        assert wait_until(served, timeout=60), tries
+        assert all(o.ok or o.reason == "PREPROCESS_TIMEOUT" for o in tries), tries
     # Readiness is refreshed every 2 s.
     assert wait_until(lambda: health_status(pair.tokenizer_address, TOKENIZER_SERVICE) == "SERVING", timeout=10)
 
