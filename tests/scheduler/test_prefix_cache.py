@@ -159,13 +159,18 @@ def test_no_block_is_shared_past_a_different_image_or_across_salts(model: torch.
     other_image = request("other", list(first.input_ids), [pixels(2)], max_tokens=4)
     same_image = request("same", list(first.input_ids), [pixels(1)], max_tokens=4)
     salted = dataclasses.replace(same_image, request_id="salted", cache_salt="tenant-2")
+    # The same image 5 tokens later (after the same first 32 tokens), then the same text.
+    ids = [*text, 701, 702, 703, 704, 705, *([model.config.image_token_id] * IMAGE_TOKENS), *range(800, 830)]
+    moved = request("moved", ids, [pixels(1)], max_tokens=4)
     seen: dict[str, int] = {}
-    results = drive(engine, {0: [first], 8: [other_image], 16: [same_image], 24: [salted]}, eos, seen)
+    arrivals = {0: [first], 8: [other_image], 16: [same_image], 24: [salted], 32: [moved]}
+    results = drive(engine, arrivals, eos, seen)
     assert seen["first"] == 0
     assert seen["other"] == 32, "the text before the image, not past its first placeholder"
     assert seen["same"] == 128, "through the image (40..104) to the last block of the 134-token prompt"
     assert seen["salted"] == 0
-    for req in (first, other_image, same_image, salted):
+    assert seen["moved"] == 32, "the image elsewhere: only the text before it"
+    for req in (first, other_image, same_image, salted, moved):
         assert results[req.request_id] == reference(model, req), req.request_id
 
 
