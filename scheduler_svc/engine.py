@@ -459,7 +459,7 @@ class Engine:
         for item, (modality, output) in zip(j.request.items, j.features, strict=True):
             if output is None or not item.placeholders:
                 continue
-            first, last = item.placeholders[0][0], item.placeholders[-1][0] + item.placeholders[-1][1]
+            first, last = item.span
             if start <= first and last <= end:
                 features.append((modality, output))
                 continue
@@ -546,7 +546,7 @@ class Engine:
         parts: dict[str, list[torch.Tensor]] = {}
         for req, tensors, start in joining:
             for item, encoder in zip(req.items, tensors or (), strict=True):
-                if item.placeholders and item.placeholders[0][0] < start:
+                if item.placeholders and item.span[0] < start:
                     continue
                 for name, tensor in encoder.items():
                     parts.setdefault(name, []).append(tensor.to(self.device, self.dtype))
@@ -604,7 +604,7 @@ class Engine:
         for ji, j in enumerate(joiners):
             keys = self._keys.get(j.request.request_id, [])
             for k, (item, encoder, key) in enumerate(zip(j.request.items, j.tensors or (), keys, strict=True)):
-                if item.placeholders and item.placeholders[-1][0] + item.placeholders[-1][1] <= j.cached:
+                if item.placeholders and item.span[1] <= j.cached:
                     j.features.append((item.modality, None))  # inside the cached prefix: not needed
                     continue
                 rows = sum(length for _, length in item.placeholders)

@@ -31,6 +31,14 @@ class Item:
     placeholders: tuple[tuple[int, int], ...] = ()
     content_hash: bytes = b""
 
+    @property
+    def span(self) -> tuple[int, int]:
+        """Prompt tokens from its first placeholder to past its last."""
+        if not self.placeholders:
+            return (0, 0)
+        (first, _), (offset, length) = self.placeholders[0], self.placeholders[-1]
+        return first, offset + length
+
 
 @dataclass(frozen=True)
 class NewRequest:

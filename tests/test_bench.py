@@ -1,29 +1,18 @@
-"""The engine benchmark runs end to end (a small version: the numbers
-themselves are for `python bench/engine.py`, not for a test)."""
+"""The engine and multi-turn benchmarks run end to end (small versions: the
+numbers themselves are for `python bench/...`, not for a test)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 
-from tests.support.services import ENV, ROOT
+from tests.support.bench import run_bench
 
 pytestmark = pytest.mark.e2e
 
 
 def test_engine_benchmark_prints_every_ratio() -> None:
     args = ["--models", "tiny", "--tp", "1", "--n", "4", "--tokens", "4", "--rounds", "1"]
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "engine.py"), *args],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env={**os.environ, **ENV},
-        cwd=ROOT,
-    )
+    result = run_bench("engine.py", args)
     assert result.returncode == 0, result.stderr[-3000:]
     for column in ("c=1 / serial", "c=8 / batch", "c=4 / batch", "c=4 / batch+prep", "TTFT ms", "ITL ms", "= HF"):
         assert column in result.stdout
@@ -34,14 +23,7 @@ def test_engine_benchmark_prints_every_ratio() -> None:
 
 def test_multiturn_benchmark_prints_every_figure_and_both_arms_agree() -> None:
     args = ["--conversations", "1", "--system", "16", "--answer", "2", "--rounds", "1", "--no-chunked"]
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "multiturn.py"), *args],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env={**os.environ, **ENV},
-        cwd=ROOT,
-    )
+    result = run_bench("multiturn.py", args)
     assert result.returncode == 0, result.stderr[-3000:]
     for line in (
         "TTFT on ms",

@@ -9,17 +9,14 @@ back where they were (the bench's exit status says all of it)."""
 from __future__ import annotations
 
 import ast
-import os
 import re
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from tests.support.bench import run_bench
 from tests.support.leaks import PROJECT_PREFIX
-from tests.support.services import ENV, ROOT
 
 pytestmark = pytest.mark.e2e
 
@@ -30,14 +27,7 @@ def test_a_minute_of_chaos_loses_nothing(family_models: Callable[[str], Path], t
     (tmp_path / "model-qwen2-vl").symlink_to(family_models("qwen2-vl"))
     args = ["--minutes", "0.75", "--concurrency", "6", "--seed", "7", "--fault-every-s", "3"]
     args += ["--prefix", f"{PROJECT_PREFIX}ch", "--shm-size", "512m", "--caches", "off", "--workdir", str(tmp_path)]
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "chaos.py"), *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, **ENV},
-        cwd=ROOT,
-    )
+    result = run_bench("chaos.py", args, timeout=300)
     report = result.stdout + result.stderr[-3000:]
     assert result.returncode == 0, report
     assert "a /dev/shm of its own (512 MiB)" in result.stdout, report
