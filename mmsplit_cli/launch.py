@@ -45,6 +45,10 @@ def set_launcher(launcher: Launcher | None) -> Launcher | None:
     return previous
 
 
+class StartFailed(RuntimeError):
+    """A service exited, or did not serve in time, while starting."""
+
+
 class ServiceProcess:
     """One `mmsplit <service>` child. Its log goes to `log_path`; `port` is
     read from the "listening on HOST:PORT" line the server logs."""
@@ -112,8 +116,17 @@ class ServiceProcess:
         self._bound.set()  # exited: wake any waiter
 
     def wait_bound(self, timeout: float) -> int:
-        if not self._bound.wait(timeout) or self.port is None:
-            raise RuntimeError(f"{self.name} did not start within {timeout:.0f}s; see {self.log_path}:\n{self.tail()}")
+        """The port, once the service logs it; raises as soon as the process
+        exits without (its log can stay open for longer: a child that
+        inherited it, such as a CPU pool worker, may outlive it)."""
+        deadline = time.monotonic() + timeout
+        while not self._bound.wait(min(0.2, max(0.0, deadline - time.monotonic()))):
+            if self.proc.poll() is not None or time.monotonic() >= deadline:
+                break
+        if self.port is None:
+            code = self.proc.poll()
+            why = f"exited with status {code}" if code is not None else f"did not start within {timeout:.0f}s"
+            raise StartFailed(f"{self.name} {why}; see {self.log_path}:\n{self.tail()}")
         return self.port
 
     def wait_serving(self, service: str, timeout: float) -> None:
@@ -132,7 +145,9 @@ class ServiceProcess:
                 except grpc.RpcError:
                     pass
                 time.sleep(0.1)
-        raise RuntimeError(f"{self.name} is not SERVING after {timeout:.0f}s; see {self.log_path}:\n{self.tail()}")
+        code = self.proc.poll()
+        why = f"exited with status {code}" if code is not None else f"is not SERVING after {timeout:.0f}s"
+        raise StartFailed(f"{self.name} {why}; see {self.log_path}:\n{self.tail()}")
 
     def wait_logged(self, text: str, timeout: float) -> None:
         """Wait until the service's log shows `text` (for services a plain
@@ -184,6 +199,25 @@ def tokenizer_args(model: Path, scheduler: str, *, extra: Sequence[str] = ()) ->
     return ["tokenizer", "--model", str(model), "--scheduler", scheduler, "--port", "0", "--http-port", "0", *extra]
 
 
+class FreePort:
+    """An argument of `running_pair` that becomes a port free at each start
+    attempt (`number`, once started): the pair starts again when a port was
+    taken between being chosen and being bound."""
+
+    def __init__(self) -> None:
+        self.number = 0
+
+    def draw(self) -> str:
+        self.number = free_port()
+        return str(self.number)
+
+
+Arg = str | FreePort
+# What a service logs when a port it was given is taken (Python's socket, gRPC).
+_PORT_TAKEN = ("Address already in use", "Failed to bind")
+START_ATTEMPTS = 3
+
+
 @dataclass
 class Pair:
     scheduler: ServiceProcess
@@ -199,40 +233,59 @@ class Pair:
         return self.scheduler.address
 
 
+def _drawn(args: Sequence[Arg]) -> list[str]:
+    return [arg.draw() if isinstance(arg, FreePort) else arg for arg in args]
+
+
+def _stop_all(processes: Sequence[ServiceProcess]) -> None:
+    # Both drain at once (the tokenizer is told first): most of a stop is
+    # each process's own exit, which need not wait for the other's.
+    for proc in processes:
+        proc.terminate()
+    for proc in processes:
+        proc.stop()
+
+
 @contextmanager
 def running_pair(
     model: Path,
     logs: Path,
     *,
     tp: int = 2,
-    scheduler_extra: Sequence[str] = (),
-    tokenizer_extra: Sequence[str] = (),
+    scheduler_extra: Sequence[Arg] = (),
+    tokenizer_extra: Sequence[Arg] = (),
     env: dict[str, str] | None = None,
     wrapper: Sequence[str] = (),
 ) -> Iterator[Pair]:
     """A scheduler and a tokenizer, both SERVING, each run under `wrapper`
-    if given (a command such as `prlimit ... --`). On exit both are stopped
-    (SIGTERM, then SIGKILL) unless already stopped, including any process
-    the caller put in their place on the pair."""
+    if given (a command such as `prlimit ... --`). A `FreePort` among the
+    arguments is drawn at each attempt; a start that fails because a port
+    was taken is tried again, up to START_ATTEMPTS times. On exit both are
+    stopped (SIGTERM, then SIGKILL) unless already stopped, including any
+    process the caller put in their place on the pair."""
     started: list[ServiceProcess] = []
     pair: Pair | None = None
     try:
-        # Both start at once: the tokenizer waits for the scheduler by itself.
-        port = free_port()
-        sched_args = scheduler_args(model, tp=tp, extra=["--port", str(port), *scheduler_extra])
-        started.append(ServiceProcess("scheduler", sched_args, logs / "scheduler.log", env=env, wrapper=wrapper))
-        tok_args = tokenizer_args(model, f"127.0.0.1:{port}", extra=tokenizer_extra)
-        started.append(ServiceProcess("tokenizer", tok_args, logs / "tokenizer.log", env=env, wrapper=wrapper))
-        sched, tok = started
-        sched.wait_serving(SCHEDULER_SERVICE, 180)
-        tok.wait_serving(TOKENIZER_SERVICE, 180)
+        for attempt in range(1, START_ATTEMPTS + 1):
+            # Both start at once: the tokenizer waits for the scheduler by itself.
+            port = FreePort()
+            sched_args = scheduler_args(model, tp=tp, extra=_drawn(["--port", port, *scheduler_extra]))
+            started = [ServiceProcess("scheduler", sched_args, logs / "scheduler.log", env=env, wrapper=wrapper)]
+            tok_args = tokenizer_args(model, f"127.0.0.1:{port.number}", extra=_drawn(tokenizer_extra))
+            started.append(ServiceProcess("tokenizer", tok_args, logs / "tokenizer.log", env=env, wrapper=wrapper))
+            sched, tok = started
+            try:
+                sched.wait_serving(SCHEDULER_SERVICE, 180)
+                tok.wait_serving(TOKENIZER_SERVICE, 180)
+                break
+            except StartFailed:
+                taken = any(text in proc.tail() for proc in started for text in _PORT_TAKEN)
+                if not taken or attempt == START_ATTEMPTS:
+                    raise
+                log.warning("a port was taken before it was bound (attempt %d); starting the pair again", attempt)
+                _stop_all(list(reversed(started)))
         pair = Pair(sched, tok, model)
         yield pair
     finally:
         current = [pair.tokenizer, pair.scheduler] if pair is not None else []
-        # Both drain at once (the tokenizer is told first): most of a stop is
-        # each process's own exit, which need not wait for the other's.
-        for proc in [*current, *reversed(started)]:
-            proc.terminate()
-        for proc in [*current, *reversed(started)]:
-            proc.stop()
+        _stop_all([*current, *reversed(started)])

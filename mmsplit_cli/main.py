@@ -22,6 +22,7 @@ from typing import Any, NoReturn
 from mmsplit_cli.config import add_settings_arguments, settings_from
 from mmsplit_cli.tiny_model import FAMILIES
 from mmsplit_server.serving import exit_now, raise_fd_limit, setup_logging
+from mmsplit_server.settings import ServiceSettings
 
 
 def _scheduler(args: argparse.Namespace) -> NoReturn:
@@ -33,7 +34,7 @@ def _scheduler(args: argparse.Namespace) -> NoReturn:
     # port is one line now, not a traceback minutes from now. (Ranks other
     # than 0 of an env-launched group bind nothing.)
     ports = [(settings.host, settings.port, "--port")] if settings.launch == "local" else []
-    _refuse_start("scheduler", settings.model_dir, ports)
+    _refuse_start("scheduler", settings.model_dir, [*ports, _metrics_port(settings)])
     setup_logging(settings.log_level, settings.log_format)
     # Ranks 1..N-1 that must be spawned (CUDA) import torch and transformers
     # while this process does the same (below), instead of after: ~2.5 s
@@ -58,7 +59,11 @@ def _tokenizer(args: argparse.Namespace) -> NoReturn:
     _refuse_start(
         "tokenizer",
         settings.model_dir,
-        [(settings.host, settings.port, "--port"), (settings.host, settings.http_port, "--http-port")],
+        [
+            (settings.host, settings.port, "--port"),
+            (settings.host, settings.http_port, "--http-port"),
+            _metrics_port(settings),
+        ],
     )
     setup_logging(settings.log_level, settings.log_format)
     # The CPU pool's forkserver is a fork of this process once its imports
@@ -69,6 +74,10 @@ def _tokenizer(args: argparse.Namespace) -> NoReturn:
 
     forkserver.start_forked()
     exit_now(run(settings))  # as the scheduler
+
+
+def _metrics_port(settings: ServiceSettings) -> tuple[str, int, str]:
+    return (settings.metrics_host or settings.host, settings.metrics_port, "--metrics-port")
 
 
 def _refuse_start(service: str, model: Path, ports: list[tuple[str, int, str]]) -> None:

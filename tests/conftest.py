@@ -30,13 +30,13 @@ from pathlib import Path
 import psutil
 import pytest
 
-from mmsplit_server.serving import free_port
 from tests.support import messages
 from tests.support.leaks import RUNTIME_DIR, SERVICE_TMP, children, project_segments, service_temp_leftovers, wait_until
 from tests.support.services import (
     ROOT,
     SCHEDULER_SERVICE,
     TOKENIZER_SERVICE,
+    FreePort,
     Pair,
     installed_launcher,
     running_pair,
@@ -237,8 +237,8 @@ def services(tiny_model: Path, media_dir: Path, tmp_path_factory: pytest.TempPat
     with running_pair(
         tiny_model,
         logs,
-        scheduler_extra=[*scheduler, "--metrics-port", str(free_port())],
-        tokenizer_extra=[*tokenizer, "--metrics-port", str(free_port())],
+        scheduler_extra=[*scheduler, "--metrics-port", FreePort()],
+        tokenizer_extra=[*tokenizer, "--metrics-port", FreePort()],
     ) as pair:
         yield pair
         pair.tokenizer.terminate()

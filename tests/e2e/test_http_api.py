@@ -30,7 +30,7 @@ from mmsplit_cli.client import run_request
 from mmsplit_server.serving import free_port
 from tests.e2e.helpers import rank_active_requests, tokenizer_info
 from tests.support.leaks import PROJECT_PREFIX, project_segments, wait_until
-from tests.support.services import Pair, running_pair
+from tests.support.services import FreePort, Pair, running_pair
 
 pytestmark = pytest.mark.e2e
 KEY = "sk-test-0123456789"
@@ -59,17 +59,18 @@ class Api:
 
 def _api(model: Path, logs: Path, *, tp: str = "1") -> Iterator[Api]:
     (logs / "key").write_text(KEY + "\n")
-    http, metrics, closed = free_port(), free_port(), free_port()  # closed: nothing listens there
+    http, metrics, closed = FreePort(), FreePort(), free_port()  # closed: nothing listens there
     tokenizer = [
-        "--http-port", str(http),
+        "--http-port", http,
         "--api-key-file", str(logs / "key"),
         "--http-max-body-bytes", str(BODY_LIMIT),
-        "--metrics-port", str(metrics),
+        "--metrics-port", metrics,
         "--private-fetch-exempt", f"127.0.0.1:{closed}",
         "--fetch-retries", "0",
     ]  # fmt: skip
     with running_pair(model, logs, scheduler_extra=["--tp", tp], tokenizer_extra=tokenizer) as pair:
-        yield Api(pair, f"http://127.0.0.1:{http}/v1", model.name, f"http://127.0.0.1:{metrics}/metrics", closed)
+        urls = f"http://127.0.0.1:{http.number}/v1", f"http://127.0.0.1:{metrics.number}/metrics"
+        yield Api(pair, urls[0], model.name, urls[1], closed)
 
 
 @pytest.fixture(scope="module")

@@ -28,11 +28,10 @@ from mmsplit.client import ImagePart, build_request
 from mmsplit.tokenizer.v1 import tokenizer_pb2_grpc
 from mmsplit_cli import samples
 from mmsplit_cli.client import run_request
-from mmsplit_server.serving import free_port
 from tests.e2e.helpers import rank_active_requests, scheduler_info
 from tests.support import hf_family
 from tests.support.leaks import wait_until
-from tests.support.services import Pair, running_pair
+from tests.support.services import Arg, FreePort, Pair, running_pair
 
 pytestmark = pytest.mark.e2e
 KEY = "sk-prefix-0123456789"
@@ -53,14 +52,14 @@ class Served:
 def served(chat_models: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     logs = tmp_path_factory.mktemp("prefix")
     (logs / "key").write_text(KEY + "\n")
-    http, metrics = free_port(), free_port()
+    http, metrics = FreePort(), FreePort()
     scheduler = ["--tp", "2", "--prefix-cache-bytes", str(STORE_BYTES), "--log-level", "DEBUG"]
-    scheduler += ["--batch-window-s", "0.02", "--metrics-port", str(metrics)]
-    tokenizer = ["--http-port", str(http), "--api-key-file", str(logs / "key")]
+    scheduler += ["--batch-window-s", "0.02", "--metrics-port", metrics]
+    tokenizer: list[Arg] = ["--http-port", http, "--api-key-file", str(logs / "key")]
     with running_pair(
         chat_models("qwen2-vl"), logs, scheduler_extra=scheduler, tokenizer_extra=tokenizer
     ) as pair:  # fmt: skip
-        yield Served(pair, f"http://127.0.0.1:{http}/v1", f"http://127.0.0.1:{metrics}/metrics")
+        yield Served(pair, f"http://127.0.0.1:{http.number}/v1", f"http://127.0.0.1:{metrics.number}/metrics")
 
 
 def as_hf(messages: list[tuple[str, Any]]) -> list[dict[str, Any]]:

@@ -70,16 +70,19 @@ def test_model_mistakes_are_one_line_before_anything_loads(service: str, not_mod
         assert took < 30, f"{service} took {took:.1f}s to refuse {model}: it loaded something"
 
 
+@pytest.mark.parametrize("flag", ["--port", "--metrics-port"])
 @pytest.mark.parametrize("service", list(SERVICES))
-def test_a_port_in_use_is_one_line_before_the_model_loads(service: str, chat_models: Callable[[str], Path]) -> None:
+def test_a_port_in_use_is_one_line_before_the_model_loads(
+    service: str, flag: str, chat_models: Callable[[str], Path]
+) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        code, lines, _ = start(service, str(chat_models("llava")), *SERVICES[service], "--port", str(port))
+        code, lines, _ = start(service, str(chat_models("llava")), *SERVICES[service], flag, str(port))
     assert code == 2, lines
     assert lines == [
-        f"mmsplit {service}: --port {port}: 127.0.0.1:{port} cannot be bound (Address already in use): "
+        f"mmsplit {service}: {flag} {port}: 127.0.0.1:{port} cannot be bound (Address already in use): "
         "stop what holds it, or pick another"
     ]
 
@@ -110,3 +113,28 @@ def test_the_hub_id_hint_names_a_command_that_exists() -> None:
     shown = subprocess.run([str(hf), "download", "--help"], capture_output=True, text=True, timeout=60)
     assert shown.returncode == 0, shown.stderr
     assert "--local-dir" in shown.stdout
+
+
+def test_a_port_taken_between_choice_and_bind_starts_the_pair_again(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`running_pair` draws a `FreePort` at each attempt: when another
+    process binds one first (a race a check cannot close), the service that
+    cannot bind it exits at once (not after the start timeout) and the pair
+    starts again with new ports."""
+    from mmsplit_cli import launch
+    from tests.support.services import FreePort, running_pair
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        draws = iter([None, port])  # the scheduler's port, then the tokenizer's metrics port
+        real = launch.free_port
+        monkeypatch.setattr(launch, "free_port", lambda: next(draws, None) or real())
+        metrics = FreePort()
+        began = time.monotonic()
+        with running_pair(tiny_model, tmp_path, tokenizer_extra=["--metrics-port", metrics]) as pair:
+            assert metrics.number not in (0, port)
+            assert f"metrics on port {metrics.number}" in pair.tokenizer.log_path.read_text()
+    assert time.monotonic() - began < 120

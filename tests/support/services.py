@@ -19,6 +19,8 @@ from pathlib import Path
 from mmsplit_cli.launch import (
     SCHEDULER_SERVICE,
     TOKENIZER_SERVICE,
+    Arg,
+    FreePort,
     Pair,
     ServiceProcess,
     scheduler_args,
@@ -31,7 +33,7 @@ from mmsplit_cli.launch import (
 from tests.support.leaks import SERVICE_TMP
 from tests.support.zygote import ForkedProcess, Zygote
 
-__all__ = ["ROOT", "SCHEDULER_SERVICE", "TOKENIZER_SERVICE", "Pair", "running_pair"]
+__all__ = ["ROOT", "SCHEDULER_SERVICE", "TOKENIZER_SERVICE", "Arg", "FreePort", "Pair", "running_pair"]
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {"PYTHONPATH": str(ROOT), "TMPDIR": str(SERVICE_TMP)}
@@ -99,8 +101,8 @@ def running_pair(
     model: Path,
     logs: Path,
     *,
-    scheduler_extra: Sequence[str] = (),
-    tokenizer_extra: Sequence[str] = (),
+    scheduler_extra: Sequence[Arg] = (),
+    tokenizer_extra: Sequence[Arg] = (),
     env: dict[str, str] | None = None,
     wrapper: Sequence[str] = (),
 ) -> Iterator[Pair]:
