@@ -25,6 +25,7 @@ without: the streams' inter-token latency p50 and p99), so that every
 figure of the issue's Engine II targets comes from this one script.
 
     python bench/multiturn.py [--conversations 4] [--system 300] [--answer 8] [--rounds 3] [--no-chunked]
+                              [--model 8x512]
 """
 
 from __future__ import annotations
@@ -160,6 +161,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--no-chunked", action="store_true", help="skip the chunked-prefill round")
+    parser.add_argument("--model", default="8x512", help="tiny or 8x512 (the targets are for 8x512)")
     args = parser.parse_args()
 
     import torch
@@ -167,7 +169,7 @@ def main() -> None:
 
     torch.set_grad_enabled(False)
     with scratch_dir(args.workdir) as workdir:
-        model = AutoModelForImageTextToText.from_pretrained(build_model("8x512", workdir), dtype=torch.float32).eval()
+        model = AutoModelForImageTextToText.from_pretrained(build_model(args.model, workdir), dtype=torch.float32).eval()
         arms = {"on": 1 << 30, "off": 0}
         ttft: dict[str, list[list[float]]] = {arm: [[] for _ in range(TURNS)] for arm in arms}
         rate: dict[str, list[float]] = {arm: [] for arm in arms}

@@ -23,6 +23,7 @@ def test_engine_benchmark_prints_every_ratio() -> None:
 
 def test_multiturn_benchmark_prints_every_figure_and_both_arms_agree() -> None:
     args = ["--conversations", "1", "--system", "16", "--answer", "2", "--rounds", "1", "--no-chunked"]
+    args += ["--model", "tiny"]
     result = run_bench("multiturn.py", args)
     assert result.returncode == 0, result.stderr[-3000:]
     for line in (
