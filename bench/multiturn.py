@@ -169,7 +169,8 @@ def main() -> None:
 
     torch.set_grad_enabled(False)
     with scratch_dir(args.workdir) as workdir:
-        model = AutoModelForImageTextToText.from_pretrained(build_model(args.model, workdir), dtype=torch.float32).eval()
+        model_dir = build_model(args.model, workdir)
+        model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
         arms = {"on": 1 << 30, "off": 0}
         ttft: dict[str, list[list[float]]] = {arm: [[] for _ in range(TURNS)] for arm in arms}
         rate: dict[str, list[float]] = {arm: [] for arm in arms}

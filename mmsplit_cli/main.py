@@ -270,12 +270,25 @@ def parser() -> argparse.ArgumentParser:
     return top
 
 
+# How long an OpenMP thread spins for the next parallel region before it
+# sleeps (libgomp's units, ~0.2 ms here). OpenMP's own default spins 3 ms,
+# which starves the gRPC threads and the service next to it (one request at
+# a time was up to 3x slower); sleeping at once (OMP_WAIT_POLICY=PASSIVE)
+# makes every operator of a forward wake its threads through the kernel.
+# bench/RESULTS.md, bench/engine.py: 8x512 one at a time +65 %, 32 at once
+# +10 %; the tiny model 32 at once -10 % (its streaming wanted that core).
+SPIN_COUNT = "20000"
+
+
+def openmp_defaults(env: dict[str, str] | os._Environ[str]) -> None:
+    """Before torch is imported (OpenMP reads these once); what the
+    environment sets wins."""
+    if "OMP_WAIT_POLICY" not in env and "GOMP_SPINCOUNT" not in env:
+        env["GOMP_SPINCOUNT"] = SPIN_COUNT
+
+
 def main(argv: list[str] | None = None) -> None:
-    # Before torch is imported (OpenMP reads it once): threads waiting
-    # between parallel regions sleep instead of spinning, so a step's compute
-    # does not starve this process's gRPC threads or the service next to it.
-    # Measured here: spinning made 1-at-a-time generation up to 3x slower.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    openmp_defaults(os.environ)
     args = parser().parse_args(argv)
     sys.exit(args.func(args))
 

@@ -95,7 +95,9 @@ READY = "zygote ready"
 
 def serve(address: str) -> None:
     """Preload, listen at `address`, fork services until stdin closes."""
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as mmsplit_cli.main, before torch
+    from mmsplit_cli.main import openmp_defaults  # imports no torch
+
+    openmp_defaults(os.environ)  # as mmsplit_cli.main, before torch
     for module in PRELOAD:
         with contextlib.suppress(ImportError):  # a module transformers renamed: the child imports what it needs
             importlib.import_module(module)
