@@ -27,8 +27,10 @@ from dataclasses import replace
 from typing import Any
 
 from mmsplit_server.serving import exit_now, free_port, name_process
+from scheduler_svc import shm_allreduce
 from scheduler_svc.rendezvous import Rendezvous
 from scheduler_svc.settings import SchedulerSettings
+from scheduler_svc.shm_allreduce import Arena
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +39,7 @@ log = logging.getLogger(__name__)
 LEAVE_SIGNAL = signal.SIGUSR1
 
 
-def _follower(settings: SchedulerSettings, rendezvous: Rendezvous) -> None:
+def _follower(settings: SchedulerSettings, rendezvous: Rendezvous, arena: Arena | None) -> None:
     """What a spawned rank runs: here, so that spawning it imports only this
     module. The rank leaves with rank 0: once rank 0 is gone (killed while
     the group was forming, say) nothing else would end it before its
@@ -55,7 +57,7 @@ def _follower(settings: SchedulerSettings, rendezvous: Rendezvous) -> None:
         threading.Thread(target=_exit_when_gone, args=(parent.sentinel,), name="rank-0-watch", daemon=True).start()
     from scheduler_svc.ranks import follower_main
 
-    follower_main(settings, rendezvous)
+    follower_main(settings, rendezvous, arena)
     # Stopped in order: the group is destroyed and the rank holds nothing;
     # rank 0's stop waits for this process to end, teardown and all.
     exit_now(0)
@@ -74,11 +76,13 @@ class LocalRanks:
         self.settings = settings
         self.method = method  # "fork" or "spawn"
         self.rendezvous = Rendezvous("127.0.0.1", free_port(), 0, settings.tp)
+        # Shared by forks only: made here, before them (`scheduler_svc.shm_allreduce`).
+        self.arena = Arena(settings.tp) if method == "fork" and shares_arena(settings) else None
         ctx: Any = mp.get_context(method)
         self.procs = [
             ctx.Process(
                 target=_follower,
-                args=(settings, replace(self.rendezvous, rank=rank)),
+                args=(settings, replace(self.rendezvous, rank=rank), self.arena),
                 name=f"mmsplit-rank-{rank}",
                 daemon=True,
             )
@@ -137,6 +141,11 @@ def forkable(settings: SchedulerSettings) -> bool:
     """Whether the ranks may be forks of rank 0: the group runs on CPU
     (`--device cpu`, or `auto` on a machine with no NVIDIA device)."""
     return settings.device == "cpu" or (settings.device == "auto" and not glob.glob("/dev/nvidia[0-9]*"))
+
+
+def shares_arena(settings: SchedulerSettings) -> bool:
+    """Whether forked ranks sum the model's TP partials over shared memory."""
+    return settings.tp_all_reduce == "shm" and settings.tp > 1 and shm_allreduce.supported()
 
 
 def start_early(settings: SchedulerSettings) -> LocalRanks | None:

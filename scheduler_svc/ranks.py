@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from mmsplit_server.handoff import cuda_ipc, files
 from mmsplit_server.serving import setup_logging
+from scheduler_svc import shm_allreduce
 from scheduler_svc.collective import TorchCollective, init_group, pick_device
 from scheduler_svc.engine import Engine
 from scheduler_svc.loop import run_follower
@@ -24,6 +25,7 @@ from scheduler_svc.model import load_model, model_dtype, model_info
 from scheduler_svc.reader import build_reader
 from scheduler_svc.rendezvous import Rendezvous
 from scheduler_svc.settings import SchedulerSettings
+from scheduler_svc.shm_allreduce import Arena
 
 log = logging.getLogger(__name__)
 
@@ -34,11 +36,15 @@ class Bootstrapped:
     coll: TorchCollective
     # The namespace shared by every rank, or "" when the ranks see different /dev/shm.
     shm_namespace: str
+    # Where the model's TP sums go, when not through the group's backend.
+    arena: Arena | None = None
 
 
-def bootstrap(settings: SchedulerSettings, rendezvous: Rendezvous | None) -> Bootstrapped:
+def bootstrap(settings: SchedulerSettings, rendezvous: Rendezvous | None, arena: Arena | None = None) -> Bootstrapped:
     """Join the group (`rendezvous` None: torch's env://), load the model,
-    exchange namespace ids. Returns when every rank has done the same."""
+    route its TP sums through `arena` (a local CPU group's, made before its
+    ranks were forked), exchange namespace ids. Returns when every rank has
+    done the same."""
     init_group(
         rendezvous=rendezvous,
         device=settings.device,
@@ -52,6 +58,7 @@ def bootstrap(settings: SchedulerSettings, rendezvous: Rendezvous | None) -> Boo
     dtype = model_dtype(settings.dtype, device)
     model = load_model(settings.model_dir, world_size=dist.get_world_size(), device=device, dtype=dtype)
     coll = TorchCollective(device)
+    shared_sums = arena is not None and shm_allreduce.install(arena, settings.collective_timeout_s)
     info = model_info(settings.model_dir)
     engine = Engine(
         model,
@@ -67,19 +74,23 @@ def bootstrap(settings: SchedulerSettings, rendezvous: Rendezvous | None) -> Boo
     )
     # Last, so it doubles as the barrier "every rank has everything it needs":
     # a rank that failed above never joins it, and rank 0 never serves.
-    namespaces: list[str] = [""] * coll.world_size
-    dist.all_gather_object(namespaces, files.namespace_id())
+    gathered: list[tuple[str, bool]] = [("", False)] * coll.world_size
+    dist.all_gather_object(gathered, (files.namespace_id(), shared_sums))
+    namespaces = [namespace for namespace, _ in gathered]
+    if len({sums for _, sums in gathered}) > 1:
+        raise RuntimeError(f"ranks disagree on summing over shared memory: {[sums for _, sums in gathered]}")
+    if shared_sums and coll.rank == 0:
+        log.info("the model's tensor-parallel sums go over shared memory (--tp-all-reduce shm)")
     shared = namespaces[0] if len(set(namespaces)) == 1 else ""
     if not shared and coll.rank == 0:
         log.warning("ranks see different /dev/shm (%s); only inline tensors are accepted", namespaces)
-    return Bootstrapped(engine, coll, shared)
+    return Bootstrapped(engine, coll, shared, arena if shared_sums else None)
 
 
-def follower_main(settings: SchedulerSettings, rendezvous: Rendezvous | None) -> None:
-    """Entry point of a rank other than 0 (spawned locally, or started with
-    --launch env)."""
+def follower_main(settings: SchedulerSettings, rendezvous: Rendezvous | None, arena: Arena | None = None) -> None:
+    """Entry point of a rank other than 0 (local, or started with --launch env)."""
     setup_logging(settings.log_level)
-    boot = bootstrap(settings, rendezvous)
+    boot = bootstrap(settings, rendezvous, arena)
     run_follower_until_stopped(boot)
 
 
@@ -87,4 +98,5 @@ def run_follower_until_stopped(boot: Bootstrapped) -> None:
     log.info("rank %d ready", boot.coll.rank)
     run_follower(boot.engine, boot.coll)
     dist.destroy_process_group()
-    log.info("rank %d stopped", boot.coll.rank)
+    sums = f" after {boot.arena.sums} sums over shared memory" if boot.arena else ""
+    log.info("rank %d stopped%s", boot.coll.rank, sums)

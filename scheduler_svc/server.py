@@ -277,7 +277,7 @@ def adopt_leaderworkerset_env(env: MutableMapping[str, str]) -> None:
 def _bootstrap_watching(settings: SchedulerSettings, ranks: LocalRanks | None, rendezvous: Rendezvous) -> Bootstrapped:
     """Bootstrap rank 0 while watching the children: all ranks start or none."""
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="bootstrap") as pool:
-        fut = pool.submit(bootstrap, settings, rendezvous)
+        fut = pool.submit(bootstrap, settings, rendezvous, ranks.arena if ranks else None)
         while not fut.done():
             concurrent.futures.wait([fut], timeout=0.2)
             dead = ranks.first_dead() if ranks else None

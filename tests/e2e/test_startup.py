@@ -4,6 +4,7 @@ group's ranks 1..N-1 are forks of rank 0, which import nothing."""
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import psutil
@@ -29,3 +30,39 @@ def test_ranks_are_spawned_where_cuda_may_be_used() -> None:
     settings = SchedulerSettings(model_dir=Path("unused"))
     assert forkable(dataclasses.replace(settings, device="cpu"))
     assert not forkable(dataclasses.replace(settings, device="cuda"))
+
+
+def test_forked_ranks_sum_over_shared_memory_and_gloo_makes_the_same_tokens(tiny_model: Path, tmp_path: Path) -> None:
+    """A local CPU group sums the model's TP partials over shared memory
+    (`--tp-all-reduce shm`, the default; rank 1 counts its sums when it
+    stops); with `gloo` the same requests make the same tokens."""
+    import grpc
+
+    from mmsplit_cli import samples
+    from mmsplit_cli.client import make_request, run_request
+    from tests.e2e.helpers import tokenizer_stub
+    from tests.support.services import running_pair
+
+    requests = [make_request(f"Describe {i}.", [samples.good_png(seed=i)], max_tokens=12) for i in range(3)]
+    made: dict[str, list[list[int]]] = {}
+    for way in ("shm", "gloo"):
+        logs = tmp_path / way
+        logs.mkdir()
+        with running_pair(tiny_model, logs, scheduler_extra=["--tp-all-reduce", way]) as pair:
+            with grpc.insecure_channel(pair.tokenizer_address) as channel:
+                outcomes = [run_request(tokenizer_stub(channel), r) for r in requests]
+            assert all(o.ok and len(o.token_ids) == 12 for o in outcomes), outcomes
+            made[way] = [o.token_ids for o in outcomes]
+            pair.tokenizer.terminate()
+            pair.scheduler.terminate()
+            assert [pair.tokenizer.stop(), pair.scheduler.stop()] == [0, 0]
+        log = pair.scheduler.log_path.read_text()
+        if way == "shm":
+            assert "tensor-parallel sums go over shared memory" in log
+            sums = re.search(r"rank 1 stopped after (\d+) sums over shared memory", log)
+            assert sums is not None, log[-3000:]
+            assert int(sums[1]) >= 3 * 12 * 2 * 2, log[-3000:]  # 2 layers x 2 sums per token
+        else:
+            assert "over shared memory" not in log
+            assert "rank 1 stopped" in log
+    assert made["shm"] == made["gloo"]
