@@ -140,7 +140,9 @@ class Frontend:
             vocab_size=self.info.vocab_size,
         )
         if len(pb.cache_salt) > MAX_CACHE_SALT:
-            raise InvalidRequest(f"cache_salt must be at most {MAX_CACHE_SALT} characters")
+            raise InvalidRequest(
+                f"cache_salt must be at most {MAX_CACHE_SALT} characters", metadata={"param": "cache_salt"}
+            )
         return NewRequest(request_id=rid, input_ids=ids, items=items, sampling=sampling, cache_salt=pb.cache_salt)
 
     # ---- multimodal items ----

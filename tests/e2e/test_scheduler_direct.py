@@ -171,3 +171,13 @@ def test_deadline_shorter_than_the_generation(services: Services) -> None:
     assert wait_until(lambda: f".{rid} aborted on all 2 ranks" in log.read_text(), timeout=10)
     assert wait_until(lambda: rank_active_requests(services.scheduler_address) == [0, 0], timeout=10)
     assert wait_until(lambda: not project_segments(), timeout=10)
+
+
+def test_a_cache_salt_too_long_names_its_field(services: Services, sched) -> None:  # type: ignore[no-untyped-def]
+    request = scheduler_pb2.GenerateRequest(
+        request_id=f"salt-{uuid.uuid4().hex[:8]}", input_ids=[1, 22557, 1526], max_tokens=2, cache_salt="x" * 257
+    )
+    reason, metadata = outcome(sched, request)
+    assert (reason, metadata.get("param"), metadata["grpc"]) == ("INVALID_REQUEST", "cache_salt", "INVALID_ARGUMENT")
+    request.cache_salt = "x" * 256
+    assert outcome(sched, request) == ("ok", {})
