@@ -175,7 +175,10 @@ def test_deadline_shorter_than_the_generation(services: Services) -> None:
 
 def test_a_cache_salt_too_long_names_its_field(services: Services, sched) -> None:  # type: ignore[no-untyped-def]
     request = scheduler_pb2.GenerateRequest(
-        request_id=f"salt-{uuid.uuid4().hex[:8]}", input_ids=[1, 22557, 1526], max_tokens=2, cache_salt="x" * 257
+        request_id=f"salt-{uuid.uuid4().hex[:8]}",
+        input_ids=[1, 22557, 1526],
+        sampling=common_pb2.SamplingParams(max_tokens=2),
+        cache_salt="x" * 257,
     )
     reason, metadata = outcome(sched, request)
     assert (reason, metadata.get("param"), metadata["grpc"]) == ("INVALID_REQUEST", "cache_salt", "INVALID_ARGUMENT")
