@@ -658,19 +658,19 @@ class Engine:
             return encode([inputs for _, _, inputs, _, _ in mine])
         except Exception:
             log.warning("rank %d: encoding %d items failed; each request's alone", self.coll.rank, len(mine))
-        outputs: list[torch.Tensor | None] = []
-        for ji in dict.fromkeys(m[0] for m in mine):
-            theirs = [m for m in mine if m[0] == ji]
+        # Each request's items (their places in `mine`), in order of first appearance.
+        by_request: dict[int, list[int]] = {}
+        for place, m in enumerate(mine):
+            by_request.setdefault(m[0], []).append(place)
+        placed: list[torch.Tensor | None] = [None] * len(mine)
+        for ji, places in by_request.items():
             try:
-                outputs += encode([m[2] for m in theirs])
+                outputs = encode([mine[place][2] for place in places])
             except Exception as exc:
                 codes[ji], messages[ji] = self._failed_on(joiners[ji].request, exc, "encoding its media")
-                outputs += [None] * len(theirs)
-        # Back in `mine`'s order (grouped by request above).
-        order = [i for ji in dict.fromkeys(m[0] for m in mine) for i, m in enumerate(mine) if m[0] == ji]
-        placed: list[torch.Tensor | None] = [None] * len(mine)
-        for position, output in zip(order, outputs, strict=True):
-            placed[position] = output
+                continue
+            for place, output in zip(places, outputs, strict=True):
+                placed[place] = output
         return placed
 
     def _body(
