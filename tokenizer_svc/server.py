@@ -388,14 +388,6 @@ async def _serve(
     await pool.shutdown()
     await media.aclose()
     await link.close()
-    # Only what this process owns: another tokenizer may share /dev/shm and
-    # even our pid (in its own pid namespace). Anything a dying worker left
-    # unlocked is a janitor's to remove.
-    left = list(service.held)
-    for name in left:
-        files.unlink(name)
-    if left:
-        log.warning("removed %d segment(s) still owned at shutdown", len(left))
     await service.close_pools()
     log.info("tokenizer stopped")
     return 0

@@ -476,8 +476,16 @@ class TokenizerService:
         return self.device_pool.uuid
 
     async def close_pools(self) -> None:
-        """Remove the slab and the GPU pool (at shutdown, once no request is
-        left), after a slab still being made (its requests were cancelled)."""
+        """Remove the segments still held, the slab and the GPU pool (at
+        shutdown, once no request is left), after a slab still being made
+        (its requests were cancelled). Only what this process owns: another
+        tokenizer may share /dev/shm and even our pid (in its own pid
+        namespace); anything a dying worker left unlocked is a janitor's."""
+        left, self.held = list(self.held), set()
+        for name in left:
+            files.unlink(name)
+        if left:
+            log.warning("removed %d segment(s) still owned at shutdown", len(left))
         if self._slab_making is not None:
             await asyncio.wait([self._slab_making])
         if self.slab is not None:
