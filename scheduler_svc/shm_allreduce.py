@@ -4,8 +4,8 @@ group whose ranks are forks of rank 0 on one host.
 transformers' TP layers sum each rank's partial output with
 `torch.distributed.all_reduce`, twice per decoder layer. Over gloo that is a
 TCP round trip through gloo's threads: ~570 µs for a 2 KB tensor on the
-2-core development host, ~700 µs for 60 KB, against ~6 and ~14 µs here
-(bench/RESULTS.md). Sixteen of them per step of an 8-layer model were most
+2-core development host, ~500 µs for 64 KB, against ~9 and ~20 µs here
+(`bench/tp_sums.py`). Sixteen of them per step of an 8-layer model were most
 of what TP=2 added to a step.
 
 `Arena` is an anonymous shared mapping made by rank 0 before it forks the
@@ -44,6 +44,7 @@ SLOT_BYTES = 4 << 20
 _LINE = 64  # bytes between two ranks' counters
 _SPINS = 2000  # polls before a waiting rank yields its core
 _YIELD_S = 0.002  # yielding this long, a waiting rank sleeps between polls
+_VIEWS = 256  # shapes whose slot views are kept
 
 
 def supported() -> bool:
@@ -64,6 +65,7 @@ class Arena:
         self._seq = 0
         self._bytes: torch.Tensor | None = None
         self._counters: np.ndarray[Any, np.dtype[np.int64]] | None = None
+        self._views: dict[tuple[int, torch.dtype, int], list[torch.Tensor]] = {}
 
     def attach(self, rank: int, timeout_s: float) -> None:
         import numpy as np
@@ -79,10 +81,18 @@ class Arena:
         """Pieces this rank has summed so far."""
         return self._seq
 
-    def _slot(self, parity: int, rank: int, dtype: torch.dtype, n: int) -> torch.Tensor:
-        assert self._bytes is not None
-        start = self._header + (parity * self.world + rank) * SLOT_BYTES
-        return self._bytes[start : start + n * dtype.itemsize].view(dtype)
+    def _slots(self, parity: int, dtype: torch.dtype, n: int) -> list[torch.Tensor]:
+        """Every rank's slot of `parity` as `n` values of `dtype` (views made
+        once per shape: a step sums the same few shapes again and again)."""
+        key = (parity, dtype, n)
+        views = self._views.get(key)
+        if views is None:
+            assert self._bytes is not None
+            if len(self._views) >= _VIEWS:
+                self._views.clear()
+            starts = [self._header + (parity * self.world + r) * SLOT_BYTES for r in range(self.world)]
+            views = self._views[key] = [self._bytes[s : s + n * dtype.itemsize].view(dtype) for s in starts]
+        return views
 
     def all_reduce_(self, tensor: torch.Tensor) -> None:
         """Sum `tensor` (contiguous, on CPU) over the ranks, in place."""
@@ -94,11 +104,10 @@ class Arena:
     def _reduce_piece(self, part: torch.Tensor) -> None:
         assert self._counters is not None
         self._seq += 1
-        parity, n = self._seq & 1, part.numel()
-        self._slot(parity, self.rank, part.dtype, n).copy_(part)
+        slots = self._slots(self._seq & 1, part.dtype, part.numel())
+        slots[self.rank].copy_(part)
         self._counters[self.rank] = self._seq
         self._wait(self._seq)
-        slots = [self._slot(parity, r, part.dtype, n) for r in range(self.world)]
         torch = _torch()
         torch.add(slots[0], slots[1], out=part)
         for other in slots[2:]:
@@ -109,7 +118,7 @@ class Arena:
         assert counters is not None
         polls = 0
         began = 0.0
-        while int(counters.min()) < seq:
+        while counters.min() < seq:
             polls += 1
             if polls < _SPINS:
                 continue

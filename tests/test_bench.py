@@ -34,3 +34,11 @@ def test_multiturn_benchmark_prints_every_figure_and_both_arms_agree() -> None:
     ):
         assert line in result.stdout
     assert "same tokens with the cache on and off (every request, every round): True" in result.stdout
+
+
+def test_tp_sums_benchmark_prints_both_ways_for_every_size() -> None:
+    result = run_bench("tp_sums.py", ["--reps", "20"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    for size in ("1 row x 512", "32 rows x 512", "1024 rows x 512", "> a slot"):
+        row = next(line for line in result.stdout.splitlines() if line.startswith(size))
+        assert row.endswith("x"), row  # gloo / shm, both measured
