@@ -260,7 +260,9 @@ class Engine:
         logprobs: dict[str, Logprob] = {}
         if self.coll.rank == 0 and logits:
             batch = [row.sampling for row in self.rows]
-            results, by_row = self.sampler.sample_rows(torch.cat(logits), batch)  # type: ignore[arg-type]
+            # Most steps have one part (decode only): no copy of [rows, vocab] then.
+            joined = logits[0] if len(logits) == 1 else torch.cat(logits)
+            results, by_row = self.sampler.sample_rows(joined, batch)  # type: ignore[arg-type]
             for i, lp in by_row.items():
                 logprobs[self.rows[i].request.request_id] = lp
             for row, result in zip(self.rows, results, strict=True):
