@@ -60,3 +60,25 @@ def test_boolean_settings_are_switches_and_sizes_take_units() -> None:
 def test_conversation_flags_keep_their_order() -> None:
     args = parser().parse_args(["generate", "--system", "s", "--user", "u1", "--assistant", "a", "--user", "u2"])
     assert args.turns == [("system", "s"), ("user", "u1"), ("assistant", "a"), ("user", "u2")]
+
+
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [
+        ({}, {"GOMP_SPINCOUNT": "20000"}),
+        ({"OMP_WAIT_POLICY": "PASSIVE"}, {"OMP_WAIT_POLICY": "PASSIVE"}),
+        ({"GOMP_SPINCOUNT": "0"}, {"GOMP_SPINCOUNT": "0"}),
+    ],
+    ids=["default", "a wait policy is kept", "a spin count is kept"],
+)
+def test_openmp_threads_spin_briefly_unless_the_environment_says(
+    given: dict[str, str], expected: dict[str, str]
+) -> None:
+    """`mmsplit` sets libgomp's spin count before torch is imported, unless
+    the environment chose how OpenMP threads wait."""
+    from mmsplit_cli.main import openmp_defaults
+
+    env = {"PATH": "/usr/bin", **given}
+    openmp_defaults(env)
+    assert env == {"PATH": "/usr/bin", **expected}
+
