@@ -81,4 +81,3 @@ def test_openmp_threads_spin_briefly_unless_the_environment_says(
     env = {"PATH": "/usr/bin", **given}
     openmp_defaults(env)
     assert env == {"PATH": "/usr/bin", **expected}
-
