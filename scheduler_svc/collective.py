@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from scheduler_svc.rendezvous import Rendezvous
+from scheduler_svc.shm_allreduce import Arena
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,8 @@ class TorchCollective:
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.device = device
+        # Where the model's TP sums go when not through the group (`scheduler_svc.shm_allreduce`).
+        self.arena: Arena | None = None
 
     # A group of one has nobody to talk to: its collectives are identities
     # (no pickling, no tensor round trip on the step's hot path).

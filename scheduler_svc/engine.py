@@ -41,6 +41,7 @@ of one row) fails that request alone: it is reported in
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import hashlib
 import logging
 import os
@@ -63,6 +64,7 @@ from scheduler_svc.plan import Failure, Item, NewRequest, Plan, StepOutcome
 from scheduler_svc.prefix_cache import BLOCK_TOKENS, NO_MATCH, Match, PrefixCache, Runs, chain
 from scheduler_svc.reader import TensorReader
 from scheduler_svc.sampler import Logprob, RowSampling, Sampler, make_generator
+from scheduler_svc.shm_allreduce import Arena, SumAborted
 
 log = logging.getLogger(__name__)
 
@@ -160,8 +162,10 @@ class Engine:
         self._hidden = int(model.config.get_text_config().hidden_size)  # type: ignore[union-attr,operator]
         self._keys: dict[str, list[bytes]] = {}  # this step's new requests: each item's cache key
         self._hash_pool: concurrent.futures.ThreadPoolExecutor | None = None  # made on first use
-        # Fault injection for tests (the `engine_hook` setting): before_prefill, on_encoded.
+        # Fault injection for tests (the `engine_hook` setting): before_prefill, on_encoded, in_prefill_forward.
         self._hook = hook
+        # A local CPU group's shared-memory TP sums, which a failed forward aborts.
+        self._arena: Arena | None = getattr(coll, "arena", None)
         # Prompts longer than this are prefilled a chunk a step (0: never).
         self.prefill_chunk = prefill_chunk
         self._layers = layers
@@ -401,36 +405,70 @@ class Engine:
 
     def _prefill(self, joiners: list[_Joiner]) -> tuple[torch.Tensor | None, list[_Joiner], dict[str, Failure]]:
         """The joiners' prompts in one right-padded forward: each row's logits
-        at its last prompt token ``[joiners, vocab]``. At TP=1 a forward
-        that raises is undone and each joiner tried alone, so the one at
-        fault fails alone; under TP the others ranks may wait inside the
-        forward's collectives, and it raises. The logits (None: no joiner
-        left), the joiners prefilled, and the failures."""
-        first = self.cache.rows
-        try:
-            return self._forward(joiners), joiners, {}
-        except Exception:
-            if self.coll.world_size > 1:
-                raise
-            self.cache.truncate(first)
-            log.warning("a prefill of %d requests failed; each is tried alone", len(joiners), exc_info=True)
-        logits: list[torch.Tensor] = []
+        at its last prompt token ``[joiners, vocab]``. A forward that raises
+        is undone and each joiner tried alone, so the one at fault fails
+        alone (`_agreed_forward`: under TP on every rank alike). The logits
+        (None: no joiner left), the joiners prefilled, and the failures."""
+        logits, failure = self._agreed_forward(joiners, "a prefill")
+        if failure is None:
+            return logits, joiners, {}
+        log.warning("rank %d: each of the %d requests is tried alone", self.coll.rank, len(joiners))
+        parts: list[torch.Tensor] = []
         kept: list[_Joiner] = []
         lost: dict[str, Failure] = {}
         for j in joiners:
-            before = self.cache.rows
-            try:
-                logits.append(self._forward([j]))
+            alone, failure = self._agreed_forward([j], "its prefill")
+            if failure is None:
+                parts.append(alone)  # type: ignore[arg-type]
                 kept.append(j)
-            except Exception as exc:
-                self.cache.truncate(before)
-                code, message = self._failed_on(j.request, exc, "its prefill")
-                lost[j.request.request_id] = Failure(code, (0,), {0: message})
-        return (torch.cat(logits) if logits else None), kept, lost
+            else:
+                lost[j.request.request_id] = failure
+        return (torch.cat(parts) if parts else None), kept, lost
+
+    def _agreed_forward(self, joiners: list[_Joiner], what: str) -> tuple[torch.Tensor | None, Failure | None]:
+        """One prefill forward (`_forward`) and its logits, or its rows
+        undone and the failure. Under TP the ranks agree on the forward
+        before the head's collective: a deterministic error raises alike on
+        every rank, and one rank's own (out of memory, say) releases the
+        others from the forward's shared-memory sums (`Arena.abort`), so
+        all meet in the agreement and undo the same rows. (Over gloo or
+        NCCL a rank that fails alone inside the forward leaves the others
+        in its collective until the collective timeout ends the group.)"""
+        first = self.cache.rows
+        code, message = 0, ""
+        hidden: torch.Tensor | None = None
+        try:
+            hidden = self._forward(joiners)
+        except SumAborted:
+            pass  # the rank that failed says why
+        except Exception as exc:
+            if self._arena is not None:
+                self._arena.abort()
+            if len(joiners) == 1:
+                code, message = self._failed_on(joiners[0].request, exc, what)
+            else:  # each is tried alone next
+                log.warning("rank %d: %s of %d requests failed", self.coll.rank, what, len(joiners), exc_info=exc)
+                code, message = E.ERROR_CODE_INTERNAL, f"{what} failed"
+            if self.coll.world_size == 1:
+                self.cache.truncate(first)
+                return None, Failure(code, (0,), {0: message})
+        if self.coll.world_size > 1:
+            sums: list[int] = []
+            seq = self._arena.sums if self._arena is not None else 0
+            failed, _ = agree_on_failures(self.coll, [code], [message], active=0, digest=seq, digests=sums)
+            if failed:
+                if self._arena is not None:
+                    self._arena.resync(sums)
+                self.cache.truncate(first)
+                return None, failed[0]
+        if hidden is None:
+            raise RuntimeError(f"rank {self.coll.rank}: a prefill forward was aborted but no rank failed")
+        return self._head(hidden), None
 
     def _forward(self, joiners: list[_Joiner]) -> torch.Tensor:
         """One prefill forward over `joiners` (rows appended to the cache),
-        each from the end of its cached prefix."""
+        each from the end of its cached prefix: the hidden state of each
+        row's last prompt token ``[joiners, hidden]`` (`_head` makes logits)."""
         starts = [j.cached for j in joiners]
         lengths = [len(j.request.input_ids) - start for j, start in zip(joiners, starts, strict=True)]
         ids = torch.full((len(joiners), max(lengths)), PAD_ID, dtype=torch.long)
@@ -450,9 +488,17 @@ class Engine:
                 if j.positions is not None:
                     positions[:, i, : lengths[i]] = j.positions[:, starts[i] :].to(positions.device)
             inputs = ForwardInputs(positions, inputs.attention_mask)
-        hidden = self._body(self._prefill_body, ids.to(self.device), inputs, **extra)
+        with self._forward_fault(joiners):
+            hidden = self._body(self._prefill_body, ids.to(self.device), inputs, **extra)
         last = torch.tensor(lengths, device=self.device) - 1
-        return self._head(hidden[torch.arange(len(joiners), device=self.device), last])
+        return hidden[torch.arange(len(joiners), device=self.device), last]
+
+    def _forward_fault(self, joiners: list[_Joiner]) -> contextlib.AbstractContextManager[None]:
+        """Tests' fault injection inside a prefill forward (the `engine_hook`'s `in_prefill_forward`)."""
+        inject = getattr(self._hook, "in_prefill_forward", None)
+        if inject is None:
+            return contextlib.nullcontext()
+        return inject(self.coll.rank, [j.request for j in joiners], self.model)  # type: ignore[no-any-return]
 
     def _features(self, j: _Joiner, start: int, end: int) -> list[tuple[int, torch.Tensor]]:
         """The encoder outputs of `j`'s placeholders in prompt tokens ``[start,

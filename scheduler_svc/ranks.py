@@ -59,6 +59,7 @@ def bootstrap(settings: SchedulerSettings, rendezvous: Rendezvous | None, arena:
     model = load_model(settings.model_dir, world_size=dist.get_world_size(), device=device, dtype=dtype)
     coll = TorchCollective(device)
     shared_sums = arena is not None and shm_allreduce.install(arena, settings.collective_timeout_s)
+    coll.arena = arena if shared_sums else None
     info = model_info(settings.model_dir)
     engine = Engine(
         model,

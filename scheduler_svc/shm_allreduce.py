@@ -22,6 +22,11 @@ published s + 1, i.e. after every rank finished reading s.
 The order "data, then counter" seen by another core needs x86's total store
 order; elsewhere the group keeps gloo (`supported`). A rank that does not
 arrive within the collective timeout fails the step, as a gloo timeout does.
+
+A rank whose forward raises between two sums calls `abort`: the ranks
+waiting for it in a sum raise `SumAborted` at once (instead of waiting out
+the timeout), every rank meets the others in the engine's agreement on the
+forward, and `resync` puts every rank on one sequence again.
 """
 
 from __future__ import annotations
@@ -52,13 +57,17 @@ def supported() -> bool:
     return platform.machine().lower() in ("x86_64", "amd64")
 
 
+class SumAborted(RuntimeError):
+    """Another rank's forward failed while this rank waited for it in a sum."""
+
+
 class Arena:
     """Shared memory for `world` ranks; made before the fork, `attach`ed
     by each rank after it."""
 
     def __init__(self, world: int) -> None:
         self.world = world
-        self._header = _LINE * world
+        self._header = _LINE * (world + 1)  # a counter per rank, then the abort word
         self._map = mmap.mmap(-1, self._header + 2 * world * SLOT_BYTES)  # MAP_SHARED | MAP_ANONYMOUS
         self.rank = -1
         self.timeout_s = 60.0
@@ -66,6 +75,8 @@ class Arena:
         self._bytes: torch.Tensor | None = None
         self._counters: np.ndarray[Any, np.dtype[np.int64]] | None = None
         self._views: dict[tuple[int, torch.dtype, int], list[torch.Tensor]] = {}
+        self._abort_word: np.ndarray[Any, np.dtype[np.int64]] | None = None
+        self._seen = 0  # the abort word's value this rank has dealt with
 
     def attach(self, rank: int, timeout_s: float) -> None:
         import numpy as np
@@ -75,6 +86,21 @@ class Arena:
         self.timeout_s = timeout_s
         self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
         self._counters = np.ndarray((self.world,), dtype=np.int64, buffer=self._map, strides=(_LINE,))
+        self._abort_word = np.ndarray((1,), dtype=np.int64, buffer=self._map, offset=_LINE * self.world)
+        self._seen = int(self._abort_word[0])
+
+    def abort(self) -> None:
+        """This rank's forward failed: release the ranks waiting for it."""
+        assert self._abort_word is not None
+        self._abort_word[0] = self._seen + 1
+
+    def resync(self, sequences: list[int]) -> None:
+        """Once every rank is past the agreement after an aborted forward
+        (`sequences`: every rank's `sums` there): go on from the furthest.
+        No rank reads a slot then, and every counter is at most that."""
+        assert self._abort_word is not None
+        self._seq = max(sequences)
+        self._seen = int(self._abort_word[0])
 
     @property
     def sums(self) -> int:
@@ -114,11 +140,14 @@ class Arena:
             part.add_(other)
 
     def _wait(self, seq: int) -> None:
-        counters = self._counters
+        counters, aborted = self._counters, self._abort_word
         assert counters is not None
+        assert aborted is not None
         polls = 0
         began = 0.0
         while counters.min() < seq:
+            if aborted[0] != self._seen:
+                raise SumAborted("another rank's forward failed (shared-memory all-reduce aborted)")
             polls += 1
             if polls < _SPINS:
                 continue

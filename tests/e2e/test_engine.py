@@ -221,14 +221,16 @@ def test_poisoned_pixels_fail_their_request_only(services: Services, case: str, 
     assert_still_serving(services, pid)
 
 
-def test_16_good_requests_keep_their_tokens_while_6_hostile_ones_join_the_same_step(services: Services) -> None:
+def test_16_good_requests_keep_their_tokens_while_8_hostile_ones_join_the_same_step(services: Services) -> None:
     """Hostile requests fail alone with typed errors however they fail:
     poisoned pixels and a read that fails on one rank (at the agreement),
     NaN logits (on rank 0, after the forward), a prefill that raises on
     rank 0 only and an encoder output that does not fit its placeholders
-    (between the agreement and the forward: agreed on again). The good
-    ones in the same steps keep the tokens they make alone, and the group
-    its processes."""
+    (between the agreement and the forward: agreed on again), and a forward
+    that raises inside the model on rank 1 only, or on rank 0 only, between
+    two of its TP sums (the other rank is released from the next sum and the
+    forward agreed on). The good ones in the same steps keep the tokens they
+    make alone, and the group its processes."""
     pid = services.scheduler.pid
     good = [(prompt_ids(services, 1), inline(seed=200 + i)) for i in range(16)]
     greedy8 = common_pb2.SamplingParams(max_tokens=8)
@@ -248,6 +250,8 @@ def test_16_good_requests_keep_their_tokens_while_6_hostile_ones_join_the_same_s
             (failing_request_id(1, tag), inline(seed=9), "FEATURE_TRANSPORT_FAILED"),
             (f"inject-prefill-failure-rank0-{tag}", inline(seed=10), "INTERNAL"),
             (f"inject-short-encoder-output-{tag}", inline(seed=11), "INTERNAL"),
+            (f"inject-forward-failure-rank1-{tag}", inline(seed=12), "INTERNAL"),
+            (f"inject-forward-failure-rank0-{tag}", inline(seed=13), "INTERNAL"),
         ]
         jobs = [(f"good-{tag}-{i}", ids, img, greedy8) for i, (ids, img) in enumerate(good)]
         jobs += [(rid, prompt_ids(services, 1), img, hostile_sampling) for rid, img, _ in hostile]
@@ -264,6 +268,8 @@ def test_16_good_requests_keep_their_tokens_while_6_hostile_ones_join_the_same_s
             assert results[i] == alone[i], f"good request {i}"
         for (rid, _, expected), (reason, meta) in zip(hostile, results[16:], strict=True):
             assert reason == expected, (rid, meta)
+            if rid.startswith("inject-forward-failure"):
+                assert "the model failed on this request in its prefill" in meta["message"], (rid, meta)
         # An agreement failure names the requests that joined its step.
         at_agreement = [rid for rid, _, _ in hostile if not rid.startswith("huge-")]
         log = services.scheduler.log_path.read_text()

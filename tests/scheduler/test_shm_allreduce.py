@@ -64,3 +64,14 @@ def test_only_a_sum_of_a_contiguous_cpu_tensor_takes_the_arena() -> None:
         assert result["max"] == [[2.0] * 8, 1], (rank, result)
         assert result["strided"] == [[3.0] * 8, 1], (rank, result)
         assert result["world"] == 2
+
+
+def test_a_rank_that_aborts_releases_the_one_waiting_and_both_go_on() -> None:
+    """What a forward that fails on one rank between two sums does: the
+    other rank leaves its sum at once (not after the timeout), and after the
+    agreement and `resync` both sum right again."""
+    rank0, rank1 = run(2, "aborted")
+    assert rank0["first"] == rank1["first"] == [3.0] * 4
+    assert rank0["second"] == "aborted", rank0
+    assert rank0["waited"] < 5, rank0
+    assert rank0["after"] == rank1["after"] == [3.0] * 4

@@ -12,13 +12,18 @@ With ``--engine-hook tests.support.faults`` too: a request whose id contains
 ``inject-prefill-failure-rank<N>`` raises while rank N prepares its prefill
 (after the reads' agreement: as positions or an encoder of one rank might),
 and one whose id contains ``inject-short-encoder-output`` gets an encoder
-output one row short of its placeholders on every rank.
+output one row short of its placeholders on every rank. A prefill forward
+that holds a request whose id contains ``inject-forward-failure-rank<N>``
+raises on rank N inside the model, before its second decoder layer (after
+the first layer's TP sums, while the other ranks go on to the next).
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
 import threading
+from collections.abc import Iterator
 
 import torch
 
@@ -56,6 +61,26 @@ def before_prefill(rank: int, request: NewRequest) -> None:
     m = PREFILL_MARKER.search(request.request_id)
     if m is not None and int(m.group(1)) == rank:
         raise RuntimeError(f"injected prefill failure on rank {rank}")
+
+
+FORWARD_MARKER = re.compile(r"inject-forward-failure-rank(\d+)")
+
+
+@contextlib.contextmanager
+def in_prefill_forward(rank: int, requests: list[NewRequest], model: torch.nn.Module) -> Iterator[None]:
+    if not any((m := FORWARD_MARKER.search(r.request_id)) and int(m.group(1)) == rank for r in requests):
+        yield
+        return
+    layer = model.get_decoder().layers[1]  # type: ignore[operator,index]
+
+    def fail(module: torch.nn.Module, args: object) -> None:
+        raise RuntimeError(f"injected into the prefill forward on rank {rank}")
+
+    handle = layer.register_forward_pre_hook(fail)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def on_encoded(rank: int, request: NewRequest, index: int, output: torch.Tensor) -> torch.Tensor:

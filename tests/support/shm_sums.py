@@ -91,6 +91,47 @@ def routed(arena: Arena, rank: int, world: int, port: int) -> dict[str, Any]:
         dist.destroy_process_group()
 
 
+def aborted(arena: Arena, rank: int, world: int, port: int) -> dict[str, Any]:
+    """Rank 1's "forward" fails before the second sum and aborts: rank 0,
+    waiting in that sum, raises SumAborted at once; both meet in a gloo
+    collective (the engine's agreement), resync, and sum right again."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from scheduler_svc.shm_allreduce import SumAborted
+
+    timeout = datetime.timedelta(seconds=60)
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+    try:
+        out: dict[str, Any] = {}
+        t = torch.full((4,), float(rank + 1))
+        arena.all_reduce_(t)
+        out["first"] = t.tolist()
+        began = time.monotonic()
+        if rank == 1:
+            arena.abort()
+        else:
+            try:
+                arena.all_reduce_(torch.ones(4))
+                out["second"] = "summed"
+            except SumAborted:
+                out["second"] = "aborted"
+        out["waited"] = time.monotonic() - began
+        sums = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+        dist.all_gather(sums, torch.tensor([arena.sums]))
+        arena.resync([int(s) for s in sums])
+        for _ in range(3):
+            t = torch.full((4,), float(rank + 1))
+            arena.all_reduce_(t)
+        out["after"] = t.tolist()
+        return out
+    finally:
+        dist.destroy_process_group()
+
+
 def main() -> None:
     world, case, port = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
     arena = Arena(world)
@@ -104,8 +145,8 @@ def main() -> None:
             code = 0
             try:
                 arena.attach(rank, 1.0 if case == "late" else 30.0)
-                if case == "routed":
-                    result = routed(arena, rank, world, port)
+                if case in ("routed", "aborted"):
+                    result = {"routed": routed, "aborted": aborted}[case](arena, rank, world, port)
                 else:
                     result = {"sums": sums, "late": late}[case](arena, rank, world)
             except BaseException:
