@@ -439,6 +439,8 @@ class Engine:
         hidden: torch.Tensor | None = None
         try:
             hidden = self._forward(joiners)
+            if self.coll.world_size == 1:
+                return self._head(hidden), None  # under TP the head has a collective: after the agreement
         except SumAborted:
             pass  # the rank that failed says why
         except Exception as exc:

@@ -289,3 +289,38 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_the_others_decode(model: tor
     assert len(short.input_ids) <= 16
     assert len(results["running"]) == 40
     assert steps_with_a_token == list(range(40)), "the running request missed a step"
+
+
+class FailingHead(torch.nn.Module):
+    """The LM head, out of memory for a batch of exactly `rows` rows."""
+
+    def __init__(self, head: torch.nn.Module, rows: int) -> None:
+        super().__init__()
+        self.head, self.rows, self.failed = head, rows, 0
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if hidden.shape[0] == self.rows:
+            self.failed += 1
+            raise MemoryError
+        out: torch.Tensor = self.head(hidden)
+        return out
+
+
+def test_a_prefill_whose_head_raises_is_tried_alone(model: torch.nn.Module, engine: Engine) -> None:
+    """The LM head is part of the prefill that is undone and retried: 9
+    joiners whose batched head runs out of memory each get their usual
+    tokens alone, and the running row is untouched."""
+    eos = int(model.config.text_config.eos_token_id)
+    head = model.lm_head
+    model.lm_head = FailingHead(head, rows=9)
+    try:
+        joiners = [
+            request(f"h{i}", image_prompt(model, 1, [560 + i]), [pixels(100 + i)], max_tokens=4) for i in range(9)
+        ]
+        running = request("h-running", image_prompt(model, 1, [570]), [pixels(110)], max_tokens=6)
+        results = drive(engine, {0: [running], 1: joiners}, eos)
+        assert model.lm_head.failed == 1
+    finally:
+        model.lm_head = head
+    for req in [*joiners, running]:
+        assert results[req.request_id] == reference(model, req), req.request_id
