@@ -46,6 +46,31 @@ from tests.support.services import (
 __all__ = ["ROOT", "SCHEDULER_SERVICE", "TOKENIZER_SERVICE", "Services"]
 
 
+# The files that take longest, first: the suite runs a file to a worker
+# (`-n 2 --dist loadfile`), in collection order, and a long file taken last
+# would keep one worker busy while the other has nothing left.
+SLOW_FILES = (
+    "e2e/test_chaos.py",
+    "e2e/test_families.py",
+    "e2e/test_lifecycle.py",
+    "test_bench.py",
+    "e2e/test_pool.py",
+    "e2e/test_engine.py",
+    "e2e/test_ctrl_c.py",
+    "e2e/test_slab.py",
+    "e2e/test_ownership.py",
+    "e2e/test_connection_age.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        path = item.path.as_posix()
+        return next((i for i, name in enumerate(SLOW_FILES) if path.endswith(f"tests/{name}")), len(SLOW_FILES))
+
+    items.sort(key=rank)  # stable: the order within a file, and of the other files, stays
+
+
 @pytest.fixture(scope="session", autouse=True)
 def record_error_messages() -> Iterator[None]:
     """Observe (not alter) what clients are told: every decoded error message."""
