@@ -124,10 +124,14 @@ class ServiceProcess:
             if self.proc.poll() is not None or time.monotonic() >= deadline:
                 break
         if self.port is None:
-            code = self.proc.poll()
-            why = f"exited with status {code}" if code is not None else f"did not start within {timeout:.0f}s"
-            raise StartFailed(f"{self.name} {why}; see {self.log_path}:\n{self.tail()}")
+            raise self._start_failed(f"did not start within {timeout:.0f}s")
         return self.port
+
+    def _start_failed(self, otherwise: str) -> StartFailed:
+        """What went wrong: the exit status if the process is gone, else `otherwise`."""
+        code = self.proc.poll()
+        why = f"exited with status {code}" if code is not None else otherwise
+        return StartFailed(f"{self.name} {why}; see {self.log_path}:\n{self.tail()}")
 
     def wait_serving(self, service: str, timeout: float) -> None:
         """Wait until health reports `service` SERVING."""
@@ -145,9 +149,7 @@ class ServiceProcess:
                 except grpc.RpcError:
                     pass
                 time.sleep(0.1)
-        code = self.proc.poll()
-        why = f"exited with status {code}" if code is not None else f"is not SERVING after {timeout:.0f}s"
-        raise StartFailed(f"{self.name} {why}; see {self.log_path}:\n{self.tail()}")
+        raise self._start_failed(f"is not SERVING after {timeout:.0f}s")
 
     def wait_logged(self, text: str, timeout: float) -> None:
         """Wait until the service's log shows `text` (for services a plain

@@ -73,6 +73,7 @@ class Arena:
         self.timeout_s = 60.0
         self._seq = 0
         self._bytes: torch.Tensor | None = None
+        self._add: Any = None  # torch.add, once attached
         self._counters: np.ndarray[Any, np.dtype[np.int64]] | None = None
         self._views: dict[tuple[int, torch.dtype, int], list[torch.Tensor]] = {}
         self._abort_word: np.ndarray[Any, np.dtype[np.int64]] | None = None
@@ -85,6 +86,7 @@ class Arena:
         self.rank = rank
         self.timeout_s = timeout_s
         self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
+        self._add = torch.add
         self._counters = np.ndarray((self.world,), dtype=np.int64, buffer=self._map, strides=(_LINE,))
         self._abort_word = np.ndarray((1,), dtype=np.int64, buffer=self._map, offset=_LINE * self.world)
         self._seen = int(self._abort_word[0])
@@ -134,8 +136,7 @@ class Arena:
         slots[self.rank].copy_(part)
         self._counters[self.rank] = self._seq
         self._wait(self._seq)
-        torch = _torch()
-        torch.add(slots[0], slots[1], out=part)
+        self._add(slots[0], slots[1], out=part)
         for other in slots[2:]:
             part.add_(other)
 
@@ -216,9 +217,3 @@ def install(arena: Arena, timeout_s: float) -> bool:
     arena.attach(dist.get_rank(), timeout_s)
     tensor_parallel.dist = _TPDist(arena)  # type: ignore[assignment]
     return True
-
-
-def _torch() -> Any:
-    import torch
-
-    return torch

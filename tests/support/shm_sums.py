@@ -60,19 +60,25 @@ def late(arena: Arena, rank: int, world: int) -> dict[str, Any]:
     return {"error": ""}
 
 
+def _join_gloo(rank: int, world: int, port: int) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=60)
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+
+
 def routed(arena: Arena, rank: int, world: int, port: int) -> dict[str, Any]:
     """`_TPDist`: a SUM of a contiguous CPU tensor goes through the arena;
     MAX, and a tensor that is not contiguous, go through gloo."""
-    import datetime
-
     import torch
     import torch.distributed as dist
 
     from scheduler_svc.shm_allreduce import _TPDist
 
-    timeout = datetime.timedelta(seconds=60)
-    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+    _join_gloo(rank, world, port)
     try:
         routes = _TPDist(arena)
         out: dict[str, Any] = {}
@@ -95,16 +101,12 @@ def aborted(arena: Arena, rank: int, world: int, port: int) -> dict[str, Any]:
     """Rank 1's "forward" fails before the second sum and aborts: rank 0,
     waiting in that sum, raises SumAborted at once; both meet in a gloo
     collective (the engine's agreement), resync, and sum right again."""
-    import datetime
-
     import torch
     import torch.distributed as dist
 
     from scheduler_svc.shm_allreduce import SumAborted
 
-    timeout = datetime.timedelta(seconds=60)
-    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+    _join_gloo(rank, world, port)
     try:
         out: dict[str, Any] = {}
         t = torch.full((4,), float(rank + 1))
