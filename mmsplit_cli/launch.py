@@ -29,12 +29,13 @@ TOKENIZER_SERVICE = "mmsplit.tokenizer.v1.TokenizerService"
 _LISTENING = re.compile(r"listening on (\S+):(\d+)")
 
 # How a service without a wrapper is started: (arguments after `mmsplit`,
-# the full environment) -> a process object with Popen's pid, stderr (text),
-# poll, wait, send_signal and kill. None: `subprocess.Popen` of a new
-# interpreter. The test suite sets a launcher that forks services from a
-# process that has already imported torch and transformers
+# the full environment, whether in a session and process group of its own)
+# -> a process object with Popen's pid, stderr (text), poll, wait,
+# send_signal and kill. None: `subprocess.Popen` of a new interpreter. The
+# test suite sets a launcher that forks services from a process that has
+# already imported torch and transformers
 # (tests/support/zygote.py), so a start costs the service's own work only.
-Launcher = Callable[[Sequence[str], dict[str, str]], Any]
+Launcher = Callable[[Sequence[str], dict[str, str], bool], Any]
 _launcher: Launcher | None = None
 
 
@@ -78,8 +79,8 @@ class ServiceProcess:
         self._log = open(log_path, "w")  # noqa: SIM115 (closed by the reader thread)
         full_env = {**os.environ, **(env or {})}
         self.proc: Any
-        if _launcher is not None and not wrapper and not new_group:
-            self.proc = _launcher(list(args), full_env)
+        if _launcher is not None and not wrapper:
+            self.proc = _launcher(list(args), full_env, new_group)
         else:
             self.proc = subprocess.Popen(
                 [*wrapper, sys.executable, "-m", "mmsplit_cli", *args],

@@ -14,7 +14,7 @@
 - Every error message the tests' clients decode (`RemoteError.from_rpc_error`)
   is kept, and the session fails if any shows a segment name, the boot id or
   stack text (`tests/support/messages.py`).
-- Under pytest-xdist (`make test` runs two workers, a file to a worker) each
+- Under pytest-xdist (`make test` runs three workers, a file to a worker) each
   worker has its own segment prefix (`tests/support/leaks.py`), so leak
   checks and janitors never touch another worker's segments.
 """
@@ -47,7 +47,7 @@ __all__ = ["ROOT", "SCHEDULER_SERVICE", "TOKENIZER_SERVICE", "Services"]
 
 
 # The files that take longest, first: the suite runs a file to a worker
-# (`-n 2 --dist loadfile`), in collection order, and a long file taken last
+# (`-n 3 --dist loadfile`), in collection order, and a long file taken last
 # would keep one worker busy while the other has nothing left.
 SLOW_FILES = (
     "e2e/test_chaos.py",

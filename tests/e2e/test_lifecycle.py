@@ -223,6 +223,8 @@ def test_ranks_leave_with_rank_0_killed_as_the_group_forms(tiny_model: Path, tmp
     proc = ServiceProcess("scheduler", args, tmp_path / "scheduler.log", env=ENV, wrapper=limits.started_low())
     try:
         assert wait_until(lambda: "started ranks 1..1" in proc.log_path.read_text(), timeout=60)
+        # The rank names itself a moment after its fork, which rank 0 logs.
+        assert wait_until(lambda: len(rank_pids(proc)) == 1, timeout=30)
         (rank1,) = rank_pids(proc)
         assert psutil.Process(rank1).rlimit(psutil.RLIMIT_NOFILE)[0] == limits.RAISED
         os.kill(proc.pid, signal.SIGKILL)

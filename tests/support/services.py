@@ -47,11 +47,11 @@ class LazyZygote:
         self._zygote: Zygote | None = None
         self._workdir: str | None = None
 
-    def __call__(self, argv: Sequence[str], env: dict[str, str]) -> ForkedProcess:
+    def __call__(self, argv: Sequence[str], env: dict[str, str], new_session: bool) -> ForkedProcess:
         if self._zygote is None:
             self._workdir = tempfile.mkdtemp(prefix="mmsplit-zygote-")
             self._zygote = Zygote(Path(self._workdir), ENV)
-        return self._zygote.start(argv, env)
+        return self._zygote.start(argv, env, new_session)
 
     @property
     def pid(self) -> int | None:

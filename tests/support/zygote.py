@@ -185,6 +185,8 @@ def _become_service(request: dict, stderr_fd: int, close: Sequence[int]) -> None
     have set up, then the service. Never returns."""
     code = 1
     try:
+        if request.get("new_session"):
+            os.setsid()  # Popen's start_new_session: a Ctrl-C to its group reaches it alone
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -248,8 +250,8 @@ class Zygote:
     def pid(self) -> int:
         return self.proc.pid
 
-    def start(self, argv: Sequence[str], env: dict[str, str]) -> ForkedProcess:
-        return ForkedProcess(self.address, list(argv), env)
+    def start(self, argv: Sequence[str], env: dict[str, str], new_session: bool = False) -> ForkedProcess:
+        return ForkedProcess(self.address, list(argv), env, new_session)
 
     def close(self) -> None:
         """Stop it (it kills anything it started that still runs)."""
@@ -268,12 +270,12 @@ class ForkedProcess:
     (pid, stderr as text lines, poll, wait, send_signal, kill,
     returncode), for a service the zygote forked."""
 
-    def __init__(self, address: str, argv: list[str], env: dict[str, str]) -> None:
+    def __init__(self, address: str, argv: list[str], env: dict[str, str], new_session: bool = False) -> None:
         self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._conn.connect(address)
         read_end, write_end = os.pipe()
         try:
-            message = json.dumps({"argv": argv, "env": env, "cwd": os.getcwd()}).encode()
+            message = json.dumps({"argv": argv, "env": env, "cwd": os.getcwd(), "new_session": new_session}).encode()
             self._conn.sendmsg([message], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [write_end]))])
         finally:
             os.close(write_end)
