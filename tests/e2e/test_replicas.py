@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -29,7 +28,7 @@ from mmsplit_cli.client import Outcome, make_request, run_request
 from mmsplit_cli.launch import ServiceProcess, scheduler_args
 from mmsplit_server.serving import free_port
 from tests.conftest import SCHEDULER_SERVICE, TOKENIZER_SERVICE, Services
-from tests.e2e.helpers import health_status
+from tests.e2e.helpers import health_status, scheduler_info
 from tests.support.leaks import wait_until
 from tests.support.services import ENV, start_tokenizer
 
@@ -147,7 +146,9 @@ def test_groups_share_the_load_and_one_going_away_fails_only_what_it_had(fleet, 
             return sum(b.requests_in_flight for b in info.values()) == 8 and info[killed].requests_in_flight > 0
 
         assert wait_until(all_running, timeout=30)
-        time.sleep(0.5)  # let every request be accepted and streaming
+        # Every request accepted and in its group's batch (streaming).
+        live = [f"127.0.0.1:{p}" for p in ports[1:]]
+        assert wait_until(lambda: sum(scheduler_info(a).running_requests for a in live) == 8, timeout=30)
         on_killed = backends(address)[killed].requests_in_flight
         os.kill(groups[1].pid, signal.SIGKILL)
         results = load.result(timeout=120)
