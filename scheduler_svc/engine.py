@@ -31,9 +31,10 @@ outputs (encoded alone when the step's batched encode raises, and checked
 against its placeholder count) and its positions — is made per request and,
 under TP, agreed on in one more gather, so a request that fails there (on
 any rank) fails alone and every rank drops it before the forward. A prefill
-forward that raises at TP=1 is undone and each joiner tried alone; under TP
-the other ranks may be inside the forward's collectives, so it ends the
-group as before. What can only fail on rank 0 (sampling, non-finite logits
+forward that raises is undone and each joiner tried alone; under TP the
+ranks agree on each prefill forward first (`Engine._agreed_forward`). A
+decode forward that raises at TP=1 fails the running rows (typed) and the
+group goes on; under TP it ends the group. What can only fail on rank 0 (sampling, non-finite logits
 of one row) fails that request alone: it is reported in
 `StepOutcome.rejected` and the loop drops it on every rank in the next plan.
 """
@@ -235,9 +236,16 @@ class Engine:
 
         clock.lap("read")
         logits: list[torch.Tensor] = []
+        # Running rows whose decode forward failed: no logits, nothing sampled.
+        ended: dict[str, Failure] = {}
         if self.rows:
-            logits.append(self._decode())
+            decoded, failure = self._decode()
+            if failure is None:
+                logits.append(decoded)  # type: ignore[arg-type]
+            else:
+                ended = {row.request.request_id: failure for row in self.rows}
             clock.lap("decode")
+        sampled_from = len(ended)
         if joining:
             ready, lost = self._prepare(joining, use_encoder, use_prefix)
             for j in [j for j in ready if self._chunked_prefill(j)]:
@@ -263,13 +271,14 @@ class Engine:
         sampled: dict[str, int] = {}
         logprobs: dict[str, Logprob] = {}
         if self.coll.rank == 0 and logits:
-            batch = [row.sampling for row in self.rows]
+            rows = self.rows[sampled_from:]
+            batch = [row.sampling for row in rows]
             # Most steps have one part (decode only): no copy of [rows, vocab] then.
             joined = logits[0] if len(logits) == 1 else torch.cat(logits)
             results, by_row = self.sampler.sample_rows(joined, batch)  # type: ignore[arg-type]
             for i, lp in by_row.items():
-                logprobs[self.rows[i].request.request_id] = lp
-            for row, result in zip(self.rows, results, strict=True):
+                logprobs[rows[i].request.request_id] = lp
+            for row, result in zip(rows, results, strict=True):
                 if isinstance(result, str):
                     rejected[row.request.request_id] = result
                 else:
@@ -288,6 +297,7 @@ class Engine:
             phases=clock.laps,
             logprobs=logprobs,
             cached=self._cached,
+            ended=ended,
         )
 
     # ---- rows ----
@@ -341,8 +351,14 @@ class Engine:
         return RowSampling(req.request_id, req.sampling, generated=0, generator=generator)
 
     # ---- forwards ----
-    def _decode(self) -> torch.Tensor:
-        """One token for every running row: ``[rows, vocab]`` logits."""
+    def _decode(self) -> tuple[torch.Tensor | None, Failure | None]:
+        """One token for every running row: ``[rows, vocab]`` logits. At
+        TP=1 a decode forward that raises (out of memory, say) is undone
+        and fails the running rows, typed, and the group goes on: the loop
+        drops them on the next step.
+        Which row was at fault a batched forward cannot say. Under TP the
+        error ends the group, as before: another rank may be inside the
+        forward's collectives."""
         feeds = [row.feed for row in self.rows]
         if None in feeds:
             missing = [r.request.request_id for r in self.rows if r.feed is None]
@@ -356,8 +372,31 @@ class Engine:
             # on all three M-RoPE axes for generated text).
             deltas = torch.tensor([row.rope_delta for row in self.rows], dtype=torch.long, device=self.device)
             inputs = ForwardInputs(inputs.position_ids + deltas[:, None], inputs.attention_mask)
-        hidden = self._body(self._decode_body, ids, inputs)
-        return self._head(hidden[:, -1])
+        try:
+            with self._decode_fault():
+                hidden = self._body(self._decode_body, ids, inputs)
+            return self._head(hidden[:, -1]), None
+        except Exception as exc:
+            if self.coll.world_size > 1:
+                raise
+            self.cache.undo_decode()
+            for row in self.rows:
+                row.fed.pop()
+            rids = [row.request.request_id for row in self.rows]
+            log.warning("rank 0: a decode forward of %d requests failed; they fail: %s%s", len(rids), rids[:8],
+                        " and more" if len(rids) > 8 else "", exc_info=exc)  # fmt: skip
+            if isinstance(exc, (MemoryError, torch.OutOfMemoryError)):
+                code, message = E.ERROR_CODE_OVERLOADED, "the server ran out of memory in a decode step; retry"
+            else:
+                code, message = E.ERROR_CODE_INTERNAL, f"the model failed in a decode step ({type(exc).__name__})"
+            return None, Failure(code, (0,), {0: message})
+
+    def _decode_fault(self) -> contextlib.AbstractContextManager[None]:
+        """Tests' fault injection inside a decode forward (the `engine_hook`'s `in_decode_forward`)."""
+        inject = getattr(self._hook, "in_decode_forward", None)
+        if inject is None:
+            return contextlib.nullcontext()
+        return inject(self.coll.rank, [row.request for row in self.rows], self.model)  # type: ignore[no-any-return]
 
     def _prepare(
         self, joining: list[tuple[NewRequest, ItemTensors | None]], use_encoder: bool, use_prefix: bool

@@ -214,6 +214,13 @@ class RowCache(Cache):
         visible = key[None, :] <= write_at[:, None]  # [rows, kv_len]
         return ForwardInputs(write_at[:, None], self._additive(visible[:, None, None, :]))
 
+    def undo_decode(self) -> None:
+        """Take back what `begin_decode` did (its forward failed): every
+        row's length as before, so whatever the forward wrote at the new
+        position is never read or kept."""
+        self.lengths = [n - 1 for n in self.lengths]
+        self._step = None
+
     def begin_extend(self, q_len: int) -> ForwardInputs:
         """The next `q_len` tokens of this cache's one row (a long prompt's
         next chunk): each attends over the row's keys so far and the

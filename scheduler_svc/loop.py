@@ -221,7 +221,7 @@ class StepLoop:
                 for rid, cached in outcome.cached.items():
                     if (adm := self._running.get(rid) or self._joined(rid)) is not None:
                         adm.cached_tokens = cached
-                self._settle(outcome.failed, outcome.sampled, outcome.rejected, outcome.logprobs)
+                self._settle(outcome.failed, outcome.sampled, outcome.rejected, outcome.logprobs, outcome.ended)
                 self._flush()
                 self.step_started = None
                 took = time.monotonic() - started
@@ -343,6 +343,7 @@ class StepLoop:
         sampled: dict[str, int],
         rejected: dict[str, str],
         logprobs: dict[str, Logprob] | None = None,
+        ended: dict[str, Failure] | None = None,
     ) -> None:
         for adm in self._joining:
             adm.release()  # every rank has read the step's tensors
@@ -367,6 +368,13 @@ class StepLoop:
             error = error_for_code(failure.code, detail or "tensor read failed", {"failed_ranks": ranks})
             self._outbox.append((adm, Failed(error)))
         self._joining = []
+        for rid, failure in (ended or {}).items():
+            gone = self._running.pop(rid, None)
+            if gone is None:  # aborted while this step ran; already queued for dropping
+                continue
+            detail = "; ".join(m for _, m in sorted(failure.messages.items())) or "its decode step failed"
+            self._outbox.append((gone, Failed(error_for_code(failure.code, detail))))
+            self._drop.append(rid)
         for rid, message in rejected.items():
             gone = self._running.pop(rid, None)
             if gone is None:  # aborted while this step ran; already queued for dropping

@@ -42,7 +42,7 @@ IMAGE = [3, 224, 224]
 
 @pytest.fixture(scope="module")
 def tp1(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
-    extra = ["--tp", "1", "--stats-interval-s", "0.5"]
+    extra = ["--tp", "1", "--stats-interval-s", "0.5", "--engine-hook", "tests.support.faults"]
     with running_pair(tiny_model, tmp_path_factory.mktemp("tp1"), scheduler_extra=extra) as pair:
         yield pair
 
@@ -91,6 +91,28 @@ def test_32_requests_joining_and_leaving_get_the_tokens_of_plain_generate_at_tp1
     stats = [line for line in tp1.scheduler.log_path.read_text().splitlines() if "mean batch" in line]
     assert stats, "the step loop logs periodic statistics"
     assert "KV reserved" in stats[-1]
+
+
+def test_a_decode_forward_that_raises_at_tp1_ends_its_rows_typed_and_the_group_goes_on(tp1: Pair) -> None:
+    """The fault hook makes every decode forward that holds the marked
+    request raise: it ends with a typed INTERNAL error after its first
+    token, and the scheduler, without a restart, serves the next request."""
+    pid = tp1.scheduler.pid
+    with grpc.insecure_channel(tp1.tokenizer_address) as channel:
+        stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
+        doomed = make_request(
+            "Go on.", max_tokens=8, min_tokens=8, request_id=f"inject-decode-failure-{uuid.uuid4().hex[:6]}"
+        )
+        out = run_request(stub, doomed)
+        assert (out.grpc_code, out.reason) == ("INTERNAL", "INTERNAL"), out
+        assert "the model failed in a decode step" in out.message, out
+        assert len(out.token_ids) == 1, "its prefill's token came before the decode failed"
+        after = run_request(stub, make_request("Go on.", max_tokens=4, min_tokens=4))
+        assert after.ok, after
+        assert len(after.token_ids) == 4, after
+    assert tp1.scheduler.pid == pid
+    assert tp1.scheduler.proc.poll() is None
+    assert "a decode forward of 1 requests failed" in tp1.scheduler.log_path.read_text()
 
 
 def test_32_requests_joining_and_leaving_get_the_tokens_of_plain_generate_at_tp2(

@@ -205,13 +205,21 @@ def test_after_a_randomized_workload_both_ranks_hold_the_same_blocks(served: Ser
     evictions = [line for line in scraped.splitlines() if line.startswith("mmsplit_scheduler_prefix_cache_evictions")]
     assert evictions, scraped
     assert float(evictions[0].rsplit(" ", 1)[1]) > 0, "the store never filled: the test proves nothing about eviction"
-    by_step: dict[int, dict[int, tuple[str, ...]]] = {}
-    for line in served.pair.scheduler.log_path.read_text().splitlines():
-        found = LINE.search(line)
-        if found:
-            rank, step = int(found[1]), int(found[2])
-            by_step.setdefault(step, {})[rank] = (found[3], found[4], found[5])
-            assert int(found[4]) <= STORE_BYTES, line
+
+    def logged() -> dict[int, dict[int, tuple[str, ...]]]:
+        by_step: dict[int, dict[int, tuple[str, ...]]] = {}
+        for line in served.pair.scheduler.log_path.read_text().splitlines():
+            found = LINE.search(line)
+            if found:
+                rank, step = int(found[1]), int(found[2])
+                by_step.setdefault(step, {})[rank] = (found[3], found[4], found[5])
+                assert int(found[4]) <= STORE_BYTES, line
+        return by_step
+
+    # Rank 1 logs a step's store a moment after rank 0 may have: the last
+    # steps' lines can still be on their way when the last chat ends.
+    wait_until(lambda: all(len(ranks) == 2 for ranks in logged().values()), timeout=10)
+    by_step = logged()
     both = {step: ranks for step, ranks in by_step.items() if len(ranks) == 2}
     assert len(both) >= 20, f"only {len(both)} steps logged by both ranks"
     differ = {step: ranks for step, ranks in both.items() if ranks[0] != ranks[1]}

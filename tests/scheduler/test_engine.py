@@ -243,6 +243,44 @@ def test_a_prefill_forward_that_raises_fails_only_its_request(model: torch.nn.Mo
         assert results[req.request_id] == reference(model, req), req.request_id
 
 
+class FailingDecode(torch.nn.Module):
+    """The model's decode body, raising `raising[n]` at its n-th call."""
+
+    def __init__(self, body: torch.nn.Module, raising: dict[int, BaseException]) -> None:
+        super().__init__()
+        self.body, self.raising, self.calls = body, raising, 0
+
+    def forward(self, *args: object, **kwargs: object) -> object:
+        self.calls += 1
+        if self.calls in self.raising:
+            raise self.raising[self.calls]
+        return self.body(*args, **kwargs)
+
+
+def test_a_decode_forward_that_raises_ends_its_rows_and_the_engine_goes_on(
+    model: torch.nn.Module, engine: Engine
+) -> None:
+    """At TP=1 a decode forward that raises is undone and ends the rows it
+    held, typed (out of memory: OVERLOADED, retriable; any other error:
+    INTERNAL); a request that joins in that step and one that comes later
+    make the tokens they make alone."""
+    eos = int(model.config.text_config.eos_token_id)
+    # Decode calls: step 1 (a, b), step 2 (a, b: raises; c joins), steps 3-4 (c),
+    # step 6 (d: raises), then e's.
+    engine._decode_body = FailingDecode(engine._decode_body, {2: MemoryError(), 5: RuntimeError("boom")})
+    a = request("a", image_prompt(model, 1, [550]), [pixels(95)], max_tokens=8)
+    b = request("b", image_prompt(model, 0, [551, 552]), max_tokens=8)
+    c = request("c", image_prompt(model, 1, [553]), [pixels(96)], max_tokens=3)
+    d = request("d", image_prompt(model, 0, [555]), max_tokens=8)
+    e = request("e", image_prompt(model, 1, [554]), [pixels(97)], max_tokens=5)
+    results = drive(engine, {0: [a, b], 2: [c], 5: [d], 8: [e]}, eos)
+    assert results["a"] == results["b"] == f"ended:{E.ERROR_CODE_OVERLOADED}"
+    assert results["d"] == f"ended:{E.ERROR_CODE_INTERNAL}"
+    assert results["c"] == reference(model, c)
+    assert results["e"] == reference(model, e)
+    assert engine.cache.rows == 0
+
+
 def test_a_long_prompt_is_prefilled_in_chunks_while_the_others_decode(model: torch.nn.Module) -> None:
     """Prompts longer than a chunk (16 tokens here), with images whose
     placeholder runs chunks cut through, are prefilled one chunk a step:

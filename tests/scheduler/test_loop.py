@@ -27,7 +27,8 @@ SETTINGS = SchedulerSettings(model_dir=Path("unused"), heartbeat_s=0.05, batch_w
 class FakeEngine:
     """Holds rows like the real engine; every row samples token 7. Request
     ids choose trouble: "bad" fails the agreement, "reject" fails on rank 0,
-    and a step that a "doomed" request joins raises (a broken collective)."""
+    "oom" ends at its first decode (a decode forward that raised), and a
+    step that a "doomed" request joins raises (a broken collective)."""
 
     def __init__(self, hold: threading.Event | None = None) -> None:
         self.rows: set[str] = set()
@@ -49,8 +50,13 @@ class FakeEngine:
         self.rows.update(r.request_id for r in plan.new if r.request_id not in failed)
         self.widest = max(self.widest, len(self.rows))
         rejected = {rid: "non-finite logits" for rid in self.rows if "reject" in rid}
-        sampled = {rid: 7 for rid in self.rows if rid not in rejected}
-        return StepOutcome(sampled=sampled, failed=failed, active_per_rank=[len(self.rows)], rejected=rejected)
+        fed = {rid for rid, _ in plan.feed}
+        oom = Failure(E.ERROR_CODE_OVERLOADED, (0,), {0: "the server ran out of memory in a decode step; retry"})
+        ended = {rid: oom for rid in fed if "oom" in rid}
+        sampled = {rid: 7 for rid in self.rows if rid not in rejected and rid not in ended}
+        return StepOutcome(
+            sampled=sampled, failed=failed, active_per_rank=[len(self.rows)], rejected=rejected, ended=ended
+        )
 
 
 class Harness:
@@ -147,21 +153,38 @@ def test_a_full_queue_is_overloaded_at_once() -> None:
     h.stop()
 
 
-def test_a_request_failed_on_rank_0_is_typed_and_dropped_next_step() -> None:
+def failed_beside_a_fine_one(rid: str) -> tuple[FakeEngine, Harness, Failed]:
+    """`rid` and a request that finishes, run together to their ends:
+    `rid`'s last event, a Failed, with the engine and harness to look at."""
     engine = FakeEngine()
     h = Harness(engine)
-    h.submit("reject-me", max_tokens=5)
+    h.submit(rid, max_tokens=5)
     h.submit("fine", max_tokens=5)
     h.thread.start()
-    h.wait_ended(["reject-me", "fine"])
+    h.wait_ended([rid, "fine"])
     h.stop()
-    failed = ends(h, "reject-me")
+    assert isinstance(ends(h, "fine"), Finished)
+    failed = ends(h, rid)
     assert isinstance(failed, Failed)
+    return engine, h, failed
+
+
+def test_a_request_failed_on_rank_0_is_typed_and_dropped_next_step() -> None:
+    engine, _, failed = failed_beside_a_fine_one("reject-me")
     assert failed.error.error_code == E.ERROR_CODE_INTERNAL
     assert "non-finite" in failed.error.message
-    assert isinstance(ends(h, "fine"), Finished)
     joined = next(i for i, p in enumerate(engine.plans) if p.new)
     assert "reject-me" in engine.plans[joined + 1].drop
+
+
+def test_a_request_ended_by_a_failed_decode_is_typed_and_dropped_next_step() -> None:
+    engine, h, failed = failed_beside_a_fine_one("oom-1")
+    assert not h.fatal, "the group goes on"
+    assert failed.error.error_code == E.ERROR_CODE_OVERLOADED
+    assert "out of memory in a decode step" in failed.error.message
+    assert [type(e).__name__ for e in h.events["oom-1"]] == ["Token", "Failed"], "its prefill token, then the end"
+    ended_at = next(i for i, p in enumerate(engine.plans) if any(rid == "oom-1" for rid, _ in p.feed))
+    assert "oom-1" in engine.plans[ended_at + 1].drop
 
 
 def test_a_failing_step_types_every_request_including_those_joining_it() -> None:

@@ -107,7 +107,8 @@ def drive(
     """Run plans the way the step loop makes them: joins at their step,
     each running request fed its last token, finished or failed ones dropped
     in the next plan (the finished ones kept by the prefix cache). Returns
-    each request's tokens, or its error; `cached` gets each joiner's prompt
+    each request's tokens, or its error (a running row ended by a failed
+    decode: "ended:<code>"); `cached` gets each joiner's prompt
     tokens taken from the prefix cache."""
     results: dict[str, list[int] | str] = {}
     limits: dict[str, int] = {}
@@ -127,6 +128,9 @@ def drive(
             results[rid] = f"failed:{failure.code}"
         for rid, why in outcome.rejected.items():
             results[rid] = f"rejected:{why}"
+            drop.append(rid)
+        for rid, failure in outcome.ended.items():
+            results[rid] = f"ended:{failure.code}"
             drop.append(rid)
         for rid, token in outcome.sampled.items():
             made = results.setdefault(rid, [])

@@ -15,7 +15,10 @@ and one whose id contains ``inject-short-encoder-output`` gets an encoder
 output one row short of its placeholders on every rank. A prefill forward
 that holds a request whose id contains ``inject-forward-failure-rank<N>``
 raises on rank N inside the model, before its second decoder layer (after
-the first layer's TP sums, while the other ranks go on to the next).
+the first layer's TP sums, while the other ranks go on to the next). A
+decode forward that holds a request whose id contains
+``inject-decode-failure`` raises on every rank (TP=1 tests only: under TP
+that still ends the group).
 """
 
 from __future__ import annotations
@@ -81,6 +84,16 @@ def in_prefill_forward(rank: int, requests: list[NewRequest], model: torch.nn.Mo
         yield
     finally:
         handle.remove()
+
+
+DECODE_MARKER = "inject-decode-failure"
+
+
+@contextlib.contextmanager
+def in_decode_forward(rank: int, requests: list[NewRequest], model: torch.nn.Module) -> Iterator[None]:
+    if any(DECODE_MARKER in r.request_id for r in requests):
+        raise RuntimeError(f"injected into a decode forward on rank {rank}")
+    yield
 
 
 def on_encoded(rank: int, request: NewRequest, index: int, output: torch.Tensor) -> torch.Tensor:
