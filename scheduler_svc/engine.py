@@ -263,7 +263,7 @@ class Engine:
                 self._join(j)
         rejected: dict[str, str] = {}
         if self._chunked:
-            chunk_logits = self._next_chunk(rejected)
+            chunk_logits = self._next_chunk(ended)
             if chunk_logits is not None:
                 logits.append(chunk_logits)
             clock.lap("chunk")
@@ -576,11 +576,11 @@ class Engine:
             cache.append_row(j.prefix)
         self._chunked.append(_Chunked(j, cache, done=j.cached))
 
-    def _next_chunk(self, rejected: dict[str, str]) -> torch.Tensor | None:
+    def _next_chunk(self, ended: dict[str, Failure]) -> torch.Tensor | None:
         """The next chunk of the first long prompt; when it was the last, its
         row joins the batch and its logits ``[1, vocab]`` are returned. At
-        TP=1 a chunk that raises fails its request alone (on rank 0, in
-        `rejected`: the loop drops it on every rank); under TP it raises."""
+        TP=1 a chunk that raises fails its request alone, typed (in `ended`:
+        the loop drops it); under TP it raises."""
         c = self._chunked[0]
         req = c.joiner.request
         start, end = c.done, min(len(req.input_ids), c.done + self.prefill_chunk)
@@ -593,7 +593,8 @@ class Engine:
             if self.coll.world_size > 1:
                 raise
             self._chunked.pop(0)
-            rejected[req.request_id] = self._failed_on(req, exc, "a chunk of its prefill")[1]
+            code, message = self._failed_on(req, exc, "a chunk of its prefill")
+            ended[req.request_id] = Failure(code, (0,), {0: message})
             return None
         c.done = end
         if end < len(req.input_ids):

@@ -100,7 +100,7 @@ class StepOutcome:
     # request id -> prompt tokens taken from the prefix cache, for the
     # requests that joined this step (every rank).
     cached: dict[str, int] = field(default_factory=dict)
-    # request id -> failure, for running requests whose decode forward
-    # failed (every rank; TP=1 today): the loop fails them and drops them
-    # on every rank in the next plan.
+    # request id -> failure, for running requests whose decode forward, or
+    # a chunk of whose prompt, failed (every rank; TP=1 today): the loop
+    # fails them and drops them on every rank in the next plan.
     ended: dict[str, Failure] = field(default_factory=dict)

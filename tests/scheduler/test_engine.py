@@ -329,6 +329,30 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_the_others_decode(model: tor
     assert steps_with_a_token == list(range(40)), "the running request missed a step"
 
 
+def test_a_chunk_that_raises_fails_its_long_prompt_alone(model: torch.nn.Module) -> None:
+    """At TP=1 a long prompt whose second chunk raises fails alone, typed
+    (out of memory: OVERLOADED; any other error: INTERNAL); the request
+    decoding meanwhile, and a long prompt after them, make their usual tokens."""
+    eos = int(model.config.text_config.eos_token_id)
+    engine = solo_engine(model, encoder_cache_bytes=64 << 20, prefill_chunk=16)
+    engine._prefill_body = FailingBody(engine._prefill_body)
+    rng = random.Random(12)
+
+    def long(rid: str, marker: int | None) -> NewRequest:
+        ids = [1, *(rng.randrange(100, 30000) for _ in range(40))]
+        if marker is not None:
+            ids[20] = marker  # in its second chunk
+        return request(rid, ids, max_tokens=4)
+
+    running = request("running", image_prompt(model, 0, [610, 611]), max_tokens=20)
+    bad, huge, fine = long("bad", FailingBody.BAD), long("huge", FailingBody.HUGE), long("fine", None)
+    results = drive(engine, {0: [running], 1: [bad, huge], 2: [fine]}, eos)
+    assert results["bad"] == f"ended:{E.ERROR_CODE_INTERNAL}"
+    assert results["huge"] == f"ended:{E.ERROR_CODE_OVERLOADED}"
+    for req in (running, fine):
+        assert results[req.request_id] == reference(model, req), req.request_id
+
+
 class FailingHead(torch.nn.Module):
     """The LM head, out of memory for a batch of exactly `rows` rows."""
 
