@@ -34,8 +34,9 @@ any rank) fails alone and every rank drops it before the forward. A prefill
 forward that raises is undone and each joiner tried alone; under TP the
 ranks agree on each prefill forward first (`Engine._agreed_forward`). A
 decode forward that raises at TP=1 fails the running rows (typed) and the
-group goes on; under TP it ends the group. What can only fail on rank 0 (sampling, non-finite logits
-of one row) fails that request alone: it is reported in
+group goes on; under TP it ends the group. What can only fail on rank 0
+(sampling, non-finite logits of one row) fails that request alone: it is
+reported in
 `StepOutcome.rejected` and the loop drops it on every rank in the next plan.
 """
 
@@ -238,14 +239,15 @@ class Engine:
         logits: list[torch.Tensor] = []
         # Running rows whose decode forward failed: no logits, nothing sampled.
         ended: dict[str, Failure] = {}
+        first_sampled = 0  # the rows before it have no logits this step
         if self.rows:
             decoded, failure = self._decode()
             if failure is None:
                 logits.append(decoded)  # type: ignore[arg-type]
             else:
                 ended = {row.request.request_id: failure for row in self.rows}
+                first_sampled = len(self.rows)
             clock.lap("decode")
-        sampled_from = len(ended)
         if joining:
             ready, lost = self._prepare(joining, use_encoder, use_prefix)
             for j in [j for j in ready if self._chunked_prefill(j)]:
@@ -271,7 +273,7 @@ class Engine:
         sampled: dict[str, int] = {}
         logprobs: dict[str, Logprob] = {}
         if self.coll.rank == 0 and logits:
-            rows = self.rows[sampled_from:]
+            rows = self.rows[first_sampled:]
             batch = [row.sampling for row in rows]
             # Most steps have one part (decode only): no copy of [rows, vocab] then.
             joined = logits[0] if len(logits) == 1 else torch.cat(logits)
@@ -385,10 +387,7 @@ class Engine:
             rids = [row.request.request_id for row in self.rows]
             log.warning("rank 0: a decode forward of %d requests failed; they fail: %s%s", len(rids), rids[:8],
                         " and more" if len(rids) > 8 else "", exc_info=exc)  # fmt: skip
-            if isinstance(exc, (MemoryError, torch.OutOfMemoryError)):
-                code, message = E.ERROR_CODE_OVERLOADED, "the server ran out of memory in a decode step; retry"
-            else:
-                code, message = E.ERROR_CODE_INTERNAL, f"the model failed in a decode step ({type(exc).__name__})"
+            code, message = _verdict(exc, "a decode step", one_request=False)
             return None, Failure(code, (0,), {0: message})
 
     def _decode_fault(self) -> contextlib.AbstractContextManager[None]:
@@ -621,11 +620,7 @@ class Engine:
     def _failed_on(self, req: NewRequest, exc: BaseException, what: str) -> tuple[int, str]:
         """The typed verdict on one request whose `what` raised `exc`."""
         log.warning("rank %d: request %s failed in %s", self.coll.rank, req.request_id, what, exc_info=exc)
-        if isinstance(exc, MmsplitError):
-            return exc.error_code, exc.message
-        if isinstance(exc, (MemoryError, torch.OutOfMemoryError)):
-            return E.ERROR_CODE_OVERLOADED, f"this request ran out of memory in {what}; retry, or send a shorter one"
-        return E.ERROR_CODE_INTERNAL, f"the model failed on this request in {what} ({type(exc).__name__}, logged)"
+        return _verdict(exc, what, one_request=True)
 
     def _media_kwargs(self, joining: list[tuple[NewRequest, ItemTensors | None, int]]) -> dict[str, torch.Tensor]:
         """Every item's tensors joined name by name with cat(dim=0), in plan
@@ -891,6 +886,20 @@ class Engine:
                 raise NonFinitePixels(f"item {index}: {name} holds NaN or infinite values")
             out[name] = tensor
         return out
+
+
+def _verdict(exc: BaseException, what: str, *, one_request: bool) -> tuple[int, str]:
+    """The typed error for `what` raising `exc`, for one request's work or
+    a whole batch's: its own when typed, OVERLOADED (retriable) when out of
+    memory, else INTERNAL."""
+    if isinstance(exc, MmsplitError):
+        return exc.error_code, exc.message
+    if isinstance(exc, (MemoryError, torch.OutOfMemoryError)):
+        if one_request:
+            return E.ERROR_CODE_OVERLOADED, f"this request ran out of memory in {what}; retry, or send a shorter one"
+        return E.ERROR_CODE_OVERLOADED, f"the server ran out of memory in {what}; retry"
+    on = " on this request" if one_request else ""
+    return E.ERROR_CODE_INTERNAL, f"the model failed{on} in {what} ({type(exc).__name__}, logged)"
 
 
 def all_finite(tensor: torch.Tensor) -> bool:

@@ -368,19 +368,18 @@ class StepLoop:
             error = error_for_code(failure.code, detail or "tensor read failed", {"failed_ranks": ranks})
             self._outbox.append((adm, Failed(error)))
         self._joining = []
-        for rid, failure in (ended or {}).items():
+        # Running requests that end here, on every rank (a failed decode or
+        # chunk) or on rank 0 only (sampling): each fails typed and the next
+        # plan drops it everywhere.
+        ending = {rid: error_for_code(f.code, "; ".join(m for _, m in sorted(f.messages.items())) or "its step failed")
+                  for rid, f in (ended or {}).items()}  # fmt: skip
+        ending |= {rid: InternalError(message) for rid, message in rejected.items()}
+        for rid, error in ending.items():
             gone = self._running.pop(rid, None)
             if gone is None:  # aborted while this step ran; already queued for dropping
                 continue
-            detail = "; ".join(m for _, m in sorted(failure.messages.items())) or "its decode step failed"
-            self._outbox.append((gone, Failed(error_for_code(failure.code, detail))))
-            self._drop.append(rid)
-        for rid, message in rejected.items():
-            gone = self._running.pop(rid, None)
-            if gone is None:  # aborted while this step ran; already queued for dropping
-                continue
-            log.warning("request %s failed on rank 0 and is dropped on every rank: %s", rid, message)
-            self._outbox.append((gone, Failed(InternalError(message))))
+            log.warning("request %s failed and is dropped on every rank: %s", rid, error.message)
+            self._outbox.append((gone, Failed(error)))
             self._drop.append(rid)
         for rid, token in sampled.items():
             running = self._running.get(rid)
