@@ -26,8 +26,11 @@ gRPC, in turn, three times each: the tokenizer's CPU per token by protocol
 and HTTP ÷ gRPC (the target: at most 1.5).
 
 Last, the real services with the tiny model (and the 8x512 one with
---services-8x512): tokens/s at the clients with --stream-interval 1 and 4,
-in turn, a fresh pair each run.
+--services-8x512): tokens/s at the clients and CPU per token, the
+tokenizer's requests each over a `Generate` call or all over one
+`GenerateStream` call (the default), and the scheduler's --stream-interval
+1 and 4, in turn, a fresh pair each run. (The stand-in scheduler above
+serves `Generate` only: its figures are the per-request path's.)
 
     python bench/streaming.py [--n 32] [--tokens 64]
 """
@@ -48,7 +51,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import psutil
-from harness import SoloGroup, build_model, inline_reader, run_clients, table
+from harness import SoloGroup, build_model, cpu_seconds, inline_reader, run_clients, table
 
 from mmsplit_cli import samples
 from mmsplit_cli.client import make_request
@@ -232,22 +235,38 @@ def _cpu_per_token(
     return cost | {"tok/s": made / took, "messages/token": messages / made}
 
 
-def service_rates(model_dir: Path, n: int, tokens: int, workdir: Path, rounds: int = 3) -> dict[int, list[float]]:
-    """Tokens/s at the clients through the real services (TP=1), n
-    concurrent one-image requests of `tokens` tokens each, with the
-    scheduler's --stream-interval 1 and 4 in turn, a fresh pair each run."""
+# The real services' arms: (the scheduler's flags, the tokenizer's).
+SERVICE_ARMS = {
+    "Generate, interval 1": (["--stream-interval", "1"], ["--scheduler-stream", "false"]),
+    "GenerateStream, interval 1": (["--stream-interval", "1"], []),
+    "GenerateStream, interval 4": (["--stream-interval", "4"], []),
+}
+
+
+def service_rates(
+    model_dir: Path, n: int, tokens: int, workdir: Path, rounds: int = 3
+) -> dict[str, list[dict[str, float]]]:
+    """Through the real services (TP=1), n concurrent one-image requests of
+    `tokens` tokens each, each of SERVICE_ARMS in turn, a fresh pair each
+    run: the clients' tokens/s ("tok/s") and CPU µs per token by process."""
     image = samples.good_png()
     requests = [make_request(f"Say {i}", [image], max_tokens=tokens, min_tokens=tokens) for i in range(n)]
-    rates: dict[int, list[float]] = {1: [], 4: []}
+    runs: dict[str, list[dict[str, float]]] = {arm: [] for arm in SERVICE_ARMS}
     for round_ in range(rounds):
-        for interval, got in rates.items():
-            logs = workdir / f"services-{interval}-{round_}"
+        for i, (arm, (scheduler_extra, tokenizer_extra)) in enumerate(SERVICE_ARMS.items()):
+            logs = workdir / f"services-{i}-{round_}"
             logs.mkdir()
-            with running_pair(model_dir, logs, tp=1, scheduler_extra=["--stream-interval", str(interval)]) as pair:
+            with running_pair(
+                model_dir, logs, tp=1, scheduler_extra=scheduler_extra, tokenizer_extra=tokenizer_extra
+            ) as pair:
                 run_clients(pair.tokenizer_address, requests, n)  # warm up
+                before = cpu_seconds(pair.scheduler.pid, pair.tokenizer.pid)
                 timelines, wall = run_clients(pair.tokenizer_address, requests, n)
-            got.append(sum(len(t.token_ids) for t in timelines) / wall)
-    return rates
+                after = cpu_seconds(pair.scheduler.pid, pair.tokenizer.pid)
+            made = sum(len(t.token_ids) for t in timelines)
+            cost = {k: 1e6 * (after[k] - before[k]) / made for k in ("scheduler", "tokenizer", "clients")}
+            runs[arm].append(cost | {"tok/s": made / wall})
+    return runs
 
 
 def compute_cost(model_dir: Path, n: int, steps: int = 16) -> float:
@@ -362,15 +381,21 @@ def main() -> None:
     print(table(["protocol", "tokenizer µs/token", "every run", "÷ gRPC"], proto_rows))
 
     print(
-        f"\nthe real services (TP=1), {args.n} concurrent one-image requests x {args.tokens} tokens,"
-        " tokens/s at the clients; the scheduler's --stream-interval 1 and 4 in turn, 3 rounds"
+        f"\nthe real services (TP=1), {args.n} concurrent one-image requests x {args.tokens} tokens: tokens/s at"
+        " the clients and CPU µs per token, medians of 3 rounds, the arms in turn: the tokenizer's requests each"
+        " over a Generate call (--scheduler-stream false) or all over one GenerateStream call (the default), and"
+        " the scheduler's --stream-interval"
     )
     service_rows = []
-    for name, rates in services.items():
-        one, four = statistics.median(rates[1]), statistics.median(rates[4])
-        rounds = "; ".join(f"{k}: {', '.join(f'{r:.0f}' for r in v)}" for k, v in rates.items())
-        service_rows.append([name, f"{one:.0f}", f"{four:.0f}", f"{four / one:.2f}", rounds])
-    print(table(["model", "interval 1", "interval 4", "4 / 1", "every round"], service_rows))
+    for name, arms in services.items():
+        base = statistics.median(r["tok/s"] for r in arms["Generate, interval 1"])
+        for arm, runs in arms.items():
+            med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+            every = ", ".join(f"{r['tok/s']:.0f}" for r in runs)
+            cpu_cells = [f"{med[k]:.0f}" for k in ("scheduler", "tokenizer", "clients")]
+            service_rows.append([name, arm, f"{med['tok/s']:.0f}", f"{med['tok/s'] / base:.2f}", *cpu_cells, every])
+    header = ["model", "arm", "tokens/s", "/ Generate", "scheduler µs/tok", "tokenizer µs/tok", "clients µs/tok"]
+    print(table([*header, "every round"], service_rows))
 
 
 if __name__ == "__main__":

@@ -184,6 +184,7 @@ class Kit:
                 *self._common_checks("scheduler", self.scheduler, SCHEDULER_SERVICE, self.sched_metadata),
                 ("scheduler.server_info", self.scheduler_server_info),
                 ("scheduler.stream.events", self.scheduler_stream),
+                ("scheduler.generate_stream.events", self.scheduler_generate_stream),
                 (
                     "scheduler.error.INVALID_REQUEST(no input ids)",
                     self._scheduler_error(lambda r: r.ClearField("input_ids")),
@@ -436,6 +437,56 @@ class Kit:
         )
         expect(done.prompt_tokens == 3, f"prompt_tokens {done.prompt_tokens} for 3 input ids")
         return f"Accepted, {len(events) - 2} Tokens, Finished"
+
+    def scheduler_generate_stream(self) -> str:
+        """GenerateStream (when the scheduler says it serves it): two good
+        requests and a bad one on one call, sent and half-closed at once;
+        each request's events as over Generate, the bad one's a single
+        RequestFailed, and the call ends OK once they are done."""
+        assert self.sched is not None
+        info = self.sched.GetServerInfo(
+            scheduler_pb2.GetServerInfoRequest(), timeout=10, metadata=self.sched_metadata
+        ).info
+        if not info.generate_stream:
+            raise Skipped("the scheduler does not serve GenerateStream (ServerInfo.generate_stream)")
+        good = {_request_id(): 3, _request_id(): 4}
+        bad = _scheduler_request(_request_id(), tokens=1)
+        _huge_id(bad)
+        sent = [scheduler_pb2.GenerateStreamRequest(generate=_scheduler_request(r, tokens=n)) for r, n in good.items()]
+        sent.append(scheduler_pb2.GenerateStreamRequest(generate=bad))
+        events: dict[str, list[scheduler_pb2.RequestEvent]] = {r: [] for r in [*good, bad.request_id]}
+        messages = 0
+        call = self.sched.GenerateStream(iter(sent), timeout=self.options.timeout_s, metadata=self.sched_metadata)
+        for message in call:
+            messages += 1
+            ids = [e.request_id for e in message.events if e.WhichOneof("event") == "tokens"]
+            expect(len(ids) == len(set(ids)), f"two Tokens events of one request in one message: {ids}")
+            for event in message.events:
+                expect(event.request_id in events, f"an event of request {event.request_id!r}, not ours")
+                events[event.request_id].append(event)
+        for rid, tokens in good.items():
+            kinds = [e.WhichOneof("event") for e in events[rid]]
+            expect(
+                kinds[:1] == ["accepted"] and kinds.count("accepted") == 1, f"{rid}: {kinds}: not one Accepted first"
+            )
+            expect(
+                kinds[-1:] == ["finished"] and kinds.count("finished") == 1, f"{rid}: {kinds}: not one Finished last"
+            )
+            streamed = sum(len(e.tokens.token_ids) for e in events[rid] if e.WhichOneof("event") == "tokens")
+            done = events[rid][-1].finished.completion_tokens
+            expect(
+                streamed == tokens == done, f"{rid}: {streamed} tokens streamed, Finished says {done}, {tokens} asked"
+            )
+        failed = events[bad.request_id]
+        expect(
+            [e.WhichOneof("event") for e in failed] == ["failed"],
+            f"the bad request's events {[e.WhichOneof('event') for e in failed]}: not one RequestFailed",
+        )
+        reason = failed[0].failed.reason
+        expect(
+            reason == reason_of(E.ERROR_CODE_INVALID_REQUEST), f"the bad request failed {reason}, not INVALID_REQUEST"
+        )
+        return f"3 requests in {messages} messages, the bad one {reason}"
 
     def _scheduler_error(self, mutate: Callable[[scheduler_pb2.GenerateRequest], None]) -> Callable[[], str]:
         def check() -> str:

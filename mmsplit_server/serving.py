@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import faulthandler
 import hmac
 import inspect
 import ipaddress
@@ -302,6 +303,9 @@ def setup_logging(level: str = "INFO", fmt: str = "text") -> None:
     else:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(process)d %(name)s: %(message)s"))
     logging.basicConfig(level=level.upper(), handlers=[handler])
+    # A crash in native code (gRPC, torch) writes every thread's Python
+    # stack to the log before the process dies, instead of nothing.
+    faulthandler.enable(sys.stderr, all_threads=True)
 
 
 class Health:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import numpy as np
 
@@ -45,14 +45,19 @@ class Frontend:
         self.info = info
         # GPUs whose CUDA IPC handles every rank can open (none: the transport is not offered).
         self.cuda_uuids = cuda_uuids
+        # Where each open request's events go (on this event loop's thread,
+        # StepLoop.post), and the queue of those `stream` reads.
+        self._sinks: dict[str, Callable[[Event], None]] = {}
         self._streams: dict[str, asyncio.Queue[Event]] = {}
 
-    def admit(self, pb: scheduler_pb2.GenerateRequest) -> Admission:
+    def admit(self, pb: scheduler_pb2.GenerateRequest, sink: Callable[[Event], None] | None = None) -> Admission:
         """Validate and enqueue; raise MmsplitError (the caller still owns
-        the request's segments then). After it returns the scheduler owns them."""
+        the request's segments then). After it returns the scheduler owns them.
+        The request's events go to `sink`, or without one to a queue that
+        `stream` reads."""
         request = self._validate(pb)
         rid = request.request_id
-        if rid in self._streams:
+        if rid in self._sinks:
             raise InvalidRequest(f"request id {rid!r} is already running")
         self._check_prefill(request)
         reserve = min(len(request.input_ids) + request.sampling.max_tokens, self.info.max_context)
@@ -62,9 +67,11 @@ class Frontend:
                 f"the prompt ({len(request.input_ids)} tokens) and max_tokens ({request.sampling.max_tokens}) "
                 f"need {reserve} tokens of KV cache; this server's budget is {budget}"
             )
-        # Events are delivered on this event loop's thread (StepLoop.post).
-        events: asyncio.Queue[Event] = asyncio.Queue()
-        admission = Admission(request=request, emit=events.put_nowait, reserve=reserve)
+        events: asyncio.Queue[Event] | None = None
+        if sink is None:
+            events = asyncio.Queue()
+            sink = events.put_nowait
+        admission = Admission(request=request, emit=sink, reserve=reserve)
         # Ownership first (DESIGN.md §3): take every tensor over, then say
         # Accepted; the sender disowns its own claims once it hears that.
         try:
@@ -76,7 +83,9 @@ class Frontend:
         except BaseException:
             admission.disown()  # still the sender's to release
             raise
-        self._streams[rid] = events
+        self._sinks[rid] = sink
+        if events is not None:
+            self._streams[rid] = events
         return admission
 
     def stream(self, admission: Admission) -> AsyncIterator[scheduler_pb2.GenerateResponse]:
@@ -86,18 +95,19 @@ class Frontend:
     def fail_all(self, error: MmsplitError) -> None:
         """End every open stream with `error` (the group died while the step
         thread may be stuck in a collective and cannot do it)."""
-        for events in self._streams.values():
-            events.put_nowait(Failed(error))
+        for sink in list(self._sinks.values()):
+            sink(Failed(error))
 
     @property
     def open_streams(self) -> int:
-        return len(self._streams)
+        return len(self._sinks)
 
     def end(self, request_id: str) -> None:
         """Whatever ended the call (finish, failure, cancel, deadline, even a
         cancel before the first event): forget its stream, and have the step
         loop drop the request on every rank if it still runs. Harmless for
         unknown and finished requests."""
+        self._sinks.pop(request_id, None)
         self._streams.pop(request_id, None)
         self.step_loop.abort(request_id)
 
@@ -262,7 +272,7 @@ def _side_tensor(index: int, name: str, spec: TensorSpec) -> np.ndarray:
     return np.frombuffer(spec.inline, dtype=SIDE_DTYPES[spec.dtype]).reshape(spec.shape).copy()
 
 
-def _logprob_pb(lp: Logprob | None) -> common_pb2.TokenLogprob:
+def logprob_pb(lp: Logprob | None) -> common_pb2.TokenLogprob:
     if lp is None:
         return common_pb2.TokenLogprob()
     return common_pb2.TokenLogprob(logprob=lp.logprob, top_token_ids=lp.top_ids, top_logprobs=lp.top_logprobs)
@@ -292,7 +302,7 @@ async def responses(events: asyncio.Queue[Event], interval: int = 1) -> AsyncIte
                 token_ids=[t.token_id for t in tokens], cached_tokens=tokens[0].cached_tokens
             )
             if tokens[0].logprob is not None:
-                message.logprobs.extend(_logprob_pb(t.logprob) for t in tokens)
+                message.logprobs.extend(logprob_pb(t.logprob) for t in tokens)
             yield scheduler_pb2.GenerateResponse(tokens=message)
             event = after if after is not None else await events.get()
         elif isinstance(event, Finished):

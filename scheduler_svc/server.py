@@ -49,6 +49,7 @@ from scheduler_svc.frontend import Frontend
 from scheduler_svc.group import LocalRanks, start_late
 from scheduler_svc.loop import StepLoop
 from scheduler_svc.model import ModelInfo, model_dtype, model_info
+from scheduler_svc.multiplex import StreamCall, serve
 from scheduler_svc.ranks import Bootstrapped, bootstrap, run_follower_until_stopped
 from scheduler_svc.rendezvous import Rendezvous
 from scheduler_svc.settings import SchedulerSettings
@@ -72,6 +73,37 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         self.pairing = pairing.Pairing.of(info)
         self.step_loop = step_loop
         self.metrics = metrics
+        self.draining = False
+        self._calls: set[StreamCall] = set()
+
+    def begin_drain(self) -> None:
+        """GenerateStream calls end once none of their requests is left."""
+        self.draining = True
+        for call in self._calls:
+            call.wake.set()
+
+    async def GenerateStream(  # noqa: N802 (gRPC method name)
+        self,
+        request_iterator: AsyncIterator[scheduler_pb2.GenerateStreamRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[scheduler_pb2.GenerateStreamResponse]:
+        try:
+            self._check_pairing(context)
+        except MmsplitError as exc:
+            log.info("a stream of requests refused: %s", exc)
+            await context.abort_with_status(exc.to_status())
+        # Read now: gRPC's context must not be asked anything once the call
+        # has ended (a cancelled call's peer() crashes the process).
+        peer = context.peer()
+        call = StreamCall(self.frontend, self.metrics, lambda: self.draining)
+        self._calls.add(call)
+        log.info("stream of requests from %s opened", peer)
+        try:
+            async for message in serve(call, request_iterator):
+                yield message
+        finally:
+            self._calls.discard(call)
+            log.info("stream of requests from %s closed after %d requests", peer, call.started)
 
     async def Generate(  # noqa: N802 (gRPC method name)
         self, request: scheduler_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -314,6 +346,8 @@ def server_info(
         kv_budget_tokens=kv_budget_tokens,
         vocabulary=vocabulary,
         item_rules=pairing.item_rules(info.family),
+        generate_stream=True,
+        max_message_bytes=settings.max_message_bytes,
     )
 
 
@@ -490,6 +524,7 @@ async def _serve_published(
     # period, then fail the rest with SHUTTING_DOWN (a typed, retriable error).
     log.info("shutting down: letting running requests finish for up to %.1fs", settings.shutdown_grace_s)
     step_loop.begin_drain()
+    servicer.begin_drain()
     if not await asyncio.to_thread(step_loop.idle.wait, settings.shutdown_grace_s):
         log.warning("grace period over; failing the requests still running")
     if ranks is not None:

@@ -35,7 +35,7 @@ import grpc
 
 from mmsplit import localauth
 from mmsplit.common.v1 import common_pb2
-from mmsplit.errors import E, RemoteError
+from mmsplit.errors import E, MmsplitError, RemoteError
 from mmsplit.keepalive import keepalive_options
 from mmsplit.pairing import UNKNOWN, Pairing
 from mmsplit.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
@@ -43,6 +43,7 @@ from mmsplit.tokenizer.v1 import tokenizer_pb2
 from mmsplit_server.handoff import files
 from mmsplit_server.serving import ClientSecurity
 from tokenizer_svc.errors import SchedulerUnavailable
+from tokenizer_svc.multiplex import CallEnded, StreamedCalls
 from tokenizer_svc.settings import TokenizerSettings
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,8 @@ SERVICE_CONFIG = json.dumps(
     {"loadBalancingConfig": [{"round_robin": {}}], "healthCheckConfig": {"serviceName": SCHEDULER_SERVICE}}
 )
 DNS_SCHEME = "dns:///"
+# What a GenerateStreamRequest adds around its GenerateRequest, with room.
+STREAM_ENVELOPE_BYTES = 64
 
 
 def backend_targets(setting: str) -> tuple[list[str], str]:
@@ -84,6 +87,14 @@ def choose_transport(info: common_pb2.ServerInfo, namespace: str, prefix: str, g
     if same_memory and common_pb2.TRANSPORT_SHM in info.transports:
         return common_pb2.TRANSPORT_SHM
     return common_pb2.TRANSPORT_INLINE
+
+
+def fits_in_stream(info: common_pb2.ServerInfo, request: scheduler_pb2.GenerateRequest) -> bool:
+    """Whether the scheduler described by `info` serves GenerateStream and
+    a message of it carrying `request` is within what it reads: a request
+    beyond that goes by a Generate call of its own, so that its refusal
+    (RESOURCE_EXHAUSTED) ends that call alone, not the stream of every other."""
+    return info.generate_stream and request.ByteSize() + STREAM_ENVELOPE_BYTES <= info.max_message_bytes
 
 
 class SchedulerLink:
@@ -136,6 +147,7 @@ class SchedulerLink:
         self._local = None if security.token else localauth.LocalToken(target, directory)
         self._denied = False  # the last look was refused UNAUTHENTICATED (said once)
         self.stub = scheduler_pb2_grpc.SchedulerServiceStub(self.channel)
+        self._streamed = StreamedCalls(self.stub, self._metadata)
         self.info: common_pb2.ServerInfo | None = None
         self.transport = common_pb2.TRANSPORT_UNSPECIFIED
         self._namespace = files.namespace_id()
@@ -222,21 +234,55 @@ class SchedulerLink:
     async def generate(
         self, request: scheduler_pb2.GenerateRequest, *, timeout_s: float | None
     ) -> AsyncGenerator[scheduler_pb2.GenerateResponse, None]:
+        """The request's events from this scheduler: over the shared
+        GenerateStream call when it serves one and the request fits in a
+        message of it (so that one too large fails alone), else over a
+        Generate call of its own."""
+        if self._streams(request):
+            events = self._streamed.generate(request, timeout_s)
+        else:
+            events = self._call(request, timeout_s)
+        try:
+            async for response in events:
+                yield response
+        except (grpc.aio.AioRpcError, CallEnded) as exc:
+            raise self._failure(exc) from exc
+        except RemoteError as exc:  # a request's failure on the stream
+            if exc.error_code == E.ERROR_CODE_SCHEDULER_UNAVAILABLE:
+                raise self._unavailable(exc.message) from exc
+            raise
+        finally:
+            await events.aclose()  # cancels the request downstream when it has not ended
+
+    def _streams(self, request: scheduler_pb2.GenerateRequest) -> bool:
+        return self.settings.scheduler_stream and self.info is not None and fits_in_stream(self.info, request)
+
+    async def _call(
+        self, request: scheduler_pb2.GenerateRequest, timeout_s: float | None
+    ) -> AsyncGenerator[scheduler_pb2.GenerateResponse, None]:
         call = self.stub.Generate(request, timeout=timeout_s, metadata=self._metadata())
         try:
             async for response in call:
                 yield response
-        except grpc.aio.AioRpcError as exc:
-            error = RemoteError.from_rpc_error(exc, unavailable_code=E.ERROR_CODE_SCHEDULER_UNAVAILABLE)
-            if error.error_code == E.ERROR_CODE_SCHEDULER_UNAVAILABLE:
-                self.info = None
-                log.warning("scheduler %s: %s %s", self.target, exc.code(), exc.details())
-                raise SchedulerUnavailable("the scheduler is unavailable; retry shortly") from exc
-            raise error from exc
         finally:
             call.cancel()  # no-op when the call already ended; aborts it downstream otherwise
 
+    def _failure(self, exc: grpc.aio.AioRpcError | CallEnded) -> MmsplitError:
+        """What a failed call (or the stream's end) means for its requests."""
+        if isinstance(exc, CallEnded):
+            return self._unavailable(str(exc))
+        error = RemoteError.from_rpc_error(exc, unavailable_code=E.ERROR_CODE_SCHEDULER_UNAVAILABLE)
+        if error.error_code == E.ERROR_CODE_SCHEDULER_UNAVAILABLE:
+            return self._unavailable(f"{exc.code()} {exc.details()}")
+        return error
+
+    def _unavailable(self, why: str) -> SchedulerUnavailable:
+        self.info = None
+        log.warning("scheduler %s: %s", self.target, why)
+        return SchedulerUnavailable("the scheduler is unavailable; retry shortly")
+
     async def close(self) -> None:
+        self._streamed.close()
         await self.channel.close()
 
 

@@ -23,6 +23,12 @@ class TokenizerSettings(ServiceSettings):
         "(every address NAME resolves to, e.g. a headless Service); each request goes to the ready one with "
         "the fewest of this tokenizer's requests",
     )
+    scheduler_stream: bool = _opt(
+        True,
+        "send requests to a scheduler that serves it over one GenerateStream call, which carries a step's "
+        "tokens for all of them in one message (false: a Generate call per request, a message per request "
+        "and step); a request too large for one message goes by Generate either way",
+    )
     scheduler_tls_ca: str = _opt("", "PEM CA certificates to verify the scheduler's TLS certificate: use TLS")
     scheduler_tls_cert: str = _opt("", "PEM client certificate presented to the scheduler (mutual TLS)")
     scheduler_tls_key: str = _opt("", "PEM private key of --scheduler-tls-cert")

@@ -43,6 +43,11 @@ class SchedulerServiceStub:
                 request_serializer=mmsplit_dot_scheduler_dot_v1_dot_scheduler__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=mmsplit_dot_scheduler_dot_v1_dot_scheduler__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.GenerateStream = channel.stream_stream(
+                '/mmsplit.scheduler.v1.SchedulerService/GenerateStream',
+                request_serializer=mmsplit_dot_scheduler_dot_v1_dot_scheduler__pb2.GenerateStreamRequest.SerializeToString,
+                response_deserializer=mmsplit_dot_scheduler_dot_v1_dot_scheduler__pb2.GenerateStreamResponse.FromString,
+                _registered_method=True)
         self.GetServerInfo = channel.unary_unary(
                 '/mmsplit.scheduler.v1.SchedulerService/GetServerInfo',
                 request_serializer=mmsplit_dot_scheduler_dot_v1_dot_scheduler__pb2.GetServerInfoRequest.SerializeToString,
@@ -64,6 +69,22 @@ class SchedulerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GenerateStream(self, request_iterator, context):
+        """Runs many requests over one call (a tokenizer's): each request means
+        what its Generate call would, and one message carries the events of a
+        step for every request on the call (Generate: a message per request and
+        step). Served when ServerInfo.generate_stream is set. A request's
+        failure is its RequestFailed event; the call fails as a whole only when
+        the caller is refused (pairing, credentials) or the transport fails, and
+        ends with OK once the caller half-closes, or when the server drains and
+        none of the call's requests is left (the caller's next request opens a
+        new call, which a draining server refuses). A request still running
+        when the call ends is cancelled on every rank.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetServerInfo(self, request, context):
         """Describes this group.
         """
@@ -78,6 +99,11 @@ def add_SchedulerServiceServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=mmsplit_dot_scheduler_dot_v1_dot_scheduler__pb2.GenerateRequest.FromString,
                     response_serializer=mmsplit_dot_scheduler_dot_v1_dot_scheduler__pb2.GenerateResponse.SerializeToString,
+            ),
+            'GenerateStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateStream,
+                    request_deserializer=mmsplit_dot_scheduler_dot_v1_dot_scheduler__pb2.GenerateStreamRequest.FromString,
+                    response_serializer=mmsplit_dot_scheduler_dot_v1_dot_scheduler__pb2.GenerateStreamResponse.SerializeToString,
             ),
             'GetServerInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetServerInfo,
@@ -116,6 +142,33 @@ class SchedulerService:
             '/mmsplit.scheduler.v1.SchedulerService/Generate',
             mmsplit_dot_scheduler_dot_v1_dot_scheduler__pb2.GenerateRequest.SerializeToString,
             mmsplit_dot_scheduler_dot_v1_dot_scheduler__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/mmsplit.scheduler.v1.SchedulerService/GenerateStream',
+            mmsplit_dot_scheduler_dot_v1_dot_scheduler__pb2.GenerateStreamRequest.SerializeToString,
+            mmsplit_dot_scheduler_dot_v1_dot_scheduler__pb2.GenerateStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,
