@@ -32,7 +32,7 @@ tokenizer's requests each over a `Generate` call or all over one
 1 and 4, in turn, a fresh pair each run. (The stand-in scheduler above
 serves `Generate` only: its figures are the per-request path's.)
 
-    python bench/streaming.py [--n 32] [--tokens 64]
+    python bench/streaming.py [--n 32] [--tokens 64] [--services-only] [--services-8x512]
 """
 
 from __future__ import annotations
@@ -291,6 +291,26 @@ def compute_cost(model_dir: Path, n: int, steps: int = 16) -> float:
     return 1e6 * best
 
 
+def print_services(services: dict[str, dict[str, list[dict[str, float]]]], n: int, tokens: int) -> None:
+    """The real services' arms by model (`service_rates`), each against the per-request Generate arm."""
+    print(
+        f"\nthe real services (TP=1), {n} concurrent one-image requests x {tokens} tokens: tokens/s at"
+        " the clients and CPU µs per token, medians of 3 rounds, the arms in turn: the tokenizer's requests each"
+        " over a Generate call (--scheduler-stream false) or all over one GenerateStream call (the default), and"
+        " the scheduler's --stream-interval"
+    )
+    service_rows = []
+    for name, arms in services.items():
+        base = statistics.median(r["tok/s"] for r in arms["Generate, interval 1"])
+        for arm, runs in arms.items():
+            med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+            every = ", ".join(f"{r['tok/s']:.0f}" for r in runs)
+            cpu_cells = [f"{med[k]:.0f}" for k in ("scheduler", "tokenizer", "clients")]
+            service_rows.append([name, arm, f"{med['tok/s']:.0f}", f"{med['tok/s'] / base:.2f}", *cpu_cells, every])
+    header = ["model", "arm", "tokens/s", "/ Generate", "scheduler µs/tok", "tokenizer µs/tok", "clients µs/tok"]
+    print(table([*header, "every round"], service_rows))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=32, help="concurrent requests (and the decode batch)")
@@ -301,6 +321,9 @@ def main() -> None:
     parser.add_argument(
         "--services-8x512", action="store_true", help="also run the real services with the 8x512 model (minutes)"
     )
+    parser.add_argument(
+        "--services-only", action="store_true", help="only the real services' comparison (the last table)"
+    )
     parser.add_argument("--fake-scheduler", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--fake-step-ms", type=float, default=0.0, help=argparse.SUPPRESS)
     parser.add_argument("--fake-per-token", action="store_true", help=argparse.SUPPRESS)
@@ -308,6 +331,13 @@ def main() -> None:
     args = parser.parse_args()
     if args.fake_scheduler:
         fake_scheduler(args.fake_scheduler, args.fake_step_ms, args.fake_per_token, args.fake_interval)
+        return
+    if args.services_only:
+        with tempfile.TemporaryDirectory(prefix="mmsplit-bench-") as tmp:
+            found = {"tiny": service_rates(build_model("tiny", Path(tmp)), args.n, args.tokens, Path(tmp))}
+            if args.services_8x512:
+                found["8x512"] = service_rates(build_model("8x512", Path(tmp)), args.n, args.tokens, Path(tmp))
+        print_services(found, args.n, args.tokens)
         return
     with tempfile.TemporaryDirectory(prefix="mmsplit-bench-") as tmp:
         tiny = build_model("tiny", Path(tmp))
@@ -380,22 +410,7 @@ def main() -> None:
     ]
     print(table(["protocol", "tokenizer µs/token", "every run", "÷ gRPC"], proto_rows))
 
-    print(
-        f"\nthe real services (TP=1), {args.n} concurrent one-image requests x {args.tokens} tokens: tokens/s at"
-        " the clients and CPU µs per token, medians of 3 rounds, the arms in turn: the tokenizer's requests each"
-        " over a Generate call (--scheduler-stream false) or all over one GenerateStream call (the default), and"
-        " the scheduler's --stream-interval"
-    )
-    service_rows = []
-    for name, arms in services.items():
-        base = statistics.median(r["tok/s"] for r in arms["Generate, interval 1"])
-        for arm, runs in arms.items():
-            med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-            every = ", ".join(f"{r['tok/s']:.0f}" for r in runs)
-            cpu_cells = [f"{med[k]:.0f}" for k in ("scheduler", "tokenizer", "clients")]
-            service_rows.append([name, arm, f"{med['tok/s']:.0f}", f"{med['tok/s'] / base:.2f}", *cpu_cells, every])
-    header = ["model", "arm", "tokens/s", "/ Generate", "scheduler µs/tok", "tokenizer µs/tok", "clients µs/tok"]
-    print(table([*header, "every round"], service_rows))
+    print_services(services, args.n, args.tokens)
 
 
 if __name__ == "__main__":
