@@ -17,7 +17,7 @@ from mmsplit.errors import RemoteError
 from mmsplit.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from mmsplit_cli.client import make_request, run_request
 from scheduler_svc.model import model_info
-from tests.conftest import TOKENIZER_SERVICE, Services
+from tests.conftest import SCHEDULER_SERVICE, TOKENIZER_SERVICE, Services
 from tests.e2e.helpers import rank_active_requests, tokenizer_stub
 from tests.support.leaks import wait_until
 from tests.support.local_token import scheduler_channel
@@ -185,3 +185,13 @@ def test_a_stream_whose_caller_goes_away_cancels_its_requests_and_the_scheduler_
     stream.half_close()
     events = [e for message in stream.call for e in message.events]
     assert events[-1].finished.completion_tokens == 3
+
+
+def test_a_message_that_does_not_parse_ends_the_call_invalid_request(services: Services) -> None:
+    with scheduler_channel(services.scheduler_address) as channel:
+        method = channel.stream_stream(f"/{SCHEDULER_SERVICE}/GenerateStream")
+        with pytest.raises(grpc.RpcError) as raised:
+            list(method(iter([b"\xff\xff\xff\xff"]), timeout=60))
+    error = RemoteError.from_rpc_error(raised.value)
+    assert (raised.value.code(), error.reason) == (grpc.StatusCode.INVALID_ARGUMENT, "INVALID_REQUEST")
+    assert services.scheduler.proc.poll() is None, "the scheduler died"
