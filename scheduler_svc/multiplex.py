@@ -26,10 +26,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from collections.abc import AsyncIterator, Callable
 
 from mmsplit.common.v1 import common_pb2
-from mmsplit.errors import MmsplitError
+from mmsplit.errors import InternalError, MmsplitError
 from mmsplit.scheduler.v1 import scheduler_pb2
 from mmsplit_server.metrics import ServiceMetrics
 from mmsplit_server.serving import RequestSummary
@@ -101,12 +102,21 @@ class StreamCall:
             self.frontend.admit(pb, sink=lambda event: self._on_event(request, event))
         except MmsplitError as exc:
             log.info("request %s rejected: %s", rid, exc)
-            summary.outcome = exc.reason
-            summary.log(log, self.metrics)
-            self._push(failed_event(rid, exc))
+            self._refuse(request, exc)
+            return
+        except Exception:
+            # A bug of ours fails this request alone, not the call's others.
+            incident = uuid.uuid4().hex[:12]
+            log.exception("request %s failed on an unexpected error (incident %s)", rid, incident)
+            self._refuse(request, InternalError(f"internal error (incident {incident})"))
             return
         self.open[rid] = request
         self._push(scheduler_pb2.RequestEvent(request_id=rid, accepted=scheduler_pb2.Accepted()))
+
+    def _refuse(self, request: _Request, error: MmsplitError) -> None:
+        request.summary.outcome = error.reason
+        request.summary.log(log, self.metrics)
+        self._push(failed_event(request.rid, error))
 
     def cancel(self, rid: str) -> None:
         """The caller gave the request up (its client went away, its
