@@ -80,6 +80,10 @@ class _Call:
     async def _write(self) -> None:
         while True:
             message = await self._outgoing.get()
+            if message.HasField("generate") and message.generate.request_id not in self.routes:
+                # Given up before it went out (its client left): the scheduler
+                # need never hear of it, and its tensors' grants are revoked.
+                continue
             try:
                 await self.call.write(message)
             except Exception:
