@@ -272,10 +272,26 @@ def _side_tensor(index: int, name: str, spec: TensorSpec) -> np.ndarray:
     return np.frombuffer(spec.inline, dtype=SIDE_DTYPES[spec.dtype]).reshape(spec.shape).copy()
 
 
-def logprob_pb(lp: Logprob | None) -> common_pb2.TokenLogprob:
+def _logprob_pb(lp: Logprob | None) -> common_pb2.TokenLogprob:
     if lp is None:
         return common_pb2.TokenLogprob()
     return common_pb2.TokenLogprob(logprob=lp.logprob, top_token_ids=lp.top_ids, top_logprobs=lp.top_logprobs)
+
+
+def add_tokens(message: scheduler_pb2.Tokens, tokens: list[Token]) -> None:
+    """Append `tokens` (and their logprobs, when the request asked) to a Tokens message."""
+    message.token_ids.extend(t.token_id for t in tokens)
+    if tokens[0].logprob is not None:
+        message.logprobs.extend(_logprob_pb(t.logprob) for t in tokens)
+
+
+def finished_pb(event: Finished) -> scheduler_pb2.Finished:
+    return scheduler_pb2.Finished(
+        finish_reason=event.reason,  # type: ignore[arg-type]
+        prompt_tokens=event.prompt_tokens,
+        completion_tokens=event.completion_tokens,
+        cached_tokens=event.cached_tokens,
+    )
 
 
 async def responses(events: asyncio.Queue[Event], interval: int = 1) -> AsyncIterator[scheduler_pb2.GenerateResponse]:
@@ -298,22 +314,12 @@ async def responses(events: asyncio.Queue[Event], interval: int = 1) -> AsyncIte
                 else:
                     after = queued
             want = interval
-            message = scheduler_pb2.Tokens(
-                token_ids=[t.token_id for t in tokens], cached_tokens=tokens[0].cached_tokens
-            )
-            if tokens[0].logprob is not None:
-                message.logprobs.extend(logprob_pb(t.logprob) for t in tokens)
+            message = scheduler_pb2.Tokens(cached_tokens=tokens[0].cached_tokens)
+            add_tokens(message, tokens)
             yield scheduler_pb2.GenerateResponse(tokens=message)
             event = after if after is not None else await events.get()
         elif isinstance(event, Finished):
-            yield scheduler_pb2.GenerateResponse(
-                finished=scheduler_pb2.Finished(
-                    finish_reason=event.reason,  # type: ignore[arg-type]
-                    prompt_tokens=event.prompt_tokens,
-                    completion_tokens=event.completion_tokens,
-                    cached_tokens=event.cached_tokens,
-                )
-            )
+            yield scheduler_pb2.GenerateResponse(finished=finished_pb(event))
             return
         else:
             raise event.error

@@ -34,7 +34,7 @@ from mmsplit.errors import InternalError, MmsplitError
 from mmsplit.scheduler.v1 import scheduler_pb2
 from mmsplit_server.metrics import ServiceMetrics
 from mmsplit_server.serving import RequestSummary
-from scheduler_svc.frontend import Frontend, logprob_pb
+from scheduler_svc.frontend import Frontend, add_tokens, finished_pb
 from scheduler_svc.loop import Event, Failed, Finished, Token
 
 log = logging.getLogger(__name__)
@@ -140,13 +140,7 @@ class StreamCall:
         if isinstance(event, Finished):
             reason = common_pb2.FinishReason.Name(event.reason)  # type: ignore[arg-type]
             request.summary.finished(reason, event.prompt_tokens, event.completion_tokens)
-            finished = scheduler_pb2.Finished(
-                finish_reason=event.reason,  # type: ignore[arg-type]
-                prompt_tokens=event.prompt_tokens,
-                completion_tokens=event.completion_tokens,
-                cached_tokens=event.cached_tokens,
-            )
-            self._push(scheduler_pb2.RequestEvent(request_id=request.rid, finished=finished))
+            self._push(scheduler_pb2.RequestEvent(request_id=request.rid, finished=finished_pb(event)))
         else:
             assert isinstance(event, Failed)
             request.summary.outcome = event.error.reason
@@ -166,9 +160,7 @@ class StreamCall:
             event.tokens.cached_tokens = held[0].cached_tokens
             self._push(event)
             self._joinable[request.rid] = event
-        event.tokens.token_ids.extend(t.token_id for t in held)
-        if held[0].logprob is not None:
-            event.tokens.logprobs.extend(logprob_pb(t.logprob) for t in held)
+        add_tokens(event.tokens, held)
         request.sent_first = True
         request.held = []
 

@@ -71,7 +71,12 @@ class _Call:
         except grpc.aio.AioRpcError as exc:
             ended = exc
         except asyncio.CancelledError:
-            ended = CallEnded("the stream of requests was closed")
+            self._end(CallEnded("the stream of requests was closed"))
+            raise
+        self._end(ended)
+
+    def _end(self, ended: BaseException) -> None:
+        """Every request on the call fails with what ended it; no more writes."""
         self.ended = ended
         self._writer.cancel()
         for queue in self.routes.values():
