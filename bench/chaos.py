@@ -366,11 +366,18 @@ def segments(prefix: str) -> list[str]:
     return sorted(n for n in os.listdir("/dev/shm") if n.startswith(f"{prefix}-"))
 
 
-def slab_used(address: str) -> int:
+def tokenizer_info(address: str) -> tokenizer_pb2.GetServerInfoResponse:
     with grpc.insecure_channel(address) as channel:
         stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
-        info = stub.GetServerInfo(tokenizer_pb2.GetServerInfoRequest(), timeout=30).info
-    return int(info.shm_slab_used_bytes)
+        return stub.GetServerInfo(tokenizer_pb2.GetServerInfoRequest(), timeout=30)
+
+
+def slab_used(address: str) -> int:
+    return int(tokenizer_info(address).info.shm_slab_used_bytes)
+
+
+def every_backend_ready(address: str) -> bool:
+    return all(b.ready for b in tokenizer_info(address).backends)
 
 
 def wait_until(check: object, timeout: float) -> bool:
@@ -440,6 +447,10 @@ def run(args: argparse.Namespace, workdir: Path, model: Path | None = None) -> t
         tok.wait_serving(TOKENIZER_SERVICE, 180)
         # Warmed up first (the slab, the grant table, the workers, both
         # groups' channels), so the start is what the end is compared with.
+        # The tokenizer serves once one group answers: a group it had not
+        # found yet would take no warm-up and start cold.
+        if not wait_until(lambda: every_backend_ready(tok.address), 60):
+            raise RuntimeError("the tokenizer did not find both scheduler groups ready within 60 s")
         asyncio.run(warm_up(tok.address))
         fds0, rss0 = footprint(tok.pid)
         ranks0 = [g.footprints() for g in groups]
