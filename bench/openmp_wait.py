@@ -1,14 +1,19 @@
-"""How the scheduler's OpenMP threads wait between parallel regions, through
-the real services.
+"""How the scheduler's OpenMP threads wait between parallel regions, and how
+many of them a step runs on, through the real services.
 
 In ONE run, for each model and concurrency, the services (TP=1) started once
 per setting, the settings interleaved over rounds:
+  spin      GOMP_SPINCOUNT=20000 (what `mmsplit` sets: ~0.2 ms of spinning
+            before a thread sleeps), every step on all threads (--tune-threads false)
+  tuned     the same spin, each step on all threads or one fewer, whichever
+            has been faster lately for its kind of step (`mmsplit`'s default)
+  1 thread  OMP_NUM_THREADS=1: no parallel regions at all
   passive   OMP_WAIT_POLICY=PASSIVE: a thread sleeps as soon as a region ends
-  spin      GOMP_SPINCOUNT=20000, what `mmsplit` sets: ~0.2 ms of spinning first
-  1 thread  OMP_NUM_THREADS=1: no regions at all
-(more with --settings "NAME=VAR=VALUE,VAR=VALUE;..."). N one-image requests
-x T greedy tokens by C concurrent clients; tokens/s, each setting's median
-over the rounds and its ratio to the first setting.
+            (`mmsplit`'s default before 2026-12-03), all threads
+(others with --settings "NAME=VAR=VALUE,--flag=VALUE,...;..."; an assignment
+starting with -- is a scheduler argument). N one-image requests x T greedy
+tokens by C concurrent clients; tokens/s, each setting's median over the
+rounds and its ratio to the first setting.
 
     python bench/openmp_wait.py [--models tiny,8x512] [--concurrency 1,32] [--n 16] [--rounds 2]
 """
@@ -29,29 +34,40 @@ from harness import build_model, run_clients, table
 from mmsplit_cli.client import make_request
 from mmsplit_cli.launch import running_pair
 
-SETTINGS = "passive=OMP_WAIT_POLICY=PASSIVE;spin=GOMP_SPINCOUNT=20000;1 thread=OMP_NUM_THREADS=1"
+SETTINGS = (
+    "spin=GOMP_SPINCOUNT=20000,--tune-threads=false;tuned=GOMP_SPINCOUNT=20000;1 thread=OMP_NUM_THREADS=1;"
+    "passive=OMP_WAIT_POLICY=PASSIVE,--tune-threads=false"
+)
 
 
-def parse(settings: str) -> dict[str, dict[str, str]]:
+def parse(settings: str) -> dict[str, tuple[dict[str, str], list[str]]]:
+    """Each setting's environment and scheduler arguments."""
     out = {}
     for item in settings.split(";"):
         name, _, assignments = item.partition("=")
-        out[name] = dict(a.split("=", 1) for a in assignments.split(",") if a)
+        pairs = [a.split("=", 1) for a in assignments.split(",") if a]
+        env = {k: v for k, v in pairs if not k.startswith("--")}
+        out[name] = (env, [part for k, v in pairs if k.startswith("--") for part in (k, v)])
     return out
 
 
 def measure(
-    model: Path, name: str, concurrency: int, settings: dict[str, dict[str, str]], args: argparse.Namespace, tmp: Path
+    model: Path,
+    name: str,
+    concurrency: int,
+    settings: dict[str, tuple[dict[str, str], list[str]]],
+    args: argparse.Namespace,
+    tmp: Path,
 ) -> dict[str, list[float]]:
     """Each setting's tokens/s in every round (the settings interleaved)."""
     items = prompts(max(args.n, concurrency))
     requests = [make_request(p.text, [p.image], max_tokens=args.tokens, min_tokens=args.tokens) for p in items]
     tps: dict[str, list[float]] = {s: [] for s in settings}
     for r in range(args.rounds):
-        for k, (setting, env) in enumerate(settings.items()):
+        for k, (setting, (env, extra)) in enumerate(settings.items()):
             logs = tmp / f"logs-{name}-{concurrency}-{r}-{k}"
             logs.mkdir()
-            with running_pair(model, logs, tp=1, env=env) as pair:
+            with running_pair(model, logs, tp=1, env=env, scheduler_extra=extra) as pair:
                 run_clients(pair.tokenizer_address, requests[:4], 4)  # warm up
                 timelines, wall = run_clients(pair.tokenizer_address, requests, concurrency)
             failed = [t.error for t in timelines if t.error]

@@ -67,6 +67,7 @@ from scheduler_svc.prefix_cache import BLOCK_TOKENS, NO_MATCH, Match, PrefixCach
 from scheduler_svc.reader import TensorReader
 from scheduler_svc.sampler import Logprob, RowSampling, Sampler, make_generator
 from scheduler_svc.shm_allreduce import Arena, SumAborted
+from scheduler_svc.threads import StepKind, StepThreads
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +141,7 @@ class Engine:
         hook: Any = None,
         prefill_chunk: int = 0,
         prefix_cache_bytes: int = 0,
+        threads: StepThreads | None = None,
     ) -> None:
         self.model = model
         # The adapter builds positions (M-RoPE); by default from the model's own config.
@@ -177,6 +179,8 @@ class Engine:
         # of them: the logits are gathered to rank 0 only (the one that
         # samples), not to every rank as the TP plan's layer would.
         self._head_shard, self._head_widths = self._sharded_head()
+        # On CPU: each step on every thread or one fewer, whichever has been faster lately.
+        self.threads = threads
         # KV of finished requests' prompts (and outputs), by blocks.
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
         self._matches: dict[str, Match] = {}  # this step's new requests: what they could take
@@ -191,12 +195,17 @@ class Engine:
     def step(self, plan: Plan) -> StepOutcome:
         # The cache's tensors are made in inference mode; every in-place
         # change to them (joins, leaves) must happen in it too.
-        with torch.inference_mode():
+        with torch.inference_mode(), self._threads(plan):
             try:
                 return self._step(plan)
             finally:
                 # The step's borrowed tensors were last used by its prefill.
                 self.reader.end_step()
+
+    def _threads(self, plan: Plan) -> contextlib.AbstractContextManager[int | None]:
+        if self.threads is None:
+            return contextlib.nullcontext()
+        return self.threads.run(StepKind.of(len(self.rows), prefill=bool(plan.new or self._chunked)))
 
     def _step(self, plan: Plan) -> StepOutcome:
         keep = set(plan.keep)

@@ -26,6 +26,7 @@ from scheduler_svc.reader import build_reader
 from scheduler_svc.rendezvous import Rendezvous
 from scheduler_svc.settings import SchedulerSettings
 from scheduler_svc.shm_allreduce import Arena
+from scheduler_svc.threads import StepThreads
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,7 @@ def bootstrap(settings: SchedulerSettings, rendezvous: Rendezvous | None, arena:
         encoder_cache_bytes=settings.encoder_cache_bytes,
         prefill_chunk=settings.max_prefill_tokens,
         prefix_cache_bytes=settings.prefix_cache_bytes,
+        threads=StepThreads(torch.get_num_threads()) if device.type == "cpu" and settings.tune_threads else None,
         hook=importlib.import_module(settings.engine_hook) if settings.engine_hook else None,
     )
     # Last, so it doubles as the barrier "every rank has everything it needs":

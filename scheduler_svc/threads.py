@@ -1,0 +1,133 @@
+"""How many threads a step runs on, on a CPU device.
+
+A rank runs its model's operators on its share of the host's cores (torch's
+intra-op threads; `ranks.bootstrap` divides them among the ranks). When the
+front end shares those cores (the tokenizer, its gRPC, the rank's own event
+loop), a step that takes every core fights it: an OpenMP team waits at each
+operator's end for its slowest thread, and that thread is the one the kernel
+just gave away, while its idle thread spins for the next operator on a core
+the tokenizer wanted. Leaving one core free can then be faster for everyone;
+for a wider model or a quieter host every core is. Which one wins depends on
+the model, the batch and the load of the moment (on this project's 2-core
+host, in service: the tiny model's 32-row decode 7.6 ms on one thread against
+10.8 on two, the 8-layer 512-wide model's the other way; bench/RESULTS.md),
+so `StepThreads` measures instead of guessing. vLLM's CPU backend reserves
+cores for its front end by a setting; this is that choice, made per step.
+
+For each kind of step (running rows by powers of two, and whether anything
+is prefilled in it) it keeps an exponential average of the step's time on
+each choice: all of the rank's threads, or one fewer. It runs each choice a
+few times, then the faster one, and every `explore_every`-th step of that
+kind the other one again, so it follows the load when it changes.
+
+The thread count only changes how operators split their work: the tokens
+are the same either way up to the order of floating-point sums inside an
+operator. The test suite's processes run on one thread, where there is no
+choice to make; tests/scheduler/test_threads.py drives the tuner itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+log = logging.getLogger(__name__)
+
+# Steps of each choice, per kind, before the tuner trusts its averages.
+WARMUP = 3
+# Every this many steps of one kind, the slower choice runs once to be re-measured.
+EXPLORE_EVERY = 32
+# Weight of the newest time in a choice's average.
+ALPHA = 0.3
+
+
+class StepKind(NamedTuple):
+    """Steps alike enough to compare: running rows (bucket k holds 2**(k-1)
+    to 2**k - 1 rows; 0 none), and whether the step prefills anything."""
+
+    rows: int
+    prefill: bool
+
+    @classmethod
+    def of(cls, rows: int, *, prefill: bool) -> StepKind:
+        return cls(rows.bit_length(), prefill)
+
+    def __str__(self) -> str:
+        rows = "no running rows" if self.rows == 0 else f"{1 << (self.rows - 1)}-{(1 << self.rows) - 1} running rows"
+        return f"steps with {rows}{' and a prefill' if self.prefill else ''}"
+
+
+@dataclass
+class _Seen:
+    """What the tuner knows about one kind of step."""
+
+    seconds: dict[int, float] = field(default_factory=dict)  # average step time by thread count
+    runs: dict[int, int] = field(default_factory=dict)
+    steps: int = 0
+    best: int | None = None  # the faster choice when last compared (for the log)
+
+
+class StepThreads:
+    def __init__(self, threads: int, *, explore_every: int = EXPLORE_EVERY, warmup: int = WARMUP) -> None:
+        self.threads = threads
+        self.choices = (threads, threads - 1) if threads > 1 else (threads,)
+        self.explore_every = explore_every
+        self.warmup = warmup
+        self._seen: dict[StepKind, _Seen] = {}
+
+    @property
+    def tuning(self) -> bool:
+        return len(self.choices) > 1
+
+    def choose(self, kind: StepKind) -> int:
+        """The thread count for the next step of this kind."""
+        if not self.tuning:
+            return self.threads
+        seen = self._seen.setdefault(kind, _Seen())
+        seen.steps += 1
+        untried = [c for c in self.choices if seen.runs.get(c, 0) < self.warmup]
+        if untried:
+            # Alternate while warming up: the choices see the same stretch of load.
+            return min(untried, key=lambda c: seen.runs.get(c, 0))
+        best, other = sorted(self.choices, key=lambda c: seen.seconds[c])
+        return other if seen.steps % self.explore_every == 0 else best
+
+    def record(self, kind: StepKind, threads: int, seconds: float) -> None:
+        if not self.tuning:
+            return
+        seen = self._seen.setdefault(kind, _Seen())
+        seen.runs[threads] = seen.runs.get(threads, 0) + 1
+        last = seen.seconds.get(threads)
+        seen.seconds[threads] = seconds if last is None else last + ALPHA * (seconds - last)
+        if any(seen.runs.get(c, 0) < self.warmup for c in self.choices):
+            return
+        best = min(self.choices, key=lambda c: seen.seconds[c])
+        if best != seen.best:
+            seen.best = best
+            times = ", ".join(f"{seen.seconds[c] * 1e3:.1f} ms on {c}" for c in self.choices)
+            log.info("%s now run on %d thread%s (lately %s)", kind, best, "" if best == 1 else "s", times)
+
+    @contextmanager
+    def run(self, kind: StepKind) -> Iterator[int]:
+        """Run the block (one step of this kind) on the chosen thread count,
+        time it, and set every thread back afterwards."""
+        chosen = self.choose(kind)
+        if chosen != self.threads:
+            torch.set_num_threads(chosen)
+        try:
+            start = time.perf_counter()
+            yield chosen
+            self.record(kind, chosen, time.perf_counter() - start)
+        finally:
+            if chosen != self.threads:
+                torch.set_num_threads(self.threads)
+
+    def summary(self) -> dict[StepKind, dict[int, float]]:
+        """Average step time (seconds) by kind of step and thread count."""
+        return {kind: dict(seen.seconds) for kind, seen in sorted(self._seen.items())}

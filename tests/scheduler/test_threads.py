@@ -1,0 +1,126 @@
+"""The step's thread count on CPU: all of a rank's threads or one fewer,
+whichever has been faster lately for steps of that kind, the other
+re-measured now and then; and an engine that switches between them makes
+the tokens of plain greedy decoding."""
+
+from __future__ import annotations
+
+import logging
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from scheduler_svc.engine import Engine
+from scheduler_svc.plan import NewRequest
+from scheduler_svc.threads import StepKind, StepThreads
+from tests.support.engine_kit import InlineReader, SoloGroup, drive, image_prompt, pixels, reference, request
+
+DECODE_32 = StepKind.of(32, prefill=False)
+
+
+def feed(tuner: StepThreads, kind: StepKind, seconds: dict[int, float], steps: int) -> list[int]:
+    """Run `steps` steps of `kind`, each taking `seconds[threads]`; the choices made."""
+    chosen = []
+    for _ in range(steps):
+        threads = tuner.choose(kind)
+        tuner.record(kind, threads, seconds[threads])
+        chosen.append(threads)
+    return chosen
+
+
+def test_one_thread_leaves_nothing_to_choose() -> None:
+    tuner = StepThreads(1)
+    assert not tuner.tuning
+    assert feed(tuner, DECODE_32, {1: 0.01}, 5) == [1] * 5
+    assert tuner.summary() == {}
+
+
+def test_each_choice_is_measured_then_the_faster_runs_and_the_other_is_remeasured() -> None:
+    tuner = StepThreads(4, explore_every=8, warmup=2)
+    assert tuner.choices == (4, 3)
+    chosen = feed(tuner, DECODE_32, {4: 0.010, 3: 0.006}, 40)
+    assert sorted(chosen[:4]) == [3, 3, 4, 4], "both choices are measured first, in turn"
+    rest = chosen[4:]
+    assert rest.count(4) == len([s for s in range(5, 41) if s % 8 == 0]), "the slower runs once every 8 steps"
+    assert set(rest) == {3, 4}
+    assert tuner.summary()[DECODE_32] == pytest.approx({4: 0.010, 3: 0.006})
+
+
+def test_it_follows_the_load_when_the_other_choice_becomes_faster(caplog: pytest.LogCaptureFixture) -> None:
+    tuner = StepThreads(2, explore_every=4, warmup=2)
+    with caplog.at_level(logging.INFO, logger="scheduler_svc.threads"):
+        feed(tuner, DECODE_32, {2: 0.004, 1: 0.008}, 12)
+        # The tokenizer gets busy: two threads now lose to one.
+        later = feed(tuner, DECODE_32, {2: 0.012, 1: 0.008}, 40)
+    # One thread from then on, but for the re-measure of two every 4th step.
+    assert later[-8:] == [1, 1, 1, 2, 1, 1, 1, 2], later
+    switches = [r.getMessage() for r in caplog.records]
+    assert switches[0].startswith("steps with 32-63 running rows now run on 2 threads")
+    assert switches[-1].startswith("steps with 32-63 running rows now run on 1 thread ")
+
+
+def test_kinds_of_step_are_tuned_apart() -> None:
+    tuner = StepThreads(2, explore_every=1000, warmup=1)
+    prefill = StepKind.of(5, prefill=True)
+    feed(tuner, DECODE_32, {2: 0.010, 1: 0.005}, 10)
+    feed(tuner, prefill, {2: 0.020, 1: 0.040}, 10)
+    assert tuner.choose(DECODE_32) == 1
+    assert tuner.choose(prefill) == 2
+    assert str(prefill) == "steps with 4-7 running rows and a prefill"
+    assert str(StepKind.of(0, prefill=False)) == "steps with no running rows"
+
+
+def test_the_step_runs_on_its_choice_and_every_thread_comes_back_even_when_it_raises() -> None:
+    before = torch.get_num_threads()
+    tuner = StepThreads(before + 1, explore_every=1000, warmup=1)
+    seen = []
+    try:
+        torch.set_num_threads(tuner.threads)
+        for _ in range(2):
+            with tuner.run(DECODE_32) as chosen:
+                seen.append((chosen, torch.get_num_threads()))
+            assert torch.get_num_threads() == tuner.threads
+        assert sorted(seen) == [(before, before), (before + 1, before + 1)]
+        with pytest.raises(RuntimeError), tuner.run(DECODE_32) as chosen:
+            raise RuntimeError("the forward failed")
+        assert torch.get_num_threads() == tuner.threads
+    finally:
+        torch.set_num_threads(before)
+    assert sum(tuner._seen[DECODE_32].runs.values()) == 2, "a step that raised is not timed"
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model: Path) -> torch.nn.Module:
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText.from_pretrained(tiny_model, dtype=torch.float32).eval()
+
+
+def test_an_engine_switching_thread_counts_makes_greedy_decodings_tokens(model: torch.nn.Module) -> None:
+    """Every other step on two threads, the rest on one (the test's
+    processes run on one): continuous batching with images still equals
+    plain greedy decoding, and the thread count is back afterwards."""
+    before = torch.get_num_threads()
+    tuner = StepThreads(2, explore_every=2, warmup=1)
+    eos = int(model.config.text_config.eos_token_id)
+    engine = Engine(model, SoloGroup(), InlineReader(), torch.device("cpu"), eos_token_ids=frozenset([eos]),
+                    token_chunk=32, threads=tuner)  # fmt: skip
+    rng = random.Random(11)
+    arrivals: dict[int, list[NewRequest]] = {}
+    requests = []
+    for i in range(8):
+        ids = image_prompt(model, i % 2, [rng.randrange(100, 30000) for _ in range(rng.randrange(1, 20))])
+        req = request(f"t{i}", ids, [pixels(40 + i)] * (i % 2), max_tokens=rng.randrange(4, 12))
+        requests.append(req)
+        arrivals.setdefault(rng.randrange(0, 6), []).append(req)
+    try:
+        torch.set_num_threads(2)
+        results = drive(engine, arrivals, eos)
+    finally:
+        torch.set_num_threads(before)
+    assert results == {req.request_id: reference(model, req) for req in requests}
+    decode_steps = {kind: seen for kind, seen in tuner.summary().items() if not kind.prefill and kind.rows}
+    assert any(set(seen) == {1, 2} for seen in decode_steps.values()), tuner.summary()
+    assert any(kind.prefill for kind in tuner.summary())
