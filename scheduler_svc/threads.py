@@ -17,8 +17,9 @@ cores for its front end by a setting; this is that choice, made per step.
 For each kind of step (running rows by powers of two, and whether anything
 is prefilled in it) it keeps an exponential average of the step's time on
 each choice: all of the rank's threads, or one fewer. It runs each choice a
-few times, then the faster one, and every `explore_every`-th step of that
-kind the other one again, so it follows the load when it changes.
+few times, then the faster one, and now and then the other one again (every
+`explore_every`-th step of that kind, more rarely the further behind it is),
+so it follows the load when it changes.
 
 The thread count only changes how operators split their work: the tokens
 are the same either way up to the order of floating-point sums inside an
@@ -41,8 +42,13 @@ log = logging.getLogger(__name__)
 
 # Steps of each choice, per kind, before the tuner trusts its averages.
 WARMUP = 3
-# Every this many steps of one kind, the slower choice runs once to be re-measured.
+# Every this many steps of one kind, the slower choice runs once to be
+# re-measured; more rarely the further behind it is: a choice slower by a
+# fraction g is re-run every EXPLORE_EVERY * max(1, g / EXPLORE_COST) steps,
+# so re-measuring costs at most EXPLORE_COST / EXPLORE_EVERY (~0.3 %) of
+# the steps' time, and a near tie is re-checked most often.
 EXPLORE_EVERY = 32
+EXPLORE_COST = 0.1
 # Weight of the newest time in a choice's average.
 ALPHA = 0.3
 
@@ -96,7 +102,9 @@ class StepThreads:
             # Alternate while warming up: the choices see the same stretch of load.
             return min(untried, key=lambda c: seen.runs.get(c, 0))
         best, other = sorted(self.choices, key=lambda c: seen.seconds[c])
-        return other if seen.steps % self.explore_every == 0 else best
+        behind = seen.seconds[other] / max(seen.seconds[best], 1e-9) - 1
+        every = self.explore_every * max(1, int(behind / EXPLORE_COST))
+        return other if seen.steps % every == 0 else best
 
     def record(self, kind: StepKind, threads: int, seconds: float) -> None:
         if not self.tuning:
