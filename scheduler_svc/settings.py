@@ -138,8 +138,8 @@ class SchedulerSettings(ServiceSettings):
     tune_threads: bool = _opt(
         True,
         "on a CPU device, run each step on all of a rank's threads or on one fewer, whichever has been faster "
-        "lately for steps of its kind (batch size, prefill or not; the other re-measured now and then): on a "
-        "host whose cores the tokenizer shares, leaving it one can be faster",
+        "lately for decode steps of its batch size (the other re-measured now and then; a step that prefills "
+        "follows their verdict): on a host whose cores the tokenizer shares, leaving it one can be faster",
     )
     max_message_bytes: int = _opt(256 * 1024 * 1024, "largest gRPC message, bytes", min=1024)
     stats_interval_s: float = _opt(10.0, "how often the step loop logs its statistics", min=0.01)

@@ -14,12 +14,16 @@ host, in service: the tiny model's 32-row decode 7.6 ms on one thread against
 so `StepThreads` measures instead of guessing. vLLM's CPU backend reserves
 cores for its front end by a setting; this is that choice, made per step.
 
-For each kind of step (running rows by powers of two, and whether anything
-is prefilled in it) it keeps an exponential average of the step's time on
-each choice: all of the rank's threads, or one fewer. It runs each choice a
-few times, then the faster one, and now and then the other one again (every
-`explore_every`-th step of that kind, more rarely the further behind it is),
-so it follows the load when it changes.
+For each kind of decode step (running rows by powers of two) it keeps an
+exponential average of the step's time on each choice: all of the rank's
+threads, or one fewer. It runs each choice a few times, then the faster one,
+and now and then the other one again (every `explore_every`-th step of that
+kind, more rarely the further behind it is), so it follows the load when it
+changes. A step that prefills is never an experiment (trying the wrong
+choice there costs a whole prefill: 8x512 at 32 concurrent lost 14 % of its
+tokens/s to it in a short-lived service): it runs on the verdict of the
+decode steps with as many running rows, else on the latest verdict, else
+on every thread.
 
 The thread count only changes how operators split their work: the tokens
 are the same either way up to the order of floating-point sums inside an
@@ -86,6 +90,7 @@ class StepThreads:
         self.explore_every = explore_every
         self.warmup = warmup
         self._seen: dict[StepKind, _Seen] = {}
+        self._latest = threads  # the latest verdict, for steps of a kind with none yet
 
     @property
     def tuning(self) -> bool:
@@ -95,6 +100,9 @@ class StepThreads:
         """The thread count for the next step of this kind."""
         if not self.tuning:
             return self.threads
+        if kind.prefill:
+            decoding = self._seen.get(StepKind(kind.rows, False))
+            return decoding.best if decoding is not None and decoding.best is not None else self._latest
         seen = self._seen.setdefault(kind, _Seen())
         seen.steps += 1
         untried = [c for c in self.choices if seen.runs.get(c, 0) < self.warmup]
@@ -107,7 +115,7 @@ class StepThreads:
         return other if seen.steps % every == 0 else best
 
     def record(self, kind: StepKind, threads: int, seconds: float) -> None:
-        if not self.tuning:
+        if not self.tuning or kind.prefill:
             return
         seen = self._seen.setdefault(kind, _Seen())
         seen.runs[threads] = seen.runs.get(threads, 0) + 1
@@ -117,7 +125,7 @@ class StepThreads:
             return
         best = min(self.choices, key=lambda c: seen.seconds[c])
         if best != seen.best:
-            seen.best = best
+            seen.best = self._latest = best
             times = ", ".join(f"{seen.seconds[c] * 1e3:.1f} ms on {c}" for c in self.choices)
             log.info("%s now run on %d thread%s (lately %s)", kind, best, "" if best == 1 else "s", times)
 
@@ -137,5 +145,5 @@ class StepThreads:
                 torch.set_num_threads(self.threads)
 
     def summary(self) -> dict[StepKind, dict[int, float]]:
-        """Average step time (seconds) by kind of step and thread count."""
+        """Average step time (seconds) by kind of decode step and thread count."""
         return {kind: dict(seen.seconds) for kind, seen in sorted(self._seen.items())}

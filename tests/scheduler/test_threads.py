@@ -70,14 +70,22 @@ def test_it_follows_the_load_when_the_other_choice_becomes_faster(caplog: pytest
     assert switches[-1].startswith("steps with 32-63 running rows now run on 1 thread ")
 
 
-def test_kinds_of_step_are_tuned_apart() -> None:
+def test_decode_kinds_are_tuned_apart_and_a_prefill_step_follows_their_verdict() -> None:
     tuner = StepThreads(2, explore_every=1000, warmup=1)
-    prefill = StepKind.of(5, prefill=True)
+    decode_4 = StepKind.of(5, prefill=False)
+    prefill_32, prefill_4, prefill_8 = (StepKind.of(n, prefill=True) for n in (32, 5, 9))
+    assert tuner.choose(prefill_32) == 2, "no verdict yet: every thread"
     feed(tuner, DECODE_32, {2: 0.010, 1: 0.005}, 10)
-    feed(tuner, prefill, {2: 0.020, 1: 0.040}, 10)
-    assert tuner.choose(DECODE_32) == 1
-    assert tuner.choose(prefill) == 2
-    assert str(prefill) == "steps with 4-7 running rows and a prefill"
+    feed(tuner, decode_4, {2: 0.002, 1: 0.004}, 10)
+    assert (tuner.choose(DECODE_32), tuner.choose(decode_4)) == (1, 2)
+    assert tuner.choose(prefill_32) == 1
+    assert tuner.choose(prefill_4) == 2
+    assert tuner.choose(prefill_8) == 2, "no decode verdict for 8-15 rows: the latest one"
+    # A prefill step is never an experiment, and its time teaches nothing.
+    assert [tuner.choose(prefill_32) for _ in range(50)] == [1] * 50
+    tuner.record(prefill_32, 2, 0.001)
+    assert set(tuner.summary()) == {DECODE_32, decode_4}
+    assert str(prefill_4) == "steps with 4-7 running rows and a prefill"
     assert str(StepKind.of(0, prefill=False)) == "steps with no running rows"
 
 
@@ -132,4 +140,3 @@ def test_an_engine_switching_thread_counts_makes_greedy_decodings_tokens(model: 
     assert results == {req.request_id: reference(model, req) for req in requests}
     decode_steps = {kind: seen for kind, seen in tuner.summary().items() if not kind.prefill and kind.rows}
     assert any(set(seen) == {1, 2} for seen in decode_steps.values()), tuner.summary()
-    assert any(kind.prefill for kind in tuner.summary())
