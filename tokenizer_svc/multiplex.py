@@ -111,8 +111,12 @@ class _Call:
                 queue.put_nowait(self.ended)
             else:
                 self._outgoing.put_nowait(scheduler_pb2.GenerateStreamRequest(generate=request))
+            held: _Item | None = None  # taken from the queue, not yet handled
             while True:
-                event = queue.get_nowait() if not queue.empty() else await queue.get()
+                if held is not None:
+                    event, held = held, None
+                else:
+                    event = queue.get_nowait() if not queue.empty() else await queue.get()
                 if isinstance(event, _Deadline):
                     raise RemoteError(E.ERROR_CODE_DEADLINE_EXCEEDED, "Deadline Exceeded")
                 if isinstance(event, BaseException):
@@ -120,7 +124,18 @@ class _Call:
                     raise event
                 kind = event.WhichOneof("event")
                 if kind == "tokens":
-                    yield scheduler_pb2.GenerateResponse(tokens=event.tokens)
+                    response = scheduler_pb2.GenerateResponse(tokens=event.tokens)
+                    # Tokens that queued up while the request's last ones
+                    # were relayed go on together: fewer messages, and one
+                    # decode, for a request that fell behind.
+                    while held is None and not queue.empty():
+                        after = queue.get_nowait()
+                        if isinstance(after, scheduler_pb2.RequestEvent) and after.WhichOneof("event") == "tokens":
+                            response.tokens.token_ids.extend(after.tokens.token_ids)
+                            response.tokens.logprobs.extend(after.tokens.logprobs)
+                        else:
+                            held = after  # the next to handle
+                    yield response
                 elif kind == "accepted":
                     yield scheduler_pb2.GenerateResponse(accepted=event.accepted)
                 elif kind == "finished":

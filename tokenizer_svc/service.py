@@ -168,8 +168,19 @@ class TokenizerService:
         task.add_done_callback(lambda _: queue.put_nowait(None))
         self.tasks.add(task)
         try:
-            while (item := await queue.get()) is not None:
-                yield item
+            ended = False
+            while not ended:
+                # What queued up while the last response was being written
+                # goes out joined: a client that fell behind catches up a
+                # message at a time, not a token at a time.
+                items = [await queue.get()]
+                while not queue.empty():
+                    items.append(queue.get_nowait())
+                for item in joined_deltas(items):
+                    if item is None:
+                        ended = True
+                        break
+                    yield item
             if task.cancelled():
                 raise ShuttingDown("the tokenizer shut down while this request ran")
             task.result()  # the request's error, if it failed
@@ -779,6 +790,31 @@ class Prepared:
         for piece, claim in self.claims:
             if not files.is_slab(piece.segment):
                 claim.release()
+
+
+def joined_deltas(
+    items: list[tokenizer_pb2.GenerateResponse | None],
+) -> list[tokenizer_pb2.GenerateResponse | None]:
+    """`items` with each run of consecutive deltas of the same choice joined
+    into the first of them (text, token ids and logprobs in order): the
+    client reads the same text and tokens in fewer messages."""
+    out: list[tokenizer_pb2.GenerateResponse | None] = []
+    last: tokenizer_pb2.GenerateResponse | None = None
+    for item in items:
+        if (
+            item is not None
+            and last is not None
+            and item.HasField("delta")
+            and last.HasField("delta")
+            and item.index == last.index
+        ):
+            last.delta.text += item.delta.text
+            last.delta.token_ids.extend(item.delta.token_ids)
+            last.delta.logprobs.extend(item.delta.logprobs)
+            continue
+        out.append(item)
+        last = item
+    return out
 
 
 def _release(prepared: list[Prepared]) -> None:
