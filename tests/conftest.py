@@ -57,18 +57,34 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 # The files that take longest, first: the suite runs a file to a worker
-# (`-n 3 --dist loadfile`), in collection order, and a long file taken last
-# would keep one worker busy while the other has nothing left.
+# (`-n 3 --dist loadfile --no-loadscope-reorder`: without that option xdist
+# orders files by their number of tests, which sent these, few and long,
+# last), in collection order, and a long file taken last keeps one worker
+# busy while the others have nothing left. Longest first by their total
+# time in a run of the whole suite (2026-12-03: the forkserver's 160 s ...
+# the connection-age test's 10 s).
 SLOW_FILES = (
-    "e2e/test_chaos.py",
-    "e2e/test_families.py",
-    "e2e/test_lifecycle.py",
+    "tokenizer/test_forkserver.py",
     "test_bench.py",
+    "test_packaging.py",
+    "e2e/test_chaos.py",
+    "e2e/test_keepalive.py",
     "e2e/test_pool.py",
+    "e2e/test_families.py",
+    "e2e/test_serve.py",
+    "e2e/test_security.py",
+    "e2e/test_lifecycle.py",
+    "e2e/test_inline.py",
+    "e2e/test_multipod.py",
+    "scheduler/test_shm_allreduce.py",
+    "e2e/test_ownership.py",
+    "e2e/test_scheduler_direct.py",
+    "e2e/test_replicas.py",
+    "tokenizer/test_pool_queue.py",
+    "e2e/test_slab.py",
+    "shared/test_fd_limit.py",
     "e2e/test_engine.py",
     "e2e/test_ctrl_c.py",
-    "e2e/test_slab.py",
-    "e2e/test_ownership.py",
     "e2e/test_connection_age.py",
 )
 
