@@ -110,6 +110,18 @@ EXITS_NOW = textwrap.dedent(
 )
 
 
+def light(script: str) -> str:
+    """`script` with a forkserver that preloads numpy and its own module
+    only: what these tests check (the exit hook, the fallback, the
+    directories) does not depend on what the forkserver imports, and
+    transformers and torch cost ~5-8 s of CPU per interpreter here. The
+    real preload is kept by the tokenizer's way, exiting (a thread that
+    an import started would show there as a forkserver started anew)."""
+    marker = "from tokenizer_svc import forkserver\n"
+    assert marker in script
+    return script.replace(marker, marker + "forkserver.PRELOAD[:] = ['numpy', 'tokenizer_svc.forkserver']\n")
+
+
 def gone(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
@@ -120,7 +132,7 @@ def gone(pid: int) -> bool:
 def test_only_the_forkserver_leaves_without_teardown_and_it_does_leave() -> None:
     assert not forkserver.LEAVES_AT_ONCE, "a process that imports the module must exit as usual"
     done = subprocess.run(
-        [sys.executable, "-c", SCRIPT], cwd=ROOT, capture_output=True, text=True, timeout=120, check=False
+        [sys.executable, "-c", light(SCRIPT)], cwd=ROOT, capture_output=True, text=True, timeout=120, check=False
     )
     assert done.returncode == 0, done.stderr
     in_worker, in_parent, server = done.stdout.split()
@@ -135,7 +147,12 @@ def test_the_tokenizer_s_fork_of_itself_serves_workers_and_leaves_with_it(end: s
     takes its socket's directory with it."""
     env = {**os.environ, "TMPDIR": str(tmp_path)}
     with subprocess.Popen(
-        [sys.executable, "-c", FORKED], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+        [sys.executable, "-c", FORKED if end == "exits" else light(FORKED)],
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
     ) as script:
         assert script.stdout is not None
         assert script.stdin is not None
@@ -167,7 +184,13 @@ def test_the_tokenizer_s_fork_of_itself_serves_workers_and_leaves_with_it(end: s
 def test_a_service_that_exits_now_leaves_no_multiprocessing_directory(tmp_path: Path) -> None:
     env = {**os.environ, "TMPDIR": str(tmp_path)}
     done = subprocess.run(
-        [sys.executable, "-c", EXITS_NOW], cwd=ROOT, capture_output=True, text=True, timeout=120, check=False, env=env
+        [sys.executable, "-c", light(EXITS_NOW)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env=env,
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["True"], "a fork's exit removed its parent's directory"
@@ -176,7 +199,7 @@ def test_a_service_that_exits_now_leaves_no_multiprocessing_directory(tmp_path: 
 
 def test_a_tokenizer_that_cannot_fork_starts_its_forkserver_as_a_new_process() -> None:
     done = subprocess.run(
-        [sys.executable, "-c", UNFORKABLE], cwd=ROOT, capture_output=True, text=True, timeout=120, check=False
+        [sys.executable, "-c", light(UNFORKABLE)], cwd=ROOT, capture_output=True, text=True, timeout=120, check=False
     )
     assert done.returncode == 0, done.stderr
     in_worker, command = done.stdout.split(" ", 1)
