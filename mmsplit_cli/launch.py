@@ -28,19 +28,21 @@ SCHEDULER_SERVICE = "mmsplit.scheduler.v1.SchedulerService"
 TOKENIZER_SERVICE = "mmsplit.tokenizer.v1.TokenizerService"
 _LISTENING = re.compile(r"listening on (\S+):(\d+)")
 
-# How a service without a wrapper is started: (arguments after `mmsplit`,
-# the full environment, whether in a session and process group of its own)
-# -> a process object with Popen's pid, stderr (text), poll, wait,
-# send_signal and kill. None: `subprocess.Popen` of a new interpreter. The
+# How a service is started: (arguments after `mmsplit`, the full
+# environment, whether in a session and process group of its own, the
+# wrapper command it runs under, or []) -> a process object with Popen's
+# pid, stderr (text), poll, wait, send_signal and kill, or None where the
+# launcher cannot start it (that wrapper is not one it knows). None, or no
+# launcher: `subprocess.Popen` of a new interpreter under the wrapper. The
 # test suite sets a launcher that forks services from a process that has
-# already imported torch and transformers
-# (tests/support/zygote.py), so a start costs the service's own work only.
-Launcher = Callable[[Sequence[str], dict[str, str], bool], Any]
+# already imported torch and transformers (tests/support/zygote.py), so a
+# start costs the service's own work only.
+Launcher = Callable[[Sequence[str], dict[str, str], bool, Sequence[str]], Any]
 _launcher: Launcher | None = None
 
 
 def set_launcher(launcher: Launcher | None) -> Launcher | None:
-    """Use `launcher` for services started without a wrapper; returns the previous one."""
+    """Use `launcher` to start services; returns the previous one."""
     global _launcher
     previous, _launcher = _launcher, launcher
     return previous
@@ -78,10 +80,8 @@ class ServiceProcess:
         self._terminated = False
         self._log = open(log_path, "w")  # noqa: SIM115 (closed by the reader thread)
         full_env = {**os.environ, **(env or {})}
-        self.proc: Any
-        if _launcher is not None and not wrapper:
-            self.proc = _launcher(list(args), full_env, new_group)
-        else:
+        self.proc: Any = _launcher(list(args), full_env, new_group, list(wrapper)) if _launcher else None
+        if self.proc is None:
             self.proc = subprocess.Popen(
                 [*wrapper, sys.executable, "-m", "mmsplit_cli", *args],
                 stdout=subprocess.DEVNULL,

@@ -3,14 +3,17 @@ of `python -m mmsplit_cli` would, for what `ServiceProcess` uses of it."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
+from tests.support import limits, wrapped
 from tests.support.services import ENV, SERVICE_TMP
 from tests.support.zygote import Zygote
 
@@ -24,8 +27,6 @@ def zygote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Zygote]:
 
 
 def _env(**extra: str) -> dict[str, str]:
-    import os
-
     return {**os.environ, **ENV, **extra}
 
 
@@ -57,3 +58,44 @@ def test_a_signalled_service_reports_the_signal_and_wait_times_out_first(zygote:
     assert proc.wait(60) == -signal.SIGKILL
     proc.stderr.close()
     proc.kill()  # after the exit: nothing, and never another process
+
+
+def test_the_tests_wrappers_read_as_steps_and_any_other_is_left_to_run() -> None:
+    python_m = [sys.executable, "-m"]
+    pod = ["ip", "netns", "exec", "mms-pod", *python_m, "tests.support.mountns", "64m"]
+    assert wrapped.steps(pod) == [["netns", "mms-pod"], ["mountns", "64m"]]
+    assert wrapped.steps([*limits.started_low(), *python_m, "tests.support.pidns"]) == [
+        ["nofile", limits.started_low()[1].removeprefix("--nofile=")],
+        ["pidns"],
+    ]
+    assert wrapped.steps([]) == []
+    for other in (["strace", "-f"], ["ip", "netns", "exec"], [*python_m, "tests.support.other"], ["prlimit", "-n1"]):
+        assert wrapped.steps(other) is None, other
+
+
+def test_a_service_forked_under_wrappers_has_their_namespaces_and_limit(zygote: Zygote, tiny_model: Path) -> None:
+    """pidns + the low open-file limit + a /dev/shm of its own, as steps in
+    the fork: the zygote's child stays behind as the pid namespace's
+    launcher, the service is PID 1 there and raised its limit itself."""
+    python_m = [sys.executable, "-m"]
+    steps = wrapped.steps(
+        [*python_m, "tests.support.pidns", *limits.started_low(), *python_m, "tests.support.mountns", "64m"]
+    )
+    assert steps is not None
+    args = ["tokenizer", "--model", str(tiny_model), "--scheduler", "127.0.0.1:9", "--port", "0", "--http-port", "0"]
+    proc = zygote.start(args, _env(TMPDIR=str(SERVICE_TMP)), steps=steps)
+    try:
+        # Listening: its SIGTERM handler is in place (PID 1 ignores the signal before).
+        assert any("listening on" in line for line in proc.stderr), "the service ended before listening"
+        launcher = psutil.Process(proc.pid)
+        (service,) = launcher.children()
+        assert os.readlink(f"/proc/{service.pid}/ns/pid") != os.readlink("/proc/self/ns/pid")
+        assert Path(f"/proc/{service.pid}/root/dev/shm").stat().st_dev != Path("/dev/shm").stat().st_dev
+        assert service.rlimit(psutil.RLIMIT_NOFILE) == (limits.RAISED, limits.HARD)
+        proc.terminate()  # forwarded by the launcher: the service stops itself
+        assert proc.wait(60) == 0
+        assert not service.is_running()
+    finally:
+        proc.kill()
+        proc.wait(60)
+        proc.stderr.close()

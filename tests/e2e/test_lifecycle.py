@@ -26,7 +26,14 @@ from tests.e2e.helpers import health_status, rank_processes
 from tests.support import limits
 from tests.support.leaks import project_segments, wait_until
 from tests.support.local_token import scheduler_channel
-from tests.support.services import ENV, SCHEDULER_SERVICE, TOKENIZER_SERVICE, running_pair, start_scheduler
+from tests.support.services import (
+    ENV,
+    SCHEDULER_SERVICE,
+    TOKENIZER_SERVICE,
+    new_interpreters,
+    running_pair,
+    start_scheduler,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -220,7 +227,8 @@ def test_ranks_leave_with_rank_0_killed_as_the_group_forms(tiny_model: Path, tmp
     A rank 0 SIGKILLed meanwhile takes them with it at once, not after their
     rendezvous times out."""
     args = scheduler_args(tiny_model, tp=2, extra=["--startup-timeout-s", "300"])
-    proc = ServiceProcess("scheduler", args, tmp_path / "scheduler.log", env=ENV, wrapper=limits.started_low())
+    with new_interpreters():  # a zygote fork has imported torch already
+        proc = ServiceProcess("scheduler", args, tmp_path / "scheduler.log", env=ENV, wrapper=limits.started_low())
     try:
         assert wait_until(lambda: "started ranks 1..1" in proc.log_path.read_text(), timeout=60)
         # The rank names itself a moment after its fork, which rank 0 logs.

@@ -6,7 +6,8 @@ The namespace's mounts are made private (nothing propagates back), a fresh
 tmpfs of SIZE (e.g. ``64m``, Kubernetes' default for /dev/shm) is mounted on
 /dev/shm, and the command is exec'd in place of this process (same pid), so a
 test stops it like any service process and can look at its /dev/shm through
-``/proc/<pid>/root/dev/shm``. The namespace goes with its last process.
+``/proc/<pid>/root/dev/shm``. The namespace goes with its last process. The suite's zygote calls
+`own_dev_shm` itself for a service it forks under this wrapper.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ MS_REC = 0x4000
 MS_PRIVATE = 1 << 18
 
 
-def main() -> None:
-    size, command = sys.argv[1], sys.argv[2:]
+def own_dev_shm(size: str) -> None:
+    """Move this process into a new mount namespace with a /dev/shm of its
+    own of `size` (raises SystemExit with the reason where it cannot)."""
     libc = ctypes.CDLL(None, use_errno=True)
 
     def check(result: int, what: str) -> None:
@@ -31,6 +33,11 @@ def main() -> None:
     check(libc.unshare(CLONE_NEWNS), "unshare(CLONE_NEWNS)")
     check(libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None), "making / private")
     check(libc.mount(b"tmpfs", b"/dev/shm", b"tmpfs", 0, f"size={size},mode=1777".encode()), "mounting /dev/shm")
+
+
+def main() -> None:
+    size, command = sys.argv[1], sys.argv[2:]
+    own_dev_shm(size)
     os.execvp(command[0], command)
 
 

@@ -4,11 +4,16 @@ bind "somewhere else" while every packet stays inside the namespace."""
 
 from __future__ import annotations
 
+import ctypes
+import os
 import secrets
 import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+
+CLONE_NEWNET = 0x40000000
+NETNS_DIR = "/var/run/netns"  # where `ip netns add` binds a namespace's name
 
 
 @dataclass(frozen=True)
@@ -20,6 +25,19 @@ class NetNs:
     def wrapper(self) -> list[str]:
         """Prefix that runs a command inside the namespace."""
         return ["ip", "netns", "exec", self.name]
+
+
+def join(name: str) -> None:
+    """Move this process into the network namespace `name`: what `ip netns
+    exec` does for the network (the suite's zygote calls it for a service it
+    forks under `NetNs.wrapper`)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"{NETNS_DIR}/{name}", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            raise SystemExit(f"setns({name}) failed: {os.strerror(ctypes.get_errno())}")
+    finally:
+        os.close(fd)
 
 
 def _ip(*args: str) -> None:

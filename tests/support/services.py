@@ -1,10 +1,13 @@
 """Service pairs for tests: `mmsplit_cli.launch` with the repository on
 PYTHONPATH, so the services can import the test hooks in `tests.support`.
 
-Services started without a wrapper are forked by a preloaded zygote
-(`tests/support/zygote.py`, started on first use, one per test process):
-`install_launcher` sets it up for the session. MMSPLIT_TEST_ZYGOTE=0 starts
-every service as a new interpreter instead (slower; what production does).
+Services are forked by a preloaded zygote (`tests/support/zygote.py`,
+started on first use, one per test process), under a wrapper too where it
+is one of those `tests/support/wrapped.py` knows (namespaces, the open-file
+limit): `installed_launcher` sets it up for the session. Within
+`new_interpreters()` a test starts its services as new interpreters, for
+what depends on the real start-up (its imports' timing); so does every
+test with MMSPLIT_TEST_ZYGOTE=0 (slower; what production does).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from mmsplit_cli.launch import (
 from mmsplit_cli.launch import (
     running_pair as _running_pair,
 )
+from tests.support import wrapped
 from tests.support.leaks import SERVICE_TMP
 from tests.support.zygote import ForkedProcess, Zygote
 
@@ -46,12 +50,18 @@ class LazyZygote:
     def __init__(self) -> None:
         self._zygote: Zygote | None = None
         self._workdir: str | None = None
+        self.fresh = False  # `new_interpreters`
 
-    def __call__(self, argv: Sequence[str], env: dict[str, str], new_session: bool) -> ForkedProcess:
+    def __call__(
+        self, argv: Sequence[str], env: dict[str, str], new_session: bool, wrapper: Sequence[str]
+    ) -> ForkedProcess | None:
+        steps = wrapped.steps(wrapper)
+        if steps is None or self.fresh:
+            return None  # a new interpreter, under the wrapper
         if self._zygote is None:
             self._workdir = tempfile.mkdtemp(prefix="mmsplit-zygote-")
             self._zygote = Zygote(Path(self._workdir), ENV)
-        return self._zygote.start(argv, env, new_session)
+        return self._zygote.start(argv, env, new_session, steps)
 
     @property
     def pid(self) -> int | None:
@@ -75,8 +85,18 @@ def zygote_pid() -> int | None:
 
 
 @contextmanager
+def new_interpreters() -> Iterator[None]:
+    """Services started within are new interpreters, not zygote forks."""
+    _zygote.fresh = True
+    try:
+        yield
+    finally:
+        _zygote.fresh = False
+
+
+@contextmanager
 def installed_launcher() -> Iterator[None]:
-    """For the session: services without a wrapper come from the zygote."""
+    """For the session: services come from the zygote."""
     if os.environ.get("MMSPLIT_TEST_ZYGOTE", "1") == "0":
         yield
         return

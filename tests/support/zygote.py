@@ -8,10 +8,13 @@ environment, working directory and arguments as `subprocess.Popen` would,
 then runs `mmsplit_cli.main.main` exactly as `python -m mmsplit_cli` does.
 What the services themselves do at start (load the model, fork ranks and
 forkservers, bind, serve) is unchanged; only the interpreter's imports are
-skipped. The production services are never started this way: the demo, the
-benchmarks, `mmsplit serve` and the tests that run a service under a
-wrapper (namespaces, rlimits) or check the real start-up still exec a new
-interpreter (`mmsplit_cli.launch`).
+skipped. A service under a wrapper the tests build (namespaces, the
+open-file limit) is forked too: the child takes the wrapper's steps first
+(`tests/support/wrapped.py`: the same system calls the wrapper would make
+before its exec). The production services are never started this way: the
+demo, the benchmarks, `mmsplit serve`, the tests that check the real
+start-up (`tests.support.services.new_interpreters`) and a service under
+any other wrapper still exec a new interpreter (`mmsplit_cli.launch`).
 
 Why a fork of an importing process is safe here: the zygote runs no thread
 (it checks) and no torch computation before it forks, which is the same
@@ -21,7 +24,7 @@ condition the services already rely on when they fork their ranks
 
 Protocol, over a Unix SOCK_SEQPACKET socket (message boundaries kept, file
 descriptors passed with SCM_RIGHTS): one connection per service. The client
-sends one JSON message {"argv", "env", "cwd"} with the write end of its
+sends one JSON message {"argv", "env", "cwd", "new_session", "steps"} with the write end of its
 standard-error pipe attached; the zygote answers {"pid": N} once forked,
 and {"returncode": R} (Popen's convention: -signal if killed) once the
 child has ended and been reaped, then closes the connection. The zygote
@@ -203,6 +206,10 @@ def _become_service(request: dict, stderr_fd: int, close: Sequence[int]) -> None
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
         tempfile.tempdir = None  # read TMPDIR again
+        if request.get("steps"):
+            from tests.support import wrapped
+
+            wrapped.take(request["steps"])  # the wrapper's limits and namespaces
         sys.argv = ["mmsplit", *request["argv"]]
         from mmsplit_cli.main import main
 
@@ -250,8 +257,10 @@ class Zygote:
     def pid(self) -> int:
         return self.proc.pid
 
-    def start(self, argv: Sequence[str], env: dict[str, str], new_session: bool = False) -> ForkedProcess:
-        return ForkedProcess(self.address, list(argv), env, new_session)
+    def start(
+        self, argv: Sequence[str], env: dict[str, str], new_session: bool = False, steps: Sequence[Sequence[str]] = ()
+    ) -> ForkedProcess:
+        return ForkedProcess(self.address, list(argv), env, new_session, steps)
 
     def close(self) -> None:
         """Stop it (it kills anything it started that still runs)."""
@@ -270,12 +279,20 @@ class ForkedProcess:
     (pid, stderr as text lines, poll, wait, send_signal, kill,
     returncode), for a service the zygote forked."""
 
-    def __init__(self, address: str, argv: list[str], env: dict[str, str], new_session: bool = False) -> None:
+    def __init__(
+        self,
+        address: str,
+        argv: list[str],
+        env: dict[str, str],
+        new_session: bool = False,
+        steps: Sequence[Sequence[str]] = (),
+    ) -> None:
         self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._conn.connect(address)
         read_end, write_end = os.pipe()
         try:
-            message = json.dumps({"argv": argv, "env": env, "cwd": os.getcwd(), "new_session": new_session}).encode()
+            request = {"argv": argv, "env": env, "cwd": os.getcwd(), "new_session": new_session, "steps": steps}
+            message = json.dumps(request).encode()
             self._conn.sendmsg([message], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [write_end]))])
         finally:
             os.close(write_end)
