@@ -32,9 +32,9 @@ against its placeholder count) and its positions — is made per request and,
 under TP, agreed on in one more gather, so a request that fails there (on
 any rank) fails alone and every rank drops it before the forward. A prefill
 forward that raises is undone and each joiner tried alone; under TP the
-ranks agree on each prefill forward first (`Engine._agreed_forward`). A
-decode forward that raises at TP=1 fails the running rows (typed) and the
-group goes on; under TP it ends the group. What can only fail on rank 0
+ranks agree on each prefill forward, and on each chunk of a long prompt,
+first (`Engine._agreed_on`). A decode forward that raises at TP=1 fails the
+running rows (typed) and the group goes on; under TP it ends the group. What can only fail on rank 0
 (sampling, non-finite logits of one row) fails that request alone: it is
 reported in
 `StepOutcome.rejected` and the loop drops it on every rank in the next plan.
@@ -484,35 +484,45 @@ class Engine:
         first = self.cache.rows
         code, message = 0, ""
         hidden: torch.Tensor | None = None
+        logits: torch.Tensor | None = None
         try:
             hidden = self._forward(joiners)
             if self.coll.world_size == 1:
-                return self._head(hidden), None  # under TP the head has a collective: after the agreement
+                logits = self._head(hidden)  # under TP the head has a collective: after the agreement
         except SumAborted:
             pass  # the rank that failed says why
         except Exception as exc:
-            if self._arena is not None:
-                self._arena.abort()
             if len(joiners) == 1:
                 code, message = self._failed_on(joiners[0].request, exc, what)
             else:  # each is tried alone next
                 log.warning("rank %d: %s of %d requests failed", self.coll.rank, what, len(joiners), exc_info=exc)
                 code, message = E.ERROR_CODE_INTERNAL, f"{what} failed"
-            if self.coll.world_size == 1:
-                self.cache.truncate(first)
-                return None, Failure(code, (0,), {0: message})
-        if self.coll.world_size > 1:
-            sums: list[int] = []
-            seq = self._arena.sums if self._arena is not None else 0
-            failed, _ = agree_on_failures(self.coll, [code], [message], active=0, digest=seq, digests=sums)
-            if failed:
-                if self._arena is not None:
-                    self._arena.resync(sums)
-                self.cache.truncate(first)
-                return None, failed[0]
+        failure = self._agreed_on(code, message)
+        if failure is not None:
+            self.cache.truncate(first)
+            return None, failure
         if hidden is None:
             raise RuntimeError(f"rank {self.coll.rank}: a prefill forward was aborted but no rank failed")
-        return self._head(hidden), None
+        return (self._head(hidden) if logits is None else logits), None
+
+    def _agreed_on(self, code: int, message: str) -> Failure | None:
+        """The failure of the forward every rank just ran, or None where it
+        ran on every rank. `code` is this rank's verdict (0: it ran). Under
+        TP the verdicts are agreed on in one gather, after this rank, if it
+        failed, has released the others from the forward's shared-memory
+        sums (`Arena.abort`), so every rank undoes the same rows."""
+        if code and self._arena is not None:
+            self._arena.abort()
+        if self.coll.world_size == 1:
+            return Failure(code, (0,), {0: message}) if code else None
+        sums: list[int] = []
+        seq = self._arena.sums if self._arena is not None else 0
+        failed, _ = agree_on_failures(self.coll, [code], [message], active=0, digest=seq, digests=sums)
+        if not failed:
+            return None
+        if self._arena is not None:
+            self._arena.resync(sums)
+        return failed[0]
 
     def _forward(self, joiners: list[_Joiner]) -> torch.Tensor:
         """One prefill forward over `joiners` (rows appended to the cache),
@@ -586,24 +596,31 @@ class Engine:
 
     def _next_chunk(self, ended: dict[str, Failure]) -> torch.Tensor | None:
         """The next chunk of the first long prompt; when it was the last, its
-        row joins the batch and its logits ``[1, vocab]`` are returned. At
-        TP=1 a chunk that raises fails its request alone, typed (in `ended`:
-        the loop drops it); under TP it raises."""
+        row joins the batch and its logits ``[1, vocab]`` are returned. A
+        chunk that raises fails its request alone, typed (in `ended`: the
+        loop drops it everywhere), agreed on under TP as a prefill forward
+        is (`_agreed_on`)."""
         c = self._chunked[0]
         req = c.joiner.request
         start, end = c.done, min(len(req.input_ids), c.done + self.prefill_chunk)
         if start == c.joiner.cached:  # its first chunk: the batch's rows will need its length
             self.cache.grow_ahead(len(req.input_ids), steps=-(-(len(req.input_ids) - start) // self.prefill_chunk))
         self.cache.advance_growth()
+        code, message = 0, ""
+        hidden: torch.Tensor | None = None
         try:
             hidden = self._chunk_forward(c, start, end)
+        except SumAborted:
+            pass  # the rank that failed says why
         except Exception as exc:
-            if self.coll.world_size > 1:
-                raise
-            self._chunked.pop(0)
             code, message = self._failed_on(req, exc, "a chunk of its prefill")
-            ended[req.request_id] = Failure(code, (0,), {0: message})
+        failure = self._agreed_on(code, message)
+        if failure is not None:
+            self._chunked.pop(0)  # with its own cache: the batch's never held it
+            ended[req.request_id] = failure
             return None
+        if hidden is None:
+            raise RuntimeError(f"rank {self.coll.rank}: a chunk's forward was aborted but no rank failed")
         c.done = end
         if end < len(req.input_ids):
             return None
@@ -624,7 +641,8 @@ class Engine:
             inputs = ForwardInputs(inputs.position_ids[None].repeat(3, 1, 1), inputs.attention_mask)
         features = self._features(j, start, end)
         extra = self.family.encoded_kwargs(features) if features else {}
-        return self._body(self._prefill_body, ids, inputs, c.cache, **extra)
+        with self._forward_fault([j]):
+            return self._body(self._prefill_body, ids, inputs, c.cache, **extra)
 
     def _failed_on(self, req: NewRequest, exc: BaseException, what: str) -> tuple[int, str]:
         """The typed verdict on one request whose `what` raised `exc`."""

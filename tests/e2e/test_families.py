@@ -72,6 +72,8 @@ def family_pair(
         family_models(family),
         logs,
         scheduler_extra=[
+            "--engine-hook",
+            "tests.support.faults",
             "--batch-window-s",
             "0.05",
             *(["--max-prefill-tokens", "32", "--log-level", "DEBUG"] if family == "qwen2-vl" else []),
@@ -253,6 +255,42 @@ def test_malformed_items_are_refused_and_the_group_keeps_serving(family_pair: tu
         assert _outcome(stub, good) == "ok"
     assert health_status(pair.scheduler_address, SCHEDULER_SERVICE) == "SERVING"
     assert health_status(pair.tokenizer_address, TOKENIZER_SERVICE) == "SERVING"
+    assert wait_until(lambda: rank_active_requests(pair.scheduler_address) == [0, 0], timeout=10)
+
+
+def test_a_prefill_that_raises_on_one_rank_fails_that_request_alone(family_pair: tuple[str, Pair]) -> None:
+    """A long prompt whose prefill forward raises on rank 1 only, inside the
+    model (the fault hook, between two TP sums), fails alone with a typed
+    error while 8 others decode beside it and keep the tokens they make
+    alone; the group keeps its processes. Qwen2-VL's pair prefills it in
+    chunks of 32 tokens, a step each: the chunk's failure is agreed on."""
+    family, pair = family_pair
+    pid = pair.scheduler.pid
+    topics = ["rain", "bread", "rivers", "maps", "owls", "glass", "tides", "salt"]
+    goods = [make_request(f"Say something about {t}.", max_tokens=8, min_tokens=8) for t in topics]
+    long_text = "Tell me everything you know about " + ", ".join(topics * 5) + "."
+    with grpc.insecure_channel(pair.tokenizer_address) as channel:
+        stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
+        alone = [run_request(stub, good, timeout=120).token_ids for good in goods]
+        doomed = make_request(long_text, max_tokens=8, request_id=f"inject-forward-failure-rank1-{family}")
+        barrier = threading.Barrier(len(goods) + 1)
+
+        def send(request: tokenizer_pb2.GenerateRequest):  # type: ignore[no-untyped-def]
+            barrier.wait()
+            return run_request(stub, request, timeout=120)
+
+        with ThreadPoolExecutor(len(goods) + 1) as pool:
+            *together, failed = pool.map(send, [*goods, doomed])
+        assert [out.token_ids for out in together] == alone
+        assert all(out.ok for out in together), together
+        assert (failed.grpc_code, failed.reason) == ("INTERNAL", "INTERNAL"), failed
+        assert "the model failed on this request in" in failed.message, failed
+        if family == "qwen2-vl":
+            assert "a chunk of its prefill" in failed.message, failed
+        assert run_request(stub, goods[0], timeout=120).token_ids == alone[0]
+    assert pair.scheduler.pid == pid
+    assert pair.scheduler.proc.poll() is None
+    assert health_status(pair.scheduler_address, SCHEDULER_SERVICE) == "SERVING"
     assert wait_until(lambda: rank_active_requests(pair.scheduler_address) == [0, 0], timeout=10)
 
 

@@ -13,8 +13,8 @@ With ``--engine-hook tests.support.faults`` too: a request whose id contains
 (after the reads' agreement: as positions or an encoder of one rank might),
 and one whose id contains ``inject-short-encoder-output`` gets an encoder
 output one row short of its placeholders on every rank. A prefill forward
-that holds a request whose id contains ``inject-forward-failure-rank<N>``
-raises on rank N inside the model, before its second decoder layer (after
+(or a chunk of one) that holds a request whose id contains
+``inject-forward-failure-rank<N>`` raises on rank N inside the model, before its second decoder layer (after
 the first layer's TP sums, while the other ranks go on to the next). A
 decode forward that holds a request whose id contains
 ``inject-decode-failure`` raises on every rank (TP=1 tests only: under TP
