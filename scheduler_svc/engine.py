@@ -33,8 +33,9 @@ under TP, agreed on in one more gather, so a request that fails there (on
 any rank) fails alone and every rank drops it before the forward. A prefill
 forward that raises is undone and each joiner tried alone; under TP the
 ranks agree on each prefill forward, and on each chunk of a long prompt,
-first (`Engine._agreed_on`). A decode forward that raises at TP=1 fails the
-running rows (typed) and the group goes on; under TP it ends the group. What can only fail on rank 0
+first (`Engine._agreed_on`). A decode forward that raises fails the running
+rows (typed) and the group goes on; under TP it is agreed on too where the
+ranks sum over shared memory, and ends the group over gloo or NCCL. What can only fail on rank 0
 (sampling, non-finite logits of one row) fails that request alone: it is
 reported in
 `StepOutcome.rejected` and the loop drops it on every rank in the next plan.
@@ -170,6 +171,7 @@ class Engine:
         self._hook = hook
         # A local CPU group's shared-memory TP sums, which a failed forward aborts.
         self._arena: Arena | None = getattr(coll, "arena", None)
+        self._ran = torch.zeros(1, dtype=torch.int64)  # summed after each decode forward under TP (`_decode`)
         # Prompts longer than this are prefilled a chunk a step (0: never).
         self.prefill_chunk = prefill_chunk
         self._layers = layers
@@ -363,13 +365,17 @@ class Engine:
 
     # ---- forwards ----
     def _decode(self) -> tuple[torch.Tensor | None, Failure | None]:
-        """One token for every running row: ``[rows, vocab]`` logits. At
-        TP=1 a decode forward that raises (out of memory, say) is undone
-        and fails the running rows, typed, and the group goes on: the loop
-        drops them on the next step.
-        Which row was at fault a batched forward cannot say. Under TP the
-        error ends the group, as before: another rank may be inside the
-        forward's collectives."""
+        """One token for every running row: ``[rows, vocab]`` logits. A
+        decode forward that raises (out of memory, say) is undone and fails
+        the running rows, typed, and the group goes on: the loop drops them
+        on the next step. Which row was at fault a batched forward cannot
+        say. Under TP with the shared-memory sums a rank that fails
+        releases the others from the forward's sums (or from the one sum
+        every rank makes after it, `_ran`, which completes only where every
+        rank's forward ran) into the same agreement as a prefill forward
+        (`_agreed_on`); so a step with no failure costs one 8-byte sum more.
+        Over gloo or NCCL the error ends the group: another rank may be
+        inside the forward's collectives."""
         feeds = [row.feed for row in self.rows]
         if None in feeds:
             missing = [r.request.request_id for r in self.rows if r.feed is None]
@@ -383,21 +389,36 @@ class Engine:
             # on all three M-RoPE axes for generated text).
             deltas = torch.tensor([row.rope_delta for row in self.rows], dtype=torch.long, device=self.device)
             inputs = ForwardInputs(inputs.position_ids + deltas[:, None], inputs.attention_mask)
+        code, message = 0, ""
+        aborted = False
+        hidden: torch.Tensor | None = None
+        logits: torch.Tensor | None = None
         try:
             with self._decode_fault():
                 hidden = self._body(self._decode_body, ids, inputs)
-            return self._head(hidden[:, -1]), None
+            if self.coll.world_size == 1:
+                logits = self._head(hidden[:, -1])
+            elif self._arena is not None:
+                self._arena.all_reduce_(self._ran)  # completes only where every rank's forward ran
+        except SumAborted:
+            aborted = True  # another rank's forward failed: it says why
         except Exception as exc:
-            if self.coll.world_size > 1:
+            if self.coll.world_size > 1 and self._arena is None:
                 raise
+            rids = [row.request.request_id for row in self.rows]
+            log.warning("rank %d: a decode forward of %d requests failed; they fail: %s%s", self.coll.rank, len(rids),
+                        rids[:8], " and more" if len(rids) > 8 else "", exc_info=exc)  # fmt: skip
+            code, message = _verdict(exc, "a decode step", one_request=False)
+        if code or aborted:
+            failure = self._agreed_on(code, message)
+            if failure is None:
+                raise RuntimeError(f"rank {self.coll.rank}: a decode forward was aborted but no rank failed")
             self.cache.undo_decode()
             for row in self.rows:
                 row.fed.pop()
-            rids = [row.request.request_id for row in self.rows]
-            log.warning("rank 0: a decode forward of %d requests failed; they fail: %s%s", len(rids), rids[:8],
-                        " and more" if len(rids) > 8 else "", exc_info=exc)  # fmt: skip
-            code, message = _verdict(exc, "a decode step", one_request=False)
-            return None, Failure(code, (0,), {0: message})
+            return None, failure
+        assert hidden is not None
+        return (self._head(hidden[:, -1]) if logits is None else logits), None
 
     def _decode_fault(self) -> contextlib.AbstractContextManager[None]:
         """Tests' fault injection inside a decode forward (the `engine_hook`'s `in_decode_forward`)."""

@@ -115,6 +115,30 @@ def test_a_decode_forward_that_raises_at_tp1_ends_its_rows_typed_and_the_group_g
     assert "a decode forward of 1 requests failed" in tp1.scheduler.log_path.read_text()
 
 
+@pytest.mark.parametrize(
+    "marker", ["inject-decode-failure-rank1", "inject-decode-failure-rank0", "inject-decode-failure"]
+)
+def test_a_decode_forward_that_raises_at_tp2_ends_its_rows_typed_and_the_group_goes_on(
+    services: Services, marker: str
+) -> None:
+    """Inside the model on rank 1 only, on rank 0 only (between two TP
+    sums: the other rank is released from the next sum, or from the sum
+    after the forward), or on every rank: the rows of that decode end with
+    a typed INTERNAL error after their first token (their prefill's), every
+    rank drops them, and the group, without a restart, serves on."""
+    pid = services.scheduler.pid
+    with grpc.insecure_channel(services.tokenizer_address) as channel:
+        stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
+        doomed = make_request("Go on.", max_tokens=8, min_tokens=8, request_id=f"{marker}-{uuid.uuid4().hex[:6]}")
+        out = run_request(stub, doomed)
+        assert (out.grpc_code, out.reason) == ("INTERNAL", "INTERNAL"), out
+        assert "the model failed in a decode step" in out.message, out
+        assert len(out.token_ids) == 1, "its prefill's token came before the decode failed"
+    assert wait_until(lambda: rank_active_requests(services.scheduler_address) == [0, 0], timeout=10)
+    assert_still_serving(services, pid)
+    assert "a decode forward of 1 requests failed" in services.scheduler.log_path.read_text()
+
+
 def test_32_requests_joining_and_leaving_get_the_tokens_of_plain_generate_at_tp2(
     services: Services, tiny_model: Path
 ) -> None:

@@ -17,8 +17,9 @@ output one row short of its placeholders on every rank. A prefill forward
 ``inject-forward-failure-rank<N>`` raises on rank N inside the model, before its second decoder layer (after
 the first layer's TP sums, while the other ranks go on to the next). A
 decode forward that holds a request whose id contains
-``inject-decode-failure`` raises on every rank (TP=1 tests only: under TP
-that still ends the group).
+``inject-decode-failure`` raises on every rank, before the model; one whose
+id contains ``inject-decode-failure-rank<N>`` raises on rank N only, inside
+the model as above.
 """
 
 from __future__ import annotations
@@ -71,29 +72,43 @@ FORWARD_MARKER = re.compile(r"inject-forward-failure-rank(\d+)")
 
 @contextlib.contextmanager
 def in_prefill_forward(rank: int, requests: list[NewRequest], model: torch.nn.Module) -> Iterator[None]:
-    if not any((m := FORWARD_MARKER.search(r.request_id)) and int(m.group(1)) == rank for r in requests):
+    if any((m := FORWARD_MARKER.search(r.request_id)) and int(m.group(1)) == rank for r in requests):
+        with _raising_in_layer_1(model, f"injected into the prefill forward on rank {rank}"):
+            yield
+    else:
         yield
-        return
+
+
+DECODE_MARKER = "inject-decode-failure"
+DECODE_RANK_MARKER = re.compile(r"inject-decode-failure-rank(\d+)")
+
+
+@contextlib.contextmanager
+def in_decode_forward(rank: int, requests: list[NewRequest], model: torch.nn.Module) -> Iterator[None]:
+    ids = [r.request_id for r in requests]
+    if any(DECODE_MARKER in rid and not DECODE_RANK_MARKER.search(rid) for rid in ids):
+        raise RuntimeError(f"injected into a decode forward on rank {rank}")
+    if any((m := DECODE_RANK_MARKER.search(rid)) and int(m.group(1)) == rank for rid in ids):
+        with _raising_in_layer_1(model, f"injected into a decode forward on rank {rank} only"):
+            yield
+    else:
+        yield
+
+
+@contextlib.contextmanager
+def _raising_in_layer_1(model: torch.nn.Module, message: str) -> Iterator[None]:
+    """The model raises before its second decoder layer (after the first
+    layer's TP sums: the other ranks go on to the next)."""
     layer = model.get_decoder().layers[1]  # type: ignore[operator,index]
 
     def fail(module: torch.nn.Module, args: object) -> None:
-        raise RuntimeError(f"injected into the prefill forward on rank {rank}")
+        raise RuntimeError(message)
 
     handle = layer.register_forward_pre_hook(fail)
     try:
         yield
     finally:
         handle.remove()
-
-
-DECODE_MARKER = "inject-decode-failure"
-
-
-@contextlib.contextmanager
-def in_decode_forward(rank: int, requests: list[NewRequest], model: torch.nn.Module) -> Iterator[None]:
-    if any(DECODE_MARKER in r.request_id for r in requests):
-        raise RuntimeError(f"injected into a decode forward on rank {rank}")
-    yield
 
 
 def on_encoded(rank: int, request: NewRequest, index: int, output: torch.Tensor) -> torch.Tensor:
