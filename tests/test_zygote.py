@@ -14,6 +14,7 @@ import psutil
 import pytest
 
 from tests.support import limits, wrapped
+from tests.support.leaks import wait_until
 from tests.support.services import ENV, SERVICE_TMP
 from tests.support.zygote import Zygote
 
@@ -24,6 +25,13 @@ def zygote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Zygote]:
     yield z
     z.close()
     assert z.proc.returncode == 0
+
+
+def alive(process: psutil.Process) -> bool:
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -84,10 +92,10 @@ def test_a_service_forked_under_wrappers_has_their_namespaces_and_limit(zygote: 
     assert steps is not None
     args = ["tokenizer", "--model", str(tiny_model), "--scheduler", "127.0.0.1:9", "--port", "0", "--http-port", "0"]
     proc = zygote.start(args, _env(TMPDIR=str(SERVICE_TMP)), steps=steps)
+    launcher = psutil.Process(proc.pid)
     try:
         # Listening: its SIGTERM handler is in place (PID 1 ignores the signal before).
         assert any("listening on" in line for line in proc.stderr), "the service ended before listening"
-        launcher = psutil.Process(proc.pid)
         (service,) = launcher.children()
         assert os.readlink(f"/proc/{service.pid}/ns/pid") != os.readlink("/proc/self/ns/pid")
         assert Path(f"/proc/{service.pid}/root/dev/shm").stat().st_dev != Path("/dev/shm").stat().st_dev
@@ -96,6 +104,8 @@ def test_a_service_forked_under_wrappers_has_their_namespaces_and_limit(zygote: 
         assert proc.wait(60) == 0
         assert not service.is_running()
     finally:
-        proc.kill()
+        left = launcher.children() if launcher.is_running() else []
+        proc.kill()  # the service goes with its launcher (pidns: PR_SET_PDEATHSIG)
         proc.wait(60)
         proc.stderr.close()
+        assert wait_until(lambda: not [p for p in left if alive(p)], timeout=30), "the service outlived its launcher"

@@ -16,6 +16,7 @@ import signal
 import sys
 
 CLONE_NEWPID = 0x20000000
+PR_SET_PDEATHSIG = 1
 
 
 def become_pid_1() -> None:
@@ -29,6 +30,11 @@ def become_pid_1() -> None:
         raise SystemExit(f"unshare(CLONE_NEWPID) failed: {os.strerror(err)}")
     child = os.fork()  # the first child of the new namespace: its PID 1
     if child == 0:
+        # Killed with its launcher: a test that SIGKILLs the launcher (a
+        # failed test's cleanup) leaves no namespace behind.
+        # (Its parent is outside the namespace: getppid() says 0, so the
+        # launcher dying before this call is not seen; the window is this call.)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
         return
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, _frame: os.kill(child, signum))
