@@ -42,3 +42,13 @@ def test_tp_sums_benchmark_prints_both_ways_for_every_size() -> None:
     for size in ("1 row x 512", "32 rows x 512", "1024 rows x 512", "> a slot"):
         row = next(line for line in result.stdout.splitlines() if line.startswith(size))
         assert row.endswith("x"), row  # gloo / shm, both measured
+
+
+def test_sampler_benchmark_prints_both_picks_for_every_shape() -> None:
+    result = run_bench("sampler.py", ["--reps", "3", "--rounds", "1"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    for vocab in ("llava-1.5", "qwen2-vl"):
+        for rows in (1, 8, 32):
+            row = next(line for line in result.stdout.splitlines() if line.startswith(f"{vocab} {rows} rows"))
+            assert row.endswith("x"), row
+        assert f"32 greedy rows under min_tokens, {vocab}:" in result.stdout

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mmsplit_server.sampling import Sampling
-from scheduler_svc.sampler import RowSampling, Sampler, make_generator
+from scheduler_svc.sampler import RowSampling, Sampler, make_generator, row_argmax
 
 EOS = 3
 CPU = torch.device("cpu")
@@ -109,3 +109,40 @@ def test_a_row_whose_sampling_raises_fails_alone() -> None:
 def test_logits_and_rows_must_agree() -> None:
     with pytest.raises(ValueError, match="logit rows"):
         Sampler(frozenset()).sample(logits(2), [row(Sampling(max_tokens=1))])
+
+
+@pytest.mark.parametrize("vocab", [32000, 151936, 1024, 96, 50, 32])
+def test_row_argmax_is_torch_argmax_with_ties_nan_and_infinities(vocab: int) -> None:
+    """The blocked reduction against torch's own, on logits full of ties
+    (small integers), NaN, +inf and -inf in random places, every row kind:
+    the same index (the first maximum, or the first NaN) and value."""
+    gen = torch.Generator().manual_seed(vocab)
+    for trial in range(20):
+        x = torch.randint(-3, 4, (9, vocab), generator=gen).float()
+        if trial % 2:
+            x = torch.randn(9, vocab, generator=gen)
+        specials = {1: float("nan"), 2: float("inf"), 3: float("-inf"), 4: float("nan")}
+        for r, value in specials.items():
+            cols = torch.randint(0, vocab, (3,), generator=gen)
+            x[r, cols] = value
+        x[5] = float("-inf")  # a row of -inf only
+        x[6, -1] = 100.0  # the maximum in the last column
+        x[7, 0] = 100.0  # the maximum in the first
+        top, index = row_argmax(x)
+        assert index.tolist() == x.argmax(dim=1).tolist()
+        want = x.gather(1, x.argmax(dim=1, keepdim=True))[:, 0]
+        assert torch.equal(top.isnan(), want.isnan())
+        assert torch.equal(top[~want.isnan()], want[~want.isnan()])
+
+
+def test_min_tokens_bans_each_row_s_own_stop_ids() -> None:
+    """Rows with different stop ids in one batch: each row's own are banned
+    (and EOS for all), and a row past min_tokens bans nothing."""
+    x = torch.zeros(3, 10)
+    x[:, EOS], x[:, 7], x[:, 6], x[:, 5] = 10.0, 9.0, 8.5, 8.0
+    rows = [
+        row(Sampling(max_tokens=8, min_tokens=2, stop_token_ids=(7,)), generated=0),
+        row(Sampling(max_tokens=8, min_tokens=2, stop_token_ids=(6,)), generated=0),
+        row(Sampling(max_tokens=8, min_tokens=2, stop_token_ids=(7,)), generated=2),
+    ]
+    assert Sampler(frozenset([EOS])).sample(x, rows) == [6, 7, EOS]
