@@ -35,10 +35,10 @@ forward that raises is undone and each joiner tried alone; under TP the
 ranks agree on each prefill forward, and on each chunk of a long prompt,
 first (`Engine._agreed_on`). A decode forward that raises fails the running
 rows (typed) and the group goes on; under TP it is agreed on too where the
-ranks sum over shared memory, and ends the group over gloo or NCCL. What can only fail on rank 0
-(sampling, non-finite logits of one row) fails that request alone: it is
-reported in
-`StepOutcome.rejected` and the loop drops it on every rank in the next plan.
+ranks sum over shared memory, and ends the group over gloo or NCCL. What
+can only fail on rank 0 (sampling, non-finite logits of one row) fails that
+request alone: it is reported in `StepOutcome.rejected` and the loop drops
+it on every rank in the next plan.
 """
 
 from __future__ import annotations
