@@ -112,7 +112,8 @@ class Sampler:
                 if banned:
                     by_banned.setdefault(banned, []).append(i)
         for banned, at in by_banned.items():
-            logits[torch.tensor(at)[:, None], torch.tensor(banned)[None, :]] = float("-inf")
+            rows_at = torch.tensor(at, device=logits.device)[:, None]
+            logits[rows_at, torch.tensor(banned, device=logits.device)[None, :]] = float("-inf")
 
 
 # Widths of the column blocks `row_argmax` reduces first, widest first.
