@@ -33,7 +33,7 @@ under TP, agreed on in one more gather, so a request that fails there (on
 any rank) fails alone and every rank drops it before the forward. A prefill
 forward that raises is undone and each joiner tried alone; under TP the
 ranks agree on each prefill forward, and on each chunk of a long prompt,
-first (`Engine._agreed_on`). A decode forward that raises fails the running
+first (`Engine._agreed_run`). A decode forward that raises fails the running
 rows (typed) and the group goes on; under TP it is agreed on too where the
 ranks sum over shared memory, and ends the group over gloo or NCCL. What
 can only fail on rank 0 (sampling, non-finite logits of one row) fails that
@@ -50,6 +50,7 @@ import logging
 import os
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -373,7 +374,7 @@ class Engine:
         releases the others from the forward's sums (or from the one sum
         every rank makes after it, `_ran`, which completes only where every
         rank's forward ran) into the same agreement as a prefill forward
-        (`_agreed_on`); so a step with no failure costs one 8-byte sum more.
+        (`_agreed_run`); so a step with no failure costs one 8-byte sum more.
         Over gloo or NCCL the error ends the group: another rank may be
         inside the forward's collectives."""
         feeds = [row.feed for row in self.rows]
@@ -389,36 +390,33 @@ class Engine:
             # on all three M-RoPE axes for generated text).
             deltas = torch.tensor([row.rope_delta for row in self.rows], dtype=torch.long, device=self.device)
             inputs = ForwardInputs(inputs.position_ids + deltas[:, None], inputs.attention_mask)
-        code, message = 0, ""
-        aborted = False
-        hidden: torch.Tensor | None = None
-        logits: torch.Tensor | None = None
-        try:
+        alone = self.coll.world_size == 1
+
+        def forward() -> torch.Tensor:
             with self._decode_fault():
-                hidden = self._body(self._decode_body, ids, inputs)
-            if self.coll.world_size == 1:
-                logits = self._head(hidden[:, -1])
-            elif self._arena is not None:
+                hidden = self._body(self._decode_body, ids, inputs)[:, -1]
+            if alone:
+                return self._head(hidden)
+            if self._arena is not None:
                 self._arena.all_reduce_(self._ran)  # completes only where every rank's forward ran
-        except SumAborted:
-            aborted = True  # another rank's forward failed: it says why
-        except Exception as exc:
-            if self.coll.world_size > 1 and self._arena is None:
-                raise
+            return hidden
+
+        def verdict(exc: Exception) -> tuple[int, str]:
+            if not alone and self._arena is None:
+                raise exc  # over gloo/NCCL another rank may be inside the forward's collectives
             rids = [row.request.request_id for row in self.rows]
             log.warning("rank %d: a decode forward of %d requests failed; they fail: %s%s", self.coll.rank, len(rids),
                         rids[:8], " and more" if len(rids) > 8 else "", exc_info=exc)  # fmt: skip
-            code, message = _verdict(exc, "a decode step", one_request=False)
-        if code or aborted:
-            failure = self._agreed_on(code, message)
-            if failure is None:
-                raise RuntimeError(f"rank {self.coll.rank}: a decode forward was aborted but no rank failed")
+            return _verdict(exc, "a decode step", one_request=False)
+
+        out, failure = self._agreed_run(forward, verdict, "a decode forward", always=False)
+        if failure is not None:
             self.cache.undo_decode()
             for row in self.rows:
                 row.fed.pop()
             return None, failure
-        assert hidden is not None
-        return (self._head(hidden[:, -1]) if logits is None else logits), None
+        assert out is not None
+        return (out if alone else self._head(out)), None
 
     def _decode_fault(self) -> contextlib.AbstractContextManager[None]:
         """Tests' fault injection inside a decode forward (the `engine_hook`'s `in_decode_forward`)."""
@@ -503,47 +501,69 @@ class Engine:
         NCCL a rank that fails alone inside the forward leaves the others
         in its collective until the collective timeout ends the group.)"""
         first = self.cache.rows
-        code, message = 0, ""
-        hidden: torch.Tensor | None = None
-        logits: torch.Tensor | None = None
-        try:
+        alone = self.coll.world_size == 1
+
+        def forward() -> torch.Tensor:
             hidden = self._forward(joiners)
-            if self.coll.world_size == 1:
-                logits = self._head(hidden)  # under TP the head has a collective: after the agreement
-        except SumAborted:
-            pass  # the rank that failed says why
-        except Exception as exc:
+            return self._head(hidden) if alone else hidden  # under TP the head has a collective: after the agreement
+
+        def verdict(exc: Exception) -> tuple[int, str]:
             if len(joiners) == 1:
-                code, message = self._failed_on(joiners[0].request, exc, what)
-            else:  # each is tried alone next
-                log.warning("rank %d: %s of %d requests failed", self.coll.rank, what, len(joiners), exc_info=exc)
-                code, message = E.ERROR_CODE_INTERNAL, f"{what} failed"
-        failure = self._agreed_on(code, message)
+                return self._failed_on(joiners[0].request, exc, what)
+            # each is tried alone next
+            log.warning("rank %d: %s of %d requests failed", self.coll.rank, what, len(joiners), exc_info=exc)
+            return E.ERROR_CODE_INTERNAL, f"{what} failed"
+
+        out, failure = self._agreed_run(forward, verdict, what)
         if failure is not None:
             self.cache.truncate(first)
             return None, failure
-        if hidden is None:
-            raise RuntimeError(f"rank {self.coll.rank}: a prefill forward was aborted but no rank failed")
-        return (self._head(hidden) if logits is None else logits), None
+        assert out is not None
+        return (out if alone else self._head(out)), None
 
-    def _agreed_on(self, code: int, message: str) -> Failure | None:
-        """The failure of the forward every rank just ran, or None where it
-        ran on every rank. `code` is this rank's verdict (0: it ran). Under
-        TP the verdicts are agreed on in one gather, after this rank, if it
-        failed, has released the others from the forward's shared-memory
-        sums (`Arena.abort`), so every rank undoes the same rows."""
+    def _agreed_run(
+        self,
+        forward: Callable[[], torch.Tensor],
+        verdict: Callable[[Exception], tuple[int, str]],
+        what: str,
+        *,
+        always: bool = True,
+    ) -> tuple[torch.Tensor | None, Failure | None]:
+        """`forward()`'s result, or the failure of the forward that every
+        rank just ran (then every rank undoes the same rows). This rank's
+        own is its verdict on its exception (`verdict`); it has none when
+        another rank's failure released it from a shared-memory sum. Under
+        TP the verdicts are agreed on in one gather, after a failing rank
+        has released the others from the forward's sums (`Arena.abort`).
+        `always`: agree even where this rank saw no failure (a rank that
+        failed after the last sum could not tell it otherwise); False only
+        where a forward ends in a sum every rank must make (the decode's
+        `_ran`), so a step without a failure gathers nothing."""
+        code, message = 0, ""
+        aborted = False
+        out: torch.Tensor | None = None
+        try:
+            out = forward()
+        except SumAborted:
+            aborted = True  # the rank that failed says why
+        except Exception as exc:
+            code, message = verdict(exc)
+        if not (always or code or aborted):
+            return out, None
         if code and self._arena is not None:
-            self._arena.abort()
+            self._arena.abort()  # release the ranks waiting for this one in a sum
         if self.coll.world_size == 1:
-            return Failure(code, (0,), {0: message}) if code else None
+            return out, (Failure(code, (0,), {0: message}) if code else None)
         sums: list[int] = []
         seq = self._arena.sums if self._arena is not None else 0
         failed, _ = agree_on_failures(self.coll, [code], [message], active=0, digest=seq, digests=sums)
-        if not failed:
-            return None
-        if self._arena is not None:
-            self._arena.resync(sums)
-        return failed[0]
+        if failed:
+            if self._arena is not None:
+                self._arena.resync(sums)
+            return out, failed[0]
+        if out is None:
+            raise RuntimeError(f"rank {self.coll.rank}: {what} was aborted but no rank failed")
+        return out, None
 
     def _forward(self, joiners: list[_Joiner]) -> torch.Tensor:
         """One prefill forward over `joiners` (rows appended to the cache),
@@ -620,28 +640,23 @@ class Engine:
         row joins the batch and its logits ``[1, vocab]`` are returned. A
         chunk that raises fails its request alone, typed (in `ended`: the
         loop drops it everywhere), agreed on under TP as a prefill forward
-        is (`_agreed_on`)."""
+        is (`_agreed_run`)."""
         c = self._chunked[0]
         req = c.joiner.request
         start, end = c.done, min(len(req.input_ids), c.done + self.prefill_chunk)
         if start == c.joiner.cached:  # its first chunk: the batch's rows will need its length
             self.cache.grow_ahead(len(req.input_ids), steps=-(-(len(req.input_ids) - start) // self.prefill_chunk))
         self.cache.advance_growth()
-        code, message = 0, ""
-        hidden: torch.Tensor | None = None
-        try:
-            hidden = self._chunk_forward(c, start, end)
-        except SumAborted:
-            pass  # the rank that failed says why
-        except Exception as exc:
-            code, message = self._failed_on(req, exc, "a chunk of its prefill")
-        failure = self._agreed_on(code, message)
+        hidden, failure = self._agreed_run(
+            lambda: self._chunk_forward(c, start, end),
+            lambda exc: self._failed_on(req, exc, "a chunk of its prefill"),
+            "a chunk's forward",
+        )
         if failure is not None:
             self._chunked.pop(0)  # with its own cache: the batch's never held it
             ended[req.request_id] = failure
             return None
-        if hidden is None:
-            raise RuntimeError(f"rank {self.coll.rank}: a chunk's forward was aborted but no rank failed")
+        assert hidden is not None
         c.done = end
         if end < len(req.input_ids):
             return None
