@@ -10,6 +10,13 @@ N one-image requests (640x480 JPEGs) of different prompt lengths, each making
 exactly T greedy tokens (min_new_tokens = max_new_tokens in HF, min_tokens =
 max_tokens through the services, so every arm makes the same tokens).
 
+The services run as deployed, their caches on, but every services run sends
+images never sent before (same prompts, new pixels: the same work), so no
+cache spares them work the HF arms do: the preprocessing, encoder and prefix
+caches' hits over the timed runs are printed, and are 0. One run (the first
+at N concurrent) sends the HF arms' own images, and its tokens are compared
+with HF serial's.
+
 Throughput is generated tokens / wall time. The HF arms time `generate` only
 (pixel tensors and ids made beforehand); the services are timed end to end
 from the client (preprocessing, transport and streaming included), so the
@@ -36,6 +43,7 @@ equal HF serial's.
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
 import tempfile
@@ -46,7 +54,17 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import SoloGroup, Timeline, build_model, cpu_seconds, inline_reader, percentile, run_clients, table
+from harness import (
+    SoloGroup,
+    Timeline,
+    build_model,
+    cache_hits,
+    cpu_seconds,
+    inline_reader,
+    percentile,
+    run_clients,
+    table,
+)
 
 from mmsplit_cli import samples
 from mmsplit_cli.client import make_request
@@ -61,8 +79,12 @@ class Prompt:
     image: bytes
 
 
-def prompts(n: int) -> list[Prompt]:
-    return [Prompt(f"Describe picture {i}." + " Be precise." * (i % 7), samples.good_jpeg(seed=i)) for i in range(n)]
+def prompts(n: int, batch: int = 0) -> list[Prompt]:
+    """`n` prompts of different lengths; each `batch` has its own images."""
+    return [
+        Prompt(f"Describe picture {i}." + " Be precise." * (i % 7), samples.good_jpeg(seed=batch * n + i))
+        for i in range(n)
+    ]
 
 
 class HfArms:
@@ -211,6 +233,10 @@ class Rounds:
 
     arms: dict[str, list[float]] = field(default_factory=dict)
     runs: dict[int, list[ServiceRun]] = field(default_factory=dict)
+    # The run that sent the HF arms' own images (its tokens are compared with HF's).
+    check: ServiceRun | None = None
+    # The services' cache hits over the timed runs, by cache.
+    hits: dict[str, int] = field(default_factory=dict)
 
     def add(self, arm: str, tps: float) -> float:
         self.arms.setdefault(arm, []).append(tps)
@@ -225,10 +251,17 @@ class Rounds:
 
 
 def measure(hf: HfArms, engine: EngineArms | None, pair: Pair, items: list[Prompt], tokens: int, rounds: int) -> Rounds:
-    requests = [make_request(p.text, [p.image], max_tokens=tokens, min_tokens=tokens) for p in items]
-    serve(pair, requests[:8], 8)  # warm up
+    batches = itertools.count(1)
+
+    def requests(batch: int | None = None) -> list[Any]:
+        """The prompts of `items` with a batch of images (by default, never sent before)."""
+        fresh = items if batch == 0 else prompts(len(items), next(batches) if batch is None else batch)
+        return [make_request(p.text, [p.image], max_tokens=tokens, min_tokens=tokens) for p in fresh]
+
+    serve(pair, requests()[:8], 8)  # warm up
+    before = cache_hits(pair.tokenizer_address, pair.scheduler_address)
     out = Rounds()
-    for _ in range(rounds):
+    for r in range(rounds):
         out.add("hf serial", hf.serial())
         if engine is not None:
             out.add("engine serial", engine.serial())
@@ -238,9 +271,13 @@ def measure(hf: HfArms, engine: EngineArms | None, pair: Pair, items: list[Promp
                 if engine is not None:
                     out.add("engine batch", engine.batch())
                 continue
-            run = serve(pair, requests, concurrency)
+            check = r == 0 and concurrency == len(items)
+            run = serve(pair, requests(0 if check else None), concurrency)
+            out.check = run if check else out.check
             out.runs.setdefault(concurrency, []).append(run)
             out.add(f"c={concurrency}", run.tps)
+    after = cache_hits(pair.tokenizer_address, pair.scheduler_address)
+    out.hits = {cache: after[cache] - before[cache] for cache in after}
     return out
 
 
@@ -282,7 +319,8 @@ def main() -> None:
                         flush=True,
                     )
                 full = r.median_run(n)
-                same = sum(t.token_ids == ref for t, ref in zip(full.timelines, hf.serial_tokens, strict=True))
+                assert r.check is not None
+                same = sum(t.token_ids == ref for t, ref in zip(r.check.timelines, hf.serial_tokens, strict=True))
                 serial, batch = r.median("hf serial"), r.median("hf batch")
                 svc = {c: r.median(f"c={c}") for c in (*CONCURRENCY, n)}
                 print(
@@ -291,6 +329,8 @@ def main() -> None:
                     + f"; every arm's rounds: { ({k: [round(x) for x in v] for k, v in r.arms.items()}) }",
                     flush=True,
                 )
+                hits = ", ".join(f"{cache} {count}" for cache, count in r.hits.items())
+                print(f"  cache hits over the timed services runs (new images in each): {hits}", flush=True)
                 parts = ", ".join(f"{part} {seconds:.2f}" for part, seconds in full.cpu.items())
                 print(f"  CPU seconds at {n} concurrent, {full.wall_s:.2f} s of wall time: {parts}", flush=True)
                 gaps = [g for t in full.timelines for g in t.gaps]

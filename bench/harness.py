@@ -20,6 +20,8 @@ from typing import Any
 import grpc
 import psutil
 
+from mmsplit import localauth
+from mmsplit.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from mmsplit.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -135,6 +137,23 @@ def inline_reader() -> Any:
     from scheduler_svc.reader import SharedMemoryReader
 
     return SharedMemoryReader(rank=0, prefix="mmsplitbench", max_bytes=1 << 40)
+
+
+def cache_hits(tokenizer_address: str, scheduler_address: str) -> dict[str, int]:
+    """The services' cache hits so far: the tokenizer's preprocessing cache,
+    the scheduler's encoder and prefix caches (a benchmark that compares the
+    services with arms that have no cache checks these stay 0)."""
+    with grpc.insecure_channel(tokenizer_address) as channel:
+        tok = tokenizer_pb2_grpc.TokenizerServiceStub(channel).GetServerInfo(tokenizer_pb2.GetServerInfoRequest())
+    with grpc.insecure_channel(scheduler_address) as channel:
+        call = scheduler_pb2_grpc.SchedulerServiceStub(channel).GetServerInfo
+        # A scheduler on loopback asks for its local token (mmsplit.localauth).
+        sched = call(scheduler_pb2.GetServerInfoRequest(), metadata=localauth.LocalToken(scheduler_address).metadata())
+    return {
+        "preprocess": tok.info.preprocess_cache_hits,
+        "encoder": sched.info.encoder_cache_hits,
+        "prefix": sched.info.prefix_cache_hits,
+    }
 
 
 def cpu_seconds(scheduler_pid: int, tokenizer_pid: int) -> dict[str, float]:

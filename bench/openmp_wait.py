@@ -60,15 +60,19 @@ def measure(
     tmp: Path,
 ) -> dict[str, list[float]]:
     """Each setting's tokens/s in every round (the settings interleaved)."""
-    items = prompts(max(args.n, concurrency))
-    requests = [make_request(p.text, [p.image], max_tokens=args.tokens, min_tokens=args.tokens) for p in items]
+    n = max(args.n, concurrency)
+    # The warm-up's images are not the timed run's (no cache hit in it).
+    warm_up, requests = (
+        [make_request(p.text, [p.image], max_tokens=args.tokens, min_tokens=args.tokens) for p in prompts(n, batch)]
+        for batch in (1, 0)
+    )
     tps: dict[str, list[float]] = {s: [] for s in settings}
     for r in range(args.rounds):
         for k, (setting, (env, extra)) in enumerate(settings.items()):
             logs = tmp / f"logs-{name}-{concurrency}-{r}-{k}"
             logs.mkdir()
             with running_pair(model, logs, tp=1, env=env, scheduler_extra=extra) as pair:
-                run_clients(pair.tokenizer_address, requests[:4], 4)  # warm up
+                run_clients(pair.tokenizer_address, warm_up[:4], 4)
                 timelines, wall = run_clients(pair.tokenizer_address, requests, concurrency)
             failed = [t.error for t in timelines if t.error]
             if failed:

@@ -23,7 +23,11 @@ changes. A step that prefills is never an experiment (trying the wrong
 choice there costs a whole prefill: 8x512 at 32 concurrent lost 14 % of its
 tokens/s to it in a short-lived service): it runs on the verdict of the
 decode steps with as many running rows, else on the latest verdict, else
-on every thread.
+on every thread. A step with no running rows and no prefill runs no forward
+(a heartbeat, a step that only drops): it is not timed, and gives no verdict
+(its times are noise: it had decided on one thread for the prefill of the
+first requests after an idle spell, which then took 250 ms for 2 prompts of
+the 8x512 model).
 
 The thread count only changes how operators split their work: the tokens
 are the same either way up to the order of floating-point sums inside an
@@ -73,6 +77,10 @@ class StepKind(NamedTuple):
         return f"steps with {rows}{' and a prefill' if self.prefill else ''}"
 
 
+# A step with nothing to run: no running rows, no prefill.
+IDLE = StepKind(0, False)
+
+
 @dataclass
 class _Seen:
     """What the tuner knows about one kind of step."""
@@ -98,7 +106,7 @@ class StepThreads:
 
     def choose(self, kind: StepKind) -> int:
         """The thread count for the next step of this kind."""
-        if not self.tuning:
+        if not self.tuning or kind == IDLE:
             return self.threads
         if kind.prefill:
             decoding = self._seen.get(StepKind(kind.rows, False))
@@ -115,7 +123,7 @@ class StepThreads:
         return other if seen.steps % every == 0 else best
 
     def record(self, kind: StepKind, threads: int, seconds: float) -> None:
-        if not self.tuning or kind.prefill:
+        if not self.tuning or kind.prefill or kind == IDLE:
             return
         seen = self._seen.setdefault(kind, _Seen())
         seen.runs[threads] = seen.runs.get(threads, 0) + 1

@@ -19,6 +19,10 @@ def test_engine_benchmark_prints_every_ratio() -> None:
     row = [line for line in result.stdout.splitlines() if line.startswith("tiny ")][-1]  # the table's
     assert row.split()[-1] == "4/4", "the services' greedy tokens equal HF's"
     assert "CPU seconds at 4 concurrent" in result.stdout
+    # Every services run sends new images: no cache spares the services work the HF arms do.
+    assert "cache hits over the timed services runs (new images in each): preprocess 0, encoder 0, prefix 0" in (
+        result.stdout
+    )
 
 
 def test_multiturn_benchmark_prints_every_figure_and_both_arms_agree() -> None:

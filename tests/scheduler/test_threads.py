@@ -89,6 +89,19 @@ def test_decode_kinds_are_tuned_apart_and_a_prefill_step_follows_their_verdict()
     assert str(StepKind.of(0, prefill=False)) == "steps with no running rows"
 
 
+def test_a_step_with_nothing_to_run_gives_no_verdict_for_the_prefill_after_it() -> None:
+    """Heartbeats (no rows, no prefill) take no time on either choice: were
+    they a kind of their own, noise would pick a thread count for the first
+    prefill after an idle spell."""
+    tuner = StepThreads(2, explore_every=1000, warmup=1)
+    idle, first_prefill = StepKind.of(0, prefill=False), StepKind.of(0, prefill=True)
+    assert feed(tuner, idle, {2: 0.00002, 1: 0.00001}, 10) == [2] * 10
+    assert tuner.summary() == {}
+    assert tuner.choose(first_prefill) == 2, "no verdict: every thread"
+    feed(tuner, DECODE_32, {2: 0.010, 1: 0.005}, 10)
+    assert tuner.choose(first_prefill) == 1, "the latest verdict of steps that ran a forward"
+
+
 def test_the_step_runs_on_its_choice_and_every_thread_comes_back_even_when_it_raises() -> None:
     before = torch.get_num_threads()
     tuner = StepThreads(before + 1, explore_every=1000, warmup=1)
