@@ -212,7 +212,9 @@ class Engine:
 
     def _step(self, plan: Plan) -> StepOutcome:
         keep = set(plan.keep)
-        for rid in plan.drop:
+        # Last rows first: a row leaves by swap-remove, and the last row
+        # moves nowhere (32 rows ending together copied 31 rows' KV).
+        for rid in sorted(plan.drop, key=lambda rid: self.index.get(rid, -1), reverse=True):
             self._remove(rid, keep=rid in keep)
         self._cached = {}
         for rid, token in plan.feed:

@@ -258,6 +258,10 @@ class RowCache(Cache):
         last = self.rows - 1
         if not 0 <= row <= last:
             raise IndexError(f"row {row} of {self.rows}")
+        if last == 0:  # the storage goes: nothing to move or zero
+            self.lengths.pop()
+            self._free()
+            return
         for store in (*self._keys, *self._values):
             if store is not None:
                 if row != last:

@@ -386,3 +386,29 @@ def test_a_prefill_whose_head_raises_is_tried_alone(model: torch.nn.Module, engi
         model.lm_head = head
     for req in [*joiners, running]:
         assert results[req.request_id] == reference(model, req), req.request_id
+
+
+def test_rows_leaving_together_leave_last_first_and_move_no_kv(model: torch.nn.Module, engine: Engine) -> None:
+    """A row leaves by swap-remove (the last row moves into its place): rows
+    that leave in one step go last first, so none is copied only to leave
+    too (the tokens of rows that move are checked by the continuous batching
+    test above)."""
+    reqs = [request(f"r{i}", image_prompt(model, 0, [600 + i, 700]), max_tokens=6) for i in range(4)]
+    outcome = engine.step(Plan(step=1, new=tuple(reqs)))
+    removed: list[tuple[int, int]] = []  # (row, rows then)
+    remove = engine.cache.remove
+
+    def spy(row: int) -> None:
+        removed.append((row, engine.cache.rows))
+        remove(row)
+
+    engine.cache.remove = spy  # type: ignore[method-assign]
+    # r0 and r2 leave (in plan order: the first rows first), r1 and r3 go on.
+    feed = tuple((rid, token) for rid, token in outcome.sampled.items() if rid in ("r1", "r3"))
+    outcome = engine.step(Plan(step=2, feed=feed, drop=("r0", "r2")))
+    assert removed == [(2, 4), (0, 3)], "r2 first (row 2 of 4: the last row moves there), then r0"
+    assert set(outcome.sampled) == {"r1", "r3"}
+    removed.clear()
+    engine.step(Plan(step=3, drop=("r1", "r3")))
+    assert removed == [(1, 2), (0, 1)], "the last row each time: no row's KV moved"
+    assert (engine.cache.rows, engine.cache.nbytes()) == (0, 0)
