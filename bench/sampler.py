@@ -4,7 +4,8 @@ Every step rank 0 takes each row's maximum and its index over the whole
 vocabulary (`scheduler_svc.sampler.Sampler.sample_rows`). On CPU torch's
 index-tracking reduction is not vectorized; `row_argmax` reduces blocks of
 columns with the vectorized plain maximum first. For 1, 8 and 32 rows over
-LLaVA-1.5's vocabulary (32,064) and Qwen2-VL's (151,936): µs per call of
+LLaVA-1.5's vocabulary (32,064), the tiny test models' and the HF LLaVA-1.5
+conversion's (32,001: no block width divides it) and Qwen2-VL's (151,936): µs per call of
 each, interleaved over --rounds, medians, and the ratio; every call's
 indices and values are checked equal to torch's. Also the whole
 `Sampler.sample_rows` step for 32 greedy rows under min_tokens (EOS banned
@@ -30,7 +31,7 @@ from harness import table
 from mmsplit_server.sampling import Sampling
 from scheduler_svc.sampler import RowSampling, Sampler, row_argmax
 
-VOCABULARIES = {"llava-1.5": 32064, "qwen2-vl": 151936}
+VOCABULARIES = {"llava-1.5": 32064, "llava-hf": 32001, "qwen2-vl": 151936}
 
 
 def per_call_us(call: Callable[[], object], reps: int) -> float:

@@ -128,17 +128,27 @@ def row_argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     plain maximum is. So: the maximum of each block of columns (vectorized),
     the first block holding the row's maximum (a reduction over
     vocabulary / block values), then the first maximum inside that block.
-    Where no block width divides the vocabulary, `torch.max` itself."""
+    Where no block width divides the vocabulary (LLaVA's 32,001: 32,000
+    words and the image token), the columns past the last whole block are
+    reduced apart and win only where they hold a greater value, or the
+    row's first NaN (for one row, those extra steps cost what they save:
+    `torch.max` then, bench/sampler.py)."""
     rows, vocab = logits.shape
-    width = next((b for b in _BLOCKS if vocab % b == 0 and vocab > b), 0)
-    if not width or not logits.is_contiguous():
+    width = next((b for b in _BLOCKS if vocab % b == 0 and vocab > b), _BLOCKS[0])
+    whole = vocab - vocab % width
+    if whole < 2 * width or not logits.is_contiguous() or (rows == 1 and whole < vocab):
         top, index = logits.max(dim=1)
         return top, index
-    blocks = logits.view(rows, vocab // width, width)
+    blocks = logits[:, :whole].view(rows, whole // width, width)
     block = blocks.amax(dim=2).argmax(dim=1)  # amax propagates NaN; argmax takes the first NaN or maximum
     inside = blocks[torch.arange(rows, device=logits.device), block]  # [rows, width]
     within = inside.argmax(dim=1, keepdim=True)
-    return inside.gather(1, within)[:, 0], block * width + within[:, 0]
+    top, index = inside.gather(1, within)[:, 0], block * width + within[:, 0]
+    if whole == vocab:
+        return top, index
+    tail_top, tail_index = logits[:, whole:].max(dim=1)
+    later = (tail_top > top) | (tail_top.isnan() & ~top.isnan())
+    return torch.where(later, tail_top, top), torch.where(later, tail_index + whole, index)
 
 
 def _logprob(logprobs: torch.Tensor, token: int, params: Sampling) -> Logprob:

@@ -111,7 +111,7 @@ def test_logits_and_rows_must_agree() -> None:
         Sampler(frozenset()).sample(logits(2), [row(Sampling(max_tokens=1))])
 
 
-@pytest.mark.parametrize("vocab", [32000, 151936, 1024, 96, 50, 32])
+@pytest.mark.parametrize("vocab", [32000, 32001, 32064, 151936, 1024, 1000, 600, 96, 50, 32])
 def test_row_argmax_is_torch_argmax_with_ties_nan_and_infinities(vocab: int) -> None:
     """The blocked reduction against torch's own, on logits full of ties
     (small integers), NaN, +inf and -inf in random places, every row kind:
@@ -128,6 +128,9 @@ def test_row_argmax_is_torch_argmax_with_ties_nan_and_infinities(vocab: int) -> 
         x[5] = float("-inf")  # a row of -inf only
         x[6, -1] = 100.0  # the maximum in the last column
         x[7, 0] = 100.0  # the maximum in the first
+        x[8, -1], x[8, vocab // 2] = 50.0, 50.0  # a tie between a block and the last column
+        if trial % 4 == 0:
+            x[0, -1] = float("nan")  # the only NaN, in the last column
         top, index = row_argmax(x)
         assert index.tolist() == x.argmax(dim=1).tolist()
         want = x.gather(1, x.argmax(dim=1, keepdim=True))[:, 0]
