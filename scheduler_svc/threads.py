@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -59,6 +59,10 @@ EXPLORE_EVERY = 32
 EXPLORE_COST = 0.1
 # Weight of the newest time in a choice's average.
 ALPHA = 0.3
+# A kind's change of verdict is logged at INFO at most this often (near a
+# tie the verdict can flip every few steps: 1-row 8x512 decode steps at
+# ~18 ms on either choice flipped ~10 times a second); the rest at DEBUG.
+LOG_EVERY_S = 60.0
 
 
 class StepKind(NamedTuple):
@@ -89,11 +93,21 @@ class _Seen:
     runs: dict[int, int] = field(default_factory=dict)
     steps: int = 0
     best: int | None = None  # the faster choice when last compared (for the log)
+    logged_at: float | None = None  # when a change of verdict was last logged at INFO
+    unlogged: int = 0  # changes of verdict since then
 
 
 class StepThreads:
-    def __init__(self, threads: int, *, explore_every: int = EXPLORE_EVERY, warmup: int = WARMUP) -> None:
+    def __init__(
+        self,
+        threads: int,
+        *,
+        explore_every: int = EXPLORE_EVERY,
+        warmup: int = WARMUP,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.threads = threads
+        self._clock = clock
         self.choices = (threads, threads - 1) if threads > 1 else (threads,)
         self.explore_every = explore_every
         self.warmup = warmup
@@ -134,8 +148,20 @@ class StepThreads:
         best = min(self.choices, key=lambda c: seen.seconds[c])
         if best != seen.best:
             seen.best = self._latest = best
-            times = ", ".join(f"{seen.seconds[c] * 1e3:.1f} ms on {c}" for c in self.choices)
-            log.info("%s now run on %d thread%s (lately %s)", kind, best, "" if best == 1 else "s", times)
+            self._log_verdict(kind, seen)
+
+    def _log_verdict(self, kind: StepKind, seen: _Seen) -> None:
+        now = self._clock()
+        ago = None if seen.logged_at is None else now - seen.logged_at
+        times = ", ".join(f"{seen.seconds[c] * 1e3:.1f} ms on {c}" for c in self.choices)
+        threads = f"{seen.best} thread{'' if seen.best == 1 else 's'}"
+        if ago is not None and ago < LOG_EVERY_S:
+            seen.unlogged += 1
+            log.debug("%s now run on %s (lately %s)", kind, threads, times)
+            return
+        since = f"; {seen.unlogged} more changes in the {ago:.0f}s before" if ago is not None and seen.unlogged else ""
+        log.info("%s now run on %s (lately %s%s)", kind, threads, times, since)
+        seen.logged_at, seen.unlogged = now, 0
 
     @contextmanager
     def run(self, kind: StepKind) -> Iterator[int]:

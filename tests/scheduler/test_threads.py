@@ -59,7 +59,7 @@ def test_a_choice_far_behind_is_remeasured_more_rarely() -> None:
 
 def test_it_follows_the_load_when_the_other_choice_becomes_faster(caplog: pytest.LogCaptureFixture) -> None:
     tuner = StepThreads(2, explore_every=4, warmup=2)
-    with caplog.at_level(logging.INFO, logger="scheduler_svc.threads"):
+    with caplog.at_level(logging.DEBUG, logger="scheduler_svc.threads"):
         feed(tuner, DECODE_32, {2: 0.004, 1: 0.008}, 12)
         # The tokenizer gets busy: two threads now lose to one, by a little.
         later = feed(tuner, DECODE_32, {2: 0.0090, 1: 0.0085}, 40)
@@ -68,6 +68,24 @@ def test_it_follows_the_load_when_the_other_choice_becomes_faster(caplog: pytest
     switches = [r.getMessage() for r in caplog.records]
     assert switches[0].startswith("steps with 32-63 running rows now run on 2 threads")
     assert switches[-1].startswith("steps with 32-63 running rows now run on 1 thread ")
+
+
+def test_a_verdict_that_flips_near_a_tie_is_logged_at_info_once_a_minute(caplog: pytest.LogCaptureFixture) -> None:
+    """Near a tie the verdict may flip every few steps: one INFO line per
+    kind per LOG_EVERY_S, saying how many changes it left out; the rest at
+    DEBUG."""
+    now = [0.0]
+    tuner = StepThreads(2, explore_every=2, warmup=1, clock=lambda: now[0])
+    with caplog.at_level(logging.DEBUG, logger="scheduler_svc.threads"):
+        for second in range(150):
+            now[0] = float(second)
+            # Each choice in turn is the faster by a little: the verdict flips.
+            feed(tuner, DECODE_32, {2: 0.010, 1: 0.012} if second % 2 else {2: 0.012, 1: 0.010}, 4)
+    info = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    debug = [r for r in caplog.records if r.levelno == logging.DEBUG]
+    assert len(info) == 3, info  # at 0 s, 60 s and 120 s
+    assert "more changes in the 60s before" in info[1], info[1]
+    assert len(debug) > 50, "every other change is still there at DEBUG"
 
 
 def test_decode_kinds_are_tuned_apart_and_a_prefill_step_follows_their_verdict() -> None:
