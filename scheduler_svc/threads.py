@@ -25,9 +25,8 @@ tokens/s to it in a short-lived service): it runs on the verdict of the
 decode steps with as many running rows, else on the latest verdict, else
 on every thread. A step with no running rows and no prefill runs no forward
 (a heartbeat, a step that only drops): it is not timed, and gives no verdict
-(its times are noise: it had decided on one thread for the prefill of the
-first requests after an idle spell, which then took 250 ms for 2 prompts of
-the 8x512 model).
+(its times are noise, ~0.0 ms on either choice, yet its verdict set the
+thread count of the first prefill after an idle spell).
 
 The thread count only changes how operators split their work: the tokens
 are the same either way up to the order of floating-point sums inside an
