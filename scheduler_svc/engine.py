@@ -324,6 +324,8 @@ class Engine:
         self._cached[req.request_id] = j.cached
 
     def _remove(self, rid: str, *, keep: bool = False) -> None:
+        if self._chunked and self._chunked[0].joiner.request.request_id == rid:
+            self.cache.drop_growth()  # the room its first chunk made for its row
         self._chunked = [c for c in self._chunked if c.joiner.request.request_id != rid]
         row = self.index.pop(rid, None)
         if row is None:  # never joined (failed at admission) or already gone
@@ -656,6 +658,7 @@ class Engine:
         )
         if failure is not None:
             self._chunked.pop(0)  # with its own cache: the batch's never held it
+            self.cache.drop_growth()  # the room made for its row
             ended[req.request_id] = failure
             return None
         assert hidden is not None

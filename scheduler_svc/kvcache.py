@@ -300,6 +300,11 @@ class RowCache(Cache):
             made.append((stores, i, torch.empty(shape, dtype=old.dtype, device=old.device)))
         self._growth = _Growth(row_cap, token_cap, made, per_step=math.ceil(len(made) / max(1, steps)))
 
+    def drop_growth(self) -> None:
+        """Let go of what `grow_ahead` made: the row it was for never comes
+        (its prompt failed or was dropped between chunks)."""
+        self._growth = None
+
     def advance_growth(self) -> None:
         """Zero the next share of the storage `grow_ahead` made."""
         growth = self._growth

@@ -353,6 +353,33 @@ def test_a_chunk_that_raises_fails_its_long_prompt_alone(model: torch.nn.Module)
         assert results[req.request_id] == reference(model, req), req.request_id
 
 
+@pytest.mark.parametrize("how", ["raises", "dropped"])
+def test_a_long_prompt_that_never_joins_lets_go_of_the_room_made_for_it(model: torch.nn.Module, how: str) -> None:
+    """A long prompt's first chunk makes the batch's cache room for its row
+    ahead of time (`RowCache.grow_ahead`); when a later chunk raises, or the
+    request is dropped between chunks (cancelled), that room goes at once,
+    not when the batch next empties."""
+    eos = frozenset([int(model.config.text_config.eos_token_id)])
+    engine = Engine(model, SoloGroup(), InlineReader(), torch.device("cpu"), eos_token_ids=eos, token_chunk=8,
+                    prefill_chunk=16)  # fmt: skip
+    engine._prefill_body = FailingBody(engine._prefill_body)
+    running = request("running", image_prompt(model, 0, [610, 611]), max_tokens=50)
+    out = engine.step(Plan(step=1, new=(running,)))
+    ids = [1, *range(1000, 1040)]
+    ids[20] = FailingBody.BAD if how == "raises" else 1020  # in its second chunk
+    out = engine.step(Plan(step=2, new=(request("long", ids, max_tokens=4),), feed=tuple(out.sampled.items())))
+    assert engine.cache._growth is not None, "its first chunk made room for its 41 tokens"
+    held = engine.cache.nbytes()
+    if how == "raises":
+        out = engine.step(Plan(step=3, feed=tuple(out.sampled.items())))
+        assert set(out.ended) == {"long"}
+    else:
+        out = engine.step(Plan(step=3, feed=tuple(out.sampled.items()), drop=("long",)))
+    assert engine.cache._growth is None
+    assert engine.cache.nbytes() == held, "the running row's own storage is as it was"
+    assert set(out.sampled) == {"running"}
+
+
 class FailingHead(torch.nn.Module):
     """The LM head, out of memory for a batch of exactly `rows` rows."""
 
