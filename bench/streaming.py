@@ -30,7 +30,12 @@ Last, the real services with the tiny model (and the 8x512 one with
 tokenizer's requests each over a `Generate` call or all over one
 `GenerateStream` call (the default), and the scheduler's --stream-interval
 1 and 4, in turn, a fresh pair each run. (The stand-in scheduler above
-serves `Generate` only: its figures are the per-request path's.)
+serves `Generate` only: its figures are the per-request path's.) Those
+requests share one image and are sent once as a warm-up first, so the
+timed run finds it in the services' caches (no preprocessing, vision tower
+or prompt prefill but the last block): these tokens/s are the streaming
+path's with little else around it, for comparing the arms with each other,
+not what a request with a new image gets (`bench/engine.py` measures that).
 
     python bench/streaming.py [--n 32] [--tokens 64] [--services-only] [--services-8x512]
 """
