@@ -143,8 +143,10 @@ def cache_hits(tokenizer_address: str, scheduler_address: str) -> dict[str, int]
     """The services' cache hits so far: the tokenizer's preprocessing cache,
     the scheduler's encoder and prefix caches (a benchmark that compares the
     services with arms that have no cache checks these stay 0)."""
-    with grpc.insecure_channel(tokenizer_address) as channel:
-        tok = tokenizer_pb2_grpc.TokenizerServiceStub(channel).GetServerInfo(tokenizer_pb2.GetServerInfoRequest())
+    from mmsplit.client import Client
+
+    with Client(tokenizer_address) as client:
+        tok = client.server_info()
     with grpc.insecure_channel(scheduler_address) as channel:
         call = scheduler_pb2_grpc.SchedulerServiceStub(channel).GetServerInfo
         # A scheduler on loopback asks for its local token (mmsplit.localauth).

@@ -325,7 +325,7 @@ class Engine:
 
     def _remove(self, rid: str, *, keep: bool = False) -> None:
         if self._chunked and self._chunked[0].joiner.request.request_id == rid:
-            self.cache.drop_growth()  # the room its first chunk made for its row
+            self.cache.drop_growth()  # the room its first chunk made for its row (only the first has begun)
         self._chunked = [c for c in self._chunked if c.joiner.request.request_id != rid]
         row = self.index.pop(rid, None)
         if row is None:  # never joined (failed at admission) or already gone
@@ -657,8 +657,9 @@ class Engine:
             "a chunk's forward",
         )
         if failure is not None:
-            self._chunked.pop(0)  # with its own cache: the batch's never held it
-            self.cache.drop_growth()  # the room made for its row
+            # As any chunked prompt that leaves: its own cache goes (the
+            # batch's never held its row), and the room made for that row.
+            self._remove(req.request_id)
             ended[req.request_id] = failure
             return None
         assert hidden is not None
