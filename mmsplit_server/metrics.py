@@ -2,18 +2,22 @@
 `/metrics` over plain HTTP from a thread of the service's process.
 
 Names follow Prometheus conventions: `mmsplit_<service>_...`, units in the
-name, `_total` counters; the only label is `outcome` (OK, an ErrorCode name,
-or CANCELLED: a bounded set), never a request id. Gauges are read when
-scraped, from the service's own state.
+name, `_total` counters. Every label takes values from a bounded set
+(`outcome`: OK, an ErrorCode name or CANCELLED; a worker's `stage`, a
+scheduler `backend`, a `rank`, a collector `generation`), never a request
+id. Gauges are read when scraped, from the service's own state.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import gc
+from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from mmsplit_server import gcheap
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
@@ -39,6 +43,19 @@ class ServiceMetrics:
         )  # fmt: skip
         self.prompt_tokens = Counter(f"{prefix}_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.completion_tokens = Counter(f"{prefix}_completion_tokens", "Tokens generated", registry=r)
+        pauses = gcheap.Pauses().install()  # for the process's life: metrics are made once, at start-up
+        self.counter_by(
+            "gc_collections", "Python garbage collections by generation", "generation", lambda: pauses.collections
+        )
+        self.counter_by(
+            "gc_pause_seconds",
+            "Seconds the Python garbage collector held the process (the GIL), by generation",
+            "generation",
+            lambda: pauses.seconds,
+        )
+        self.gauge(
+            "gc_frozen_objects", "Objects frozen out of the garbage collector's reach at start-up", gc.get_freeze_count
+        )
 
     def finished(self, outcome: str, duration_s: float, ttft_s: float | None, prompt: int, completion: int) -> None:
         self.requests.labels(outcome=outcome).inc()
@@ -58,11 +75,11 @@ class ServiceMetrics:
         """Counters kept elsewhere (name -> (documentation, value)), read on scrape."""
         self.registry.register(_Read(self.prefix, read))
 
-    def counter_by(self, name: str, documentation: str, label: str, read: Callable[[], dict[str, float]]) -> None:
+    def counter_by(self, name: str, documentation: str, label: str, read: Callable[[], Mapping[str, float]]) -> None:
         """A counter kept elsewhere with one bounded label (label value -> count), read on scrape."""
         self.registry.register(_ReadLabelled(f"{self.prefix}_{name}", documentation, label, read))
 
-    def gauge_by(self, name: str, documentation: str, label: str, read: Callable[[], dict[str, float]]) -> None:
+    def gauge_by(self, name: str, documentation: str, label: str, read: Callable[[], Mapping[str, float]]) -> None:
         """A gauge with one bounded label (label value -> value), read on scrape."""
         self.registry.register(_ReadLabelled(f"{self.prefix}_{name}", documentation, label, read, gauge=True))
 
@@ -83,7 +100,7 @@ class _Read(Collector):
 
 class _ReadLabelled(Collector):
     def __init__(
-        self, name: str, documentation: str, label: str, read: Callable[[], dict[str, float]], gauge: bool = False
+        self, name: str, documentation: str, label: str, read: Callable[[], Mapping[str, float]], gauge: bool = False
     ) -> None:
         self.name, self.documentation, self.label, self.read, self.gauge = name, documentation, label, read, gauge
 

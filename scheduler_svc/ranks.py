@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from mmsplit_server import gcheap
 from mmsplit_server.handoff import cuda_ipc, files
 from mmsplit_server.serving import setup_logging
 from scheduler_svc import shm_allreduce
@@ -87,6 +88,9 @@ def bootstrap(settings: SchedulerSettings, rendezvous: Rendezvous | None, arena:
     shared = namespaces[0] if len(set(namespaces)) == 1 else ""
     if not shared and coll.rank == 0:
         log.warning("ranks see different /dev/shm (%s); only inline tensors are accepted", namespaces)
+    # A collection's pause on any rank holds every rank at its next
+    # collective: none of them walks the start-up's objects again.
+    gcheap.freeze()
     return Bootstrapped(engine, coll, shared, arena if shared_sums else None)
 
 

@@ -30,6 +30,7 @@ from mmsplit.client import read_secret
 from mmsplit.common.v1 import common_pb2
 from mmsplit.errors import InternalError, MmsplitError
 from mmsplit.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
+from mmsplit_server import gcheap
 from mmsplit_server.handoff import cuda_ipc, files
 from mmsplit_server.metrics import ServiceMetrics
 from mmsplit_server.serving import (
@@ -468,6 +469,9 @@ async def _serve_published(
     metrics = _metrics(settings, step_loop)
     servicer = SchedulerServicer(frontend, described, step_loop, metrics)
     scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(servicer, server)
+    # What rank 0 made since `bootstrap` froze the rest (the tokenizer loaded
+    # for the vocabulary, the server's modules): frozen too, before serving.
+    gcheap.freeze()
     if local is not None:
         published.append(localauth.provision(local, port, security.token))
     await server.start()

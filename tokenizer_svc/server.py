@@ -26,7 +26,7 @@ from mmsplit.client import read_secret
 from mmsplit.common.v1 import common_pb2
 from mmsplit.errors import InternalError, MmsplitError
 from mmsplit.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
-from mmsplit_server import families
+from mmsplit_server import families, gcheap
 from mmsplit_server.handoff import cuda_ipc, files
 from mmsplit_server.metrics import ServiceMetrics
 from mmsplit_server.serving import (
@@ -324,6 +324,7 @@ async def _serve(
             }
         )
     tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server(servicer, server)
+    gcheap.freeze()  # before the first request: a full collection walks only what serving makes
     await server.start()
     http = None
     if settings.http_port:

@@ -136,6 +136,13 @@ def test_counts_by_outcome_after_a_scripted_mix(services: Services) -> None:
     assert by_rank(scheduler, 1) - by_rank(before_sched, 1) == 1
     assert by_rank(scheduler, 0) - by_rank(before_sched, 0) == 0
     assert ("mmsplit_scheduler_agreement_failures_total", (("rank", "0"),)) in scheduler
+    # Both froze their start-up (torch, transformers, the model: hundreds of
+    # thousands of objects) out of the garbage collector's reach.
+    for service, sample in (("tokenizer", after), ("scheduler", scheduler)):
+        assert sample[(f"mmsplit_{service}_gc_frozen_objects", ())] > 100_000, service
+        for generation in ("0", "1", "2"):
+            assert (f"mmsplit_{service}_gc_collections_total", (("generation", generation),)) in sample
+            assert (f"mmsplit_{service}_gc_pause_seconds_total", (("generation", generation),)) in sample
 
 
 def test_promtool_finds_no_problem(services: Services) -> None:
