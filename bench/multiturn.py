@@ -16,7 +16,14 @@ interleaved over rounds:
   tokens/s over the whole workload.
 - **no shared prefix**: the same number of requests and tokens, every
   prompt its own random text (the cache looks up, misses, and keeps every
-  finished request's blocks): tokens/s with the cache on and off.
+  request's blocks): tokens/s with the cache on and off.
+- **shared system prompt, staggered**: 4 x C requests, one joining each
+  step while the earlier ones still decode (answers 4x as long), each the
+  same system prompt then its own image and question: the median time to
+  first token of all but the first, with the cache on and off, and the
+  share of their prompts taken from the cache. A prompt's blocks are kept
+  the step after it is prefilled, so a request can take them while the
+  one that made them runs.
 
 Also whether both arms made the same tokens (greedy: they must); and,
 unless `--no-chunked`, one round of `bench/chunked_prefill.py` (16 streams
@@ -138,6 +145,45 @@ def conversations(eng: Any, n: int, system: int, answer: int, seed: int) -> Work
     return per_turn, made, total, tokens
 
 
+def staggered(eng: Any, n: int, system: int, answer: int, seed: int) -> tuple[list[float], dict[str, list[int]]]:
+    """`n` requests sharing a system prompt, one joining each step: the
+    join steps' seconds (all but the first request's) and every request's tokens."""
+    from scheduler_svc.plan import Plan
+
+    rng = random.Random(seed + 11)
+    prefix = [1, *(rng.randrange(100, 30000) for _ in range(system))]
+    arrivals = [
+        request(
+            f"s{k}",
+            [*prefix, *([IMAGE_TOKEN_ID] * IMAGE_TOKENS), *(rng.randrange(100, 30000) for _ in range(30))],
+            [image(seed * 100 + 50 + k)],
+            answer,
+        )
+        for k in range(n)
+    ]
+    made: dict[str, list[int]] = {}
+    joins: list[float] = []
+    feeds: dict[str, int] = {}
+    drop: tuple[str, ...] = ()
+    step = 0
+    while step < n or feeds or drop:
+        new = (arrivals[step],) if step < n else ()
+        t0 = time.perf_counter()
+        outcome = eng.step(Plan(step=step, new=new, drop=drop, feed=tuple(feeds.items()), keep=drop))
+        if new and step:
+            joins.append(time.perf_counter() - t0)
+        step += 1
+        feeds, done = {}, []
+        for rid, token in outcome.sampled.items():
+            made.setdefault(rid, []).append(token)
+            if len(made[rid]) >= answer:
+                done.append(rid)
+            else:
+                feeds[rid] = token
+        drop = tuple(done)
+    return joins, made
+
+
 def unshared(eng: Any, n: int, lengths: list[int], answer: int, seed: int) -> tuple[float, int, dict[str, list[int]]]:
     """As many requests as the multi-turn workload, of its prompt lengths,
     every prompt its own random text."""
@@ -175,6 +221,8 @@ def main() -> None:
         ttft: dict[str, list[list[float]]] = {arm: [[] for _ in range(TURNS)] for arm in arms}
         rate: dict[str, list[float]] = {arm: [] for arm in arms}
         flat: dict[str, list[float]] = {arm: [] for arm in arms}
+        stagger: dict[str, list[float]] = {arm: [] for arm in arms}
+        stagger_hit = stagger_prompt = 0
         same = True
         hit = prompt = 0
         lengths: list[int] = []
@@ -201,6 +249,17 @@ def main() -> None:
                 if r:
                     flat[arm].append(tokens / seconds)
             same &= unshared_made["on"] == unshared_made["off"]
+            staggered_made = {}
+            for arm, size in arms.items():
+                eng = engine(model, size)
+                joins, staggered_made[arm] = staggered(eng, 4 * args.conversations, args.system, 4 * args.answer, r)
+                if r:
+                    stagger[arm] += joins
+                    if arm == "on":
+                        # The first request's prompt found nothing: the others' are the measure.
+                        stagger_hit += eng.prefix_cache.hit_tokens
+                        stagger_prompt += eng.prefix_cache.prompt_tokens
+            same &= staggered_made["on"] == staggered_made["off"]
         rows = []
         for t in range(TURNS):
             on, off = statistics.median(ttft["on"][t]), statistics.median(ttft["off"][t])
@@ -217,6 +276,11 @@ def main() -> None:
         on, off = statistics.median(flat["on"]), statistics.median(flat["off"])
         print(f"no shared prefix ({args.conversations} x {TURNS} requests of {lengths[0]}-{lengths[-1]} tokens): "
               f"tokens/s on {on:.0f}, off {off:.0f} ({on / off:.3f}x; target >= 0.97x)")  # fmt: skip
+        on, off = statistics.median(stagger["on"]), statistics.median(stagger["off"])
+        print(f"shared system prompt, staggered ({4 * args.conversations} requests, one joining each step while the "
+              f"others decode {4 * args.answer} tokens; each its own image and question): TTFT after the first "
+              f"off {off * 1000:.0f} ms, on {on * 1000:.0f} ms ({on / off:.2f}x), "
+              f"prompt tokens from the cache {stagger_hit / max(stagger_prompt, 1):.0%}")  # fmt: skip
         print(f"same tokens with the cache on and off (every request, every round): {same}")
         if not args.no_chunked:
             chunked(workdir)

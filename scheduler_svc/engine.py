@@ -184,10 +184,11 @@ class Engine:
         self._head_shard, self._head_widths = self._sharded_head()
         # On CPU: each step on every thread or one fewer, whichever has been faster lately.
         self.threads = threads
-        # KV of finished requests' prompts (and outputs), by blocks.
+        # KV of prompts once prefilled, and of finished requests' outputs, by blocks.
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
         self._matches: dict[str, Match] = {}  # this step's new requests: what they could take
         self._cached: dict[str, int] = {}  # this step's joiners: prompt tokens taken from it
+        self._prefilled: list[str] = []  # rows that joined last step: their prompts' blocks go in the store
         self._agreed = (True, True)  # whether the ranks' encoder and prefix caches agreed when last used
 
     @property
@@ -216,6 +217,12 @@ class Engine:
         # moves nowhere (32 rows ending together copied 31 rows' KV).
         for rid in sorted(plan.drop, key=lambda rid: self.index.get(rid, -1), reverse=True):
             self._remove(rid, keep=rid in keep)
+        # The prompts prefilled last step, still running: a request that
+        # starts the same way (a shared system prompt, the same image) can
+        # take their blocks from this step on, without waiting for them to
+        # finish. Kept here rather than as they joined, so their first
+        # token did not wait for the copy; before this step's matches.
+        kept_prefilled = self._keep_prefilled()
         self._cached = {}
         for rid, token in plan.feed:
             # A missing id here means the ranks diverged: fail loudly, never guess.
@@ -301,7 +308,8 @@ class Engine:
                     sampled[row.request.request_id] = result
                     row.sampling.generated += 1  # type: ignore[union-attr]
             clock.lap("sample")
-        if self.prefix_cache.enabled and (plan.keep or self._cached) and log.isEnabledFor(logging.DEBUG):
+        changed = plan.keep or self._cached or kept_prefilled
+        if self.prefix_cache.enabled and changed and log.isEnabledFor(logging.DEBUG):
             store = self.prefix_cache
             log.debug("rank %d after step %d: prefix cache %d blocks, %d bytes, keys %s", self.coll.rank, plan.step,
                       len(store), store.nbytes, store.fingerprint())  # fmt: skip
@@ -322,6 +330,7 @@ class Engine:
         self.index[req.request_id] = len(self.rows)
         self.rows.append(Row(req, sampling=self._row_sampling(req), rope_delta=j.rope_delta, runs=j.runs))
         self._cached[req.request_id] = j.cached
+        self._prefilled.append(req.request_id)
 
     def _remove(self, rid: str, *, keep: bool = False) -> None:
         if self._chunked and self._chunked[0].joiner.request.request_id == rid:
@@ -331,25 +340,41 @@ class Engine:
         if row is None:  # never joined (failed at admission) or already gone
             return
         if keep and self.prefix_cache.enabled:
-            try:
-                self._keep(self.rows[row], row)
-            except Exception:
-                # Out of memory, say: the row leaves all the same. This
-                # rank's store may now differ from the others', so its
-                # history says so and no rank uses a cached prefix again
-                # (the agreement compares histories).
-                log.exception("rank %d: keeping the blocks of %s failed; the prefix cache is off from now on",
-                              self.coll.rank, rid)  # fmt: skip
-                self.prefix_cache.spoil(self.coll.rank)
+            self._keep_or_spoil(row)
         self.cache.remove(row)
         last = self.rows.pop()
         if row < len(self.rows):
             self.rows[row] = last
             self.index[last.request.request_id] = row
 
+    def _keep_prefilled(self) -> bool:
+        """Keep the blocks of the prompts that joined last step and still
+        run (every rank: the same rows, in join order); whether any were."""
+        joined, self._prefilled = self._prefilled, []
+        if not self.prefix_cache.enabled:
+            return False
+        rows = [self.index[rid] for rid in joined if rid in self.index]
+        for row in rows:
+            self._keep_or_spoil(row)
+        return bool(rows)
+
+    def _keep_or_spoil(self, index: int) -> None:
+        try:
+            self._keep(self.rows[index], index)
+        except Exception:
+            # Out of memory, say: the row goes on (or leaves) all the same.
+            # This rank's store may now differ from the others', so its
+            # history says so and no rank uses a cached prefix again (the
+            # agreement compares histories).
+            log.exception("rank %d: keeping the blocks of %s failed; the prefix cache is off from now on",
+                          self.coll.rank, self.rows[index].request.request_id)  # fmt: skip
+            self.prefix_cache.spoil(self.coll.rank)
+
     def _keep(self, row: Row, index: int) -> None:
-        """Keep the full blocks of a leaving row's KV in the prefix cache:
-        its prompt and the tokens it was fed after it."""
+        """Keep the full blocks of a row's KV in the prefix cache: its
+        prompt and the tokens it was fed after it. Blocks the store holds
+        already (a running row's prompt, kept the step after it joined)
+        are touched, not copied again."""
         length = self.cache.lengths[index]
         tokens = [*row.request.input_ids, *row.fed][:length]
         keys = chain(tokens, row.runs, row.request.cache_salt, blocks=length // BLOCK_TOKENS)

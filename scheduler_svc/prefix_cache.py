@@ -1,6 +1,8 @@
-"""The prefix cache: the KV of finished requests, kept in blocks, so a later
-request whose prompt starts with the same blocks skips their prefill (a chat
-client resends the whole conversation, images included, every turn).
+"""The prefix cache: the KV of prompts once prefilled and of finished
+requests' outputs, kept in blocks, so a later request whose prompt starts
+with the same blocks skips their prefill (a chat client resends the whole
+conversation, images included, every turn; many clients share one system
+prompt).
 
 A block is `BLOCK_TOKENS` prompt (or generated) tokens. Its key chains:
 
@@ -23,7 +25,8 @@ logits make the first token).
 Every rank must hold the same blocks in the same order (a hit changes the
 prefill's shape, and under TP the forward's collectives must match): the
 store changes only at points every rank reaches in plan order — blocks kept
-when a row leaves (`keep`, for the requests the plan names), touched when a
+the step after a prompt joined, and when a row leaves (`keep`, for the
+requests the plan names), touched when a
 joiner every rank agreed on takes its match (`take`) — and eviction is least
 recently used by that order, never by time. A match's length and the
 store's `history` (a digest of every change made to it, which determines

@@ -129,8 +129,9 @@ class SchedulerSettings(ServiceSettings):
     )
     prefix_cache_bytes: int = _opt(
         1024**3,
-        "bytes of finished requests' keys and values each rank keeps, in blocks of 16 tokens, for later "
-        "prompts that start the same (a conversation resent whole each turn): a hit skips the prefill of "
+        "bytes of keys and values each rank keeps (prompts once prefilled, finished requests' outputs), in "
+        "blocks of 16 tokens, for later prompts that start the same (a conversation resent whole each turn, a "
+        "shared system prompt): a hit skips the prefill of "
         "its blocks. Keyed by the tokens, each image's or video's tensors as this rank hashes them, and "
         "the request's cache_salt; on the model's device, beside --kv-cache-bytes; 0 = off",
         min=0,

@@ -35,6 +35,7 @@ def test_multiturn_benchmark_prints_every_figure_and_both_arms_agree() -> None:
         "turns 2-4: TTFT with the cache",
         "prompt tokens taken from the cache",
         "no shared prefix",
+        "shared system prompt, staggered",
     ):
         assert line in result.stdout
     assert "same tokens with the cache on and off (every request, every round): True" in result.stdout

@@ -174,6 +174,23 @@ def test_no_block_is_shared_past_a_different_image_or_across_salts(model: torch.
         assert results[req.request_id] == reference(model, req), req.request_id
 
 
+def test_a_request_takes_the_blocks_of_one_still_running(model: torch.nn.Module) -> None:
+    """A prompt's blocks are kept the step after it joined: a request that
+    starts the same way (the same text and image) and arrives while the
+    first still decodes takes them; both keep their greedy tokens."""
+    eos = int(model.config.text_config.eos_token_id)
+    engine = make_engine(model, prefix=64 << 20)
+    ids = [*range(700, 740), *([model.config.image_token_id] * IMAGE_TOKENS), *range(800, 830)]  # 134 tokens
+    first = request("first", ids, [pixels(1)], max_tokens=10)
+    second = request("second", [*ids[:120], 901, 902, 903], [pixels(1)], max_tokens=4)
+    seen: dict[str, int] = {}
+    results = drive(engine, {0: [first], 2: [second]}, eos, seen)
+    assert results["first"] == reference(model, first)
+    assert len(results["first"]) > 3, "the first finished before the second came: the test proves nothing"
+    assert seen["second"] == 112, "the first's 7 blocks through the image and past it"
+    assert results["second"] == reference(model, second)
+
+
 def test_a_full_store_evicts_and_stays_within_its_bytes(model: torch.nn.Module) -> None:
     """A store of a few blocks under a stream of conversations: it never
     holds more than its bytes, and every answer equals the uncached one."""
