@@ -22,7 +22,7 @@ from scheduler_svc import shm_allreduce
 from scheduler_svc.collective import TorchCollective, init_group, pick_device
 from scheduler_svc.engine import Engine
 from scheduler_svc.loop import run_follower
-from scheduler_svc.model import load_model, model_dtype, model_info
+from scheduler_svc.model import ModelInfo, load_model, model_dtype, model_info
 from scheduler_svc.reader import build_reader
 from scheduler_svc.rendezvous import Rendezvous
 from scheduler_svc.settings import SchedulerSettings
@@ -59,6 +59,11 @@ def bootstrap(settings: SchedulerSettings, rendezvous: Rendezvous | None, arena:
     device = pick_device(settings.device)
     dtype = model_dtype(settings.dtype, device)
     model = load_model(settings.model_dir, world_size=dist.get_world_size(), device=device, dtype=dtype)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        short = memory_shortfall(settings, model_info(settings.model_dir), dtype.itemsize, free)
+        if short:
+            log.warning("rank %d: %s", dist.get_rank(), short)
     coll = TorchCollective(device)
     shared_sums = arena is not None and shm_allreduce.install(arena, settings.collective_timeout_s)
     coll.arena = arena if shared_sums else None
@@ -92,6 +97,35 @@ def bootstrap(settings: SchedulerSettings, rendezvous: Rendezvous | None, arena:
     # collective: none of them walks the start-up's objects again.
     gcheap.freeze()
     return Bootstrapped(engine, coll, shared, arena if shared_sums else None)
+
+
+def memory_shortfall(settings: SchedulerSettings, info: ModelInfo, itemsize: int, free_bytes: int) -> str:
+    """What the settings may hold on a rank's device beyond what it has free
+    once the model is loaded, said with the flags to lower; "" when it
+    fits. A warning, not a refusal: the KV cache and both caches grow as
+    they are used, and running out fails the requests that needed the
+    memory (OVERLOADED), not the group."""
+    if settings.kv_budget_tokens:
+        kv = (
+            "--kv-budget-tokens",
+            settings.kv_budget_tokens * info.kv_bytes_per_token(tp=settings.tp, itemsize=itemsize),
+        )
+    else:
+        kv = ("--kv-cache-bytes", settings.kv_cache_bytes)
+    parts = [
+        kv,
+        ("--prefix-cache-bytes", settings.prefix_cache_bytes),
+        ("--encoder-cache-bytes", settings.encoder_cache_bytes),
+    ]
+    wanted = sum(size for _, size in parts)
+    if wanted <= free_bytes:
+        return ""
+    said = " + ".join(f"{flag} {size / 2**30:.2f} GiB" for flag, size in parts if size)
+    return (
+        f"{said} = {wanted / 2**30:.2f} GiB may be held on this device, which has {free_bytes / 2**30:.2f} GiB free "
+        "with the model loaded (and each step's activations need room too): requests will fail OVERLOADED once "
+        "it runs out; lower these"
+    )
 
 
 def follower_main(settings: SchedulerSettings, rendezvous: Rendezvous | None, arena: Arena | None = None) -> None:
