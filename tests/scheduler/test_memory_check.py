@@ -32,7 +32,9 @@ def test_budgets_over_the_free_memory_name_each_flag_and_the_sum() -> None:
     s = settings(kv_cache_bytes=4 * GIB, prefix_cache_bytes=GIB, encoder_cache_bytes=GIB // 4)
     said = memory_shortfall(s, info(), 2, free_bytes=5 * GIB)
     assert "--kv-cache-bytes 4.00 GiB + --prefix-cache-bytes 1.00 GiB + --encoder-cache-bytes 0.25 GiB" in said
-    assert "= 5.25 GiB" in said and "5.00 GiB free" in said and "OVERLOADED" in said
+    assert "= 5.25 GiB" in said
+    assert "5.00 GiB free" in said
+    assert "OVERLOADED" in said
 
 
 def test_a_budget_in_tokens_counts_as_the_bytes_it_takes() -> None:
