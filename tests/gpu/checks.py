@@ -199,9 +199,13 @@ def two_ranks_one_gpu(model_dir: Path, logs: Path) -> None:
     a request; a read failure injected on rank 1 fails only its request
     (the agreement over NCCL); rank 1 SIGKILLed fails the group within a bound."""
     extra = ["--device", DEVICE, "--tensor-reader", "tests.support.faults:make_reader", "--collective-timeout-s", "20"]
+    # More KV budget than any GPU has: each rank must warn at start (it is
+    # only a budget: nothing is allocated up front).
+    extra += ["--kv-cache-bytes", str(1 << 41)]
     proc = ServiceProcess("scheduler-tp2", scheduler_args(model_dir, tp=2, extra=extra), logs / "tp2.log")
     try:
         proc.wait_serving(SCHEDULER_SERVICE, 120)
+        memory_warnings(proc.log_path.read_text())
         with scheduler_channel(proc.address) as channel:
             request = scheduler_pb2.GenerateRequest(
                 request_id="tp2", input_ids=[1, 22557, 1526], sampling=common_pb2.SamplingParams(max_tokens=8)
@@ -219,6 +223,16 @@ def two_ranks_one_gpu(model_dir: Path, logs: Path) -> None:
         rank_killed(proc)
     finally:
         proc.stop()
+
+
+@check("each rank warns when the KV budget and caches may outgrow its GPU")
+def memory_warnings(log: str) -> None:
+    if DEVICE != "cuda":
+        report("INFO", "memory warning", "CUDA only: not checked on " + DEVICE)
+        return
+    warned = sorted({rank for rank in ("0", "1") if f"rank {rank}: --kv-cache-bytes 2048.00 GiB" in log})
+    assert warned == ["0", "1"], f"ranks that warned: {warned}; log tail: {log[-600:]}"
+    report("PASS", "memory warning", "both ranks named --kv-cache-bytes over their free memory")
 
 
 @check("a read failure on rank 1 fails only its request (TP=2)")
@@ -375,6 +389,8 @@ def main() -> int:
     tokenizer = ["--cuda-ipc-pool-bytes", "0"]
     with running_pair(model_dir, logs, tp=1, scheduler_extra=scheduler, tokenizer_extra=tokenizer) as pair:
         log = pair.scheduler.log_path.read_text()
+        if "may be held on this device" in log:
+            report("FAIL", "memory warning", "the defaults fit this GPU, yet rank 0 warned")
         nccl = "nccl group" in log
         report(
             "PASS" if nccl else "FAIL",
