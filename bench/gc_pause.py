@@ -142,7 +142,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="8x512", help="the model whose heap part 1 builds (harness.MODELS)")
     parser.add_argument("--reps", type=int, default=5, help="full collections timed per arm")
-    parser.add_argument("--rounds", type=int, default=40, help="rounds of 32 requests through the services")
+    parser.add_argument(
+        "--rounds", type=int, default=40, help="rounds of 32 requests through the services (0: skip that part)"
+    )
     parser.add_argument("--heap", choices=HEAPS, help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -153,7 +155,7 @@ def main() -> None:
         heaps = {
             service: in_new_interpreter(service, build_model(args.model, Path(tmp)), args.reps) for service in HEAPS
         }
-        served = in_service(build_model("tiny", Path(tmp)), args.rounds, Path(tmp))
+        served = in_service(build_model("tiny", Path(tmp)), args.rounds, Path(tmp)) if args.rounds else {}
     print(f"a full collection (median of {args.reps}), each service's heap as started ({args.model} model)")
     rows = [
         [
@@ -167,6 +169,8 @@ def main() -> None:
         for service, h in heaps.items()
     ]
     print(table(["heap", "objects", "frozen", "not frozen ms", "frozen ms", "frozen / not"], rows))
+    if not served:
+        return
     print(
         f"\nthe services (TP=1, tiny model, start-up frozen), {args.rounds} rounds"
         " of 32 concurrent requests x 32 tokens"

@@ -59,12 +59,11 @@ def test_sampler_benchmark_prints_both_picks_for_every_shape() -> None:
         assert f"32 greedy rows under min_tokens, {vocab}:" in result.stdout
 
 
-def test_gc_pause_benchmark_prints_both_heaps_and_both_services() -> None:
-    result = run_bench("gc_pause.py", ["--model", "tiny", "--reps", "1", "--rounds", "1"])
+def test_gc_pause_benchmark_prints_both_heaps() -> None:
+    # Its second part reads the services' gc metrics, which tests/e2e/test_metrics.py checks.
+    result = run_bench("gc_pause.py", ["--model", "tiny", "--reps", "1", "--rounds", "0"])
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
     for service in ("tokenizer", "scheduler"):
         heap = next(line for line in lines if line.startswith(f"{service} ") and len(line.split()) == 6)
         assert float(heap.split()[2]) > 100_000, heap  # the start-up, frozen
-        served = [line.split() for line in lines if line.startswith(f"{service} ") and len(line.split()) == 5]
-        assert [row[1] for row in served] == ["0", "1", "2"], served
