@@ -6,8 +6,9 @@ torch, transformers, the tokenizer, the model's modules, hundreds of
 thousands of objects that live as long as the process. CPython's full
 (generation 2) collection walks every tracked object, so each one paused
 the service for as long as that walk took: a tokenizer streaming 32
-requests ran one about every 600 requests, 0.22-0.30 s each with the GIL
-held (bench/gc_pause.py), in which no stream got a token. `freeze` moves
+requests at a time ran one every 300-600 requests, 0.22-0.30 s each with
+the GIL held, in which no stream got a token (bench/gc_pause.py: 180-206 ms
+for a full collection of the start-up heap alone, 0.00 ms once frozen). `freeze` moves
 what exists once the service is up into the collector's permanent
 generation (`gc.freeze`), which no collection walks again: a full
 collection then walks only what serving made. Reference counting still
