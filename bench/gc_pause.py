@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -103,8 +104,6 @@ def gc_samples(port: int) -> dict[tuple[str, str], float]:
 
 
 def metrics_port(log: Path) -> int:
-    import re
-
     found = re.search(r"metrics on port (\d+)", log.read_text())
     assert found, f"no metrics port in {log}"
     return int(found.group(1))

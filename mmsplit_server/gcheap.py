@@ -13,9 +13,8 @@ what exists once the service is up into the collector's permanent
 generation (`gc.freeze`), which no collection walks again: a full
 collection then walks only what serving made. Reference counting still
 frees frozen objects as ever; only a reference cycle among them would
-stay, which is why garbage is collected first and why this is called once,
-at the end of the start-up (the scheduler's rank 0 calls it twice: once
-the group has formed, and once its server is made).
+stay, which is why garbage is collected first and why this is called once
+per process, at the end of its start-up.
 
 `Pauses` counts the collections and the time they held the process, per
 generation, for the metrics (`mmsplit_<service>_gc_*`).

@@ -59,15 +59,15 @@ def bootstrap(settings: SchedulerSettings, rendezvous: Rendezvous | None, arena:
     device = pick_device(settings.device)
     dtype = model_dtype(settings.dtype, device)
     model = load_model(settings.model_dir, world_size=dist.get_world_size(), device=device, dtype=dtype)
+    info = model_info(settings.model_dir)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        short = memory_shortfall(settings, model_info(settings.model_dir), dtype.itemsize, free)
+        short = memory_shortfall(settings, info, dtype.itemsize, free)
         if short:
             log.warning("rank %d: %s", dist.get_rank(), short)
     coll = TorchCollective(device)
     shared_sums = arena is not None and shm_allreduce.install(arena, settings.collective_timeout_s)
     coll.arena = arena if shared_sums else None
-    info = model_info(settings.model_dir)
     engine = Engine(
         model,
         coll,
@@ -93,9 +93,6 @@ def bootstrap(settings: SchedulerSettings, rendezvous: Rendezvous | None, arena:
     shared = namespaces[0] if len(set(namespaces)) == 1 else ""
     if not shared and coll.rank == 0:
         log.warning("ranks see different /dev/shm (%s); only inline tensors are accepted", namespaces)
-    # A collection's pause on any rank holds every rank at its next
-    # collective: none of them walks the start-up's objects again.
-    gcheap.freeze()
     return Bootstrapped(engine, coll, shared, arena if shared_sums else None)
 
 
@@ -136,6 +133,10 @@ def follower_main(settings: SchedulerSettings, rendezvous: Rendezvous | None, ar
 
 
 def run_follower_until_stopped(boot: Bootstrapped) -> None:
+    # A collection's pause on any rank holds every rank at its next
+    # collective: no rank walks the start-up's objects again (rank 0 freezes
+    # its own once its server is made).
+    gcheap.freeze()
     log.info("rank %d ready", boot.coll.rank)
     run_follower(boot.engine, boot.coll)
     dist.destroy_process_group()

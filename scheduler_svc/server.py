@@ -469,8 +469,9 @@ async def _serve_published(
     metrics = _metrics(settings, step_loop)
     servicer = SchedulerServicer(frontend, described, step_loop, metrics)
     scheduler_pb2_grpc.add_SchedulerServiceServicer_to_server(servicer, server)
-    # What rank 0 made since `bootstrap` froze the rest (the tokenizer loaded
-    # for the vocabulary, the server's modules): frozen too, before serving.
+    # Rank 0's start-up (the model, the tokenizer loaded for the vocabulary,
+    # the server) out of the collector's reach, before serving; the other
+    # ranks freeze theirs as they start to follow.
     gcheap.freeze()
     if local is not None:
         published.append(localauth.provision(local, port, security.token))
