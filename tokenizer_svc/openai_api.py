@@ -15,9 +15,17 @@ What is accepted, as vLLM, SGLang and TGI accept it:
   stop_token_ids, n (up to MAX_CHOICES), stream, stream_options.include_usage,
   logprobs and top_logprobs (chat: a boolean and 0 to 20; completions: the
   legacy integer, the number of top entries), and vLLM's `cache_salt` (a
-  tenant's prefix-cache isolation). Unknown fields are ignored (logged at
-  debug). The usage reports `prompt_tokens_details.cached_tokens`: prompt
-  tokens the scheduler took from its prefix cache.
+  tenant's prefix-cache isolation). The usage reports
+  `prompt_tokens_details.cached_tokens`: prompt tokens the scheduler took
+  from its prefix cache.
+- Refused (400, `param` naming the field): the OpenAI fields whose meaning
+  this server cannot honour (`UNHONOURED`: tools, structured output,
+  penalties and logit_bias, audio output, echo...) when set to anything but
+  their do-nothing value. Answering as if they were absent would hand a
+  client that asked for JSON or a tool call plain text and no sign why;
+  vLLM refuses tools the same way unless a tool parser is configured.
+  Assistant messages' `tool_calls` likewise. Other unknown fields are
+  ignored (logged at debug).
 
 The HTTP status of each ErrorCode is one table (`STATUS`), next to the gRPC
 one in `mmsplit.errors`.
@@ -25,6 +33,7 @@ one in `mmsplit.errors`.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
@@ -83,6 +92,27 @@ KNOWN = {
     "stop", "min_tokens", "stop_token_ids", "n", "stream", "stream_options", "logprobs", "top_logprobs", "user",
     "cache_salt",
 }  # fmt: skip
+
+# Field -> (the values that ask for nothing, and are accepted; why any other
+# value is refused).
+_TOOLS = "this server does not parse tool calls"
+_LOGITS = "this server does not adjust token probabilities"
+UNHONOURED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "tools": ((None, []), _TOOLS),
+    "tool_choice": ((None, "none"), _TOOLS),
+    "functions": ((None, []), _TOOLS),
+    "function_call": ((None, "none"), _TOOLS),
+    "response_format": ((None, {"type": "text"}), "this server does not constrain its output to a format"),
+    "presence_penalty": ((None, 0), _LOGITS),
+    "frequency_penalty": ((None, 0), _LOGITS),
+    "repetition_penalty": ((None, 1), _LOGITS),
+    "logit_bias": ((None, {}), _LOGITS),
+    "modalities": ((None, ["text"]), "this server answers in text only"),
+    "audio": ((None,), "this server answers in text only"),
+    "echo": ((None, False), "this server does not return the prompt"),
+    "suffix": ((None, ""), "this server does not insert text"),
+    "best_of": ((None, 1), "this server returns every choice it makes (use n)"),
+}
 
 
 def error_body(exc: MmsplitError) -> tuple[int, dict[str, Any], dict[str, str]]:
@@ -152,10 +182,20 @@ def parse_completion(body: Any) -> Call:
 def _object(body: Any) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise _invalid("the request body must be a JSON object", None)
-    unknown = sorted(set(body) - KNOWN)
+    for name, (nothing, why) in UNHONOURED.items():
+        value = body.get(name)
+        if value not in nothing:
+            raise _invalid(f"{name} {_short(value)} is not supported: {why}; leave it out", name)
+    unknown = sorted(set(body) - KNOWN - UNHONOURED.keys())
     if unknown:
         log.debug("ignored request fields: %s", ", ".join(unknown))
     return body
+
+
+def _short(value: Any) -> str:
+    """`value` as the client wrote it (JSON), cut short."""
+    text = json.dumps(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _message(m: Any, i: int) -> tokenizer_pb2.ChatMessage:
@@ -165,6 +205,9 @@ def _message(m: Any, i: int) -> tokenizer_pb2.ChatMessage:
     role = ROLES.get(m["role"]) if isinstance(m.get("role"), str) else None
     if role is None:
         raise _invalid(f"{where}.role must be one of system, developer, user, assistant", f"{where}.role")
+    for name in ("tool_calls", "function_call"):
+        if m.get(name):
+            raise _invalid(f"{where}.{name}: {_TOOLS}", f"{where}.{name}")
     content = m.get("content")
     out = tokenizer_pb2.ChatMessage(role=role)
     if isinstance(content, str):

@@ -224,6 +224,12 @@ def test_bad_inputs_get_typed_errors_that_the_sdk_does_not_resend(api: Api) -> N
         (_chat([text], model="no-such-model"), openai.NotFoundError, 404, "NOT_FOUND", "model"),
         (_chat([text], temperature=-1), openai.BadRequestError, 400, "INVALID_REQUEST", "temperature"),
         (_chat([text], n=99), openai.BadRequestError, 400, "INVALID_REQUEST", "n"),
+        # Asked for what this server cannot do: refused, not answered as if unasked.
+        (_chat([text], response_format={"type": "json_object"}), openai.BadRequestError, 400, "INVALID_REQUEST",
+         "response_format"),
+        (_chat([text], tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+         openai.BadRequestError, 400, "INVALID_REQUEST", "tools"),
+        (_chat([text], frequency_penalty=0.5), openai.BadRequestError, 400, "INVALID_REQUEST", "frequency_penalty"),
     ]  # fmt: skip
     for call, cls, status, code, param in cases:
         before = api.seen(f"/v1/chat/completions {status}")

@@ -103,6 +103,64 @@ def test_refusals_name_their_field(body: dict[str, Any], param: str) -> None:
     assert openai_api.param_name(info.value) == param
 
 
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+        ("tool_choice", "auto"),
+        ("tool_choice", {"type": "function", "function": {"name": "f"}}),
+        ("functions", [{"name": "f"}]),
+        ("function_call", "auto"),
+        ("response_format", {"type": "json_object"}),
+        ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
+        ("presence_penalty", 0.5),
+        ("frequency_penalty", -1),
+        ("repetition_penalty", 1.2),
+        ("logit_bias", {"5": 100}),
+        ("modalities", ["text", "audio"]),
+        ("audio", {"voice": "alloy", "format": "wav"}),
+        ("echo", True),
+        ("suffix", "end"),
+        ("best_of", 3),
+    ],
+)
+def test_fields_that_cannot_be_honoured_are_refused_not_ignored(field: str, value: Any) -> None:
+    """A client that asks for JSON, a tool call or a penalty must not get
+    plain text as if it had not asked: each endpoint refuses, naming the field."""
+    for parse, body in (
+        (openai_api.parse_chat, {"messages": [{"role": "user", "content": "x"}]}),
+        (openai_api.parse_completion, {"prompt": "x"}),
+    ):
+        with pytest.raises(InvalidRequest, match="not supported") as info:
+            parse({**body, field: value})
+        assert openai_api.param_name(info.value) == field
+
+
+def test_the_do_nothing_values_of_those_fields_are_accepted() -> None:
+    """What SDKs and frameworks send by default asks for nothing: accepted."""
+    defaults = {
+        "tools": [], "tool_choice": "none", "functions": None, "function_call": "none",
+        "response_format": {"type": "text"}, "presence_penalty": 0, "frequency_penalty": 0.0,
+        "repetition_penalty": 1.0, "logit_bias": {}, "modalities": ["text"], "audio": None,
+        "echo": False, "suffix": "", "best_of": 1,
+    }  # fmt: skip
+    assert defaults.keys() == openai_api.UNHONOURED.keys()
+    call = openai_api.parse_chat({"messages": [{"role": "user", "content": "x"}], **defaults})
+    assert call.request.messages[0].content[0].text == "x"
+    assert openai_api.parse_completion({"prompt": "x", **defaults}).request.prompt == "x"
+
+
+def test_an_assistant_message_with_tool_calls_is_refused() -> None:
+    call = {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    asked = {"role": "assistant", "content": None, "tool_calls": [call]}
+    body = {"messages": [{"role": "user", "content": "x"}, asked]}
+    with pytest.raises(InvalidRequest) as info:
+        openai_api.parse_chat(body)
+    assert openai_api.param_name(info.value) == "messages[1].tool_calls"
+    body["messages"][1]["tool_calls"] = []  # type: ignore[index]
+    assert len(openai_api.parse_chat(body).request.messages) == 2
+
+
 def test_logprobs_are_asked_as_each_api_spells_it() -> None:
     chat = openai_api.parse_chat({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 5})
     assert (chat.request.sampling.logprobs, chat.request.sampling.top_logprobs) == (True, 5)
