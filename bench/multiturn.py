@@ -17,6 +17,12 @@ interleaved over rounds:
 - **no shared prefix**: the same number of requests and tokens, every
   prompt its own random text (the cache looks up, misses, and keeps every
   request's blocks): tokens/s with the cache on and off.
+- **shared system prompt, at once**: 4 x C requests queued together, each
+  the same system prompt then its own image and question, through rank
+  0's step loop (whose planner lets a request wait for a prefill of the
+  text it starts with, `--wait-for-shared-prefix`): time to first token
+  p50/p90 and the time until all are done, with the cache on and waiting
+  (the default), on without waiting, and off.
 - **shared system prompt, staggered**: 4 x C requests, one joining each
   step while the earlier ones still decode (answers 4x as long), each the
   same system prompt then its own image and question: the median time to
@@ -42,6 +48,7 @@ import random
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -184,6 +191,72 @@ def staggered(eng: Any, n: int, system: int, answer: int, seed: int) -> tuple[li
     return joins, made
 
 
+@dataclass
+class AtOnce:
+    ttft: list[float]  # each request's, from the queueing of all
+    seconds: float  # until the last one ended
+    made: dict[str, list[int]]
+    hit_tokens: int
+    prompt_tokens: int
+
+
+def at_once(model: Any, prefix_bytes: int, wait: int, n: int, system: int, answer: int, seed: int) -> AtOnce:
+    """`n` requests queued together, each the same system prompt then its
+    own image and question, through rank 0's step loop over the engine (its
+    planner decides who waits for whose prefill: `--wait-for-shared-prefix`
+    is `wait`)."""
+    import threading
+
+    from scheduler_svc.loop import Admission, Event, Finished, StepLoop, Token
+    from scheduler_svc.settings import SchedulerSettings
+
+    rng = random.Random(seed + 23)
+    prefix = [1, *(rng.randrange(100, 30000) for _ in range(system))]
+    requests = [
+        request(
+            f"a{k}",
+            [*prefix, *([IMAGE_TOKEN_ID] * IMAGE_TOKENS), *(rng.randrange(100, 30000) for _ in range(30))],
+            [image(seed * 100 + 70 + k)],
+            answer,
+        )
+        for k in range(n)
+    ]
+    eng = engine(model, prefix_bytes)
+    settings = SchedulerSettings(model_dir=Path("unused"), wait_for_shared_prefix=wait)
+    made: dict[str, list[int]] = {}
+    ttft: dict[str, float] = {}
+    ended = threading.Semaphore(0)
+    failed: list[Event] = []
+
+    def emit(event: Event, rid: str) -> None:
+        if isinstance(event, Token):
+            ttft.setdefault(rid, time.perf_counter() - started)
+            made.setdefault(rid, []).append(event.token_id)
+            return
+        if not isinstance(event, Finished):
+            failed.append(event)
+        ended.release()
+
+    loop = StepLoop(eng, SoloGroup(), settings, eos_token_ids=frozenset(), max_context=1 << 20,  # type: ignore[arg-type]
+                    kv_budget_tokens=1 << 30, post=lambda fn: fn(), on_fatal=lambda exc: None)  # fmt: skip
+    started = time.perf_counter()
+    for req in requests:
+        loop.submit(Admission(req, lambda e, rid=req.request_id: emit(e, rid), reserve=len(req.input_ids) + answer))
+    thread = threading.Thread(target=loop.run)
+    thread.start()
+    try:
+        for _ in requests:
+            ended.acquire()
+        seconds = time.perf_counter() - started
+    finally:
+        loop.request_stop()
+        thread.join()
+    if failed:
+        raise RuntimeError(f"{len(failed)} requests failed: {failed[:2]}")
+    store = eng.prefix_cache
+    return AtOnce(list(ttft.values()), seconds, made, store.hit_tokens, store.prompt_tokens)
+
+
 def unshared(eng: Any, n: int, lengths: list[int], answer: int, seed: int) -> tuple[float, int, dict[str, list[int]]]:
     """As many requests as the multi-turn workload, of its prompt lengths,
     every prompt its own random text."""
@@ -223,6 +296,9 @@ def main() -> None:
         flat: dict[str, list[float]] = {arm: [] for arm in arms}
         stagger: dict[str, list[float]] = {arm: [] for arm in arms}
         stagger_hit = stagger_prompt = 0
+        # The prefix cache on with the step loop's waiting for a shared prefill, on without it, and off.
+        burst_arms = {"waits": (1 << 30, 64), "no wait": (1 << 30, 0), "off": (0, 0)}
+        burst: dict[str, list[AtOnce]] = {arm: [] for arm in burst_arms}
         same = True
         hit = prompt = 0
         lengths: list[int] = []
@@ -260,6 +336,12 @@ def main() -> None:
                         stagger_hit += eng.prefix_cache.hit_tokens
                         stagger_prompt += eng.prefix_cache.prompt_tokens
             same &= staggered_made["on"] == staggered_made["off"]
+            together = {}
+            for arm, (size, wait) in burst_arms.items():
+                together[arm] = at_once(model, size, wait, 4 * args.conversations, args.system, args.answer, r)
+                if r:
+                    burst[arm].append(together[arm])
+            same &= together["waits"].made == together["no wait"].made == together["off"].made
         rows = []
         for t in range(TURNS):
             on, off = statistics.median(ttft["on"][t]), statistics.median(ttft["off"][t])
@@ -281,6 +363,17 @@ def main() -> None:
               f"others decode {4 * args.answer} tokens; each its own image and question): TTFT after the first "
               f"off {off * 1000:.0f} ms, on {on * 1000:.0f} ms ({on / off:.2f}x), "
               f"prompt tokens from the cache {stagger_hit / max(stagger_prompt, 1):.0%}")  # fmt: skip
+        print(f"shared system prompt, at once ({4 * args.conversations} requests queued together through the step "
+              f"loop, each its own image and question, {args.answer}-token answers):")  # fmt: skip
+        rows = []
+        for arm, runs in burst.items():
+            ttft_ms = [t * 1000 for run in runs for t in run.ttft]
+            hits = sum(run.hit_tokens for run in runs) / max(sum(run.prompt_tokens for run in runs), 1)
+            rows.append([arm, f"{statistics.median(ttft_ms):.0f}", f"{percentile(ttft_ms, 0.9):.0f}",
+                         f"{statistics.median(run.seconds for run in runs) * 1000:.0f}", f"{hits:.0%}"])  # fmt: skip
+        print(table(["prefix cache", "TTFT p50 ms", "TTFT p90 ms", "all done ms", "prompt from cache"], rows))
+        waits, no_wait = (statistics.median(run.seconds for run in burst[arm]) for arm in ("waits", "no wait"))
+        print(f"  waiting for the shared prefill: all done in {waits / no_wait:.2f}x the time of not waiting")
         print(f"same tokens with the cache on and off (every request, every round): {same}")
         if not args.no_chunked:
             chunked(workdir)

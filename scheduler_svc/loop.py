@@ -38,6 +38,7 @@ from scheduler_svc.errors import (
     error_for_code,
 )
 from scheduler_svc.plan import Failure, NewRequest, Plan
+from scheduler_svc.prefix_cache import BLOCK_TOKENS, leading_text_keys
 from scheduler_svc.sampler import Logprob
 from scheduler_svc.settings import SchedulerSettings
 
@@ -80,6 +81,8 @@ class Admission:
     generated: int = 0
     next_token: int | None = None
     cached_tokens: int = 0  # prompt tokens the engine took from the prefix cache
+    # The prefix-cache keys of its prompt's text before any item (made on first use).
+    lead: list[bytes] | None = None
 
     @property
     def request_id(self) -> str:
@@ -118,6 +121,14 @@ class _Stop:
 class _Wake:
     """Nothing to do but run the next step now, not at the next heartbeat
     (draining: so that an idle loop says so at once)."""
+
+
+@dataclass
+class _Prefills:
+    """Leading-text block keys of the running requests' prompts (`StepLoop._waits`)."""
+
+    computing: set[bytes] = field(default_factory=set)  # prefills under way: this step's, or in chunks
+    kept: set[bytes] = field(default_factory=set)  # prefilled last step: in the store before this step's matches
 
 
 class StepLoop:
@@ -163,6 +174,7 @@ class StepLoop:
         # For metrics (read from other threads; plain ints, written here only).
         self.failures_by_rank: list[int] = [0] * coll.world_size  # requests that failed agreement, by rank
         self.janitor_removed = 0
+        self.waited_for_prefix = 0  # steps requests waited for a prefill of the text they start with
         self._stats = _Stats(time.monotonic())
         self.active_per_rank: list[int] = [0] * coll.world_size
         self.snapshot = Snapshot()
@@ -301,14 +313,22 @@ class StepLoop:
     def _plan(self) -> Plan:
         """Admit from the head of the queue (first come, first served: a
         request that does not fit yet is not overtaken) while the rows, the
-        step's prefill tokens and the KV budget allow."""
+        step's prefill tokens and the KV budget allow. The one exception: a
+        request whose prompt starts with text that a request still being
+        prefilled is computing waits for it (`_waits`), keeping its place,
+        and the requests behind it may pass it meanwhile."""
         s = self.settings
         rows = len(self._running)
         longest = max((a.reserve for a in self._running.values()), default=0)
         widest = 0
         admitted: list[Admission] = []
+        waiting: list[Admission] = []
+        prefilling = self._prefilling()
         while self._pending and len(admitted) < s.max_new_per_step and rows < s.max_running:
             head = self._pending[0]
+            if prefilling is not None and self._waits(head, prefilling):
+                waiting.append(self._pending.popleft())
+                continue
             prompt = len(head.request.input_ids)
             # A prefill forward is right-padded to its longest prompt; one
             # request alone is always allowed, however long.
@@ -317,9 +337,16 @@ class StepLoop:
             if (rows + 1) * max(longest, head.reserve) > self.kv_budget_tokens:
                 break
             admitted.append(self._pending.popleft())
+            if prefilling is not None:
+                prefilling.computing.update(self._lead(head))
             rows += 1
             longest = max(longest, head.reserve)
             widest = max(widest, prompt)
+        if waiting:
+            self._pending.extendleft(reversed(waiting))
+            self.waited_for_prefix += len(waiting)
+            log.debug("step %d: %s wait for a prefill of the text they start with", self._step + 1,
+                      [a.request_id for a in waiting])  # fmt: skip
         self._dequeued(len(admitted))
         self._joining = admitted
         feed = tuple((rid, adm.next_token) for rid, adm in self._running.items() if adm.next_token is not None)
@@ -336,6 +363,43 @@ class StepLoop:
         if admitted:
             log.debug("step %d admits %s", plan.step, [a.request_id for a in admitted])
         return plan
+
+    def _prefilling(self) -> _Prefills | None:
+        """What the requests running now will have put in the prefix cache
+        by this plan's matches, and what they are still computing; None
+        when no request is to wait for them."""
+        if not (self.settings.wait_for_shared_prefix and self.engine.prefix_cache.enabled):
+            return None
+        prefills = _Prefills()
+        for adm in self._running.values():
+            if adm.generated == 0:  # a long prompt, in chunks: no token yet
+                prefills.computing.update(self._lead(adm))
+            elif adm.generated == 1:  # prefilled last step: kept as this step starts (`Engine._keep_prefilled`)
+                prefills.kept.update(self._lead(adm))
+        return prefills
+
+    def _waits(self, adm: Admission, prefills: _Prefills) -> bool:
+        """Whether `adm` should wait a step: at least --wait-for-shared-prefix
+        tokens of its prompt's leading text are being computed by a prefill
+        (of this step, or in chunks) and will not be in the prefix cache when
+        this step's matches are made. The step after that prefill its blocks
+        are kept before the step's matches, so `adm` then takes them."""
+        keys = self._lead(adm)
+        least = -(-self.settings.wait_for_shared_prefix // BLOCK_TOKENS)
+        # Keys chain: block j's key names the whole text up to it.
+        shared = next((j for j in range(len(keys), least - 1, -1) if keys[j - 1] in prefills.computing), 0)
+        if shared < least:
+            return False
+        kept = next((j for j in range(shared, 0, -1) if keys[j - 1] in prefills.kept), 0)
+        return shared - max(kept, self.engine.prefix_cache.held(keys[:shared])) >= least
+
+    @staticmethod
+    def _lead(adm: Admission) -> list[bytes]:
+        if adm.lead is None:
+            req = adm.request
+            first = min((item.span[0] for item in req.items if item.placeholders), default=None)
+            adm.lead = leading_text_keys(req.input_ids, first, req.cache_salt)
+        return adm.lead
 
     def _settle(
         self,

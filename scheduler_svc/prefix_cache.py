@@ -112,6 +112,16 @@ def usable_blocks(prompt_length: int, runs: Runs) -> int:
     return n
 
 
+def leading_text_keys(ids: Sequence[int], first_item: int | None, salt: str = "") -> list[bytes]:
+    """The keys of a prompt's usable full blocks before its first item
+    (`first_item`: that item's first placeholder, None for a text-only
+    prompt): what it shares with another prompt that starts with the same
+    text, whatever media either holds later. The same keys `chain` gives
+    those blocks, since they overlap no item."""
+    end = len(ids) - 1 if first_item is None else min(first_item, len(ids) - 1)
+    return chain(ids, Runs(), salt, blocks=end // BLOCK_TOKENS)
+
+
 class PrefixCache:
     def __init__(self, capacity_bytes: int) -> None:
         self._blocks: ByteLRU[torch.Tensor] = ByteLRU(capacity_bytes)

@@ -211,6 +211,10 @@ def _metrics(settings: SchedulerSettings, step_loop: StepLoop) -> ServiceMetrics
             ),
             "prefix_cache_hit_tokens": ("Prompt tokens taken from the prefix cache (rank 0)", prefix.hit_tokens),
             "prefix_cache_evictions": ("Blocks the prefix cache let go for room (rank 0)", prefix.evictions),
+            "prefix_cache_waits": (
+                "Steps requests waited for the prefill of the text they start with, to take it from the prefix cache",
+                step_loop.waited_for_prefix,
+            ),
         }
     )
     metrics.gauge("prefix_cache_bytes", "Bytes the prefix cache holds (rank 0)", lambda: prefix.nbytes)

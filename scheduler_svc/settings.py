@@ -136,6 +136,15 @@ class SchedulerSettings(ServiceSettings):
         "the request's cache_salt; on the model's device, beside --kv-cache-bytes; 0 = off",
         min=0,
     )
+    wait_for_shared_prefix: int = _opt(
+        64,
+        "a request whose first N or more prompt tokens (its text before any image or video) are those of a "
+        "request still being prefilled, and are not in the prefix cache, waits for that prefill and then "
+        "takes them from the cache instead of computing them again alongside it (many requests arriving "
+        "at once with one system prompt); others are admitted past it meanwhile. 0 = never wait; no effect "
+        "with --prefix-cache-bytes 0",
+        min=0,
+    )
     tune_threads: bool = _opt(
         True,
         "on a CPU device, run each step on all of a rank's threads or on one fewer, whichever has been faster "

@@ -36,6 +36,8 @@ def test_multiturn_benchmark_prints_every_figure_and_both_arms_agree() -> None:
         "prompt tokens taken from the cache",
         "no shared prefix",
         "shared system prompt, staggered",
+        "shared system prompt, at once",
+        "waiting for the shared prefill: all done in",
     ):
         assert line in result.stdout
     assert "same tokens with the cache on and off (every request, every round): True" in result.stdout

@@ -9,13 +9,16 @@ import threading
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
 from mmsplit.errors import E
 from scheduler_svc.errors import MmsplitError, Overloaded
 from scheduler_svc.loop import Admission, Event, Failed, Finished, StepLoop, Token
-from scheduler_svc.plan import Failure, Plan, StepOutcome
+from scheduler_svc.plan import Failure, Item, Plan, StepOutcome
+from scheduler_svc.prefix_cache import BLOCK_TOKENS, PrefixCache, leading_text_keys
 from scheduler_svc.settings import SchedulerSettings
 from tests.support.engine_kit import SoloGroup, request
 from tests.support.leaks import wait_until
@@ -30,13 +33,18 @@ class FakeEngine:
     "oom" ends at its first decode (a decode forward that raised), and a
     step that a "doomed" request joins raises (a broken collective)."""
 
-    def __init__(self, hold: threading.Event | None = None) -> None:
+    def __init__(self, hold: threading.Event | None = None, *, prefix_cache_bytes: int = 0) -> None:
         self.rows: set[str] = set()
         self.plans: list[Plan] = []
         self.widest = 0
         # Set: from the second step on, each step waits for it (a test that
         # must act while a request is still running, however slow its thread).
         self.hold = hold
+        # Rank 0's store as the loop sees it (this fake never fills it itself).
+        self.prefix_cache = PrefixCache(prefix_cache_bytes)
+        # A "chunked" request makes its first token only in its third step.
+        self.steps_in: dict[str, int] = {}
+        self.sampled: set[str] = set()  # rows that made a token
 
     def step(self, plan: Plan) -> StepOutcome:
         if self.hold is not None and self.plans:
@@ -45,7 +53,7 @@ class FakeEngine:
         if any("doomed" in r.request_id for r in plan.new):
             raise RuntimeError("a collective broke")
         self.rows.difference_update(plan.drop)
-        assert {rid for rid, _ in plan.feed} == self.rows, "every running row is fed, nothing else"
+        assert {rid for rid, _ in plan.feed} == self.rows & self.sampled, "every running row is fed, nothing else"
         failed = {r.request_id: Failure(E.ERROR_CODE_INVALID_REQUEST, (0,)) for r in plan.new if "bad" in r.request_id}
         self.rows.update(r.request_id for r in plan.new if r.request_id not in failed)
         self.widest = max(self.widest, len(self.rows))
@@ -53,7 +61,11 @@ class FakeEngine:
         fed = {rid for rid, _ in plan.feed}
         oom = Failure(E.ERROR_CODE_OVERLOADED, (0,), {0: "the server ran out of memory in a decode step; retry"})
         ended = {rid: oom for rid in fed if "oom" in rid}
-        sampled = {rid: 7 for rid in self.rows if rid not in rejected and rid not in ended}
+        for rid in self.rows:
+            self.steps_in[rid] = self.steps_in.get(rid, 0) + 1
+        prefilling = {rid for rid in self.rows if "chunked" in rid and self.steps_in[rid] < 3}
+        sampled = {rid: 7 for rid in self.rows if rid not in rejected and rid not in ended and rid not in prefilling}
+        self.sampled.update(sampled)
         return StepOutcome(
             sampled=sampled, failed=failed, active_per_rank=[len(self.rows)], rejected=rejected, ended=ended
         )
@@ -77,15 +89,18 @@ class Harness:
         )
         self.thread = threading.Thread(target=self.loop.run, daemon=True)
 
-    def submit(self, rid: str, prompt: int = 10, max_tokens: int = 4) -> None:
-        req = request(rid, [5] * prompt, max_tokens=max_tokens)
+    def submit(self, rid: str, prompt: int | list[int] = 10, max_tokens: int = 4, **fields: Any) -> None:
+        """`prompt`: its length (of one token repeated), or its ids; `fields`
+        replace the request's (items, cache_salt)."""
+        ids = [5] * prompt if isinstance(prompt, int) else prompt
+        req = replace(request(rid, ids, max_tokens=max_tokens), **fields)
 
         def emit(event: Event, rid: str = rid) -> None:
             with self.done:
                 self.events.setdefault(rid, []).append(event)
                 self.done.notify_all()
 
-        self.loop.submit(Admission(req, emit, reserve=min(prompt + max_tokens, 1024)))
+        self.loop.submit(Admission(req, emit, reserve=min(len(ids) + max_tokens, 1024)))
 
     def wait_ended(self, rids: list[str], timeout: float = 10.0) -> None:
         def ended() -> bool:
@@ -252,3 +267,87 @@ def test_a_janitor_sweep_that_fails_is_logged_and_the_loop_goes_on(
     h.stop()
     assert not h.fatal
     assert "the janitor's sweep failed" in caplog.text
+
+
+SYSTEM = list(range(100, 180))  # 80 tokens: 5 blocks of text that several prompts start with
+
+
+def admitted(engine: FakeEngine) -> list[list[str]]:
+    """The request ids each step admitted, steps that admitted none left out."""
+    return [[r.request_id for r in plan.new] for plan in engine.plans if plan.new]
+
+
+def test_requests_that_start_like_one_being_prefilled_wait_for_it() -> None:
+    """Arriving together with one system prompt, only the first prefills it;
+    the others wait a step (taking it from the prefix cache then), and a
+    request that shares nothing is not held up by them."""
+    engine = FakeEngine(prefix_cache_bytes=1 << 20)
+    h = Harness(engine)
+    h.submit("a", [*SYSTEM, 1, 2, 3])
+    h.submit("b", [*SYSTEM, 4, 5])
+    h.submit("other", list(range(300, 380)))
+    h.submit("c", [*SYSTEM, 6])
+    h.thread.start()
+    h.wait_ended(["a", "b", "other", "c"])
+    h.stop()
+    assert admitted(engine) == [["a", "other"], ["b", "c"]]
+    assert all(isinstance(ends(h, r), Finished) for r in "abc")
+    assert h.loop.waited_for_prefix == 2
+
+
+def test_a_request_waits_for_every_step_of_a_prefill_in_chunks() -> None:
+    engine = FakeEngine(prefix_cache_bytes=1 << 20)
+    h = Harness(engine)
+    h.submit("chunked", [*SYSTEM, 1, 2, 3])
+    h.submit("b", [*SYSTEM, 4, 5])
+    h.thread.start()
+    h.wait_ended(["chunked", "b"])
+    h.stop()
+    first_token = next(i for i, plan in enumerate(engine.plans) if ("chunked", 7) in plan.feed)
+    joined = next(i for i, plan in enumerate(engine.plans) if any(r.request_id == "b" for r in plan.new))
+    # "chunked" makes its first token in its third step (the plan after it
+    # feeds that token); "b" waits those three and joins with that plan,
+    # the step whose start keeps the blocks.
+    assert (first_token, joined) == (3, 3)
+    assert h.loop.waited_for_prefix == 3
+
+
+@pytest.mark.parametrize(
+    ("case", "fields"),
+    [
+        ("shared text under the threshold", {}),
+        ("another cache_salt", {"cache_salt": "tenant-b"}),
+        ("the setting at 0", {}),
+        ("the prefix cache off", {}),
+        ("the text already cached", {}),
+        ("an image before the shared text", {}),
+    ],
+)
+def test_when_a_request_does_not_wait(case: str, fields: dict[str, Any]) -> None:
+    engine = FakeEngine(prefix_cache_bytes=0 if case == "the prefix cache off" else 1 << 20)
+    settings = {"wait_for_shared_prefix": 0} if case == "the setting at 0" else {}
+    h = Harness(engine, **settings)  # type: ignore[arg-type]
+    system = SYSTEM[:48] if case == "shared text under the threshold" else SYSTEM  # 3 blocks < 64 tokens
+    if case == "the text already cached":
+        keys = leading_text_keys([*system, 1], None)
+        engine.prefix_cache.keep(keys, [torch.zeros(1, 2, 1, BLOCK_TOKENS, 1) for _ in keys])
+    h.submit("a", [*system, 1, 2, 3])
+    if case == "an image before the shared text":
+        image = Item(0, (), {}, ((0, 4),))
+        fields = {"items": (image,)}
+    h.submit("b", [*system, 4, 5], **fields)
+    h.thread.start()
+    h.wait_ended(["a", "b"])
+    h.stop()
+    assert admitted(engine) == [["a", "b"]], case
+    assert h.loop.waited_for_prefix == 0
+
+
+def test_leading_text_keys_are_the_prompt_s_own_keys_up_to_its_first_item() -> None:
+    from scheduler_svc.prefix_cache import Runs, chain
+
+    ids = list(range(1000, 1100))
+    runs = Runs((b"digest",), (((40, 20),),))
+    assert leading_text_keys(ids, 40) == chain(ids, runs)[:2]  # blocks 0-1 end before the item at 40
+    assert leading_text_keys(ids, None, "s") == chain(ids, Runs(), "s")[:6]  # 99 tokens: the last is left to prefill
+    assert leading_text_keys(ids, 0) == []

@@ -230,3 +230,61 @@ def test_a_block_copy_that_fails_costs_nothing_but_its_blocks(model: torch.nn.Mo
     expected = reference(model, first)
     assert results == {"r0": expected, "r1": expected, "r2": f"failed:{E.ERROR_CODE_OVERLOADED}", "r3": expected}
     assert (seen["r0"], seen["r1"], seen["r3"]) == (0, 0, 48)
+
+
+def test_requests_arriving_together_with_one_system_prompt_prefill_it_once(model: torch.nn.Module) -> None:
+    """Rank 0's step loop over a real engine: four requests queued at once,
+    each the same 100 tokens of system prompt, then its own image and
+    question. The first prefills the system prompt; the other three wait a
+    step and take its 6 blocks from the store; every one keeps its greedy
+    tokens. With --wait-for-shared-prefix 0 all four compute it."""
+    import threading
+
+    from scheduler_svc.loop import Admission, Event, Finished, StepLoop, Token
+    from scheduler_svc.settings import SchedulerSettings
+    from tests.support.engine_kit import SoloGroup
+
+    eos = int(model.config.text_config.eos_token_id)
+    system = list(range(500, 600))
+    prompts = [
+        request(f"r{i}", [*system, *([model.config.image_token_id] * IMAGE_TOKENS), 900 + i], [pixels(i)], max_tokens=3)
+        for i in range(4)
+    ]
+    expected = {req.request_id: reference(model, req) for req in prompts}
+
+    def serve(wait: int) -> tuple[dict[str, list[int]], dict[str, Finished], StepLoop]:
+        engine = make_engine(model, prefix=64 << 20)
+        settings = SchedulerSettings(model_dir=Path("unused"), heartbeat_s=0.05, wait_for_shared_prefix=wait)
+        ended = threading.Semaphore(0)
+        tokens: dict[str, list[int]] = {}
+        finished: dict[str, Finished] = {}
+
+        def emit(event: Event, rid: str) -> None:
+            if isinstance(event, Token):
+                tokens.setdefault(rid, []).append(event.token_id)
+                return
+            if isinstance(event, Finished):
+                finished[rid] = event
+            ended.release()
+
+        loop = StepLoop(
+            engine, SoloGroup(), settings, eos_token_ids=frozenset([eos]), max_context=1024,  # type: ignore[arg-type]
+            kv_budget_tokens=10**6, post=lambda fn: fn(), on_fatal=lambda exc: None,
+        )  # fmt: skip
+        for req in prompts:  # queued before the loop's first plan: they arrive together
+            loop.submit(Admission(req, lambda e, rid=req.request_id: emit(e, rid), reserve=len(req.input_ids) + 3))
+        thread = threading.Thread(target=loop.run)
+        thread.start()
+        try:
+            for _ in prompts:
+                assert ended.acquire(timeout=60)
+        finally:
+            loop.request_stop()
+            thread.join(30)
+        return tokens, finished, loop
+
+    for wait, cached in ((64, [0, 96, 96, 96]), (0, [0, 0, 0, 0])):
+        tokens, finished, loop = serve(wait)
+        assert tokens == expected, wait
+        assert [finished[req.request_id].cached_tokens for req in prompts] == cached, wait
+        assert loop.waited_for_prefix == (3 if wait else 0)
