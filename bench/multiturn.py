@@ -152,22 +152,28 @@ def conversations(eng: Any, n: int, system: int, answer: int, seed: int) -> Work
     return per_turn, made, total, tokens
 
 
+def sharing_a_system_prompt(tag: str, n: int, system: int, answer: int, seed: int) -> list[Any]:
+    """`n` requests, each the same `system` tokens, then its own image and
+    30 tokens of question."""
+    rng = random.Random(seed)
+    prefix = [1, *(rng.randrange(100, 30000) for _ in range(system))]
+    return [
+        request(
+            f"{tag}{k}",
+            [*prefix, *([IMAGE_TOKEN_ID] * IMAGE_TOKENS), *(rng.randrange(100, 30000) for _ in range(30))],
+            [image(seed * 100 + k)],
+            answer,
+        )
+        for k in range(n)
+    ]
+
+
 def staggered(eng: Any, n: int, system: int, answer: int, seed: int) -> tuple[list[float], dict[str, list[int]]]:
     """`n` requests sharing a system prompt, one joining each step: the
     join steps' seconds (all but the first request's) and every request's tokens."""
     from scheduler_svc.plan import Plan
 
-    rng = random.Random(seed + 11)
-    prefix = [1, *(rng.randrange(100, 30000) for _ in range(system))]
-    arrivals = [
-        request(
-            f"s{k}",
-            [*prefix, *([IMAGE_TOKEN_ID] * IMAGE_TOKENS), *(rng.randrange(100, 30000) for _ in range(30))],
-            [image(seed * 100 + 50 + k)],
-            answer,
-        )
-        for k in range(n)
-    ]
+    arrivals = sharing_a_system_prompt("s", n, system, answer, seed + 11)
     made: dict[str, list[int]] = {}
     joins: list[float] = []
     feeds: dict[str, int] = {}
@@ -210,17 +216,7 @@ def at_once(model: Any, prefix_bytes: int, wait: int, n: int, system: int, answe
     from scheduler_svc.loop import Admission, Event, Finished, StepLoop, Token
     from scheduler_svc.settings import SchedulerSettings
 
-    rng = random.Random(seed + 23)
-    prefix = [1, *(rng.randrange(100, 30000) for _ in range(system))]
-    requests = [
-        request(
-            f"a{k}",
-            [*prefix, *([IMAGE_TOKEN_ID] * IMAGE_TOKENS), *(rng.randrange(100, 30000) for _ in range(30))],
-            [image(seed * 100 + 70 + k)],
-            answer,
-        )
-        for k in range(n)
-    ]
+    requests = sharing_a_system_prompt("a", n, system, answer, seed + 23)
     eng = engine(model, prefix_bytes)
     settings = SchedulerSettings(model_dir=Path("unused"), wait_for_shared_prefix=wait)
     made: dict[str, list[int]] = {}
