@@ -381,17 +381,22 @@ class StepLoop:
     def _waits(self, adm: Admission, prefills: _Prefills) -> bool:
         """Whether `adm` should wait a step: at least --wait-for-shared-prefix
         tokens of its prompt's leading text are being computed by a prefill
-        (of this step, or in chunks) and will not be in the prefix cache when
-        this step's matches are made. The step after that prefill its blocks
-        are kept before the step's matches, so `adm` then takes them."""
+        (of this step, or in chunks), will not be in the prefix cache when
+        this step's matches are made, and fit in it. The step after that
+        prefill its blocks are kept before the step's matches, so `adm` then
+        takes them. (A store too small for them would have a burst of such
+        requests admitted one a step, each waiting for the last.)"""
         keys = self._lead(adm)
         least = -(-self.settings.wait_for_shared_prefix // BLOCK_TOKENS)
         # Keys chain: block j's key names the whole text up to it.
         shared = next((j for j in range(len(keys), least - 1, -1) if keys[j - 1] in prefills.computing), 0)
         if shared < least:
             return False
+        store = self.engine.prefix_cache
+        if shared * store.block_bytes > store.capacity:
+            return False  # the store could not keep them all: waiting would buy nothing
         kept = next((j for j in range(shared, 0, -1) if keys[j - 1] in prefills.kept), 0)
-        return shared - max(kept, self.engine.prefix_cache.held(keys[:shared])) >= least
+        return shared - max(kept, store.held(keys[:shared])) >= least
 
     @staticmethod
     def _lead(adm: Admission) -> list[bytes]:

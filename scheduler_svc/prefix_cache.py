@@ -134,6 +134,7 @@ class PrefixCache:
         # their stores went through the same changes (so hold the same blocks
         # in the same order).
         self.history = bytes(16)
+        self.block_bytes = 0  # of one block, once one was kept
 
     @property
     def enabled(self) -> bool:
@@ -203,7 +204,7 @@ class PrefixCache:
         self._record(b"keep", keys)
         added = 0
         if blocks:
-            block_bytes = blocks[0].numel() * blocks[0].element_size()
+            block_bytes = self.block_bytes = blocks[0].numel() * blocks[0].element_size()
             fits = self.capacity // block_bytes
             for key, block in zip(keys[first:fits], blocks, strict=False):
                 self._blocks.put(key, block, block_bytes)

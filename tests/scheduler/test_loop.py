@@ -321,6 +321,7 @@ def test_a_request_waits_for_every_step_of_a_prefill_in_chunks() -> None:
         ("the prefix cache off", {}),
         ("the text already cached", {}),
         ("an image before the shared text", {}),
+        ("a store too small to keep the shared text", {}),
     ],
 )
 def test_when_a_request_does_not_wait(case: str, fields: dict[str, Any]) -> None:
@@ -328,6 +329,9 @@ def test_when_a_request_does_not_wait(case: str, fields: dict[str, Any]) -> None
     settings = {"wait_for_shared_prefix": 0} if case == "the setting at 0" else {}
     h = Harness(engine, **settings)  # type: ignore[arg-type]
     system = SYSTEM[:48] if case == "shared text under the threshold" else SYSTEM  # 3 blocks < 64 tokens
+    if case == "a store too small to keep the shared text":  # 4 blocks of 64 bytes, the text 5
+        engine.prefix_cache = PrefixCache(4 * 64)
+        engine.prefix_cache.keep([b"other"], [torch.zeros(16)])
     if case == "the text already cached":
         keys = leading_text_keys([*system, 1], None)
         engine.prefix_cache.keep(keys, [torch.zeros(1, 2, 1, BLOCK_TOKENS, 1) for _ in keys])
