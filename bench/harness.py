@@ -155,6 +155,7 @@ def cache_hits(tokenizer_address: str, scheduler_address: str) -> dict[str, int]
         "preprocess": tok.info.preprocess_cache_hits,
         "encoder": sched.info.encoder_cache_hits,
         "prefix": sched.info.prefix_cache_hits,
+        "prefix tokens": sched.info.prefix_cache_hit_tokens,
     }
 
 

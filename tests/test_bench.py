@@ -1,4 +1,4 @@
-"""The engine and multi-turn benchmarks run end to end (small versions: the
+"""The benchmarks run end to end (small versions: the
 numbers themselves are for `python bench/...`, not for a test)."""
 
 from __future__ import annotations
@@ -41,6 +41,15 @@ def test_multiturn_benchmark_prints_every_figure_and_both_arms_agree() -> None:
     ):
         assert line in result.stdout
     assert "same tokens with the cache on and off (every request, every round): True" in result.stdout
+
+
+def test_shared_prefix_benchmark_prints_both_arms_and_their_ratios() -> None:
+    args = ["--model", "tiny", "--n", "4", "--system", "80", "--tokens", "2", "--rounds", "1"]
+    result = run_bench("shared_prefix.py", args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = {line.split()[0]: line for line in result.stdout.splitlines() if line.startswith(("waits ", "no wait "))}
+    assert rows.keys() == {"waits", "no"}
+    assert "waiting / not waiting: TTFT p50" in result.stdout
 
 
 def test_tp_sums_benchmark_prints_both_ways_for_every_size() -> None:
