@@ -84,6 +84,7 @@ class HttpApi:
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model}", self.model_card)
         app.router.add_get("/health", self.health)
         return app
 
@@ -135,8 +136,17 @@ class HttpApi:
         return web.json_response({"status": "not ready"}, status=503, headers={"Retry-After": "1"})
 
     async def models(self, request: web.Request) -> web.Response:
-        card = {"id": self.model, "object": "model", "created": self.created, "owned_by": "mmsplit"}
-        return web.json_response({"object": "list", "data": [card]})
+        return web.json_response({"object": "list", "data": [self._card()]})
+
+    async def model_card(self, request: web.Request) -> web.Response:
+        """The SDK's `models.retrieve(name)`."""
+        name = request.match_info["model"]
+        if name != self.model:
+            return _not_served(name, self.model)
+        return web.json_response(self._card())
+
+    def _card(self) -> dict[str, Any]:
+        return {"id": self.model, "object": "model", "created": self.created, "owned_by": "mmsplit"}
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, chat=True)
@@ -148,14 +158,7 @@ class HttpApi:
         body = await _body(request)
         model = body.get("model") if isinstance(body, dict) else None
         if model is not None and model != self.model:
-            status, kind = openai_api.NOT_FOUND
-            error = openai_api.error_json(
-                f"the model {model!r} does not exist here; this server serves {self.model!r}",
-                kind,
-                "NOT_FOUND",
-                "model",
-            )
-            return _json(status, error, {"x-should-retry": "false"})
+            return _not_served(model, self.model)
         call = openai_api.parse_chat(body) if chat else openai_api.parse_completion(body)
         rid = uuid.uuid4().hex
         shape = openai_api.Shape.of(chat, rid, self.model)
@@ -332,6 +335,12 @@ async def _send(response: web.StreamResponse, obj: dict[str, Any]) -> None:
 
 def _json(status: int, body: dict[str, Any], headers: dict[str, str]) -> web.Response:
     return web.json_response(body, status=status, headers=headers)
+
+
+def _not_served(model: object, served: str) -> web.Response:
+    status, kind = openai_api.NOT_FOUND
+    message = f"the model {model!r} does not exist here; this server serves {served!r}"
+    return _json(status, openai_api.error_json(message, kind, "NOT_FOUND", "model"), {"x-should-retry": "false"})
 
 
 def _error_response(exc: MmsplitError) -> web.Response:

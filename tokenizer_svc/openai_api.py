@@ -291,6 +291,8 @@ def _finish(body: dict[str, Any], request: tokenizer_pb2.GenerateRequest) -> Cal
             )
         request.cache_salt = salt
     options = body.get("stream_options")
+    if options is not None and body.get("stream") is not True:
+        raise _invalid("stream_options is only allowed with stream: true", "stream_options")
     include_usage = isinstance(options, dict) and options.get("include_usage", True) is True
     return Call(request, n or 1, body.get("stream") is True, include_usage)
 

@@ -283,6 +283,10 @@ def test_raw_http_mistakes_key_body_and_health(api: Api) -> None:
     status, body = post("/v1/chat/completions", b"{" + b" " * (BODY_LIMIT + 10) + b"}")
     assert (status, body["error"]["code"]) == (413, "MEDIA_TOO_LARGE")
     assert [m.id for m in api.client().models.list()] == [api.model]
+    assert api.client().models.retrieve(api.model).id == api.model
+    with pytest.raises(openai.NotFoundError) as unknown:
+        api.client().models.retrieve("no-such-model")
+    assert unknown.value.body["param"] == "model"  # type: ignore[index]
     with urllib.request.urlopen(base + "/health", timeout=10) as reply:
         assert reply.status == 200
     _good_after(api)

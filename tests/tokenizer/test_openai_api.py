@@ -95,6 +95,7 @@ def test_sampling_fields_map_and_max_tokens_takes_the_smaller() -> None:
         ({"messages": [{"role": "user", "content": "x"}], "top_k": 2**33}, "top_k"),
         ({"messages": [{"role": "user", "content": "x"}], "stop_token_ids": [2**40]}, "stop_token_ids"),
         ({"messages": [{"role": ["user"], "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "user", "content": "x"}], "stream_options": {"include_usage": True}}, "stream_options"),
     ],
 )  # fmt: skip
 def test_refusals_name_their_field(body: dict[str, Any], param: str) -> None:
