@@ -123,6 +123,21 @@ class _Wake:
     (draining: so that an idle loop says so at once)."""
 
 
+def _leading(keys: list[bytes], present: Callable[[bytes], bool]) -> int:
+    """How many of a chain's leading `keys` are `present`, by bisection: a
+    block's key names all the text up to it, so wherever a key is present
+    (a prefill's chain, the store, which evicts a chain's deepest blocks
+    first) so are its parents'."""
+    lo, hi = 0, len(keys)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if present(keys[mid - 1]):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 @dataclass
 class _Prefills:
     """Leading-text block keys of the running requests' prompts (`StepLoop._waits`)."""
@@ -328,6 +343,8 @@ class StepLoop:
             head = self._pending[0]
             if prefilling is not None and self._waits(head, prefilling):
                 waiting.append(self._pending.popleft())
+                if len(waiting) == s.max_new_per_step:
+                    break  # a long queue of them: the plan looks no further
                 continue
             prompt = len(head.request.input_ids)
             # A prefill forward is right-padded to its longest prompt; one
@@ -388,15 +405,14 @@ class StepLoop:
         requests admitted one a step, each waiting for the last.)"""
         keys = self._lead(adm)
         least = -(-self.settings.wait_for_shared_prefix // BLOCK_TOKENS)
-        # Keys chain: block j's key names the whole text up to it.
-        shared = next((j for j in range(len(keys), least - 1, -1) if keys[j - 1] in prefills.computing), 0)
+        shared = _leading(keys, prefills.computing.__contains__)
         if shared < least:
             return False
         store = self.engine.prefix_cache
         if shared * store.block_bytes > store.capacity:
             return False  # the store could not keep them all: waiting would buy nothing
-        kept = next((j for j in range(shared, 0, -1) if keys[j - 1] in prefills.kept), 0)
-        return shared - max(kept, store.held(keys[:shared])) >= least
+        kept = _leading(keys[:shared], prefills.kept.__contains__)
+        return shared - max(kept, _leading(keys[:shared], store.holds)) >= least
 
     @staticmethod
     def _lead(adm: Admission) -> list[bytes]:

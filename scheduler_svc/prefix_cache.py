@@ -186,10 +186,14 @@ class PrefixCache:
         self.hit_tokens += match.tokens
         return torch.cat(blocks, dim=3)  # type: ignore[arg-type]
 
+    def holds(self, key: bytes) -> bool:
+        """Whether the block `key` is stored (its place in the order unchanged)."""
+        return self._blocks.peek(key) is not None
+
     def held(self, keys: Sequence[bytes]) -> int:
         """How many of `keys`' leading blocks are stored."""
         n = 0
-        while n < len(keys) and self._blocks.peek(keys[n]) is not None:
+        while n < len(keys) and self.holds(keys[n]):
             n += 1
         return n
 

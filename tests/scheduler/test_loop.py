@@ -355,3 +355,29 @@ def test_leading_text_keys_are_the_prompt_s_own_keys_up_to_its_first_item() -> N
     assert leading_text_keys(ids, 40) == chain(ids, runs)[:2]  # blocks 0-1 end before the item at 40
     assert leading_text_keys(ids, None, "s") == chain(ids, Runs(), "s")[:6]  # 99 tokens: the last is left to prefill
     assert leading_text_keys(ids, 0) == []
+
+
+def test_a_plan_looks_past_at_most_max_new_per_step_waiting_requests() -> None:
+    """A long queue of requests waiting for one prefill is not scanned whole
+    every step: after max_new_per_step of them the plan looks no further."""
+    engine = FakeEngine(prefix_cache_bytes=1 << 20)
+    h = Harness(engine, max_new_per_step=2)
+    h.submit("a", [*SYSTEM, 1])
+    for k in range(3):
+        h.submit(f"w{k}", [*SYSTEM, 10 + k])
+    h.submit("other", list(range(300, 380)))
+    h.thread.start()
+    h.wait_ended(["a", "w0", "w1", "w2", "other"])
+    h.stop()
+    assert admitted(engine)[0] == ["a"], "two waited, and the plan stopped there"
+    assert sorted(r for step in admitted(engine) for r in step) == ["a", "other", "w0", "w1", "w2"]
+
+
+def test_leading_counts_a_chain_s_present_keys_by_bisection() -> None:
+    from scheduler_svc.loop import _leading
+
+    keys = [bytes([i]) for i in range(20)]
+    for n in range(21):
+        present = set(keys[:n])
+        assert _leading(keys, present.__contains__) == n
+    assert _leading([], set().__contains__) == 0
