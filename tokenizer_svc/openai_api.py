@@ -112,6 +112,7 @@ UNHONOURED: dict[str, tuple[tuple[Any, ...], str]] = {
     "echo": ((None, False), "this server does not return the prompt"),
     "suffix": ((None, ""), "this server does not insert text"),
     "best_of": ((None, 1), "this server returns every choice it makes (use n)"),
+    "web_search_options": ((None,), "this server does not search the web"),
 }
 
 

@@ -123,6 +123,7 @@ def test_refusals_name_their_field(body: dict[str, Any], param: str) -> None:
         ("echo", True),
         ("suffix", "end"),
         ("best_of", 3),
+        ("web_search_options", {}),
     ],
 )
 def test_fields_that_cannot_be_honoured_are_refused_not_ignored(field: str, value: Any) -> None:
@@ -143,7 +144,7 @@ def test_the_do_nothing_values_of_those_fields_are_accepted() -> None:
         "tools": [], "tool_choice": "none", "functions": None, "function_call": "none",
         "response_format": {"type": "text"}, "presence_penalty": 0, "frequency_penalty": 0.0,
         "repetition_penalty": 1.0, "logit_bias": {}, "modalities": ["text"], "audio": None,
-        "echo": False, "suffix": "", "best_of": 1,
+        "echo": False, "suffix": "", "best_of": 1, "web_search_options": None,
     }  # fmt: skip
     assert defaults.keys() == openai_api.UNHONOURED.keys()
     call = openai_api.parse_chat({"messages": [{"role": "user", "content": "x"}], **defaults})
