@@ -20,9 +20,11 @@ interleaved over rounds:
 - **shared system prompt, at once**: 4 x C requests queued together, each
   the same system prompt then its own image and question, through rank
   0's step loop (whose planner lets a request wait for a prefill of the
-  text it starts with, `--wait-for-shared-prefix`): time to first token
+  text it starts with, `--wait-for-shared-prefix`, where its costs seen so
+  far say computing it again costs more than a step; a first burst with
+  another system prompt gives it those costs): time to first token
   p50/p90 and the time until all are done, with the cache on and waiting
-  (the default), on without waiting, and off.
+  allowed (the default), on without waiting, and off.
 - **shared system prompt, staggered**: 4 x C requests, one joining each
   step while the earlier ones still decode (answers 4x as long), each the
   same system prompt then its own image and question: the median time to
@@ -38,7 +40,7 @@ without: the streams' inter-token latency p50 and p99), so that every
 figure of the issue's Engine II targets comes from this one script.
 
     python bench/multiturn.py [--conversations 4] [--system 300] [--answer 8] [--rounds 3] [--no-chunked]
-                              [--model 8x512]
+                              [--model 8x512] [--device cuda --dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ def engine(model: Any, prefix_bytes: int) -> Any:
 
     from scheduler_svc.engine import Engine
 
-    return Engine(model, SoloGroup(), inline_reader(), torch.device("cpu"), eos_token_ids=frozenset(),
+    return Engine(model, SoloGroup(), inline_reader(), torch.device(model.device), eos_token_ids=frozenset(),
                   encoder_cache_bytes=256 << 20, prefix_cache_bytes=prefix_bytes)  # fmt: skip
 
 
@@ -210,19 +212,21 @@ def at_once(model: Any, prefix_bytes: int, wait: int, n: int, system: int, answe
     """`n` requests queued together, each the same system prompt then its
     own image and question, through rank 0's step loop over the engine (its
     planner decides who waits for whose prefill: `--wait-for-shared-prefix`
-    is `wait`)."""
+    is `wait`). A burst with another system prompt goes first and is not
+    counted: the planner weighs waiting against the step costs it has seen
+    (at a cold start, with none seen, it waits)."""
     import threading
 
     from scheduler_svc.loop import Admission, Event, Finished, StepLoop, Token
     from scheduler_svc.settings import SchedulerSettings
 
-    requests = sharing_a_system_prompt("a", n, system, answer, seed + 23)
     eng = engine(model, prefix_bytes)
     settings = SchedulerSettings(model_dir=Path("unused"), wait_for_shared_prefix=wait)
     made: dict[str, list[int]] = {}
     ttft: dict[str, float] = {}
     ended = threading.Semaphore(0)
     failed: list[Event] = []
+    started = 0.0
 
     def emit(event: Event, rid: str) -> None:
         if isinstance(event, Token):
@@ -235,22 +239,29 @@ def at_once(model: Any, prefix_bytes: int, wait: int, n: int, system: int, answe
 
     loop = StepLoop(eng, SoloGroup(), settings, eos_token_ids=frozenset(), max_context=1 << 20,  # type: ignore[arg-type]
                     kv_budget_tokens=1 << 30, post=lambda fn: fn(), on_fatal=lambda exc: None)  # fmt: skip
-    started = time.perf_counter()
-    for req in requests:
-        loop.submit(Admission(req, lambda e, rid=req.request_id: emit(e, rid), reserve=len(req.input_ids) + answer))
     thread = threading.Thread(target=loop.run)
-    thread.start()
+    store = eng.prefix_cache
     try:
-        for _ in requests:
-            ended.acquire()
-        seconds = time.perf_counter() - started
+        for tag, burst_seed in (("warm", seed + 29), ("a", seed + 23)):
+            requests = sharing_a_system_prompt(tag, n, system, answer, burst_seed)
+            made.clear()
+            ttft.clear()
+            hit, prompt = store.hit_tokens, store.prompt_tokens
+            started = time.perf_counter()
+            # Queued within the loop's batch window (or before it starts): they join together.
+            for req in requests:
+                loop.submit(Admission(req, lambda e, r=req.request_id: emit(e, r), reserve=len(req.input_ids) + answer))
+            if not thread.is_alive():
+                thread.start()
+            for _ in requests:
+                ended.acquire()
+            seconds = time.perf_counter() - started
     finally:
         loop.request_stop()
         thread.join()
     if failed:
         raise RuntimeError(f"{len(failed)} requests failed: {failed[:2]}")
-    store = eng.prefix_cache
-    return AtOnce(list(ttft.values()), seconds, made, store.hit_tokens, store.prompt_tokens)
+    return AtOnce(list(ttft.values()), seconds, dict(made), store.hit_tokens - hit, store.prompt_tokens - prompt)
 
 
 def unshared(eng: Any, n: int, lengths: list[int], answer: int, seed: int) -> tuple[float, int, dict[str, list[int]]]:
@@ -277,6 +288,8 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--no-chunked", action="store_true", help="skip the chunked-prefill round")
     parser.add_argument("--model", default="8x512", help="tiny or 8x512 (the targets are for 8x512)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (the chunked-prefill round is on the CPU)")
+    parser.add_argument("--dtype", default="float32", help="the model's dtype (bfloat16 on a GPU, say)")
     args = parser.parse_args()
 
     import torch
@@ -285,7 +298,8 @@ def main() -> None:
     torch.set_grad_enabled(False)
     with scratch_dir(args.workdir) as workdir:
         model_dir = build_model(args.model, workdir)
-        model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+        dtype = getattr(torch, args.dtype)
+        model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=dtype).to(args.device).eval()
         arms = {"on": 1 << 30, "off": 0}
         ttft: dict[str, list[list[float]]] = {arm: [[] for _ in range(TURNS)] for arm in arms}
         rate: dict[str, list[float]] = {arm: [] for arm in arms}

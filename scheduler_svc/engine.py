@@ -271,6 +271,7 @@ class Engine:
             clock.lap("decode")
         if joining:
             ready, lost = self._prepare(joining, use_encoder, use_prefix)
+            clock.lap("encode")  # and the cached prefixes taken: the prefill's own cost is apart
             for j in [j for j in ready if self._chunked_prefill(j)]:
                 self._queue_chunks(j)
             ready = [j for j in ready if not self._chunked_prefill(j)]

@@ -37,7 +37,7 @@ from scheduler_svc.errors import (
     ShuttingDown,
     error_for_code,
 )
-from scheduler_svc.plan import Failure, NewRequest, Plan
+from scheduler_svc.plan import Failure, NewRequest, Plan, StepOutcome
 from scheduler_svc.prefix_cache import BLOCK_TOKENS, leading_text_keys
 from scheduler_svc.sampler import Logprob
 from scheduler_svc.settings import SchedulerSettings
@@ -139,6 +139,36 @@ def _leading(keys: list[bytes], present: Callable[[bytes], bool]) -> int:
 
 
 @dataclass
+class StepCosts:
+    """Rank 0's recent step costs (exponential averages of the engine's
+    phases), for `StepLoop._waits`: seconds a joining prompt token costs the
+    prefill forward (media encoded apart: a request that waits encodes its
+    own all the same), and seconds of a decode forward. None until seen."""
+
+    per_token: float | None = None
+    decode: float | None = None
+    ALPHA = 0.2  # weight of the newest
+
+    def observe(self, plan: Plan, outcome: StepOutcome, *, chunking: bool) -> None:
+        """After a step. A step that queued or ran a long prompt's chunk is
+        not counted for the prompt tokens (the chunk's own phase holds
+        part of them)."""
+        decode = outcome.phases.get("decode")
+        if decode is not None and plan.feed:
+            self.decode = self._mean(self.decode, decode)
+        prefill = outcome.phases.get("prefill")
+        if prefill is None or chunking:
+            return
+        tokens = sum(len(r.input_ids) - outcome.cached.get(r.request_id, 0)
+                     for r in plan.new if r.request_id not in outcome.failed)  # fmt: skip
+        if tokens:
+            self.per_token = self._mean(self.per_token, prefill / tokens)
+
+    def _mean(self, old: float | None, new: float) -> float:
+        return new if old is None else old + self.ALPHA * (new - old)
+
+
+@dataclass
 class _Prefills:
     """Leading-text block keys of the running requests' prompts (`StepLoop._waits`)."""
 
@@ -190,6 +220,7 @@ class StepLoop:
         self.failures_by_rank: list[int] = [0] * coll.world_size  # requests that failed agreement, by rank
         self.janitor_removed = 0
         self.waited_for_prefix = 0  # steps requests waited for a prefill of the text they start with
+        self.costs = StepCosts()
         self._stats = _Stats(time.monotonic())
         self.active_per_rank: list[int] = [0] * coll.world_size
         self.snapshot = Snapshot()
@@ -239,6 +270,7 @@ class StepLoop:
                 started = self.step_started = time.monotonic()
                 self.coll.broadcast_from_0(plan)
                 outcome = self.engine.step(plan)
+                self.costs.observe(plan, outcome, chunking=self.engine.prefilling)
                 self.active_per_rank = outcome.active_per_rank
                 if len(set(outcome.active_per_rank)) > 1:
                     raise RuntimeError(f"ranks diverged: active requests per rank {outcome.active_per_rank}")
@@ -399,10 +431,14 @@ class StepLoop:
         """Whether `adm` should wait a step: at least --wait-for-shared-prefix
         tokens of its prompt's leading text are being computed by a prefill
         (of this step, or in chunks), will not be in the prefix cache when
-        this step's matches are made, and fit in it. The step after that
-        prefill its blocks are kept before the step's matches, so `adm` then
-        takes them. (A store too small for them would have a burst of such
-        requests admitted one a step, each waiting for the last.)"""
+        this step's matches are made, and fit in it; and computing them
+        again has lately cost more than a decode forward (about what the
+        wait adds to its first token: on a small or fast model a shared
+        prefix is cheaper to compute twice than to wait for). The step
+        after that prefill its blocks are kept before the step's matches,
+        so `adm` then takes them. (A store too small for them would have a
+        burst of such requests admitted one a step, each waiting for the
+        last.)"""
         keys = self._lead(adm)
         least = -(-self.settings.wait_for_shared_prefix // BLOCK_TOKENS)
         shared = _leading(keys, prefills.computing.__contains__)
@@ -412,7 +448,13 @@ class StepLoop:
         if shared * store.block_bytes > store.capacity:
             return False  # the store could not keep them all: waiting would buy nothing
         kept = _leading(keys[:shared], prefills.kept.__contains__)
-        return shared - max(kept, _leading(keys[:shared], store.holds)) >= least
+        computed = shared - max(kept, _leading(keys[:shared], store.holds))
+        if computed < least:
+            return False
+        costs = self.costs
+        if costs.per_token is None or costs.decode is None:
+            return True  # nothing measured yet (a burst at start-up): wait
+        return computed * BLOCK_TOKENS * costs.per_token > costs.decode
 
     @staticmethod
     def _lead(adm: Admission) -> list[bytes]:

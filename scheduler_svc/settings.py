@@ -141,8 +141,8 @@ class SchedulerSettings(ServiceSettings):
         "a request whose first N or more prompt tokens (its text before any image or video) are those of a "
         "request still being prefilled, and are not in the prefix cache, waits for that prefill and then "
         "takes them from the cache instead of computing them again alongside it (many requests arriving "
-        "at once with one system prompt); others are admitted past it meanwhile. 0 = never wait; no effect "
-        "with --prefix-cache-bytes 0",
+        "at once with one system prompt), where computing them has lately cost more than a decode step; "
+        "others are admitted past it meanwhile. 0 = never wait; no effect with --prefix-cache-bytes 0",
         min=0,
     )
     tune_threads: bool = _opt(

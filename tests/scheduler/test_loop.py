@@ -16,7 +16,7 @@ import torch
 
 from mmsplit.errors import E
 from scheduler_svc.errors import MmsplitError, Overloaded
-from scheduler_svc.loop import Admission, Event, Failed, Finished, StepLoop, Token
+from scheduler_svc.loop import Admission, Event, Failed, Finished, StepCosts, StepLoop, Token
 from scheduler_svc.plan import Failure, Item, Plan, StepOutcome
 from scheduler_svc.prefix_cache import BLOCK_TOKENS, PrefixCache, leading_text_keys
 from scheduler_svc.settings import SchedulerSettings
@@ -42,6 +42,7 @@ class FakeEngine:
         self.hold = hold
         # Rank 0's store as the loop sees it (this fake never fills it itself).
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
+        self.prefilling = False  # no prompt comes in chunks here (the loop asks)
         # A "chunked" request makes its first token only in its third step.
         self.steps_in: dict[str, int] = {}
         self.sampled: set[str] = set()  # rows that made a token
@@ -381,3 +382,46 @@ def test_leading_counts_a_chain_s_present_keys_by_bisection() -> None:
         present = set(keys[:n])
         assert _leading(keys, present.__contains__) == n
     assert _leading([], set().__contains__) == 0
+
+
+@pytest.mark.parametrize(("per_token", "waits"), [(1e-3, True), (1e-6, False)])
+def test_a_request_waits_only_where_computing_the_shared_text_costs_more_than_a_step(
+    per_token: float, waits: bool
+) -> None:
+    """With step costs seen (a decode forward 10 ms): 80 shared tokens at
+    1 ms each are worth a step's wait; at 1 us each they are computed again."""
+    engine = FakeEngine(prefix_cache_bytes=1 << 20)
+    h = Harness(engine)
+    h.loop.costs = StepCosts(per_token=per_token, decode=0.01)
+    h.submit("a", [*SYSTEM, 1, 2, 3])
+    h.submit("b", [*SYSTEM, 4, 5])
+    h.thread.start()
+    h.wait_ended(["a", "b"])
+    h.stop()
+    assert admitted(engine) == ([["a"], ["b"]] if waits else [["a", "b"]])
+
+
+def test_step_costs_follow_the_engine_s_phases() -> None:
+    """Prompt tokens cost the prefill phase over the tokens computed (those
+    taken from the prefix cache and those of failed joiners left out); a
+    step that feeds running rows gives the decode forward's time; a step
+    with a prompt coming in chunks gives no prompt cost."""
+    from scheduler_svc.plan import NewRequest
+
+    costs = StepCosts()
+    new = tuple(NewRequest(rid, (1,) * 100, (), None) for rid in ("x", "y", "bad"))  # type: ignore[arg-type]
+    failed = {"bad": Failure(E.ERROR_CODE_INVALID_REQUEST, (0,))}
+    outcome = StepOutcome({}, failed, [2], phases={"prefill": 0.15}, cached={"y": 50})
+    costs.observe(Plan(step=1, new=new), outcome, chunking=False)
+    assert (costs.per_token, costs.decode) == (0.15 / 150, None)
+    costs.observe(Plan(step=2, feed=(("x", 7),)), StepOutcome({}, {}, [2], phases={"decode": 0.02}), chunking=False)
+    assert costs.decode == 0.02
+    costs.observe(Plan(step=3, new=new[:1]), StepOutcome({}, {}, [3], phases={"prefill": 9.0}), chunking=True)
+    assert costs.per_token == 0.15 / 150, "a chunking step's prompt cost is not the prompt's"
+    costs.observe(
+        Plan(step=4, new=new[:1], feed=(("x", 7),)),
+        StepOutcome({}, {}, [3], phases={"prefill": 0.3, "decode": 0.04}),
+        chunking=False,
+    )
+    assert costs.per_token == pytest.approx(0.001 + 0.2 * (0.003 - 0.001))
+    assert costs.decode == pytest.approx(0.02 + 0.2 * (0.04 - 0.02))
