@@ -207,7 +207,7 @@ class StepLoop:
         self._joining: list[Admission] = []  # admitted into the step that is running
         self._drop: list[str] = []
         # Of the next drops, those whose KV the prefix cache may keep.
-        self._keep: list[str] = []
+        self._keep: dict[str, Admission] = {}
         self._aborted: set[str] = set()
         self._outbox: list[tuple[Admission, Event]] = []
         self._stopping = False
@@ -352,9 +352,9 @@ class StepLoop:
                 adm.release()
                 log.info("request %s aborted before its first step; segments released", request_id)
                 return
-        if self._running.pop(request_id, None) is not None:
+        if (adm := self._running.pop(request_id, None)) is not None:
             self._drop.append(request_id)
-            self._keep.append(request_id)  # its KV is sound: later turns may use it
+            self._keep[request_id] = adm  # its KV is sound: later turns may use it
             self._aborted.add(request_id)
 
     def _plan(self) -> Plan:
@@ -408,7 +408,7 @@ class StepLoop:
             stop=self._stopping,
             keep=tuple(self._keep),
         )
-        self._drop, self._keep = [], []
+        self._drop, self._keep = [], {}
         if admitted:
             log.debug("step %d admits %s", plan.step, [a.request_id for a in admitted])
         return plan
@@ -425,6 +425,8 @@ class StepLoop:
                 prefills.computing.update(self._lead(adm))
             elif adm.generated == 1:  # prefilled last step: kept as this step starts (`Engine._keep_prefilled`)
                 prefills.kept.update(self._lead(adm))
+        for adm in self._keep.values():  # leaving (finished at its first token, say): kept as this step starts
+            prefills.kept.update(self._lead(adm))
         return prefills
 
     def _waits(self, adm: Admission, prefills: _Prefills) -> bool:
@@ -524,7 +526,7 @@ class StepLoop:
             self._outbox.append((adm, Finished(reason, prompt, adm.generated, adm.cached_tokens)))
             del self._running[rid]
             self._drop.append(rid)
-            self._keep.append(rid)
+            self._keep[rid] = adm
 
     def _joined(self, rid: str) -> Admission | None:
         """The admission of this step's joiner `rid` (None if it is not one)."""

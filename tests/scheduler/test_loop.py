@@ -425,3 +425,18 @@ def test_step_costs_follow_the_engine_s_phases() -> None:
     )
     assert costs.per_token == pytest.approx(0.001 + 0.2 * (0.003 - 0.001))
     assert costs.decode == pytest.approx(0.02 + 0.2 * (0.04 - 0.02))
+
+
+def test_requests_that_finish_at_their_first_token_do_not_serialize_a_burst() -> None:
+    """A burst of one-token requests (a classifier's, say) with one long
+    instruction: the first prefills it and leaves at once, its blocks kept
+    as the next step starts; the others all join that step (each waiting
+    for the one before would admit them one a step)."""
+    engine = FakeEngine(prefix_cache_bytes=1 << 20)
+    h = Harness(engine)
+    for rid in ("a", "b", "c", "d"):
+        h.submit(rid, [*SYSTEM, ord(rid)], max_tokens=1)
+    h.thread.start()
+    h.wait_ended(["a", "b", "c", "d"])
+    h.stop()
+    assert admitted(engine) == [["a"], ["b", "c", "d"]]
