@@ -352,9 +352,9 @@ class StepLoop:
                 adm.release()
                 log.info("request %s aborted before its first step; segments released", request_id)
                 return
-        if (adm := self._running.pop(request_id, None)) is not None:
+        if request_id in self._running:
             self._drop.append(request_id)
-            self._keep[request_id] = adm  # its KV is sound: later turns may use it
+            self._keep[request_id] = self._running.pop(request_id)  # its KV is sound: later turns may use it
             self._aborted.add(request_id)
 
     def _plan(self) -> Plan:
