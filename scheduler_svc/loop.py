@@ -370,7 +370,7 @@ class StepLoop:
         widest = 0
         admitted: list[Admission] = []
         waiting: list[Admission] = []
-        prefilling = self._prefilling()
+        prefilling = self._prefilling() if self._pending else None
         while self._pending and len(admitted) < s.max_new_per_step and rows < s.max_running:
             head = self._pending[0]
             if prefilling is not None and self._waits(head, prefilling):
