@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import re
 import time
 import urllib.error
 import urllib.request
@@ -432,11 +433,19 @@ def test_the_conformance_kit_passes_our_http_api_and_fails_a_broken_one(api: Api
     assert {r.verdict for r in theirs} == {"FAIL"}, theirs
 
 
-def _sse(url: str, body: dict[str, Any]) -> list[str]:
-    """A streamed response's lines, as they came (keep-alive comments included)."""
+_TEXT = re.compile(r'"content":"[^"]')  # a chunk with text (the role chunk's content is "")
+
+
+def _sse(url: str, body: dict[str, Any], into: list[str] | None = None) -> list[str]:
+    """A streamed response's lines, as they came (keep-alive comments
+    included), appended to `into` one by one when given."""
+    lines = [] if into is None else into
     request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=120) as reply:
-        return [line.decode().rstrip("\n") for line in reply if line.strip()]
+        for line in reply:
+            if line.strip():
+                lines.append(line.decode().rstrip("\n"))
+    return lines
 
 
 def test_a_stream_keeps_the_connection_alive_and_ends_an_error_with_an_event(
@@ -464,20 +473,22 @@ def test_a_stream_keeps_the_connection_alive_and_ends_an_error_with_an_event(
         def read() -> None:
             body = {"messages": [{"role": "user", "content": "Go on."}], "max_tokens": 900, "stream": True,
                     "min_tokens": 900}  # fmt: skip
-            got.extend(_sse(url, body))
+            _sse(url, body, into=got)
 
         import threading
 
         reader = threading.Thread(target=read)
         reader.start()
-        assert wait_until(lambda: any(rank_active_requests(pair.scheduler_address)), timeout=30)
+        # Killed once a token has streamed: an error before the stream's
+        # first event would be an ordinary 503 response, not an event.
+        assert wait_until(lambda: any(_TEXT.search(line) for line in list(got)), timeout=60), got[:5]
         pair.scheduler.proc.kill()
         reader.join(60)
     errors = [json.loads(line[6:]) for line in got if line.startswith("data: {") and '"error"' in line]
     assert len(errors) == 1, got[-5:]
     assert errors[0]["error"]["code"] == "SCHEDULER_UNAVAILABLE"
     assert got[-1] == "data: [DONE]"
-    assert any('"content"' in line for line in got), "nothing streamed before the error"
+    assert any(_TEXT.search(line) for line in got), "nothing streamed before the error"
 
 
 def test_a_max_tokens_beyond_the_context_ends_with_a_reason_that_says_so(api: Api) -> None:
