@@ -313,8 +313,11 @@ def main() -> None:
         hit = prompt = 0
         lengths: list[int] = []
         for r in range(args.rounds + 1):  # round 0 warms up and is not counted
+            # Each round runs the arms in another order: on a GPU the first
+            # arm after a workload change ran up to 3x slower (stop 54).
+            order = _rotated(list(arms.items()), r)
             made: dict[str, dict[str, list[int]]] = {}
-            for arm, size in arms.items():
+            for arm, size in order:
                 eng = engine(model, size)
                 per_turn, made[arm], seconds, tokens = conversations(
                     eng, args.conversations, args.system, args.answer, r
@@ -329,14 +332,14 @@ def main() -> None:
             same &= made["on"] == made["off"]
             lengths = [args.system + IMAGE_TOKENS + 30 + t * (30 + args.answer) for t in range(TURNS)]
             unshared_made = {}
-            for arm, size in arms.items():
+            for arm, size in order:
                 eng = engine(model, size)
                 seconds, tokens, unshared_made[arm] = unshared(eng, args.conversations, lengths, args.answer, r)
                 if r:
                     flat[arm].append(tokens / seconds)
             same &= unshared_made["on"] == unshared_made["off"]
             staggered_made = {}
-            for arm, size in arms.items():
+            for arm, size in order:
                 eng = engine(model, size)
                 joins, staggered_made[arm] = staggered(eng, 4 * args.conversations, args.system, 4 * args.answer, r)
                 if r:
@@ -347,7 +350,7 @@ def main() -> None:
                         stagger_prompt += eng.prefix_cache.prompt_tokens
             same &= staggered_made["on"] == staggered_made["off"]
             together = {}
-            for arm, (size, wait) in burst_arms.items():
+            for arm, (size, wait) in _rotated(list(burst_arms.items()), r):
                 together[arm] = at_once(model, size, wait, 4 * args.conversations, args.system, args.answer, r)
                 if r:
                     burst[arm].append(together[arm])
@@ -387,6 +390,12 @@ def main() -> None:
         print(f"same tokens with the cache on and off (every request, every round): {same}")
         if not args.no_chunked:
             chunked(workdir)
+
+
+def _rotated(arms: list[Any], r: int) -> list[Any]:
+    """`arms` rotated by `r` places: over rounds each arm runs first as often."""
+    k = r % len(arms)
+    return arms[k:] + arms[:k]
 
 
 def chunked(workdir: Path) -> None:

@@ -182,24 +182,30 @@ class RowCache(Cache):
         self.lengths.append(int(prefix.shape[3]))
 
     def row_blocks(self, row: int, start: int, end: int, size: int) -> list[torch.Tensor] | None:
-        """The keys and values of `row` at ``[start, end)`` in blocks of
-        `size` tokens, each one tensor of its own ``[layers, 2, kv heads,
-        size, head dim]`` (copied once; None before any forward allocated
-        the layers)."""
+        """The keys and values of `row` at ``[start, end)`` (a multiple of
+        `size` tokens) in blocks of `size` tokens, each one tensor of its own
+        ``[layers, 2, kv heads, size, head dim]`` (None before any forward
+        allocated the layers). Staged block-major with one copy per layer and
+        kind, then one copy per block: 2 x layers + blocks copies, not 2 x
+        layers x blocks (each a kernel launch on a GPU, where launches, not
+        bytes, were this path's cost). Each block owns its memory, so the
+        prefix cache frees what it evicts."""
         pairs = list(zip(self._keys, self._values, strict=True))
         if any(k is None or v is None for k, v in pairs):
             return None
         first = pairs[0][0]
         assert first is not None
-        shape = (len(pairs), 2, first.shape[1], size, first.shape[3])
-        blocks = []
-        for at in range(start, end, size):
-            block = torch.empty(shape, dtype=first.dtype, device=first.device)
-            for i, (k, v) in enumerate(pairs):
-                block[i, 0].copy_(k[row, :, at : at + size])  # type: ignore[index]
-                block[i, 1].copy_(v[row, :, at : at + size])  # type: ignore[index]
-            blocks.append(block)
-        return blocks
+        blocks, rest = divmod(end - start, size)
+        if rest:
+            raise ValueError(f"[{start}, {end}) is not a whole number of {size}-token blocks")
+        staged = torch.empty(
+            (blocks, len(pairs), 2, first.shape[1], size, first.shape[3]), dtype=first.dtype, device=first.device
+        )
+        for i, (k, v) in enumerate(pairs):
+            for kind, store in enumerate((k, v)):
+                part = store[row, :, start:end]  # type: ignore[index]
+                staged[:, i, kind].copy_(part.unflatten(1, (blocks, size)).transpose(0, 1))
+        return [block.clone() for block in staged.unbind(0)]
 
     def begin_decode(self) -> ForwardInputs:
         """One new token for every live row, each at its own position."""

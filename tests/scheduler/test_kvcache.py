@@ -136,6 +136,41 @@ def test_a_growth_made_ahead_is_zeroed_a_share_a_step_and_then_only_copies_the_r
         assert float(t[3].abs().sum()) == 0.0
 
 
+def test_row_blocks_are_the_row_s_keys_and_values_block_by_block_each_owning_its_memory() -> None:
+    """Every position's keys and values distinct (layer, kind, head, token,
+    dim all in the value): each block is the row's slice at its tokens, laid
+    out ``[layers, 2, heads, size, dim]``; a block holds only its own bytes
+    (the prefix cache's byte count is what eviction frees); the blocks put
+    back in a row give the row's keys and values again."""
+    layers, heads, dim, length = 3, 2, 4, 40
+    c = RowCache(layers, dtype=torch.float32, device=torch.device("cpu"), token_chunk=8, row_chunk=2)
+    c.begin_prefill([length, 5])
+    grid = torch.arange(heads * length * dim, dtype=torch.float32).reshape(1, heads, length, dim)
+    for layer in range(layers):
+        keys = torch.cat([grid, torch.full((1, heads, length, dim), -1.0)]) + 1000 * layer
+        c.update(keys, keys + 100_000, layer)
+    blocks = c.row_blocks(0, 8, 40, 16)
+    assert blocks is not None
+    assert len(blocks) == 2
+    for b, block in enumerate(blocks):
+        assert block.shape == (layers, 2, heads, 16, dim)
+        assert block.untyped_storage().nbytes() == block.nbytes
+        at = 8 + 16 * b
+        for layer in range(layers):
+            want = grid[0, :, at : at + 16] + 1000 * layer
+            assert torch.equal(block[layer, 0], want)
+            assert torch.equal(block[layer, 1], want + 100_000)
+    with pytest.raises(ValueError, match="whole number"):
+        c.row_blocks(0, 0, 20, 16)
+    every = c.row_blocks(0, 0, 32, 16)
+    assert every is not None
+    c.append_row(torch.cat(every, dim=3))
+    for layer in range(layers):
+        stored = c._keys[layer]
+        assert stored is not None
+        assert torch.equal(stored[2, :, :32], stored[0, :, :32])
+
+
 @pytest.fixture(scope="module")
 def llama() -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
