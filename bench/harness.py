@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -42,16 +44,30 @@ def scratch_dir(given: Path | None) -> Iterator[Path]:
         yield path
 
 
+MODELS_DIR = "MMSPLIT_BENCH_MODELS"
+
+
 def build_model(name: str, workdir: Path) -> Path:
-    """One of `MODELS`, written under `workdir` (random weights, real tokenizer)."""
+    """One of `MODELS` (random weights, real tokenizer), written under
+    `workdir`; or, when the environment names a directory in
+    MMSPLIT_BENCH_MODELS (the tests do), kept there and reused by every
+    benchmark run after the first (a build costs ~10 s here). Built aside
+    and renamed, so a half-written model is never reused."""
     from mmsplit_cli.tiny_model import build
 
     layers, hidden = MODELS[name]
-    out = workdir / f"model-{name}"
-    if (out / "config.json").exists():
+    base = Path(os.environ[MODELS_DIR]) if os.environ.get(MODELS_DIR) else workdir
+    out = base / f"model-{name}"
+    if out.is_dir():
         return out
+    building = base / f".building-{name}-{os.getpid()}"
     # Prompts as written: the baselines run `generate` on the same text.
-    return build(out, cache_dir=ROOT / ".cache", text_layers=layers, text_hidden=hidden, chat_template=False)
+    build(building, cache_dir=ROOT / ".cache", text_layers=layers, text_hidden=hidden, chat_template=False)
+    try:
+        building.rename(out)
+    except OSError:  # another run built it meanwhile: theirs is as good
+        shutil.rmtree(building)
+    return out
 
 
 @dataclass

@@ -313,8 +313,9 @@ def main() -> None:
         hit = prompt = 0
         lengths: list[int] = []
         for r in range(args.rounds + 1):  # round 0 warms up and is not counted
-            # Each round runs the arms in another order: on a GPU the first
-            # arm after a workload change ran up to 3x slower (stop 54).
+            # Each round runs the arms in another order, so that no arm is
+            # always the one after a workload change (on an H200 one step's
+            # time moved 6 -> 80 ms within seconds: stop 54).
             order = _rotated(list(arms.items()), r)
             made: dict[str, dict[str, list[int]]] = {}
             for arm, size in order:

@@ -3,6 +3,8 @@ numbers themselves are for `python bench/...`, not for a test)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tests.support.bench import run_bench
@@ -10,9 +12,15 @@ from tests.support.bench import run_bench
 pytestmark = pytest.mark.e2e
 
 
-def test_engine_benchmark_prints_every_ratio() -> None:
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the benchmarks keep the models they build: built by the first, reused by the rest."""
+    return tmp_path_factory.mktemp("bench-models")
+
+
+def test_engine_benchmark_prints_every_ratio(models: Path) -> None:
     args = ["--models", "tiny", "--tp", "1", "--n", "4", "--tokens", "4", "--rounds", "1"]
-    result = run_bench("engine.py", args)
+    result = run_bench("engine.py", args, models=models)
     assert result.returncode == 0, result.stderr[-3000:]
     for column in ("c=1 / serial", "c=8 / batch", "c=4 / batch", "c=4 / batch+prep", "TTFT ms", "ITL ms", "= HF"):
         assert column in result.stdout
@@ -25,10 +33,10 @@ def test_engine_benchmark_prints_every_ratio() -> None:
     )
 
 
-def test_multiturn_benchmark_prints_every_figure_and_both_arms_agree() -> None:
+def test_multiturn_benchmark_prints_every_figure_and_both_arms_agree(models: Path) -> None:
     args = ["--conversations", "1", "--system", "16", "--answer", "2", "--rounds", "1", "--no-chunked"]
     args += ["--model", "tiny"]
-    result = run_bench("multiturn.py", args)
+    result = run_bench("multiturn.py", args, models=models)
     assert result.returncode == 0, result.stderr[-3000:]
     for line in (
         "TTFT on ms",
@@ -43,9 +51,9 @@ def test_multiturn_benchmark_prints_every_figure_and_both_arms_agree() -> None:
     assert "same tokens with the cache on and off (every request, every round): True" in result.stdout
 
 
-def test_shared_prefix_benchmark_prints_both_arms_and_their_ratios() -> None:
+def test_shared_prefix_benchmark_prints_both_arms_and_their_ratios(models: Path) -> None:
     args = ["--model", "tiny", "--n", "4", "--system", "80", "--tokens", "2", "--rounds", "1"]
-    result = run_bench("shared_prefix.py", args)
+    result = run_bench("shared_prefix.py", args, models=models)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = {line.split()[0]: line for line in result.stdout.splitlines() if line.startswith(("waits ", "no wait "))}
     assert rows.keys() == {"waits", "no"}
@@ -70,9 +78,9 @@ def test_sampler_benchmark_prints_both_picks_for_every_shape() -> None:
         assert f"32 greedy rows under min_tokens, {vocab}:" in result.stdout
 
 
-def test_gc_pause_benchmark_prints_both_heaps() -> None:
+def test_gc_pause_benchmark_prints_both_heaps(models: Path) -> None:
     # Its second part reads the services' gc metrics, which tests/e2e/test_metrics.py checks.
-    result = run_bench("gc_pause.py", ["--model", "tiny", "--reps", "1", "--rounds", "0"])
+    result = run_bench("gc_pause.py", ["--model", "tiny", "--reps", "1", "--rounds", "0"], models=models)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
     for service in ("tokenizer", "scheduler"):

@@ -7,17 +7,23 @@ import os
 import subprocess
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from tests.support.services import ENV, ROOT
 
 
-def run_bench(script: str, args: Sequence[str], timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    """`python bench/<script> ARGS`: its exit status and what it printed."""
+def run_bench(
+    script: str, args: Sequence[str], timeout: float = 240, models: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    """`python bench/<script> ARGS`: its exit status and what it printed.
+    `models`: a directory where the benchmarks keep the models they build
+    and reuse them (bench/harness.py, MMSPLIT_BENCH_MODELS)."""
+    kept = {"MMSPLIT_BENCH_MODELS": str(models)} if models is not None else {}
     return subprocess.run(
         [sys.executable, str(ROOT / "bench" / script), *args],
         capture_output=True,
         text=True,
         timeout=timeout,
-        env={**os.environ, **ENV},
+        env={**os.environ, **ENV, **kept},
         cwd=ROOT,
     )
