@@ -14,6 +14,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from scheduler_svc.counted_sums import CountedSums
 from scheduler_svc.rendezvous import Rendezvous
 from scheduler_svc.shm_allreduce import Arena
 
@@ -49,6 +50,8 @@ class TorchCollective:
         self.device = device
         # Where the model's TP sums go when not through the group (`scheduler_svc.shm_allreduce`).
         self.arena: Arena | None = None
+        # Else the group's sums, counted (`scheduler_svc.counted_sums`).
+        self.sums: CountedSums | None = None
 
     # A group of one has nobody to talk to: its collectives are identities
     # (no pickling, no tensor round trip on the step's hot path).

@@ -34,8 +34,9 @@ any rank) fails alone and every rank drops it before the forward. A prefill
 forward that raises is undone and each joiner tried alone; under TP the
 ranks agree on each prefill forward, and on each chunk of a long prompt,
 first (`Engine._agreed_run`). A decode forward that raises fails the running
-rows (typed) and the group goes on; under TP it is agreed on too where the
-ranks sum over shared memory, and ends the group over gloo or NCCL. What
+rows (typed) and the group goes on; under TP it is agreed on too (over gloo or
+NCCL the rank that failed makes the sums the others still make,
+`counted_sums`; where those are not known yet it ends the group). What
 can only fail on rank 0 (sampling, non-finite logits of one row) fails that
 request alone: it is reported in `StepOutcome.rejected` and the loop drops
 it on every rank in the next plan.
@@ -61,6 +62,7 @@ from mmsplit_server import families
 from mmsplit_server.families import Family
 from scheduler_svc.agreement import agree_on_failures
 from scheduler_svc.collective import Collective
+from scheduler_svc.counted_sums import CountedSums
 from scheduler_svc.encoder_cache import EncoderCache
 from scheduler_svc.errors import NonFinitePixels
 from scheduler_svc.kvcache import ForwardInputs, RowCache
@@ -172,6 +174,8 @@ class Engine:
         self._hook = hook
         # A local CPU group's shared-memory TP sums, which a failed forward aborts.
         self._arena: Arena | None = getattr(coll, "arena", None)
+        # Else, under TP, the group's own sums, counted: a failed forward drains them.
+        self._sums: CountedSums | None = getattr(coll, "sums", None)
         self._ran = torch.zeros(1, dtype=torch.int64)  # summed after each decode forward under TP (`_decode`)
         # Prompts longer than this are prefilled a chunk a step (0: never).
         self.prefill_chunk = prefill_chunk
@@ -405,8 +409,10 @@ class Engine:
         every rank makes after it, `_ran`, which completes only where every
         rank's forward ran) into the same agreement as a prefill forward
         (`_agreed_run`); so a step with no failure costs one 8-byte sum more.
-        Over gloo or NCCL the error ends the group: another rank may be
-        inside the forward's collectives."""
+        Over gloo or NCCL likewise, by the group's sums: the rank that
+        failed makes the forward's sums the others still make, then the
+        8-byte one (`CountedSums.settle`); where it cannot (no decode has
+        run yet on this rank) the error ends the group."""
         feeds = [row.feed for row in self.rows]
         if None in feeds:
             missing = [r.request.request_id for r in self.rows if r.feed is None]
@@ -424,15 +430,17 @@ class Engine:
 
         def forward() -> torch.Tensor:
             with self._decode_fault():
-                hidden = self._body(self._decode_body, ids, inputs)[:, -1]
+                hidden = self._body(self._decode_body, ids, inputs, decode=True)[:, -1]
             if alone:
                 return self._head(hidden)
             if self._arena is not None:
                 self._arena.all_reduce_(self._ran)  # completes only where every rank's forward ran
+            elif self._sums is not None:
+                self._sums.settle()  # raises where another rank's forward failed
             return hidden
 
         def verdict(exc: Exception) -> tuple[int, str]:
-            if not alone and self._arena is None:
+            if not alone and self._arena is None and not (self._sums is not None and self._sums.drainable()):
                 raise exc  # over gloo/NCCL another rank may be inside the forward's collectives
             rids = [row.request.request_id for row in self.rows]
             log.warning("rank %d: a decode forward of %d requests failed; they fail: %s%s", self.coll.rank, len(rids),
@@ -527,9 +535,11 @@ class Engine:
         before the head's collective: a deterministic error raises alike on
         every rank, and one rank's own (out of memory, say) releases the
         others from the forward's shared-memory sums (`Arena.abort`), so
-        all meet in the agreement and undo the same rows. (Over gloo or
-        NCCL a rank that fails alone inside the forward leaves the others
-        in its collective until the collective timeout ends the group.)"""
+        all meet in the agreement and undo the same rows. Over gloo or
+        NCCL it makes the forward's sums the others still make
+        (`CountedSums.drain`); before a prefill has run on this rank,
+        whose sums are then unknown, the others wait in the collective
+        until its timeout ends the group."""
         first = self.cache.rows
         alone = self.coll.world_size == 1
 
@@ -582,6 +592,8 @@ class Engine:
             return out, None
         if code and self._arena is not None:
             self._arena.abort()  # release the ranks waiting for this one in a sum
+        elif code and self._sums is not None and self._sums.drain():
+            log.info("rank %d: %s failed here; made the sums the other ranks still make", self.coll.rank, what)
         if self.coll.world_size == 1:
             return out, (Failure(code, (0,), {0: message}) if code else None)
         sums: list[int] = []
@@ -859,8 +871,13 @@ class Engine:
         ids: torch.Tensor,
         inputs: ForwardInputs,
         cache: RowCache | None = None,
+        *,
+        decode: bool = False,
         **extra: Any,
     ) -> torch.Tensor:
+        if self._sums is not None:  # a decode's ranks settle after it (`_decode`): a prefill's agree anyway
+            kind = "decode" if decode else "prefill"
+            self._sums.begin(kind, (*ids.shape, self._hidden), self.dtype, self.device, settled=decode)
         out = body(
             input_ids=ids,
             position_ids=inputs.position_ids,
@@ -870,6 +887,8 @@ class Engine:
             **extra,
         )
         hidden: torch.Tensor = out.last_hidden_state
+        if self._sums is not None:
+            self._sums.end()
         return hidden
 
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:

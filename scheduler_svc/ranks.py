@@ -18,7 +18,7 @@ import torch.distributed as dist
 from mmsplit_server import gcheap
 from mmsplit_server.handoff import cuda_ipc, files
 from mmsplit_server.serving import setup_logging
-from scheduler_svc import shm_allreduce
+from scheduler_svc import counted_sums, shm_allreduce
 from scheduler_svc.collective import TorchCollective, init_group, pick_device
 from scheduler_svc.engine import Engine
 from scheduler_svc.loop import run_follower
@@ -68,6 +68,7 @@ def bootstrap(settings: SchedulerSettings, rendezvous: Rendezvous | None, arena:
     coll = TorchCollective(device)
     shared_sums = arena is not None and shm_allreduce.install(arena, settings.collective_timeout_s)
     coll.arena = arena if shared_sums else None
+    coll.sums = counted_sums.install() if coll.world_size > 1 and not shared_sums else None
     engine = Engine(
         model,
         coll,

@@ -139,6 +139,46 @@ def test_a_decode_forward_that_raises_at_tp2_ends_its_rows_typed_and_the_group_g
     assert "a decode forward of 1 requests failed" in services.scheduler.log_path.read_text()
 
 
+def test_over_gloo_a_forward_that_raises_on_one_rank_fails_its_requests_alone(
+    tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """TP=2 with the model's sums over gloo (as between hosts, or NCCL on
+    GPUs), not shared memory: a prefill or decode forward that raises
+    inside the model on one rank only, between two TP sums. That rank makes
+    the sums the other is still waiting in (zeros, `counted_sums`), so both
+    meet in the agreement: the request fails alone with a typed error, at
+    once rather than after the collective timeout (here 120 s, past each
+    request's 60), and the group serves on with its processes."""
+    extra = ["--tp-all-reduce", "gloo", "--engine-hook", "tests.support.faults", "--collective-timeout-s", "120"]
+    with running_pair(tiny_model, tmp_path_factory.mktemp("gloo"), scheduler_extra=extra) as pair:
+        pid, ranks = pair.scheduler.pid, [p.pid for p in rank_processes(pair.scheduler.pid)]
+        with grpc.insecure_channel(pair.tokenizer_address) as channel:
+            stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
+
+            def ask(rid: str) -> Outcome:
+                return run_request(stub, make_request("Go on.", max_tokens=6, min_tokens=6, request_id=rid), 60)
+
+            good = ask("first")  # its prefill and decodes teach each rank their sums
+            assert good.ok, good
+            for marker, where, tokens in (
+                ("inject-forward-failure-rank1", "in its prefill", 0),
+                ("inject-forward-failure-rank0", "in its prefill", 0),
+                ("inject-decode-failure-rank1", "in a decode step", 1),
+                ("inject-decode-failure-rank0", "in a decode step", 1),
+            ):
+                out = ask(f"{marker}-{uuid.uuid4().hex[:6]}")
+                assert (out.grpc_code, out.reason) == ("INTERNAL", "INTERNAL"), (marker, out)
+                assert where in out.message, (marker, out)
+                assert len(out.token_ids) == tokens, (marker, out)
+                after = ask(f"after-{uuid.uuid4().hex[:6]}")
+                assert after.ok, (marker, after)
+                assert after.token_ids == good.token_ids, marker
+        assert pair.scheduler.pid == pid
+        assert [p.pid for p in rank_processes(pair.scheduler.pid)] == ranks, "a rank was restarted"
+        log = pair.scheduler.log_path.read_text()
+        assert "made the sums the other ranks still make" in log
+
+
 def test_32_requests_joining_and_leaving_get_the_tokens_of_plain_generate_at_tp2(
     services: Services, tiny_model: Path
 ) -> None:
