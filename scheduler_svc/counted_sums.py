@@ -44,7 +44,7 @@ class CountedSums:
 
         self._dist = dist
         self._expected: dict[str, int] = {}  # kind of forward -> its sums
-        self._sound = True  # every counted sum had the shape its forward announced
+        self._unsound: set[str] = set()  # kinds with a sum of another shape, or counts that varied
         self._kind: str | None = None  # the forward under way, if any
         self._shape: tuple[int, ...] = ()
         self._dtype: torch.dtype | None = None
@@ -69,7 +69,7 @@ class CountedSums:
         if kind is None:
             return
         if self._expected.setdefault(kind, self._done) != self._done:
-            self._sound = False  # a kind whose count varies: never drained
+            self._unsound.add(kind)  # a kind whose count varies: never drained
 
     def settle(self) -> None:
         """After a forward that ran (begun with `settled`): raises
@@ -88,7 +88,8 @@ class CountedSums:
         sums are known (a kind with none counted sums some other way), and
         this rank is not inside one of them."""
         expected = self._expected.get(self._kind) if self._kind is not None else None
-        return bool(expected) and self._sound and not self._inside and self._done <= expected  # type: ignore[operator]
+        sound = self._kind not in self._unsound
+        return bool(expected) and sound and not self._inside and self._done <= expected  # type: ignore[operator]
 
     def drain(self) -> bool:
         """After this rank's forward raised: the sums the other ranks still
@@ -112,7 +113,7 @@ class CountedSums:
         dist = self._dist
         counted = self._kind is not None and not async_op and op in (None, dist.ReduceOp.SUM) and self._whole(group)
         if counted and (tuple(tensor.shape) != self._shape or tensor.dtype != self._dtype):
-            self._sound = False  # a layout this module does not know: never drained
+            self._unsound.add(self._kind)  # type: ignore[arg-type]  # a layout this module does not know
         self._inside = True
         try:
             out = dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op is None else op, group=group, async_op=async_op)

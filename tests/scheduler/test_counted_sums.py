@@ -84,6 +84,11 @@ def test_nothing_is_drained_where_the_sums_are_not_known() -> None:
         forward(sums, "prefill", (1, 5, 8), 4, fail_after=1)
     assert not sums.drain()
     assert len(fake.calls) == 2, "nothing more was summed"
+    # Only that kind: a decode (which never runs a vision tower, say) still drains.
+    forward(sums, "decode", (1, 1, 8), 4)
+    with pytest.raises(RuntimeError):
+        forward(sums, "decode", (1, 1, 8), 4, fail_after=3)
+    assert sums.drain()
 
 
 def test_a_kind_whose_count_varies_or_has_no_sum_is_never_drained() -> None:
