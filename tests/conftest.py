@@ -206,14 +206,35 @@ def _new_children(before: set[int]) -> set[int]:
     return new
 
 
+def shared_model(factory: pytest.TempPathFactory, name: str, **options: object) -> Path:
+    """A tiny model (`mmsplit_cli.tiny_model.build` with `options`) built
+    once per test run and shared by the xdist workers, which otherwise each
+    built their own (~10 s a model here): built aside under a lock, then
+    renamed. Tests copy a model before changing it."""
+    import fcntl
+
+    from mmsplit_cli.tiny_model import build
+
+    base = factory.getbasetemp()
+    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "models"
+    shared.mkdir(exist_ok=True)
+    out = shared / name
+    with open(shared / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not out.is_dir():
+            building = shared / f".{name}.building"
+            shutil.rmtree(building, ignore_errors=True)
+            build(building, cache_dir=ROOT / ".cache", **options)  # type: ignore[arg-type]
+            building.rename(out)
+    return out
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny LLaVA without a chat template: its prompts are used as
     written, so the references (tests/support/reference.py) run the same
     text. `chat_models` has the families with their templates."""
-    from mmsplit_cli.tiny_model import build
-
-    return build(tmp_path_factory.mktemp("model") / "tiny-llava", cache_dir=ROOT / ".cache", chat_template=False)
+    return shared_model(tmp_path_factory, "tiny-llava", chat_template=False)
 
 
 @pytest.fixture(scope="session")
@@ -221,18 +242,11 @@ def family_models(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) ->
     """family name -> a tiny model of that family, built once per session on
     first use; the LLaVA families without a chat template (as `tiny_model`),
     the Qwen ones with theirs (they have no other form)."""
-    from mmsplit_cli.tiny_model import build
-
     built: dict[str, Path] = {"llava": tiny_model}
 
     def get(family: str) -> Path:
         if family not in built:
-            built[family] = build(
-                tmp_path_factory.mktemp("model") / f"tiny-{family}",
-                cache_dir=ROOT / ".cache",
-                family=family,
-                chat_template=False,
-            )
+            built[family] = shared_model(tmp_path_factory, f"tiny-{family}", family=family, chat_template=False)
         return built[family]
 
     return get
@@ -244,17 +258,13 @@ def chat_models(
 ) -> Callable[[str], Path]:
     """family name -> a tiny model of that family with the chat template its
     public checkpoints ship (what `mmsplit tiny-model` writes by default)."""
-    from mmsplit_cli.tiny_model import build
-
     built: dict[str, Path] = {}
 
     def get(family: str) -> Path:
         if family.startswith("qwen"):
             return family_models(family)
         if family not in built:
-            built[family] = build(
-                tmp_path_factory.mktemp("model") / f"chat-{family}", cache_dir=ROOT / ".cache", family=family
-            )
+            built[family] = shared_model(tmp_path_factory, f"chat-{family}", family=family)
         return built[family]
 
     return get

@@ -13,9 +13,12 @@ pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Where the benchmarks keep the models they build: built by the first, reused by the rest."""
-    return tmp_path_factory.mktemp("bench-models")
+def models(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Path:
+    """Where the benchmarks keep the models they build, reused by the rest;
+    their "tiny" is the suite's own tiny LLaVA (the same build)."""
+    kept = tmp_path_factory.mktemp("bench-models")
+    (kept / "model-tiny").symlink_to(tiny_model)
+    return kept
 
 
 def test_engine_benchmark_prints_every_ratio(models: Path) -> None:
