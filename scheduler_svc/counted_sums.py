@@ -13,12 +13,13 @@ failing rank releases the others at once: `shm_allreduce.Arena.abort`.)
 `CountedSums` stands in for `torch.distributed` in transformers' TP module
 and counts a forward's sums. A forward of a given kind (prefill, decode)
 makes the same number of sums every time, each of its hidden state's shape
-``[rows, tokens, hidden]``: learned from the forwards that ran, checked on
-every sum. A rank whose forward raises then `drain`s: it makes the sums the
+``[rows, tokens, hidden]``: learned from the forwards that ran (the engine
+runs a one-token prefill and decode as the group starts for this,
+`Engine._learn_sums`), checked on every sum. A rank whose forward raises then `drain`s: it makes the sums the
 others are still to make, of zeros of that shape, so every rank ends the
 forward and meets the others in the engine's agreement, where the rows are
 undone alike. Where the count or the shape is not known (no forward of that
-kind has run yet, a sum of another shape was seen, or the error came from a
+kind has run yet, a sum of another shape was seen for it, or the error came from a
 sum itself, whose peers may be anywhere) nothing is drained and the group
 ends as before.
 

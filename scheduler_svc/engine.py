@@ -36,7 +36,7 @@ ranks agree on each prefill forward, and on each chunk of a long prompt,
 first (`Engine._agreed_run`). A decode forward that raises fails the running
 rows (typed) and the group goes on; under TP it is agreed on too (over gloo or
 NCCL the rank that failed makes the sums the others still make,
-`counted_sums`; where those are not known yet it ends the group). What
+`counted_sums`; where it cannot, it ends the group). What
 can only fail on rank 0 (sampling, non-finite logits of one row) fails that
 request alone: it is reported in `StepOutcome.rejected` and the loop drops
 it on every rank in the next plan.
@@ -194,6 +194,20 @@ class Engine:
         self._cached: dict[str, int] = {}  # this step's joiners: prompt tokens taken from it
         self._prefilled: list[str] = []  # rows that joined last step: their prompts' blocks go in the store
         self._agreed = (True, True)  # whether the ranks' encoder and prefix caches agreed when last used
+        if self._sums is not None:
+            self._learn_sums()
+
+    def _learn_sums(self) -> None:
+        """A one-token prefill and a decode of it, on a cache of their own,
+        on every rank as the group starts (each rank builds its engine
+        then): the counted sums learn what each kind of forward makes, so
+        even the first real forward that fails on one rank can be drained."""
+        cache = RowCache(len(self.cache.layers), dtype=self.dtype, device=self.device)
+        ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)
+        with torch.inference_mode():
+            self._body(self._prefill_body, ids, cache.begin_prefill([1]), cache)
+            self._body(self._decode_body, ids, cache.begin_decode(), cache, decode=True)
+            self._sums.settle()  # type: ignore[union-attr]
 
     @property
     def prefilling(self) -> bool:
@@ -411,8 +425,8 @@ class Engine:
         (`_agreed_run`); so a step with no failure costs one 8-byte sum more.
         Over gloo or NCCL likewise, by the group's sums: the rank that
         failed makes the forward's sums the others still make, then the
-        8-byte one (`CountedSums.settle`); where it cannot (no decode has
-        run yet on this rank) the error ends the group."""
+        8-byte one (`CountedSums.settle`); where it cannot (an error inside
+        a sum, a layout it does not know) the error ends the group."""
         feeds = [row.feed for row in self.rows]
         if None in feeds:
             missing = [r.request.request_id for r in self.rows if r.feed is None]
@@ -537,9 +551,8 @@ class Engine:
         others from the forward's shared-memory sums (`Arena.abort`), so
         all meet in the agreement and undo the same rows. Over gloo or
         NCCL it makes the forward's sums the others still make
-        (`CountedSums.drain`); before a prefill has run on this rank,
-        whose sums are then unknown, the others wait in the collective
-        until its timeout ends the group."""
+        (`CountedSums.drain`; where it cannot, the others wait in the
+        collective until its timeout ends the group)."""
         first = self.cache.rows
         alone = self.coll.world_size == 1
 

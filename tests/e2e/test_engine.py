@@ -158,12 +158,15 @@ def test_over_gloo_a_forward_that_raises_on_one_rank_fails_its_requests_alone(
             def ask(rid: str) -> Outcome:
                 return run_request(stub, make_request("Go on.", max_tokens=6, min_tokens=6, request_id=rid), 60)
 
-            good = ask("first")  # its prefill and decodes teach each rank their sums
+            # The first forward of all fails (each rank learnt its sums as the group started).
+            first = ask(f"inject-forward-failure-rank1-{uuid.uuid4().hex[:6]}")
+            assert (first.grpc_code, first.reason) == ("INTERNAL", "INTERNAL"), first
+            good = ask("good")
             assert good.ok, good
             for marker, where, tokens in (
+                ("inject-decode-failure-rank1", "in a decode step", 1),  # the first decode to fail
                 ("inject-forward-failure-rank1", "in its prefill", 0),
                 ("inject-forward-failure-rank0", "in its prefill", 0),
-                ("inject-decode-failure-rank1", "in a decode step", 1),
                 ("inject-decode-failure-rank0", "in a decode step", 1),
             ):
                 out = ask(f"{marker}-{uuid.uuid4().hex[:6]}")
