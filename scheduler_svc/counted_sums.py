@@ -52,7 +52,6 @@ class CountedSums:
         self._device: torch.device | None = None
         self._settled = False
         self._done = 0
-        self._inside = False  # in a sum now (an error there is the backend's)
         self._groups: dict[Any, bool] = {}
         self._flag: torch.Tensor | None = None  # `settle`'s
 
@@ -85,12 +84,12 @@ class CountedSums:
             raise SumAborted("another rank's forward failed")
 
     def drainable(self) -> bool:
-        """Whether `drain` would: a forward is under way, of a kind whose
-        sums are known (a kind with none counted sums some other way), and
-        this rank is not inside one of them."""
+        """Whether `drain` would: a forward is under way (not left by an
+        error inside one of its sums), of a kind whose sums are known (a
+        kind with none counted sums some other way)."""
         expected = self._expected.get(self._kind) if self._kind is not None else None
         sound = self._kind not in self._unsound
-        return bool(expected) and sound and not self._inside and self._done <= expected  # type: ignore[operator]
+        return bool(expected) and sound and self._done <= expected  # type: ignore[operator]
 
     def drain(self) -> bool:
         """After this rank's forward raised: the sums the other ranks still
@@ -115,11 +114,13 @@ class CountedSums:
         counted = self._kind is not None and not async_op and op in (None, dist.ReduceOp.SUM) and self._whole(group)
         if counted and (tuple(tensor.shape) != self._shape or tensor.dtype != self._dtype):
             self._unsound.add(self._kind)  # type: ignore[arg-type]  # a layout this module does not know
-        self._inside = True
         try:
             out = dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op is None else op, group=group, async_op=async_op)
-        finally:
-            self._inside = False
+        except BaseException:
+            # The backend's own error: the other ranks may be anywhere in
+            # this forward, so it is not drained (the group ends).
+            self._kind = None
+            raise
         if counted:
             self._done += 1
         return out

@@ -91,6 +91,22 @@ def test_nothing_is_drained_where_the_sums_are_not_known() -> None:
     assert sums.drain()
 
 
+def test_an_error_inside_a_sum_is_not_drained() -> None:
+    """The backend's own error (a peer gone, a timeout): the other ranks may
+    be anywhere in the forward, so nothing more is summed."""
+    sums, fake = counted()
+    forward(sums, "prefill", (1, 5, 8), 4)
+
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("Connection closed by peer")
+
+    fake.all_reduce = broken  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="peer"):
+        forward(sums, "prefill", (1, 5, 8), 4)
+    assert not sums.drainable()
+    assert not sums.drain()
+
+
 def test_a_kind_whose_count_varies_or_has_no_sum_is_never_drained() -> None:
     sums, _ = counted()
     forward(sums, "prefill", (1, 5, 8), 4)
