@@ -17,7 +17,9 @@ written to OUT/summary.txt:
     SIGKILL leaves the scheduler serving;
   - two ranks on one GPU (TP=2): whether NCCL lets them share the device;
     then a read failure injected on rank 1 fails only its request (the
-    agreement over NCCL), and rank 1 SIGKILLed fails the group within a bound.
+    agreement over NCCL), a prefill and a decode that raise inside the
+    model on rank 1 fail only their requests (the NCCL sums drained), and
+    rank 1 SIGKILLed fails the group within a bound.
 
     python tests/gpu/checks.py OUT_DIR [DEVICE]
 
@@ -199,6 +201,9 @@ def two_ranks_one_gpu(model_dir: Path, logs: Path) -> None:
     a request; a read failure injected on rank 1 fails only its request
     (the agreement over NCCL); rank 1 SIGKILLed fails the group within a bound."""
     extra = ["--device", DEVICE, "--tensor-reader", "tests.support.faults:make_reader", "--collective-timeout-s", "20"]
+    # Failures injected inside the model (tests/support/faults.py); the sums
+    # over the group's backend, as on GPUs (a CPU dry run: gloo, not shared memory).
+    extra += ["--engine-hook", "tests.support.faults", "--tp-all-reduce", "gloo"]
     # More KV budget than any GPU has: each rank must warn at start (it is
     # only a budget: nothing is allocated up front).
     extra += ["--kv-cache-bytes", str(1 << 41)]
@@ -220,6 +225,7 @@ def two_ranks_one_gpu(model_dir: Path, logs: Path) -> None:
         return
     try:
         rank1_read_failure(proc.address, model_dir)
+        rank1_forward_failure(proc.address)
         rank_killed(proc)
     finally:
         proc.stop()
@@ -260,6 +266,29 @@ def rank1_read_failure(address: str, model_dir: Path) -> None:
         bad, good = pool.map(send, [failing_request_id(1, "gpu"), "good-beside-it"])
     ok = bad == "FEATURE_TRANSPORT_FAILED failed_ranks=1" and good == "ok"
     report("PASS" if ok else "FAIL", "a read failure on rank 1 fails only its request (TP=2)", f"{bad}; other: {good}")
+
+
+@check("a forward that raises on rank 1 fails only its request (TP=2)")
+def rank1_forward_failure(address: str) -> None:
+    """Inside the model on rank 1 only, in a prefill and then in a decode:
+    rank 1 makes the forward's sums rank 0 still waits in
+    (scheduler_svc/counted_sums.py), both meet in the agreement, the request
+    fails alone and at once (each call's deadline, 15 s, is inside the
+    collective timeout, 20 s), and the group serves the next one."""
+    got = {}
+    for rid in ("inject-forward-failure-rank1-gpu", "inject-decode-failure-rank1-gpu", "good-after-them"):
+        request = scheduler_pb2.GenerateRequest(
+            request_id=rid, input_ids=[1, 22557, 1526], sampling=common_pb2.SamplingParams(max_tokens=4, min_tokens=4)
+        )
+        with scheduler_channel(address) as channel:
+            try:
+                events = list(scheduler_pb2_grpc.SchedulerServiceStub(channel).Generate(request, timeout=15))
+                got[rid] = f"ok ({len(events)} events)"
+            except grpc.RpcError as exc:
+                got[rid] = RemoteError.from_rpc_error(exc).reason
+    want = ["INTERNAL", "INTERNAL"]
+    ok = list(got.values())[:2] == want and got["good-after-them"].startswith("ok")
+    report("PASS" if ok else "FAIL", "a forward that raises on rank 1 fails only its request (TP=2)", f"{got}")
 
 
 @check("rank 1 SIGKILLed fails the group cleanly (TP=2)")
