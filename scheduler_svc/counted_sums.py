@@ -53,6 +53,7 @@ class CountedSums:
         self._settled = False
         self._done = 0
         self._groups: dict[Any, bool] = {}
+        self._group: Any = None  # the group the counted sums went over (the TP mesh's)
         self._flag: torch.Tensor | None = None  # `settle`'s
 
     def begin(
@@ -104,7 +105,7 @@ class CountedSums:
         zeros = torch.zeros(self._shape, dtype=self._dtype, device=self._device)
         for _ in range(self._expected[kind] - self._done):  # type: ignore[index]
             zeros.zero_()
-            self._dist.all_reduce(zeros)
+            self._dist.all_reduce(zeros, group=self._group)  # where the others wait: the same communicator
         if self._settled:
             self._dist.all_reduce(torch.ones(1, dtype=torch.int64, device=self._device))
         return True
@@ -123,6 +124,7 @@ class CountedSums:
             raise
         if counted:
             self._done += 1
+            self._group = group
         return out
 
     def _whole(self, group: Any) -> bool:

@@ -23,9 +23,11 @@ class FakeDist:
     def __init__(self, others: int = 0) -> None:
         self.calls: list[tuple[tuple[int, ...], torch.dtype, float]] = []
         self.others = others  # what the other ranks add to a settling sum
+        self.groups: list[Any] = []
 
     def all_reduce(self, tensor: torch.Tensor, op: Any = None, group: Any = None, async_op: bool = False) -> None:
         self.calls.append((tuple(tensor.shape), tensor.dtype, float(tensor.sum())))
+        self.groups.append(group)
         if tensor.dtype == torch.int64:
             tensor += self.others
 
@@ -56,6 +58,7 @@ def test_a_failed_forward_drains_the_sums_its_kind_makes_in_zeros_then_settles()
     sums, fake = counted()
     forward(sums, "decode", (4, 1, 8), 6)
     fake.calls.clear()
+    fake.groups.clear()
     with pytest.raises(RuntimeError):
         forward(sums, "decode", (3, 1, 8), 6, fail_after=2)
     assert sums.drainable()
@@ -63,6 +66,7 @@ def test_a_failed_forward_drains_the_sums_its_kind_makes_in_zeros_then_settles()
     assert fake.calls[:2] == [((3, 1, 8), torch.float32, 3 * 8.0)] * 2  # the two made before the error
     assert fake.calls[2:6] == [((3, 1, 8), torch.float32, 0.0)] * 4  # the four the other rank still makes
     assert fake.calls[6:] == [((1,), torch.int64, 1.0)]  # "this rank failed", for the other's settle
+    assert fake.groups[2:6] == ["tp"] * 4, "drained over the group the forward's sums use"
     assert not sums.drainable(), "once drained, no forward is under way"
 
 
