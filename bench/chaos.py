@@ -29,7 +29,7 @@ injected, what was left in /dev/shm and in the slab after the load, and the
 tokenizer's descriptors and resident memory at the start and the end. Exit
 status 1 when something was lost, untyped or left behind.
 
-    python bench/chaos.py [--minutes 10] [--concurrency 12] [--seed 1] [--fault-every-s 6]
+    python bench/chaos.py [--minutes 10] [--concurrency 12] [--seed 1] [--fault-every-s 6] [--tp-all-reduce gloo]
                           [--shm-size 1g] [--caches on|off]
 """
 
@@ -432,7 +432,9 @@ def run(args: argparse.Namespace, workdir: Path, model: Path | None = None) -> t
     logs.mkdir(exist_ok=True)
     caches = getattr(args, "caches", "on")
     off = caches == "off"
-    groups = [Group(f"scheduler{k}", model, logs, prefix, NO_CACHES["scheduler"] if off else []) for k in range(2)]
+    sums = ["--tp-all-reduce", getattr(args, "tp_all_reduce", "shm")]
+    groups = [Group(f"scheduler{k}", model, logs, prefix, [*sums, *(NO_CACHES["scheduler"] if off else [])])
+              for k in range(2)]  # fmt: skip
     http = f"127.0.0.1:{free_port()}"
     schedulers = ",".join(f"127.0.0.1:{g.port}" for g in groups)
     metrics = free_port()
@@ -522,6 +524,8 @@ def main() -> None:
                         "/dev/shm (e.g. 1g; root only), and fill it as one of the faults")  # fmt: skip
     parser.add_argument("--caches", choices=("on", "off"), default="on",
                         help="off: the services' caches off, and resident memory checked")  # fmt: skip
+    parser.add_argument("--tp-all-reduce", choices=("shm", "gloo"), default="shm",
+                        help="the groups' TP sums: gloo as between hosts (a failed forward drains them)")  # fmt: skip
     args = parser.parse_args()
     if args.shm_size and not os.environ.get(PRIVATE_SHM_ENV):
         # The same command again, in a mount namespace with a /dev/shm of its own.
