@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import shutil
 import statistics
 import tempfile
 import time
@@ -51,23 +50,15 @@ def build_model(name: str, workdir: Path) -> Path:
     """One of `MODELS` (random weights, real tokenizer), written under
     `workdir`; or, when the environment names a directory in
     MMSPLIT_BENCH_MODELS (the tests do), kept there and reused by every
-    benchmark run after the first (a build costs ~10 s here). Built aside
-    and renamed, so a half-written model is never reused."""
-    from mmsplit_cli.tiny_model import build
+    benchmark run after the first (a build costs ~10 s here)."""
+    from mmsplit_cli.tiny_model import build_once
 
     layers, hidden = MODELS[name]
     base = Path(os.environ[MODELS_DIR]) if os.environ.get(MODELS_DIR) else workdir
-    out = base / f"model-{name}"
-    if out.is_dir():
-        return out
-    building = base / f".building-{name}-{os.getpid()}"
     # Prompts as written: the baselines run `generate` on the same text.
-    build(building, cache_dir=ROOT / ".cache", text_layers=layers, text_hidden=hidden, chat_template=False)
-    try:
-        building.rename(out)
-    except OSError:  # another run built it meanwhile: theirs is as good
-        shutil.rmtree(building)
-    return out
+    return build_once(
+        base / f"model-{name}", cache_dir=ROOT / ".cache", text_layers=layers, text_hidden=hidden, chat_template=False
+    )
 
 
 @dataclass

@@ -131,6 +131,25 @@ def build(
     return out
 
 
+def build_once(out: Path, *, cache_dir: Path, **options: Any) -> Path:
+    """`out` as `build(out, **options)` writes it, built only if no process
+    has yet: under a lock beside it, built aside and renamed, so several
+    processes asking at once build it once and none reads a half-written
+    one (the tests' workers and the benchmarks share models this way)."""
+    import fcntl
+    import shutil
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not out.is_dir():
+            building = out.parent / f".{out.name}.building"
+            shutil.rmtree(building, ignore_errors=True)
+            build(building, cache_dir=cache_dir, **options)
+            building.rename(out)
+    return out
+
+
 def _spm_tokenizer(cache_dir: Path, specials: list[str]):  # type: ignore[no-untyped-def]
     from transformers import LlamaTokenizer
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from scheduler_svc.shm_allreduce import SumAborted
+from scheduler_svc.shm_allreduce import SumAborted, spans_world, transformers_tp
 
 if TYPE_CHECKING:
     import torch
@@ -112,7 +112,8 @@ class CountedSums:
 
     def all_reduce(self, tensor: torch.Tensor, op: Any = None, group: Any = None, async_op: bool = False) -> Any:
         dist = self._dist
-        counted = self._kind is not None and not async_op and op in (None, dist.ReduceOp.SUM) and self._whole(group)
+        whole = spans_world(dist, group, self._groups)
+        counted = self._kind is not None and not async_op and op in (None, dist.ReduceOp.SUM) and whole
         if counted and (tuple(tensor.shape) != self._shape or tensor.dtype != self._dtype):
             self._unsound.add(self._kind)  # type: ignore[arg-type]  # a layout this module does not know
         try:
@@ -127,15 +128,6 @@ class CountedSums:
             self._group = group
         return out
 
-    def _whole(self, group: Any) -> bool:
-        """Whether `group` is every rank (as transformers' TP groups are)."""
-        whole = self._groups.get(group)
-        if whole is None:
-            dist = self._dist
-            ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-            whole = self._groups[group] = ranks == list(range(dist.get_world_size()))
-        return whole
-
     def __getattr__(self, name: str) -> Any:
         return getattr(self._dist, name)
 
@@ -144,13 +136,8 @@ def install() -> CountedSums | None:
     """Count transformers' TP sums of this rank (after the group is joined);
     None where transformers has no such module any more (a failing forward
     then ends the group, as before)."""
-    import torch.distributed as dist
-
-    try:
-        from transformers.distributed import tensor_parallel
-    except ImportError:
-        return None
-    if getattr(tensor_parallel, "dist", None) is not dist:
+    tensor_parallel = transformers_tp()
+    if tensor_parallel is None:
         return None
     sums = CountedSums()
     tensor_parallel.dist = sums  # type: ignore[assignment]

@@ -191,15 +191,33 @@ class _TPDist:
     def _fits(self, tensor: torch.Tensor, group: Any) -> bool:
         if tensor.device.type != "cpu" or not tensor.is_contiguous() or not tensor.is_floating_point():
             return False
-        whole = self._whole.get(group)
-        if whole is None:
-            dist = self._dist
-            ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-            whole = self._whole[group] = ranks == list(range(self._arena.world))
-        return whole
+        return spans_world(self._dist, group, self._whole)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._dist, name)
+
+
+def spans_world(dist: Any, group: Any, known: dict[Any, bool]) -> bool:
+    """Whether `group` (None: the default one) is every rank of the world,
+    as transformers' TP groups are; remembered in `known`."""
+    whole = known.get(group)
+    if whole is None:
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+        whole = known[group] = ranks == list(range(dist.get_world_size()))
+    return whole
+
+
+def transformers_tp() -> Any:
+    """transformers' tensor-parallel module, whose `dist` its TP layers sum
+    through and which a stand-in may replace; None where it has no such
+    module, or its `dist` is not torch's (replaced already)."""
+    import torch.distributed as dist
+
+    try:
+        from transformers.distributed import tensor_parallel
+    except ImportError:
+        return None
+    return tensor_parallel if getattr(tensor_parallel, "dist", None) is dist else None
 
 
 def install(arena: Arena, timeout_s: float) -> bool:
@@ -208,11 +226,8 @@ def install(arena: Arena, timeout_s: float) -> bool:
     module any more (the group then stays on gloo, which is only slower)."""
     import torch.distributed as dist
 
-    try:
-        from transformers.distributed import tensor_parallel
-    except ImportError:
-        return False
-    if getattr(tensor_parallel, "dist", None) is not dist:
+    tensor_parallel = transformers_tp()
+    if tensor_parallel is None:
         return False
     arena.attach(dist.get_rank(), timeout_s)
     tensor_parallel.dist = _TPDist(arena)  # type: ignore[assignment]

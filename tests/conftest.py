@@ -209,24 +209,12 @@ def _new_children(before: set[int]) -> set[int]:
 def shared_model(factory: pytest.TempPathFactory, name: str, **options: object) -> Path:
     """A tiny model (`mmsplit_cli.tiny_model.build` with `options`) built
     once per test run and shared by the xdist workers, which otherwise each
-    built their own (~10 s a model here): built aside under a lock, then
-    renamed. Tests copy a model before changing it."""
-    import fcntl
-
-    from mmsplit_cli.tiny_model import build
+    built their own (~10 s a model here). Tests copy a model before changing it."""
+    from mmsplit_cli.tiny_model import build_once
 
     base = factory.getbasetemp()
     shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "models"
-    shared.mkdir(exist_ok=True)
-    out = shared / name
-    with open(shared / f"{name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not out.is_dir():
-            building = shared / f".{name}.building"
-            shutil.rmtree(building, ignore_errors=True)
-            build(building, cache_dir=ROOT / ".cache", **options)  # type: ignore[arg-type]
-            building.rename(out)
-    return out
+    return build_once(shared / name, cache_dir=ROOT / ".cache", **options)
 
 
 @pytest.fixture(scope="session")
