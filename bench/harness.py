@@ -27,6 +27,11 @@ from mmsplit.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
 
+if os.environ.get("MMSPLIT_TEST_ZYGOTE_AT"):  # run by the test suite (tests/support/bench.py)
+    from tests.support.zygote import fork_from_the_suite_s_zygote
+
+    fork_from_the_suite_s_zygote()
+
 MODELS = {
     # name: (text layers, text hidden size)
     "tiny": (2, 64),

@@ -15,7 +15,7 @@ import pytest
 
 from tests.support import limits, wrapped
 from tests.support.leaks import wait_until
-from tests.support.services import ENV, SERVICE_TMP
+from tests.support.services import ENV, ROOT, SERVICE_TMP
 from tests.support.zygote import Zygote
 
 
@@ -32,6 +32,11 @@ def alive(process: psutil.Process) -> bool:
         return process.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def lone_tokenizer(model: Path) -> list[str]:
+    """A tokenizer whose scheduler never answers: it runs until stopped."""
+    return ["tokenizer", "--model", str(model), "--scheduler", "127.0.0.1:9", "--port", "0", "--http-port", "0"]
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -55,8 +60,7 @@ def test_exit_code_and_standard_error_are_the_interpreter_s(zygote: Zygote) -> N
 
 
 def test_a_signalled_service_reports_the_signal_and_wait_times_out_first(zygote: Zygote, tiny_model: Path) -> None:
-    # A tokenizer whose scheduler never answers: it runs until stopped.
-    args = ["tokenizer", "--model", str(tiny_model), "--scheduler", "127.0.0.1:9", "--port", "0", "--http-port", "0"]
+    args = lone_tokenizer(tiny_model)
     proc = zygote.start(args, _env(TMPDIR=str(SERVICE_TMP)))
     assert proc.stderr.readline(), "the service wrote nothing"
     with pytest.raises(subprocess.TimeoutExpired):
@@ -90,7 +94,7 @@ def test_a_service_forked_under_wrappers_has_their_namespaces_and_limit(zygote: 
         [*python_m, "tests.support.pidns", *limits.started_low(), *python_m, "tests.support.mountns", "64m"]
     )
     assert steps is not None
-    args = ["tokenizer", "--model", str(tiny_model), "--scheduler", "127.0.0.1:9", "--port", "0", "--http-port", "0"]
+    args = lone_tokenizer(tiny_model)
     proc = zygote.start(args, _env(TMPDIR=str(SERVICE_TMP)), steps=steps)
     launcher = psutil.Process(proc.pid)
     try:
@@ -109,3 +113,35 @@ def test_a_service_forked_under_wrappers_has_their_namespaces_and_limit(zygote: 
         proc.wait(60)
         proc.stderr.close()
         assert wait_until(lambda: not [p for p in left if alive(p)], timeout=30), "the service outlived its launcher"
+
+
+def test_a_service_forked_for_a_process_in_a_mount_namespace_joins_it(
+    zygote: Zygote, tiny_model: Path, tmp_path: Path
+) -> None:
+    """What a benchmark with a /dev/shm of its own (bench/chaos.py
+    --shm-size) gets from the suite's zygote: services in its namespace,
+    in its working directory."""
+    holder = subprocess.Popen(
+        [sys.executable, "-m", "tests.support.mountns", "16m", "sleep", "600"], env=_env(), cwd=ROOT
+    )
+    try:
+        wait_until(lambda: os.readlink(f"/proc/{holder.pid}/ns/mnt") != os.readlink("/proc/self/ns/mnt"), timeout=30)
+        args = lone_tokenizer(tiny_model)
+        cwd = os.getcwd()
+        os.chdir(tmp_path)
+        try:
+            proc = zygote.start(args, _env(TMPDIR=str(SERVICE_TMP)), steps=[["mounts_of", str(holder.pid)]])
+        finally:
+            os.chdir(cwd)
+        try:
+            assert any("listening on" in line for line in proc.stderr), "the service ended before listening"
+            assert os.readlink(f"/proc/{proc.pid}/ns/mnt") == os.readlink(f"/proc/{holder.pid}/ns/mnt")
+            assert Path(f"/proc/{proc.pid}/root/dev/shm").stat().st_dev != Path("/dev/shm").stat().st_dev
+            assert Path(os.readlink(f"/proc/{proc.pid}/cwd")) == tmp_path
+        finally:
+            proc.kill()
+            proc.wait(60)
+            proc.stderr.close()
+    finally:
+        holder.kill()
+        holder.wait()

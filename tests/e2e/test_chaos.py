@@ -1,4 +1,5 @@
-"""12 s of `bench/chaos.py` as people run it (many faults at once under
+"""12 s of `bench/chaos.py` as people run it, but for its services being
+forks of the suite's zygote (tests/support/bench.py) (many faults at once under
 mixed load: CPU workers, the forkserver, rank 1 of a group and whole groups
 SIGKILLed and restarted, ranks frozen, the run's own /dev/shm filled to
 its limit; the caches off): nothing lost, no untyped error, every failure

@@ -1,5 +1,8 @@
 """Running a benchmark script of `bench/` as people do (a subprocess from
-the project's root, with the tests' environment)."""
+the project's root, with the tests' environment), except that the services
+it starts are forks of the suite's zygote, not new interpreters (their
+imports were most of these tests' CPU: `bench/harness.py` installs the
+launcher when the environment names the zygote)."""
 
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from tests.support.services import ENV, ROOT
+from tests.support.services import ENV, ROOT, zygote_for_subprocesses
 
 
 def run_bench(
@@ -24,6 +27,6 @@ def run_bench(
         capture_output=True,
         text=True,
         timeout=timeout,
-        env={**os.environ, **ENV, **kept},
+        env={**os.environ, **ENV, **kept, **zygote_for_subprocesses()},
         cwd=ROOT,
     )

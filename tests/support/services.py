@@ -35,7 +35,7 @@ from mmsplit_cli.launch import (
 )
 from tests.support import wrapped
 from tests.support.leaks import SERVICE_TMP
-from tests.support.zygote import ForkedProcess, Zygote
+from tests.support.zygote import ZYGOTE_AT, ForkedProcess, Zygote
 
 __all__ = ["ROOT", "SCHEDULER_SERVICE", "TOKENIZER_SERVICE", "Arg", "FreePort", "Pair", "running_pair"]
 
@@ -58,10 +58,14 @@ class LazyZygote:
         steps = wrapped.steps(wrapper)
         if steps is None or self.fresh:
             return None  # a new interpreter, under the wrapper
+        return ForkedProcess(self.address(), list(argv), env, new_session, steps)
+
+    def address(self) -> str:
+        """Its socket (started now if it was not)."""
         if self._zygote is None:
             self._workdir = tempfile.mkdtemp(prefix="mmsplit-zygote-")
             self._zygote = Zygote(Path(self._workdir), ENV)
-        return self._zygote.start(argv, env, new_session, steps)
+        return self._zygote.address
 
     @property
     def pid(self) -> int | None:
@@ -92,6 +96,16 @@ def new_interpreters() -> Iterator[None]:
         yield
     finally:
         _zygote.fresh = False
+
+
+def zygote_for_subprocesses() -> dict[str, str]:
+    """The environment that lets a process the test starts (a benchmark
+    script) fork its services from this session's zygote too
+    (`tests.support.zygote.fork_from_the_suite_s_zygote`), or {} where
+    the suite has none."""
+    if os.environ.get("MMSPLIT_TEST_ZYGOTE", "1") == "0":
+        return {}
+    return {ZYGOTE_AT: _zygote.address()}
 
 
 @contextmanager

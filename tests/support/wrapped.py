@@ -10,7 +10,9 @@ the command it is. `take` runs in the forked child before the service
 starts and does what each wrapper would have done before its exec: the
 same system calls, so the service runs under the same limits and in the
 same namespaces. What it does not do: the mount namespace `ip netns exec`
-makes to remount /sys (no service reads /sys/class/net).
+makes to remount /sys (no service reads /sys/class/net). One step no
+wrapper makes: `mounts_of PID`, the mount namespace of a process a test
+started (a benchmark with a /dev/shm of its own asking for its services).
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ def take(taken: Sequence[Sequence[str]]) -> None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
         elif kind == "mountns":
             mountns.own_dev_shm(args[0])
+        elif kind == "mounts_of":
+            mountns.join(int(args[0]))
         elif kind == "pidns":
             pidns.become_pid_1()
         else:
