@@ -136,6 +136,12 @@ def aborted(arena: Arena, rank: int, world: int, port: int) -> dict[str, Any]:
 
 def main() -> None:
     world, case, port = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+    # Imported once, before the fork, as the scheduler's ranks are forked
+    # from a process that imported torch and runs no thread yet (each rank
+    # importing it again cost ~2 s of CPU).
+    import torch
+    import torch.distributed  # noqa: F401
+
     arena = Arena(world)
     reads = []
     pids = []
