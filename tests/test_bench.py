@@ -3,6 +3,7 @@ numbers themselves are for `python bench/...`, not for a test)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -89,3 +90,11 @@ def test_gc_pause_benchmark_prints_both_heaps(models: Path) -> None:
     for service in ("tokenizer", "scheduler"):
         heap = next(line for line in lines if line.startswith(f"{service} ") and len(line.split()) == 6)
         assert float(heap.split()[2]) > 100_000, heap  # the start-up, frozen
+
+
+def test_step_profile_prints_the_step_and_its_ops(models: Path) -> None:
+    """The profile a GPU session runs (tests/gpu/run.sh), here on the CPU."""
+    result = run_bench("step_profile.py", ["--model", "tiny", "--rows", "4", "--steps", "2"], models=models)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert re.search(r"decode step wall ms, median: [\d.]+ without the profiler, [\d.]+ with it", result.stdout)
+    assert re.search(r"^aten::mm\s+\d+\s+[\d.]+$", result.stdout, re.M), result.stdout

@@ -9,9 +9,11 @@
 # in .whl/ (see README, "GPU checks"); the tokenizer's source wheel in
 # .cache/ (make test or make demo puts it there). Writes OUT_DIR/summary.txt
 # (checks), OUT_DIR/handoff.txt (bench/handoff_gpu.py), OUT_DIR/bench.txt
-# (the engine benchmark on the GPU) and OUT_DIR/multiturn.txt (the prefix
-# cache's benchmark there). 5 min 9 s on an H200 (2026-12-04, its first run, with one
-# engine round; two now: a round there is noisy).
+# (the engine benchmark on the GPU), OUT_DIR/multiturn.txt (the prefix
+# cache's benchmark there) and OUT_DIR/step_profile-*.txt (a decode step's
+# profile). 5 min 9 s on an H200 (2026-12-04, its first run, with one
+# engine round; two now: a round there is noisy; the step profiles,
+# added since, not yet timed there).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out="${1:-${OUT:-/tmp/mmsplit-gpu}}"
@@ -47,5 +49,13 @@ timeout 240 python3 bench/engine.py --device cuda --dtype bfloat16 --tp 1 --mode
 timeout 120 python3 bench/multiturn.py --device cuda --dtype bfloat16 --rounds 3 --no-chunked 2>&1 \
   | grep -v -E "Loading weights|Writing model" | tee "$out/multiturn.txt" || status=1
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
+# Where a decode step's time goes on the GPU (stop 54: the scheduler's one
+# thread, mostly inside transformers' SDPA call): ops, kernels, and every
+# call that makes the host wait for the device, with its Python frames.
+for model in tiny 8x512; do
+  timeout 120 python3 bench/step_profile.py --device cuda --dtype bfloat16 --model "$model" --rows 32 --steps 10 2>&1 \
+    | grep -v -E "Loading weights|Writing model|USDT" | tee "$out/step_profile-$model.txt" || status=1
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+done
 echo "gpu checks exit status: $status" | tee -a "$out/summary.txt"
 exit $status

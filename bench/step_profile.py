@@ -1,0 +1,146 @@
+"""Where one decode step's time goes, on the device the engine runs on.
+
+The scheduler's `Engine` in this process (a group of one, as
+`bench/multiturn.py` makes it) takes R one-image requests in one step, then
+decodes them. Timed first without the profiler (the step's wall time, the
+baseline), then `torch.profiler` over S more decode steps. Printed:
+
+- the decode step's wall time, median, without and with the profiler;
+- the ops with the most self CPU time (on a GPU: the host's launch and
+  bookkeeping cost), and on a GPU the kernels with the most device time;
+- the share of the step's wall time the ops account for on the host (the
+  rest is Python: the engine's bookkeeping, transformers' module calls);
+- on a GPU, every call that makes the host wait for the device
+  (`cudaStreamSynchronize`, `cudaDeviceSynchronize`, `cudaEventSynchronize`,
+  a synchronous `cudaMemcpy`) with the Python frames it came from: the
+  stop-54 GPU run's py-spy profile put 62 % of the scheduler's samples
+  inside transformers' SDPA call, which looks like such a wait.
+
+With `--trace FILE` the profiler's Chrome trace is written there too.
+
+    python bench/step_profile.py [--model tiny] [--rows 32] [--steps 10]
+                                 [--device cuda --dtype bfloat16] [--trace step.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness import build_model, scratch_dir, table
+from multiturn import IMAGE_TOKEN_ID, IMAGE_TOKENS, engine, image, request
+
+# CUDA runtime calls that block the host until the device catches up.
+WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+
+
+class Decoder:
+    """R requests joined in one step, then one decode step per `step()`."""
+
+    def __init__(self, eng: Any, rows: int, prompt: int, answer: int) -> None:
+        from scheduler_svc.plan import Plan
+
+        self._eng, self._plan, self._n = eng, Plan, 0
+        ids = [1, *range(100, 100 + prompt), *[IMAGE_TOKEN_ID] * IMAGE_TOKENS, 2000]
+        new = tuple(request(f"r{i}", ids, [image(i)], answer) for i in range(rows))
+        self._feed = self._advance(Plan(step=0, new=new))
+
+    def _advance(self, plan: Any) -> tuple[tuple[str, int], ...]:
+        outcome = self._eng.step(plan)
+        if outcome.failed or outcome.rejected:
+            raise RuntimeError(f"the engine failed requests: {outcome.failed or outcome.rejected}")
+        self._n += 1
+        return tuple(outcome.sampled.items())
+
+    def step(self) -> None:
+        self._feed = self._advance(self._plan(step=self._n, feed=self._feed))
+
+
+def timed(decoder: Decoder, steps: int, sync: Any) -> float:
+    """The median decode step, in ms."""
+    times = []
+    for _ in range(steps):
+        began = time.perf_counter()
+        decoder.step()
+        sync()
+        times.append(1000 * (time.perf_counter() - began))
+    return statistics.median(times)
+
+
+def waits(events: Any) -> list[tuple[str, int, float, str]]:
+    """(call, count, host ms, the innermost Python frames) of each blocking CUDA call, by place."""
+    found = []
+    for event in events:
+        if not event.key.startswith(WAITS) or "Async" in event.key:
+            continue
+        frames = [frame for frame in event.stack if ".py(" in frame][:4]
+        found.append((event.key, event.count, event.cpu_time_total / 1000, " <- ".join(frames) or "(no Python frame)"))
+    return sorted(found, key=lambda w: -w[2])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="tiny", help="tiny or 8x512")
+    parser.add_argument("--rows", type=int, default=32, help="requests decoding together")
+    parser.add_argument("--steps", type=int, default=10, help="decode steps profiled (and as many timed before)")
+    parser.add_argument("--prompt", type=int, default=40, help="text tokens before each request's image")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--trace", type=Path, default=None, help="write the profiler's Chrome trace here")
+    parser.add_argument("--workdir", type=Path, default=None)
+    args = parser.parse_args()
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import AutoModelForImageTextToText
+
+    torch.set_grad_enabled(False)
+    cuda = args.device.startswith("cuda")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    with scratch_dir(args.workdir) as workdir:
+        model_dir = build_model(args.model, workdir)
+        dtype = getattr(torch, args.dtype)
+        model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=dtype).to(args.device).eval()
+    warm, steps = 3, args.steps
+    decoder = Decoder(engine(model, 0), args.rows, args.prompt, answer=1 + warm + 2 * steps + 1)
+    timed(decoder, warm, sync)
+    plain = timed(decoder, steps, sync)
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    with profile(activities=activities, with_stack=True) as prof:
+        profiled = timed(decoder, steps, sync)
+    if args.trace:
+        prof.export_chrome_trace(str(args.trace))
+
+    events = [e for e in prof.key_averages() if ".py(" not in e.key and not e.key.startswith("<built-in")]
+    print(f"{args.model} on {args.device} in {args.dtype}: {args.rows} rows, {steps} decode steps profiled")
+    print(f"decode step wall ms, median: {plain:.2f} without the profiler, {profiled:.2f} with it")
+    ops_ms = sum(e.self_cpu_time_total for e in events if e.key.startswith("aten::")) / 1000 / steps
+    print(f"aten ops' self CPU time per step: {ops_ms:.2f} ms ({100 * ops_ms / profiled:.0f} % of the step's wall)")
+    print("\nthe ops with the most self CPU time, per step:")
+    print(ranked(events, "self_cpu_time_total", steps))
+    if cuda:
+        print("\nthe kernels with the most device time, per step:")
+        print(ranked(events, "self_device_time_total", steps))
+        found = waits(prof.key_averages(group_by_stack_n=8))
+        print("\ncalls that make the host wait for the device, by where they were made:")
+        for call, count, ms, where in found or [("(none)", 0, 0.0, "")]:
+            print(f"  {call}: {count} calls, {ms:.1f} ms on the host: {where}")
+    else:
+        print("(on a CPU no call waits for a device; run with --device cuda for the GPU's kernels and waits)")
+
+
+def ranked(events: list[Any], attribute: str, steps: int, n: int = 15) -> str:
+    """The `n` events with the most `attribute` (microseconds), in ms per step."""
+    top = sorted(events, key=lambda e: -getattr(e, attribute, 0))[:n]
+    rows = [[e.key[:70], f"{e.count / steps:.0f}", f"{getattr(e, attribute, 0) / 1000 / steps:.3f}"] for e in top]
+    return table(["op", "calls/step", "ms/step"], rows)
+
+
+if __name__ == "__main__":
+    main()
