@@ -10,9 +10,10 @@ baseline), then `torch.profiler` over S more decode steps. Printed:
   bookkeeping cost), and on a GPU the kernels with the most device time;
 - the share of the step's wall time the ops account for on the host (the
   rest is Python: the engine's bookkeeping, transformers' module calls);
-- on a GPU, the step's wall time as is and with cuDNN's SDPA backend off
-  (torch prefers it on sm90 with cuDNN >= 9.9; it plans a graph for each
-  new shape, and a decode step's keys grow by one every step);
+- on a GPU, the step's wall time as is, with cuDNN's SDPA backend off,
+  and with the step's keys padded to a multiple of 64 (torch prefers that
+  backend on sm90 with cuDNN >= 9.9; it plans a graph for each new shape,
+  and a decode step's keys grow by one every step unless padded);
 - on a GPU, every call that makes the host wait for the device
   (`cudaStreamSynchronize`, `cudaDeviceSynchronize`, `cudaEventSynchronize`,
   a synchronous `cudaMemcpy`) with the Python frames it came from: the
@@ -87,30 +88,37 @@ def waits(events: Any) -> list[tuple[str, int, float, str]]:
     return sorted(found, key=lambda w: -w[2])
 
 
-def sdpa_arms(model: Any, args: argparse.Namespace, warm: int, sync: Any) -> None:
-    """The decode step as is and with cuDNN's SDPA backend off, each arm
-    from a new join, alternating over `args.rounds` rounds. On sm90 with
-    cuDNN >= 9.9 torch tries that backend first; it takes the engine's
-    additive mask and plans a graph for each new shape, and a decode
-    step's keys grow by one every step."""
+def arms(model: Any, args: argparse.Namespace, warm: int, sync: Any) -> None:
+    """The decode step as is, with cuDNN's SDPA backend off, and with its
+    keys padded (masked) to a multiple of `args.pad` (`RowCache.
+    decode_kv_multiple`), each arm from a new join, alternating over
+    `args.rounds` rounds. On sm90 with cuDNN >= 9.9 torch tries that
+    backend first; it takes the engine's additive mask and plans a graph
+    for each new shape, and a decode step's keys grow by one every step
+    unless padded."""
     import torch
+
+    from scheduler_svc.kvcache import RowCache
 
     enabled = torch.backends.cuda.cudnn_sdp_enabled()
     print(f"cuDNN {torch.backends.cudnn.version()}, cuDNN SDPA enabled: {enabled}")
-    arms: dict[str, list[float]] = {"as is": [], "cuDNN SDPA off": []}
+    padded = f"keys padded to {args.pad}"
+    times: dict[str, list[float]] = {"as is": [], "cuDNN SDPA off": [], padded: []}
     try:
         for _ in range(args.rounds):
-            for arm, times in arms.items():
-                torch.backends.cuda.enable_cudnn_sdp(enabled and arm == "as is")
+            for arm, seen in times.items():
+                torch.backends.cuda.enable_cudnn_sdp(enabled and arm != "cuDNN SDPA off")
+                RowCache.decode_kv_multiple = args.pad if arm == padded else 1
                 trial = Decoder(engine(model, 0), args.rows, args.prompt, answer=1 + warm + args.steps + 1)
                 timed(trial, warm, sync)
-                times.append(timed(trial, args.steps, sync))
+                seen.append(timed(trial, args.steps, sync))
     finally:
         torch.backends.cuda.enable_cudnn_sdp(enabled)
-    medians = {arm: statistics.median(times) for arm, times in arms.items()}
-    said = ", ".join(f"{arm} {ms:.2f}" for arm, ms in medians.items())
-    ratio = medians["cuDNN SDPA off"] / medians["as is"]
-    print(f"decode step wall ms, median of {args.rounds} rounds: {said}; off / as is {ratio:.2f}")
+        RowCache.decode_kv_multiple = 1
+    medians = {arm: statistics.median(seen) for arm, seen in times.items()}
+    base = medians["as is"]
+    said = ", ".join(f"{arm} {ms:.2f} ({ms / base:.2f}x)" for arm, ms in medians.items())
+    print(f"decode step wall ms, median of {args.rounds} rounds: {said}")
 
 
 def main() -> None:
@@ -121,9 +129,11 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=40, help="text tokens before each request's image")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds of the cuDNN SDPA arms")
-    parser.add_argument("--sdpa-arms", action=argparse.BooleanOptionalAction, default=None,
-                        help="time the step with cuDNN's SDPA on and off (default: on a GPU only)")  # fmt: skip
+    parser.add_argument("--arms", action=argparse.BooleanOptionalAction, default=None,
+                        help="time the step as is, with cuDNN's SDPA off, and with its keys padded "
+                        "(default: on a GPU only)")  # fmt: skip
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of those arms")
+    parser.add_argument("--pad", type=int, default=64, help="the padded arm's multiple of keys")
     parser.add_argument("--trace", type=Path, default=None, help="write the profiler's Chrome trace here")
     parser.add_argument("--workdir", type=Path, default=None)
     args = parser.parse_args()
@@ -140,8 +150,8 @@ def main() -> None:
         dtype = getattr(torch, args.dtype)
         model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=dtype).to(args.device).eval()
     warm, steps = 3, args.steps
-    if args.sdpa_arms if args.sdpa_arms is not None else cuda:
-        sdpa_arms(model, args, warm, sync)
+    if args.arms if args.arms is not None else cuda:
+        arms(model, args, warm, sync)
     decoder = Decoder(engine(model, 0), args.rows, args.prompt, answer=1 + warm + 2 * steps + 1)
     timed(decoder, warm, sync)
     plain = timed(decoder, steps, sync)

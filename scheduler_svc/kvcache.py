@@ -106,6 +106,13 @@ class _Step:
 
 
 class RowCache(Cache):
+    # A decode step's keys, padded (masked) up to a multiple of this, so
+    # that their shape repeats instead of growing by one every step: for
+    # attention kernels that plan per shape (cuDNN's SDPA, which torch
+    # prefers on sm90). 1: no padding, what the services run;
+    # bench/step_profile.py measures others on the device at hand.
+    decode_kv_multiple = 1
+
     def __init__(
         self,
         num_layers: int,
@@ -212,6 +219,8 @@ class RowCache(Cache):
         if not self.lengths:
             raise ValueError("no rows to decode")
         kv_len = max(self.lengths) + 1
+        if self.decode_kv_multiple > 1:
+            kv_len = _round_up(kv_len, self.decode_kv_multiple)
         self._reserve(self.rows, kv_len)
         write_at = torch.tensor(self.lengths, device=self.device)
         self._step = _Step(0, self.rows, 1, write_at, kv_len)

@@ -94,9 +94,10 @@ def test_gc_pause_benchmark_prints_both_heaps(models: Path) -> None:
 
 def test_step_profile_prints_the_step_and_its_ops(models: Path) -> None:
     """The profile a GPU session runs (tests/gpu/run.sh), here on the CPU."""
-    args = ["--model", "tiny", "--rows", "4", "--steps", "2", "--rounds", "1", "--sdpa-arms"]
+    args = ["--model", "tiny", "--rows", "4", "--steps", "2", "--rounds", "1", "--arms"]
     result = run_bench("step_profile.py", args, models=models)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert re.search(r"as is [\d.]+, cuDNN SDPA off [\d.]+; off / as is [\d.]+$", result.stdout, re.M)
+    arm = r"[\d.]+ \([\d.]+x\)"
+    assert re.search(rf"as is {arm}, cuDNN SDPA off {arm}, keys padded to 64 {arm}$", result.stdout, re.M)
     assert re.search(r"decode step wall ms, median: [\d.]+ without the profiler, [\d.]+ with it", result.stdout)
     assert re.search(r"^aten::mm\s+\d+\s+[\d.]+$", result.stdout, re.M), result.stdout

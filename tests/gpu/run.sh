@@ -51,8 +51,8 @@ timeout 120 python3 bench/multiturn.py --device cuda --dtype bfloat16 --rounds 3
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
 # Where a decode step's time goes on the GPU (stop 54: the scheduler's one
 # thread, mostly inside transformers' SDPA call): the step with cuDNN's SDPA
-# backend on and off (it plans a graph per new shape; a decode step's keys
-# grow every step), ops, kernels, and every call that makes the host wait
+# backend on and off, and with its keys padded to a multiple of 64 (that
+# backend plans a graph per new shape; a decode step's keys grow every step), ops, kernels, and every call that makes the host wait
 # for the device, with its Python frames.
 for model in tiny 8x512; do
   timeout 120 python3 bench/step_profile.py --device cuda --dtype bfloat16 --model "$model" --rows 32 --steps 10 2>&1 \

@@ -46,6 +46,21 @@ def test_decode_gives_each_row_its_own_position_and_visible_keys() -> None:
     assert c.lengths == [4, 2]
 
 
+def test_padded_decode_keys_repeat_their_shape_and_hide_the_padding() -> None:
+    c = cache()
+    c.decode_kv_multiple = 8
+    c.begin_prefill([3, 1])
+    fill(c, 2, 3, 1.0)
+    shapes = []
+    for _ in range(6):
+        inputs = c.begin_decode()
+        shapes.append(inputs.attention_mask.shape[-1])
+    assert shapes == [8, 8, 8, 8, 8, 16]  # the longest row: 4, 5, ... 9 keys
+    visible = (inputs.attention_mask == 0)[:, 0, 0]
+    assert visible.sum(-1).tolist() == [9, 7]
+    assert not visible[:, 9:].any()
+
+
 def test_decode_writes_each_rows_token_at_its_own_length() -> None:
     c = cache()
     c.begin_prefill([3, 1])
@@ -198,12 +213,15 @@ def alone(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
     return seq[len(prompt) :]
 
 
-def test_continuous_joins_and_leaves_decode_like_each_request_alone(llama: torch.nn.Module) -> None:
+@pytest.mark.parametrize("kv_multiple", [1, 24], ids=["keys as long as the longest row", "keys padded"])
+def test_continuous_joins_and_leaves_decode_like_each_request_alone(llama: torch.nn.Module, kv_multiple: int) -> None:
     """Requests join in batches at random steps and leave when done; every
-    one of them makes the tokens it makes alone."""
+    one of them makes the tokens it makes alone (also with a decode step's
+    keys padded, masked, past the longest row: `decode_kv_multiple`)."""
     rng = random.Random(3)
     requests = [([rng.randrange(1, 300) for _ in range(rng.randrange(1, 40))], rng.randrange(1, 20)) for _ in range(16)]
     c = RowCache(2, dtype=torch.float32, device=torch.device("cpu"), token_chunk=16, row_chunk=4)
+    c.decode_kv_multiple = kv_multiple
     rows: list[int] = []  # request index per cache row
     feeds: list[int] = []
     made: dict[int, list[int]] = {i: [] for i in range(len(requests))}
