@@ -3,6 +3,11 @@
 # `make test`: CI has no GPU). From the repository root:
 #
 #     tests/gpu/run.sh [OUT_DIR]
+#     PARTS="profile engine" tests/gpu/run.sh [OUT_DIR]   # some parts only
+#
+# Parts (all by default, in this order): checks, handoff, engine, multiturn,
+# profile. All of them may take ~8-10 minutes, near a lent machine's limit of
+# one command: a session with little device time left should pick.
 #
 # Needs: python3 with torch (CUDA build) and transformers' dependencies; the
 # Python packages this project pins that such a machine may lack, as wheels
@@ -34,30 +39,42 @@ status=0
 # machine returns few files).
 work=/tmp/mmsplit-gpu-work
 mkdir -p "$work"
-timeout 300 python3 tests/gpu/checks.py "$work" 2>&1 | tee "$out/checks.log" | grep -E "^(PASS|FAIL|INFO)" || status=1
-[ "${PIPESTATUS[0]}" = 0 ] || status=1
-cp "$work/summary.txt" "$out/summary.txt" 2>/dev/null
-for f in "$work"/logs/*.log; do echo "== $f"; tail -n 30 "$f"; done > "$out/logs.txt" 2>&1
-timeout 120 python3 bench/handoff_gpu.py 2>&1 | tee "$out/handoff.txt" || status=1
-[ "${PIPESTATUS[0]}" = 0 ] || status=1
-timeout 240 python3 bench/engine.py --device cuda --dtype bfloat16 --tp 1 --models tiny,8x512 --rounds 2 2>&1 \
-  | grep -v -E "Loading weights|Writing model" | tee "$out/bench.txt" || status=1
-[ "${PIPESTATUS[0]}" = 0 ] || status=1
+want() { [[ " ${PARTS:-checks handoff engine multiturn profile} " == *" $1 "* ]]; }
+if want checks; then
+  timeout 300 python3 tests/gpu/checks.py "$work" 2>&1 | tee "$out/checks.log" | grep -E "^(PASS|FAIL|INFO)" || status=1
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  cp "$work/summary.txt" "$out/summary.txt" 2>/dev/null
+  for f in "$work"/logs/*.log; do echo "== $f"; tail -n 30 "$f"; done > "$out/logs.txt" 2>&1
+fi
+if want handoff; then
+  timeout 120 python3 bench/handoff_gpu.py 2>&1 | tee "$out/handoff.txt" || status=1
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+if want engine; then
+  timeout 240 python3 bench/engine.py --device cuda --dtype bfloat16 --tp 1 --models tiny,8x512 --rounds 2 2>&1 \
+    | grep -v -E "Loading weights|Writing model" | tee "$out/bench.txt" || status=1
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
 # The prefix cache on a GPU: multi-turn TTFT, and whether requests arriving
 # with one system prompt gain by waiting for its first prefill (measured on
 # CPUs only so far; its default, --wait-for-shared-prefix 64, was a guess there).
-timeout 120 python3 bench/multiturn.py --device cuda --dtype bfloat16 --rounds 3 --no-chunked 2>&1 \
-  | grep -v -E "Loading weights|Writing model" | tee "$out/multiturn.txt" || status=1
-[ "${PIPESTATUS[0]}" = 0 ] || status=1
+if want multiturn; then
+  timeout 120 python3 bench/multiturn.py --device cuda --dtype bfloat16 --rounds 3 --no-chunked 2>&1 \
+    | grep -v -E "Loading weights|Writing model" | tee "$out/multiturn.txt" || status=1
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
 # Where a decode step's time goes on the GPU (stop 54: the scheduler's one
 # thread, mostly inside transformers' SDPA call): the step with cuDNN's SDPA
 # backend on and off, and with its keys padded to a multiple of 64 (that
-# backend plans a graph per new shape; a decode step's keys grow every step), ops, kernels, and every call that makes the host wait
-# for the device, with its Python frames.
-for model in tiny 8x512; do
-  timeout 120 python3 bench/step_profile.py --device cuda --dtype bfloat16 --model "$model" --rows 32 --steps 10 2>&1 \
-    | grep -v -E "Loading weights|Writing model|USDT" | tee "$out/step_profile-$model.txt" || status=1
-  [ "${PIPESTATUS[0]}" = 0 ] || status=1
-done
+# backend plans a graph per new shape; a decode step's keys grow every
+# step); ops, kernels, and every call that makes the host wait for the
+# device, with its Python frames.
+if want profile; then
+  for model in tiny 8x512; do
+    timeout 120 python3 bench/step_profile.py --device cuda --dtype bfloat16 --model "$model" --rows 32 --steps 10 2>&1 \
+      | grep -v -E "Loading weights|Writing model|USDT" | tee "$out/step_profile-$model.txt" || status=1
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  done
+fi
 echo "gpu checks exit status: $status" | tee -a "$out/summary.txt"
 exit $status
