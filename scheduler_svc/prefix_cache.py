@@ -206,6 +206,10 @@ class PrefixCache:
         if not self.enabled or not keys:
             return 0
         self._record(b"keep", keys)
+        # The stored parents first made the most recent, so that storing
+        # their children evicts other chains' blocks, never these (the
+        # chain fits: at most `capacity` bytes of it are kept).
+        self._touch(keys[:first])
         added = 0
         if blocks:
             block_bytes = self.block_bytes = blocks[0].numel() * blocks[0].element_size()

@@ -231,3 +231,6 @@ def test_after_a_randomized_workload_both_ranks_hold_the_same_blocks(served: Ser
     differ = {step: ranks for step, ranks in both.items() if ranks[0] != ranks[1]}
     assert not differ, differ
     assert all(len(ranks) == 2 for ranks in by_step.values()), "a step's store was logged by one rank only"
+    # Identical stores prove little if a change failed on both ranks alike:
+    # a failed keep turns the prefix cache off for the group.
+    assert "the prefix cache is off" not in served.pair.scheduler.log_path.read_text()

@@ -78,6 +78,29 @@ def test_the_store_keeps_within_its_bytes_and_evicts_deepest_blocks_first() -> N
     assert tuple(kv.shape) == (2, 2, 1, 2 * BLOCK_TOKENS, 4)
 
 
+def test_a_chain_that_grows_in_a_full_store_keeps_its_stored_parents() -> None:
+    """A running request's prompt blocks were kept when it joined; others'
+    blocks came after, so at its end they are the least recent. Storing
+    its new blocks then evicts other chains' blocks, never its own parents
+    (which once raised, and a rank whose keep raises turns the prefix
+    cache off for the group)."""
+    size = 2 * 2 * BLOCK_TOKENS * 4 * 4  # [2 layers, k/v, 1 head, BLOCK_TOKENS, 4] float32
+
+    def block(value: float) -> torch.Tensor:
+        return torch.full((2, 2, 1, BLOCK_TOKENS, 4), value)
+
+    store = PrefixCache(4 * size)
+    ids = list(range(4 * BLOCK_TOKENS + 1))
+    keys = chain(ids, Runs())
+    store.keep(keys[:2], [block(0.0), block(0.0)])
+    other = chain([9, *ids[1:]], Runs())
+    store.keep(other[:2], [block(1.0), block(1.0)])  # full; the first chain is the least recent
+    assert store.keep(keys, [block(2.0), block(2.0)], first=2) == 2
+    assert store.held(keys) == 4
+    assert store.held(other) == 0, "the other chain's blocks made the room"
+    assert store.nbytes == store.capacity
+
+
 # ---- the engine ----
 def conversation(model: torch.nn.Module, engine: Engine, turns: list[tuple[int, list[int]]], tag: str):
     """Turns of one chat resent whole: each prompt is the last one, its
