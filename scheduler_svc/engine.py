@@ -214,6 +214,14 @@ class Engine:
         """Whether a long prompt is on its way in, a chunk a step."""
         return bool(self._chunked)
 
+    @property
+    def caches_agreed(self) -> tuple[bool, bool]:
+        """Whether the ranks' encoder and prefix caches agreed at the last
+        step that took requests (a cache that does not is not used that
+        step; a prefix cache whose change failed on one rank never agrees
+        again, until the group restarts)."""
+        return self._agreed
+
     def step(self, plan: Plan) -> StepOutcome:
         # The cache's tensors are made in inference mode; every in-place
         # change to them (joins, leaves) must happen in it too.

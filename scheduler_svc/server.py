@@ -219,6 +219,17 @@ def _metrics(settings: SchedulerSettings, step_loop: StepLoop) -> ServiceMetrics
     )
     metrics.gauge("prefix_cache_bytes", "Bytes the prefix cache holds (rank 0)", lambda: prefix.nbytes)
     metrics.gauge(
+        "encoder_cache_agreed",
+        "1 while the ranks' encoder caches agreed at the last step that took requests (0: not used that step)",
+        lambda: int(step_loop.engine.caches_agreed[0]),
+    )
+    metrics.gauge(
+        "prefix_cache_agreed",
+        "1 while the ranks' prefix caches agreed at the last step that took requests (0: no cached prefix is"
+        " taken; after a change that failed on one rank, until the group restarts)",
+        lambda: int(step_loop.engine.caches_agreed[1]),
+    )
+    metrics.gauge(
         "cuda_ipc_open_pools", "CUDA IPC pools of tokenizers this rank holds open (rank 0)", cuda_ipc.imported.count
     )
     metrics.gauge(

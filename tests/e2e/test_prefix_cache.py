@@ -211,6 +211,8 @@ def test_after_a_randomized_workload_both_ranks_hold_the_same_blocks(served: Ser
     evictions = [line for line in scraped.splitlines() if line.startswith("mmsplit_scheduler_prefix_cache_evictions")]
     assert evictions, scraped
     assert float(evictions[0].rsplit(" ", 1)[1]) > 0, "the store never filled: the test proves nothing about eviction"
+    agreed = [line for line in scraped.splitlines() if line.startswith("mmsplit_scheduler_prefix_cache_agreed ")]
+    assert agreed == ["mmsplit_scheduler_prefix_cache_agreed 1.0"], "the ranks' prefix caches went apart"
 
     def logged() -> dict[int, dict[int, tuple[str, ...]]]:
         by_step: dict[int, dict[int, tuple[str, ...]]] = {}
