@@ -33,9 +33,8 @@ from mmsplit_cli.launch import (
 from mmsplit_cli.launch import (
     running_pair as _running_pair,
 )
-from tests.support import wrapped
 from tests.support.leaks import SERVICE_TMP
-from tests.support.zygote import ZYGOTE_AT, ForkedProcess, Zygote
+from tests.support.zygote import ZYGOTE_AT, ForkedProcess, Zygote, fork_under
 
 __all__ = ["ROOT", "SCHEDULER_SERVICE", "TOKENIZER_SERVICE", "Arg", "FreePort", "Pair", "running_pair"]
 
@@ -55,10 +54,9 @@ class LazyZygote:
     def __call__(
         self, argv: Sequence[str], env: dict[str, str], new_session: bool, wrapper: Sequence[str]
     ) -> ForkedProcess | None:
-        steps = wrapped.steps(wrapper)
-        if steps is None or self.fresh:
+        if self.fresh:
             return None  # a new interpreter, under the wrapper
-        return ForkedProcess(self.address(), list(argv), env, new_session, steps)
+        return fork_under(self.address, argv, env, new_session, wrapper)
 
     def address(self) -> str:
         """Its socket (started now if it was not)."""
@@ -103,15 +101,17 @@ def zygote_for_subprocesses() -> dict[str, str]:
     script) fork its services from this session's zygote too
     (`tests.support.zygote.fork_from_the_suite_s_zygote`), or {} where
     the suite has none."""
-    if os.environ.get("MMSPLIT_TEST_ZYGOTE", "1") == "0":
-        return {}
-    return {ZYGOTE_AT: _zygote.address()}
+    return {ZYGOTE_AT: _zygote.address()} if _zygote_wanted() else {}
+
+
+def _zygote_wanted() -> bool:
+    return os.environ.get("MMSPLIT_TEST_ZYGOTE", "1") != "0"
 
 
 @contextmanager
 def installed_launcher() -> Iterator[None]:
     """For the session: services come from the zygote."""
-    if os.environ.get("MMSPLIT_TEST_ZYGOTE", "1") == "0":
+    if not _zygote_wanted():
         yield
         return
     previous = set_launcher(_zygote)

@@ -50,7 +50,7 @@ import sys
 import tempfile
 import threading
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 ZYGOTE_AT = "MMSPLIT_TEST_ZYGOTE_AT"  # its socket, for the processes a test starts (a benchmark)
@@ -238,6 +238,25 @@ def _become_service(request: dict, stderr_fd: int, close: Sequence[int]) -> None
 # ---------------------------------------------------------------- the client
 
 
+def fork_under(
+    address: Callable[[], str],
+    argv: Sequence[str],
+    env: dict[str, str],
+    new_session: bool,
+    wrapper: Sequence[str],
+    first: Sequence[Sequence[str]] = (),
+) -> ForkedProcess | None:
+    """A service forked by the zygote at `address()` (asked only when it
+    forks) under `wrapper`, taken as steps after the steps `first`; None
+    where the zygote does not know the wrapper (a new interpreter then)."""
+    from tests.support import wrapped
+
+    steps = wrapped.steps(wrapper)
+    if steps is None:
+        return None
+    return ForkedProcess(address(), list(argv), env, new_session, [*first, *steps])
+
+
 def fork_from_the_suite_s_zygote() -> None:
     """In a process a test started with `zygote_for_subprocesses()`: start
     services as forks of the suite's zygote (saving each its imports: ~10 s
@@ -245,7 +264,6 @@ def fork_from_the_suite_s_zygote() -> None:
     namespace (a benchmark that made one with a /dev/shm of its own).
     Services under a wrapper the zygote does not know stay new interpreters."""
     from mmsplit_cli.launch import set_launcher
-    from tests.support import wrapped
 
     address = os.environ.get(ZYGOTE_AT)
     if not address:
@@ -255,8 +273,7 @@ def fork_from_the_suite_s_zygote() -> None:
     def launch(
         argv: Sequence[str], env: dict[str, str], new_session: bool, wrapper: Sequence[str]
     ) -> ForkedProcess | None:
-        steps = wrapped.steps(wrapper)
-        return None if steps is None else ForkedProcess(address, list(argv), env, new_session, here + steps)
+        return fork_under(lambda: address, argv, env, new_session, wrapper, here)
 
     set_launcher(launch)
 
