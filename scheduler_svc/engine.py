@@ -170,7 +170,8 @@ class Engine:
         self._hidden = int(model.config.get_text_config().hidden_size)  # type: ignore[union-attr,operator]
         self._keys: dict[str, list[bytes]] = {}  # this step's new requests: each item's cache key
         self._hash_pool: concurrent.futures.ThreadPoolExecutor | None = None  # made on first use
-        # Fault injection for tests (the `engine_hook` setting): before_prefill, on_encoded, in_prefill_forward.
+        # Fault injection for tests (the `engine_hook` setting): before_prefill, on_encoded, in_prefill_forward,
+        # in_decode_forward, before_keep.
         self._hook = hook
         # A local CPU group's shared-memory TP sums, which a failed forward aborts.
         self._arena: Arena | None = getattr(coll, "arena", None)
@@ -387,6 +388,8 @@ class Engine:
 
     def _keep_or_spoil(self, index: int) -> None:
         try:
+            if self._hook is not None and hasattr(self._hook, "before_keep"):
+                self._hook.before_keep(self.coll.rank, self.rows[index].request)
             self._keep(self.rows[index], index)
         except Exception:
             # Out of memory, say: the row goes on (or leaves) all the same.

@@ -168,6 +168,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         prefix = self.step_loop.engine.prefix_cache
         info.prefix_cache_hits, info.prefix_cache_misses = prefix.hits, prefix.lookups - prefix.hits
         info.prefix_cache_hit_tokens, info.prefix_cache_bytes = prefix.hit_tokens, prefix.nbytes
+        encoder_agreed, prefix_agreed = self.step_loop.engine.caches_agreed
+        info.encoder_cache_diverged, info.prefix_cache_diverged = not encoder_agreed, not prefix_agreed
         info.cuda_ipc_open_pools = cuda_ipc.imported.count()
         return scheduler_pb2.GetServerInfoResponse(info=info)
 

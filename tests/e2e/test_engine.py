@@ -28,7 +28,7 @@ from mmsplit_cli import samples
 from mmsplit_cli.client import Outcome, make_request, run_request
 from scheduler_svc.model import model_info
 from tests.conftest import SCHEDULER_SERVICE, Services
-from tests.e2e.helpers import health_status, rank_active_requests, rank_processes
+from tests.e2e.helpers import health_status, rank_active_requests, rank_processes, scheduler_info
 from tests.support.faults import failing_request_id
 from tests.support.leaks import wait_until
 from tests.support.local_token import scheduler_channel
@@ -148,7 +148,9 @@ def test_over_gloo_a_forward_that_raises_on_one_rank_fails_its_requests_alone(
     the sums the other is still waiting in (zeros, `counted_sums`), so both
     meet in the agreement: the request fails alone with a typed error, at
     once rather than after the collective timeout (here 120 s, past each
-    request's 60), and the group serves on with its processes."""
+    request's 60), and the group serves on with its processes. Last, a
+    prefix-cache change that fails on one rank: GetServerInfo reports the
+    caches diverged."""
     extra = ["--tp-all-reduce", "gloo", "--engine-hook", "tests.support.faults", "--collective-timeout-s", "120"]
     with running_pair(tiny_model, tmp_path_factory.mktemp("gloo"), scheduler_extra=extra) as pair:
         pid, ranks = pair.scheduler.pid, [p.pid for p in rank_processes(pair.scheduler.pid)]
@@ -176,6 +178,18 @@ def test_over_gloo_a_forward_that_raises_on_one_rank_fails_its_requests_alone(
                 after = ask(f"after-{uuid.uuid4().hex[:6]}")
                 assert after.ok, (marker, after)
                 assert after.token_ids == good.token_ids, marker
+            # Keeping a request's prefix-cache blocks fails on rank 1 only:
+            # the request is served, and from the next join on the ranks'
+            # stores differ, no cached prefix is taken, and the server says so.
+            assert not scheduler_info(pair.scheduler_address).prefix_cache_diverged
+            kept = ask(f"inject-keep-failure-rank1-{uuid.uuid4().hex[:6]}")
+            assert kept.ok, kept
+            assert kept.token_ids == good.token_ids
+            after = ask(f"after-{uuid.uuid4().hex[:6]}")
+            assert after.ok, after
+            assert after.token_ids == good.token_ids
+            info = scheduler_info(pair.scheduler_address)
+            assert (info.prefix_cache_diverged, info.encoder_cache_diverged) == (True, False)
         assert pair.scheduler.pid == pid
         assert [p.pid for p in rank_processes(pair.scheduler.pid)] == ranks, "a rank was restarted"
         log = pair.scheduler.log_path.read_text()

@@ -19,7 +19,9 @@ the first layer's TP sums, while the other ranks go on to the next). A
 decode forward that holds a request whose id contains
 ``inject-decode-failure`` raises on every rank, before the model; one whose
 id contains ``inject-decode-failure-rank<N>`` raises on rank N only, inside
-the model as above.
+the model as above. Keeping the prefix-cache blocks of a request whose id
+contains ``inject-keep-failure-rank<N>`` raises on rank N only (as an
+out-of-memory there might): that rank's store is spoiled.
 """
 
 from __future__ import annotations
@@ -113,3 +115,12 @@ def _raising_in_layer_1(model: torch.nn.Module, message: str) -> Iterator[None]:
 
 def on_encoded(rank: int, request: NewRequest, index: int, output: torch.Tensor) -> torch.Tensor:
     return output[:-1] if SHORT in request.request_id else output
+
+
+KEEP_MARKER = re.compile(r"inject-keep-failure-rank(\d+)")
+
+
+def before_keep(rank: int, request: NewRequest) -> None:
+    m = KEEP_MARKER.search(request.request_id)
+    if m is not None and int(m.group(1)) == rank:
+        raise RuntimeError(f"injected into keeping the prefix-cache blocks on rank {rank}")

@@ -206,7 +206,7 @@ class TokenLogprob(_message.Message):
     def __init__(self, logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("model", "tp_size", "transports", "shm_namespace", "shm_prefix", "version", "rank_active_requests", "running_requests", "queued_requests", "kv_budget_tokens", "kv_reserved_tokens", "preprocess_cache_hits", "preprocess_cache_misses", "preprocess_cache_bytes", "encoder_cache_hits", "encoder_cache_misses", "encoder_cache_bytes", "shm_slab_bytes", "shm_slab_used_bytes", "cuda_device_uuids", "cuda_ipc_pool_bytes", "cuda_ipc_pool_used_bytes", "vocabulary", "item_rules", "cuda_ipc_open_pools", "prefix_cache_hits", "prefix_cache_misses", "prefix_cache_hit_tokens", "prefix_cache_bytes", "generate_stream", "max_message_bytes")
+    __slots__ = ("model", "tp_size", "transports", "shm_namespace", "shm_prefix", "version", "rank_active_requests", "running_requests", "queued_requests", "kv_budget_tokens", "kv_reserved_tokens", "preprocess_cache_hits", "preprocess_cache_misses", "preprocess_cache_bytes", "encoder_cache_hits", "encoder_cache_misses", "encoder_cache_bytes", "shm_slab_bytes", "shm_slab_used_bytes", "cuda_device_uuids", "cuda_ipc_pool_bytes", "cuda_ipc_pool_used_bytes", "vocabulary", "item_rules", "cuda_ipc_open_pools", "prefix_cache_hits", "prefix_cache_misses", "prefix_cache_hit_tokens", "prefix_cache_bytes", "generate_stream", "max_message_bytes", "prefix_cache_diverged", "encoder_cache_diverged")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
@@ -238,6 +238,8 @@ class ServerInfo(_message.Message):
     PREFIX_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
     GENERATE_STREAM_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_DIVERGED_FIELD_NUMBER: _ClassVar[int]
+    ENCODER_CACHE_DIVERGED_FIELD_NUMBER: _ClassVar[int]
     model: str
     tp_size: int
     transports: _containers.RepeatedScalarFieldContainer[Transport]
@@ -269,4 +271,6 @@ class ServerInfo(_message.Message):
     prefix_cache_bytes: int
     generate_stream: bool
     max_message_bytes: int
-    def __init__(self, model: _Optional[str] = ..., tp_size: _Optional[int] = ..., transports: _Optional[_Iterable[_Union[Transport, str]]] = ..., shm_namespace: _Optional[str] = ..., shm_prefix: _Optional[str] = ..., version: _Optional[str] = ..., rank_active_requests: _Optional[_Iterable[int]] = ..., running_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., kv_budget_tokens: _Optional[int] = ..., kv_reserved_tokens: _Optional[int] = ..., preprocess_cache_hits: _Optional[int] = ..., preprocess_cache_misses: _Optional[int] = ..., preprocess_cache_bytes: _Optional[int] = ..., encoder_cache_hits: _Optional[int] = ..., encoder_cache_misses: _Optional[int] = ..., encoder_cache_bytes: _Optional[int] = ..., shm_slab_bytes: _Optional[int] = ..., shm_slab_used_bytes: _Optional[int] = ..., cuda_device_uuids: _Optional[_Iterable[str]] = ..., cuda_ipc_pool_bytes: _Optional[int] = ..., cuda_ipc_pool_used_bytes: _Optional[int] = ..., vocabulary: _Optional[str] = ..., item_rules: _Optional[str] = ..., cuda_ipc_open_pools: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_misses: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., prefix_cache_bytes: _Optional[int] = ..., generate_stream: _Optional[bool] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
+    prefix_cache_diverged: bool
+    encoder_cache_diverged: bool
+    def __init__(self, model: _Optional[str] = ..., tp_size: _Optional[int] = ..., transports: _Optional[_Iterable[_Union[Transport, str]]] = ..., shm_namespace: _Optional[str] = ..., shm_prefix: _Optional[str] = ..., version: _Optional[str] = ..., rank_active_requests: _Optional[_Iterable[int]] = ..., running_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., kv_budget_tokens: _Optional[int] = ..., kv_reserved_tokens: _Optional[int] = ..., preprocess_cache_hits: _Optional[int] = ..., preprocess_cache_misses: _Optional[int] = ..., preprocess_cache_bytes: _Optional[int] = ..., encoder_cache_hits: _Optional[int] = ..., encoder_cache_misses: _Optional[int] = ..., encoder_cache_bytes: _Optional[int] = ..., shm_slab_bytes: _Optional[int] = ..., shm_slab_used_bytes: _Optional[int] = ..., cuda_device_uuids: _Optional[_Iterable[str]] = ..., cuda_ipc_pool_bytes: _Optional[int] = ..., cuda_ipc_pool_used_bytes: _Optional[int] = ..., vocabulary: _Optional[str] = ..., item_rules: _Optional[str] = ..., cuda_ipc_open_pools: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., prefix_cache_misses: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., prefix_cache_bytes: _Optional[int] = ..., generate_stream: _Optional[bool] = ..., max_message_bytes: _Optional[int] = ..., prefix_cache_diverged: _Optional[bool] = ..., encoder_cache_diverged: _Optional[bool] = ...) -> None: ...
