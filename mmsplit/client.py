@@ -27,7 +27,7 @@ jitter); a stream that already produced text is never retried.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -241,12 +241,17 @@ def build_request(
     stop: Sequence[str] = (),
     stop_token_ids: Sequence[int] = (),
     cache_salt: str = "",
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    repetition_penalty: float = 1.0,
+    logit_bias: Mapping[int, float] | None = None,
 ) -> tokenizer_pb2.GenerateRequest:
     """A GenerateRequest of a prompt (with `images` and `videos`) or of a
     conversation (`messages`); media given as bytes are sent inline, as str
     by URL (data:, http(s), or a path under the server's allowed directory).
     Requests share the scheduler's cached prompt blocks only when their
-    `cache_salt` is the same."""
+    `cache_salt` is the same. The sampling fields are `SamplingParams`'
+    (protos/mmsplit/common/v1/common.proto)."""
     sampling = common_pb2.SamplingParams(
         max_tokens=max_tokens,
         temperature=temperature,
@@ -255,6 +260,10 @@ def build_request(
         min_tokens=min_tokens,
         stop=list(stop),
         stop_token_ids=list(stop_token_ids),
+        presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty,
+        repetition_penalty=repetition_penalty,
+        logit_bias=dict(logit_bias or {}),
     )
     if top_p is not None:
         sampling.top_p = top_p

@@ -10,6 +10,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -54,8 +55,10 @@ def make_request(
     stop_token_ids: list[int] | None = None,
     stop: list[str] | None = None,
     videos: list[bytes] | None = None,
+    **sampling: Any,
 ) -> tokenizer_pb2.GenerateRequest:
-    """`mmsplit.client.build_request`, with images by value and by URL apart."""
+    """`mmsplit.client.build_request`, with images by value and by URL apart
+    (`sampling`: its other sampling fields, the penalties and logit_bias)."""
     return build_request(
         prompt,
         images=[*(images or []), *(urls or [])],
@@ -69,6 +72,7 @@ def make_request(
         min_tokens=min_tokens,
         stop=stop or [],
         stop_token_ids=stop_token_ids or [],
+        **sampling,
     )
 
 

@@ -22,6 +22,9 @@ MAX_STOP_TOKEN_IDS = 32
 MAX_STOP_STRINGS = 8
 MAX_STOP_CHARS = 128
 MAX_TOP_LOGPROBS = 20
+MAX_PENALTY = 2.0  # presence and frequency: [-2, 2], as OpenAI's; repetition: (0, 2], as vLLM's
+MAX_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_ENTRIES = 1024
 
 
 class InvalidSampling(MmsplitError):
@@ -47,10 +50,21 @@ class Sampling:
     stop: tuple[str, ...] = ()
     logprobs: bool = False
     top_logprobs: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), by id
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether logit_bias or a penalty changes this request's logits."""
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0 or self.logit_bias
+        )
 
     @classmethod
     def from_pb(
@@ -103,6 +117,17 @@ class Sampling:
         if pb.top_logprobs and not pb.logprobs:
             raise InvalidSampling("sampling.top_logprobs needs logprobs")
 
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(pb, name)
+            if not math.isfinite(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise InvalidSampling(f"sampling.{name} {value!r} must be within [{-MAX_PENALTY:g}, {MAX_PENALTY:g}]")
+        repetition = pb.repetition_penalty or 1.0
+        if not math.isfinite(repetition) or not 0.0 < repetition <= MAX_PENALTY:
+            raise InvalidSampling(
+                f"sampling.repetition_penalty {repetition!r} must be within (0, {MAX_PENALTY:g}] (1: off)"
+            )
+        bias = _logit_bias(pb, vocab_size)
+
         return cls(
             max_tokens=max_tokens,
             temperature=float(temperature),
@@ -114,4 +139,22 @@ class Sampling:
             stop=stop,
             logprobs=bool(pb.logprobs),
             top_logprobs=int(pb.top_logprobs),
+            presence_penalty=float(pb.presence_penalty),
+            frequency_penalty=float(pb.frequency_penalty),
+            repetition_penalty=float(repetition),
+            logit_bias=bias,
         )
+
+
+def _logit_bias(pb: common_pb2.SamplingParams, vocab_size: int | None) -> tuple[tuple[int, float], ...]:
+    if len(pb.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise InvalidSampling(f"sampling.logit_bias has {len(pb.logit_bias)} entries, at most {MAX_LOGIT_BIAS_ENTRIES}")
+    for token, bias in pb.logit_bias.items():
+        if not math.isfinite(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            raise InvalidSampling(
+                f"sampling.logit_bias: {bias!r} for token {token} must be within "
+                f"[{-MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]"
+            )
+        if vocab_size is not None and token >= vocab_size:
+            raise InvalidSampling(f"sampling.logit_bias: {token} is outside the vocabulary of {vocab_size}")
+    return tuple(sorted((int(t), float(b)) for t, b in pb.logit_bias.items()))

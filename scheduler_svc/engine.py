@@ -69,7 +69,7 @@ from scheduler_svc.kvcache import ForwardInputs, RowCache
 from scheduler_svc.plan import Failure, Item, NewRequest, Plan, StepOutcome
 from scheduler_svc.prefix_cache import BLOCK_TOKENS, NO_MATCH, Match, PrefixCache, Runs, chain
 from scheduler_svc.reader import TensorReader
-from scheduler_svc.sampler import Logprob, RowSampling, Sampler, make_generator
+from scheduler_svc.sampler import LogitAdjust, Logprob, RowSampling, Sampler, make_generator
 from scheduler_svc.shm_allreduce import Arena, SumAborted
 from scheduler_svc.threads import StepKind, StepThreads
 
@@ -334,7 +334,7 @@ class Engine:
                     rejected[row.request.request_id] = result
                 else:
                     sampled[row.request.request_id] = result
-                    row.sampling.generated += 1  # type: ignore[union-attr]
+                    row.sampling.took(result)  # type: ignore[union-attr]
             clock.lap("sample")
         changed = plan.keep or self._cached or kept_prefilled
         if self.prefix_cache.enabled and changed and log.isEnabledFor(logging.DEBUG):
@@ -421,7 +421,8 @@ class Engine:
             return None
         seed = req.sampling.seed or zlib.crc32(req.request_id.encode())
         generator = make_generator(req.sampling, seed, self.device)
-        return RowSampling(req.request_id, req.sampling, generated=0, generator=generator)
+        adjust = LogitAdjust(req.sampling, req.input_ids) if req.sampling.adjusts_logits else None
+        return RowSampling(req.request_id, req.sampling, generated=0, generator=generator, adjust=adjust)
 
     # ---- forwards ----
     def _decode(self) -> tuple[torch.Tensor | None, Failure | None]:

@@ -5,10 +5,16 @@ rows each draw from their own `torch.Generator` (seeded per request), so a
 request's tokens do not depend on what else is in the batch. The order of
 the processors is transformers' own: temperature, then top_k, then top_p.
 
+Before any of that, a request's logit_bias is added to its logits and its
+penalties applied (`LogitAdjust`; repetition, then frequency and presence,
+in vLLM's order), for greedy and sampled rows alike; rows that ask for none
+cost nothing.
+
 Log probabilities (rows whose request asked) are of the distribution the
-token was drawn from: log_softmax of the logits (after the min_tokens
-suppression) for greedy rows; the log of the renormalized probabilities
-after temperature, top_k and top_p for sampled ones.
+token was drawn from: log_softmax of the logits (after logit_bias, the
+penalties and the min_tokens suppression) for greedy rows; the log of the
+renormalized probabilities after temperature, top_k and top_p for sampled
+ones.
 
 Isolation: nothing one row carries can fail the others. A row whose logits
 are not finite, or whose sampling raises, gets an error message instead of
@@ -29,6 +35,58 @@ from mmsplit_server.sampling import Sampling
 log = logging.getLogger(__name__)
 
 
+class LogitAdjust:
+    """One request's logit_bias and penalties, and what they need to know
+    of it: the tokens it has generated (counted) and, for the repetition
+    penalty, the tokens of its prompt. Its tensors are made at the first
+    token, when the vocabulary's width is known."""
+
+    def __init__(self, params: Sampling, prompt_ids: Sequence[int]) -> None:
+        self.params = params
+        self._prompt_ids = prompt_ids
+        self._counts: torch.Tensor | None = None  # [vocab] float32: times each token was generated
+        self._seen: torch.Tensor | None = None  # [vocab] bool: in the prompt or generated (repetition)
+        self._bias: tuple[torch.Tensor, torch.Tensor] | None = None  # (token ids, biases)
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """Adjust one row's ``[vocab]`` float32 logits in place."""
+        p = self.params
+        if self._counts is None:
+            self._start(logits)
+        if self._bias is not None:
+            ids, bias = self._bias
+            logits[ids] += bias
+        if self._seen is not None:
+            seen = logits[self._seen]
+            logits[self._seen] = torch.where(seen > 0, seen / p.repetition_penalty, seen * p.repetition_penalty)
+        counts = self._counts
+        assert counts is not None
+        if p.frequency_penalty:
+            logits -= p.frequency_penalty * counts
+        if p.presence_penalty:
+            logits -= p.presence_penalty * (counts > 0)
+
+    def _start(self, logits: torch.Tensor) -> None:
+        vocab, device, p = logits.shape[0], logits.device, self.params
+        self._counts = torch.zeros(vocab, dtype=torch.float32, device=device)
+        if p.repetition_penalty != 1.0:
+            self._seen = torch.zeros(vocab, dtype=torch.bool, device=device)
+            prompt = [t for t in self._prompt_ids if t < vocab]
+            if prompt:
+                self._seen[torch.tensor(prompt, device=device)] = True
+        self._prompt_ids = ()
+        biased = [(t, b) for t, b in p.logit_bias if t < vocab]
+        if biased:
+            ids, bias = zip(*biased, strict=True)
+            self._bias = (torch.tensor(ids, device=device), torch.tensor(bias, dtype=torch.float32, device=device))
+
+    def took(self, token: int) -> None:
+        if self._counts is not None and token < self._counts.shape[0]:
+            self._counts[token] += 1
+            if self._seen is not None:
+                self._seen[token] = True
+
+
 @dataclass
 class RowSampling:
     """What the sampler needs of one row."""
@@ -38,6 +96,14 @@ class RowSampling:
     # Tokens this request has generated so far (for min_tokens).
     generated: int
     generator: torch.Generator | None
+    # Its logit_bias and penalties; None when it asks for none.
+    adjust: LogitAdjust | None = None
+
+    def took(self, token: int) -> None:
+        """The token this row was given."""
+        self.generated += 1
+        if self.adjust is not None:
+            self.adjust.took(token)
 
 
 def make_generator(params: Sampling, seed: int, device: torch.device) -> torch.Generator | None:
@@ -74,6 +140,7 @@ class Sampler:
         if logits.shape[0] != len(rows):
             raise ValueError(f"{logits.shape[0]} logit rows for {len(rows)} requests")
         logits = logits.float()
+        unadjusted = self._adjust(logits, rows) if any(row.adjust is not None for row in rows) else {}
         self._suppress_stops(logits, rows)
         # One pass gives both the greedy tokens and a finiteness check: a row
         # holding NaN or +inf has a non-finite maximum (max propagates NaN).
@@ -83,7 +150,9 @@ class Sampler:
         out: list[int | str] = []
         logprobs: dict[int, Logprob] = {}
         for i, row in enumerate(rows):
-            if not finite[i]:
+            if i in unadjusted:
+                out.append(unadjusted[i])
+            elif not finite[i]:
                 out.append("the model produced non-finite logits for this request")
             elif row.params.greedy:
                 out.append(int(greedy[i]))
@@ -100,6 +169,20 @@ class Sampler:
                     log.exception("sampling failed for request %s", row.request_id)
                     out.append(f"sampling failed: {type(exc).__name__}")
         return out, logprobs
+
+    @staticmethod
+    def _adjust(logits: torch.Tensor, rows: Sequence[RowSampling]) -> dict[int, str]:
+        """Each row's logit_bias and penalties; the rows whose adjusting
+        raised, with the message their request fails with."""
+        failed: dict[int, str] = {}
+        for i, row in enumerate(rows):
+            if row.adjust is not None:
+                try:
+                    row.adjust.apply(logits[i])
+                except Exception as exc:  # one row's failure must not fail the batch
+                    log.exception("adjusting the logits failed for request %s", row.request_id)
+                    failed[i] = f"applying logit_bias or a penalty failed: {type(exc).__name__}"
+        return failed
 
     def _suppress_stops(self, logits: torch.Tensor, rows: Sequence[RowSampling]) -> None:
         """Before min_tokens, neither EOS nor a request's stop ids may be

@@ -14,13 +14,15 @@ What is accepted, as vLLM, SGLang and TGI accept it:
   max_tokens and max_completion_tokens (the smaller when both), min_tokens,
   stop_token_ids, n (up to MAX_CHOICES), stream, stream_options.include_usage,
   logprobs and top_logprobs (chat: a boolean and 0 to 20; completions: the
-  legacy integer, the number of top entries), and vLLM's `cache_salt` (a
-  tenant's prefix-cache isolation). The usage reports
+  legacy integer, the number of top entries), presence_penalty,
+  frequency_penalty, logit_bias (token ids as strings, as OpenAI's), vLLM's
+  repetition_penalty, and vLLM's `cache_salt` (a tenant's prefix-cache
+  isolation). The usage reports
   `prompt_tokens_details.cached_tokens`: prompt tokens the scheduler took
   from its prefix cache.
 - Refused (400, `param` naming the field): the OpenAI fields whose meaning
   this server cannot honour (`UNHONOURED`: tools, structured output,
-  penalties and logit_bias, audio output, echo...) when set to anything but
+  audio output, echo...) when set to anything but
   their do-nothing value. Answering as if they were absent would hand a
   client that asked for JSON or a tool call plain text and no sign why;
   vLLM refuses tools the same way unless a tool parser is configured.
@@ -90,23 +92,18 @@ ROLES = {
 KNOWN = {
     "model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
     "stop", "min_tokens", "stop_token_ids", "n", "stream", "stream_options", "logprobs", "top_logprobs", "user",
-    "cache_salt",
+    "cache_salt", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
 }  # fmt: skip
 
 # Field -> (the values that ask for nothing, and are accepted; why any other
 # value is refused).
 _TOOLS = "this server does not parse tool calls"
-_LOGITS = "this server does not adjust token probabilities"
 UNHONOURED: dict[str, tuple[tuple[Any, ...], str]] = {
     "tools": ((None, []), _TOOLS),
     "tool_choice": ((None, "none"), _TOOLS),
     "functions": ((None, []), _TOOLS),
     "function_call": ((None, "none"), _TOOLS),
     "response_format": ((None, {"type": "text"}), "this server does not constrain its output to a format"),
-    "presence_penalty": ((None, 0), _LOGITS),
-    "frequency_penalty": ((None, 0), _LOGITS),
-    "repetition_penalty": ((None, 1), _LOGITS),
-    "logit_bias": ((None, {}), _LOGITS),
     "modalities": ((None, ["text"]), "this server answers in text only"),
     "audio": ((None,), "this server answers in text only"),
     "echo": ((None, False), "this server does not return the prompt"),
@@ -280,6 +277,14 @@ def _finish(body: dict[str, Any], request: tokenizer_pb2.GenerateRequest) -> Cal
         ):
             raise _invalid("stop_token_ids must be a list of token ids", "stop_token_ids")
         s.stop_token_ids.extend(ids)
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+        penalty = _number(body, name)
+        if penalty is not None:
+            if name == "repetition_penalty" and penalty <= 0:  # 0 would read as unset in the contract
+                raise _invalid("repetition_penalty must be greater than 0 (1: off)", name)
+            setattr(s, name, penalty)
+    for token, bias in _logit_bias(body).items():
+        s.logit_bias[token] = bias
     n = _int(body, "n")
     if n is not None and not 1 <= n <= MAX_CHOICES:
         raise _invalid(f"n must be within [1, {MAX_CHOICES}]", "n")
@@ -312,13 +317,37 @@ def _int(body: dict[str, Any], name: str) -> int | None:
     return value
 
 
+def _logit_bias(body: dict[str, Any]) -> dict[int, float]:
+    """OpenAI's logit_bias: an object of token ids (strings, as JSON keys
+    are) to numbers; the service checks their ranges and the vocabulary."""
+    bias = body.get("logit_bias")
+    if bias is None:
+        return {}
+    message = "logit_bias must be an object mapping token ids to numbers"
+    if not isinstance(bias, dict):
+        raise _invalid(message, "logit_bias")
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        token = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else -1
+        number = not isinstance(value, bool) and isinstance(value, int | float) and _fits_a_float(value)
+        if not 0 <= token <= _U32 or not number:
+            raise _invalid(f"{message}: {_short(key)}: {_short(value)}", "logit_bias")
+        out[token] = float(value)
+    return out
+
+
 def _number(body: dict[str, Any], name: str) -> float | None:
     value = body.get(name)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int | float):
+    if isinstance(value, bool) or not isinstance(value, int | float) or not _fits_a_float(value):
         raise _invalid(f"{name} must be a number", name)
     return float(value)
+
+
+def _fits_a_float(value: float) -> bool:
+    """JSON integers have no bound: 1e400 written out is an int float() refuses."""
+    return isinstance(value, float) or abs(value) <= 1 << 1000
 
 
 def _invalid(message: str, param: str | None) -> InvalidRequest:

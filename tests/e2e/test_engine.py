@@ -15,6 +15,7 @@ import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -239,6 +240,9 @@ HOSTILE_SAMPLING = [
     ("top_p 0", {"top_p": 0.0, "temperature": 0.8}, "sampling.top_p"),
     ("top_p 2", {"top_p": 2.0, "temperature": 0.8}, "sampling.top_p"),
     ("max_tokens over the limit", {"max_tokens": 100_000}, "limit 4096"),
+    ("frequency_penalty 3", {"frequency_penalty": 3.0}, "sampling.frequency_penalty"),
+    ("repetition_penalty NaN", {"repetition_penalty": float("nan")}, "sampling.repetition_penalty"),
+    ("logit_bias outside the vocabulary", {"logit_bias": {10**6: 1.0}}, "sampling.logit_bias"),
 ]
 
 
@@ -253,7 +257,7 @@ def assert_still_serving(services: Services, pid: int) -> None:
 
 @pytest.mark.parametrize(("case", "params", "named"), HOSTILE_SAMPLING, ids=[c[0] for c in HOSTILE_SAMPLING])
 def test_hostile_sampling_is_refused_at_both_services(
-    services: Services, case: str, params: dict[str, float], named: str
+    services: Services, case: str, params: dict[str, Any], named: str
 ) -> None:
     pid = services.scheduler.pid
     with grpc.insecure_channel(services.tokenizer_address) as channel:

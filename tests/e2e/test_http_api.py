@@ -102,11 +102,10 @@ SAME_OVER_GRPC = [
 ]
 
 
-def grpc_text(pair: Pair, messages: list[Any], max_tokens: int) -> str:
+def grpc_text(pair: Pair, messages: list[Any], max_tokens: int, **sampling: Any) -> str:
+    request = build_request(messages=messages, max_tokens=max_tokens, **sampling)
     with grpc.insecure_channel(pair.tokenizer_address) as channel:
-        out = run_request(
-            tokenizer_pb2_grpc.TokenizerServiceStub(channel), build_request(messages=messages, max_tokens=max_tokens)
-        )
+        out = run_request(tokenizer_pb2_grpc.TokenizerServiceStub(channel), request)
     assert out.ok, out
     return out.text
 
@@ -230,7 +229,12 @@ def test_bad_inputs_get_typed_errors_that_the_sdk_does_not_resend(api: Api) -> N
          "response_format"),
         (_chat([text], tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]),
          openai.BadRequestError, 400, "INVALID_REQUEST", "tools"),
-        (_chat([text], frequency_penalty=0.5), openai.BadRequestError, 400, "INVALID_REQUEST", "frequency_penalty"),
+        (_chat([text], frequency_penalty=2.5), openai.BadRequestError, 400, "INVALID_REQUEST", "frequency_penalty"),
+        (_chat([text], extra_body={"repetition_penalty": 0}), openai.BadRequestError, 400, "INVALID_REQUEST",
+         "repetition_penalty"),
+        (_chat([text], logit_bias={"12": 101}), openai.BadRequestError, 400, "INVALID_REQUEST", "logit_bias"),
+        # Outside the model's vocabulary: the scheduler refuses it, named as the client wrote it.
+        (_chat([text], logit_bias={str(10**6): 1}), openai.BadRequestError, 400, "INVALID_REQUEST", "logit_bias"),
     ]  # fmt: skip
     for call, cls, status, code, param in cases:
         before = api.seen(f"/v1/chat/completions {status}")
@@ -397,6 +401,80 @@ def test_logprobs_are_the_model_s_log_softmax_and_the_same_over_http(api: Api) -
     )
     entries = [e for c in streamed if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content or []]
     assert [e.logprob for e in entries] == pytest.approx([lp.logprob for lp in got], abs=1e-6)
+
+
+def test_penalties_and_logit_bias_give_the_tokens_of_their_definitions(api: Api) -> None:
+    """Greedy, a chat turn with an image: with each of repetition_penalty,
+    frequency_penalty, presence_penalty and logit_bias (and all at once)
+    the served tokens are those of a reference loop here (the plain model's
+    logits at each step, adjusted as defined: the bias added, transformers'
+    own repetition penalty over prompt and output, OpenAI's frequency and
+    presence over the output), and differ from the tokens without; the
+    repetition penalty's equal `generate`'s with its own. Over HTTP the
+    openai SDK's named fields (repetition_penalty in extra_body) give the
+    text gRPC gives."""
+    import torch
+    from transformers import AutoModelForImageTextToText, RepetitionPenaltyLogitsProcessor
+
+    from tests.support import hf_family
+    from tokenizer_svc.decode import decode_image
+
+    messages, tokens = [("user", ["Describe the image.", ImagePart(A)])], 10
+    proc = hf_family.processor(api.pair.model)
+    hf_chat = [{"role": "user", "content": [{"type": "text", "text": "Describe the image."}, {"type": "image"}]}]
+    text = proc.apply_chat_template(hf_chat, tokenize=False, add_generation_prompt=True)
+    inputs = dict(proc(images=[decode_image(A, max_pixels=10**8)], text=text, return_tensors="pt"))
+    prompt_ids = inputs["input_ids"][0].tolist()
+    model = AutoModelForImageTextToText.from_pretrained(api.pair.model, dtype=torch.float32).eval()
+    eos = model.config.text_config.eos_token_id
+
+    def served(**knobs: Any) -> list[int]:
+        request = build_request(messages=messages, max_tokens=tokens, **knobs)
+        with grpc.insecure_channel(api.pair.tokenizer_address) as channel:
+            out = run_request(tokenizer_pb2_grpc.TokenizerServiceStub(channel), request)
+        assert out.ok, (knobs, out)
+        return out.token_ids
+
+    def reference(**knobs: Any) -> list[int]:
+        out: list[int] = []
+        with torch.inference_mode():
+            while len(out) < tokens and eos not in out:
+                seq = torch.tensor([prompt_ids + out])
+                logits = model(input_ids=seq, pixel_values=inputs["pixel_values"]).logits[0, -1]
+                for token, bias in knobs.get("logit_bias", {}).items():
+                    logits[token] += bias
+                if "repetition_penalty" in knobs:
+                    logits = RepetitionPenaltyLogitsProcessor(knobs["repetition_penalty"])(seq, logits[None])[0]
+                counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=logits.shape[0]).float()
+                logits -= knobs.get("frequency_penalty", 0) * counts + knobs.get("presence_penalty", 0) * (counts > 0)
+                out.append(int(logits.argmax()))
+        return out
+
+    plain = served()
+    assert plain == reference()
+    cases: list[dict[str, Any]] = [
+        {"repetition_penalty": 1.8},
+        {"frequency_penalty": 2.0},
+        {"presence_penalty": 2.0},
+        {"logit_bias": {plain[0]: -100.0, plain[-1]: 4.0}},
+        {"repetition_penalty": 1.3, "frequency_penalty": 0.5, "presence_penalty": 0.5, "logit_bias": {plain[1]: 2.5}},
+    ]
+    for knobs in cases:
+        got = served(**knobs)
+        assert got == reference(**knobs), knobs
+        assert got != plain, ("the knob changed nothing: the case proves nothing", knobs)
+    with torch.inference_mode():
+        made = model.generate(**inputs, max_new_tokens=tokens, do_sample=False, repetition_penalty=1.8)
+    assert served(repetition_penalty=1.8) == made[0, len(prompt_ids) :].tolist()
+
+    chat = [{"role": "user", "content": "Name three colors."}]
+    knobs = {"frequency_penalty": 1.0, "presence_penalty": 0.5, "logit_bias": {plain[0]: -100.0}}
+    whole = api.client().chat.completions.create(
+        model=api.model, messages=chat, max_tokens=8, extra_body={"repetition_penalty": 1.4},  # type: ignore[arg-type]
+        frequency_penalty=1.0, presence_penalty=0.5, logit_bias={str(plain[0]): -100},
+    )  # fmt: skip
+    over_grpc = grpc_text(api.pair, [("user", "Name three colors.")], 8, repetition_penalty=1.4, **knobs)
+    assert whole.choices[0].message.content == over_grpc
 
 
 def test_the_conformance_kit_passes_our_http_api_and_fails_a_broken_one(api: Api, tmp_path: Path) -> None:

@@ -1,5 +1,5 @@
-"""Rank 0's sampler: greedy and seeded rows, the processors, min_tokens, and
-one row's failure staying that row's."""
+"""Rank 0's sampler: greedy and seeded rows, the processors, min_tokens,
+logit_bias and the penalties, and one row's failure staying that row's."""
 
 from __future__ import annotations
 
@@ -7,14 +7,17 @@ import pytest
 import torch
 
 from mmsplit_server.sampling import Sampling
-from scheduler_svc.sampler import RowSampling, Sampler, make_generator, row_argmax
+from scheduler_svc.sampler import LogitAdjust, RowSampling, Sampler, make_generator, row_argmax
 
 EOS = 3
 CPU = torch.device("cpu")
 
 
-def row(params: Sampling, *, seed: int = 1, generated: int = 0, rid: str = "r") -> RowSampling:
-    return RowSampling(rid, params, generated, make_generator(params, seed, CPU))
+def row(
+    params: Sampling, *, seed: int = 1, generated: int = 0, rid: str = "r", prompt: tuple[int, ...] = ()
+) -> RowSampling:
+    adjust = LogitAdjust(params, prompt) if params.adjusts_logits else None
+    return RowSampling(rid, params, generated, make_generator(params, seed, CPU), adjust)
 
 
 def logits(rows: int, vocab: int = 50, seed: int = 0) -> torch.Tensor:
@@ -149,3 +152,66 @@ def test_min_tokens_bans_each_row_s_own_stop_ids() -> None:
         row(Sampling(max_tokens=8, min_tokens=2, stop_token_ids=(7,)), generated=2),
     ]
     assert Sampler(frozenset([EOS])).sample(x, rows) == [6, 7, EOS]
+
+
+def test_penalties_and_bias_follow_their_definitions_over_a_generation() -> None:
+    """Each step's greedy token is the argmax of a reference computed here
+    from the definitions (transformers' repetition penalty over prompt and
+    output, OpenAI's frequency and presence over the output, the bias added
+    first), for each knob alone and all together, beside a row with none."""
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    prompt = (4, 9, 9, 17)
+    cases = [
+        Sampling(max_tokens=20, repetition_penalty=1.7),
+        Sampling(max_tokens=20, repetition_penalty=0.6),
+        Sampling(max_tokens=20, frequency_penalty=1.5),
+        Sampling(max_tokens=20, presence_penalty=-1.0),
+        Sampling(max_tokens=20, logit_bias=((4, 3.0), (11, -2.5))),
+        Sampling(max_tokens=20, repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.8,
+                 logit_bias=((2, 1.0),)),
+    ]  # fmt: skip
+    sampler = Sampler(frozenset())
+    for params in cases:
+        rows = [row(params, prompt=prompt), row(Sampling(max_tokens=20), rid="plain")]
+        out: list[int] = []
+        changed = False
+        for step in range(20):
+            x = logits(2, vocab=24, seed=step) / 3  # a small vocabulary: tokens come back
+            expected = x[0].clone()
+            for token, bias in params.logit_bias:
+                expected[token] += bias
+            if params.repetition_penalty != 1.0:
+                seen = torch.tensor([list(prompt) + out])
+                expected = RepetitionPenaltyLogitsProcessor(params.repetition_penalty)(seen, expected[None])[0]
+            counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=24).float()
+            expected -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+            got = sampler.sample(x.clone(), rows)
+            assert got == [int(expected.argmax()), int(x[1].argmax())], (params, step)
+            changed |= got[0] != int(x[0].argmax())
+            for r, token in zip(rows, got, strict=True):
+                r.took(token)  # type: ignore[arg-type]
+            out.append(got[0])  # type: ignore[arg-type]
+        assert changed, ("the knob never changed a token: the case proves nothing", params)
+
+
+def test_a_strong_bias_decides_greedy_and_sampled_rows_and_logprobs_see_it() -> None:
+    x = logits(2, vocab=40)
+    params = [Sampling(max_tokens=4, logit_bias=((7, 100.0),), logprobs=True),
+              Sampling(max_tokens=4, temperature=1.0, logit_bias=((7, 100.0),), logprobs=True)]  # fmt: skip
+    rows = [row(p) for p in params]
+    tokens, logprobs = Sampler(frozenset()).sample_rows(x, rows)
+    assert tokens == [7, 7]
+    assert logprobs[0].logprob == pytest.approx(0.0, abs=1e-6)
+    banned = [Sampling(max_tokens=4, temperature=2.0, logit_bias=tuple((t, -100.0) for t in range(39)))]
+    assert Sampler(frozenset()).sample(logits(1, vocab=40), [row(banned[0])]) == [39]
+
+
+def test_a_row_whose_adjusting_raises_fails_alone() -> None:
+    x = logits(2)
+    bad = row(Sampling(max_tokens=4, frequency_penalty=1.0))
+    bad.adjust._counts = torch.zeros(3)  # type: ignore[union-attr]  # the wrong width: the subtraction raises
+    out = Sampler(frozenset()).sample(x, [bad, row(Sampling(max_tokens=4))])
+    assert isinstance(out[0], str)
+    assert out[0].startswith("applying logit_bias or a penalty failed")
+    assert out[1] == int(x[1].argmax())

@@ -39,6 +39,17 @@ def check(pb: common_pb2.SamplingParams, **kw: object) -> Sampling:
         ({"stop": ["x"] * 9}, "stop"),
         ({"stop": [""]}, "stop"),
         ({"stop": ["y" * 129]}, "stop"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"presence_penalty": math.nan}, "presence_penalty"),
+        ({"frequency_penalty": -2.5}, "frequency_penalty"),
+        ({"frequency_penalty": math.inf}, "frequency_penalty"),
+        ({"repetition_penalty": -1.0}, "repetition_penalty"),
+        ({"repetition_penalty": 2.5}, "repetition_penalty"),
+        ({"repetition_penalty": math.nan}, "repetition_penalty"),
+        ({"logit_bias": {5: 101.0}}, "logit_bias"),
+        ({"logit_bias": {5: math.nan}}, "logit_bias"),
+        ({"logit_bias": {1000: 1.0}}, "logit_bias"),  # outside the vocabulary of 1,000
+        ({"logit_bias": {t: 1.0 for t in range(1025)}}, "logit_bias"),
     ],
 )
 def test_out_of_limits_is_invalid_request_naming_the_field(params: dict[str, object], field: str) -> None:
@@ -79,6 +90,18 @@ def test_defaults_and_accepted_values() -> None:
     assert check(common_pb2.SamplingParams(temperature=100.0)).temperature == 100.0
     # A huge top_k is allowed: it means "off".
     assert check(common_pb2.SamplingParams(top_k=10**9)).top_k == 10**9
+    # No penalty and no bias adjust nothing (repetition 0 is unset: 1).
+    assert not plain.adjusts_logits
+    assert plain.repetition_penalty == 1.0
+    assert not check(common_pb2.SamplingParams(repetition_penalty=1.0)).adjusts_logits
+    edges = check(
+        common_pb2.SamplingParams(
+            presence_penalty=-2.0, frequency_penalty=2.0, repetition_penalty=2.0, logit_bias={9: -100.0, 2: 100.0}
+        )
+    )
+    assert (edges.presence_penalty, edges.frequency_penalty, edges.repetition_penalty) == (-2.0, 2.0, 2.0)
+    assert edges.logit_bias == ((2, 100.0), (9, -100.0))
+    assert edges.adjusts_logits
 
 
 def test_the_tokenizer_side_leaves_the_default_and_the_vocabulary_to_the_scheduler() -> None:
@@ -86,3 +109,5 @@ def test_the_tokenizer_side_leaves_the_default_and_the_vocabulary_to_the_schedul
     loose = Sampling.from_pb(common_pb2.SamplingParams(stop_token_ids=[10**6], min_tokens=100), max_tokens_limit=4096)
     assert loose.max_tokens == 0
     assert loose.stop_token_ids == (10**6,)
+    bias = Sampling.from_pb(common_pb2.SamplingParams(logit_bias={10**6: 1.0}), max_tokens_limit=4096)
+    assert bias.logit_bias == ((10**6, 1.0),)

@@ -96,6 +96,15 @@ def test_sampling_fields_map_and_max_tokens_takes_the_smaller() -> None:
         ({"messages": [{"role": "user", "content": "x"}], "stop_token_ids": [2**40]}, "stop_token_ids"),
         ({"messages": [{"role": ["user"], "content": "x"}]}, "messages[0].role"),
         ({"messages": [{"role": "user", "content": "x"}], "stream_options": {"include_usage": True}}, "stream_options"),
+        ({"messages": [{"role": "user", "content": "x"}], "presence_penalty": "1"}, "presence_penalty"),
+        ({"messages": [{"role": "user", "content": "x"}], "frequency_penalty": 10**400}, "frequency_penalty"),
+        ({"messages": [{"role": "user", "content": "x"}], "temperature": 10**400}, "temperature"),
+        ({"messages": [{"role": "user", "content": "x"}], "repetition_penalty": 0}, "repetition_penalty"),
+        ({"messages": [{"role": "user", "content": "x"}], "logit_bias": [5, 1]}, "logit_bias"),
+        ({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"-5": 1}}, "logit_bias"),
+        ({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"\uff15": 1}}, "logit_bias"),
+        ({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": True}}, "logit_bias"),
+        ({"messages": [{"role": "user", "content": "x"}], "logit_bias": {str(2**33): 1}}, "logit_bias"),
     ],
 )  # fmt: skip
 def test_refusals_name_their_field(body: dict[str, Any], param: str) -> None:
@@ -114,10 +123,6 @@ def test_refusals_name_their_field(body: dict[str, Any], param: str) -> None:
         ("function_call", "auto"),
         ("response_format", {"type": "json_object"}),
         ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
-        ("presence_penalty", 0.5),
-        ("frequency_penalty", -1),
-        ("repetition_penalty", 1.2),
-        ("logit_bias", {"5": 100}),
         ("modalities", ["text", "audio"]),
         ("audio", {"voice": "alloy", "format": "wav"}),
         ("echo", True),
@@ -127,7 +132,7 @@ def test_refusals_name_their_field(body: dict[str, Any], param: str) -> None:
     ],
 )
 def test_fields_that_cannot_be_honoured_are_refused_not_ignored(field: str, value: Any) -> None:
-    """A client that asks for JSON, a tool call or a penalty must not get
+    """A client that asks for JSON or a tool call must not get
     plain text as if it had not asked: each endpoint refuses, naming the field."""
     for parse, body in (
         (openai_api.parse_chat, {"messages": [{"role": "user", "content": "x"}]}),
@@ -142,14 +147,26 @@ def test_the_do_nothing_values_of_those_fields_are_accepted() -> None:
     """What SDKs and frameworks send by default asks for nothing: accepted."""
     defaults = {
         "tools": [], "tool_choice": "none", "functions": None, "function_call": "none",
-        "response_format": {"type": "text"}, "presence_penalty": 0, "frequency_penalty": 0.0,
-        "repetition_penalty": 1.0, "logit_bias": {}, "modalities": ["text"], "audio": None,
+        "response_format": {"type": "text"}, "modalities": ["text"], "audio": None,
         "echo": False, "suffix": "", "best_of": 1, "web_search_options": None,
     }  # fmt: skip
     assert defaults.keys() == openai_api.UNHONOURED.keys()
     call = openai_api.parse_chat({"messages": [{"role": "user", "content": "x"}], **defaults})
     assert call.request.messages[0].content[0].text == "x"
     assert openai_api.parse_completion({"prompt": "x", **defaults}).request.prompt == "x"
+
+
+def test_penalties_and_logit_bias_reach_the_contract() -> None:
+    """Both endpoints; JSON's string keys become token ids; the service
+    checks the ranges and the vocabulary (tests/shared/test_sampling.py)."""
+    knobs = {"presence_penalty": 0.5, "frequency_penalty": -1, "repetition_penalty": 1.2, "logit_bias": {"5": 100}}
+    for call in (
+        openai_api.parse_chat({"messages": [{"role": "user", "content": "x"}], **knobs}),
+        openai_api.parse_completion({"prompt": "x", **knobs}),
+    ):
+        s = call.request.sampling
+        assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty) == pytest.approx((0.5, -1.0, 1.2))
+        assert dict(s.logit_bias) == {5: 100.0}
 
 
 def test_an_assistant_message_with_tool_calls_is_refused() -> None:
