@@ -136,6 +136,10 @@ def generate_command(args: argparse.Namespace) -> int:
                 min_tokens=args.min_tokens,
                 stop=args.stop,
                 stop_token_ids=args.stop_token_id,
+                presence_penalty=args.presence_penalty,
+                frequency_penalty=args.frequency_penalty,
+                repetition_penalty=args.repetition_penalty,
+                logit_bias=dict(args.logit_bias),
                 timeout=args.timeout,
             )
             try:

@@ -89,6 +89,15 @@ def _refuse_start(service: str, model: Path, ports: list[tuple[str, int, str]]) 
         raise SystemExit(2)
 
 
+def _bias(text: str) -> tuple[int, float]:
+    """ID=BIAS, for --logit-bias."""
+    token, _, bias = text.partition("=")
+    try:
+        return _count(token), float(bias)
+    except (ValueError, argparse.ArgumentTypeError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not ID=BIAS (a token id, a number)") from None
+
+
 def _count(text: str) -> int:
     """A whole number, 0 or more (argparse says which flag otherwise)."""
     try:
@@ -207,6 +216,17 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--min-tokens", type=_count, default=0, help="no end-of-sequence or stop token before this many")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--stop-token-id", action="append", default=[], type=_count, help="stop token id (repeatable)")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, within [-2, 2]; 0 = off")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, within [-2, 2]; 0 = off")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="transformers', within (0, 2]; 1 = off")
+    p.add_argument(
+        "--logit-bias",
+        action="append",
+        default=[],
+        type=_bias,
+        metavar="ID=BIAS",
+        help="add BIAS (within [-100, 100]) to token ID's logit (repeatable)",
+    )
     p.add_argument("--request-id", default="")
     p.add_argument("--timeout", type=float, default=120.0, help="deadline of the call, seconds")
     p.add_argument(

@@ -260,10 +260,11 @@ def test_each_finished_request_is_one_json_log_line_with_its_outcome(services: S
     assert wait_until(lambda: f".{ok_id} finished: OK, " in scheduler_log.read_text(), timeout=10)
 
 
-def test_the_cli_takes_an_image_url_and_a_closed_pipe_is_no_error(services: Services) -> None:
+def test_the_cli_takes_an_image_url_and_sampling_knobs_and_a_closed_pipe_is_no_error(services: Services) -> None:
     """`mmsplit generate --image data:... --json | head -1`: the same tokens
-    as the image sent as bytes, and the reader leaving early ends the
-    command quietly (exit 0, nothing on stderr)."""
+    as the image sent as bytes (with the penalty and bias flags: the tokens
+    those fields give), and the reader leaving early ends the command
+    quietly (exit 0, nothing on stderr)."""
     import base64
     import json
     import subprocess
@@ -274,15 +275,18 @@ def test_the_cli_takes_an_image_url_and_a_closed_pipe_is_no_error(services: Serv
     image = samples.encode(samples.gradient(64, 48, seed=21), "PNG")  # small: one argument holds at most 128 KiB
     url = "data:image/png;base64," + base64.b64encode(image).decode()
     argv = [sys.executable, "-m", "mmsplit_cli", "generate", "--server", services.tokenizer_address]
+    with grpc.insecure_channel(services.tokenizer_address) as channel:
+        stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
+        plain = run_request(stub, make_request("Look.", [image], max_tokens=5))
+        knobs = {"repetition_penalty": 1.8, "presence_penalty": 1.5, "logit_bias": {plain.token_ids[0]: -100.0}}
+        same = run_request(stub, make_request("Look.", [image], max_tokens=5, **knobs))
+    assert same.token_ids != plain.token_ids
     done = subprocess.run(
-        [*argv, "--image", url, "--max-tokens", "5", "--json", "Look."],
+        [*argv, "--image", url, "--max-tokens", "5", "--json", "--repetition-penalty", "1.8",
+         "--presence-penalty", "1.5", "--logit-bias", f"{plain.token_ids[0]}=-100", "Look."],
         capture_output=True, text=True, timeout=120, cwd=ROOT, check=True,
     )  # fmt: skip
     ids = [t for line in done.stdout.splitlines() for t in json.loads(line).get("token_ids", [])]
-    with grpc.insecure_channel(services.tokenizer_address) as channel:
-        same = run_request(
-            tokenizer_pb2_grpc.TokenizerServiceStub(channel), make_request("Look.", [image], max_tokens=5)
-        )
     assert ids == same.token_ids
 
     proc = subprocess.Popen(

@@ -30,6 +30,8 @@ def test_version_and_user_mistakes_in_generate(tmp_path: Path) -> None:
     cases = {
         ("generate", "--max-tokens", "-5", "hi"): "argument --max-tokens: -5 is negative",
         ("generate", "--top-k", "lots", "hi"): "argument --top-k: 'lots' is not a whole number",
+        ("generate", "--logit-bias", "5", "hi"): "argument --logit-bias: '5' is not ID=BIAS",
+        ("generate", "--logit-bias", "5=lots", "hi"): "argument --logit-bias: '5=lots' is not ID=BIAS",
         ("generate", "--image", str(tmp_path / "missing.png"), "hi"): f"{tmp_path / 'missing.png'}: No such file",
         ("generate",): "give a prompt or a conversation",
         ("generate", "--user", "hi", "a prompt too"): "give a prompt or a conversation",
