@@ -9,7 +9,11 @@ conversion's (32,001: no block width divides it) and Qwen2-VL's (151,936): µs p
 each, interleaved over --rounds, medians, and the ratio; every call's
 indices and values are checked equal to torch's. Also the whole
 `Sampler.sample_rows` step for 32 greedy rows under min_tokens (EOS banned
-on every row), as the benchmark's requests run.
+on every row), as the benchmark's requests run; and what logit_bias and
+the penalties add to it: 32 greedy rows each asking for all of them
+(repetition_penalty over a 600-token prompt, frequency and presence
+penalties, 8 biased ids), 64 tokens into their output, against 32 rows
+asking for none, interleaved.
 
     python bench/sampler.py [--reps 200] [--rounds 5] [--threads 2]
 """
@@ -29,7 +33,7 @@ import torch
 from harness import table
 
 from mmsplit_server.sampling import Sampling
-from scheduler_svc.sampler import RowSampling, Sampler, row_argmax
+from scheduler_svc.sampler import LogitAdjust, RowSampling, Sampler, row_argmax
 
 VOCABULARIES = {"llava-1.5": 32064, "llava-hf": 32001, "qwen2-vl": 151936}
 
@@ -77,6 +81,36 @@ def main() -> None:
             per_call_us(lambda x=logits: sampler.sample_rows(x, greedy), args.reps) for _ in range(3)
         )
         print(f"Sampler.sample_rows, 32 greedy rows under min_tokens, {name}: {step:.0f} µs per step")
+    penalties(sampler, args)
+
+
+def penalties(sampler: Sampler, args: argparse.Namespace) -> None:
+    asks = Sampling(
+        max_tokens=4096,
+        repetition_penalty=1.2,
+        frequency_penalty=0.5,
+        presence_penalty=0.5,
+        logit_bias=tuple((t, 1.0) for t in range(100, 900, 100)),
+    )
+    prompt = tuple(range(1000, 1600))
+    out = []
+    for name, vocab in VOCABULARIES.items():
+        gen = torch.Generator().manual_seed(11)
+        plain = [RowSampling(f"p{i}", Sampling(max_tokens=4096), 0, None) for i in range(32)]
+        adjusted = [RowSampling(f"a{i}", asks, 0, None, LogitAdjust(asks, prompt)) for i in range(32)]
+        for _ in range(64):  # 64 tokens of output each, some repeated
+            tokens = sampler.sample(torch.randn(32, vocab, generator=gen), adjusted)
+            for row, token in zip(adjusted, tokens, strict=True):
+                row.took(token)  # type: ignore[arg-type]
+        logits = torch.randn(32, vocab, generator=gen)
+        times: dict[str, list[float]] = {"none": [], "all": []}
+        for _ in range(args.rounds):
+            times["none"].append(per_call_us(lambda x=logits: sampler.sample_rows(x.clone(), plain), args.reps))
+            times["all"].append(per_call_us(lambda x=logits: sampler.sample_rows(x.clone(), adjusted), args.reps))
+        base, new = (statistics.median(times[k]) for k in ("none", "all"))
+        out.append([name, f"{base:.0f}", f"{new:.0f}", f"{new / base:.2f}x", f"{(new - base) / 32:.1f}"])
+    print("\nSampler.sample_rows, 32 greedy rows: none asking for a penalty or bias, against all asking for all")
+    print(table(["vocabulary", "none µs", "all µs", "all / none", "µs more per row"], out))
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from mmsplit_server.sampling import Sampling
@@ -36,55 +37,87 @@ log = logging.getLogger(__name__)
 
 
 class LogitAdjust:
-    """One request's logit_bias and penalties, and what they need to know
-    of it: the tokens it has generated (counted) and, for the repetition
-    penalty, the tokens of its prompt. Its tensors are made at the first
-    token, when the vocabulary's width is known."""
+    """One request's logit_bias and penalties, kept sparse: the token ids
+    they touch (the biased ones, the prompt's when the repetition penalty is
+    on, the generated ones), each with its bias, whether it was seen (prompt
+    or output: the repetition penalty) and what frequency and presence take
+    from it, in numpy arrays grown in place as tokens come. A step costs the
+    batch a few operations over the ids touched (`adjust_logits`), never
+    over the vocabulary, and the token a row was given an entry or two.
+    The prompt's ids are read at the first token, when the vocabulary's
+    width is known."""
 
     def __init__(self, params: Sampling, prompt_ids: Sequence[int]) -> None:
         self.params = params
-        self._prompt_ids = prompt_ids
-        self._counts: torch.Tensor | None = None  # [vocab] float32: times each token was generated
-        self._seen: torch.Tensor | None = None  # [vocab] bool: in the prompt or generated (repetition)
-        self._bias: tuple[torch.Tensor, torch.Tensor] | None = None  # (token ids, biases)
+        self._prompt_ids: Sequence[int] | None = prompt_ids if params.repetition_penalty != 1.0 else ()
+        self._where: dict[int, int] = {}  # token id -> its index in the arrays
+        self._generated: set[int] = set()
+        self.n = 0
+        self.ids = np.zeros(0, dtype=np.int64)
+        self.bias = np.zeros(0, dtype=np.float32)
+        self.seen = np.zeros(0, dtype=bool)
+        self.taken = np.zeros(0, dtype=np.float32)  # frequency and presence penalties, summed
 
-    def apply(self, logits: torch.Tensor) -> None:
-        """Adjust one row's ``[vocab]`` float32 logits in place."""
-        p = self.params
-        if self._counts is None:
-            self._start(logits)
-        if self._bias is not None:
-            ids, bias = self._bias
-            logits[ids] += bias
-        if self._seen is not None:
-            seen = logits[self._seen]
-            logits[self._seen] = torch.where(seen > 0, seen / p.repetition_penalty, seen * p.repetition_penalty)
-        counts = self._counts
-        assert counts is not None
-        if p.frequency_penalty:
-            logits -= p.frequency_penalty * counts
-        if p.presence_penalty:
-            logits -= p.presence_penalty * (counts > 0)
-
-    def _start(self, logits: torch.Tensor) -> None:
-        vocab, device, p = logits.shape[0], logits.device, self.params
-        self._counts = torch.zeros(vocab, dtype=torch.float32, device=device)
-        if p.repetition_penalty != 1.0:
-            self._seen = torch.zeros(vocab, dtype=torch.bool, device=device)
-            prompt = [t for t in self._prompt_ids if t < vocab]
-            if prompt:
-                self._seen[torch.tensor(prompt, device=device)] = True
-        self._prompt_ids = ()
-        biased = [(t, b) for t, b in p.logit_bias if t < vocab]
-        if biased:
-            ids, bias = zip(*biased, strict=True)
-            self._bias = (torch.tensor(ids, device=device), torch.tensor(bias, dtype=torch.float32, device=device))
+    def start(self, vocab: int) -> None:
+        """Before the first token: the biased ids and the prompt's (within the vocabulary)."""
+        if self._prompt_ids is None:
+            return
+        for token, bias in self.params.logit_bias:
+            if token < vocab:
+                i = self._at(token)  # (before naming an array: it may grow them)
+                self.bias[i] = bias
+        for token in self._prompt_ids:
+            if token < vocab:
+                i = self._at(token)
+                self.seen[i] = True
+        self._prompt_ids = None
 
     def took(self, token: int) -> None:
-        if self._counts is not None and token < self._counts.shape[0]:
-            self._counts[token] += 1
-            if self._seen is not None:
-                self._seen[token] = True
+        p = self.params
+        i = self._at(token)
+        self.seen[i] = True
+        self.taken[i] += p.frequency_penalty + (p.presence_penalty if token not in self._generated else 0.0)
+        self._generated.add(token)
+
+    def _at(self, token: int) -> int:
+        """The index of `token`'s entry, made if new."""
+        i = self._where.get(token)
+        if i is None:
+            i = self._where[token] = self.n
+            if self.n == len(self.ids):
+                size = max(16, 2 * self.n)
+                self.ids = np.resize(self.ids, size)
+                self.bias, self.seen, self.taken = (np.resize(a, size) for a in (self.bias, self.seen, self.taken))
+            self.ids[i], self.bias[i], self.seen[i], self.taken[i] = token, 0.0, False, 0.0
+            self.n += 1
+        return i
+
+
+def adjust_logits(logits: torch.Tensor, adjusts: Sequence[tuple[int, LogitAdjust]]) -> None:
+    """Each (row index, its LogitAdjust) of the float32 ``[rows, vocab]``
+    logits, in vLLM's order: the bias added, then the repetition penalty
+    (seen ids: divided where positive, multiplied where not), then the
+    frequency and presence penalties subtracted. The touched entries are
+    gathered, changed and written back at once: if this raises, `logits`
+    is as it was."""
+    for _, a in adjusts:
+        a.start(logits.shape[1])
+    sizes = [a.n for _, a in adjusts]
+    if not any(sizes):
+        return
+    device = logits.device
+    rows = torch.from_numpy(np.repeat(np.array([i for i, _ in adjusts], dtype=np.int64), sizes)).to(device)
+    ids = torch.from_numpy(np.concatenate([a.ids[: a.n] for _, a in adjusts])).to(device)
+
+    def joined(name: str) -> torch.Tensor:
+        return torch.from_numpy(np.concatenate([getattr(a, name)[: a.n] for _, a in adjusts])).to(device)
+
+    factor = torch.from_numpy(
+        np.repeat(np.array([a.params.repetition_penalty for _, a in adjusts], dtype=np.float32), sizes)
+    ).to(device)
+    values = logits[rows, ids] + joined("bias")
+    values = torch.where(joined("seen"), torch.where(values > 0, values / factor, values * factor), values)
+    logits[rows, ids] = values - joined("taken")
 
 
 @dataclass
@@ -172,16 +205,22 @@ class Sampler:
 
     @staticmethod
     def _adjust(logits: torch.Tensor, rows: Sequence[RowSampling]) -> dict[int, str]:
-        """Each row's logit_bias and penalties; the rows whose adjusting
-        raised, with the message their request fails with."""
+        """The rows' logit_bias and penalties, all at once; if that raises,
+        row by row, so that only the rows whose own adjusting raises fail
+        (returned, with the message their request fails with)."""
+        adjusts = [(i, row.adjust) for i, row in enumerate(rows) if row.adjust is not None]
+        try:
+            adjust_logits(logits, adjusts)
+            return {}
+        except Exception:
+            log.exception("adjusting the logits of %d rows at once failed; row by row", len(adjusts))
         failed: dict[int, str] = {}
-        for i, row in enumerate(rows):
-            if row.adjust is not None:
-                try:
-                    row.adjust.apply(logits[i])
-                except Exception as exc:  # one row's failure must not fail the batch
-                    log.exception("adjusting the logits failed for request %s", row.request_id)
-                    failed[i] = f"applying logit_bias or a penalty failed: {type(exc).__name__}"
+        for i, adjust in adjusts:
+            try:
+                adjust_logits(logits, [(i, adjust)])
+            except Exception as exc:  # one row's failure must not fail the batch
+                log.exception("adjusting the logits failed for request %s", rows[i].request_id)
+                failed[i] = f"applying logit_bias or a penalty failed: {type(exc).__name__}"
         return failed
 
     def _suppress_stops(self, logits: torch.Tensor, rows: Sequence[RowSampling]) -> None:

@@ -80,6 +80,7 @@ def test_sampler_benchmark_prints_both_picks_for_every_shape() -> None:
             row = next(line for line in result.stdout.splitlines() if line.startswith(f"{vocab} {rows} rows"))
             assert row.endswith("x"), row
         assert f"32 greedy rows under min_tokens, {vocab}:" in result.stdout
+        assert re.search(rf"^{vocab}\s+\d+\s+\d+\s+[\d.]+x\s+-?[\d.]+$", result.stdout, re.M), result.stdout
 
 
 def test_gc_pause_benchmark_prints_both_heaps(models: Path) -> None:

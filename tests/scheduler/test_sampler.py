@@ -208,10 +208,34 @@ def test_a_strong_bias_decides_greedy_and_sampled_rows_and_logprobs_see_it() -> 
 
 
 def test_a_row_whose_adjusting_raises_fails_alone() -> None:
-    x = logits(2)
+    """The rows are adjusted at once; when that raises, row by row: the
+    others get their own adjusted tokens, once."""
+    x = logits(3)
     bad = row(Sampling(max_tokens=4, frequency_penalty=1.0))
-    bad.adjust._counts = torch.zeros(3)  # type: ignore[union-attr]  # the wrong width: the subtraction raises
-    out = Sampler(frozenset()).sample(x, [bad, row(Sampling(max_tokens=4))])
+    bad.took(10**9)  # a token no vocabulary holds: gathering its logit raises
+    biased = row(Sampling(max_tokens=4, logit_bias=((5, 2.0),), logprobs=True))
+    out, logprobs = Sampler(frozenset()).sample_rows(x.clone(), [bad, row(Sampling(max_tokens=4)), biased])
     assert isinstance(out[0], str)
     assert out[0].startswith("applying logit_bias or a penalty failed")
     assert out[1] == int(x[1].argmax())
+    once = x[2].clone()
+    once[5] += 2.0
+    assert out[2] == int(once.argmax())
+    assert logprobs[2].logprob == pytest.approx(float(torch.log_softmax(once, 0)[out[2]]), abs=1e-5)
+
+
+def test_a_long_prompt_s_ids_are_all_penalized() -> None:
+    """Hundreds of entries (the arrays grow as ids come): the distribution
+    is transformers' repetition penalty over every one of them."""
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    prompt = tuple(range(0, 900, 3))
+    params = Sampling(max_tokens=8, repetition_penalty=1.5, logprobs=True, top_logprobs=20)
+    r = row(params, prompt=prompt)
+    x = logits(1, vocab=1000) / 3
+    expected = RepetitionPenaltyLogitsProcessor(1.5)(torch.tensor([prompt]), x.clone())[0]
+    out, logprobs = Sampler(frozenset()).sample_rows(x.clone(), [r])
+    assert out == [int(expected.argmax())]
+    top = torch.log_softmax(expected, 0).topk(20)
+    assert logprobs[0].top_ids == tuple(top.indices.tolist())
+    assert list(logprobs[0].top_logprobs) == pytest.approx(top.values.tolist(), abs=1e-5)
