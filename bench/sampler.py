@@ -105,8 +105,8 @@ def penalties(sampler: Sampler, args: argparse.Namespace) -> None:
         logits = torch.randn(32, vocab, generator=gen)
         times: dict[str, list[float]] = {"none": [], "all": []}
         for _ in range(args.rounds):
-            times["none"].append(per_call_us(lambda x=logits: sampler.sample_rows(x.clone(), plain), args.reps))
-            times["all"].append(per_call_us(lambda x=logits: sampler.sample_rows(x.clone(), adjusted), args.reps))
+            for arm, rows in (("none", plain), ("all", adjusted)):
+                times[arm].append(per_call_us(lambda x=logits, r=rows: sampler.sample_rows(x.clone(), r), args.reps))
         base, new = (statistics.median(times[k]) for k in ("none", "all"))
         out.append([name, f"{base:.0f}", f"{new:.0f}", f"{new / base:.2f}x", f"{(new - base) / 32:.1f}"])
     print("\nSampler.sample_rows, 32 greedy rows: none asking for a penalty or bias, against all asking for all")
