@@ -145,3 +145,40 @@ def test_a_service_forked_for_a_process_in_a_mount_namespace_joins_it(
     finally:
         holder.kill()
         holder.wait()
+
+
+SCRIPT = """
+import os, sys, time
+print("argv", sys.argv[1:], "name", __name__, "cwd", os.getcwd(), "first", sys.path[0], "env", os.environ["MARK"])
+print("to standard error", file=sys.stderr)
+if sys.argv[1] == "sleep":
+    time.sleep(600)
+sys.exit(int(sys.argv[1]))
+"""
+
+
+def test_a_script_runs_as_the_interpreter_would_run_it_and_a_timeout_kills_it(zygote: Zygote, tmp_path: Path) -> None:
+    """What `tests.support.bench.run_bench` uses: the script as __main__,
+    its arguments, its directory first on the path, the project's root as
+    the working directory, its outputs and exit status as
+    `subprocess.run(capture_output=True)` gives them; at the timeout it is
+    killed and the timeout raised."""
+    from tests.support.bench import _finished
+    from tests.support.zygote import ForkedProcess
+
+    script = tmp_path / "script.py"
+    script.write_text(SCRIPT)
+    done = _finished(
+        ForkedProcess(zygote.address, ["3"], _env(MARK="m1"), script=str(script), cwd=str(ROOT)), ["x"], 60
+    )
+    fresh = subprocess.run(
+        [sys.executable, str(script), "3"], capture_output=True, text=True, env=_env(MARK="m1"), cwd=ROOT, check=False
+    )
+    assert (done.returncode, done.stdout, done.stderr) == (3, fresh.stdout, fresh.stderr)
+    assert f"name __main__ cwd {ROOT} first {tmp_path} env m1" in done.stdout
+    sleeper = ForkedProcess(zygote.address, ["sleep"], _env(MARK="m2"), script=str(script), cwd=str(ROOT))
+    process = psutil.Process(sleeper.pid)
+    with pytest.raises(subprocess.TimeoutExpired):
+        _finished(sleeper, ["x"], 1)
+    assert sleeper.returncode == -signal.SIGKILL
+    assert wait_until(lambda: not alive(process), timeout=10)

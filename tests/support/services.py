@@ -96,6 +96,15 @@ def new_interpreters() -> Iterator[None]:
         _zygote.fresh = False
 
 
+def forked_script(script: Path, args: Sequence[str], env: dict[str, str]) -> ForkedProcess | None:
+    """`python SCRIPT ARGS` from the project's root, forked by this
+    session's zygote (its imports spared), its standard output and error
+    piped back; None where the suite has no zygote (run it yourself)."""
+    if not _zygote_wanted():
+        return None
+    return ForkedProcess(_zygote.address(), list(args), env, script=str(script), cwd=str(ROOT))
+
+
 def zygote_for_subprocesses() -> dict[str, str]:
     """The environment that lets a process the test starts (a benchmark
     script) fork its services from this session's zygote too

@@ -24,10 +24,15 @@ condition the services already rely on when they fork their ranks
 (`scheduler_svc.group.start_late`) and their CPU pool's forkserver
 (`tokenizer_svc.forkserver.start_forked`).
 
+The suite's runs of the benchmark scripts are forks too (`run_script`:
+the script run as `__main__` with `runpy`, as `python bench/X.py` runs
+it, standard output piped back): they import what the services do.
+
 Protocol, over a Unix SOCK_SEQPACKET socket (message boundaries kept, file
 descriptors passed with SCM_RIGHTS): one connection per service. The client
-sends one JSON message {"argv", "env", "cwd", "new_session", "steps"} with the write end of its
-standard-error pipe attached; the zygote answers {"pid": N} once forked,
+sends one JSON message {"argv", "env", "cwd", "new_session", "steps", and
+"script" for a script} with the write end of its standard-error pipe
+attached (and of its standard output's, for a script); the zygote answers {"pid": N} once forked,
 and {"returncode": R} (Popen's convention: -signal if killed) once the
 child has ended and been reaped, then closes the connection. The zygote
 leaves when its standard input closes (the test process ended), killing
@@ -42,6 +47,7 @@ import contextlib
 import importlib
 import json
 import os
+import runpy
 import selectors
 import signal
 import socket
@@ -172,7 +178,7 @@ def _fork_service(conn: socket.socket, own_fds: Sequence[int]) -> int:
     for level, kind, payload in ancillary:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
-    if not data or len(fds) != 1:
+    if not data or len(fds) not in (1, 2):
         for fd in fds:
             os.close(fd)
         return 0
@@ -181,15 +187,18 @@ def _fork_service(conn: socket.socket, own_fds: Sequence[int]) -> int:
     sys.stderr.flush()
     pid = os.fork()
     if pid == 0:
-        _become_service(request, fds[0], [conn.fileno(), *own_fds])
-    os.close(fds[0])
+        _become_service(request, list(fds), [conn.fileno(), *own_fds])
+    for fd in fds:
+        os.close(fd)
     conn.send(json.dumps({"pid": pid}).encode())
     return pid
 
 
-def _become_service(request: dict, stderr_fd: int, close: Sequence[int]) -> None:
-    """In the child: what Popen and a fresh `python -m mmsplit_cli` would
-    have set up, then the service. Never returns."""
+def _become_service(request: dict, fds: list[int], close: Sequence[int]) -> None:
+    """In the child: what Popen and a fresh `python -m mmsplit_cli` (or
+    `python SCRIPT`) would have set up, then the service (or the script).
+    `fds`: standard error's write end, and standard output's for a
+    script. Never returns."""
     code = 1
     try:
         if request.get("new_session"):
@@ -202,10 +211,10 @@ def _become_service(request: dict, stderr_fd: int, close: Sequence[int]) -> None
                 os.close(fd)
         devnull = os.open(os.devnull, os.O_RDWR)
         os.dup2(devnull, 0)
-        os.dup2(devnull, 1)
-        os.dup2(stderr_fd, 2)
-        os.close(devnull)
-        os.close(stderr_fd)
+        os.dup2(fds[1] if len(fds) > 1 else devnull, 1)
+        os.dup2(fds[0], 2)
+        for fd in (devnull, *fds):
+            os.close(fd)
         os.environ.clear()
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
@@ -214,10 +223,16 @@ def _become_service(request: dict, stderr_fd: int, close: Sequence[int]) -> None
             from tests.support import wrapped
 
             wrapped.take(request["steps"])  # the wrapper's limits and namespaces
-        sys.argv = ["mmsplit", *request["argv"]]
-        from mmsplit_cli.main import main
+        script = request.get("script")
+        if script:
+            sys.argv = [script, *request["argv"]]
+            sys.path.insert(0, os.path.dirname(script))  # as the interpreter does for a script
+            runpy.run_path(script, run_name="__main__")
+        else:
+            sys.argv = ["mmsplit", *request["argv"]]
+            from mmsplit_cli.main import main
 
-        main(request["argv"])
+            main(request["argv"])
         code = 0
     except SystemExit as exc:
         if isinstance(exc.code, str):
@@ -330,23 +345,34 @@ class ForkedProcess:
         env: dict[str, str],
         new_session: bool = False,
         steps: Sequence[Sequence[str]] = (),
+        script: str | None = None,
+        cwd: str | None = None,
     ) -> None:
+        """A service (`argv` of `mmsplit`), or with `script` that script
+        (`argv` its arguments), its standard output then readable too."""
         self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._conn.connect(address)
-        read_end, write_end = os.pipe()
+        pipes = [os.pipe() for _ in range(2 if script else 1)]  # standard error's, standard output's
         try:
-            request = {"argv": argv, "env": env, "cwd": os.getcwd(), "new_session": new_session, "steps": steps}
+            request = {"argv": argv, "env": env, "cwd": cwd or os.getcwd(), "new_session": new_session, "steps": steps}
+            if script:
+                request["script"] = script
             message = json.dumps(request).encode()
-            self._conn.sendmsg([message], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [write_end]))])
+            ends = array.array("i", [w for _, w in pipes])
+            self._conn.sendmsg([message], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, ends)])
         finally:
-            os.close(write_end)
+            for _, write_end in pipes:
+                os.close(write_end)
         reply = self._conn.recv(4096)
         if not reply:
-            os.close(read_end)
+            for read_end, _ in pipes:
+                os.close(read_end)
             self._conn.close()
             raise RuntimeError("the zygote did not fork the service")
         self.pid: int = json.loads(reply)["pid"]
-        self.stderr = open(read_end, encoding="utf-8", errors="replace")  # noqa: SIM115 (the caller's to read and close)
+        # The caller's to read and close.
+        self.stderr = open(pipes[0][0], encoding="utf-8", errors="replace")  # noqa: SIM115
+        self.stdout = open(pipes[1][0], encoding="utf-8", errors="replace") if script else None  # noqa: SIM115
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
