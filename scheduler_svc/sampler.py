@@ -74,6 +74,8 @@ class LogitAdjust:
 
     def took(self, token: int) -> None:
         p = self.params
+        if p.repetition_penalty == 1.0 and not (p.frequency_penalty or p.presence_penalty):
+            return  # logit_bias alone: the output changes nothing
         i = self._at(token)
         self.seen[i] = True
         self.taken[i] += p.frequency_penalty + (p.presence_penalty if token not in self._generated else 0.0)
