@@ -6,9 +6,12 @@ autoscaler added)."""
 
 from __future__ import annotations
 
+import contextlib
+import http.server
 import os
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -16,13 +19,13 @@ import psutil
 import pytest
 
 from mmsplit.tokenizer.v1 import tokenizer_pb2_grpc
-from mmsplit_cli.client import make_request, run_request
+from mmsplit_cli import samples
+from mmsplit_cli.client import Outcome, make_request, run_request
 from tests.conftest import TOKENIZER_SERVICE, Services
 from tests.support.services import ENV, ServiceProcess, tokenizer_args
 
 pytestmark = pytest.mark.e2e
 AGE_S = 1.0
-LONG = 600  # tokens: seconds here (TP=2 on the CPU), well past the age
 
 
 def connections_to(port: int) -> int:
@@ -34,34 +37,67 @@ def connections_to(port: int) -> int:
     )
 
 
+@contextlib.contextmanager
+def held_origin() -> Iterator[tuple[str, threading.Event, threading.Event]]:
+    """A loopback origin whose image the tokenizer fetches only once
+    `release` is set: (its URL, asked, release). A call fetching from it is
+    running for as long as the test wants, whatever the host's speed, and
+    costs no CPU meanwhile."""
+    asked, release, image = threading.Event(), threading.Event(), samples.good_png(seed=5)
+
+    class Origin(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            asked.set()
+            release.wait(60)
+            self.send_response(200)
+            self.send_header("Content-Type", "image/png")
+            self.send_header("Content-Length", str(len(image)))
+            self.end_headers()
+            self.wfile.write(image)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Origin)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/held.png", asked, release
+    finally:
+        release.set()
+        server.shutdown()
+        server.server_close()
+
+
 def test_an_aged_connection_is_replaced_and_its_running_call_finishes(
     services: Services, tiny_model: Path, tmp_path: Path
 ) -> None:
-    args = tokenizer_args(tiny_model, services.scheduler_address, extra=["--max-connection-age-s", str(AGE_S)])
-    tok = ServiceProcess("tokenizer", args, tmp_path / "tokenizer.log", env=ENV)
-    try:
-        tok.wait_serving(TOKENIZER_SERVICE, 180)
-        assert tok.port is not None
-        with grpc.insecure_channel(tok.address) as channel:
-            stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
-            started = time.monotonic()
-            outcome = []
-            long = threading.Thread(
-                target=lambda: outcome.append(
-                    run_request(stub, make_request("Go on.", max_tokens=LONG, min_tokens=LONG), timeout=120)
-                )
-            )
-            long.start()
-            # Past the age (and gRPC's +10 % of it): the long call's connection has had its GOAWAY.
-            time.sleep(max(0.0, started + 1.5 * AGE_S - time.monotonic()))
-            short = run_request(stub, make_request("Hi.", max_tokens=2), timeout=60)
-            assert short.ok, short
-            assert not outcome, "the long call ended before the check: make it longer"
-            # The short call went on a new connection; the old one stays for the long call.
-            assert connections_to(tok.port) == 2
-            long.join(120)
-        (done,) = outcome
-        assert done.ok, done
-        assert len(done.token_ids) == LONG
-    finally:
-        tok.stop()
+    with held_origin() as (url, asked, release):
+        origin = url.split("/")[2]
+        extra = ["--max-connection-age-s", str(AGE_S), "--private-fetch-exempt", origin, "--fetch-timeout-s", "60"]
+        args = tokenizer_args(tiny_model, services.scheduler_address, extra=extra)
+        tok = ServiceProcess("tokenizer", args, tmp_path / "tokenizer.log", env=ENV)
+        try:
+            tok.wait_serving(TOKENIZER_SERVICE, 180)
+            assert tok.port is not None
+            with grpc.insecure_channel(tok.address) as channel:
+                stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
+                started = time.monotonic()
+                outcome: list[Outcome] = []
+                held = make_request("Go on.", urls=[url], max_tokens=8, min_tokens=8)
+                long = threading.Thread(target=lambda: outcome.append(run_request(stub, held, timeout=120)))
+                long.start()
+                assert asked.wait(60), "the held call never fetched"
+                # Past the age (and gRPC's +10 % of it): the held call's connection has had its GOAWAY.
+                time.sleep(max(0.0, started + 1.5 * AGE_S - time.monotonic()))
+                short = run_request(stub, make_request("Hi.", max_tokens=2), timeout=60)
+                assert short.ok, short
+                assert not outcome, "the held call ended before its origin answered"
+                # The short call went on a new connection; the old one stays for the held call.
+                assert connections_to(tok.port) == 2
+                release.set()
+                long.join(120)
+            (done,) = outcome
+            assert done.ok, done
+            assert len(done.token_ids) == 8
+        finally:
+            tok.stop()
