@@ -9,6 +9,8 @@ written to OUT/summary.txt:
     the comparison is exact; bfloat16 is measured by the benchmark);
   - seeded sampling (a CUDA generator per request) gives the same tokens
     alone and in a crowd;
+  - the repetition penalty gives `generate`'s tokens with its own, and a
+    logit_bias changes the token it bans;
   - NaN pixels, pixels so large the logits are NaN, and a hostile
     temperature each fail their request alone with a typed error, and the
     group keeps serving (same pid, SERVING, the next request succeeds);
@@ -78,7 +80,9 @@ def check(name: str):  # type: ignore[no-untyped-def]
     return wrap
 
 
-def hf_greedy(model_dir: Path, asks: list[tuple[str, list[bytes], int]], dtype: torch.dtype) -> list[list[int]]:
+def hf_greedy(
+    model_dir: Path, asks: list[tuple[str, list[bytes], int]], dtype: torch.dtype, **generate: float
+) -> list[list[int]]:
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     from tests.support import hf_family
@@ -99,9 +103,33 @@ def hf_greedy(model_dir: Path, asks: list[tuple[str, list[bytes], int]], dtype: 
                 do_sample=False,
                 pad_token_id=0,
                 **extra,
+                **generate,
             )
             out.append([int(t) for t in made[0, ids.shape[1] :]])
     return out
+
+
+@check("penalties and logit_bias on CUDA")
+def penalties(address: str, model_dir: Path) -> None:
+    """The repetition penalty's tokens equal `generate`'s with its own; a
+    logit_bias of -100 on the plain first token changes it."""
+    asks = [(f"Describe picture {i}.", [samples.good_jpeg(seed=700 + i)], 12) for i in range(4)]
+    with grpc.insecure_channel(address) as channel:
+        stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
+        penalized = [
+            run_request(stub, make_request(p, im, max_tokens=n, repetition_penalty=1.5), timeout=120)
+            for p, im, n in asks
+        ]
+        plain = run_request(stub, make_request(*asks[0][:2], max_tokens=4), timeout=120)
+        banned = run_request(
+            stub, make_request(*asks[0][:2], max_tokens=4, logit_bias={plain.token_ids[0]: -100.0}), timeout=120
+        )
+    expected = hf_greedy(model_dir, asks, torch.float32, repetition_penalty=1.5)
+    same = sum(o.ok and o.token_ids == e for o, e in zip(penalized, expected, strict=True))
+    biased = banned.ok and bool(banned.token_ids) and banned.token_ids[0] != plain.token_ids[0]
+    status = "PASS" if same == len(asks) and biased else "FAIL"
+    detail = f"repetition_penalty {same}/{len(asks)} equal generate's, bias {biased}"
+    report(status, "penalties and logit_bias on CUDA", detail)
 
 
 @check("continuous batching on CUDA equals generate")
@@ -428,6 +456,7 @@ def main() -> int:
         )
         continuous_batching(pair.tokenizer_address, model_dir)
         seeded(pair.tokenizer_address)
+        penalties(pair.tokenizer_address, model_dir)
         hostile(pair, model_dir)
         cuda_ipc(pair, model_dir, logs)
     two_ranks_one_gpu(model_dir, logs)
