@@ -245,13 +245,15 @@ def build_request(
     frequency_penalty: float = 0.0,
     repetition_penalty: float = 1.0,
     logit_bias: Mapping[int, float] | None = None,
+    json_schema: str | Mapping[str, Any] = "",
 ) -> tokenizer_pb2.GenerateRequest:
     """A GenerateRequest of a prompt (with `images` and `videos`) or of a
     conversation (`messages`); media given as bytes are sent inline, as str
     by URL (data:, http(s), or a path under the server's allowed directory).
     Requests share the scheduler's cached prompt blocks only when their
     `cache_salt` is the same. The sampling fields are `SamplingParams`'
-    (protos/mmsplit/common/v1/common.proto)."""
+    (protos/mmsplit/common/v1/common.proto); `json_schema` may be given as
+    a dict."""
     sampling = common_pb2.SamplingParams(
         max_tokens=max_tokens,
         temperature=temperature,
@@ -264,6 +266,7 @@ def build_request(
         frequency_penalty=frequency_penalty,
         repetition_penalty=repetition_penalty,
         logit_bias=dict(logit_bias or {}),
+        json_schema=json_schema if isinstance(json_schema, str) else json.dumps(json_schema),
     )
     if top_p is not None:
         sampling.top_p = top_p

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from mmsplit.common.v1 import common_pb2
 from mmsplit.errors import E, MmsplitError
+from mmsplit_server import structured
 
 MIN_TEMPERATURE = 1e-3
 MAX_TEMPERATURE = 100.0
@@ -54,6 +55,7 @@ class Sampling:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), by id
+    json_schema: str = ""  # structured output (mmsplit_server.structured); "" none
 
     @property
     def greedy(self) -> bool:
@@ -127,6 +129,13 @@ class Sampling:
                 f"sampling.repetition_penalty {repetition!r} must be within (0, {MAX_PENALTY:g}] (1: off)"
             )
         bias = _logit_bias(pb, vocab_size)
+        if pb.json_schema:
+            if pb.min_tokens:
+                raise InvalidSampling("sampling.json_schema cannot go with min_tokens (the schema decides the end)")
+            try:
+                structured.grammar(pb.json_schema)
+            except ValueError as exc:
+                raise InvalidSampling(f"sampling.json_schema {exc}") from None
 
         return cls(
             max_tokens=max_tokens,
@@ -143,6 +152,7 @@ class Sampling:
             frequency_penalty=float(pb.frequency_penalty),
             repetition_penalty=float(repetition),
             logit_bias=bias,
+            json_schema=pb.json_schema,
         )
 
 

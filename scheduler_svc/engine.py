@@ -60,6 +60,7 @@ import torch
 from mmsplit.errors import E, InternalError, MmsplitError
 from mmsplit_server import families
 from mmsplit_server.families import Family
+from mmsplit_server.structured import Constraint, Grammars
 from scheduler_svc.agreement import agree_on_failures
 from scheduler_svc.collective import Collective
 from scheduler_svc.counted_sums import CountedSums
@@ -69,7 +70,7 @@ from scheduler_svc.kvcache import ForwardInputs, RowCache
 from scheduler_svc.plan import Failure, Item, NewRequest, Plan, StepOutcome
 from scheduler_svc.prefix_cache import BLOCK_TOKENS, NO_MATCH, Match, PrefixCache, Runs, chain
 from scheduler_svc.reader import TensorReader
-from scheduler_svc.sampler import LogitAdjust, Logprob, RowSampling, Sampler, make_generator
+from scheduler_svc.sampler import Broken, LogitAdjust, Logprob, RowSampling, Sampler, make_generator
 from scheduler_svc.shm_allreduce import Arena, SumAborted
 from scheduler_svc.threads import StepKind, StepThreads
 
@@ -146,8 +147,11 @@ class Engine:
         prefill_chunk: int = 0,
         prefix_cache_bytes: int = 0,
         threads: StepThreads | None = None,
+        grammars: Grammars | None = None,
     ) -> None:
         self.model = model
+        # Rank 0's compiler of structured-output constraints (None: requests with a json_schema fail).
+        self._grammars = grammars
         # The adapter builds positions (M-RoPE); by default from the model's own config.
         self.family = family or families.from_config(model.config.to_dict())  # type: ignore[operator,union-attr]
         self.coll = coll
@@ -422,7 +426,19 @@ class Engine:
         seed = req.sampling.seed or zlib.crc32(req.request_id.encode())
         generator = make_generator(req.sampling, seed, self.device)
         adjust = LogitAdjust(req.sampling, req.input_ids) if req.sampling.adjusts_logits else None
-        return RowSampling(req.request_id, req.sampling, generated=0, generator=generator, adjust=adjust)
+        constraint = self._constraint(req) if req.sampling.json_schema else None
+        return RowSampling(req.request_id, req.sampling, 0, generator, adjust=adjust, constraint=constraint)
+
+    def _constraint(self, req: NewRequest) -> Constraint | Broken:
+        """The request's structured-output matcher, or what fails it at its
+        first token (alone, as any row whose sampling raises)."""
+        if self._grammars is None:
+            return Broken("structured output is not available in this engine")
+        try:
+            return self._grammars.constraint(req.sampling.json_schema)
+        except Exception as exc:
+            log.exception("compiling the json_schema of %s failed", req.request_id)
+            return Broken(f"compiling its json_schema failed: {type(exc).__name__}")
 
     # ---- forwards ----
     def _decode(self) -> tuple[torch.Tensor | None, Failure | None]:

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from mmsplit_server import gcheap
 from mmsplit_server.handoff import cuda_ipc, files
 from mmsplit_server.serving import setup_logging
+from mmsplit_server.structured import Grammars
 from scheduler_svc import counted_sums, shm_allreduce
 from scheduler_svc.collective import TorchCollective, init_group, pick_device
 from scheduler_svc.engine import Engine
@@ -81,6 +82,7 @@ def bootstrap(settings: SchedulerSettings, rendezvous: Rendezvous | None, arena:
         prefix_cache_bytes=settings.prefix_cache_bytes,
         threads=StepThreads(torch.get_num_threads()) if device.type == "cpu" and settings.tune_threads else None,
         hook=importlib.import_module(settings.engine_hook) if settings.engine_hook else None,
+        grammars=Grammars(settings.model_dir, info.eos_token_ids) if coll.rank == 0 else None,
     )
     # Last, so it doubles as the barrier "every rank has everything it needs":
     # a rank that failed above never joins it, and rank 0 never serves.

@@ -7,12 +7,13 @@ the processors is transformers' own: temperature, then top_k, then top_p.
 
 Before any of that, a request's logit_bias is added to its logits and its
 penalties applied (`LogitAdjust`; repetition, then frequency and presence,
-in vLLM's order), for greedy and sampled rows alike; rows that ask for none
-cost nothing.
+in vLLM's order), then its structured output's mask (`json_schema`: the
+tokens its matcher does not allow next go to -inf), for greedy and sampled
+rows alike; rows that ask for none cost nothing.
 
 Log probabilities (rows whose request asked) are of the distribution the
 token was drawn from: log_softmax of the logits (after logit_bias, the
-penalties and the min_tokens suppression) for greedy rows; the log of the
+penalties, the mask and the min_tokens suppression) for greedy rows; the log of the
 renormalized probabilities after temperature, top_k and top_p for sampled
 ones.
 
@@ -32,6 +33,7 @@ import numpy as np
 import torch
 
 from mmsplit_server.sampling import Sampling
+from mmsplit_server.structured import Constraint
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +124,19 @@ def adjust_logits(logits: torch.Tensor, adjusts: Sequence[tuple[int, LogitAdjust
     logits[rows, ids] = values - joined("taken")
 
 
+class Broken:
+    """A constraint that could not be made: its row fails at its first token."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+    def allowed(self, vocab: int) -> np.ndarray:
+        raise ValueError(self.message)
+
+    def took(self, token: int) -> None:
+        pass
+
+
 @dataclass
 class RowSampling:
     """What the sampler needs of one row."""
@@ -133,12 +148,16 @@ class RowSampling:
     generator: torch.Generator | None
     # Its logit_bias and penalties; None when it asks for none.
     adjust: LogitAdjust | None = None
+    # Its structured output's matcher (mmsplit_server.structured); None when it asks for none.
+    constraint: Constraint | Broken | None = None
 
     def took(self, token: int) -> None:
         """The token this row was given."""
         self.generated += 1
         if self.adjust is not None:
             self.adjust.took(token)
+        if self.constraint is not None:
+            self.constraint.took(token)
 
 
 def make_generator(params: Sampling, seed: int, device: torch.device) -> torch.Generator | None:
@@ -176,6 +195,8 @@ class Sampler:
             raise ValueError(f"{logits.shape[0]} logit rows for {len(rows)} requests")
         logits = logits.float()
         unadjusted = self._adjust(logits, rows) if any(row.adjust is not None for row in rows) else {}
+        if any(row.constraint is not None for row in rows):
+            unadjusted |= self._constrain(logits, rows)
         self._suppress_stops(logits, rows)
         # One pass gives both the greedy tokens and a finiteness check: a row
         # holding NaN or +inf has a non-finite maximum (max propagates NaN).
@@ -223,6 +244,23 @@ class Sampler:
             except Exception as exc:  # one row's failure must not fail the batch
                 log.exception("adjusting the logits failed for request %s", rows[i].request_id)
                 failed[i] = f"applying logit_bias or a penalty failed: {type(exc).__name__}"
+        return failed
+
+    @staticmethod
+    def _constrain(logits: torch.Tensor, rows: Sequence[RowSampling]) -> dict[int, str]:
+        """Structured output: each constrained row's tokens that cannot come
+        next to -inf; the rows whose matcher failed, with their message."""
+        failed: dict[int, str] = {}
+        for i, row in enumerate(rows):
+            if row.constraint is None:
+                continue
+            try:
+                allowed = torch.from_numpy(row.constraint.allowed(logits.shape[1])).to(logits.device)
+            except Exception as exc:  # one row's failure must not fail the batch
+                log.warning("structured output failed for request %s: %s", row.request_id, exc)
+                failed[i] = f"structured output failed: {exc}"
+                continue
+            logits[i].masked_fill_(~allowed, float("-inf"))
         return failed
 
     def _suppress_stops(self, logits: torch.Tensor, rows: Sequence[RowSampling]) -> None:

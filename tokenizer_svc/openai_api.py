@@ -16,15 +16,16 @@ What is accepted, as vLLM, SGLang and TGI accept it:
   logprobs and top_logprobs (chat: a boolean and 0 to 20; completions: the
   legacy integer, the number of top entries), presence_penalty,
   frequency_penalty, logit_bias (token ids as strings, as OpenAI's), vLLM's
-  repetition_penalty, and vLLM's `cache_salt` (a tenant's prefix-cache
-  isolation). The usage reports
+  repetition_penalty, `response_format` (text, json_object, json_schema:
+  the contract's `SamplingParams.json_schema`, structured output), and
+  vLLM's `cache_salt` (a tenant's prefix-cache isolation). The usage reports
   `prompt_tokens_details.cached_tokens`: prompt tokens the scheduler took
   from its prefix cache.
 - Refused (400, `param` naming the field): the OpenAI fields whose meaning
-  this server cannot honour (`UNHONOURED`: tools, structured output,
-  audio output, echo...) when set to anything but
-  their do-nothing value. Answering as if they were absent would hand a
-  client that asked for JSON or a tool call plain text and no sign why;
+  this server cannot honour (`UNHONOURED`: tools, audio output, echo...)
+  when set to anything but their do-nothing value. Answering as if they
+  were absent would hand a client that asked for a tool call plain text
+  and no sign why;
   vLLM refuses tools the same way unless a tool parser is configured.
   Assistant messages' `tool_calls` likewise. Other unknown fields are
   ignored (logged at debug).
@@ -92,7 +93,7 @@ ROLES = {
 KNOWN = {
     "model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
     "stop", "min_tokens", "stop_token_ids", "n", "stream", "stream_options", "logprobs", "top_logprobs", "user",
-    "cache_salt", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+    "cache_salt", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "response_format",
 }  # fmt: skip
 
 # Field -> (the values that ask for nothing, and are accepted; why any other
@@ -103,7 +104,6 @@ UNHONOURED: dict[str, tuple[tuple[Any, ...], str]] = {
     "tool_choice": ((None, "none"), _TOOLS),
     "functions": ((None, []), _TOOLS),
     "function_call": ((None, "none"), _TOOLS),
-    "response_format": ((None, {"type": "text"}), "this server does not constrain its output to a format"),
     "modalities": ((None, ["text"]), "this server answers in text only"),
     "audio": ((None,), "this server answers in text only"),
     "echo": ((None, False), "this server does not return the prompt"),
@@ -285,6 +285,7 @@ def _finish(body: dict[str, Any], request: tokenizer_pb2.GenerateRequest) -> Cal
             setattr(s, name, penalty)
     for token, bias in _logit_bias(body).items():
         s.logit_bias[token] = bias
+    s.json_schema = _response_format(body.get("response_format"))
     n = _int(body, "n")
     if n is not None and not 1 <= n <= MAX_CHOICES:
         raise _invalid(f"n must be within [1, {MAX_CHOICES}]", "n")
@@ -315,6 +316,29 @@ def _int(body: dict[str, Any], name: str) -> int | None:
     if name != "seed" and value > _U32:
         raise _invalid(f"{name} {value} is too large", name)
     return value
+
+
+def _response_format(value: Any) -> str:
+    """OpenAI's response_format as the contract's json_schema ("" for
+    text; any JSON object for json_object; the schema of json_schema, any
+    JSON value when it has none). The service compiles it."""
+    if value is None:
+        return ""
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return ""
+    if kind == "json_object":
+        return '{"type": "object"}'
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        schema = spec.get("schema", {}) if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise _invalid("response_format.json_schema.schema must be a JSON Schema object", "response_format")
+        return json.dumps(schema)
+    raise _invalid(
+        f"response_format {_short(value)} is not supported: its type must be text, json_object or json_schema",
+        "response_format",
+    )
 
 
 def _logit_bias(body: dict[str, Any]) -> dict[int, float]:
@@ -357,7 +381,10 @@ def _invalid(message: str, param: str | None) -> InvalidRequest:
 def param_name(exc: MmsplitError) -> str | None:
     """The field an error names, as the OpenAI request spells it."""
     param = exc.metadata.get("param")
-    return param.removeprefix("sampling.") if param else None
+    if not param:
+        return None
+    name = param.removeprefix("sampling.")
+    return "response_format" if name == "json_schema" else name
 
 
 class Choices:

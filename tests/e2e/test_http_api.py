@@ -225,8 +225,10 @@ def test_bad_inputs_get_typed_errors_that_the_sdk_does_not_resend(api: Api) -> N
         (_chat([text], temperature=-1), openai.BadRequestError, 400, "INVALID_REQUEST", "temperature"),
         (_chat([text], n=99), openai.BadRequestError, 400, "INVALID_REQUEST", "n"),
         # Asked for what this server cannot do: refused, not answered as if unasked.
-        (_chat([text], response_format={"type": "json_object"}), openai.BadRequestError, 400, "INVALID_REQUEST",
-         "response_format"),
+        (_chat([text], response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 7}}}),
+         openai.BadRequestError, 400, "INVALID_REQUEST", "response_format"),
+        (_chat([text], response_format={"type": "json_object"}, extra_body={"min_tokens": 2}),
+         openai.BadRequestError, 400, "INVALID_REQUEST", "response_format"),
         (_chat([text], tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]),
          openai.BadRequestError, 400, "INVALID_REQUEST", "tools"),
         (_chat([text], frequency_penalty=2.5), openai.BadRequestError, 400, "INVALID_REQUEST", "frequency_penalty"),
@@ -475,6 +477,46 @@ def test_penalties_and_logit_bias_give_the_tokens_of_their_definitions(api: Api)
     )  # fmt: skip
     over_grpc = grpc_text(api.pair, [("user", "Name three colors.")], 8, repetition_penalty=1.4, **knobs)
     assert whole.choices[0].message.content == over_grpc
+
+
+COLORS = {
+    "type": "object",
+    "properties": {"color": {"enum": ["red", "green", "blue"]}, "bright": {"type": "boolean"}},
+    "required": ["color", "bright"],
+    "additionalProperties": False,
+}
+
+
+def test_response_format_json_schema_gives_a_document_of_the_schema(api: Api) -> None:
+    """Structured output through the openai SDK, streamed and not: the
+    random tiny model answers with a document of the schema, ended by
+    itself (finish_reason stop), the same text gRPC gives for
+    `json_schema`; json_object gives text that opens an object."""
+    import jsonschema
+
+    client = api.client()
+    chat = [{"role": "user", "content": [image_part(A), {"type": "text", "text": "Describe the colors."}]}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "colors", "schema": COLORS, "strict": True}}
+    whole = client.chat.completions.create(model=api.model, messages=chat, max_tokens=40, response_format=fmt)  # type: ignore[arg-type]
+    choice = whole.choices[0]
+    assert choice.finish_reason == "stop", choice
+    document = json.loads(choice.message.content or "")
+    jsonschema.validate(document, COLORS)
+    streamed = client.chat.completions.create(
+        model=api.model,
+        messages=chat,
+        max_tokens=40,
+        response_format=fmt,
+        stream=True,  # type: ignore[arg-type]
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == choice.message.content
+    over_grpc = grpc_text(api.pair, [("user", [ImagePart(A), "Describe the colors."])], 40, json_schema=COLORS)
+    assert over_grpc == choice.message.content
+    loose = client.chat.completions.create(
+        model=api.model, messages=chat, max_tokens=8, response_format={"type": "json_object"}
+    )
+    assert (loose.choices[0].message.content or "").startswith("{")
+    _good_after(api)
 
 
 def test_the_conformance_kit_passes_our_http_api_and_fails_a_broken_one(api: Api, tmp_path: Path) -> None:

@@ -3,6 +3,8 @@ logit_bias and the penalties, and one row's failure staying that row's."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -239,3 +241,58 @@ def test_a_long_prompt_s_ids_are_all_penalized() -> None:
     top = torch.log_softmax(expected, 0).topk(20)
     assert logprobs[0].top_ids == tuple(top.indices.tolist())
     assert list(logprobs[0].top_logprobs) == pytest.approx(top.values.tolist(), abs=1e-5)
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"color": {"enum": ["red", "blue"]}, "ok": {"type": "boolean"}},
+    "required": ["color", "ok"],
+    "additionalProperties": False,
+}
+
+
+def test_structured_output_draws_only_what_keeps_the_document_in_its_schema(tiny_model: Path) -> None:
+    """Sampled rows under a JSON Schema (random logits, so any token would
+    come without it): each ends with EOS on a document of the schema, and
+    the unconstrained row beside them gets its own argmax every step."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from mmsplit_server.structured import Grammars
+
+    eos = AutoTokenizer.from_pretrained(tiny_model).eos_token_id
+    grammars = Grammars(tiny_model, frozenset([eos]))
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    sampler = Sampler(frozenset([eos]))
+    for seed in range(3):
+        params = Sampling(max_tokens=64, temperature=1.0, json_schema=json.dumps(SCHEMA))
+        constrained = RowSampling(
+            "s", params, 0, make_generator(params, seed, CPU), constraint=grammars.constraint(params.json_schema)
+        )
+        plain = row(Sampling(max_tokens=64), rid="plain")
+        out: list[int] = []
+        for step in range(64):
+            x = logits(2, vocab=32064, seed=1000 * seed + step)
+            got = sampler.sample(x.clone(), [constrained, plain])
+            assert got[1] == int(x[1].argmax())
+            token = got[0]
+            assert isinstance(token, int), token
+            constrained.took(token)
+            out.append(token)
+            if token == eos:
+                break
+        assert out[-1] == eos, tokenizer.decode(out)
+        document = json.loads(tokenizer.decode(out[:-1]))
+        assert document["color"] in ("red", "blue")
+        assert isinstance(document["ok"], bool)
+
+
+def test_a_row_whose_constraint_could_not_be_made_fails_alone() -> None:
+    from scheduler_svc.sampler import Broken
+
+    x = logits(2)
+    broken = RowSampling("b", Sampling(max_tokens=4), 0, None, constraint=Broken("no grammar"))
+    out = Sampler(frozenset()).sample(x, [broken, row(Sampling(max_tokens=4))])
+    assert out[0] == "structured output failed: no grammar"
+    assert out[1] == int(x[1].argmax())

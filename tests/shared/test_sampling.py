@@ -50,6 +50,11 @@ def check(pb: common_pb2.SamplingParams, **kw: object) -> Sampling:
         ({"logit_bias": {5: math.nan}}, "logit_bias"),
         ({"logit_bias": {1000: 1.0}}, "logit_bias"),  # outside the vocabulary of 1,000
         ({"logit_bias": {t: 1.0 for t in range(1025)}}, "logit_bias"),
+        ({"json_schema": "not json"}, "json_schema"),
+        ({"json_schema": "[1, 2]"}, "json_schema"),
+        ({"json_schema": '{"type": "nonsense"}'}, "json_schema"),
+        ({"json_schema": '{"type": "object", "description": "' + "x" * 70_000 + '"}'}, "json_schema"),
+        ({"json_schema": '{"type": "object"}', "min_tokens": 3}, "json_schema"),
     ],
 )
 def test_out_of_limits_is_invalid_request_naming_the_field(params: dict[str, object], field: str) -> None:
@@ -102,6 +107,8 @@ def test_defaults_and_accepted_values() -> None:
     assert (edges.presence_penalty, edges.frequency_penalty, edges.repetition_penalty) == (-2.0, 2.0, 2.0)
     assert edges.logit_bias == ((2, 100.0), (9, -100.0))
     assert edges.adjusts_logits
+    schema = '{"type": "object", "properties": {"a": {"type": "integer"}}}'
+    assert check(common_pb2.SamplingParams(json_schema=schema)).json_schema == schema
 
 
 def test_the_tokenizer_side_leaves_the_default_and_the_vocabulary_to_the_scheduler() -> None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -121,8 +122,6 @@ def test_refusals_name_their_field(body: dict[str, Any], param: str) -> None:
         ("tool_choice", {"type": "function", "function": {"name": "f"}}),
         ("functions", [{"name": "f"}]),
         ("function_call", "auto"),
-        ("response_format", {"type": "json_object"}),
-        ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
         ("modalities", ["text", "audio"]),
         ("audio", {"voice": "alloy", "format": "wav"}),
         ("echo", True),
@@ -147,7 +146,7 @@ def test_the_do_nothing_values_of_those_fields_are_accepted() -> None:
     """What SDKs and frameworks send by default asks for nothing: accepted."""
     defaults = {
         "tools": [], "tool_choice": "none", "functions": None, "function_call": "none",
-        "response_format": {"type": "text"}, "modalities": ["text"], "audio": None,
+        "modalities": ["text"], "audio": None,
         "echo": False, "suffix": "", "best_of": 1, "web_search_options": None,
     }  # fmt: skip
     assert defaults.keys() == openai_api.UNHONOURED.keys()
@@ -167,6 +166,31 @@ def test_penalties_and_logit_bias_reach_the_contract() -> None:
         s = call.request.sampling
         assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty) == pytest.approx((0.5, -1.0, 1.2))
         assert dict(s.logit_bias) == {5: 100.0}
+
+
+def test_response_formats_become_the_contract_s_json_schema() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    cases: list[tuple[Any, str]] = [
+        (None, ""),
+        ({"type": "text"}, ""),
+        ({"type": "json_object"}, '{"type": "object"}'),
+        ({"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}, json.dumps(schema)),
+        ({"type": "json_schema", "json_schema": {"name": "x"}}, "{}"),
+    ]
+    for given, expected in cases:
+        for call in (
+            openai_api.parse_chat({"messages": [{"role": "user", "content": "x"}], "response_format": given}),
+            openai_api.parse_completion({"prompt": "x", "response_format": given}),
+        ):
+            assert call.request.sampling.json_schema == expected, given
+    for bad in ({"type": "grammar"}, "json", {"type": "json_schema", "json_schema": {"schema": [1]}}):
+        with pytest.raises(InvalidRequest) as info:
+            openai_api.parse_chat({"messages": [{"role": "user", "content": "x"}], "response_format": bad})
+        assert openai_api.param_name(info.value) == "response_format"
+    # The service's own refusal names the field as the client wrote it.
+    from mmsplit_server.sampling import InvalidSampling
+
+    assert openai_api.param_name(InvalidSampling("sampling.json_schema cannot be compiled")) == "response_format"
 
 
 def test_an_assistant_message_with_tool_calls_is_refused() -> None:

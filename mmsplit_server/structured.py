@@ -1,0 +1,93 @@
+"""Structured output: a JSON Schema the generated text must match
+(`SamplingParams.json_schema`), compiled by llguidance.
+
+Both services compile a request's schema when they check it (`grammar`:
+a schema it cannot compile is the client's error); rank 0 of the scheduler
+then gives each such request a `Constraint`, which says before every step
+which tokens may come next (a bit per token of the vocabulary) and follows
+the tokens drawn. Whitespace inside the JSON is off unless the schema's own
+"x-guidance" options turn it on: the document is compact, and a model
+cannot spend its tokens on blanks.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+MAX_SCHEMA_BYTES = 64 * 1024
+# Applied before the schema's own "x-guidance" options.
+COMPILE_DEFAULTS = {"whitespace_flexible": False}
+
+
+def grammar(json_schema: str) -> str:
+    """The llguidance grammar of `json_schema`; ValueError with the reason
+    when it is not a JSON object or cannot be compiled (or the server
+    lacks llguidance: a pinned requirement, but a hand-made environment,
+    such as a GPU machine's, may miss it)."""
+    try:
+        import llguidance
+    except ImportError:
+        raise ValueError("cannot be honoured: this server lacks the llguidance package") from None
+
+    if len(json_schema.encode()) > MAX_SCHEMA_BYTES:
+        raise ValueError(f"is over {MAX_SCHEMA_BYTES} bytes")
+    try:
+        schema = json.loads(json_schema)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"is not JSON ({exc})") from None
+    if not isinstance(schema, dict):
+        raise ValueError("must be a JSON object (a schema)")
+    compiled = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=COMPILE_DEFAULTS)  # type: ignore[arg-type]
+    error = llguidance.LLMatcher.validate_grammar(compiled)
+    if error:
+        raise ValueError(f"cannot be compiled: {error}")
+    return compiled
+
+
+class Grammars:
+    """Rank 0's compiler of constraints: the model's tokenizer as llguidance
+    needs it, built on the first constrained request (0.3-1 s), once."""
+
+    def __init__(self, model_dir: Path, eos_token_ids: frozenset[int]) -> None:
+        self._model_dir = model_dir
+        self._eos = sorted(eos_token_ids)
+        self._tokenizer: Any = None
+
+    def constraint(self, json_schema: str) -> Constraint:
+        import llguidance
+
+        if self._tokenizer is None:
+            import llguidance.hf
+            from transformers import AutoTokenizer
+
+            hf = AutoTokenizer.from_pretrained(self._model_dir)
+            # A slow (sentencepiece-only) tokenizer raises ValueError here: its requests fail alone.
+            self._tokenizer = llguidance.hf.from_tokenizer(hf, eos_token=self._eos or None)  # type: ignore[arg-type]
+        return Constraint(llguidance.LLMatcher(self._tokenizer, grammar(json_schema), log_level=0))
+
+
+class Constraint:
+    """One request's matcher: which tokens may come next, and the tokens drawn."""
+
+    def __init__(self, matcher: Any) -> None:
+        self._matcher = matcher
+
+    def allowed(self, vocab: int) -> np.ndarray:
+        """A bool per token of a ``vocab``-wide row of logits: may it come
+        next? (Tokens past the tokenizer's own vocabulary never may.)
+        ValueError when the matcher has failed."""
+        if self._matcher.is_error():
+            raise ValueError(f"the output no longer matches the schema: {self._matcher.get_error()}")
+        bits = np.unpackbits(np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+        out = np.zeros(vocab, dtype=bool)
+        n = min(vocab, len(bits))
+        out[:n] = bits[:n]
+        return out
+
+    def took(self, token: int) -> None:
+        """A token drawn (an error, if it did not match, shows at the next `allowed`)."""
+        self._matcher.consume_token(token)
