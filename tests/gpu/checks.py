@@ -10,7 +10,8 @@ written to OUT/summary.txt:
   - seeded sampling (a CUDA generator per request) gives the same tokens
     alone and in a crowd;
   - the repetition penalty gives `generate`'s tokens with its own, and a
-    logit_bias changes the token it bans;
+    logit_bias changes the token it bans; a json_schema request's answer
+    is a document of its schema;
   - NaN pixels, pixels so large the logits are NaN, and a hostile
     temperature each fail their request alone with a typed error, and the
     group keeps serving (same pid, SERVING, the next request succeeds);
@@ -107,6 +108,25 @@ def hf_greedy(
             )
             out.append([int(t) for t in made[0, ids.shape[1] :]])
     return out
+
+
+@check("structured output on CUDA")
+def structured(address: str) -> None:
+    """A json_schema request's answer is a document of its schema, ended by EOS."""
+    import json
+
+    schema = {
+        "type": "object",
+        "properties": {"color": {"enum": ["red", "blue"]}, "ok": {"type": "boolean"}},
+        "required": ["color", "ok"],
+        "additionalProperties": False,
+    }
+    with grpc.insecure_channel(address) as channel:
+        stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
+        out = run_request(stub, make_request("Colors?", max_tokens=40, json_schema=schema), timeout=120)
+    document = json.loads(out.text) if out.ok else {}
+    ok = document.get("color") in ("red", "blue") and isinstance(document.get("ok"), bool)
+    report("PASS" if ok else "FAIL", "structured output on CUDA", f"{out.text!r}" if out.ok else out.message)
 
 
 @check("penalties and logit_bias on CUDA")
@@ -457,6 +477,7 @@ def main() -> int:
         continuous_batching(pair.tokenizer_address, model_dir)
         seeded(pair.tokenizer_address)
         penalties(pair.tokenizer_address, model_dir)
+        structured(pair.tokenizer_address)
         hostile(pair, model_dir)
         cuda_ipc(pair, model_dir, logs)
     two_ranks_one_gpu(model_dir, logs)
