@@ -76,18 +76,25 @@ class Constraint:
     def __init__(self, matcher: Any) -> None:
         self._matcher = matcher
 
-    def allowed(self, vocab: int) -> np.ndarray:
-        """A bool per token of a ``vocab``-wide row of logits: may it come
-        next? (Tokens past the tokenizer's own vocabulary never may.)
+    def bitmask(self) -> np.ndarray:
+        """The tokens that may come next, a bit each (little-endian within
+        each byte) over the tokenizer's vocabulary (`allowed` unpacks them).
         ValueError when the matcher has failed."""
         if self._matcher.is_error():
             raise ValueError(f"the output no longer matches the schema: {self._matcher.get_error()}")
-        bits = np.unpackbits(np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
-        out = np.zeros(vocab, dtype=bool)
-        n = min(vocab, len(bits))
-        out[:n] = bits[:n]
-        return out
+        return np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
 
     def took(self, token: int) -> None:
         """A token drawn (an error, if it did not match, shows at the next `allowed`)."""
         self._matcher.consume_token(token)
+
+
+def allowed(bitmasks: list[np.ndarray], vocab: int) -> np.ndarray:
+    """Rows of `Constraint.bitmask` (one tokenizer: one length) as a
+    ``[rows, vocab]`` bool array; tokens past the tokenizer's own
+    vocabulary (a padded LM head) never may come."""
+    bits = np.unpackbits(np.stack(bitmasks), axis=1, bitorder="little")
+    out = np.zeros((len(bitmasks), vocab), dtype=bool)
+    n = min(vocab, bits.shape[1])
+    out[:, :n] = bits[:, :n]
+    return out

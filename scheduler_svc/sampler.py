@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from mmsplit_server import structured
 from mmsplit_server.sampling import Sampling
 from mmsplit_server.structured import Constraint
 
@@ -130,7 +131,7 @@ class Broken:
     def __init__(self, message: str) -> None:
         self.message = message
 
-    def allowed(self, vocab: int) -> np.ndarray:
+    def bitmask(self) -> np.ndarray:
         raise ValueError(self.message)
 
     def took(self, token: int) -> None:
@@ -251,16 +252,21 @@ class Sampler:
         """Structured output: each constrained row's tokens that cannot come
         next to -inf; the rows whose matcher failed, with their message."""
         failed: dict[int, str] = {}
+        at: list[int] = []
+        masks = []
         for i, row in enumerate(rows):
             if row.constraint is None:
                 continue
             try:
-                allowed = torch.from_numpy(row.constraint.allowed(logits.shape[1])).to(logits.device)
+                masks.append(row.constraint.bitmask())
+                at.append(i)
             except Exception as exc:  # one row's failure must not fail the batch
                 log.warning("structured output failed for request %s: %s", row.request_id, exc)
                 failed[i] = f"structured output failed: {exc}"
-                continue
-            logits[i].masked_fill_(~allowed, float("-inf"))
+        if at:
+            ok = torch.from_numpy(structured.allowed(masks, logits.shape[1])).to(logits.device)
+            index = torch.tensor(at, device=logits.device)
+            logits[index] = logits[index].masked_fill_(~ok, float("-inf"))
         return failed
 
     def _suppress_stops(self, logits: torch.Tensor, rows: Sequence[RowSampling]) -> None:
