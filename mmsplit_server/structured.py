@@ -2,16 +2,21 @@
 (`SamplingParams.json_schema`), compiled by llguidance.
 
 Both services compile a request's schema when they check it (`grammar`:
-a schema it cannot compile is the client's error); rank 0 of the scheduler
-then gives each such request a `Constraint`, which says before every step
-which tokens may come next (a bit per token of the vocabulary) and follows
-the tokens drawn. Whitespace inside the JSON is off unless the schema's own
-"x-guidance" options turn it on: the document is compact, and a model
-cannot spend its tokens on blanks.
+a schema it cannot compile is the client's error; the last 64 schemas'
+grammars are kept, so an application sending one schema compiles it once);
+rank 0 of the scheduler then gives each such request a `Constraint`, which
+says before every step which tokens may come next (a bit per token of the
+vocabulary) and follows the tokens drawn. Making the matcher runs on the
+step thread as the request joins: ~1 ms for a small schema here, ~45 ms for
+a 48 KB one of 600 patterned properties (the 64 KiB cap bounds it).
+Whitespace inside the JSON is off unless the schema's own "x-guidance"
+options turn it on: the document is compact, and a model cannot spend its
+tokens on blanks.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -23,6 +28,7 @@ MAX_SCHEMA_BYTES = 64 * 1024
 COMPILE_DEFAULTS = {"whitespace_flexible": False}
 
 
+@functools.lru_cache(maxsize=64)
 def grammar(json_schema: str) -> str:
     """The llguidance grammar of `json_schema`; ValueError with the reason
     when it is not a JSON object or cannot be compiled (or the server

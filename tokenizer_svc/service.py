@@ -248,7 +248,10 @@ class TokenizerService:
     async def _generate(
         self, request: tokenizer_pb2.GenerateRequest, rid: str, timeout_s: float | None
     ) -> AsyncGenerator[tokenizer_pb2.GenerateResponse, None]:
-        parsed = self._validate(request)
+        if request.sampling.json_schema:  # compiling a schema may take milliseconds: not on the event loop
+            parsed = await asyncio.to_thread(self._validate, request)
+        else:
+            parsed = self._validate(request)
         # The backend first: whether its media go by shared memory or inline
         # depends on where it is.
         backend = self.link.pick()
