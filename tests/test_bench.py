@@ -102,3 +102,10 @@ def test_step_profile_prints_the_step_and_its_ops(models: Path) -> None:
     assert re.search(rf"as is {arm}, cuDNN SDPA off {arm}, keys padded to 64 {arm}$", result.stdout, re.M)
     assert re.search(r"decode step wall ms, median: [\d.]+ without the profiler, [\d.]+ with it", result.stdout)
     assert re.search(r"^aten::mm\s+\d+\s+[\d.]+$", result.stdout, re.M), result.stdout
+
+
+def test_structured_benchmark_prints_the_step_and_the_join(models: Path) -> None:
+    result = run_bench("structured.py", ["--rows", "4", "--reps", "2", "--rounds", "1"], models=models)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert re.search(r"^json_schema\s+[\d.]+\s+[\d.]+x$", result.stdout, re.M), result.stdout
+    assert re.search(r"^48 KB, 600 patterns\s+\d+\s+[\d.]+\s+[\d.]+$", result.stdout, re.M), result.stdout
