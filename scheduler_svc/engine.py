@@ -215,6 +215,11 @@ class Engine:
             self._sums.settle()  # type: ignore[union-attr]
 
     @property
+    def grammars(self) -> Grammars | None:
+        """Rank 0's maker of structured-output matchers (None elsewhere)."""
+        return self._grammars
+
+    @property
     def prefilling(self) -> bool:
         """Whether a long prompt is on its way in, a chunk a step."""
         return bool(self._chunked)
@@ -435,7 +440,7 @@ class Engine:
         if self._grammars is None:
             return Broken("structured output is not available in this engine")
         try:
-            return self._grammars.constraint(req.sampling.json_schema)
+            return self._grammars.constraint(req.sampling.json_schema, req.request_id)
         except Exception as exc:
             log.exception("compiling the json_schema of %s failed", req.request_id)
             return Broken(f"compiling its json_schema failed: {type(exc).__name__}")

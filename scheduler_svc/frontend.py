@@ -72,6 +72,9 @@ class Frontend:
             events = asyncio.Queue()
             sink = events.put_nowait
         admission = Admission(request=request, emit=sink, reserve=reserve)
+        grammars = self.step_loop.engine.grammars
+        if request.sampling.json_schema and grammars is not None:
+            grammars.prepare(rid, request.sampling.json_schema)  # its matcher, made before it joins
         # Ownership first (DESIGN.md §3): take every tensor over, then say
         # Accepted; the sender disowns its own claims once it hears that.
         try:

@@ -1,0 +1,53 @@
+"""Structured output's matchers (mmsplit_server/structured.py): made ahead
+of the join in a thread of their own, taken once, bounded, and made at
+join when not prepared; a schema that cannot be made raises where it is
+taken (the engine fails that request alone)."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+
+from mmsplit_server import structured
+from mmsplit_server.structured import Constraint, Grammars
+
+SCHEMA = json.dumps({"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"]})
+
+
+def test_a_prepared_matcher_is_made_off_the_caller_s_thread_and_taken_once(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    grammars = Grammars(tiny_model, frozenset([2]), keep=2)
+    made_on: list[str] = []
+    make = grammars._make
+
+    def recording(json_schema: str) -> Constraint:
+        made_on.append(threading.current_thread().name)
+        return make(json_schema)
+
+    monkeypatch.setattr(grammars, "_make", recording)
+    grammars.prepare("r1", SCHEMA)
+    first = grammars.constraint(SCHEMA, "r1")
+    assert made_on == [made_on[0]]
+    assert made_on[0].startswith("grammars"), made_on
+    assert first.bitmask().any()
+    # Taken: asking again makes a new one, here.
+    assert grammars.constraint(SCHEMA, "r1") is not first
+    assert made_on[1] == threading.current_thread().name
+    # At most `keep` wait: the oldest is pushed out and made at join instead.
+    for rid in ("a", "b", "c"):
+        grammars.prepare(rid, SCHEMA)
+    grammars.constraint(SCHEMA, "c")
+    assert len(grammars._prepared) == 1
+    assert "a" not in grammars._prepared
+
+
+def test_a_schema_that_cannot_be_made_raises_where_it_is_taken(tiny_model: Path) -> None:
+    grammars = Grammars(tiny_model, frozenset([2]))
+    grammars.prepare("bad", "[1]")
+    with pytest.raises(ValueError, match="must be a JSON object"):
+        grammars.constraint("[1]", "bad")
+    assert structured.grammar(SCHEMA) is structured.grammar(SCHEMA), "kept, not compiled again"
