@@ -116,6 +116,7 @@ def generate_command(args: argparse.Namespace) -> int:
     try:
         images = [_medium(p) for p in args.image]
         videos = [_medium(p) for p in args.video]
+        schema = Path(args.json_schema[1:]).read_text() if args.json_schema.startswith("@") else args.json_schema
     except OSError as exc:
         print(f"mmsplit generate: {exc.filename}: {exc.strerror}", file=sys.stderr)
         return 2
@@ -140,6 +141,7 @@ def generate_command(args: argparse.Namespace) -> int:
                 frequency_penalty=args.frequency_penalty,
                 repetition_penalty=args.repetition_penalty,
                 logit_bias=dict(args.logit_bias),
+                json_schema=schema,
                 timeout=args.timeout,
             )
             try:

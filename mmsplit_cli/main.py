@@ -227,6 +227,12 @@ def parser() -> argparse.ArgumentParser:
         metavar="ID=BIAS",
         help="add BIAS (within [-100, 100]) to token ID's logit (repeatable)",
     )
+    p.add_argument(
+        "--json-schema",
+        default="",
+        metavar="SCHEMA",
+        help="structured output: a JSON Schema (JSON text, or @FILE) the answer must match",
+    )
     p.add_argument("--request-id", default="")
     p.add_argument("--timeout", type=float, default=120.0, help="deadline of the call, seconds")
     p.add_argument(

@@ -260,11 +260,21 @@ def test_each_finished_request_is_one_json_log_line_with_its_outcome(services: S
     assert wait_until(lambda: f".{ok_id} finished: OK, " in scheduler_log.read_text(), timeout=10)
 
 
-def test_the_cli_takes_an_image_url_and_sampling_knobs_and_a_closed_pipe_is_no_error(services: Services) -> None:
+SCHEMA = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}},
+    "required": ["ok"],
+    "additionalProperties": False,
+}
+
+
+def test_the_cli_takes_an_image_url_and_sampling_knobs_and_a_closed_pipe_is_no_error(
+    services: Services, tmp_path: Path
+) -> None:
     """`mmsplit generate --image data:... --json | head -1`: the same tokens
-    as the image sent as bytes (with the penalty and bias flags: the tokens
-    those fields give), and the reader leaving early ends the command
-    quietly (exit 0, nothing on stderr)."""
+    as the image sent as bytes (with the penalty, bias and --json-schema
+    flags: the tokens those fields give), and the reader leaving early ends
+    the command quietly (exit 0, nothing on stderr)."""
     import base64
     import json
     import subprocess
@@ -280,14 +290,20 @@ def test_the_cli_takes_an_image_url_and_sampling_knobs_and_a_closed_pipe_is_no_e
         plain = run_request(stub, make_request("Look.", [image], max_tokens=5))
         knobs = {"repetition_penalty": 1.8, "presence_penalty": 1.5, "logit_bias": {plain.token_ids[0]: -100.0}}
         same = run_request(stub, make_request("Look.", [image], max_tokens=5, **knobs))
+        shaped = run_request(stub, make_request("Look.", [image], max_tokens=30, json_schema=SCHEMA, **knobs))
     assert same.token_ids != plain.token_ids
-    done = subprocess.run(
-        [*argv, "--image", url, "--max-tokens", "5", "--json", "--repetition-penalty", "1.8",
-         "--presence-penalty", "1.5", "--logit-bias", f"{plain.token_ids[0]}=-100", "Look."],
-        capture_output=True, text=True, timeout=120, cwd=ROOT, check=True,
-    )  # fmt: skip
-    ids = [t for line in done.stdout.splitlines() for t in json.loads(line).get("token_ids", [])]
-    assert ids == same.token_ids
+    assert shaped.ok, shaped
+    assert isinstance(json.loads(shaped.text)["ok"], bool)
+    schema_file = tmp_path / "schema.json"
+    schema_file.write_text(json.dumps(SCHEMA))
+    for tokens, extra, expected in (("5", [], same), ("30", ["--json-schema", f"@{schema_file}"], shaped)):
+        done = subprocess.run(
+            [*argv, "--image", url, "--max-tokens", tokens, "--json", "--repetition-penalty", "1.8",
+             "--presence-penalty", "1.5", "--logit-bias", f"{plain.token_ids[0]}=-100", *extra, "Look."],
+            capture_output=True, text=True, timeout=120, cwd=ROOT, check=True,
+        )  # fmt: skip
+        ids = [t for line in done.stdout.splitlines() for t in json.loads(line).get("token_ids", [])]
+        assert ids == expected.token_ids, extra
 
     proc = subprocess.Popen(
         [*argv, "--max-tokens", "200", "--min-tokens", "200", "--json", "Go on."],

@@ -33,6 +33,7 @@ def test_version_and_user_mistakes_in_generate(tmp_path: Path) -> None:
         ("generate", "--logit-bias", "5", "hi"): "argument --logit-bias: '5' is not ID=BIAS",
         ("generate", "--logit-bias", "5=lots", "hi"): "argument --logit-bias: '5=lots' is not ID=BIAS",
         ("generate", "--image", str(tmp_path / "missing.png"), "hi"): f"{tmp_path / 'missing.png'}: No such file",
+        ("generate", "--json-schema", f"@{tmp_path / 's.json'}", "hi"): f"{tmp_path / 's.json'}: No such file",
         ("generate",): "give a prompt or a conversation",
         ("generate", "--user", "hi", "a prompt too"): "give a prompt or a conversation",
         ("generate", "--system", "only a system turn"): "needs at least one --user turn",
