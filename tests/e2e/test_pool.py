@@ -117,7 +117,7 @@ def test_the_workers_inherit_the_raised_open_file_limit(pair: Pair) -> None:
         assert process.rlimit(psutil.RLIMIT_NOFILE)[0] == limits.RAISED, process.cmdline()
 
 
-def test_worker_killed_with_8_requests_in_flight(pair: Pair) -> None:
+def test_worker_killed_with_8_requests_in_flight(pair: Pair, pool_dir: Path) -> None:
     slow = marked(SLOW)
     before = replacements(pair)
     with grpc.insecure_channel(pair.tokenizer_address) as channel:
@@ -129,8 +129,11 @@ def test_worker_killed_with_8_requests_in_flight(pair: Pair) -> None:
             ]
             assert wait_until(lambda: len(workers(pair)) == 2, timeout=10)
             victim = workers(pair)[0]
-            # Both workers are busy with the slow images; kill one of them.
-            assert wait_until(lambda: victim.cpu_times().user > 0, timeout=5)
+            # Both workers are busy with the slow images; kill one once it
+            # has decoded an image (its CPU time is no sign: decoding these
+            # small images can take less than one clock tick, and the hook
+            # sleeps, so a fast host read 0 ticks for 5 s once).
+            assert wait_until(lambda: (serving_dir(pool_dir) / str(victim.pid)).exists(), timeout=30)
             os.kill(victim.pid, signal.SIGKILL)
             results = [f.result(timeout=60) for f in futures]
     ok = [r for r in results if r.ok]
