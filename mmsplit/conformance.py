@@ -18,6 +18,8 @@ What it checks, per service:
 - a stream's events: (scheduler: exactly one Accepted first), then deltas,
   then exactly one Finished last; the tokens add up; the tokenizer puts the
   request id on every event (and makes one up when the request has none).
+- structured output: a request with a small `json_schema` ends (STOP) with
+  a document of that schema.
 - every client-error ErrorCode that an input can provoke: the gRPC code of
   the table, an ErrorInfo with domain "mmsplit", the reason, retriable=false
   and the request id; then a good request still succeeds.
@@ -34,6 +36,7 @@ scheduler's request counts before and after.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import struct
 import time
@@ -173,6 +176,7 @@ class Kit:
             ("tokenizer.stream.events", self.tokenizer_stream),
             ("tokenizer.stream.image", self.tokenizer_image),
             ("tokenizer.stream.request_id_assigned", self.tokenizer_request_id),
+            ("tokenizer.stream.json_schema", self.tokenizer_json_schema),
             *[(f"tokenizer.error.{label}", self._tokenizer_error(code, build)) for label, code, build in CLIENT_ERRORS],
             ("tokenizer.error.MEDIA_NOT_FOUND", self.tokenizer_not_found),
             ("tokenizer.unknown_fields", self.tokenizer_unknown_fields),
@@ -295,6 +299,29 @@ class Kit:
             with_image > text.prompt_tokens, f"an image added no prompt tokens ({with_image} vs {text.prompt_tokens})"
         )
         return f"prompt tokens {text.prompt_tokens} -> {with_image} with one image"
+
+    def tokenizer_json_schema(self) -> str:
+        """Structured output: the answer is a document of the schema, ended by the server (STOP)."""
+        request = _text_request(_request_id(), tokens=64)
+        request.sampling.min_tokens = 0
+        request.sampling.json_schema = json.dumps(SCHEMA)
+        events = self._generate(request)
+        expect(events[-1].WhichOneof("event") == "finished", "no Finished")
+        text = "".join(e.delta.text for e in events[:-1])
+        reason = common_pb2.FinishReason.Name(events[-1].finished.finish_reason)
+        expect(events[-1].finished.finish_reason == common_pb2.FINISH_REASON_STOP, f"{reason} after {text!r}")
+        try:
+            document = json.loads(text)
+        except json.JSONDecodeError:
+            raise Failed(f"not JSON: {text!r}") from None
+        expect(
+            isinstance(document, dict)
+            and set(document) == {"color", "ok"}
+            and document["color"] in ("red", "blue")
+            and isinstance(document["ok"], bool),
+            f"not a document of the schema: {text!r}",
+        )
+        return text
 
     def tokenizer_request_id(self) -> str:
         events = self._generate(_text_request("", tokens=2))
@@ -518,6 +545,14 @@ class Kit:
 
 
 # ---- requests ----
+SCHEMA = {
+    "type": "object",
+    "properties": {"color": {"enum": ["red", "blue"]}, "ok": {"type": "boolean"}},
+    "required": ["color", "ok"],
+    "additionalProperties": False,
+}
+
+
 def _request_id() -> str:
     return f"conformance-{uuid.uuid4().hex[:12]}"
 
@@ -573,6 +608,12 @@ CLIENT_ERRORS: Sequence[tuple[str, int, Callable[[tokenizer_pb2.GenerateRequest]
         "INVALID_REQUEST(33 stop token ids)",
         E.ERROR_CODE_INVALID_REQUEST,
         lambda r: r.sampling.stop_token_ids.extend(range(1, 34)),
+    ),
+    ("INVALID_REQUEST(presence_penalty 3)", E.ERROR_CODE_INVALID_REQUEST, _sampling(presence_penalty=3.0)),
+    (
+        "INVALID_REQUEST(json_schema not a schema)",
+        E.ERROR_CODE_INVALID_REQUEST,
+        _sampling(min_tokens=0, json_schema="[1]"),
     ),
     ("INVALID_REQUEST(data: URL not base64)", E.ERROR_CODE_INVALID_REQUEST, _image(url="data:image/png;base64,***")),
     ("MEDIA_DECODE_FAILED(truncated PNG)", E.ERROR_CODE_MEDIA_DECODE_FAILED, lambda r: _image(_truncated_png())(r)),
