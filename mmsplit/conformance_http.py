@@ -7,6 +7,9 @@
   that adds up;
 - stream: server-sent events with the assistant's role first, exactly one
   finish reason, the usage chunk (choices []) when asked, `[DONE]` last;
+- structured output: `response_format` json_schema answered with a document
+  of the schema, finish reason "stop"; a schema that is no schema is 400
+  naming `response_format`;
 - error shape: a bad parameter is 400 with {"error": {message, type, param,
   code}}, code INVALID_REQUEST, param naming it, x-should-retry false;
 - unknown model 404, malformed JSON 400, each in the same shape.
@@ -37,6 +40,7 @@ class HttpKit:
             ("http.models", self.models),
             ("http.chat", self.chat),
             ("http.stream", self.stream),
+            ("http.response_format", self.response_format),
             ("http.error_shape", self.error_shape),
             ("http.unknown_model", self.unknown_model),
             ("http.malformed_json", self.malformed_json),
@@ -107,6 +111,36 @@ class HttpKit:
         expect(len(finishes) == 1, f"{len(finishes)} chunks with a finish reason, expected 1")
         expect(chunks[-1]["choices"] == [] and "usage" in chunks[-1], "no usage chunk (choices []) before [DONE]")
         return f"{len(chunks)} chunks"
+
+    def response_format(self) -> str:
+        schema = {
+            "type": "object",
+            "properties": {"color": {"enum": ["red", "blue"]}, "ok": {"type": "boolean"}},
+            "required": ["color", "ok"],
+            "additionalProperties": False,
+        }
+        fmt = {"type": "json_schema", "json_schema": {"name": "check", "schema": schema}}
+        status, _, raw = self._post("/chat/completions", self._chat_body(max_tokens=64, response_format=fmt))
+        expect(status == 200, f"status {status}: {raw[:200]!r}")
+        choice = json.loads(raw)["choices"][0]
+        text = choice["message"]["content"]
+        expect(choice["finish_reason"] == "stop", f"finish_reason {choice['finish_reason']!r} after {text!r}")
+        try:
+            document = json.loads(text)
+        except json.JSONDecodeError:
+            document = None
+        expect(
+            isinstance(document, dict)
+            and set(document) == {"color", "ok"}
+            and document["color"] in ("red", "blue")
+            and isinstance(document["ok"], bool),
+            f"not a document of the schema: {text!r}",
+        )
+        bad = {"type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": 7}}}
+        status, headers, raw = self._post("/chat/completions", self._chat_body(response_format=bad))
+        error = self._error(status, raw, headers, 400, "INVALID_REQUEST")
+        expect(error["param"] == "response_format", f"param {error['param']!r}, expected 'response_format'")
+        return str(text)
 
     def _error(self, status: int, raw: bytes, headers: dict[str, str], want: int, code: str) -> dict[str, Any]:
         expect(status == want, f"status {status}, expected {want}")
