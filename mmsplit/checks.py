@@ -6,6 +6,7 @@ OpenAI-compatible API) both build on it."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -28,6 +29,29 @@ class Skipped(Exception):
 def expect(condition: bool, message: str) -> None:
     if not condition:
         raise Failed(message)
+
+
+# The structured-output checks' schema (both kits), and what an answer must be.
+SCHEMA = {
+    "type": "object",
+    "properties": {"color": {"enum": ["red", "blue"]}, "ok": {"type": "boolean"}},
+    "required": ["color", "ok"],
+    "additionalProperties": False,
+}
+
+
+def expect_a_document_of_the_schema(text: str) -> None:
+    try:
+        document = json.loads(text)
+    except json.JSONDecodeError:
+        raise Failed(f"not JSON: {text!r}") from None
+    expect(
+        isinstance(document, dict)
+        and set(document) == {"color", "ok"}
+        and document["color"] in ("red", "blue")
+        and isinstance(document["ok"], bool),
+        f"not a document of the schema: {text!r}",
+    )
 
 
 def run_check(

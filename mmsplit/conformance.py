@@ -58,7 +58,7 @@ except ImportError as exc:  # the light client without its extra
     ) from exc
 
 from mmsplit import localauth
-from mmsplit.checks import Failed, Result, Skipped, expect, run_check, table
+from mmsplit.checks import SCHEMA, Failed, Result, Skipped, expect, expect_a_document_of_the_schema, run_check, table
 from mmsplit.client import read_secret
 from mmsplit.common.v1 import common_pb2
 from mmsplit.errors import DOMAIN, TABLE, error_info_of, reason_of
@@ -310,17 +310,7 @@ class Kit:
         text = "".join(e.delta.text for e in events[:-1])
         reason = common_pb2.FinishReason.Name(events[-1].finished.finish_reason)
         expect(events[-1].finished.finish_reason == common_pb2.FINISH_REASON_STOP, f"{reason} after {text!r}")
-        try:
-            document = json.loads(text)
-        except json.JSONDecodeError:
-            raise Failed(f"not JSON: {text!r}") from None
-        expect(
-            isinstance(document, dict)
-            and set(document) == {"color", "ok"}
-            and document["color"] in ("red", "blue")
-            and isinstance(document["ok"], bool),
-            f"not a document of the schema: {text!r}",
-        )
+        expect_a_document_of_the_schema(text)
         return text
 
     def tokenizer_request_id(self) -> str:
@@ -545,14 +535,6 @@ class Kit:
 
 
 # ---- requests ----
-SCHEMA = {
-    "type": "object",
-    "properties": {"color": {"enum": ["red", "blue"]}, "ok": {"type": "boolean"}},
-    "required": ["color", "ok"],
-    "additionalProperties": False,
-}
-
-
 def _request_id() -> str:
     return f"conformance-{uuid.uuid4().hex[:12]}"
 

@@ -23,7 +23,7 @@ import urllib.request
 from collections.abc import Callable
 from typing import Any
 
-from mmsplit.checks import Result, expect, run_check
+from mmsplit.checks import SCHEMA, Result, expect, expect_a_document_of_the_schema, run_check
 
 
 class HttpKit:
@@ -113,29 +113,13 @@ class HttpKit:
         return f"{len(chunks)} chunks"
 
     def response_format(self) -> str:
-        schema = {
-            "type": "object",
-            "properties": {"color": {"enum": ["red", "blue"]}, "ok": {"type": "boolean"}},
-            "required": ["color", "ok"],
-            "additionalProperties": False,
-        }
-        fmt = {"type": "json_schema", "json_schema": {"name": "check", "schema": schema}}
+        fmt = {"type": "json_schema", "json_schema": {"name": "check", "schema": SCHEMA}}
         status, _, raw = self._post("/chat/completions", self._chat_body(max_tokens=64, response_format=fmt))
         expect(status == 200, f"status {status}: {raw[:200]!r}")
         choice = json.loads(raw)["choices"][0]
         text = choice["message"]["content"]
         expect(choice["finish_reason"] == "stop", f"finish_reason {choice['finish_reason']!r} after {text!r}")
-        try:
-            document = json.loads(text)
-        except json.JSONDecodeError:
-            document = None
-        expect(
-            isinstance(document, dict)
-            and set(document) == {"color", "ok"}
-            and document["color"] in ("red", "blue")
-            and isinstance(document["ok"], bool),
-            f"not a document of the schema: {text!r}",
-        )
+        expect_a_document_of_the_schema(text)
         bad = {"type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": 7}}}
         status, headers, raw = self._post("/chat/completions", self._chat_body(response_format=bad))
         error = self._error(status, raw, headers, 400, "INVALID_REQUEST")
