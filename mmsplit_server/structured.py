@@ -73,7 +73,8 @@ class Grammars:
         self._model_dir = model_dir
         self._eos = sorted(eos_token_ids)
         self._tokenizer: Any = None
-        self._lock = threading.Lock()  # the tokenizer is built once
+        self._lock = threading.Lock()  # the prepared matchers
+        self._building = threading.Lock()  # the tokenizer, built once (apart: admissions must not wait for it)
         self._keep = keep
         self._prepared: collections.OrderedDict[str, concurrent.futures.Future[Constraint]] = collections.OrderedDict()
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # made on first use
@@ -102,7 +103,7 @@ class Grammars:
         return Constraint(llguidance.LLMatcher(self._llg_tokenizer(), grammar(json_schema), log_level=0))
 
     def _llg_tokenizer(self) -> Any:
-        with self._lock:
+        with self._building:
             if self._tokenizer is None:
                 import llguidance.hf
                 from transformers import AutoTokenizer

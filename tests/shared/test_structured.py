@@ -51,3 +51,32 @@ def test_a_schema_that_cannot_be_made_raises_where_it_is_taken(tiny_model: Path)
     with pytest.raises(ValueError, match="must be a JSON object"):
         grammars.constraint("[1]", "bad")
     assert structured.grammar(SCHEMA) is structured.grammar(SCHEMA), "kept, not compiled again"
+
+
+def test_preparing_does_not_wait_for_the_tokenizer_being_built(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first matcher builds llguidance's tokenizer (0.3-1 s); the frontend
+    prepares the next requests' matchers on its event loop meanwhile."""
+    import time
+
+    import llguidance.hf
+
+    building, release = threading.Event(), threading.Event()
+    build = llguidance.hf.from_tokenizer
+
+    def slow(*args: object, **kwargs: object) -> object:
+        building.set()
+        release.wait(30)
+        return build(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(llguidance.hf, "from_tokenizer", slow)
+    grammars = Grammars(tiny_model, frozenset([2]))
+    grammars.prepare("first", SCHEMA)
+    assert building.wait(30)
+    began = time.monotonic()
+    grammars.prepare("second", SCHEMA)
+    took = time.monotonic() - began
+    release.set()
+    assert took < 1.0, f"prepare waited {took:.1f} s for the build"
+    assert grammars.constraint(SCHEMA, "second").bitmask().any()
