@@ -129,8 +129,21 @@ class Constraint:
         return np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
 
     def took(self, token: int) -> None:
-        """A token drawn (an error, if it did not match, shows at the next `allowed`)."""
+        """A token drawn (an error, if it did not match, shows at the next `bitmask`)."""
         self._matcher.consume_token(token)
+
+
+class Broken:
+    """A constraint that could not be made: its row fails at its first token."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+    def bitmask(self) -> np.ndarray:
+        raise ValueError(self.message)
+
+    def took(self, token: int) -> None:
+        pass
 
 
 def allowed(bitmasks: list[np.ndarray], vocab: int) -> np.ndarray:

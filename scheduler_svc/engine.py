@@ -60,7 +60,7 @@ import torch
 from mmsplit.errors import E, InternalError, MmsplitError
 from mmsplit_server import families
 from mmsplit_server.families import Family
-from mmsplit_server.structured import Constraint, Grammars
+from mmsplit_server.structured import Broken, Constraint, Grammars
 from scheduler_svc.agreement import agree_on_failures
 from scheduler_svc.collective import Collective
 from scheduler_svc.counted_sums import CountedSums
@@ -70,7 +70,7 @@ from scheduler_svc.kvcache import ForwardInputs, RowCache
 from scheduler_svc.plan import Failure, Item, NewRequest, Plan, StepOutcome
 from scheduler_svc.prefix_cache import BLOCK_TOKENS, NO_MATCH, Match, PrefixCache, Runs, chain
 from scheduler_svc.reader import TensorReader
-from scheduler_svc.sampler import Broken, LogitAdjust, Logprob, RowSampling, Sampler, make_generator
+from scheduler_svc.sampler import LogitAdjust, Logprob, RowSampling, Sampler, make_generator
 from scheduler_svc.shm_allreduce import Arena, SumAborted
 from scheduler_svc.threads import StepKind, StepThreads
 

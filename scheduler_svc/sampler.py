@@ -34,7 +34,7 @@ import torch
 
 from mmsplit_server import structured
 from mmsplit_server.sampling import Sampling
-from mmsplit_server.structured import Constraint
+from mmsplit_server.structured import Broken, Constraint
 
 log = logging.getLogger(__name__)
 
@@ -125,19 +125,6 @@ def adjust_logits(logits: torch.Tensor, adjusts: Sequence[tuple[int, LogitAdjust
     logits[rows, ids] = values - joined("taken")
 
 
-class Broken:
-    """A constraint that could not be made: its row fails at its first token."""
-
-    def __init__(self, message: str) -> None:
-        self.message = message
-
-    def bitmask(self) -> np.ndarray:
-        raise ValueError(self.message)
-
-    def took(self, token: int) -> None:
-        pass
-
-
 @dataclass
 class RowSampling:
     """What the sampler needs of one row."""
@@ -195,9 +182,10 @@ class Sampler:
         if logits.shape[0] != len(rows):
             raise ValueError(f"{logits.shape[0]} logit rows for {len(rows)} requests")
         logits = logits.float()
-        unadjusted = self._adjust(logits, rows) if any(row.adjust is not None for row in rows) else {}
+        # Rows whose bias, penalties or constraint failed: each fails alone, with its message.
+        failed = self._adjust(logits, rows) if any(row.adjust is not None for row in rows) else {}
         if any(row.constraint is not None for row in rows):
-            unadjusted |= self._constrain(logits, rows)
+            failed = self._constrain(logits, rows) | failed
         self._suppress_stops(logits, rows)
         # One pass gives both the greedy tokens and a finiteness check: a row
         # holding NaN or +inf has a non-finite maximum (max propagates NaN).
@@ -207,8 +195,8 @@ class Sampler:
         out: list[int | str] = []
         logprobs: dict[int, Logprob] = {}
         for i, row in enumerate(rows):
-            if i in unadjusted:
-                out.append(unadjusted[i])
+            if i in failed:
+                out.append(failed[i])
             elif not finite[i]:
                 out.append("the model produced non-finite logits for this request")
             elif row.params.greedy:

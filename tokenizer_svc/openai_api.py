@@ -353,8 +353,7 @@ def _logit_bias(body: dict[str, Any]) -> dict[int, float]:
     out: dict[int, float] = {}
     for key, value in bias.items():
         token = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else -1
-        number = not isinstance(value, bool) and isinstance(value, int | float) and _fits_a_float(value)
-        if not 0 <= token <= _U32 or not number:
+        if not 0 <= token <= _U32 or not _is_number(value):
             raise _invalid(f"{message}: {_short(key)}: {_short(value)}", "logit_bias")
         out[token] = float(value)
     return out
@@ -364,13 +363,16 @@ def _number(body: dict[str, Any], name: str) -> float | None:
     value = body.get(name)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not _fits_a_float(value):
+    if not _is_number(value):
         raise _invalid(f"{name} must be a number", name)
     return float(value)
 
 
-def _fits_a_float(value: float) -> bool:
-    """JSON integers have no bound: 1e400 written out is an int float() refuses."""
+def _is_number(value: Any) -> bool:
+    """A JSON number a float holds (JSON integers have no bound: 1e400
+    written out is an int float() refuses); true and false are not."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
     return isinstance(value, float) or abs(value) <= 1 << 1000
 
 

@@ -113,20 +113,19 @@ def hf_greedy(
 @check("structured output on CUDA")
 def structured(address: str) -> None:
     """A json_schema request's answer is a document of its schema, ended by EOS."""
-    import json
+    from mmsplit.checks import SCHEMA, Failed, expect_a_document_of_the_schema
 
-    schema = {
-        "type": "object",
-        "properties": {"color": {"enum": ["red", "blue"]}, "ok": {"type": "boolean"}},
-        "required": ["color", "ok"],
-        "additionalProperties": False,
-    }
     with grpc.insecure_channel(address) as channel:
         stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
-        out = run_request(stub, make_request("Colors?", max_tokens=40, json_schema=schema), timeout=120)
-    document = json.loads(out.text) if out.ok else {}
-    ok = document.get("color") in ("red", "blue") and isinstance(document.get("ok"), bool)
-    report("PASS" if ok else "FAIL", "structured output on CUDA", f"{out.text!r}" if out.ok else out.message)
+        out = run_request(stub, make_request("Colors?", max_tokens=40, json_schema=SCHEMA), timeout=120)
+    if not out.ok:
+        report("FAIL", "structured output on CUDA", out.message)
+        return
+    try:
+        expect_a_document_of_the_schema(out.text)
+        report("PASS", "structured output on CUDA", repr(out.text))
+    except Failed as exc:
+        report("FAIL", "structured output on CUDA", str(exc))
 
 
 @check("penalties and logit_bias on CUDA")

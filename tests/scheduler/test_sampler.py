@@ -243,14 +243,6 @@ def test_a_long_prompt_s_ids_are_all_penalized() -> None:
     assert list(logprobs[0].top_logprobs) == pytest.approx(top.values.tolist(), abs=1e-5)
 
 
-SCHEMA = {
-    "type": "object",
-    "properties": {"color": {"enum": ["red", "blue"]}, "ok": {"type": "boolean"}},
-    "required": ["color", "ok"],
-    "additionalProperties": False,
-}
-
-
 def test_structured_output_draws_only_what_keeps_the_document_in_its_schema(tiny_model: Path) -> None:
     """Sampled rows under a JSON Schema (random logits, so any token would
     come without it): each ends with EOS on a document of the schema, and
@@ -259,6 +251,7 @@ def test_structured_output_draws_only_what_keeps_the_document_in_its_schema(tiny
 
     from transformers import AutoTokenizer
 
+    from mmsplit.checks import SCHEMA  # the conformance kits' schema
     from mmsplit_server.structured import Grammars
 
     eos = AutoTokenizer.from_pretrained(tiny_model).eos_token_id
@@ -289,7 +282,7 @@ def test_structured_output_draws_only_what_keeps_the_document_in_its_schema(tiny
 
 
 def test_a_row_whose_constraint_could_not_be_made_fails_alone() -> None:
-    from scheduler_svc.sampler import Broken
+    from mmsplit_server.structured import Broken
 
     x = logits(2)
     broken = RowSampling("b", Sampling(max_tokens=4), 0, None, constraint=Broken("no grammar"))
