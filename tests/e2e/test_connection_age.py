@@ -6,12 +6,9 @@ autoscaler added)."""
 
 from __future__ import annotations
 
-import contextlib
-import http.server
 import os
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -22,6 +19,7 @@ from mmsplit.tokenizer.v1 import tokenizer_pb2_grpc
 from mmsplit_cli import samples
 from mmsplit_cli.client import Outcome, make_request, run_request
 from tests.conftest import TOKENIZER_SERVICE, Services
+from tests.support.origins import local_origin
 from tests.support.services import ENV, ServiceProcess, tokenizer_args
 
 pytestmark = pytest.mark.e2e
@@ -37,43 +35,17 @@ def connections_to(port: int) -> int:
     )
 
 
-@contextlib.contextmanager
-def held_origin() -> Iterator[tuple[str, threading.Event, threading.Event]]:
-    """A loopback origin whose image the tokenizer fetches only once
-    `release` is set: (its URL, asked, release). A call fetching from it is
-    running for as long as the test wants, whatever the host's speed, and
-    costs no CPU meanwhile."""
-    asked, release, image = threading.Event(), threading.Event(), samples.good_png(seed=5)
-
-    class Origin(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            asked.set()
-            release.wait(60)
-            self.send_response(200)
-            self.send_header("Content-Type", "image/png")
-            self.send_header("Content-Length", str(len(image)))
-            self.end_headers()
-            self.wfile.write(image)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Origin)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/held.png", asked, release
-    finally:
-        release.set()
-        server.shutdown()
-        server.server_close()
-
-
 def test_an_aged_connection_is_replaced_and_its_running_call_finishes(
     services: Services, tiny_model: Path, tmp_path: Path
 ) -> None:
-    with held_origin() as (url, asked, release):
-        origin = url.split("/")[2]
-        extra = ["--max-connection-age-s", str(AGE_S), "--private-fetch-exempt", origin, "--fetch-timeout-s", "60"]
+    # The call that outlives its connection's age waits on an origin that
+    # answers once the test releases it.
+    with local_origin(samples.good_png(seed=5), held=True) as origin:
+        extra = [
+            "--max-connection-age-s", str(AGE_S),
+            "--private-fetch-exempt", origin.address,
+            "--fetch-timeout-s", "60",
+        ]  # fmt: skip
         args = tokenizer_args(tiny_model, services.scheduler_address, extra=extra)
         tok = ServiceProcess("tokenizer", args, tmp_path / "tokenizer.log", env=ENV)
         try:
@@ -83,10 +55,10 @@ def test_an_aged_connection_is_replaced_and_its_running_call_finishes(
                 stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
                 started = time.monotonic()
                 outcome: list[Outcome] = []
-                held = make_request("Go on.", urls=[url], max_tokens=8, min_tokens=8)
+                held = make_request("Go on.", urls=[origin.url("held.png")], max_tokens=8, min_tokens=8)
                 long = threading.Thread(target=lambda: outcome.append(run_request(stub, held, timeout=120)))
                 long.start()
-                assert asked.wait(60), "the held call never fetched"
+                assert origin.asked.wait(60), "the held call never fetched"
                 # Past the age (and gRPC's +10 % of it): the held call's connection has had its GOAWAY.
                 time.sleep(max(0.0, started + 1.5 * AGE_S - time.monotonic()))
                 short = run_request(stub, make_request("Hi.", max_tokens=2), timeout=60)
@@ -94,7 +66,7 @@ def test_an_aged_connection_is_replaced_and_its_running_call_finishes(
                 assert not outcome, "the held call ended before its origin answered"
                 # The short call went on a new connection; the old one stays for the held call.
                 assert connections_to(tok.port) == 2
-                release.set()
+                origin.release.set()
                 long.join(120)
             (done,) = outcome
             assert done.ok, done
