@@ -160,7 +160,7 @@ class EngineArms:
     the HF arms' ids and pixels): what the engine costs without the
     transport, the streaming and the preprocessing around it."""
 
-    def __init__(self, hf: HfArms, tokens: int) -> None:
+    def __init__(self, hf: HfArms, tokens: int, **options: Any) -> None:
         from mmsplit.common.v1 import common_pb2
         from mmsplit_server.handoff.reference import TensorSpec
         from mmsplit_server.sampling import Sampling
@@ -168,7 +168,9 @@ class EngineArms:
         from scheduler_svc.plan import Item, NewRequest
 
         torch = hf.torch
-        self.engine = Engine(hf.model, SoloGroup(), inline_reader(), torch.device(hf.device), eos_token_ids=frozenset())
+        self.engine = Engine(
+            hf.model, SoloGroup(), inline_reader(), torch.device(hf.device), eos_token_ids=frozenset(), **options
+        )
         self.requests = []
         for i, (ids, pixel) in enumerate(zip(hf.ids, hf.pixels, strict=True)):
             data = pixel[0].float().cpu().numpy().tobytes()
@@ -293,6 +295,10 @@ def main() -> None:
     parser.add_argument(
         "--stream-interval", type=int, default=1, help="the scheduler's --stream-interval (tokens per message)"
     )
+    parser.add_argument(
+        "--cudnn-attention", action="store_true", help="the scheduler's --cudnn-attention (the engine's arms too)"
+    )
+    parser.add_argument("--decode-kv-multiple", type=int, default=1, help="the scheduler's --decode-kv-multiple")
     args = parser.parse_args()
     items = prompts(args.n)
     n = args.n
@@ -301,12 +307,16 @@ def main() -> None:
         for name in args.models.split(","):
             model_dir = build_model(name, Path(tmp))
             hf = HfArms(model_dir, items, args.tokens, args.device, args.dtype)
-            engine = EngineArms(hf, args.tokens)
+            engine = EngineArms(
+                hf, args.tokens, cudnn_attention=args.cudnn_attention, decode_kv_multiple=args.decode_kv_multiple
+            )
             tps = [int(t) for t in args.tp.split(",")]
             for tp in tps:
                 logs = Path(tmp) / f"logs-{name}-{tp}"
                 logs.mkdir()
                 extra = ["--device", args.device, "--dtype", args.dtype, "--stream-interval", str(args.stream_interval)]
+                extra += ["--decode-kv-multiple", str(args.decode_kv_multiple)]
+                extra += ["--cudnn-attention"] if args.cudnn_attention else []
                 with running_pair(model_dir, logs, tp=tp, scheduler_extra=extra) as pair:
                     # The in-process engine is TP=1: measured with the first TP size only.
                     r = measure(hf, engine if tp == tps[0] else None, pair, items, args.tokens, args.rounds)

@@ -63,13 +63,15 @@ IMAGE_TOKENS = 64  # the tiny LLaVA's placeholders per image
 IMAGE_TOKEN_ID = 32000
 
 
-def engine(model: Any, prefix_bytes: int) -> Any:
+def engine(model: Any, prefix_bytes: int, **options: Any) -> Any:
+    """The scheduler's engine in this process, a group of one (`options`:
+    more of `Engine`'s keywords, e.g. `cudnn_attention`)."""
     import torch
 
     from scheduler_svc.engine import Engine
 
     return Engine(model, SoloGroup(), inline_reader(), torch.device(model.device), eos_token_ids=frozenset(),
-                  encoder_cache_bytes=256 << 20, prefix_cache_bytes=prefix_bytes)  # fmt: skip
+                  encoder_cache_bytes=256 << 20, prefix_cache_bytes=prefix_bytes, **options)  # fmt: skip
 
 
 def image(seed: int) -> Any:

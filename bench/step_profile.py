@@ -10,10 +10,12 @@ baseline), then `torch.profiler` over S more decode steps. Printed:
   bookkeeping cost), and on a GPU the kernels with the most device time;
 - the share of the step's wall time the ops account for on the host (the
   rest is Python: the engine's bookkeeping, transformers' module calls);
-- on a GPU, the step's wall time as is, with cuDNN's SDPA backend off,
-  and with the step's keys padded to a multiple of 64 (torch prefers that
-  backend on sm90 with cuDNN >= 9.9; it plans a graph for each new shape,
-  and a decode step's keys grow by one every step unless padded);
+- on a GPU, the step's wall time with cuDNN's attention kernel off (the
+  scheduler's default) and on (`--cudnn-attention`; torch prefers it on
+  sm90 with cuDNN >= 9.9, and it plans a graph for each new shape), each
+  with the step's keys as they are and padded to a multiple of 64
+  (`--decode-kv-multiple`; a decode step's keys grow by one every step
+  unless padded);
 - on a GPU, every call that makes the host wait for the device
   (`cudaStreamSynchronize`, `cudaDeviceSynchronize`, `cudaEventSynchronize`,
   a synchronous `cudaMemcpy`) with the Python frames it came from: the
@@ -89,34 +91,30 @@ def waits(events: Any) -> list[tuple[str, int, float, str]]:
 
 
 def arms(model: Any, args: argparse.Namespace, warm: int, sync: Any) -> None:
-    """The decode step as is, with cuDNN's SDPA backend off, and with its
-    keys padded (masked) to a multiple of `args.pad` (`RowCache.
-    decode_kv_multiple`), each arm from a new join, alternating over
-    `args.rounds` rounds. On sm90 with cuDNN >= 9.9 torch tries that
-    backend first; it takes the engine's additive mask and plans a graph
-    for each new shape, and a decode step's keys grow by one every step
-    unless padded."""
+    """The decode step with cuDNN's attention kernel off (the scheduler's
+    default) and on (`--cudnn-attention`: torch's first choice on sm90 with
+    cuDNN >= 9.9, which plans a graph for each new shape), each with its
+    keys as they are and padded (masked) to a multiple of `args.pad`
+    (`--decode-kv-multiple`, so that their shape repeats: a decode step's
+    keys grow by one every step unless padded). Each arm from a new join,
+    alternating over `args.rounds` rounds."""
     import torch
 
-    from scheduler_svc.kvcache import RowCache
-
-    enabled = torch.backends.cuda.cudnn_sdp_enabled()
-    print(f"cuDNN {torch.backends.cudnn.version()}, cuDNN SDPA enabled: {enabled}")
-    padded = f"keys padded to {args.pad}"
-    times: dict[str, list[float]] = {"as is": [], "cuDNN SDPA off": [], padded: []}
-    try:
-        for _ in range(args.rounds):
-            for arm, seen in times.items():
-                torch.backends.cuda.enable_cudnn_sdp(enabled and arm != "cuDNN SDPA off")
-                RowCache.decode_kv_multiple = args.pad if arm == padded else 1
-                trial = Decoder(engine(model, 0), args.rows, args.prompt, answer=1 + warm + args.steps + 1)
-                timed(trial, warm, sync)
-                seen.append(timed(trial, args.steps, sync))
-    finally:
-        torch.backends.cuda.enable_cudnn_sdp(enabled)
-        RowCache.decode_kv_multiple = 1
+    print(f"cuDNN {torch.backends.cudnn.version()}")
+    options = {
+        "cuDNN off (default)": {},
+        "cuDNN on": {"cudnn_attention": True},
+        f"cuDNN off, keys padded to {args.pad}": {"decode_kv_multiple": args.pad},
+        f"cuDNN on, keys padded to {args.pad}": {"cudnn_attention": True, "decode_kv_multiple": args.pad},
+    }
+    times: dict[str, list[float]] = {arm: [] for arm in options}
+    for _ in range(args.rounds):
+        for arm, seen in times.items():
+            trial = Decoder(engine(model, 0, **options[arm]), args.rows, args.prompt, answer=1 + warm + args.steps + 1)
+            timed(trial, warm, sync)
+            seen.append(timed(trial, args.steps, sync))
     medians = {arm: statistics.median(seen) for arm, seen in times.items()}
-    base = medians["as is"]
+    base = medians["cuDNN off (default)"]
     said = ", ".join(f"{arm} {ms:.2f} ({ms / base:.2f}x)" for arm, ms in medians.items())
     print(f"decode step wall ms, median of {args.rounds} rounds: {said}")
 
@@ -130,7 +128,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--arms", action=argparse.BooleanOptionalAction, default=None,
-                        help="time the step as is, with cuDNN's SDPA off, and with its keys padded "
+                        help="time the step with cuDNN's attention off and on, keys padded and not "
                         "(default: on a GPU only)")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=3, help="rounds of those arms")
     parser.add_argument("--pad", type=int, default=64, help="the padded arm's multiple of keys")

@@ -148,6 +148,8 @@ class Engine:
         prefix_cache_bytes: int = 0,
         threads: StepThreads | None = None,
         grammars: Grammars | None = None,
+        cudnn_attention: bool = False,
+        decode_kv_multiple: int = 1,
     ) -> None:
         self.model = model
         # Rank 0's compiler of structured-output constraints (None: requests with a json_schema fail).
@@ -164,7 +166,12 @@ class Engine:
         self._prefill_body: torch.nn.Module = model.model  # type: ignore[assignment]
         self._decode_body: torch.nn.Module = getattr(model.model, "language_model", model.model)  # type: ignore[arg-type]
         layers = int(model.config.get_text_config().num_hidden_layers)  # type: ignore[union-attr,operator]
-        self.cache = RowCache(layers, dtype=self.dtype, device=device, token_chunk=token_chunk)
+        self.cache = RowCache(
+            layers, dtype=self.dtype, device=device, token_chunk=token_chunk, decode_kv_multiple=decode_kv_multiple
+        )
+        # On CUDA, torch's attention without cuDNN's kernel unless asked for
+        # (`--cudnn-attention`): it plans a graph on the host for each new shape.
+        self._kernels = _attention_kernels(device, cudnn=cudnn_attention)
         self.rows: list[Row] = []  # row i of the cache
         self.index: dict[str, int] = {}
         self._active_per_rank = [0] * coll.world_size
@@ -209,7 +216,7 @@ class Engine:
         even the first real forward that fails on one rank can be drained."""
         cache = RowCache(len(self.cache.layers), dtype=self.dtype, device=self.device)
         ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)
-        with torch.inference_mode():
+        with torch.inference_mode(), self._kernels():
             self._body(self._prefill_body, ids, cache.begin_prefill([1]), cache)
             self._body(self._decode_body, ids, cache.begin_decode(), cache, decode=True)
             self._sums.settle()  # type: ignore[union-attr]
@@ -235,7 +242,7 @@ class Engine:
     def step(self, plan: Plan) -> StepOutcome:
         # The cache's tensors are made in inference mode; every in-place
         # change to them (joins, leaves) must happen in it too.
-        with torch.inference_mode(), self._threads(plan):
+        with torch.inference_mode(), self._threads(plan), self._kernels():
             try:
                 return self._step(plan)
             finally:
@@ -1060,6 +1067,18 @@ def _verdict(exc: BaseException, what: str, *, one_request: bool) -> tuple[int, 
         return E.ERROR_CODE_OVERLOADED, f"the server ran out of memory in {what}; retry"
     on = " on this request" if one_request else ""
     return E.ERROR_CODE_INTERNAL, f"the model failed{on} in {what} ({type(exc).__name__}, logged)"
+
+
+def _attention_kernels(device: torch.device, *, cudnn: bool) -> Callable[[], contextlib.AbstractContextManager[None]]:
+    """What a step runs under: on CUDA without cuDNN's attention, torch's
+    other SDPA kernels as they are (`sdpa_kernel` sets the process's
+    flags for the step and puts them back after)."""
+    if device.type != "cuda" or cudnn:
+        return contextlib.nullcontext
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backends = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    return lambda: sdpa_kernel(backends)
 
 
 def all_finite(tensor: torch.Tensor) -> bool:

@@ -106,13 +106,6 @@ class _Step:
 
 
 class RowCache(Cache):
-    # A decode step's keys, padded (masked) up to a multiple of this, so
-    # that their shape repeats instead of growing by one every step: for
-    # attention kernels that plan per shape (cuDNN's SDPA, which torch
-    # prefers on sm90). 1: no padding, what the services run;
-    # bench/step_profile.py measures others on the device at hand.
-    decode_kv_multiple = 1
-
     def __init__(
         self,
         num_layers: int,
@@ -121,9 +114,14 @@ class RowCache(Cache):
         device: torch.device,
         token_chunk: int = 256,
         row_chunk: int = 8,
+        decode_kv_multiple: int = 1,
     ) -> None:
         super().__init__(layers=[_RowLayer() for _ in range(num_layers)])
         self.dtype = dtype
+        # A decode step's keys, padded (masked) up to a multiple of this, so
+        # that their shape repeats instead of growing by one every step: for
+        # attention kernels that plan per shape (cuDNN's SDPA). 1: no padding.
+        self.decode_kv_multiple = decode_kv_multiple
         self.device = device
         self.token_chunk = token_chunk
         self.row_chunk = row_chunk

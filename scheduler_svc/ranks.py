@@ -80,6 +80,8 @@ def bootstrap(settings: SchedulerSettings, rendezvous: Rendezvous | None, arena:
         encoder_cache_bytes=settings.encoder_cache_bytes,
         prefill_chunk=settings.max_prefill_tokens,
         prefix_cache_bytes=settings.prefix_cache_bytes,
+        cudnn_attention=settings.cudnn_attention,
+        decode_kv_multiple=settings.decode_kv_multiple,
         threads=StepThreads(torch.get_num_threads()) if device.type == "cpu" and settings.tune_threads else None,
         hook=importlib.import_module(settings.engine_hook) if settings.engine_hook else None,
         grammars=Grammars(settings.model_dir, info.eos_token_ids) if coll.rank == 0 else None,

@@ -52,6 +52,19 @@ class SchedulerSettings(ServiceSettings):
         "model dtype: 'auto' (float32 on CPU, bfloat16 on CUDA), 'float32', 'bfloat16' or 'float16'",
         choices=("auto", "float32", "bfloat16", "float16"),
     )
+    cudnn_attention: bool = _opt(
+        False,
+        "on CUDA, let torch's attention use cuDNN's kernel (its first choice on Hopper GPUs): it plans a graph "
+        "on the host for every new shape, and a decode step's keys grow every step, so it plans nearly every "
+        "step (an H200: decode steps 1.3-1.8x as long with it, bench/step_profile.py); off, torch takes its "
+        "flash or memory-efficient kernel",
+    )
+    decode_kv_multiple: int = _opt(
+        1,
+        "pad each decode step's keys (masked) to a multiple of this many, so that their shape repeats for "
+        "attention kernels that plan per shape; 1 = no padding",
+        min=1,
+    )
     max_tensor_bytes: int = _opt(64 * 1024 * 1024, "largest tensor (and segment) accepted, bytes", min=1)
     max_new_per_step: int = _opt(32, "new requests admitted into one step; the rest wait", min=1)
     max_running: int = _opt(64, "requests generating at once (rows of the batch)", min=1)

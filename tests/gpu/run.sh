@@ -6,8 +6,10 @@
 #     PARTS="profile engine" tests/gpu/run.sh [OUT_DIR]   # some parts only
 #
 # Parts (all by default, in this order): checks, handoff, engine, multiturn,
-# profile. All of them may take ~8-10 minutes, near a lent machine's limit of
-# one command: a session with little device time left should pick.
+# profile; and, only when named, cudnn (the engine benchmark again with
+# --cudnn-attention, torch's own choice of attention kernel, to compare).
+# All of them may take ~8-10 minutes, near a lent machine's limit of one
+# command: a session with little device time left should pick.
 #
 # Needs: python3 with torch (CUDA build) and transformers' dependencies; the
 # Python packages this project pins that such a machine may lack, as wheels
@@ -53,6 +55,11 @@ fi
 if want engine; then
   timeout 240 python3 bench/engine.py --device cuda --dtype bfloat16 --tp 1 --models tiny,8x512 --rounds 2 2>&1 \
     | grep -v -E "Loading weights|Writing model" | tee "$out/bench.txt" || status=1
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+if [[ " ${PARTS:-} " == *" cudnn "* ]]; then
+  timeout 240 python3 bench/engine.py --device cuda --dtype bfloat16 --tp 1 --models tiny,8x512 --rounds 2 --cudnn-attention 2>&1 \
+    | grep -v -E "Loading weights|Writing model" | tee "$out/bench-cudnn.txt" || status=1
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 # The prefix cache on a GPU: multi-turn TTFT, and whether requests arriving

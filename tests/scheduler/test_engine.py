@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -439,3 +440,55 @@ def test_rows_leaving_together_leave_last_first_and_move_no_kv(model: torch.nn.M
     engine.step(Plan(step=3, drop=("r1", "r3")))
     assert removed == [(1, 2), (0, 1)], "the last row each time: no row's KV moved"
     assert (engine.cache.rows, engine.cache.nbytes()) == (0, 0)
+
+
+@pytest.mark.parametrize(
+    ("device", "cudnn", "inside"),
+    [("cuda", False, False), ("cuda", True, True), ("cpu", False, True)],
+    ids=["CUDA: without cuDNN's kernel", "CUDA: --cudnn-attention", "CPU: as torch has it"],
+)
+def test_a_step_runs_without_cudnns_attention_on_cuda_unless_asked(device: str, cudnn: bool, inside: bool) -> None:
+    """cuDNN's SDPA plans a graph on the host per new shape (decode steps
+    1.3-1.8x as long on an H200, bench/step_profile.py): a CUDA engine's
+    step runs without it unless --cudnn-attention, and puts torch's flags
+    back after (the backend flags are global; flags are all this CPU build
+    can show)."""
+    from scheduler_svc.engine import _attention_kernels
+
+    kernels = _attention_kernels(torch.device(device), cudnn=cudnn)
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    with kernels():
+        assert torch.backends.cuda.cudnn_sdp_enabled() is inside
+        assert torch.backends.cuda.flash_sdp_enabled()
+        assert torch.backends.cuda.mem_efficient_sdp_enabled()
+        assert torch.backends.cuda.math_sdp_enabled()
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+
+
+def test_the_whole_step_runs_under_the_engines_attention_kernels(model: torch.nn.Module, engine: Engine) -> None:
+    """The vision tower, the prefill and the decode forwards all run under
+    the engine's choice (here a CUDA engine's, on this CPU: only the flags
+    show), and torch's flags are as they were between steps."""
+    from scheduler_svc.engine import _attention_kernels
+
+    engine._kernels = _attention_kernels(torch.device("cuda"), cudnn=False)
+    seen: list[tuple[str, bool]] = []
+
+    def record(name: str) -> Any:
+        return lambda *_: seen.append((name, torch.backends.cuda.cudnn_sdp_enabled()))
+
+    hooks = [
+        model.model.vision_tower.register_forward_pre_hook(record("tower")),  # type: ignore[union-attr,operator]
+        model.model.language_model.register_forward_pre_hook(record("language model")),  # type: ignore[union-attr,operator]
+    ]
+    try:
+        req = request("r", image_prompt(model, 1, [500]), [pixels(3)], max_tokens=3, min_tokens=3)
+        results = drive(engine, {0: [req]}, model.config.text_config.eos_token_id)  # type: ignore[union-attr]
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert len(results["r"]) == 3
+    assert {name for name, _ in seen} == {"tower", "language model"}
+    assert len(seen) >= 4
+    assert not any(cudnn for _, cudnn in seen), seen
+    assert torch.backends.cuda.cudnn_sdp_enabled()

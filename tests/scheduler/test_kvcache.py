@@ -220,8 +220,9 @@ def test_continuous_joins_and_leaves_decode_like_each_request_alone(llama: torch
     keys padded, masked, past the longest row: `decode_kv_multiple`)."""
     rng = random.Random(3)
     requests = [([rng.randrange(1, 300) for _ in range(rng.randrange(1, 40))], rng.randrange(1, 20)) for _ in range(16)]
-    c = RowCache(2, dtype=torch.float32, device=torch.device("cpu"), token_chunk=16, row_chunk=4)
-    c.decode_kv_multiple = kv_multiple
+    c = RowCache(
+        2, dtype=torch.float32, device=torch.device("cpu"), token_chunk=16, row_chunk=4, decode_kv_multiple=kv_multiple
+    )
     rows: list[int] = []  # request index per cache row
     feeds: list[int] = []
     made: dict[int, list[int]] = {i: [] for i in range(len(requests))}
