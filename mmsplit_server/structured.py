@@ -6,10 +6,12 @@ a schema it cannot compile is the client's error; the last 64 schemas'
 grammars are kept, so an application sending one schema compiles it once);
 rank 0 of the scheduler then gives each such request a `Constraint`, which
 says before every step which tokens may come next (a bit per token of the
-vocabulary) and follows the tokens drawn. Making the matcher runs on the
-step thread as the request joins: 0.3 ms for a small schema here, ~22 ms
-for a 48 KB one of 600 patterned properties (bench/structured.py; the
-64 KiB cap bounds it).
+vocabulary) and follows the tokens drawn. Compiling takes 0.1 ms for a
+small schema here, ~19 ms for a 48 KB one of 600 patterned properties, and
+making the matcher 0.3 and ~22 ms (bench/structured.py; the 64 KiB cap
+bounds both): both services compile off their event loops
+(`compile_off_loop`), and rank 0 makes matchers ahead in a thread
+(`Grammars`).
 Whitespace inside the JSON is off unless the schema's own "x-guidance"
 options turn it on: the document is compact, and a model cannot spend its
 tokens on blanks.
@@ -17,6 +19,7 @@ tokens on blanks.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import concurrent.futures
 import functools
@@ -32,30 +35,46 @@ MAX_SCHEMA_BYTES = 64 * 1024
 COMPILE_DEFAULTS = {"whitespace_flexible": False}
 
 
-@functools.lru_cache(maxsize=64)
 def grammar(json_schema: str) -> str:
     """The llguidance grammar of `json_schema`; ValueError with the reason
     when it is not a JSON object or cannot be compiled (or the server
     lacks llguidance: a pinned requirement, but a hand-made environment,
-    such as a GPU machine's, may miss it)."""
+    such as a GPU machine's, may miss it). The last 64 schemas' outcomes
+    are kept, refusals too: a service that compiled one in a thread finds
+    it here on its event loop."""
+    compiled = _compiled(json_schema)
+    if isinstance(compiled, ValueError):
+        raise ValueError(str(compiled))
+    return compiled
+
+
+@functools.lru_cache(maxsize=64)
+def _compiled(json_schema: str) -> str | ValueError:
     try:
         import llguidance
     except ImportError:
-        raise ValueError("cannot be honoured: this server lacks the llguidance package") from None
+        return ValueError("cannot be honoured: this server lacks the llguidance package")
 
     if len(json_schema.encode()) > MAX_SCHEMA_BYTES:
-        raise ValueError(f"is over {MAX_SCHEMA_BYTES} bytes")
+        return ValueError(f"is over {MAX_SCHEMA_BYTES} bytes")
     try:
         schema = json.loads(json_schema)
     except json.JSONDecodeError as exc:
-        raise ValueError(f"is not JSON ({exc})") from None
+        return ValueError(f"is not JSON ({exc})")
     if not isinstance(schema, dict):
-        raise ValueError("must be a JSON object (a schema)")
+        return ValueError("must be a JSON object (a schema)")
     compiled = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=COMPILE_DEFAULTS)  # type: ignore[arg-type]
     error = llguidance.LLMatcher.validate_grammar(compiled)
     if error:
-        raise ValueError(f"cannot be compiled: {error}")
+        return ValueError(f"cannot be compiled: {error}")
     return compiled
+
+
+async def compile_off_loop(json_schema: str) -> None:
+    """Compile `json_schema` in a thread (22 ms for a 48 KB one), so that
+    `grammar` then finds it on the event loop at once, whatever the
+    outcome (a refusal says why there)."""
+    await asyncio.to_thread(_compiled, json_schema)
 
 
 class Grammars:
@@ -65,9 +84,9 @@ class Grammars:
     (`constraint`), so the step thread does not wait for it (22 ms for a
     48 KB schema, bench/structured.py). The model's tokenizer as llguidance
     needs it is built on the first such request (0.3-1 s), once, in that
-    thread too. At most `keep` matchers wait to be taken (a request dropped
-    before joining leaves one, until newer ones push it out); one not
-    prepared, or pushed out, is made at join."""
+    thread too. A request that ends before it joins has its matcher
+    forgotten (`forget`); at most `keep` wait to be taken, the oldest pushed
+    out beyond that; one not prepared, or pushed out, is made at join."""
 
     def __init__(self, model_dir: Path, eos_token_ids: frozenset[int], keep: int = 1024) -> None:
         self._model_dir = model_dir
@@ -87,6 +106,14 @@ class Grammars:
             self._prepared[request_id] = self._pool.submit(self._make, json_schema)
             while len(self._prepared) > self._keep:
                 self._prepared.popitem(last=False)[1].cancel()
+
+    def forget(self, request_id: str) -> None:
+        """`request_id` will not join (cancelled, refused, or failed while
+        waiting): its prepared matcher, if any, goes."""
+        with self._lock:
+            prepared = self._prepared.pop(request_id, None)
+        if prepared is not None:
+            prepared.cancel()
 
     def constraint(self, json_schema: str, request_id: str = "") -> Constraint:
         """The matcher prepared for `request_id` (waiting for it if it is

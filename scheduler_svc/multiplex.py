@@ -86,6 +86,8 @@ class StreamCall:
         async for message in messages:
             action = message.WhichOneof("action")
             if action == "generate":
+                # This stream's next messages wait (its order is kept); other streams go on.
+                await self.frontend.ready(message.generate)
                 self.start(message.generate)
             elif action == "cancel":
                 self.cancel(message.cancel.request_id)

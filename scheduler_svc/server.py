@@ -113,6 +113,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         summary = RequestSummary(rid, items=len(request.items) + len(request.pixel_values))
         try:
             self._check_pairing(context)
+            await self.frontend.ready(request)
             admission = self.frontend.admit(request)
         except MmsplitError as exc:
             log.info("request %s rejected: %s", rid, exc)

@@ -27,6 +27,9 @@ class FakeFrontend:
     ended: list[str] = field(default_factory=list)
     fail_with: dict[str, Exception] = field(default_factory=dict)
 
+    async def ready(self, pb: scheduler_pb2.GenerateRequest) -> None:
+        pass
+
     def admit(self, pb: scheduler_pb2.GenerateRequest, sink: Callable[[Event], None]) -> None:
         if pb.request_id in self.fail_with:
             raise self.fail_with[pb.request_id]

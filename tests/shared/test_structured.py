@@ -80,3 +80,81 @@ def test_preparing_does_not_wait_for_the_tokenizer_being_built(
     release.set()
     assert took < 1.0, f"prepare waited {took:.1f} s for the build"
     assert grammars.constraint(SCHEMA, "second").bitmask().any()
+
+
+def test_a_request_that_ends_before_joining_leaves_no_matcher(tiny_model: Path) -> None:
+    """Cancelled (or refused, or failed) before it joins: the scheduler's
+    frontend forgets its prepared matcher, rather than keep it until 1,024
+    newer ones push it out."""
+    from types import SimpleNamespace
+
+    from scheduler_svc.frontend import Frontend
+
+    grammars = Grammars(tiny_model, frozenset([2]))
+    aborted: list[str] = []
+    loop = SimpleNamespace(abort=aborted.append, engine=SimpleNamespace(grammars=grammars))
+    frontend = Frontend(loop, None, None)  # type: ignore[arg-type]
+    grammars.prepare("gone", SCHEMA)
+    grammars.prepare("stays", SCHEMA)
+    frontend.end("gone")
+    assert aborted == ["gone"]
+    assert list(grammars._prepared) == ["stays"]
+    frontend.end("never seen")  # harmless
+    assert list(grammars._prepared) == ["stays"]
+
+
+def test_the_scheduler_compiles_a_new_schema_off_its_event_loop(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`Frontend.ready` (awaited before `admit` by both RPCs) compiles a
+    request's schema in a thread while the event loop serves the others
+    (~19 ms for a 48 KB schema); `admit`'s check then finds it compiled,
+    and a refusal is kept as well."""
+    import asyncio
+    import functools
+
+    from mmsplit.common.v1 import common_pb2
+    from mmsplit.scheduler.v1 import scheduler_pb2
+    from mmsplit_server.sampling import InvalidSampling, Sampling
+    from scheduler_svc.frontend import Frontend
+
+    compiling, release = threading.Event(), threading.Event()
+    threads: list[str] = []
+    compile_ = structured._compiled.__wrapped__
+
+    def held(json_schema: str) -> object:
+        threads.append(threading.current_thread().name)
+        compiling.set()
+        release.wait(10)
+        return compile_(json_schema)
+
+    monkeypatch.setattr(structured, "_compiled", functools.lru_cache(maxsize=64)(held))
+    frontend = Frontend(None, None, None)  # type: ignore[arg-type]
+
+    def message(schema: str) -> scheduler_pb2.GenerateRequest:
+        sampling = common_pb2.SamplingParams(max_tokens=4, json_schema=schema)
+        return scheduler_pb2.GenerateRequest(request_id="r", input_ids=[1, 2], sampling=sampling)
+
+    async def main() -> int:
+        ready = asyncio.create_task(frontend.ready(message(SCHEMA)))
+        assert await asyncio.to_thread(compiling.wait, 30)
+        turns = 0
+        for _ in range(5):  # the loop goes round while the schema compiles
+            await asyncio.sleep(0)
+            turns += 1
+        done = ready.done()
+        release.set()
+        await ready
+        assert not done
+        return turns
+
+    assert asyncio.run(main()) == 5
+    assert threads
+    assert threads[0] != threading.current_thread().name
+    Sampling.from_pb(message(SCHEMA).sampling, max_tokens_limit=64)
+    assert len(threads) == 1, "admission's check found it compiled"
+    bad = json.dumps({"type": "object", "properties": {"a": {"type": "no such type"}}})
+    asyncio.run(frontend.ready(message(bad)))
+    with pytest.raises(InvalidSampling, match="cannot be compiled"):
+        Sampling.from_pb(message(bad).sampling, max_tokens_limit=64)
+    assert len(threads) == 2, "the refusal was kept too"
