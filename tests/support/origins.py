@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 class Origin:
     address: str  # 127.0.0.1:PORT
     hits: int = 0
+    paths: list[str] = field(default_factory=list)  # of every request, in order
     asked: threading.Event = field(default_factory=threading.Event)  # set at the first request
     release: threading.Event = field(default_factory=threading.Event)  # set: answers go out
 
@@ -35,6 +36,7 @@ def local_origin(body: bytes, *, held: bool = False) -> Iterator[Origin]:
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:
             origin.hits += 1
+            origin.paths.append(self.path)
             origin.asked.set()
             origin.release.wait(60)
             self.send_response(200)
