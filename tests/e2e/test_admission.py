@@ -23,22 +23,22 @@ def test_a_big_request_beyond_the_inflight_limit_fetches_nothing(tiny_model: Pat
     holds (as long as the test needs, on any host's speed)."""
     with local_origin(samples.good_png(), held=True) as origin:
         extra = ["--max-inflight", "1", "--private-fetch-exempt", origin.address]
-        with running_pair(tiny_model, tmp_path, scheduler_extra=["--tp", "1"], tokenizer_extra=extra) as pair:
-            with grpc.insecure_channel(pair.tokenizer_address) as channel:
-                stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
-                occupant = stub.Generate(make_request("Hi", urls=[origin.url("occupant.png")], max_tokens=2))
-                assert origin.asked.wait(60), "the occupant never fetched its image"
-                big = tokenizer_pb2.GenerateRequest(
-                    prompt="Compare them all.",
-                    images=[tokenizer_pb2.Image(url=origin.url("big.png"))]
-                    + [tokenizer_pb2.Image(data=b"\xff" * (16 * 1024 * 1024 + 64)) for _ in range(4)],
-                )
-                assert big.ByteSize() > 64 * 1024 * 1024
-                refused = run_request(stub, big, timeout=60)
-                origin.release.set()
-                finished = [r for r in occupant if r.HasField("finished")]
-                assert len(finished) == 1, "the occupant, once its image came, ran to its end"
-                # The slot is free again: the next request is served.
-                assert run_request(stub, make_request("Hi", max_tokens=2)).ok
+        pair_at = running_pair(tiny_model, tmp_path, scheduler_extra=["--tp", "1"], tokenizer_extra=extra)
+        with pair_at as pair, grpc.insecure_channel(pair.tokenizer_address) as channel:
+            stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
+            occupant = stub.Generate(make_request("Hi", urls=[origin.url("occupant.png")], max_tokens=2))
+            assert origin.asked.wait(60), "the occupant never fetched its image"
+            big = tokenizer_pb2.GenerateRequest(
+                prompt="Compare them all.",
+                images=[tokenizer_pb2.Image(url=origin.url("big.png"))]
+                + [tokenizer_pb2.Image(data=b"\xff" * (16 * 1024 * 1024 + 64)) for _ in range(4)],
+            )
+            assert big.ByteSize() > 64 * 1024 * 1024
+            refused = run_request(stub, big, timeout=60)
+            origin.release.set()
+            finished = [r for r in occupant if r.HasField("finished")]
+            assert len(finished) == 1, "the occupant, once its image came, ran to its end"
+            # The slot is free again: the next request is served.
+            assert run_request(stub, make_request("Hi", max_tokens=2)).ok
     assert (refused.grpc_code, refused.reason) == ("RESOURCE_EXHAUSTED", "OVERLOADED"), refused
     assert origin.paths == ["/occupant.png"], "the refused request's image was fetched"
