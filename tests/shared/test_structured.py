@@ -122,10 +122,15 @@ def test_the_scheduler_compiles_a_new_schema_off_its_event_loop(
     threads: list[str] = []
     compile_ = structured._compiled.__wrapped__
 
+    # This test's own schemas (another test's matcher thread may compile SCHEMA meanwhile).
+    mine = json.dumps({"type": "object", "properties": {"held": {"type": "integer"}}})
+    bad = json.dumps({"type": "object", "properties": {"a": {"type": "no such type"}}})
+
     def held(json_schema: str) -> object:
-        threads.append(threading.current_thread().name)
-        compiling.set()
-        release.wait(10)
+        if json_schema in (mine, bad):
+            threads.append(threading.current_thread().name)
+            compiling.set()
+            release.wait(10)
         return compile_(json_schema)
 
     monkeypatch.setattr(structured, "_compiled", functools.lru_cache(maxsize=64)(held))
@@ -136,7 +141,7 @@ def test_the_scheduler_compiles_a_new_schema_off_its_event_loop(
         return scheduler_pb2.GenerateRequest(request_id="r", input_ids=[1, 2], sampling=sampling)
 
     async def main() -> int:
-        ready = asyncio.create_task(frontend.ready(message(SCHEMA)))
+        ready = asyncio.create_task(frontend.ready(message(mine)))
         assert await asyncio.to_thread(compiling.wait, 30)
         turns = 0
         for _ in range(5):  # the loop goes round while the schema compiles
@@ -151,9 +156,8 @@ def test_the_scheduler_compiles_a_new_schema_off_its_event_loop(
     assert asyncio.run(main()) == 5
     assert threads
     assert threads[0] != threading.current_thread().name
-    Sampling.from_pb(message(SCHEMA).sampling, max_tokens_limit=64)
+    Sampling.from_pb(message(mine).sampling, max_tokens_limit=64)
     assert len(threads) == 1, "admission's check found it compiled"
-    bad = json.dumps({"type": "object", "properties": {"a": {"type": "no such type"}}})
     asyncio.run(frontend.ready(message(bad)))
     with pytest.raises(InvalidSampling, match="cannot be compiled"):
         Sampling.from_pb(message(bad).sampling, max_tokens_limit=64)
