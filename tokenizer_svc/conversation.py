@@ -10,19 +10,26 @@ place (ErrorInfo metadata ``param``; the HTTP error body's ``param``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
 
 from mmsplit.tokenizer.v1 import tokenizer_pb2
 from mmsplit_server.families import Family
 from tokenizer_svc.errors import InvalidRequest, MediaUnsupported
-from tokenizer_svc.prompt import Turn
+from tokenizer_svc.prompt import ToolCall, Turn
 from tokenizer_svc.settings import TokenizerSettings
 
 ROLES = {
     tokenizer_pb2.CHAT_ROLE_SYSTEM: "system",
     tokenizer_pb2.CHAT_ROLE_USER: "user",
     tokenizer_pb2.CHAT_ROLE_ASSISTANT: "assistant",
+    tokenizer_pb2.CHAT_ROLE_TOOL: "tool",
 }
+# Tools one request may give (GenerateRequest.tools), and their names.
+MAX_TOOLS = 128
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 Medium = tokenizer_pb2.Image | tokenizer_pb2.Video
 # Choices one request may ask for (GenerateRequest.n).
@@ -47,6 +54,8 @@ class Parsed:
     turns: list[Turn] | None  # None: a prompt request
     # In the order the service prepares them: the images, then the videos.
     media: list[Located]
+    # As the chat template takes them ({"type": "function", "function": {...}}).
+    tools: list[dict[str, Any]] = field(default_factory=list)
 
 
 def parse(request: tokenizer_pb2.GenerateRequest, settings: TokenizerSettings, family: Family) -> Parsed:
@@ -54,9 +63,13 @@ def parse(request: tokenizer_pb2.GenerateRequest, settings: TokenizerSettings, f
     if request.messages:
         if request.prompt or request.images or request.videos:
             raise InvalidRequest("give either messages or prompt (with images and videos), not both")
-        parsed = _conversation(request.messages)
+        parsed = _conversation(request.messages, request.tools)
         chars = sum(len(text) for turn in parsed.turns or [] for kind, text in turn.parts if kind == "text")
+        chars += sum(len(call.name) + len(call.arguments) for turn in parsed.turns or [] for call in turn.tool_calls)
+        chars += sum(len(t.name) + len(t.description) + len(t.parameters) for t in request.tools)
     else:
+        if request.tools:
+            raise InvalidRequest("tools go with a conversation (messages), not a prompt", metadata={"param": "tools"})
         images = [Located(m, f"images[{i}]") for i, m in enumerate(request.images)]
         videos = [Located(m, f"videos[{i}]") for i, m in enumerate(request.videos)]
         parsed = Parsed(request.prompt, None, [*images, *videos])
@@ -78,16 +91,21 @@ def parse(request: tokenizer_pb2.GenerateRequest, settings: TokenizerSettings, f
     return parsed
 
 
-def _conversation(messages: list[tokenizer_pb2.ChatMessage]) -> Parsed:
+def _conversation(messages: list[tokenizer_pb2.ChatMessage], tools: list[tokenizer_pb2.Tool]) -> Parsed:
     turns: list[Turn] = []
     images: list[Located] = []
     videos: list[Located] = []
     for i, message in enumerate(messages):
         role = ROLES.get(message.role)
         if role is None:
-            raise InvalidRequest(f"messages[{i}] has no role (system, user or assistant)", metadata=_at(i))
+            raise InvalidRequest(f"messages[{i}] has no role (system, user, assistant or tool)", metadata=_at(i))
         if role == "system" and i:
             raise InvalidRequest("only the first message may be a system message", metadata=_at(i))
+        if message.tool_calls and role != "assistant":
+            raise InvalidRequest(f"messages[{i}]: only assistant messages may call tools", metadata=_at(i))
+        if (role == "tool") != bool(message.tool_call_id):
+            why = "a tool message needs" if role == "tool" else "only tool messages may have"
+            raise InvalidRequest(f"messages[{i}]: {why} a tool_call_id", metadata=_at(i))
         parts: list[tuple[str, str]] = []
         for j, part in enumerate(message.content):
             kind = part.WhichOneof("part")
@@ -101,8 +119,43 @@ def _conversation(messages: list[tokenizer_pb2.ChatMessage]) -> Parsed:
             elif kind == "video":
                 videos.append(Located(part.video, where))
             parts.append((kind, part.text if kind == "text" else ""))
-        turns.append(Turn(role, tuple(parts)))
-    return Parsed("", turns, [*images, *videos])
+        calls = tuple(_tool_call(call, f"messages[{i}].tool_calls[{k}]") for k, call in enumerate(message.tool_calls))
+        turns.append(Turn(role, tuple(parts), calls, message.tool_call_id))
+    return Parsed("", turns, [*images, *videos], _tools(tools))
+
+
+def _tool_call(call: tokenizer_pb2.ToolCall, where: str) -> ToolCall:
+    if not TOOL_NAME.fullmatch(call.name):
+        raise InvalidRequest(f"{where}.name must be 1-64 of a-z, A-Z, 0-9, _ and -", metadata={"param": where})
+    return ToolCall(call.id, call.name, call.arguments)
+
+
+def _tools(tools: list[tokenizer_pb2.Tool]) -> list[dict[str, Any]]:
+    """The request's tools as the chat template takes them."""
+    if len(tools) > MAX_TOOLS:
+        raise InvalidRequest(f"{len(tools)} tools, at most {MAX_TOOLS}", metadata={"param": "tools"})
+    out: list[dict[str, Any]] = []
+    names: set[str] = set()
+    for k, tool in enumerate(tools):
+        where = {"param": f"tools[{k}]"}
+        if not TOOL_NAME.fullmatch(tool.name):
+            raise InvalidRequest(f"tools[{k}].name must be 1-64 of a-z, A-Z, 0-9, _ and -", metadata=where)
+        if tool.name in names:
+            raise InvalidRequest(f"tools[{k}]: two tools are named {tool.name!r}", metadata=where)
+        names.add(tool.name)
+        function: dict[str, Any] = {"name": tool.name}
+        if tool.description:
+            function["description"] = tool.description
+        if tool.parameters:
+            try:
+                parameters = json.loads(tool.parameters)
+            except json.JSONDecodeError as exc:
+                raise InvalidRequest(f"tools[{k}].parameters is not JSON ({exc})", metadata=where) from None
+            if not isinstance(parameters, dict):
+                raise InvalidRequest(f"tools[{k}].parameters must be a JSON Schema object", metadata=where)
+            function["parameters"] = parameters
+        out.append({"type": "function", "function": function})
+    return out
 
 
 def _at(i: int) -> dict[str, str]:

@@ -41,6 +41,7 @@ from aiohttp import web
 
 from mmsplit.errors import InternalError, MmsplitError, Unauthenticated
 from mmsplit.tokenizer.v1 import tokenizer_pb2
+from mmsplit_server import structured
 from mmsplit_server.serving import RequestSummary
 from tokenizer_svc import openai_api
 from tokenizer_svc.errors import InvalidRequest
@@ -160,8 +161,10 @@ class HttpApi:
         if model is not None and model != self.model:
             return _not_served(model, self.model)
         call = openai_api.parse_chat(body) if chat else openai_api.parse_completion(body)
+        if call.forced is not None:
+            await _check_tool_schema(call.request.sampling.json_schema)
         rid = uuid.uuid4().hex
-        shape = openai_api.Shape.of(chat, rid, self.model)
+        shape = openai_api.Shape.of(chat, rid, self.model, call.forced)
         summary = RequestSummary(rid, protocol="http", route=request.path, choices=call.n)
         try:
             if call.stream:
@@ -234,8 +237,9 @@ class HttpApi:
                 i, event = item
                 _count(summary, event)
                 shown = choices.add(i, event)
-                if shown is not None:
-                    await _send(response, shape.delta(i, shown))
+                chunk = shape.delta(i, shown, choices.text[i]) if shown is not None else None
+                if chunk is not None:
+                    await _send(response, chunk)
             if call.include_usage:
                 await _send(response, shape.usage_chunk(choices))
             summary.finished("STOP", choices.prompt_tokens, sum(choices.completion_tokens))
@@ -310,6 +314,18 @@ class _Prefetch:
 
 
 _END = object()
+
+
+async def _check_tool_schema(schema: str) -> None:
+    """A forced tool call's schema (from the tools' parameters), compiled
+    off the event loop here, so that one that cannot be is the tools'
+    fault in the error, not response_format's (the service finds it
+    compiled)."""
+    await structured.compile_off_loop(schema)
+    try:
+        structured.grammar(schema)
+    except ValueError as exc:
+        raise InvalidRequest(f"the tool's parameters (a JSON Schema) {exc}", metadata={"param": "tools"}) from None
 
 
 def _count(summary: RequestSummary, response: tokenizer_pb2.GenerateResponse) -> None:

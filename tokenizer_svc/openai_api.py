@@ -36,10 +36,12 @@ one in `mmsplit.errors`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,21 +91,21 @@ ROLES = {
     "developer": tokenizer_pb2.CHAT_ROLE_SYSTEM,
     "user": tokenizer_pb2.CHAT_ROLE_USER,
     "assistant": tokenizer_pb2.CHAT_ROLE_ASSISTANT,
+    "tool": tokenizer_pb2.CHAT_ROLE_TOOL,
 }
 KNOWN = {
     "model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
     "stop", "min_tokens", "stop_token_ids", "n", "stream", "stream_options", "logprobs", "top_logprobs", "user",
     "cache_salt", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "response_format",
+    "tools", "tool_choice", "parallel_tool_calls",
 }  # fmt: skip
 
 # Field -> (the values that ask for nothing, and are accepted; why any other
 # value is refused).
-_TOOLS = "this server does not parse tool calls"
+_FUNCTIONS = "the deprecated functions API is not served: use tools and tool_choice"
 UNHONOURED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "tools": ((None, []), _TOOLS),
-    "tool_choice": ((None, "none"), _TOOLS),
-    "functions": ((None, []), _TOOLS),
-    "function_call": ((None, "none"), _TOOLS),
+    "functions": ((None, []), _FUNCTIONS),
+    "function_call": ((None, "none"), _FUNCTIONS),
     "modalities": ((None, ["text"]), "this server answers in text only"),
     "audio": ((None,), "this server answers in text only"),
     "echo": ((None, False), "this server does not return the prompt"),
@@ -138,6 +140,36 @@ class Call:
     n: int
     stream: bool
     include_usage: bool
+    # A tool_choice that makes the model call a tool (its output then answers as tool_calls).
+    forced: Forced | None = None
+
+
+@dataclass(frozen=True)
+class Forced:
+    """tool_choice "required" (`name` empty: the output is a JSON list of
+    {"name", "parameters"} objects, one per call) or a named function (the
+    output is its arguments). Either is the request's json_schema, so the
+    output is such a document (unless max_tokens cut it short)."""
+
+    name: str
+
+    def calls(self, text: str) -> list[dict[str, Any]] | None:
+        """The tool calls of a choice's whole output (None: it is not one,
+        cut short: it then answers as content)."""
+        if self.name:
+            return [_tool_call(self.name, text)]
+        try:
+            listed = json.loads(text)
+        except json.JSONDecodeError:
+            return None
+        if not isinstance(listed, list) or not all(isinstance(c, dict) and "name" in c for c in listed):
+            return None
+        return [_tool_call(str(c["name"]), json.dumps(c.get("parameters", {}), ensure_ascii=False)) for c in listed]
+
+
+def _tool_call(name: str, arguments: str) -> dict[str, Any]:
+    function = {"name": name, "arguments": arguments}
+    return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function", "function": function}
 
 
 def parse_chat(body: Any) -> Call:
@@ -146,6 +178,7 @@ def parse_chat(body: Any) -> Call:
     if not isinstance(messages, list) or not messages:
         raise _invalid("messages must be a non-empty list", "messages")
     request = tokenizer_pb2.GenerateRequest(messages=[_message(m, i) for i, m in enumerate(messages)])
+    forced = _tools(body, request)
     logprobs = body.get("logprobs")
     if logprobs is not None and not isinstance(logprobs, bool):
         raise _invalid("logprobs must be true or false", "logprobs")
@@ -157,11 +190,82 @@ def parse_chat(body: Any) -> Call:
         if top and not logprobs:
             raise _invalid("top_logprobs needs logprobs: true", "top_logprobs")
         request.sampling.top_logprobs = top
-    return _finish(body, request)
+    call = _finish(body, request)
+    if forced is None:
+        return call
+    if call.request.sampling.json_schema:
+        raise _invalid("response_format cannot go with a tool_choice that calls a tool", "tool_choice")
+    call.request.sampling.json_schema = forced[1]
+    return dataclasses.replace(call, forced=forced[0])
+
+
+def _tools(body: dict[str, Any], request: tokenizer_pb2.GenerateRequest) -> tuple[Forced, str] | None:
+    """OpenAI's tools into the request (the chat template gets them), and
+    the tool_choice: None for "none" (the default without tools); for
+    "required" or a named function, how the output answers and its JSON
+    Schema. "auto" (the default with tools) needs the model's own format
+    of calls parsed, which this server does not do yet."""
+    tools = body.get("tools")
+    if tools is None:
+        tools = []
+    if not isinstance(tools, list):
+        raise _invalid("tools must be a list of tools", "tools")
+    schemas: dict[str, dict[str, Any]] = {}
+    for k, tool in enumerate(tools):
+        where = f"tools[{k}]"
+        function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise _invalid(f'{where} must be {{"type": "function", "function": {{"name": ...}}}}', where)
+        description = function.get("description", "")
+        parameters = function.get("parameters")
+        if not isinstance(description, str):
+            raise _invalid(f"{where}.function.description must be a string", where)
+        if parameters is not None and not isinstance(parameters, dict):
+            raise _invalid(f"{where}.function.parameters must be a JSON Schema object", where)
+        name = function["name"]
+        schemas[name] = parameters if parameters is not None else {"type": "object", "properties": {}}
+        request.tools.add(name=name, description=description, parameters=json.dumps(parameters) if parameters else "")
+    choice = body.get("tool_choice")
+    if choice is None:
+        choice = "auto" if tools else "none"
+    if choice == "none":
+        return None
+    if not tools:
+        raise _invalid(f"tool_choice {_short(choice)} needs tools", "tool_choice")
+    if choice == "auto":
+        raise _invalid(
+            'tool_choice "auto" (the default when tools are given) is not supported yet: this server does not '
+            'parse calls a model writes in its own format; ask for "required" or name a function, or send '
+            'tool_choice "none"',
+            "tool_choice",
+        )
+    if choice == "required":
+        calls = [
+            {"type": "object", "properties": {"name": {"const": name}, "parameters": schema},
+             "required": ["name", "parameters"], "additionalProperties": False}
+            for name, schema in schemas.items()
+        ]  # fmt: skip
+        listed: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        if body.get("parallel_tool_calls") is False:
+            listed["maxItems"] = 1
+        return Forced(""), json.dumps(listed)
+    named = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(named, str):
+        raise _invalid(
+            f'tool_choice {_short(choice)} must be "none", "auto", "required" or '
+            '{"type": "function", "function": {"name": ...}}',
+            "tool_choice",
+        )
+    if named not in schemas:
+        raise _invalid(f"tool_choice names {named!r}, which is not among the tools", "tool_choice")
+    return Forced(named), json.dumps(schemas[named])
 
 
 def parse_completion(body: Any) -> Call:
     body = _object(body)
+    for name, nothing in (("tools", (None, [])), ("tool_choice", (None, "none"))):
+        if body.get(name) not in nothing:
+            raise _invalid(f"{name} is not supported by completions: tools go with chat completions", name)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1:
         prompt = prompt[0]
@@ -202,12 +306,27 @@ def _message(m: Any, i: int) -> tokenizer_pb2.ChatMessage:
         raise _invalid(f"{where} must be an object with role and content", where)
     role = ROLES.get(m["role"]) if isinstance(m.get("role"), str) else None
     if role is None:
-        raise _invalid(f"{where}.role must be one of system, developer, user, assistant", f"{where}.role")
-    for name in ("tool_calls", "function_call"):
-        if m.get(name):
-            raise _invalid(f"{where}.{name}: {_TOOLS}", f"{where}.{name}")
+        raise _invalid(f"{where}.role must be one of system, developer, user, assistant, tool", f"{where}.role")
+    if m.get("function_call"):
+        raise _invalid(f"{where}.function_call: {_FUNCTIONS}", f"{where}.function_call")
     content = m.get("content")
     out = tokenizer_pb2.ChatMessage(role=role)
+    calls = m.get("tool_calls") or []
+    if not isinstance(calls, list):
+        raise _invalid(f"{where}.tool_calls must be a list", f"{where}.tool_calls")
+    for k, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise _invalid(f"{where}.tool_calls[{k}] must have a function with a name", f"{where}.tool_calls[{k}]")
+        arguments = function.get("arguments", "")
+        if not isinstance(arguments, str):
+            raise _invalid(f"{where}.tool_calls[{k}].function.arguments must be a string (JSON)", f"{where}.tool_calls")
+        out.tool_calls.add(id=str(call.get("id", "")), name=function["name"], arguments=arguments)
+    if role == tokenizer_pb2.CHAT_ROLE_TOOL:
+        call_id = m.get("tool_call_id")
+        if not isinstance(call_id, str) or not call_id:
+            raise _invalid(f"{where}.tool_call_id must name the call it answers", f"{where}.tool_call_id")
+        out.tool_call_id = call_id
     if isinstance(content, str):
         out.content.add(text=content)
     elif isinstance(content, list):
@@ -478,10 +597,13 @@ class Shape:
     id: str
     model: str
     created: int
+    forced: Forced | None = None  # the output answers as tool calls
+    # A stream's named-function calls: each choice's call id, once its first chunk went.
+    _opened: dict[int, str] = dataclasses.field(default_factory=dict, compare=False)
 
     @classmethod
-    def of(cls, chat: bool, rid: str, model: str) -> Shape:
-        return cls(chat, ("chatcmpl-" if chat else "cmpl-") + rid, model, int(time.time()))
+    def of(cls, chat: bool, rid: str, model: str, forced: Forced | None = None) -> Shape:
+        return cls(chat, ("chatcmpl-" if chat else "cmpl-") + rid, model, int(time.time()), forced)
 
     def _head(self, chunk: bool) -> dict[str, Any]:
         kind = "chat.completion" if self.chat else "text_completion"
@@ -494,7 +616,11 @@ class Shape:
         for i, (text, f) in enumerate(zip(choices.text, choices.finish, strict=True)):
             lps = self._logprobs(choices.logprobs[i]) if logprobs else None
             if self.chat:
-                message = {"role": "assistant", "content": text}
+                message: dict[str, Any] = {"role": "assistant", "content": text}
+                calls = self.forced.calls(text) if self.forced else None
+                if calls:
+                    message = {"role": "assistant", "content": None, "tool_calls": calls}
+                    f = "tool_calls" if f == "stop" else f
                 out["choices"].append({"index": i, "message": message, "logprobs": lps, "finish_reason": f})
             else:
                 out["choices"].append({"index": i, "text": text, "logprobs": lps, "finish_reason": f})
@@ -510,9 +636,40 @@ class Shape:
             return None
         return self.chunk(i, {"role": "assistant", "content": ""}, None)
 
-    def delta(self, i: int, shown: Shown) -> dict[str, Any]:
+    def delta(self, i: int, shown: Shown, text: str = "") -> dict[str, Any] | None:
+        """The chunk of what a response adds to choice `i` (None: nothing to
+        send yet); `text`: the choice's output so far, this response's
+        included (its tool calls, when they are made at the end)."""
+        logprobs = self._logprobs(shown.logprobs) if shown.logprobs else None
+        if self.forced is not None and self.chat:
+            return self._called(i, shown, text, logprobs)
         delta = {"content": shown.text} if shown.text or not shown.finish else {}
-        return self.chunk(i, delta, shown.finish, self._logprobs(shown.logprobs) if shown.logprobs else None)
+        return self.chunk(i, delta, shown.finish, logprobs)
+
+    def _called(self, i: int, shown: Shown, text: str, logprobs: dict[str, Any] | None) -> dict[str, Any] | None:
+        """A forced tool call's chunks: a named function's arguments as they
+        come (its id and name with the first); "required"'s list of calls,
+        whole, at the end (it is parsed then); a choice whose output is not
+        calls (cut short) ends as content."""
+        assert self.forced is not None
+        finish = shown.finish
+        if self.forced.name:
+            delta: dict[str, Any] = {}
+            if shown.text or (finish and i not in self._opened):
+                call: dict[str, Any] = {"index": 0, "function": {"arguments": shown.text}}
+                if i not in self._opened:
+                    self._opened[i] = "call_" + uuid.uuid4().hex[:24]
+                    call = {"index": 0, "id": self._opened[i], "type": "function",
+                            "function": {"name": self.forced.name, "arguments": shown.text}}  # fmt: skip
+                delta = {"tool_calls": [call]}
+            return self.chunk(i, delta, "tool_calls" if finish == "stop" else finish, logprobs)
+        if not finish:
+            return self.chunk(i, {}, None, logprobs) if logprobs else None
+        calls = self.forced.calls(text)
+        if calls is None:
+            return self.chunk(i, {"content": text}, finish, logprobs)
+        listed = [{"index": k, **call} for k, call in enumerate(calls)]
+        return self.chunk(i, {"tool_calls": listed}, "tool_calls" if finish == "stop" else finish, logprobs)
 
     def chunk(
         self, i: int, delta: dict[str, Any], finish: str | None, logprobs: dict[str, Any] | None = None

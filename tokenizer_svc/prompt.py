@@ -28,6 +28,7 @@ parts: a text part may not hold a media marker either.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -45,11 +46,21 @@ class Media:
 @dataclass(frozen=True)
 class Turn:
     """One message of a conversation: its role ("system", "user",
-    "assistant") and its parts in order: ("text", str), ("image", ""),
-    ("video", "")."""
+    "assistant", "tool") and its parts in order: ("text", str), ("image",
+    ""), ("video", ""); an assistant turn's calls of tools, a tool turn's
+    id of the call it answers."""
 
     role: str
     parts: tuple[tuple[str, str], ...]
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str = ""
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # JSON text of an object
 
 
 @dataclass(frozen=True)
@@ -113,10 +124,18 @@ class PromptBuilder:
             found = sent
         return self._tokenize(text, found, media)
 
-    def build_chat(self, turns: list[Turn], media: list[Media]) -> BuiltPrompt:
+    def build_chat(
+        self, turns: list[Turn], media: list[Media], tools: list[dict[str, Any]] | None = None
+    ) -> BuiltPrompt:
         """A conversation rendered by the chat template with the generation
         prompt. `media` are the images of every turn in order, then the
-        videos in order; the k-th image part takes the k-th image."""
+        videos in order; the k-th image part takes the k-th image. `tools`
+        go to the template as its `tools` (each {"type": "function",
+        "function": {...}}); an assistant turn's calls as its `tool_calls`
+        (each {"id", "type": "function", "function": {"name", "arguments":
+        a dict}}), a tool turn with its `tool_call_id`, as transformers'
+        templates take them. Every turn's content is its list of parts (what
+        these models' templates read; a template may test for a string)."""
         if self.chat_template is None:
             raise InvalidRequest(
                 "this model has no chat template, so a conversation (messages) cannot be rendered; "
@@ -132,13 +151,24 @@ class PromptBuilder:
                     content.append({"type": "text", "text": text})
                 else:
                     content.append({"type": kind})
-            conversation.append({"role": turn.role, "content": content})
+            message: dict[str, Any] = {"role": turn.role, "content": content}
+            if turn.role == "tool":
+                message["tool_call_id"] = turn.tool_call_id
+            if turn.tool_calls:
+                message["tool_calls"] = [self._tool_call(call, f"messages[{i}]") for call in turn.tool_calls]
+            conversation.append(message)
+        for k, tool in enumerate(tools or []):
+            self._check_text(json.dumps(tool, ensure_ascii=False), f"tools[{k}]", markers=True)
         sent = [kinds[kind] for turn in turns for kind, _ in turn.parts if kind != "text"]
         if sorted(sent) != sorted(m.modality for m in media):
             raise InternalError("the conversation's media parts do not match its media")
         try:
             rendered: str = self.tokenizer.apply_chat_template(
-                conversation, chat_template=self.chat_template, tokenize=False, add_generation_prompt=True
+                conversation,
+                chat_template=self.chat_template,
+                tokenize=False,
+                add_generation_prompt=True,
+                **({"tools": tools} if tools else {}),
             )
         except Exception as exc:  # a template's raise_exception(): it refuses this conversation's shape
             raise InvalidRequest(f"the model's chat template refused the conversation: {exc}") from exc
@@ -151,6 +181,18 @@ class PromptBuilder:
                 "it does not render every image and video part once"
             )
         return self._tokenize(rendered, found, media, templated=True)
+
+    def _tool_call(self, call: ToolCall, where: str) -> dict[str, Any]:
+        """A call as templates take it: {"id", "type": "function", "function":
+        {"name", "arguments": a dict}} (its text, when not a JSON object)."""
+        self._check_text(call.name + call.arguments, f"{where}.tool_calls", markers=True)
+        try:
+            arguments: Any = json.loads(call.arguments or "{}")
+        except json.JSONDecodeError:
+            arguments = call.arguments
+        if not isinstance(arguments, dict):
+            arguments = call.arguments
+        return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": arguments}}
 
     def _check_text(self, text: str, where: str, *, markers: bool = False) -> None:
         """User text may not hold the model's control tokens (nor, with

@@ -291,7 +291,7 @@ class TokenizerService:
             if parsed.turns is None:
                 prompt = self.prompts.build(parsed.prompt, media)
             else:
-                prompt = self.prompts.build_chat(parsed.turns, media)
+                prompt = self.prompts.build_chat(parsed.turns, media, parsed.tools)
             # Items go in prompt order (by their first placeholder).
             items = sorted(zip(prompt.runs, results, strict=True), key=lambda pair: pair[0][0][0])
             downstream = scheduler_pb2.GenerateRequest(

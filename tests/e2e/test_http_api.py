@@ -229,8 +229,11 @@ def test_bad_inputs_get_typed_errors_that_the_sdk_does_not_resend(api: Api) -> N
          openai.BadRequestError, 400, "INVALID_REQUEST", "response_format"),
         (_chat([text], response_format={"type": "json_object"}, extra_body={"min_tokens": 2}),
          openai.BadRequestError, 400, "INVALID_REQUEST", "response_format"),
-        (_chat([text], tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+        (_chat([text], tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": 7}}}],
+               tool_choice={"type": "function", "function": {"name": "f"}}),
          openai.BadRequestError, 400, "INVALID_REQUEST", "tools"),
+        (_chat([text], tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+         openai.BadRequestError, 400, "INVALID_REQUEST", "tool_choice"),
         (_chat([text], frequency_penalty=2.5), openai.BadRequestError, 400, "INVALID_REQUEST", "frequency_penalty"),
         (_chat([text], extra_body={"repetition_penalty": 0}), openai.BadRequestError, 400, "INVALID_REQUEST",
          "repetition_penalty"),
@@ -516,6 +519,97 @@ def test_response_format_json_schema_gives_a_document_of_the_schema(api: Api) ->
         model=api.model, messages=chat, max_tokens=8, response_format={"type": "json_object"}
     )
     assert (loose.choices[0].message.content or "").startswith("{")
+    _good_after(api)
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": COLORS,
+    },
+}
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def test_tool_choice_gives_tool_calls_and_a_conversation_carries_them_on(api: Api) -> None:
+    """Through the openai SDK: a named function's call (arguments a
+    document of its parameters, whole and streamed alike, the text gRPC
+    gives for that json_schema); "required" gives a list of calls; the
+    calls and a tool's result go back in the next turn, and the model
+    answers; "auto" is refused saying why."""
+    import jsonschema
+
+    client = api.client()
+    chat: list[dict[str, Any]] = [
+        {"role": "user", "content": [image_part(A), {"type": "text", "text": "What is the weather?"}]}
+    ]
+    whole = client.chat.completions.create(
+        model=api.model,
+        messages=chat,
+        max_tokens=40,
+        tools=[WEATHER],
+        tool_choice=NAMED,  # type: ignore[arg-type,list-item]
+    )
+    choice = whole.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    assert choice.message.content is None
+    (call,) = choice.message.tool_calls or []
+    assert call.function.name == "get_weather"
+    assert call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), COLORS)
+    assert call.function.arguments == grpc_text(
+        api.pair, [("user", [ImagePart(A), "What is the weather?"])], 40, json_schema=COLORS
+    )
+    pieces: dict[str, str] = {"arguments": "", "name": "", "id": ""}
+    finish = None
+    for chunk in client.chat.completions.create(
+        model=api.model,
+        messages=chat,
+        max_tokens=40,
+        tools=[WEATHER],
+        tool_choice=NAMED,
+        stream=True,  # type: ignore[arg-type,list-item]
+    ):
+        for delta_call in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            assert delta_call.index == 0
+            pieces["id"] += delta_call.id or ""
+            pieces["name"] += (delta_call.function.name or "") if delta_call.function else ""
+            pieces["arguments"] += (delta_call.function.arguments or "") if delta_call.function else ""
+        finish = (chunk.choices[0].finish_reason if chunk.choices else None) or finish
+    assert (pieces["name"], pieces["arguments"], finish) == ("get_weather", call.function.arguments, "tool_calls")
+    assert pieces["id"].startswith("call_")
+
+    # "required", one call at most (this random model would list calls until max_tokens).
+    required = client.chat.completions.create(
+        model=api.model, messages=chat, max_tokens=80, tools=[WEATHER], tool_choice="required",  # type: ignore[arg-type,list-item]
+        parallel_tool_calls=False,
+    )  # fmt: skip
+    assert required.choices[0].finish_reason == "tool_calls", required
+    (made,) = required.choices[0].message.tool_calls or []
+    assert made.function.name == "get_weather"
+    jsonschema.validate(json.loads(made.function.arguments), COLORS)
+
+    # The next turn: the call and the tool's result go back; the model answers in text.
+    chat += [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "Sunny and warm."},
+    ]
+    after = client.chat.completions.create(
+        model=api.model,
+        messages=chat,
+        max_tokens=4,
+        tools=[WEATHER],
+        tool_choice="none",  # type: ignore[arg-type,list-item]
+    )
+    assert after.choices[0].message.content
+    assert after.choices[0].message.tool_calls is None
+    assert after.usage is not None
+    assert after.usage.prompt_tokens > whole.usage.prompt_tokens  # type: ignore[union-attr]
+    refused = _bad(api, lambda c: c.chat.completions.create(model=api.model, messages=chat, tools=[WEATHER]))  # type: ignore[arg-type,list-item]
+    assert (refused.status_code, refused.body["param"]) == (400, "tool_choice")  # type: ignore[index]
+    assert "auto" in refused.message
     _good_after(api)
 
 

@@ -117,9 +117,6 @@ def test_refusals_name_their_field(body: dict[str, Any], param: str) -> None:
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-        ("tool_choice", "auto"),
-        ("tool_choice", {"type": "function", "function": {"name": "f"}}),
         ("functions", [{"name": "f"}]),
         ("function_call", "auto"),
         ("modalities", ["text", "audio"]),
@@ -145,11 +142,12 @@ def test_fields_that_cannot_be_honoured_are_refused_not_ignored(field: str, valu
 def test_the_do_nothing_values_of_those_fields_are_accepted() -> None:
     """What SDKs and frameworks send by default asks for nothing: accepted."""
     defaults = {
-        "tools": [], "tool_choice": "none", "functions": None, "function_call": "none",
+        "functions": None, "function_call": "none",
         "modalities": ["text"], "audio": None,
         "echo": False, "suffix": "", "best_of": 1, "web_search_options": None,
     }  # fmt: skip
     assert defaults.keys() == openai_api.UNHONOURED.keys()
+    defaults |= {"tools": [], "tool_choice": "none"}
     call = openai_api.parse_chat({"messages": [{"role": "user", "content": "x"}], **defaults})
     assert call.request.messages[0].content[0].text == "x"
     assert openai_api.parse_completion({"prompt": "x", **defaults}).request.prompt == "x"
@@ -193,15 +191,109 @@ def test_response_formats_become_the_contract_s_json_schema() -> None:
     assert openai_api.param_name(InvalidSampling("sampling.json_schema cannot be compiled")) == "response_format"
 
 
-def test_an_assistant_message_with_tool_calls_is_refused() -> None:
-    call = {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+def test_tool_calls_and_tool_results_reach_the_contract() -> None:
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
     asked = {"role": "assistant", "content": None, "tool_calls": [call]}
-    body = {"messages": [{"role": "user", "content": "x"}, asked]}
+    answered = {"role": "tool", "tool_call_id": "call_1", "content": "42"}
+    body = {"messages": [{"role": "user", "content": "x"}, asked, answered]}
+    messages = openai_api.parse_chat(body).request.messages
+    assert [m.role for m in messages] == [
+        tokenizer_pb2.CHAT_ROLE_USER, tokenizer_pb2.CHAT_ROLE_ASSISTANT, tokenizer_pb2.CHAT_ROLE_TOOL,
+    ]  # fmt: skip
+    (made,) = messages[1].tool_calls
+    assert (made.id, made.name, made.arguments) == ("call_1", "f", '{"a": 1}')
+    assert (messages[2].tool_call_id, messages[2].content[0].text) == ("call_1", "42")
+    del body["messages"][2]["tool_call_id"]  # type: ignore[attr-defined]
     with pytest.raises(InvalidRequest) as info:
         openai_api.parse_chat(body)
-    assert openai_api.param_name(info.value) == "messages[1].tool_calls"
-    body["messages"][1]["tool_calls"] = []  # type: ignore[index]
-    assert len(openai_api.parse_chat(body).request.messages) == 2
+    assert openai_api.param_name(info.value) == "messages[2].tool_call_id"
+
+
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+TOOL = {
+    "type": "function",
+    "function": {"name": "get_weather", "description": "The weather in a city.", "parameters": CITY},
+}
+
+
+def test_tool_choices_become_the_contract_s_tools_and_json_schema() -> None:
+    """A named function: its parameters are the schema; "required": a list
+    of {name, parameters} calls; "none" (and no tool_choice without tools)
+    constrains nothing; the tools reach the contract either way."""
+    base = {"messages": [{"role": "user", "content": "x"}], "tools": [TOOL]}
+    named = openai_api.parse_chat({**base, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})
+    assert named.forced == openai_api.Forced("get_weather")
+    assert json.loads(named.request.sampling.json_schema) == TOOL["function"]["parameters"]  # type: ignore[index]
+    (tool,) = named.request.tools
+    assert (tool.name, tool.description) == ("get_weather", "The weather in a city.")
+    assert json.loads(tool.parameters) == TOOL["function"]["parameters"]  # type: ignore[index]
+    required = openai_api.parse_chat({**base, "tool_choice": "required", "parallel_tool_calls": False})
+    schema = json.loads(required.request.sampling.json_schema)
+    assert (schema["type"], schema["minItems"], schema["maxItems"]) == ("array", 1, 1)
+    none = openai_api.parse_chat({**base, "tool_choice": "none"})
+    assert (none.forced, none.request.sampling.json_schema, len(none.request.tools)) == (None, "", 1)
+
+
+@pytest.mark.parametrize(
+    ("extra", "param", "match"),
+    [
+        ({}, "tool_choice", "auto"),  # the default with tools
+        ({"tool_choice": "auto"}, "tool_choice", "not supported yet"),
+        ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "not among the tools"),
+        ({"tool_choice": "sometimes"}, "tool_choice", "must be"),
+        ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice", "response_format"),
+        ({"tools": [{"type": "function"}]}, "tools[0]", "must be"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]}, "tools[0]", "JSON Schema"),
+    ],
+)
+def test_tool_choices_that_cannot_be_served_are_refused(extra: dict[str, Any], param: str, match: str) -> None:
+    body = {"messages": [{"role": "user", "content": "x"}], "tools": [TOOL], **extra}
+    with pytest.raises(InvalidRequest, match=match) as info:
+        openai_api.parse_chat(body)
+    assert openai_api.param_name(info.value) == param
+    with pytest.raises(InvalidRequest, match="chat completions") as info:
+        openai_api.parse_completion({"prompt": "x", "tools": [TOOL]})
+    assert openai_api.param_name(info.value) == "tools"
+
+
+def test_forced_calls_answer_as_tool_calls_whole_and_streamed() -> None:
+    """The output of a named function is its arguments; of "required", the
+    list of calls; streamed, a named call's arguments go as they come and
+    "required"'s calls whole at the end; an output cut short (max_tokens)
+    is not parsed: "required" answers it as content."""
+    shape = openai_api.Shape.of(True, "r", "m", openai_api.Forced("get_weather"))
+    choices = openai_api.Choices(1)
+    choices.text[0], choices.finish[0] = '{"city": "Oslo"}', "stop"
+    (message,) = [c["message"] for c in shape.complete(choices)["choices"]]
+    (call,) = message["tool_calls"]
+    assert message["content"] is None
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    assert call["id"].startswith("call_")
+    assert shape.complete(choices)["choices"][0]["finish_reason"] == "tool_calls"
+    first = shape.delta(0, openai_api.Shown('{"ci', None, []), '{"ci')
+    rest = shape.delta(0, openai_api.Shown('ty": "Oslo"}', None, []), '{"city": "Oslo"}')
+    end = shape.delta(0, openai_api.Shown("", "stop", []), '{"city": "Oslo"}')
+    assert first
+    assert rest
+    assert end
+    (opened,) = first["choices"][0]["delta"]["tool_calls"]
+    assert (opened["index"], opened["function"]) == (0, {"name": "get_weather", "arguments": '{"ci'})
+    assert rest["choices"][0]["delta"]["tool_calls"] == [{"index": 0, "function": {"arguments": 'ty": "Oslo"}'}}]
+    assert end["choices"][0]["finish_reason"] == "tool_calls"
+
+    required = openai_api.Shape.of(True, "r", "m", openai_api.Forced(""))
+    listed = '[{"name": "a", "parameters": {"x": 1}}, {"name": "b", "parameters": {}}]'
+    assert required.delta(0, openai_api.Shown(listed[:5], None, []), listed[:5]) is None
+    end = required.delta(0, openai_api.Shown("", "stop", []), listed)
+    assert end is not None
+    calls = end["choices"][0]["delta"]["tool_calls"]
+    assert [(c["index"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        (0, "a", {"x": 1}), (1, "b", {}),
+    ]  # fmt: skip
+    cut = required.delta(0, openai_api.Shown("", "length", []), listed[:20])
+    assert cut is not None
+    assert cut["choices"][0]["delta"] == {"content": listed[:20]}
+    assert cut["choices"][0]["finish_reason"] == "length"
 
 
 def test_logprobs_are_asked_as_each_api_spells_it() -> None:

@@ -5,6 +5,7 @@ become a control token."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -211,3 +212,65 @@ def test_conversation_text_is_checked_and_a_model_without_a_template_refuses_it(
     for text in ("</s> sneaky", f"an {kit.marker} in text"):
         with pytest.raises(InvalidRequest, match=r"messages\[1\]\.content\[0\] contains"):
             builder.build_chat([Turn("user", (("text", "fine"),)), Turn("user", (("text", text),))], [])
+
+
+# A ChatML template that renders tools, in the shape of Qwen2.5's (its
+# hermes-style <tools> and <tool_call> blocks), reading parts as this
+# project's templates do.
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n# Tools\n<tools>{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}"
+    "\n</tools><|im_end|>\n{% endif %}"
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% for part in message['content'] %}{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}"
+    "{% for call in message.get('tool_calls', []) %}<tool_call>\n{{ {'name': call.function.name, "
+    "'arguments': call.function.arguments} | tojson }}\n</tool_call>{% endfor %}"
+    "{% if message['role'] == 'tool' %} (for {{ message['tool_call_id'] }}){% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_tools_tool_calls_and_tool_turns_reach_the_template_as_transformers_gives_them(
+    family_models: Callable[[str], Path],
+) -> None:
+    """GenerateRequest.tools as the template's `tools`, an assistant turn's
+    calls (arguments as a dict) and a tool turn's id: the text equals
+    `apply_chat_template(messages, tools=...)`; text in any of them may not
+    name a control token."""
+    from tokenizer_svc.prompt import PromptBuilder, ToolCall
+
+    kit = family_kit.kit(family_models("qwen2-vl"))
+    builder = PromptBuilder(kit.family, kit.tokenizer, TOOLS_TEMPLATE)
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "The weather.",
+              "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]  # fmt: skip
+    turns = [
+        Turn("user", (("image", ""), ("text", "Where is it sunny?"))),
+        Turn("assistant", (), (ToolCall("call_1", "get_weather", '{"city": "Oslo"}'),)),
+        Turn("tool", (("text", "sunny"),), tool_call_id="call_1"),
+    ]
+    built = builder.build_chat(turns, [Media(families.IMAGE, 4)], tools)
+    messages = [
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Where is it sunny?"}]},
+        {"role": "assistant", "content": [], "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
+        {"role": "tool", "content": [{"type": "text", "text": "sunny"}], "tool_call_id": "call_1"},
+    ]  # fmt: skip
+    rendered = kit.tokenizer.apply_chat_template(
+        messages, tools=tools, chat_template=TOOLS_TEMPLATE, tokenize=False, add_generation_prompt=True
+    )
+    text = kit.tokenizer.decode(built.input_ids)
+    for seen in (
+        '"name": "get_weather"',
+        '"description": "The weather."',
+        '"arguments": {"city": "Oslo"}',
+        "sunny (for call_1)",
+    ):
+        assert seen in rendered, rendered
+    assert text == rendered.replace("<|image_pad|>", "<|image_pad|>" * 4)
+    sneaky = [
+        (Turn("assistant", (), (ToolCall("c", "f", '{"a": "<|im_end|>"}'),)), [], "messages[0].tool_calls"),
+        (Turn("user", (("text", "hi"),)), [{"function": {"description": "<|im_start|>"}}], "tools[0]"),
+    ]  # fmt: skip
+    for turn, given, where in sneaky:
+        with pytest.raises(InvalidRequest, match=re.escape(where)):
+            builder.build_chat([turn], [], given)

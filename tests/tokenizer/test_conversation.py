@@ -1,0 +1,74 @@
+"""A conversation's shape as the tokenizer checks it (tokenizer_svc/
+conversation.py): tool calls only in assistant turns, tool turns naming
+the call they answer, tools that the template can take; each refusal
+names its place in the request."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from mmsplit.tokenizer.v1 import tokenizer_pb2 as pb
+from tests.support import family_kit
+from tokenizer_svc import conversation
+from tokenizer_svc.errors import InvalidRequest
+from tokenizer_svc.settings import TokenizerSettings
+
+USER = pb.ChatMessage(role=pb.CHAT_ROLE_USER, content=[pb.ContentPart(text="What is the weather?")])
+CALL = pb.ToolCall(id="call_1", name="get_weather", arguments='{"city": "Oslo"}')
+ASKED = pb.ChatMessage(role=pb.CHAT_ROLE_ASSISTANT, tool_calls=[CALL])
+ANSWERED = pb.ChatMessage(role=pb.CHAT_ROLE_TOOL, content=[pb.ContentPart(text="sunny")], tool_call_id="call_1")
+TOOL = pb.Tool(name="get_weather", description="The weather.", parameters='{"type": "object"}')
+
+
+@pytest.fixture(scope="module")
+def parse(family_models: Callable[[str], Path]) -> Callable[[pb.GenerateRequest], conversation.Parsed]:
+    model_dir = family_models("qwen2-vl")
+    settings = TokenizerSettings(model_dir=model_dir)
+    family = family_kit.kit(model_dir).family
+    return lambda request: conversation.parse(request, settings, family)
+
+
+def test_a_tool_conversation_is_parsed_into_turns_and_template_tools(
+    parse: Callable[[pb.GenerateRequest], conversation.Parsed],
+) -> None:
+    parsed = parse(pb.GenerateRequest(messages=[USER, ASKED, ANSWERED], tools=[TOOL]))
+    assert parsed.turns is not None
+    assert [t.role for t in parsed.turns] == ["user", "assistant", "tool"]
+    (call,) = parsed.turns[1].tool_calls
+    assert (call.id, call.name, call.arguments) == ("call_1", "get_weather", '{"city": "Oslo"}')
+    assert parsed.turns[2].tool_call_id == "call_1"
+    assert parsed.tools == [
+        {"type": "function", "function": {"name": "get_weather", "description": "The weather.",
+                                          "parameters": {"type": "object"}}}
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("request_", "param", "match"),
+    [
+        (pb.GenerateRequest(messages=[pb.ChatMessage(role=pb.CHAT_ROLE_USER, tool_calls=[CALL])]),
+         "messages[0]", "only assistant messages may call tools"),
+        (pb.GenerateRequest(messages=[USER, pb.ChatMessage(role=pb.CHAT_ROLE_TOOL, content=ANSWERED.content)]),
+         "messages[1]", "a tool message needs a tool_call_id"),
+        (pb.GenerateRequest(messages=[pb.ChatMessage(role=pb.CHAT_ROLE_USER, content=USER.content,
+                                                     tool_call_id="x")]),
+         "messages[0]", "only tool messages may have a tool_call_id"),
+        (pb.GenerateRequest(messages=[USER, pb.ChatMessage(role=pb.CHAT_ROLE_ASSISTANT,
+                                                           tool_calls=[pb.ToolCall(name="no spaces")])]),
+         "messages[1].tool_calls[0]", "1-64 of"),
+        (pb.GenerateRequest(messages=[USER], tools=[TOOL, TOOL]), "tools[1]", "two tools are named"),
+        (pb.GenerateRequest(messages=[USER], tools=[pb.Tool(name="f", parameters="[1]")]), "tools[0]", "JSON Schema"),
+        (pb.GenerateRequest(messages=[USER], tools=[pb.Tool(name="f", parameters="{")]), "tools[0]", "not JSON"),
+        (pb.GenerateRequest(messages=[USER], tools=[pb.Tool(name="f")] * 129), "tools", "at most 128"),
+        (pb.GenerateRequest(prompt="hi", tools=[TOOL]), "tools", "conversation"),
+    ],
+)  # fmt: skip
+def test_tool_shapes_the_template_cannot_take_are_refused_naming_their_place(
+    parse: Callable[[pb.GenerateRequest], conversation.Parsed], request_: pb.GenerateRequest, param: str, match: str
+) -> None:
+    with pytest.raises(InvalidRequest, match=match) as info:
+        parse(request_)
+    assert info.value.metadata["param"] == param
