@@ -68,8 +68,10 @@ class HttpApi:
         max_body_bytes: int,
         metrics: Any = None,
         keepalive_s: float = KEEPALIVE_S,
+        tool_parser: str = "none",
     ) -> None:
         self.service = service
+        self.tool_parser = tool_parser  # --tool-call-parser
         self.model = model
         self.ready = ready
         self.api_key = api_key
@@ -160,11 +162,11 @@ class HttpApi:
         model = body.get("model") if isinstance(body, dict) else None
         if model is not None and model != self.model:
             return _not_served(model, self.model)
-        call = openai_api.parse_chat(body) if chat else openai_api.parse_completion(body)
-        if call.forced is not None:
+        call = openai_api.parse_chat(body, self.tool_parser) if chat else openai_api.parse_completion(body)
+        if isinstance(call.calls, openai_api.Forced):
             await _check_tool_schema(call.request.sampling.json_schema)
         rid = uuid.uuid4().hex
-        shape = openai_api.Shape.of(chat, rid, self.model, call.forced)
+        shape = openai_api.Shape.of(chat, rid, self.model, call.calls)
         summary = RequestSummary(rid, protocol="http", route=request.path, choices=call.n)
         try:
             if call.stream:

@@ -40,6 +40,7 @@ import dataclasses
 import json
 import logging
 import math
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -140,8 +141,8 @@ class Call:
     n: int
     stream: bool
     include_usage: bool
-    # A tool_choice that makes the model call a tool (its output then answers as tool_calls).
-    forced: Forced | None = None
+    # How the output answers with tool calls (None: as content only).
+    calls: Forced | Hermes | None = None
 
 
 @dataclass(frozen=True)
@@ -153,18 +154,65 @@ class Forced:
 
     name: str
 
-    def calls(self, text: str) -> list[dict[str, Any]] | None:
-        """The tool calls of a choice's whole output (None: it is not one,
-        cut short: it then answers as content)."""
+    def split(self, text: str) -> tuple[str | None, list[dict[str, Any]] | None]:
+        """A choice's whole output as (content, tool calls): the calls and no
+        content, or, when it is not calls (cut short), the text as content."""
         if self.name:
-            return [_tool_call(self.name, text)]
+            return None, [_tool_call(self.name, text)]
         try:
             listed = json.loads(text)
         except json.JSONDecodeError:
-            return None
+            return text, None
         if not isinstance(listed, list) or not all(isinstance(c, dict) and "name" in c for c in listed):
-            return None
-        return [_tool_call(str(c["name"]), json.dumps(c.get("parameters", {}), ensure_ascii=False)) for c in listed]
+            return text, None
+        return None, [
+            _tool_call(str(c["name"]), json.dumps(c.get("parameters", {}), ensure_ascii=False)) for c in listed
+        ]
+
+
+@dataclass(frozen=True)
+class Hermes:
+    """tool_choice "auto" with `--tool-call-parser hermes`: the model
+    writes each call as ``<tool_call>{"name": ..., "arguments": {...}}
+    </tool_call>`` (Qwen2.5's and many others' format), after any text."""
+
+    OPEN = "<tool_call>"
+    CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+
+    def split(self, text: str) -> tuple[str | None, list[dict[str, Any]] | None]:
+        """(the text before the first call, or None when there is none; the
+        calls), or (the whole text, None) when it holds no call or one that
+        does not parse: nothing of it is lost."""
+        at = text.find(self.OPEN)
+        if at < 0:
+            return text, None
+        calls = []
+        for found in self.CALL.finditer(text, at):
+            try:
+                call = json.loads(found.group(1))
+            except json.JSONDecodeError:
+                return text, None
+            if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+                return text, None
+            calls.append(_tool_call(call["name"], json.dumps(call.get("arguments", {}), ensure_ascii=False)))
+        if not calls:
+            return text, None
+        return text[:at].rstrip() or None, calls
+
+    def held(self, text: str) -> int:
+        """Where a stream's content must stop for now: at a call's opening,
+        or before a tail that may become one, and before the blanks that
+        may precede one (the content then ends where `split`'s does)."""
+        upto = text.find(self.OPEN)
+        if upto < 0:
+            upto = len(text)
+            for n in range(min(len(self.OPEN) - 1, len(text)), 0, -1):
+                if self.OPEN.startswith(text[-n:]):
+                    upto -= n
+                    break
+        while upto and text[upto - 1].isspace():
+            upto -= 1
+        return upto
 
 
 def _tool_call(name: str, arguments: str) -> dict[str, Any]:
@@ -172,13 +220,15 @@ def _tool_call(name: str, arguments: str) -> dict[str, Any]:
     return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function", "function": function}
 
 
-def parse_chat(body: Any) -> Call:
+def parse_chat(body: Any, tool_parser: str = "none") -> Call:
+    """`tool_parser`: how the tool calls a model writes itself are found
+    (the tokenizer's --tool-call-parser), for tool_choice "auto"."""
     body = _object(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _invalid("messages must be a non-empty list", "messages")
     request = tokenizer_pb2.GenerateRequest(messages=[_message(m, i) for i, m in enumerate(messages)])
-    forced = _tools(body, request)
+    tools = _tools(body, request, tool_parser)
     logprobs = body.get("logprobs")
     if logprobs is not None and not isinstance(logprobs, bool):
         raise _invalid("logprobs must be true or false", "logprobs")
@@ -191,20 +241,25 @@ def parse_chat(body: Any) -> Call:
             raise _invalid("top_logprobs needs logprobs: true", "top_logprobs")
         request.sampling.top_logprobs = top
     call = _finish(body, request)
-    if forced is None:
+    if tools is None:
         return call
-    if call.request.sampling.json_schema:
-        raise _invalid("response_format cannot go with a tool_choice that calls a tool", "tool_choice")
-    call.request.sampling.json_schema = forced[1]
-    return dataclasses.replace(call, forced=forced[0])
+    calls, schema = tools
+    if schema:
+        if call.request.sampling.json_schema:
+            raise _invalid("response_format cannot go with a tool_choice that calls a tool", "tool_choice")
+        call.request.sampling.json_schema = schema
+    return dataclasses.replace(call, calls=calls)
 
 
-def _tools(body: dict[str, Any], request: tokenizer_pb2.GenerateRequest) -> tuple[Forced, str] | None:
+def _tools(
+    body: dict[str, Any], request: tokenizer_pb2.GenerateRequest, parser: str
+) -> tuple[Forced | Hermes, str] | None:
     """OpenAI's tools into the request (the chat template gets them), and
-    the tool_choice: None for "none" (the default without tools); for
-    "required" or a named function, how the output answers and its JSON
-    Schema. "auto" (the default with tools) needs the model's own format
-    of calls parsed, which this server does not do yet."""
+    the tool_choice: None for "none" (the default without tools); else how
+    the output answers and the JSON Schema that constrains it ("required"
+    and a named function; "" for "auto", the default with tools, whose
+    calls the model writes in its own format: `parser` finds them, and
+    without one "auto" is refused)."""
     tools = body.get("tools")
     if tools is None:
         tools = []
@@ -233,10 +288,12 @@ def _tools(body: dict[str, Any], request: tokenizer_pb2.GenerateRequest) -> tupl
     if not tools:
         raise _invalid(f"tool_choice {_short(choice)} needs tools", "tool_choice")
     if choice == "auto":
+        if parser == "hermes":
+            return Hermes(), ""
         raise _invalid(
-            'tool_choice "auto" (the default when tools are given) is not supported yet: this server does not '
-            'parse calls a model writes in its own format; ask for "required" or name a function, or send '
-            'tool_choice "none"',
+            'tool_choice "auto" (the default when tools are given) needs the tool calls a model writes in its '
+            "own format found, and this server was started without a --tool-call-parser; ask for "
+            '"required" or name a function, or send tool_choice "none"',
             "tool_choice",
         )
     if choice == "required":
@@ -597,13 +654,15 @@ class Shape:
     id: str
     model: str
     created: int
-    forced: Forced | None = None  # the output answers as tool calls
+    calls: Forced | Hermes | None = None  # how the output answers with tool calls
     # A stream's named-function calls: each choice's call id, once its first chunk went.
     _opened: dict[int, str] = dataclasses.field(default_factory=dict, compare=False)
+    # A stream under "auto": each choice's characters sent as content.
+    _sent: dict[int, int] = dataclasses.field(default_factory=dict, compare=False)
 
     @classmethod
-    def of(cls, chat: bool, rid: str, model: str, forced: Forced | None = None) -> Shape:
-        return cls(chat, ("chatcmpl-" if chat else "cmpl-") + rid, model, int(time.time()), forced)
+    def of(cls, chat: bool, rid: str, model: str, calls: Forced | Hermes | None = None) -> Shape:
+        return cls(chat, ("chatcmpl-" if chat else "cmpl-") + rid, model, int(time.time()), calls)
 
     def _head(self, chunk: bool) -> dict[str, Any]:
         kind = "chat.completion" if self.chat else "text_completion"
@@ -617,9 +676,9 @@ class Shape:
             lps = self._logprobs(choices.logprobs[i]) if logprobs else None
             if self.chat:
                 message: dict[str, Any] = {"role": "assistant", "content": text}
-                calls = self.forced.calls(text) if self.forced else None
+                content, calls = self.calls.split(text) if self.calls else (text, None)
                 if calls:
-                    message = {"role": "assistant", "content": None, "tool_calls": calls}
+                    message = {"role": "assistant", "content": content, "tool_calls": calls}
                     f = "tool_calls" if f == "stop" else f
                 out["choices"].append({"index": i, "message": message, "logprobs": lps, "finish_reason": f})
             else:
@@ -641,8 +700,10 @@ class Shape:
         send yet); `text`: the choice's output so far, this response's
         included (its tool calls, when they are made at the end)."""
         logprobs = self._logprobs(shown.logprobs) if shown.logprobs else None
-        if self.forced is not None and self.chat:
+        if isinstance(self.calls, Forced) and self.chat:
             return self._called(i, shown, text, logprobs)
+        if isinstance(self.calls, Hermes) and self.chat:
+            return self._auto(i, shown, text, logprobs)
         delta = {"content": shown.text} if shown.text or not shown.finish else {}
         return self.chunk(i, delta, shown.finish, logprobs)
 
@@ -651,25 +712,47 @@ class Shape:
         come (its id and name with the first); "required"'s list of calls,
         whole, at the end (it is parsed then); a choice whose output is not
         calls (cut short) ends as content."""
-        assert self.forced is not None
+        assert isinstance(self.calls, Forced)
         finish = shown.finish
-        if self.forced.name:
+        if self.calls.name:
             delta: dict[str, Any] = {}
             if shown.text or (finish and i not in self._opened):
                 call: dict[str, Any] = {"index": 0, "function": {"arguments": shown.text}}
                 if i not in self._opened:
                     self._opened[i] = "call_" + uuid.uuid4().hex[:24]
                     call = {"index": 0, "id": self._opened[i], "type": "function",
-                            "function": {"name": self.forced.name, "arguments": shown.text}}  # fmt: skip
+                            "function": {"name": self.calls.name, "arguments": shown.text}}  # fmt: skip
                 delta = {"tool_calls": [call]}
             return self.chunk(i, delta, "tool_calls" if finish == "stop" else finish, logprobs)
         if not finish:
             return self.chunk(i, {}, None, logprobs) if logprobs else None
-        calls = self.forced.calls(text)
+        return self._ended(i, text, finish, logprobs, sent=0)
+
+    def _auto(self, i: int, shown: Shown, text: str, logprobs: dict[str, Any] | None) -> dict[str, Any] | None:
+        """tool_choice "auto": the text streams as content up to a call's
+        opening (or a tail that may become one); at the end, the rest of
+        the content and the calls, parsed from the whole output."""
+        assert isinstance(self.calls, Hermes)
+        sent = self._sent.get(i, 0)
+        if shown.finish:
+            return self._ended(i, text, shown.finish, logprobs, sent)
+        upto = self.calls.held(text)
+        if upto <= sent:
+            return self.chunk(i, {}, None, logprobs) if logprobs else None
+        self._sent[i] = upto
+        return self.chunk(i, {"content": text[sent:upto]}, None, logprobs)
+
+    def _ended(self, i: int, text: str, finish: str, logprobs: dict[str, Any] | None, sent: int) -> dict[str, Any]:
+        """A choice's last chunk: the content not yet sent (all of the rest
+        when the output holds no calls) and its calls."""
+        assert self.calls is not None
+        content, calls = self.calls.split(text)
         if calls is None:
-            return self.chunk(i, {"content": text}, finish, logprobs)
-        listed = [{"index": k, **call} for k, call in enumerate(calls)]
-        return self.chunk(i, {"tool_calls": listed}, "tool_calls" if finish == "stop" else finish, logprobs)
+            return self.chunk(i, {"content": text[sent:]}, finish, logprobs)
+        delta: dict[str, Any] = {"tool_calls": [{"index": k, **call} for k, call in enumerate(calls)]}
+        if content and len(content) > sent:
+            delta["content"] = content[sent:]
+        return self.chunk(i, delta, "tool_calls" if finish == "stop" else finish, logprobs)
 
     def chunk(
         self, i: int, delta: dict[str, Any], finish: str | None, logprobs: dict[str, Any] | None = None

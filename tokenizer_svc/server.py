@@ -335,6 +335,7 @@ async def _serve(
             api_key=api_key,
             max_body_bytes=settings.http_body_limit,
             metrics=metrics,
+            tool_parser=settings.tool_call_parser,
             keepalive_s=settings.http_keepalive_s,
         )
         if metrics is not None:

@@ -128,6 +128,14 @@ class TokenizerSettings(ServiceSettings):
         "auto = the chat template the model ships, when it ships one (each prompt becomes one user turn, with the "
         "generation prompt); none = prompts as written; else a path to a Jinja template file",
     )
+    tool_call_parser: str = _opt(
+        "none",
+        'how the HTTP API finds the tool calls a model writes itself, for tool_choice "auto" (the default '
+        'when a request gives tools): \'hermes\', <tool_call>{"name": ..., "arguments": {...}}</tool_call> '
+        "after any text, as Qwen2.5 and many others write them (give the model a chat template that renders "
+        'tools: --chat-template); \'none\': "auto" is refused ("required" and a named function need no parser)',
+        choices=("none", "hermes"),
+    )
     max_tokens_limit: int = _opt(
         4096, "largest sampling.max_tokens accepted (the scheduler applies its own limit as well)", min=1
     )

@@ -222,7 +222,7 @@ def test_tool_choices_become_the_contract_s_tools_and_json_schema() -> None:
     constrains nothing; the tools reach the contract either way."""
     base = {"messages": [{"role": "user", "content": "x"}], "tools": [TOOL]}
     named = openai_api.parse_chat({**base, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})
-    assert named.forced == openai_api.Forced("get_weather")
+    assert named.calls == openai_api.Forced("get_weather")
     assert json.loads(named.request.sampling.json_schema) == TOOL["function"]["parameters"]  # type: ignore[index]
     (tool,) = named.request.tools
     assert (tool.name, tool.description) == ("get_weather", "The weather in a city.")
@@ -231,14 +231,14 @@ def test_tool_choices_become_the_contract_s_tools_and_json_schema() -> None:
     schema = json.loads(required.request.sampling.json_schema)
     assert (schema["type"], schema["minItems"], schema["maxItems"]) == ("array", 1, 1)
     none = openai_api.parse_chat({**base, "tool_choice": "none"})
-    assert (none.forced, none.request.sampling.json_schema, len(none.request.tools)) == (None, "", 1)
+    assert (none.calls, none.request.sampling.json_schema, len(none.request.tools)) == (None, "", 1)
 
 
 @pytest.mark.parametrize(
     ("extra", "param", "match"),
     [
         ({}, "tool_choice", "auto"),  # the default with tools
-        ({"tool_choice": "auto"}, "tool_choice", "not supported yet"),
+        ({"tool_choice": "auto"}, "tool_choice", "--tool-call-parser"),
         ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "not among the tools"),
         ({"tool_choice": "sometimes"}, "tool_choice", "must be"),
         ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice", "response_format"),
@@ -357,3 +357,83 @@ def test_a_stream_cancelled_before_its_first_event_closes_the_request() -> None:
         return closed.is_set()
 
     assert asyncio.run(run()), "the request's work outlived its client"
+
+
+CALLED = 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+
+
+@pytest.mark.parametrize(
+    ("text", "content", "calls"),
+    [
+        (CALLED, "Let me look.", [("get_weather", {"city": "Oslo"})]),
+        (CALLED.split("\n", 1)[1] + CALLED.split("\n", 1)[1].replace("Oslo", "Rome"), None,
+         [("get_weather", {"city": "Oslo"}), ("get_weather", {"city": "Rome"})]),
+        ("No call here, <tool but no more.", "No call here, <tool but no more.", None),
+        ("Broken: <tool_call>{not json}</tool_call>", "Broken: <tool_call>{not json}</tool_call>", None),
+        ("Cut: <tool_call>\n{\"name\": \"get_wea", "Cut: <tool_call>\n{\"name\": \"get_wea", None),
+    ],
+)  # fmt: skip
+def test_hermes_finds_the_calls_a_model_writes_and_loses_nothing_when_they_do_not_parse(
+    text: str, content: str | None, calls: list[tuple[str, Any]] | None
+) -> None:
+    found_content, found = openai_api.Hermes().split(text)
+    assert found_content == content
+    assert (
+        None if found is None else [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in found]
+    ) == calls
+
+
+def test_the_openai_sdk_reads_auto_tool_calls_whole_and_streamed() -> None:
+    """tool_choice "auto" with --tool-call-parser hermes, served by the
+    HTTP API over a service that answers a scripted text in small pieces:
+    the openai SDK gets the text before the call as content and the call
+    as tool_calls (finish_reason tool_calls), streamed and not alike;
+    without the parser, "auto" is a 400 naming tool_choice."""
+    import asyncio
+
+    import openai
+
+    from mmsplit.common.v1 import common_pb2
+    from mmsplit.tokenizer.v1 import tokenizer_pb2 as pb
+    from tokenizer_svc.http_api import HttpApi, start
+
+    class Scripted:
+        tokenizer = None
+
+        async def generate(self, request: Any, rid: str, timeout_s: Any) -> Any:
+            for at in range(0, len(CALLED), 3):
+                yield pb.GenerateResponse(delta=pb.TextDelta(text=CALLED[at : at + 3]))
+            yield pb.GenerateResponse(
+                finished=pb.Finished(finish_reason=common_pb2.FINISH_REASON_STOP, prompt_tokens=5, completion_tokens=9)
+            )
+
+    async def run(parser: str) -> Any:
+        api = HttpApi(Scripted(), model="m", ready=lambda: True, max_body_bytes=1 << 20, tool_parser=parser)  # type: ignore[arg-type]
+        runner, port = await start(api, "127.0.0.1", 0)
+        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        ask = {"model": "m", "messages": [{"role": "user", "content": "Weather?"}], "tools": [TOOL]}
+        try:
+            whole = await client.chat.completions.create(**ask)  # type: ignore[call-overload]
+            content, pieces, finish = "", {"name": "", "arguments": ""}, None
+            async for chunk in await client.chat.completions.create(**ask, stream=True):  # type: ignore[call-overload]
+                delta = chunk.choices[0].delta
+                content += delta.content or ""
+                for call in delta.tool_calls or []:
+                    pieces["name"] += call.function.name or ""
+                    pieces["arguments"] += call.function.arguments or ""
+                finish = chunk.choices[0].finish_reason or finish
+            return whole, (content, pieces, finish)
+        finally:
+            await client.close()
+            await runner.cleanup()
+
+    whole, (content, pieces, finish) = asyncio.run(run("hermes"))
+    message = whole.choices[0].message
+    assert (message.content, whole.choices[0].finish_reason) == ("Let me look.", "tool_calls")
+    (call,) = message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Oslo"})
+    assert (content, pieces["name"], finish) == ("Let me look.", "get_weather", "tool_calls")
+    assert pieces["arguments"] == call.function.arguments
+    with pytest.raises(openai.BadRequestError) as info:
+        asyncio.run(run("none"))
+    assert info.value.body["param"] == "tool_choice"  # type: ignore[index]
