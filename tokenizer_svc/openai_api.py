@@ -21,14 +21,19 @@ What is accepted, as vLLM, SGLang and TGI accept it:
   vLLM's `cache_salt` (a tenant's prefix-cache isolation). The usage reports
   `prompt_tokens_details.cached_tokens`: prompt tokens the scheduler took
   from its prefix cache.
+- Tools (chat only): `tools` reach the chat template (the contract's
+  `GenerateRequest.tools`); `tool_choice` a named function or "required"
+  constrains the output with a JSON Schema built from the tools (`Forced`),
+  "auto" finds the calls the model writes itself with the tokenizer's
+  --tool-call-parser (`Hermes`), refused without one; calls answer as
+  `tool_calls`. Assistant messages' `tool_calls` and tool messages go back
+  into the conversation.
 - Refused (400, `param` naming the field): the OpenAI fields whose meaning
-  this server cannot honour (`UNHONOURED`: tools, audio output, echo...)
-  when set to anything but their do-nothing value. Answering as if they
-  were absent would hand a client that asked for a tool call plain text
-  and no sign why;
-  vLLM refuses tools the same way unless a tool parser is configured.
-  Assistant messages' `tool_calls` likewise. Other unknown fields are
-  ignored (logged at debug).
+  this server cannot honour (`UNHONOURED`: the deprecated functions, audio
+  output, echo...) when set to anything but their do-nothing value.
+  Answering as if they were absent would hand a client that asked for them
+  plain text and no sign why. Other unknown fields are ignored (logged at
+  debug).
 
 The HTTP status of each ErrorCode is one table (`STATUS`), next to the gRPC
 one in `mmsplit.errors`.
