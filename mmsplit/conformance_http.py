@@ -10,6 +10,10 @@
 - structured output: `response_format` json_schema answered with a document
   of the schema, finish reason "stop"; a schema that is no schema is 400
   naming `response_format`;
+- tool calls: a `tool_choice` naming a function answered with one call of
+  it (an id, arguments a document of its parameters), finish reason
+  "tool_calls"; a tool_choice naming no tool given is 400 naming
+  `tool_choice`;
 - error shape: a bad parameter is 400 with {"error": {message, type, param,
   code}}, code INVALID_REQUEST, param naming it, x-should-retry false;
 - unknown model 404, malformed JSON 400, each in the same shape.
@@ -41,6 +45,7 @@ class HttpKit:
             ("http.chat", self.chat),
             ("http.stream", self.stream),
             ("http.response_format", self.response_format),
+            ("http.tool_call", self.tool_call),
             ("http.error_shape", self.error_shape),
             ("http.unknown_model", self.unknown_model),
             ("http.malformed_json", self.malformed_json),
@@ -125,6 +130,26 @@ class HttpKit:
         error = self._error(status, raw, headers, 400, "INVALID_REQUEST")
         expect(error["param"] == "response_format", f"param {error['param']!r}, expected 'response_format'")
         return str(text)
+
+    def tool_call(self) -> str:
+        tool = {"type": "function", "function": {"name": "check", "description": "A check.", "parameters": SCHEMA}}
+        named = {"type": "function", "function": {"name": "check"}}
+        body = self._chat_body(max_tokens=64, tools=[tool], tool_choice=named)
+        status, _, raw = self._post("/chat/completions", body)
+        expect(status == 200, f"status {status}: {raw[:200]!r}")
+        choice = json.loads(raw)["choices"][0]
+        calls = choice["message"].get("tool_calls") or []
+        expect(len(calls) == 1, f"{len(calls)} tool calls, expected 1: {choice['message']!r}")
+        call = calls[0]
+        expect(choice["finish_reason"] == "tool_calls", f"finish_reason {choice['finish_reason']!r}")
+        expect(bool(call.get("id")) and call.get("type") == "function", f"a call without an id or type: {call!r}")
+        expect(call["function"]["name"] == "check", f"called {call['function']['name']!r}, not 'check'")
+        expect_a_document_of_the_schema(call["function"]["arguments"])
+        other = {"type": "function", "function": {"name": "no_such_tool"}}
+        status, headers, raw = self._post("/chat/completions", self._chat_body(tools=[tool], tool_choice=other))
+        error = self._error(status, raw, headers, 400, "INVALID_REQUEST")
+        expect(error["param"] == "tool_choice", f"param {error['param']!r}, expected 'tool_choice'")
+        return str(call["function"]["arguments"])
 
     def _error(self, status: int, raw: bytes, headers: dict[str, str], want: int, code: str) -> dict[str, Any]:
         expect(status == want, f"status {status}, expected {want}")
