@@ -191,13 +191,44 @@ class VideoPart:
     source: bytes | str
 
 
-# (role, content): role "system", "user" or "assistant"; content text, or
-# parts in order.
-Message = tuple[str, "str | ImagePart | VideoPart | Sequence[str | ImagePart | VideoPart]"]
+@dataclass(frozen=True)
+class ToolCall:
+    """A call of a tool, in an assistant turn's parts (the contract's
+    ChatMessage.tool_calls); `arguments` a dict or JSON text."""
+
+    name: str
+    arguments: Mapping[str, Any] | str = "{}"
+    id: str = ""
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    """A tool turn's content: what the call `call_id` returned."""
+
+    call_id: str
+    content: str
+
+
+@dataclass(frozen=True)
+class Tool:
+    """A function the model may call (GenerateRequest.tools); `parameters`
+    its arguments' JSON Schema (a dict or JSON text; empty: none)."""
+
+    name: str
+    description: str = ""
+    parameters: Mapping[str, Any] | str = ""
+
+
+# (role, content): role "system", "user", "assistant" or "tool"; content
+# text, or parts in order (an assistant's may include ToolCalls; a tool
+# turn's is a ToolResult).
+Part = str | ImagePart | VideoPart | ToolCall
+Message = tuple[str, "Part | ToolResult | Sequence[Part]"]
 _ROLES = {
     "system": tokenizer_pb2.CHAT_ROLE_SYSTEM,
     "user": tokenizer_pb2.CHAT_ROLE_USER,
     "assistant": tokenizer_pb2.CHAT_ROLE_ASSISTANT,
+    "tool": tokenizer_pb2.CHAT_ROLE_TOOL,
 }
 
 
@@ -208,17 +239,26 @@ def chat_messages(messages: Sequence[Message]) -> list[tokenizer_pb2.ChatMessage
         if role not in _ROLES:
             raise ValueError(f"role {role!r} is not one of {', '.join(_ROLES)}")
         message = tokenizer_pb2.ChatMessage(role=_ROLES[role])
-        for part in [content] if isinstance(content, str | ImagePart | VideoPart) else content:
+        if isinstance(content, ToolResult):
+            message.tool_call_id = content.call_id
+            content = content.content
+        for part in [content] if isinstance(content, str | ImagePart | VideoPart | ToolCall) else content:
             if isinstance(part, str):
                 message.content.add(text=part)
             elif isinstance(part, ImagePart):
                 message.content.add(image=_source(tokenizer_pb2.Image, part.source))
             elif isinstance(part, VideoPart):
                 message.content.add(video=_source(tokenizer_pb2.Video, part.source))
+            elif isinstance(part, ToolCall):
+                message.tool_calls.add(id=part.id, name=part.name, arguments=_json(part.arguments))
             else:
-                raise TypeError(f"a content part is text, ImagePart or VideoPart, not {type(part).__name__}")
+                raise TypeError(f"a content part is text, ImagePart, VideoPart or ToolCall, not {type(part).__name__}")
         out.append(message)
     return out
+
+
+def _json(value: Mapping[str, Any] | str) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
 
 
 def _source(cls: Any, source: bytes | str) -> Any:
@@ -246,6 +286,7 @@ def build_request(
     repetition_penalty: float = 1.0,
     logit_bias: Mapping[int, float] | None = None,
     json_schema: str | Mapping[str, Any] = "",
+    tools: Sequence[Tool] = (),
 ) -> tokenizer_pb2.GenerateRequest:
     """A GenerateRequest of a prompt (with `images` and `videos`) or of a
     conversation (`messages`); media given as bytes are sent inline, as str
@@ -253,7 +294,9 @@ def build_request(
     Requests share the scheduler's cached prompt blocks only when their
     `cache_salt` is the same. The sampling fields are `SamplingParams`'
     (protos/mmsplit/common/v1/common.proto); `json_schema` may be given as
-    a dict."""
+    a dict. `tools` go to the chat template (a conversation's); to have the
+    model call one, pass its parameters as `json_schema` and read the
+    answer as the call's arguments."""
     sampling = common_pb2.SamplingParams(
         max_tokens=max_tokens,
         temperature=temperature,
@@ -266,7 +309,7 @@ def build_request(
         frequency_penalty=frequency_penalty,
         repetition_penalty=repetition_penalty,
         logit_bias=dict(logit_bias or {}),
-        json_schema=json_schema if isinstance(json_schema, str) else json.dumps(json_schema),
+        json_schema=_json(json_schema),
     )
     if top_p is not None:
         sampling.top_p = top_p
@@ -278,6 +321,9 @@ def build_request(
         sampling=sampling,
         messages=chat_messages(messages),
         cache_salt=cache_salt,
+        tools=[
+            tokenizer_pb2.Tool(name=t.name, description=t.description, parameters=_json(t.parameters)) for t in tools
+        ],
     )
 
 

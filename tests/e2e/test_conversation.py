@@ -97,6 +97,47 @@ def test_what_a_conversation_may_not_be_is_refused_naming_where(chat_pair: tuple
     assert after.ok, after
 
 
+def test_a_tool_conversation_through_the_client_library(chat_pair: tuple[str, Pair]) -> None:
+    """Tools, an assistant's call and the tool's result (the client
+    library's Tool, ToolCall and ToolResult), the answer constrained to the
+    tool's parameters: every family's shipped template takes it but
+    LLaVA-NeXT's (it reads an assistant turn's first text part, and refuses
+    a tool turn), a typed error that says so; the next request is served."""
+    import json
+
+    from mmsplit.client import Tool, ToolCall, ToolResult
+
+    family, pair = chat_pair
+    params = {
+        "type": "object",
+        "properties": {"sunny": {"type": "boolean"}},
+        "required": ["sunny"],
+        "additionalProperties": False,
+    }
+    messages = [
+        ("user", [ImagePart(png(64, 64, 4)), "Is it sunny there?"]),
+        ("assistant", [ToolCall("get_weather", {"place": "here"}, id="call_1")]),
+        ("tool", ToolResult("call_1", "Clear skies.")),
+        ("user", "So?"),
+    ]
+    request = build_request(
+        messages=messages, tools=[Tool("get_weather", "The weather.", params)], json_schema=params, max_tokens=40
+    )
+    assert request.messages[1].tool_calls[0].arguments == '{"place": "here"}'
+    assert request.messages[2].tool_call_id == "call_1"
+    with grpc.insecure_channel(pair.tokenizer_address) as channel:
+        stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
+        out = run_request(stub, request, timeout=120)
+        after = run_request(stub, build_request(messages=[("user", "hello")], max_tokens=2), timeout=60)
+    if family == "llava-next":
+        assert out.reason == "INVALID_REQUEST", out
+        assert "chat template refused the conversation" in out.message, out
+    else:
+        assert out.ok, (family, out)
+        assert isinstance(json.loads(out.text)["sunny"], bool), out.text
+    assert after.ok, after
+
+
 def test_the_cli_sends_a_conversation_with_the_image_in_the_last_user_turn(
     chat_pair: tuple[str, Pair], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
