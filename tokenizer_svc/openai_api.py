@@ -45,9 +45,7 @@ import dataclasses
 import json
 import logging
 import math
-import re
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,6 +55,7 @@ from mmsplit.tokenizer.v1 import tokenizer_pb2
 from mmsplit_server.sampling import MAX_TOP_LOGPROBS
 from tokenizer_svc.conversation import MAX_CACHE_SALT, MAX_CHOICES
 from tokenizer_svc.errors import InvalidRequest
+from tokenizer_svc.tool_calls import Forced, Hermes, call_id
 
 log = logging.getLogger(__name__)
 
@@ -148,81 +147,6 @@ class Call:
     include_usage: bool
     # How the output answers with tool calls (None: as content only).
     calls: Forced | Hermes | None = None
-
-
-@dataclass(frozen=True)
-class Forced:
-    """tool_choice "required" (`name` empty: the output is a JSON list of
-    {"name", "parameters"} objects, one per call) or a named function (the
-    output is its arguments). Either is the request's json_schema, so the
-    output is such a document (unless max_tokens cut it short)."""
-
-    name: str
-
-    def split(self, text: str) -> tuple[str | None, list[dict[str, Any]] | None]:
-        """A choice's whole output as (content, tool calls): the calls and no
-        content, or, when it is not calls (cut short), the text as content."""
-        if self.name:
-            return None, [_tool_call(self.name, text)]
-        try:
-            listed = json.loads(text)
-        except json.JSONDecodeError:
-            return text, None
-        if not isinstance(listed, list) or not all(isinstance(c, dict) and "name" in c for c in listed):
-            return text, None
-        return None, [
-            _tool_call(str(c["name"]), json.dumps(c.get("parameters", {}), ensure_ascii=False)) for c in listed
-        ]
-
-
-@dataclass(frozen=True)
-class Hermes:
-    """tool_choice "auto" with `--tool-call-parser hermes`: the model
-    writes each call as ``<tool_call>{"name": ..., "arguments": {...}}
-    </tool_call>`` (Qwen2.5's and many others' format), after any text."""
-
-    OPEN = "<tool_call>"
-    CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
-
-    def split(self, text: str) -> tuple[str | None, list[dict[str, Any]] | None]:
-        """(the text before the first call, or None when there is none; the
-        calls), or (the whole text, None) when it holds no call or one that
-        does not parse: nothing of it is lost."""
-        at = text.find(self.OPEN)
-        if at < 0:
-            return text, None
-        calls = []
-        for found in self.CALL.finditer(text, at):
-            try:
-                call = json.loads(found.group(1))
-            except json.JSONDecodeError:
-                return text, None
-            if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-                return text, None
-            calls.append(_tool_call(call["name"], json.dumps(call.get("arguments", {}), ensure_ascii=False)))
-        if not calls:
-            return text, None
-        return text[:at].rstrip() or None, calls
-
-    def held(self, text: str) -> int:
-        """Where a stream's content must stop for now: at a call's opening,
-        or before a tail that may become one, and before the blanks that
-        may precede one (the content then ends where `split`'s does)."""
-        upto = text.find(self.OPEN)
-        if upto < 0:
-            upto = len(text)
-            for n in range(min(len(self.OPEN) - 1, len(text)), 0, -1):
-                if self.OPEN.startswith(text[-n:]):
-                    upto -= n
-                    break
-        while upto and text[upto - 1].isspace():
-            upto -= 1
-        return upto
-
-
-def _tool_call(name: str, arguments: str) -> dict[str, Any]:
-    function = {"name": name, "arguments": arguments}
-    return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function", "function": function}
 
 
 def parse_chat(body: Any, tool_parser: str = "none") -> Call:
@@ -724,7 +648,7 @@ class Shape:
             if shown.text or (finish and i not in self._opened):
                 call: dict[str, Any] = {"index": 0, "function": {"arguments": shown.text}}
                 if i not in self._opened:
-                    self._opened[i] = "call_" + uuid.uuid4().hex[:24]
+                    self._opened[i] = call_id()
                     call = {"index": 0, "id": self._opened[i], "type": "function",
                             "function": {"name": self.calls.name, "arguments": shown.text}}  # fmt: skip
                 delta = {"tool_calls": [call]}
