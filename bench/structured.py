@@ -74,9 +74,9 @@ def main() -> None:
         grammars = Grammars(model, eos)
         sampler = Sampler(eos)
         schema = json.dumps(SMALL)
-        params = Sampling(max_tokens=256, json_schema=schema)
+        params = Sampling(max_tokens=256, structure=("json_schema", schema))
         gen = torch.Generator().manual_seed(3)
-        first = RowSampling("first", params, 0, None, constraint=grammars.constraint(schema))
+        first = RowSampling("first", params, 0, None, constraint=grammars.constraint(("json_schema", schema)))
         document: list[int] = []
         while len(document) < 64:
             token = sampler.sample(torch.randn(1, VOCAB, generator=gen), [first])[0]
@@ -87,7 +87,8 @@ def main() -> None:
             document.append(token)
         steps = len(document) // 2
         constrained = [
-            RowSampling(f"c{i}", params, 0, None, constraint=grammars.constraint(schema)) for i in range(args.rows)
+            RowSampling(f"c{i}", params, 0, None, constraint=grammars.constraint(("json_schema", schema)))
+            for i in range(args.rows)
         ]
         for row in constrained:
             for token in document[:steps]:
@@ -109,9 +110,10 @@ def main() -> None:
         out = []
         for name, doc in (("small", SMALL), ("48 KB, 600 patterns", LARGE)):
             text = json.dumps(doc)
-            compile_ms = per_call_ms(lambda t=text: structured._compiled.__wrapped__(t), 5)
-            structured.grammar(text)  # as both services leave it: cached
-            join_ms = per_call_ms(lambda t=text: grammars.constraint(t), 5)
+            spec = ("json_schema", text)
+            compile_ms = per_call_ms(lambda s=spec: structured._compiled.__wrapped__(s), 5)
+            structured.grammar(spec)  # as both services leave it: cached
+            join_ms = per_call_ms(lambda s=spec: grammars.constraint(s), 5)
             out.append([name, f"{len(text)}", f"{compile_ms:.1f}", f"{join_ms:.1f}"])
         print("\nwhat one request costs (means of 5)")
         print(table(["schema", "bytes", "compiling ms (each service)", "matcher at join ms (step thread)"], out))

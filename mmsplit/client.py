@@ -286,6 +286,8 @@ def build_request(
     repetition_penalty: float = 1.0,
     logit_bias: Mapping[int, float] | None = None,
     json_schema: str | Mapping[str, Any] = "",
+    regex: str = "",
+    choice: Sequence[str] = (),
     tools: Sequence[Tool] = (),
 ) -> tokenizer_pb2.GenerateRequest:
     """A GenerateRequest of a prompt (with `images` and `videos`) or of a
@@ -310,6 +312,8 @@ def build_request(
         repetition_penalty=repetition_penalty,
         logit_bias=dict(logit_bias or {}),
         json_schema=_json(json_schema),
+        regex=regex,
+        choice=list(choice),
     )
     if top_p is not None:
         sampling.top_p = top_p

@@ -55,7 +55,8 @@ class Sampling:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), by id
-    json_schema: str = ""  # structured output (mmsplit_server.structured); "" none
+    # Structured output (mmsplit_server.structured): what the text must match, or None.
+    structure: structured.Spec | None = None
 
     @property
     def greedy(self) -> bool:
@@ -129,13 +130,7 @@ class Sampling:
                 f"sampling.repetition_penalty {repetition!r} must be within (0, {MAX_PENALTY:g}] (1: off)"
             )
         bias = _logit_bias(pb, vocab_size)
-        if pb.json_schema:
-            if pb.min_tokens:
-                raise InvalidSampling("sampling.json_schema cannot go with min_tokens (the schema decides the end)")
-            try:
-                structured.grammar(pb.json_schema)
-            except ValueError as exc:
-                raise InvalidSampling(f"sampling.json_schema {exc}") from None
+        structure = _structure(pb)
 
         return cls(
             max_tokens=max_tokens,
@@ -152,8 +147,26 @@ class Sampling:
             frequency_penalty=float(pb.frequency_penalty),
             repetition_penalty=float(repetition),
             logit_bias=bias,
-            json_schema=pb.json_schema,
+            structure=structure,
         )
+
+
+def _structure(pb: common_pb2.SamplingParams) -> structured.Spec | None:
+    """json_schema, regex or choice (at most one), compiled."""
+    try:
+        structure = structured.spec(pb.json_schema, pb.regex, tuple(pb.choice))
+    except ValueError as exc:
+        raise InvalidSampling(str(exc)) from None
+    if structure is None:
+        return None
+    field = structure[0]
+    if pb.min_tokens:
+        raise InvalidSampling(f"sampling.{field} cannot go with min_tokens (the structure decides the end)")
+    try:
+        structured.grammar(structure)
+    except ValueError as exc:
+        raise InvalidSampling(f"sampling.{field} {exc}") from None
+    return structure
 
 
 def _logit_bias(pb: common_pb2.SamplingParams, vocab_size: int | None) -> tuple[tuple[int, float], ...]:

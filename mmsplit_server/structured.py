@@ -1,5 +1,6 @@
-"""Structured output: a JSON Schema the generated text must match
-(`SamplingParams.json_schema`), compiled by llguidance.
+"""Structured output: a JSON Schema, a regular expression or a list of
+choices the generated text must match (`SamplingParams.json_schema`,
+`regex`, `choice`: a `Spec`), compiled by llguidance.
 
 Both services compile a request's schema when they check it (`grammar`:
 a schema it cannot compile is the client's error; the last 64 schemas'
@@ -25,6 +26,7 @@ import concurrent.futures
 import functools
 import json
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,46 +37,81 @@ MAX_SCHEMA_BYTES = 64 * 1024
 COMPILE_DEFAULTS = {"whitespace_flexible": False}
 
 
-def grammar(json_schema: str) -> str:
-    """The llguidance grammar of `json_schema`; ValueError with the reason
-    when it is not a JSON object or cannot be compiled (or the server
+# What a request's output must match: (the contract's field, its text):
+# ("json_schema", a JSON Schema), ("regex", a pattern), ("choice", a JSON
+# list of the strings). `spec` makes one.
+Spec = tuple[str, str]
+MAX_CHOICES = 1024
+MAX_CHOICE_CHARS = 1024
+
+
+def spec(json_schema: str = "", regex: str = "", choice: Sequence[str] = ()) -> Spec | None:
+    """The structure a request's sampling fields ask for (None: none);
+    ValueError, naming the field, when more than one is set or choice is
+    out of its bounds."""
+    given = [name for name, value in (("json_schema", json_schema), ("regex", regex), ("choice", choice)) if value]
+    if len(given) > 1:
+        raise ValueError(f"sampling.{given[1]} cannot go with sampling.{given[0]}: at most one structure")
+    if json_schema:
+        return "json_schema", json_schema
+    if regex:
+        return "regex", regex
+    if not choice:
+        return None
+    if len(choice) > MAX_CHOICES or not all(0 < len(c) <= MAX_CHOICE_CHARS for c in choice):
+        raise ValueError(f"sampling.choice must be 1 to {MAX_CHOICES} strings of 1 to {MAX_CHOICE_CHARS} characters")
+    return "choice", json.dumps(list(choice))
+
+
+def grammar(structure: Spec) -> str:
+    """The llguidance grammar of `structure`; ValueError with the reason
+    (after the field's name) when it cannot be compiled (or the server
     lacks llguidance: a pinned requirement, but a hand-made environment,
-    such as a GPU machine's, may miss it). The last 64 schemas' outcomes
-    are kept, refusals too: a service that compiled one in a thread finds
-    it here on its event loop."""
-    compiled = _compiled(json_schema)
+    such as a GPU machine's, may miss it). The last 64 structures'
+    outcomes are kept, refusals too: a service that compiled one in a
+    thread finds it here on its event loop."""
+    compiled = _compiled(structure)
     if isinstance(compiled, ValueError):
         raise ValueError(str(compiled))
     return compiled
 
 
 @functools.lru_cache(maxsize=64)
-def _compiled(json_schema: str) -> str | ValueError:
+def _compiled(structure: Spec) -> str | ValueError:
+    kind, text = structure
     try:
         import llguidance
     except ImportError:
         return ValueError("cannot be honoured: this server lacks the llguidance package")
 
-    if len(json_schema.encode()) > MAX_SCHEMA_BYTES:
+    if len(text.encode()) > MAX_SCHEMA_BYTES:
         return ValueError(f"is over {MAX_SCHEMA_BYTES} bytes")
-    try:
-        schema = json.loads(json_schema)
-    except json.JSONDecodeError as exc:
-        return ValueError(f"is not JSON ({exc})")
-    if not isinstance(schema, dict):
-        return ValueError("must be a JSON object (a schema)")
-    compiled = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=COMPILE_DEFAULTS)  # type: ignore[arg-type]
+    if kind == "regex":
+        compiled = llguidance.LLMatcher.grammar_from_regex(text)
+    elif kind == "choice":
+        # Lark's string literals take JSON's escapes.
+        compiled = llguidance.LLMatcher.grammar_from_lark(
+            "start: " + " | ".join(json.dumps(c) for c in json.loads(text))
+        )
+    else:
+        try:
+            schema = json.loads(text)
+        except json.JSONDecodeError as exc:
+            return ValueError(f"is not JSON ({exc})")
+        if not isinstance(schema, dict):
+            return ValueError("must be a JSON object (a schema)")
+        compiled = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=COMPILE_DEFAULTS)  # type: ignore[arg-type]
     error = llguidance.LLMatcher.validate_grammar(compiled)
     if error:
         return ValueError(f"cannot be compiled: {error}")
     return compiled
 
 
-async def compile_off_loop(json_schema: str) -> None:
-    """Compile `json_schema` in a thread (22 ms for a 48 KB one), so that
+async def compile_off_loop(structure: Spec) -> None:
+    """Compile `structure` in a thread (22 ms for a 48 KB schema), so that
     `grammar` then finds it on the event loop at once, whatever the
     outcome (a refusal says why there)."""
-    await asyncio.to_thread(_compiled, json_schema)
+    await asyncio.to_thread(_compiled, structure)
 
 
 class Grammars:
@@ -98,12 +135,12 @@ class Grammars:
         self._prepared: collections.OrderedDict[str, concurrent.futures.Future[Constraint]] = collections.OrderedDict()
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # made on first use
 
-    def prepare(self, request_id: str, json_schema: str) -> None:
+    def prepare(self, request_id: str, structure: Spec) -> None:
         """Start making `request_id`'s matcher (from any thread)."""
         with self._lock:
             if self._pool is None:
                 self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammars")
-            self._prepared[request_id] = self._pool.submit(self._make, json_schema)
+            self._prepared[request_id] = self._pool.submit(self._make, structure)
             while len(self._prepared) > self._keep:
                 self._prepared.popitem(last=False)[1].cancel()
 
@@ -115,19 +152,19 @@ class Grammars:
         if prepared is not None:
             prepared.cancel()
 
-    def constraint(self, json_schema: str, request_id: str = "") -> Constraint:
+    def constraint(self, structure: Spec, request_id: str = "") -> Constraint:
         """The matcher prepared for `request_id` (waiting for it if it is
         being made), or one made now; raises what making it raised."""
         with self._lock:
             prepared = self._prepared.pop(request_id, None)
         if prepared is not None and not prepared.cancelled():
             return prepared.result()
-        return self._make(json_schema)
+        return self._make(structure)
 
-    def _make(self, json_schema: str) -> Constraint:
+    def _make(self, structure: Spec) -> Constraint:
         import llguidance
 
-        return Constraint(llguidance.LLMatcher(self._llg_tokenizer(), grammar(json_schema), log_level=0))
+        return Constraint(llguidance.LLMatcher(self._llg_tokenizer(), grammar(structure), log_level=0))
 
     def _llg_tokenizer(self) -> Any:
         with self._building:

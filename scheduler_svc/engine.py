@@ -152,7 +152,7 @@ class Engine:
         decode_kv_multiple: int = 1,
     ) -> None:
         self.model = model
-        # Rank 0's compiler of structured-output constraints (None: requests with a json_schema fail).
+        # Rank 0's compiler of structured-output constraints (None: requests with a structure fail).
         self._grammars = grammars
         # The adapter builds positions (M-RoPE); by default from the model's own config.
         self.family = family or families.from_config(model.config.to_dict())  # type: ignore[operator,union-attr]
@@ -438,19 +438,20 @@ class Engine:
         seed = req.sampling.seed or zlib.crc32(req.request_id.encode())
         generator = make_generator(req.sampling, seed, self.device)
         adjust = LogitAdjust(req.sampling, req.input_ids) if req.sampling.adjusts_logits else None
-        constraint = self._constraint(req) if req.sampling.json_schema else None
+        constraint = self._constraint(req) if req.sampling.structure else None
         return RowSampling(req.request_id, req.sampling, 0, generator, adjust=adjust, constraint=constraint)
 
     def _constraint(self, req: NewRequest) -> Constraint | Broken:
         """The request's structured-output matcher, or what fails it at its
         first token (alone, as any row whose sampling raises)."""
-        if self._grammars is None:
+        structure = req.sampling.structure
+        if self._grammars is None or structure is None:
             return Broken("structured output is not available in this engine")
         try:
-            return self._grammars.constraint(req.sampling.json_schema, req.request_id)
+            return self._grammars.constraint(structure, req.request_id)
         except Exception as exc:
-            log.exception("compiling the json_schema of %s failed", req.request_id)
-            return Broken(f"compiling its json_schema failed: {type(exc).__name__}")
+            log.exception("compiling the structure of %s failed", req.request_id)
+            return Broken(f"compiling its structured output failed: {type(exc).__name__}")
 
     # ---- forwards ----
     def _decode(self) -> tuple[torch.Tensor | None, Failure | None]:

@@ -54,12 +54,13 @@ class Frontend:
 
     async def ready(self, pb: scheduler_pb2.GenerateRequest) -> None:
         """What `admit` checks that can take milliseconds, done first in a
-        thread: compiling a json_schema (~19 ms for 48 KB), which `admit`
-        then finds compiled. Await it before `admit`: the event loop keeps
-        serving every other stream meanwhile."""
-        if pb.sampling.json_schema:
-            with contextlib.suppress(Exception):  # whatever it is, `admit` meets it again and says so
-                await structured.compile_off_loop(pb.sampling.json_schema)
+        thread: compiling a structure (a json_schema: ~19 ms for 48 KB),
+        which `admit` then finds compiled. Await it before `admit`: the
+        event loop keeps serving every other stream meanwhile."""
+        with contextlib.suppress(Exception):  # whatever it is, `admit` meets it again and says so
+            structure = structured.spec(pb.sampling.json_schema, pb.sampling.regex, tuple(pb.sampling.choice))
+            if structure is not None:
+                await structured.compile_off_loop(structure)
 
     def admit(self, pb: scheduler_pb2.GenerateRequest, sink: Callable[[Event], None] | None = None) -> Admission:
         """Validate and enqueue; raise MmsplitError (the caller still owns
@@ -84,8 +85,8 @@ class Frontend:
             sink = events.put_nowait
         admission = Admission(request=request, emit=sink, reserve=reserve)
         grammars = self.step_loop.engine.grammars
-        if request.sampling.json_schema and grammars is not None:
-            grammars.prepare(rid, request.sampling.json_schema)  # its matcher, made before it joins
+        if request.sampling.structure and grammars is not None:
+            grammars.prepare(rid, request.sampling.structure)  # its matcher, made before it joins
         # Ownership first (DESIGN.md §3): take every tensor over, then say
         # Accepted; the sender disowns its own claims once it hears that.
         try:

@@ -323,9 +323,9 @@ async def _check_tool_schema(schema: str) -> None:
     off the event loop here, so that one that cannot be is the tools'
     fault in the error, not response_format's (the service finds it
     compiled)."""
-    await structured.compile_off_loop(schema)
+    await structured.compile_off_loop(("json_schema", schema))
     try:
-        structured.grammar(schema)
+        structured.grammar(("json_schema", schema))
     except ValueError as exc:
         raise InvalidRequest(f"the tool's parameters (a JSON Schema) {exc}", metadata={"param": "tools"}) from None
 

@@ -102,7 +102,8 @@ KNOWN = {
     "model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
     "stop", "min_tokens", "stop_token_ids", "n", "stream", "stream_options", "logprobs", "top_logprobs", "user",
     "cache_salt", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "response_format",
-    "tools", "tool_choice", "parallel_tool_calls",
+    "tools", "tool_choice", "parallel_tool_calls", "structured_outputs", "guided_json", "guided_regex",
+    "guided_choice",
 }  # fmt: skip
 
 # Field -> (the values that ask for nothing, and are accepted; why any other
@@ -391,6 +392,7 @@ def _finish(body: dict[str, Any], request: tokenizer_pb2.GenerateRequest) -> Cal
     for token, bias in _logit_bias(body).items():
         s.logit_bias[token] = bias
     s.json_schema = _response_format(body.get("response_format"))
+    _structured_outputs(body, s)
     n = _int(body, "n")
     if n is not None and not 1 <= n <= MAX_CHOICES:
         raise _invalid(f"n must be within [1, {MAX_CHOICES}]", "n")
@@ -446,6 +448,55 @@ def _response_format(value: Any) -> str:
     )
 
 
+def _structured_outputs(body: dict[str, Any], s: common_pb2.SamplingParams) -> None:
+    """vLLM's `structured_outputs` (`json`, `regex`, `choice`, `json_object`),
+    and its older `guided_json`, `guided_regex` and `guided_choice`, into the
+    contract's json_schema, regex and choice (at most one structure in all,
+    response_format included: the service says which two collide)."""
+    spec = body.get("structured_outputs")
+    if spec is None:
+        spec = {
+            k.removeprefix("guided_"): body[k] for k in ("guided_json", "guided_regex", "guided_choice") if k in body
+        }
+        where = "guided_" + next(iter(spec), "json")
+    else:
+        where = "structured_outputs"
+        if not isinstance(spec, dict):
+            raise _invalid("structured_outputs must be an object (json, regex, choice or json_object)", where)
+    unknown = sorted(set(spec) - {"json", "regex", "choice", "json_object"})
+    if unknown:
+        raise _invalid(f"{where}: {', '.join(unknown)} not supported (json, regex, choice, json_object)", where)
+    given = [k for k, v in spec.items() if v not in (None, False)]
+    if len(given) > 1 or (given and s.json_schema):
+        raise _invalid(f"{where}: one structure at most (response_format included)", where)
+    if not given:
+        return
+    kind, value = given[0], spec[given[0]]
+    if kind == "json_object":
+        s.json_schema = '{"type": "object"}'
+    elif kind == "json":
+        if isinstance(value, str):
+            value = _json_text(value, where)
+        if not isinstance(value, dict):
+            raise _invalid(f"{where}.json must be a JSON Schema object", where)
+        s.json_schema = json.dumps(value)
+    elif kind == "regex":
+        if not isinstance(value, str):
+            raise _invalid(f"{where}.regex must be a string", where)
+        s.regex = value
+    elif not isinstance(value, list) or not all(isinstance(c, str) for c in value):
+        raise _invalid(f"{where}.choice must be a list of strings", where)
+    else:
+        s.choice.extend(value)
+
+
+def _json_text(text: str, where: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise _invalid(f"{where}.json is not JSON ({exc})", where) from None
+
+
 def _logit_bias(body: dict[str, Any]) -> dict[int, float]:
     """OpenAI's logit_bias: an object of token ids (strings, as JSON keys
     are) to numbers; the service checks their ranges and the vocabulary."""
@@ -491,7 +542,9 @@ def param_name(exc: MmsplitError) -> str | None:
     if not param:
         return None
     name = param.removeprefix("sampling.")
-    return "response_format" if name == "json_schema" else name
+    return {"json_schema": "response_format", "regex": "structured_outputs", "choice": "structured_outputs"}.get(
+        name, name
+    )
 
 
 class Choices:

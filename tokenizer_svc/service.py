@@ -248,7 +248,8 @@ class TokenizerService:
     async def _generate(
         self, request: tokenizer_pb2.GenerateRequest, rid: str, timeout_s: float | None
     ) -> AsyncGenerator[tokenizer_pb2.GenerateResponse, None]:
-        if request.sampling.json_schema:  # compiling a schema may take milliseconds: not on the event loop
+        s = request.sampling
+        if s.json_schema or s.regex or s.choice:  # compiling a structure may take milliseconds: not on the event loop
             parsed = await asyncio.to_thread(self._validate, request)
         else:
             parsed = self._validate(request)

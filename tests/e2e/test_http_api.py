@@ -190,6 +190,12 @@ def _bad(api: Api, call: Callable[[openai.OpenAI], Any]) -> openai.APIStatusErro
     return info.value
 
 
+def _streamed_text(api: Api, **kwargs: Any) -> str:
+    """A streamed chat completion's content, all its chunks joined."""
+    chunks = api.client().chat.completions.create(model=api.model, stream=True, **kwargs)
+    return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
 def _good_after(api: Api) -> None:
     ok = api.client().chat.completions.create(
         model=api.model, messages=[{"role": "user", "content": [image_part(A), {"type": "text", "text": "Hi"}]}],
@@ -505,20 +511,38 @@ def test_response_format_json_schema_gives_a_document_of_the_schema(api: Api) ->
     assert choice.finish_reason == "stop", choice
     document = json.loads(choice.message.content or "")
     jsonschema.validate(document, COLORS)
-    streamed = client.chat.completions.create(
-        model=api.model,
-        messages=chat,
-        max_tokens=40,
-        response_format=fmt,
-        stream=True,  # type: ignore[arg-type]
-    )
-    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == choice.message.content
+    assert _streamed_text(api, messages=chat, max_tokens=40, response_format=fmt) == choice.message.content
     over_grpc = grpc_text(api.pair, [("user", [ImagePart(A), "Describe the colors."])], 40, json_schema=COLORS)
     assert over_grpc == choice.message.content
     loose = client.chat.completions.create(
         model=api.model, messages=chat, max_tokens=8, response_format={"type": "json_object"}
     )
     assert (loose.choices[0].message.content or "").startswith("{")
+    _good_after(api)
+
+
+def test_structured_outputs_regex_and_choice_constrain_the_answer(api: Api) -> None:
+    """vLLM's structured_outputs through the openai SDK (extra_body): a
+    regex the whole answer matches and a choice it is one of, each ended by
+    the model (finish_reason stop), streamed and not alike, the text gRPC
+    gives for the contract's regex and choice; a regex that does not
+    compile is a 400 naming structured_outputs."""
+    client = api.client()
+    chat = [{"role": "user", "content": [image_part(A), {"type": "text", "text": "Code and color?"}]}]
+    pattern, colors = "[A-Z]{2}-[0-9]{3}", ["red", "green", "light blue"]
+    for extra, check, grpc_field in (
+        ({"regex": pattern}, lambda text: re.fullmatch(pattern, text), {"regex": pattern}),
+        ({"choice": colors}, lambda text: text in colors, {"choice": colors}),
+    ):
+        body = {"structured_outputs": extra}
+        whole = client.chat.completions.create(model=api.model, messages=chat, max_tokens=40, extra_body=body)  # type: ignore[arg-type]
+        text = whole.choices[0].message.content or ""
+        assert whole.choices[0].finish_reason == "stop", whole
+        assert check(text), text
+        assert _streamed_text(api, messages=chat, max_tokens=40, extra_body=body) == text
+        assert grpc_text(api.pair, [("user", [ImagePart(A), "Code and color?"])], 40, **grpc_field) == text
+    bad = _bad(api, _chat([{"type": "text", "text": "x"}], extra_body={"structured_outputs": {"regex": "(open"}}))
+    assert (bad.status_code, bad.body["param"]) == (400, "structured_outputs")  # type: ignore[index]
     _good_after(api)
 
 

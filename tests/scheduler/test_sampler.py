@@ -259,9 +259,10 @@ def test_structured_output_draws_only_what_keeps_the_document_in_its_schema(tiny
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     sampler = Sampler(frozenset([eos]))
     for seed in range(3):
-        params = Sampling(max_tokens=64, temperature=1.0, json_schema=json.dumps(SCHEMA))
+        structure = ("json_schema", json.dumps(SCHEMA))
+        params = Sampling(max_tokens=64, temperature=1.0, structure=structure)
         constrained = RowSampling(
-            "s", params, 0, make_generator(params, seed, CPU), constraint=grammars.constraint(params.json_schema)
+            "s", params, 0, make_generator(params, seed, CPU), constraint=grammars.constraint(structure)
         )
         plain = row(Sampling(max_tokens=64), rid="plain")
         out: list[int] = []

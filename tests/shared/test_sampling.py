@@ -55,6 +55,14 @@ def check(pb: common_pb2.SamplingParams, **kw: object) -> Sampling:
         ({"json_schema": '{"type": "nonsense"}'}, "json_schema"),
         ({"json_schema": '{"type": "object", "description": "' + "x" * 70_000 + '"}'}, "json_schema"),
         ({"json_schema": '{"type": "object"}', "min_tokens": 3}, "json_schema"),
+        ({"regex": "(unclosed"}, "regex"),
+        ({"regex": "a" * 70_000}, "regex"),
+        ({"regex": "[a-z]+", "min_tokens": 2}, "regex"),
+        ({"choice": [""]}, "choice"),
+        ({"choice": ["x" * 1025]}, "choice"),
+        ({"choice": ["a"] * 1025}, "choice"),
+        ({"json_schema": '{"type": "object"}', "regex": "a"}, "regex"),
+        ({"regex": "a", "choice": ["a"]}, "choice"),
     ],
 )
 def test_out_of_limits_is_invalid_request_naming_the_field(params: dict[str, object], field: str) -> None:
@@ -108,7 +116,10 @@ def test_defaults_and_accepted_values() -> None:
     assert edges.logit_bias == ((2, 100.0), (9, -100.0))
     assert edges.adjusts_logits
     schema = '{"type": "object", "properties": {"a": {"type": "integer"}}}'
-    assert check(common_pb2.SamplingParams(json_schema=schema)).json_schema == schema
+    assert check(common_pb2.SamplingParams(json_schema=schema)).structure == ("json_schema", schema)
+    assert check(common_pb2.SamplingParams(regex="[0-9]{3}")).structure == ("regex", "[0-9]{3}")
+    assert check(common_pb2.SamplingParams(choice=["yes", 'n"o'])).structure == ("choice", '["yes", "n\\"o"]')
+    assert check(common_pb2.SamplingParams()).structure is None
 
 
 def test_the_tokenizer_side_leaves_the_default_and_the_vocabulary_to_the_scheduler() -> None:

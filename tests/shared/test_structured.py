@@ -14,7 +14,7 @@ import pytest
 from mmsplit_server import structured
 from mmsplit_server.structured import Constraint, Grammars
 
-SCHEMA = json.dumps({"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"]})
+SCHEMA = ("json_schema", json.dumps({"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"]}))
 
 
 def test_a_prepared_matcher_is_made_off_the_caller_s_thread_and_taken_once(
@@ -47,9 +47,9 @@ def test_a_prepared_matcher_is_made_off_the_caller_s_thread_and_taken_once(
 
 def test_a_schema_that_cannot_be_made_raises_where_it_is_taken(tiny_model: Path) -> None:
     grammars = Grammars(tiny_model, frozenset([2]))
-    grammars.prepare("bad", "[1]")
+    grammars.prepare("bad", ("json_schema", "[1]"))
     with pytest.raises(ValueError, match="must be a JSON object"):
-        grammars.constraint("[1]", "bad")
+        grammars.constraint(("json_schema", "[1]"), "bad")
     assert structured.grammar(SCHEMA) is structured.grammar(SCHEMA), "kept, not compiled again"
 
 
@@ -126,12 +126,12 @@ def test_the_scheduler_compiles_a_new_schema_off_its_event_loop(
     mine = json.dumps({"type": "object", "properties": {"held": {"type": "integer"}}})
     bad = json.dumps({"type": "object", "properties": {"a": {"type": "no such type"}}})
 
-    def held(json_schema: str) -> object:
-        if json_schema in (mine, bad):
+    def held(structure: tuple[str, str]) -> object:
+        if structure[1] in (mine, bad):
             threads.append(threading.current_thread().name)
             compiling.set()
             release.wait(10)
-        return compile_(json_schema)
+        return compile_(structure)
 
     monkeypatch.setattr(structured, "_compiled", functools.lru_cache(maxsize=64)(held))
     frontend = Frontend(None, None, None)  # type: ignore[arg-type]

@@ -437,3 +437,39 @@ def test_the_openai_sdk_reads_auto_tool_calls_whole_and_streamed() -> None:
     with pytest.raises(openai.BadRequestError) as info:
         asyncio.run(run("none"))
     assert info.value.body["param"] == "tool_choice"  # type: ignore[index]
+
+
+def test_structured_outputs_become_the_contract_s_regex_choice_and_json_schema() -> None:
+    """vLLM's structured_outputs and its older guided_* fields."""
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    cases: list[tuple[dict[str, Any], tuple[str, str, list[str]]]] = [
+        ({"structured_outputs": {"regex": "[0-9]+"}}, ("", "[0-9]+", [])),
+        ({"structured_outputs": {"choice": ["a", "b"]}}, ("", "", ["a", "b"])),
+        ({"structured_outputs": {"json": {"type": "object"}}}, ('{"type": "object"}', "", [])),
+        ({"structured_outputs": {"json": '{"type": "object"}'}}, ('{"type": "object"}', "", [])),
+        ({"structured_outputs": {"json_object": True}}, ('{"type": "object"}', "", [])),
+        ({"guided_choice": ["yes", "no"]}, ("", "", ["yes", "no"])),
+        ({"guided_regex": "a+"}, ("", "a+", [])),
+    ]
+    for extra, (schema, regex, choice) in cases:
+        for call in (openai_api.parse_chat({**chat, **extra}), openai_api.parse_completion({"prompt": "x", **extra})):
+            s = call.request.sampling
+            assert (s.json_schema, s.regex, list(s.choice)) == (schema, regex, choice), extra
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"structured_outputs": {"grammar": "root ::= x"}}, "structured_outputs"),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+        ({"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}}, "structured_outputs"),
+        ({"structured_outputs": {"choice": "a"}}, "structured_outputs"),
+        ({"structured_outputs": {"json": "{"}}, "structured_outputs"),
+        ({"structured_outputs": "regex"}, "structured_outputs"),
+        ({"guided_regex": 5}, "guided_regex"),
+    ],
+)
+def test_structured_outputs_that_cannot_be_served_are_refused(extra: dict[str, Any], param: str) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        openai_api.parse_chat({"messages": [{"role": "user", "content": "x"}], **extra})
+    assert openai_api.param_name(info.value) == param
