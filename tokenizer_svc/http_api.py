@@ -369,10 +369,10 @@ def _error_response(exc: MmsplitError) -> web.Response:
 async def start(api: HttpApi, host: str, port: int) -> tuple[web.AppRunner, int]:
     """Serve `api` on host:port (0: a free one); the runner and the port.
     Handlers are cancelled when their client disconnects."""
-    runner = web.AppRunner(api.app(), handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(api.app(), handler_cancellation=True, access_log=None, shutdown_timeout=0)
     await runner.setup()
     try:
-        await web.TCPSite(runner, host, port, shutdown_timeout=0).start()
+        await web.TCPSite(runner, host, port).start()
     except BaseException:
         await runner.cleanup()
         raise
