@@ -19,7 +19,7 @@ What it checks, per service:
   then exactly one Finished last; the tokens add up; the tokenizer puts the
   request id on every event (and makes one up when the request has none).
 - structured output: a request with a small `json_schema` ends (STOP) with
-  a document of that schema.
+  a document of that schema; one with a `choice` of strings, with one of them.
 - every client-error ErrorCode that an input can provoke: the gRPC code of
   the table, an ErrorInfo with domain "mmsplit", the reason, retriable=false
   and the request id; then a good request still succeeds.
@@ -67,6 +67,7 @@ from mmsplit.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from mmsplit.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 
 E = common_pb2.ErrorCode
+CHOICES = ["yes", "no", "not sure"]  # the choice check's strings
 TOKENIZER_SERVICE = tokenizer_pb2.DESCRIPTOR.services_by_name["TokenizerService"].full_name
 SCHEDULER_SERVICE = scheduler_pb2.DESCRIPTOR.services_by_name["SchedulerService"].full_name
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
@@ -177,6 +178,7 @@ class Kit:
             ("tokenizer.stream.image", self.tokenizer_image),
             ("tokenizer.stream.request_id_assigned", self.tokenizer_request_id),
             ("tokenizer.stream.json_schema", self.tokenizer_json_schema),
+            ("tokenizer.stream.choice", self.tokenizer_choice),
             *[(f"tokenizer.error.{label}", self._tokenizer_error(code, build)) for label, code, build in CLIENT_ERRORS],
             ("tokenizer.error.MEDIA_NOT_FOUND", self.tokenizer_not_found),
             ("tokenizer.unknown_fields", self.tokenizer_unknown_fields),
@@ -311,6 +313,19 @@ class Kit:
         reason = common_pb2.FinishReason.Name(events[-1].finished.finish_reason)
         expect(events[-1].finished.finish_reason == common_pb2.FINISH_REASON_STOP, f"{reason} after {text!r}")
         expect_a_document_of_the_schema(text)
+        return text
+
+    def tokenizer_choice(self) -> str:
+        """Structured output by `choice`: the answer is one of the strings, ended by the server (STOP)."""
+        request = _text_request(_request_id(), tokens=32)
+        request.sampling.min_tokens = 0
+        request.sampling.choice.extend(CHOICES)
+        events = self._generate(request)
+        expect(events[-1].WhichOneof("event") == "finished", "no Finished")
+        text = "".join(e.delta.text for e in events[:-1])
+        reason = common_pb2.FinishReason.Name(events[-1].finished.finish_reason)
+        expect(events[-1].finished.finish_reason == common_pb2.FINISH_REASON_STOP, f"{reason} after {text!r}")
+        expect(text in CHOICES, f"{text!r} is none of {CHOICES}")
         return text
 
     def tokenizer_request_id(self) -> str:

@@ -50,7 +50,12 @@ def test_our_services_pass_every_check(services: Services) -> None:
     got = verdicts(run.stdout)
     assert len(got) >= 30, run.stdout
     assert set(got.values()) == {"PASS"}, run.stdout
-    for name in ("tokenizer.error.MEDIA_NOT_FOUND", "tokenizer.cancel_propagates", "scheduler.deadline_propagates"):
+    for name in (
+        "tokenizer.error.MEDIA_NOT_FOUND",
+        "tokenizer.cancel_propagates",
+        "scheduler.deadline_propagates",
+        "tokenizer.stream.choice",
+    ):
         assert got[name] == "PASS"
 
 
@@ -96,6 +101,7 @@ def test_a_server_that_breaks_the_contract_fails_naming_the_checks(wrong_server:
         assert got[name] == "PASS", run.stdout
     # ...what it does wrong fails, each error check saying why.
     assert got["tokenizer.stream.events"] == "FAIL"
+    assert got["tokenizer.stream.choice"] == "FAIL"
     errors = [line for line in run.stdout.splitlines() if line.startswith("tokenizer.error.")]
     errors = [line for line in errors if not line.startswith("tokenizer.error.MEDIA_NOT_FOUND ")]
     assert len(errors) == 11, run.stdout
