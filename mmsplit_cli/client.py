@@ -142,6 +142,8 @@ def generate_command(args: argparse.Namespace) -> int:
                 repetition_penalty=args.repetition_penalty,
                 logit_bias=dict(args.logit_bias),
                 json_schema=schema,
+                regex=args.regex,
+                choice=args.choice,
                 timeout=args.timeout,
             )
             try:

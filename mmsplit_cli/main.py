@@ -233,6 +233,14 @@ def parser() -> argparse.ArgumentParser:
         metavar="SCHEMA",
         help="structured output: a JSON Schema (JSON text, or @FILE) the answer must match",
     )
+    p.add_argument("--regex", default="", help="structured output: a regular expression the whole answer must match")
+    p.add_argument(
+        "--choice",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="structured output: the answer is exactly one of these (repeatable)",
+    )
     p.add_argument("--request-id", default="")
     p.add_argument("--timeout", type=float, default=120.0, help="deadline of the call, seconds")
     p.add_argument(

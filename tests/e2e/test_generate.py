@@ -272,8 +272,8 @@ def test_the_cli_takes_an_image_url_and_sampling_knobs_and_a_closed_pipe_is_no_e
     services: Services, tmp_path: Path
 ) -> None:
     """`mmsplit generate --image data:... --json | head -1`: the same tokens
-    as the image sent as bytes (with the penalty, bias and --json-schema
-    flags: the tokens those fields give), and the reader leaving early ends
+    as the image sent as bytes (with the penalty, bias, --json-schema and
+    --choice flags: the tokens those fields give), and the reader leaving early ends
     the command quietly (exit 0, nothing on stderr)."""
     import base64
     import json
@@ -291,12 +291,18 @@ def test_the_cli_takes_an_image_url_and_sampling_knobs_and_a_closed_pipe_is_no_e
         knobs = {"repetition_penalty": 1.8, "presence_penalty": 1.5, "logit_bias": {plain.token_ids[0]: -100.0}}
         same = run_request(stub, make_request("Look.", [image], max_tokens=5, **knobs))
         shaped = run_request(stub, make_request("Look.", [image], max_tokens=30, json_schema=SCHEMA, **knobs))
+        chosen = run_request(stub, make_request("Look.", [image], max_tokens=30, choice=["up", "down"], **knobs))
+    assert chosen.text in ("up", "down"), chosen
     assert same.token_ids != plain.token_ids
     assert shaped.ok, shaped
     assert isinstance(json.loads(shaped.text)["ok"], bool)
     schema_file = tmp_path / "schema.json"
     schema_file.write_text(json.dumps(SCHEMA))
-    for tokens, extra, expected in (("5", [], same), ("30", ["--json-schema", f"@{schema_file}"], shaped)):
+    for tokens, extra, expected in (
+        ("5", [], same),
+        ("30", ["--json-schema", f"@{schema_file}"], shaped),
+        ("30", ["--choice", "up", "--choice", "down"], chosen),
+    ):
         done = subprocess.run(
             [*argv, "--image", url, "--max-tokens", tokens, "--json", "--repetition-penalty", "1.8",
              "--presence-penalty", "1.5", "--logit-bias", f"{plain.token_ids[0]}=-100", *extra, "Look."],
