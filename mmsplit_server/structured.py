@@ -25,6 +25,7 @@ import collections
 import concurrent.futures
 import functools
 import json
+import os
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -164,7 +165,8 @@ class Grammars:
     def _make(self, structure: Spec) -> Constraint:
         import llguidance
 
-        return Constraint(llguidance.LLMatcher(self._llg_tokenizer(), grammar(structure), log_level=0))
+        tokenizer = self._llg_tokenizer()
+        return Constraint(llguidance.LLMatcher(tokenizer, grammar(structure), log_level=0), tokenizer.vocab_size)
 
     def _llg_tokenizer(self) -> Any:
         with self._building:
@@ -181,20 +183,19 @@ class Grammars:
 class Constraint:
     """One request's matcher: which tokens may come next, and the tokens drawn."""
 
-    def __init__(self, matcher: Any) -> None:
-        self._matcher = matcher
+    def __init__(self, matcher: Any, vocab_size: int) -> None:
+        self.matcher = matcher
+        self.vocab_size = vocab_size  # the tokenizer's, as llguidance counts it (its masks' bits)
 
-    def bitmask(self) -> np.ndarray:
-        """The tokens that may come next, a bit each (little-endian within
-        each byte) over the tokenizer's vocabulary (`allowed` unpacks them).
-        ValueError when the matcher has failed."""
-        if self._matcher.is_error():
-            raise ValueError(f"the output no longer matches the schema: {self._matcher.get_error()}")
-        return np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8)
+    def failure(self) -> str | None:
+        """Why the row can go no further (its output no longer matches), or None."""
+        if self.matcher.is_error():
+            return f"the output no longer matches the structure: {self.matcher.get_error()}"
+        return None
 
     def took(self, token: int) -> None:
-        """A token drawn (an error, if it did not match, shows at the next `bitmask`)."""
-        self._matcher.consume_token(token)
+        """A token drawn (an error, if it did not match, shows at the next `failure`)."""
+        self.matcher.consume_token(token)
 
 
 class Broken:
@@ -203,19 +204,37 @@ class Broken:
     def __init__(self, message: str) -> None:
         self.message = message
 
-    def bitmask(self) -> np.ndarray:
-        raise ValueError(self.message)
+    def failure(self) -> str:
+        return self.message
 
     def took(self, token: int) -> None:
         pass
 
 
-def allowed(bitmasks: list[np.ndarray], vocab: int) -> np.ndarray:
-    """Rows of `Constraint.bitmask` (one tokenizer: one length) as a
-    ``[rows, vocab]`` bool array; tokens past the tokenizer's own
-    vocabulary (a padded LM head) never may come."""
-    bits = np.unpackbits(np.stack(bitmasks), axis=1, bitorder="little")
-    out = np.zeros((len(bitmasks), vocab), dtype=bool)
-    n = min(vocab, bits.shape[1])
-    out[:, :n] = bits[:, :n]
+def banned(constraints: Sequence[Constraint], vocab: int) -> np.ndarray:
+    """Which tokens may not come next, a ``[len(constraints), vocab]`` bool
+    array (none of the matchers failed: `Constraint.failure`): llguidance
+    fills every row's bitmask at once, in threads of its own without the
+    GIL; tokens past the tokenizer's own vocabulary (a padded LM head) are
+    banned too. bench/structured.py measures it."""
+    import llguidance.numpy
+
+    size = constraints[0].vocab_size
+    bitmask = np.empty((len(constraints), (size + 31) // 32), dtype=np.int32)
+    rows = [(c.matcher, i) for i, c in enumerate(constraints)]
+    llguidance.numpy.fill_next_token_bitmask_par(_executor(), rows, bitmask)
+    # A token's bit is bit t % 32 of word t // 32: in little-endian memory, bit t % 8 of byte t // 8.
+    bits = np.unpackbits(~bitmask.view(np.uint8), axis=1, bitorder="little")
+    out = np.ones((len(constraints), vocab), dtype=bool)
+    n = min(vocab, size)
+    out[:, :n] = bits[:, :n].view(bool)
     return out
+
+
+@functools.cache
+def _executor() -> Any:
+    """The pool that fills masks (llguidance's own threads): as many as
+    this process may use, up to 8."""
+    import llguidance
+
+    return llguidance.LLExecutor(min(8, len(os.sched_getaffinity(0))))

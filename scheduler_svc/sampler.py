@@ -238,23 +238,31 @@ class Sampler:
     @staticmethod
     def _constrain(logits: torch.Tensor, rows: Sequence[RowSampling]) -> dict[int, str]:
         """Structured output: each constrained row's tokens that cannot come
-        next to -inf; the rows whose matcher failed, with their message."""
+        next to -inf (one fill over the rows' masks, made together); the
+        rows whose matcher failed, with their message."""
         failed: dict[int, str] = {}
-        at: list[int] = []
-        masks = []
+        live: list[tuple[int, Constraint]] = []
         for i, row in enumerate(rows):
             if row.constraint is None:
                 continue
-            try:
-                masks.append(row.constraint.bitmask())
-                at.append(i)
-            except Exception as exc:  # one row's failure must not fail the batch
-                log.warning("structured output failed for request %s: %s", row.request_id, exc)
-                failed[i] = f"structured output failed: {exc}"
-        if at:
-            ok = torch.from_numpy(structured.allowed(masks, logits.shape[1])).to(logits.device)
-            index = torch.tensor(at, device=logits.device)
-            logits[index] = logits[index].masked_fill_(~ok, float("-inf"))
+            why = row.constraint.failure()
+            if why is None and isinstance(row.constraint, Constraint):
+                live.append((i, row.constraint))
+            else:
+                log.warning("structured output failed for request %s: %s", row.request_id, why)
+                failed[i] = f"structured output failed: {why}"
+        if not live:
+            return failed
+        try:
+            bans = structured.banned([c for _, c in live], logits.shape[1])
+        except Exception as exc:  # these rows fail, not the batch
+            log.exception("computing the masks of %d structured rows failed", len(live))
+            return failed | {i: f"structured output failed: {type(exc).__name__}" for i, _ in live}
+        if len(live) < len(rows):
+            every = np.zeros((len(rows), logits.shape[1]), dtype=bool)
+            every[[i for i, _ in live]] = bans
+            bans = every
+        logits.masked_fill_(torch.from_numpy(bans).to(logits.device), float("-inf"))
         return failed
 
     def _suppress_stops(self, logits: torch.Tensor, rows: Sequence[RowSampling]) -> None:

@@ -33,7 +33,7 @@ def test_a_prepared_matcher_is_made_off_the_caller_s_thread_and_taken_once(
     first = grammars.constraint(SCHEMA, "r1")
     assert made_on == [made_on[0]]
     assert made_on[0].startswith("grammars"), made_on
-    assert first.bitmask().any()
+    assert not structured.banned([first], first.vocab_size).all()
     # Taken: asking again makes a new one, here.
     assert grammars.constraint(SCHEMA, "r1") is not first
     assert made_on[1] == threading.current_thread().name
@@ -79,7 +79,8 @@ def test_preparing_does_not_wait_for_the_tokenizer_being_built(
     took = time.monotonic() - began
     release.set()
     assert took < 1.0, f"prepare waited {took:.1f} s for the build"
-    assert grammars.constraint(SCHEMA, "second").bitmask().any()
+    second = grammars.constraint(SCHEMA, "second")
+    assert not structured.banned([second], second.vocab_size).all()
 
 
 def test_a_request_that_ends_before_joining_leaves_no_matcher(tiny_model: Path) -> None:
@@ -162,3 +163,28 @@ def test_the_scheduler_compiles_a_new_schema_off_its_event_loop(
     with pytest.raises(InvalidSampling, match="cannot be compiled"):
         Sampling.from_pb(message(bad).sampling, max_tokens_limit=64)
     assert len(threads) == 2, "the refusal was kept too"
+
+
+def test_the_rows_masks_made_together_are_each_matcher_s_own(tiny_model: Path) -> None:
+    """`banned` (llguidance's parallel fill of every row's mask) bans, for
+    each row, exactly what its matcher alone does not allow (its own
+    `compute_bitmask`), at different places of their documents, and every
+    column past the tokenizer's vocabulary (a padded LM head)."""
+    import numpy as np
+
+    grammars = Grammars(tiny_model, frozenset([2]))
+    rows = [grammars.constraint(SCHEMA) for _ in range(5)]
+    for k, row in enumerate(rows):  # row k is k tokens into a document
+        for _ in range(k):
+            alone = np.unpackbits(np.frombuffer(row.matcher.compute_bitmask(), np.uint8), bitorder="little")
+            row.took(int(np.flatnonzero(alone)[0]))
+    vocab = rows[0].vocab_size + 40
+    bans = structured.banned(rows, vocab)
+    assert bans.shape == (5, vocab)
+    for row, got in zip(rows, bans, strict=True):
+        alone = np.unpackbits(np.frombuffer(row.matcher.compute_bitmask(), np.uint8), bitorder="little")
+        expected = np.ones(vocab, dtype=bool)
+        expected[: row.vocab_size] = alone[: row.vocab_size] == 0
+        assert (got == expected).all()
+        assert not got.all(), "something may come next"
+    assert len({bans[k].tobytes() for k in range(5)}) > 1, "the rows are at different places"
