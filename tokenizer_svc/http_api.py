@@ -250,6 +250,12 @@ class HttpApi:
             log.info("request %s failed: %s", rid, exc)
             _, body, _ = openai_api.error_body(exc)
             await _send(response, body)
+        except ConnectionResetError:
+            # The client went away and a write found out before aiohttp
+            # cancelled this handler: CANCELLED (the summary's default), as
+            # if it had been cancelled; nothing more can be written.
+            log.info("request %s: the client went away mid-stream", rid)
+            return response
         except Exception:
             summary.outcome = "INTERNAL"
             incident = uuid.uuid4().hex[:12]

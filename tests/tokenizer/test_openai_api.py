@@ -473,3 +473,63 @@ def test_structured_outputs_that_cannot_be_served_are_refused(extra: dict[str, A
     with pytest.raises(InvalidRequest) as info:
         openai_api.parse_chat({"messages": [{"role": "user", "content": "x"}], **extra})
     assert openai_api.param_name(info.value) == param
+
+
+def test_a_client_gone_before_a_write_is_cancelled_not_an_internal_error(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A stream's write that finds the client gone (aiohttp raises
+    ConnectionResetError when that comes before its cancellation of the
+    handler) ends the request CANCELLED, with no internal error logged:
+    it once counted as INTERNAL, with an incident and a traceback."""
+    import asyncio
+    import logging
+
+    from mmsplit.common.v1 import common_pb2
+    from mmsplit.tokenizer.v1 import tokenizer_pb2 as pb
+    from tokenizer_svc import http_api
+
+    class Endless:
+        tokenizer = None
+
+        async def generate(self, request: Any, rid: str, timeout_s: Any) -> Any:
+            while True:
+                yield pb.GenerateResponse(delta=pb.TextDelta(text="and on "))
+                await asyncio.sleep(0)
+            yield pb.GenerateResponse(finished=pb.Finished(finish_reason=common_pb2.FINISH_REASON_STOP))
+
+    sent = 0
+    send = http_api._send
+
+    async def gone_after_two(response: Any, obj: dict[str, Any]) -> None:
+        nonlocal sent
+        sent += 1
+        if sent > 2:
+            raise ConnectionResetError("Cannot write to closing transport")
+        await send(response, obj)
+
+    monkeypatch.setattr(http_api, "_send", gone_after_two)
+
+    async def run() -> None:
+        api = http_api.HttpApi(Endless(), model="m", ready=lambda: True, max_body_bytes=1 << 20)  # type: ignore[arg-type]
+        runner, port = await http_api.start(api, "127.0.0.1", 0)
+        body = json.dumps({"messages": [{"role": "user", "content": "x"}], "stream": True}).encode()
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+            writer.write(head.encode() + body)
+            await writer.drain()
+            await reader.readuntil(b"data: ")  # the stream began
+            for _ in range(3000):  # until the request's line is logged (it ends at the failed write)
+                if any("finished:" in r.getMessage() for r in caplog.records):
+                    break
+                await asyncio.sleep(0.01)
+            writer.close()
+        finally:
+            await runner.cleanup()
+
+    with caplog.at_level(logging.INFO):
+        asyncio.run(run())
+    lines = [r.getMessage() for r in caplog.records]
+    assert any("finished: CANCELLED" in line for line in lines), lines
+    assert not any("unexpected error" in line or "INTERNAL" in line for line in lines), lines
