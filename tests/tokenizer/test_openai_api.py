@@ -516,7 +516,8 @@ def test_a_client_gone_before_a_write_is_cancelled_not_an_internal_error(
         body = json.dumps({"messages": [{"role": "user", "content": "x"}], "stream": True}).encode()
         try:
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
-            head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+            head = "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            head += f"Content-Length: {len(body)}\r\n\r\n"
             writer.write(head.encode() + body)
             await writer.drain()
             await reader.readuntil(b"data: ")  # the stream began
