@@ -236,7 +236,8 @@ def _tools(
         if body.get("parallel_tool_calls") is False:
             listed["maxItems"] = 1
         return Forced(""), json.dumps(listed)
-    named = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    function = choice.get("function") if isinstance(choice, dict) else None
+    named = function.get("name") if isinstance(function, dict) else None
     if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(named, str):
         raise _invalid(
             f'tool_choice {_short(choice)} must be "none", "auto", "required" or '

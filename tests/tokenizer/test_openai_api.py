@@ -241,6 +241,7 @@ def test_tool_choices_become_the_contract_s_tools_and_json_schema() -> None:
         ({"tool_choice": "auto"}, "tool_choice", "--tool-call-parser"),
         ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "not among the tools"),
         ({"tool_choice": "sometimes"}, "tool_choice", "must be"),
+        ({"tool_choice": {"type": "function", "function": [1]}}, "tool_choice", "must be"),  # was a 500
         ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice", "response_format"),
         ({"tools": [{"type": "function"}]}, "tools[0]", "must be"),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]}, "tools[0]", "JSON Schema"),
