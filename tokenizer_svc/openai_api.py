@@ -219,7 +219,7 @@ def _tools(
         raise _invalid(f"tool_choice {_short(choice)} needs tools", "tool_choice")
     if choice == "auto":
         if parser == "hermes":
-            return Hermes(), ""
+            return Hermes(single=body.get("parallel_tool_calls") is False), ""
         raise _invalid(
             'tool_choice "auto" (the default when tools are given) needs the tool calls a model writes in its '
             "own format found, and this server was started without a --tool-call-parser; ask for "

@@ -53,6 +53,8 @@ class Hermes:
 
     OPEN = "<tool_call>"
     CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+    # parallel_tool_calls false: the first call only (the rest of the output is dropped, as after the calls).
+    single: bool = False
 
     def split(self, text: str) -> tuple[str | None, list[dict[str, Any]] | None]:
         """(the text before the first call, or None when there is none; the
@@ -72,7 +74,7 @@ class Hermes:
             calls.append(_tool_call(call["name"], json.dumps(call.get("arguments", {}), ensure_ascii=False)))
         if not calls:
             return text, None
-        return text[:at].rstrip() or None, calls
+        return text[:at].rstrip() or None, calls[:1] if self.single else calls
 
     def held(self, text: str) -> int:
         """Where a stream's content must stop for now: at a call's opening,

@@ -230,6 +230,8 @@ def test_tool_choices_become_the_contract_s_tools_and_json_schema() -> None:
     required = openai_api.parse_chat({**base, "tool_choice": "required", "parallel_tool_calls": False})
     schema = json.loads(required.request.sampling.json_schema)
     assert (schema["type"], schema["minItems"], schema["maxItems"]) == ("array", 1, 1)
+    auto = openai_api.parse_chat({**base, "parallel_tool_calls": False}, tool_parser="hermes")
+    assert (auto.calls, auto.request.sampling.json_schema) == (openai_api.Hermes(single=True), "")
     none = openai_api.parse_chat({**base, "tool_choice": "none"})
     assert (none.calls, none.request.sampling.json_schema, len(none.request.tools)) == (None, "", 1)
 
@@ -377,11 +379,16 @@ CALLED = 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city
 def test_hermes_finds_the_calls_a_model_writes_and_loses_nothing_when_they_do_not_parse(
     text: str, content: str | None, calls: list[tuple[str, Any]] | None
 ) -> None:
+    def named(found: list[dict[str, Any]] | None) -> list[tuple[str, Any]] | None:
+        return (
+            None if found is None else [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in found]
+        )
+
     found_content, found = openai_api.Hermes().split(text)
     assert found_content == content
-    assert (
-        None if found is None else [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in found]
-    ) == calls
+    assert named(found) == calls
+    # parallel_tool_calls false: the first call only.
+    assert named(openai_api.Hermes(single=True).split(text)[1]) == (calls[:1] if calls else None)
 
 
 def test_the_openai_sdk_reads_auto_tool_calls_whole_and_streamed() -> None:
