@@ -719,7 +719,7 @@ class Shape:
         sent = self._sent.get(i, 0)
         if shown.finish:
             return self._ended(i, text, shown.finish, logprobs, sent)
-        upto = self.calls.held(text)
+        upto = self.calls.held(text, sent)
         if upto <= sent:
             return self.chunk(i, {}, None, logprobs) if logprobs else None
         self._sent[i] = upto

@@ -76,11 +76,13 @@ class Hermes:
             return text, None
         return text[:at].rstrip() or None, calls[:1] if self.single else calls
 
-    def held(self, text: str) -> int:
+    def held(self, text: str, start: int = 0) -> int:
         """Where a stream's content must stop for now: at a call's opening,
         or before a tail that may become one, and before the blanks that
-        may precede one (the content then ends where `split`'s does)."""
-        upto = text.find(self.OPEN)
+        may precede one (the content then ends where `split`'s does).
+        `start`: what was sent already, which holds no opening (so each
+        delta searches only what is new, not the whole output again)."""
+        upto = text.find(self.OPEN, start)
         if upto < 0:
             upto = len(text)
             for n in range(min(len(self.OPEN) - 1, len(text)), 0, -1):
