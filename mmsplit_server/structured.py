@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import functools
 import json
 import os
@@ -113,6 +114,17 @@ async def compile_off_loop(structure: Spec) -> None:
     `grammar` then finds it on the event loop at once, whatever the
     outcome (a refusal says why there)."""
     await asyncio.to_thread(_compiled, structure)
+
+
+async def ready(sampling: Any) -> None:
+    """Before a service checks `sampling` (the contract's SamplingParams)
+    on its event loop: the structure it asks for, if any, compiled in a
+    thread (`compile_off_loop`), so that the check finds it. Whatever is
+    wrong with the fields, the check meets it again and says so."""
+    with contextlib.suppress(Exception):
+        structure = spec(sampling.json_schema, sampling.regex, tuple(sampling.choice))
+        if structure is not None:
+            await compile_off_loop(structure)
 
 
 class Grammars:
@@ -211,23 +223,27 @@ class Broken:
         pass
 
 
-def banned(constraints: Sequence[Constraint], vocab: int) -> np.ndarray:
-    """Which tokens may not come next, a ``[len(constraints), vocab]`` bool
-    array (none of the matchers failed: `Constraint.failure`): llguidance
-    fills every row's bitmask at once, in threads of its own without the
-    GIL; tokens past the tokenizer's own vocabulary (a padded LM head) are
-    banned too. bench/structured.py measures it."""
+def banned(rows: Sequence[tuple[int, Constraint]], shape: tuple[int, int]) -> np.ndarray:
+    """Which tokens may not come next: a ``shape`` ([rows, vocab]) bool
+    array, for each (row index, constraint) in `rows` (none of whose
+    matchers failed: `Constraint.failure`) its banned tokens, other rows
+    none. llguidance fills the rows' bitmasks at once, in threads of its
+    own without the GIL; tokens past the tokenizer's own vocabulary (a
+    padded LM head) are banned too. bench/structured.py measures it."""
     import llguidance.numpy
 
-    size = constraints[0].vocab_size
-    bitmask = np.empty((len(constraints), (size + 31) // 32), dtype=np.int32)
-    rows = [(c.matcher, i) for i, c in enumerate(constraints)]
-    llguidance.numpy.fill_next_token_bitmask_par(_executor(), rows, bitmask)
+    size = rows[0][1].vocab_size
+    bitmask = np.empty((len(rows), (size + 31) // 32), dtype=np.int32)
+    llguidance.numpy.fill_next_token_bitmask_par(
+        _executor(), [(c.matcher, k) for k, (_, c) in enumerate(rows)], bitmask
+    )
     # A token's bit is bit t % 32 of word t // 32: in little-endian memory, bit t % 8 of byte t // 8.
     bits = np.unpackbits(~bitmask.view(np.uint8), axis=1, bitorder="little")
-    out = np.ones((len(constraints), vocab), dtype=bool)
-    n = min(vocab, size)
-    out[:, :n] = bits[:, :n].view(bool)
+    at = [i for i, _ in rows]
+    n = min(shape[1], size)
+    out = np.zeros(shape, dtype=bool)
+    out[at, :n] = bits[:, :n].view(bool)
+    out[at, n:] = True
     return out
 
 

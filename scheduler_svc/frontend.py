@@ -9,7 +9,6 @@ back in one `loop.call_soon_threadsafe` (the step loop's `post`).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 from collections.abc import AsyncIterator, Callable
 
@@ -57,10 +56,7 @@ class Frontend:
         thread: compiling a structure (a json_schema: ~19 ms for 48 KB),
         which `admit` then finds compiled. Await it before `admit`: the
         event loop keeps serving every other stream meanwhile."""
-        with contextlib.suppress(Exception):  # whatever it is, `admit` meets it again and says so
-            structure = structured.spec(pb.sampling.json_schema, pb.sampling.regex, tuple(pb.sampling.choice))
-            if structure is not None:
-                await structured.compile_off_loop(structure)
+        await structured.ready(pb.sampling)
 
     def admit(self, pb: scheduler_pb2.GenerateRequest, sink: Callable[[Event], None] | None = None) -> Admission:
         """Validate and enqueue; raise MmsplitError (the caller still owns

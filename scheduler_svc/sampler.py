@@ -7,8 +7,8 @@ the processors is transformers' own: temperature, then top_k, then top_p.
 
 Before any of that, a request's logit_bias is added to its logits and its
 penalties applied (`LogitAdjust`; repetition, then frequency and presence,
-in vLLM's order), then its structured output's mask (`json_schema`: the
-tokens its matcher does not allow next go to -inf), for greedy and sampled
+in vLLM's order), then its structured output's mask (a json_schema, regex
+or choice: the tokens its matcher does not allow next go to -inf), for greedy and sampled
 rows alike; rows that ask for none cost nothing.
 
 Log probabilities (rows whose request asked) are of the distribution the
@@ -254,14 +254,10 @@ class Sampler:
         if not live:
             return failed
         try:
-            bans = structured.banned([c for _, c in live], logits.shape[1])
+            bans = structured.banned(live, (len(rows), logits.shape[1]))
         except Exception as exc:  # these rows fail, not the batch
             log.exception("computing the masks of %d structured rows failed", len(live))
             return failed | {i: f"structured output failed: {type(exc).__name__}" for i, _ in live}
-        if len(live) < len(rows):
-            every = np.zeros((len(rows), logits.shape[1]), dtype=bool)
-            every[[i for i, _ in live]] = bans
-            bans = every
         logits.masked_fill_(torch.from_numpy(bans).to(logits.device), float("-inf"))
         return failed
 

@@ -106,6 +106,8 @@ KNOWN = {
     "guided_choice",
 }  # fmt: skip
 
+# The json_schema of "any JSON object" (response_format json_object).
+ANY_OBJECT = '{"type": "object"}'
 # Field -> (the values that ask for nothing, and are accepted; why any other
 # value is refused).
 _FUNCTIONS = "the deprecated functions API is not served: use tools and tool_choice"
@@ -436,7 +438,7 @@ def _response_format(value: Any) -> str:
     if kind == "text":
         return ""
     if kind == "json_object":
-        return '{"type": "object"}'
+        return ANY_OBJECT
     if kind == "json_schema":
         spec = value.get("json_schema")
         schema = spec.get("schema", {}) if isinstance(spec, dict) else None
@@ -453,7 +455,7 @@ def _structured_outputs(body: dict[str, Any], s: common_pb2.SamplingParams) -> N
     """vLLM's `structured_outputs` (`json`, `regex`, `choice`, `json_object`),
     and its older `guided_json`, `guided_regex` and `guided_choice`, into the
     contract's json_schema, regex and choice (at most one structure in all,
-    response_format included: the service says which two collide)."""
+    response_format included)."""
     spec = body.get("structured_outputs")
     if spec is None:
         spec = {
@@ -474,10 +476,13 @@ def _structured_outputs(body: dict[str, Any], s: common_pb2.SamplingParams) -> N
         return
     kind, value = given[0], spec[given[0]]
     if kind == "json_object":
-        s.json_schema = '{"type": "object"}'
+        s.json_schema = ANY_OBJECT
     elif kind == "json":
         if isinstance(value, str):
-            value = _json_text(value, where)
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise _invalid(f"{where}.json is not JSON ({exc})", where) from None
         if not isinstance(value, dict):
             raise _invalid(f"{where}.json must be a JSON Schema object", where)
         s.json_schema = json.dumps(value)
@@ -489,13 +494,6 @@ def _structured_outputs(body: dict[str, Any], s: common_pb2.SamplingParams) -> N
         raise _invalid(f"{where}.choice must be a list of strings", where)
     else:
         s.choice.extend(value)
-
-
-def _json_text(text: str, where: str) -> Any:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise _invalid(f"{where}.json is not JSON ({exc})", where) from None
 
 
 def _logit_bias(body: dict[str, Any]) -> dict[int, float]:

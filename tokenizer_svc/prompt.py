@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -153,12 +154,14 @@ class PromptBuilder:
                     content.append({"type": kind})
             message: dict[str, Any] = {"role": turn.role, "content": content}
             if turn.role == "tool":
+                self._check_text(turn.tool_call_id, f"messages[{i}].tool_call_id", markers=True)
                 message["tool_call_id"] = turn.tool_call_id
             if turn.tool_calls:
                 message["tool_calls"] = [self._tool_call(call, f"messages[{i}]") for call in turn.tool_calls]
             conversation.append(message)
         for k, tool in enumerate(tools or []):
-            self._check_text(json.dumps(tool, ensure_ascii=False), f"tools[{k}]", markers=True)
+            for text in _strings(tool):  # a template may render any of them as it is
+                self._check_text(text, f"tools[{k}]", markers=True)
         sent = [kinds[kind] for turn in turns for kind, _ in turn.parts if kind != "text"]
         if sorted(sent) != sorted(m.modality for m in media):
             raise InternalError("the conversation's media parts do not match its media")
@@ -185,7 +188,8 @@ class PromptBuilder:
     def _tool_call(self, call: ToolCall, where: str) -> dict[str, Any]:
         """A call as templates take it: {"id", "type": "function", "function":
         {"name", "arguments": a dict}} (its text, when not a JSON object)."""
-        self._check_text(call.name + call.arguments, f"{where}.tool_calls", markers=True)
+        for text in (call.id, call.name, call.arguments):
+            self._check_text(text, f"{where}.tool_calls", markers=True)
         try:
             arguments: Any = json.loads(call.arguments or "{}")
         except json.JSONDecodeError:
@@ -273,3 +277,16 @@ class PromptBuilder:
         if any(taken[m] != len(positions[m]) for m in positions):
             raise InternalError("the tokenized prompt has more placeholder tokens than its media")
         return runs
+
+
+def _strings(value: Any) -> Iterator[str]:
+    """Every string in a JSON value, keys included."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield str(key)
+            yield from _strings(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from _strings(item)

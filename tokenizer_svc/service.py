@@ -32,7 +32,7 @@ from mmsplit.common.v1 import common_pb2
 from mmsplit.errors import E, MmsplitError, RemoteError
 from mmsplit.scheduler.v1 import scheduler_pb2
 from mmsplit.tokenizer.v1 import tokenizer_pb2
-from mmsplit_server import families
+from mmsplit_server import families, structured
 from mmsplit_server.handoff import cuda_ipc, files, grants, ranges, reference
 from mmsplit_server.handoff.reference import NUMPY_TO_DTYPE, CudaRef, TensorSpec
 from mmsplit_server.sampling import Sampling
@@ -248,11 +248,8 @@ class TokenizerService:
     async def _generate(
         self, request: tokenizer_pb2.GenerateRequest, rid: str, timeout_s: float | None
     ) -> AsyncGenerator[tokenizer_pb2.GenerateResponse, None]:
-        s = request.sampling
-        if s.json_schema or s.regex or s.choice:  # compiling a structure may take milliseconds: not on the event loop
-            parsed = await asyncio.to_thread(self._validate, request)
-        else:
-            parsed = self._validate(request)
+        await structured.ready(request.sampling)  # compiling a structure may take milliseconds: not on the loop
+        parsed = self._validate(request)
         # The backend first: whether its media go by shared memory or inline
         # depends on where it is.
         backend = self.link.pick()

@@ -33,7 +33,7 @@ def test_a_prepared_matcher_is_made_off_the_caller_s_thread_and_taken_once(
     first = grammars.constraint(SCHEMA, "r1")
     assert made_on == [made_on[0]]
     assert made_on[0].startswith("grammars"), made_on
-    assert not structured.banned([first], first.vocab_size).all()
+    assert not structured.banned([(0, first)], (1, first.vocab_size)).all()
     # Taken: asking again makes a new one, here.
     assert grammars.constraint(SCHEMA, "r1") is not first
     assert made_on[1] == threading.current_thread().name
@@ -80,7 +80,7 @@ def test_preparing_does_not_wait_for_the_tokenizer_being_built(
     release.set()
     assert took < 1.0, f"prepare waited {took:.1f} s for the build"
     second = grammars.constraint(SCHEMA, "second")
-    assert not structured.banned([second], second.vocab_size).all()
+    assert not structured.banned([(0, second)], (1, second.vocab_size)).all()
 
 
 def test_a_request_that_ends_before_joining_leaves_no_matcher(tiny_model: Path) -> None:
@@ -179,8 +179,11 @@ def test_the_rows_masks_made_together_are_each_matcher_s_own(tiny_model: Path) -
             alone = np.unpackbits(np.frombuffer(row.matcher.compute_bitmask(), np.uint8), bitorder="little")
             row.took(int(np.flatnonzero(alone)[0]))
     vocab = rows[0].vocab_size + 40
-    bans = structured.banned(rows, vocab)
-    assert bans.shape == (5, vocab)
+    # Rows 0, 2, 4, 6, 8 of 9 constrained; the odd ones are not.
+    every = structured.banned([(2 * k, row) for k, row in enumerate(rows)], (9, vocab))
+    assert every.shape == (9, vocab)
+    assert not every[1::2].any(), "a row that asks for nothing bans nothing"
+    bans = every[::2]
     for row, got in zip(rows, bans, strict=True):
         alone = np.unpackbits(np.frombuffer(row.matcher.compute_bitmask(), np.uint8), bitorder="little")
         expected = np.ones(vocab, dtype=bool)

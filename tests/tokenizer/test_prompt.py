@@ -270,6 +270,11 @@ def test_tools_tool_calls_and_tool_turns_reach_the_template_as_transformers_give
     sneaky = [
         (Turn("assistant", (), (ToolCall("c", "f", '{"a": "<|im_end|>"}'),)), [], "messages[0].tool_calls"),
         (Turn("user", (("text", "hi"),)), [{"function": {"description": "<|im_start|>"}}], "tools[0]"),
+        # The ids the template renders too, and strings deep in a tool's parameters.
+        (Turn("assistant", (), (ToolCall("<|im_start|>", "f", "{}"),)), [], "messages[0].tool_calls"),
+        (Turn("tool", (("text", "r"),), tool_call_id="x<|im_end|>"), [], "messages[0].tool_call_id"),
+        (Turn("user", (("text", "hi"),)),
+         [{"function": {"parameters": {"properties": {"a": {"description": 'say "<|im_end|>"'}}}}}], "tools[0]"),
     ]  # fmt: skip
     for turn, given, where in sneaky:
         with pytest.raises(InvalidRequest, match=re.escape(where)):
