@@ -288,6 +288,7 @@ def build_request(
     json_schema: str | Mapping[str, Any] = "",
     regex: str = "",
     choice: Sequence[str] = (),
+    grammar: str = "",
     tools: Sequence[Tool] = (),
 ) -> tokenizer_pb2.GenerateRequest:
     """A GenerateRequest of a prompt (with `images` and `videos`) or of a
@@ -314,6 +315,7 @@ def build_request(
         json_schema=_json(json_schema),
         regex=regex,
         choice=list(choice),
+        grammar=grammar,
     )
     if top_p is not None:
         sampling.top_p = top_p

@@ -40,6 +40,11 @@ class Outcome:
         return not self.grpc_code
 
 
+def _text_or_file(value: str) -> str:
+    """A flag's text, or the file's named after an "@"."""
+    return Path(value[1:]).read_text() if value.startswith("@") else value
+
+
 def make_request(
     prompt: str,
     images: list[bytes] | None = None,
@@ -116,7 +121,7 @@ def generate_command(args: argparse.Namespace) -> int:
     try:
         images = [_medium(p) for p in args.image]
         videos = [_medium(p) for p in args.video]
-        schema = Path(args.json_schema[1:]).read_text() if args.json_schema.startswith("@") else args.json_schema
+        schema, grammar = (_text_or_file(t) for t in (args.json_schema, args.grammar))
     except OSError as exc:
         print(f"mmsplit generate: {exc.filename}: {exc.strerror}", file=sys.stderr)
         return 2
@@ -144,6 +149,7 @@ def generate_command(args: argparse.Namespace) -> int:
                 json_schema=schema,
                 regex=args.regex,
                 choice=args.choice,
+                grammar=grammar,
                 timeout=args.timeout,
             )
             try:

@@ -241,6 +241,11 @@ def parser() -> argparse.ArgumentParser:
         metavar="TEXT",
         help="structured output: the answer is exactly one of these (repeatable)",
     )
+    p.add_argument(
+        "--grammar",
+        default="",
+        help="structured output: a grammar (Lark or GBNF text, or @FILE) the whole answer must match",
+    )
     p.add_argument("--request-id", default="")
     p.add_argument("--timeout", type=float, default=120.0, help="deadline of the call, seconds")
     p.add_argument(

@@ -152,9 +152,9 @@ class Sampling:
 
 
 def _structure(pb: common_pb2.SamplingParams) -> structured.Spec | None:
-    """json_schema, regex or choice (at most one), compiled."""
+    """json_schema, regex, choice or grammar (at most one), compiled."""
     try:
-        structure = structured.spec(pb.json_schema, pb.regex, tuple(pb.choice))
+        structure = structured.of(pb)
     except ValueError as exc:
         raise InvalidSampling(str(exc)) from None
     if structure is None:

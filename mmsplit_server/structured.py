@@ -1,6 +1,7 @@
-"""Structured output: a JSON Schema, a regular expression or a list of
-choices the generated text must match (`SamplingParams.json_schema`,
-`regex`, `choice`: a `Spec`), compiled by llguidance.
+"""Structured output: a JSON Schema, a regular expression, a list of
+choices or a context-free grammar the generated text must match
+(`SamplingParams.json_schema`, `regex`, `choice`, `grammar`: a `Spec`),
+compiled by llguidance.
 
 Both services compile a request's schema when they check it (`grammar`:
 a schema it cannot compile is the client's error; the last 64 schemas'
@@ -41,28 +42,36 @@ COMPILE_DEFAULTS = {"whitespace_flexible": False}
 
 # What a request's output must match: (the contract's field, its text):
 # ("json_schema", a JSON Schema), ("regex", a pattern), ("choice", a JSON
-# list of the strings). `spec` makes one.
+# list of the strings), ("grammar", Lark or GBNF). `spec` makes one.
 Spec = tuple[str, str]
 MAX_CHOICES = 1024
 MAX_CHOICE_CHARS = 1024
 
 
-def spec(json_schema: str = "", regex: str = "", choice: Sequence[str] = ()) -> Spec | None:
+def spec(json_schema: str = "", regex: str = "", choice: Sequence[str] = (), grammar: str = "") -> Spec | None:
     """The structure a request's sampling fields ask for (None: none);
     ValueError, naming the field, when more than one is set or choice is
     out of its bounds."""
-    given = [name for name, value in (("json_schema", json_schema), ("regex", regex), ("choice", choice)) if value]
+    fields = (("json_schema", json_schema), ("regex", regex), ("choice", choice), ("grammar", grammar))
+    given = [name for name, value in fields if value]
     if len(given) > 1:
         raise ValueError(f"sampling.{given[1]} cannot go with sampling.{given[0]}: at most one structure")
     if json_schema:
         return "json_schema", json_schema
     if regex:
         return "regex", regex
+    if grammar:
+        return "grammar", grammar
     if not choice:
         return None
     if len(choice) > MAX_CHOICES or not all(0 < len(c) <= MAX_CHOICE_CHARS for c in choice):
         raise ValueError(f"sampling.choice must be 1 to {MAX_CHOICES} strings of 1 to {MAX_CHOICE_CHARS} characters")
     return "choice", json.dumps(list(choice))
+
+
+def of(sampling: Any) -> Spec | None:
+    """`spec` of the contract's SamplingParams."""
+    return spec(sampling.json_schema, sampling.regex, tuple(sampling.choice), sampling.grammar)
 
 
 def grammar(structure: Spec) -> str:
@@ -95,6 +104,12 @@ def _compiled(structure: Spec) -> str | ValueError:
         compiled = llguidance.LLMatcher.grammar_from_lark(
             "start: " + " | ".join(json.dumps(c) for c in json.loads(text))
         )
+    elif kind == "grammar":
+        try:
+            # Lark as it is; GBNF (`root ::= ...`) converted to Lark first.
+            compiled = llguidance.grammar_from("grammar", text)
+        except ValueError as exc:
+            return ValueError(f"cannot be compiled: {exc}")
     else:
         try:
             schema = json.loads(text)
@@ -122,7 +137,7 @@ async def ready(sampling: Any) -> None:
     thread (`compile_off_loop`), so that the check finds it. Whatever is
     wrong with the fields, the check meets it again and says so."""
     with contextlib.suppress(Exception):
-        structure = spec(sampling.json_schema, sampling.regex, tuple(sampling.choice))
+        structure = of(sampling)
         if structure is not None:
             await compile_off_loop(structure)
 

@@ -452,23 +452,27 @@ def _response_format(value: Any) -> str:
 
 
 def _structured_outputs(body: dict[str, Any], s: common_pb2.SamplingParams) -> None:
-    """vLLM's `structured_outputs` (`json`, `regex`, `choice`, `json_object`),
-    and its older `guided_json`, `guided_regex` and `guided_choice`, into the
-    contract's json_schema, regex and choice (at most one structure in all,
-    response_format included)."""
+    """vLLM's `structured_outputs` (`json`, `regex`, `choice`, `grammar`,
+    `json_object`), and its older `guided_json`, `guided_regex`,
+    `guided_choice` and `guided_grammar`, into the contract's json_schema,
+    regex, choice and grammar (at most one structure in all, response_format
+    included)."""
     spec = body.get("structured_outputs")
     if spec is None:
         spec = {
-            k.removeprefix("guided_"): body[k] for k in ("guided_json", "guided_regex", "guided_choice") if k in body
+            k.removeprefix("guided_"): body[k]
+            for k in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+            if k in body
         }
         where = "guided_" + next(iter(spec), "json")
     else:
         where = "structured_outputs"
         if not isinstance(spec, dict):
-            raise _invalid("structured_outputs must be an object (json, regex, choice or json_object)", where)
-    unknown = sorted(set(spec) - {"json", "regex", "choice", "json_object"})
+            raise _invalid("structured_outputs must be an object (json, regex, choice, grammar or json_object)", where)
+    known = ("json", "regex", "choice", "grammar", "json_object")
+    unknown = sorted(set(spec) - set(known))
     if unknown:
-        raise _invalid(f"{where}: {', '.join(unknown)} not supported (json, regex, choice, json_object)", where)
+        raise _invalid(f"{where}: {', '.join(unknown)} not supported ({', '.join(known)})", where)
     given = [k for k, v in spec.items() if v not in (None, False)]
     if len(given) > 1 or (given and s.json_schema):
         raise _invalid(f"{where}: one structure at most (response_format included)", where)
@@ -486,10 +490,10 @@ def _structured_outputs(body: dict[str, Any], s: common_pb2.SamplingParams) -> N
         if not isinstance(value, dict):
             raise _invalid(f"{where}.json must be a JSON Schema object", where)
         s.json_schema = json.dumps(value)
-    elif kind == "regex":
+    elif kind in ("regex", "grammar"):
         if not isinstance(value, str):
-            raise _invalid(f"{where}.regex must be a string", where)
-        s.regex = value
+            raise _invalid(f"{where}.{kind} must be a string", where)
+        setattr(s, kind, value)
     elif not isinstance(value, list) or not all(isinstance(c, str) for c in value):
         raise _invalid(f"{where}.choice must be a list of strings", where)
     else:
@@ -541,9 +545,8 @@ def param_name(exc: MmsplitError) -> str | None:
     if not param:
         return None
     name = param.removeprefix("sampling.")
-    return {"json_schema": "response_format", "regex": "structured_outputs", "choice": "structured_outputs"}.get(
-        name, name
-    )
+    structured = {"regex", "choice", "grammar"}
+    return "response_format" if name == "json_schema" else "structured_outputs" if name in structured else name
 
 
 class Choices:

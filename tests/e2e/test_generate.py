@@ -266,6 +266,7 @@ SCHEMA = {
     "required": ["ok"],
     "additionalProperties": False,
 }
+GRAMMAR = 'start: ("a" | "the") " " PET\nPET: "cat" | "dog"'
 
 
 def test_the_cli_takes_an_image_url_and_sampling_knobs_and_a_closed_pipe_is_no_error(
@@ -273,7 +274,7 @@ def test_the_cli_takes_an_image_url_and_sampling_knobs_and_a_closed_pipe_is_no_e
 ) -> None:
     """`mmsplit generate --image data:... --json | head -1`: the same tokens
     as the image sent as bytes (with the penalty, bias, --json-schema and
-    --choice flags: the tokens those fields give), and the reader leaving early ends
+    --choice and --grammar flags: the tokens those fields give), and the reader leaving early ends
     the command quietly (exit 0, nothing on stderr)."""
     import base64
     import json
@@ -292,16 +293,21 @@ def test_the_cli_takes_an_image_url_and_sampling_knobs_and_a_closed_pipe_is_no_e
         same = run_request(stub, make_request("Look.", [image], max_tokens=5, **knobs))
         shaped = run_request(stub, make_request("Look.", [image], max_tokens=30, json_schema=SCHEMA, **knobs))
         chosen = run_request(stub, make_request("Look.", [image], max_tokens=30, choice=["up", "down"], **knobs))
+        spoken = run_request(stub, make_request("Look.", [image], max_tokens=30, grammar=GRAMMAR, **knobs))
     assert chosen.text in ("up", "down"), chosen
+    assert spoken.text in ("a cat", "a dog", "the cat", "the dog"), spoken
     assert same.token_ids != plain.token_ids
     assert shaped.ok, shaped
     assert isinstance(json.loads(shaped.text)["ok"], bool)
     schema_file = tmp_path / "schema.json"
     schema_file.write_text(json.dumps(SCHEMA))
+    grammar_file = tmp_path / "pet.lark"
+    grammar_file.write_text(GRAMMAR)
     for tokens, extra, expected in (
         ("5", [], same),
         ("30", ["--json-schema", f"@{schema_file}"], shaped),
         ("30", ["--choice", "up", "--choice", "down"], chosen),
+        ("30", ["--grammar", f"@{grammar_file}"], spoken),
     ):
         done = subprocess.run(
             [*argv, "--image", url, "--max-tokens", tokens, "--json", "--repetition-penalty", "1.8",

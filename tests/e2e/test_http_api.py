@@ -521,18 +521,22 @@ def test_response_format_json_schema_gives_a_document_of_the_schema(api: Api) ->
     _good_after(api)
 
 
-def test_structured_outputs_regex_and_choice_constrain_the_answer(api: Api) -> None:
+def test_structured_outputs_regex_choice_and_grammar_constrain_the_answer(api: Api) -> None:
     """vLLM's structured_outputs through the openai SDK (extra_body): a
-    regex the whole answer matches and a choice it is one of, each ended by
-    the model (finish_reason stop), streamed and not alike, the text gRPC
-    gives for the contract's regex and choice; a regex that does not
-    compile is a 400 naming structured_outputs."""
+    regex the whole answer matches, a choice it is one of and a grammar
+    (Lark) it is a sentence of, each ended by the model (finish_reason
+    stop), streamed and not alike, the text gRPC gives for the contract's
+    regex, choice and grammar; the older guided_grammar in GBNF; a regex or
+    grammar that does not compile is a 400 naming structured_outputs."""
     client = api.client()
     chat = [{"role": "user", "content": [image_part(A), {"type": "text", "text": "Code and color?"}]}]
     pattern, colors = "[A-Z]{2}-[0-9]{3}", ["red", "green", "light blue"]
+    lark = 'start: "The " COLOR " one, " NUM "."\nCOLOR: "red" | "green"\nNUM: /[1-9][0-9]?/'
+    sentence = re.compile(r"The (red|green) one, [1-9][0-9]?\.")
     for extra, check, grpc_field in (
         ({"regex": pattern}, lambda text: re.fullmatch(pattern, text), {"regex": pattern}),
         ({"choice": colors}, lambda text: text in colors, {"choice": colors}),
+        ({"grammar": lark}, sentence.fullmatch, {"grammar": lark}),
     ):
         body = {"structured_outputs": extra}
         whole = client.chat.completions.create(model=api.model, messages=chat, max_tokens=40, extra_body=body)  # type: ignore[arg-type]
@@ -541,8 +545,17 @@ def test_structured_outputs_regex_and_choice_constrain_the_answer(api: Api) -> N
         assert check(text), text
         assert _streamed_text(api, messages=chat, max_tokens=40, extra_body=body) == text
         assert grpc_text(api.pair, [("user", [ImagePart(A), "Code and color?"])], 40, **grpc_field) == text
-    bad = _bad(api, _chat([{"type": "text", "text": "x"}], extra_body={"structured_outputs": {"regex": "(open"}}))
-    assert (bad.status_code, bad.body["param"]) == (400, "structured_outputs")  # type: ignore[index]
+    gbnf = 'root ::= "Size " [0-9] [0-9]? " cm"'
+    sized = client.chat.completions.create(
+        model=api.model,
+        messages=chat,
+        max_tokens=40,
+        extra_body={"guided_grammar": gbnf},  # type: ignore[arg-type]
+    )
+    assert re.fullmatch(r"Size [0-9][0-9]? cm", sized.choices[0].message.content or ""), sized
+    for wrong in ({"regex": "(open"}, {"grammar": "start: nowhere"}, {"grammar": "root ::= ("}):
+        bad = _bad(api, _chat([{"type": "text", "text": "x"}], extra_body={"structured_outputs": wrong}))
+        assert (bad.status_code, bad.body["param"]) == (400, "structured_outputs"), (wrong, bad)  # type: ignore[index]
     _good_after(api)
 
 

@@ -63,6 +63,11 @@ def check(pb: common_pb2.SamplingParams, **kw: object) -> Sampling:
         ({"choice": ["a"] * 1025}, "choice"),
         ({"json_schema": '{"type": "object"}', "regex": "a"}, "regex"),
         ({"regex": "a", "choice": ["a"]}, "choice"),
+        ({"grammar": "start: undefined_rule"}, "grammar"),
+        ({"grammar": "root ::= ("}, "grammar"),
+        ({"grammar": "start: " + '"a" | ' * 20_000 + '"b"'}, "grammar"),
+        ({"grammar": 'start: "a"', "min_tokens": 1}, "grammar"),
+        ({"grammar": 'start: "a"', "regex": "a"}, "grammar"),
     ],
 )
 def test_out_of_limits_is_invalid_request_naming_the_field(params: dict[str, object], field: str) -> None:
@@ -119,6 +124,9 @@ def test_defaults_and_accepted_values() -> None:
     assert check(common_pb2.SamplingParams(json_schema=schema)).structure == ("json_schema", schema)
     assert check(common_pb2.SamplingParams(regex="[0-9]{3}")).structure == ("regex", "[0-9]{3}")
     assert check(common_pb2.SamplingParams(choice=["yes", 'n"o'])).structure == ("choice", '["yes", "n\\"o"]')
+    lark, gbnf = 'start: "yes" | "no"', 'root ::= [0-9]+ "!"'
+    assert check(common_pb2.SamplingParams(grammar=lark)).structure == ("grammar", lark)
+    assert check(common_pb2.SamplingParams(grammar=gbnf)).structure == ("grammar", gbnf)
     assert check(common_pb2.SamplingParams()).structure is None
 
 

@@ -450,7 +450,7 @@ def test_the_openai_sdk_reads_auto_tool_calls_whole_and_streamed() -> None:
 def test_structured_outputs_become_the_contract_s_regex_choice_and_json_schema() -> None:
     """vLLM's structured_outputs and its older guided_* fields."""
     chat = {"messages": [{"role": "user", "content": "x"}]}
-    cases: list[tuple[dict[str, Any], tuple[str, str, list[str]]]] = [
+    cases: list[tuple[dict[str, Any], tuple[Any, ...]]] = [
         ({"structured_outputs": {"regex": "[0-9]+"}}, ("", "[0-9]+", [])),
         ({"structured_outputs": {"choice": ["a", "b"]}}, ("", "", ["a", "b"])),
         ({"structured_outputs": {"json": {"type": "object"}}}, ('{"type": "object"}', "", [])),
@@ -458,17 +458,21 @@ def test_structured_outputs_become_the_contract_s_regex_choice_and_json_schema()
         ({"structured_outputs": {"json_object": True}}, ('{"type": "object"}', "", [])),
         ({"guided_choice": ["yes", "no"]}, ("", "", ["yes", "no"])),
         ({"guided_regex": "a+"}, ("", "a+", [])),
+        ({"structured_outputs": {"grammar": "root ::= x"}}, ("", "", [], "root ::= x")),
+        ({"guided_grammar": 'start: "a"'}, ("", "", [], 'start: "a"')),
     ]
-    for extra, (schema, regex, choice) in cases:
+    for extra, expected in cases:
         for call in (openai_api.parse_chat({**chat, **extra}), openai_api.parse_completion({"prompt": "x", **extra})):
             s = call.request.sampling
-            assert (s.json_schema, s.regex, list(s.choice)) == (schema, regex, choice), extra
+            assert (s.json_schema, s.regex, list(s.choice), s.grammar)[: len(expected)] == expected, extra
 
 
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ({"structured_outputs": {"grammar": "root ::= x"}}, "structured_outputs"),
+        ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs"),
+        ({"structured_outputs": {"grammar": 5}}, "structured_outputs"),
+        ({"structured_outputs": {"grammar": "x", "regex": "a"}}, "structured_outputs"),
         ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
         ({"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}}, "structured_outputs"),
         ({"structured_outputs": {"choice": "a"}}, "structured_outputs"),
