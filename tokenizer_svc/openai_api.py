@@ -25,7 +25,7 @@ What is accepted, as vLLM, SGLang and TGI accept it:
   `GenerateRequest.tools`); `tool_choice` a named function or "required"
   constrains the output with a JSON Schema built from the tools (`Forced`),
   "auto" finds the calls the model writes itself with the tokenizer's
-  --tool-call-parser (`Hermes`), refused without one; calls answer as
+  --tool-call-parser (an `Auto`: hermes, llama3_json, pythonic), refused without one; calls answer as
   `tool_calls`. Assistant messages' `tool_calls` and tool messages go back
   into the conversation.
 - Refused (400, `param` naming the field): the OpenAI fields whose meaning
@@ -55,7 +55,7 @@ from mmsplit.tokenizer.v1 import tokenizer_pb2
 from mmsplit_server.sampling import MAX_TOP_LOGPROBS
 from tokenizer_svc.conversation import MAX_CACHE_SALT, MAX_CHOICES
 from tokenizer_svc.errors import InvalidRequest
-from tokenizer_svc.tool_calls import Forced, Hermes, call_id
+from tokenizer_svc.tool_calls import PARSERS, Auto, Forced, call_id
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +149,7 @@ class Call:
     stream: bool
     include_usage: bool
     # How the output answers with tool calls (None: as content only).
-    calls: Forced | Hermes | None = None
+    calls: Forced | Auto | None = None
 
 
 def parse_chat(body: Any, tool_parser: str = "none") -> Call:
@@ -185,7 +185,7 @@ def parse_chat(body: Any, tool_parser: str = "none") -> Call:
 
 def _tools(
     body: dict[str, Any], request: tokenizer_pb2.GenerateRequest, parser: str
-) -> tuple[Forced | Hermes, str] | None:
+) -> tuple[Forced | Auto, str] | None:
     """OpenAI's tools into the request (the chat template gets them), and
     the tool_choice: None for "none" (the default without tools); else how
     the output answers and the JSON Schema that constrains it ("required"
@@ -220,8 +220,8 @@ def _tools(
     if not tools:
         raise _invalid(f"tool_choice {_short(choice)} needs tools", "tool_choice")
     if choice == "auto":
-        if parser == "hermes":
-            return Hermes(single=body.get("parallel_tool_calls") is False), ""
+        if parser in PARSERS:
+            return PARSERS[parser](single=body.get("parallel_tool_calls") is False), ""
         raise _invalid(
             'tool_choice "auto" (the default when tools are given) needs the tool calls a model writes in its '
             "own format found, and this server was started without a --tool-call-parser; ask for "
@@ -638,14 +638,14 @@ class Shape:
     id: str
     model: str
     created: int
-    calls: Forced | Hermes | None = None  # how the output answers with tool calls
+    calls: Forced | Auto | None = None  # how the output answers with tool calls
     # A stream's named-function calls: each choice's call id, once its first chunk went.
     _opened: dict[int, str] = dataclasses.field(default_factory=dict, compare=False)
     # A stream under "auto": each choice's characters sent as content.
     _sent: dict[int, int] = dataclasses.field(default_factory=dict, compare=False)
 
     @classmethod
-    def of(cls, chat: bool, rid: str, model: str, calls: Forced | Hermes | None = None) -> Shape:
+    def of(cls, chat: bool, rid: str, model: str, calls: Forced | Auto | None = None) -> Shape:
         return cls(chat, ("chatcmpl-" if chat else "cmpl-") + rid, model, int(time.time()), calls)
 
     def _head(self, chunk: bool) -> dict[str, Any]:
@@ -686,7 +686,7 @@ class Shape:
         logprobs = self._logprobs(shown.logprobs) if shown.logprobs else None
         if isinstance(self.calls, Forced) and self.chat:
             return self._called(i, shown, text, logprobs)
-        if isinstance(self.calls, Hermes) and self.chat:
+        if isinstance(self.calls, Auto) and self.chat:
             return self._auto(i, shown, text, logprobs)
         delta = {"content": shown.text} if shown.text or not shown.finish else {}
         return self.chunk(i, delta, shown.finish, logprobs)
@@ -716,7 +716,7 @@ class Shape:
         """tool_choice "auto": the text streams as content up to a call's
         opening (or a tail that may become one); at the end, the rest of
         the content and the calls, parsed from the whole output."""
-        assert isinstance(self.calls, Hermes)
+        assert isinstance(self.calls, Auto)
         sent = self._sent.get(i, 0)
         if shown.finish:
             return self._ended(i, text, shown.finish, logprobs, sent)

@@ -132,9 +132,12 @@ class TokenizerSettings(ServiceSettings):
         "none",
         'how the HTTP API finds the tool calls a model writes itself, for tool_choice "auto" (the default '
         'when a request gives tools): \'hermes\', <tool_call>{"name": ..., "arguments": {...}}</tool_call> '
-        "after any text, as Qwen2.5 and many others write them (give the model a chat template that renders "
-        'tools: --chat-template); \'none\': "auto" is refused ("required" and a named function need no parser)',
-        choices=("none", "hermes"),
+        "after any text, as Qwen2.5 and many others write them; 'llama3_json', the whole answer "
+        '{"name": ..., "parameters": {...}} (several joined by ;), as Llama 3.1 writes them; \'pythonic\', the '
+        'whole answer [f(a=1), g(b="x")], as Llama 3.2 and 4 write them (give the model a chat template that '
+        'renders tools: --chat-template); \'none\': "auto" is refused ("required" and a named function need no '
+        "parser)",
+        choices=("none", "hermes", "llama3_json", "pythonic"),
     )
     max_tokens_limit: int = _opt(
         4096, "largest sampling.max_tokens accepted (the scheduler applies its own limit as well)", min=1

@@ -7,17 +7,22 @@ arguments as JSON text), and never loses text it cannot read as calls.
 - `Forced`: a named function or "required", where the output was
   constrained (the request's json_schema) to the arguments, or to a list of
   {"name", "parameters"} calls;
-- `Hermes`: "auto" with --tool-call-parser hermes, where the model writes
-  ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` itself.
+- `Auto`: "auto" with a --tool-call-parser, where the model writes its
+  calls in its own format: `Hermes` (``<tool_call>{"name": ...,
+  "arguments": {...}}</tool_call>`` after any text), `Llama3Json` (Llama
+  3.1's ``{"name": ..., "parameters": {...}}``, calls joined by ``;``, the
+  whole output) and `Pythonic` (``[get_weather(city="Oslo"), ...]``, the
+  whole output, as Llama 3.2 and 4 write them); `PARSERS` names them.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 
 @dataclass(frozen=True)
@@ -46,35 +51,85 @@ class Forced:
 
 
 @dataclass(frozen=True)
-class Hermes:
-    """tool_choice "auto" with `--tool-call-parser hermes`: the model
-    writes each call as ``<tool_call>{"name": ..., "arguments": {...}}
-    </tool_call>`` (Qwen2.5's and many others' format), after any text."""
+class Auto:
+    """tool_choice "auto": the model decides, writing its calls in its own
+    format, which a subclass reads. Each answers `split` (a choice's whole
+    output as content and calls) and `held` (how much of a streamed output
+    may go out as content now)."""
 
-    OPEN = "<tool_call>"
-    CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
     # parallel_tool_calls false: the first call only (the rest of the output is dropped, as after the calls).
     single: bool = False
 
     def split(self, text: str) -> tuple[str | None, list[dict[str, Any]] | None]:
-        """(the text before the first call, or None when there is none; the
-        calls), or (the whole text, None) when it holds no call or one that
-        does not parse: nothing of it is lost."""
+        """(the content, or None when there is none; the calls), or (the
+        whole text, None) when it holds no call or one that does not parse:
+        nothing of it is lost."""
+        found = self._calls(text)
+        if found is None:
+            return text, None
+        content, calls = found
+        return content, calls[:1] if self.single else calls
+
+    def _calls(self, text: str) -> tuple[str | None, list[dict[str, Any]]] | None:
+        raise NotImplementedError
+
+    def held(self, text: str, start: int = 0) -> int:
+        """Where a stream's content must stop for now (`start`: what was
+        sent already, which holds no call)."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class Whole(Auto):
+    """A format whose calls are the whole output (blanks around them
+    aside) or none of it: an output that starts as a call may be one, so it
+    is held to its end; any other output is content as it comes."""
+
+    # What the output starts with when it is calls (its special token, if the text keeps it, first).
+    STARTS: ClassVar[tuple[str, ...]] = ()
+
+    def held(self, text: str, start: int = 0) -> int:
+        if start:
+            return len(text)
+        head = text.lstrip()
+        if any(s.startswith(head) or head.startswith(s) for s in self.STARTS):
+            return 0
+        return len(text)
+
+    def _body(self, text: str) -> str | None:
+        """The output without blanks around it and its special opening;
+        None when it does not start as calls do."""
+        body = text.strip()
+        if not body.startswith(self.STARTS):
+            return None
+        return body.removeprefix(self.STARTS[0]).strip() if len(self.STARTS) > 1 else body
+
+
+@dataclass(frozen=True)
+class Hermes(Auto):
+    """`--tool-call-parser hermes`: the model writes each call as
+    ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
+    (Qwen2.5's and many others' format), after any text."""
+
+    OPEN: ClassVar[str] = "<tool_call>"
+    CALL: ClassVar[re.Pattern[str]] = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+
+    def _calls(self, text: str) -> tuple[str | None, list[dict[str, Any]]] | None:
         at = text.find(self.OPEN)
         if at < 0:
-            return text, None
+            return None
         calls = []
         for found in self.CALL.finditer(text, at):
             try:
                 call = json.loads(found.group(1))
             except json.JSONDecodeError:
-                return text, None
+                return None
             if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-                return text, None
-            calls.append(_tool_call(call["name"], json.dumps(call.get("arguments", {}), ensure_ascii=False)))
+                return None
+            calls.append(_tool_call(call["name"], _arguments(call.get("arguments", {}))))
         if not calls:
-            return text, None
-        return text[:at].rstrip() or None, calls[:1] if self.single else calls
+            return None
+        return text[:at].rstrip() or None, calls
 
     def held(self, text: str, start: int = 0) -> int:
         """Where a stream's content must stop for now: at a call's opening,
@@ -94,6 +149,75 @@ class Hermes:
         return upto
 
 
+@dataclass(frozen=True)
+class Llama3Json(Whole):
+    """`--tool-call-parser llama3_json`: Llama 3.1's JSON calls, the whole
+    output: ``{"name": ..., "parameters": {...}}`` (or ``"arguments"``),
+    several joined by ``;``, after ``<|python_tag|>`` when the text keeps
+    that special token."""
+
+    STARTS: ClassVar[tuple[str, ...]] = ("<|python_tag|>", "{")
+
+    def _calls(self, text: str) -> tuple[str | None, list[dict[str, Any]]] | None:
+        body = self._body(text)
+        if body is None:
+            return None
+        decoder, calls, at = json.JSONDecoder(), [], 0
+        while True:
+            try:
+                call, at = decoder.raw_decode(body, at)
+            except json.JSONDecodeError:
+                return None
+            if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+                return None
+            calls.append(_tool_call(call["name"], _arguments(call.get("parameters", call.get("arguments", {})))))
+            rest = body[at:].lstrip()
+            if not rest:
+                return None, calls
+            if not rest.startswith(";"):
+                return None
+            at = len(body) - len(rest[1:].lstrip())
+
+
+@dataclass(frozen=True)
+class Pythonic(Whole):
+    """`--tool-call-parser pythonic`: a Python list of calls with keyword
+    arguments of literals, the whole output, ``[get_weather(city="Oslo"),
+    ...]`` (Llama 3.2's and 4's format; Llama 4 wraps it in
+    ``<|python_start|>`` and ``<|python_end|>``, special tokens that the
+    text may keep). Read by Python's own parser, never evaluated."""
+
+    STARTS: ClassVar[tuple[str, ...]] = ("<|python_start|>", "[")
+
+    def _calls(self, text: str) -> tuple[str | None, list[dict[str, Any]]] | None:
+        body = self._body(text)
+        if body is None:
+            return None
+        body = body.removesuffix("<|python_end|>").rstrip()
+        try:
+            listed = ast.parse(body, mode="eval").body
+            if not isinstance(listed, ast.List) or not listed.elts:
+                return None
+            calls = []
+            for call in listed.elts:
+                if not isinstance(call, ast.Call) or not isinstance(call.func, ast.Name) or call.args:
+                    return None
+                arguments = {}
+                for k in call.keywords:
+                    if k.arg is None:  # **kwargs
+                        return None
+                    arguments[k.arg] = ast.literal_eval(k.value)
+                calls.append(_tool_call(call.func.id, json.dumps(arguments, ensure_ascii=False, allow_nan=False)))
+        except (SyntaxError, ValueError, TypeError, MemoryError, RecursionError):
+            # Not Python, not literals, or not JSON's values (a set, bytes, a NaN).
+            return None
+        return None, calls
+
+
+# --tool-call-parser's values.
+PARSERS: dict[str, type[Auto]] = {"hermes": Hermes, "llama3_json": Llama3Json, "pythonic": Pythonic}
+
+
 def call_id() -> str:
     """A new call's id, in OpenAI's form."""
     return "call_" + uuid.uuid4().hex[:24]
@@ -102,3 +226,7 @@ def call_id() -> str:
 def _tool_call(name: str, arguments: str) -> dict[str, Any]:
     function = {"name": name, "arguments": arguments}
     return {"id": call_id(), "type": "function", "function": function}
+
+
+def _arguments(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False)

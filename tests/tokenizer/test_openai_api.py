@@ -12,6 +12,7 @@ from mmsplit.errors import E
 from mmsplit.tokenizer.v1 import tokenizer_pb2
 from tokenizer_svc import openai_api
 from tokenizer_svc.errors import InvalidRequest, MediaTooLarge, Overloaded
+from tokenizer_svc.tool_calls import Hermes, Llama3Json, Pythonic
 
 
 def test_content_parts_and_shorthands_become_message_parts() -> None:
@@ -231,7 +232,7 @@ def test_tool_choices_become_the_contract_s_tools_and_json_schema() -> None:
     schema = json.loads(required.request.sampling.json_schema)
     assert (schema["type"], schema["minItems"], schema["maxItems"]) == ("array", 1, 1)
     auto = openai_api.parse_chat({**base, "parallel_tool_calls": False}, tool_parser="hermes")
-    assert (auto.calls, auto.request.sampling.json_schema) == (openai_api.Hermes(single=True), "")
+    assert (auto.calls, auto.request.sampling.json_schema) == (Hermes(single=True), "")
     none = openai_api.parse_chat({**base, "tool_choice": "none"})
     assert (none.calls, none.request.sampling.json_schema, len(none.request.tools)) == (None, "", 1)
 
@@ -363,40 +364,87 @@ def test_a_stream_cancelled_before_its_first_event_closes_the_request() -> None:
 
 
 CALLED = 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+OSLO, ROME = ("get_weather", {"city": "Oslo"}), ("get_weather", {"city": "Rome"})
+LLAMA = (
+    ' {"name": "get_weather", "parameters": {"city": "Oslo"}}; {"name": "get_weather", "arguments": {"city": "Rome"}}'
+)
+PYTHONIC = '[get_weather(city="Oslo"), get_weather(city="Rome")]'
 
 
 @pytest.mark.parametrize(
-    ("text", "content", "calls"),
+    ("parser", "text", "content", "calls"),
     [
-        (CALLED, "Let me look.", [("get_weather", {"city": "Oslo"})]),
-        (CALLED.split("\n", 1)[1] + CALLED.split("\n", 1)[1].replace("Oslo", "Rome"), None,
-         [("get_weather", {"city": "Oslo"}), ("get_weather", {"city": "Rome"})]),
-        ("No call here, <tool but no more.", "No call here, <tool but no more.", None),
-        ("Broken: <tool_call>{not json}</tool_call>", "Broken: <tool_call>{not json}</tool_call>", None),
-        ("Cut: <tool_call>\n{\"name\": \"get_wea", "Cut: <tool_call>\n{\"name\": \"get_wea", None),
+        (Hermes, CALLED, "Let me look.", [OSLO]),
+        (Hermes, CALLED.split("\n", 1)[1] + CALLED.split("\n", 1)[1].replace("Oslo", "Rome"), None, [OSLO, ROME]),
+        (Hermes, "No call here, <tool but no more.", "No call here, <tool but no more.", None),
+        (Hermes, "Broken: <tool_call>{not json}</tool_call>", "Broken: <tool_call>{not json}</tool_call>", None),
+        (Hermes, "Cut: <tool_call>\n{\"name\": \"get_wea", "Cut: <tool_call>\n{\"name\": \"get_wea", None),
+        (Llama3Json, LLAMA, None, [OSLO, ROME]),
+        (Llama3Json, "<|python_tag|>" + LLAMA.split(";")[0], None, [OSLO]),
+        (Llama3Json, 'It is {"name": "x"}', 'It is {"name": "x"}', None),
+        (Llama3Json, LLAMA + " and more", LLAMA + " and more", None),
+        (Llama3Json, '{"name": 5}', '{"name": 5}', None),
+        (Llama3Json, '{"name": "get_wea', '{"name": "get_wea', None),
+        (Llama3Json, '{"city": "Oslo"}', '{"city": "Oslo"}', None),
+        (Pythonic, PYTHONIC, None, [OSLO, ROME]),
+        (Pythonic, "<|python_start|>" + PYTHONIC + "<|python_end|>", None, [OSLO, ROME]),
+        (Pythonic, '[f(a=[1, {"b": None}], c=True, d=-2.5)]', None,
+         [("f", {"a": [1, {"b": None}], "c": True, "d": -2.5})]),
+        (Pythonic, "[f(a=__import__('os').getpid())]", "[f(a=__import__('os').getpid())]", None),  # never run
+        (Pythonic, "[f(1)]", "[f(1)]", None),
+        (Pythonic, "[f(**x)]", "[f(**x)]", None),
+        (Pythonic, "[f(a={1, 2})]", "[f(a={1, 2})]", None),
+        (Pythonic, "[f(a=float('nan'))]", "[f(a=float('nan'))]", None),
+        (Pythonic, "[os.system(a=1)]", "[os.system(a=1)]", None),
+        (Pythonic, "[1, 2]", "[1, 2]", None),
+        (Pythonic, "[]", "[]", None),
+        (Pythonic, "[f(a=" + "[" * 300 + "]" * 300 + ")]", "[f(a=" + "[" * 300 + "]" * 300 + ")]", None),
+        (Pythonic, "[link](http://x) text", "[link](http://x) text", None),
+        (Pythonic, 'Sure: [get_weather(city="Oslo")]', 'Sure: [get_weather(city="Oslo")]', None),
     ],
 )  # fmt: skip
-def test_hermes_finds_the_calls_a_model_writes_and_loses_nothing_when_they_do_not_parse(
-    text: str, content: str | None, calls: list[tuple[str, Any]] | None
+def test_auto_parsers_find_the_calls_a_model_writes_and_lose_nothing_when_they_do_not_parse(
+    parser: type[Hermes | Llama3Json | Pythonic], text: str, content: str | None, calls: list[tuple[str, Any]] | None
 ) -> None:
+    """Each --tool-call-parser on its format's outputs: the content and the
+    calls, or the whole text as content when they do not parse (Pythonic's
+    calls are read, never run); a stream's content, as `held` lets it go
+    delta by delta, is the content `split` finds at the end, and never
+    holds a call."""
+
     def named(found: list[dict[str, Any]] | None) -> list[tuple[str, Any]] | None:
         return (
             None if found is None else [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in found]
         )
 
-    found_content, found = openai_api.Hermes().split(text)
+    found_content, found = parser().split(text)
     assert found_content == content
     assert named(found) == calls
     # parallel_tool_calls false: the first call only.
-    assert named(openai_api.Hermes(single=True).split(text)[1]) == (calls[:1] if calls else None)
+    assert named(parser(single=True).split(text)[1]) == (calls[:1] if calls else None)
+    sent = 0
+    for end in range(1, len(text) + 1):
+        sent = max(sent, parser().held(text[:end], sent))
+    streamed = text[:sent]
+    assert (content or "").startswith(streamed) if calls else content.startswith(streamed)  # type: ignore[union-attr]
 
 
-def test_the_openai_sdk_reads_auto_tool_calls_whole_and_streamed() -> None:
-    """tool_choice "auto" with --tool-call-parser hermes, served by the
-    HTTP API over a service that answers a scripted text in small pieces:
-    the openai SDK gets the text before the call as content and the call
-    as tool_calls (finish_reason tool_calls), streamed and not alike;
-    without the parser, "auto" is a 400 naming tool_choice."""
+@pytest.mark.parametrize(
+    ("parser", "script", "expected"),
+    [
+        ("hermes", CALLED, "Let me look."),
+        ("llama3_json", LLAMA.split(";")[0], None),
+        ("pythonic", PYTHONIC.replace(', get_weather(city="Rome")', ""), None),
+    ],
+)
+def test_the_openai_sdk_reads_auto_tool_calls_whole_and_streamed(
+    parser: str, script: str, expected: str | None
+) -> None:
+    """tool_choice "auto" with each --tool-call-parser, served by the HTTP
+    API over a service that answers a scripted text in small pieces: the
+    openai SDK gets the text before the call (if any) as content and the
+    call as tool_calls (finish_reason tool_calls), streamed and not alike;
+    without a parser, "auto" is a 400 naming tool_choice."""
     import asyncio
 
     import openai
@@ -409,8 +457,8 @@ def test_the_openai_sdk_reads_auto_tool_calls_whole_and_streamed() -> None:
         tokenizer = None
 
         async def generate(self, request: Any, rid: str, timeout_s: Any) -> Any:
-            for at in range(0, len(CALLED), 3):
-                yield pb.GenerateResponse(delta=pb.TextDelta(text=CALLED[at : at + 3]))
+            for at in range(0, len(script), 3):
+                yield pb.GenerateResponse(delta=pb.TextDelta(text=script[at : at + 3]))
             yield pb.GenerateResponse(
                 finished=pb.Finished(finish_reason=common_pb2.FINISH_REASON_STOP, prompt_tokens=5, completion_tokens=9)
             )
@@ -435,12 +483,12 @@ def test_the_openai_sdk_reads_auto_tool_calls_whole_and_streamed() -> None:
             await client.close()
             await runner.cleanup()
 
-    whole, (content, pieces, finish) = asyncio.run(run("hermes"))
+    whole, (content, pieces, finish) = asyncio.run(run(parser))
     message = whole.choices[0].message
-    assert (message.content, whole.choices[0].finish_reason) == ("Let me look.", "tool_calls")
+    assert (message.content, whole.choices[0].finish_reason) == (expected, "tool_calls")
     (call,) = message.tool_calls
     assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Oslo"})
-    assert (content, pieces["name"], finish) == ("Let me look.", "get_weather", "tool_calls")
+    assert (content, pieces["name"], finish) == (expected or "", "get_weather", "tool_calls")
     assert pieces["arguments"] == call.function.arguments
     with pytest.raises(openai.BadRequestError) as info:
         asyncio.run(run("none"))
