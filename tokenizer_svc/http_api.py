@@ -43,7 +43,7 @@ from mmsplit.errors import InternalError, MmsplitError, Unauthenticated
 from mmsplit.tokenizer.v1 import tokenizer_pb2
 from mmsplit_server import structured
 from mmsplit_server.serving import RequestSummary
-from tokenizer_svc import openai_api
+from tokenizer_svc import openai_answers, openai_api
 from tokenizer_svc.errors import InvalidRequest
 from tokenizer_svc.service import TokenizerService
 
@@ -166,12 +166,12 @@ class HttpApi:
         if isinstance(call.calls, openai_api.Forced):
             await _check_tool_schema(call.request.sampling.json_schema)
         rid = uuid.uuid4().hex
-        shape = openai_api.Shape.of(chat, rid, self.model, call.calls)
+        shape = openai_answers.Shape.of(chat, rid, self.model, call.calls)
         summary = RequestSummary(rid, protocol="http", route=request.path, choices=call.n)
         try:
             if call.stream:
                 return await self._stream(request, call, shape, rid, summary)
-            choices = openai_api.Choices(call.n, self.service.tokenizer)
+            choices = openai_answers.Choices(call.n, self.service.tokenizer)
             async for i, response in self._choices(call, rid):
                 _count(summary, response)
                 choices.add(i, response)
@@ -196,7 +196,7 @@ class HttpApi:
         self,
         request: web.Request,
         call: openai_api.Call,
-        shape: openai_api.Shape,
+        shape: openai_answers.Shape,
         rid: str,
         summary: RequestSummary,
     ) -> web.StreamResponse:
@@ -217,7 +217,7 @@ class HttpApi:
         events: _Prefetch,
         first: Any,
         call: openai_api.Call,
-        shape: openai_api.Shape,
+        shape: openai_answers.Shape,
         rid: str,
         summary: RequestSummary,
     ) -> web.StreamResponse:
@@ -225,7 +225,7 @@ class HttpApi:
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "x-request-id": rid}
         )
         await response.prepare(request)
-        choices = openai_api.Choices(call.n, self.service.tokenizer)
+        choices = openai_answers.Choices(call.n, self.service.tokenizer)
         try:
             for i in range(call.n):
                 if (opening := shape.first(i)) is not None:

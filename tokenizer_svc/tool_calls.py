@@ -1,6 +1,6 @@
 """Tool calls in a model's output, for the OpenAI API's `tool_choice`
-(tokenizer_svc/openai_api.py maps the request's fields and shapes the
-answer): each way of finding them splits a choice's whole output into its
+(tokenizer_svc/openai_api.py maps the request's fields,
+tokenizer_svc/openai_answers.py shapes the answer): each way of finding them splits a choice's whole output into its
 content and its calls (OpenAI's `tool_calls` entries: an id, the name, the
 arguments as JSON text), and never loses text it cannot read as calls.
 

@@ -10,7 +10,7 @@ import pytest
 
 from mmsplit.errors import E
 from mmsplit.tokenizer.v1 import tokenizer_pb2
-from tokenizer_svc import openai_api
+from tokenizer_svc import openai_answers, openai_api
 from tokenizer_svc.errors import InvalidRequest, MediaTooLarge, Overloaded
 from tokenizer_svc.tool_calls import Hermes, Llama3Json, Pythonic
 
@@ -265,8 +265,8 @@ def test_forced_calls_answer_as_tool_calls_whole_and_streamed() -> None:
     list of calls; streamed, a named call's arguments go as they come and
     "required"'s calls whole at the end; an output cut short (max_tokens)
     is not parsed: "required" answers it as content."""
-    shape = openai_api.Shape.of(True, "r", "m", openai_api.Forced("get_weather"))
-    choices = openai_api.Choices(1)
+    shape = openai_answers.Shape.of(True, "r", "m", openai_api.Forced("get_weather"))
+    choices = openai_answers.Choices(1)
     choices.text[0], choices.finish[0] = '{"city": "Oslo"}', "stop"
     (message,) = [c["message"] for c in shape.complete(choices)["choices"]]
     (call,) = message["tool_calls"]
@@ -274,9 +274,9 @@ def test_forced_calls_answer_as_tool_calls_whole_and_streamed() -> None:
     assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
     assert call["id"].startswith("call_")
     assert shape.complete(choices)["choices"][0]["finish_reason"] == "tool_calls"
-    first = shape.delta(0, openai_api.Shown('{"ci', None, []), '{"ci')
-    rest = shape.delta(0, openai_api.Shown('ty": "Oslo"}', None, []), '{"city": "Oslo"}')
-    end = shape.delta(0, openai_api.Shown("", "stop", []), '{"city": "Oslo"}')
+    first = shape.delta(0, openai_answers.Shown('{"ci', None, []), '{"ci')
+    rest = shape.delta(0, openai_answers.Shown('ty": "Oslo"}', None, []), '{"city": "Oslo"}')
+    end = shape.delta(0, openai_answers.Shown("", "stop", []), '{"city": "Oslo"}')
     assert first
     assert rest
     assert end
@@ -285,16 +285,16 @@ def test_forced_calls_answer_as_tool_calls_whole_and_streamed() -> None:
     assert rest["choices"][0]["delta"]["tool_calls"] == [{"index": 0, "function": {"arguments": 'ty": "Oslo"}'}}]
     assert end["choices"][0]["finish_reason"] == "tool_calls"
 
-    required = openai_api.Shape.of(True, "r", "m", openai_api.Forced(""))
+    required = openai_answers.Shape.of(True, "r", "m", openai_api.Forced(""))
     listed = '[{"name": "a", "parameters": {"x": 1}}, {"name": "b", "parameters": {}}]'
-    assert required.delta(0, openai_api.Shown(listed[:5], None, []), listed[:5]) is None
-    end = required.delta(0, openai_api.Shown("", "stop", []), listed)
+    assert required.delta(0, openai_answers.Shown(listed[:5], None, []), listed[:5]) is None
+    end = required.delta(0, openai_answers.Shown("", "stop", []), listed)
     assert end is not None
     calls = end["choices"][0]["delta"]["tool_calls"]
     assert [(c["index"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
         (0, "a", {"x": 1}), (1, "b", {}),
     ]  # fmt: skip
-    cut = required.delta(0, openai_api.Shown("", "length", []), listed[:20])
+    cut = required.delta(0, openai_answers.Shown("", "length", []), listed[:20])
     assert cut is not None
     assert cut["choices"][0]["delta"] == {"content": listed[:20]}
     assert cut["choices"][0]["finish_reason"] == "length"
@@ -353,7 +353,7 @@ def test_a_stream_cancelled_before_its_first_event_closes_the_request() -> None:
 
         api = HttpApi(Preparing(), model="m", ready=lambda: True, max_body_bytes=1 << 20)  # type: ignore[arg-type]
         call = openai_api.parse_chat({"messages": [{"role": "user", "content": "x"}], "stream": True})
-        shape = openai_api.Shape.of(True, "r", "m")
+        shape = openai_answers.Shape.of(True, "r", "m")
         handler = asyncio.create_task(api._stream(None, call, shape, "r", RequestSummary("r")))  # type: ignore[arg-type]
         await asyncio.wait_for(started.wait(), 10)
         handler.cancel()

@@ -1,0 +1,230 @@
+"""The OpenAI-compatible API's answers: the contract's events (a request's
+GenerateResponses, per choice) into chat and completion objects and
+streamed chunks, tool calls included (`Shape`), and what the choices
+produced, for the final object and the usage (`Choices`). No I/O here
+(`tokenizer_svc.http_api` serves it; `tokenizer_svc.openai_api` maps the
+requests)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from mmsplit.common.v1 import common_pb2
+from mmsplit.tokenizer.v1 import tokenizer_pb2
+from tokenizer_svc.tool_calls import Auto, Forced, call_id
+
+FINISH = {
+    common_pb2.FINISH_REASON_STOP: "stop",
+    common_pb2.FINISH_REASON_LENGTH: "length",
+    common_pb2.FINISH_REASON_CONTEXT_LENGTH: "length",
+}
+
+
+class Choices:
+    """What n choices of one request have produced, for the final object
+    and the usage: text, finish reason and token counts per choice."""
+
+    def __init__(self, n: int, tokens: Any = None) -> None:
+        """`tokens`: the tokenizer, to name the tokens of log probabilities."""
+        self.text = [""] * n
+        self.finish: list[str | None] = [None] * n
+        self.prompt_tokens = 0
+        self.cached_tokens = 0  # of the prompt's, from the scheduler's prefix cache (the most of any choice)
+        self.completion_tokens = [0] * n
+        self.logprobs: list[list[dict[str, Any]]] = [[] for _ in range(n)]
+        self.tokens = tokens
+
+    def add(self, i: int, response: tokenizer_pb2.GenerateResponse) -> Shown | None:
+        """Record a response of choice `i`: what to show of it, or None
+        when it adds nothing to show."""
+        kind = response.WhichOneof("event")
+        if kind == "delta":
+            d = response.delta
+            entries = [self._entry(t, lp) for t, lp in zip(d.token_ids, d.logprobs, strict=False)]
+            if not d.text and not entries:
+                return None
+            self.text[i] += d.text
+            self.logprobs[i] += entries
+            return Shown(d.text, None, entries)
+        if kind == "finished":
+            f = response.finished
+            self.finish[i] = FINISH.get(f.finish_reason, "stop")
+            self.prompt_tokens = f.prompt_tokens
+            self.cached_tokens = max(self.cached_tokens, f.cached_tokens)
+            self.completion_tokens[i] = f.completion_tokens
+            return Shown("", self.finish[i], [])
+        return None
+
+    def _entry(self, token: int, lp: common_pb2.TokenLogprob) -> dict[str, Any]:
+        """OpenAI's chat form of one token's log probability."""
+        top = [self._named(t, v) for t, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)]
+        return {**self._named(token, lp.logprob), "top_logprobs": top}
+
+    def _named(self, token: int, logprob: float) -> dict[str, Any]:
+        text = self._text(token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    def _text(self, token: int) -> str:
+        return str(self.tokens.decode([token])) if self.tokens is not None else str(token)
+
+    def usage(self) -> dict[str, Any]:
+        completion = sum(self.completion_tokens)
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": self.prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+
+@dataclass(frozen=True)
+class Shown:
+    """What one response adds to a choice: text, a finish reason, and the
+    log probabilities of its tokens (empty unless asked)."""
+
+    text: str
+    finish: str | None
+    logprobs: list[dict[str, Any]]
+
+
+def completion_logprobs(entries: list[dict[str, Any]], start: int = 0) -> dict[str, Any]:
+    """The legacy completions form of log probabilities (text offsets from `start`)."""
+    offsets, at = [], start
+    for e in entries:
+        offsets.append(at)
+        at += len(e["token"])
+    return {
+        "tokens": [e["token"] for e in entries],
+        "token_logprobs": [e["logprob"] for e in entries],
+        "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+        "text_offset": offsets,
+    }
+
+
+@dataclass(frozen=True)
+class Shape:
+    """How one endpoint's objects look: chat completions or completions."""
+
+    chat: bool
+    id: str
+    model: str
+    created: int
+    calls: Forced | Auto | None = None  # how the output answers with tool calls
+    # A stream's named-function calls: each choice's call id, once its first chunk went.
+    _opened: dict[int, str] = dataclasses.field(default_factory=dict, compare=False)
+    # A stream under "auto": each choice's characters sent as content.
+    _sent: dict[int, int] = dataclasses.field(default_factory=dict, compare=False)
+
+    @classmethod
+    def of(cls, chat: bool, rid: str, model: str, calls: Forced | Auto | None = None) -> Shape:
+        return cls(chat, ("chatcmpl-" if chat else "cmpl-") + rid, model, int(time.time()), calls)
+
+    def _head(self, chunk: bool) -> dict[str, Any]:
+        kind = "chat.completion" if self.chat else "text_completion"
+        return {"id": self.id, "object": kind + (".chunk" if chunk and self.chat else ""), "created": self.created,
+                "model": self.model}  # fmt: skip
+
+    def complete(self, choices: Choices, logprobs: bool = False) -> dict[str, Any]:
+        out = self._head(chunk=False)
+        out["choices"] = []
+        for i, (text, f) in enumerate(zip(choices.text, choices.finish, strict=True)):
+            lps = self._logprobs(choices.logprobs[i]) if logprobs else None
+            if self.chat:
+                message: dict[str, Any] = {"role": "assistant", "content": text}
+                content, calls = self.calls.split(text) if self.calls else (text, None)
+                if calls:
+                    message = {"role": "assistant", "content": content, "tool_calls": calls}
+                    f = "tool_calls" if f == "stop" else f
+                out["choices"].append({"index": i, "message": message, "logprobs": lps, "finish_reason": f})
+            else:
+                out["choices"].append({"index": i, "text": text, "logprobs": lps, "finish_reason": f})
+        out["usage"] = choices.usage()
+        return out
+
+    def _logprobs(self, entries: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"content": entries} if self.chat else completion_logprobs(entries)
+
+    def first(self, i: int) -> dict[str, Any] | None:
+        """A chat stream's first chunk of a choice: the assistant's role."""
+        if not self.chat:
+            return None
+        return self.chunk(i, {"role": "assistant", "content": ""}, None)
+
+    def delta(self, i: int, shown: Shown, text: str = "") -> dict[str, Any] | None:
+        """The chunk of what a response adds to choice `i` (None: nothing to
+        send yet); `text`: the choice's output so far, this response's
+        included (its tool calls, when they are made at the end)."""
+        logprobs = self._logprobs(shown.logprobs) if shown.logprobs else None
+        if isinstance(self.calls, Forced) and self.chat:
+            return self._called(i, shown, text, logprobs)
+        if isinstance(self.calls, Auto) and self.chat:
+            return self._auto(i, shown, text, logprobs)
+        delta = {"content": shown.text} if shown.text or not shown.finish else {}
+        return self.chunk(i, delta, shown.finish, logprobs)
+
+    def _called(self, i: int, shown: Shown, text: str, logprobs: dict[str, Any] | None) -> dict[str, Any] | None:
+        """A forced tool call's chunks: a named function's arguments as they
+        come (its id and name with the first); "required"'s list of calls,
+        whole, at the end (it is parsed then); a choice whose output is not
+        calls (cut short) ends as content."""
+        assert isinstance(self.calls, Forced)
+        finish = shown.finish
+        if self.calls.name:
+            delta: dict[str, Any] = {}
+            if shown.text or (finish and i not in self._opened):
+                call: dict[str, Any] = {"index": 0, "function": {"arguments": shown.text}}
+                if i not in self._opened:
+                    self._opened[i] = call_id()
+                    call = {"index": 0, "id": self._opened[i], "type": "function",
+                            "function": {"name": self.calls.name, "arguments": shown.text}}  # fmt: skip
+                delta = {"tool_calls": [call]}
+            return self.chunk(i, delta, "tool_calls" if finish == "stop" else finish, logprobs)
+        if not finish:
+            return self.chunk(i, {}, None, logprobs) if logprobs else None
+        return self._ended(i, text, finish, logprobs, sent=0)
+
+    def _auto(self, i: int, shown: Shown, text: str, logprobs: dict[str, Any] | None) -> dict[str, Any] | None:
+        """tool_choice "auto": the text streams as content up to a call's
+        opening (or a tail that may become one); at the end, the rest of
+        the content and the calls, parsed from the whole output."""
+        assert isinstance(self.calls, Auto)
+        sent = self._sent.get(i, 0)
+        if shown.finish:
+            return self._ended(i, text, shown.finish, logprobs, sent)
+        upto = self.calls.held(text, sent)
+        if upto <= sent:
+            return self.chunk(i, {}, None, logprobs) if logprobs else None
+        self._sent[i] = upto
+        return self.chunk(i, {"content": text[sent:upto]}, None, logprobs)
+
+    def _ended(self, i: int, text: str, finish: str, logprobs: dict[str, Any] | None, sent: int) -> dict[str, Any]:
+        """A choice's last chunk: the content not yet sent (all of the rest
+        when the output holds no calls) and its calls."""
+        assert self.calls is not None
+        content, calls = self.calls.split(text)
+        if calls is None:
+            return self.chunk(i, {"content": text[sent:]}, finish, logprobs)
+        delta: dict[str, Any] = {"tool_calls": [{"index": k, **call} for k, call in enumerate(calls)]}
+        if content and len(content) > sent:
+            delta["content"] = content[sent:]
+        return self.chunk(i, delta, "tool_calls" if finish == "stop" else finish, logprobs)
+
+    def chunk(
+        self, i: int, delta: dict[str, Any], finish: str | None, logprobs: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        out = self._head(chunk=True)
+        if self.chat:
+            out["choices"] = [{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]
+        else:
+            text = delta.get("content", "")
+            out["choices"] = [{"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish}]
+        return out
+
+    def usage_chunk(self, choices: Choices) -> dict[str, Any]:
+        out = self._head(chunk=True)
+        out["choices"] = []
+        out["usage"] = choices.usage()
+        return out
