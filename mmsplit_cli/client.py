@@ -138,6 +138,8 @@ def generate_command(args: argparse.Namespace) -> int:
                 temperature=args.temperature,
                 top_p=args.top_p,
                 top_k=args.top_k,
+                min_p=args.min_p,
+                ignore_eos=args.ignore_eos,
                 seed=args.seed,
                 min_tokens=args.min_tokens,
                 stop=args.stop,

@@ -213,6 +213,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=_count, default=0, help="0 = derived from the request id")
     p.add_argument("--top-p", type=float, default=None, help="nucleus sampling, within (0, 1]; default off")
     p.add_argument("--top-k", type=_count, default=0, help="0 = off")
+    p.add_argument(
+        "--min-p", type=float, default=0.0, help="keep tokens at least this times as likely as the likeliest; 0 = off"
+    )
+    p.add_argument("--ignore-eos", action="store_true", help="run to --max-tokens: end-of-sequence does not end it")
     p.add_argument("--min-tokens", type=_count, default=0, help="no end-of-sequence or stop token before this many")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--stop-token-id", action="append", default=[], type=_count, help="stop token id (repeatable)")

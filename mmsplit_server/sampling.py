@@ -57,6 +57,8 @@ class Sampling:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), by id
     # Structured output (mmsplit_server.structured): what the text must match, or None.
     structure: structured.Spec | None = None
+    min_p: float = 0.0
+    ignore_eos: bool = False
 
     @property
     def greedy(self) -> bool:
@@ -129,8 +131,14 @@ class Sampling:
             raise InvalidSampling(
                 f"sampling.repetition_penalty {repetition!r} must be within (0, {MAX_PENALTY:g}] (1: off)"
             )
+        if not math.isfinite(pb.min_p) or not 0.0 <= pb.min_p <= 1.0:
+            raise InvalidSampling(f"sampling.min_p {pb.min_p!r} must be within [0, 1]")
         bias = _logit_bias(pb, vocab_size)
         structure = _structure(pb)
+        if structure is not None and pb.ignore_eos:
+            raise InvalidSampling(
+                f"sampling.ignore_eos cannot go with sampling.{structure[0]} (the structure ends at EOS)"
+            )
 
         return cls(
             max_tokens=max_tokens,
@@ -148,6 +156,8 @@ class Sampling:
             repetition_penalty=float(repetition),
             logit_bias=bias,
             structure=structure,
+            min_p=float(pb.min_p),
+            ignore_eos=bool(pb.ignore_eos),
         )
 
 

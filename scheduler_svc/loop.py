@@ -534,7 +534,8 @@ class StepLoop:
 
     def _finish_reason(self, adm: Admission, token: int) -> int | None:
         # The sampler never draws these before min_tokens.
-        if token in self.eos_token_ids or token in adm.request.sampling.stop_token_ids:
+        sampling = adm.request.sampling
+        if (token in self.eos_token_ids and not sampling.ignore_eos) or token in sampling.stop_token_ids:
             return common_pb2.FINISH_REASON_STOP
         if adm.generated >= adm.request.sampling.max_tokens:
             return common_pb2.FINISH_REASON_LENGTH

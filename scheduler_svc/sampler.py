@@ -26,6 +26,7 @@ in the next plan.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -323,6 +324,10 @@ def _draw(logits: torch.Tensor, params: Sampling, generator: torch.Generator | N
     # Subtract the maximum first: every value is then <= 0 and dividing by
     # any positive temperature, however small, cannot make +inf or NaN.
     scores = (logits - logits.max()) / params.temperature
+    if params.min_p:
+        # The most likely token's score is 0 now: a token's probability is
+        # under min_p times its where the score is under log(min_p).
+        scores = scores.masked_fill(scores < math.log(params.min_p), float("-inf"))
     vocab = scores.shape[0]
     if 0 < params.top_k < vocab:
         kth = torch.topk(scores, params.top_k).values[-1]

@@ -201,8 +201,11 @@ class StreamDecoder:
 
 
 class StopMatcher:
-    def __init__(self, stops: tuple[str, ...]) -> None:
+    def __init__(self, stops: tuple[str, ...], include: bool = False) -> None:
+        """`include`: the text shown ends with the stop string found, not
+        before it."""
         self.stops = stops
+        self.include = include
         self._held = ""
         self.stopped = False
 
@@ -212,11 +215,13 @@ class StopMatcher:
         if self.stopped or not self.stops:
             return "" if self.stopped else text
         held = self._held + text
-        cut = min((i for i in (held.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
+        found = [(i, s) for i, s in ((held.find(s), s) for s in self.stops) if i >= 0]
+        if found:
+            # The first to begin; of those, the first listed.
+            cut, stop = min(found, key=lambda f: f[0])
             self.stopped = True
             self._held = ""
-            return held[:cut]
+            return held[: cut + len(stop)] if self.include else held[:cut]
         keep = self._longest_stop_prefix_suffix(held)
         self._held = held[len(held) - keep :] if keep else ""
         return held[: len(held) - keep]

@@ -98,7 +98,8 @@ KNOWN = {
     "stop", "min_tokens", "stop_token_ids", "n", "stream", "stream_options", "logprobs", "top_logprobs", "user",
     "cache_salt", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "response_format",
     "tools", "tool_choice", "parallel_tool_calls", "structured_outputs", "guided_json", "guided_regex",
-    "guided_choice",
+    "guided_choice", "guided_grammar", "min_p", "ignore_eos",
+    "include_stop_str_in_output",
 }  # fmt: skip
 
 # The json_schema of "any JSON object" (response_format json_object).
@@ -115,6 +116,24 @@ UNHONOURED: dict[str, tuple[tuple[Any, ...], str]] = {
     "suffix": ((None, ""), "this server does not insert text"),
     "best_of": ((None, 1), "this server returns every choice it makes (use n)"),
     "web_search_options": ((None,), "this server does not search the web"),
+    # vLLM's extensions that this server does not serve (those it does are in KNOWN).
+    "use_beam_search": ((None, False), "this server does not search beams"),
+    "length_penalty": ((None, 1), "this server does not search beams"),
+    "allowed_token_ids": ((None, []), "use logit_bias"),
+    "bad_words": ((None, []), "use logit_bias"),
+    "prompt_logprobs": ((None,), "this server returns the log probabilities of generated tokens only"),
+    "truncate_prompt_tokens": ((None,), "this server does not cut prompts; a prompt over the context is refused"),
+    "mm_processor_kwargs": ((None, {}), "the model's processor runs with the server's settings"),
+    "chat_template": ((None,), "the server's --chat-template renders every conversation"),
+    "chat_template_kwargs": ((None, {}), "the server's --chat-template renders every conversation as it is"),
+    "documents": ((None, []), "the server's --chat-template renders every conversation as it is"),
+    "add_generation_prompt": ((None, True), "every conversation ends with the assistant's turn to answer"),
+    "continue_final_message": ((None, False), "every conversation ends with the assistant's turn to answer"),
+    "skip_special_tokens": ((None, True), "the text leaves out special tokens"),
+    "spaces_between_special_tokens": ((None, True), "the text leaves out special tokens"),
+    "return_tokens_as_token_ids": ((None, False), "log probabilities name tokens by their text"),
+    "logits_processors": ((None, []), "this server runs no custom logits processors"),
+    "priority": ((None, 0), "this server serves requests in arrival order"),
 }
 
 
@@ -358,6 +377,15 @@ def _finish(body: dict[str, Any], request: tokenizer_pb2.GenerateRequest) -> Cal
     top_p = _number(body, "top_p")
     if top_p is not None:
         s.top_p = top_p
+    min_p = _number(body, "min_p")
+    if min_p is not None:
+        s.min_p = min_p
+    for name in ("ignore_eos", "include_stop_str_in_output"):
+        flag = body.get(name)
+        if flag is not None:
+            if not isinstance(flag, bool):
+                raise _invalid(f"{name} must be true or false", name)
+            setattr(s, name, flag)
     for name in ("top_k", "min_tokens"):
         value = _int(body, name)
         if value is not None:

@@ -372,7 +372,7 @@ class TokenizerService:
         stop string is held back), then Finished. A stop string ends the
         stream here, and closing the call aborts the request downstream."""
         decoder = make_decoder(self.tokenizer)
-        stops = StopMatcher(tuple(downstream.sampling.stop))
+        stops = StopMatcher(tuple(downstream.sampling.stop), downstream.sampling.include_stop_str_in_output)
         completion = cached = 0
         try:
             async for event in stream:

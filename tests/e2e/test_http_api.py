@@ -184,6 +184,35 @@ def test_stop_lists_and_n_choices(api: Api) -> None:
     assert texts == [c.message.content for c in two.choices]
 
 
+def test_vllm_s_min_p_ignore_eos_and_include_stop_str_in_output(api: Api) -> None:
+    """Through the openai SDK's extra_body: include_stop_str_in_output ends
+    the text with the stop string; ignore_eos runs past an end-of-sequence
+    the bias makes certain (to max_tokens, finish_reason length; without
+    it: stop at once); min_p 1 at a high temperature keeps only the
+    likeliest token: the greedy text."""
+    from transformers import AutoTokenizer
+
+    client = api.client()
+    question = [{"role": "user", "content": "Count: one two three"}]
+    free = client.chat.completions.create(model=api.model, messages=question, max_tokens=12).choices[0].message.content
+    assert free
+    cut = free[len(free) // 2 :][:3].strip() or free[-1]
+    kept = client.chat.completions.create(
+        model=api.model, messages=question, max_tokens=12, stop=[cut], extra_body={"include_stop_str_in_output": True}
+    )
+    assert kept.choices[0].message.content == free[: free.index(cut) + len(cut)]
+    eos = AutoTokenizer.from_pretrained(api.pair.model).eos_token_id
+    ended = {"model": api.model, "messages": question, "max_tokens": 5, "logit_bias": {str(eos): 100}}
+    short = client.chat.completions.create(**ended)  # type: ignore[call-overload]
+    assert (short.choices[0].finish_reason, short.usage.completion_tokens) == ("stop", 1)
+    long = client.chat.completions.create(**ended, extra_body={"ignore_eos": True})  # type: ignore[call-overload]
+    assert (long.choices[0].finish_reason, long.usage.completion_tokens) == ("length", 5)
+    hot = client.chat.completions.create(
+        model=api.model, messages=question, max_tokens=12, temperature=5, seed=3, extra_body={"min_p": 1.0}
+    )
+    assert hot.choices[0].message.content == free
+
+
 def _bad(api: Api, call: Callable[[openai.OpenAI], Any]) -> openai.APIStatusError:
     with pytest.raises(openai.APIStatusError) as info:
         call(api.client(max_retries=2))

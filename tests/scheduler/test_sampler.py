@@ -69,6 +69,27 @@ def test_top_k_keeps_only_the_k_most_likely() -> None:
     assert len(drawn) > 1
 
 
+def test_min_p_keeps_only_tokens_near_the_likeliest_and_logprobs_are_of_what_is_kept() -> None:
+    """min_p 0.2 at temperature 1: a token stays only while its probability
+    is at least a fifth of the likeliest's (here: probabilities 0.4, 0.3,
+    0.1, 0.07 and the rest far smaller: the first two and the third stay,
+    0.07 < 0.08 goes); the log probabilities are the kept tokens'
+    renormalized."""
+    probs = torch.tensor([0.4, 0.3, 0.1, 0.07] + [0.13 / 46] * 46)
+    x = probs.log()[None]
+    r = row(Sampling(max_tokens=4, temperature=1.0, min_p=0.2, logprobs=True))
+    sampler = Sampler(frozenset())
+    drawn: set[int] = set()
+    for _ in range(300):
+        tokens, lps = sampler.sample_rows(x, [r])
+        drawn.add(int(tokens[0]))  # type: ignore[arg-type]
+        kept = probs[:3] / probs[:3].sum()
+        assert lps[0].logprob == pytest.approx(float(kept[int(tokens[0])].log()), abs=1e-4)  # type: ignore[index]
+    assert drawn == {0, 1, 2}
+    # min_p 1: only the likeliest.
+    assert sampler.sample(x, [row(Sampling(max_tokens=4, temperature=5.0, min_p=1.0))]) == [0]
+
+
 def test_the_tiniest_temperature_is_finite_and_greedy() -> None:
     # Before the fix, logits / 1e-39 overflowed to inf and multinomial raised.
     x = logits(3)

@@ -68,6 +68,10 @@ def check(pb: common_pb2.SamplingParams, **kw: object) -> Sampling:
         ({"grammar": "start: " + '"a" | ' * 20_000 + '"b"'}, "grammar"),
         ({"grammar": 'start: "a"', "min_tokens": 1}, "grammar"),
         ({"grammar": 'start: "a"', "regex": "a"}, "grammar"),
+        ({"min_p": -0.1}, "min_p"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"min_p": math.nan}, "min_p"),
+        ({"ignore_eos": True, "choice": ["a"]}, "ignore_eos"),
     ],
 )
 def test_out_of_limits_is_invalid_request_naming_the_field(params: dict[str, object], field: str) -> None:
@@ -124,6 +128,8 @@ def test_defaults_and_accepted_values() -> None:
     assert check(common_pb2.SamplingParams(json_schema=schema)).structure == ("json_schema", schema)
     assert check(common_pb2.SamplingParams(regex="[0-9]{3}")).structure == ("regex", "[0-9]{3}")
     assert check(common_pb2.SamplingParams(choice=["yes", 'n"o'])).structure == ("choice", '["yes", "n\\"o"]')
+    assert (check(common_pb2.SamplingParams(min_p=1.0)).min_p, check(common_pb2.SamplingParams()).min_p) == (1.0, 0.0)
+    assert check(common_pb2.SamplingParams(ignore_eos=True)).ignore_eos
     lark, gbnf = 'start: "yes" | "no"', 'root ::= [0-9]+ "!"'
     assert check(common_pb2.SamplingParams(grammar=lark)).structure == ("grammar", lark)
     assert check(common_pb2.SamplingParams(grammar=gbnf)).structure == ("grammar", gbnf)

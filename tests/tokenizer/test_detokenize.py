@@ -117,6 +117,9 @@ def test_text_that_could_begin_a_stop_string_is_held_then_released() -> None:
 
 
 def test_the_earliest_of_several_stop_strings_wins() -> None:
+    included = StopMatcher(("<end>", "nd"), include=True)
+    assert included.feed("a <e") + included.feed("nd> b") == "a <end>"
+    assert included.stopped
     matcher = StopMatcher(("zzz", "b"))
     assert feed_all(matcher, ["aaab zzz"]) == "aaa"
 

@@ -126,6 +126,14 @@ def test_refusals_name_their_field(body: dict[str, Any], param: str) -> None:
         ("suffix", "end"),
         ("best_of", 3),
         ("web_search_options", {}),
+        ("use_beam_search", True),
+        ("allowed_token_ids", [1, 2]),
+        ("prompt_logprobs", 1),
+        ("chat_template", "{{ messages }}"),
+        ("chat_template_kwargs", {"enable_thinking": True}),
+        ("continue_final_message", True),
+        ("skip_special_tokens", False),
+        ("priority", 5),
     ],
 )
 def test_fields_that_cannot_be_honoured_are_refused_not_ignored(field: str, value: Any) -> None:
@@ -146,6 +154,11 @@ def test_the_do_nothing_values_of_those_fields_are_accepted() -> None:
         "functions": None, "function_call": "none",
         "modalities": ["text"], "audio": None,
         "echo": False, "suffix": "", "best_of": 1, "web_search_options": None,
+        "use_beam_search": False, "length_penalty": 1.0, "allowed_token_ids": None, "bad_words": [],
+        "prompt_logprobs": None, "truncate_prompt_tokens": None, "mm_processor_kwargs": {}, "chat_template": None,
+        "chat_template_kwargs": {}, "documents": None, "add_generation_prompt": True,
+        "continue_final_message": False, "skip_special_tokens": True, "spaces_between_special_tokens": True,
+        "return_tokens_as_token_ids": False, "logits_processors": None, "priority": 0,
     }  # fmt: skip
     assert defaults.keys() == openai_api.UNHONOURED.keys()
     defaults |= {"tools": [], "tool_choice": "none"}
@@ -493,6 +506,20 @@ def test_the_openai_sdk_reads_auto_tool_calls_whole_and_streamed(
     with pytest.raises(openai.BadRequestError) as info:
         asyncio.run(run("none"))
     assert info.value.body["param"] == "tool_choice"  # type: ignore[index]
+
+
+def test_vllm_s_min_p_ignore_eos_and_include_stop_str_in_output_reach_the_contract() -> None:
+    body = {"min_p": 0.05, "ignore_eos": True, "include_stop_str_in_output": True}
+    for call in (
+        openai_api.parse_chat({"messages": [{"role": "user", "content": "x"}], **body}),
+        openai_api.parse_completion({"prompt": "x", **body}),
+    ):
+        s = call.request.sampling
+        assert (s.min_p, s.ignore_eos, s.include_stop_str_in_output) == (pytest.approx(0.05), True, True)
+    for wrong in ({"min_p": "high"}, {"ignore_eos": 1}, {"include_stop_str_in_output": "yes"}):
+        with pytest.raises(InvalidRequest) as info:
+            openai_api.parse_completion({"prompt": "x", **wrong})
+        assert openai_api.param_name(info.value) == next(iter(wrong))
 
 
 def test_structured_outputs_become_the_contract_s_regex_choice_and_json_schema() -> None:
