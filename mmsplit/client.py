@@ -293,6 +293,8 @@ def build_request(
     choice: Sequence[str] = (),
     grammar: str = "",
     tools: Sequence[Tool] = (),
+    continue_final_message: bool = False,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
 ) -> tokenizer_pb2.GenerateRequest:
     """A GenerateRequest of a prompt (with `images` and `videos`) or of a
     conversation (`messages`); media given as bytes are sent inline, as str
@@ -302,7 +304,9 @@ def build_request(
     (protos/mmsplit/common/v1/common.proto); `json_schema` may be given as
     a dict. `tools` go to the chat template (a conversation's); to have the
     model call one, pass its parameters as `json_schema` and read the
-    answer as the call's arguments."""
+    answer as the call's arguments. `continue_final_message`: the model
+    continues the conversation's last (assistant) message;
+    `chat_template_kwargs`: the chat template's extra variables."""
     sampling = common_pb2.SamplingParams(
         max_tokens=max_tokens,
         temperature=temperature,
@@ -336,6 +340,8 @@ def build_request(
         tools=[
             tokenizer_pb2.Tool(name=t.name, description=t.description, parameters=_json(t.parameters)) for t in tools
         ],
+        continue_final_message=continue_final_message,
+        chat_template_kwargs=json.dumps(dict(chat_template_kwargs)) if chat_template_kwargs else "",
     )
 
 

@@ -10,6 +10,7 @@ place (ErrorInfo metadata ``param``; the HTTP error body's ``param``).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from dataclasses import dataclass, field
@@ -30,6 +31,9 @@ ROLES = {
 # Tools one request may give (GenerateRequest.tools), and their names.
 MAX_TOOLS = 128
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+# GenerateRequest.chat_template_kwargs: its size and its names.
+MAX_TEMPLATE_KWARGS_BYTES = 64 * 1024
+TEMPLATE_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,63}")
 
 Medium = tokenizer_pb2.Image | tokenizer_pb2.Video
 # Choices one request may ask for (GenerateRequest.n).
@@ -56,6 +60,10 @@ class Parsed:
     media: list[Located]
     # As the chat template takes them ({"type": "function", "function": {...}}).
     tools: list[dict[str, Any]] = field(default_factory=list)
+    # The last (assistant) turn is continued, not closed (continue_final_message).
+    continue_final: bool = False
+    # The chat template's extra variables (chat_template_kwargs).
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 def parse(request: tokenizer_pb2.GenerateRequest, settings: TokenizerSettings, family: Family) -> Parsed:
@@ -64,12 +72,20 @@ def parse(request: tokenizer_pb2.GenerateRequest, settings: TokenizerSettings, f
         if request.prompt or request.images or request.videos:
             raise InvalidRequest("give either messages or prompt (with images and videos), not both")
         parsed = _conversation(request.messages, request.tools)
+        parsed = dataclasses.replace(
+            parsed,
+            continue_final=_continued(request, parsed.turns or []),
+            template_kwargs=_template_kwargs(request.chat_template_kwargs),
+        )
         chars = sum(len(text) for turn in parsed.turns or [] for kind, text in turn.parts if kind == "text")
         chars += sum(len(call.name) + len(call.arguments) for turn in parsed.turns or [] for call in turn.tool_calls)
         chars += sum(len(t.name) + len(t.description) + len(t.parameters) for t in request.tools)
     else:
-        if request.tools:
-            raise InvalidRequest("tools go with a conversation (messages), not a prompt", metadata={"param": "tools"})
+        for name in ("tools", "continue_final_message", "chat_template_kwargs"):
+            if getattr(request, name):
+                raise InvalidRequest(
+                    f"{name} go with a conversation (messages), not a prompt", metadata={"param": name}
+                )
         images = [Located(m, f"images[{i}]") for i, m in enumerate(request.images)]
         videos = [Located(m, f"videos[{i}]") for i, m in enumerate(request.videos)]
         parsed = Parsed(request.prompt, None, [*images, *videos])
@@ -156,6 +172,42 @@ def _tools(tools: list[tokenizer_pb2.Tool]) -> list[dict[str, Any]]:
             function["parameters"] = parameters
         out.append({"type": "function", "function": function})
     return out
+
+
+def _continued(request: tokenizer_pb2.GenerateRequest, turns: list[Turn]) -> bool:
+    """continue_final_message: the last turn must be the assistant's, with text."""
+    if not request.continue_final_message:
+        return False
+    last = turns[-1]
+    if last.role != "assistant" or not any(kind == "text" and text for kind, text in last.parts):
+        raise InvalidRequest(
+            "continue_final_message needs the last message to be an assistant message with text to continue",
+            metadata={"param": "continue_final_message"},
+        )
+    return True
+
+
+def _template_kwargs(text: str) -> dict[str, Any]:
+    """chat_template_kwargs: a JSON object of named values (the names the
+    template reserves are the prompt builder's to refuse)."""
+    where = {"param": "chat_template_kwargs"}
+    if not text:
+        return {}
+    if len(text.encode()) > MAX_TEMPLATE_KWARGS_BYTES:
+        raise InvalidRequest(f"chat_template_kwargs is over {MAX_TEMPLATE_KWARGS_BYTES} bytes", metadata=where)
+    try:
+        kwargs = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidRequest(f"chat_template_kwargs is not JSON ({exc})", metadata=where) from None
+    if not isinstance(kwargs, dict):
+        raise InvalidRequest("chat_template_kwargs must be a JSON object", metadata=where)
+    for name in kwargs:
+        if not TEMPLATE_NAME.fullmatch(name):
+            raise InvalidRequest(
+                f"chat_template_kwargs: {name[:80]!r} is not a name (1-64 of a-z, A-Z, 0-9 and _, a letter first)",
+                metadata=where,
+            )
+    return kwargs
 
 
 def _at(i: int) -> dict[str, str]:

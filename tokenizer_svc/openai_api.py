@@ -99,7 +99,7 @@ KNOWN = {
     "cache_salt", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "response_format",
     "tools", "tool_choice", "parallel_tool_calls", "structured_outputs", "guided_json", "guided_regex",
     "guided_choice", "guided_grammar", "min_p", "ignore_eos",
-    "include_stop_str_in_output",
+    "include_stop_str_in_output", "continue_final_message", "add_generation_prompt", "chat_template_kwargs",
 }  # fmt: skip
 
 # The json_schema of "any JSON object" (response_format json_object).
@@ -125,10 +125,7 @@ UNHONOURED: dict[str, tuple[tuple[Any, ...], str]] = {
     "truncate_prompt_tokens": ((None,), "this server does not cut prompts; a prompt over the context is refused"),
     "mm_processor_kwargs": ((None, {}), "the model's processor runs with the server's settings"),
     "chat_template": ((None,), "the server's --chat-template renders every conversation"),
-    "chat_template_kwargs": ((None, {}), "the server's --chat-template renders every conversation as it is"),
     "documents": ((None, []), "the server's --chat-template renders every conversation as it is"),
-    "add_generation_prompt": ((None, True), "every conversation ends with the assistant's turn to answer"),
-    "continue_final_message": ((None, False), "every conversation ends with the assistant's turn to answer"),
     "skip_special_tokens": ((None, True), "the text leaves out special tokens"),
     "spaces_between_special_tokens": ((None, True), "the text leaves out special tokens"),
     "return_tokens_as_token_ids": ((None, False), "log probabilities name tokens by their text"),
@@ -175,6 +172,7 @@ def parse_chat(body: Any, tool_parser: str = "none") -> Call:
         raise _invalid("messages must be a non-empty list", "messages")
     request = tokenizer_pb2.GenerateRequest(messages=[_message(m, i) for i, m in enumerate(messages)])
     tools = _tools(body, request, tool_parser)
+    _template_options(body, request)
     logprobs = body.get("logprobs")
     if logprobs is not None and not isinstance(logprobs, bool):
         raise _invalid("logprobs must be true or false", "logprobs")
@@ -195,6 +193,30 @@ def parse_chat(body: Any, tool_parser: str = "none") -> Call:
             raise _invalid("response_format cannot go with a tool_choice that calls a tool", "tool_choice")
         call.request.sampling.json_schema = schema
     return dataclasses.replace(call, calls=calls)
+
+
+def _template_options(body: dict[str, Any], request: tokenizer_pb2.GenerateRequest) -> None:
+    """vLLM's continue_final_message (with add_generation_prompt false or
+    absent; false alone is not served: a conversation ends with the
+    assistant's turn to answer or continue) and chat_template_kwargs."""
+    for name in ("continue_final_message", "add_generation_prompt"):
+        if not isinstance(body.get(name, False), bool):
+            raise _invalid(f"{name} must be true or false", name)
+    request.continue_final_message = body.get("continue_final_message") is True
+    generation_prompt = body.get("add_generation_prompt")
+    if request.continue_final_message and generation_prompt is True:
+        raise _invalid("continue_final_message needs add_generation_prompt false (or absent)", "add_generation_prompt")
+    if not request.continue_final_message and generation_prompt is False:
+        raise _invalid(
+            "add_generation_prompt false is not supported: a conversation ends with the assistant's turn to answer, "
+            "or with continue_final_message, the assistant's last message continued",
+            "add_generation_prompt",
+        )
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise _invalid("chat_template_kwargs must be an object", "chat_template_kwargs")
+    if kwargs:
+        request.chat_template_kwargs = json.dumps(kwargs)
 
 
 def _tools(
@@ -267,9 +289,13 @@ def _tools(
 
 def parse_completion(body: Any) -> Call:
     body = _object(body)
-    for name, nothing in (("tools", (None, [])), ("tool_choice", (None, "none"))):
+    chat_only: tuple[tuple[str, tuple[Any, ...]], ...] = (
+        ("tools", (None, [])), ("tool_choice", (None, "none")), ("continue_final_message", (None, False)),
+        ("add_generation_prompt", (None, True)), ("chat_template_kwargs", (None, {})),
+    )  # fmt: skip
+    for name, nothing in chat_only:
         if body.get(name) not in nothing:
-            raise _invalid(f"{name} is not supported by completions: tools go with chat completions", name)
+            raise _invalid(f"{name} is not supported by completions: it goes with chat completions", name)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1:
         prompt = prompt[0]

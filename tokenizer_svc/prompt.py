@@ -28,6 +28,7 @@ parts: a text part may not hold a media marker either.
 
 from __future__ import annotations
 
+import inspect
 import json
 import re
 from collections.abc import Iterator
@@ -72,6 +73,9 @@ class BuiltPrompt:
 
 
 _NAMES = {1: "image", 2: "video", 3: "audio"}
+_KWARGS = {"param": "chat_template_kwargs"}
+# What transformers' templates are given besides apply_chat_template's parameters.
+_TEMPLATE_OWN = {"messages", "tools", "documents", "raise_exception", "strftime_now", "bos_token", "eos_token"}
 
 
 def _names(modalities: list[int]) -> str:
@@ -97,6 +101,14 @@ class PromptBuilder:
         self._wrapped = wrapped
         # The vision start/end tokens are allowed only around a marker.
         self._structural = sorted({t for p in self.holders.values() for t in (p.before, p.after) if t})
+        # Names chat_template_kwargs may not take: apply_chat_template's own
+        # parameters, what it gives the template (the special tokens, by
+        # name) and the template's functions.
+        self._template_names = {
+            *inspect.signature(tokenizer.apply_chat_template).parameters,
+            *(getattr(tokenizer, "special_tokens_map", None) or {}),
+            *_TEMPLATE_OWN,
+        }
 
     def build(self, prompt: str, media: list[Media]) -> BuiltPrompt:
         """`media` in request order (images, then videos); each marker in the
@@ -126,16 +138,25 @@ class PromptBuilder:
         return self._tokenize(text, found, media)
 
     def build_chat(
-        self, turns: list[Turn], media: list[Media], tools: list[dict[str, Any]] | None = None
+        self,
+        turns: list[Turn],
+        media: list[Media],
+        tools: list[dict[str, Any]] | None = None,
+        *,
+        continue_final: bool = False,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> BuiltPrompt:
         """A conversation rendered by the chat template with the generation
-        prompt. `media` are the images of every turn in order, then the
+        prompt (or, `continue_final`, with its last turn left open for the
+        model to continue, as transformers' `continue_final_message`).
+        `media` are the images of every turn in order, then the
         videos in order; the k-th image part takes the k-th image. `tools`
         go to the template as its `tools` (each {"type": "function",
         "function": {...}}); an assistant turn's calls as its `tool_calls`
         (each {"id", "type": "function", "function": {"name", "arguments":
         a dict}}), a tool turn with its `tool_call_id`, as transformers'
-        templates take them. Every turn's content is its list of parts (what
+        templates take them; `template_kwargs` as variables of their own.
+        Every turn's content is its list of parts (what
         these models' templates read; a template may test for a string)."""
         if self.chat_template is None:
             raise InvalidRequest(
@@ -162,6 +183,14 @@ class PromptBuilder:
         for k, tool in enumerate(tools or []):
             for text in _strings(tool):  # a template may render any of them as it is
                 self._check_text(text, f"tools[{k}]", markers=True)
+        kwargs = template_kwargs or {}
+        taken = sorted(set(kwargs) & self._template_names)
+        if taken:
+            raise InvalidRequest(
+                f"chat_template_kwargs: {', '.join(taken)} is the chat template's own", metadata=_KWARGS
+            )
+        for text in _strings(kwargs):
+            self._check_text(text, "chat_template_kwargs", markers=True)
         sent = [kinds[kind] for turn in turns for kind, _ in turn.parts if kind != "text"]
         if sorted(sent) != sorted(m.modality for m in media):
             raise InternalError("the conversation's media parts do not match its media")
@@ -170,8 +199,10 @@ class PromptBuilder:
                 conversation,
                 chat_template=self.chat_template,
                 tokenize=False,
-                add_generation_prompt=True,
+                add_generation_prompt=not continue_final,
+                continue_final_message=continue_final,
                 **({"tools": tools} if tools else {}),
+                **kwargs,
             )
         except Exception as exc:  # a template's raise_exception(): it refuses this conversation's shape
             raise InvalidRequest(f"the model's chat template refused the conversation: {exc}") from exc

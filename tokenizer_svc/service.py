@@ -289,7 +289,13 @@ class TokenizerService:
             if parsed.turns is None:
                 prompt = self.prompts.build(parsed.prompt, media)
             else:
-                prompt = self.prompts.build_chat(parsed.turns, media, parsed.tools)
+                prompt = self.prompts.build_chat(
+                    parsed.turns,
+                    media,
+                    parsed.tools,
+                    continue_final=parsed.continue_final,
+                    template_kwargs=parsed.template_kwargs,
+                )
             # Items go in prompt order (by their first placeholder).
             items = sorted(zip(prompt.runs, results, strict=True), key=lambda pair: pair[0][0][0])
             downstream = scheduler_pb2.GenerateRequest(

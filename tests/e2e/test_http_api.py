@@ -184,6 +184,38 @@ def test_stop_lists_and_n_choices(api: Api) -> None:
     assert texts == [c.message.content for c in two.choices]
 
 
+def test_continue_final_message_and_chat_template_kwargs(api: Api) -> None:
+    """vLLM's continue_final_message (extra_body): the model continues the
+    last assistant message, whose turn is left open (fewer prompt tokens
+    than the same message closed, no generation prompt), the text gRPC
+    gives for the contract's field; chat_template_kwargs are taken (this
+    template uses none: the same answer); add_generation_prompt true with
+    it is a 400."""
+    client = api.client()
+    begun = [*CONVERSATION, {"role": "assistant", "content": "It is a"}]
+    extra = {"continue_final_message": True, "add_generation_prompt": False}
+    whole = client.chat.completions.create(model=api.model, messages=begun, max_tokens=8, extra_body=extra)  # type: ignore[arg-type]
+    closed = client.chat.completions.create(model=api.model, messages=begun, max_tokens=8)  # type: ignore[arg-type]
+    assert whole.usage is not None
+    assert closed.usage is not None
+    assert whole.usage.prompt_tokens < closed.usage.prompt_tokens
+    text = whole.choices[0].message.content
+    request = build_request(messages=[*SAME_OVER_GRPC, ("assistant", "It is a")], max_tokens=8,
+                            continue_final_message=True)  # fmt: skip
+    with grpc.insecure_channel(api.pair.tokenizer_address) as channel:
+        over_grpc = run_request(tokenizer_pb2_grpc.TokenizerServiceStub(channel), request)
+    assert (over_grpc.ok, over_grpc.text) == (True, text), over_grpc
+    kwargs = {**extra, "chat_template_kwargs": {"enable_thinking": False}}
+    same = client.chat.completions.create(model=api.model, messages=begun, max_tokens=8, extra_body=kwargs)  # type: ignore[arg-type]
+    assert same.choices[0].message.content == text
+    bad = _bad(api, _chat([{"type": "text", "text": "x"}], extra_body={"continue_final_message": True}))
+    assert (bad.status_code, bad.body["param"]) == (400, "continue_final_message")  # type: ignore[index]
+    both = {"continue_final_message": True, "add_generation_prompt": True}
+    bad = _bad(api, lambda c: c.chat.completions.create(model=api.model, messages=begun, extra_body=both))  # type: ignore[arg-type]
+    assert (bad.status_code, bad.body["param"]) == (400, "add_generation_prompt")  # type: ignore[index]
+    _good_after(api)
+
+
 def test_vllm_s_min_p_ignore_eos_and_include_stop_str_in_output(api: Api) -> None:
     """Through the openai SDK's extra_body: include_stop_str_in_output ends
     the text with the stop string; ignore_eos runs past an end-of-sequence

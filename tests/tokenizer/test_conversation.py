@@ -31,6 +31,22 @@ def parse(family_models: Callable[[str], Path]) -> Callable[[pb.GenerateRequest]
     return lambda request: conversation.parse(request, settings, family)
 
 
+def test_continue_final_message_and_chat_template_kwargs_are_parsed(
+    parse: Callable[[pb.GenerateRequest], conversation.Parsed],
+) -> None:
+    begun = pb.ChatMessage(role=pb.CHAT_ROLE_ASSISTANT, content=[pb.ContentPart(text="It is")])
+    parsed = parse(
+        pb.GenerateRequest(
+            messages=[USER, begun], continue_final_message=True, chat_template_kwargs='{"enable_thinking": false}'
+        )
+    )
+    assert (parsed.continue_final, parsed.template_kwargs) == (True, {"enable_thinking": False})
+    assert (parse(pb.GenerateRequest(messages=[USER])).continue_final, parsed.turns[-1].parts) == (  # type: ignore[index]
+        False,
+        (("text", "It is"),),
+    )
+
+
 def test_a_tool_conversation_is_parsed_into_turns_and_template_tools(
     parse: Callable[[pb.GenerateRequest], conversation.Parsed],
 ) -> None:
@@ -64,6 +80,19 @@ def test_a_tool_conversation_is_parsed_into_turns_and_template_tools(
         (pb.GenerateRequest(messages=[USER], tools=[pb.Tool(name="f", parameters="{")]), "tools[0]", "not JSON"),
         (pb.GenerateRequest(messages=[USER], tools=[pb.Tool(name="f")] * 129), "tools", "at most 128"),
         (pb.GenerateRequest(prompt="hi", tools=[TOOL]), "tools", "conversation"),
+        (pb.GenerateRequest(messages=[USER], continue_final_message=True), "continue_final_message", "assistant"),
+        (pb.GenerateRequest(messages=[USER, ASKED], continue_final_message=True), "continue_final_message",
+         "with text"),
+        (pb.GenerateRequest(prompt="hi", continue_final_message=True), "continue_final_message", "conversation"),
+        (pb.GenerateRequest(prompt="hi", chat_template_kwargs='{"a": 1}'), "chat_template_kwargs", "conversation"),
+        (pb.GenerateRequest(messages=[USER], chat_template_kwargs="{"), "chat_template_kwargs", "not JSON"),
+        (pb.GenerateRequest(messages=[USER], chat_template_kwargs="[1]"), "chat_template_kwargs", "JSON object"),
+        (pb.GenerateRequest(messages=[USER], chat_template_kwargs='{"two words": 1}'), "chat_template_kwargs",
+         "not a name"),
+        (pb.GenerateRequest(messages=[USER], chat_template_kwargs='{"_private": 1}'), "chat_template_kwargs",
+         "not a name"),
+        (pb.GenerateRequest(messages=[USER], chat_template_kwargs='{"a": "' + "x" * 70_000 + '"}'),
+         "chat_template_kwargs", "over 65536 bytes"),
     ],
 )  # fmt: skip
 def test_tool_shapes_the_template_cannot_take_are_refused_naming_their_place(

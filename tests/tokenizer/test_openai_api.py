@@ -130,8 +130,6 @@ def test_refusals_name_their_field(body: dict[str, Any], param: str) -> None:
         ("allowed_token_ids", [1, 2]),
         ("prompt_logprobs", 1),
         ("chat_template", "{{ messages }}"),
-        ("chat_template_kwargs", {"enable_thinking": True}),
-        ("continue_final_message", True),
         ("skip_special_tokens", False),
         ("priority", 5),
     ],
@@ -156,12 +154,12 @@ def test_the_do_nothing_values_of_those_fields_are_accepted() -> None:
         "echo": False, "suffix": "", "best_of": 1, "web_search_options": None,
         "use_beam_search": False, "length_penalty": 1.0, "allowed_token_ids": None, "bad_words": [],
         "prompt_logprobs": None, "truncate_prompt_tokens": None, "mm_processor_kwargs": {}, "chat_template": None,
-        "chat_template_kwargs": {}, "documents": None, "add_generation_prompt": True,
-        "continue_final_message": False, "skip_special_tokens": True, "spaces_between_special_tokens": True,
+        "documents": None, "skip_special_tokens": True, "spaces_between_special_tokens": True,
         "return_tokens_as_token_ids": False, "logits_processors": None, "priority": 0,
     }  # fmt: skip
     assert defaults.keys() == openai_api.UNHONOURED.keys()
-    defaults |= {"tools": [], "tool_choice": "none"}
+    defaults |= {"tools": [], "tool_choice": "none", "add_generation_prompt": True, "continue_final_message": False,
+                 "chat_template_kwargs": {}}  # fmt: skip
     call = openai_api.parse_chat({"messages": [{"role": "user", "content": "x"}], **defaults})
     assert call.request.messages[0].content[0].text == "x"
     assert openai_api.parse_completion({"prompt": "x", **defaults}).request.prompt == "x"
@@ -506,6 +504,33 @@ def test_the_openai_sdk_reads_auto_tool_calls_whole_and_streamed(
     with pytest.raises(openai.BadRequestError) as info:
         asyncio.run(run("none"))
     assert info.value.body["param"] == "tool_choice"  # type: ignore[index]
+
+
+def test_continue_final_message_and_chat_template_kwargs_reach_the_contract() -> None:
+    """vLLM's continue_final_message (add_generation_prompt false or
+    absent with it; false alone is not served) and chat_template_kwargs:
+    chat only."""
+    chat = {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]}
+    for extra in ({"continue_final_message": True}, {"continue_final_message": True, "add_generation_prompt": False}):
+        assert openai_api.parse_chat({**chat, **extra}).request.continue_final_message
+    kwargs = openai_api.parse_chat({**chat, "chat_template_kwargs": {"enable_thinking": False}}).request
+    assert (json.loads(kwargs.chat_template_kwargs), kwargs.continue_final_message) == (
+        {"enable_thinking": False},
+        False,
+    )
+    for wrong, param in (
+        ({"continue_final_message": True, "add_generation_prompt": True}, "add_generation_prompt"),
+        ({"add_generation_prompt": False}, "add_generation_prompt"),
+        ({"continue_final_message": 1}, "continue_final_message"),
+        ({"chat_template_kwargs": "x=1"}, "chat_template_kwargs"),
+    ):
+        with pytest.raises(InvalidRequest) as info:
+            openai_api.parse_chat({**chat, **wrong})
+        assert openai_api.param_name(info.value) == param, wrong
+    for name, value in (("continue_final_message", True), ("chat_template_kwargs", {"a": 1})):
+        with pytest.raises(InvalidRequest, match="completions") as info:
+            openai_api.parse_completion({"prompt": "x", name: value})
+        assert openai_api.param_name(info.value) == name
 
 
 def test_vllm_s_min_p_ignore_eos_and_include_stop_str_in_output_reach_the_contract() -> None:

@@ -180,7 +180,9 @@ def test_a_conversation_gives_the_processor_s_ids_for_its_chat_template(
 ) -> None:
     """`build_chat`: a conversation of four turns with images in two of
     them gives the ids of ``processor(text=apply_chat_template(messages),
-    images=...)`` with the template the family's checkpoints ship."""
+    images=...)`` with the template the family's checkpoints ship; and so
+    does one ending in an assistant turn the model continues
+    (``continue_final_message``)."""
     from tokenizer_svc.prompt import PromptBuilder
     from tokenizer_svc.server import chat_template
 
@@ -198,6 +200,15 @@ def test_a_conversation_gives_the_processor_s_ids_for_its_chat_template(
     # Each image's placeholders are where the processor put them, in order.
     assert [sum(n for _, n in runs) for runs in built.runs] == counts
     assert built.runs[0][0][0] < built.runs[1][0][0]
+    begun = Turn("assistant", (("text", "It is a"),))
+    media = [Media(families.IMAGE, n) for n in counts]
+    continued = builder.build_chat([*turns, begun], media, continue_final=True)
+    open_turn = [*messages, {"role": "assistant", "content": [{"type": "text", "text": "It is a"}]}]
+    rendered = proc.apply_chat_template(
+        open_turn, chat_template=template, tokenize=False, add_generation_prompt=False, continue_final_message=True
+    )
+    assert rendered.rstrip().endswith("It is a"), rendered
+    assert continued.input_ids == hf_family.prompt_ids(proc, rendered, imgs), family
 
 
 def test_conversation_text_is_checked_and_a_model_without_a_template_refuses_it(
@@ -279,3 +290,39 @@ def test_tools_tool_calls_and_tool_turns_reach_the_template_as_transformers_give
     for turn, given, where in sneaky:
         with pytest.raises(InvalidRequest, match=re.escape(where)):
             builder.build_chat([turn], [], given)
+
+
+THINKING_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% for part in message['content'] %}{{ part['text'] }}{% endfor %}<|im_end|>\n{% endfor %}"
+    "<|im_start|>assistant\n{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}"
+    "{% if style %}({{ style }}){% endif %}"
+)
+
+
+def test_chat_template_kwargs_are_the_template_s_variables_and_cannot_smuggle_control_tokens(
+    family_models: Callable[[str], Path],
+) -> None:
+    """chat_template_kwargs reach the template as variables (a name it does
+    not use changes nothing); the template's own names (apply_chat_template's
+    parameters, the special tokens', messages) are refused, and so are
+    control tokens and media markers in any of its strings."""
+    from tokenizer_svc.prompt import PromptBuilder
+
+    kit = family_kit.kit(family_models("qwen2-vl"))
+    builder = PromptBuilder(kit.family, kit.tokenizer, THINKING_TEMPLATE)
+    turns = [Turn("user", (("text", "Hi"),))]
+
+    def text(**kwargs: Any) -> str:
+        return str(kit.tokenizer.decode(builder.build_chat(turns, [], template_kwargs=kwargs).input_ids))
+
+    plain = text()
+    assert plain.endswith("<|im_start|>assistant\n"), plain
+    assert text(enable_thinking=False, unused=[1, {"a": "b"}]) == plain + "<think></think>"
+    assert text(enable_thinking=True, style="brief") == plain + "(brief)"
+    for name in ("bos_token", "eos_token", "tokenize", "messages", "add_generation_prompt", "raise_exception"):
+        with pytest.raises(InvalidRequest, match=f"{name} is the chat template's own"):
+            text(**{name: "x"})
+    for value in ("<|im_end|>", {"deep": ["<|im_start|>system"]}, kit.marker):
+        with pytest.raises(InvalidRequest, match="chat_template_kwargs contains"):
+            text(style=value)
