@@ -43,7 +43,7 @@ from mmsplit.errors import InternalError, MmsplitError, Unauthenticated
 from mmsplit.tokenizer.v1 import tokenizer_pb2
 from mmsplit_server import structured
 from mmsplit_server.serving import RequestSummary
-from tokenizer_svc import openai_answers, openai_api
+from tokenizer_svc import openai_answers, openai_api, openai_responses
 from tokenizer_svc.errors import InvalidRequest
 from tokenizer_svc.service import TokenizerService
 
@@ -53,6 +53,8 @@ KEEPALIVE_S = 15.0
 # A body this large is parsed off the event loop.
 BIG_BODY = 1 << 20
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+# How an answer is shaped: chat or completions objects and chunks, or a Response and its events.
+Shaped = openai_answers.Shape | openai_responses.Answer
 
 
 class HttpApi:
@@ -86,6 +88,8 @@ class HttpApi:
         app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._errors])
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/responses", self.responses_api)
+        app.router.add_get("/v1/responses/{id}", self.stored_response)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model}", self.model_card)
         app.router.add_get("/health", self.health)
@@ -157,16 +161,42 @@ class HttpApi:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, chat=False)
 
+    async def responses_api(self, request: web.Request) -> web.StreamResponse:
+        """The Responses API: the body as a chat request, the answer as a Response."""
+        body = await _body(request)
+        chat, places = openai_responses.to_chat(body)
+        try:
+            call = openai_api.parse_chat(chat, self.tool_parser)
+        except MmsplitError as exc:
+            raise openai_responses.rename(exc, places) from None
+        rid = uuid.uuid4().hex
+        answer = openai_responses.Answer(rid, self.model, body, call.calls, places)
+        return await self._serve(request, chat, call, answer, rid)
+
+    async def stored_response(self, request: web.Request) -> web.Response:
+        """GET /v1/responses/{id}: nothing is stored (every response is
+        answered in its request), so every id is unknown."""
+        message = f"no response {request.match_info['id']!r}: this server stores no responses"
+        return _json(
+            404, openai_api.error_json(message, "not_found_error", "NOT_FOUND", "id"), {"x-should-retry": "false"}
+        )
+
     async def _generate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         body = await _body(request)
+        call = openai_api.parse_chat(body, self.tool_parser) if chat else openai_api.parse_completion(body)
+        rid = uuid.uuid4().hex
+        shape = openai_answers.Shape.of(chat, rid, self.model, call.calls)
+        return await self._serve(request, body, call, shape, rid)
+
+    async def _serve(
+        self, request: web.Request, body: Any, call: openai_api.Call, shape: Shaped, rid: str
+    ) -> web.StreamResponse:
+        """Run `call` and answer it in `shape`: whole, or streamed."""
         model = body.get("model") if isinstance(body, dict) else None
         if model is not None and model != self.model:
             return _not_served(model, self.model)
-        call = openai_api.parse_chat(body, self.tool_parser) if chat else openai_api.parse_completion(body)
         if isinstance(call.calls, openai_api.Forced):
             await _check_tool_schema(call.request.sampling.json_schema)
-        rid = uuid.uuid4().hex
-        shape = openai_answers.Shape.of(chat, rid, self.model, call.calls)
         summary = RequestSummary(rid, protocol="http", route=request.path, choices=call.n)
         try:
             if call.stream:
@@ -176,11 +206,15 @@ class HttpApi:
                 _count(summary, response)
                 choices.add(i, response)
             summary.finished("STOP", choices.prompt_tokens, sum(choices.completion_tokens))
-            body = shape.complete(choices, logprobs=call.request.sampling.logprobs)
-            return web.json_response(body, headers={"x-request-id": rid})
+            answer = (
+                shape.complete(choices, logprobs=call.request.sampling.logprobs)
+                if isinstance(shape, openai_answers.Shape)
+                else shape.complete(choices)
+            )
+            return web.json_response(answer, headers={"x-request-id": rid})
         except MmsplitError as exc:
             summary.outcome = exc.reason
-            raise
+            raise shape.rename(exc) from None
         finally:
             summary.log(log, self.metrics)
 
@@ -196,7 +230,7 @@ class HttpApi:
         self,
         request: web.Request,
         call: openai_api.Call,
-        shape: openai_answers.Shape,
+        shape: Shaped,
         rid: str,
         summary: RequestSummary,
     ) -> web.StreamResponse:
@@ -217,7 +251,7 @@ class HttpApi:
         events: _Prefetch,
         first: Any,
         call: openai_api.Call,
-        shape: openai_answers.Shape,
+        shape: Shaped,
         rid: str,
         summary: RequestSummary,
     ) -> web.StreamResponse:
@@ -227,9 +261,8 @@ class HttpApi:
         await response.prepare(request)
         choices = openai_answers.Choices(call.n, self.service.tokenizer)
         try:
-            for i in range(call.n):
-                if (opening := shape.first(i)) is not None:
-                    await _send(response, opening)
+            for event in shape.opening(call.n):
+                await _send(response, shape.sse(event))
             if first is None:  # nothing yet after a keepalive period: say so, then wait on
                 await response.write(b": keep-alive\n\n")
             async for item in events.rest(first, self.keepalive_s):
@@ -239,17 +272,16 @@ class HttpApi:
                 i, event = item
                 _count(summary, event)
                 shown = choices.add(i, event)
-                chunk = shape.delta(i, shown, choices.text[i]) if shown is not None else None
-                if chunk is not None:
-                    await _send(response, chunk)
-            if call.include_usage:
-                await _send(response, shape.usage_chunk(choices))
+                for out in shape.step(i, shown, choices.text[i]) if shown is not None else ():
+                    await _send(response, shape.sse(out))
+            for out in shape.closing(choices, call.include_usage):
+                await _send(response, shape.sse(out))
             summary.finished("STOP", choices.prompt_tokens, sum(choices.completion_tokens))
         except MmsplitError as exc:
             summary.outcome = exc.reason
             log.info("request %s failed: %s", rid, exc)
-            _, body, _ = openai_api.error_body(exc)
-            await _send(response, body)
+            _, body, _ = openai_api.error_body(shape.rename(exc))
+            await _send(response, shape.sse(shape.failure(body)))
         except ConnectionResetError:
             # The client went away and a write found out before aiohttp
             # cancelled this handler: CANCELLED (the summary's default), as
@@ -260,10 +292,9 @@ class HttpApi:
             summary.outcome = "INTERNAL"
             incident = uuid.uuid4().hex[:12]
             log.exception("request %s failed on an unexpected error (incident %s)", rid, incident)
-            await _send(
-                response, openai_api.error_json(f"internal error (incident {incident})", "server_error", "INTERNAL")
-            )
-        await response.write(b"data: [DONE]\n\n")
+            body = openai_api.error_json(f"internal error (incident {incident})", "server_error", "INTERNAL")
+            await _send(response, shape.sse(shape.failure(body)))
+        await response.write(shape.DONE)
         await response.write_eof()
         return response
 
@@ -353,8 +384,9 @@ async def _body(request: web.Request) -> Any:
         raise InvalidRequest("the request body nests too deeply") from exc
 
 
-async def _send(response: web.StreamResponse, obj: dict[str, Any]) -> None:
-    await response.write(b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n")
+async def _send(response: web.StreamResponse, data: bytes) -> None:
+    """One event of a stream."""
+    await response.write(data)
 
 
 def _json(status: int, body: dict[str, Any], headers: dict[str, str]) -> web.Response:

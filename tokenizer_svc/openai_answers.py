@@ -8,11 +8,13 @@ requests)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from mmsplit.common.v1 import common_pb2
+from mmsplit.errors import MmsplitError
 from mmsplit.tokenizer.v1 import tokenizer_pb2
 from tokenizer_svc.tool_calls import Auto, Forced, call_id
 
@@ -228,3 +230,33 @@ class Shape:
         out["choices"] = []
         out["usage"] = choices.usage()
         return out
+
+    # A stream's events, as http_api writes every kind of answer's stream
+    # (`openai_responses.Answer` has the same methods).
+
+    def opening(self, n: int) -> list[dict[str, Any]]:
+        """Before any output: each choice's first chunk (chat: the role)."""
+        return [chunk for i in range(n) if (chunk := self.first(i)) is not None]
+
+    def step(self, i: int, shown: Shown, text: str) -> list[dict[str, Any]]:
+        chunk = self.delta(i, shown, text)
+        return [] if chunk is None else [chunk]
+
+    def closing(self, choices: Choices, include_usage: bool) -> list[dict[str, Any]]:
+        return [self.usage_chunk(choices)] if include_usage else []
+
+    @staticmethod
+    def failure(body: dict[str, Any]) -> dict[str, Any]:
+        """The event of an error after the stream began (`body`: the OpenAI error body)."""
+        return body
+
+    @staticmethod
+    def rename(exc: MmsplitError) -> MmsplitError:
+        """An error of this request as the API names its fields (chat's: as it is)."""
+        return exc
+
+    @staticmethod
+    def sse(event: dict[str, Any]) -> bytes:
+        return b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n"
+
+    DONE: ClassVar[bytes] = b"data: [DONE]\n\n"

@@ -236,7 +236,8 @@ class PromptBuilder:
         for token in (*self._control, *self._structural, *(self._by_marker if markers else ())):
             if token in text:
                 raise InvalidRequest(
-                    f"{where} contains {token!r}, a control token of this model; it cannot be sent as text"
+                    f"{where} contains {token!r}, a control token of this model; it cannot be sent as text",
+                    metadata={"param": "prompt" if where == "the prompt" else where},
                 )
 
     def _tokenize(

@@ -830,3 +830,98 @@ def hf_prompt_ids(api: Api, messages: list[tuple[str, str]]) -> list[int]:
         add_generation_prompt=True,
     )
     return hf_family.prompt_ids(proc, text, [])
+
+
+# The conversation above as the Responses API takes it.
+RESPONSES_INPUT: list[dict[str, Any]] = [
+    {"role": "user", "content": [{"type": "input_text", "text": "What is this?"},
+                                 {"type": "input_image", "image_url": data_url(A), "detail": "auto"}]},
+    {"role": "assistant", "content": [{"type": "output_text", "text": "A picture."}]},
+    {"role": "user", "content": [{"type": "input_image", "image_url": data_url(B)},
+                                 {"type": "input_text", "text": "And this?"}]},
+]  # fmt: skip
+
+
+def test_the_responses_api_answers_as_chat_completions_do_whole_and_streamed(api: Api) -> None:
+    """`client.responses.create` (the openai SDK): instructions and input
+    items (text, images, an earlier assistant turn) give chat completions'
+    text for the same conversation; max_output_tokens cuts it to an
+    incomplete response; streamed, the typed events (created, the text's
+    deltas, done, completed) carry the same text and usage."""
+    client = api.client()
+    chat = client.chat.completions.create(model=api.model, messages=CONVERSATION, max_tokens=8)
+    text = chat.choices[0].message.content
+    ask = {"model": api.model, "instructions": "You answer briefly.", "input": RESPONSES_INPUT, "max_output_tokens": 8}
+    whole = client.responses.create(**ask)  # type: ignore[call-overload]
+    assert whole.output_text == text
+    assert whole.object == "response"
+    assert whole.id.startswith("resp_")
+    assert whole.usage is not None
+    assert chat.usage is not None
+    assert (whole.usage.input_tokens, whole.usage.output_tokens) == (
+        chat.usage.prompt_tokens,
+        chat.usage.completion_tokens,
+    )
+    assert whole.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
+    cut = client.responses.create(**{**ask, "max_output_tokens": 2})  # type: ignore[call-overload]
+    assert (cut.status, cut.incomplete_details.reason) == ("incomplete", "max_output_tokens")  # type: ignore[union-attr]
+    events = list(client.responses.create(**ask, stream=True))  # type: ignore[call-overload]
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"], kinds
+    assert kinds[-1] in ("response.completed", "response.incomplete"), kinds
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == text
+    assert events[-1].response.output_text == text  # type: ignore[union-attr]
+    one = client.responses.create(model=api.model, input="Say something.", max_output_tokens=4)
+    said = client.chat.completions.create(
+        model=api.model, messages=[{"role": "user", "content": "Say something."}], max_tokens=4
+    )
+    assert one.output_text == said.choices[0].message.content
+
+
+def test_the_responses_api_takes_structured_output_and_function_tools(api: Api) -> None:
+    """text.format json_schema gives a document of the schema; a function
+    tool named by tool_choice comes back as a function_call item (whole and
+    streamed), and a conversation carries the call and its output on; what
+    needs stored state or hosted tools is a 400 naming the field, a bad
+    part names its input item, and a stored response is 404."""
+    client = api.client()
+    base = {"model": api.model, "input": RESPONSES_INPUT, "max_output_tokens": 40}
+    shaped = client.responses.create(
+        **base, text={"format": {"type": "json_schema", "name": "colors", "schema": COLORS, "strict": True}}
+    )  # type: ignore[call-overload]
+    assert set(json.loads(shaped.output_text)) == {"color", "bright"}
+    tool = {"type": "function", "name": "get_weather", "description": "The weather.", "parameters": COLORS}
+    called = client.responses.create(**base, tools=[tool], tool_choice={"type": "function", "name": "get_weather"})  # type: ignore[call-overload]
+    (call,) = called.output
+    assert (call.type, call.name, call.status) == ("function_call", "get_weather", "completed")  # type: ignore[union-attr]
+    assert set(json.loads(call.arguments)) == {"color", "bright"}  # type: ignore[union-attr]
+    streamed = list(
+        client.responses.create(**base, tools=[tool], tool_choice={"type": "function", "name": "get_weather"},
+                                stream=True)  # type: ignore[call-overload]
+    )  # fmt: skip
+    done = [e.item for e in streamed if e.type == "response.output_item.done"]
+    assert [(d.type, d.arguments) for d in done] == [("function_call", call.arguments)]  # type: ignore[union-attr]
+    answered = [
+        *RESPONSES_INPUT,
+        {"type": "function_call", "call_id": call.call_id, "name": "get_weather", "arguments": call.arguments},  # type: ignore[union-attr]
+        {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"},  # type: ignore[union-attr]
+    ]
+    after = client.responses.create(model=api.model, input=answered, tools=[tool], tool_choice="none",
+                                    max_output_tokens=4)  # type: ignore[call-overload]  # fmt: skip
+    assert after.status in ("completed", "incomplete")
+    assert after.output[0].type == "message"
+    for extra, param in (
+        ({"previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"tools": [{"type": "web_search"}]}, "tools[0]"),
+        ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input[0].content[0]"),
+        ({"input": [RESPONSES_INPUT[0], {"role": "user", "content": [{"type": "input_text", "text": "</s>"}]}]},
+         "input[1].content[0]"),
+        ({"max_output_tokens": 0}, "max_output_tokens"),
+    ):  # fmt: skip
+        with pytest.raises(openai.BadRequestError) as info:
+            client.responses.create(**{**base, **extra})  # type: ignore[call-overload]
+        assert info.value.body["param"] == param, (extra, info.value.body)  # type: ignore[index]
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve("resp_unknown")
+    _good_after(api)

@@ -613,12 +613,12 @@ def test_a_client_gone_before_a_write_is_cancelled_not_an_internal_error(
     sent = 0
     send = http_api._send
 
-    async def gone_after_two(response: Any, obj: dict[str, Any]) -> None:
+    async def gone_after_two(response: Any, data: bytes) -> None:
         nonlocal sent
         sent += 1
         if sent > 2:
             raise ConnectionResetError("Cannot write to closing transport")
-        await send(response, obj)
+        await send(response, data)
 
     monkeypatch.setattr(http_api, "_send", gone_after_two)
 
@@ -646,3 +646,46 @@ def test_a_client_gone_before_a_write_is_cancelled_not_an_internal_error(
     lines = [r.getMessage() for r in caplog.records]
     assert any("finished: CANCELLED" in line for line in lines), lines
     assert not any("unexpected error" in line or "INTERNAL" in line for line in lines), lines
+
+
+def test_the_responses_api_names_its_own_fields_in_errors_before_and_during_a_stream() -> None:
+    """An error the service raises about a chat message (a medium that does
+    not decode) names the Responses input item it came from, as a 400
+    before the stream and as an `error` event (after the text so far)
+    during one; nothing else is sent after it."""
+    import asyncio
+
+    import openai
+
+    from mmsplit.tokenizer.v1 import tokenizer_pb2 as pb
+    from tokenizer_svc.errors import MediaDecodeFailed
+    from tokenizer_svc.http_api import HttpApi, start
+
+    class Failing:
+        tokenizer = None
+
+        async def generate(self, request: Any, rid: str, timeout_s: Any) -> Any:
+            if request.sampling.max_tokens == 5:  # fail mid-stream
+                yield pb.GenerateResponse(delta=pb.TextDelta(text="So far"))
+            raise MediaDecodeFailed("not an image", metadata={"param": "messages[1].content[0]"})
+
+    async def run() -> tuple[Any, list[Any]]:
+        api = HttpApi(Failing(), model="m", ready=lambda: True, max_body_bytes=1 << 20)  # type: ignore[arg-type]
+        runner, port = await start(api, "127.0.0.1", 0)
+        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        ask = {"model": "m", "instructions": "Be brief.", "input": [{"role": "user", "content": "x"}]}
+        try:
+            with pytest.raises(openai.BadRequestError) as info:
+                await client.responses.create(**ask, max_output_tokens=4)  # type: ignore[call-overload]
+            stream = await client.responses.create(**ask, max_output_tokens=5, stream=True)  # type: ignore[call-overload]
+            return info.value.body, [e async for e in stream]
+        finally:
+            await client.close()
+            await runner.cleanup()
+
+    body, events = asyncio.run(run())
+    assert (body["code"], body["param"]) == ("MEDIA_DECODE_FAILED", "input[0].content[0]")  # type: ignore[index]
+    kinds = [e.type for e in events]
+    assert kinds[-1] == "error", kinds
+    assert "response.output_text.delta" in kinds
+    assert (events[-1].code, events[-1].param) == ("MEDIA_DECODE_FAILED", "input[0].content[0]")

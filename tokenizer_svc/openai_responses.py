@@ -1,0 +1,329 @@
+"""The OpenAI Responses API (`POST /v1/responses`) over the chat path.
+
+A Responses body becomes a chat completions body (`to_chat`), which
+`openai_api.parse_chat` then checks and maps as it does any chat request,
+errors naming the Responses field (`param`); the output of its one choice
+becomes a Response object, or its stream of typed events (`Answer`).
+
+What is taken: `input` (a string, or items: messages with role user,
+system, developer or assistant and content a string or parts `input_text`,
+`input_image` with an `image_url`, `output_text`; `function_call` and
+`function_call_output` items, a conversation's earlier tool calls and
+their results), `instructions` (a system message first), `max_output_tokens`,
+`temperature`, `top_p`, `text.format` (text, json_object, json_schema:
+structured output), `tools` (functions) and `tool_choice`,
+`parallel_tool_calls`, `stream`, and the sampling fields the chat API takes
+besides (`seed`, `stop`, vLLM's `top_k`, `min_p`...). Stateless: nothing is
+stored, so `store` changes nothing, and what needs a stored response or
+conversation (`previous_response_id`, `conversation`, `background`) is
+refused, as are hosted tools (web search, files...), file inputs and
+reasoning options, each a 400 naming its field.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from mmsplit.errors import MmsplitError
+from tokenizer_svc.errors import InvalidRequest
+from tokenizer_svc.openai_answers import Choices, Shown
+from tokenizer_svc.tool_calls import Auto, Forced
+
+# Field -> the values that ask for nothing (accepted) and why others are refused.
+REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "previous_response_id": ((None,), "this server stores no responses: send the whole conversation as input"),
+    "conversation": ((None,), "this server stores no conversations: send the whole conversation as input"),
+    "background": ((None, False), "this server answers in the request"),
+    "prompt": ((None,), "this server has no stored prompts"),
+    "reasoning": ((None, {}), "this model does not reason"),
+    "include": ((None, []), "this server adds nothing to the output"),
+    "truncation": ((None, "disabled"), "this server does not drop input to fit: too long an input is refused"),
+    "top_logprobs": ((None, 0), "log probabilities are served by chat completions"),
+    "max_tool_calls": ((None,), "the model's output decides the calls"),
+}
+# Responses fields that mean what chat completions' of the same name do.
+_SAME = ("model", "temperature", "top_p", "stream", "parallel_tool_calls", "tool_choice", "seed", "stop",
+         "top_k", "min_p", "min_tokens", "repetition_penalty", "presence_penalty", "frequency_penalty",
+         "logit_bias", "stop_token_ids", "ignore_eos", "cache_salt", "structured_outputs")  # fmt: skip
+_ROLES = ("user", "system", "developer", "assistant")
+
+
+def to_chat(body: Any) -> tuple[dict[str, Any], list[str]]:
+    """The chat completions body of a Responses body, and where each of its
+    messages came from (`instructions`, `input`, `input[3]`), to name a
+    message's error by the Responses field."""
+    if not isinstance(body, dict):
+        raise _invalid("the request body must be a JSON object", None)
+    for name, (nothing, why) in REFUSED.items():
+        if body.get(name) not in nothing:
+            raise _invalid(f"{name} is not supported: {why}", name)
+    chat = {k: body[k] for k in _SAME if k in body}
+    messages: list[dict[str, Any]] = []
+    places: list[str] = []
+    instructions = body.get("instructions")
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            raise _invalid("instructions must be a string", "instructions")
+        messages.append({"role": "system", "content": instructions})
+        places.append("instructions")
+    given = body.get("input")
+    if isinstance(given, str):
+        messages.append({"role": "user", "content": given})
+        places.append("input")
+    elif isinstance(given, list) and given:
+        for k, item in enumerate(given):
+            _item(item, f"input[{k}]", messages, places)
+    else:
+        raise _invalid("input must be a string or a non-empty list of items", "input")
+    chat["messages"] = messages
+    if body.get("max_output_tokens") is not None:
+        chat["max_completion_tokens"] = body["max_output_tokens"]
+    text = body.get("text")
+    if text is not None:
+        form = text.get("format") if isinstance(text, dict) else None
+        if not isinstance(text, dict) or not isinstance(form, dict | None):
+            raise _invalid("text must be an object with a format", "text")
+        if form is not None:
+            chat["response_format"] = _format(form)
+    tools = body.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise _invalid("tools must be a list", "tools")
+        chat["tools"] = [_tool(t, f"tools[{k}]") for k, t in enumerate(tools)]
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        chat["tool_choice"] = {"type": "function", "function": {"name": choice.get("name")}}
+    return chat, places
+
+
+def _item(item: Any, where: str, messages: list[dict[str, Any]], places: list[str]) -> None:
+    """One input item as chat messages: a message, a call (joined to the
+    assistant message before it, when that one only calls), a call's output."""
+    if not isinstance(item, dict):
+        raise _invalid(f"{where} must be an object", where)
+    kind = item.get("type", "message")
+    if kind == "message":
+        role = item.get("role")
+        if role not in _ROLES:
+            raise _invalid(f"{where}.role must be one of {', '.join(_ROLES)}", f"{where}.role")
+        messages.append({"role": role, "content": _content(item.get("content"), where)})
+    elif kind == "function_call":
+        call = {"id": item.get("call_id"), "type": "function",
+                "function": {"name": item.get("name"), "arguments": item.get("arguments")}}  # fmt: skip
+        last = messages[-1] if messages else None
+        if last is not None and last["role"] == "assistant" and last.get("tool_calls") and not last["content"]:
+            last["tool_calls"].append(call)
+            return
+        messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+    elif kind == "function_call_output":
+        output = item.get("output")
+        if not isinstance(output, str):
+            raise _invalid(f"{where}.output must be a string", f"{where}.output")
+        messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": output})
+    else:
+        raise _invalid(
+            f"{where}: item type {kind!r} is not supported (message, function_call, function_call_output)", where
+        )
+    places.append(where)
+
+
+def _content(content: Any, where: str) -> Any:
+    """A message's content as chat's: a string, or its parts."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise _invalid(f"{where}.content must be a string or a list of parts", f"{where}.content")
+    parts: list[dict[str, Any]] = []
+    for j, part in enumerate(content):
+        at = f"{where}.content[{j}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in ("input_text", "output_text"):
+            parts.append({"type": "text", "text": part.get("text")})
+        elif kind == "input_image":
+            if part.get("file_id") is not None:
+                raise _invalid(f"{at}: file_id is not supported (this server stores no files): give image_url", at)
+            parts.append({"type": "image_url", "image_url": {"url": part.get("image_url")}})
+        else:
+            raise _invalid(f"{at}: part type {kind!r} is not supported (input_text, input_image, output_text)", at)
+    return parts
+
+
+def _format(form: dict[str, Any]) -> dict[str, Any]:
+    """text.format as chat's response_format."""
+    if form.get("type") == "json_schema":
+        spec = {k: form[k] for k in ("name", "schema", "strict") if k in form}
+        return {"type": "json_schema", "json_schema": spec}
+    return form
+
+
+def _tool(tool: Any, where: str) -> dict[str, Any]:
+    if not isinstance(tool, dict) or tool.get("type") != "function":
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        raise _invalid(f"{where}: tool type {kind!r} is not supported (function)", where)
+    function = {k: tool[k] for k in ("name", "description", "parameters") if k in tool}
+    return {"type": "function", "function": function}
+
+
+# A chat field the chat parser names -> the Responses field it came from.
+_RENAMED = {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
+            "response_format": "text.format"}  # fmt: skip
+_MESSAGE = re.compile(r"messages\[(\d+)\]")
+
+
+def rename(exc: MmsplitError, places: list[str]) -> MmsplitError:
+    """`exc`, raised on the chat body (or by the service on its request),
+    naming the Responses field."""
+    param = exc.metadata.get("param") if exc.metadata else None
+    if not param:
+        return exc
+    found = _MESSAGE.match(param)
+    if found and int(found.group(1)) < len(places):
+        param = places[int(found.group(1))] + param[found.end() :]
+    exc.metadata["param"] = _RENAMED.get(param, param)
+    return exc
+
+
+def _invalid(message: str, param: str | None) -> InvalidRequest:
+    return InvalidRequest(message, metadata={"param": param} if param else None)
+
+
+@dataclass
+class Answer:
+    """One request's Response object, whole (`complete`) or as the events
+    of a stream (`opening`, `step`, `closing`, `failure`), from its one
+    choice (`Choices`). Tool calls come from the output, as in chat
+    completions (`calls`); with tools, a stream's text is sent at the end,
+    once it is known whether it is calls."""
+
+    id: str
+    model: str
+    body: dict[str, Any]  # the Responses body, echoed in the object
+    calls: Forced | Auto | None = None
+    places: list[str] = field(default_factory=list)  # where each chat message came from (`to_chat`)
+    created: int = field(default_factory=lambda: int(time.time()))
+    _sequence: int = 0
+    _text_open: bool = False
+
+    DONE: ClassVar[bytes] = b""  # the stream ends with response.completed
+
+    def complete(self, choices: Choices) -> dict[str, Any]:
+        return self._response(choices)
+
+    def opening(self, n: int = 1) -> list[dict[str, Any]]:
+        response = self._response(None)
+        return [self._event("response.created", response=response),
+                self._event("response.in_progress", response=response)]  # fmt: skip
+
+    def step(self, i: int, shown: Shown, text: str = "") -> list[dict[str, Any]]:
+        """The events of what one response adds (text deltas; none with tools)."""
+        if self.calls is not None or not shown.text:
+            return []
+        events = [] if self._text_open else self._open_text()
+        self._text_open = True
+        return [*events, self._text_delta(0, shown.text)]
+
+    def closing(self, choices: Choices, include_usage: bool = True) -> list[dict[str, Any]]:
+        """The output's items, each done (with tools: added and done), then
+        the whole response (its usage in it)."""
+        response = self._response(choices)
+        events: list[dict[str, Any]] = []
+        for index, item in enumerate(response["output"]):
+            if item["type"] == "message":
+                part = item["content"][0]
+                if not self._text_open:  # with tools: the text, whole, now
+                    events += [*self._open_text(index), self._text_delta(index, part["text"])]
+                events += [
+                    self._event("response.output_text.done", item_id=item["id"], output_index=index,
+                                content_index=0, text=part["text"], logprobs=[]),
+                    self._event("response.content_part.done", item_id=item["id"], output_index=index,
+                                content_index=0, part=part),
+                ]  # fmt: skip
+            else:
+                opened = {**item, "status": "in_progress", "arguments": ""}
+                events += [
+                    self._event("response.output_item.added", output_index=index, item=opened),
+                    self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                                delta=item["arguments"]),
+                    self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                                name=item["name"], arguments=item["arguments"]),
+                ]  # fmt: skip
+            events.append(self._event("response.output_item.done", output_index=index, item=item))
+        kind = "response.completed" if response["status"] == "completed" else "response.incomplete"
+        events.append(self._event(kind, response=response))
+        return events
+
+    def failure(self, body: dict[str, Any]) -> dict[str, Any]:
+        """A stream's error event (`body`: the OpenAI error body)."""
+        error = body["error"]
+        return self._event("error", code=error.get("code"), message=error.get("message"), param=error.get("param"))
+
+    def rename(self, exc: MmsplitError) -> MmsplitError:
+        """An error of this request, naming the Responses field."""
+        return rename(exc, self.places)
+
+    @staticmethod
+    def sse(event: dict[str, Any]) -> bytes:
+        data = json.dumps(event, separators=(",", ":")).encode()
+        return b"event: " + event["type"].encode() + b"\ndata: " + data + b"\n\n"
+
+    @property
+    def _message_id(self) -> str:
+        return "msg_" + self.id
+
+    def _open_text(self, index: int = 0) -> list[dict[str, Any]]:
+        item = {"type": "message", "id": self._message_id, "status": "in_progress", "role": "assistant", "content": []}
+        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        return [self._event("response.output_item.added", output_index=index, item=item),
+                self._event("response.content_part.added", item_id=self._message_id, output_index=index,
+                            content_index=0, part=part)]  # fmt: skip
+
+    def _text_delta(self, index: int, text: str) -> dict[str, Any]:
+        return self._event("response.output_text.delta", item_id=self._message_id, output_index=index,
+                           content_index=0, delta=text, logprobs=[])  # fmt: skip
+
+    def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        self._sequence += 1
+        return {"type": kind, "sequence_number": self._sequence - 1, **fields}
+
+    def _response(self, choices: Choices | None) -> dict[str, Any]:
+        output: list[dict[str, Any]] = []
+        status, incomplete, usage = "in_progress", None, None
+        if choices is not None:
+            text, finish = choices.text[0], choices.finish[0]
+            content, calls = self.calls.split(text) if self.calls else (text, None)
+            if content or not calls:
+                output.append({"type": "message", "id": self._message_id, "status": "completed",
+                               "role": "assistant", "content": [{"type": "output_text", "text": content or "",
+                                                                  "annotations": [], "logprobs": []}]})  # fmt: skip
+            for call in calls or []:
+                function = call["function"]
+                output.append({"type": "function_call", "id": "fc_" + call["id"].removeprefix("call_"),
+                               "call_id": call["id"], "name": function["name"], "arguments": function["arguments"],
+                               "status": "completed"})  # fmt: skip
+            cut = finish == "length"
+            status = "incomplete" if cut else "completed"
+            incomplete = {"reason": "max_output_tokens"} if cut else None
+            chat_usage = choices.usage()
+            usage = {
+                "input_tokens": chat_usage["prompt_tokens"],
+                "input_tokens_details": chat_usage["prompt_tokens_details"],
+                "output_tokens": chat_usage["completion_tokens"],
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": chat_usage["total_tokens"],
+            }
+        b = self.body
+        text_format = (b.get("text") or {}).get("format") or {"type": "text"}
+        return {
+            "id": "resp_" + self.id, "object": "response", "created_at": self.created, "status": status,
+            "model": self.model, "output": output, "usage": usage, "error": None, "incomplete_details": incomplete,
+            "instructions": b.get("instructions"), "max_output_tokens": b.get("max_output_tokens"),
+            "temperature": b.get("temperature", 0.0), "top_p": b.get("top_p", 1.0),
+            "tools": b.get("tools") or [], "tool_choice": b.get("tool_choice", "auto" if b.get("tools") else "none"),
+            "parallel_tool_calls": b.get("parallel_tool_calls", True), "text": {"format": text_format},
+            "truncation": "disabled", "store": False, "metadata": b.get("metadata") or {},
+            "previous_response_id": None, "reasoning": None, "user": b.get("user"),
+        }  # fmt: skip
