@@ -14,6 +14,10 @@
   it (an id, arguments a document of its parameters), finish reason
   "tool_calls"; a tool_choice naming no tool given is 400 naming
   `tool_choice`;
+- responses: POST /v1/responses answers a response object (a message item
+  with output_text, a status, usage that adds up) and, streamed, typed
+  events numbered from 0, response.created first and response.completed
+  (or .incomplete) last, whose text deltas make the response's text;
 - error shape: a bad parameter is 400 with {"error": {message, type, param,
   code}}, code INVALID_REQUEST, param naming it, x-should-retry false;
 - unknown model 404, malformed JSON 400, each in the same shape.
@@ -46,6 +50,7 @@ class HttpKit:
             ("http.stream", self.stream),
             ("http.response_format", self.response_format),
             ("http.tool_call", self.tool_call),
+            ("http.responses", self.responses),
             ("http.error_shape", self.error_shape),
             ("http.unknown_model", self.unknown_model),
             ("http.malformed_json", self.malformed_json),
@@ -150,6 +155,31 @@ class HttpKit:
         error = self._error(status, raw, headers, 400, "INVALID_REQUEST")
         expect(error["param"] == "tool_choice", f"param {error['param']!r}, expected 'tool_choice'")
         return str(call["function"]["arguments"])
+
+    def responses(self) -> str:
+        ask = {"model": self.model, "input": "Say hello.", "max_output_tokens": 4}
+        status, _, raw = self._post("/responses", ask)
+        expect(status == 200, f"status {status}: {raw[:200]!r}")
+        body = json.loads(raw)
+        expect(body.get("object") == "response", f"object {body.get('object')!r}, expected 'response'")
+        expect(body.get("status") in ("completed", "incomplete"), f"status {body.get('status')!r}")
+        texts = [p["text"] for item in body["output"] if item.get("type") == "message" for p in item["content"]]
+        expect(len(texts) == 1 and isinstance(texts[0], str), f"output {body['output']!r}: not one output_text")
+        usage = body["usage"]
+        expect(usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"], f"usage {usage}")
+        status, _, raw = self._post("/responses", {**ask, "stream": True})
+        expect(status == 200, f"streamed: status {status}")
+        events = [json.loads(line[6:]) for line in raw.decode().splitlines() if line.startswith("data: ")]
+        kinds = [e.get("type") for e in events]
+        expect(bool(kinds) and kinds[0] == "response.created", f"first event {kinds[:1]}, expected response.created")
+        last = kinds[-1] if kinds else None
+        expect(last in ("response.completed", "response.incomplete"), f"last event {last!r}")
+        numbers = [e.get("sequence_number") for e in events]
+        expect(numbers == list(range(len(events))), f"sequence numbers {numbers[:8]}..., expected 0, 1, 2...")
+        deltas = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+        final = events[-1]["response"]["output"][0]["content"][0]["text"]
+        expect(deltas == final, f"the deltas make {deltas!r}, the response says {final!r}")
+        return f"{len(events)} events"
 
     def _error(self, status: int, raw: bytes, headers: dict[str, str], want: int, code: str) -> dict[str, Any]:
         expect(status == want, f"status {status}, expected {want}")

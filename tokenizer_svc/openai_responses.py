@@ -102,7 +102,9 @@ def to_chat(body: Any) -> tuple[dict[str, Any], list[str]]:
 
 def _item(item: Any, where: str, messages: list[dict[str, Any]], places: list[str]) -> None:
     """One input item as chat messages: a message, a call (joined to the
-    assistant message before it, when that one only calls), a call's output."""
+    assistant message before it, if any: the text and the calls of one
+    answer are one assistant turn, as chat completions has them), a call's
+    output."""
     if not isinstance(item, dict):
         raise _invalid(f"{where} must be an object", where)
     kind = item.get("type", "message")
@@ -115,8 +117,8 @@ def _item(item: Any, where: str, messages: list[dict[str, Any]], places: list[st
         call = {"id": item.get("call_id"), "type": "function",
                 "function": {"name": item.get("name"), "arguments": item.get("arguments")}}  # fmt: skip
         last = messages[-1] if messages else None
-        if last is not None and last["role"] == "assistant" and last.get("tool_calls") and not last["content"]:
-            last["tool_calls"].append(call)
+        if last is not None and last["role"] == "assistant":
+            last.setdefault("tool_calls", []).append(call)
             return
         messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
     elif kind == "function_call_output":

@@ -80,7 +80,7 @@ def test_what_a_conversation_may_not_be_is_refused_naming_where(chat_pair: tuple
         (build_request("a prompt", messages=[("user", "hi")]), "INVALID_REQUEST", ""),
         (build_request(messages=[("user", "hi"), ("system", "late")]), "INVALID_REQUEST", "messages[1]"),
         (build_request(messages=[("assistant", ["hm", ImagePart(good)])]), "INVALID_REQUEST", "messages[0].content[1]"),
-        (build_request(messages=[("user", ["fine", f"a {marker} here"])]), "INVALID_REQUEST", ""),
+        (build_request(messages=[("user", ["fine", f"a {marker} here"])]), "INVALID_REQUEST", "messages[0].content[1]"),
         (
             build_request(messages=[("user", ["one", ImagePart(good)]), ("user", ImagePart(good[: len(good) // 2]))]),
             "MEDIA_DECODE_FAILED",

@@ -689,3 +689,49 @@ def test_the_responses_api_names_its_own_fields_in_errors_before_and_during_a_st
     assert kinds[-1] == "error", kinds
     assert "response.output_text.delta" in kinds
     assert (events[-1].code, events[-1].param) == ("MEDIA_DECODE_FAILED", "input[0].content[0]")
+
+
+def test_a_responses_body_becomes_the_chat_body_of_the_same_conversation() -> None:
+    """instructions first; input items as messages (parts renamed); an
+    answer's text and calls one assistant turn, their outputs tool turns;
+    text.format, max_output_tokens, function tools and a named tool_choice
+    in chat's form; and where each message came from."""
+    from mmsplit.tokenizer.v1 import tokenizer_pb2 as pb
+    from tokenizer_svc.openai_responses import to_chat
+
+    tool = {"type": "function", "name": "f", "description": "F.", "parameters": {"type": "object"}}
+    chat, places = to_chat({
+        "model": "m", "instructions": "Be brief.", "max_output_tokens": 7, "temperature": 0.5, "store": True,
+        "input": [
+            {"role": "user", "content": [{"type": "input_text", "text": "Hi"},
+                                         {"type": "input_image", "image_url": "data:image/png;base64,AA"}]},
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Let me see."}]},
+            {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+            {"type": "function_call", "call_id": "c2", "name": "f", "arguments": "{\"a\": 1}"},
+            {"type": "function_call_output", "call_id": "c1", "output": "one"},
+            {"role": "user", "content": "And?"},
+        ],
+        "text": {"format": {"type": "json_schema", "name": "s", "schema": {"type": "object"}, "strict": True}},
+        "tools": [tool], "tool_choice": {"type": "function", "name": "f"},
+    })  # fmt: skip
+    assert chat["messages"] == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Hi"},
+                                     {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "Let me see."}], "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+            {"id": "c2", "type": "function", "function": {"name": "f", "arguments": "{\"a\": 1}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "one"},
+        {"role": "user", "content": "And?"},
+    ]  # fmt: skip
+    assert places == ["instructions", "input[0]", "input[1]", "input[4]", "input[5]"]
+    assert (chat["max_completion_tokens"], chat["temperature"], "store" in chat) == (7, 0.5, False)
+    assert chat["response_format"] == {"type": "json_schema",
+                                       "json_schema": {"name": "s", "schema": {"type": "object"}, "strict": True}}  # fmt: skip
+    assert chat["tools"] == [{"type": "function", "function": {"name": "f", "description": "F.",
+                                                               "parameters": {"type": "object"}}}]  # fmt: skip
+    assert chat["tool_choice"] == {"type": "function", "function": {"name": "f"}}
+    del chat["response_format"]  # (not with a named tool: chat's rule)
+    call = openai_api.parse_chat(chat)  # chat's own checks take it
+    roles = [pb.CHAT_ROLE_SYSTEM, pb.CHAT_ROLE_USER, pb.CHAT_ROLE_ASSISTANT, pb.CHAT_ROLE_TOOL, pb.CHAT_ROLE_USER]
+    assert [m.role for m in call.request.messages] == roles
