@@ -726,8 +726,8 @@ def test_a_responses_body_becomes_the_chat_body_of_the_same_conversation() -> No
     ]  # fmt: skip
     assert places == ["instructions", "input[0]", "input[1]", "input[4]", "input[5]"]
     assert (chat["max_completion_tokens"], chat["temperature"], "store" in chat) == (7, 0.5, False)
-    assert chat["response_format"] == {"type": "json_schema",
-                                       "json_schema": {"name": "s", "schema": {"type": "object"}, "strict": True}}  # fmt: skip
+    schema = {"name": "s", "schema": {"type": "object"}, "strict": True}
+    assert chat["response_format"] == {"type": "json_schema", "json_schema": schema}
     assert chat["tools"] == [{"type": "function", "function": {"name": "f", "description": "F.",
                                                                "parameters": {"type": "object"}}}]  # fmt: skip
     assert chat["tool_choice"] == {"type": "function", "function": {"name": "f"}}
