@@ -367,6 +367,7 @@ def server_info(
         item_rules=pairing.item_rules(info.family),
         generate_stream=True,
         max_message_bytes=settings.max_message_bytes,
+        max_context_tokens=info.max_context,
     )
 
 

@@ -315,6 +315,15 @@ class Schedulers:
         return next((link for link in self.links.values() if link.connected), None)
 
     @property
+    def max_context(self) -> int:
+        """The longest request the connected backends all take (prompt and
+        output, tokens); 0 when none says."""
+        known = [
+            link.info.max_context_tokens for link in self.links.values() if link.info and link.info.max_context_tokens
+        ]
+        return min(known, default=0)
+
+    @property
     def serving_another_model(self) -> str:
         """What differs ("vocabulary", ...) when no backend is connected and
         some answer as another model; else ""."""

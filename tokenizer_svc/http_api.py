@@ -53,6 +53,8 @@ KEEPALIVE_S = 15.0
 # A body this large is parsed off the event loop.
 BIG_BODY = 1 << 20
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+# Routes beside /v1 that --api-key-file guards too (they do a request's work).
+_KEYED = frozenset({"/tokenize", "/detokenize"})
 # How an answer is shaped: chat or completions objects and chunks, or a Response and its events.
 Shaped = openai_answers.Shape | openai_responses.Answer
 
@@ -90,6 +92,8 @@ class HttpApi:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/responses", self.responses_api)
         app.router.add_get("/v1/responses/{id}", self.stored_response)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model}", self.model_card)
         app.router.add_get("/health", self.health)
@@ -102,7 +106,7 @@ class HttpApi:
         route = request.match_info.route.resource.canonical if request.match_info.route.resource else "other"
         response: web.StreamResponse
         try:
-            if request.path.startswith("/v1/") and self.api_key:
+            if self.api_key and (request.path.startswith("/v1/") or request.path in _KEYED):
                 self._authenticate(request)
             response = await handler(request)
         except MmsplitError as exc:
@@ -153,7 +157,40 @@ class HttpApi:
         return web.json_response(self._card())
 
     def _card(self) -> dict[str, Any]:
-        return {"id": self.model, "object": "model", "created": self.created, "owned_by": "mmsplit"}
+        card = {"id": self.model, "object": "model", "created": self.created, "owned_by": "mmsplit"}
+        if longest := self.service.link.max_context:
+            card["max_model_len"] = longest
+        return card
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /tokenize: the prompt ids a request would be generated
+        from (media preprocessed to count their placeholders), their count
+        and the context they must fit (`max_model_len`, when a scheduler
+        says)."""
+        body = await _body(request)
+        model = body.get("model") if isinstance(body, dict) else None
+        if model is not None and model != self.model:
+            return _not_served(model, self.model)
+        asked, strs = openai_api.parse_tokenize(body)
+        ids = await self.service.tokenize(asked, uuid.uuid4().hex)
+        answer: dict[str, Any] = {"count": len(ids), "max_model_len": self.service.link.max_context, "tokens": ids}
+        answer["token_strs"] = self.service.tokenizer.convert_ids_to_tokens(ids) if strs else None
+        return web.json_response(answer)
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /detokenize: the text of token ids (special tokens included)."""
+        body = await _body(request)
+        model = body.get("model") if isinstance(body, dict) else None
+        if model is not None and model != self.model:
+            return _not_served(model, self.model)
+        tokens = openai_api.parse_detokenize(body)
+        vocab = len(self.service.tokenizer)
+        if any(t >= vocab for t in tokens):
+            raise InvalidRequest(
+                f"tokens: {max(tokens)} is outside the vocabulary of {vocab}", metadata={"param": "tokens"}
+            )
+        text = await asyncio.to_thread(self.service.tokenizer.decode, tokens)
+        return web.json_response({"prompt": text})
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, chat=True)

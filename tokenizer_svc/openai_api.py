@@ -596,3 +596,44 @@ def param_name(exc: MmsplitError) -> str | None:
     name = param.removeprefix("sampling.")
     structured = {"regex", "choice", "grammar"}
     return "response_format" if name == "json_schema" else "structured_outputs" if name in structured else name
+
+
+def parse_tokenize(body: Any) -> tuple[tokenizer_pb2.GenerateRequest, bool]:
+    """vLLM's /tokenize: a `prompt`, or `messages` (with `tools`,
+    `continue_final_message`, `add_generation_prompt` and
+    `chat_template_kwargs` as chat completions takes them), as the request
+    whose prompt ids are wanted; and whether each id's token text is asked
+    for (`return_token_strs`). The ids are those generation uses, so
+    `add_special_tokens` may only say what it does (true for a prompt,
+    false for messages, whose template writes them)."""
+    body = _object(body)
+    chat = "messages" in body
+    if chat == ("prompt" in body):
+        raise _invalid("give either prompt or messages", "prompt")
+    special = body.get("add_special_tokens")
+    if special is not None and special is not (not chat):
+        raise _invalid(
+            f"add_special_tokens {_short(special)} is not supported: the ids are the ones generation uses "
+            f"({'the chat template writes the special tokens' if chat else 'with the special tokens'})",
+            "add_special_tokens",
+        )
+    strs = body.get("return_token_strs", False)
+    if not isinstance(strs, bool):
+        raise _invalid("return_token_strs must be true or false", "return_token_strs")
+    if chat:
+        fields = ("messages", "tools", "continue_final_message", "add_generation_prompt", "chat_template_kwargs")
+        request = parse_chat({**{k: body[k] for k in fields if k in body}, "tool_choice": "none"}).request
+    else:
+        request = parse_completion({"prompt": body["prompt"]}).request
+    return request, strs
+
+
+def parse_detokenize(body: Any) -> list[int]:
+    """vLLM's /detokenize: the `tokens` to decode (ids; the vocabulary is
+    the caller's to check)."""
+    tokens = _object(body).get("tokens")
+    if not isinstance(tokens, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= _U32 for t in tokens
+    ):
+        raise _invalid("tokens must be a list of token ids", "tokens")
+    return tokens

@@ -61,7 +61,7 @@ from tokenizer_svc.preprocess import (
     abandon,
     place,
 )
-from tokenizer_svc.prompt import Media, PromptBuilder
+from tokenizer_svc.prompt import BuiltPrompt, Media, PromptBuilder
 from tokenizer_svc.settings import TokenizerSettings
 
 log = logging.getLogger(__name__)
@@ -285,17 +285,7 @@ class TokenizerService:
         self.held.update(owned)
         granted: list[grants.Grant] = []
         try:
-            media = [Media(r.modality, r.tokens) for r in results]
-            if parsed.turns is None:
-                prompt = self.prompts.build(parsed.prompt, media)
-            else:
-                prompt = self.prompts.build_chat(
-                    parsed.turns,
-                    media,
-                    parsed.tools,
-                    continue_final=parsed.continue_final,
-                    template_kwargs=parsed.template_kwargs,
-                )
+            prompt = self._prompt(parsed, [Media(r.modality, r.tokens) for r in results])
             # Items go in prompt order (by their first placeholder).
             items = sorted(zip(prompt.runs, results, strict=True), key=lambda pair: pair[0][0][0])
             downstream = scheduler_pb2.GenerateRequest(
@@ -325,6 +315,30 @@ class TokenizerService:
             self._revoke(granted)
             self.held.difference_update(owned)
             _release(prepared)  # what was disowned is the scheduler's: untouched
+
+    def _prompt(self, parsed: Parsed, media: list[Media]) -> BuiltPrompt:
+        if parsed.turns is None:
+            return self.prompts.build(parsed.prompt, media)
+        return self.prompts.build_chat(
+            parsed.turns,
+            media,
+            parsed.tools,
+            continue_final=parsed.continue_final,
+            template_kwargs=parsed.template_kwargs,
+        )
+
+    async def tokenize(self, request: tokenizer_pb2.GenerateRequest, rid: str) -> list[int]:
+        """The token ids `generate` would give the scheduler for `request`'s
+        prompt or conversation, without generating: its media are fetched
+        and preprocessed as for `generate` (so each counts the placeholders
+        the model's processor gives it, and the preprocessing cache keeps
+        them for the request that follows), then let go."""
+        parsed = self._validate(request)
+        prepared = await self._prepare_media(parsed.media, rid, common_pb2.TRANSPORT_INLINE)
+        try:
+            return self._prompt(parsed, [Media(p.result.modality, p.result.tokens) for p in prepared]).input_ids
+        finally:
+            _release(prepared)
 
     async def _send(
         self, downstream: scheduler_pb2.GenerateRequest, timeout_s: float | None, assigned: Assigned, transport: int

@@ -925,3 +925,51 @@ def test_the_responses_api_takes_structured_output_and_function_tools(api: Api) 
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve("resp_unknown")
     _good_after(api)
+
+
+def test_tokenize_and_detokenize_give_the_ids_generation_uses(api: Api) -> None:
+    """vLLM's /tokenize: a conversation with images counts the prompt
+    tokens chat completions reports for it (each image's placeholders as
+    its processor makes them), a prompt what completions reports;
+    max_model_len is the context /v1/models states; /detokenize gives the
+    text back; both need the API key, and bad input is a typed 400."""
+    base = api.url.removesuffix("/v1")
+
+    def post(path: str, body: dict[str, Any], key: str = KEY) -> tuple[int, dict[str, Any]]:
+        request = urllib.request.Request(
+            base + path, data=json.dumps(body).encode(),
+            headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
+        )  # fmt: skip
+        try:
+            with urllib.request.urlopen(request, timeout=60) as reply:
+                return reply.status, json.loads(reply.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read())
+
+    client = api.client()
+    chat = client.chat.completions.create(model=api.model, messages=CONVERSATION, max_tokens=1)
+    status, counted = post("/tokenize", {"model": api.model, "messages": CONVERSATION, "return_token_strs": True})
+    assert status == 200, counted
+    assert chat.usage is not None
+    assert counted["count"] == len(counted["tokens"]) == len(counted["token_strs"]) == chat.usage.prompt_tokens
+    card = client.models.retrieve(api.model).model_dump()
+    assert counted["max_model_len"] == card["max_model_len"] > 0
+    plain = client.completions.create(model=api.model, prompt="Hello there, friend.", max_tokens=1)
+    status, ids = post("/tokenize", {"prompt": "Hello there, friend."})
+    assert plain.usage is not None
+    assert (status, ids["count"], ids["token_strs"]) == (200, plain.usage.prompt_tokens, None)
+    status, text = post("/detokenize", {"model": api.model, "tokens": ids["tokens"]})
+    assert status == 200
+    assert "Hello there, friend." in text["prompt"], text  # (inside the chat template's user turn)
+    for path, body, code, param in (
+        ("/tokenize", {"prompt": "x"}, 401, None),
+        ("/tokenize", {"prompt": "x", "messages": CONVERSATION}, 400, "prompt"),
+        ("/tokenize", {"prompt": "x", "add_special_tokens": False}, 400, "add_special_tokens"),
+        ("/tokenize", {"messages": [{"role": "user", "content": [image_part(b"not an image")]}]}, 400,
+         "messages[0].content[0]"),
+        ("/detokenize", {"tokens": [1, 10**9]}, 400, "tokens"),
+        ("/detokenize", {"tokens": "1 2"}, 400, "tokens"),
+    ):  # fmt: skip
+        status, body = post(path, body, key="wrong" if code == 401 else KEY)
+        assert (status, body["error"]["param"]) == (code, param), (path, body)
+    _good_after(api)
