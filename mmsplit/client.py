@@ -161,6 +161,15 @@ class Completion:
     completion_tokens: int = 0
 
 
+@dataclass(frozen=True)
+class Tokens:
+    """`tokenize`'s answer: the ids generation would start from, and the
+    context (prompt and output, tokens; 0 when no scheduler is connected)."""
+
+    ids: list[int]
+    max_context_tokens: int
+
+
 def service_config(retries: int, initial_backoff_s: float, max_backoff_s: float) -> str:
     """gRPC's retry policy for the tokenizer service (at most 5 attempts: gRPC's cap)."""
     policy = {
@@ -466,6 +475,16 @@ class Client(_Connection):
         except grpc.RpcError as exc:
             raise decode_error(exc) from None
 
+    def tokenize(self, prompt: str = "", *, timeout: float | None = None, **kwargs: Any) -> Tokens:
+        """The token ids `generate` with the same arguments would start
+        from (chat template and media included), without generating."""
+        request = tokenizer_pb2.TokenizeRequest(request=build_request(prompt, **kwargs))
+        try:
+            reply = self._stub.Tokenize(request, timeout=timeout)
+        except grpc.RpcError as exc:
+            raise decode_error(exc) from None
+        return Tokens(list(reply.token_ids), reply.max_context_tokens)
+
     def close(self) -> None:
         self._channel.close()
 
@@ -511,6 +530,20 @@ class AsyncClient(_Connection):
         async for event in self.generate(prompt, timeout=timeout, **kwargs):
             _add(done, event)
         return done
+
+    async def tokenize(
+        self,
+        prompt: str = "",
+        *,
+        timeout: float | None = None,  # noqa: ASYNC109 (as generate)
+        **kwargs: Any,
+    ) -> Tokens:
+        request = tokenizer_pb2.TokenizeRequest(request=build_request(prompt, **kwargs))
+        try:
+            reply = await self._stub.Tokenize(request, timeout=timeout)
+        except grpc.RpcError as exc:
+            raise decode_error(exc) from None
+        return Tokens(list(reply.token_ids), reply.max_context_tokens)
 
     async def close(self) -> None:
         await self._channel.close()

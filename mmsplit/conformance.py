@@ -18,6 +18,8 @@ What it checks, per service:
 - a stream's events: (scheduler: exactly one Accepted first), then deltas,
   then exactly one Finished last; the tokens add up; the tokenizer puts the
   request id on every event (and makes one up when the request has none).
+- Tokenize: as many ids as Generate of the same request (with an image)
+  reports prompt tokens, and a context longer than them.
 - structured output: a request with a small `json_schema` ends (STOP) with
   a document of that schema; one with a `choice` of strings, with one of them.
 - every client-error ErrorCode that an input can provoke: the gRPC code of
@@ -176,6 +178,7 @@ class Kit:
             ("tokenizer.server_info", self.tokenizer_server_info),
             ("tokenizer.stream.events", self.tokenizer_stream),
             ("tokenizer.stream.image", self.tokenizer_image),
+            ("tokenizer.tokenize", self.tokenizer_tokenize),
             ("tokenizer.stream.request_id_assigned", self.tokenizer_request_id),
             ("tokenizer.stream.json_schema", self.tokenizer_json_schema),
             ("tokenizer.stream.choice", self.tokenizer_choice),
@@ -301,6 +304,19 @@ class Kit:
             with_image > text.prompt_tokens, f"an image added no prompt tokens ({with_image} vs {text.prompt_tokens})"
         )
         return f"prompt tokens {text.prompt_tokens} -> {with_image} with one image"
+
+    def tokenizer_tokenize(self) -> str:
+        request = _text_request(_request_id(), tokens=1)
+        request.images.add(data=png())
+        counted = self.tok.Tokenize(tokenizer_pb2.TokenizeRequest(request=request), timeout=self.options.timeout_s)
+        events = self._generate(request)
+        expect(events[-1].WhichOneof("event") == "finished", "no Finished for the request tokenized")
+        prompt = events[-1].finished.prompt_tokens
+        expect(len(counted.token_ids) == prompt, f"{len(counted.token_ids)} ids; Generate reports {prompt}")
+        expect(
+            counted.max_context_tokens > prompt, f"max_context_tokens {counted.max_context_tokens} for {prompt} tokens"
+        )
+        return f"{prompt} ids, context {counted.max_context_tokens}"
 
     def tokenizer_json_schema(self) -> str:
         """Structured output: the answer is a document of the schema, ended by the server (STOP)."""

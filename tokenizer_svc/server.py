@@ -181,6 +181,25 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
                 summary.outcome = "DEADLINE_EXCEEDED"
             summary.log(log, self.metrics)
 
+    async def Tokenize(  # noqa: N802
+        self, tokenize: tokenizer_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> tokenizer_pb2.TokenizeResponse:
+        request = tokenize.request
+        rid = request.request_id or uuid.uuid4().hex
+        if len(rid) > MAX_REQUEST_ID or not rid.isprintable():
+            invalid = InvalidRequest(f"request_id must be 1..{MAX_REQUEST_ID} printable characters")
+            await context.abort_with_status(invalid.to_status())  # not echoed: it may be anything
+        try:
+            ids = await self.service.tokenize(request, rid)
+        except MmsplitError as exc:
+            log.info("tokenizing %s failed: %s", rid, exc)
+            await context.abort_with_status(exc.to_status(rid))
+        except Exception:
+            incident = uuid.uuid4().hex[:12]
+            log.exception("tokenizing %s failed on an unexpected error (incident %s)", rid, incident)
+            await context.abort_with_status(InternalError(f"internal error (incident {incident})").to_status(rid))
+        return tokenizer_pb2.TokenizeResponse(token_ids=ids, max_context_tokens=self.service.link.max_context)
+
     async def GetServerInfo(  # noqa: N802
         self, request: tokenizer_pb2.GetServerInfoRequest, context: grpc.aio.ServicerContext
     ) -> tokenizer_pb2.GetServerInfoResponse:

@@ -332,13 +332,25 @@ class TokenizerService:
         prompt or conversation, without generating: its media are fetched
         and preprocessed as for `generate` (so each counts the placeholders
         the model's processor gives it, and the preprocessing cache keeps
-        them for the request that follows), then let go."""
-        parsed = self._validate(request)
-        prepared = await self._prepare_media(parsed.media, rid, common_pb2.TRANSPORT_INLINE)
+        them for the request that follows), then let go. It counts against
+        --max-inflight as a request does."""
+        if self.draining:
+            raise ShuttingDown("this tokenizer is shutting down; retry on another replica")
+        if self.inflight >= self.settings.max_inflight:
+            raise Overloaded(f"{self.inflight} requests in flight, the limit is {self.settings.max_inflight}")
+        self.inflight += 1
         try:
-            return self._prompt(parsed, [Media(p.result.modality, p.result.tokens) for p in prepared]).input_ids
+            await structured.ready(request.sampling)
+            parsed = self._validate(request)
+            prepared = await self._prepare_media(parsed.media, rid, common_pb2.TRANSPORT_INLINE)
+            try:
+                return self._prompt(parsed, [Media(p.result.modality, p.result.tokens) for p in prepared]).input_ids
+            finally:
+                _release(prepared)
         finally:
-            _release(prepared)
+            self.inflight -= 1
+            if self.draining and self.inflight == 0:
+                self.idle.set()
 
     async def _send(
         self, downstream: scheduler_pb2.GenerateRequest, timeout_s: float | None, assigned: Assigned, transport: int

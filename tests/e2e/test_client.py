@@ -56,6 +56,30 @@ def test_client_errors_are_typed_with_reason_retriable_and_request_id(services: 
     assert (forbidden.value.reason, forbidden.value.grpc_code) == ("MEDIA_SOURCE_FORBIDDEN", "PERMISSION_DENIED")
 
 
+def test_tokenize_gives_the_prompt_ids_generation_starts_from(services: Services) -> None:
+    """`Tokenize` (the client's `tokenize`, blocking and async): as many ids
+    as the generation of the same request reports prompt tokens (its image's
+    placeholders counted by its processor), the scheduler's context, and
+    Generate's typed errors for what Generate refuses."""
+    image = samples.good_png(seed=41)
+    with Client(services.tokenizer_address) as client:
+        counted = client.tokenize("Describe it.", images=[image])
+        done = client.complete("Describe it.", images=[image], max_tokens=2)
+        with pytest.raises(MediaError) as corrupt:
+            client.tokenize("Hi", images=[samples.corrupt_png()], request_id="tok-1")
+        with pytest.raises(InvalidRequest):
+            client.tokenize("Hi", temperature=-1.0)
+    assert len(counted.ids) == done.prompt_tokens > 20  # an image's placeholders and the text
+    assert counted.max_context_tokens > len(counted.ids)
+    assert (corrupt.value.reason, corrupt.value.request_id) == ("MEDIA_DECODE_FAILED", "tok-1")
+
+    async def run() -> list[int]:
+        async with AsyncClient(services.tokenizer_address) as client:
+            return (await client.tokenize("Describe it.", images=[image])).ids
+
+    assert asyncio.run(run()) == counted.ids
+
+
 def test_the_async_client_gives_the_same_tokens(services: Services) -> None:
     async def run() -> tuple[list[int], list[int]]:
         async with AsyncClient(services.tokenizer_address) as client:

@@ -47,6 +47,11 @@ class TokenizerServiceStub:
                 request_serializer=mmsplit_dot_tokenizer_dot_v1_dot_tokenizer__pb2.GetServerInfoRequest.SerializeToString,
                 response_deserializer=mmsplit_dot_tokenizer_dot_v1_dot_tokenizer__pb2.GetServerInfoResponse.FromString,
                 _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/mmsplit.tokenizer.v1.TokenizerService/Tokenize',
+                request_serializer=mmsplit_dot_tokenizer_dot_v1_dot_tokenizer__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=mmsplit_dot_tokenizer_dot_v1_dot_tokenizer__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
 
 
 class TokenizerServiceServicer:
@@ -69,6 +74,18 @@ class TokenizerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenize(self, request, context):
+        """The token ids Generate would start this request from, without
+        generating: its prompt or conversation through the chat template, each
+        image and video fetched and preprocessed to count the placeholders its
+        processor gives it (the preprocessing cache keeps it for the Generate
+        that follows). The request is checked as Generate checks it, with the
+        same errors.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TokenizerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -81,6 +98,11 @@ def add_TokenizerServiceServicer_to_server(servicer, server):
                     servicer.GetServerInfo,
                     request_deserializer=mmsplit_dot_tokenizer_dot_v1_dot_tokenizer__pb2.GetServerInfoRequest.FromString,
                     response_serializer=mmsplit_dot_tokenizer_dot_v1_dot_tokenizer__pb2.GetServerInfoResponse.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=mmsplit_dot_tokenizer_dot_v1_dot_tokenizer__pb2.TokenizeRequest.FromString,
+                    response_serializer=mmsplit_dot_tokenizer_dot_v1_dot_tokenizer__pb2.TokenizeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -140,6 +162,33 @@ class TokenizerService:
             '/mmsplit.tokenizer.v1.TokenizerService/GetServerInfo',
             mmsplit_dot_tokenizer_dot_v1_dot_tokenizer__pb2.GetServerInfoRequest.SerializeToString,
             mmsplit_dot_tokenizer_dot_v1_dot_tokenizer__pb2.GetServerInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mmsplit.tokenizer.v1.TokenizerService/Tokenize',
+            mmsplit_dot_tokenizer_dot_v1_dot_tokenizer__pb2.TokenizeRequest.SerializeToString,
+            mmsplit_dot_tokenizer_dot_v1_dot_tokenizer__pb2.TokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,
