@@ -34,7 +34,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
@@ -234,11 +234,11 @@ class HttpApi:
             return _not_served(model, self.model)
         if isinstance(call.calls, openai_api.Forced):
             await _check_tool_schema(call.request.sampling.json_schema)
-        summary = RequestSummary(rid, protocol="http", route=request.path, choices=call.n)
+        summary = RequestSummary(rid, protocol="http", route=request.path, choices=call.choices)
         try:
             if call.stream:
                 return await self._stream(request, call, shape, rid, summary)
-            choices = openai_answers.Choices(call.n, self.service.tokenizer)
+            choices = openai_answers.Choices(call.choices, self.service.tokenizer, per_prompt=call.n)
             async for i, response in self._choices(call, rid):
                 _count(summary, response)
                 choices.add(i, response)
@@ -259,9 +259,18 @@ class HttpApi:
         self, call: openai_api.Call, rid: str
     ) -> AsyncIterator[tuple[int, tokenizer_pb2.GenerateResponse]]:
         """Every choice's responses as they come (the service runs the n
-        choices), with the choice's index."""
-        async for response in self.service.generate(call.request, rid, None):
-            yield response.index, response
+        choices of a prompt), with the choice's index; several prompts'
+        requests run at once, prompt p's choices numbered from p * n."""
+        if not call.others:
+            async for response in self.service.generate(call.request, rid, None):
+                yield response.index, response
+            return
+        sources = [
+            _numbered(self.service.generate(r, f"{rid}-{p}", None), p * call.n) for p, r in enumerate(call.requests)
+        ]
+        async with contextlib.aclosing(_merged(sources)) as merged:
+            async for item in merged:
+                yield item
 
     async def _stream(
         self,
@@ -296,9 +305,9 @@ class HttpApi:
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "x-request-id": rid}
         )
         await response.prepare(request)
-        choices = openai_answers.Choices(call.n, self.service.tokenizer)
+        choices = openai_answers.Choices(call.choices, self.service.tokenizer, per_prompt=call.n)
         try:
-            for event in shape.opening(call.n):
+            for event in shape.opening(call.choices):
                 await _send(response, shape.sse(event))
             if first is None:  # nothing yet after a keepalive period: say so, then wait on
                 await response.write(b": keep-alive\n\n")
@@ -334,6 +343,42 @@ class HttpApi:
         await response.write(shape.DONE)
         await response.write_eof()
         return response
+
+
+async def _numbered(
+    source: AsyncIterator[tokenizer_pb2.GenerateResponse], first: int
+) -> AsyncIterator[tuple[int, tokenizer_pb2.GenerateResponse]]:
+    async for response in source:
+        yield first + response.index, response
+
+
+async def _merged(sources: list[AsyncIterator[Any]]) -> AsyncGenerator[Any, None]:
+    """The items of every source as they come. The first failure ends it
+    (raised here); however it ends, every source's work is ended and awaited."""
+    queue: asyncio.Queue[tuple[bool, Any]] = asyncio.Queue()
+
+    async def drain(source: AsyncIterator[Any]) -> None:
+        async for item in source:
+            queue.put_nowait((True, item))
+
+    tasks = [asyncio.ensure_future(drain(s)) for s in sources]
+    for task in tasks:
+        task.add_done_callback(lambda t: queue.put_nowait((False, t)))
+    try:
+        running = len(tasks)
+        while running:
+            is_item, got = await queue.get()
+            if is_item:
+                yield got
+                continue
+            running -= 1
+            failure = None if got.cancelled() else got.exception()
+            if failure is not None:
+                raise failure
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 class _Prefetch:

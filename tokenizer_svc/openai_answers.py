@@ -26,15 +26,19 @@ FINISH = {
 
 
 class Choices:
-    """What n choices of one request have produced, for the final object
-    and the usage: text, finish reason and token counts per choice."""
+    """What the choices of one request have produced, for the final object
+    and the usage: text, finish reason and token counts per choice. With
+    several prompts (completions), `per_prompt` choices are each prompt's."""
 
-    def __init__(self, n: int, tokens: Any = None) -> None:
+    def __init__(self, n: int, tokens: Any = None, per_prompt: int = 0) -> None:
         """`tokens`: the tokenizer, to name the tokens of log probabilities."""
         self.text = [""] * n
         self.finish: list[str | None] = [None] * n
-        self.prompt_tokens = 0
-        self.cached_tokens = 0  # of the prompt's, from the scheduler's prefix cache (the most of any choice)
+        self.per_prompt = per_prompt or n
+        # Per prompt: its tokens, and those the scheduler's prefix cache
+        # spared (the most of any of its choices).
+        self._prompt: dict[int, int] = {}
+        self._cached: dict[int, int] = {}
         self.completion_tokens = [0] * n
         self.logprobs: list[list[dict[str, Any]]] = [[] for _ in range(n)]
         self.tokens = tokens
@@ -54,8 +58,9 @@ class Choices:
         if kind == "finished":
             f = response.finished
             self.finish[i] = FINISH.get(f.finish_reason, "stop")
-            self.prompt_tokens = f.prompt_tokens
-            self.cached_tokens = max(self.cached_tokens, f.cached_tokens)
+            prompt = i // self.per_prompt
+            self._prompt[prompt] = f.prompt_tokens
+            self._cached[prompt] = max(self._cached.get(prompt, 0), f.cached_tokens)
             self.completion_tokens[i] = f.completion_tokens
             return Shown("", self.finish[i], [])
         return None
@@ -71,6 +76,14 @@ class Choices:
 
     def _text(self, token: int) -> str:
         return str(self.tokens.decode([token])) if self.tokens is not None else str(token)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(self._prompt.values())
+
+    @property
+    def cached_tokens(self) -> int:
+        return sum(self._cached.values())
 
     def usage(self) -> dict[str, Any]:
         completion = sum(self.completion_tokens)

@@ -10,7 +10,8 @@ What is accepted, as vLLM, SGLang and TGI accept it:
   http(s); `detail` is accepted and ignored: the model's processor decides
   the resolution), `video_url` (models that take video), and the untyped
   shorthands `{"image_url": "..."}` and `{"video_url": "..."}`.
-- `/v1/completions`: `prompt`, a string (or a list holding one).
+- `/v1/completions`: `prompt`, a string or a list of up to MAX_PROMPTS (each its own
+  generation, prompt p's choice j numbered p * n + j).
 - Parameters: temperature, top_p, top_k, seed, stop (a string or a list),
   max_tokens and max_completion_tokens (the smaller when both), min_tokens,
   stop_token_ids, n (up to MAX_CHOICES), stream, stream_options.include_usage,
@@ -102,6 +103,8 @@ KNOWN = {
     "include_stop_str_in_output", "continue_final_message", "add_generation_prompt", "chat_template_kwargs",
 }  # fmt: skip
 
+# Prompts one completions request may give (each its own generation).
+MAX_PROMPTS = 16
 # The json_schema of "any JSON object" (response_format json_object).
 ANY_OBJECT = '{"type": "object"}'
 # Field -> (the values that ask for nothing, and are accepted; why any other
@@ -161,6 +164,18 @@ class Call:
     include_usage: bool
     # How the output answers with tool calls (None: as content only).
     calls: Forced | Auto | None = None
+    # Completions of several prompts: the requests of the second and later
+    # (the first is `request`); prompt p's choice j is choice p * n + j.
+    others: tuple[tokenizer_pb2.GenerateRequest, ...] = ()
+
+    @property
+    def choices(self) -> int:
+        """Choices in all, over every prompt."""
+        return self.n * (1 + len(self.others))
+
+    @property
+    def requests(self) -> tuple[tokenizer_pb2.GenerateRequest, ...]:
+        return (self.request, *self.others)
 
 
 def parse_chat(body: Any, tool_parser: str = "none") -> Call:
@@ -296,19 +311,32 @@ def parse_completion(body: Any) -> Call:
     for name, nothing in chat_only:
         if body.get(name) not in nothing:
             raise _invalid(f"{name} is not supported by completions: it goes with chat completions", name)
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1:
-        prompt = prompt[0]
-    if not isinstance(prompt, str) or not prompt:
-        raise _invalid("prompt must be a non-empty string (one prompt per request)", "prompt")
-    request = tokenizer_pb2.GenerateRequest(prompt=prompt)
+    prompts = body.get("prompt")
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    if not isinstance(prompts, list) or not 1 <= len(prompts) <= MAX_PROMPTS:
+        raise _invalid(f"prompt must be a string or a list of 1 to {MAX_PROMPTS} strings", "prompt")
+    for k, prompt in enumerate(prompts):
+        if not isinstance(prompt, str) or not prompt:
+            where = f"prompt[{k}]" if len(prompts) > 1 else "prompt"
+            raise _invalid(f"{where} must be a non-empty string (token ids are not taken)", where)
+    request = tokenizer_pb2.GenerateRequest(prompt=prompts[0])
     top = _int(body, "logprobs")  # the legacy API: how many top entries, 0 for the token's own only
     if top is not None:
         if not 0 <= top <= MAX_TOP_LOGPROBS:
             raise _invalid(f"logprobs must be within [0, {MAX_TOP_LOGPROBS}]", "logprobs")
         request.sampling.logprobs = True
         request.sampling.top_logprobs = top
-    return _finish(body, request)
+    call = _finish(body, request)
+    if call.n * len(prompts) > MAX_PROMPTS * MAX_CHOICES // 4:
+        raise _invalid(f"{len(prompts)} prompts of n {call.n}: at most {MAX_PROMPTS * MAX_CHOICES // 4} choices", "n")
+    others = []
+    for prompt in prompts[1:]:
+        other = tokenizer_pb2.GenerateRequest()
+        other.CopyFrom(request)
+        other.prompt = prompt
+        others.append(other)
+    return dataclasses.replace(call, others=tuple(others))
 
 
 def _object(body: Any) -> dict[str, Any]:

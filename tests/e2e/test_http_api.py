@@ -159,6 +159,29 @@ def test_the_async_sdk_streams_and_completions_take_a_prompt(api: Api) -> None:
     assert completion == plain.text
 
 
+def test_completions_of_several_prompts_are_each_prompt_s_own(api: Api) -> None:
+    """`prompt` as a list: choice p * n + j is prompt p's j-th, whole and
+    streamed, each the text its prompt alone gives; the usage adds the
+    prompts' tokens up."""
+    client = api.client()
+    prompts = ["Once upon a time", "The weather today", "Numbers: 1 2 3"]
+    alone = [client.completions.create(model=api.model, prompt=p, max_tokens=5) for p in prompts]
+    together = client.completions.create(model=api.model, prompt=prompts, max_tokens=5, n=2)
+    assert [c.index for c in together.choices] == list(range(6))
+    assert [c.text for c in together.choices] == [a.choices[0].text for a in alone for _ in range(2)]
+    assert together.usage is not None
+    assert together.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)  # type: ignore[union-attr]
+    assert together.usage.completion_tokens == sum(c.usage.completion_tokens * 2 for c in alone)  # type: ignore[union-attr]
+    texts = [""] * 3
+    for chunk in client.completions.create(model=api.model, prompt=prompts, max_tokens=5, stream=True):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert texts == [a.choices[0].text for a in alone]
+    bad = _bad(api, lambda c: c.completions.create(model=api.model, prompt=["fine", "</s> no"], max_tokens=2))
+    assert bad.status_code == 400
+    _good_after(api)
+
+
 def test_stop_lists_and_n_choices(api: Api) -> None:
     client = api.client()
     question = [{"role": "user", "content": "Count: one two three"}]

@@ -318,10 +318,26 @@ def test_logprobs_are_asked_as_each_api_spells_it() -> None:
     assert (legacy.request.sampling.logprobs, legacy.request.sampling.top_logprobs) == (True, 3)
 
 
-def test_completions_take_one_prompt() -> None:
+def test_completions_take_a_prompt_or_a_list_of_them() -> None:
+    """A list of prompts is a request each, alike but for the prompt; token
+    ids, empty prompts and too many choices in all are refused, naming the
+    field."""
     assert openai_api.parse_completion({"prompt": ["once"]}).request.prompt == "once"
-    with pytest.raises(InvalidRequest):
-        openai_api.parse_completion({"prompt": ["a", "b"]})
+    several = openai_api.parse_completion({"prompt": ["a", "b", "c"], "n": 2, "max_tokens": 3, "seed": 4})
+    assert [r.prompt for r in several.requests] == ["a", "b", "c"]
+    assert all(r.sampling == several.request.sampling for r in several.requests)
+    assert (several.n, several.choices, several.request.sampling.max_tokens) == (2, 6, 3)
+    for body, param in (
+        ({"prompt": []}, "prompt"),
+        ({"prompt": ["a", ""]}, "prompt[1]"),
+        ({"prompt": [1, 2, 3]}, "prompt[0]"),
+        ({"prompt": [[1, 2]]}, "prompt"),
+        ({"prompt": ["a"] * 17}, "prompt"),
+        ({"prompt": ["a"] * 5, "n": 8}, "n"),
+    ):
+        with pytest.raises(InvalidRequest) as info:
+            openai_api.parse_completion(body)
+        assert openai_api.param_name(info.value) == param, body
 
 
 def test_error_statuses_and_retry_headers() -> None:
@@ -735,3 +751,45 @@ def test_a_responses_body_becomes_the_chat_body_of_the_same_conversation() -> No
     call = openai_api.parse_chat(chat)  # chat's own checks take it
     roles = [pb.CHAT_ROLE_SYSTEM, pb.CHAT_ROLE_USER, pb.CHAT_ROLE_ASSISTANT, pb.CHAT_ROLE_TOOL, pb.CHAT_ROLE_USER]
     assert [m.role for m in call.request.messages] == roles
+
+
+def test_several_prompts_merge_and_one_failure_ends_every_other_s_work() -> None:
+    """http_api's merge of several prompts' streams: items as they come;
+    the first failure is raised and the other sources are ended (their
+    cleanup runs) before it leaves; a consumer that stops early ends them
+    too."""
+    import asyncio
+
+    from tokenizer_svc.http_api import _merged
+
+    ended: list[str] = []
+
+    async def source(name: str, items: int, fail: bool = False) -> Any:
+        try:
+            for k in range(items):
+                yield f"{name}{k}"
+                await asyncio.sleep(0)
+            if fail:
+                raise Overloaded("busy")
+            await asyncio.Event().wait()  # never ends by itself
+        finally:
+            ended.append(name)
+
+    async def run(stop_after: int | None) -> list[str]:
+        got: list[str] = []
+        merged = _merged([source("a", 3), source("b", 2, fail=stop_after is None)])
+        try:
+            async for item in merged:
+                got.append(item)
+                if stop_after is not None and len(got) == stop_after:
+                    break
+        finally:
+            await merged.aclose()
+        return got
+
+    with pytest.raises(Overloaded):
+        asyncio.run(run(None))
+    assert sorted(ended) == ["a", "b"]
+    ended.clear()
+    assert len(asyncio.run(run(3))) == 3
+    assert sorted(ended) == ["a", "b"]
