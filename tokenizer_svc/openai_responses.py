@@ -11,7 +11,9 @@ system, developer or assistant and content a string or parts `input_text`,
 `function_call_output` items, a conversation's earlier tool calls and
 their results), `instructions` (a system message first), `max_output_tokens`,
 `temperature`, `top_p`, `text.format` (text, json_object, json_schema:
-structured output), `tools` (functions) and `tool_choice`,
+structured output), `include: ["message.output_text.logprobs"]` with
+`top_logprobs` (the text's log probabilities, as chat completions gives
+them), `tools` (functions) and `tool_choice`,
 `parallel_tool_calls`, `stream`, and the sampling fields the chat API takes
 besides (`seed`, `stop`, vLLM's `top_k`, `min_p`...). Stateless: nothing is
 stored, so `store` changes nothing, and what needs a stored response or
@@ -40,9 +42,7 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "background": ((None, False), "this server answers in the request"),
     "prompt": ((None,), "this server has no stored prompts"),
     "reasoning": ((None, {}), "this model does not reason"),
-    "include": ((None, []), "this server adds nothing to the output"),
     "truncation": ((None, "disabled"), "this server does not drop input to fit: too long an input is refused"),
-    "top_logprobs": ((None, 0), "log probabilities are served by chat completions"),
     "max_tool_calls": ((None,), "the model's output decides the calls"),
 }
 # Responses fields that mean what chat completions' of the same name do.
@@ -50,6 +50,8 @@ _SAME = ("model", "temperature", "top_p", "stream", "parallel_tool_calls", "tool
          "top_k", "min_p", "min_tokens", "repetition_penalty", "presence_penalty", "frequency_penalty",
          "logit_bias", "stop_token_ids", "ignore_eos", "cache_salt", "structured_outputs")  # fmt: skip
 _ROLES = ("user", "system", "developer", "assistant")
+# What `include` may ask for: the output text's log probabilities.
+LOGPROBS = "message.output_text.logprobs"
 
 
 def to_chat(body: Any) -> tuple[dict[str, Any], list[str]]:
@@ -80,6 +82,14 @@ def to_chat(body: Any) -> tuple[dict[str, Any], list[str]]:
     else:
         raise _invalid("input must be a string or a non-empty list of items", "input")
     chat["messages"] = messages
+    include = body.get("include") or []
+    if not isinstance(include, list) or any(i != LOGPROBS for i in include):
+        raise _invalid(f"include may only ask for {LOGPROBS!r}: this server adds nothing else", "include")
+    top = body.get("top_logprobs")
+    if include or top:
+        chat["logprobs"] = True
+        if top is not None:
+            chat["top_logprobs"] = top
     if body.get("max_output_tokens") is not None:
         chat["max_completion_tokens"] = body["max_output_tokens"]
     text = body.get("text")
@@ -221,12 +231,13 @@ class Answer:
                 self._event("response.in_progress", response=response)]  # fmt: skip
 
     def step(self, i: int, shown: Shown, text: str = "") -> list[dict[str, Any]]:
-        """The events of what one response adds (text deltas; none with tools)."""
-        if self.calls is not None or not shown.text:
+        """The events of what one response adds (text deltas, with their
+        tokens' log probabilities when asked; none with tools)."""
+        if self.calls is not None or not (shown.text or shown.logprobs):
             return []
         events = [] if self._text_open else self._open_text()
         self._text_open = True
-        return [*events, self._text_delta(0, shown.text)]
+        return [*events, self._text_delta(0, shown.text, shown.logprobs)]
 
     def closing(self, choices: Choices, include_usage: bool = True) -> list[dict[str, Any]]:
         """The output's items, each done (with tools: added and done), then
@@ -237,10 +248,10 @@ class Answer:
             if item["type"] == "message":
                 part = item["content"][0]
                 if not self._text_open:  # with tools: the text, whole, now
-                    events += [*self._open_text(index), self._text_delta(index, part["text"])]
+                    events += [*self._open_text(index), self._text_delta(index, part["text"], part["logprobs"])]
                 events += [
                     self._event("response.output_text.done", item_id=item["id"], output_index=index,
-                                content_index=0, text=part["text"], logprobs=[]),
+                                content_index=0, text=part["text"], logprobs=part["logprobs"]),
                     self._event("response.content_part.done", item_id=item["id"], output_index=index,
                                 content_index=0, part=part),
                 ]  # fmt: skip
@@ -283,9 +294,9 @@ class Answer:
                 self._event("response.content_part.added", item_id=self._message_id, output_index=index,
                             content_index=0, part=part)]  # fmt: skip
 
-    def _text_delta(self, index: int, text: str) -> dict[str, Any]:
+    def _text_delta(self, index: int, text: str, logprobs: list[dict[str, Any]]) -> dict[str, Any]:
         return self._event("response.output_text.delta", item_id=self._message_id, output_index=index,
-                           content_index=0, delta=text, logprobs=[])  # fmt: skip
+                           content_index=0, delta=text, logprobs=logprobs)  # fmt: skip
 
     def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
         self._sequence += 1
@@ -298,9 +309,11 @@ class Answer:
             text, finish = choices.text[0], choices.finish[0]
             content, calls = self.calls.split(text) if self.calls else (text, None)
             if content or not calls:
+                # Log probabilities (chat's entries: the same shape) of an answer that is all text.
+                part = {"type": "output_text", "text": content or "", "annotations": [],
+                        "logprobs": choices.logprobs[0] if not calls else []}  # fmt: skip
                 output.append({"type": "message", "id": self._message_id, "status": "completed",
-                               "role": "assistant", "content": [{"type": "output_text", "text": content or "",
-                                                                  "annotations": [], "logprobs": []}]})  # fmt: skip
+                               "role": "assistant", "content": [part]})  # fmt: skip
             for call in calls or []:
                 function = call["function"]
                 output.append({"type": "function_call", "id": "fc_" + call["id"].removeprefix("call_"),

@@ -895,6 +895,16 @@ def test_the_responses_api_answers_as_chat_completions_do_whole_and_streamed(api
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == text
     assert events[-1].response.output_text == text  # type: ignore[union-attr]
+    logged = {**ask, "include": ["message.output_text.logprobs"], "top_logprobs": 2}
+    chat_lp = client.chat.completions.create(model=api.model, messages=CONVERSATION, max_tokens=8, logprobs=True,
+                                             top_logprobs=2).choices[0].logprobs  # fmt: skip
+    assert chat_lp is not None
+    expected = [(e.token, e.logprob, [t.token for t in e.top_logprobs]) for e in chat_lp.content or []]
+    part = client.responses.create(**logged).output[0].content[0]  # type: ignore[call-overload, union-attr]
+    assert [(e.token, e.logprob, [t.token for t in e.top_logprobs]) for e in part.logprobs] == expected
+    streamed_lp = [e for ev in client.responses.create(**logged, stream=True)  # type: ignore[call-overload]
+                   if ev.type == "response.output_text.delta" for e in ev.logprobs]  # fmt: skip
+    assert [(e.token, e.logprob) for e in streamed_lp] == [(t, lp) for t, lp, _ in expected]
     one = client.responses.create(model=api.model, input="Say something.", max_output_tokens=4)
     said = client.chat.completions.create(
         model=api.model, messages=[{"role": "user", "content": "Say something."}], max_tokens=4
