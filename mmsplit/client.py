@@ -46,12 +46,15 @@ RETRY_BUFFER_BYTES = 64 * 1024 * 1024  # requests up to this size can be retried
 
 # ---- errors ----
 def read_secret(path: str) -> str:
-    """The content of a token file (a bearer token, an API key), surrounding
-    whitespace removed; an empty file is an error. Both services and the
-    conformance kit read theirs with this."""
-    token = Path(path).read_text().strip()
+    """The secret a client presents from a token file (a bearer token, an
+    API key): its first line, surrounding whitespace removed, blank lines and
+    lines starting with # aside (the services' files hold one secret per
+    line); a file with none is an error. The conformance kit reads its
+    files with this."""
+    lines = (line.strip() for line in Path(path).read_text().splitlines())
+    token = next((line for line in lines if line and not line.startswith("#")), "")
     if not token:
-        raise ValueError(f"{path} is empty")
+        raise ValueError(f"{path} holds no secret")
     return token
 
 

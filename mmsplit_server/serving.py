@@ -346,17 +346,75 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+class SecretFile:
+    """A file of secrets (tokens, API keys), one per line, blank lines and
+    lines starting with # aside, read again whenever it changes, so that
+    credentials rotate without a restart: a server accepts every secret of
+    its file, a client presents the first of its own. (A Kubernetes Secret
+    mounted as a volume is updated by swapping its files in place; a file
+    edited in place is seen too.) A change that leaves the file unreadable
+    or empty keeps the secrets read last, said once in the log: a
+    half-written file must neither lock every caller out nor let anyone in.
+    At start, an unreadable or empty file is an error (OSError, ValueError)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = Path(path)
+        self._seen: tuple[int, int, int] | None = None
+        self._secrets: tuple[str, ...] = ()
+        self._failing = False
+        self._refresh(strict=True)
+
+    def secrets(self) -> tuple[str, ...]:
+        """The secrets, as the file holds them now (one stat a call)."""
+        self._refresh(strict=False)
+        return self._secrets
+
+    def first(self) -> str:
+        return self.secrets()[0]
+
+    def _refresh(self, *, strict: bool) -> None:
+        try:
+            st = os.stat(self.path)
+            key = (st.st_ino, st.st_mtime_ns, st.st_size)
+            if key == self._seen:
+                return
+            lines = (line.strip() for line in self.path.read_text().splitlines())
+            secrets = tuple(line for line in lines if line and not line.startswith("#"))
+            if not secrets:
+                raise ValueError(f"{self.path} holds no secret (one per line)")
+        except (OSError, ValueError) as exc:
+            if strict:
+                raise
+            if not self._failing:
+                log.error("%s could not be read again (%s); the secrets read last stay in use", self.path, exc)
+                self._failing = True
+            return
+        if self._seen is not None:
+            log.info("%s changed: %d secret(s) in use", self.path, len(secrets))
+        self._seen, self._secrets, self._failing = key, secrets, False
+
+
 @dataclass(frozen=True)
 class ServerSecurity:
     """How a server's port is protected. TLS with `cert` and `key`; mutual
     TLS when `client_ca` is set too (clients must present a certificate it
     signed); `token`: every call but health checks must carry
-    ``authorization: Bearer <token>``."""
+    ``authorization: Bearer <token>`` (`token_file`: any token of the file,
+    as it is now)."""
 
     cert: str = ""
     key: str = ""
     client_ca: str = ""
     token: str = ""
+    token_file: SecretFile | None = None
+
+    @classmethod
+    def with_token_file(cls, path: str, **tls: Any) -> ServerSecurity:
+        """Calls must bear a token of the file at `path` ("": none)."""
+        if not path:
+            return cls(**tls)
+        tokens = SecretFile(path)
+        return cls(**tls, token=tokens.first(), token_file=tokens)
 
     def credentials(self) -> grpc.ServerCredentials | None:
         if not self.cert:
@@ -366,13 +424,17 @@ class ServerSecurity:
         return grpc.ssl_server_credentials([pair], root_certificates=root, require_client_auth=root is not None)
 
     def interceptors(self) -> list[grpc.aio.ServerInterceptor]:
-        return [TokenAuth(self.token)] if self.token else []
+        if self.token_file is not None:
+            return [TokenAuth(self.token_file.secrets)]
+        token = self.token
+        return [TokenAuth(lambda: (token,))] if token else []
 
 
 @dataclass(frozen=True)
 class ClientSecurity:
     """How a client reaches a protected server: TLS trusting `ca` (and
-    presenting `cert`/`key` for mutual TLS); `token` sent with every call;
+    presenting `cert`/`key` for mutual TLS); `token` sent with every call
+    (`token_file`: the first token of the file, as it is now);
     `server_name` overrides the name the server's certificate must carry."""
 
     ca: str = ""
@@ -380,6 +442,15 @@ class ClientSecurity:
     key: str = ""
     token: str = ""
     server_name: str = ""
+    token_file: SecretFile | None = None
+
+    @classmethod
+    def with_token_file(cls, path: str, **tls: Any) -> ClientSecurity:
+        """Calls bear the first token of the file at `path` ("": none)."""
+        if not path:
+            return cls(**tls)
+        tokens = SecretFile(path)
+        return cls(**tls, token=tokens.first(), token_file=tokens)
 
     def channel(self, target: str, options: Sequence[tuple[str, object]] = ()) -> grpc.aio.Channel:
         opts = list(options)
@@ -395,17 +466,19 @@ class ClientSecurity:
         return grpc.aio.secure_channel(target, creds, options=opts)
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
-        return ((AUTHORIZATION, f"Bearer {self.token}"),) if self.token else ()
+        token = self.token_file.first() if self.token_file is not None else self.token
+        return ((AUTHORIZATION, f"Bearer {token}"),) if token else ()
 
 
 class TokenAuth(grpc.aio.ServerInterceptor):
     """Refuses, with UNAUTHENTICATED and our ErrorInfo, every call that does
-    not carry the shared token — except health checks, which orchestrators'
-    probes make without credentials and which tell nothing but a status. The
-    comparison takes the same time whatever the token presented."""
+    not carry a shared token (`tokens()`: those accepted now) — except
+    health checks, which orchestrators' probes make without credentials and
+    which tell nothing but a status. Each comparison takes the same time
+    whatever the token presented."""
 
-    def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}".encode()
+    def __init__(self, tokens: Callable[[], Sequence[str]]) -> None:
+        self._tokens = tokens
 
         async def deny(request: object, context: grpc.aio.ServicerContext) -> None:
             await context.abort_with_status(Unauthenticated("this server requires a token").to_status())
@@ -424,7 +497,8 @@ class TokenAuth(grpc.aio.ServerInterceptor):
         for key, value in handler_call_details.invocation_metadata or ():
             if key == AUTHORIZATION:
                 presented = value.encode() if isinstance(value, str) else value
-        if hmac.compare_digest(presented, self._expected):
+        # Every accepted token compared (no early stop: the time says nothing of which matched).
+        if any([hmac.compare_digest(presented, f"Bearer {t}".encode()) for t in self._tokens()]):
             return await continuation(handler_call_details)
         return self._deny
 

@@ -26,7 +26,6 @@ import torch
 import torch.distributed as dist
 
 from mmsplit import __version__, localauth, pairing
-from mmsplit.client import read_secret
 from mmsplit.common.v1 import common_pb2
 from mmsplit.errors import InternalError, MmsplitError
 from mmsplit.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
@@ -271,11 +270,8 @@ def run(settings: SchedulerSettings, ranks: LocalRanks | None = None) -> int:
 def _run(settings: SchedulerSettings, ranks: LocalRanks | None) -> int:
     try:
         model_dtype(settings.dtype, torch.device("cpu"))
-        security = ServerSecurity(
-            cert=settings.tls_cert,
-            key=settings.tls_key,
-            client_ca=settings.tls_client_ca,
-            token=read_secret(settings.auth_token_file) if settings.auth_token_file else "",
+        security = ServerSecurity.with_token_file(
+            settings.auth_token_file, cert=settings.tls_cert, key=settings.tls_key, client_ca=settings.tls_client_ca
         )
         security.credentials()  # unreadable certificate files fail here (`run` takes early ranks down)
     except (ValueError, OSError) as exc:

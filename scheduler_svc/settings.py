@@ -31,7 +31,9 @@ class SchedulerSettings(ServiceSettings):
         50051, "port to serve gRPC on (the tokenizer's --scheduler default); 0 picks a free one (logged)", min=0
     )
     auth_token_file: str = _opt(
-        "", "file holding a shared token every call must carry (authorization: Bearer <token>); health is exempt"
+        "",
+        "file of shared tokens, one per line, a call must carry one of (authorization: Bearer <token>); read again "
+        "when it changes (tokens rotate without a restart); health is exempt",
     )
     insecure: bool = _opt(False, "serve with neither mutual TLS nor a token, nor a local token on loopback")
     launch: str = _opt(

@@ -140,7 +140,8 @@ class SchedulerLink:
             # certificate names the Service.
             options.append(("grpc.ssl_target_name_override", server_name))
         self.channel = security.channel(target, options)
-        self._fixed = (*security.metadata(), *pairing.metadata())
+        self._security = security  # its token read as its file changes (rotation)
+        self._pairing = pairing.metadata()
         # With no token of ours, a scheduler of this host on loopback is
         # called with its local token (mmsplit.localauth), read as it changes.
         directory = localauth.runtime_dir(settings.runtime_dir)
@@ -155,7 +156,8 @@ class SchedulerLink:
         self.gpu_uuid = gpu_uuid
 
     def _metadata(self) -> tuple[tuple[str, str], ...]:
-        return self._fixed if self._local is None else (*self._fixed, *self._local.metadata())
+        local = () if self._local is None else self._local.metadata()
+        return (*self._security.metadata(), *self._pairing, *local)
 
     @property
     def connected(self) -> bool:

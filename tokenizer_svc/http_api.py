@@ -42,7 +42,7 @@ from aiohttp import web
 from mmsplit.errors import InternalError, MmsplitError, Unauthenticated
 from mmsplit.tokenizer.v1 import tokenizer_pb2
 from mmsplit_server import structured
-from mmsplit_server.serving import RequestSummary
+from mmsplit_server.serving import RequestSummary, SecretFile
 from tokenizer_svc import openai_answers, openai_api, openai_responses
 from tokenizer_svc.errors import InvalidRequest
 from tokenizer_svc.service import TokenizerService
@@ -68,7 +68,7 @@ class HttpApi:
         *,
         model: str,
         ready: Callable[[], bool],
-        api_key: str = "",
+        api_keys: SecretFile | None = None,
         max_body_bytes: int,
         metrics: Any = None,
         keepalive_s: float = KEEPALIVE_S,
@@ -78,7 +78,7 @@ class HttpApi:
         self.tool_parser = tool_parser  # --tool-call-parser
         self.model = model
         self.ready = ready
-        self.api_key = api_key
+        self.api_keys = api_keys  # --api-key-file: any of its keys, as the file is now
         self.max_body_bytes = max_body_bytes
         self.metrics = metrics
         self.keepalive_s = keepalive_s
@@ -106,7 +106,7 @@ class HttpApi:
         route = request.match_info.route.resource.canonical if request.match_info.route.resource else "other"
         response: web.StreamResponse
         try:
-            if self.api_key and (request.path.startswith("/v1/") or request.path in _KEYED):
+            if self.api_keys is not None and (request.path.startswith("/v1/") or request.path in _KEYED):
                 self._authenticate(request)
             response = await handler(request)
         except MmsplitError as exc:
@@ -134,9 +134,13 @@ class HttpApi:
         return response
 
     def _authenticate(self, request: web.Request) -> None:
+        assert self.api_keys is not None
         given = request.headers.get("Authorization", "")
         scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+        presented = token.strip().encode()
+        # Every key compared (no early stop: the time says nothing of which matched).
+        matched = [hmac.compare_digest(presented, key.encode()) for key in self.api_keys.secrets()]
+        if scheme.lower() != "bearer" or not any(matched):
             raise Unauthenticated("a valid API key is required (Authorization: Bearer <key>)")
 
     # ---- routes ----

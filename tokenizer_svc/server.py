@@ -22,7 +22,6 @@ from typing import Any
 import grpc
 
 from mmsplit import __version__, pairing
-from mmsplit.client import read_secret
 from mmsplit.common.v1 import common_pb2
 from mmsplit.errors import InternalError, MmsplitError
 from mmsplit.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
@@ -33,6 +32,7 @@ from mmsplit_server.serving import (
     ClientSecurity,
     Health,
     RequestSummary,
+    SecretFile,
     ServerSecurity,
     health_server,
     new_server,
@@ -238,17 +238,17 @@ def run(settings: TokenizerSettings) -> int:
     try:
         security = ServerSecurity(cert=settings.tls_cert, key=settings.tls_key, client_ca=settings.tls_client_ca)
         security.credentials()  # unreadable certificate files fail here
-        downstream = ClientSecurity(
+        downstream = ClientSecurity.with_token_file(
+            settings.scheduler_auth_token_file,
             ca=settings.scheduler_tls_ca,
             cert=settings.scheduler_tls_cert,
             key=settings.scheduler_tls_key,
-            token=read_secret(settings.scheduler_auth_token_file) if settings.scheduler_auth_token_file else "",
             server_name=settings.scheduler_tls_server_name,
         )
-        api_key = read_secret(settings.api_key_file) if settings.api_key_file else ""  # unreadable or empty: here
+        api_keys = SecretFile(settings.api_key_file) if settings.api_key_file else None  # unreadable or empty: here
     except (ValueError, OSError) as exc:
         raise SystemExit(f"mmsplit tokenizer: {exc}") from exc
-    return run_service(_serve(settings, security, downstream, api_key))
+    return run_service(_serve(settings, security, downstream, api_keys))
 
 
 def _load_processor(settings: TokenizerSettings) -> tuple[families.Family, Any, str | None]:
@@ -286,7 +286,7 @@ def chat_template(choice: str, model_dir: Path, tokenizer: Any) -> str | None:
 
 
 async def _serve(
-    settings: TokenizerSettings, security: ServerSecurity, downstream: ClientSecurity, api_key: str
+    settings: TokenizerSettings, security: ServerSecurity, downstream: ClientSecurity, api_keys: SecretFile | None
 ) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -351,7 +351,7 @@ async def _serve(
             service,
             model=settings.served_model_name or settings.model_dir.name,
             ready=lambda: health.ready,
-            api_key=api_key,
+            api_keys=api_keys,
             max_body_bytes=settings.http_body_limit,
             metrics=metrics,
             tool_parser=settings.tool_call_parser,

@@ -33,7 +33,9 @@ class TokenizerSettings(ServiceSettings):
     scheduler_tls_cert: str = _opt("", "PEM client certificate presented to the scheduler (mutual TLS)")
     scheduler_tls_key: str = _opt("", "PEM private key of --scheduler-tls-cert")
     scheduler_tls_server_name: str = _opt("", "name the scheduler's certificate carries, when not its address")
-    scheduler_auth_token_file: str = _opt("", "file holding the token the scheduler requires")
+    scheduler_auth_token_file: str = _opt(
+        "", "file holding the token the scheduler requires (its first line; read again when it changes)"
+    )
     port: int = _opt(
         50052, "port to serve gRPC on (mmsplit generate's --server default); 0 picks a free one (logged)", min=0
     )
@@ -49,7 +51,9 @@ class TokenizerSettings(ServiceSettings):
         "", "the model's name in the HTTP API (requests naming another get 404); empty = the model directory's name"
     )
     api_key_file: str = _opt(
-        "", "file holding the API key every /v1 HTTP request must bear (Authorization: Bearer KEY); empty = none"
+        "",
+        "file of API keys, one per line, every /v1 HTTP request must bear one of (Authorization: Bearer KEY); read "
+        "again when it changes (keys rotate without a restart); empty = none",
     )
     http_max_body_bytes: int = _opt(
         0,

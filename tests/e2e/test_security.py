@@ -7,6 +7,7 @@ network namespace the test makes, so no traffic leaves it."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -85,6 +86,7 @@ class Secured:
     token: str
     scheduler: str
     tokenizer: str
+    token_file: Path  # both services': the scheduler takes its tokens, the tokenizer sends its first
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +125,7 @@ def secured(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
             ]  # fmt: skip
             tok_args = tokenizer_args(tiny_model, f"{ns.address}:50551", extra=downstream)
             tok = start(ns, "tokenizer", tok_args, tmp, TOKENIZER_READY)
-            yield Secured(ns, pki, "s3cret-token-for-this-test", f"{ns.address}:50551", "127.0.0.1:50552")
+            yield Secured(ns, pki, "s3cret-token-for-this-test", f"{ns.address}:50551", "127.0.0.1:50552", token)
         finally:
             for proc in (tok, sched):
                 if proc is not None:
@@ -163,3 +165,21 @@ def test_the_tokenizer_presents_its_credentials_and_serves_tls_to_clients(secure
     assert events[-1]["finished"]["completion_tokens"] == 3
     plain = generate(secured.ns, secured.tokenizer, "--timeout", "5")
     assert plain.returncode != 0  # a plaintext client gets no answer from a TLS port
+
+
+def test_the_token_rotates_without_a_restart(secured: Secured, tmp_path: Path) -> None:
+    """Both services read their token files again when they change: with
+    a new token only, the tokenizer presents it and the scheduler takes it
+    (a generation through both), and the old one is refused."""
+    pki = secured.pki
+    tls = ["--ca", str(pki.ca), "--cert", str(pki.client_cert), "--key", str(pki.client_key)]
+    rotated = secured.token_file.with_suffix(".new")
+    try:
+        rotated.write_text("# rotated\nthe-rotated-token\n")
+        os.replace(rotated, secured.token_file)
+        done = generate(secured.ns, secured.tokenizer, "--tls-ca", str(pki.ca), "--json")
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert json.loads(done.stdout.splitlines()[-1])["finished"]["completion_tokens"] == 3
+        assert call(secured.ns, secured.scheduler, *tls, "--token", secured.token)["generate"] == "UNAUTHENTICATED"
+    finally:
+        secured.token_file.write_text(secured.token + "\n")
