@@ -23,7 +23,7 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -394,6 +394,16 @@ class SecretFile:
         self._seen, self._secrets, self._failing = key, secrets, False
 
 
+_Security = TypeVar("_Security", "ServerSecurity", "ClientSecurity")
+
+
+def _with_token_file(cls: type[_Security], path: str, tls: dict[str, Any]) -> _Security:
+    if not path:
+        return cls(**tls)
+    tokens = SecretFile(path)
+    return cls(**tls, token=tokens.first(), token_file=tokens)
+
+
 @dataclass(frozen=True)
 class ServerSecurity:
     """How a server's port is protected. TLS with `cert` and `key`; mutual
@@ -411,10 +421,7 @@ class ServerSecurity:
     @classmethod
     def with_token_file(cls, path: str, **tls: Any) -> ServerSecurity:
         """Calls must bear a token of the file at `path` ("": none)."""
-        if not path:
-            return cls(**tls)
-        tokens = SecretFile(path)
-        return cls(**tls, token=tokens.first(), token_file=tokens)
+        return _with_token_file(cls, path, tls)
 
     def credentials(self) -> grpc.ServerCredentials | None:
         if not self.cert:
@@ -447,10 +454,7 @@ class ClientSecurity:
     @classmethod
     def with_token_file(cls, path: str, **tls: Any) -> ClientSecurity:
         """Calls bear the first token of the file at `path` ("": none)."""
-        if not path:
-            return cls(**tls)
-        tokens = SecretFile(path)
-        return cls(**tls, token=tokens.first(), token_file=tokens)
+        return _with_token_file(cls, path, tls)
 
     def channel(self, target: str, options: Sequence[tuple[str, object]] = ()) -> grpc.aio.Channel:
         opts = list(options)
