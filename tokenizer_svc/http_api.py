@@ -3,10 +3,14 @@ tokenizer's event loop, beside its gRPC server: the same `TokenizerService`
 runs every request, so an HTTP request is prepared, admitted, cancelled and
 released exactly as a gRPC one.
 
-Routes: POST /v1/chat/completions, POST /v1/completions (both streaming or
-not), GET /v1/models, GET /health (200 only while a scheduler backend is
-ready, else 503). With `--api-key-file`, every /v1 route needs
-``Authorization: Bearer <key>`` (401 otherwise; compared in constant time).
+Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/responses
+(each streaming or not; the Responses API over the chat path,
+`openai_responses`), GET /v1/models, GET /v1/responses/{id} (404: nothing is
+stored), POST /tokenize and /detokenize (vLLM's), GET /health (200 only
+while a scheduler backend is ready, else 503). With `--api-key-file`, every
+/v1 route and the token routes need ``Authorization: Bearer <key>`` with a
+key of the file (401 otherwise; compared in constant time; the file is read
+again when it changes).
 
 Streams are server-sent events: for chat a first chunk with the assistant's
 role, then content deltas, a chunk with the finish reason, the usage chunk
@@ -15,7 +19,9 @@ when `stream_options.include_usage` asks (``choices: []``), then
 ``data: {"error": ...}`` event, then ``[DONE]``; never a silent close. While
 nothing comes (a long fetch, preprocessing or prefill) a comment line
 (``: keep-alive``) goes out every KEEPALIVE_S, so proxies keep the
-connection. A client that disconnects cancels its request at once (the
+connection (a Responses stream is its typed events instead, each with an
+``event:`` line, ending with response.completed). A client that
+disconnects cancels its request at once (the
 handler is cancelled: aiohttp's handler_cancellation), and everything the
 request held is released as for a gRPC cancel.
 
