@@ -1006,3 +1006,26 @@ def test_tokenize_and_detokenize_give_the_ids_generation_uses(api: Api) -> None:
         status, body = post(path, body, key="wrong" if code == 401 else KEY)
         assert (status, body["error"]["param"]) == (code, param), (path, body)
     _good_after(api)
+
+
+def test_the_sdk_s_structured_output_helpers_parse_our_answers(api: Api) -> None:
+    """The openai SDK's `chat.completions.parse` and `responses.parse` with
+    a pydantic model (what they send: a strict json_schema; what they read:
+    the answer as that model)."""
+    from typing import Literal
+
+    import pydantic
+
+    class Colors(pydantic.BaseModel):
+        color: Literal["red", "green", "blue"]
+        bright: bool
+
+    client = api.client()
+    messages = [{"role": "user", "content": [image_part(A), {"type": "text", "text": "Its color?"}]}]
+    chat = client.chat.completions.parse(model=api.model, messages=messages, max_tokens=40, response_format=Colors)  # type: ignore[arg-type]
+    parsed = chat.choices[0].message.parsed
+    assert isinstance(parsed, Colors), chat
+    response = client.responses.parse(
+        model=api.model, input=RESPONSES_INPUT[:1], max_output_tokens=40, text_format=Colors
+    )  # type: ignore[arg-type]
+    assert isinstance(response.output_parsed, Colors), response
