@@ -1029,3 +1029,12 @@ def test_the_sdk_s_structured_output_helpers_parse_our_answers(api: Api) -> None
         model=api.model, input=RESPONSES_INPUT[:1], max_output_tokens=40, text_format=Colors
     )  # type: ignore[arg-type]
     assert isinstance(response.output_parsed, Colors), response
+    # The streaming helpers, which build the object from the events (their order and ids checked as they go).
+    with client.responses.stream(model=api.model, input=RESPONSES_INPUT[:1], max_output_tokens=40,
+                                 text_format=Colors) as stream:  # fmt: skip
+        final = stream.get_final_response()
+    assert isinstance(final.output_parsed, Colors), final
+    with client.chat.completions.stream(model=api.model, messages=messages, max_tokens=40,  # type: ignore[arg-type]
+                                        response_format=Colors) as chat_stream:  # fmt: skip
+        completion = chat_stream.get_final_completion()
+    assert isinstance(completion.choices[0].message.parsed, Colors), completion
