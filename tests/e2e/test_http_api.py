@@ -1034,6 +1034,13 @@ def test_the_sdk_s_structured_output_helpers_parse_our_answers(api: Api) -> None
                                  text_format=Colors) as stream:  # fmt: skip
         final = stream.get_final_response()
     assert isinstance(final.output_parsed, Colors), final
+    tool = {"type": "function", "name": "get_weather", "parameters": COLORS, "strict": True}
+    with client.responses.stream(model=api.model, input=RESPONSES_INPUT[:1], max_output_tokens=40, tools=[tool],  # type: ignore[list-item]
+                                 tool_choice={"type": "function", "name": "get_weather"}) as stream:  # fmt: skip
+        called = stream.get_final_response()
+    assert [(item.type, json.loads(item.arguments).keys()) for item in called.output] == [  # type: ignore[union-attr]
+        ("function_call", {"color", "bright"})
+    ]
     with client.chat.completions.stream(model=api.model, messages=messages, max_tokens=40,  # type: ignore[arg-type]
                                         response_format=Colors) as chat_stream:  # fmt: skip
         completion = chat_stream.get_final_completion()
