@@ -219,6 +219,7 @@ class Answer:
     created: int = field(default_factory=lambda: int(time.time()))
     _sequence: int = 0
     _text_open: bool = False
+    _call_open: bool = False  # a named function's call item, added as its arguments began to stream
 
     DONE: ClassVar[bytes] = b""  # the stream ends with response.completed
 
@@ -231,8 +232,12 @@ class Answer:
                 self._event("response.in_progress", response=response)]  # fmt: skip
 
     def step(self, i: int, shown: Shown, text: str = "") -> list[dict[str, Any]]:
-        """The events of what one response adds (text deltas, with their
-        tokens' log probabilities when asked; none with tools)."""
+        """The events of what one response adds: text deltas, with their
+        tokens' log probabilities when asked; a named function's arguments
+        as they come (its item added with the first); nothing for other
+        tools (their calls are parsed at the end)."""
+        if self._named is not None:
+            return self._arguments(shown.text) if shown.text else []
         if self.calls is not None or not (shown.text or shown.logprobs):
             return []
         events = [] if self._text_open else self._open_text()
@@ -256,14 +261,15 @@ class Answer:
                                 content_index=0, part=part),
                 ]  # fmt: skip
             else:
-                opened = {**item, "status": "in_progress", "arguments": ""}
-                events += [
-                    self._event("response.output_item.added", output_index=index, item=opened),
-                    self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                                delta=item["arguments"]),
-                    self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                                name=item["name"], arguments=item["arguments"]),
-                ]  # fmt: skip
+                if not self._call_open:  # not streamed: added, its arguments whole, now
+                    events += self._arguments(item["arguments"], item, index)
+                done = {
+                    "item_id": item["id"],
+                    "output_index": index,
+                    "name": item["name"],
+                    "arguments": item["arguments"],
+                }
+                events.append(self._event("response.function_call_arguments.done", **done))
             events.append(self._event("response.output_item.done", output_index=index, item=item))
         kind = "response.completed" if response["status"] == "completed" else "response.incomplete"
         events.append(self._event(kind, response=response))
@@ -294,6 +300,32 @@ class Answer:
                 self._event("response.content_part.added", item_id=self._message_id, output_index=index,
                             content_index=0, part=part)]  # fmt: skip
 
+    @property
+    def _named(self) -> str | None:
+        """The function a named tool_choice calls (its arguments stream)."""
+        return self.calls.name if isinstance(self.calls, Forced) and self.calls.name else None
+
+    def _arguments(self, delta: str, item: dict[str, Any] | None = None, index: int = 0) -> list[dict[str, Any]]:
+        """A call's arguments delta, after its item's `added` event the first time."""
+        item = item or self._call_item(self._named or "", "")
+        events = []
+        if not self._call_open:
+            self._call_open = item["call_id"] == self._call_id
+            opened = {**item, "status": "in_progress", "arguments": ""}
+            events.append(self._event("response.output_item.added", output_index=index, item=opened))
+        return [*events, self._event("response.function_call_arguments.delta", item_id=item["id"],
+                                     output_index=index, delta=delta)]  # fmt: skip
+
+    @property
+    def _call_id(self) -> str:
+        """The named call's id: one for its stream and its final object."""
+        return "call_" + self.id[:24]
+
+    def _call_item(self, name: str, arguments: str, call_id: str = "") -> dict[str, Any]:
+        call_id = call_id or self._call_id
+        return {"type": "function_call", "id": "fc_" + call_id.removeprefix("call_"), "call_id": call_id,
+                "name": name, "arguments": arguments, "status": "completed"}  # fmt: skip
+
     def _text_delta(self, index: int, text: str, logprobs: list[dict[str, Any]]) -> dict[str, Any]:
         return self._event("response.output_text.delta", item_id=self._message_id, output_index=index,
                            content_index=0, delta=text, logprobs=logprobs)  # fmt: skip
@@ -316,9 +348,8 @@ class Answer:
                                "role": "assistant", "content": [part]})  # fmt: skip
             for call in calls or []:
                 function = call["function"]
-                output.append({"type": "function_call", "id": "fc_" + call["id"].removeprefix("call_"),
-                               "call_id": call["id"], "name": function["name"], "arguments": function["arguments"],
-                               "status": "completed"})  # fmt: skip
+                call_id = self._call_id if self._named else call["id"]  # the named call's streamed id
+                output.append(self._call_item(function["name"], function["arguments"], call_id))
             cut = finish == "length"
             status = "incomplete" if cut else "completed"
             incomplete = {"reason": "max_output_tokens"} if cut else None

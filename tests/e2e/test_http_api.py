@@ -935,6 +935,12 @@ def test_the_responses_api_takes_structured_output_and_function_tools(api: Api) 
     )  # fmt: skip
     done = [e.item for e in streamed if e.type == "response.output_item.done"]
     assert [(d.type, d.arguments) for d in done] == [("function_call", call.arguments)]  # type: ignore[union-attr]
+    # A named function's arguments stream as they are generated, under the id the call ends with.
+    pieces = [e for e in streamed if e.type == "response.function_call_arguments.delta"]
+    added = [e.item for e in streamed if e.type == "response.output_item.added"]
+    assert len(pieces) > 1
+    assert "".join(e.delta for e in pieces) == call.arguments  # type: ignore[union-attr]
+    assert {e.item_id for e in pieces} == {added[0].id} == {done[0].id}  # type: ignore[union-attr]
     answered = [
         *RESPONSES_INPUT,
         {"type": "function_call", "call_id": call.call_id, "name": "get_weather", "arguments": call.arguments},  # type: ignore[union-attr]
