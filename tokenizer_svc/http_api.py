@@ -56,6 +56,7 @@ from tokenizer_svc.service import TokenizerService
 log = logging.getLogger(__name__)
 
 KEEPALIVE_S = 15.0
+MAX_REQUEST_ID = 128  # as the gRPC API's request_id
 # A body this large is parsed off the event loop.
 BIG_BODY = 1 << 20
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -216,7 +217,7 @@ class HttpApi:
             call = openai_api.parse_chat(chat, self.tool_parser)
         except MmsplitError as exc:
             raise openai_responses.rename(exc, places) from None
-        rid = uuid.uuid4().hex
+        rid = _request_id(request)
         answer = openai_responses.Answer(rid, self.model, body, call.calls, places)
         return await self._serve(request, chat, call, answer, rid)
 
@@ -231,7 +232,7 @@ class HttpApi:
     async def _generate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         body = await _body(request)
         call = openai_api.parse_chat(body, self.tool_parser) if chat else openai_api.parse_completion(body)
-        rid = uuid.uuid4().hex
+        rid = _request_id(request)
         shape = openai_answers.Shape.of(chat, rid, self.model, call.calls)
         return await self._serve(request, body, call, shape, rid)
 
@@ -474,6 +475,21 @@ async def _body(request: web.Request) -> Any:
         raise InvalidRequest(f"the request body is not valid JSON: {exc}") from exc
     except RecursionError as exc:  # valid JSON nested deeper than the parser goes
         raise InvalidRequest("the request body nests too deeply") from exc
+
+
+def _request_id(request: web.Request) -> str:
+    """The client's X-Request-Id (1 to 128 printable characters: its logs
+    and ours then name the request alike; it comes back in x-request-id and
+    the object's id), or a new one."""
+    given = request.headers.get("X-Request-Id")
+    if given is None:
+        return uuid.uuid4().hex
+    if not 0 < len(given) <= MAX_REQUEST_ID or not given.isprintable():
+        raise InvalidRequest(
+            f"the X-Request-Id header must be 1 to {MAX_REQUEST_ID} printable characters",
+            metadata={"param": "X-Request-Id"},
+        )
+    return given
 
 
 async def _send(response: web.StreamResponse, data: bytes) -> None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import re
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -220,6 +221,8 @@ class Answer:
     _sequence: int = 0
     _text_open: bool = False
     _call_open: bool = False  # a named function's call item, added as its arguments began to stream
+    # The named call's id: one for its stream and its final object (not the request id, which a client may reuse).
+    _call_id: str = field(default_factory=lambda: "call_" + uuid.uuid4().hex[:24])
 
     DONE: ClassVar[bytes] = b""  # the stream ends with response.completed
 
@@ -315,11 +318,6 @@ class Answer:
             events.append(self._event("response.output_item.added", output_index=index, item=opened))
         return [*events, self._event("response.function_call_arguments.delta", item_id=item["id"],
                                      output_index=index, delta=delta)]  # fmt: skip
-
-    @property
-    def _call_id(self) -> str:
-        """The named call's id: one for its stream and its final object."""
-        return "call_" + self.id[:24]
 
     def _call_item(self, name: str, arguments: str, call_id: str = "") -> dict[str, Any]:
         call_id = call_id or self._call_id

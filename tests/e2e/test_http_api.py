@@ -1051,3 +1051,24 @@ def test_the_sdk_s_structured_output_helpers_parse_our_answers(api: Api) -> None
                                         response_format=Colors) as chat_stream:  # fmt: skip
         completion = chat_stream.get_final_completion()
     assert isinstance(completion.choices[0].message.parsed, Colors), completion
+
+
+def test_a_client_s_request_id_names_the_request(api: Api) -> None:
+    """X-Request-Id (the openai SDK's extra_headers) comes back in
+    x-request-id and the object's id, streamed or not; one over 128
+    characters is a 400 naming the header."""
+    client = api.client()
+    chat = [{"role": "user", "content": "Hi"}]
+    raw = client.chat.completions.with_raw_response.create(
+        model=api.model, messages=chat, max_tokens=2, extra_headers={"X-Request-Id": "trace-7f3a"}
+    )  # type: ignore[arg-type]
+    assert raw.headers["x-request-id"] == "trace-7f3a"
+    assert raw.parse().id == "chatcmpl-trace-7f3a"
+    streamed = client.responses.create(model=api.model, input="Hi", max_output_tokens=2, stream=True,
+                                       extra_headers={"X-Request-Id": "trace-7f3b"})  # fmt: skip
+    assert [e.response.id for e in streamed if e.type.startswith("response.") and hasattr(e, "response")][
+        -1
+    ] == "resp_trace-7f3b"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=api.model, messages=chat, extra_headers={"X-Request-Id": "x" * 129})  # type: ignore[arg-type]
+    assert info.value.body["param"] == "X-Request-Id"  # type: ignore[index]
