@@ -221,6 +221,7 @@ class Answer:
     _sequence: int = 0
     _text_open: bool = False
     _call_open: bool = False  # a named function's call item, added as its arguments began to stream
+    _sent: int = 0  # characters of the message's text streamed
     # The named call's id: one for its stream and its final object (not the request id, which a client may reuse).
     _call_id: str = field(default_factory=lambda: "call_" + uuid.uuid4().hex[:24])
 
@@ -237,15 +238,24 @@ class Answer:
     def step(self, i: int, shown: Shown, text: str = "") -> list[dict[str, Any]]:
         """The events of what one response adds: text deltas, with their
         tokens' log probabilities when asked; a named function's arguments
-        as they come (its item added with the first); nothing for other
-        tools (their calls are parsed at the end)."""
+        as they come (its item added with the first); under "auto", the
+        text up to where a call may begin (the calls are parsed at the
+        end); nothing under "required"."""
         if self._named is not None:
             return self._arguments(shown.text) if shown.text else []
+        if isinstance(self.calls, Auto):
+            upto = self.calls.held(text, self._sent)
+            return self._text(text[self._sent : upto], []) if upto > self._sent else []
         if self.calls is not None or not (shown.text or shown.logprobs):
             return []
+        return self._text(shown.text, shown.logprobs)
+
+    def _text(self, delta: str, logprobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """A text delta of the message (item 0), after its opening events the first time."""
         events = [] if self._text_open else self._open_text()
         self._text_open = True
-        return [*events, self._text_delta(0, shown.text, shown.logprobs)]
+        self._sent += len(delta)
+        return [*events, self._text_delta(0, delta, logprobs)]
 
     def closing(self, choices: Choices, include_usage: bool = True) -> list[dict[str, Any]]:
         """The output's items, each done (with tools: added and done), then
@@ -255,8 +265,10 @@ class Answer:
         for index, item in enumerate(response["output"]):
             if item["type"] == "message":
                 part = item["content"][0]
-                if not self._text_open:  # with tools: the text, whole, now
+                if not self._text_open:  # not streamed (under "required", or held): the text, whole, now
                     events += [*self._open_text(index), self._text_delta(index, part["text"], part["logprobs"])]
+                elif rest := part["text"][self._sent :]:  # what "auto" held back, now that no call took it
+                    events.append(self._text_delta(index, rest, []))
                 events += [
                     self._event("response.output_text.done", item_id=item["id"], output_index=index,
                                 content_index=0, text=part["text"], logprobs=part["logprobs"]),

@@ -505,12 +505,25 @@ def test_the_openai_sdk_reads_auto_tool_calls_whole_and_streamed(
                     pieces["name"] += call.function.name or ""
                     pieces["arguments"] += call.function.arguments or ""
                 finish = chunk.choices[0].finish_reason or finish
-            return whole, (content, pieces, finish)
+            tool = {"type": "function", **TOOL["function"]}  # type: ignore[dict-item]
+            stream = await client.responses.create(model="m", input="Weather?", tools=[tool], stream=True)  # type: ignore[call-overload]
+            events = [e async for e in stream]
+            return whole, (content, pieces, finish), events
         finally:
             await client.close()
             await runner.cleanup()
 
-    whole, (content, pieces, finish) = asyncio.run(run(parser))
+    whole, (content, pieces, finish), events = asyncio.run(run(parser))
+    # The Responses API the same: its text streamed up to the call (before the call's item), then the call.
+    texts = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert texts == (expected or "")
+    final = events[-1].response
+    assert [(i.type, getattr(i, "name", None)) for i in final.output] == [
+        *([("message", None)] if expected else []),
+        ("function_call", "get_weather"),
+    ]
+    if expected:  # content streamed as the model wrote it (in pieces), not only whole at the end
+        assert sum(e.type == "response.output_text.delta" for e in events) > 1, [e.type for e in events]
     message = whole.choices[0].message
     assert (message.content, whole.choices[0].finish_reason) == (expected, "tool_calls")
     (call,) = message.tool_calls
