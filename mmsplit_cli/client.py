@@ -128,6 +128,21 @@ def generate_command(args: argparse.Namespace) -> int:
     messages = conversation(args.turns, images, videos)
     with client:
         try:
+            if args.tokenize:
+                counted = client.tokenize(
+                    args.prompt or "",
+                    messages=messages,
+                    images=[] if messages else images,
+                    videos=[] if messages else videos,
+                    request_id=args.request_id,
+                    timeout=args.timeout,
+                )
+                answer = {"count": len(counted.ids), "max_context_tokens": counted.max_context_tokens}
+                if args.json:
+                    print(json.dumps({**answer, "token_ids": counted.ids}), flush=True)
+                else:
+                    print(f"{answer['count']} prompt tokens (context {answer['max_context_tokens']})", flush=True)
+                return 0
             events = client.generate(
                 args.prompt or "",
                 messages=messages,

@@ -250,6 +250,11 @@ def parser() -> argparse.ArgumentParser:
         default="",
         help="structured output: a grammar (Lark or GBNF text, or @FILE) the whole answer must match",
     )
+    p.add_argument(
+        "--tokenize",
+        action="store_true",
+        help="count the prompt's tokens (the Tokenize RPC: media included) instead of generating",
+    )
     p.add_argument("--request-id", default="")
     p.add_argument("--timeout", type=float, default=120.0, help="deadline of the call, seconds")
     p.add_argument(

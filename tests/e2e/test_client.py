@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -56,7 +57,7 @@ def test_client_errors_are_typed_with_reason_retriable_and_request_id(services: 
     assert (forbidden.value.reason, forbidden.value.grpc_code) == ("MEDIA_SOURCE_FORBIDDEN", "PERMISSION_DENIED")
 
 
-def test_tokenize_gives_the_prompt_ids_generation_starts_from(services: Services) -> None:
+def test_tokenize_gives_the_prompt_ids_generation_starts_from(services: Services, tmp_path: Path) -> None:
     """`Tokenize` (the client's `tokenize`, blocking and async): as many ids
     as the generation of the same request reports prompt tokens (its image's
     placeholders counted by its processor), the scheduler's context, and
@@ -78,6 +79,24 @@ def test_tokenize_gives_the_prompt_ids_generation_starts_from(services: Services
             return (await client.tokenize("Describe it.", images=[image])).ids
 
     assert asyncio.run(run()) == counted.ids
+
+    # The command line: `mmsplit generate --tokenize`.
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    path = tmp_path / "image.png"
+    path.write_bytes(image)
+    argv = [sys.executable, "-m", "mmsplit_cli", "generate", "--server", services.tokenizer_address, "--tokenize"]
+    done = subprocess.run([*argv, "--json", "--image", str(path), "Describe it."], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT, check=True)  # fmt: skip
+    assert json.loads(done.stdout) == {
+        "count": len(counted.ids),
+        "max_context_tokens": counted.max_context_tokens,
+        "token_ids": counted.ids,
+    }
 
 
 def test_the_async_client_gives_the_same_tokens(services: Services) -> None:
