@@ -126,17 +126,18 @@ def generate_command(args: argparse.Namespace) -> int:
         print(f"mmsplit generate: {exc.filename}: {exc.strerror}", file=sys.stderr)
         return 2
     messages = conversation(args.turns, images, videos)
+    # What is asked about, whether generating or counting its tokens.
+    asked: dict[str, Any] = {
+        "messages": messages,
+        "images": [] if messages else images,
+        "videos": [] if messages else videos,
+        "request_id": args.request_id,
+        "timeout": args.timeout,
+    }
     with client:
         try:
             if args.tokenize:
-                counted = client.tokenize(
-                    args.prompt or "",
-                    messages=messages,
-                    images=[] if messages else images,
-                    videos=[] if messages else videos,
-                    request_id=args.request_id,
-                    timeout=args.timeout,
-                )
+                counted = client.tokenize(args.prompt or "", **asked)
                 answer = {"count": len(counted.ids), "max_context_tokens": counted.max_context_tokens}
                 if args.json:
                     print(json.dumps({**answer, "token_ids": counted.ids}), flush=True)
@@ -145,10 +146,7 @@ def generate_command(args: argparse.Namespace) -> int:
                 return 0
             events = client.generate(
                 args.prompt or "",
-                messages=messages,
-                images=[] if messages else images,
-                videos=[] if messages else videos,
-                request_id=args.request_id,
+                **asked,
                 max_tokens=args.max_tokens,
                 temperature=args.temperature,
                 top_p=args.top_p,
@@ -167,7 +165,6 @@ def generate_command(args: argparse.Namespace) -> int:
                 regex=args.regex,
                 choice=args.choice,
                 grammar=grammar,
-                timeout=args.timeout,
             )
             try:
                 for event in events:
