@@ -124,6 +124,8 @@ def _item(item: Any, where: str, messages: list[dict[str, Any]], places: list[st
         if role not in _ROLES:
             raise _invalid(f"{where}.role must be one of {', '.join(_ROLES)}", f"{where}.role")
         messages.append({"role": role, "content": _content(item.get("content"), where)})
+    elif kind in ("function_call", "function_call_output") and not _is_text(item.get("call_id")):
+        raise _invalid(f"{where}.call_id must name the call (a non-empty string)", f"{where}.call_id")
     elif kind == "function_call":
         call = {"id": item.get("call_id"), "type": "function",
                 "function": {"name": item.get("name"), "arguments": item.get("arguments")}}  # fmt: skip
@@ -142,6 +144,10 @@ def _item(item: Any, where: str, messages: list[dict[str, Any]], places: list[st
             f"{where}: item type {kind!r} is not supported (message, function_call, function_call_output)", where
         )
     places.append(where)
+
+
+def _is_text(value: Any) -> bool:
+    return isinstance(value, str) and bool(value)
 
 
 def _content(content: Any, where: str) -> Any:

@@ -806,3 +806,17 @@ def test_several_prompts_merge_and_one_failure_ends_every_other_s_work() -> None
     ended.clear()
     assert len(asyncio.run(run(3))) == 3
     assert sorted(ended) == ["a", "b"]
+
+
+def test_responses_calls_and_their_outputs_must_name_the_call() -> None:
+    from tokenizer_svc.openai_responses import to_chat
+
+    for item in (
+        {"type": "function_call", "name": "f", "arguments": "{}"},
+        {"type": "function_call", "call_id": 5, "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "output": "sunny"},
+        {"type": "function_call_output", "call_id": "", "output": "sunny"},
+    ):
+        with pytest.raises(InvalidRequest) as info:
+            to_chat({"input": [{"role": "user", "content": "x"}, item]})
+        assert openai_api.param_name(info.value) == "input[1].call_id", item
