@@ -379,7 +379,10 @@ def _message(m: Any, i: int) -> tokenizer_pb2.ChatMessage:
         arguments = function.get("arguments", "")
         if not isinstance(arguments, str):
             raise _invalid(f"{where}.tool_calls[{k}].function.arguments must be a string (JSON)", f"{where}.tool_calls")
-        out.tool_calls.add(id=str(call.get("id", "")), name=function["name"], arguments=arguments)
+        call_id = call.get("id") or ""
+        if not isinstance(call_id, str):
+            raise _invalid(f"{where}.tool_calls[{k}].id must be a string", f"{where}.tool_calls[{k}]")
+        out.tool_calls.add(id=call_id, name=function["name"], arguments=arguments)
     if role == tokenizer_pb2.CHAT_ROLE_TOOL:
         call_id = m.get("tool_call_id")
         if not isinstance(call_id, str) or not call_id:

@@ -215,6 +215,12 @@ def test_tool_calls_and_tool_results_reach_the_contract() -> None:
     (made,) = messages[1].tool_calls
     assert (made.id, made.name, made.arguments) == ("call_1", "f", '{"a": 1}')
     assert (messages[2].tool_call_id, messages[2].content[0].text) == ("call_1", "42")
+    unnamed = {**asked, "tool_calls": [{**call, "id": None}]}  # a call without its id: no id, not "None"
+    (made,) = openai_api.parse_chat({"messages": [body["messages"][0], unnamed]}).request.messages[1].tool_calls
+    assert made.id == ""
+    with pytest.raises(InvalidRequest) as info:
+        openai_api.parse_chat({"messages": [body["messages"][0], {**asked, "tool_calls": [{**call, "id": 7}]}]})
+    assert openai_api.param_name(info.value) == "messages[1].tool_calls[0]"
     del body["messages"][2]["tool_call_id"]  # type: ignore[attr-defined]
     with pytest.raises(InvalidRequest) as info:
         openai_api.parse_chat(body)
