@@ -35,7 +35,7 @@ import grpc
 
 from mmsplit import localauth
 from mmsplit.common.v1 import common_pb2
-from mmsplit.errors import E, MmsplitError, RemoteError
+from mmsplit.errors import E, MmsplitError, RemoteError, error_info_of
 from mmsplit.keepalive import keepalive_options
 from mmsplit.pairing import UNKNOWN, Pairing
 from mmsplit.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
@@ -274,7 +274,12 @@ class SchedulerLink:
         if isinstance(exc, CallEnded):
             return self._unavailable(str(exc))
         error = RemoteError.from_rpc_error(exc, unavailable_code=E.ERROR_CODE_SCHEDULER_UNAVAILABLE)
-        if error.error_code == E.ERROR_CODE_SCHEDULER_UNAVAILABLE:
+        # Every error our scheduler raises carries its ErrorInfo; an INTERNAL
+        # without one is gRPC's own ("Internal error from Core": the
+        # connection broke mid-call, as when a group is killed), so the
+        # scheduler is unavailable, which a retry may get past.
+        transport = exc.code() == grpc.StatusCode.INTERNAL and error_info_of(exc) is None
+        if error.error_code == E.ERROR_CODE_SCHEDULER_UNAVAILABLE or transport:
             return self._unavailable(f"{exc.code()} {exc.details()}")
         return error
 
