@@ -51,11 +51,17 @@ def read_secret(path: str) -> str:
     lines starting with # aside (the services' files hold one secret per
     line); a file with none is an error. The conformance kit reads its
     files with this."""
-    lines = (line.strip() for line in Path(path).read_text().splitlines())
-    token = next((line for line in lines if line and not line.startswith("#")), "")
-    if not token:
+    secrets = secrets_in(Path(path).read_text())
+    if not secrets:
         raise ValueError(f"{path} holds no secret")
-    return token
+    return secrets[0]
+
+
+def secrets_in(text: str) -> tuple[str, ...]:
+    """The secrets of a token file's text: one per line, surrounding
+    whitespace removed, blank lines and lines starting with # aside."""
+    lines = (line.strip() for line in text.splitlines())
+    return tuple(line for line in lines if line and not line.startswith("#"))
 
 
 class RequestFailed(Exception):

@@ -30,6 +30,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from mmsplit.client import secrets_in
 from mmsplit.errors import MalformedMessage, Unauthenticated
 from mmsplit.keepalive import MIN_PING_INTERVAL_MS, keepalive_options
 
@@ -378,8 +379,7 @@ class SecretFile:
             key = (st.st_ino, st.st_mtime_ns, st.st_size)
             if key == self._seen:
                 return
-            lines = (line.strip() for line in self.path.read_text().splitlines())
-            secrets = tuple(line for line in lines if line and not line.startswith("#"))
+            secrets = secrets_in(self.path.read_text())
             if not secrets:
                 raise ValueError(f"{self.path} holds no secret (one per line)")
         except (OSError, ValueError) as exc:

@@ -40,6 +40,14 @@ Medium = tokenizer_pb2.Image | tokenizer_pb2.Video
 MAX_CHOICES = 8
 # Characters of GenerateRequest.cache_salt.
 MAX_CACHE_SALT = 256
+# Characters of a client's request id (GenerateRequest.request_id, HTTP's X-Request-Id).
+MAX_REQUEST_ID = 128
+
+
+def valid_request_id(rid: str) -> bool:
+    return 0 < len(rid) <= MAX_REQUEST_ID and rid.isprintable()
+
+
 # Choice i of a request seeded s samples with s + i * SEED_STRIDE (mod 2^63,
 # never 0, which means "derived from the downstream request id").
 SEED_STRIDE = 0x9E3779B97F4A7C15

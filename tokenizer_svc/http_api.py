@@ -50,13 +50,13 @@ from mmsplit.tokenizer.v1 import tokenizer_pb2
 from mmsplit_server import structured
 from mmsplit_server.serving import RequestSummary, SecretFile
 from tokenizer_svc import openai_answers, openai_api, openai_responses
+from tokenizer_svc.conversation import MAX_REQUEST_ID, valid_request_id
 from tokenizer_svc.errors import InvalidRequest
 from tokenizer_svc.service import TokenizerService
 
 log = logging.getLogger(__name__)
 
 KEEPALIVE_S = 15.0
-MAX_REQUEST_ID = 128  # as the gRPC API's request_id
 # A body this large is parsed off the event loop.
 BIG_BODY = 1 << 20
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -167,6 +167,11 @@ class HttpApi:
             return _not_served(name, self.model)
         return web.json_response(self._card())
 
+    def _other_model(self, body: Any) -> web.Response | None:
+        """The 404 of a body naming a model this server does not serve."""
+        model = body.get("model") if isinstance(body, dict) else None
+        return None if model is None or model == self.model else _not_served(model, self.model)
+
     def _card(self) -> dict[str, Any]:
         card = {"id": self.model, "object": "model", "created": self.created, "owned_by": "mmsplit"}
         if longest := self.service.link.max_context:
@@ -179,11 +184,10 @@ class HttpApi:
         and the context they must fit (`max_model_len`, when a scheduler
         says)."""
         body = await _body(request)
-        model = body.get("model") if isinstance(body, dict) else None
-        if model is not None and model != self.model:
-            return _not_served(model, self.model)
+        if (other := self._other_model(body)) is not None:
+            return other
         asked, strs = openai_api.parse_tokenize(body)
-        ids = await self.service.tokenize(asked, uuid.uuid4().hex)
+        ids = await self.service.tokenize(asked, _request_id(request))
         answer: dict[str, Any] = {"count": len(ids), "max_model_len": self.service.link.max_context, "tokens": ids}
         answer["token_strs"] = self.service.tokenizer.convert_ids_to_tokens(ids) if strs else None
         return web.json_response(answer)
@@ -191,9 +195,8 @@ class HttpApi:
     async def detokenize(self, request: web.Request) -> web.Response:
         """vLLM's /detokenize: the text of token ids (special tokens included)."""
         body = await _body(request)
-        model = body.get("model") if isinstance(body, dict) else None
-        if model is not None and model != self.model:
-            return _not_served(model, self.model)
+        if (other := self._other_model(body)) is not None:
+            return other
         tokens = openai_api.parse_detokenize(body)
         vocab = len(self.service.tokenizer)
         if any(t >= vocab for t in tokens):
@@ -240,9 +243,8 @@ class HttpApi:
         self, request: web.Request, body: Any, call: openai_api.Call, shape: Shaped, rid: str
     ) -> web.StreamResponse:
         """Run `call` and answer it in `shape`: whole, or streamed."""
-        model = body.get("model") if isinstance(body, dict) else None
-        if model is not None and model != self.model:
-            return _not_served(model, self.model)
+        if (other := self._other_model(body)) is not None:
+            return other
         if isinstance(call.calls, openai_api.Forced):
             await _check_tool_schema(call.request.sampling.json_schema)
         summary = RequestSummary(rid, protocol="http", route=request.path, choices=call.choices)
@@ -254,11 +256,7 @@ class HttpApi:
                 _count(summary, response)
                 choices.add(i, response)
             summary.finished("STOP", choices.prompt_tokens, sum(choices.completion_tokens))
-            answer = (
-                shape.complete(choices, logprobs=call.request.sampling.logprobs)
-                if isinstance(shape, openai_answers.Shape)
-                else shape.complete(choices)
-            )
+            answer = shape.complete(choices, logprobs=call.request.sampling.logprobs)
             return web.json_response(answer, headers={"x-request-id": rid})
         except MmsplitError as exc:
             summary.outcome = exc.reason
@@ -484,7 +482,7 @@ def _request_id(request: web.Request) -> str:
     given = request.headers.get("X-Request-Id")
     if given is None:
         return uuid.uuid4().hex
-    if not 0 < len(given) <= MAX_REQUEST_ID or not given.isprintable():
+    if not valid_request_id(given):
         raise InvalidRequest(
             f"the X-Request-Id header must be 1 to {MAX_REQUEST_ID} printable characters",
             metadata={"param": "X-Request-Id"},

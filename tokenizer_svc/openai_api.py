@@ -184,20 +184,20 @@ def parse_chat(body: Any, tool_parser: str = "none") -> Call:
     body = _object(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise _invalid("messages must be a non-empty list", "messages")
+        raise invalid("messages must be a non-empty list", "messages")
     request = tokenizer_pb2.GenerateRequest(messages=[_message(m, i) for i, m in enumerate(messages)])
     tools = _tools(body, request, tool_parser)
     _template_options(body, request)
     logprobs = body.get("logprobs")
     if logprobs is not None and not isinstance(logprobs, bool):
-        raise _invalid("logprobs must be true or false", "logprobs")
+        raise invalid("logprobs must be true or false", "logprobs")
     request.sampling.logprobs = bool(logprobs)
     top = _int(body, "top_logprobs")
     if top is not None:
         if not 0 <= top <= MAX_TOP_LOGPROBS:
-            raise _invalid(f"top_logprobs must be within [0, {MAX_TOP_LOGPROBS}]", "top_logprobs")
+            raise invalid(f"top_logprobs must be within [0, {MAX_TOP_LOGPROBS}]", "top_logprobs")
         if top and not logprobs:
-            raise _invalid("top_logprobs needs logprobs: true", "top_logprobs")
+            raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
         request.sampling.top_logprobs = top
     call = _finish(body, request)
     if tools is None:
@@ -205,7 +205,7 @@ def parse_chat(body: Any, tool_parser: str = "none") -> Call:
     calls, schema = tools
     if schema:
         if call.request.sampling.json_schema:
-            raise _invalid("response_format cannot go with a tool_choice that calls a tool", "tool_choice")
+            raise invalid("response_format cannot go with a tool_choice that calls a tool", "tool_choice")
         call.request.sampling.json_schema = schema
     return dataclasses.replace(call, calls=calls)
 
@@ -216,20 +216,20 @@ def _template_options(body: dict[str, Any], request: tokenizer_pb2.GenerateReque
     assistant's turn to answer or continue) and chat_template_kwargs."""
     for name in ("continue_final_message", "add_generation_prompt"):
         if not isinstance(body.get(name, False), bool):
-            raise _invalid(f"{name} must be true or false", name)
+            raise invalid(f"{name} must be true or false", name)
     request.continue_final_message = body.get("continue_final_message") is True
     generation_prompt = body.get("add_generation_prompt")
     if request.continue_final_message and generation_prompt is True:
-        raise _invalid("continue_final_message needs add_generation_prompt false (or absent)", "add_generation_prompt")
+        raise invalid("continue_final_message needs add_generation_prompt false (or absent)", "add_generation_prompt")
     if not request.continue_final_message and generation_prompt is False:
-        raise _invalid(
+        raise invalid(
             "add_generation_prompt false is not supported: a conversation ends with the assistant's turn to answer, "
             "or with continue_final_message, the assistant's last message continued",
             "add_generation_prompt",
         )
     kwargs = body.get("chat_template_kwargs")
     if kwargs is not None and not isinstance(kwargs, dict):
-        raise _invalid("chat_template_kwargs must be an object", "chat_template_kwargs")
+        raise invalid("chat_template_kwargs must be an object", "chat_template_kwargs")
     if kwargs:
         request.chat_template_kwargs = json.dumps(kwargs)
 
@@ -247,19 +247,19 @@ def _tools(
     if tools is None:
         tools = []
     if not isinstance(tools, list):
-        raise _invalid("tools must be a list of tools", "tools")
+        raise invalid("tools must be a list of tools", "tools")
     schemas: dict[str, dict[str, Any]] = {}
     for k, tool in enumerate(tools):
         where = f"tools[{k}]"
         function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            raise _invalid(f'{where} must be {{"type": "function", "function": {{"name": ...}}}}', where)
+            raise invalid(f'{where} must be {{"type": "function", "function": {{"name": ...}}}}', where)
         description = function.get("description", "")
         parameters = function.get("parameters")
         if not isinstance(description, str):
-            raise _invalid(f"{where}.function.description must be a string", where)
+            raise invalid(f"{where}.function.description must be a string", where)
         if parameters is not None and not isinstance(parameters, dict):
-            raise _invalid(f"{where}.function.parameters must be a JSON Schema object", where)
+            raise invalid(f"{where}.function.parameters must be a JSON Schema object", where)
         name = function["name"]
         schemas[name] = parameters if parameters is not None else {"type": "object", "properties": {}}
         request.tools.add(name=name, description=description, parameters=json.dumps(parameters) if parameters else "")
@@ -269,11 +269,11 @@ def _tools(
     if choice == "none":
         return None
     if not tools:
-        raise _invalid(f"tool_choice {_short(choice)} needs tools", "tool_choice")
+        raise invalid(f"tool_choice {_short(choice)} needs tools", "tool_choice")
     if choice == "auto":
         if parser in PARSERS:
             return PARSERS[parser](single=body.get("parallel_tool_calls") is False), ""
-        raise _invalid(
+        raise invalid(
             'tool_choice "auto" (the default when tools are given) needs the tool calls a model writes in its '
             "own format found, and this server was started without a --tool-call-parser; ask for "
             '"required" or name a function, or send tool_choice "none"',
@@ -292,13 +292,13 @@ def _tools(
     function = choice.get("function") if isinstance(choice, dict) else None
     named = function.get("name") if isinstance(function, dict) else None
     if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(named, str):
-        raise _invalid(
+        raise invalid(
             f'tool_choice {_short(choice)} must be "none", "auto", "required" or '
             '{"type": "function", "function": {"name": ...}}',
             "tool_choice",
         )
     if named not in schemas:
-        raise _invalid(f"tool_choice names {named!r}, which is not among the tools", "tool_choice")
+        raise invalid(f"tool_choice names {named!r}, which is not among the tools", "tool_choice")
     return Forced(named), json.dumps(schemas[named])
 
 
@@ -310,26 +310,26 @@ def parse_completion(body: Any) -> Call:
     )  # fmt: skip
     for name, nothing in chat_only:
         if body.get(name) not in nothing:
-            raise _invalid(f"{name} is not supported by completions: it goes with chat completions", name)
+            raise invalid(f"{name} is not supported by completions: it goes with chat completions", name)
     prompts = body.get("prompt")
     if isinstance(prompts, str):
         prompts = [prompts]
     if not isinstance(prompts, list) or not 1 <= len(prompts) <= MAX_PROMPTS:
-        raise _invalid(f"prompt must be a string or a list of 1 to {MAX_PROMPTS} strings", "prompt")
+        raise invalid(f"prompt must be a string or a list of 1 to {MAX_PROMPTS} strings", "prompt")
     for k, prompt in enumerate(prompts):
         if not isinstance(prompt, str) or not prompt:
             where = f"prompt[{k}]" if len(prompts) > 1 else "prompt"
-            raise _invalid(f"{where} must be a non-empty string (token ids are not taken)", where)
+            raise invalid(f"{where} must be a non-empty string (token ids are not taken)", where)
     request = tokenizer_pb2.GenerateRequest(prompt=prompts[0])
     top = _int(body, "logprobs")  # the legacy API: how many top entries, 0 for the token's own only
     if top is not None:
         if not 0 <= top <= MAX_TOP_LOGPROBS:
-            raise _invalid(f"logprobs must be within [0, {MAX_TOP_LOGPROBS}]", "logprobs")
+            raise invalid(f"logprobs must be within [0, {MAX_TOP_LOGPROBS}]", "logprobs")
         request.sampling.logprobs = True
         request.sampling.top_logprobs = top
     call = _finish(body, request)
     if call.n * len(prompts) > MAX_PROMPTS * MAX_CHOICES // 4:
-        raise _invalid(f"{len(prompts)} prompts of n {call.n}: at most {MAX_PROMPTS * MAX_CHOICES // 4} choices", "n")
+        raise invalid(f"{len(prompts)} prompts of n {call.n}: at most {MAX_PROMPTS * MAX_CHOICES // 4} choices", "n")
     others = []
     for prompt in prompts[1:]:
         other = tokenizer_pb2.GenerateRequest()
@@ -340,15 +340,23 @@ def parse_completion(body: Any) -> Call:
 
 
 def _object(body: Any) -> dict[str, Any]:
-    if not isinstance(body, dict):
-        raise _invalid("the request body must be a JSON object", None)
-    for name, (nothing, why) in UNHONOURED.items():
-        value = body.get(name)
-        if value not in nothing:
-            raise _invalid(f"{name} {_short(value)} is not supported: {why}; leave it out", name)
+    body = refuse(body, UNHONOURED)
     unknown = sorted(set(body) - KNOWN - UNHONOURED.keys())
     if unknown:
         log.debug("ignored request fields: %s", ", ".join(unknown))
+    return body
+
+
+def refuse(body: Any, unhonoured: dict[str, tuple[tuple[Any, ...], str]]) -> dict[str, Any]:
+    """`body`, a JSON object that sets none of the `unhonoured` fields (field
+    -> the values asking for nothing, why others are refused) to anything
+    else; else INVALID_REQUEST naming the field."""
+    if not isinstance(body, dict):
+        raise invalid("the request body must be a JSON object", None)
+    for name, (nothing, why) in unhonoured.items():
+        value = body.get(name)
+        if value not in nothing:
+            raise invalid(f"{name} {_short(value)} is not supported: {why}; leave it out", name)
     return body
 
 
@@ -361,32 +369,32 @@ def _short(value: Any) -> str:
 def _message(m: Any, i: int) -> tokenizer_pb2.ChatMessage:
     where = f"messages[{i}]"
     if not isinstance(m, dict):
-        raise _invalid(f"{where} must be an object with role and content", where)
+        raise invalid(f"{where} must be an object with role and content", where)
     role = ROLES.get(m["role"]) if isinstance(m.get("role"), str) else None
     if role is None:
-        raise _invalid(f"{where}.role must be one of system, developer, user, assistant, tool", f"{where}.role")
+        raise invalid(f"{where}.role must be one of system, developer, user, assistant, tool", f"{where}.role")
     if m.get("function_call"):
-        raise _invalid(f"{where}.function_call: {_FUNCTIONS}", f"{where}.function_call")
+        raise invalid(f"{where}.function_call: {_FUNCTIONS}", f"{where}.function_call")
     content = m.get("content")
     out = tokenizer_pb2.ChatMessage(role=role)
     calls = m.get("tool_calls") or []
     if not isinstance(calls, list):
-        raise _invalid(f"{where}.tool_calls must be a list", f"{where}.tool_calls")
+        raise invalid(f"{where}.tool_calls must be a list", f"{where}.tool_calls")
     for k, call in enumerate(calls):
         function = call.get("function") if isinstance(call, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            raise _invalid(f"{where}.tool_calls[{k}] must have a function with a name", f"{where}.tool_calls[{k}]")
+            raise invalid(f"{where}.tool_calls[{k}] must have a function with a name", f"{where}.tool_calls[{k}]")
         arguments = function.get("arguments", "")
         if not isinstance(arguments, str):
-            raise _invalid(f"{where}.tool_calls[{k}].function.arguments must be a string (JSON)", f"{where}.tool_calls")
+            raise invalid(f"{where}.tool_calls[{k}].function.arguments must be a string (JSON)", f"{where}.tool_calls")
         call_id = call.get("id") or ""
         if not isinstance(call_id, str):
-            raise _invalid(f"{where}.tool_calls[{k}].id must be a string", f"{where}.tool_calls[{k}]")
+            raise invalid(f"{where}.tool_calls[{k}].id must be a string", f"{where}.tool_calls[{k}]")
         out.tool_calls.add(id=call_id, name=function["name"], arguments=arguments)
     if role == tokenizer_pb2.CHAT_ROLE_TOOL:
         call_id = m.get("tool_call_id")
         if not isinstance(call_id, str) or not call_id:
-            raise _invalid(f"{where}.tool_call_id must name the call it answers", f"{where}.tool_call_id")
+            raise invalid(f"{where}.tool_call_id must name the call it answers", f"{where}.tool_call_id")
         out.tool_call_id = call_id
     if isinstance(content, str):
         out.content.add(text=content)
@@ -394,29 +402,29 @@ def _message(m: Any, i: int) -> tokenizer_pb2.ChatMessage:
         for j, part in enumerate(content):
             _part(out, part, f"{where}.content[{j}]")
     elif content is not None or role != tokenizer_pb2.CHAT_ROLE_ASSISTANT:
-        raise _invalid(f"{where}.content must be a string or a list of parts", f"{where}.content")
+        raise invalid(f"{where}.content must be a string or a list of parts", f"{where}.content")
     return out
 
 
 def _part(out: tokenizer_pb2.ChatMessage, part: Any, where: str) -> None:
     if not isinstance(part, dict):
-        raise _invalid(f"{where} must be an object", where)
+        raise invalid(f"{where} must be an object", where)
     kind = part.get("type") or next((k for k in ("text", "image_url", "video_url") if k in part), None)
     if kind == "text":
         if not isinstance(part.get("text"), str):
-            raise _invalid(f"{where}.text must be a string", f"{where}.text")
+            raise invalid(f"{where}.text must be a string", f"{where}.text")
         out.content.add(text=part["text"])
     elif kind in ("image_url", "video_url"):
         value = part.get(kind)
         url = value.get("url") if isinstance(value, dict) else value
         if not isinstance(url, str) or not url:
-            raise _invalid(f"{where}.{kind}.url must be a non-empty string", f"{where}.{kind}.url")
+            raise invalid(f"{where}.{kind}.url must be a non-empty string", f"{where}.{kind}.url")
         if kind == "image_url":
             out.content.add(image=tokenizer_pb2.Image(url=url))
         else:
             out.content.add(video=tokenizer_pb2.Video(url=url))
     else:
-        raise _invalid(f"{where}: part type {kind!r} is not supported (text, image_url, video_url)", f"{where}.type")
+        raise invalid(f"{where}: part type {kind!r} is not supported (text, image_url, video_url)", f"{where}.type")
 
 
 def _finish(body: dict[str, Any], request: tokenizer_pb2.GenerateRequest) -> Call:
@@ -426,7 +434,7 @@ def _finish(body: dict[str, Any], request: tokenizer_pb2.GenerateRequest) -> Cal
     limits = [v for v in (_int(body, "max_tokens"), _int(body, "max_completion_tokens")) if v is not None]
     if limits:
         if min(limits) < 1:
-            raise _invalid("max_tokens must be at least 1", "max_tokens")
+            raise invalid("max_tokens must be at least 1", "max_tokens")
         s.max_tokens = min(limits)
     temperature = _number(body, "temperature")
     if temperature is not None:
@@ -441,13 +449,13 @@ def _finish(body: dict[str, Any], request: tokenizer_pb2.GenerateRequest) -> Cal
         flag = body.get(name)
         if flag is not None:
             if not isinstance(flag, bool):
-                raise _invalid(f"{name} must be true or false", name)
+                raise invalid(f"{name} must be true or false", name)
             setattr(s, name, flag)
     for name in ("top_k", "min_tokens"):
         value = _int(body, name)
         if value is not None:
             if value < 0 and not (name == "top_k" and value == -1):  # -1: off, as vLLM takes it
-                raise _invalid(f"{name} must not be negative", name)
+                raise invalid(f"{name} must not be negative", name)
             setattr(s, name, max(value, 0))
     seed = _int(body, "seed")
     if seed is not None:
@@ -457,20 +465,20 @@ def _finish(body: dict[str, Any], request: tokenizer_pb2.GenerateRequest) -> Cal
         stop = [stop]
     if stop is not None:
         if not isinstance(stop, list) or not all(isinstance(x, str) for x in stop):
-            raise _invalid("stop must be a string or a list of strings", "stop")
+            raise invalid("stop must be a string or a list of strings", "stop")
         s.stop.extend(stop)
     ids = body.get("stop_token_ids")
     if ids is not None:
         if not isinstance(ids, list) or not all(
             isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= _U32 for x in ids
         ):
-            raise _invalid("stop_token_ids must be a list of token ids", "stop_token_ids")
+            raise invalid("stop_token_ids must be a list of token ids", "stop_token_ids")
         s.stop_token_ids.extend(ids)
     for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
         penalty = _number(body, name)
         if penalty is not None:
             if name == "repetition_penalty" and penalty <= 0:  # 0 would read as unset in the contract
-                raise _invalid("repetition_penalty must be greater than 0 (1: off)", name)
+                raise invalid("repetition_penalty must be greater than 0 (1: off)", name)
             setattr(s, name, penalty)
     for token, bias in _logit_bias(body).items():
         s.logit_bias[token] = bias
@@ -478,18 +486,16 @@ def _finish(body: dict[str, Any], request: tokenizer_pb2.GenerateRequest) -> Cal
     _structured_outputs(body, s)
     n = _int(body, "n")
     if n is not None and not 1 <= n <= MAX_CHOICES:
-        raise _invalid(f"n must be within [1, {MAX_CHOICES}]", "n")
+        raise invalid(f"n must be within [1, {MAX_CHOICES}]", "n")
     request.n = n or 1
     salt = body.get("cache_salt")
     if salt is not None:
         if not isinstance(salt, str) or not salt or len(salt) > MAX_CACHE_SALT:
-            raise _invalid(
-                f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT} characters", "cache_salt"
-            )
+            raise invalid(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT} characters", "cache_salt")
         request.cache_salt = salt
     options = body.get("stream_options")
     if options is not None and body.get("stream") is not True:
-        raise _invalid("stream_options is only allowed with stream: true", "stream_options")
+        raise invalid("stream_options is only allowed with stream: true", "stream_options")
     include_usage = isinstance(options, dict) and options.get("include_usage", True) is True
     return Call(request, n or 1, body.get("stream") is True, include_usage)
 
@@ -502,9 +508,9 @@ def _int(body: dict[str, Any], name: str) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
-        raise _invalid(f"{name} must be an integer", name)
+        raise invalid(f"{name} must be an integer", name)
     if name != "seed" and value > _U32:
-        raise _invalid(f"{name} {value} is too large", name)
+        raise invalid(f"{name} {value} is too large", name)
     return value
 
 
@@ -523,9 +529,9 @@ def _response_format(value: Any) -> str:
         spec = value.get("json_schema")
         schema = spec.get("schema", {}) if isinstance(spec, dict) else None
         if not isinstance(schema, dict):
-            raise _invalid("response_format.json_schema.schema must be a JSON Schema object", "response_format")
+            raise invalid("response_format.json_schema.schema must be a JSON Schema object", "response_format")
         return json.dumps(schema)
-    raise _invalid(
+    raise invalid(
         f"response_format {_short(value)} is not supported: its type must be text, json_object or json_schema",
         "response_format",
     )
@@ -548,14 +554,14 @@ def _structured_outputs(body: dict[str, Any], s: common_pb2.SamplingParams) -> N
     else:
         where = "structured_outputs"
         if not isinstance(spec, dict):
-            raise _invalid("structured_outputs must be an object (json, regex, choice, grammar or json_object)", where)
+            raise invalid("structured_outputs must be an object (json, regex, choice, grammar or json_object)", where)
     known = ("json", "regex", "choice", "grammar", "json_object")
     unknown = sorted(set(spec) - set(known))
     if unknown:
-        raise _invalid(f"{where}: {', '.join(unknown)} not supported ({', '.join(known)})", where)
+        raise invalid(f"{where}: {', '.join(unknown)} not supported ({', '.join(known)})", where)
     given = [k for k, v in spec.items() if v not in (None, False)]
     if len(given) > 1 or (given and s.json_schema):
-        raise _invalid(f"{where}: one structure at most (response_format included)", where)
+        raise invalid(f"{where}: one structure at most (response_format included)", where)
     if not given:
         return
     kind, value = given[0], spec[given[0]]
@@ -566,16 +572,16 @@ def _structured_outputs(body: dict[str, Any], s: common_pb2.SamplingParams) -> N
             try:
                 value = json.loads(value)
             except json.JSONDecodeError as exc:
-                raise _invalid(f"{where}.json is not JSON ({exc})", where) from None
+                raise invalid(f"{where}.json is not JSON ({exc})", where) from None
         if not isinstance(value, dict):
-            raise _invalid(f"{where}.json must be a JSON Schema object", where)
+            raise invalid(f"{where}.json must be a JSON Schema object", where)
         s.json_schema = json.dumps(value)
     elif kind in ("regex", "grammar"):
         if not isinstance(value, str):
-            raise _invalid(f"{where}.{kind} must be a string", where)
+            raise invalid(f"{where}.{kind} must be a string", where)
         setattr(s, kind, value)
     elif not isinstance(value, list) or not all(isinstance(c, str) for c in value):
-        raise _invalid(f"{where}.choice must be a list of strings", where)
+        raise invalid(f"{where}.choice must be a list of strings", where)
     else:
         s.choice.extend(value)
 
@@ -588,12 +594,12 @@ def _logit_bias(body: dict[str, Any]) -> dict[int, float]:
         return {}
     message = "logit_bias must be an object mapping token ids to numbers"
     if not isinstance(bias, dict):
-        raise _invalid(message, "logit_bias")
+        raise invalid(message, "logit_bias")
     out: dict[int, float] = {}
     for key, value in bias.items():
         token = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else -1
         if not 0 <= token <= _U32 or not _is_number(value):
-            raise _invalid(f"{message}: {_short(key)}: {_short(value)}", "logit_bias")
+            raise invalid(f"{message}: {_short(key)}: {_short(value)}", "logit_bias")
         out[token] = float(value)
     return out
 
@@ -603,7 +609,7 @@ def _number(body: dict[str, Any], name: str) -> float | None:
     if value is None:
         return None
     if not _is_number(value):
-        raise _invalid(f"{name} must be a number", name)
+        raise invalid(f"{name} must be a number", name)
     return float(value)
 
 
@@ -615,7 +621,7 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, float) or abs(value) <= 1 << 1000
 
 
-def _invalid(message: str, param: str | None) -> InvalidRequest:
+def invalid(message: str, param: str | None) -> InvalidRequest:
     return InvalidRequest(message, metadata={"param": param} if param else None)
 
 
@@ -640,17 +646,17 @@ def parse_tokenize(body: Any) -> tuple[tokenizer_pb2.GenerateRequest, bool]:
     body = _object(body)
     chat = "messages" in body
     if chat == ("prompt" in body):
-        raise _invalid("give either prompt or messages", "prompt")
+        raise invalid("give either prompt or messages", "prompt")
     special = body.get("add_special_tokens")
     if special is not None and special is not (not chat):
-        raise _invalid(
+        raise invalid(
             f"add_special_tokens {_short(special)} is not supported: the ids are the ones generation uses "
             f"({'the chat template writes the special tokens' if chat else 'with the special tokens'})",
             "add_special_tokens",
         )
     strs = body.get("return_token_strs", False)
     if not isinstance(strs, bool):
-        raise _invalid("return_token_strs must be true or false", "return_token_strs")
+        raise invalid("return_token_strs must be true or false", "return_token_strs")
     if chat:
         fields = ("messages", "tools", "continue_final_message", "add_generation_prompt", "chat_template_kwargs")
         request = parse_chat({**{k: body[k] for k in fields if k in body}, "tool_choice": "none"}).request
@@ -666,5 +672,5 @@ def parse_detokenize(body: Any) -> list[int]:
     if not isinstance(tokens, list) or not all(
         isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= _U32 for t in tokens
     ):
-        raise _invalid("tokens must be a list of token ids", "tokens")
+        raise invalid("tokens must be a list of token ids", "tokens")
     return tokens

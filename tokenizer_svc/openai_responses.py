@@ -32,8 +32,9 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from mmsplit.errors import MmsplitError
-from tokenizer_svc.errors import InvalidRequest
+from tokenizer_svc import openai_api
 from tokenizer_svc.openai_answers import Choices, Shown
+from tokenizer_svc.openai_api import invalid
 from tokenizer_svc.tool_calls import Auto, Forced
 
 # Field -> the values that ask for nothing (accepted) and why others are refused.
@@ -59,18 +60,14 @@ def to_chat(body: Any) -> tuple[dict[str, Any], list[str]]:
     """The chat completions body of a Responses body, and where each of its
     messages came from (`instructions`, `input`, `input[3]`), to name a
     message's error by the Responses field."""
-    if not isinstance(body, dict):
-        raise _invalid("the request body must be a JSON object", None)
-    for name, (nothing, why) in REFUSED.items():
-        if body.get(name) not in nothing:
-            raise _invalid(f"{name} is not supported: {why}", name)
+    body = openai_api.refuse(body, REFUSED)
     chat = {k: body[k] for k in _SAME if k in body}
     messages: list[dict[str, Any]] = []
     places: list[str] = []
     instructions = body.get("instructions")
     if instructions is not None:
         if not isinstance(instructions, str):
-            raise _invalid("instructions must be a string", "instructions")
+            raise invalid("instructions must be a string", "instructions")
         messages.append({"role": "system", "content": instructions})
         places.append("instructions")
     given = body.get("input")
@@ -81,11 +78,11 @@ def to_chat(body: Any) -> tuple[dict[str, Any], list[str]]:
         for k, item in enumerate(given):
             _item(item, f"input[{k}]", messages, places)
     else:
-        raise _invalid("input must be a string or a non-empty list of items", "input")
+        raise invalid("input must be a string or a non-empty list of items", "input")
     chat["messages"] = messages
     include = body.get("include") or []
     if not isinstance(include, list) or any(i != LOGPROBS for i in include):
-        raise _invalid(f"include may only ask for {LOGPROBS!r}: this server adds nothing else", "include")
+        raise invalid(f"include may only ask for {LOGPROBS!r}: this server adds nothing else", "include")
     top = body.get("top_logprobs")
     if include or top:
         chat["logprobs"] = True
@@ -97,13 +94,13 @@ def to_chat(body: Any) -> tuple[dict[str, Any], list[str]]:
     if text is not None:
         form = text.get("format") if isinstance(text, dict) else None
         if not isinstance(text, dict) or not isinstance(form, dict | None):
-            raise _invalid("text must be an object with a format", "text")
+            raise invalid("text must be an object with a format", "text")
         if form is not None:
             chat["response_format"] = _format(form)
     tools = body.get("tools")
     if tools is not None:
         if not isinstance(tools, list):
-            raise _invalid("tools must be a list", "tools")
+            raise invalid("tools must be a list", "tools")
         chat["tools"] = [_tool(t, f"tools[{k}]") for k, t in enumerate(tools)]
     choice = body.get("tool_choice")
     if isinstance(choice, dict) and choice.get("type") == "function":
@@ -117,15 +114,15 @@ def _item(item: Any, where: str, messages: list[dict[str, Any]], places: list[st
     answer are one assistant turn, as chat completions has them), a call's
     output."""
     if not isinstance(item, dict):
-        raise _invalid(f"{where} must be an object", where)
+        raise invalid(f"{where} must be an object", where)
     kind = item.get("type", "message")
     if kind == "message":
         role = item.get("role")
         if role not in _ROLES:
-            raise _invalid(f"{where}.role must be one of {', '.join(_ROLES)}", f"{where}.role")
+            raise invalid(f"{where}.role must be one of {', '.join(_ROLES)}", f"{where}.role")
         messages.append({"role": role, "content": _content(item.get("content"), where)})
     elif kind in ("function_call", "function_call_output") and not _is_text(item.get("call_id")):
-        raise _invalid(f"{where}.call_id must name the call (a non-empty string)", f"{where}.call_id")
+        raise invalid(f"{where}.call_id must name the call (a non-empty string)", f"{where}.call_id")
     elif kind == "function_call":
         call = {"id": item.get("call_id"), "type": "function",
                 "function": {"name": item.get("name"), "arguments": item.get("arguments")}}  # fmt: skip
@@ -137,10 +134,10 @@ def _item(item: Any, where: str, messages: list[dict[str, Any]], places: list[st
     elif kind == "function_call_output":
         output = item.get("output")
         if not isinstance(output, str):
-            raise _invalid(f"{where}.output must be a string", f"{where}.output")
+            raise invalid(f"{where}.output must be a string", f"{where}.output")
         messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": output})
     else:
-        raise _invalid(
+        raise invalid(
             f"{where}: item type {kind!r} is not supported (message, function_call, function_call_output)", where
         )
     places.append(where)
@@ -155,7 +152,7 @@ def _content(content: Any, where: str) -> Any:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise _invalid(f"{where}.content must be a string or a list of parts", f"{where}.content")
+        raise invalid(f"{where}.content must be a string or a list of parts", f"{where}.content")
     parts: list[dict[str, Any]] = []
     for j, part in enumerate(content):
         at = f"{where}.content[{j}]"
@@ -164,10 +161,10 @@ def _content(content: Any, where: str) -> Any:
             parts.append({"type": "text", "text": part.get("text")})
         elif kind == "input_image":
             if part.get("file_id") is not None:
-                raise _invalid(f"{at}: file_id is not supported (this server stores no files): give image_url", at)
+                raise invalid(f"{at}: file_id is not supported (this server stores no files): give image_url", at)
             parts.append({"type": "image_url", "image_url": {"url": part.get("image_url")}})
         else:
-            raise _invalid(f"{at}: part type {kind!r} is not supported (input_text, input_image, output_text)", at)
+            raise invalid(f"{at}: part type {kind!r} is not supported (input_text, input_image, output_text)", at)
     return parts
 
 
@@ -182,7 +179,7 @@ def _format(form: dict[str, Any]) -> dict[str, Any]:
 def _tool(tool: Any, where: str) -> dict[str, Any]:
     if not isinstance(tool, dict) or tool.get("type") != "function":
         kind = tool.get("type") if isinstance(tool, dict) else None
-        raise _invalid(f"{where}: tool type {kind!r} is not supported (function)", where)
+        raise invalid(f"{where}: tool type {kind!r} is not supported (function)", where)
     function = {k: tool[k] for k in ("name", "description", "parameters") if k in tool}
     return {"type": "function", "function": function}
 
@@ -204,10 +201,6 @@ def rename(exc: MmsplitError, places: list[str]) -> MmsplitError:
         param = places[int(found.group(1))] + param[found.end() :]
     exc.metadata["param"] = _RENAMED.get(param, param)
     return exc
-
-
-def _invalid(message: str, param: str | None) -> InvalidRequest:
-    return InvalidRequest(message, metadata={"param": param} if param else None)
 
 
 @dataclass
@@ -233,7 +226,9 @@ class Answer:
 
     DONE: ClassVar[bytes] = b""  # the stream ends with response.completed
 
-    def complete(self, choices: Choices) -> dict[str, Any]:
+    def complete(self, choices: Choices, logprobs: bool = False) -> dict[str, Any]:
+        """The whole response (`logprobs`: asked, chat's argument; the
+        Responses API's output text carries them when they were)."""
         return self._response(choices)
 
     def opening(self, n: int = 1) -> list[dict[str, Any]]:

@@ -39,6 +39,7 @@ from mmsplit_server.serving import (
     on_stop_signals,
     run_service,
 )
+from tokenizer_svc.conversation import MAX_REQUEST_ID, valid_request_id
 from tokenizer_svc.downstream import Schedulers
 from tokenizer_svc.errors import InvalidRequest
 from tokenizer_svc.http_api import HttpApi
@@ -51,7 +52,6 @@ from tokenizer_svc.settings import TokenizerSettings
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = tokenizer_pb2.DESCRIPTOR.services_by_name["TokenizerService"].full_name
-MAX_REQUEST_ID = 128
 WATCH_INTERVAL_S = 2.0
 # A watch that keeps failing logs its traceback once, then a line every
 # this many rounds (a minute at the default interval), then its recovery.
@@ -144,11 +144,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
     async def Generate(  # noqa: N802 (gRPC method name)
         self, request: tokenizer_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[tokenizer_pb2.GenerateResponse]:
-        rid = request.request_id or uuid.uuid4().hex
-        if len(rid) > MAX_REQUEST_ID or not rid.isprintable():
-            # Neither logged nor echoed: it may be anything.
-            invalid = InvalidRequest(f"request_id must be 1..{MAX_REQUEST_ID} printable characters")
-            await context.abort_with_status(invalid.to_status())
+        rid = await _request_id(request, context)
         summary = RequestSummary(rid, protocol="grpc", images=len(request.images), videos=len(request.videos))
         if any(key == "grpc-previous-rpc-attempts" for key, _ in context.invocation_metadata() or ()):
             self.retried_calls += 1
@@ -185,10 +181,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
         self, tokenize: tokenizer_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> tokenizer_pb2.TokenizeResponse:
         request = tokenize.request
-        rid = request.request_id or uuid.uuid4().hex
-        if len(rid) > MAX_REQUEST_ID or not rid.isprintable():
-            invalid = InvalidRequest(f"request_id must be 1..{MAX_REQUEST_ID} printable characters")
-            await context.abort_with_status(invalid.to_status())  # not echoed: it may be anything
+        rid = await _request_id(request, context)
         try:
             ids = await self.service.tokenize(request, rid)
         except MmsplitError as exc:
@@ -229,6 +222,17 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
             transport=primary.transport if primary else common_pb2.TRANSPORT_UNSPECIFIED,
             backends=link.backends(),
         )
+
+
+async def _request_id(request: tokenizer_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> str:
+    """The request's id, or a new one; a call whose id is not 1 to
+    MAX_REQUEST_ID printable characters is aborted INVALID_REQUEST (the id
+    neither logged nor echoed: it may be anything)."""
+    rid = request.request_id or uuid.uuid4().hex
+    if not valid_request_id(rid):
+        invalid = InvalidRequest(f"request_id must be 1..{MAX_REQUEST_ID} printable characters")
+        await context.abort_with_status(invalid.to_status())
+    return rid
 
 
 def run(settings: TokenizerSettings) -> int:

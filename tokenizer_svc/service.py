@@ -24,7 +24,7 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -124,21 +124,28 @@ class TokenizerService:
     async def generate(
         self, request: tokenizer_pb2.GenerateRequest, request_id: str, timeout_s: float | None
     ) -> AsyncIterator[tokenizer_pb2.GenerateResponse]:
-        if self.draining:
-            raise ShuttingDown("this tokenizer is shutting down; retry on another replica")
-        if self.inflight >= self.settings.max_inflight:
-            raise Overloaded(f"{self.inflight} requests in flight, the limit is {self.settings.max_inflight}")
         n = request.n or 1
-        if n > MAX_CHOICES:
-            raise InvalidRequest(f"n {n} is over the limit {MAX_CHOICES}", metadata={"param": "n"})
-        self.inflight += 1
-        try:
+        with self._admitted():
+            if n > MAX_CHOICES:
+                raise InvalidRequest(f"n {n} is over the limit {MAX_CHOICES}", metadata={"param": "n"})
             if n == 1:
                 source = self._generate(request, request_id, timeout_s)
             else:
                 source = self._choices(request, request_id, timeout_s, n)
             async for response in self._run_in_own_task(source):
                 yield response
+
+    @contextlib.contextmanager
+    def _admitted(self) -> Iterator[None]:
+        """One request's work, counted against --max-inflight (refused while
+        draining or at the limit); the last to end while draining says so."""
+        if self.draining:
+            raise ShuttingDown("this tokenizer is shutting down; retry on another replica")
+        if self.inflight >= self.settings.max_inflight:
+            raise Overloaded(f"{self.inflight} requests in flight, the limit is {self.settings.max_inflight}")
+        self.inflight += 1
+        try:
+            yield
         finally:
             self.inflight -= 1
             if self.draining and self.inflight == 0:
@@ -334,12 +341,7 @@ class TokenizerService:
         the model's processor gives it, and the preprocessing cache keeps
         them for the request that follows), then let go. It counts against
         --max-inflight as a request does."""
-        if self.draining:
-            raise ShuttingDown("this tokenizer is shutting down; retry on another replica")
-        if self.inflight >= self.settings.max_inflight:
-            raise Overloaded(f"{self.inflight} requests in flight, the limit is {self.settings.max_inflight}")
-        self.inflight += 1
-        try:
+        with self._admitted():
             await structured.ready(request.sampling)
             parsed = self._validate(request)
             prepared = await self._prepare_media(parsed.media, rid, common_pb2.TRANSPORT_INLINE)
@@ -347,10 +349,6 @@ class TokenizerService:
                 return self._prompt(parsed, [Media(p.result.modality, p.result.tokens) for p in prepared]).input_ids
             finally:
                 _release(prepared)
-        finally:
-            self.inflight -= 1
-            if self.draining and self.inflight == 0:
-                self.idle.set()
 
     async def _send(
         self, downstream: scheduler_pb2.GenerateRequest, timeout_s: float | None, assigned: Assigned, transport: int
