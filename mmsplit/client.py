@@ -313,6 +313,8 @@ def build_request(
     tools: Sequence[Tool] = (),
     continue_final_message: bool = False,
     chat_template_kwargs: Mapping[str, Any] | None = None,
+    prompt_token_ids: Sequence[int] = (),
+    prompt_logprobs: int | None = None,
 ) -> tokenizer_pb2.GenerateRequest:
     """A GenerateRequest of a prompt (with `images` and `videos`) or of a
     conversation (`messages`); media given as bytes are sent inline, as str
@@ -324,7 +326,11 @@ def build_request(
     model call one, pass its parameters as `json_schema` and read the
     answer as the call's arguments. `continue_final_message`: the model
     continues the conversation's last (assistant) message;
-    `chat_template_kwargs`: the chat template's extra variables."""
+    `chat_template_kwargs`: the chat template's extra variables.
+    `prompt_token_ids`: the prompt as token ids, instead of `prompt`, media
+    and `messages`; `prompt_logprobs`: the prompt tokens' log probabilities
+    with this many top tokens each (a `PromptLogprobs` response before each
+    choice's first delta; raw `Generate` responses carry it)."""
     sampling = common_pb2.SamplingParams(
         max_tokens=max_tokens,
         temperature=temperature,
@@ -347,6 +353,8 @@ def build_request(
     )
     if top_p is not None:
         sampling.top_p = top_p
+    if prompt_logprobs is not None:
+        sampling.prompt_logprobs = prompt_logprobs
     return tokenizer_pb2.GenerateRequest(
         request_id=request_id,
         prompt=prompt,
@@ -360,6 +368,7 @@ def build_request(
         ],
         continue_final_message=continue_final_message,
         chat_template_kwargs=json.dumps(dict(chat_template_kwargs)) if chat_template_kwargs else "",
+        prompt_token_ids=list(prompt_token_ids),
     )
 
 

@@ -179,6 +179,7 @@ class Kit:
             ("tokenizer.stream.events", self.tokenizer_stream),
             ("tokenizer.stream.image", self.tokenizer_image),
             ("tokenizer.tokenize", self.tokenizer_tokenize),
+            ("tokenizer.stream.prompt_logprobs", self.tokenizer_prompt_logprobs),
             ("tokenizer.stream.request_id_assigned", self.tokenizer_request_id),
             ("tokenizer.stream.json_schema", self.tokenizer_json_schema),
             ("tokenizer.stream.choice", self.tokenizer_choice),
@@ -304,6 +305,29 @@ class Kit:
             with_image > text.prompt_tokens, f"an image added no prompt tokens ({with_image} vs {text.prompt_tokens})"
         )
         return f"prompt tokens {text.prompt_tokens} -> {with_image} with one image"
+
+    def tokenizer_prompt_logprobs(self) -> str:
+        """A text prompt's ids (Tokenize) sent back as prompt_token_ids with
+        prompt_logprobs: the same prompt, scored before the first delta."""
+        text = _text_request(_request_id(), tokens=1)
+        ids = list(
+            self.tok.Tokenize(tokenizer_pb2.TokenizeRequest(request=text), timeout=self.options.timeout_s).token_ids
+        )
+        request = tokenizer_pb2.GenerateRequest(request_id=_request_id(), prompt_token_ids=ids)
+        request.sampling.max_tokens, request.sampling.prompt_logprobs = 1, 2
+        events = self._generate(request)
+        kinds = [e.WhichOneof("event") for e in events]
+        expect(kinds[:1] == ["prompt_logprobs"], f"events {kinds}: no PromptLogprobs first")
+        expect(kinds[-1] == "finished", "no Finished")
+        scored = events[0].prompt_logprobs
+        expect(list(scored.token_ids) == ids, "PromptLogprobs.token_ids are not the prompt sent")
+        expect(len(scored.logprobs) == len(ids) - 1, f"{len(scored.logprobs)} logprobs for {len(ids)} prompt tokens")
+        for lp in scored.logprobs:
+            expect(lp.logprob <= 0 and lp.rank >= 1, f"logprob {lp.logprob}, rank {lp.rank}")
+            expect(len(lp.top_token_ids) == len(lp.top_logprobs) == 2, "not 2 top tokens per position")
+            expect((lp.rank == 1) == (lp.logprob >= lp.top_logprobs[0]), "rank 1 and the top token disagree")
+        expect(events[-1].finished.prompt_tokens == len(ids), "Finished.prompt_tokens is not the ids sent")
+        return f"{len(ids)} prompt ids scored"
 
     def tokenizer_tokenize(self) -> str:
         request = _text_request(_request_id(), tokens=1)

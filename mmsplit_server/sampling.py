@@ -59,6 +59,8 @@ class Sampling:
     structure: structured.Spec | None = None
     min_p: float = 0.0
     ignore_eos: bool = False
+    # The prompt tokens' log probabilities with this many alternatives each, or None.
+    prompt_logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -133,6 +135,9 @@ class Sampling:
             )
         if not math.isfinite(pb.min_p) or not 0.0 <= pb.min_p <= 1.0:
             raise InvalidSampling(f"sampling.min_p {pb.min_p!r} must be within [0, 1]")
+        prompt_logprobs = pb.prompt_logprobs if pb.HasField("prompt_logprobs") else None
+        if prompt_logprobs is not None and prompt_logprobs > MAX_TOP_LOGPROBS:
+            raise InvalidSampling(f"sampling.prompt_logprobs {prompt_logprobs} is over the limit {MAX_TOP_LOGPROBS}")
         bias = _logit_bias(pb, vocab_size)
         structure = _structure(pb)
         if structure is not None and pb.ignore_eos:
@@ -158,6 +163,7 @@ class Sampling:
             structure=structure,
             min_p=float(pb.min_p),
             ignore_eos=bool(pb.ignore_eos),
+            prompt_logprobs=prompt_logprobs,
         )
 
 

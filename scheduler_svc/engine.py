@@ -82,6 +82,9 @@ _HALF = (1 << _HALF_BITS) - 1
 # Right-padding of prompts in a batched prefill; never attended (the mask
 # hides it), so any id inside the vocabulary that is not a placeholder works.
 PAD_ID = 0
+# Prompt positions whose logits are made at once for prompt_logprobs (a
+# [positions, vocab] float32 block each, never a whole long prompt's).
+SCORED_POSITIONS = 256
 
 
 @dataclass
@@ -129,6 +132,7 @@ class _Chunked:
     joiner: _Joiner
     cache: RowCache
     done: int = 0  # prompt tokens prefilled so far
+    scores: list[Logprob] = field(default_factory=list)  # prompt_logprobs of its chunks so far (rank 0)
 
 
 class Engine:
@@ -203,6 +207,10 @@ class Engine:
         # KV of prompts once prefilled, and of finished requests' outputs, by blocks.
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
         self._matches: dict[str, Match] = {}  # this step's new requests: what they could take
+        # This step's joiners that asked for prompt_logprobs: the hidden
+        # states of their prompts' positions (but the last), from `_forward`.
+        self._prompt_hidden: dict[str, torch.Tensor] = {}
+        self._scores: dict[str, list[Logprob]] = {}  # this step's prompt_logprobs, by request (rank 0)
         self._cached: dict[str, int] = {}  # this step's joiners: prompt tokens taken from it
         self._prefilled: list[str] = []  # rows that joined last step: their prompts' blocks go in the store
         self._agreed = (True, True)  # whether the ranks' encoder and prefix caches agreed when last used
@@ -272,6 +280,7 @@ class Engine:
             self.rows[self.index[rid]].feed = token
 
         clock = _Clock()
+        self._prompt_hidden, self._scores = {}, {}
         tensors, codes, messages = self._read_new(plan.new)
         self._matches = self._match(plan.new)
         use_encoder = use_prefix = False
@@ -328,6 +337,10 @@ class Engine:
             self._active_per_rank = [n - len(lost) for n in self._active_per_rank]
             for j in ready:
                 self._join(j)
+                hidden = self._prompt_hidden.pop(j.request.request_id, None)
+                if hidden is not None:
+                    self._scores[j.request.request_id] = self._score_prompt(j.request, hidden, 0)
+            self._prompt_hidden = {}
         rejected: dict[str, str] = {}
         if self._chunked:
             chunk_logits = self._next_chunk(ended)
@@ -366,6 +379,7 @@ class Engine:
             logprobs=logprobs,
             cached=self._cached,
             ended=ended,
+            prompt_logprobs={rid: scores for rid, scores in self._scores.items() if rid in sampled},
         )
 
     # ---- rows ----
@@ -686,6 +700,9 @@ class Engine:
             inputs = ForwardInputs(positions, inputs.attention_mask)
         with self._forward_fault(joiners):
             hidden = self._body(self._prefill_body, ids.to(self.device), inputs, **extra)
+        for i, j in enumerate(joiners):
+            if j.request.sampling.prompt_logprobs is not None:  # never from a cached prefix (`_match`)
+                self._prompt_hidden[j.request.request_id] = hidden[i, : lengths[i] - 1]
         last = torch.tensor(lengths, device=self.device) - 1
         return hidden[torch.arange(len(joiners), device=self.device), last]
 
@@ -756,11 +773,15 @@ class Engine:
             return None
         assert hidden is not None
         c.done = end
+        if req.sampling.prompt_logprobs is not None:  # its positions but the prompt's last
+            c.scores += self._score_prompt(req, hidden[0, : min(end, len(req.input_ids) - 1) - start], start)
         if end < len(req.input_ids):
             return None
         self._chunked.pop(0)
         self.cache.adopt(c.cache)
         self._join(c.joiner)
+        if req.sampling.prompt_logprobs is not None:
+            self._scores[req.request_id] = c.scores
         return self._head(hidden[:, -1])
 
     def _chunk_forward(self, c: _Chunked, start: int, end: int) -> torch.Tensor:
@@ -832,6 +853,8 @@ class Engine:
         matches = {}
         for req in new:
             runs = self._runs(req)
+            if req.sampling.prompt_logprobs is not None:
+                continue  # every position's logits are needed: prefilled whole
             if len(runs.digests) == len(req.items):  # else an item was unreadable: it fails
                 matches[req.request_id] = self.prefix_cache.match(req.input_ids, runs, req.cache_salt)
         return matches
@@ -955,6 +978,29 @@ class Engine:
         part = torch.nn.functional.linear(hidden, self._head_shard).float()
         gathered = self.coll.gather_columns_to_0(part, self._head_widths)
         return gathered if gathered is not None else part[:, :0]
+
+    def _score_prompt(self, req: NewRequest, hidden: torch.Tensor, first: int) -> list[Logprob]:
+        """prompt_logprobs: the log probabilities of `req`'s prompt tokens
+        ``first + 1`` on, one per row of `hidden` (the hidden states of
+        positions ``first`` on), on the model's own distribution, with
+        the most likely tokens and the token's rank. Every rank runs it
+        (under TP the head gathers); only rank 0 gets scores."""
+        top = req.sampling.prompt_logprobs or 0
+        targets = torch.tensor(req.input_ids[first + 1 : first + 1 + hidden.shape[0]], device=self.device)
+        scores: list[Logprob] = []
+        for lo in range(0, len(targets), SCORED_POSITIONS):
+            logits = self._head(hidden[lo : lo + SCORED_POSITIONS])
+            if self.coll.rank != 0:
+                continue
+            logprobs = torch.log_softmax(logits, dim=-1)
+            chosen = logprobs.gather(1, targets[lo : lo + SCORED_POSITIONS, None])
+            ranks = (logprobs > chosen).sum(dim=1) + 1
+            best, best_ids = logprobs.topk(top, dim=-1) if top else (logprobs[:, :0], logprobs[:, :0].long())
+            for lp, rank, ids, values in zip(
+                chosen[:, 0].tolist(), ranks.tolist(), best_ids.tolist(), best.tolist(), strict=True
+            ):
+                scores.append(Logprob(lp, tuple(ids), tuple(values), rank))
+        return scores
 
     def _sharded_head(self) -> tuple[torch.Tensor | None, list[int]]:
         """(this rank's rows of the LM head's weight, each rank's count),

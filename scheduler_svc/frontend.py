@@ -291,7 +291,9 @@ def _side_tensor(index: int, name: str, spec: TensorSpec) -> np.ndarray:
 def _logprob_pb(lp: Logprob | None) -> common_pb2.TokenLogprob:
     if lp is None:
         return common_pb2.TokenLogprob()
-    return common_pb2.TokenLogprob(logprob=lp.logprob, top_token_ids=lp.top_ids, top_logprobs=lp.top_logprobs)
+    return common_pb2.TokenLogprob(
+        logprob=lp.logprob, top_token_ids=lp.top_ids, top_logprobs=lp.top_logprobs, rank=lp.rank
+    )
 
 
 def add_tokens(message: scheduler_pb2.Tokens, tokens: list[Token]) -> None:
@@ -299,6 +301,8 @@ def add_tokens(message: scheduler_pb2.Tokens, tokens: list[Token]) -> None:
     message.token_ids.extend(t.token_id for t in tokens)
     if tokens[0].logprob is not None:
         message.logprobs.extend(_logprob_pb(t.logprob) for t in tokens)
+    if tokens[0].prompt_logprobs is not None:  # a request's first token: the first of its first message
+        message.prompt_logprobs.extend(_logprob_pb(lp) for lp in tokens[0].prompt_logprobs)
 
 
 def finished_pb(event: Finished) -> scheduler_pb2.Finished:

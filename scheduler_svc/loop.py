@@ -37,7 +37,7 @@ from scheduler_svc.errors import (
     ShuttingDown,
     error_for_code,
 )
-from scheduler_svc.plan import Failure, NewRequest, Plan, StepOutcome
+from scheduler_svc.plan import NewRequest, Plan, StepOutcome
 from scheduler_svc.prefix_cache import BLOCK_TOKENS, leading_text_keys
 from scheduler_svc.sampler import Logprob
 from scheduler_svc.settings import SchedulerSettings
@@ -50,6 +50,8 @@ class Token:
     token_id: int
     logprob: Logprob | None = None  # when the request asked (SamplingParams.logprobs)
     cached_tokens: int = 0  # first token only: the prompt tokens taken from the prefix cache
+    # First token only, when the request asked (SamplingParams.prompt_logprobs).
+    prompt_logprobs: tuple[Logprob, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -280,7 +282,7 @@ class StepLoop:
                 for rid, cached in outcome.cached.items():
                     if (adm := self._running.get(rid) or self._joined(rid)) is not None:
                         adm.cached_tokens = cached
-                self._settle(outcome.failed, outcome.sampled, outcome.rejected, outcome.logprobs, outcome.ended)
+                self._settle(outcome)
                 self._flush()
                 self.step_started = None
                 took = time.monotonic() - started
@@ -441,6 +443,8 @@ class StepLoop:
         so `adm` then takes them. (A store too small for them would have a
         burst of such requests admitted one a step, each waiting for the
         last.)"""
+        if adm.request.sampling.prompt_logprobs is not None:
+            return False  # it takes nothing from the cache (`Engine._match`)
         keys = self._lead(adm)
         least = -(-self.settings.wait_for_shared_prefix // BLOCK_TOKENS)
         shared = _leading(keys, prefills.computing.__contains__)
@@ -468,12 +472,9 @@ class StepLoop:
 
     def _settle(
         self,
-        failed: dict[str, Failure],
-        sampled: dict[str, int],
-        rejected: dict[str, str],
-        logprobs: dict[str, Logprob] | None = None,
-        ended: dict[str, Failure] | None = None,
+        outcome: StepOutcome,
     ) -> None:
+        failed, sampled, rejected, logprobs = outcome.failed, outcome.sampled, outcome.rejected, outcome.logprobs
         for adm in self._joining:
             adm.release()  # every rank has read the step's tensors
             failure = failed.get(adm.request_id)
@@ -501,7 +502,7 @@ class StepLoop:
         # chunk) or on rank 0 only (sampling): each fails typed and the next
         # plan drops it everywhere.
         ending = {rid: error_for_code(f.code, "; ".join(m for _, m in sorted(f.messages.items())) or "its step failed")
-                  for rid, f in (ended or {}).items()}  # fmt: skip
+                  for rid, f in outcome.ended.items()}  # fmt: skip
         ending |= {rid: InternalError(message) for rid, message in rejected.items()}
         for rid, error in ending.items():
             gone = self._running.pop(rid, None)
@@ -517,7 +518,10 @@ class StepLoop:
             adm = running
             adm.generated += 1
             cached = adm.cached_tokens if adm.generated == 1 else 0
-            self._outbox.append((adm, Token(token, (logprobs or {}).get(rid), cached)))
+            scores = outcome.prompt_logprobs.get(rid)
+            self._outbox.append(
+                (adm, Token(token, logprobs.get(rid), cached, None if scores is None else tuple(scores)))
+            )
             reason = self._finish_reason(adm, token)
             if reason is None:
                 adm.next_token = token

@@ -104,3 +104,7 @@ class StepOutcome:
     # a chunk of whose prompt, failed (every rank; TP=1 today): the loop
     # fails them and drops them on every rank in the next plan.
     ended: dict[str, Failure] = field(default_factory=dict)
+    # request id -> its prompt tokens' log probabilities (one per token
+    # after the first), for the requests that asked and sampled their first
+    # token this step (rank 0 only).
+    prompt_logprobs: dict[str, Any] = field(default_factory=dict)

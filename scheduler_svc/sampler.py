@@ -160,11 +160,13 @@ def make_generator(params: Sampling, seed: int, device: torch.device) -> torch.G
 @dataclass(frozen=True)
 class Logprob:
     """A drawn token's log probability and the top alternatives (ids and
-    log probabilities, most likely first)."""
+    log probabilities, most likely first); a prompt token's also its rank
+    (1: the most likely; 0: not reported)."""
 
     logprob: float
     top_ids: tuple[int, ...] = ()
     top_logprobs: tuple[float, ...] = ()
+    rank: int = 0
 
 
 class Sampler:

@@ -72,10 +72,14 @@ class Parsed:
     continue_final: bool = False
     # The chat template's extra variables (chat_template_kwargs).
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # The prompt as token ids (prompt_token_ids), instead of text and media.
+    token_ids: tuple[int, ...] | None = None
 
 
 def parse(request: tokenizer_pb2.GenerateRequest, settings: TokenizerSettings, family: Family) -> Parsed:
     """The request's shape, checked against the per-request limits."""
+    if request.prompt_token_ids:
+        return _token_prompt(request, settings)
     if request.messages:
         if request.prompt or request.images or request.videos:
             raise InvalidRequest("give either messages or prompt (with images and videos), not both")
@@ -113,6 +117,21 @@ def parse(request: tokenizer_pb2.GenerateRequest, settings: TokenizerSettings, f
     if n_videos > s.max_videos_per_request:
         raise InvalidRequest(f"{n_videos} videos, at most {s.max_videos_per_request}")
     return parsed
+
+
+def _token_prompt(request: tokenizer_pb2.GenerateRequest, settings: TokenizerSettings) -> Parsed:
+    """A prompt of token ids: nothing else says what the model reads (their
+    vocabulary and media placeholders are checked as the prompt is built)."""
+    others = ("prompt", "images", "videos", "messages", "tools", "continue_final_message", "chat_template_kwargs")
+    for name in others:
+        if getattr(request, name):
+            raise InvalidRequest(f"prompt_token_ids cannot go with {name}", metadata={"param": name})
+    if len(request.prompt_token_ids) > settings.max_prompt_chars:
+        raise InvalidRequest(
+            f"prompt_token_ids has {len(request.prompt_token_ids)} ids, at most {settings.max_prompt_chars}",
+            metadata={"param": "prompt_token_ids"},
+        )
+    return Parsed("", None, [], token_ids=tuple(request.prompt_token_ids))
 
 
 def _conversation(messages: list[tokenizer_pb2.ChatMessage], tools: list[tokenizer_pb2.Tool]) -> Parsed:

@@ -251,7 +251,7 @@ class HttpApi:
         try:
             if call.stream:
                 return await self._stream(request, call, shape, rid, summary)
-            choices = openai_answers.Choices(call.choices, self.service.tokenizer, per_prompt=call.n)
+            choices = self._tally(call)
             async for i, response in self._choices(call, rid):
                 _count(summary, response)
                 choices.add(i, response)
@@ -263,6 +263,22 @@ class HttpApi:
             raise shape.rename(exc) from None
         finally:
             summary.log(log, self.metrics)
+
+    def _tally(self, call: openai_api.Call) -> openai_answers.Choices:
+        """What `call`'s choices produce, kept for its answer; with the
+        prompts' text when they are echoed (a prompt of token ids decoded
+        as generated text is)."""
+        tokenizer = self.service.tokenizer
+        echo = None
+        if call.echo or call.prompt_logprobs is not None:
+            texts = tuple(
+                r.prompt or tokenizer.decode(list(r.prompt_token_ids), skip_special_tokens=True) for r in call.requests
+            )
+            s = call.request.sampling
+            echo = openai_answers.Echo(
+                texts if call.echo else (), s.top_logprobs if call.echo and s.logprobs else None, call.prompt_logprobs
+            )
+        return openai_answers.Choices(call.choices, tokenizer, per_prompt=call.n, echo=echo)
 
     async def _choices(
         self, call: openai_api.Call, rid: str
@@ -314,7 +330,7 @@ class HttpApi:
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "x-request-id": rid}
         )
         await response.prepare(request)
-        choices = openai_answers.Choices(call.choices, self.service.tokenizer, per_prompt=call.n)
+        choices = self._tally(call)
         try:
             for event in shape.opening(call.choices):
                 await _send(response, shape.sse(event))

@@ -25,13 +25,26 @@ FINISH = {
 }
 
 
+@dataclass(frozen=True)
+class Echo:
+    """What completions' `echo` and vLLM's `prompt_logprobs` show of each
+    prompt (`openai_api.Call`)."""
+
+    texts: tuple[str, ...] = ()  # by prompt: its text, which each of its choices starts with (empty: no echo)
+    logprobs: int | None = None  # echo's top entries per prompt token (None: no log probabilities)
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs, top tokens per entry (None: not asked)
+
+
 class Choices:
     """What the choices of one request have produced, for the final object
     and the usage: text, finish reason and token counts per choice. With
     several prompts (completions), `per_prompt` choices are each prompt's."""
 
-    def __init__(self, n: int, tokens: Any = None, per_prompt: int = 0) -> None:
+    def __init__(self, n: int, tokens: Any = None, per_prompt: int = 0, echo: Echo | None = None) -> None:
         """`tokens`: the tokenizer, to name the tokens of log probabilities."""
+        self.echo = echo or Echo()
+        self._echoed: set[int] = set()  # choices whose output began (with their echo, if any)
+        self.prompt_logprobs: dict[int, list[dict[str, Any] | None]] = {}  # vLLM's, by choice
         self.text = [""] * n
         self.finish: list[str | None] = [None] * n
         self.per_prompt = per_prompt or n
@@ -41,36 +54,71 @@ class Choices:
         self._cached: dict[int, int] = {}
         self.completion_tokens = [0] * n
         self.logprobs: list[list[dict[str, Any]]] = [[] for _ in range(n)]
+        self._offset = [0] * n  # characters of the tokens of each choice's entries so far (legacy text_offset)
         self.tokens = tokens
 
     def add(self, i: int, response: tokenizer_pb2.GenerateResponse) -> Shown | None:
         """Record a response of choice `i`: what to show of it, or None
         when it adds nothing to show."""
         kind = response.WhichOneof("event")
-        if kind == "delta":
+        shown: Shown | None = None
+        if kind == "prompt_logprobs":
+            scored = response.prompt_logprobs
+            if self.echo.prompt_logprobs is not None:
+                self.prompt_logprobs[i] = self._vllm_form(scored, self.echo.prompt_logprobs)
+            if self.echo.logprobs is not None:
+                shown = Shown("", None, self._prompt_entries(scored, self.echo.logprobs))
+        elif kind == "delta":
             d = response.delta
             entries = [self._entry(t, lp) for t, lp in zip(d.token_ids, d.logprobs, strict=False)]
-            if not d.text and not entries:
-                return None
-            self.text[i] += d.text
-            self.logprobs[i] += entries
-            return Shown(d.text, None, entries)
-        if kind == "finished":
+            shown = Shown(d.text, None, entries)
+        elif kind == "finished":
             f = response.finished
             self.finish[i] = FINISH.get(f.finish_reason, "stop")
             prompt = i // self.per_prompt
             self._prompt[prompt] = f.prompt_tokens
             self._cached[prompt] = max(self._cached.get(prompt, 0), f.cached_tokens)
             self.completion_tokens[i] = f.completion_tokens
-            return Shown("", self.finish[i], [])
-        return None
+            shown = Shown("", self.finish[i], [])
+        if shown is not None and i not in self._echoed and self.echo.texts:
+            # The choice's first output: its prompt's text goes first (with
+            # the prompt's log probabilities, which come before any token).
+            shown = dataclasses.replace(shown, text=self.echo.texts[i // self.per_prompt] + shown.text)
+        if shown is None or not (shown.text or shown.logprobs or shown.finish):
+            return None
+        self._echoed.add(i)
+        self.text[i] += shown.text
+        if shown.logprobs:
+            shown = dataclasses.replace(shown, offset=self._offset[i])
+            self._offset[i] += sum(len(e["token"]) for e in shown.logprobs)
+        self.logprobs[i] += shown.logprobs
+        return shown
 
-    def _entry(self, token: int, lp: common_pb2.TokenLogprob) -> dict[str, Any]:
-        """OpenAI's chat form of one token's log probability."""
-        top = [self._named(t, v) for t, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)]
-        return {**self._named(token, lp.logprob), "top_logprobs": top}
+    def _entry(self, token: int, lp: common_pb2.TokenLogprob, top: int | None = None) -> dict[str, Any]:
+        """OpenAI's chat form of one token's log probability (and its first `top` alternatives)."""
+        pairs = list(zip(lp.top_token_ids, lp.top_logprobs, strict=True))[:top]
+        return {**self._named(token, lp.logprob), "top_logprobs": [self._named(t, v) for t, v in pairs]}
 
-    def _named(self, token: int, logprob: float) -> dict[str, Any]:
+    def _prompt_entries(self, scored: tokenizer_pb2.PromptLogprobs, top: int) -> list[dict[str, Any]]:
+        """Echo's log probabilities of the prompt tokens: the first has none (null)."""
+        ids = list(scored.token_ids)
+        first = {**self._named(ids[0], None), "top_logprobs": None} if ids else None
+        rest = [self._entry(t, lp, top) for t, lp in zip(ids[1:], scored.logprobs, strict=True)]
+        return [first, *rest] if first else rest
+
+    def _vllm_form(self, scored: tokenizer_pb2.PromptLogprobs, top: int) -> list[dict[str, Any] | None]:
+        """vLLM's prompt_logprobs: null for the first token, then per token
+        {token id: {logprob, rank, decoded_token}}, the token first and
+        then its position's `top` most likely."""
+        out: list[dict[str, Any] | None] = [None] if scored.token_ids else []
+        for token, lp in zip(scored.token_ids[1:], scored.logprobs, strict=True):
+            entry = {str(token): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": self._text(token)}}
+            for rank, (t, v) in enumerate(list(zip(lp.top_token_ids, lp.top_logprobs, strict=True))[:top], 1):
+                entry.setdefault(str(t), {"logprob": v, "rank": rank, "decoded_token": self._text(t)})
+            out.append(entry)
+        return out
+
+    def _named(self, token: int, logprob: float | None) -> dict[str, Any]:
         text = self._text(token)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
@@ -103,10 +151,16 @@ class Shown:
     text: str
     finish: str | None
     logprobs: list[dict[str, Any]]
+    offset: int = 0  # the first entry's legacy text_offset: its choice's earlier tokens' characters
 
 
 def completion_logprobs(entries: list[dict[str, Any]], start: int = 0) -> dict[str, Any]:
-    """The legacy completions form of log probabilities (text offsets from `start`)."""
+    """The legacy completions form of log probabilities. A token's
+    text_offset counts the characters of the choice's tokens before it
+    (from `start`, those of earlier chunks), as the text is when the
+    tokens spell it (an echoed prompt's special tokens, a chat template
+    the server applied to a plain prompt, and a stop string cut from the
+    end do not)."""
     offsets, at = [], start
     for e in entries:
         offsets.append(at)
@@ -114,7 +168,10 @@ def completion_logprobs(entries: list[dict[str, Any]], start: int = 0) -> dict[s
     return {
         "tokens": [e["token"] for e in entries],
         "token_logprobs": [e["logprob"] for e in entries],
-        "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+        "top_logprobs": [
+            None if e["top_logprobs"] is None else {t["token"]: t["logprob"] for t in e["top_logprobs"]}
+            for e in entries
+        ],
         "text_offset": offsets,
     }
 
@@ -156,11 +213,16 @@ class Shape:
                 out["choices"].append({"index": i, "message": message, "logprobs": lps, "finish_reason": f})
             else:
                 out["choices"].append({"index": i, "text": text, "logprobs": lps, "finish_reason": f})
+                if choices.echo.prompt_logprobs is not None:
+                    out["choices"][-1]["prompt_logprobs"] = choices.prompt_logprobs.get(i)
+        if self.chat and choices.echo.prompt_logprobs is not None:  # vLLM's: the request's, once
+            out["prompt_logprobs"] = choices.prompt_logprobs.get(0)
         out["usage"] = choices.usage()
         return out
 
-    def _logprobs(self, entries: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"content": entries} if self.chat else completion_logprobs(entries)
+    def _logprobs(self, entries: list[dict[str, Any]], start: int = 0) -> dict[str, Any]:
+        """Chat's form, or the legacy one with text offsets from `start`."""
+        return {"content": entries} if self.chat else completion_logprobs(entries, start)
 
     def first(self, i: int) -> dict[str, Any] | None:
         """A chat stream's first chunk of a choice: the assistant's role."""
@@ -172,7 +234,7 @@ class Shape:
         """The chunk of what a response adds to choice `i` (None: nothing to
         send yet); `text`: the choice's output so far, this response's
         included (its tool calls, when they are made at the end)."""
-        logprobs = self._logprobs(shown.logprobs) if shown.logprobs else None
+        logprobs = self._logprobs(shown.logprobs, shown.offset) if shown.logprobs else None
         if isinstance(self.calls, Forced) and self.chat:
             return self._called(i, shown, text, logprobs)
         if isinstance(self.calls, Auto) and self.chat:

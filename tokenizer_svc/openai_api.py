@@ -10,8 +10,13 @@ What is accepted, as vLLM, SGLang and TGI accept it:
   http(s); `detail` is accepted and ignored: the model's processor decides
   the resolution), `video_url` (models that take video), and the untyped
   shorthands `{"image_url": "..."}` and `{"video_url": "..."}`.
-- `/v1/completions`: `prompt`, a string or a list of up to MAX_PROMPTS (each its own
-  generation, prompt p's choice j numbered p * n + j).
+- `/v1/completions`: `prompt`, a string, a list of token ids, or a list of
+  up to MAX_PROMPTS of either (each its own generation, prompt p's choice j
+  numbered p * n + j); `echo` (each choice's text starts with its prompt,
+  and with `logprobs` its prompt tokens' log probabilities come first, the
+  first token's null: what lm-evaluation-harness scores with).
+- vLLM's `prompt_logprobs` (chat and completions, not streamed): each prompt
+  token's log probability, rank and top tokens (`SamplingParams.prompt_logprobs`).
 - Parameters: temperature, top_p, top_k, seed, stop (a string or a list),
   max_tokens and max_completion_tokens (the smaller when both), min_tokens,
   stop_token_ids, n (up to MAX_CHOICES), stream, stream_options.include_usage,
@@ -32,7 +37,7 @@ What is accepted, as vLLM, SGLang and TGI accept it:
   into the conversation.
 - Refused (400, `param` naming the field): the OpenAI fields whose meaning
   this server cannot honour (`UNHONOURED`: the deprecated functions, audio
-  output, echo...) when set to anything but their do-nothing value.
+  output, suffix...) when set to anything but their do-nothing value.
   Answering as if they were absent would hand a client that asked for them
   plain text and no sign why. Other unknown fields are ignored (logged at
   debug).
@@ -99,7 +104,7 @@ KNOWN = {
     "stop", "min_tokens", "stop_token_ids", "n", "stream", "stream_options", "logprobs", "top_logprobs", "user",
     "cache_salt", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "response_format",
     "tools", "tool_choice", "parallel_tool_calls", "structured_outputs", "guided_json", "guided_regex",
-    "guided_choice", "guided_grammar", "min_p", "ignore_eos",
+    "guided_choice", "guided_grammar", "min_p", "ignore_eos", "echo", "prompt_logprobs",
     "include_stop_str_in_output", "continue_final_message", "add_generation_prompt", "chat_template_kwargs",
 }  # fmt: skip
 
@@ -115,7 +120,6 @@ UNHONOURED: dict[str, tuple[tuple[Any, ...], str]] = {
     "function_call": ((None, "none"), _FUNCTIONS),
     "modalities": ((None, ["text"]), "this server answers in text only"),
     "audio": ((None,), "this server answers in text only"),
-    "echo": ((None, False), "this server does not return the prompt"),
     "suffix": ((None, ""), "this server does not insert text"),
     "best_of": ((None, 1), "this server returns every choice it makes (use n)"),
     "web_search_options": ((None,), "this server does not search the web"),
@@ -124,7 +128,6 @@ UNHONOURED: dict[str, tuple[tuple[Any, ...], str]] = {
     "length_penalty": ((None, 1), "this server does not search beams"),
     "allowed_token_ids": ((None, []), "use logit_bias"),
     "bad_words": ((None, []), "use logit_bias"),
-    "prompt_logprobs": ((None,), "this server returns the log probabilities of generated tokens only"),
     "truncate_prompt_tokens": ((None,), "this server does not cut prompts; a prompt over the context is refused"),
     "mm_processor_kwargs": ((None, {}), "the model's processor runs with the server's settings"),
     "chat_template": ((None,), "the server's --chat-template renders every conversation"),
@@ -167,6 +170,13 @@ class Call:
     # Completions of several prompts: the requests of the second and later
     # (the first is `request`); prompt p's choice j is choice p * n + j.
     others: tuple[tokenizer_pb2.GenerateRequest, ...] = ()
+    # Completions: each choice's text (and, with logprobs, its log
+    # probabilities) starts with its prompt's.
+    echo: bool = False
+    # vLLM's prompt_logprobs: how many top tokens each prompt token's entry
+    # names (None: not asked). The requests ask for the most that `echo`
+    # and this need (`SamplingParams.prompt_logprobs`).
+    prompt_logprobs: int | None = None
 
     @property
     def choices(self) -> int:
@@ -182,6 +192,8 @@ def parse_chat(body: Any, tool_parser: str = "none") -> Call:
     """`tool_parser`: how the tool calls a model writes itself are found
     (the tokenizer's --tool-call-parser), for tool_choice "auto"."""
     body = _object(body)
+    if body.get("echo") not in (None, False):
+        raise invalid("echo is not supported by chat completions: it goes with completions", "echo")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise invalid("messages must be a non-empty list", "messages")
@@ -200,6 +212,7 @@ def parse_chat(body: Any, tool_parser: str = "none") -> Call:
             raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
         request.sampling.top_logprobs = top
     call = _finish(body, request)
+    call = _prompt_logprobs(body, call, echo=False)
     if tools is None:
         return call
     calls, schema = tools
@@ -311,16 +324,8 @@ def parse_completion(body: Any) -> Call:
     for name, nothing in chat_only:
         if body.get(name) not in nothing:
             raise invalid(f"{name} is not supported by completions: it goes with chat completions", name)
-    prompts = body.get("prompt")
-    if isinstance(prompts, str):
-        prompts = [prompts]
-    if not isinstance(prompts, list) or not 1 <= len(prompts) <= MAX_PROMPTS:
-        raise invalid(f"prompt must be a string or a list of 1 to {MAX_PROMPTS} strings", "prompt")
-    for k, prompt in enumerate(prompts):
-        if not isinstance(prompt, str) or not prompt:
-            where = f"prompt[{k}]" if len(prompts) > 1 else "prompt"
-            raise invalid(f"{where} must be a non-empty string (token ids are not taken)", where)
-    request = tokenizer_pb2.GenerateRequest(prompt=prompts[0])
+    prompts = _prompts(body.get("prompt"))
+    request = _prompted(tokenizer_pb2.GenerateRequest(), prompts[0])
     top = _int(body, "logprobs")  # the legacy API: how many top entries, 0 for the token's own only
     if top is not None:
         if not 0 <= top <= MAX_TOP_LOGPROBS:
@@ -328,15 +333,71 @@ def parse_completion(body: Any) -> Call:
         request.sampling.logprobs = True
         request.sampling.top_logprobs = top
     call = _finish(body, request)
+    echo = body.get("echo")
+    if echo is not None and not isinstance(echo, bool):
+        raise invalid("echo must be true or false", "echo")
+    call = _prompt_logprobs(body, call, echo=bool(echo))
     if call.n * len(prompts) > MAX_PROMPTS * MAX_CHOICES // 4:
         raise invalid(f"{len(prompts)} prompts of n {call.n}: at most {MAX_PROMPTS * MAX_CHOICES // 4} choices", "n")
     others = []
     for prompt in prompts[1:]:
         other = tokenizer_pb2.GenerateRequest()
         other.CopyFrom(request)
-        other.prompt = prompt
-        others.append(other)
+        others.append(_prompted(other, prompt))
     return dataclasses.replace(call, others=tuple(others))
+
+
+def _prompts(value: Any) -> list[str | list[int]]:
+    """Completions' `prompt`: a string or token ids, or a list of either."""
+    if isinstance(value, list) and value and all(isinstance(x, int) for x in value):  # one prompt of ids
+        if not _token_ids(value):
+            raise invalid(f"prompt: token ids are integers within [0, {_U32}]", "prompt")
+        value = [value]
+    elif isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not 1 <= len(value) <= MAX_PROMPTS:
+        raise invalid(
+            f"prompt must be a string, a list of token ids, or a list of 1 to {MAX_PROMPTS} of them", "prompt"
+        )
+    for k, prompt in enumerate(value):
+        if not ((isinstance(prompt, str) and prompt) or _token_ids(prompt)):  # an empty list of ids included
+            where = f"prompt[{k}]" if len(value) > 1 else "prompt"
+            raise invalid(f"{where} must be a non-empty string or a non-empty list of token ids", where)
+    return value
+
+
+def _token_ids(value: Any) -> bool:
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= _U32 for x in value)
+    )
+
+
+def _prompted(request: tokenizer_pb2.GenerateRequest, prompt: str | list[int]) -> tokenizer_pb2.GenerateRequest:
+    if isinstance(prompt, str):
+        request.prompt = prompt
+    else:
+        request.ClearField("prompt")
+        request.prompt_token_ids[:] = prompt
+    return request
+
+
+def _prompt_logprobs(body: dict[str, Any], call: Call, *, echo: bool) -> Call:
+    """vLLM's prompt_logprobs and completions' echo: what the requests ask
+    of the scheduler (`SamplingParams.prompt_logprobs`, the most top
+    tokens either needs) and how the answer shows it."""
+    asked = _int(body, "prompt_logprobs")
+    if asked is not None:
+        if not 0 <= asked <= MAX_TOP_LOGPROBS:
+            raise invalid(f"prompt_logprobs must be within [0, {MAX_TOP_LOGPROBS}]", "prompt_logprobs")
+        if call.stream:
+            raise invalid("prompt_logprobs is not available with stream: true", "prompt_logprobs")
+    s = call.request.sampling
+    tops = [t for t in (asked, s.top_logprobs if echo and s.logprobs else None) if t is not None]
+    if tops:
+        s.prompt_logprobs = max(tops)
+    return dataclasses.replace(call, echo=echo, prompt_logprobs=asked)
 
 
 def _object(body: Any) -> dict[str, Any]:
@@ -631,6 +692,8 @@ def param_name(exc: MmsplitError) -> str | None:
     if not param:
         return None
     name = param.removeprefix("sampling.")
+    if name == "prompt_token_ids":
+        return "prompt"
     structured = {"regex", "choice", "grammar"}
     return "response_format" if name == "json_schema" else "structured_outputs" if name in structured else name
 

@@ -101,6 +101,9 @@ class PromptBuilder:
         self._wrapped = wrapped
         # The vision start/end tokens are allowed only around a marker.
         self._structural = sorted({t for p in self.holders.values() for t in (p.before, p.after) if t})
+        # What a prompt of token ids may not hold: the media placeholders and the tokens around them.
+        media_ids = tokenizer.convert_tokens_to_ids([*markers, *self._structural])
+        self._media_ids = frozenset(i for i in media_ids if i is not None and i != tokenizer.unk_token_id)
         # Names chat_template_kwargs may not take: apply_chat_template's own
         # parameters, what it gives the template (the special tokens, by
         # name) and the template's functions.
@@ -136,6 +139,21 @@ class PromptBuilder:
             text = "".join(self.holders[m].token + "\n" for m in sent) + text
             found = sent
         return self._tokenize(text, found, media)
+
+    def from_ids(self, ids: tuple[int, ...]) -> BuiltPrompt:
+        """A prompt given as token ids (prompt_token_ids): read as they are,
+        each inside the vocabulary and none a media placeholder (media come
+        with a text prompt or a conversation, where their runs are made)."""
+        vocab = len(self.tokenizer)
+        for i, token in enumerate(ids):
+            if token >= vocab:
+                why = f"is outside the vocabulary of {vocab}"
+            elif token in self._media_ids:
+                why = "is a media placeholder or marker (send media with a text prompt or messages)"
+            else:
+                continue
+            raise InvalidRequest(f"prompt_token_ids[{i}] {token} {why}", metadata={"param": "prompt_token_ids"})
+        return BuiltPrompt(list(ids), [])
 
     def build_chat(
         self,

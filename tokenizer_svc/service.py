@@ -324,6 +324,8 @@ class TokenizerService:
             _release(prepared)  # what was disowned is the scheduler's: untouched
 
     def _prompt(self, parsed: Parsed, media: list[Media]) -> BuiltPrompt:
+        if parsed.token_ids is not None:
+            return self.prompts.from_ids(parsed.token_ids)
         if parsed.turns is None:
             return self.prompts.build(parsed.prompt, media)
         return self.prompts.build_chat(
@@ -411,6 +413,11 @@ class TokenizerService:
                     yield None
                 elif kind == "tokens":
                     cached = cached or event.tokens.cached_tokens
+                    if event.tokens.prompt_logprobs:  # the first message, when asked
+                        scored = tokenizer_pb2.PromptLogprobs(
+                            token_ids=downstream.input_ids, logprobs=event.tokens.prompt_logprobs
+                        )
+                        yield tokenizer_pb2.GenerateResponse(request_id=rid, prompt_logprobs=scored)
                     ids = list(event.tokens.token_ids)
                     text, kept = stream_text(decoder, stops, ids)
                     del ids[kept:]  # those after the token a stop string falls in are not reported

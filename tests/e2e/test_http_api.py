@@ -1072,3 +1072,138 @@ def test_a_client_s_request_id_names_the_request(api: Api) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=api.model, messages=chat, extra_headers={"X-Request-Id": "x" * 129})  # type: ignore[arg-type]
     assert info.value.body["param"] == "X-Request-Id"  # type: ignore[index]
+
+
+def _prompt_scores(model_dir: Path, ids: list[int]) -> Any:
+    """log_softmax of the model's logits over `ids`, one forward in this process: ``[len(ids), vocab]``."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        return torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].float(), dim=-1)
+
+
+def test_a_prompt_is_scored_as_lm_evaluation_harness_asks_with_echo_and_logprobs(api: Api) -> None:
+    """lm-evaluation-harness's loglikelihood request (local-completions:
+    token-id prompts in a batch, max_tokens 1, temperature 0, logprobs 1,
+    echo): each choice's token_logprobs are the prompt's, the first null,
+    then the generated token's, each the model's own log_softmax; its
+    top_logprobs the most likely token; its text the prompt and the token.
+    vLLM's prompt_logprobs give the same numbers with each token's rank,
+    and over gRPC (prompt_token_ids, SamplingParams.prompt_logprobs) every
+    choice gets them before its first token."""
+    from transformers import AutoTokenizer
+
+    from mmsplit.tokenizer.v1 import tokenizer_pb2
+
+    client = api.client()
+    tokenizer = AutoTokenizer.from_pretrained(api.pair.model)
+    prompts = [[1, 415, 2936, 9060, 285], [1, 9060, 415, 2936, 28705, 17]]
+    reply = client.completions.create(
+        model=api.model, prompt=prompts, max_tokens=1, temperature=0, logprobs=1, echo=True, seed=1234
+    )
+    scored: list[list[float]] = []
+    for choice, ids in zip(sorted(reply.choices, key=lambda c: c.index), prompts, strict=True):
+        lp = choice.logprobs
+        assert lp is not None
+        assert lp.token_logprobs is not None
+        assert lp.top_logprobs is not None
+        assert lp.tokens
+        assert len(lp.token_logprobs) == len(ids) + 1
+        assert lp.token_logprobs[0] is None
+        assert lp.top_logprobs[0] is None
+        expected = _prompt_scores(api.pair.model, ids)
+        for k in range(1, len(ids)):
+            assert lp.token_logprobs[k] == pytest.approx(float(expected[k - 1, ids[k]]), abs=1e-4), k
+            (best,) = lp.top_logprobs[k].values()
+            assert best == pytest.approx(float(expected[k - 1].max()), abs=1e-4)
+        # The generated token: greedy, the last position's most likely.
+        assert lp.token_logprobs[-1] == pytest.approx(float(expected[-1].max()), abs=1e-4)
+        assert choice.text.startswith(tokenizer.decode(ids, skip_special_tokens=True))
+        assert lp.tokens[:-1] == [tokenizer.decode([t]) for t in ids]
+        assert lp.text_offset == [sum(len(t) for t in lp.tokens[:k]) for k in range(len(lp.tokens))]
+        scored.append(lp.token_logprobs[1:-1])
+    assert reply.usage is not None
+    assert reply.usage.prompt_tokens == sum(len(p) for p in prompts)
+
+    raw = client.completions.create(model=api.model, prompt=prompts[0], max_tokens=2, extra_body={"prompt_logprobs": 2})
+    entries = raw.model_dump()["choices"][0]["prompt_logprobs"]
+    assert entries[0] is None
+    assert len(entries) == len(prompts[0])
+    expected = _prompt_scores(api.pair.model, prompts[0])
+    for k, entry in enumerate(entries[1:], 1):
+        token = entry[str(prompts[0][k])]
+        assert token["logprob"] == pytest.approx(scored[0][k - 1], abs=1e-6)
+        assert token["rank"] == int((expected[k - 1] > expected[k - 1, prompts[0][k]]).sum()) + 1
+        ranks = sorted(v["rank"] for key, v in entry.items() if key != str(prompts[0][k]))
+        assert ranks == [r for r in (1, 2) if r != token["rank"]]
+
+    request = tokenizer_pb2.GenerateRequest(prompt_token_ids=prompts[1], n=2)
+    request.sampling.max_tokens, request.sampling.prompt_logprobs = 2, 0
+    events: list[tuple[int, str]] = []
+    with grpc.insecure_channel(api.pair.tokenizer_address) as channel:
+        for event in tokenizer_pb2_grpc.TokenizerServiceStub(channel).Generate(request, timeout=60):
+            kind = event.WhichOneof("event")
+            events.append((event.index, kind))
+            if kind == "prompt_logprobs":
+                assert list(event.prompt_logprobs.token_ids) == prompts[1]
+                got = [lp.logprob for lp in event.prompt_logprobs.logprobs]
+                assert got == pytest.approx(scored[1], abs=1e-6)
+    for i in (0, 1):
+        mine = [kind for index, kind in events if index == i]
+        assert mine[0] == "prompt_logprobs"
+        assert mine.count("prompt_logprobs") == 1
+        assert mine[-1] == "finished"
+
+
+def test_echo_streams_the_prompt_first_and_chat_reports_prompt_logprobs(api: Api) -> None:
+    """A streamed echo's text is the prompt and then the output, as the
+    whole answer's; text offsets run on across chunks; a chat request's
+    prompt_logprobs are one entry per prompt token (the first null)."""
+    client = api.client()
+    whole = client.completions.create(model=api.model, prompt="The quick brown", max_tokens=4, echo=True)
+    plain = client.completions.create(model=api.model, prompt="The quick brown", max_tokens=4)
+    assert whole.choices[0].text == "The quick brown" + plain.choices[0].text
+    chunks = list(client.completions.create(
+        model=api.model, prompt="The quick brown", max_tokens=4, echo=True, logprobs=0, stream=True
+    ))  # fmt: skip
+    texts = [c.choices[0].text for c in chunks if c.choices]
+    assert "".join(texts) == whole.choices[0].text
+    assert texts[0].startswith("The quick brown")
+    logprobs = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    tokens = [t for lp in logprobs for t in lp.tokens or []]
+    offsets = [o for lp in logprobs for o in lp.text_offset or []]
+    assert offsets == [sum(len(t) for t in tokens[:k]) for k in range(len(tokens))]  # on across chunks
+    assert len(tokens) > 4  # the prompt's, then the output's
+    assert logprobs[0].token_logprobs[0] is None
+
+    chat = client.chat.completions.create(
+        model=api.model, messages=[{"role": "user", "content": "hi"}], max_tokens=2, extra_body={"prompt_logprobs": 1}
+    )
+    entries = chat.model_dump()["prompt_logprobs"]
+    assert chat.usage is not None
+    assert len(entries) == chat.usage.prompt_tokens
+    assert entries[0] is None
+    assert all(isinstance(e, dict) and 1 <= len(e) <= 2 for e in entries[1:])
+
+
+def test_token_prompts_and_prompt_logprobs_refusals_are_typed(api: Api) -> None:
+    """Ids outside the vocabulary or naming an image placeholder, and
+    prompt_logprobs streamed or over 20: a 400 naming the field, and the
+    next request is served."""
+    client = api.client(max_retries=0)
+    image_id = 32000  # the tiny LLaVA's <image>
+    cases: list[tuple[dict[str, Any], str, str]] = [
+        ({"prompt": [1, 10**6]}, "prompt", "outside the vocabulary"),
+        ({"prompt": [1, image_id, 415]}, "prompt", "placeholder"),
+        ({"prompt": "x", "extra_body": {"prompt_logprobs": 21}}, "prompt_logprobs", "within"),
+        ({"prompt": "x", "stream": True, "extra_body": {"prompt_logprobs": 1}}, "prompt_logprobs", "stream"),
+    ]
+    for kwargs, param, words in cases:
+        with pytest.raises(openai.BadRequestError) as info:
+            client.completions.create(model=api.model, max_tokens=2, **kwargs)
+        body = info.value.body if isinstance(info.value.body, dict) else {}
+        assert (body.get("code"), body.get("param")) == ("INVALID_REQUEST", param), body
+        assert words in body.get("message", ""), body
+        _good_after(api)

@@ -492,3 +492,64 @@ def test_the_whole_step_runs_under_the_engines_attention_kernels(model: torch.nn
     assert len(seen) >= 4
     assert not any(cudnn for _, cudnn in seen), seen
     assert torch.backends.cuda.cudnn_sdp_enabled()
+
+
+def _expected_scores(model: torch.nn.Module, req: NewRequest) -> torch.Tensor:
+    """log_softmax of the model's logits over the whole prompt, one forward: ``[prompt - 1, vocab]``."""
+    images = [torch.frombuffer(bytearray(s.inline or b""), dtype=torch.float32).reshape(s.shape) for s in req.specs]
+    extra = {"pixel_values": torch.cat(images)} if images else {}
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([req.input_ids]), **extra).logits[0, :-1]  # type: ignore[operator]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+@pytest.mark.parametrize("chunk", [0, 16], ids=["whole", "chunked"])
+def test_prompt_logprobs_are_the_model_s_own_over_every_prompt_position(model: torch.nn.Module, chunk: int) -> None:
+    """prompt_logprobs: one entry per prompt token after the first, its log
+    probability, rank and top tokens on log_softmax of one full forward of
+    the prompt (images included), whether the prompt joined with others,
+    was prefilled in chunks, or matches blocks the prefix cache holds
+    (never taken: its cached tokens are 0); the generated tokens are
+    unchanged, and requests that did not ask get none."""
+    eos = int(model.config.text_config.eos_token_id)
+    engine = Engine(
+        model, SoloGroup(), InlineReader(), torch.device("cpu"), eos_token_ids=frozenset([eos]), token_chunk=32,
+        encoder_cache_bytes=64 << 20, prefill_chunk=chunk, prefix_cache_bytes=64 << 20,
+    )  # fmt: skip
+    rng = random.Random(5)
+    text = [rng.randrange(100, 30000) for _ in range(40)]
+    first = request("first", image_prompt(model, 1, text), [pixels(1)], max_tokens=2)
+    asked = [
+        request("again", first.input_ids, [pixels(1)], max_tokens=3, prompt_logprobs=3),
+        request("plain", [1, *text[:25]], max_tokens=3, prompt_logprobs=0),
+        request("two", image_prompt(model, 2, text[:7]), [pixels(2), pixels(3)], max_tokens=2, prompt_logprobs=20),
+    ]
+    other = request("other", [1, *text[5:30]], max_tokens=4)
+    scores: dict[str, list[Any]] = {}
+    cached: dict[str, int] = {}
+    original = engine.step
+
+    def step(plan: Plan) -> StepOutcome:
+        outcome = original(plan)
+        assert not set(scores) & set(outcome.prompt_logprobs), "reported twice"
+        scores.update(outcome.prompt_logprobs)
+        return outcome
+
+    engine.step = step  # type: ignore[method-assign]
+    results = drive(engine, {0: [first], 4: [*asked, other]}, eos, cached)
+    for req in [first, *asked, other]:
+        assert results[req.request_id] == reference(model, req), req.request_id
+    assert set(scores) == {r.request_id for r in asked}
+    assert cached["again"] == 0
+    for req in asked:
+        expected = _expected_scores(model, req)
+        got = scores[req.request_id]
+        assert len(got) == len(req.input_ids) - 1, req.request_id
+        top = req.sampling.prompt_logprobs
+        for k, (token, lp) in enumerate(zip(req.input_ids[1:], got, strict=True)):
+            assert lp.logprob == pytest.approx(float(expected[k, token]), abs=1e-4), (req.request_id, k)
+            assert lp.rank == int((expected[k] > expected[k, token]).sum()) + 1, (req.request_id, k)
+            best = torch.topk(expected[k], top) if top else None
+            assert list(lp.top_ids) == ([] if best is None else best.indices.tolist()), (req.request_id, k)
+            if best is not None:
+                assert list(lp.top_logprobs) == pytest.approx(best.values.tolist(), abs=1e-4)

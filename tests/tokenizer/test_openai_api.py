@@ -122,13 +122,11 @@ def test_refusals_name_their_field(body: dict[str, Any], param: str) -> None:
         ("function_call", "auto"),
         ("modalities", ["text", "audio"]),
         ("audio", {"voice": "alloy", "format": "wav"}),
-        ("echo", True),
         ("suffix", "end"),
         ("best_of", 3),
         ("web_search_options", {}),
         ("use_beam_search", True),
         ("allowed_token_ids", [1, 2]),
-        ("prompt_logprobs", 1),
         ("chat_template", "{{ messages }}"),
         ("skip_special_tokens", False),
         ("priority", 5),
@@ -151,15 +149,15 @@ def test_the_do_nothing_values_of_those_fields_are_accepted() -> None:
     defaults = {
         "functions": None, "function_call": "none",
         "modalities": ["text"], "audio": None,
-        "echo": False, "suffix": "", "best_of": 1, "web_search_options": None,
+        "suffix": "", "best_of": 1, "web_search_options": None,
         "use_beam_search": False, "length_penalty": 1.0, "allowed_token_ids": None, "bad_words": [],
-        "prompt_logprobs": None, "truncate_prompt_tokens": None, "mm_processor_kwargs": {}, "chat_template": None,
+        "truncate_prompt_tokens": None, "mm_processor_kwargs": {}, "chat_template": None,
         "documents": None, "skip_special_tokens": True, "spaces_between_special_tokens": True,
         "return_tokens_as_token_ids": False, "logits_processors": None, "priority": 0,
     }  # fmt: skip
     assert defaults.keys() == openai_api.UNHONOURED.keys()
     defaults |= {"tools": [], "tool_choice": "none", "add_generation_prompt": True, "continue_final_message": False,
-                 "chat_template_kwargs": {}}  # fmt: skip
+                 "chat_template_kwargs": {}, "echo": False, "prompt_logprobs": None}  # fmt: skip
     call = openai_api.parse_chat({"messages": [{"role": "user", "content": "x"}], **defaults})
     assert call.request.messages[0].content[0].text == "x"
     assert openai_api.parse_completion({"prompt": "x", **defaults}).request.prompt == "x"
@@ -325,9 +323,8 @@ def test_logprobs_are_asked_as_each_api_spells_it() -> None:
 
 
 def test_completions_take_a_prompt_or_a_list_of_them() -> None:
-    """A list of prompts is a request each, alike but for the prompt; token
-    ids, empty prompts and too many choices in all are refused, naming the
-    field."""
+    """A list of prompts is a request each, alike but for the prompt; empty
+    prompts and too many choices in all are refused, naming the field."""
     assert openai_api.parse_completion({"prompt": ["once"]}).request.prompt == "once"
     several = openai_api.parse_completion({"prompt": ["a", "b", "c"], "n": 2, "max_tokens": 3, "seed": 4})
     assert [r.prompt for r in several.requests] == ["a", "b", "c"]
@@ -336,8 +333,6 @@ def test_completions_take_a_prompt_or_a_list_of_them() -> None:
     for body, param in (
         ({"prompt": []}, "prompt"),
         ({"prompt": ["a", ""]}, "prompt[1]"),
-        ({"prompt": [1, 2, 3]}, "prompt[0]"),
-        ({"prompt": [[1, 2]]}, "prompt"),
         ({"prompt": ["a"] * 17}, "prompt"),
         ({"prompt": ["a"] * 5, "n": 8}, "n"),
     ):
@@ -826,3 +821,63 @@ def test_responses_calls_and_their_outputs_must_name_the_call() -> None:
         with pytest.raises(InvalidRequest) as info:
             to_chat({"input": [{"role": "user", "content": "x"}, item]})
         assert openai_api.param_name(info.value) == "input[1].call_id", item
+
+
+@pytest.mark.parametrize(
+    ("prompt", "expected"),
+    [
+        ("text", ["text"]),
+        ([1, 2, 3], [[1, 2, 3]]),
+        (["a", "b"], ["a", "b"]),
+        ([[1, 2], [3]], [[1, 2], [3]]),
+        (["a", [4, 5]], ["a", [4, 5]]),
+    ],
+)  # fmt: skip
+def test_completions_take_text_or_token_id_prompts(prompt: Any, expected: list[Any]) -> None:
+    call = openai_api.parse_completion({"prompt": prompt})
+    got = [r.prompt if r.prompt else list(r.prompt_token_ids) for r in call.requests]
+    assert got == expected
+    for r in call.requests:  # one or the other, never both
+        assert not (r.prompt and r.prompt_token_ids)
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"prompt": []}, "prompt"),
+        ({"prompt": [[]]}, "prompt"),
+        ({"prompt": [1, "a"]}, "prompt[0]"),
+        ({"prompt": [1, -2]}, "prompt"),
+        ({"prompt": [1, 2**32]}, "prompt"),
+        ({"prompt": [True, 1]}, "prompt"),
+        ({"prompt": [[1], [2.5]]}, "prompt[1]"),
+        ({"prompt": "x", "echo": "yes"}, "echo"),
+        ({"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
+        ({"prompt": "x", "prompt_logprobs": -1}, "prompt_logprobs"),
+        ({"prompt": "x", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+    ],
+)  # fmt: skip
+def test_completions_prompt_echo_and_prompt_logprobs_refusals(body: dict[str, Any], param: str) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        openai_api.parse_completion(body)
+    assert openai_api.param_name(info.value) == param
+
+
+def test_echo_and_prompt_logprobs_ask_the_scheduler_for_the_most_top_tokens_either_needs() -> None:
+    def asked(**body: Any) -> int | None:
+        s = openai_api.parse_completion({"prompt": [1, 2], **body}).request.sampling
+        return s.prompt_logprobs if s.HasField("prompt_logprobs") else None
+
+    assert asked() is None
+    assert asked(echo=True) is None  # the prompt's text only: nothing to compute
+    assert asked(logprobs=3) is None  # the generated tokens' only
+    assert asked(echo=True, logprobs=3) == 3
+    assert asked(echo=True, logprobs=0) == 0
+    assert asked(prompt_logprobs=5) == 5
+    assert asked(echo=True, logprobs=2, prompt_logprobs=5) == 5
+    assert asked(echo=True, logprobs=7, prompt_logprobs=1) == 7
+    chat = openai_api.parse_chat({"messages": [{"role": "user", "content": "x"}], "prompt_logprobs": 0})
+    assert chat.request.sampling.prompt_logprobs == 0
+    assert chat.prompt_logprobs == 0
+    with pytest.raises(InvalidRequest):
+        openai_api.parse_chat({"messages": [{"role": "user", "content": "x"}], "echo": True})
