@@ -406,6 +406,7 @@ class TokenizerService:
         decoder = make_decoder(self.tokenizer)
         stops = StopMatcher(tuple(downstream.sampling.stop), downstream.sampling.include_stop_str_in_output)
         completion = cached = 0
+        scoring = downstream.sampling.HasField("prompt_logprobs")  # until the first message brings them
         try:
             async for event in stream:
                 kind = event.WhichOneof("event")
@@ -413,7 +414,8 @@ class TokenizerService:
                     yield None
                 elif kind == "tokens":
                     cached = cached or event.tokens.cached_tokens
-                    if event.tokens.prompt_logprobs:  # the first message, when asked
+                    if scoring:  # a prompt of one token has no entries, and its event all the same
+                        scoring = False
                         scored = tokenizer_pb2.PromptLogprobs(
                             token_ids=downstream.input_ids, logprobs=event.tokens.prompt_logprobs
                         )

@@ -367,3 +367,39 @@ def test_side_servers_bind_the_service_s_host(services: Services) -> None:
         assert len(listening) >= 2, (proc.name, listening)  # gRPC and /metrics
         # gRPC's listener is dual-stack: 127.0.0.1 shows in its IPv4-mapped form.
         assert {a.ip.removeprefix("::ffff:") for a in listening} == {"127.0.0.1"}, (proc.name, listening)
+
+
+def test_prompt_logprobs_over_two_ranks_are_the_single_process_model_s(stub, services: Services) -> None:
+    """An image prompt's prompt_logprobs through both services at TP=2 (the
+    LM head's logits gathered to rank 0 in slices): the ids the model
+    read, each one's log probability, rank and top 3 on log_softmax of one
+    full forward in this process, before the first delta; the generated
+    tokens are unchanged."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from tests.support import hf_family
+    from tokenizer_svc.decode import decode_image
+
+    image = samples.good_png(seed=41)
+    request = make_request("Describe it.", [image], max_tokens=3)
+    request.sampling.prompt_logprobs = 3
+    events = list(stub.Generate(request, timeout=60))
+    kinds = [e.WhichOneof("event") for e in events]
+    assert kinds[0] == "prompt_logprobs"
+    assert kinds.count("prompt_logprobs") == 1
+    scored = events[0].prompt_logprobs
+    processor = AutoProcessor.from_pretrained(services.model)
+    inputs = hf_family.inputs(processor, "Describe it.", [decode_image(image, max_pixels=10**8)])
+    ids = inputs["input_ids"][0].tolist()
+    assert list(scored.token_ids) == ids
+    model = AutoModelForImageTextToText.from_pretrained(services.model, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        logits = model(input_ids=inputs["input_ids"], pixel_values=inputs["pixel_values"]).logits[0, :-1]
+    expected = torch.log_softmax(logits.float(), dim=-1)
+    assert len(scored.logprobs) == len(ids) - 1
+    for k, (token, lp) in enumerate(zip(ids[1:], scored.logprobs, strict=True)):
+        assert lp.logprob == pytest.approx(float(expected[k, token]), abs=1e-4), k
+        assert lp.rank == int((expected[k] > expected[k, token]).sum()) + 1, k
+        assert list(lp.top_token_ids) == torch.topk(expected[k], 3).indices.tolist(), k
+    generated = [t for e in events if e.WhichOneof("event") == "delta" for t in e.delta.token_ids]
+    assert generated == reference_greedy(services.model, "Describe it.", [image], 3)

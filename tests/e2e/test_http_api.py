@@ -1178,6 +1178,12 @@ def test_echo_streams_the_prompt_first_and_chat_reports_prompt_logprobs(api: Api
     assert len(tokens) > 4  # the prompt's, then the output's
     assert logprobs[0].token_logprobs[0] is None
 
+    one = client.completions.create(model=api.model, prompt=[1], max_tokens=1, echo=True, logprobs=0)
+    assert one.choices[0].logprobs is not None
+    assert one.choices[0].logprobs.token_logprobs is not None
+    assert one.choices[0].logprobs.token_logprobs[0] is None  # a prompt of one token: its entry, then the output's
+    assert len(one.choices[0].logprobs.token_logprobs) == 2
+
     chat = client.chat.completions.create(
         model=api.model, messages=[{"role": "user", "content": "hi"}], max_tokens=2, extra_body={"prompt_logprobs": 1}
     )
