@@ -29,6 +29,10 @@ from scheduler_svc.settings import SchedulerSettings
 
 MAX_REQUEST_ID = 128
 MAX_CACHE_SALT = 256
+# What one request's prompt_logprobs may take in its first message (and in
+# the tokenizer's PromptLogprobs, with the ids): within the 4 MiB a gRPC
+# client reads by default, with room for the rest.
+PROMPT_LOGPROBS_BYTES = 3 * 1024 * 1024
 FLOAT_DTYPES = (1, 2, 3)
 
 
@@ -169,6 +173,8 @@ class Frontend:
             raise InvalidRequest(
                 f"cache_salt must be at most {MAX_CACHE_SALT} characters", metadata={"param": "cache_salt"}
             )
+        if sampling.prompt_logprobs is not None:
+            _check_scored(count, sampling.prompt_logprobs)
         return NewRequest(request_id=rid, input_ids=ids, items=items, sampling=sampling, cache_salt=pb.cache_salt)
 
     # ---- multimodal items ----
@@ -286,6 +292,24 @@ def _side_tensor(index: int, name: str, spec: TensorSpec) -> np.ndarray:
             f"item {index}: {name} is a side tensor: inline, int64 or float32, at most {MAX_SIDE_BYTES} bytes"
         )
     return np.frombuffer(spec.inline, dtype=SIDE_DTYPES[spec.dtype]).reshape(spec.shape).copy()
+
+
+def prompt_logprobs_bytes(prompt: int, top: int) -> int:
+    """At most what a prompt's log probabilities take on the wire: per
+    token, its id and an entry (log probability, rank, `top` ids and values)."""
+    return max(prompt - 1, 0) * (25 + 11 * top)
+
+
+def _check_scored(prompt: int, top: int) -> None:
+    size = prompt_logprobs_bytes(prompt, top)
+    if size > PROMPT_LOGPROBS_BYTES:
+        most = PROMPT_LOGPROBS_BYTES // (25 + 11 * top) + 1
+        raise InvalidRequest(
+            f"sampling.prompt_logprobs {top} for a prompt of {prompt} tokens: the answer would take up to "
+            f"{size >> 10} KiB, over {PROMPT_LOGPROBS_BYTES >> 10} KiB (at most {most} tokens with {top} top "
+            "tokens each; ask for fewer)",
+            metadata={"param": "sampling.prompt_logprobs"},
+        )
 
 
 def _logprob_pb(lp: Logprob | None) -> common_pb2.TokenLogprob:

@@ -38,6 +38,10 @@ from scheduler_svc.frontend import Frontend, add_tokens, finished_pb
 from scheduler_svc.loop import Event, Failed, Finished, Token
 
 log = logging.getLogger(__name__)
+# A message of the call is cut after the event that takes it past this
+# size when the outbox holds prompt log probabilities (the tokenizer reads
+# up to 16 MiB; each request's are at most PROMPT_LOGPROBS_BYTES).
+MESSAGE_BYTES = 4 * 1024 * 1024
 
 
 def failed_event(rid: str, error: MmsplitError) -> scheduler_pb2.RequestEvent:
@@ -80,6 +84,8 @@ class StreamCall:
         self._joinable: dict[str, scheduler_pb2.RequestEvent] = {}
         # Requests whose last event is in the outbox: ended once it is sent.
         self._ending: list[_Request] = []
+        # The outbox holds a request's prompt_logprobs: messages are cut to MESSAGE_BYTES.
+        self._large = False
 
     # ---- the reader
     async def read(self, messages: AsyncIterator[scheduler_pb2.GenerateStreamRequest]) -> None:
@@ -163,6 +169,7 @@ class StreamCall:
             self._push(event)
             self._joinable[request.rid] = event
         add_tokens(event.tokens, held)
+        self._large = self._large or held[0].prompt_logprobs is not None
         request.sent_first = True
         request.held = []
 
@@ -176,13 +183,22 @@ class StreamCall:
         self.wake.clear()
         if not self._outbox:
             return None
-        message = scheduler_pb2.GenerateStreamResponse(events=self._outbox)
-        self._outbox, self._joinable = [], {}
-        return message
+        events = _within(self._outbox, MESSAGE_BYTES) if self._large else self._outbox
+        self._outbox = self._outbox[len(events) :]
+        if not self._outbox:
+            self._joinable, self._large = {}, False
+            return scheduler_pb2.GenerateStreamResponse(events=events)
+        for event in events:  # those left may still take tokens
+            if self._joinable.get(event.request_id) is event:
+                del self._joinable[event.request_id]
+        self.wake.set()  # the rest goes in the next message
+        return scheduler_pb2.GenerateStreamResponse(events=events)
 
     def written(self) -> None:
         """The requests whose last event went out end now."""
-        ending, self._ending = self._ending, []
+        waiting = {event.request_id for event in self._outbox}
+        ending = [r for r in self._ending if r.rid not in waiting]
+        self._ending = [r for r in self._ending if r.rid in waiting]
         for request in ending:
             self._end(request)
 
@@ -203,6 +219,16 @@ class StreamCall:
     def _end(self, request: _Request) -> None:
         self.frontend.end(request.rid)
         request.summary.log(log, self.metrics)
+
+
+def _within(events: list[scheduler_pb2.RequestEvent], budget: int) -> list[scheduler_pb2.RequestEvent]:
+    """The first of `events` whose message stays within `budget` bytes (one at least)."""
+    size = 0
+    for n, event in enumerate(events):
+        size += event.ByteSize() + 8  # its tag and length in the message
+        if n and size > budget:
+            return events[:n]
+    return events
 
 
 async def serve(

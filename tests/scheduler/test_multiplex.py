@@ -146,3 +146,68 @@ def test_a_draining_server_ends_an_idle_call_and_a_closed_call_cancels_what_is_o
     frontend.sinks["b"](finished(0))  # its last event not yet sent
     call.close()
     assert sorted(frontend.ended) == ["a", "b"]
+
+
+def test_prompt_logprobs_cut_the_call_s_messages_to_their_budget_in_order() -> None:
+    """Requests whose first message carries prompt log probabilities (up to
+    PROMPT_LOGPROBS_BYTES each) go in messages of about MESSAGE_BYTES: every
+    event once, in order, each request's tokens still joined while its event
+    waits, and a request ends only once its last event went out."""
+    from scheduler_svc.frontend import PROMPT_LOGPROBS_BYTES
+    from scheduler_svc.multiplex import MESSAGE_BYTES
+    from scheduler_svc.sampler import Logprob
+
+    call, frontend = make_call()
+    names = ["a", "b", "c", "d"]
+    for rid in names:
+        call.start(request(rid))
+    events(call)
+    # As large as a request's may be: the most entries with 20 top tokens (ids of 3-byte varints).
+    entry = Logprob(-1.5, tuple(range(100_000, 100_020)), tuple(-float(k) for k in range(20)), 150_000)
+    scored = (entry,) * (PROMPT_LOGPROBS_BYTES // (25 + 11 * 20))
+    for rid in names:
+        frontend.sinks[rid](Token(5, None, 0, scored))
+    frontend.sinks["d"](Token(6))  # a second token while its first event waits: joined to it
+    frontend.sinks["d"](finished(2))
+    messages = []
+    while (message := call.take()) is not None:
+        messages.append(message)
+        assert message.ByteSize() <= MESSAGE_BYTES or len(message.events) == 1
+        if not any(e.request_id == "d" and e.HasField("finished") for m in messages for e in m.events):
+            assert "d" not in frontend.ended, "ended before its Finished went out"
+        call.written()
+    assert len(messages) >= 2  # not one message of the four (~6 MB)
+    got = [(e.request_id, e.WhichOneof("event")) for m in messages for e in m.events]
+    assert got == [(rid, "tokens") for rid in names] + [("d", "finished")]
+    d = next(e for m in messages for e in m.events if e.request_id == "d" and e.HasField("tokens"))
+    assert list(d.tokens.token_ids) == [5, 6]
+    assert all(len(e.tokens.prompt_logprobs) == len(scored) for m in messages for e in m.events if e.HasField("tokens"))
+    assert frontend.ended == ["d"]
+    # Small events go back to one message for all.
+    for rid in names[:3]:
+        frontend.sinks[rid](Token(7))
+    assert events(call) == [(rid, "tokens", [7]) for rid in names[:3]]
+
+
+def test_the_bound_on_prompt_logprobs_bytes_holds_on_the_wire() -> None:
+    """`prompt_logprobs_bytes` is at least what a PromptLogprobs of that many
+    tokens takes (ids and ranks of a 250,000-token vocabulary), for 0 to 20
+    top tokens; the scheduler refuses a request over PROMPT_LOGPROBS_BYTES."""
+    import pytest
+
+    from mmsplit.common.v1 import common_pb2
+    from mmsplit.tokenizer.v1 import tokenizer_pb2
+    from mmsplit_server.sampling import Sampling
+    from scheduler_svc.frontend import PROMPT_LOGPROBS_BYTES, _check_scored, prompt_logprobs_bytes
+
+    for top in (0, 1, 5, 20):
+        entry = common_pb2.TokenLogprob(
+            logprob=-1.25, top_token_ids=[249_999 - k for k in range(top)], top_logprobs=[-0.5] * top, rank=249_999
+        )
+        scored = tokenizer_pb2.PromptLogprobs(token_ids=[249_999] * 1000, logprobs=[entry] * 999)
+        assert scored.ByteSize() <= prompt_logprobs_bytes(1000, top), top
+        most = PROMPT_LOGPROBS_BYTES // (25 + 11 * top) + 1
+        _check_scored(most, top)
+        with pytest.raises(InvalidRequest, match="prompt_logprobs"):
+            _check_scored(most + 1, top)
+    assert Sampling(max_tokens=1).prompt_logprobs is None
