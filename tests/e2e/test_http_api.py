@@ -1178,6 +1178,15 @@ def test_echo_streams_the_prompt_first_and_chat_reports_prompt_logprobs(api: Api
     assert len(tokens) > 4  # the prompt's, then the output's
     assert logprobs[0].token_logprobs[0] is None
 
+    by_choice: dict[int, str] = {}
+    for chunk in client.completions.create(
+        model=api.model, prompt=["The quick", "A brown"], n=2, max_tokens=3, echo=True, stream=True, seed=3
+    ):
+        for c in chunk.choices:
+            by_choice[c.index] = by_choice.get(c.index, "") + c.text
+    assert sorted(by_choice) == [0, 1, 2, 3]
+    assert all(by_choice[i].startswith(["The quick", "A brown"][i // 2]) for i in range(4))
+
     one = client.completions.create(model=api.model, prompt=[1], max_tokens=1, echo=True, logprobs=0)
     assert one.choices[0].logprobs is not None
     assert one.choices[0].logprobs.token_logprobs is not None
