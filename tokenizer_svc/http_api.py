@@ -6,8 +6,9 @@ released exactly as a gRPC one.
 Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/responses
 (each streaming or not; the Responses API over the chat path,
 `openai_responses`), GET /v1/models, GET /v1/responses/{id} (404: nothing is
-stored), POST /tokenize and /detokenize (vLLM's), GET /health (200 only
-while a scheduler backend is ready, else 503). With `--api-key-file`, every
+stored), POST /tokenize and /detokenize and GET /tokenizer_info (vLLM's),
+GET /health (200 only while a scheduler backend is ready, else 503). With
+`--api-key-file`, every
 /v1 route and the token routes need ``Authorization: Bearer <key>`` with a
 key of the file (401 otherwise; compared in constant time; the file is read
 again when it changes).
@@ -61,7 +62,7 @@ KEEPALIVE_S = 15.0
 BIG_BODY = 1 << 20
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # Routes beside /v1 that --api-key-file guards too (they do a request's work).
-_KEYED = frozenset({"/tokenize", "/detokenize"})
+_KEYED = frozenset({"/tokenize", "/detokenize", "/tokenizer_info"})
 # How an answer is shaped: chat or completions objects and chunks, or a Response and its events.
 Shaped = openai_answers.Shape | openai_responses.Answer
 
@@ -101,6 +102,7 @@ class HttpApi:
         app.router.add_get("/v1/responses/{id}", self.stored_response)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
+        app.router.add_get("/tokenizer_info", self.tokenizer_info)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model}", self.model_card)
         app.router.add_get("/health", self.health)
@@ -186,11 +188,34 @@ class HttpApi:
         body = await _body(request)
         if (other := self._other_model(body)) is not None:
             return other
-        asked, strs = openai_api.parse_tokenize(body)
-        ids = await self.service.tokenize(asked, _request_id(request))
+        asked = openai_api.parse_tokenize(body)
+        if asked.request is not None:
+            ids = await self.service.tokenize(asked.request, _request_id(request))
+        else:
+            ids = await self._tokenize_text(asked.text or "")
         answer: dict[str, Any] = {"count": len(ids), "max_model_len": self.service.link.max_context, "tokens": ids}
-        answer["token_strs"] = self.service.tokenizer.convert_ids_to_tokens(ids) if strs else None
+        answer["token_strs"] = self.service.tokenizer.convert_ids_to_tokens(ids) if asked.strs else None
         return web.json_response(answer)
+
+    async def _tokenize_text(self, text: str) -> list[int]:
+        """A text's own tokens (no BOS, no template), off the event loop."""
+        limit = self.service.settings.max_prompt_chars
+        if len(text) > limit:
+            raise InvalidRequest(f"prompt has {len(text)} characters, at most {limit}", metadata={"param": "prompt"})
+        tokenizer = self.service.tokenizer
+        return await asyncio.to_thread(lambda: list(tokenizer(text, add_special_tokens=False)["input_ids"]))
+
+    async def tokenizer_info(self, request: web.Request) -> web.Response:
+        """vLLM's /tokenizer_info (what lm-evaluation-harness's remote
+        tokenizer reads): the tokenizer's special tokens and the chat
+        template the server renders conversations with."""
+        tokenizer = self.service.tokenizer
+        info: dict[str, Any] = {"tokenizer_class": type(tokenizer).__name__}
+        for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+            info[name] = getattr(tokenizer, name, None)
+        info["chat_template"] = self.service.prompts.chat_template
+        info["model_max_length"] = self.service.link.max_context
+        return web.json_response(info)
 
     async def detokenize(self, request: web.Request) -> web.Response:
         """vLLM's /detokenize: the text of token ids (special tokens included)."""

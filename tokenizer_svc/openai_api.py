@@ -698,23 +698,36 @@ def param_name(exc: MmsplitError) -> str | None:
     return "response_format" if name == "json_schema" else "structured_outputs" if name in structured else name
 
 
-def parse_tokenize(body: Any) -> tuple[tokenizer_pb2.GenerateRequest, bool]:
+@dataclass(frozen=True)
+class Tokenize:
+    """A /tokenize request: the request whose prompt ids are wanted, or
+    (`text`) a text to tokenize as it is; and whether each id's token text
+    is asked for (`return_token_strs`)."""
+
+    request: tokenizer_pb2.GenerateRequest | None
+    text: str | None
+    strs: bool
+
+
+def parse_tokenize(body: Any) -> Tokenize:
     """vLLM's /tokenize: a `prompt`, or `messages` (with `tools`,
     `continue_final_message`, `add_generation_prompt` and
-    `chat_template_kwargs` as chat completions takes them), as the request
-    whose prompt ids are wanted; and whether each id's token text is asked
-    for (`return_token_strs`). The ids are those generation uses, so
-    `add_special_tokens` may only say what it does (true for a prompt,
-    false for messages, whose template writes them)."""
+    `chat_template_kwargs` as chat completions takes them). The ids are
+    those generation uses (template and BOS included), but for a prompt
+    with `add_special_tokens: false`, as vLLM and lm-evaluation-harness's
+    remote tokenizer send it: the prompt's text tokenized as it is, no BOS
+    and no template. Messages are always templated (the template writes
+    the special tokens: `add_special_tokens` may only be false there)."""
     body = _object(body)
     chat = "messages" in body
     if chat == ("prompt" in body):
         raise invalid("give either prompt or messages", "prompt")
     special = body.get("add_special_tokens")
-    if special is not None and special is not (not chat):
+    if special is not None and not isinstance(special, bool):
+        raise invalid("add_special_tokens must be true or false", "add_special_tokens")
+    if chat and special:
         raise invalid(
-            f"add_special_tokens {_short(special)} is not supported: the ids are the ones generation uses "
-            f"({'the chat template writes the special tokens' if chat else 'with the special tokens'})",
+            "add_special_tokens true is not supported with messages: the chat template writes the special tokens",
             "add_special_tokens",
         )
     strs = body.get("return_token_strs", False)
@@ -723,9 +736,13 @@ def parse_tokenize(body: Any) -> tuple[tokenizer_pb2.GenerateRequest, bool]:
     if chat:
         fields = ("messages", "tools", "continue_final_message", "add_generation_prompt", "chat_template_kwargs")
         request = parse_chat({**{k: body[k] for k in fields if k in body}, "tool_choice": "none"}).request
-    else:
-        request = parse_completion({"prompt": body["prompt"]}).request
-    return request, strs
+        return Tokenize(request, None, strs)
+    if special is False:
+        text = body["prompt"]
+        if not isinstance(text, str):
+            raise invalid("prompt must be a string (add_special_tokens false tokenizes a text)", "prompt")
+        return Tokenize(None, text, strs)
+    return Tokenize(parse_completion({"prompt": body["prompt"]}).request, None, strs)
 
 
 def parse_detokenize(body: Any) -> list[int]:

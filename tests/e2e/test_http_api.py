@@ -1000,10 +1000,27 @@ def test_tokenize_and_detokenize_give_the_ids_generation_uses(api: Api) -> None:
     status, text = post("/detokenize", {"model": api.model, "tokens": ids["tokens"]})
     assert status == 200
     assert "Hello there, friend." in text["prompt"], text  # (inside the chat template's user turn)
+    # As lm-evaluation-harness's remote tokenizer asks: the text's own tokens, no BOS, no template.
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(api.pair.model)
+    status, raw = post("/tokenize", {"prompt": "Hello there, friend.", "add_special_tokens": False})
+    assert status == 200
+    assert raw["tokens"] == tokenizer("Hello there, friend.", add_special_tokens=False)["input_ids"]
+    assert raw["count"] < ids["count"]
+    info = json.loads(urllib.request.urlopen(urllib.request.Request(
+        base + "/tokenizer_info", headers={"Authorization": f"Bearer {KEY}"}), timeout=30).read())  # fmt: skip
+    assert (info["eos_token"], info["bos_token"]) == (tokenizer.eos_token, tokenizer.bos_token)
+    assert "{%" in (info["chat_template"] or "")
+    assert info["model_max_length"] == card["max_model_len"]
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(base + "/tokenizer_info", timeout=30)
+    assert refused.value.code == 401
     for path, body, code, param in (
         ("/tokenize", {"prompt": "x"}, 401, None),
         ("/tokenize", {"prompt": "x", "messages": CONVERSATION}, 400, "prompt"),
-        ("/tokenize", {"prompt": "x", "add_special_tokens": False}, 400, "add_special_tokens"),
+        ("/tokenize", {"messages": CONVERSATION, "add_special_tokens": True}, 400, "add_special_tokens"),
+        ("/tokenize", {"prompt": [1, 2], "add_special_tokens": False}, 400, "prompt"),
         ("/tokenize", {"messages": [{"role": "user", "content": [image_part(b"not an image")]}]}, 400,
          "messages[0].content[0]"),
         ("/detokenize", {"tokens": [1, 10**9]}, 400, "tokens"),
