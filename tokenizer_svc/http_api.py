@@ -5,8 +5,8 @@ released exactly as a gRPC one.
 
 Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/responses
 (each streaming or not; the Responses API over the chat path,
-`openai_responses`), GET /v1/models, GET /v1/responses/{id} (404: nothing is
-stored), POST /tokenize and /detokenize and GET /tokenizer_info (vLLM's),
+`openai_responses`), GET /v1/models, GET and DELETE /v1/responses/{id} (the
+stored responses, `response_store`), POST /tokenize and /detokenize and GET /tokenizer_info (vLLM's),
 GET /health (200 only while a scheduler backend is ready, else 503). With
 `--api-key-file`, every
 /v1 route and the token routes need ``Authorization: Bearer <key>`` with a
@@ -50,9 +50,10 @@ from mmsplit.errors import InternalError, MmsplitError, Unauthenticated
 from mmsplit.tokenizer.v1 import tokenizer_pb2
 from mmsplit_server import structured
 from mmsplit_server.serving import RequestSummary, SecretFile
-from tokenizer_svc import openai_answers, openai_api, openai_responses
+from tokenizer_svc import openai_answers, openai_api, openai_responses, response_store
 from tokenizer_svc.conversation import MAX_REQUEST_ID, valid_request_id
 from tokenizer_svc.errors import InvalidRequest
+from tokenizer_svc.response_store import ResponseStore
 from tokenizer_svc.service import TokenizerService
 
 log = logging.getLogger(__name__)
@@ -81,8 +82,11 @@ class HttpApi:
         metrics: Any = None,
         keepalive_s: float = KEEPALIVE_S,
         tool_parser: str = "none",
+        store: ResponseStore | None = None,
     ) -> None:
         self.service = service
+        # The Responses API's stored responses (--responses-store-bytes; off without one).
+        self.store = store if store is not None else ResponseStore(0)
         self.tool_parser = tool_parser  # --tool-call-parser
         self.model = model
         self.ready = ready
@@ -100,6 +104,7 @@ class HttpApi:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/responses", self.responses_api)
         app.router.add_get("/v1/responses/{id}", self.stored_response)
+        app.router.add_delete("/v1/responses/{id}", self.delete_response)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/tokenizer_info", self.tokenizer_info)
@@ -240,22 +245,83 @@ class HttpApi:
     async def responses_api(self, request: web.Request) -> web.StreamResponse:
         """The Responses API: the body as a chat request, the answer as a Response."""
         body = await _body(request)
-        chat, places = openai_responses.to_chat(body)
+        previous = body.get("previous_response_id") if isinstance(body, dict) else None
+        history = None
+        if previous is not None:
+            entry = self._stored(request, previous, "previous_response_id")
+            if isinstance(entry, web.Response):
+                return entry
+            history = entry.conversation
+        chat, places = openai_responses.to_chat(body, history)
         try:
             call = openai_api.parse_chat(chat, self.tool_parser)
         except MmsplitError as exc:
             raise openai_responses.rename(exc, places) from None
         rid = _request_id(request)
-        answer = openai_responses.Answer(rid, self.model, body, call.calls, places)
+        keep = self._keeper(request, body, chat, places)
+        answer = openai_responses.Answer(rid, self.model, body, call.calls, places, keep)
         return await self._serve(request, chat, call, answer, rid)
 
-    async def stored_response(self, request: web.Request) -> web.Response:
-        """GET /v1/responses/{id}: nothing is stored (every response is
-        answered in its request), so every id is unknown."""
-        message = f"no response {request.match_info['id']!r}: this server stores no responses"
-        return _json(
-            404, openai_api.error_json(message, "not_found_error", "NOT_FOUND", "id"), {"x-should-retry": "false"}
+    def _keeper(
+        self, request: web.Request, body: dict[str, Any], chat: dict[str, Any], places: list[str]
+    ) -> Callable[[dict[str, Any]], None] | None:
+        """What stores a Responses request's answer (`store`, true unless
+        false, and a store): its conversation (but the instructions) and
+        its output, under its client's key."""
+        store = body.get("store", True)
+        if not isinstance(store, bool):
+            raise InvalidRequest("store must be true or false", metadata={"param": "store"})
+        if not store or not self.store.enabled:
+            return None
+        conversation = [m for m, place in zip(chat["messages"], places, strict=True) if place != "instructions"]
+        owner = self._owner(request)
+
+        def keep(response: dict[str, Any]) -> None:
+            turns = json.loads(json.dumps(conversation)) + response_store.output_messages(response)
+            self.store.put(response, turns, owner)
+
+        return keep
+
+    def _owner(self, request: web.Request) -> bytes:
+        """Whose stored responses a request may read: its API key's (none without keys)."""
+        if self.api_keys is None:
+            return response_store.owner_of(None)
+        return response_store.owner_of(request.headers.get("Authorization", "").partition(" ")[2].strip())
+
+    def _stored(self, request: web.Request, rid: Any, param: str) -> response_store.Stored | web.Response:
+        """The stored response `rid` of this request's client, or the 400 or 404 to answer."""
+        if not isinstance(rid, str) or not rid:
+            raise InvalidRequest(f"{param} must be a response id", metadata={"param": param})
+        if not self.store.enabled:
+            raise InvalidRequest(
+                f"{param}: this server stores no responses (--responses-store-bytes 0): send the whole "
+                "conversation as input",
+                metadata={"param": param},
+            )
+        entry = self.store.get(rid, self._owner(request))
+        if entry is not None:
+            return entry
+        message = (
+            f"no response {rid!r} is stored here (responses live in one tokenizer's memory, the least recently "
+            "used dropped first; a replica does not see another's)"
         )
+        return _json(
+            404, openai_api.error_json(message, "not_found_error", "NOT_FOUND", param), {"x-should-retry": "false"}
+        )
+
+    async def stored_response(self, request: web.Request) -> web.Response:
+        """GET /v1/responses/{id}: a stored response of this client."""
+        entry = self._stored(request, request.match_info["id"], "id")
+        return entry if isinstance(entry, web.Response) else web.json_response(entry.response)
+
+    async def delete_response(self, request: web.Request) -> web.Response:
+        """DELETE /v1/responses/{id}: a stored response of this client, let go."""
+        rid = request.match_info["id"]
+        entry = self._stored(request, rid, "id")
+        if isinstance(entry, web.Response):
+            return entry
+        self.store.delete(rid, self._owner(request))
+        return web.json_response({"id": rid, "object": "response", "deleted": True})
 
     async def _generate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         body = await _body(request)

@@ -15,11 +15,12 @@ structured output), `include: ["message.output_text.logprobs"]` with
 `top_logprobs` (the text's log probabilities, as chat completions gives
 them), `tools` (functions) and `tool_choice`,
 `parallel_tool_calls`, `stream`, and the sampling fields the chat API takes
-besides (`seed`, `stop`, vLLM's `top_k`, `min_p`...). Stateless: nothing is
-stored, so `store` changes nothing, and what needs a stored response or
-conversation (`previous_response_id`, `conversation`, `background`) is
-refused, as are hosted tools (web search, files...), file inputs and
-reasoning options, each a 400 naming its field.
+besides (`seed`, `stop`, vLLM's `top_k`, `min_p`...). `store` (true unless
+false) keeps the answer in the tokenizer's memory
+(`tokenizer_svc.response_store`) and `previous_response_id` continues a
+kept one: its conversation comes before `input` (`to_chat`'s `history`).
+Refused, each a 400 naming its field: `conversation` objects, `background`,
+hosted tools (web search, files...), file inputs and reasoning options.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import json
 import re
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -39,7 +41,6 @@ from tokenizer_svc.tool_calls import Auto, Forced
 
 # Field -> the values that ask for nothing (accepted) and why others are refused.
 REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "previous_response_id": ((None,), "this server stores no responses: send the whole conversation as input"),
     "conversation": ((None,), "this server stores no conversations: send the whole conversation as input"),
     "background": ((None, False), "this server answers in the request"),
     "prompt": ((None,), "this server has no stored prompts"),
@@ -56,10 +57,12 @@ _ROLES = ("user", "system", "developer", "assistant")
 LOGPROBS = "message.output_text.logprobs"
 
 
-def to_chat(body: Any) -> tuple[dict[str, Any], list[str]]:
+def to_chat(body: Any, history: list[dict[str, Any]] | None = None) -> tuple[dict[str, Any], list[str]]:
     """The chat completions body of a Responses body, and where each of its
     messages came from (`instructions`, `input`, `input[3]`), to name a
-    message's error by the Responses field."""
+    message's error by the Responses field. `history`: the conversation of
+    the response `previous_response_id` names (chat messages), after the
+    instructions and before the input."""
     body = openai_api.refuse(body, REFUSED)
     chat = {k: body[k] for k in _SAME if k in body}
     messages: list[dict[str, Any]] = []
@@ -70,6 +73,9 @@ def to_chat(body: Any) -> tuple[dict[str, Any], list[str]]:
             raise invalid("instructions must be a string", "instructions")
         messages.append({"role": "system", "content": instructions})
         places.append("instructions")
+    for message in history or ():
+        messages.append(dict(message))
+        places.append("previous_response_id")
     given = body.get("input")
     if isinstance(given, str):
         messages.append({"role": "user", "content": given})
@@ -216,6 +222,8 @@ class Answer:
     body: dict[str, Any]  # the Responses body, echoed in the object
     calls: Forced | Auto | None = None
     places: list[str] = field(default_factory=list)  # where each chat message came from (`to_chat`)
+    # Called with the final Response object (completed or incomplete) when it is to be stored.
+    keep: Callable[[dict[str, Any]], None] | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     _sequence: int = 0
     _text_open: bool = False
@@ -229,7 +237,7 @@ class Answer:
     def complete(self, choices: Choices, logprobs: bool = False) -> dict[str, Any]:
         """The whole response (`logprobs`: asked, chat's argument; the
         Responses API's output text carries them when they were)."""
-        return self._response(choices)
+        return self._kept(self._response(choices))
 
     def opening(self, n: int = 1) -> list[dict[str, Any]]:
         response = self._response(None)
@@ -261,7 +269,7 @@ class Answer:
     def closing(self, choices: Choices, include_usage: bool = True) -> list[dict[str, Any]]:
         """The output's items, each done (with tools: added and done), then
         the whole response (its usage in it)."""
-        response = self._response(choices)
+        response = self._kept(self._response(choices))
         events: list[dict[str, Any]] = []
         for index, item in enumerate(response["output"]):
             if item["type"] == "message":
@@ -290,6 +298,11 @@ class Answer:
         kind = "response.completed" if response["status"] == "completed" else "response.incomplete"
         events.append(self._event(kind, response=response))
         return events
+
+    def _kept(self, response: dict[str, Any]) -> dict[str, Any]:
+        if self.keep is not None:
+            self.keep(response)
+        return response
 
     def failure(self, body: dict[str, Any]) -> dict[str, Any]:
         """A stream's error event (`body`: the OpenAI error body)."""
@@ -381,6 +394,6 @@ class Answer:
             "temperature": b.get("temperature", 0.0), "top_p": b.get("top_p", 1.0),
             "tools": b.get("tools") or [], "tool_choice": b.get("tool_choice", "auto" if b.get("tools") else "none"),
             "parallel_tool_calls": b.get("parallel_tool_calls", True), "text": {"format": text_format},
-            "truncation": "disabled", "store": False, "metadata": b.get("metadata") or {},
-            "previous_response_id": None, "reasoning": None, "user": b.get("user"),
+            "truncation": "disabled", "store": self.keep is not None, "metadata": b.get("metadata") or {},
+            "previous_response_id": b.get("previous_response_id"), "reasoning": None, "user": b.get("user"),
         }  # fmt: skip

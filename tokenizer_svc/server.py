@@ -46,6 +46,7 @@ from tokenizer_svc.http_api import HttpApi
 from tokenizer_svc.http_api import start as start_http
 from tokenizer_svc.media import MediaLoader
 from tokenizer_svc.pool import CpuPool
+from tokenizer_svc.response_store import ResponseStore
 from tokenizer_svc.service import TokenizerService
 from tokenizer_svc.settings import TokenizerSettings
 
@@ -360,8 +361,11 @@ async def _serve(
             metrics=metrics,
             tool_parser=settings.tool_call_parser,
             keepalive_s=settings.http_keepalive_s,
+            store=ResponseStore(settings.responses_store_bytes),
         )
         if metrics is not None:
+            metrics.gauge("stored_responses", "Responses API responses stored (store: true)", lambda: len(api.store))
+            metrics.gauge("stored_responses_bytes", "Bytes the stored responses take", lambda: api.store.nbytes)
             metrics.counter_by(
                 "http_responses",
                 "HTTP API responses by route and status (route status, e.g. '/v1/chat/completions 200')",

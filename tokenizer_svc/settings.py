@@ -61,6 +61,13 @@ class TokenizerSettings(ServiceSettings):
         "(images x --max-image-bytes and videos x --max-video-bytes, times 4/3, plus the prompt and some room)",
         min=0,
     )
+    responses_store_bytes: int = _opt(
+        64 * 1024 * 1024,
+        "memory for the Responses API's stored responses (store: true, the default; previous_response_id, GET and "
+        "DELETE /v1/responses/{id}), the least recently used dropped first; kept per tokenizer, lost on restart; "
+        "0 = store none",
+        min=0,
+    )
     http_keepalive_s: float = _opt(
         15.0, "a streamed HTTP response says ': keep-alive' this often while nothing else comes (proxies)", min=0.01
     )

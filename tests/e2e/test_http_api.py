@@ -45,6 +45,7 @@ class Api:
     model: str
     metrics: str  # http://127.0.0.1:PORT/metrics
     closed_port: int  # a loopback port the fetch guard lets through, where nothing listens
+    key_file: Path  # --api-key-file (read again as it changes)
 
     def client(self, **kwargs: Any) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url, api_key=KEY, **kwargs)
@@ -71,7 +72,7 @@ def _api(model: Path, logs: Path, *, tp: str = "1") -> Iterator[Api]:
     ]  # fmt: skip
     with running_pair(model, logs, scheduler_extra=["--tp", tp], tokenizer_extra=tokenizer) as pair:
         urls = f"http://127.0.0.1:{http.number}/v1", f"http://127.0.0.1:{metrics.number}/metrics"
-        yield Api(pair, urls[0], model.name, urls[1], closed)
+        yield Api(pair, urls[0], model.name, urls[1], closed, logs / "key")
 
 
 @pytest.fixture(scope="module")
@@ -951,7 +952,9 @@ def test_the_responses_api_takes_structured_output_and_function_tools(api: Api) 
     assert after.status in ("completed", "incomplete")
     assert after.output[0].type == "message"
     for extra, param in (
-        ({"previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"previous_response_id": 7}, "previous_response_id"),
+        ({"conversation": "conv_1"}, "conversation"),
+        ({"store": "yes"}, "store"),
         ({"tools": [{"type": "web_search"}]}, "tools[0]"),
         ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input[0].content[0]"),
         ({"input": [RESPONSES_INPUT[0], {"role": "user", "content": [{"type": "input_text", "text": "</s>"}]}]},
@@ -1239,3 +1242,91 @@ def test_token_prompts_and_prompt_logprobs_refusals_are_typed(api: Api) -> None:
         assert (body.get("code"), body.get("param")) == ("INVALID_REQUEST", param), body
         assert words in body.get("message", ""), body
         _good_after(api)
+
+
+def test_stored_responses_carry_a_conversation_on_and_belong_to_their_key(api: Api) -> None:
+    """`store` (the default) keeps a response: `previous_response_id` continues
+    its conversation (images, the answer's text and a function call
+    included) as if the client had sent it all (the same text and input
+    tokens as chat completions over the whole conversation; the earlier
+    instructions not carried over); GET gives it back, streamed ones too,
+    DELETE lets it go (then 404); `store: false` keeps nothing; another API
+    key finds nothing; an unknown id is a 404 naming previous_response_id."""
+    client = api.client()
+    first = client.responses.create(model=api.model, instructions="Be brief.", input=RESPONSES_INPUT,
+                                    max_output_tokens=6)  # type: ignore[call-overload]  # fmt: skip
+    assert first.store is True
+    then = [{"role": "user", "content": "Say more."}]
+    second = client.responses.create(model=api.model, previous_response_id=first.id, input=then,
+                                     max_output_tokens=6)  # type: ignore[call-overload]  # fmt: skip
+    assert second.previous_response_id == first.id
+    whole = [*CONVERSATION[1:], {"role": "assistant", "content": first.output_text}, *then]
+    chat = client.chat.completions.create(model=api.model, messages=whole, max_tokens=6)
+    assert second.output_text == chat.choices[0].message.content
+    assert second.usage is not None
+    assert chat.usage is not None
+    assert second.usage.input_tokens == chat.usage.prompt_tokens
+    assert client.responses.retrieve(first.id).model_dump() == first.model_dump()
+    metrics = urllib.request.urlopen(api.metrics, timeout=10).read().decode()
+    stored = [line for line in metrics.splitlines() if line.startswith("mmsplit_tokenizer_stored_responses ")]
+    assert float(stored[0].split()[1]) >= 2, stored
+
+    # A function call carried on: the call in the stored output, its result in the next input.
+    function = {"name": "get_weather", "description": "Weather of a city",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}  # fmt: skip
+    tool: Any = {"type": "function", **function}
+    named: Any = {"type": "function", "name": "get_weather"}
+    called = client.responses.create(
+        model=api.model, input="Weather in Oslo?", tools=[tool], tool_choice=named, max_output_tokens=24
+    )
+    call: Any = called.output[-1]
+    assert call.type == "function_call"
+    result: Any = [{"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}]
+    after = client.responses.create(
+        model=api.model, previous_response_id=called.id, input=result, tools=[tool], tool_choice="none",
+        max_output_tokens=4,
+    )  # fmt: skip
+    asked = {"id": call.call_id, "type": "function", "function": {"name": "get_weather", "arguments": call.arguments}}
+    carried: Any = [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": None, "tool_calls": [asked]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": "sunny"},
+    ]
+    same = client.chat.completions.create(
+        model=api.model, messages=carried, max_tokens=4, tools=[{"type": "function", "function": function}],
+        tool_choice="none",
+    )  # fmt: skip
+    assert after.output_text == same.choices[0].message.content
+    assert after.usage is not None
+    assert same.usage is not None
+    assert after.usage.input_tokens == same.usage.prompt_tokens
+
+    streamed = list(client.responses.create(model=api.model, input="Hello", max_output_tokens=3, stream=True))  # type: ignore[call-overload]
+    final = streamed[-1].response  # type: ignore[union-attr]
+    assert client.responses.retrieve(final.id).output_text == final.output_text
+
+    client.responses.delete(first.id)
+    for gone in (lambda: client.responses.retrieve(first.id),
+                 lambda: client.responses.create(model=api.model, previous_response_id=first.id, input="x")):  # type: ignore[call-overload]  # fmt: skip
+        with pytest.raises(openai.NotFoundError) as info:
+            gone()
+        assert info.value.body["param"] in ("id", "previous_response_id")  # type: ignore[index]
+    unstored = client.responses.create(model=api.model, input="Hello", max_output_tokens=2, store=False)
+    assert unstored.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+
+    # Another tenant's key reads nothing of this one's (the key file is read again as it changes).
+    key_file = api.key_file
+    key_file.write_text(KEY + "\nsk-other-tenant-000000\n")
+    try:
+        other = openai.OpenAI(base_url=api.url, api_key="sk-other-tenant-000000")
+        assert wait_until(lambda: other.models.list() is not None, timeout=10)
+        with pytest.raises(openai.NotFoundError):
+            other.responses.retrieve(second.id)
+        with pytest.raises(openai.NotFoundError):
+            other.responses.create(model=api.model, previous_response_id=second.id, input="x")  # type: ignore[call-overload]
+        assert client.responses.retrieve(second.id).id == second.id
+    finally:
+        key_file.write_text(KEY + "\n")
+    _good_after(api)

@@ -1,0 +1,67 @@
+"""The Responses API's store (`tokenizer_svc/response_store.py`): least
+recently used out first within its bytes, an entry over the whole store
+not kept, each entry its owner's alone (another key reads, deletes and
+replaces nothing of it), and a response's output as the chat turn that
+carries its conversation on."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from tokenizer_svc.response_store import ResponseStore, output_messages, owner_of
+
+ALICE, BOB = owner_of("sk-alice"), owner_of("sk-bob")
+
+
+def response(rid: str, text: str = "hi") -> dict[str, Any]:
+    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+    return {"id": rid, "object": "response", "output": [{"type": "message", "role": "assistant", "content": [part]}]}
+
+
+def size(rid: str, conversation: list[dict[str, Any]], text: str = "hi") -> int:
+    return len(json.dumps(response(rid, text))) + len(json.dumps(conversation))
+
+
+def test_the_least_recently_used_go_first_and_the_store_stays_within_its_bytes() -> None:
+    turn = [{"role": "user", "content": "x" * 100}]
+    one = size("resp_0", turn)
+    store = ResponseStore(3 * one + one // 2)
+    for k in range(3):
+        assert store.put(response(f"resp_{k}"), turn, ALICE)
+    assert store.get("resp_0", ALICE) is not None  # now the most recently used
+    assert store.put(response("resp_3"), turn, ALICE)
+    assert store.get("resp_1", ALICE) is None  # the least recently used went
+    assert [store.get(f"resp_{k}", ALICE) is not None for k in (0, 2, 3)] == [True, True, True]
+    assert store.nbytes == 3 * one <= store.capacity
+    assert not store.put(response("resp_big", "y" * store.capacity), turn, ALICE)  # over the whole store
+    assert len(store) == 3
+    assert store.delete("resp_2", ALICE)
+    assert store.nbytes == 2 * one
+
+
+def test_an_entry_is_its_owner_s_alone() -> None:
+    store = ResponseStore(1 << 20)
+    assert store.put(response("resp_a"), [], ALICE)
+    assert store.get("resp_a", BOB) is None
+    assert not store.delete("resp_a", BOB)
+    assert not store.put(response("resp_a", "bob's"), [], BOB)  # a chosen id does not replace another's
+    entry = store.get("resp_a", ALICE)
+    assert entry is not None
+    assert entry.response["output"][0]["content"][0]["text"] == "hi"
+    assert store.put(response("resp_a", "again"), [], ALICE)  # its owner's own replaces it
+    assert len(store) == 1
+    assert store.nbytes == size("resp_a", [], "again")
+    assert not ResponseStore(0).put(response("resp_x"), [], ALICE)
+    assert owner_of(None) == b""
+
+
+def test_a_response_s_output_is_one_assistant_turn_of_its_text_and_calls() -> None:
+    text = response("resp_t", "Sunny.")
+    assert output_messages(text) == [{"role": "assistant", "content": "Sunny."}]
+    call = {"type": "function_call", "call_id": "call_1", "name": "f", "arguments": '{"a": 1}'}
+    both = {"output": [*text["output"], call]}
+    assert output_messages(both) == [{"role": "assistant", "content": "Sunny.", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]}]  # fmt: skip
+    assert output_messages({"output": [call]})[0]["content"] is None
+    assert output_messages({"output": []}) == []

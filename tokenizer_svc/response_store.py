@@ -1,0 +1,102 @@
+"""The Responses API's stored responses (`--responses-store-bytes`): what
+`previous_response_id`, `GET /v1/responses/{id}` and `DELETE` read.
+
+Each entry is a Response object as it was answered and the conversation
+that led to it, its output included, as chat messages (without the
+request's `instructions`, which OpenAI does not carry over either), so a
+request naming it as `previous_response_id` continues that conversation.
+Entries live in this tokenizer's memory, least recently used first out
+once the store is over its bytes (an entry larger than the whole store is
+not kept), and are lost on restart: with several tokenizer replicas a
+client must come back to the same one (session affinity) or send the
+whole conversation. With API keys an entry belongs to the key that made
+it: another key finds nothing (the same 404 as an unknown id).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Stored:
+    response: dict[str, Any]
+    conversation: list[dict[str, Any]]  # chat messages, its output's last
+    owner: bytes  # a digest of the API key that made it (empty without keys)
+    nbytes: int
+
+
+def owner_of(key: str | None) -> bytes:
+    """What an entry is filed under for a client presenting `key` (None: no keys)."""
+    return b"" if key is None else hashlib.sha256(key.encode()).digest()
+
+
+def output_messages(response: dict[str, Any]) -> list[dict[str, Any]]:
+    """A Response's output as chat messages: one assistant turn of its text
+    and its function calls."""
+    turn: dict[str, Any] = {"role": "assistant", "content": None}
+    for item in response.get("output") or []:
+        if item.get("type") == "message":
+            turn["content"] = "".join(part.get("text", "") for part in item.get("content") or [])
+        elif item.get("type") == "function_call":
+            call = {"name": item["name"], "arguments": item["arguments"]}
+            turn.setdefault("tool_calls", []).append({"id": item["call_id"], "type": "function", "function": call})
+    return [turn] if turn["content"] is not None or "tool_calls" in turn else []
+
+
+class ResponseStore:
+    def __init__(self, capacity_bytes: int) -> None:
+        self.capacity = capacity_bytes
+        self.nbytes = 0
+        self._entries: OrderedDict[str, Stored] = OrderedDict()
+
+    @property
+    def enabled(self) -> bool:
+        return self.capacity > 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def put(self, response: dict[str, Any], conversation: list[dict[str, Any]], owner: bytes) -> bool:
+        """Keep `response` (under its id) and `conversation` (the messages up
+        to it, its output included); False when it alone is over the store,
+        or its id is another owner's entry (a client's X-Request-Id names
+        the response: it may not replace another's)."""
+        size = len(json.dumps(response)) + len(json.dumps(conversation))
+        if not self.enabled or size > self.capacity:
+            if self.enabled:
+                log.warning("response %s (%d bytes) is larger than the whole store: not kept", response["id"], size)
+            return False
+        rid = response["id"]
+        if rid in self._entries and not self.delete(rid, owner):
+            log.warning("response %s: the id is another client's stored response: not kept", rid)
+            return False
+        self._entries[rid] = Stored(response, conversation, owner, size)
+        self.nbytes += size
+        while self.nbytes > self.capacity:
+            _, oldest = self._entries.popitem(last=False)
+            self.nbytes -= oldest.nbytes
+        return True
+
+    def get(self, rid: str, owner: bytes) -> Stored | None:
+        """The entry `rid` of `owner` (now the most recently used), or None."""
+        entry = self._entries.get(rid)
+        if entry is None or entry.owner != owner:
+            return None
+        self._entries.move_to_end(rid)
+        return entry
+
+    def delete(self, rid: str, owner: bytes) -> bool:
+        entry = self._entries.get(rid)
+        if entry is None or entry.owner != owner:
+            return False
+        del self._entries[rid]
+        self.nbytes -= entry.nbytes
+        return True
