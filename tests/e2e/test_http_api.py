@@ -445,6 +445,35 @@ def test_video_url_on_a_video_model_is_the_same_over_http_and_grpc(qwen_api: Api
     assert reply.choices[0].message.content == grpc_text(qwen_api.pair, [("user", [VideoPart(clip), "What moves?"])], 6)
 
 
+def test_prompt_logprobs_on_qwen2_vl_are_the_model_s_own(qwen_api: Api) -> None:
+    """An M-RoPE family: a conversation with an image scored through chat
+    completions' prompt_logprobs equals log_softmax of one HF forward of
+    the same ids and pixels (the processor's), entry by entry."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from tests.support import hf_family
+    from tokenizer_svc.decode import decode_image
+
+    client = qwen_api.client()
+    messages = [{"role": "user", "content": [image_part(A), {"type": "text", "text": "What is it?"}]}]
+    reply = client.chat.completions.create(
+        model=qwen_api.model, messages=messages, max_tokens=1, extra_body={"prompt_logprobs": 0}  # type: ignore[arg-type]
+    )
+    entries = reply.model_dump()["prompt_logprobs"]
+    processor = hf_family.processor(qwen_api.pair.model)
+    hf_messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]}]
+    text = processor.apply_chat_template(hf_messages, add_generation_prompt=True, tokenize=False)
+    inputs = processor(text=[text], images=[decode_image(A, max_pixels=10**8)], return_tensors="pt")
+    ids = inputs["input_ids"][0].tolist()
+    assert len(entries) == len(ids)
+    model = AutoModelForImageTextToText.from_pretrained(qwen_api.pair.model, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        expected = torch.log_softmax(model(**inputs).logits[0, :-1].float(), dim=-1)
+    for k, entry in enumerate(entries[1:]):
+        assert entry[str(ids[k + 1])]["logprob"] == pytest.approx(float(expected[k, ids[k + 1]]), abs=1e-4), k
+
+
 def test_logprobs_are_the_model_s_log_softmax_and_the_same_over_http(api: Api) -> None:
     """Greedy: each token's log probability equals log_softmax of the
     model's own logits at its position (single-process HF forward), and
