@@ -458,7 +458,10 @@ def test_prompt_logprobs_on_qwen2_vl_are_the_model_s_own(qwen_api: Api) -> None:
     client = qwen_api.client()
     messages = [{"role": "user", "content": [image_part(A), {"type": "text", "text": "What is it?"}]}]
     reply = client.chat.completions.create(
-        model=qwen_api.model, messages=messages, max_tokens=1, extra_body={"prompt_logprobs": 0}  # type: ignore[arg-type]
+        model=qwen_api.model,
+        messages=messages,
+        max_tokens=1,
+        extra_body={"prompt_logprobs": 0},  # type: ignore[arg-type]
     )
     entries = reply.model_dump()["prompt_logprobs"]
     processor = hf_family.processor(qwen_api.pair.model)
