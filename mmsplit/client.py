@@ -159,6 +159,10 @@ class Finished:
     text: str = ""  # always empty: lets a loop print every event's text
     request_id: str = ""
     cached_tokens: int = 0  # of prompt_tokens, those taken from the scheduler's prefix cache
+    # With tool_choice: the calls found in the output (ids, names, arguments
+    # as JSON text) and the output's text outside them.
+    tool_calls: tuple[ToolCall, ...] = ()
+    content: str = ""
 
 
 @dataclass
@@ -168,6 +172,8 @@ class Completion:
     finish_reason: str = ""
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    tool_calls: tuple[ToolCall, ...] = ()  # with tool_choice (Finished.tool_calls)
+    content: str = ""
 
 
 @dataclass(frozen=True)
@@ -315,6 +321,9 @@ def build_request(
     chat_template_kwargs: Mapping[str, Any] | None = None,
     prompt_token_ids: Sequence[int] = (),
     prompt_logprobs: int | None = None,
+    tool_choice: str = "",
+    call_tool: str = "",
+    single_call: bool = False,
 ) -> tokenizer_pb2.GenerateRequest:
     """A GenerateRequest of a prompt (with `images` and `videos`) or of a
     conversation (`messages`); media given as bytes are sent inline, as str
@@ -330,7 +339,10 @@ def build_request(
     `prompt_token_ids`: the prompt as token ids, instead of `prompt`, media
     and `messages`; `prompt_logprobs`: the prompt tokens' log probabilities
     with this many top tokens each (a `PromptLogprobs` response before each
-    choice's first delta; raw `Generate` responses carry it)."""
+    choice's first delta; raw `Generate` responses carry it). `tool_choice`
+    "auto" or "required", or `call_tool` a tool's name: how the model may
+    call `tools` (`single_call`: at most one); the last event's
+    `tool_calls` and `content` then hold the calls found and the rest."""
     sampling = common_pb2.SamplingParams(
         max_tokens=max_tokens,
         temperature=temperature,
@@ -355,6 +367,15 @@ def build_request(
         sampling.top_p = top_p
     if prompt_logprobs is not None:
         sampling.prompt_logprobs = prompt_logprobs
+    choose = None
+    if tool_choice or call_tool:
+        if tool_choice not in ("", "auto", "required") or (tool_choice and call_tool):
+            raise ValueError('tool_choice is "auto" or "required"; or name a tool with call_tool instead')
+        choose = tokenizer_pb2.ToolChoice(single_call=single_call)
+        if call_tool:
+            choose.function = call_tool
+        else:
+            setattr(choose, tool_choice, True)
     return tokenizer_pb2.GenerateRequest(
         request_id=request_id,
         prompt=prompt,
@@ -369,6 +390,7 @@ def build_request(
         continue_final_message=continue_final_message,
         chat_template_kwargs=json.dumps(dict(chat_template_kwargs)) if chat_template_kwargs else "",
         prompt_token_ids=list(prompt_token_ids),
+        tool_choice=choose,
     )
 
 
@@ -379,9 +401,11 @@ def _event(response: tokenizer_pb2.GenerateResponse) -> Delta | Finished | None:
     if kind == "finished":
         f = response.finished
         reason = common_pb2.FinishReason.Name(f.finish_reason).removeprefix("FINISH_REASON_")
+        calls = tuple(ToolCall(c.name, c.arguments, c.id) for c in f.tool_calls)
         return Finished(
-            reason, f.prompt_tokens, f.completion_tokens, request_id=response.request_id, cached_tokens=f.cached_tokens
-        )
+            reason, f.prompt_tokens, f.completion_tokens, request_id=response.request_id,
+            cached_tokens=f.cached_tokens, tool_calls=calls, content=f.content,
+        )  # fmt: skip
     return None
 
 
@@ -392,6 +416,7 @@ def _add(done: Completion, event: Delta | Finished) -> None:
     else:
         done.finish_reason = event.finish_reason
         done.prompt_tokens, done.completion_tokens = event.prompt_tokens, event.completion_tokens
+        done.tool_calls, done.content = event.tool_calls, event.content
 
 
 def _options(

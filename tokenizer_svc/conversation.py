@@ -21,6 +21,7 @@ from mmsplit_server.families import Family
 from tokenizer_svc.errors import InvalidRequest, MediaUnsupported
 from tokenizer_svc.prompt import ToolCall, Turn
 from tokenizer_svc.settings import TokenizerSettings
+from tokenizer_svc.tool_calls import Auto, Forced, choose
 
 ROLES = {
     tokenizer_pb2.CHAT_ROLE_SYSTEM: "system",
@@ -74,6 +75,10 @@ class Parsed:
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     # The prompt as token ids (prompt_token_ids), instead of text and media.
     token_ids: tuple[int, ...] | None = None
+    # tool_choice: how the output answers with calls, and the JSON Schema
+    # that constrains it ("required" and a named function; empty for "auto").
+    calls: Forced | Auto | None = None
+    tool_schema: str = ""
 
 
 def parse(request: tokenizer_pb2.GenerateRequest, settings: TokenizerSettings, family: Family) -> Parsed:
@@ -84,17 +89,20 @@ def parse(request: tokenizer_pb2.GenerateRequest, settings: TokenizerSettings, f
         if request.prompt or request.images or request.videos:
             raise InvalidRequest("give either messages or prompt (with images and videos), not both")
         parsed = _conversation(request.messages, request.tools)
+        calls, schema = _tool_choice(request, parsed.tools, settings.tool_call_parser)
         parsed = dataclasses.replace(
             parsed,
             continue_final=_continued(request, parsed.turns or []),
             template_kwargs=_template_kwargs(request.chat_template_kwargs),
+            calls=calls,
+            tool_schema=schema,
         )
         chars = sum(len(text) for turn in parsed.turns or [] for kind, text in turn.parts if kind == "text")
         chars += sum(len(call.name) + len(call.arguments) for turn in parsed.turns or [] for call in turn.tool_calls)
         chars += sum(len(t.name) + len(t.description) + len(t.parameters) for t in request.tools)
     else:
-        for name in ("tools", "continue_final_message", "chat_template_kwargs"):
-            if getattr(request, name):
+        for name in ("tools", "continue_final_message", "chat_template_kwargs", "tool_choice"):
+            if (name == "tool_choice" and request.HasField(name)) or (name != "tool_choice" and getattr(request, name)):
                 raise InvalidRequest(
                     f"{name} go with a conversation (messages), not a prompt", metadata={"param": name}
                 )
@@ -123,8 +131,8 @@ def _token_prompt(request: tokenizer_pb2.GenerateRequest, settings: TokenizerSet
     """A prompt of token ids: nothing else says what the model reads (their
     vocabulary and media placeholders are checked as the prompt is built)."""
     others = ("prompt", "images", "videos", "messages", "tools", "continue_final_message", "chat_template_kwargs")
-    for name in others:
-        if getattr(request, name):
+    for name in (*others, "tool_choice"):
+        if request.HasField(name) if name == "tool_choice" else getattr(request, name):
             raise InvalidRequest(f"prompt_token_ids cannot go with {name}", metadata={"param": name})
     if len(request.prompt_token_ids) > settings.max_prompt_chars:
         raise InvalidRequest(
@@ -199,6 +207,29 @@ def _tools(tools: list[tokenizer_pb2.Tool]) -> list[dict[str, Any]]:
             function["parameters"] = parameters
         out.append({"type": "function", "function": function})
     return out
+
+
+def _tool_choice(
+    request: tokenizer_pb2.GenerateRequest, tools: list[dict[str, Any]], parser: str
+) -> tuple[Forced | Auto | None, str]:
+    """tool_choice over the request's tools (`_tools`' form): how the output
+    answers with calls and the schema that constrains it (None, "": unset)."""
+    if not request.HasField("tool_choice"):
+        return None, ""
+    where = {"param": "tool_choice"}
+    chosen = request.tool_choice
+    kind = chosen.WhichOneof("choice")
+    if kind is None:
+        raise InvalidRequest("tool_choice must say auto, required or a function", metadata=where)
+    if not tools:
+        raise InvalidRequest("tool_choice needs tools", metadata=where)
+    s = request.sampling
+    if kind != "auto" and (s.json_schema or s.regex or s.choice or s.grammar):
+        raise InvalidRequest(f"tool_choice {kind} constrains the output: not with a structured output", metadata=where)
+    empty = {"type": "object", "properties": {}}
+    schemas = {t["function"]["name"]: t["function"].get("parameters", empty) for t in tools}
+    name = chosen.function if kind == "function" else kind
+    return choose(name, schemas, parser, single=chosen.single_call)
 
 
 def _continued(request: tokenizer_pb2.GenerateRequest, turns: list[Turn]) -> bool:

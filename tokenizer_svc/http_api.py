@@ -48,9 +48,8 @@ from aiohttp import web
 
 from mmsplit.errors import InternalError, MmsplitError, Unauthenticated
 from mmsplit.tokenizer.v1 import tokenizer_pb2
-from mmsplit_server import structured
 from mmsplit_server.serving import RequestSummary, SecretFile
-from tokenizer_svc import openai_answers, openai_api, openai_responses, response_store
+from tokenizer_svc import openai_answers, openai_api, openai_responses, response_store, tool_calls
 from tokenizer_svc.conversation import MAX_REQUEST_ID, valid_request_id
 from tokenizer_svc.errors import InvalidRequest
 from tokenizer_svc.response_store import ResponseStore
@@ -337,7 +336,7 @@ class HttpApi:
         if (other := self._other_model(body)) is not None:
             return other
         if isinstance(call.calls, openai_api.Forced):
-            await _check_tool_schema(call.request.sampling.json_schema)
+            await tool_calls.check_schema(call.request.sampling.json_schema)
         summary = RequestSummary(rid, protocol="http", route=request.path, choices=call.choices)
         try:
             if call.stream:
@@ -551,18 +550,6 @@ class _Prefetch:
 
 
 _END = object()
-
-
-async def _check_tool_schema(schema: str) -> None:
-    """A forced tool call's schema (from the tools' parameters), compiled
-    off the event loop here, so that one that cannot be is the tools'
-    fault in the error, not response_format's (the service finds it
-    compiled)."""
-    await structured.compile_off_loop(("json_schema", schema))
-    try:
-        structured.grammar(("json_schema", schema))
-    except ValueError as exc:
-        raise InvalidRequest(f"the tool's parameters (a JSON Schema) {exc}", metadata={"param": "tools"}) from None
 
 
 def _count(summary: RequestSummary, response: tokenizer_pb2.GenerateResponse) -> None:

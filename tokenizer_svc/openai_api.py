@@ -61,7 +61,7 @@ from mmsplit.tokenizer.v1 import tokenizer_pb2
 from mmsplit_server.sampling import MAX_TOP_LOGPROBS
 from tokenizer_svc.conversation import MAX_CACHE_SALT, MAX_CHOICES
 from tokenizer_svc.errors import InvalidRequest
-from tokenizer_svc.tool_calls import PARSERS, Auto, Forced
+from tokenizer_svc.tool_calls import Auto, Forced, choose
 
 log = logging.getLogger(__name__)
 
@@ -283,25 +283,9 @@ def _tools(
         return None
     if not tools:
         raise invalid(f"tool_choice {_short(choice)} needs tools", "tool_choice")
-    if choice == "auto":
-        if parser in PARSERS:
-            return PARSERS[parser](single=body.get("parallel_tool_calls") is False), ""
-        raise invalid(
-            'tool_choice "auto" (the default when tools are given) needs the tool calls a model writes in its '
-            "own format found, and this server was started without a --tool-call-parser; ask for "
-            '"required" or name a function, or send tool_choice "none"',
-            "tool_choice",
-        )
-    if choice == "required":
-        calls = [
-            {"type": "object", "properties": {"name": {"const": name}, "parameters": schema},
-             "required": ["name", "parameters"], "additionalProperties": False}
-            for name, schema in schemas.items()
-        ]  # fmt: skip
-        listed: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
-        if body.get("parallel_tool_calls") is False:
-            listed["maxItems"] = 1
-        return Forced(""), json.dumps(listed)
+    single = body.get("parallel_tool_calls") is False
+    if choice in ("auto", "required"):
+        return choose(choice, schemas, parser, single=single)
     function = choice.get("function") if isinstance(choice, dict) else None
     named = function.get("name") if isinstance(function, dict) else None
     if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(named, str):
@@ -310,9 +294,7 @@ def _tools(
             '{"type": "function", "function": {"name": ...}}',
             "tool_choice",
         )
-    if named not in schemas:
-        raise invalid(f"tool_choice names {named!r}, which is not among the tools", "tool_choice")
-    return Forced(named), json.dumps(schemas[named])
+    return choose(named, schemas, parser, single=single)
 
 
 def parse_completion(body: Any) -> Call:

@@ -36,6 +36,7 @@ from mmsplit_server import families, structured
 from mmsplit_server.handoff import cuda_ipc, files, grants, ranges, reference
 from mmsplit_server.handoff.reference import NUMPY_TO_DTYPE, CudaRef, TensorSpec
 from mmsplit_server.sampling import Sampling
+from tokenizer_svc import tool_calls
 from tokenizer_svc.cache import PreprocessCache, fingerprint
 from tokenizer_svc.conversation import MAX_CACHE_SALT, MAX_CHOICES, Located, Parsed, choice_request, parse
 from tokenizer_svc.detokenize import StopMatcher, make_decoder, stream_text
@@ -63,6 +64,7 @@ from tokenizer_svc.preprocess import (
 )
 from tokenizer_svc.prompt import BuiltPrompt, Media, PromptBuilder
 from tokenizer_svc.settings import TokenizerSettings
+from tokenizer_svc.tool_calls import Auto, Forced
 
 log = logging.getLogger(__name__)
 # A call that ended with one of these before the scheduler accepted it goes
@@ -257,6 +259,8 @@ class TokenizerService:
     ) -> AsyncGenerator[tokenizer_pb2.GenerateResponse, None]:
         await structured.ready(request.sampling)  # compiling a structure may take milliseconds: not on the loop
         parsed = self._validate(request)
+        if parsed.tool_schema:
+            await tool_calls.check_schema(parsed.tool_schema)
         # The backend first: whether its media go by shared memory or inline
         # depends on where it is.
         backend = self.link.pick()
@@ -302,12 +306,14 @@ class TokenizerService:
                 sampling=request.sampling,
                 cache_salt=request.cache_salt,
             )
+            if parsed.tool_schema:  # "required" or a named function: the output is the calls
+                downstream.sampling.json_schema = parsed.tool_schema
             if transport != common_pb2.TRANSPORT_SHM:
                 # Their bytes are in the message now: one-off segments have done their job.
                 for p in prepared:
                     p.release_segments()
             events = self._send(downstream, timeout_s, assigned, transport)
-            async with contextlib.aclosing(self._relay(rid, downstream, events)) as relay:
+            async with contextlib.aclosing(self._relay(rid, downstream, events, parsed.calls)) as relay:
                 async for response in relay:
                     if response is None:
                         # The scheduler holds its own claims on the tensors
@@ -398,14 +404,18 @@ class TokenizerService:
         rid: str,
         downstream: scheduler_pb2.GenerateRequest,
         stream: AsyncGenerator[scheduler_pb2.GenerateResponse, None],
+        calls: Forced | Auto | None = None,
     ) -> AsyncGenerator[tokenizer_pb2.GenerateResponse | None, None]:
         """The scheduler's stream as text: None once it has accepted, then a
         delta per step (text may be empty while a character or a possible
-        stop string is held back), then Finished. A stop string ends the
-        stream here, and closing the call aborts the request downstream."""
+        stop string is held back), then Finished (with `calls`, the
+        request's tool_choice: the calls found in the whole text). A stop
+        string ends the stream here, and closing the call aborts the
+        request downstream."""
         decoder = make_decoder(self.tokenizer)
         stops = StopMatcher(tuple(downstream.sampling.stop), downstream.sampling.include_stop_str_in_output)
         completion = cached = 0
+        text_so_far: list[str] = []  # the whole text, for the calls in it (tool_choice only)
         scoring = downstream.sampling.HasField("prompt_logprobs")  # until the first message brings them
         try:
             async for event in stream:
@@ -425,11 +435,14 @@ class TokenizerService:
                     del ids[kept:]  # those after the token a stop string falls in are not reported
                     completion += kept
                     delta = tokenizer_pb2.TextDelta(text=text, token_ids=ids, logprobs=event.tokens.logprobs[:kept])
+                    if calls is not None:
+                        text_so_far.append(text)
                     yield tokenizer_pb2.GenerateResponse(request_id=rid, delta=delta)
                     if stops.stopped:
-                        yield _finished(
+                        done = _finished(
                             rid, common_pb2.FINISH_REASON_STOP, len(downstream.input_ids), completion, cached
                         )
+                        yield _with_calls(done, calls, "".join(text_so_far))
                         return
                 elif kind == "finished":
                     f = event.finished
@@ -438,7 +451,8 @@ class TokenizerService:
                     if tail:
                         yield tokenizer_pb2.GenerateResponse(request_id=rid, delta=tokenizer_pb2.TextDelta(text=tail))
                     reason = common_pb2.FINISH_REASON_STOP if stops.stopped else f.finish_reason
-                    yield _finished(rid, reason, f.prompt_tokens, f.completion_tokens, f.cached_tokens)
+                    done = _finished(rid, reason, f.prompt_tokens, f.completion_tokens, f.cached_tokens)
+                    yield _with_calls(done, calls, "".join([*text_so_far, tail]))
                     return
         finally:
             await stream.aclose()  # cancels the call downstream when it has not ended
@@ -874,6 +888,21 @@ def _finished(
             cached_tokens=cached_tokens,
         ),
     )
+
+
+def _with_calls(
+    done: tokenizer_pb2.GenerateResponse, calls: Forced | Auto | None, text: str
+) -> tokenizer_pb2.GenerateResponse:
+    """`done` (a Finished) with the tool calls found in the whole `text` and
+    the text outside them (tool_choice; unchanged without one)."""
+    if calls is None:
+        return done
+    content, found = calls.split(text)
+    done.finished.content = content or ""
+    for call in found or ():
+        function = call["function"]
+        done.finished.tool_calls.add(id=call["id"], name=function["name"], arguments=function["arguments"])
+    return done
 
 
 async def _settle(tasks: list[asyncio.Task[Any]]) -> None:

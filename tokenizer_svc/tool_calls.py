@@ -24,6 +24,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from mmsplit_server import structured
+from tokenizer_svc.errors import InvalidRequest
+
 
 @dataclass(frozen=True)
 class Forced:
@@ -216,6 +219,50 @@ class Pythonic(Whole):
 
 # --tool-call-parser's values.
 PARSERS: dict[str, type[Auto]] = {"hermes": Hermes, "llama3_json": Llama3Json, "pythonic": Pythonic}
+_NEEDS_PARSER = (
+    'tool_choice "auto" needs the tool calls a model writes in its own format found, and this server was started '
+    'without a --tool-call-parser; ask for "required" or name a function, or send tool_choice "none"'
+)
+
+
+def choose(
+    choice: str, schemas: dict[str, dict[str, Any]], parser: str, *, single: bool = False
+) -> tuple[Forced | Auto, str]:
+    """How an output answers with calls, and the JSON Schema that constrains
+    it (empty for "auto", whose calls the model writes in its own format,
+    found by `parser`): `choice` is "auto", "required" or a tool's name
+    (`schemas`: each tool's parameters). `single`: at most one call. A
+    choice that cannot be served is INVALID_REQUEST naming tool_choice."""
+    if choice == "auto":
+        if parser not in PARSERS:
+            raise InvalidRequest(_NEEDS_PARSER, metadata={"param": "tool_choice"})
+        return PARSERS[parser](single=single), ""
+    if choice == "required":
+        calls = [
+            {"type": "object", "properties": {"name": {"const": name}, "parameters": schema},
+             "required": ["name", "parameters"], "additionalProperties": False}
+            for name, schema in schemas.items()
+        ]  # fmt: skip
+        listed: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        if single:
+            listed["maxItems"] = 1
+        return Forced(""), json.dumps(listed)
+    if choice not in schemas:
+        raise InvalidRequest(
+            f"tool_choice names {choice!r}, which is not among the tools", metadata={"param": "tool_choice"}
+        )
+    return Forced(choice), json.dumps(schemas[choice])
+
+
+async def check_schema(schema: str) -> None:
+    """A forced call's schema (made of the tools' parameters), compiled off
+    the event loop, so that one that cannot be is the tools' fault in the
+    error, not the structured output's (the service finds it compiled)."""
+    await structured.compile_off_loop(("json_schema", schema))
+    try:
+        structured.grammar(("json_schema", schema))
+    except ValueError as exc:
+        raise InvalidRequest(f"the tool's parameters (a JSON Schema) {exc}", metadata={"param": "tools"}) from None
 
 
 def call_id() -> str:

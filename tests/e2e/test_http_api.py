@@ -1362,3 +1362,56 @@ def test_stored_responses_carry_a_conversation_on_and_belong_to_their_key(api: A
     finally:
         key_file.write_text(KEY + "\n")
     _good_after(api)
+
+
+def test_grpc_tool_choice_gives_the_calls_chat_completions_gives(api: Api) -> None:
+    """The contract's tool_choice (mmsplit.client's build_request): a named
+    function and "required" (one call) give, in Finished.tool_calls, the
+    calls chat completions gives for the same conversation (names and
+    arguments), while the deltas stream the model's text as it is; without
+    tool_choice the tools only reach the template, as before; "auto" without
+    a --tool-call-parser, tool_choice without tools or with a prompt, and a
+    function that is not among the tools are INVALID_REQUEST naming it."""
+    from mmsplit.client import Tool
+
+    client = api.client()
+    tool = Tool("get_weather", "The weather in a city.", COLORS)
+    grpc_turn = [("user", [ImagePart(A), "What is the weather?"])]
+    http_turn = [{"role": "user", "content": [image_part(A), {"type": "text", "text": "What is the weather?"}]}]
+
+    def over_grpc(**choice: Any) -> tuple[str, list[Any]]:
+        request = build_request(messages=grpc_turn, tools=[tool], max_tokens=80, **choice)
+        text, finished = "", None
+        with grpc.insecure_channel(api.pair.tokenizer_address) as channel:
+            for event in tokenizer_pb2_grpc.TokenizerServiceStub(channel).Generate(request, timeout=60):
+                text += event.delta.text
+                finished = event.finished if event.HasField("finished") else finished
+        assert finished is not None
+        return text, [(c.name, c.arguments, c.id) for c in finished.tool_calls]
+
+    for grpc_choice, http_choice in (
+        ({"call_tool": "get_weather"}, {"tool_choice": NAMED}),
+        ({"tool_choice": "required", "single_call": True}, {"tool_choice": "required", "parallel_tool_calls": False}),
+    ):
+        text, calls = over_grpc(**grpc_choice)
+        reply = client.chat.completions.create(model=api.model, messages=http_turn, max_tokens=80,  # type: ignore[arg-type]
+                                               tools=[WEATHER], **http_choice)  # type: ignore[list-item]  # fmt: skip
+        expected = [(c.function.name, c.function.arguments) for c in reply.choices[0].message.tool_calls or []]
+        assert expected, reply
+        assert [(name, arguments) for name, arguments, _ in calls] == expected, grpc_choice
+        assert all(call_id.startswith("call_") for _, _, call_id in calls)
+        assert text  # the model's text as generated: the arguments, or the list of calls
+    text, calls = over_grpc()
+    assert calls == []
+
+    def refused(request: Any) -> str:
+        with grpc.insecure_channel(api.pair.tokenizer_address) as channel, pytest.raises(grpc.RpcError) as info:
+            list(tokenizer_pb2_grpc.TokenizerServiceStub(channel).Generate(request, timeout=60))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value
+        return str(info.value.details())
+
+    assert "--tool-call-parser" in refused(build_request(messages=grpc_turn, tools=[tool], tool_choice="auto"))
+    assert "needs tools" in refused(build_request(messages=grpc_turn, tool_choice="required"))
+    assert "not among the tools" in refused(build_request(messages=grpc_turn, tools=[tool], call_tool="nope"))
+    assert "tool_choice go with a conversation" in refused(build_request("Hi", tool_choice="required"))
+    _good_after(api)
