@@ -102,7 +102,7 @@ def parse(request: tokenizer_pb2.GenerateRequest, settings: TokenizerSettings, f
         chars += sum(len(t.name) + len(t.description) + len(t.parameters) for t in request.tools)
     else:
         for name in ("tools", "continue_final_message", "chat_template_kwargs", "tool_choice"):
-            if (name == "tool_choice" and request.HasField(name)) or (name != "tool_choice" and getattr(request, name)):
+            if _given(request, name):
                 raise InvalidRequest(
                     f"{name} go with a conversation (messages), not a prompt", metadata={"param": name}
                 )
@@ -127,12 +127,17 @@ def parse(request: tokenizer_pb2.GenerateRequest, settings: TokenizerSettings, f
     return parsed
 
 
+def _given(request: tokenizer_pb2.GenerateRequest, name: str) -> bool:
+    """Whether the request sets field `name` (a message field: present at all)."""
+    return request.HasField(name) if name == "tool_choice" else bool(getattr(request, name))
+
+
 def _token_prompt(request: tokenizer_pb2.GenerateRequest, settings: TokenizerSettings) -> Parsed:
     """A prompt of token ids: nothing else says what the model reads (their
     vocabulary and media placeholders are checked as the prompt is built)."""
     others = ("prompt", "images", "videos", "messages", "tools", "continue_final_message", "chat_template_kwargs")
     for name in (*others, "tool_choice"):
-        if request.HasField(name) if name == "tool_choice" else getattr(request, name):
+        if _given(request, name):
             raise InvalidRequest(f"prompt_token_ids cannot go with {name}", metadata={"param": name})
     if len(request.prompt_token_ids) > settings.max_prompt_chars:
         raise InvalidRequest(
