@@ -132,7 +132,8 @@ class _Chunked:
     joiner: _Joiner
     cache: RowCache
     done: int = 0  # prompt tokens prefilled so far
-    scores: list[Logprob] = field(default_factory=list)  # prompt_logprobs of its chunks so far (rank 0)
+    # prompt_logprobs of its chunks so far (rank 0; None once making them failed).
+    scores: list[Logprob] | None = field(default_factory=list)
 
 
 class Engine:
@@ -211,6 +212,7 @@ class Engine:
         # states of their prompts' positions (but the last), from `_forward`.
         self._prompt_hidden: dict[str, torch.Tensor] = {}
         self._scores: dict[str, list[Logprob]] = {}  # this step's prompt_logprobs, by request (rank 0)
+        self._unscored: dict[str, str] = {}  # this step's joiners whose prompt_logprobs failed (rank 0)
         self._cached: dict[str, int] = {}  # this step's joiners: prompt tokens taken from it
         self._prefilled: list[str] = []  # rows that joined last step: their prompts' blocks go in the store
         self._agreed = (True, True)  # whether the ranks' encoder and prefix caches agreed when last used
@@ -280,7 +282,7 @@ class Engine:
             self.rows[self.index[rid]].feed = token
 
         clock = _Clock()
-        self._prompt_hidden, self._scores = {}, {}
+        self._prompt_hidden, self._scores, self._unscored = {}, {}, {}
         tensors, codes, messages = self._read_new(plan.new)
         self._matches = self._match(plan.new)
         use_encoder = use_prefix = False
@@ -339,7 +341,7 @@ class Engine:
                 self._join(j)
                 hidden = self._prompt_hidden.pop(j.request.request_id, None)
                 if hidden is not None:
-                    self._scores[j.request.request_id] = self._score_prompt(j.request, hidden, 0)
+                    self._keep_scores(j.request.request_id, self._score_prompt(j.request, hidden, 0))
             self._prompt_hidden = {}
         rejected: dict[str, str] = {}
         if self._chunked:
@@ -364,6 +366,10 @@ class Engine:
                 else:
                     sampled[row.request.request_id] = result
                     row.sampling.took(result)  # type: ignore[union-attr]
+            for rid, why in self._unscored.items():  # they fail alone, as a row whose sampling fails
+                rejected[rid] = why
+                sampled.pop(rid, None)
+                logprobs.pop(rid, None)
             clock.lap("sample")
         changed = plan.keep or self._cached or kept_prefilled
         if self.prefix_cache.enabled and changed and log.isEnabledFor(logging.DEBUG):
@@ -774,14 +780,15 @@ class Engine:
         assert hidden is not None
         c.done = end
         if req.sampling.prompt_logprobs is not None:  # its positions but the prompt's last
-            c.scores += self._score_prompt(req, hidden[0, : min(end, len(req.input_ids) - 1) - start], start)
+            more = self._score_prompt(req, hidden[0, : min(end, len(req.input_ids) - 1) - start], start)
+            c.scores = None if c.scores is None or more is None else c.scores + more
         if end < len(req.input_ids):
             return None
         self._chunked.pop(0)
         self.cache.adopt(c.cache)
         self._join(c.joiner)
         if req.sampling.prompt_logprobs is not None:
-            self._scores[req.request_id] = c.scores
+            self._keep_scores(req.request_id, c.scores)
         return self._head(hidden[:, -1])
 
     def _chunk_forward(self, c: _Chunked, start: int, end: int) -> torch.Tensor:
@@ -979,27 +986,38 @@ class Engine:
         gathered = self.coll.gather_columns_to_0(part, self._head_widths)
         return gathered if gathered is not None else part[:, :0]
 
-    def _score_prompt(self, req: NewRequest, hidden: torch.Tensor, first: int) -> list[Logprob]:
+    def _keep_scores(self, rid: str, scores: list[Logprob] | None) -> None:
+        """A joiner's prompt_logprobs for its first token's message, or (rank
+        0, when making them failed) its failure at this step's end."""
+        if scores is None:
+            self._unscored[rid] = "its prompt log probabilities could not be made (logged on rank 0)"
+        else:
+            self._scores[rid] = scores
+
+    def _score_prompt(self, req: NewRequest, hidden: torch.Tensor, first: int) -> list[Logprob] | None:
         """prompt_logprobs: the log probabilities of `req`'s prompt tokens
         ``first + 1`` on, one per row of `hidden` (the hidden states of
         positions ``first`` on), on the model's own distribution, with
         the most likely tokens and the token's rank. Every rank runs it
-        (under TP the head gathers); only rank 0 gets scores."""
+        (under TP the head gathers, slice by slice on every rank whatever
+        happens); only rank 0 gets scores, or None when making them raised
+        (out of memory, say): that request then fails alone (`_unscored`)."""
         top = req.sampling.prompt_logprobs or 0
         targets = torch.tensor(req.input_ids[first + 1 : first + 1 + hidden.shape[0]], device=self.device)
-        scores: list[Logprob] = []
+        scores: list[Logprob] | None = []
+        alone = self.coll.world_size == 1
         for lo in range(0, len(targets), SCORED_POSITIONS):
-            logits = self._head(hidden[lo : lo + SCORED_POSITIONS])
-            if self.coll.rank != 0:
-                continue
-            logprobs = torch.log_softmax(logits, dim=-1)
-            chosen = logprobs.gather(1, targets[lo : lo + SCORED_POSITIONS, None])
-            ranks = (logprobs > chosen).sum(dim=1) + 1
-            best, best_ids = logprobs.topk(top, dim=-1) if top else (logprobs[:, :0], logprobs[:, :0].long())
-            for lp, rank, ids, values in zip(
-                chosen[:, 0].tolist(), ranks.tolist(), best_ids.tolist(), best.tolist(), strict=True
-            ):
-                scores.append(Logprob(lp, tuple(ids), tuple(values), rank))
+            rows = slice(lo, lo + SCORED_POSITIONS)
+            # Under TP the head is a collective every rank makes: outside what may fail here alone.
+            logits = None if alone else self._head(hidden[rows])
+            try:
+                if alone:
+                    logits = self._head(hidden[rows])
+                if self.coll.rank == 0 and scores is not None:
+                    scores += _scored(logits, targets[rows], top)  # type: ignore[arg-type]
+            except Exception:
+                log.exception("request %s: its prompt log probabilities could not be made", req.request_id)
+                scores = None
         return scores
 
     def _sharded_head(self) -> tuple[torch.Tensor | None, list[int]]:
@@ -1144,6 +1162,16 @@ def _owned(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype) -> to
     read (a slab's read-only mapping), and a model may write its inputs."""
     out = tensor.to(device, dtype)
     return out.clone() if out is tensor else out
+
+
+def _scored(logits: torch.Tensor, targets: torch.Tensor, top: int) -> list[Logprob]:
+    """Each row's target's log probability, rank and `top` most likely tokens."""
+    logprobs = torch.log_softmax(logits, dim=-1)
+    chosen = logprobs.gather(1, targets[:, None])
+    ranks = (logprobs > chosen).sum(dim=1) + 1
+    best, best_ids = logprobs.topk(top, dim=-1) if top else (logprobs[:, :0], logprobs[:, :0].long())
+    rows = zip(chosen[:, 0].tolist(), ranks.tolist(), best_ids.tolist(), best.tolist(), strict=True)
+    return [Logprob(lp, tuple(ids), tuple(values), rank) for lp, rank, ids, values in rows]
 
 
 class _Clock:

@@ -276,8 +276,8 @@ class HttpApi:
         owner = self._owner(request)
 
         def keep(response: dict[str, Any]) -> None:
-            turns = json.loads(json.dumps(conversation)) + response_store.output_messages(response)
-            self.store.put(response, turns, owner)
+            # The messages are the request's own, never changed after parsing: kept as they are.
+            self.store.put(response, [*conversation, *response_store.output_messages(response)], owner)
 
         return keep
 

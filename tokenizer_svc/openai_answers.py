@@ -55,6 +55,7 @@ class Choices:
         self.completion_tokens = [0] * n
         self.logprobs: list[list[dict[str, Any]]] = [[] for _ in range(n)]
         self._offset = [0] * n  # characters of the tokens of each choice's entries so far (legacy text_offset)
+        self._names: dict[int, str] = {}  # token id -> its text (`_text`)
         self.tokens = tokens
 
     def add(self, i: int, response: tokenizer_pb2.GenerateResponse) -> Shown | None:
@@ -123,7 +124,12 @@ class Choices:
         return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
     def _text(self, token: int) -> str:
-        return str(self.tokens.decode([token])) if self.tokens is not None else str(token)
+        """A token's text, decoded once per answer (a long prompt's top
+        tokens repeat: each decode is a call into the tokenizer)."""
+        text = self._names.get(token)
+        if text is None:
+            text = self._names[token] = str(self.tokens.decode([token])) if self.tokens is not None else str(token)
+        return text
 
     @property
     def prompt_tokens(self) -> int:

@@ -553,3 +553,48 @@ def test_prompt_logprobs_are_the_model_s_own_over_every_prompt_position(model: t
             assert list(lp.top_ids) == ([] if best is None else best.indices.tolist()), (req.request_id, k)
             if best is not None:
                 assert list(lp.top_logprobs) == pytest.approx(best.values.tolist(), abs=1e-4)
+
+
+def test_prompt_logprobs_that_cannot_be_made_fail_only_their_request(
+    model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Making one request's prompt log probabilities raises (out of memory,
+    say), whole or in chunks: that request fails alone at its first token,
+    the others joining with it get their tokens and scores, and the
+    engine goes on."""
+    import scheduler_svc.engine as engine_module
+
+    real = engine_module._scored
+
+    def scored(logits: torch.Tensor, targets: torch.Tensor, top: int) -> list[Any]:
+        if top == 7:
+            raise RuntimeError("out of memory (injected)")
+        return real(logits, targets, top)
+
+    monkeypatch.setattr(engine_module, "_scored", scored)
+    eos = int(model.config.text_config.eos_token_id)
+    engine = Engine(
+        model, SoloGroup(), InlineReader(), torch.device("cpu"), eos_token_ids=frozenset([eos]), token_chunk=32,
+        encoder_cache_bytes=64 << 20, prefill_chunk=16,
+    )  # fmt: skip
+    rng = random.Random(9)
+    text = [rng.randrange(100, 30000) for _ in range(30)]
+    victims = [request("short", [1, *text[:9]], prompt_logprobs=7), request("long", [1, *text], prompt_logprobs=7)]
+    others = [request("scored", [1, *text[:12]], max_tokens=3, prompt_logprobs=1), request("plain", [1, *text[3:8]])]
+    scores: dict[str, list[Any]] = {}
+    original = engine.step
+
+    def step(plan: Plan) -> StepOutcome:
+        outcome = original(plan)
+        scores.update(outcome.prompt_logprobs)
+        return outcome
+
+    engine.step = step  # type: ignore[method-assign]
+    results = drive(engine, {0: [*victims, *others]}, eos)
+    for victim in victims:
+        assert str(results[victim.request_id]).startswith("rejected:its prompt log probabilities"), results
+    for req in others:
+        assert results[req.request_id] == reference(model, req), req.request_id
+    assert set(scores) == {"scored"}
+    assert len(scores["scored"]) == 12
+    assert engine.cache.rows == 0
