@@ -165,6 +165,20 @@ class Finished:
     content: str = ""
 
 
+@dataclass(frozen=True)
+class PromptScores:
+    """The prompt's tokens and their log probabilities (`prompt_logprobs=`),
+    before the first delta: per token given those before it (the first has
+    none: None), its rank, and its position's most likely tokens."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float | None, ...]
+    ranks: tuple[int | None, ...]
+    top: tuple[dict[int, float], ...]
+    text: str = ""  # always empty: lets a loop print every event's text
+    request_id: str = ""
+
+
 @dataclass
 class Completion:
     text: str = ""
@@ -174,6 +188,7 @@ class Completion:
     completion_tokens: int = 0
     tool_calls: tuple[ToolCall, ...] = ()  # with tool_choice (Finished.tool_calls)
     content: str = ""
+    prompt: PromptScores | None = None  # with prompt_logprobs
 
 
 @dataclass(frozen=True)
@@ -394,8 +409,18 @@ def build_request(
     )
 
 
-def _event(response: tokenizer_pb2.GenerateResponse) -> Delta | Finished | None:
+def _event(response: tokenizer_pb2.GenerateResponse) -> Delta | Finished | PromptScores | None:
     kind = response.WhichOneof("event")
+    if kind == "prompt_logprobs":
+        scored = response.prompt_logprobs
+        entries = list(scored.logprobs)
+        return PromptScores(
+            tuple(scored.token_ids),
+            (None, *(e.logprob for e in entries)),
+            (None, *(e.rank for e in entries)),
+            ({}, *(dict(zip(e.top_token_ids, e.top_logprobs, strict=True)) for e in entries)),
+            request_id=response.request_id,
+        )
     if kind == "delta":
         return Delta(response.delta.text, tuple(response.delta.token_ids), response.request_id)
     if kind == "finished":
@@ -409,8 +434,10 @@ def _event(response: tokenizer_pb2.GenerateResponse) -> Delta | Finished | None:
     return None
 
 
-def _add(done: Completion, event: Delta | Finished) -> None:
-    if isinstance(event, Delta):
+def _add(done: Completion, event: Delta | Finished | PromptScores) -> None:
+    if isinstance(event, PromptScores):
+        done.prompt = event
+    elif isinstance(event, Delta):
         done.text += event.text
         done.token_ids.extend(event.token_ids)
     else:
@@ -489,14 +516,17 @@ class Client(_Connection):
             return grpc.insecure_channel(address, options=options)
         return grpc.secure_channel(address, credentials, options=options)
 
-    def generate(self, prompt: str = "", *, timeout: float | None = None, **kwargs: Any) -> Iterator[Delta | Finished]:
-        """The stream: deltas, then one Finished. Raises RequestFailed.
-        `kwargs` are `build_request`'s (messages, images, videos, sampling, request_id)."""
+    def generate(
+        self, prompt: str = "", *, timeout: float | None = None, **kwargs: Any
+    ) -> Iterator[Delta | Finished | PromptScores]:
+        """The stream: deltas, then one Finished (first a PromptScores with
+        `prompt_logprobs=`). Raises RequestFailed. `kwargs` are
+        `build_request`'s (messages, images, videos, sampling, request_id)."""
         return self.send(build_request(prompt, **kwargs), timeout=timeout)
 
     def send(
         self, request: tokenizer_pb2.GenerateRequest, *, timeout: float | None = None
-    ) -> Iterator[Delta | Finished]:
+    ) -> Iterator[Delta | Finished | PromptScores]:
         """`generate` for a request already built."""
         try:
             for response in self._stub.Generate(request, timeout=timeout):
@@ -552,7 +582,7 @@ class AsyncClient(_Connection):
         *,
         timeout: float | None = None,  # noqa: ASYNC109 (the call's gRPC deadline, which the server sees)
         **kwargs: Any,
-    ) -> AsyncIterator[Delta | Finished]:
+    ) -> AsyncIterator[Delta | Finished | PromptScores]:
         request = build_request(prompt, **kwargs)
         try:
             async for response in self._stub.Generate(request, timeout=timeout):

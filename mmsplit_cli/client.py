@@ -14,7 +14,17 @@ from typing import Any
 
 import grpc
 
-from mmsplit.client import Client, Delta, Finished, ImagePart, Message, RequestFailed, VideoPart, build_request
+from mmsplit.client import (
+    Client,
+    Delta,
+    Finished,
+    ImagePart,
+    Message,
+    PromptScores,
+    RequestFailed,
+    VideoPart,
+    build_request,
+)
 from mmsplit.common.v1 import common_pb2
 from mmsplit.errors import RemoteError
 from mmsplit.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
@@ -165,6 +175,7 @@ def generate_command(args: argparse.Namespace) -> int:
                 regex=args.regex,
                 choice=args.choice,
                 grammar=grammar,
+                prompt_logprobs=args.prompt_logprobs,
             )
             try:
                 for event in events:
@@ -210,9 +221,13 @@ def conversation(turns: list[tuple[str, str]], images: list[bytes | str], videos
     return messages
 
 
-def _event_json(event: Delta | Finished) -> dict[str, object]:
+def _event_json(event: Delta | Finished | PromptScores) -> dict[str, object]:
     if isinstance(event, Delta):
         return {"request_id": event.request_id, "text": event.text, "token_ids": list(event.token_ids)}
+    if isinstance(event, PromptScores):
+        top = [{str(t): v for t, v in best.items()} for best in event.top]
+        scored = {"token_ids": list(event.token_ids), "logprobs": list(event.logprobs), "ranks": list(event.ranks)}
+        return {"request_id": event.request_id, "prompt": {**scored, "top_logprobs": top}}
     return {
         "request_id": event.request_id,
         "finished": {

@@ -18,7 +18,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from mmsplit.client import Client, Delta, RequestFailed
+from mmsplit.client import Client, Delta, Finished, RequestFailed
 from mmsplit.tokenizer.v1 import tokenizer_pb2
 from mmsplit_cli import samples
 from mmsplit_cli.client import Outcome, make_request
@@ -142,7 +142,7 @@ def _send(client: Client, request: tokenizer_pb2.GenerateRequest) -> Outcome:
             if isinstance(event, Delta):
                 out.text += event.text
                 out.token_ids.extend(event.token_ids)
-            else:
+            elif isinstance(event, Finished):
                 out.finish_reason = event.finish_reason
     except RequestFailed as exc:
         out.grpc_code, out.reason, out.message = exc.grpc_code, exc.reason, exc.message

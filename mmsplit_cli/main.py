@@ -251,6 +251,13 @@ def parser() -> argparse.ArgumentParser:
         help="structured output: a grammar (Lark or GBNF text, or @FILE) the whole answer must match",
     )
     p.add_argument(
+        "--prompt-logprobs",
+        type=_count,
+        default=None,
+        metavar="N",
+        help="also score the prompt: each token's log probability, rank and N (0-20) top tokens (--json prints them)",
+    )
+    p.add_argument(
         "--tokenize",
         action="store_true",
         help="count the prompt's tokens (the Tokenize RPC: media included) instead of generating",

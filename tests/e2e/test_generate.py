@@ -156,6 +156,16 @@ def test_generate_cli_json_success_and_error(services: Services, tmp_path: Path)
     lines = [json.loads(line) for line in ok.stdout.splitlines()]
     assert sum(len(e.get("token_ids", [])) for e in lines) == 3
     assert lines[-1]["finished"]["completion_tokens"] == 3
+    scored = subprocess.run(
+        [*base, "--prompt-logprobs", "2", "--max-tokens", "1", "Hi there"], capture_output=True, text=True, timeout=120
+    )
+    assert scored.returncode == 0, scored.stderr
+    first, *_ = [json.loads(line) for line in scored.stdout.splitlines()]
+    prompt = first["prompt"]
+    assert len(prompt["token_ids"]) == len(prompt["logprobs"]) == len(prompt["ranks"]) == len(prompt["top_logprobs"])
+    assert prompt["logprobs"][0] is None
+    assert all(lp <= 0 for lp in prompt["logprobs"][1:])
+    assert all(len(top) == 2 for top in prompt["top_logprobs"][1:])
 
     err = subprocess.run([*base, "--image", str(bad), "Hi"], capture_output=True, text=True, timeout=120)
     assert err.returncode == 2
@@ -403,3 +413,13 @@ def test_prompt_logprobs_over_two_ranks_are_the_single_process_model_s(stub, ser
         assert list(lp.top_token_ids) == torch.topk(expected[k], 3).indices.tolist(), k
     generated = [t for e in events if e.WhichOneof("event") == "delta" for t in e.delta.token_ids]
     assert generated == reference_greedy(services.model, "Describe it.", [image], 3)
+    # The client library's form of them.
+    from mmsplit.client import Client
+
+    with Client(services.tokenizer_address) as client:
+        done = client.complete("Describe it.", images=[image], max_tokens=3, prompt_logprobs=3)
+    assert done.prompt is not None
+    assert done.prompt.token_ids == tuple(ids)
+    assert done.prompt.logprobs[0] is None
+    assert done.prompt.logprobs[1:] == pytest.approx([lp.logprob for lp in scored.logprobs], abs=1e-6)
+    assert done.token_ids == generated
