@@ -151,6 +151,38 @@ def penalties(address: str, model_dir: Path) -> None:
     report(status, "penalties and logit_bias on CUDA", detail)
 
 
+@check("prompt log probabilities on CUDA")
+def prompt_scores(address: str, model_dir: Path) -> None:
+    """An image prompt's prompt_logprobs (float32) are log_softmax of one HF
+    forward of it on the same GPU, within 1e-3, ranks equal."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from tests.support import hf_family
+    from tokenizer_svc.decode import decode_image
+
+    image = samples.good_jpeg(seed=811)
+    request = make_request("Describe it.", [image], max_tokens=1)
+    request.sampling.prompt_logprobs = 1
+    with grpc.insecure_channel(address) as channel:
+        events = list(tokenizer_pb2_grpc.TokenizerServiceStub(channel).Generate(request, timeout=120))
+    scored = events[0].prompt_logprobs
+    processor = AutoProcessor.from_pretrained(model_dir)
+    made = hf_family.inputs(processor, "Describe it.", [decode_image(image, max_pixels=10**8)])
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).to(DEVICE).eval()
+    with torch.inference_mode():
+        ids = made["input_ids"].to(DEVICE)
+        logits = model(input_ids=ids, pixel_values=made["pixel_values"].to(DEVICE)).logits[0, :-1]
+        expected = torch.log_softmax(logits.float(), dim=-1).cpu()
+    targets = made["input_ids"][0, 1:].tolist()
+    pairs = list(enumerate(zip(targets, scored.logprobs, strict=True)))
+    worst = max(abs(lp.logprob - float(expected[k, t])) for k, (t, lp) in pairs)
+    ranks = sum(lp.rank == int((expected[k] > expected[k, t]).sum()) + 1 for k, (t, lp) in pairs)
+    ok = list(scored.token_ids) == made["input_ids"][0].tolist() and worst < 1e-3 and ranks == len(targets)
+    report(
+        "PASS" if ok else "FAIL", "prompt log probabilities on CUDA", f"worst {worst:.1e}, ranks {ranks}/{len(targets)}"
+    )
+
+
 @check("continuous batching on CUDA equals generate")
 def continuous_batching(address: str, model_dir: Path) -> None:
     rng = random.Random(5)
@@ -477,6 +509,7 @@ def main() -> int:
         seeded(pair.tokenizer_address)
         penalties(pair.tokenizer_address, model_dir)
         structured(pair.tokenizer_address)
+        prompt_scores(pair.tokenizer_address, model_dir)
         hostile(pair, model_dir)
         cuda_ipc(pair, model_dir, logs)
     two_ranks_one_gpu(model_dir, logs)
