@@ -78,6 +78,16 @@ def cases() -> list[Case]:
             "INVALID_REQUEST",
         ),
         Case(
+            "token ids, prompt scored",
+            lambda d: make_request("", max_tokens=4, prompt_token_ids=[1, 415, 2936, 9060], prompt_logprobs=2),
+            "ok",
+        ),
+        Case(
+            "token ids naming <image>",
+            lambda d: make_request("", max_tokens=4, prompt_token_ids=[1, 32000, 415]),
+            "INVALID_REQUEST",
+        ),
+        Case(
             "good PNG again, after the bad ones",
             lambda d: make_request("Describe the image.", [png], max_tokens=12),
             "ok",
