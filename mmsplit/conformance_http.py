@@ -18,6 +18,13 @@
   with output_text, a status, usage that adds up) and, streamed, typed
   events numbered from 0, response.created first and response.completed
   (or .incomplete) last, whose text deltas make the response's text;
+- scoring: POST /v1/completions of a prompt of token ids (vLLM's
+  /tokenize of a text) with `echo`,
+  `logprobs` 1 and `max_tokens` 1 (what lm-evaluation-harness sends for
+  its loglikelihoods): the text starts as the prompt's, one log
+  probability per prompt token (the first null) and one for the output
+  token, each top_logprobs entry one token, its value at least the
+  token's own;
 - error shape: a bad parameter is 400 with {"error": {message, type, param,
   code}}, code INVALID_REQUEST, param naming it, x-should-retry false;
 - unknown model 404, malformed JSON 400, each in the same shape.
@@ -51,6 +58,7 @@ class HttpKit:
             ("http.response_format", self.response_format),
             ("http.tool_call", self.tool_call),
             ("http.responses", self.responses),
+            ("http.echo_logprobs", self.echo_logprobs),
             ("http.error_shape", self.error_shape),
             ("http.unknown_model", self.unknown_model),
             ("http.malformed_json", self.malformed_json),
@@ -180,6 +188,25 @@ class HttpKit:
         final = events[-1]["response"]["output"][0]["content"][0]["text"]
         expect(deltas == final, f"the deltas make {deltas!r}, the response says {final!r}")
         return f"{len(events)} events"
+
+    def echo_logprobs(self) -> str:
+        asked = json.dumps({"model": self.model, "prompt": "The quick brown fox"}).encode()
+        status, _, raw = self._call("POST", self.root + "/tokenize", asked)
+        expect(status == 200, f"POST /tokenize is {status}: {raw[:200]!r}")
+        ids = json.loads(raw)["tokens"]
+        ask = {"model": self.model, "prompt": ids, "max_tokens": 1, "temperature": 0, "logprobs": 1, "echo": True}
+        status, _, raw = self._post("/completions", ask)
+        expect(status == 200, f"status {status}: {raw[:200]!r}")
+        choice = json.loads(raw)["choices"][0]
+        lp = choice["logprobs"]
+        values, tops = lp["token_logprobs"], lp["top_logprobs"]
+        expect(
+            len(values) == len(tops) == len(lp["tokens"]) == len(ids) + 1, f"{len(values)} entries for {len(ids)} ids"
+        )
+        expect(values[0] is None and tops[0] is None, "the first prompt token has a log probability")
+        for value, top in zip(values[1:], tops[1:], strict=True):
+            expect(len(top) == 1 and value <= max(top.values()) + 1e-6 and value <= 0, f"{value} with top {top}")
+        return f"{len(ids)} prompt tokens scored"
 
     def _error(self, status: int, raw: bytes, headers: dict[str, str], want: int, code: str) -> dict[str, Any]:
         expect(status == want, f"status {status}, expected {want}")
