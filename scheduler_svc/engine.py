@@ -13,6 +13,14 @@ swap-remove in plan order), so every rank holds the same rows in the same
 order by construction. It holds no policy: which requests join, leave or
 stop, and the token each row feeds next, arrive in the plan.
 
+Prompt log probabilities (`SamplingParams.prompt_logprobs`): a joiner that
+asks keeps its prefill's hidden states of every prompt position, and the
+LM head scores them SCORED_POSITIONS at a time (under TP the head's gather
+runs on every rank; rank 0 reduces each block to the tokens' log
+probabilities, ranks and top tokens), after the forward, chunk by chunk
+for a long prompt. Such a prompt never takes cached blocks (`_match`); a
+failure to score it fails that request alone (`_unscored`).
+
 Chunked prefill: a prompt longer than `prefill_chunk` tokens (the
 `max_prefill_tokens` setting) is prefilled one chunk a step, in a cache of
 one row of its own, while the running rows go on decoding each step; its
