@@ -195,7 +195,7 @@ class Engine:
         self._keys: dict[str, list[bytes]] = {}  # this step's new requests: each item's cache key
         self._hash_pool: concurrent.futures.ThreadPoolExecutor | None = None  # made on first use
         # Fault injection for tests (the `engine_hook` setting): before_prefill, on_encoded, in_prefill_forward,
-        # in_decode_forward, before_keep.
+        # in_decode_forward, before_keep, before_scoring.
         self._hook = hook
         # A local CPU group's shared-memory TP sums, which a failed forward aborts.
         self._arena: Arena | None = getattr(coll, "arena", None)
@@ -1022,6 +1022,8 @@ class Engine:
                 if alone:
                     logits = self._head(hidden[rows])
                 if self.coll.rank == 0 and scores is not None:
+                    if self._hook is not None and hasattr(self._hook, "before_scoring"):
+                        self._hook.before_scoring(self.coll.rank, req)
                     scores += _scored(logits, targets[rows], top)  # type: ignore[arg-type]
             except Exception:
                 log.exception("request %s: its prompt log probabilities could not be made", req.request_id)

@@ -174,7 +174,7 @@ class Frontend:
                 f"cache_salt must be at most {MAX_CACHE_SALT} characters", metadata={"param": "cache_salt"}
             )
         if sampling.prompt_logprobs is not None:
-            _check_scored(count, sampling.prompt_logprobs)
+            check_prompt_logprobs(count, sampling.prompt_logprobs)
         return NewRequest(request_id=rid, input_ids=ids, items=items, sampling=sampling, cache_salt=pb.cache_salt)
 
     # ---- multimodal items ----
@@ -300,7 +300,9 @@ def prompt_logprobs_bytes(prompt: int, top: int) -> int:
     return max(prompt - 1, 0) * (25 + 11 * top)
 
 
-def _check_scored(prompt: int, top: int) -> None:
+def check_prompt_logprobs(prompt: int, top: int) -> None:
+    """INVALID_REQUEST when a prompt of `prompt` tokens scored with `top`
+    top tokens could pass PROMPT_LOGPROBS_BYTES."""
     size = prompt_logprobs_bytes(prompt, top)
     if size > PROMPT_LOGPROBS_BYTES:
         most = PROMPT_LOGPROBS_BYTES // (25 + 11 * top) + 1

@@ -50,15 +50,15 @@ def output_messages(response: dict[str, Any]) -> list[dict[str, Any]]:
     return [turn] if turn["content"] is not None or "tool_calls" in turn else []
 
 
-def _size(value: Any) -> int:
+def json_size(value: Any) -> int:
     """About the bytes `value` takes as JSON (strings by their length: no
     copy of a conversation's data: URLs is made to count them)."""
     if isinstance(value, str):
         return len(value) + 2
     if isinstance(value, dict):
-        return 2 + sum(len(k) + 4 + _size(v) for k, v in value.items())
+        return 2 + sum(len(k) + 4 + json_size(v) for k, v in value.items())
     if isinstance(value, list | tuple):
-        return 2 + sum(1 + _size(v) for v in value)
+        return 2 + sum(1 + json_size(v) for v in value)
     return 8
 
 
@@ -80,7 +80,7 @@ class ResponseStore:
         to it, its output included); False when it alone is over the store,
         or its id is another owner's entry (a client's X-Request-Id names
         the response: it may not replace another's)."""
-        size = _size(response) + _size(conversation)
+        size = json_size(response) + json_size(conversation)
         if not self.enabled or size > self.capacity:
             if self.enabled:
                 log.warning("response %s (%d bytes) is larger than the whole store: not kept", response["id"], size)

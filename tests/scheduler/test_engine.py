@@ -555,27 +555,26 @@ def test_prompt_logprobs_are_the_model_s_own_over_every_prompt_position(model: t
                 assert list(lp.top_logprobs) == pytest.approx(best.values.tolist(), abs=1e-4)
 
 
-def test_prompt_logprobs_that_cannot_be_made_fail_only_their_request(
-    model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch
-) -> None:
+class FailingScores:
+    """An engine hook that fails the making of the named requests' prompt log probabilities."""
+
+    def __init__(self, names: set[str]) -> None:
+        self.names = names
+
+    def before_scoring(self, rank: int, req: NewRequest) -> None:
+        if req.request_id in self.names:
+            raise RuntimeError("out of memory (injected)")
+
+
+def test_prompt_logprobs_that_cannot_be_made_fail_only_their_request(model: torch.nn.Module) -> None:
     """Making one request's prompt log probabilities raises (out of memory,
     say), whole or in chunks: that request fails alone at its first token,
     the others joining with it get their tokens and scores, and the
     engine goes on."""
-    import scheduler_svc.engine as engine_module
-
-    real = engine_module._scored
-
-    def scored(logits: torch.Tensor, targets: torch.Tensor, top: int) -> list[Any]:
-        if top == 7:
-            raise RuntimeError("out of memory (injected)")
-        return real(logits, targets, top)
-
-    monkeypatch.setattr(engine_module, "_scored", scored)
     eos = int(model.config.text_config.eos_token_id)
     engine = Engine(
         model, SoloGroup(), InlineReader(), torch.device("cpu"), eos_token_ids=frozenset([eos]), token_chunk=32,
-        encoder_cache_bytes=64 << 20, prefill_chunk=16,
+        encoder_cache_bytes=64 << 20, prefill_chunk=16, hook=FailingScores({"short", "long"}),
     )  # fmt: skip
     rng = random.Random(9)
     text = [rng.randrange(100, 30000) for _ in range(30)]

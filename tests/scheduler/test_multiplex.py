@@ -198,7 +198,7 @@ def test_the_bound_on_prompt_logprobs_bytes_holds_on_the_wire() -> None:
     from mmsplit.common.v1 import common_pb2
     from mmsplit.tokenizer.v1 import tokenizer_pb2
     from mmsplit_server.sampling import Sampling
-    from scheduler_svc.frontend import PROMPT_LOGPROBS_BYTES, _check_scored, prompt_logprobs_bytes
+    from scheduler_svc.frontend import PROMPT_LOGPROBS_BYTES, check_prompt_logprobs, prompt_logprobs_bytes
 
     for top in (0, 1, 5, 20):
         entry = common_pb2.TokenLogprob(
@@ -207,7 +207,7 @@ def test_the_bound_on_prompt_logprobs_bytes_holds_on_the_wire() -> None:
         scored = tokenizer_pb2.PromptLogprobs(token_ids=[249_999] * 1000, logprobs=[entry] * 999)
         assert scored.ByteSize() <= prompt_logprobs_bytes(1000, top), top
         most = PROMPT_LOGPROBS_BYTES // (25 + 11 * top) + 1
-        _check_scored(most, top)
+        check_prompt_logprobs(most, top)
         with pytest.raises(InvalidRequest, match="prompt_logprobs"):
-            _check_scored(most + 1, top)
+            check_prompt_logprobs(most + 1, top)
     assert Sampling(max_tokens=1).prompt_logprobs is None

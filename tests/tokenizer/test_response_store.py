@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from tokenizer_svc.response_store import ResponseStore, _size, output_messages, owner_of
+from tokenizer_svc.response_store import ResponseStore, json_size, output_messages, owner_of
 
 ALICE, BOB = owner_of("sk-alice"), owner_of("sk-bob")
 
@@ -20,7 +20,7 @@ def response(rid: str, text: str = "hi") -> dict[str, Any]:
 
 
 def size(rid: str, conversation: list[dict[str, Any]], text: str = "hi") -> int:
-    return _size(response(rid, text)) + _size(conversation)
+    return json_size(response(rid, text)) + json_size(conversation)
 
 
 def test_an_entry_is_counted_about_as_its_json() -> None:
@@ -30,7 +30,7 @@ def test_an_entry_is_counted_about_as_its_json() -> None:
                     {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
                      "function": {"name": "f", "arguments": '{"a": 1}'}}]}]  # fmt: skip
     for value in (conversation, response("resp_1", "x" * 5000)):
-        assert 0.95 <= _size(value) / len(json.dumps(value)) <= 1.2
+        assert 0.95 <= json_size(value) / len(json.dumps(value)) <= 1.2
 
 
 def test_the_least_recently_used_go_first_and_the_store_stays_within_its_bytes() -> None:
