@@ -5,9 +5,11 @@ Each entry is a Response object as it was answered and the conversation
 that led to it, its output included, as chat messages (without the
 request's `instructions`, which OpenAI does not carry over either), so a
 request naming it as `previous_response_id` continues that conversation.
-Entries live in this tokenizer's memory, least recently used first out
-once the store is over its bytes (an entry larger than the whole store is
-not kept), and are lost on restart: with several tokenizer replicas a
+Entries live in this tokenizer's memory and are lost on restart; once the
+store is over its bytes, the owner holding the most bytes loses its least
+recently used entry first, so one API key's flood of stored responses
+pushes out its own before another's (an entry larger than the whole store
+is not kept): with several tokenizer replicas a
 client must come back to the same one (session affinity) or send the
 whole conversation. With API keys an entry belongs to the key that made
 it: another key finds nothing (the same 404 as an unknown id).
@@ -66,7 +68,10 @@ class ResponseStore:
     def __init__(self, capacity_bytes: int) -> None:
         self.capacity = capacity_bytes
         self.nbytes = 0
-        self._entries: OrderedDict[str, Stored] = OrderedDict()
+        # Each owner's entries, least recently used first, and the bytes they hold.
+        self._owners: dict[bytes, OrderedDict[str, Stored]] = {}
+        self._held: dict[bytes, int] = {}
+        self._entries: dict[str, Stored] = {}
 
     @property
     def enabled(self) -> bool:
@@ -89,11 +94,14 @@ class ResponseStore:
         if rid in self._entries and not self.delete(rid, owner):
             log.warning("response %s: the id is another client's stored response: not kept", rid)
             return False
-        self._entries[rid] = Stored(response, conversation, owner, size)
+        entry = self._entries[rid] = Stored(response, conversation, owner, size)
+        self._owners.setdefault(owner, OrderedDict())[rid] = entry
+        self._held[owner] = self._held.get(owner, 0) + size
         self.nbytes += size
         while self.nbytes > self.capacity:
-            _, oldest = self._entries.popitem(last=False)
-            self.nbytes -= oldest.nbytes
+            heaviest = max(self._held, key=self._held.__getitem__)
+            oldest = next(iter(self._owners[heaviest]))
+            self.delete(oldest, heaviest)
         return True
 
     def get(self, rid: str, owner: bytes) -> Stored | None:
@@ -101,7 +109,7 @@ class ResponseStore:
         entry = self._entries.get(rid)
         if entry is None or entry.owner != owner:
             return None
-        self._entries.move_to_end(rid)
+        self._owners[owner].move_to_end(rid)
         return entry
 
     def delete(self, rid: str, owner: bytes) -> bool:
@@ -109,5 +117,9 @@ class ResponseStore:
         if entry is None or entry.owner != owner:
             return False
         del self._entries[rid]
+        del self._owners[owner][rid]
+        self._held[owner] -= entry.nbytes
+        if not self._owners[owner]:
+            del self._owners[owner], self._held[owner]
         self.nbytes -= entry.nbytes
         return True

@@ -64,7 +64,8 @@ class TokenizerSettings(ServiceSettings):
     responses_store_bytes: int = _opt(
         64 * 1024 * 1024,
         "memory for the Responses API's stored responses (store: true, the default; previous_response_id, GET and "
-        "DELETE /v1/responses/{id}), the least recently used dropped first; kept per tokenizer, lost on restart; "
+        "DELETE /v1/responses/{id}); when full, the least recently used of the API key holding the most go first; "
+        "kept per tokenizer, lost on restart; "
         "0 = store none",
         min=0,
     )

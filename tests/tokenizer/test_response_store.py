@@ -1,6 +1,6 @@
 """The Responses API's store (`tokenizer_svc/response_store.py`): least
-recently used out first within its bytes, an entry over the whole store
-not kept, each entry its owner's alone (another key reads, deletes and
+recently used out first within its bytes, the heaviest owner's first, an
+entry over the whole store not kept, each entry its owner's alone (another key reads, deletes and
 replaces nothing of it), and a response's output as the chat turn that
 carries its conversation on."""
 
@@ -75,3 +75,20 @@ def test_a_response_s_output_is_one_assistant_turn_of_its_text_and_calls() -> No
         {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]}]  # fmt: skip
     assert output_messages({"output": [call]})[0]["content"] is None
     assert output_messages({"output": []}) == []
+
+
+def test_the_owner_holding_the_most_loses_its_own_first() -> None:
+    """One key storing response after response pushes out its own oldest,
+    not another key's older ones."""
+    turn = [{"role": "user", "content": "x" * 100}]
+    one = size("resp_b00", turn)  # every id of the same length
+    store = ResponseStore(6 * one)
+    for k in range(2):
+        assert store.put(response(f"resp_b{k:02d}"), turn, BOB)
+    for k in range(20):
+        assert store.put(response(f"resp_a{k:02d}"), turn, ALICE)
+    assert store.get("resp_b00", BOB) is not None
+    assert store.get("resp_b01", BOB) is not None
+    assert [k for k in range(20) if store.get(f"resp_a{k:02d}", ALICE) is not None] == [16, 17, 18, 19]
+    assert store.nbytes == 6 * one == store.capacity
+    assert len(store) == 6
