@@ -5,8 +5,9 @@ released exactly as a gRPC one.
 
 Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/responses
 (each streaming or not; the Responses API over the chat path,
-`openai_responses`), GET /v1/models, GET and DELETE /v1/responses/{id} (the
-stored responses, `response_store`), POST /tokenize and /detokenize and GET /tokenizer_info (vLLM's),
+`openai_responses`), GET /v1/models, GET and DELETE /v1/responses/{id} and
+GET /v1/responses/{id}/input_items (the stored responses, `response_store`),
+POST /tokenize and /detokenize and GET /tokenizer_info (vLLM's),
 GET /health (200 only while a scheduler backend is ready, else 503). With
 `--api-key-file`, every
 /v1 route and the token routes need ``Authorization: Bearer <key>`` with a
@@ -104,6 +105,7 @@ class HttpApi:
         app.router.add_post("/v1/responses", self.responses_api)
         app.router.add_get("/v1/responses/{id}", self.stored_response)
         app.router.add_delete("/v1/responses/{id}", self.delete_response)
+        app.router.add_get("/v1/responses/{id}/input_items", self.input_items)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/tokenizer_info", self.tokenizer_info)
@@ -312,6 +314,40 @@ class HttpApi:
         """GET /v1/responses/{id}: a stored response of this client."""
         entry = self._stored(request, request.match_info["id"], "id")
         return entry if isinstance(entry, web.Response) else web.json_response(entry.response)
+
+    async def input_items(self, request: web.Request) -> web.Response:
+        """GET /v1/responses/{id}/input_items: the items that made a stored
+        response (its input and the turns before it), a page of `limit`
+        (1-100, 20) in `order` (desc, the default, or asc) `after` an item."""
+        entry = self._stored(request, request.match_info["id"], "id")
+        if isinstance(entry, web.Response):
+            return entry
+        query = request.query
+        order = query.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise InvalidRequest("order must be asc or desc", metadata={"param": "order"})
+        limit = query.get("limit", "20")
+        if not limit.isdigit() or not 1 <= int(limit) <= 100:
+            raise InvalidRequest("limit must be an integer within [1, 100]", metadata={"param": "limit"})
+        items = entry.input_items()
+        if order == "desc":
+            items.reverse()
+        after = query.get("after")
+        if after is not None:
+            ids = [item["id"] for item in items]
+            if after not in ids:
+                raise InvalidRequest(f"after: no item {after!r} in this response", metadata={"param": "after"})
+            items = items[ids.index(after) + 1 :]
+        page = items[: int(limit)]
+        first, last = (page[0]["id"], page[-1]["id"]) if page else (None, None)
+        listed = {
+            "object": "list",
+            "data": page,
+            "first_id": first,
+            "last_id": last,
+            "has_more": len(items) > len(page),
+        }
+        return web.json_response(listed)
 
     async def delete_response(self, request: web.Request) -> web.Response:
         """DELETE /v1/responses/{id}: a stored response of this client, let go."""

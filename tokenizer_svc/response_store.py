@@ -32,6 +32,45 @@ class Stored:
     conversation: list[dict[str, Any]]  # chat messages, its output's last
     owner: bytes  # a digest of the API key that made it (empty without keys)
     nbytes: int
+    inputs: int = 0  # the conversation's messages before the output (what made the response)
+
+    def input_items(self) -> list[dict[str, Any]]:
+        """The Responses API's items that made the response, oldest first:
+        its input and its predecessors' turns, each with a stable id."""
+        items: list[dict[str, Any]] = []
+        stem = self.response["id"].removeprefix("resp_")
+        for k, message in enumerate(self.conversation[: self.inputs]):
+            items += _items_of(message, f"{stem}_{k}")
+        return items
+
+
+def _items_of(message: dict[str, Any], stem: str) -> list[dict[str, Any]]:
+    """A chat message as Responses items (`openai_responses.to_chat`, back)."""
+    role = message["role"]
+    if role == "tool":
+        return [{"type": "function_call_output", "id": f"fco_{stem}", "call_id": message.get("tool_call_id"),
+                 "output": message.get("content"), "status": "completed"}]  # fmt: skip
+    items: list[dict[str, Any]] = []
+    content = message.get("content")
+    if content is not None:
+        kind = "output_text" if role == "assistant" else "input_text"
+        parts: list[dict[str, Any]] = [{"type": "text", "text": content}] if isinstance(content, str) else content
+        shown: list[dict[str, Any]] = []
+        for part in parts:
+            if part.get("type") == "text":
+                shown.append(
+                    {"type": kind, "text": part.get("text"), **({"annotations": []} if role == "assistant" else {})}
+                )
+            else:
+                image = part.get("image_url") or {}
+                shown.append({"type": "input_image", "image_url": image.get("url"), "detail": "auto"})
+        items.append({"type": "message", "id": f"msg_{stem}", "role": role, "status": "completed", "content": shown})
+    for j, call in enumerate(message.get("tool_calls") or []):
+        function = call.get("function") or {}
+        name, arguments = function.get("name"), function.get("arguments")
+        items.append({"type": "function_call", "id": f"fc_{stem}_{j}", "call_id": call.get("id"), "name": name,
+                      "arguments": arguments, "status": "completed"})  # fmt: skip
+    return items
 
 
 def owner_of(key: str | None) -> bytes:
@@ -94,7 +133,8 @@ class ResponseStore:
         if rid in self._entries and not self.delete(rid, owner):
             log.warning("response %s: the id is another client's stored response: not kept", rid)
             return False
-        entry = self._entries[rid] = Stored(response, conversation, owner, size)
+        outputs = len(output_messages(response))
+        entry = self._entries[rid] = Stored(response, conversation, owner, size, len(conversation) - outputs)
         self._owners.setdefault(owner, OrderedDict())[rid] = entry
         self._held[owner] = self._held.get(owner, 0) + size
         self.nbytes += size

@@ -1299,6 +1299,14 @@ def test_stored_responses_carry_a_conversation_on_and_belong_to_their_key(api: A
     assert chat.usage is not None
     assert second.usage.input_tokens == chat.usage.prompt_tokens
     assert client.responses.retrieve(first.id).model_dump() == first.model_dump()
+    # The items that made `second`: the first request's input and answer, then its own (newest first by default).
+    listed = client.responses.input_items.list(second.id)
+    kinds = [(item.type, getattr(item, "role", None)) for item in listed.data]
+    assert kinds == [("message", "user"), ("message", "assistant"), ("message", "user"), ("message", "assistant"),
+                     ("message", "user")]  # fmt: skip
+    oldest = list(client.responses.input_items.list(second.id, order="asc", limit=2))  # the SDK pages on
+    assert [item.id for item in oldest] == [item.id for item in reversed(listed.data)]
+    assert oldest[0].content[1].type == "input_image"  # type: ignore[union-attr]
     metrics = urllib.request.urlopen(api.metrics, timeout=10).read().decode()
     stored = [line for line in metrics.splitlines() if line.startswith("mmsplit_tokenizer_stored_responses ")]
     assert float(stored[0].split()[1]) >= 2, stored

@@ -92,3 +92,33 @@ def test_the_owner_holding_the_most_loses_its_own_first() -> None:
     assert [k for k in range(20) if store.get(f"resp_a{k:02d}", ALICE) is not None] == [16, 17, 18, 19]
     assert store.nbytes == 6 * one == store.capacity
     assert len(store) == 6
+
+
+def test_input_items_are_the_turns_that_made_a_response_with_stable_ids() -> None:
+    """Everything before the output, as Responses items: messages (text and
+    images), an assistant's text and calls, a tool's result; the output not
+    among them; the same ids every time."""
+    conversation = [
+        {"role": "user", "content": [{"type": "text", "text": "Weather?"},
+                                     {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}}]},
+        {"role": "assistant", "content": "Let me see.", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "w", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        {"role": "user", "content": "And tomorrow?"},
+    ]  # fmt: skip
+    answer = response("resp_x", "Rain.")
+    store = ResponseStore(1 << 20)
+    assert store.put(answer, [*conversation, *output_messages(answer)], ALICE)
+    entry = store.get("resp_x", ALICE)
+    assert entry is not None
+    items = entry.input_items()
+    assert [(i["type"], i.get("role")) for i in items] == [
+        ("message", "user"), ("message", "assistant"), ("function_call", None), ("function_call_output", None),
+        ("message", "user"),
+    ]  # fmt: skip
+    assert items[0]["content"] == [{"type": "input_text", "text": "Weather?"},
+                                   {"type": "input_image", "image_url": "data:image/png;base64,AA", "detail": "auto"}]  # fmt: skip
+    assert items[1]["content"] == [{"type": "output_text", "text": "Let me see.", "annotations": []}]
+    assert (items[2]["call_id"], items[2]["name"], items[3]["output"]) == ("call_1", "w", "sunny")
+    assert len({i["id"] for i in items}) == len(items)
+    assert entry.input_items() == items
