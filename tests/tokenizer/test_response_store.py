@@ -116,8 +116,8 @@ def test_input_items_are_the_turns_that_made_a_response_with_stable_ids() -> Non
         ("message", "user"), ("message", "assistant"), ("function_call", None), ("function_call_output", None),
         ("message", "user"),
     ]  # fmt: skip
-    assert items[0]["content"] == [{"type": "input_text", "text": "Weather?"},
-                                   {"type": "input_image", "image_url": "data:image/png;base64,AA", "detail": "auto"}]  # fmt: skip
+    image = {"type": "input_image", "image_url": "data:image/png;base64,AA", "detail": "auto"}
+    assert items[0]["content"] == [{"type": "input_text", "text": "Weather?"}, image]
     assert items[1]["content"] == [{"type": "output_text", "text": "Let me see.", "annotations": []}]
     assert (items[2]["call_id"], items[2]["name"], items[3]["output"]) == ("call_1", "w", "sunny")
     assert len({i["id"] for i in items}) == len(items)
