@@ -9,10 +9,9 @@ Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/responses
 GET /v1/responses/{id}/input_items (the stored responses, `response_store`),
 POST /tokenize and /detokenize and GET /tokenizer_info (vLLM's),
 GET /health (200 only while a scheduler backend is ready, else 503). With
-`--api-key-file`, every
-/v1 route and the token routes need ``Authorization: Bearer <key>`` with a
-key of the file (401 otherwise; compared in constant time; the file is read
-again when it changes).
+`--api-key-file`, every /v1 route and the token routes need
+``Authorization: Bearer <key>`` with a key of the file (401 otherwise;
+compared in constant time; the file is read again when it changes).
 
 Streams are server-sent events: for chat a first chunk with the assistant's
 role, then content deltas, a chunk with the finish reason, the usage chunk
@@ -54,7 +53,7 @@ from tokenizer_svc import openai_answers, openai_api, openai_responses, response
 from tokenizer_svc.conversation import MAX_REQUEST_ID, valid_request_id
 from tokenizer_svc.errors import InvalidRequest
 from tokenizer_svc.response_store import ResponseStore
-from tokenizer_svc.service import TokenizerService
+from tokenizer_svc.service import TokenizerService, merged
 
 log = logging.getLogger(__name__)
 
@@ -150,11 +149,9 @@ class HttpApi:
 
     def _authenticate(self, request: web.Request) -> None:
         assert self.api_keys is not None
-        given = request.headers.get("Authorization", "")
-        scheme, _, token = given.partition(" ")
-        presented = token.strip().encode()
+        scheme, presented = _bearer(request)
         # Every key compared (no early stop: the time says nothing of which matched).
-        matched = [hmac.compare_digest(presented, key.encode()) for key in self.api_keys.secrets()]
+        matched = [hmac.compare_digest(presented.encode(), key.encode()) for key in self.api_keys.secrets()]
         if scheme.lower() != "bearer" or not any(matched):
             raise Unauthenticated("a valid API key is required (Authorization: Bearer <key>)")
 
@@ -279,15 +276,16 @@ class HttpApi:
 
         def keep(response: dict[str, Any]) -> None:
             # The messages are the request's own, never changed after parsing: kept as they are.
-            self.store.put(response, [*conversation, *response_store.output_messages(response)], owner)
+            try:
+                self.store.put(response, [*conversation, *response_store.output_messages(response)], owner)
+            except Exception:  # the answer stands; only its keeping failed
+                log.exception("response %s could not be stored", response.get("id"))
 
         return keep
 
     def _owner(self, request: web.Request) -> bytes:
         """Whose stored responses a request may read: its API key's (none without keys)."""
-        if self.api_keys is None:
-            return response_store.owner_of(None)
-        return response_store.owner_of(request.headers.get("Authorization", "").partition(" ")[2].strip())
+        return response_store.owner_of(None if self.api_keys is None else _bearer(request)[1])
 
     def _stored(self, request: web.Request, rid: Any, param: str) -> response_store.Stored | web.Response:
         """The stored response `rid` of this request's client, or the 400 or 404 to answer."""
@@ -303,8 +301,8 @@ class HttpApi:
         if entry is not None:
             return entry
         message = (
-            f"no response {rid!r} is stored here (responses live in one tokenizer's memory, the least recently "
-            "used dropped first; a replica does not see another's)"
+            f"no response {rid!r} is stored here (responses live in one tokenizer's memory, dropped when it is "
+            "full; a replica does not see another's)"
         )
         return _json(
             404, openai_api.error_json(message, "not_found_error", "NOT_FOUND", param), {"x-should-retry": "false"}
@@ -395,15 +393,13 @@ class HttpApi:
         prompts' text when they are echoed (a prompt of token ids decoded
         as generated text is)."""
         tokenizer = self.service.tokenizer
-        echo = None
-        if call.echo or call.prompt_logprobs is not None:
+        texts: tuple[str, ...] = ()
+        if call.echo:
             texts = tuple(
                 r.prompt or tokenizer.decode(list(r.prompt_token_ids), skip_special_tokens=True) for r in call.requests
             )
-            s = call.request.sampling
-            echo = openai_answers.Echo(
-                texts if call.echo else (), s.top_logprobs if call.echo and s.logprobs else None, call.prompt_logprobs
-            )
+        s = call.request.sampling
+        echo = openai_answers.Echo(texts, s.top_logprobs if call.echo and s.logprobs else None, call.prompt_logprobs)
         return openai_answers.Choices(call.choices, tokenizer, per_prompt=call.n, echo=echo)
 
     async def _choices(
@@ -419,8 +415,8 @@ class HttpApi:
         sources = [
             _numbered(self.service.generate(r, f"{rid}-{p}", None), p * call.n) for p, r in enumerate(call.requests)
         ]
-        async with contextlib.aclosing(_merged(sources)) as merged:
-            async for item in merged:
+        async with contextlib.aclosing(merged(sources)) as items:
+            async for item in items:
                 yield item
 
     async def _stream(
@@ -498,38 +494,9 @@ class HttpApi:
 
 async def _numbered(
     source: AsyncIterator[tokenizer_pb2.GenerateResponse], first: int
-) -> AsyncIterator[tuple[int, tokenizer_pb2.GenerateResponse]]:
+) -> AsyncGenerator[tuple[int, tokenizer_pb2.GenerateResponse], None]:
     async for response in source:
         yield first + response.index, response
-
-
-async def _merged(sources: list[AsyncIterator[Any]]) -> AsyncGenerator[Any, None]:
-    """The items of every source as they come. The first failure ends it
-    (raised here); however it ends, every source's work is ended and awaited."""
-    queue: asyncio.Queue[tuple[bool, Any]] = asyncio.Queue()
-
-    async def drain(source: AsyncIterator[Any]) -> None:
-        async for item in source:
-            queue.put_nowait((True, item))
-
-    tasks = [asyncio.ensure_future(drain(s)) for s in sources]
-    for task in tasks:
-        task.add_done_callback(lambda t: queue.put_nowait((False, t)))
-    try:
-        running = len(tasks)
-        while running:
-            is_item, got = await queue.get()
-            if is_item:
-                yield got
-                continue
-            running -= 1
-            failure = None if got.cancelled() else got.exception()
-            if failure is not None:
-                raise failure
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 class _Prefetch:
@@ -603,6 +570,12 @@ async def _body(request: web.Request) -> Any:
         raise InvalidRequest(f"the request body is not valid JSON: {exc}") from exc
     except RecursionError as exc:  # valid JSON nested deeper than the parser goes
         raise InvalidRequest("the request body nests too deeply") from exc
+
+
+def _bearer(request: web.Request) -> tuple[str, str]:
+    """The Authorization header's scheme and credential."""
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    return scheme, token.strip()
 
 
 def _request_id(request: web.Request) -> str:

@@ -348,10 +348,12 @@ def _prompts(value: Any) -> list[str | list[int]]:
     return value
 
 
-def _token_ids(value: Any) -> bool:
+def _token_ids(value: Any, *, empty: bool = False) -> bool:
+    """Whether `value` is a list of token ids (each an unsigned 32-bit
+    integer, not a boolean); `empty`: the empty list is one."""
     return (
         isinstance(value, list)
-        and bool(value)
+        and (empty or bool(value))
         and all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= _U32 for x in value)
     )
 
@@ -512,9 +514,7 @@ def _finish(body: dict[str, Any], request: tokenizer_pb2.GenerateRequest) -> Cal
         s.stop.extend(stop)
     ids = body.get("stop_token_ids")
     if ids is not None:
-        if not isinstance(ids, list) or not all(
-            isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= _U32 for x in ids
-        ):
+        if not _token_ids(ids, empty=True):
             raise invalid("stop_token_ids must be a list of token ids", "stop_token_ids")
         s.stop_token_ids.extend(ids)
     for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
@@ -730,9 +730,7 @@ def parse_tokenize(body: Any) -> Tokenize:
 def parse_detokenize(body: Any) -> list[int]:
     """vLLM's /detokenize: the `tokens` to decode (ids; the vocabulary is
     the caller's to check)."""
-    tokens = _object(body).get("tokens")
-    if not isinstance(tokens, list) or not all(
-        isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= _U32 for t in tokens
-    ):
+    tokens: Any = _object(body).get("tokens")
+    if not _token_ids(tokens, empty=True):
         raise invalid("tokens must be a list of token ids", "tokens")
-    return tokens
+    return list(tokens)

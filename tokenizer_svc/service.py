@@ -24,9 +24,9 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from mmsplit.common.v1 import common_pb2
 from mmsplit.errors import E, MmsplitError, RemoteError
@@ -67,6 +67,7 @@ from tokenizer_svc.settings import TokenizerSettings
 from tokenizer_svc.tool_calls import Auto, Forced
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 # A call that ended with one of these before the scheduler accepted it goes
 # to another backend (once).
 FAILOVER_CODES = frozenset({E.ERROR_CODE_SCHEDULER_UNAVAILABLE, E.ERROR_CODE_SHUTTING_DOWN})
@@ -212,34 +213,16 @@ class TokenizerService:
     ) -> AsyncGenerator[tokenizer_pb2.GenerateResponse, None]:
         """n independent generations at once, each response tagged with its
         choice; the first failure ends them all (the others are cancelled
-        and their cleanup awaited) and is raised."""
-        queue: asyncio.Queue[tokenizer_pb2.GenerateResponse | BaseException | None] = asyncio.Queue()
+        and their cleanup awaited) and is raised (`merged`)."""
 
-        async def one(i: int) -> None:
-            try:
-                async for response in self._generate(choice_request(request, i), rid, timeout_s):
-                    response.index = i
-                    queue.put_nowait(response)
-            except Exception as exc:  # the request's failure, typed or not: the caller raises it
-                queue.put_nowait(exc)
-            finally:
-                queue.put_nowait(None)
+        async def one(i: int) -> AsyncGenerator[tokenizer_pb2.GenerateResponse, None]:
+            async for response in self._generate(choice_request(request, i), rid, timeout_s):
+                response.index = i
+                yield response
 
-        tasks = [asyncio.create_task(one(i)) for i in range(n)]
-        try:
-            running = n
-            while running:
-                item = await queue.get()
-                if item is None:
-                    running -= 1
-                elif isinstance(item, BaseException):
-                    raise item
-                else:
-                    yield item
-        finally:
-            for task in tasks:
-                task.cancel()
-            await _settle(tasks)
+        async with contextlib.aclosing(merged([one(i) for i in range(n)])) as responses:
+            async for response in responses:
+                yield response
 
     def begin_drain(self) -> None:
         self.draining = True
@@ -903,6 +886,37 @@ def _with_calls(
         function = call["function"]
         done.finished.tool_calls.add(id=call["id"], name=function["name"], arguments=function["arguments"])
     return done
+
+
+async def merged(sources: Sequence[AsyncGenerator[_T, None]]) -> AsyncGenerator[_T, None]:
+    """The items of every source as they come. The first failure of one
+    (typed or not) ends it, raised here; however it ends, every source's
+    work is cancelled and awaited (`_settle`), each source closed."""
+    queue: asyncio.Queue[tuple[bool, Any]] = asyncio.Queue()
+
+    async def drain(source: AsyncGenerator[_T, None]) -> None:
+        async with contextlib.aclosing(source):
+            async for item in source:
+                queue.put_nowait((True, item))
+
+    tasks = [asyncio.create_task(drain(source)) for source in sources]
+    for task in tasks:
+        task.add_done_callback(lambda done: queue.put_nowait((False, done)))
+    try:
+        running = len(tasks)
+        while running:
+            is_item, got = await queue.get()
+            if is_item:
+                yield got
+                continue
+            running -= 1
+            failure = None if got.cancelled() else got.exception()
+            if failure is not None:
+                raise failure
+    finally:
+        for task in tasks:
+            task.cancel()
+        await _settle(tasks)
 
 
 async def _settle(tasks: list[asyncio.Task[Any]]) -> None:

@@ -768,13 +768,13 @@ def test_a_responses_body_becomes_the_chat_body_of_the_same_conversation() -> No
 
 
 def test_several_prompts_merge_and_one_failure_ends_every_other_s_work() -> None:
-    """http_api's merge of several prompts' streams: items as they come;
-    the first failure is raised and the other sources are ended (their
-    cleanup runs) before it leaves; a consumer that stops early ends them
-    too."""
+    """The merge of several streams (`service.merged`: several prompts'
+    over HTTP, a request's n choices): items as they come; the first
+    failure is raised and the other sources are ended (their cleanup runs)
+    before it leaves; a consumer that stops early ends them too."""
     import asyncio
 
-    from tokenizer_svc.http_api import _merged
+    from tokenizer_svc.service import merged as _merged
 
     ended: list[str] = []
 
