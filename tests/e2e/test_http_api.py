@@ -408,12 +408,13 @@ def test_a_client_that_leaves_mid_stream_leaves_nothing_held(api: Api) -> None:
     assert any(rank_active_requests(api.pair.scheduler_address)), "the request was over before the client left"
     left = time.monotonic()
     stream.close()
-    assert wait_until(lambda: not any(rank_active_requests(api.pair.scheduler_address)), timeout=2), "a row stayed"
+    # At once (5 s is a margin for a busy host), not when its 2,000 tokens are done.
+    assert wait_until(lambda: not any(rank_active_requests(api.pair.scheduler_address)), timeout=5), "a row stayed"
     # The slice goes back to the slab when the tokenizer next checks its
-    # hand-offs (every 20 ms): within the same two seconds.
+    # hand-offs (every 20 ms): within the same few seconds.
     slab_free = lambda: tokenizer_info(api.pair.tokenizer_address).info.shm_slab_used_bytes == 0  # noqa: E731
-    assert wait_until(slab_free, timeout=max(0.1, 2 - (time.monotonic() - left))), "the slab still holds its slice"
-    assert time.monotonic() - left < 2.5
+    assert wait_until(slab_free, timeout=max(0.1, 5 - (time.monotonic() - left))), "the slab still holds its slice"
+    assert time.monotonic() - left < 5.5
     mine = [n for n in project_segments() if n.startswith(f"{PROJECT_PREFIX}-{api.pair.tokenizer.pid}-")]
     assert not mine, mine
     # Its log line counts what it streamed (it once said "0+0 tokens").

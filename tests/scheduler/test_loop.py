@@ -239,7 +239,7 @@ def test_an_idle_loop_told_to_drain_is_idle_at_once_not_at_its_next_heartbeat() 
     started = time.monotonic()
     h.loop.begin_drain()
     assert h.loop.idle.wait(5), "idle was not set"
-    assert time.monotonic() - started < 1
+    assert time.monotonic() - started < 5  # not the 30 s heartbeat (a margin for a busy host)
     assert len(engine.plans) <= steps + 2  # a step or two (r0's row dropped, the drain seen), no more
     h.stop()
 

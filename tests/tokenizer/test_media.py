@@ -244,8 +244,8 @@ def test_a_dripping_origin_is_stopped_at_the_attempts_deadline(tmp_path: Path, o
     with pytest.raises(MediaFetchFailed):
         load(media, url=f"{origin}/drip")
     # Before: the deadline was checked between 64 KiB reads, so a dripping
-    # origin held a fetch for as long as it liked.
-    assert time.monotonic() - start < 1.6
+    # origin held a fetch for as long as it liked (this one drips for 40 s).
+    assert time.monotonic() - start < 3
 
 
 @pytest.mark.parametrize("path", ["/short", "/chunked-cut"])
