@@ -13,12 +13,9 @@ swap-remove in plan order), so every rank holds the same rows in the same
 order by construction. It holds no policy: which requests join, leave or
 stop, and the token each row feeds next, arrive in the plan.
 
-Prompt log probabilities (`SamplingParams.prompt_logprobs`): a joiner that
-asks keeps its prefill's hidden states of every prompt position, and the
-LM head scores them SCORED_POSITIONS at a time (under TP the head's gather
-runs on every rank; rank 0 reduces each block to the tokens' log
-probabilities, ranks and top tokens), after the forward, chunk by chunk
-for a long prompt. Such a prompt never takes cached blocks (`_match`); a
+Prompt log probabilities (`prompt_scores`): a joiner that asks keeps its
+prefill's hidden states, scored after the forward (chunk by chunk for a
+long prompt). Such a prompt never takes cached blocks (`_match`); a
 failure to score it fails that request alone (`_unscored`).
 
 Chunked prefill: a prompt longer than `prefill_chunk` tokens (the
@@ -52,11 +49,9 @@ it on every rank in the next plan.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import hashlib
 import logging
-import os
 import time
 import zlib
 from collections.abc import Callable
@@ -65,18 +60,21 @@ from typing import Any
 
 import torch
 
-from mmsplit.errors import E, InternalError, MmsplitError
+from mmsplit.errors import E, MmsplitError
 from mmsplit_server import families
 from mmsplit_server.families import Family
 from mmsplit_server.structured import Broken, Constraint, Grammars
+from scheduler_svc import media_inputs
 from scheduler_svc.agreement import agree_on_failures
 from scheduler_svc.collective import Collective
 from scheduler_svc.counted_sums import CountedSums
 from scheduler_svc.encoder_cache import EncoderCache
-from scheduler_svc.errors import NonFinitePixels
+from scheduler_svc.intake import Intake, ItemTensors
 from scheduler_svc.kvcache import ForwardInputs, RowCache
-from scheduler_svc.plan import Failure, Item, NewRequest, Plan, StepOutcome
+from scheduler_svc.media_inputs import Joiner, MediaInputs
+from scheduler_svc.plan import Failure, NewRequest, Plan, StepOutcome
 from scheduler_svc.prefix_cache import BLOCK_TOKENS, NO_MATCH, Match, PrefixCache, Runs, chain
+from scheduler_svc.prompt_scores import score_prompt
 from scheduler_svc.reader import TensorReader
 from scheduler_svc.sampler import LogitAdjust, Logprob, RowSampling, Sampler, make_generator
 from scheduler_svc.shm_allreduce import Arena, SumAborted
@@ -90,9 +88,6 @@ _HALF = (1 << _HALF_BITS) - 1
 # Right-padding of prompts in a batched prefill; never attended (the mask
 # hides it), so any id inside the vocabulary that is not a placeholder works.
 PAD_ID = 0
-# Prompt positions whose logits are made at once for prompt_logprobs (a
-# [positions, vocab] float32 block each, never a whole long prompt's).
-SCORED_POSITIONS = 256
 
 
 @dataclass
@@ -109,35 +104,11 @@ class Row:
     runs: Runs = field(default_factory=Runs)
 
 
-# One joining request's encoder inputs: per item, forward name -> tensor.
-ItemTensors = list[dict[str, torch.Tensor]]
-
-
-@dataclass
-class _Joiner:
-    """A request joining this step, and what its prefill needs besides its ids."""
-
-    request: NewRequest
-    tensors: ItemTensors | None
-    # Encoder outputs by item (families whose outputs are cached): (modality, output).
-    features: list[tuple[int, torch.Tensor | None]] = field(default_factory=list)
-    positions: torch.Tensor | None = None  # M-RoPE: [3, prompt length]
-    rope_delta: int = 0
-    runs: Runs = field(default_factory=Runs)
-    # The prompt's start taken from the prefix cache: [layers, 2, heads, tokens, head dim].
-    prefix: torch.Tensor | None = None
-
-    @property
-    def cached(self) -> int:
-        """Prompt tokens taken from the prefix cache (their prefill is skipped)."""
-        return 0 if self.prefix is None else int(self.prefix.shape[3])
-
-
 @dataclass
 class _Chunked:
     """A long prompt being prefilled a chunk a step, in a cache of its own."""
 
-    joiner: _Joiner
+    joiner: Joiner
     cache: RowCache
     done: int = 0  # prompt tokens prefilled so far
     # prompt_logprobs of its chunks so far (rank 0; None once making them failed).
@@ -192,8 +163,19 @@ class Engine:
         # Encoder outputs of items seen before (families that take them precomputed).
         self.encoder_cache = EncoderCache(encoder_cache_bytes if self.family.caches_encoder_outputs else 0)
         self._hidden = int(model.config.get_text_config().hidden_size)  # type: ignore[union-attr,operator]
+        self._media = MediaInputs(
+            self.family,
+            self._prefill_body,
+            self.encoder_cache,
+            device=device,
+            dtype=self.dtype,
+            hidden=self._hidden,
+            rank=coll.rank,
+            failed_on=self._failed_on,
+            hook=hook,
+        )
+        self._intake = Intake(reader, coll.rank)
         self._keys: dict[str, list[bytes]] = {}  # this step's new requests: each item's cache key
-        self._hash_pool: concurrent.futures.ThreadPoolExecutor | None = None  # made on first use
         # Fault injection for tests (the `engine_hook` setting): before_prefill, on_encoded, in_prefill_forward,
         # in_decode_forward, before_keep, before_scoring.
         self._hook = hook
@@ -291,7 +273,8 @@ class Engine:
 
         clock = _Clock()
         self._prompt_hidden, self._scores, self._unscored = {}, {}, {}
-        tensors, codes, messages = self._read_new(plan.new)
+        read = self._intake.read(plan.new, keyed=self.encoder_cache.enabled or self.prefix_cache.enabled)
+        tensors, codes, messages, self._keys = read.tensors, read.codes, read.messages, read.keys
         self._matches = self._match(plan.new)
         use_encoder = use_prefix = False
         if plan.new or plan.drop:
@@ -397,7 +380,7 @@ class Engine:
         )
 
     # ---- rows ----
-    def _join(self, j: _Joiner) -> None:
+    def _join(self, j: Joiner) -> None:
         req = j.request
         self.index[req.request_id] = len(self.rows)
         self.rows.append(Row(req, sampling=self._row_sampling(req), rope_delta=j.rope_delta, runs=j.runs))
@@ -548,14 +531,14 @@ class Engine:
 
     def _prepare(
         self, joining: list[tuple[NewRequest, ItemTensors | None]], use_encoder: bool, use_prefix: bool
-    ) -> tuple[list[_Joiner], dict[str, Failure]]:
+    ) -> tuple[list[Joiner], dict[str, Failure]]:
         """What each joiner's prefill needs besides the forward: its encoder
         outputs (families whose outputs are cached) and its positions
         (M-RoPE), made per request, so a request that fails there fails
         alone. Under TP every rank's verdicts are agreed on in one gather,
         so every rank keeps the same joiners. The joiners kept, in order,
         and the failures."""
-        joiners = [_Joiner(req, tensors, runs=self._runs(req)) for req, tensors in joining]
+        joiners = [Joiner(req, tensors, runs=self._runs(req)) for req, tensors in joining]
         codes, messages = [0] * len(joiners), [""] * len(joiners)
         if self.prefix_cache.enabled:
             # In plan order on every rank, for the joiners every rank agreed
@@ -569,7 +552,7 @@ class Engine:
                 except Exception as exc:
                     codes[i], messages[i] = self._failed_on(j.request, exc, "taking its cached prefix")
         if self.encoder_cache.enabled:
-            self._encode(joiners, use_encoder, codes, messages)
+            self._media.encode(joiners, self._keys, use_encoder, codes, messages)
         for i, j in enumerate(joiners):
             if codes[i]:
                 continue
@@ -590,7 +573,7 @@ class Engine:
         lost = {joiners[i].request.request_id: f for i, f in failed_idx.items()}
         return [j for i, j in enumerate(joiners) if i not in failed_idx], lost
 
-    def _prefill(self, joiners: list[_Joiner]) -> tuple[torch.Tensor | None, list[_Joiner], dict[str, Failure]]:
+    def _prefill(self, joiners: list[Joiner]) -> tuple[torch.Tensor | None, list[Joiner], dict[str, Failure]]:
         """The joiners' prompts in one right-padded forward: each row's logits
         at its last prompt token ``[joiners, vocab]``. A forward that raises
         is undone and each joiner tried alone, so the one at fault fails
@@ -601,7 +584,7 @@ class Engine:
             return logits, joiners, {}
         log.warning("rank %d: each of the %d requests is tried alone", self.coll.rank, len(joiners))
         parts: list[torch.Tensor] = []
-        kept: list[_Joiner] = []
+        kept: list[Joiner] = []
         lost: dict[str, Failure] = {}
         for j in joiners:
             alone, failure = self._agreed_forward([j], "its prefill")
@@ -612,7 +595,7 @@ class Engine:
                 lost[j.request.request_id] = failure
         return (torch.cat(parts) if parts else None), kept, lost
 
-    def _agreed_forward(self, joiners: list[_Joiner], what: str) -> tuple[torch.Tensor | None, Failure | None]:
+    def _agreed_forward(self, joiners: list[Joiner], what: str) -> tuple[torch.Tensor | None, Failure | None]:
         """One prefill forward (`_forward`) and its logits, or its rows
         undone and the failure. Under TP the ranks agree on the forward
         before the head's collective: a deterministic error raises alike on
@@ -689,7 +672,7 @@ class Engine:
             raise RuntimeError(f"rank {self.coll.rank}: {what} was aborted but no rank failed")
         return out, None
 
-    def _forward(self, joiners: list[_Joiner]) -> torch.Tensor:
+    def _forward(self, joiners: list[Joiner]) -> torch.Tensor:
         """One prefill forward over `joiners` (rows appended to the cache),
         each from the end of its cached prefix: the hidden state of each
         row's last prompt token ``[joiners, hidden]`` (`_head` makes logits)."""
@@ -700,10 +683,10 @@ class Engine:
             ids[i, : lengths[i]] = torch.tensor(j.request.input_ids[starts[i] :], dtype=torch.long)
         extra: dict[str, Any]
         if self.encoder_cache.enabled:
-            features = [f for j in joiners for f in self._features(j, j.cached, len(j.request.input_ids))]
+            features = [f for j in joiners for f in media_inputs.features(j, j.cached, len(j.request.input_ids))]
             extra = self.family.encoded_kwargs(features) if features else {}
         else:
-            extra = self._media_kwargs([(j.request, j.tensors, j.cached) for j in joiners])
+            extra = self._media.joined(joiners)
         prefixes = [j.prefix for j in joiners] if any(starts) else None
         inputs = self.cache.begin_prefill(lengths, prefixes)
         if self.family.uses_mrope:
@@ -720,33 +703,14 @@ class Engine:
         last = torch.tensor(lengths, device=self.device) - 1
         return hidden[torch.arange(len(joiners), device=self.device), last]
 
-    def _forward_fault(self, joiners: list[_Joiner]) -> contextlib.AbstractContextManager[None]:
+    def _forward_fault(self, joiners: list[Joiner]) -> contextlib.AbstractContextManager[None]:
         """Tests' fault injection inside a prefill forward (the `engine_hook`'s `in_prefill_forward`)."""
         inject = getattr(self._hook, "in_prefill_forward", None)
         if inject is None:
             return contextlib.nullcontext()
         return inject(self.coll.rank, [j.request for j in joiners], self.model)  # type: ignore[no-any-return]
 
-    def _features(self, j: _Joiner, start: int, end: int) -> list[tuple[int, torch.Tensor]]:
-        """The encoder outputs of `j`'s placeholders in prompt tokens ``[start,
-        end)``, item by item: whole items whole, a cut item's rows run by run."""
-        features: list[tuple[int, torch.Tensor]] = []
-        for item, (modality, output) in zip(j.request.items, j.features, strict=True):
-            if output is None or not item.placeholders:
-                continue
-            first, last = item.span
-            if start <= first and last <= end:
-                features.append((modality, output))
-                continue
-            row = 0  # the item's output rows are its placeholders', run after run
-            for offset, length in item.placeholders:
-                lo, hi = max(start, offset), min(end, offset + length)
-                if lo < hi:
-                    features.append((modality, output[row + lo - offset : row + hi - offset]))
-                row += length
-        return features
-
-    def _chunked_prefill(self, j: _Joiner) -> bool:
+    def _chunked_prefill(self, j: Joiner) -> bool:
         """Whether `j` is prefilled in chunks: its prompt is longer than a
         chunk, and its media, if any, come as encoder outputs that a chunk
         can take a part of."""
@@ -754,7 +718,7 @@ class Engine:
             return False
         return not (j.request.items and not self.encoder_cache.enabled)
 
-    def _queue_chunks(self, j: _Joiner) -> None:
+    def _queue_chunks(self, j: Joiner) -> None:
         log.debug("request %s: %d prompt tokens, prefilled in chunks of %d", j.request.request_id,
                   len(j.request.input_ids), self.prefill_chunk)  # fmt: skip
         cache = RowCache(self._layers, dtype=self.dtype, device=self.device, token_chunk=self._token_chunk, row_chunk=1)
@@ -809,7 +773,7 @@ class Engine:
             inputs = ForwardInputs(j.positions[:, None, start:end].to(self.device), inputs.attention_mask)
         elif self.family.uses_mrope:  # text only: the same position on all three axes
             inputs = ForwardInputs(inputs.position_ids[None].repeat(3, 1, 1), inputs.attention_mask)
-        features = self._features(j, start, end)
+        features = media_inputs.features(j, start, end)
         extra = self.family.encoded_kwargs(features) if features else {}
         with self._forward_fault([j]):
             return self._body(self._prefill_body, ids, inputs, c.cache, **extra)
@@ -818,23 +782,6 @@ class Engine:
         """The typed verdict on one request whose `what` raised `exc`."""
         log.warning("rank %d: request %s failed in %s", self.coll.rank, req.request_id, what, exc_info=exc)
         return _verdict(exc, what, one_request=True)
-
-    def _media_kwargs(self, joining: list[tuple[NewRequest, ItemTensors | None, int]]) -> dict[str, torch.Tensor]:
-        """Every item's tensors joined name by name with cat(dim=0), in plan
-        order (the model fills placeholders in row-major order), but for the
-        items before where each prefill starts (inside its cached prefix).
-        Encoder inputs are cast to the model's dtype; side tensors keep
-        theirs. The cat is the copy that makes borrowed tensors the engine's own."""
-        parts: dict[str, list[torch.Tensor]] = {}
-        for req, tensors, start in joining:
-            for item, encoder in zip(req.items, tensors or (), strict=True):
-                if item.placeholders and item.span[0] < start:
-                    continue
-                for name, tensor in encoder.items():
-                    parts.setdefault(name, []).append(tensor.to(self.device, self.dtype))
-                for name, value in item.side.items():
-                    parts.setdefault(name, []).append(torch.from_numpy(value).to(self.device))
-        return {name: torch.cat(chunks) for name, chunks in parts.items()}
 
     def _cache_digest(self, new: tuple[NewRequest, ...]) -> int:
         """What this rank would take from its caches for the step's new
@@ -873,89 +820,6 @@ class Engine:
             if len(runs.digests) == len(req.items):  # else an item was unreadable: it fails
                 matches[req.request_id] = self.prefix_cache.match(req.input_ids, runs, req.cache_salt)
         return matches
-
-    def _encode(self, joiners: list[_Joiner], use_cache: bool, codes: list[int], messages: list[str]) -> None:
-        """Each joiner's encoder outputs, in plan order: from the cache where
-        every rank has them, the rest encoded now (one call per modality;
-        when it raises, each request's items alone, so the one at fault
-        fails alone) and kept. An output that does not fit its item's
-        placeholders fails its request. Only requests every rank agreed on
-        get here, in the same order on every rank, so the caches change
-        alike for what encodes alike."""
-        cache = self.encoder_cache
-        # (joiner, item, inputs, key, placeholder rows) of every item to encode.
-        misses: list[tuple[int, int, dict[str, torch.Tensor], bytes, int]] = []
-        for ji, j in enumerate(joiners):
-            keys = self._keys.get(j.request.request_id, [])
-            for k, (item, encoder, key) in enumerate(zip(j.request.items, j.tensors or (), keys, strict=True)):
-                if item.placeholders and item.span[1] <= j.cached:
-                    j.features.append((item.modality, None))  # inside the cached prefix: not needed
-                    continue
-                rows = sum(length for _, length in item.placeholders)
-                hit = cache.take(key, rows, self._hidden) if use_cache else None
-                if hit is None:
-                    if not use_cache:
-                        cache.misses += 1
-                    inputs = {name: _owned(t, self.device, self.dtype) for name, t in encoder.items()}
-                    inputs |= {name: torch.from_numpy(v).to(self.device) for name, v in item.side.items()}
-                    misses.append((ji, k, inputs, key, rows))
-                j.features.append((item.modality, hit))
-        for modality in dict.fromkeys(joiners[ji].request.items[k].modality for ji, k, *_ in misses):
-            mine = [m for m in misses if joiners[m[0]].request.items[m[1]].modality == modality]
-            outputs = self._encoded(joiners, modality, mine, codes, messages)
-            for (ji, k, _, key, rows), output in zip(mine, outputs, strict=True):
-                if output is None or codes[ji]:
-                    continue
-                j = joiners[ji]
-                if self._hook is not None and hasattr(self._hook, "on_encoded"):
-                    output = self._hook.on_encoded(self.coll.rank, j.request, k, output)
-                if tuple(output.shape) != (rows, self._hidden):
-                    codes[ji], messages[ji] = self._failed_on(
-                        j.request,
-                        InternalError(f"the encoder made {list(output.shape)} for an item of {rows} tokens"),
-                        "encoding its media",
-                    )
-                    continue
-                j.features[k] = (modality, output)
-                cache.keep(key, output)
-
-    def _encoded(
-        self,
-        joiners: list[_Joiner],
-        modality: int,
-        mine: list[tuple[int, int, dict[str, torch.Tensor], bytes, int]],
-        codes: list[int],
-        messages: list[str],
-    ) -> list[torch.Tensor | None]:
-        """`mine`'s encoder outputs (None for a request whose encode raised),
-        in one call; when it raises, each request's items in a call of their
-        own. A deterministic failure raises alike on every rank, so every
-        rank makes the same calls."""
-
-        def encode(items: list[dict[str, torch.Tensor]]) -> list[torch.Tensor | None]:
-            outputs = list(self.family.encode(self._prefill_body, modality, items))
-            if len(outputs) != len(items):
-                raise InternalError(f"the encoder made {len(outputs)} outputs for {len(items)} items")
-            return outputs
-
-        try:
-            return encode([inputs for _, _, inputs, _, _ in mine])
-        except Exception:
-            log.warning("rank %d: encoding %d items failed; each request's alone", self.coll.rank, len(mine))
-        # Each request's items (their places in `mine`), in order of first appearance.
-        by_request: dict[int, list[int]] = {}
-        for place, m in enumerate(mine):
-            by_request.setdefault(m[0], []).append(place)
-        placed: list[torch.Tensor | None] = [None] * len(mine)
-        for ji, places in by_request.items():
-            try:
-                outputs = encode([mine[place][2] for place in places])
-            except Exception as exc:
-                codes[ji], messages[ji] = self._failed_on(joiners[ji].request, exc, "encoding its media")
-                continue
-            for place, output in zip(places, outputs, strict=True):
-                placed[place] = output
-        return placed
 
     def _body(
         self,
@@ -1003,32 +867,9 @@ class Engine:
             self._scores[rid] = scores
 
     def _score_prompt(self, req: NewRequest, hidden: torch.Tensor, first: int) -> list[Logprob] | None:
-        """prompt_logprobs: the log probabilities of `req`'s prompt tokens
-        ``first + 1`` on, one per row of `hidden` (the hidden states of
-        positions ``first`` on), on the model's own distribution, with
-        the most likely tokens and the token's rank. Every rank runs it
-        (under TP the head gathers, slice by slice on every rank whatever
-        happens); only rank 0 gets scores, or None when making them raised
-        (out of memory, say): that request then fails alone (`_unscored`)."""
-        top = req.sampling.prompt_logprobs or 0
-        targets = torch.tensor(req.input_ids[first + 1 : first + 1 + hidden.shape[0]], device=self.device)
-        scores: list[Logprob] | None = []
+        """`prompt_scores.score_prompt` on this engine's head (every rank)."""
         alone = self.coll.world_size == 1
-        for lo in range(0, len(targets), SCORED_POSITIONS):
-            rows = slice(lo, lo + SCORED_POSITIONS)
-            # Under TP the head is a collective every rank makes: outside what may fail here alone.
-            logits = None if alone else self._head(hidden[rows])
-            try:
-                if alone:
-                    logits = self._head(hidden[rows])
-                if self.coll.rank == 0 and scores is not None:
-                    if self._hook is not None and hasattr(self._hook, "before_scoring"):
-                        self._hook.before_scoring(self.coll.rank, req)
-                    scores += _scored(logits, targets[rows], top)  # type: ignore[arg-type]
-            except Exception:
-                log.exception("request %s: its prompt log probabilities could not be made", req.request_id)
-                scores = None
-        return scores
+        return score_prompt(self._head, req, hidden, first, rank=self.coll.rank, alone=alone, hook=self._hook)
 
     def _sharded_head(self) -> tuple[torch.Tensor | None, list[int]]:
         """(this rank's rows of the LM head's weight, each rank's count),
@@ -1051,83 +892,6 @@ class Engine:
         log.info("rank %d: the LM head's logits go to rank 0 only (%d of its %d rows here)", self.coll.rank,
                  widths[self.coll.rank], sum(widths))  # fmt: skip
         return weight.to_local(), widths  # type: ignore[union-attr]
-
-    # ---- tensors ----
-    def _read_new(self, new: tuple[NewRequest, ...]) -> tuple[list[ItemTensors | None], list[int], list[str]]:
-        tensors: list[ItemTensors | None] = []
-        codes: list[int] = []
-        messages: list[str] = []
-        self._keys = {}
-        for req in new:
-            try:
-                read = [self._read_item(req.request_id, i, item) for i, item in enumerate(req.items)]
-            except MmsplitError as exc:
-                log.warning("rank %d could not use tensors of request %s: %s", self.coll.rank, req.request_id, exc)
-                tensors.append(None)
-                codes.append(exc.error_code)
-                messages.append(exc.message)
-                continue
-            except Exception:
-                # A reader bug must not leave this rank out of the vote.
-                log.exception("rank %d: tensor reader failed on request %s", self.coll.rank, req.request_id)
-                tensors.append(None)
-                codes.append(E.ERROR_CODE_FEATURE_TRANSPORT_FAILED)
-                messages.append("the tensor could not be read (an internal error, logged on that rank)")
-                continue
-            tensors.append(read)
-            codes.append(0)
-            messages.append("")
-        if self.encoder_cache.enabled or self.prefix_cache.enabled:
-            self._key_items(new, tensors, codes, messages)
-        return tensors, codes, messages
-
-    def _key_items(
-        self, new: tuple[NewRequest, ...], tensors: list[ItemTensors | None], codes: list[int], messages: list[str]
-    ) -> None:
-        """Each readable item's encoder-cache key: this rank's own digest of
-        what it read, never a hash the request brought. Hashing reads every
-        byte (a 6.8 MB anyres item takes ~5 ms), so the step's items are
-        hashed on several threads at once (hashlib lets go of the GIL)."""
-        work = [
-            (i, encoder, item.side)
-            for i, (req, read) in enumerate(zip(new, tensors, strict=True))
-            if read is not None
-            for encoder, item in zip(read, req.items, strict=True)
-        ]
-
-        def key(job: tuple[int, dict[str, torch.Tensor], dict[str, Any]]) -> bytes | None:
-            try:
-                return EncoderCache.key(job[1], job[2])
-            except Exception:
-                log.exception("rank %d: hashing an item of request %s failed", self.coll.rank, new[job[0]].request_id)
-                return None
-
-        keys = list(self._hashers().map(key, work)) if len(work) > 1 else [key(job) for job in work]
-        for (i, _, _), digest in zip(work, keys, strict=True):
-            if tensors[i] is None:
-                continue  # an item before it failed
-            if digest is None:
-                tensors[i] = None
-                codes[i] = E.ERROR_CODE_FEATURE_TRANSPORT_FAILED
-                messages[i] = "the tensor could not be read (an internal error, logged on that rank)"
-                self._keys.pop(new[i].request_id, None)
-                continue
-            self._keys.setdefault(new[i].request_id, []).append(digest)
-
-    def _hashers(self) -> concurrent.futures.ThreadPoolExecutor:
-        if self._hash_pool is None:
-            workers = min(8, os.cpu_count() or 1)
-            self._hash_pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="encoder-key")
-        return self._hash_pool
-
-    def _read_item(self, rid: str, index: int, item: Item) -> dict[str, torch.Tensor]:
-        out: dict[str, torch.Tensor] = {}
-        for name, spec in item.encoder:
-            tensor = self.reader.read(rid, spec)
-            if tensor.is_floating_point() and not all_finite(tensor):
-                raise NonFinitePixels(f"item {index}: {name} holds NaN or infinite values")
-            out[name] = tensor
-        return out
 
 
 def _verdict(exc: BaseException, what: str, *, one_request: bool) -> tuple[int, str]:
@@ -1154,34 +918,6 @@ def _attention_kernels(device: torch.device, *, cudnn: bool) -> Callable[[], con
 
     backends = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
     return lambda: sdpa_kernel(backends)
-
-
-def all_finite(tensor: torch.Tensor) -> bool:
-    """Whether every value is finite, in one pass with no temporary: the
-    extremes are finite exactly when every value is (`aminmax` propagates
-    NaN, and an infinity is an extreme). `isfinite(t).all()` made a bool
-    tensor the size of the pixels first: 4.9 ms for a 6.8 MB anyres item
-    here, against 0.3 ms, on every rank before the agreement."""
-    low, high = torch.aminmax(tensor)
-    return bool(torch.isfinite(low)) and bool(torch.isfinite(high))
-
-
-def _owned(tensor: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """A read tensor as a model input of the engine's own: converted or
-    moved (a copy either way), or copied. The reader only lends what it
-    read (a slab's read-only mapping), and a model may write its inputs."""
-    out = tensor.to(device, dtype)
-    return out.clone() if out is tensor else out
-
-
-def _scored(logits: torch.Tensor, targets: torch.Tensor, top: int) -> list[Logprob]:
-    """Each row's target's log probability, rank and `top` most likely tokens."""
-    logprobs = torch.log_softmax(logits, dim=-1)
-    chosen = logprobs.gather(1, targets[:, None])
-    ranks = (logprobs > chosen).sum(dim=1) + 1
-    best, best_ids = logprobs.topk(top, dim=-1) if top else (logprobs[:, :0], logprobs[:, :0].long())
-    rows = zip(chosen[:, 0].tolist(), ranks.tolist(), best_ids.tolist(), best.tolist(), strict=True)
-    return [Logprob(lp, tuple(ids), tuple(values), rank) for lp, rank, ids, values in rows]
 
 
 class _Clock:

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from mmsplit.errors import E
-from scheduler_svc.engine import Engine, all_finite
+from scheduler_svc.engine import Engine
+from scheduler_svc.intake import all_finite
 from scheduler_svc.plan import NewRequest, Plan, StepOutcome
 from tests.support.engine_kit import (
     InlineReader,
