@@ -5,7 +5,10 @@ Qwen2-VL, which takes images and videos),
 and clients that keep C requests in flight for the whole run: over gRPC
 through `mmsplit.client` (its retries on), and over the OpenAI-compatible
 HTTP API through the official `openai` SDK (its retries on); images (most
-seen before, some never), text, videos, corrupt images, and clients that cancel mid-request. Meanwhile
+seen before, some never), text, videos, corrupt images, clients that cancel
+mid-request, prompts scored (prompt log probabilities), completions echoing
+their token-id prompts with log probabilities, and stored Responses API
+answers continued (`previous_response_id`) and deleted. Meanwhile
 a fault injector, at random times drawn from a seed, SIGKILLs a CPU worker,
 the tokenizer's forkserver, rank 1 of a group, or a whole group; freezes a
 rank (SIGSTOP, then SIGCONT a moment later); with `--shm-size`, fills
@@ -68,6 +71,12 @@ DEADLINE_S = 90.0  # a request with no answer by then is lost
 # The served model's name (its directory's), for the HTTP requests.
 MODEL_NAME = [""]
 FAULTS = ("worker", "forkserver", "rank1", "group", "freeze")
+# What the clients send, and how often: "scored" asks for prompt log
+# probabilities over gRPC, "echo" is a completion echoing its token-id prompt
+# with log probabilities, "conversation" a stored Responses API answer that
+# a second request continues (previous_response_id) and a third deletes.
+KINDS = ["image", "text", "http", "video", "corrupt", "cancel", "scored", "echo", "conversation"]
+WEIGHTS = [5, 2, 3, 1, 1, 2, 1, 1, 1]
 SHM_FAULT = "shm-full"  # drawn only with a /dev/shm of the run's own (--shm-size)
 SHM_MARGIN = 4 << 20  # what the fault leaves free
 # In the environment of the run re-executed in a mount namespace of its
@@ -84,7 +93,13 @@ class Tally:
     retries: int = 0
     grpc_retries: int = 0  # calls the tokenizer saw marked as gRPC's retries (its metrics)
     faults: Counter[str] = field(default_factory=Counter)
-    bad: list[str] = field(default_factory=list)  # what fails the run: lost, untyped, not retriable
+    kinds: Counter[str] = field(default_factory=Counter)  # requests by kind: "image", "image not ok", ...
+    bad: list[str] = field(default_factory=list)  # what fails the run: lost, untyped, not retriable, wrong
+
+    def wrong(self, what: str) -> str:
+        """An answer that came but is not what was asked: it fails the run."""
+        self.bad.append(what)
+        return "wrong answer"
 
 
 class Group:
@@ -144,12 +159,13 @@ async def one(rng: random.Random, address: str, tally: Tally, stop_at: float, op
     """Requests one after another until the run ends."""
     async with AsyncClient(address, retries=3) as client:
         while time.monotonic() < stop_at:
-            kind = rng.choices(["image", "text", "http", "video", "corrupt", "cancel"], [5, 2, 3, 1, 1, 2])[0]
+            kind = rng.choices(KINDS, WEIGHTS)[0]
             started = time.monotonic()
             outcome = await asyncio.wait_for(_request(kind, rng, client, openai_client, tally), DEADLINE_S + 5)
             if outcome == "ok":
                 tally.latencies.append(time.monotonic() - started)
             tally.outcomes[outcome] += 1
+            tally.kinds[kind if outcome == "ok" else f"{kind} not ok"] += 1
 
 
 async def _request(kind: str, rng: random.Random, client: AsyncClient, api: object, tally: Tally) -> str:
@@ -166,6 +182,8 @@ async def _request(kind: str, rng: random.Random, client: AsyncClient, api: obje
             )
             tally.retries += int(raw.retries_taken)
             return "ok" if raw.parse().choices else "http: no choices"
+        if kind in ("echo", "conversation"):
+            return await _stateful_http(kind, image, api, tally)
         if kind == "cancel":
             gen = client.generate("Look.", images=[image], max_tokens=32, timeout=DEADLINE_S)
             task = asyncio.ensure_future(_drain(gen))
@@ -180,6 +198,14 @@ async def _request(kind: str, rng: random.Random, client: AsyncClient, api: obje
             await client.complete("Tell me something.", max_tokens=rng.randint(1, 12), timeout=DEADLINE_S)
         elif kind == "video":
             await client.complete("Watch.", videos=[VIDEO], max_tokens=4, timeout=DEADLINE_S)
+        elif kind == "scored":
+            top = rng.randint(0, 3)
+            done = await client.complete("Look.", images=[image], max_tokens=2, prompt_logprobs=top, timeout=DEADLINE_S)
+            scores = done.prompt
+            if scores is None or len(scores.logprobs) != done.prompt_tokens or scores.logprobs[0] is not None:
+                return tally.wrong(f"scored: prompt log probabilities missing or short: {scores}")
+            if any(len(t) < top for t in scores.top[1:]):
+                return tally.wrong(f"scored: fewer than {top} top tokens")
         elif kind == "corrupt":
             await client.complete("Look.", images=[CORRUPT], max_tokens=4, timeout=DEADLINE_S)
             tally.bad.append("a corrupt image succeeded")
@@ -216,6 +242,41 @@ async def _request(kind: str, rng: random.Random, client: AsyncClient, api: obje
             return "lost"
         tally.bad.append(f"untyped: {kind}: {type(exc).__name__}: {exc}")
         return "untyped"
+
+
+async def _stateful_http(kind: str, image: bytes, api: object, tally: Tally) -> str:
+    """An "echo" or "conversation" request over the SDK (its errors go to
+    the caller's handling): "ok", or what was wrong with the answer."""
+    if kind == "echo":
+        prompt = list(range(100, 110))  # ordinary tokens of the vocabulary, no placeholder
+        raw = await api.completions.with_raw_response.create(  # type: ignore[attr-defined]
+            model=MODEL_NAME[0], prompt=prompt, max_tokens=3, echo=True, logprobs=1, timeout=DEADLINE_S
+        )
+        tally.retries += int(raw.retries_taken)
+        lp = raw.parse().choices[0].logprobs
+        if lp is None or len(lp.token_logprobs) < len(prompt) or lp.token_logprobs[0] is not None:
+            return tally.wrong(f"echo: the prompt's log probabilities missing: {lp}")
+        return "ok"
+    url = "data:image/jpeg;base64," + __import__("base64").b64encode(image).decode()
+    content = [{"type": "input_image", "image_url": url}, {"type": "input_text", "text": "What is it?"}]
+    first = await api.responses.with_raw_response.create(  # type: ignore[attr-defined]
+        model=MODEL_NAME[0],
+        input=[{"role": "user", "content": content}],
+        max_output_tokens=4,
+        timeout=DEADLINE_S,
+    )
+    tally.retries += int(first.retries_taken)
+    answer = first.parse()
+    then = await api.responses.with_raw_response.create(  # type: ignore[attr-defined]
+        model=MODEL_NAME[0], previous_response_id=answer.id, input="And then?", max_output_tokens=4, timeout=DEADLINE_S
+    )
+    tally.retries += int(then.retries_taken)
+    items = await api.responses.input_items.list(then.parse().id)  # type: ignore[attr-defined]
+    if len(items.data) != 3:  # the first input, the first answer, the new input
+        return tally.wrong(f"conversation: {len(items.data)} input items, not 3")
+    await api.responses.delete(answer.id)  # type: ignore[attr-defined]
+    await api.responses.delete(then.parse().id)  # type: ignore[attr-defined]
+    return "ok"
 
 
 def fresh_image(rng: random.Random) -> bytes:
@@ -476,6 +537,7 @@ def run(args: argparse.Namespace, workdir: Path, model: Path | None = None) -> t
     print(f"{total} requests in {took:.0f}s by {args.concurrency} clients; seed {args.seed}; caches {caches}; "
           f"{where if private_shm() else 'the host /dev/shm'}")  # fmt: skip
     print(table(["outcome", "requests"], sorted(tally.outcomes.items(), key=lambda kv: -kv[1])))
+    print(f"by kind: {dict(sorted(tally.kinds.items()))}")
     print(f"faults: {dict(tally.faults)}; retries: HTTP by the SDK {tally.retries}, gRPC by the channel "
           f"{tally.grpc_retries}")  # fmt: skip
     lat = tally.latencies

@@ -35,6 +35,10 @@ def test_twelve_seconds_of_chaos_lose_nothing(family_models: Callable[[str], Pat
     ok = re.search(r"^ok\s+(\d+)$", result.stdout, re.M)
     assert ok is not None, report
     assert int(ok[1]) > 20, report
+    kinds = re.search(r"^by kind: (\{.*?\})$", result.stdout, re.M)
+    assert kinds is not None, report
+    served = ast.literal_eval(kinds[1])
+    assert all(served.get(kind, 0) > 0 for kind in ("scored", "echo", "conversation", "http", "image")), served
     faults = re.search(r"^faults: (\{.*?\}); retries", result.stdout, re.M)
     assert faults is not None, report
     hit = {k: v for k, v in ast.literal_eval(faults[1]).items() if k != "restarts" and "none to hit" not in k}
