@@ -105,11 +105,16 @@ def chain(ids: Sequence[int], runs: Runs, salt: str = "", *, blocks: int | None 
 def usable_blocks(prompt_length: int, runs: Runs) -> int:
     """How many leading blocks of a prompt a match may cover: it must leave
     the last token to prefill and end outside every item's span."""
-    n = (prompt_length - 1) // BLOCK_TOKENS
+    return outside_items((prompt_length - 1) // BLOCK_TOKENS, runs)
+
+
+def outside_items(blocks: int, runs: Runs) -> int:
+    """The most leading blocks, `blocks` at most, that end outside every
+    item's span."""
     spans = runs.spans()
-    while n > 0 and any(lo < n * BLOCK_TOKENS < hi for lo, hi in spans):
-        n -= 1
-    return n
+    while blocks > 0 and any(lo < blocks * BLOCK_TOKENS < hi for lo, hi in spans):
+        blocks -= 1
+    return blocks
 
 
 def leading_text_keys(ids: Sequence[int], first_item: int | None, salt: str = "") -> list[bytes]:
@@ -164,11 +169,14 @@ class PrefixCache:
         return hashlib.blake2b(b"".join(self.keys()), digest_size=8).hexdigest()
 
     def match(self, ids: Sequence[int], runs: Runs, salt: str = "") -> Match:
-        """The longest usable run of stored blocks `ids` starts with; changes nothing."""
+        """The longest usable run of stored blocks `ids` starts with; changes
+        nothing. The stored blocks may end inside an item (the same image,
+        then other text in the block holding its end): the match then ends
+        before that item."""
         if not self.enabled:
             return NO_MATCH
         keys = chain(ids, runs, salt, blocks=usable_blocks(len(ids), runs))
-        return Match(tuple(keys[: self.held(keys)]))
+        return Match(tuple(keys[: outside_items(self.held(keys), runs)]))
 
     def take(self, match: Match, prompt_tokens: int) -> torch.Tensor | None:
         """A match's KV ``[layers, 2, heads, tokens, head dim]`` (None for an

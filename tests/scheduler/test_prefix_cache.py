@@ -162,7 +162,7 @@ def test_a_hit_then_chunks_gives_the_tokens_of_one_prefill(model: torch.nn.Modul
     off = make_engine(model, prefix=0)
     rng = random.Random(5)
     chat = [
-        (1, [510, 511]),
+        (1, list(range(510, 530))),  # text enough after the image that a block ends past it
         (2, [rng.randrange(100, 30000) for _ in range(30)]),
         (-1, [rng.randrange(100, 30000) for _ in range(60)]),
     ]
@@ -195,6 +195,25 @@ def test_no_block_is_shared_past_a_different_image_or_across_salts(model: torch.
     assert seen["moved"] == 32, "the image elsewhere: only the text before it"
     for req in (first, other_image, same_image, salted, moved):
         assert results[req.request_id] == reference(model, req), req.request_id
+
+
+@pytest.mark.parametrize("encoder", [64 << 20, 0], ids=["encoded", "media"])
+def test_a_match_that_stops_inside_an_image_backs_off_to_before_it(model: torch.nn.Module, encoder: int) -> None:
+    """The same text and image, then other text: the stored blocks match
+    up to the one holding the image's end and the new text, inside the
+    image's span. The match ends before the image instead, so the prefill
+    takes whole items (with the encoder cache off the model encodes the
+    image's pixels in its forward: a cut one failed the request)."""
+    eos = int(model.config.text_config.eos_token_id)
+    engine = make_engine(model, prefix=64 << 20, encoder=encoder)
+    head = [*range(700, 740), *([model.config.image_token_id] * IMAGE_TOKENS)]  # the image at 40..104
+    first = request("first", [*head, *range(800, 830)], [pixels(1)], max_tokens=4)
+    second = request("second", [*head, *range(900, 930)], [pixels(1)], max_tokens=4)
+    seen: dict[str, int] = {}
+    results = drive(engine, {0: [first], 8: [second]}, eos, seen)
+    assert seen["second"] == 32, "the blocks before the image (48 to 96 end inside it)"
+    assert results["second"] == reference(model, second)
+    assert results["first"] == reference(model, first)
 
 
 def test_a_request_takes_the_blocks_of_one_still_running(model: torch.nn.Module) -> None:
