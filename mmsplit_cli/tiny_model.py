@@ -1,7 +1,7 @@
 """Tiny random-weight multimodal models with a real tokenizer, built offline.
 
 There is no model hub here, so tests and the demo build them: one per family
-(`FAMILIES`: LLaVA-1.5, LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL), each a 2-layer
+(`FAMILIES`: LLaVA-1.5, LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL, Qwen3-VL), each a 2-layer
 text model and a 2-layer vision tower with random weights (fixed seed), the
 family's own processor classes (PIL backends) and the Mistral-7B v0.1
 SentencePiece tokenizer that ships inside the `mistral-common` wheel on PyPI,
@@ -28,7 +28,7 @@ SPM_MEMBER = "mistral_common/data/tokenizer.model.v1"
 IMAGE_TOKEN = "<image>"
 IMAGE_SIZE = 224
 PATCH_SIZE = 28  # (224 / 28)^2 = 64 image tokens per image
-FAMILIES = ("llava", "llava-next", "qwen2-vl", "qwen2.5-vl")
+FAMILIES = ("llava", "llava-next", "qwen2-vl", "qwen2.5-vl", "qwen3-vl")
 QWEN_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>", "<|im_start|>", "<|im_end|>")
 # A ChatML template in the shape Qwen2-VL ships (images and videos as
 # vision_start/pad/vision_end, text parts as they are).
@@ -255,6 +255,8 @@ def _qwen(family: str, cache_dir: Path, text: dict[str, Any]):  # type: ignore[n
         Qwen2VLConfig,
         Qwen2VLForConditionalGeneration,
         Qwen2VLImageProcessorPil,
+        Qwen3VLConfig,
+        Qwen3VLForConditionalGeneration,
     )
 
     tokenizer = _spm_tokenizer(cache_dir, list(QWEN_TOKENS))
@@ -288,10 +290,23 @@ def _qwen(family: str, cache_dir: Path, text: dict[str, Any]):  # type: ignore[n
         "vision_start_token_id": ids["<|vision_start|>"],
         "vision_end_token_id": ids["<|vision_end|>"],
     }
+    patch = 14
     if family == "qwen2-vl":
         config = Qwen2VLConfig(text_config=text_config, vision_config=vision, **tokens)
         model = lambda: Qwen2VLForConditionalGeneration(config)  # noqa: E731
         processor_class = "Qwen2VLProcessor"
+    elif family == "qwen3-vl":
+        patch = 16
+        vision.update(
+            hidden_size=32, intermediate_size=64, patch_size=patch, out_hidden_size=text["hidden_size"],
+            num_position_embeddings=64, deepstack_visual_indexes=[0, 1],
+        )  # fmt: skip
+        vision.pop("embed_dim")
+        text_config["head_dim"] = head_dim
+        text_config["rope_parameters"] |= {"mrope_interleaved": True}
+        config = Qwen3VLConfig(text_config=text_config, vision_config=vision, **tokens)
+        model = lambda: Qwen3VLForConditionalGeneration(config)  # noqa: E731
+        processor_class = "Qwen3VLProcessor"
     else:
         vision.update(
             intermediate_size=64, out_hidden_size=text["hidden_size"], window_size=56, fullatt_block_indexes=[1]
@@ -301,9 +316,11 @@ def _qwen(family: str, cache_dir: Path, text: dict[str, Any]):  # type: ignore[n
         config = Qwen2_5_VLConfig(text_config=text_config, vision_config=vision, **tokens)
         model = lambda: Qwen2_5_VLForConditionalGeneration(config)  # noqa: E731
         processor_class = "Qwen2_5_VLProcessor"
-    # Small images: 4 to 64 merged tokens each (56x56 .. 224x224 pixels).
+    # Small images: 4 to 64 merged tokens each (56x56 .. 224x224 pixels at
+    # Qwen2-VL's 14-pixel patches, 64x64 .. 256x256 at Qwen3-VL's 16).
+    unit = 2 * patch * 2
     image_processor = Qwen2VLImageProcessorPil(
-        min_pixels=56 * 56, max_pixels=224 * 224, patch_size=14, merge_size=2, temporal_patch_size=2
+        min_pixels=unit * unit, max_pixels=(4 * unit) ** 2, patch_size=patch, merge_size=2, temporal_patch_size=2
     )
     image_processor.processor_class = processor_class  # type: ignore[attr-defined]
     generation = GenerationConfig(
@@ -313,11 +330,11 @@ def _qwen(family: str, cache_dir: Path, text: dict[str, Any]):  # type: ignore[n
     # needs torchvision); a checkpoint directory holds its parts anyway, and
     # the video processor's is plain JSON.
     video = {
-        "video_processor_type": "Qwen2VLVideoProcessor",
+        "video_processor_type": "Qwen3VLVideoProcessor" if family == "qwen3-vl" else "Qwen2VLVideoProcessor",
         "processor_class": processor_class,
         # Small frames: 4 to 16 merged tokens per two frames (56x56 .. 112x112).
         "size": {"shortest_edge": 56 * 56, "longest_edge": 112 * 112},
-        "patch_size": 14,
+        "patch_size": patch,
         "temporal_patch_size": 2,
         "merge_size": 2,
         "fps": 2.0,

@@ -70,7 +70,7 @@ class MediaInputs:
         self.cache = cache
         self.device = device
         self.dtype = dtype
-        self._hidden = hidden
+        self.width = family.encoded_width(hidden)  # of an item's encoder output, whose rows are its placeholders'
         self._rank = rank
         self._failed_on = failed_on
         self._hook = hook  # tests' fault injection: on_encoded
@@ -101,7 +101,7 @@ class MediaInputs:
                     j.features.append((item.modality, None))  # inside the cached prefix: not needed
                     continue
                 rows = sum(length for _, length in item.placeholders)
-                hit = cache.take(key, rows, self._hidden) if use_cache else None
+                hit = cache.take(key, rows, self.width) if use_cache else None
                 if hit is None:
                     if not use_cache:
                         cache.misses += 1
@@ -118,7 +118,7 @@ class MediaInputs:
                 j = joiners[ji]
                 if self._hook is not None and hasattr(self._hook, "on_encoded"):
                     output = self._hook.on_encoded(self._rank, j.request, k, output)
-                if tuple(output.shape) != (rows, self._hidden):
+                if tuple(output.shape) != (rows, self.width):
                     codes[ji], messages[ji] = self._failed_on(
                         j.request,
                         InternalError(f"the encoder made {list(output.shape)} for an item of {rows} tokens"),

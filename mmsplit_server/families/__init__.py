@@ -14,7 +14,7 @@ from typing import Any
 
 from mmsplit_server.families.base import IMAGE, VIDEO, BadItem, Family, Placeholders, is_encoder_input, read_json
 
-MODULES = ("llava", "llava_next", "qwen2_vl")
+MODULES = ("llava", "llava_next", "qwen2_vl", "qwen3_vl")
 VIDEO_CONFIG = "video_preprocessor_config.json"
 __all__ = [
     "IMAGE",

@@ -130,8 +130,14 @@ class Family:
         items seen before come from its cache."""
         return False
 
+    def encoded_width(self, hidden: int) -> int:
+        """The width of an item's encoder output (`encode`), whose rows are
+        its placeholders': the text model's hidden size, unless the family
+        hands the model more per placeholder."""
+        return hidden
+
     def encode(self, body: Any, modality: int, items: list[dict[str, Any]]) -> list[Any]:
-        """Each item's encoder output ``[placeholder tokens, hidden]``, for
+        """Each item's encoder output ``[placeholder tokens, encoded_width]``, for
         items of one modality: each a dict of its encoder inputs (on the
         model's device and dtype) and side tensors (on the device)."""
         raise NotImplementedError

@@ -34,6 +34,8 @@ DEFAULT_VIDEO_SIZE = {"shortest_edge": 128 * 28 * 28, "longest_edge": 28 * 28 * 
 
 
 class QwenVL(Family):
+    patch_default = 14  # pixels a patch's side, when the vision config names none
+
     @property
     def vision(self) -> dict[str, Any]:
         return dict(self.config.get("vision_config") or {})
@@ -55,7 +57,7 @@ class QwenVL(Family):
         return (
             int(v.get("in_channels", v.get("in_chans", 3)))
             * int(v.get("temporal_patch_size", 2))
-            * int(v.get("patch_size", 14)) ** 2
+            * int(v.get("patch_size", self.patch_default)) ** 2
         )
 
     @property
@@ -100,11 +102,12 @@ class QwenVL(Family):
 
     @property
     def _patch_area(self) -> int:
-        return int(self.vision.get("patch_size", 14)) ** 2
+        return int(self.vision.get("patch_size", self.patch_default)) ** 2
 
     def count(self, modality: int, shapes: dict[str, tuple[int, ...]], side: dict[str, np.ndarray]) -> int:
         if modality not in GRID_NAMES or modality not in self.placeholders:
-            raise BadItem(f"{self.name} takes images and videos only")
+            kinds = " and ".join("images" if m == IMAGE else "videos" for m in sorted(self.placeholders))
+            raise BadItem(f"{self.name} takes {kinds} only")
         pixels_name, grid_name = GRID_NAMES[modality]
         t, h, w = (int(v) for v in ints(side, grid_name, (1, 3))[0])
         if min(t, h, w) < 1 or h % self.merge or w % self.merge:

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.e2e
 MAX_TOKENS = 6
 
 
-@pytest.fixture(scope="module", params=["llava", "llava-next", "qwen2-vl", "qwen2.5-vl"])
+@pytest.fixture(scope="module", params=["llava", "llava-next", "qwen2-vl", "qwen2.5-vl", "qwen3-vl"])
 def chat_pair(
     request: pytest.FixtureRequest, chat_models: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[str, Pair]]:

@@ -22,6 +22,7 @@ MARKERS = {
     "llava-next": "<image>",
     "qwen2-vl": "<|vision_start|><|image_pad|><|vision_end|>",
     "qwen2.5-vl": "<|vision_start|><|image_pad|><|vision_end|>",
+    "qwen3-vl": "<|vision_start|><|image_pad|><|vision_end|>",
 }
 
 

@@ -1,7 +1,7 @@
 """The reference for every model family: the model's own Hugging Face
 processor and single-process `generate`, on the same text and images.
 
-Qwen2-VL's processor cannot be constructed here as shipped: its video
+The Qwen processors cannot be constructed here as shipped: their video
 processor needs torchvision, which does not import beside this torch. It is
 built from the directory's tokenizer and image processor with the video
 processor left out (only its class check is skipped); images and text go
@@ -22,11 +22,11 @@ def processor(model_dir: Path) -> Any:
     from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer, processing_utils
 
     model_type = json.loads((model_dir / "config.json").read_text())["model_type"]
-    if model_type not in ("qwen2_vl", "qwen2_5_vl"):
+    if model_type not in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl"):
         return AutoProcessor.from_pretrained(model_dir)
-    from transformers import Qwen2_5_VLProcessor, Qwen2VLProcessor
+    from transformers import Qwen2_5_VLProcessor, Qwen2VLProcessor, Qwen3VLProcessor
 
-    cls = Qwen2VLProcessor if model_type == "qwen2_vl" else Qwen2_5_VLProcessor
+    cls = {"qwen2_vl": Qwen2VLProcessor, "qwen2_5_vl": Qwen2_5_VLProcessor, "qwen3_vl": Qwen3VLProcessor}[model_type]
     check = processing_utils.ProcessorMixin.check_argument_for_proper_class
     processing_utils.ProcessorMixin.check_argument_for_proper_class = (  # type: ignore[method-assign]
         lambda self, name, arg: None if arg is None else check(self, name, arg)
