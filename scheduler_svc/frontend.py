@@ -213,7 +213,7 @@ class Frontend:
         if stray != claimed:
             raise InvalidRequest(f"the prompt has {stray} placeholder tokens; its items claim {claimed}")
         try:
-            family.check_runs([item.placeholders for item, _ in items])
+            family.check_runs([item for item, _ in items])
         except BadItem as exc:
             raise InvalidRequest(str(exc)) from exc
         return tuple(item for item, _ in items)

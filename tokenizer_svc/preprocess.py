@@ -131,8 +131,10 @@ class ItemResult:
     content_hash: bytes
     width: int
     height: int
-    # Video: the frames sampled (0 for an image).
+    # Video: the frames sampled (0 for an image), and each temporal patch's
+    # time in seconds (`video.Video.patch_times`; Qwen3-VL writes them).
     frames: int = 0
+    times: tuple[float, ...] = ()
     # Seconds the worker spent on this item per stage (`STAGES`, in order):
     # its input read from the slab, decode, the processor and the family's
     # rows, the write into shared memory (or bytes for inline). What is not
@@ -362,6 +364,7 @@ def _video(job: VideoJob, processor: Any, family: families.Family, clock: _Clock
         min_frames=job.min_frames,
         max_frames=job.max_sampled_frames,
         temporal_patch_size=family.temporal_patch_size,
+        spread=family.spreads_frames,
     )
     hook = getattr(_hook, "on_decoded", None)
     clip = video.decode_video(job.data, limits, rule, on_frame=hook)
@@ -372,7 +375,8 @@ def _video(job: VideoJob, processor: Any, family: families.Family, clock: _Clock
     except (ValueError, TypeError, OSError, IndexError, KeyError) as exc:
         raise MediaUnsupported(f"the video's frames were rejected: {type(exc).__name__}: {exc}") from exc
     clock.lap("process")
-    return _publish(job, families.VIDEO, rows, tokens, clip.width, clip.height, frames=len(clip.frames))
+    times = clip.patch_times(family.temporal_patch_size)
+    return _publish(job, families.VIDEO, rows, tokens, clip.width, clip.height, frames=len(clip.frames), times=times)
 
 
 def place(t: ItemTensor, data: memoryview, ref: SlabRef | None, prefix: str, owner_pid: int) -> ItemTensor:
@@ -411,6 +415,7 @@ def _publish(
     width: int,
     height: int,
     frames: int = 0,
+    times: tuple[float, ...] = (),
 ) -> ItemResult:
     """Encoder inputs into the slab or new segments (or inline for an
     inline job), side tensors inline."""
@@ -437,4 +442,5 @@ def _publish(
         width=width,
         height=height,
         frames=frames,
+        times=times,
     )

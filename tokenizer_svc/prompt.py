@@ -43,6 +43,7 @@ from tokenizer_svc.errors import InternalError, InvalidRequest
 class Media:
     modality: int
     tokens: int  # placeholders this item fills (the family's rule)
+    times: tuple[float, ...] = ()  # a video's seconds per temporal patch (`Family.expand`)
 
 
 @dataclass(frozen=True)
@@ -271,7 +272,8 @@ class PromptBuilder:
         pieces = self._marker_re.split(text)
         expanded = [pieces[0]]
         for modality, piece in zip(found, pieces[1:], strict=True):
-            expanded.append(self.holders[modality].expand(queues[modality].pop(0).tokens))
+            item = queues[modality].pop(0)
+            expanded.append(self.family.expand(modality, item.tokens, item.times))
             expanded.append(piece)
         full = "".join(expanded)
         # A template that writes the BOS itself must not get a second one.

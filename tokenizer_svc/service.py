@@ -279,7 +279,7 @@ class TokenizerService:
         self.held.update(owned)
         granted: list[grants.Grant] = []
         try:
-            prompt = self._prompt(parsed, [Media(r.modality, r.tokens) for r in results])
+            prompt = self._prompt(parsed, [Media(r.modality, r.tokens, r.times) for r in results])
             # Items go in prompt order (by their first placeholder).
             items = sorted(zip(prompt.runs, results, strict=True), key=lambda pair: pair[0][0][0])
             downstream = scheduler_pb2.GenerateRequest(
@@ -337,7 +337,9 @@ class TokenizerService:
             parsed = self._validate(request)
             prepared = await self._prepare_media(parsed.media, rid, common_pb2.TRANSPORT_INLINE)
             try:
-                return self._prompt(parsed, [Media(p.result.modality, p.result.tokens) for p in prepared]).input_ids
+                return self._prompt(
+                    parsed, [Media(p.result.modality, p.result.tokens, p.result.times) for p in prepared]
+                ).input_ids
             finally:
                 _release(prepared)
 

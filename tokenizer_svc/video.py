@@ -67,12 +67,14 @@ class VideoLimits:
 class Sampling:
     """Which frames become the item: `fps` per second of video, at least
     `min_frames` and at most `max_frames`, in multiples of
-    `temporal_patch_size` (see `sample_indices`)."""
+    `temporal_patch_size`, or spread evenly from the first frame to the
+    last (`spread`: Qwen3-VL's rule; see `sample_indices`)."""
 
     fps: float
     min_frames: int
     max_frames: int
     temporal_patch_size: int
+    spread: bool = False
 
 
 @dataclass
@@ -91,6 +93,15 @@ class Video:
         VideoMetadata.sampled_fps gives; Qwen2.5-VL's time scale)."""
         return len(self.indices) / self.total_frames * self.fps
 
+    def patch_times(self, temporal_patch_size: int) -> tuple[float, ...]:
+        """The time in seconds of each temporal patch: the mean of its first
+        and last frame's times (the last frame repeated to fill the final
+        patch), as transformers' Qwen3-VL processor writes it before each
+        frame's placeholders."""
+        tps = temporal_patch_size
+        indices = self.indices + [self.indices[-1]] * (-len(self.indices) % tps)
+        return tuple((indices[i] + indices[i + tps - 1]) / 2 / self.fps for i in range(0, len(indices), tps))
+
 
 def sample_indices(total: int, fps: float, rule: Sampling) -> list[int]:
     """The frames kept, by index. The rule of transformers' Qwen2-VL video
@@ -100,8 +111,18 @@ def sample_indices(total: int, fps: float, rule: Sampling) -> list[int]:
     ``floor(i * total / n)`` for i < n (exact integers here, where transformers
     steps a float range). Videos with fewer frames than one temporal patch
     keep all of them (transformers fails on those); the model side repeats
-    the last frame to fill the patch."""
+    the last frame to fill the patch.
+
+    `rule.spread` (Qwen3-VL's video processor): ``n = int(total / fps *
+    rule.fps)`` within the same bounds but not rounded to whole patches,
+    spread from the first frame to the last (``round(i * (total - 1) / (n -
+    1))``, numpy's linspace rounded half to even)."""
     tps = rule.temporal_patch_size
+    if rule.spread:
+        spread = min(max(int(total / fps * rule.fps) if fps > 0 else 0, rule.min_frames), rule.max_frames, total)
+        if spread <= 1:
+            return [0] * spread
+        return [round(i * (total - 1) / (spread - 1)) for i in range(spread)]
     if total < tps:
         return list(range(total))
     cap = (min(rule.max_frames, total) // tps) * tps

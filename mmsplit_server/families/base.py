@@ -88,16 +88,31 @@ class Family:
         of placeholder tokens it fills. Raise BadItem."""
         raise NotImplementedError
 
-    def check_runs(self, runs: list[tuple[tuple[int, int], ...]]) -> None:
+    def check_runs(self, items: list[Any]) -> None:
         """Family-specific rules for the placeholder runs of a prompt's items
-        (in order; already checked ordered, non-overlapping, on placeholder
-        tokens and of the right total). Raise BadItem."""
+        (in order, each with its ``modality``, ``side`` tensors and
+        ``placeholders`` runs; already checked ordered, non-overlapping, on
+        placeholder tokens and of the right total). Raise BadItem."""
 
     # ---- tokenizer side ----
     def item_rows(self, outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The image processor's outputs for ONE image as that item's tensors
         (rows along dim 0), keeping only the forward names."""
         return {name: np.ascontiguousarray(outputs[name]) for name in self.input_names if name in outputs}
+
+    def expand(self, modality: int, tokens: int, times: tuple[float, ...] = ()) -> str:
+        """A media marker's text in the prompt: the item's `tokens`
+        placeholders and the text around them. `times`: a video's seconds
+        per temporal patch (`Video.patch_times`), for families that write
+        them into the prompt."""
+        return self.placeholders[modality].expand(tokens)
+
+    @property
+    def spreads_frames(self) -> bool:
+        """Whether a video's frames are sampled from its first frame to its
+        last (Qwen3-VL), not at a stride in whole temporal patches
+        (`tokenizer_svc.video.sample_indices`)."""
+        return False
 
     @property
     def takes_video(self) -> bool:

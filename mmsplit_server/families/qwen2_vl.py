@@ -74,11 +74,11 @@ class QwenVL(Family):
         if not frames:
             raise BadItem("a video item needs at least one frame")
         tps = self.temporal_patch_size
-        size = dict(self.video_config.get("size") or DEFAULT_VIDEO_SIZE)
+        frames, kwargs = self.sized_frames(frames)
         per_frame: list[np.ndarray] = []
         grid_hw: tuple[int, int] | None = None
         for frame in frames:
-            out = processor(images=frame, size=size, return_tensors="np")
+            out = processor(images=frame, **kwargs, return_tensors="np")
             rows = np.asarray(out["pixel_values"], dtype=np.float32)
             _, gh, gw = (int(v) for v in np.asarray(out["image_grid_thw"])[0])
             if grid_hw not in (None, (gh, gw)):
@@ -99,6 +99,12 @@ class QwenVL(Family):
         if "second_per_grid_ts" in self.input_names:
             out_rows["second_per_grid_ts"] = np.array([tps / sampled_fps], dtype=np.float32)
         return out_rows
+
+    def sized_frames(self, frames: list[Any]) -> tuple[list[Any], dict[str, Any]]:
+        """The frames as the image processor is to take them, and its
+        keywords: each frame resized by the processor itself, within the
+        video processor's pixel bounds per frame."""
+        return frames, {"size": dict(self.video_config.get("size") or DEFAULT_VIDEO_SIZE)}
 
     @property
     def _patch_area(self) -> int:
@@ -131,19 +137,30 @@ class QwenVL(Family):
                 raise BadItem("second_per_grid_ts must be within (0, 3600]")
         return tokens
 
-    def check_runs(self, runs: list[tuple[tuple[int, int], ...]]) -> None:
+    def check_runs(self, items: list[Any]) -> None:
         """M-RoPE numbers each item's placeholders as one (t, h, w) block,
-        found as a maximal run of vision tokens: an item must be one run,
-        and two items may not touch (they would read as one block, and
-        `get_rope_index` fails inside the forward)."""
+        found as a maximal run of vision tokens: an item must be one run
+        (`item_runs`), and no two runs may touch (they would read as one
+        block, and `get_rope_index` fails inside the forward)."""
         end = -1
-        for i, item_runs in enumerate(runs):
-            if len(item_runs) != 1:
-                raise BadItem(f"item {i}: an item of {self.name} fills one placeholder run, not {len(item_runs)}")
-            offset, length = item_runs[0]
-            if offset == end:
-                raise BadItem(f"item {i}: its placeholder run touches the previous item's")
-            end = offset + length
+        for i, item in enumerate(items):
+            expected = self.item_runs(item)
+            if len(item.placeholders) != expected:
+                raise BadItem(
+                    f"item {i}: an item of {self.name} fills {expected} placeholder run(s), "
+                    f"not {len(item.placeholders)}"
+                )
+            lengths = {length for _, length in item.placeholders}
+            if len(lengths) != 1:
+                raise BadItem(f"item {i}: its placeholder runs must be of one length, got {sorted(lengths)}")
+            for offset, length in item.placeholders:
+                if offset == end:
+                    raise BadItem(f"item {i}: a placeholder run touches the one before it")
+                end = offset + length
+
+    def item_runs(self, item: Any) -> int:
+        """The placeholder runs an item fills: one."""
+        return 1
 
     @property
     def uses_mrope(self) -> bool:

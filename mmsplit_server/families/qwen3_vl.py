@@ -1,30 +1,38 @@
-"""Qwen3-VL: Qwen2.5-VL's items and M-RoPE, and DeepStack.
+"""Qwen3-VL: Qwen2.5-VL's items and M-RoPE, DeepStack, and timestamped video.
 
 Items are Qwen2-VL's (flattened patches of 16 pixels and a (t, h, w)
-grid; an item fills ``t*h*w / merge²`` placeholders between vision start
-and end) and positions come from the model's own `get_rope_index`, as in
-`qwen2_vl`. What differs is the encoder's output: besides the merged
-patches it hands the language model, the vision tower gives DeepStack
-features from some of its layers (`vision_config.deepstack_visual_indexes`),
-which the first layers of the language model add at the item's
-placeholders. An item's encoder output, as the scheduler caches and slices
-it, is therefore ``[placeholders, (1 + levels) * hidden]``: the merged
-patches, then each level's features, side by side (`encoded_width`); a
-chunk of a long prompt takes the rows of its placeholders from all of them.
+grid; an item fills ``t*h*w / merge²`` placeholders) and positions come
+from the model's own `get_rope_index`, as in `qwen2_vl`. What differs:
 
-Videos are not taken yet: Qwen3-VL's processor writes a timestamp before
-each frame's run (``<t seconds><|vision_start|>...<|vision_end|>``), so
-a video is several runs, which the prompt builder does not make.
+- The encoder's output: besides the merged patches it hands the language
+  model, the vision tower gives DeepStack features from some of its layers
+  (`vision_config.deepstack_visual_indexes`), which the first layers of the
+  language model add at the item's placeholders. An item's encoder output,
+  as the scheduler caches and slices it, is therefore ``[placeholders, (1 +
+  levels) * hidden]``: the merged patches, then each level's features, side
+  by side (`encoded_width`); a chunk of a long prompt takes the rows of its
+  placeholders from all of them.
+- A video is one run per temporal patch (two frames), each preceded by its
+  time, inside the marker's own start and end, as transformers' (5.x)
+  processor writes it: ``<|vision_start|><0.3 seconds><|vision_start|>
+  <|video_pad|>...<|vision_end|><1.3 seconds><|vision_start|>...
+  <|vision_end|><|vision_end|>`` (`expand`; transformers 4.x and vLLM drop
+  the outer pair); `get_rope_index` numbers each run as a one-frame block. The frames are sampled from the first to the
+  last (`spreads_frames`) and all resized to one size chosen for the whole
+  clip: its frames' pixels together within the video processor's bounds
+  (`sized_frames`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from mmsplit_server.families.base import IMAGE, Family, Placeholders
-from mmsplit_server.families.qwen2_vl import QwenVL
+from mmsplit_server.families.base import IMAGE, VIDEO, BadItem, Family, Placeholders
+from mmsplit_server.families.qwen2_vl import GRID_NAMES, QwenVL
 
 MODEL_TYPES = ("qwen3_vl",)
+# The video processor's pixel bounds for a whole clip when the checkpoint names none (transformers' defaults).
+DEFAULT_VIDEO_SIZE = {"shortest_edge": 128 * 32 * 32, "longest_edge": 32 * 32 * 768}
 
 
 class Qwen3VL(QwenVL):
@@ -41,12 +49,62 @@ class Qwen3VL(QwenVL):
     def encoded_width(self, hidden: int) -> int:
         return hidden * (1 + self.levels)
 
+    @property
+    def spreads_frames(self) -> bool:
+        return True
+
+    def expand(self, modality: int, tokens: int, times: tuple[float, ...] = ()) -> str:
+        if modality != VIDEO:
+            return super().expand(modality, tokens, times)
+        if not times or tokens % len(times):
+            raise BadItem(f"a video of {tokens} placeholders cannot be written as {len(times)} timed runs")
+        holder = self.placeholders[VIDEO]
+        run = holder.expand(tokens // len(times))
+        # transformers (5.x) replaces the marker's inner <|video_pad|> only: the outer start and end stay.
+        return holder.before + "".join(f"<{seconds:.1f} seconds>{run}" for seconds in times) + holder.after
+
+    def item_runs(self, item: Any) -> int:
+        """A video fills one run per temporal patch; an image one."""
+        return int(item.side["video_grid_thw"][0][0]) if item.modality == VIDEO else 1
+
+    def sized_frames(self, frames: list[Any]) -> tuple[list[Any], dict[str, Any]]:
+        """Every frame resized (PIL, bicubic) to the size transformers'
+        Qwen3-VL video processor picks for the clip: a multiple of patch x
+        merge whose pixels over all frames lie within the processor's bounds
+        (per frame with ``cap_pixels_per_frame``). A clip of fewer frames than
+        a temporal patch is sized as one patch (transformers refuses it)."""
+        from PIL import Image
+        from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize
+
+        config = self.video_config
+        size = dict(config.get("size") or DEFAULT_VIDEO_SIZE)
+        factor = int(self.vision.get("patch_size", self.patch_default)) * self.merge
+        n = max(len(frames), self.temporal_patch_size)
+        most = int(size["longest_edge"])
+        if config.get("cap_pixels_per_frame"):
+            cap = int(config.get("max_video_tokens", 768)) * factor * factor
+            most = max(min(cap, most // n), int(size["shortest_edge"] * 1.05)) * n
+        width, height = frames[0].size
+        h, w = smart_resize(
+            num_frames=n,
+            height=height,
+            width=width,
+            temporal_factor=self.temporal_patch_size,
+            factor=factor,
+            min_pixels=int(size["shortest_edge"]),
+            max_pixels=most,
+        )
+        resized = [f if f.size == (w, h) else f.resize((w, h), Image.Resampling.BICUBIC) for f in frames]
+        return resized, {"do_resize": False}
+
     def encode(self, body: Any, modality: int, items: list[dict[str, Any]]) -> list[Any]:
         import torch
 
-        pixels = torch.cat([item["pixel_values"] for item in items])
-        grids = torch.cat([item["image_grid_thw"] for item in items])
-        out = body.get_image_features(pixels, grids, return_dict=True)
+        pixels_name, grid_name = GRID_NAMES[modality]
+        pixels = torch.cat([item[pixels_name] for item in items])
+        grids = torch.cat([item[grid_name] for item in items])
+        features = body.get_video_features if modality == VIDEO else body.get_image_features
+        out = features(pixels, grids, return_dict=True)
         # Per item: its merged patches and each level's features, side by side.
         return [
             torch.cat([main, *levels], dim=1)
@@ -56,23 +114,25 @@ class Qwen3VL(QwenVL):
     def encoded_kwargs(self, features: list[tuple[int, Any]]) -> dict[str, Any]:
         from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
 
-        parts = [output.chunk(1 + self.levels, dim=1) for _, output in features]
-        image = BaseModelOutputWithDeepstackFeatures(
-            pooler_output=[p[0] for p in parts],  # type: ignore[arg-type]  # a list, one per item, as the forward reads
-            deepstack_features=[[p[1 + level] for p in parts] for level in range(self.levels)],  # type: ignore[misc]
-        )
-        return {"mm_encoder_outputs": {"image": image}}
+        outputs: dict[str, Any] = {}
+        for kind, modality in (("image", IMAGE), ("video", VIDEO)):
+            parts = [output.chunk(1 + self.levels, dim=1) for m, output in features if m == modality]
+            if parts:
+                outputs[kind] = BaseModelOutputWithDeepstackFeatures(
+                    pooler_output=[p[0] for p in parts],  # type: ignore[arg-type]  # a list, one per item, as the forward reads
+                    deepstack_features=[[p[1 + level] for p in parts] for level in range(self.levels)],  # type: ignore[misc]
+                )
+        return {"mm_encoder_outputs": outputs}
 
 
 def build(model_type: str, config: dict[str, Any], processor_config: dict[str, Any], names: frozenset[str]) -> Family:
+    start, end = "<|vision_start|>", "<|vision_end|>"
     holders = {
         IMAGE: Placeholders(
-            token="<|image_pad|>",
-            token_id=int(config.get("image_token_id", 151655)),
-            before="<|vision_start|>",
-            after="<|vision_end|>",
+            token="<|image_pad|>", token_id=int(config.get("image_token_id", 151655)), before=start, after=end
+        ),
+        VIDEO: Placeholders(
+            token="<|video_pad|>", token_id=int(config.get("video_token_id", 151656)), before=start, after=end
         ),
     }
-    # Its image items only (a checkpoint's video processor adds video names).
-    images = frozenset(name for name in names if "video" not in name)
-    return Qwen3VL(name="qwen3-vl", model_type=model_type, placeholders=holders, input_names=images, config=config)
+    return Qwen3VL(name="qwen3-vl", model_type=model_type, placeholders=holders, input_names=names, config=config)

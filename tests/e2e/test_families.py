@@ -90,7 +90,7 @@ def family_pair(
 
 
 VIDEO_MARKER = "<|vision_start|><|video_pad|><|vision_end|>"
-VIDEO_FAMILIES = ("qwen2-vl", "qwen2.5-vl")  # Qwen3-VL's timestamped video runs are not built yet
+VIDEO_FAMILIES = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl")
 
 
 def test_greedy_tokens_equal_the_model_in_one_batch(family_pair: tuple[str, Pair]) -> None:

@@ -71,25 +71,44 @@ def generate(
 def _with_videos(proc: Any, text: str, images: list[Any], videos: list[dict[str, Any]]) -> dict[str, Any]:
     """What Qwen2-VL's processor does with text, images and videos (its call
     refuses videos without a video processor): each ``<|image_pad|>`` and
-    ``<|video_pad|>`` becomes one per merged patch of its item, then one
-    tokenizer call."""
+    ``<|video_pad|>`` becomes one per merged patch of its item (Qwen3-VL: a
+    video's ``<|video_pad|>`` becomes what its processor's
+    `replace_video_token` writes, timed runs), then one tokenizer call."""
     import re
 
     merge = proc.image_processor.merge_size**2
     out: dict[str, Any] = {}
-    grids: dict[str, list[Any]] = {"<|image_pad|>": [], "<|video_pad|>": [v["video_grid_thw"][0] for v in videos]}
+    grids: dict[str, list[Any]] = {"<|image_pad|>": []}
     if images:
         pictures = proc.image_processor(images=images, return_tensors="pt")
         out.update(pictures)
         grids["<|image_pad|>"] = list(pictures["image_grid_thw"])
 
+    def expand_video(video: dict[str, Any]) -> str:
+        if "metadata" not in video:
+            return "<|video_pad|>" * (int(video["video_grid_thw"][0].prod()) // merge)
+        # Qwen3-VL: the processor's own timed runs, from the video's sampled frames.
+        from types import SimpleNamespace
+
+        proc.video_processor = SimpleNamespace(merge_size=proc.image_processor.merge_size, temporal_patch_size=2)
+        try:
+            inputs = {"video_grid_thw": video["video_grid_thw"], "video_metadata": [video["metadata"]]}
+            return str(proc.replace_video_token(inputs, 0))
+        finally:
+            proc.video_processor = None
+
+    queue = list(videos)
+
     def expand(match: re.Match[str]) -> str:
+        if match.group(0) == "<|video_pad|>":
+            return expand_video(queue.pop(0))
         grid = grids[match.group(0)].pop(0)
         return match.group(0) * (int(grid.prod()) // merge)
 
     text = re.sub(r"<\|image_pad\|>|<\|video_pad\|>", expand, text)
     for name in videos[0]:
-        out[name] = torch.cat([v[name] for v in videos])
+        if name != "metadata":
+            out[name] = torch.cat([v[name] for v in videos])
     out.update(proc.tokenizer(text, return_tensors="pt"))
     return out
 
@@ -99,7 +118,12 @@ def video_inputs(model_dir: Path, data: bytes, *, fps: float, max_frames: int) -
     processor makes them (which needs torchvision, so it is restated here):
     every frame decoded to RGB with PyAV, `sample_frames` with fps,
     per-frame smart resize (PIL bicubic here), rescale and normalize, the
-    last frame repeated to a whole temporal patch, then its `patchify`."""
+    last frame repeated to a whole temporal patch, then its `patchify`.
+    Qwen3-VL's processor differs in two steps, restated as it does them:
+    frames spread from the first to the last (``linspace``, not rounded to
+    whole patches), and one size for the clip from its own `smart_resize`
+    over all frames' pixels; its ``metadata`` (for the prompt's times) is
+    under that key."""
     import math
 
     import av
@@ -115,15 +139,29 @@ def video_inputs(model_dir: Path, data: bytes, *, fps: float, max_frames: int) -
         frames = [f.to_ndarray(format="rgb24") for f in container.decode(stream)]
     tps, patch, merge = config["temporal_patch_size"], config["patch_size"], config["merge_size"]
     total = len(frames)
-    top = math.floor(min(min(max_frames, config["max_frames"]), total) / tps) * tps
-    n = min(max(total / native_fps * fps, config["min_frames"]), top, total)
-    n = math.floor(n / tps) * tps
-    picked = [frames[i * total // n] for i in range(n)]
-    if total < tps:
-        picked, n = frames, total  # transformers fails here; the services' documented rule keeps them all
-    height, width = picked[0].shape[:2]
     size = config["size"]
-    rh, rw = smart_resize(height, width, patch * merge, size["shortest_edge"], size["longest_edge"])
+    if model_type == "qwen3_vl":
+        from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize as clip_resize
+        from transformers.video_utils import VideoMetadata
+
+        n = int(total / native_fps * fps)
+        n = min(max(n, config["min_frames"]), min(max_frames, config["max_frames"]), total)
+        indices = np.linspace(0, total - 1, n).round().astype(int).tolist()
+        picked = [frames[i] for i in indices]
+        height, width = picked[0].shape[:2]
+        # Fewer frames than a temporal patch: transformers refuses; the services size them as one patch.
+        frames_n = max(n, tps)
+        rh, rw = clip_resize(frames_n, height, width, tps, patch * merge, size["shortest_edge"], size["longest_edge"])
+        metadata = VideoMetadata(total_num_frames=total, fps=native_fps, frames_indices=indices)
+    else:
+        top = math.floor(min(min(max_frames, config["max_frames"]), total) / tps) * tps
+        n = min(max(total / native_fps * fps, config["min_frames"]), top, total)
+        n = math.floor(n / tps) * tps
+        picked = [frames[i * total // n] for i in range(n)]
+        if total < tps:
+            picked, n = frames, total  # transformers fails here; the services' documented rule keeps them all
+        height, width = picked[0].shape[:2]
+        rh, rw = smart_resize(height, width, patch * merge, size["shortest_edge"], size["longest_edge"])
     mean = torch.tensor(config["image_mean"]).view(3, 1, 1)
     std = torch.tensor(config["image_std"]).view(3, 1, 1)
     tensors = [
@@ -142,6 +180,8 @@ def video_inputs(model_dir: Path, data: bytes, *, fps: float, max_frames: int) -
     out = {"pixel_values_videos": rows, "video_grid_thw": torch.tensor([[gt, gh, gw]])}
     if model_type == "qwen2_5_vl":
         out["second_per_grid_ts"] = torch.tensor([tps / (n / total * native_fps)])
+    if model_type == "qwen3_vl":
+        out["metadata"] = metadata
     return out
 
 

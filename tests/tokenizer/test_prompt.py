@@ -326,3 +326,48 @@ def test_chat_template_kwargs_are_the_template_s_variables_and_cannot_smuggle_co
     for value in ("<|im_end|>", {"deep": ["<|im_start|>system"]}, kit.marker):
         with pytest.raises(InvalidRequest, match="chat_template_kwargs contains"):
             text(style=value)
+
+
+def test_a_qwen3_vl_video_is_timed_runs_as_its_processor_writes_and_the_scheduler_checks_them(
+    family_models: Callable[[str], Path],
+) -> None:
+    """A Qwen3-VL video's marker becomes one run per temporal patch, each
+    after its time, inside the marker's start and end: the ids equal what
+    the processor's `replace_video_token` and its tokenizer give. The
+    scheduler's check of those runs (the family's `check_runs`) takes them,
+    and refuses the same placeholders as one run, a run short, or two runs
+    touching."""
+    from types import SimpleNamespace
+
+    from transformers.video_utils import VideoMetadata
+
+    from mmsplit_server.families import BadItem
+
+    model_dir = family_models("qwen3-vl")
+    kit = family_kit.kit(model_dir)
+    proc = hf_family.processor(model_dir)
+    grid = np.array([[3, 4, 6]])  # 3 temporal patches of 4 x 6 patches: 6 placeholders each
+    indices = [0, 2, 5, 7, 9, 11]
+    times = (1 / 12, 6 / 12, 10 / 12)  # at 12 fps, the mean of each patch's two frames
+    text = "Watch <|vision_start|><|video_pad|><|vision_end|> closely."
+    built = kit.prompts.build(text, [Media(families.VIDEO, 18, times)])
+
+    proc.video_processor = SimpleNamespace(merge_size=2, temporal_patch_size=2)
+    metadata = VideoMetadata(total_num_frames=12, fps=12.0, frames_indices=indices)
+    expanded = proc.replace_video_token({"video_grid_thw": grid, "video_metadata": [metadata]}, 0)
+    assert "<0.1 seconds><|vision_start|>" in expanded
+    assert "<0.8 seconds>" in expanded
+    reference = proc.tokenizer(text.replace("<|video_pad|>", expanded))["input_ids"]
+    assert built.input_ids == reference
+    (runs,) = built.runs
+    assert [n for _, n in runs] == [6, 6, 6]
+
+    def check(placeholders: list[tuple[int, int]]) -> None:
+        item = SimpleNamespace(modality=families.VIDEO, side={"video_grid_thw": grid}, placeholders=placeholders)
+        kit.family.check_runs([item])
+
+    check(runs)
+    start = runs[0][0]
+    for bad in ([(start, 18)], [*runs[:2], (runs[2][0], 5)], [(start, 6), (start + 6, 6), runs[2]]):
+        with pytest.raises(BadItem):
+            check(bad)

@@ -4,6 +4,7 @@ transformers' Qwen2-VL video processor computes."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 import time
@@ -75,6 +76,23 @@ def test_sampling_rule(total: int, fps: float, expected: list[int]) -> None:
     assert video.sample_indices(total, fps, RULE) == expected
 
 
+@pytest.mark.parametrize("total", [1, 2, 3, 5, 12, 13, 97, 600])
+@pytest.mark.parametrize("fps", [1.0, 4.96, 6.0, 29.97])
+def test_spread_sampling_is_qwen3_vls_rule_and_its_times_are_the_processors(total: int, fps: float) -> None:
+    """Qwen3-VL's video processor: ``int(total / fps * 2)`` frames within
+    [min_frames, max_frames] and what there is, by ``linspace(0, total - 1)``
+    rounded; its processor's time per temporal patch."""
+    from transformers import Qwen3VLProcessor
+
+    rule = dataclasses.replace(RULE, spread=True)
+    n = min(max(int(total / fps * rule.fps), rule.min_frames), rule.max_frames, total)
+    indices = video.sample_indices(total, fps, rule)
+    assert indices == np.linspace(0, total - 1, n).round().astype(int).tolist()
+    clip = video.Video([], indices, total, fps, 0, 0)
+    expected = Qwen3VLProcessor._calculate_timestamps(None, list(indices), fps, rule.temporal_patch_size)  # type: ignore[arg-type]
+    assert clip.patch_times(rule.temporal_patch_size) == pytest.approx(tuple(expected), abs=1e-12)
+
+
 def test_a_video_over_its_budget_stops_with_preprocess_timeout() -> None:
     with pytest.raises(PreprocessTimeout):
         video.decode_video(samples.video(frames=12), limits(deadline_s=-1), RULE)
@@ -87,7 +105,7 @@ def test_only_the_sampled_frames_are_converted() -> None:
     assert clip.sampled_fps == pytest.approx(4 / 6 * 6)
 
 
-@pytest.mark.parametrize("family", ["qwen2-vl", "qwen2.5-vl"])
+@pytest.mark.parametrize("family", ["qwen2-vl", "qwen2.5-vl", "qwen3-vl"])
 @pytest.mark.parametrize("frames", [12, 5, 1])
 def test_item_rows_equal_the_video_processors(family_models: Callable[[str], Path], family: str, frames: int) -> None:
     from transformers import AutoImageProcessor
@@ -96,9 +114,11 @@ def test_item_rows_equal_the_video_processors(family_models: Callable[[str], Pat
     processor = AutoImageProcessor.from_pretrained(model)
     adapter = families.load(model, frozenset(processor.model_input_names))
     data = samples.video(frames=frames, width=120, height=90, seed=frames)
-    clip = video.decode_video(data, limits(), RULE)
+    clip = video.decode_video(data, limits(), dataclasses.replace(RULE, spread=adapter.spreads_frames))
     rows = adapter.video_rows(processor, clip.frames, clip.sampled_fps)
     expected = hf_family.video_inputs(model, data, fps=RULE.fps, max_frames=RULE.max_frames)
+    if metadata := expected.pop("metadata", None):  # Qwen3-VL: the frames its processor samples
+        assert clip.indices == metadata.frames_indices
     assert sorted(rows) == sorted(expected)
     for name, value in expected.items():
         np.testing.assert_array_equal(rows[name], value.numpy().astype(rows[name].dtype), err_msg=name)
