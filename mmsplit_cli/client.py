@@ -44,6 +44,7 @@ class Outcome:
     metadata: dict[str, str] = field(default_factory=dict)
     latency_s: float = 0.0
     cached_tokens: int = 0  # prompt tokens taken from the scheduler's prefix cache
+    logprobs: list[float] = field(default_factory=list)  # each token's, when the request asked
 
     @property
     def ok(self) -> bool:
@@ -102,6 +103,7 @@ def run_request(
             if event.HasField("delta"):
                 out.text += event.delta.text
                 out.token_ids.extend(event.delta.token_ids)
+                out.logprobs.extend(lp.logprob for lp in event.delta.logprobs)
             elif event.HasField("finished"):
                 out.finish_reason = common_pb2.FinishReason.Name(event.finished.finish_reason)
                 out.cached_tokens = event.finished.cached_tokens

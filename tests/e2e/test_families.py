@@ -17,7 +17,6 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import grpc
 import numpy as np
@@ -31,7 +30,7 @@ from mmsplit_cli import samples
 from mmsplit_cli.client import make_request, run_request
 from tests.conftest import SCHEDULER_SERVICE, TOKENIZER_SERVICE, Services
 from tests.e2e.helpers import health_status, png, rank_active_requests, scheduler_info
-from tests.support import family_kit, hf_family, video_corpus
+from tests.support import family_kit, greedy, video_corpus
 from tests.support.leaks import PROJECT_PREFIX, project_segments, wait_until
 from tests.support.local_token import scheduler_channel
 from tests.support.services import Pair, running_pair
@@ -89,67 +88,18 @@ def family_pair(
     assert codes == {"tokenizer": 0, "scheduler": 0}, f"services exited with {codes}"
 
 
-VIDEO_MARKER = "<|vision_start|><|video_pad|><|vision_end|>"
 VIDEO_FAMILIES = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl")
 
 
 def test_greedy_tokens_equal_the_model_in_one_batch(family_pair: tuple[str, Pair]) -> None:
-    """Each ask is a list of parts: text, or ("image"|"video", bytes). The
-    prompt sent marks each medium where it goes; the reference renders the
-    same parts as one user turn with the processor's own chat template when
-    the model ships one (the Qwen tiny models do: the default
-    `--chat-template auto` applies it), else uses the prompt as written."""
-    from tokenizer_svc.decode import decode_image
-
+    """`greedy.asks` of the family at once, each equal to the model's own
+    `generate` (`greedy.equal_to_the_model`); then sent again, from the
+    caches."""
     family, pair = family_pair
     wide, tall, square = png(120, 200, 1), png(300, 90, 2), png(224, 224, 3)
-    asks: list[list[Any]] = [
-        ["USER: ", ("image", wide), "\nWhat is in the image? ASSISTANT:"],
-        [("image", tall), " versus ", ("image", square), ": which is taller?"],
-        ["Tell me a story about a lighthouse."],
-        ["Look: ", ("image", square)],
-    ]
-    if family in VIDEO_FAMILIES:
-        # Qwen: a short video (2 s at 6 fps), and a video between two images.
-        clip, other = samples.video(frames=12, seed=1), samples.video(frames=9, width=120, height=90, fps=3, seed=2)
-        asks += [
-            ["Watch: ", ("video", clip), " What moves?"],
-            [("image", wide), " and ", ("video", other), " and ", ("image", tall), ": same colors?"],
-        ]
-    markers = {"image": family_kit.MARKERS[family], "video": VIDEO_MARKER}
-
-    def media(parts: list[Any], kind: str) -> list[bytes]:
-        return [p[1] for p in parts if isinstance(p, tuple) and p[0] == kind]
-
-    # All at once, so they share steps: joins and decodes of different
-    # requests (and different rope deltas) in the same batches.
-    barrier = threading.Barrier(len(asks))
-    with grpc.insecure_channel(pair.tokenizer_address) as channel:
-        stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
-
-        def send(parts: list[Any]):  # type: ignore[no-untyped-def]
-            prompt = "".join(markers[p[0]] if isinstance(p, tuple) else p for p in parts)
-            request = make_request(prompt, media(parts, "image"), videos=media(parts, "video"), max_tokens=MAX_TOKENS)
-            barrier.wait()
-            return run_request(stub, request, timeout=120)
-
-        with ThreadPoolExecutor(len(asks)) as pool:
-            outs = list(pool.map(send, asks))
-    proc = hf_family.processor(pair.model)
-    assert bool(proc.chat_template) == family.startswith("qwen")
-    for parts, out in zip(asks, outs, strict=True):
-        assert out.ok, (family, parts, out)
-        decoded = [decode_image(b, max_pixels=10**8) for b in media(parts, "image")]
-        # The services' sampling defaults: the model's fps and frame bounds.
-        clips = [hf_family.video_inputs(pair.model, v, fps=2.0, max_frames=32) for v in media(parts, "video")]
-        if proc.chat_template:
-            content = [{"type": p[0]} if isinstance(p, tuple) else {"type": "text", "text": p} for p in parts]
-            turn = [{"role": "user", "content": content}]
-            text = proc.apply_chat_template(turn, tokenize=False, add_generation_prompt=True)
-        else:
-            text = "".join(markers[p[0]] if isinstance(p, tuple) else p for p in parts)
-        expected = hf_family.generate(pair.model, proc, text, decoded, MAX_TOKENS, clips)
-        assert out.token_ids == expected, (family, parts)
+    asks = greedy.asks(family, video=family in VIDEO_FAMILIES, images=(wide, tall, square))
+    markers = {"image": family_kit.MARKERS[family], "video": greedy.VIDEO_MARKER}
+    outs = greedy.equal_to_the_model(family, pair, asks, max_tokens=MAX_TOKENS)
     if family in CHUNKED:
         chunked = [line for line in pair.scheduler.log_path.read_text().splitlines() if "prefilled in chunks" in line]
         media_asks = sum(1 for parts in asks if any(isinstance(p, tuple) for p in parts))
@@ -165,7 +115,8 @@ def test_greedy_tokens_equal_the_model_in_one_batch(family_pair: tuple[str, Pair
         for i in again:
             parts = asks[i]
             prompt = "".join(markers[p[0]] if isinstance(p, tuple) else p for p in parts)
-            request = make_request(prompt, media(parts, "image"), videos=media(parts, "video"), max_tokens=MAX_TOKENS)
+            images, videos = greedy.media(parts, "image"), greedy.media(parts, "video")
+            request = make_request(prompt, images, videos=videos, max_tokens=MAX_TOKENS)
             request.cache_salt = "another tenant"
             repeat = run_request(stub, request, timeout=120)
             assert repeat.token_ids == outs[i].token_ids, (family, parts)

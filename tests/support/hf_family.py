@@ -22,11 +22,16 @@ def processor(model_dir: Path) -> Any:
     from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer, processing_utils
 
     model_type = json.loads((model_dir / "config.json").read_text())["model_type"]
-    if model_type not in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl"):
+    if model_type not in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"):
         return AutoProcessor.from_pretrained(model_dir)
     from transformers import Qwen2_5_VLProcessor, Qwen2VLProcessor, Qwen3VLProcessor
 
-    cls = {"qwen2_vl": Qwen2VLProcessor, "qwen2_5_vl": Qwen2_5_VLProcessor, "qwen3_vl": Qwen3VLProcessor}[model_type]
+    cls = {
+        "qwen2_vl": Qwen2VLProcessor,
+        "qwen2_5_vl": Qwen2_5_VLProcessor,
+        "qwen3_vl": Qwen3VLProcessor,
+        "qwen3_vl_moe": Qwen3VLProcessor,
+    }[model_type]
     check = processing_utils.ProcessorMixin.check_argument_for_proper_class
     processing_utils.ProcessorMixin.check_argument_for_proper_class = (  # type: ignore[method-assign]
         lambda self, name, arg: None if arg is None else check(self, name, arg)
@@ -54,6 +59,14 @@ def generate(
 ) -> list[int]:
     """Greedy tokens of single-process `generate` (EOS as the model directory
     says). `videos`: `video_inputs` of each video, in prompt order."""
+    return scored(model_dir, proc, text, images, max_tokens, videos)[0]
+
+
+def scored(
+    model_dir: Path, proc: Any, text: str, images: list[Any], max_tokens: int, videos: list[dict[str, Any]] = ()
+) -> tuple[list[int], list[float]]:
+    """`generate`'s tokens and each one's log probability (log-softmax of the
+    model's logits, before any processing)."""
     from transformers import AutoModelForImageTextToText
 
     model = _models.get(model_dir)
@@ -64,8 +77,12 @@ def generate(
     else:
         inputs = dict(proc(images=images or None, text=text, return_tensors="pt"))
     with torch.inference_mode():
-        out = model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False)
-    return out[0, inputs["input_ids"].shape[1] :].tolist()
+        out = model.generate(
+            **inputs, max_new_tokens=max_tokens, do_sample=False, output_logits=True, return_dict_in_generate=True
+        )
+    tokens = out.sequences[0, inputs["input_ids"].shape[1] :].tolist()
+    logprobs = [float(torch.log_softmax(step[0].double(), -1)[t]) for step, t in zip(out.logits, tokens, strict=True)]
+    return tokens, logprobs
 
 
 def _with_videos(proc: Any, text: str, images: list[Any], videos: list[dict[str, Any]]) -> dict[str, Any]:
@@ -110,6 +127,9 @@ def _with_videos(proc: Any, text: str, images: list[Any], videos: list[dict[str,
         if name != "metadata":
             out[name] = torch.cat([v[name] for v in videos])
     out.update(proc.tokenizer(text, return_tensors="pt"))
+    # What the processor's call adds and M-RoPE needs: without it `generate`
+    # numbers a prompt's vision tokens as text (1-D positions, no rope delta).
+    out["mm_token_type_ids"] = torch.tensor(proc.create_mm_token_type_ids(out["input_ids"].tolist()))
     return out
 
 
@@ -140,7 +160,7 @@ def video_inputs(model_dir: Path, data: bytes, *, fps: float, max_frames: int) -
     tps, patch, merge = config["temporal_patch_size"], config["patch_size"], config["merge_size"]
     total = len(frames)
     size = config["size"]
-    if model_type == "qwen3_vl":
+    if model_type in ("qwen3_vl", "qwen3_vl_moe"):
         from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize as clip_resize
         from transformers.video_utils import VideoMetadata
 
@@ -180,7 +200,7 @@ def video_inputs(model_dir: Path, data: bytes, *, fps: float, max_frames: int) -
     out = {"pixel_values_videos": rows, "video_grid_thw": torch.tensor([[gt, gh, gw]])}
     if model_type == "qwen2_5_vl":
         out["second_per_grid_ts"] = torch.tensor([tps / (n / total * native_fps)])
-    if model_type == "qwen3_vl":
+    if model_type in ("qwen3_vl", "qwen3_vl_moe"):
         out["metadata"] = metadata
     return out
 

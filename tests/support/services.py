@@ -144,6 +144,7 @@ def running_pair(
     model: Path,
     logs: Path,
     *,
+    tp: int = 2,
     scheduler_extra: Sequence[Arg] = (),
     tokenizer_extra: Sequence[Arg] = (),
     env: dict[str, str] | None = None,
@@ -151,7 +152,13 @@ def running_pair(
 ) -> Iterator[Pair]:
     environment = {**ENV, **(env or {})}
     with _running_pair(
-        model, logs, scheduler_extra=scheduler_extra, tokenizer_extra=tokenizer_extra, env=environment, wrapper=wrapper
+        model,
+        logs,
+        tp=tp,
+        scheduler_extra=scheduler_extra,
+        tokenizer_extra=tokenizer_extra,
+        env=environment,
+        wrapper=wrapper,
     ) as pair:
         yield pair
 
