@@ -1,7 +1,8 @@
 """Tiny random-weight multimodal models with a real tokenizer, built offline.
 
 There is no model hub here, so tests and the demo build them: one per family
-(`FAMILIES`: LLaVA-1.5, LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL, Qwen3-VL), each a 2-layer
+(`FAMILIES`: LLaVA-1.5, LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL, Qwen3-VL and its
+mixture-of-experts variant), each a 2-layer
 text model and a 2-layer vision tower with random weights (fixed seed), the
 family's own processor classes (PIL backends) and the Mistral-7B v0.1
 SentencePiece tokenizer that ships inside the `mistral-common` wheel on PyPI,
@@ -28,7 +29,7 @@ SPM_MEMBER = "mistral_common/data/tokenizer.model.v1"
 IMAGE_TOKEN = "<image>"
 IMAGE_SIZE = 224
 PATCH_SIZE = 28  # (224 / 28)^2 = 64 image tokens per image
-FAMILIES = ("llava", "llava-next", "qwen2-vl", "qwen2.5-vl", "qwen3-vl")
+FAMILIES = ("llava", "llava-next", "qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3-vl-moe")
 QWEN_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>", "<|im_start|>", "<|im_end|>")
 # A ChatML template in the shape Qwen2-VL ships (images and videos as
 # vision_start/pad/vision_end, text parts as they are).
@@ -257,6 +258,8 @@ def _qwen(family: str, cache_dir: Path, text: dict[str, Any]):  # type: ignore[n
         Qwen2VLImageProcessorPil,
         Qwen3VLConfig,
         Qwen3VLForConditionalGeneration,
+        Qwen3VLMoeConfig,
+        Qwen3VLMoeForConditionalGeneration,
     )
 
     tokenizer = _spm_tokenizer(cache_dir, list(QWEN_TOKENS))
@@ -295,7 +298,7 @@ def _qwen(family: str, cache_dir: Path, text: dict[str, Any]):  # type: ignore[n
         config = Qwen2VLConfig(text_config=text_config, vision_config=vision, **tokens)
         model = lambda: Qwen2VLForConditionalGeneration(config)  # noqa: E731
         processor_class = "Qwen2VLProcessor"
-    elif family == "qwen3-vl":
+    elif family in ("qwen3-vl", "qwen3-vl-moe"):
         patch = 16
         vision.update(
             hidden_size=32, intermediate_size=64, patch_size=patch, out_hidden_size=text["hidden_size"],
@@ -304,8 +307,14 @@ def _qwen(family: str, cache_dir: Path, text: dict[str, Any]):  # type: ignore[n
         vision.pop("embed_dim")
         text_config["head_dim"] = head_dim
         text_config["rope_parameters"] |= {"mrope_interleaved": True}
-        config = Qwen3VLConfig(text_config=text_config, vision_config=vision, **tokens)
-        model = lambda: Qwen3VLForConditionalGeneration(config)  # noqa: E731
+        if family == "qwen3-vl-moe":
+            # Every layer a mixture: 4 experts as wide as the model, 2 per token.
+            experts = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": text["hidden_size"]}
+            config = Qwen3VLMoeConfig(text_config=text_config | experts, vision_config=vision, **tokens)
+            model = lambda: Qwen3VLMoeForConditionalGeneration(config)  # noqa: E731
+        else:
+            config = Qwen3VLConfig(text_config=text_config, vision_config=vision, **tokens)
+            model = lambda: Qwen3VLForConditionalGeneration(config)  # noqa: E731
         processor_class = "Qwen3VLProcessor"
     else:
         vision.update(
@@ -330,7 +339,7 @@ def _qwen(family: str, cache_dir: Path, text: dict[str, Any]):  # type: ignore[n
     # needs torchvision); a checkpoint directory holds its parts anyway, and
     # the video processor's is plain JSON.
     video = {
-        "video_processor_type": "Qwen3VLVideoProcessor" if family == "qwen3-vl" else "Qwen2VLVideoProcessor",
+        "video_processor_type": "Qwen3VLVideoProcessor" if family.startswith("qwen3") else "Qwen2VLVideoProcessor",
         "processor_class": processor_class,
         # Small frames: 4 to 16 merged tokens per two frames (56x56 .. 112x112).
         "size": {"shortest_edge": 56 * 56, "longest_edge": 112 * 112},

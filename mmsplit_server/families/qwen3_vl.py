@@ -30,7 +30,14 @@ from typing import Any
 from mmsplit_server.families.base import IMAGE, VIDEO, BadItem, Family, Placeholders
 from mmsplit_server.families.qwen2_vl import GRID_NAMES, QwenVL
 
-MODEL_TYPES = ("qwen3_vl",)
+MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe")
+# Model types transformers cannot split over TP ranks yet, and why.
+WHOLE_ONLY = {
+    "qwen3_vl_moe": (
+        "transformers (5.23) cannot load its experts split over ranks (their down_proj is cut along the "
+        "checkpoint's layout, not the model's: a size mismatch)"
+    ),
+}
 # The video processor's pixel bounds for a whole clip when the checkpoint names none (transformers' defaults).
 DEFAULT_VIDEO_SIZE = {"shortest_edge": 128 * 32 * 32, "longest_edge": 32 * 32 * 768}
 
@@ -135,4 +142,5 @@ def build(model_type: str, config: dict[str, Any], processor_config: dict[str, A
             token="<|video_pad|>", token_id=int(config.get("video_token_id", 151656)), before=start, after=end
         ),
     }
-    return Qwen3VL(name="qwen3-vl", model_type=model_type, placeholders=holders, input_names=names, config=config)
+    name = "qwen3-vl-moe" if model_type == "qwen3_vl_moe" else "qwen3-vl"
+    return Qwen3VL(name=name, model_type=model_type, placeholders=holders, input_names=names, config=config)

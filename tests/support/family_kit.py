@@ -23,6 +23,7 @@ MARKERS = {
     "qwen2-vl": "<|vision_start|><|image_pad|><|vision_end|>",
     "qwen2.5-vl": "<|vision_start|><|image_pad|><|vision_end|>",
     "qwen3-vl": "<|vision_start|><|image_pad|><|vision_end|>",
+    "qwen3-vl-moe": "<|vision_start|><|image_pad|><|vision_end|>",
 }
 
 

@@ -18,7 +18,7 @@ from tests.support import family_kit, hf_family
 from tokenizer_svc.errors import InvalidRequest
 from tokenizer_svc.prompt import Media, Turn
 
-FAMILIES = ["llava", "llava-next", "qwen2-vl", "qwen2.5-vl", "qwen3-vl"]
+FAMILIES = ["llava", "llava-next", "qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3-vl-moe"]
 
 
 def images(*sizes: tuple[int, int]) -> list:  # type: ignore[type-arg]
