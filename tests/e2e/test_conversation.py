@@ -18,7 +18,7 @@ from mmsplit.client import ImagePart, build_request
 from mmsplit.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from mmsplit_cli.client import run_request
 from tests.e2e.helpers import png
-from tests.support import hf_family
+from tests.support import greedy, hf_family
 from tests.support.services import Pair, running_pair
 
 pytestmark = pytest.mark.e2e
@@ -63,13 +63,16 @@ def test_a_conversation_with_images_in_two_turns_gets_the_tokens_of_generate(cha
     a, b = png(120, 200, 1), png(224, 224, 2)
     messages = conversation(a, b)
     request = build_request(messages=messages, max_tokens=MAX_TOKENS)
+    request.sampling.logprobs = True
     with grpc.insecure_channel(pair.tokenizer_address) as channel:
         out = run_request(tokenizer_pb2_grpc.TokenizerServiceStub(channel), request, timeout=120)
     assert out.ok, (family, out)
     proc = hf_family.processor(pair.model)
     text = proc.apply_chat_template(as_hf(messages), tokenize=False, add_generation_prompt=True)
     images = [decode_image(x, max_pixels=10**8) for x in (a, b)]
-    assert out.token_ids == hf_family.generate(pair.model, proc, text, images, MAX_TOKENS), family
+    tokens, logprobs = hf_family.scored(pair.model, proc, text, images, MAX_TOKENS)
+    assert out.token_ids == tokens, family
+    assert out.logprobs == pytest.approx(logprobs, abs=greedy.LOGPROB_TOLERANCE), family
 
 
 def test_what_a_conversation_may_not_be_is_refused_naming_where(chat_pair: tuple[str, Pair]) -> None:
@@ -223,13 +226,18 @@ def test_a_conversation_resent_whole_each_turn_hits_the_prefix_cache_and_keeps_i
         stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
         for turn, ask in enumerate(asks):
             messages.append(("user", ask))
-            out = run_request(stub, build_request(messages=messages, max_tokens=MAX_TOKENS), timeout=120)
+            request = build_request(messages=messages, max_tokens=MAX_TOKENS)
+            request.sampling.logprobs = True
+            out = run_request(stub, request, timeout=120)
             assert out.ok, (family, turn, out)
             text = proc.apply_chat_template(as_hf(messages), tokenize=False, add_generation_prompt=True)
             shown = [p.source for _, content in messages if not isinstance(content, str) for p in content
                      if isinstance(p, ImagePart)]  # fmt: skip
             images = [decode_image(x, max_pixels=10**8) for x in shown]
-            assert out.token_ids == hf_family.generate(pair.model, proc, text, images, MAX_TOKENS), (family, turn)
+            tokens, logprobs = hf_family.scored(pair.model, proc, text, images, MAX_TOKENS)
+            assert out.token_ids == tokens, (family, turn)
+            # A prefix taken from the cache gives what a whole prefill gives, to float noise.
+            assert out.logprobs == pytest.approx(logprobs, abs=greedy.LOGPROB_TOLERANCE), (family, turn)
             if turn:
                 assert out.cached_tokens > 0, (family, turn, out)
             else:

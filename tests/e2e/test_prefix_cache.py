@@ -27,9 +27,9 @@ import pytest
 from mmsplit.client import ImagePart, build_request
 from mmsplit.tokenizer.v1 import tokenizer_pb2_grpc
 from mmsplit_cli import samples
-from mmsplit_cli.client import run_request
+from mmsplit_cli.client import Outcome, run_request
 from tests.e2e.helpers import rank_active_requests, scheduler_info
-from tests.support import hf_family
+from tests.support import greedy, hf_family
 from tests.support.leaks import wait_until
 from tests.support.services import Arg, FreePort, Pair, running_pair
 
@@ -83,7 +83,7 @@ def test_conversations_joining_at_any_step_keep_the_tokens_of_generate(served: S
 
     pair = served.pair
     pictures = [samples.good_png(seed=70 + i) for i in range(4)]
-    results: dict[int, list[tuple[list[tuple[str, Any]], list[int], int]]] = {}
+    results: dict[int, list[tuple[list[tuple[str, Any]], Outcome]]] = {}
 
     def chat(k: int) -> None:
         rng = random.Random(k)
@@ -99,9 +99,11 @@ def test_conversations_joining_at_any_step_keep_the_tokens_of_generate(served: S
             stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
             for turn in turns:
                 messages.append(("user", turn))
-                out = run_request(stub, build_request(messages=messages, max_tokens=MAX_TOKENS), timeout=120)
+                request = build_request(messages=messages, max_tokens=MAX_TOKENS)
+                request.sampling.logprobs = True
+                out = run_request(stub, request, timeout=120)
                 assert out.ok, out
-                done.append((list(messages), out.token_ids, out.cached_tokens))
+                done.append((list(messages), out))
                 messages.append(("assistant", out.text))
 
     threads = [threading.Thread(target=chat, args=(k,)) for k in range(3)]
@@ -113,12 +115,15 @@ def test_conversations_joining_at_any_step_keep_the_tokens_of_generate(served: S
     assert sorted(results) == [0, 1, 2]
     for k, turns in results.items():
         assert len(turns) == 3, k
-        for i, (messages, tokens, cached) in enumerate(turns):
+        for i, (messages, out) in enumerate(turns):
             text = proc.apply_chat_template(as_hf(messages), tokenize=False, add_generation_prompt=True)
             shown = [p.source for _, c in messages if not isinstance(c, str) for p in c if isinstance(p, ImagePart)]
             images = [decode_image(x, max_pixels=10**8) for x in shown]  # type: ignore[arg-type]
-            assert tokens == hf_family.generate(pair.model, proc, text, images, MAX_TOKENS), (k, i, cached)
-        assert sum(cached for _, _, cached in turns[1:]) > 0, (k, [c for _, _, c in turns])
+            tokens, logprobs = hf_family.scored(pair.model, proc, text, images, MAX_TOKENS)
+            assert out.token_ids == tokens, (k, i, out.cached_tokens)
+            # Blocks reused at any step give what a whole prefill gives, to float noise.
+            assert out.logprobs == pytest.approx(logprobs, abs=greedy.LOGPROB_TOLERANCE), (k, i, out.cached_tokens)
+        assert sum(out.cached_tokens for _, out in turns[1:]) > 0, (k, [out.cached_tokens for _, out in turns])
     assert wait_until(lambda: rank_active_requests(pair.scheduler_address) == [0, 0], timeout=10)
 
 
