@@ -7,7 +7,7 @@ mmsplit generate --server HOST:PORT [--image FILE ...] [--video FILE ...] [--max
 mmsplit generate --server HOST:PORT [--system TEXT] --user TEXT [--assistant TEXT --user TEXT ...] [--image FILE]
 mmsplit info|health --server HOST:PORT
 mmsplit conformance --tokenizer HOST:PORT [--scheduler HOST:PORT]
-mmsplit tiny-model DIR [--family llava|llava-next|qwen2-vl|qwen2.5-vl|qwen3-vl|qwen3-vl-moe]
+mmsplit tiny-model DIR [--family llava|llava-next|qwen2-vl|qwen2.5-vl|qwen3-vl]
 mmsplit demo
 """
 
@@ -34,7 +34,7 @@ def _scheduler(args: argparse.Namespace) -> NoReturn:
     # port is one line now, not a traceback minutes from now. (Ranks other
     # than 0 of an env-launched group bind nothing.)
     ports = [(settings.host, settings.port, "--port")] if settings.launch == "local" else []
-    _refuse_start("scheduler", settings.model_dir, [*ports, _metrics_port(settings)], tp=settings.tp)
+    _refuse_start("scheduler", settings.model_dir, [*ports, _metrics_port(settings)])
     setup_logging(settings.log_level, settings.log_format)
     # Ranks 1..N-1 that must be spawned (CUDA) import torch and transformers
     # while this process does the same (below), instead of after: ~2.5 s
@@ -80,10 +80,10 @@ def _metrics_port(settings: ServiceSettings) -> tuple[str, int, str]:
     return (settings.metrics_host or settings.host, settings.metrics_port, "--metrics-port")
 
 
-def _refuse_start(service: str, model: Path, ports: list[tuple[str, int, str]], tp: int = 1) -> None:
+def _refuse_start(service: str, model: Path, ports: list[tuple[str, int, str]]) -> None:
     from mmsplit_cli.startup import first_problem
 
-    problem = first_problem(model, ports, tp)
+    problem = first_problem(model, ports)
     if problem:
         print(f"mmsplit {service}: {problem}", file=sys.stderr)
         raise SystemExit(2)

@@ -5,7 +5,6 @@ and says what to do, and the service exits 2 without a traceback.
 - `--model` is a local directory holding a config.json of a supported
   family; a Hugging Face Hub id is refused with how to download it (the
   services load local checkpoints only: no hub access is assumed);
-- the scheduler's `--tp` is one the model's family can be split over;
 - the ports the service will bind are free (found before minutes of loading,
   not after).
 """
@@ -51,17 +50,6 @@ def model_problem(model: Path) -> str:
     return ""
 
 
-def tp_problem(model: Path, tp: int) -> str:
-    """Whether the model can be split over `tp` ranks (empty when it can,
-    or when `model_problem` has something to say first)."""
-    try:
-        model_type = str(json.loads((model / "config.json").read_text()).get("model_type", ""))
-    except (OSError, ValueError, AttributeError):
-        return ""
-    problem = families.tensor_parallel_problem(model_type, tp)
-    return f"--tp {tp}: {problem}" if problem else ""
-
-
 def port_problem(host: str, port: int, flag: str) -> str:
     """Whether `host:port` can be bound now (empty when it can, or port 0)."""
     if not port:
@@ -76,11 +64,6 @@ def port_problem(host: str, port: int, flag: str) -> str:
     return ""
 
 
-def first_problem(model: Path, ports: list[tuple[str, int, str]], tp: int = 1) -> str:
-    """The first problem of the model directory, its split over `tp` ranks
-    and the (host, port, flag) ports."""
-    return (
-        model_problem(model)
-        or tp_problem(model, tp)
-        or next((p for h, port, f in ports if (p := port_problem(h, port, f))), "")
-    )
+def first_problem(model: Path, ports: list[tuple[str, int, str]]) -> str:
+    """The first problem of the model directory and the (host, port, flag) ports."""
+    return model_problem(model) or next((p for h, port, f in ports if (p := port_problem(h, port, f))), "")

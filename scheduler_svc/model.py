@@ -105,16 +105,12 @@ def model_dtype(setting: str, device: torch.device) -> torch.dtype:
 def load_model(model_dir: Path, *, world_size: int, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
     """Every rank calls this with the group already initialized."""
     kwargs: dict[str, object] = {"dtype": dtype}
-    # A group launched from the environment (its size not a flag) learns its size here.
-    problem = families.tensor_parallel_problem(
-        str(read_json(model_dir / "config.json").get("model_type", "")), world_size
-    )
-    if problem:
-        raise ValueError(problem)
     if world_size > 1:
         # transformers' own tensor parallelism: the model's predefined plan over
         # the already-initialized default process group.
-        kwargs["distributed_config"] = DistributedConfig(tp_plan="auto", tp_size=world_size)
+        overrides = families.from_config(read_json(model_dir / "config.json")).tp_plan_overrides()
+        plan: dict[str, str] | str = overrides or "auto"  # a dict is laid over the model's own plan
+        kwargs["distributed_config"] = DistributedConfig(tp_plan=plan, tp_size=world_size)  # type: ignore[arg-type]
     hf_logging.disable_progress_bar()
     model = AutoModelForImageTextToText.from_pretrained(model_dir, **kwargs)
     if world_size == 1:

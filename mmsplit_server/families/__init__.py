@@ -26,7 +26,6 @@ __all__ = [
     "is_encoder_input",
     "load",
     "supported",
-    "tensor_parallel_problem",
 ]
 
 
@@ -37,17 +36,6 @@ def supported() -> dict[str, str]:
         for model_type in importlib.import_module(f"mmsplit_server.families.{module}").MODEL_TYPES:
             out[model_type] = module
     return out
-
-
-def tensor_parallel_problem(model_type: str, tp: int) -> str:
-    """Why a model of this type cannot run over `tp` ranks (empty when it
-    can): a family module's ``WHOLE_ONLY`` names the types transformers
-    cannot split yet."""
-    module = supported().get(model_type)
-    if tp <= 1 or module is None:
-        return ""
-    why = getattr(importlib.import_module(f"mmsplit_server.families.{module}"), "WHOLE_ONLY", {}).get(model_type, "")
-    return f"model type {model_type!r} runs at --tp 1 only: {why}" if why else ""
 
 
 def load(model_dir: Path, input_names: frozenset[str] | None = None) -> Family:

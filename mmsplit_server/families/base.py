@@ -129,6 +129,12 @@ class Family:
         raise BadItem(f"{self.name} takes no video")
 
     # ---- scheduler side ----
+    def tp_plan_overrides(self) -> dict[str, str]:
+        """Rules that replace the model's own tensor-parallel plan's (module
+        or parameter pattern -> transformers' style), where that plan does
+        not load or run as shipped."""
+        return {}
+
     @property
     def uses_mrope(self) -> bool:
         return False

@@ -31,13 +31,6 @@ from mmsplit_server.families.base import IMAGE, VIDEO, BadItem, Family, Placehol
 from mmsplit_server.families.qwen2_vl import GRID_NAMES, QwenVL
 
 MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe")
-# Model types transformers cannot split over TP ranks yet, and why.
-WHOLE_ONLY = {
-    "qwen3_vl_moe": (
-        "transformers (5.23) cannot load its experts split over ranks (their down_proj is cut along the "
-        "checkpoint's layout, not the model's: a size mismatch)"
-    ),
-}
 # The video processor's pixel bounds for a whole clip when the checkpoint names none (transformers' defaults).
 DEFAULT_VIDEO_SIZE = {"shortest_edge": 128 * 32 * 32, "longest_edge": 32 * 32 * 768}
 
@@ -59,6 +52,17 @@ class Qwen3VL(QwenVL):
     @property
     def spreads_frames(self) -> bool:
         return True
+
+    def tp_plan_overrides(self) -> dict[str, str]:
+        """Qwen3-VL-MoE: its experts whole on every rank. transformers (5.23)
+        cannot load them split (their down_proj is cut along the checkpoint's
+        layout, not the model's: a size mismatch); replicated, each rank
+        computes every expert's output for its tokens and no sum is needed,
+        while attention and the rest stay split."""
+        if self.model_type != "qwen3_vl_moe":
+            return {}
+        experts = "model.language_model.layers.*.mlp.experts"
+        return dict.fromkeys((experts, f"{experts}.gate_up_proj", f"{experts}.down_proj"), "replicate")
 
     def expand(self, modality: int, tokens: int, times: tuple[float, ...] = ()) -> str:
         if modality != VIDEO:

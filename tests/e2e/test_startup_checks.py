@@ -70,24 +70,6 @@ def test_model_mistakes_are_one_line_before_anything_loads(service: str, not_mod
         assert took < 30, f"{service} took {took:.1f}s to refuse {model}: it loaded something"
 
 
-def test_a_model_transformers_cannot_split_is_one_line_at_tp_2(family_models: Callable[[str], Path]) -> None:
-    """Qwen3-VL-MoE: transformers cannot load its experts over two ranks
-    (`families.WHOLE_ONLY`); said before anything loads, not as a load
-    failure in every rank's log."""
-    code, lines, took = start("scheduler", str(family_models("qwen3-vl-moe")), "--tp", "2", "--port", "0")
-    assert code == 2, lines
-    assert len(lines) == 1, lines
-    assert lines[0].startswith("mmsplit scheduler: --tp 2: model type 'qwen3_vl_moe' runs at --tp 1 only: "), lines
-    assert took < 30, f"took {took:.1f}s to refuse: it loaded something"
-    # A group launched from the environment learns its size only as it loads: the same words there.
-    import torch
-
-    from scheduler_svc.model import load_model
-
-    with pytest.raises(ValueError, match=r"^model type 'qwen3_vl_moe' runs at --tp 1 only: "):
-        load_model(family_models("qwen3-vl-moe"), world_size=2, device=torch.device("cpu"), dtype=torch.float32)
-
-
 @pytest.mark.parametrize("flag", ["--port", "--metrics-port"])
 @pytest.mark.parametrize("service", list(SERVICES))
 def test_a_port_in_use_is_one_line_before_the_model_loads(
