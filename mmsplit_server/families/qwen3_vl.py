@@ -17,10 +17,15 @@ from the model's own `get_rope_index`, as in `qwen2_vl`. What differs:
   processor writes it: ``<|vision_start|><0.3 seconds><|vision_start|>
   <|video_pad|>...<|vision_end|><1.3 seconds><|vision_start|>...
   <|vision_end|><|vision_end|>`` (`expand`; transformers 4.x and vLLM drop
-  the outer pair); `get_rope_index` numbers each run as a one-frame block. The frames are sampled from the first to the
-  last (`spreads_frames`) and all resized to one size chosen for the whole
-  clip: its frames' pixels together within the video processor's bounds
+  the outer pair); `get_rope_index` numbers each run as a one-frame
+  block. The frames are sampled from the first to the last
+  (`spreads_frames`) and all resized to one size chosen for the whole clip:
+  its frames' pixels together within the video processor's bounds
   (`sized_frames`).
+
+Qwen3-VL-MoE (`qwen3_vl_moe`) is the same with a mixture-of-experts text
+model; over TP ranks its experts stay whole on every rank
+(`tp_plan_overrides`).
 """
 
 from __future__ import annotations
