@@ -14,8 +14,9 @@ from typing import Any
 import grpc
 import pytest
 
-from mmsplit.client import ImagePart, build_request
+from mmsplit.client import ImagePart, VideoPart, build_request
 from mmsplit.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from mmsplit_cli import samples
 from mmsplit_cli.client import run_request
 from tests.e2e.helpers import png
 from tests.support import greedy, hf_family
@@ -50,7 +51,12 @@ def as_hf(messages: list[tuple[str, Any]]) -> list[dict[str, Any]]:
         out.append(
             {
                 "role": role,
-                "content": [{"type": "text", "text": p} if isinstance(p, str) else {"type": "image"} for p in parts],
+                "content": [
+                    {"type": "text", "text": p}
+                    if isinstance(p, str)
+                    else {"type": "video" if isinstance(p, VideoPart) else "image"}
+                    for p in parts
+                ],
             }
         )
     return out
@@ -206,8 +212,9 @@ def test_a_conversation_resent_whole_each_turn_hits_the_prefix_cache_and_keeps_i
     chat_pair: tuple[str, Pair],
 ) -> None:
     """Four turns of one chat, each resent whole with the answers so far
-    (images in turns 1 and 3), the way chat clients do: every turn's
-    tokens equal `generate` on the whole conversation (the scheduler's
+    (images in turns 1 and 3; for the Qwen families a video in turn 2, which
+    Qwen3-VL writes as several timed runs), the way chat clients do: every
+    turn's tokens equal `generate` on the whole conversation (the scheduler's
     prefix cache is on by default), and turns 2 to 4 report prompt tokens
     taken from it."""
     from tokenizer_svc.decode import decode_image
@@ -216,7 +223,8 @@ def test_a_conversation_resent_whole_each_turn_hits_the_prefix_cache_and_keeps_i
     a, b = png(96, 128, 5), png(128, 96, 6)
     asks: list[list[Any]] = [
         ["Describe this picture: its colors, its shapes, where the light comes from and what it shows.", ImagePart(a)],
-        ["Now say it again in other words, at more length, for a child who cannot see it."],
+        ["Now say it again in other words, at more length, for a child who cannot see it."]
+        + ([VideoPart(samples.video(frames=12, seed=1)), "And this clip?"] if family.startswith("qwen") else []),
         [ImagePart(b), "And this second picture: how does it differ from the first one?"],
         ["Which of the two would you hang in a kitchen, and why?"],
     ]
@@ -231,10 +239,11 @@ def test_a_conversation_resent_whole_each_turn_hits_the_prefix_cache_and_keeps_i
             out = run_request(stub, request, timeout=120)
             assert out.ok, (family, turn, out)
             text = proc.apply_chat_template(as_hf(messages), tokenize=False, add_generation_prompt=True)
-            shown = [p.source for _, content in messages if not isinstance(content, str) for p in content
-                     if isinstance(p, ImagePart)]  # fmt: skip
-            images = [decode_image(x, max_pixels=10**8) for x in shown]
-            tokens, logprobs = hf_family.scored(pair.model, proc, text, images, MAX_TOKENS)
+            parts = [p for _, content in messages if not isinstance(content, str) for p in content]
+            images = [decode_image(p.source, max_pixels=10**8) for p in parts if isinstance(p, ImagePart)]
+            clips = [hf_family.video_inputs(pair.model, p.source, fps=2.0, max_frames=32)
+                     for p in parts if isinstance(p, VideoPart)]  # fmt: skip
+            tokens, logprobs = hf_family.scored(pair.model, proc, text, images, MAX_TOKENS, clips)
             assert out.token_ids == tokens, (family, turn)
             # A prefix taken from the cache gives what a whole prefill gives, to float noise.
             assert out.logprobs == pytest.approx(logprobs, abs=greedy.LOGPROB_TOLERANCE), (family, turn)
