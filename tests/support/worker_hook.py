@@ -1,7 +1,8 @@
 """Fault injection inside CPU workers (tokenizer `--worker-hook tests.support.worker_hook`).
 
 Images are marked by their size, so any encoding carries the mark:
-- SLOW (61x47): the worker sleeps 1.5 s before preprocessing;
+- SLOW (61x47): the worker sleeps 1.5 s before preprocessing; SLOWER
+  (59x53): 4 s (where a bound must hold with room on a busy host);
 - POISON (67x43): the worker kills itself with SIGKILL;
 - MID_WRITE (71x41): the worker kills itself with SIGKILL after writing the
   image's pixels into a slab slice, while it still holds the slice's write lock;
@@ -30,6 +31,7 @@ import numpy as np
 from PIL import Image
 
 SLOW = (61, 47)
+SLOWER = (59, 53)
 POISON = (67, 43)
 MID_WRITE = (71, 41)
 UNSENDABLE = (73, 37)
@@ -67,6 +69,8 @@ def on_decoded(image: Image.Image) -> None:
     _kill_on_write = image.size == MID_WRITE
     if image.size == SLOW:
         time.sleep(1.5)
+    elif image.size == SLOWER:
+        time.sleep(4.0)
     elif image.size == POISON:
         os.kill(os.getpid(), signal.SIGKILL)
     elif image.size == UNSENDABLE:
