@@ -794,8 +794,8 @@ class Engine:
         for req in new:
             if self.encoder_cache.enabled:
                 for key, item in zip(self._keys.get(req.request_id, ()), req.items, strict=False):
-                    rows = sum(length for _, length in item.placeholders)
-                    encoder.update(key + (b"1" if self.encoder_cache.would_hit(key, rows, self._media.width) else b"0"))
+                    hit = self.encoder_cache.would_hit(key, item.rows, self._media.width)
+                    encoder.update(key + (b"1" if hit else b"0"))
             match = self._matches.get(req.request_id, NO_MATCH)
             prefix.update(len(match.keys).to_bytes(4, "little") + (match.keys[-1] if match.keys else b""))
         # Two halves of one int64 of the agreement's row: each cache's own.

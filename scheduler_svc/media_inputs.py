@@ -100,7 +100,7 @@ class MediaInputs:
                 if item.placeholders and item.span[1] <= j.cached:
                     j.features.append((item.modality, None))  # inside the cached prefix: not needed
                     continue
-                rows = sum(length for _, length in item.placeholders)
+                rows = item.rows
                 hit = cache.take(key, rows, self.width) if use_cache else None
                 if hit is None:
                     if not use_cache:

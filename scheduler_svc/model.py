@@ -102,14 +102,22 @@ def model_dtype(setting: str, device: torch.device) -> torch.dtype:
     return DTYPES[setting]
 
 
-def load_model(model_dir: Path, *, world_size: int, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    """Every rank calls this with the group already initialized."""
+def load_model(
+    model_dir: Path,
+    *,
+    world_size: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    tp_plan_overrides: dict[str, str] | None = None,
+) -> torch.nn.Module:
+    """Every rank calls this with the group already initialized.
+    `tp_plan_overrides`: the family's (`Family.tp_plan_overrides`), laid
+    over the model's own plan when world_size > 1."""
     kwargs: dict[str, object] = {"dtype": dtype}
     if world_size > 1:
         # transformers' own tensor parallelism: the model's predefined plan over
         # the already-initialized default process group.
-        overrides = families.from_config(read_json(model_dir / "config.json")).tp_plan_overrides()
-        plan: dict[str, str] | str = overrides or "auto"  # a dict is laid over the model's own plan
+        plan: dict[str, str] | str = tp_plan_overrides or "auto"  # a dict is laid over the model's own plan
         kwargs["distributed_config"] = DistributedConfig(tp_plan=plan, tp_size=world_size)  # type: ignore[arg-type]
     hf_logging.disable_progress_bar()
     model = AutoModelForImageTextToText.from_pretrained(model_dir, **kwargs)

@@ -32,6 +32,11 @@ class Item:
     content_hash: bytes = b""
 
     @property
+    def rows(self) -> int:
+        """Its placeholder tokens, over all its runs: its encoder output's rows."""
+        return sum(length for _, length in self.placeholders)
+
+    @property
     def span(self) -> tuple[int, int]:
         """Prompt tokens from its first placeholder to past its last."""
         if not self.placeholders:

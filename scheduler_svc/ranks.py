@@ -59,8 +59,14 @@ def bootstrap(settings: SchedulerSettings, rendezvous: Rendezvous | None, arena:
     cuda_ipc.imported.max_pools = settings.cuda_ipc_max_pools
     device = pick_device(settings.device)
     dtype = model_dtype(settings.dtype, device)
-    model = load_model(settings.model_dir, world_size=dist.get_world_size(), device=device, dtype=dtype)
     info = model_info(settings.model_dir)
+    model = load_model(
+        settings.model_dir,
+        world_size=dist.get_world_size(),
+        device=device,
+        dtype=dtype,
+        tp_plan_overrides=info.family.tp_plan_overrides(),
+    )
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         short = memory_shortfall(settings, info, dtype.itemsize, free)

@@ -196,37 +196,39 @@ class QwenVL(Family):
         return True
 
     def encode(self, body: Any, modality: int, items: list[dict[str, Any]]) -> list[Any]:
+        return list(self.vision_output(body, modality, items).pooler_output)
+
+    def vision_output(self, body: Any, modality: int, items: list[dict[str, Any]]) -> Any:
+        """The model's own image or video features of `items` in one call
+        (its `pooler_output` one tensor per item)."""
         import torch
 
-        if modality == VIDEO:
-            pixels = torch.cat([item["pixel_values_videos"] for item in items])
-            grids = torch.cat([item["video_grid_thw"] for item in items])
-            return list(body.get_video_features(pixels, grids, return_dict=True).pooler_output)
-        pixels = torch.cat([item["pixel_values"] for item in items])
-        grids = torch.cat([item["image_grid_thw"] for item in items])
-        return list(body.get_image_features(pixels, grids, return_dict=True).pooler_output)
+        pixels_name, grid_name = GRID_NAMES[modality]
+        pixels = torch.cat([item[pixels_name] for item in items])
+        grids = torch.cat([item[grid_name] for item in items])
+        features = body.get_video_features if modality == VIDEO else body.get_image_features
+        return features(pixels, grids, return_dict=True)
+
+
+def placeholders(config: dict[str, Any]) -> dict[int, Placeholders]:
+    """The Qwen families' markers: an image's and a video's pad token
+    between vision start and end."""
+    start, end = "<|vision_start|>", "<|vision_end|>"
+    return {
+        IMAGE: Placeholders(
+            token="<|image_pad|>", token_id=int(config.get("image_token_id", 151655)), before=start, after=end
+        ),
+        VIDEO: Placeholders(
+            token="<|video_pad|>", token_id=int(config.get("video_token_id", 151656)), before=start, after=end
+        ),
+    }
 
 
 def build(model_type: str, config: dict[str, Any], processor_config: dict[str, Any], names: frozenset[str]) -> Family:
-    start, end = "<|vision_start|>", "<|vision_end|>"
-    holders: dict[int, Placeholders] = {
-        IMAGE: Placeholders(
-            token="<|image_pad|>",
-            token_id=int(config.get("image_token_id", 151655)),
-            before=start,
-            after=end,
-        ),
-        VIDEO: Placeholders(
-            token="<|video_pad|>",
-            token_id=int(config.get("video_token_id", 151656)),
-            before=start,
-            after=end,
-        ),
-    }
     return QwenVL(
         name="qwen2-vl" if model_type == "qwen2_vl" else "qwen2.5-vl",
         model_type=model_type,
-        placeholders=holders,
+        placeholders=placeholders(config),
         input_names=names,
         config=config,
     )

@@ -32,8 +32,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from mmsplit_server.families.base import IMAGE, VIDEO, BadItem, Family, Placeholders
-from mmsplit_server.families.qwen2_vl import GRID_NAMES, QwenVL
+from mmsplit_server.families.base import IMAGE, VIDEO, BadItem, Family
+from mmsplit_server.families.qwen2_vl import QwenVL, placeholders
 
 MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe")
 # The video processor's pixel bounds for a whole clip when the checkpoint names none (transformers' defaults).
@@ -116,11 +116,7 @@ class Qwen3VL(QwenVL):
     def encode(self, body: Any, modality: int, items: list[dict[str, Any]]) -> list[Any]:
         import torch
 
-        pixels_name, grid_name = GRID_NAMES[modality]
-        pixels = torch.cat([item[pixels_name] for item in items])
-        grids = torch.cat([item[grid_name] for item in items])
-        features = body.get_video_features if modality == VIDEO else body.get_image_features
-        out = features(pixels, grids, return_dict=True)
+        out = self.vision_output(body, modality, items)
         # Per item: its merged patches and each level's features, side by side.
         return [
             torch.cat([main, *levels], dim=1)
@@ -142,14 +138,7 @@ class Qwen3VL(QwenVL):
 
 
 def build(model_type: str, config: dict[str, Any], processor_config: dict[str, Any], names: frozenset[str]) -> Family:
-    start, end = "<|vision_start|>", "<|vision_end|>"
-    holders = {
-        IMAGE: Placeholders(
-            token="<|image_pad|>", token_id=int(config.get("image_token_id", 151655)), before=start, after=end
-        ),
-        VIDEO: Placeholders(
-            token="<|video_pad|>", token_id=int(config.get("video_token_id", 151656)), before=start, after=end
-        ),
-    }
     name = "qwen3-vl-moe" if model_type == "qwen3_vl_moe" else "qwen3-vl"
-    return Qwen3VL(name=name, model_type=model_type, placeholders=holders, input_names=names, config=config)
+    return Qwen3VL(
+        name=name, model_type=model_type, placeholders=placeholders(config), input_names=names, config=config
+    )

@@ -98,7 +98,6 @@ def test_greedy_tokens_equal_the_model_in_one_batch(family_pair: tuple[str, Pair
     family, pair = family_pair
     wide, tall, square = png(120, 200, 1), png(300, 90, 2), png(224, 224, 3)
     asks = greedy.asks(family, video=family in VIDEO_FAMILIES, images=(wide, tall, square))
-    markers = {"image": family_kit.MARKERS[family], "video": greedy.VIDEO_MARKER}
     outs = greedy.equal_to_the_model(family, pair, asks, max_tokens=MAX_TOKENS)
     if family in CHUNKED:
         chunked = [line for line in pair.scheduler.log_path.read_text().splitlines() if "prefilled in chunks" in line]
@@ -114,7 +113,7 @@ def test_greedy_tokens_equal_the_model_in_one_batch(family_pair: tuple[str, Pair
         stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
         for i in again:
             parts = asks[i]
-            prompt = "".join(markers[p[0]] if isinstance(p, tuple) else p for p in parts)
+            prompt = greedy.prompt(family, parts)
             images, videos = greedy.media(parts, "image"), greedy.media(parts, "video")
             request = make_request(prompt, images, videos=videos, max_tokens=MAX_TOKENS)
             request.cache_salt = "another tenant"
@@ -127,7 +126,8 @@ def test_greedy_tokens_equal_the_model_in_one_batch(family_pair: tuple[str, Pair
         # first's blocks through the image from the prefix cache (the same
         # on both ranks) and makes the same tokens.
         prompt = (
-            markers["image"] + " Tell me all about this picture: its colors, its shapes, its light, in long sentences."
+            family_kit.MARKERS[family]
+            + " Tell me all about this picture: its colors, its shapes, its light, in long sentences."
         )
         first, second = (run_request(stub, make_request(prompt, [square], max_tokens=MAX_TOKENS)) for _ in range(2))
         assert first.ok, first

@@ -46,6 +46,12 @@ def asks(family: str, *, video: bool, images: tuple[bytes, bytes, bytes]) -> lis
     return out
 
 
+def prompt(family: str, parts: Ask) -> str:
+    """The ask as a prompt: its text, each medium as the family's marker."""
+    markers = {"image": family_kit.MARKERS[family], "video": VIDEO_MARKER}
+    return "".join(markers[p[0]] if isinstance(p, tuple) else p for p in parts)
+
+
 def media(parts: Ask, kind: str) -> list[bytes]:
     return [p[1] for p in parts if isinstance(p, tuple) and p[0] == kind]
 
@@ -60,14 +66,14 @@ def equal_to_the_model(family: str, pair: Pair, asked: list[Ask], *, max_tokens:
     prompt as written."""
     from tokenizer_svc.decode import decode_image
 
-    markers = {"image": family_kit.MARKERS[family], "video": VIDEO_MARKER}
     barrier = threading.Barrier(len(asked))
     with grpc.insecure_channel(pair.tokenizer_address) as channel:
         stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
 
         def send(parts: Ask) -> Outcome:
-            prompt = "".join(markers[p[0]] if isinstance(p, tuple) else p for p in parts)
-            request = make_request(prompt, media(parts, "image"), videos=media(parts, "video"), max_tokens=max_tokens)
+            request = make_request(
+                prompt(family, parts), media(parts, "image"), videos=media(parts, "video"), max_tokens=max_tokens
+            )
             request.sampling.logprobs = True
             barrier.wait()
             return run_request(stub, request, timeout=120)
@@ -86,7 +92,7 @@ def equal_to_the_model(family: str, pair: Pair, asked: list[Ask], *, max_tokens:
             turn = [{"role": "user", "content": content}]
             text = proc.apply_chat_template(turn, tokenize=False, add_generation_prompt=True)
         else:
-            text = "".join(markers[p[0]] if isinstance(p, tuple) else p for p in parts)
+            text = prompt(family, parts)
         expected, logprobs = hf_family.scored(pair.model, proc, text, decoded, max_tokens, clips)
         assert out.token_ids == expected, (family, parts)
         assert out.logprobs == pytest.approx(logprobs, abs=LOGPROB_TOLERANCE), (family, parts)
