@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import shlex
 import statistics
 import sys
 import tempfile
@@ -98,6 +99,7 @@ class HfArms:
 
         self.torch = torch
         self.device = device
+        self.model_dir = model_dir
         processor = AutoProcessor.from_pretrained(model_dir)
         torch_dtype = getattr(torch, dtype)
         self.model: Any = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch_dtype)
@@ -168,15 +170,18 @@ class EngineArms:
         from scheduler_svc.plan import Item, NewRequest
 
         torch = hf.torch
+        # A model of its own: the engine may lay out its weights for speed
+        # (`head_layout`), which must not change the HF arms' model.
+        model = type(hf.model).from_pretrained(hf.model_dir, dtype=hf.model.dtype).to(hf.device).eval()
         self.engine = Engine(
-            hf.model, SoloGroup(), inline_reader(), torch.device(hf.device), eos_token_ids=frozenset(), **options
+            model, SoloGroup(), inline_reader(), torch.device(hf.device), eos_token_ids=frozenset(), **options
         )
         self.requests = []
         for i, (ids, pixel) in enumerate(zip(hf.ids, hf.pixels, strict=True)):
             data = pixel[0].float().cpu().numpy().tobytes()
             spec = TensorSpec(common_pb2.DTYPE_FLOAT32, tuple(pixel.shape), inline=data)
             sampling = Sampling(max_tokens=tokens, min_tokens=tokens)
-            image_token = int(hf.model.config.image_token_id)
+            image_token = int(model.config.image_token_id)
             start = ids.index(image_token)
             run = ((start, ids.count(image_token)),)
             item = Item(common_pb2.MODALITY_IMAGE, (("pixel_values", spec),), {}, run)
@@ -299,6 +304,10 @@ def main() -> None:
         "--cudnn-attention", action="store_true", help="the scheduler's --cudnn-attention (the engine's arms too)"
     )
     parser.add_argument("--decode-kv-multiple", type=int, default=1, help="the scheduler's --decode-kv-multiple")
+    parser.add_argument(
+        "--scheduler-args", default="", help="more arguments for the scheduler, e.g. '--stats-interval-s 1'"
+    )
+    parser.add_argument("--logs", type=Path, help="keep the services' logs in this directory")
     args = parser.parse_args()
     items = prompts(args.n)
     n = args.n
@@ -312,11 +321,12 @@ def main() -> None:
             )
             tps = [int(t) for t in args.tp.split(",")]
             for tp in tps:
-                logs = Path(tmp) / f"logs-{name}-{tp}"
-                logs.mkdir()
+                logs = (args.logs or Path(tmp)) / f"logs-{name}-{tp}"
+                logs.mkdir(parents=True)
                 extra = ["--device", args.device, "--dtype", args.dtype, "--stream-interval", str(args.stream_interval)]
                 extra += ["--decode-kv-multiple", str(args.decode_kv_multiple)]
                 extra += ["--cudnn-attention"] if args.cudnn_attention else []
+                extra += shlex.split(args.scheduler_args)
                 with running_pair(model_dir, logs, tp=tp, scheduler_extra=extra) as pair:
                     # The in-process engine is TP=1: measured with the first TP size only.
                     r = measure(hf, engine if tp == tps[0] else None, pair, items, args.tokens, args.rounds)

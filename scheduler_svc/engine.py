@@ -69,6 +69,7 @@ from scheduler_svc.agreement import agree_on_failures
 from scheduler_svc.collective import Collective
 from scheduler_svc.counted_sums import CountedSums
 from scheduler_svc.encoder_cache import EncoderCache
+from scheduler_svc.head_layout import lay_out
 from scheduler_svc.intake import Intake, ItemTensors
 from scheduler_svc.kvcache import ForwardInputs, RowCache
 from scheduler_svc.media_inputs import Joiner, MediaInputs
@@ -134,6 +135,7 @@ class Engine:
         grammars: Grammars | None = None,
         cudnn_attention: bool = False,
         decode_kv_multiple: int = 1,
+        head_layout: str = "auto",
     ) -> None:
         self.model = model
         # Rank 0's compiler of structured-output constraints (None: requests with a structure fail).
@@ -193,6 +195,8 @@ class Engine:
         # of them: the logits are gathered to rank 0 only (the one that
         # samples), not to every rank as the TP plan's layer would.
         self._head_shard, self._head_widths = self._sharded_head()
+        self._head_layout = head_layout
+        self._lay_out_head()
         # On CPU: each step on every thread or one fewer, whichever has been faster lately.
         self.threads = threads
         # KV of prompts once prefilled, and of finished requests' outputs, by blocks.
@@ -870,6 +874,34 @@ class Engine:
         """`prompt_scores.score_prompt` on this engine's head (every rank)."""
         alone = self.coll.world_size == 1
         return score_prompt(self._head, req, hidden, first, rank=self.coll.rank, alone=alone, hook=self._hook)
+
+    def _lay_out_head(self) -> None:
+        """The LM head's weight (this rank's rows of it under TP) in the
+        memory layout `--lm-head-layout` asks for (by default the one that
+        multiplies faster on this host: `head_layout`),
+        in place of the stored one: no second copy is kept. A head whose
+        weight the embeddings share stays as it is under TP (replacing it
+        there would untie them and keep both)."""
+        head = getattr(self.model, "lm_head", None)
+        weight = getattr(head, "weight", None)
+        if not isinstance(weight, torch.nn.Parameter):
+            return
+        if self._head_shard is None:
+            if self.coll.world_size == 1:
+                weight.data = lay_out(weight.data, self._head_layout)
+            return
+        from torch.distributed.tensor import DTensor
+
+        embeddings = self.model.get_input_embeddings()  # type: ignore[operator]
+        if weight is getattr(embeddings, "weight", None) or not isinstance(weight, DTensor):
+            return
+        laid = lay_out(self._head_shard, self._head_layout)
+        if laid is self._head_shard:
+            return
+        self._head_shard = laid
+        stride = (1, weight.shape[0])  # column after column, as `laid` is
+        whole = DTensor.from_local(laid, weight.device_mesh, weight.placements, shape=weight.shape, stride=stride)
+        head.weight = torch.nn.Parameter(whole, requires_grad=False)  # type: ignore[union-attr]
 
     def _sharded_head(self) -> tuple[torch.Tensor | None, list[int]]:
         """(this rank's rows of the LM head's weight, each rank's count),

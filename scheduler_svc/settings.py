@@ -166,6 +166,14 @@ class SchedulerSettings(ServiceSettings):
         "lately for decode steps of its batch size (the other re-measured now and then; a step that prefills "
         "follows their verdict): on a host whose cores the tokenizer shares, leaving it one can be faster",
     )
+    lm_head_layout: str = _opt(
+        "auto",
+        "how each rank stores the LM head's weight (its rows of it under TP): 'stored' as the checkpoint has "
+        "it, 'columns' column after column, 'auto' whichever multiplied faster when measured at start-up "
+        "(on a CPU device; elsewhere as stored). On a CPU, MKL multiplies a few rows by the column-major "
+        "weight up to 2x faster; the values are the same",
+        choices=("auto", "stored", "columns"),  # head_layout.LAYOUTS (this module does not import torch)
+    )
     max_message_bytes: int = _opt(256 * 1024 * 1024, "largest gRPC message, bytes", min=1024)
     stats_interval_s: float = _opt(10.0, "how often the step loop logs its statistics", min=0.01)
 

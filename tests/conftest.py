@@ -275,13 +275,17 @@ def services(tiny_model: Path, media_dir: Path, tmp_path_factory: pytest.TempPat
     """The shared pair: 2 ranks, a tensor reader and an engine hook that
     fail on request (tests/support/faults.py), a 0.1 s batch window (so
     simultaneous requests share a step), the fake GPU as its CUDA-IPC
-    backend; the tokenizer logs JSON lines; both serve /metrics."""
+    backend, the LM head stored column after column; the tokenizer logs
+    JSON lines; both serve /metrics."""
     logs = tmp_path_factory.mktemp("logs")
     scheduler = ["--tensor-reader", "tests.support.faults:make_reader", "--batch-window-s", "0.1"]
     scheduler += ["--engine-hook", "tests.support.faults"]
     # Opens handles of the fake GPU (tests/e2e/test_cuda_ipc.py); the shared
     # tokenizer has no GPU pool, so it sends by shared memory all the same.
     scheduler += ["--cuda-ipc-backend", "tests.support.fake_device:make"]
+    # Each rank's rows of the LM head column after column (what `auto` picks
+    # for a wide head on a CPU; the tiny model's narrow one stays as stored).
+    scheduler += ["--lm-head-layout", "columns"]
     tokenizer = ["--allowed-media-dir", str(media_dir), "--log-format", "json"]
     with running_pair(
         tiny_model,

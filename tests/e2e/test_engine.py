@@ -200,6 +200,10 @@ def test_over_gloo_a_forward_that_raises_on_one_rank_fails_its_requests_alone(
 def test_32_requests_joining_and_leaving_get_the_tokens_of_plain_generate_at_tp2(
     services: Services, tiny_model: Path
 ) -> None:
+    """The shared pair holds each rank's rows of the LM head column after
+    column (`--lm-head-layout columns`): the tokens are the model's all the same."""
+    laid = services.scheduler.log_path.read_text().count("the LM head is stored column after column")
+    assert laid == 2, f"{laid} ranks laid out their rows of the LM head"
     check_against_generate(services, tiny_model, seed=2)
 
 
