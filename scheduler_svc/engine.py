@@ -877,11 +877,11 @@ class Engine:
 
     def _lay_out_head(self) -> None:
         """The LM head's weight (this rank's rows of it under TP) in the
-        memory layout `--lm-head-layout` asks for (by default the one that
-        multiplies faster on this host: `head_layout`),
-        in place of the stored one: no second copy is kept. A head whose
-        weight the embeddings share stays as it is under TP (replacing it
-        there would untie them and keep both)."""
+        memory layout `--lm-head-layout` asks for (by default whichever
+        multiplies faster on this host: `head_layout`), in place of the
+        stored one: no second copy is kept. Under TP a head whose weight the
+        embeddings share stays as it is (replacing it there would untie
+        them and keep both)."""
         head = getattr(self.model, "lm_head", None)
         weight = getattr(head, "weight", None)
         if not isinstance(weight, torch.nn.Parameter):

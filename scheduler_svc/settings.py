@@ -171,7 +171,7 @@ class SchedulerSettings(ServiceSettings):
         "how each rank stores the LM head's weight (its rows of it under TP): 'stored' as the checkpoint has "
         "it, 'columns' column after column, 'auto' whichever multiplied faster when measured at start-up "
         "(on a CPU device; elsewhere as stored). On a CPU, MKL multiplies a few rows by the column-major "
-        "weight up to 2x faster; the values are the same",
+        "weight up to 2x faster; the values are the same (laying it out copies it once, at start-up)",
         choices=("auto", "stored", "columns"),  # head_layout.LAYOUTS (this module does not import torch)
     )
     max_message_bytes: int = _opt(256 * 1024 * 1024, "largest gRPC message, bytes", min=1024)
