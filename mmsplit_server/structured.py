@@ -35,6 +35,8 @@ from typing import Any
 
 import numpy as np
 
+from mmsplit_server import strict_json
+
 MAX_SCHEMA_BYTES = 64 * 1024
 # Applied before the schema's own "x-guidance" options.
 COMPILE_DEFAULTS = {"whitespace_flexible": False}
@@ -102,7 +104,7 @@ def _compiled(structure: Spec) -> str | ValueError:
     elif kind == "choice":
         # Lark's string literals take JSON's escapes.
         compiled = llguidance.LLMatcher.grammar_from_lark(
-            "start: " + " | ".join(json.dumps(c) for c in json.loads(text))
+            "start: " + " | ".join(json.dumps(c) for c in strict_json.loads(text))
         )
     elif kind == "grammar":
         try:
@@ -112,7 +114,7 @@ def _compiled(structure: Spec) -> str | ValueError:
             return ValueError(f"cannot be compiled: {exc}")
     else:
         try:
-            schema = json.loads(text)
+            schema = strict_json.loads(text)
         except json.JSONDecodeError as exc:
             return ValueError(f"is not JSON ({exc})")
         if not isinstance(schema, dict):

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mmsplit.tokenizer.v1 import tokenizer_pb2
+from mmsplit_server import strict_json
 from mmsplit_server.families import Family
 from tokenizer_svc.errors import InvalidRequest, MediaUnsupported
 from tokenizer_svc.prompt import ToolCall, Turn
@@ -204,7 +205,7 @@ def _tools(tools: list[tokenizer_pb2.Tool]) -> list[dict[str, Any]]:
             function["description"] = tool.description
         if tool.parameters:
             try:
-                parameters = json.loads(tool.parameters)
+                parameters = strict_json.loads(tool.parameters)
             except json.JSONDecodeError as exc:
                 raise InvalidRequest(f"tools[{k}].parameters is not JSON ({exc})", metadata=where) from None
             if not isinstance(parameters, dict):
@@ -259,7 +260,7 @@ def _template_kwargs(text: str) -> dict[str, Any]:
     if len(text.encode()) > MAX_TEMPLATE_KWARGS_BYTES:
         raise InvalidRequest(f"chat_template_kwargs is over {MAX_TEMPLATE_KWARGS_BYTES} bytes", metadata=where)
     try:
-        kwargs = json.loads(text)
+        kwargs = strict_json.loads(text)
     except json.JSONDecodeError as exc:
         raise InvalidRequest(f"chat_template_kwargs is not JSON ({exc})", metadata=where) from None
     if not isinstance(kwargs, dict):

@@ -37,7 +37,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 import time
 import uuid
@@ -48,6 +47,7 @@ from aiohttp import web
 
 from mmsplit.errors import InternalError, MmsplitError, Unauthenticated
 from mmsplit.tokenizer.v1 import tokenizer_pb2
+from mmsplit_server import strict_json
 from mmsplit_server.serving import RequestSummary, SecretFile
 from tokenizer_svc import openai_answers, openai_api, openai_responses, response_store, tool_calls
 from tokenizer_svc.conversation import MAX_REQUEST_ID, valid_request_id
@@ -564,8 +564,10 @@ async def _body(request: web.Request) -> Any:
     raw = await request.read()
     try:
         if len(raw) > BIG_BODY:
-            return await asyncio.to_thread(json.loads, raw)
-        return json.loads(raw)
+            return await asyncio.to_thread(strict_json.loads, raw)
+        return strict_json.loads(raw)
+    except strict_json.LoneSurrogate as exc:
+        raise InvalidRequest(f"the request body is not text: {exc}", metadata={"param": exc.param} if exc.param else None) from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise InvalidRequest(f"the request body is not valid JSON: {exc}") from exc
     except RecursionError as exc:  # valid JSON nested deeper than the parser goes

@@ -58,6 +58,7 @@ from typing import Any
 from mmsplit.common.v1 import common_pb2
 from mmsplit.errors import E, MmsplitError
 from mmsplit.tokenizer.v1 import tokenizer_pb2
+from mmsplit_server import strict_json
 from mmsplit_server.sampling import MAX_TOP_LOGPROBS
 from tokenizer_svc.conversation import MAX_CACHE_SALT, MAX_CHOICES
 from tokenizer_svc.errors import InvalidRequest
@@ -613,7 +614,7 @@ def _structured_outputs(body: dict[str, Any], s: common_pb2.SamplingParams) -> N
     elif kind == "json":
         if isinstance(value, str):
             try:
-                value = json.loads(value)
+                value = strict_json.loads(value)
             except json.JSONDecodeError as exc:
                 raise invalid(f"{where}.json is not JSON ({exc})", where) from None
         if not isinstance(value, dict):

@@ -35,6 +35,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from mmsplit_server import strict_json
 from mmsplit_server.families import IMAGE, VIDEO, Family
 from tokenizer_svc.errors import InternalError, InvalidRequest
 
@@ -241,7 +242,7 @@ class PromptBuilder:
         for text in (call.id, call.name, call.arguments):
             self._check_text(text, f"{where}.tool_calls", markers=True)
         try:
-            arguments: Any = json.loads(call.arguments or "{}")
+            arguments: Any = strict_json.loads(call.arguments or "{}")
         except json.JSONDecodeError:
             arguments = call.arguments
         if not isinstance(arguments, dict):

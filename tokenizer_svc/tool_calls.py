@@ -24,7 +24,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from mmsplit_server import structured
+from mmsplit_server import strict_json, structured
 from tokenizer_svc.errors import InvalidRequest
 
 
@@ -43,7 +43,7 @@ class Forced:
         if self.name:
             return None, [_tool_call(self.name, text)]
         try:
-            listed = json.loads(text)
+            listed = strict_json.loads(text)
         except json.JSONDecodeError:
             return text, None
         if not isinstance(listed, list) or not all(isinstance(c, dict) and "name" in c for c in listed):
@@ -124,7 +124,7 @@ class Hermes(Auto):
         calls = []
         for found in self.CALL.finditer(text, at):
             try:
-                call = json.loads(found.group(1))
+                call = strict_json.loads(found.group(1))
             except json.JSONDecodeError:
                 return None
             if not isinstance(call, dict) or not isinstance(call.get("name"), str):
