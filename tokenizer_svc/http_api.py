@@ -567,7 +567,8 @@ async def _body(request: web.Request) -> Any:
             return await asyncio.to_thread(strict_json.loads, raw)
         return strict_json.loads(raw)
     except strict_json.LoneSurrogate as exc:
-        raise InvalidRequest(f"the request body is not text: {exc}", metadata={"param": exc.param} if exc.param else None) from None
+        param = {"param": exc.param} if exc.param else None
+        raise InvalidRequest(f"the request body is not text: {exc}", metadata=param) from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise InvalidRequest(f"the request body is not valid JSON: {exc}") from exc
     except RecursionError as exc:  # valid JSON nested deeper than the parser goes

@@ -25,7 +25,8 @@ def test_a_lone_surrogate_is_refused_naming_its_place(document: str, where: str,
             strict_json.loads(form)
         assert isinstance(refused.value, strict_json.LoneSurrogate)
         assert (refused.value.where, refused.value.param) == (where, param)
-        assert str(refused.value) == f"{where} holds a lone UTF-16 surrogate (a \\uD800-\\uDFFF escape without its pair)"
+        said = f"{where} holds a lone UTF-16 surrogate (a \\uD800-\\uDFFF escape without its pair)"
+        assert str(refused.value) == said
 
 
 @pytest.mark.parametrize(
