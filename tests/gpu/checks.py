@@ -57,6 +57,7 @@ from mmsplit_cli.client import make_request, run_request  # noqa: E402
 from mmsplit_cli.launch import SCHEDULER_SERVICE, ServiceProcess, running_pair, scheduler_args  # noqa: E402
 from mmsplit_cli.tiny_model import build  # noqa: E402
 from scheduler_svc.model import model_info  # noqa: E402
+from tests.support.greedy import rank_within_ties  # noqa: E402
 from tests.support.local_token import scheduler_channel  # noqa: E402
 
 RESULTS: list[tuple[str, str, str]] = []
@@ -176,7 +177,7 @@ def prompt_scores(address: str, model_dir: Path) -> None:
     targets = made["input_ids"][0, 1:].tolist()
     pairs = list(enumerate(zip(targets, scored.logprobs, strict=True)))
     worst = max(abs(lp.logprob - float(expected[k, t])) for k, (t, lp) in pairs)
-    ranks = sum(lp.rank == int((expected[k] > expected[k, t]).sum()) + 1 for k, (t, lp) in pairs)
+    ranks = sum(rank_within_ties(lp.rank, expected[k], t) for k, (t, lp) in pairs)
     ok = list(scored.token_ids) == made["input_ids"][0].tolist() and worst < 1e-3 and ranks == len(targets)
     report(
         "PASS" if ok else "FAIL", "prompt log probabilities on CUDA", f"worst {worst:.1e}, ranks {ranks}/{len(targets)}"

@@ -27,6 +27,19 @@ LOGPROB_TOLERANCE = 1e-4
 Ask = list[Any]  # parts: text, or ("image" | "video", bytes)
 
 
+def rank_within_ties(rank: int, row: Any, token: int, tolerance: float = LOGPROB_TOLERANCE) -> bool:
+    """Whether `rank` is `token`'s rank in `row` (log probabilities over the
+    vocabulary): 1 + how many are above its own, where those within
+    `tolerance` of it may count either way. A random model's 32,000 log
+    probabilities lie close together, so near ties are common, and a
+    computation in another order (a head laid out by columns, another
+    rank's sums) moves a token's value past a neighbour's by ~1e-6."""
+    value = float(row[token])
+    surely_above = int((row > value + tolerance).sum())
+    maybe_above = int((row > value - tolerance).sum()) - 1  # not the token itself
+    return surely_above + 1 <= rank <= maybe_above + 1
+
+
 def asks(family: str, *, video: bool, images: tuple[bytes, bytes, bytes]) -> list[Ask]:
     """Text only, one image, two images, an image last; with `video` a short
     video (2 s at 6 fps) and a video between two images."""
