@@ -60,7 +60,7 @@ from mmsplit.errors import E, MmsplitError
 from mmsplit.tokenizer.v1 import tokenizer_pb2
 from mmsplit_server import strict_json
 from mmsplit_server.sampling import MAX_TOP_LOGPROBS
-from tokenizer_svc.conversation import MAX_CACHE_SALT, MAX_CHOICES
+from tokenizer_svc.conversation import MAX_CACHE_SALT, MAX_CHOICES, check_sizes
 from tokenizer_svc.errors import InvalidRequest
 from tokenizer_svc.tool_calls import Auto, Forced, choose
 
@@ -189,6 +189,12 @@ class Call:
         return (self.request, *self.others)
 
 
+def _listed(message: Any, name: str) -> int:
+    """How many items a message's list field holds (0 where it is no list)."""
+    value = message.get(name) if isinstance(message, dict) else None
+    return len(value) if isinstance(value, list) else 0
+
+
 def parse_chat(body: Any, tool_parser: str = "none") -> Call:
     """`tool_parser`: how the tool calls a model writes itself are found
     (the tokenizer's --tool-call-parser), for tool_choice "auto"."""
@@ -198,6 +204,7 @@ def parse_chat(body: Any, tool_parser: str = "none") -> Call:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise invalid("messages must be a non-empty list", "messages")
+    check_sizes(len(messages), (_listed(m, "content") for m in messages), (_listed(m, "tool_calls") for m in messages))
     request = tokenizer_pb2.GenerateRequest(messages=[_message(m, i) for i, m in enumerate(messages)])
     tools = _tools(body, request, tool_parser)
     _template_options(body, request)

@@ -192,7 +192,7 @@ def _tool(tool: Any, where: str) -> dict[str, Any]:
 
 # A chat field the chat parser names -> the Responses field it came from.
 _RENAMED = {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
-            "response_format": "text.format"}  # fmt: skip
+            "response_format": "text.format", "messages": "input"}  # fmt: skip
 _MESSAGE = re.compile(r"messages\[(\d+)\]")
 
 

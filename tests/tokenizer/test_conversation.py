@@ -78,6 +78,12 @@ def test_a_tool_conversation_is_parsed_into_turns_and_template_tools(
         (pb.GenerateRequest(messages=[USER], tools=[TOOL, TOOL]), "tools[1]", "two tools are named"),
         (pb.GenerateRequest(messages=[USER], tools=[pb.Tool(name="f", parameters="[1]")]), "tools[0]", "JSON Schema"),
         (pb.GenerateRequest(messages=[USER], tools=[pb.Tool(name="f", parameters="{")]), "tools[0]", "not JSON"),
+        # Counted before any message is read.
+        (pb.GenerateRequest(messages=[USER] * 2049), "messages", "2049 messages, at most 2048"),
+        (pb.GenerateRequest(messages=[pb.ChatMessage(role=pb.CHAT_ROLE_USER, content=list(USER.content) * 4097)] * 2),
+         "messages", "8194 content parts in all messages, at most 8192"),
+        (pb.GenerateRequest(messages=[USER, pb.ChatMessage(role=pb.CHAT_ROLE_ASSISTANT, tool_calls=[CALL] * 129)]),
+         "messages[1].tool_calls", "129 tool calls, at most 128"),
         (pb.GenerateRequest(messages=[USER], tools=[pb.Tool(name="f")] * 129), "tools", "at most 128"),
         (pb.GenerateRequest(prompt="hi", tools=[TOOL]), "tools", "conversation"),
         (pb.GenerateRequest(messages=[USER], continue_final_message=True), "continue_final_message", "assistant"),

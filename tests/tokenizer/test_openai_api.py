@@ -107,12 +107,36 @@ def test_sampling_fields_map_and_max_tokens_takes_the_smaller() -> None:
         ({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"\uff15": 1}}, "logit_bias"),
         ({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": True}}, "logit_bias"),
         ({"messages": [{"role": "user", "content": "x"}], "logit_bias": {str(2**33): 1}}, "logit_bias"),
+        # Counted before any message is read (OpenAI's own limits, and the parts of all messages).
+        ({"messages": [{"role": "user", "content": ""}] * 2049}, "messages"),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": ""}] * 4097}] * 2}, "messages"),
+        ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}] * 129}]},
+         "messages[1].tool_calls"),
     ],
 )  # fmt: skip
 def test_refusals_name_their_field(body: dict[str, Any], param: str) -> None:
     with pytest.raises(InvalidRequest) as info:
         openai_api.parse_chat(body)
     assert openai_api.param_name(info.value) == param
+
+
+def test_a_conversation_at_the_limits_is_taken_and_the_responses_api_names_its_input_over_them() -> None:
+    """2,048 messages, 8,192 parts in all, 128 calls a message: taken (one
+    more of each: the refusals above, and tests/tokenizer/test_conversation.py
+    for the contract); over them, the Responses API names its input."""
+    from tokenizer_svc import openai_responses
+
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    at = [{"role": "user", "content": [{"type": "text", "text": "x"}] * 4}] * 2047
+    at.append({"role": "assistant", "content": None, "tool_calls": [call] * 128})
+    taken = openai_api.parse_chat({"messages": at})
+    assert len(taken.request.messages) == 2048
+    assert sum(len(m.content) for m in taken.request.messages) == 8188
+    chat, places = openai_responses.to_chat({"input": [{"role": "user", "content": "x"}] * 2049})
+    with pytest.raises(InvalidRequest) as refused:
+        openai_api.parse_chat(chat)
+    assert openai_responses.rename(refused.value, places).metadata["param"] == "input"
 
 
 @pytest.mark.parametrize(
