@@ -108,6 +108,14 @@ class Parsed:
     # that constrains it ("required" and a named function; empty for "auto").
     calls: Forced | Auto | None = None
     tool_schema: str = ""
+    # What rendering and tokenizing the prompt will take, roughly in
+    # characters: its texts (with a conversation's calls and tools, and
+    # PER_MESSAGE for each message's template), or its ids.
+    size: int = 0
+
+
+# What the template adds per message, counted in `Parsed.size`.
+PER_MESSAGE = 64
 
 
 def parse(request: tokenizer_pb2.GenerateRequest, settings: TokenizerSettings, family: Family) -> Parsed:
@@ -131,6 +139,7 @@ def parse(request: tokenizer_pb2.GenerateRequest, settings: TokenizerSettings, f
         chars = sum(len(text) for turn in parsed.turns or [] for kind, text in turn.parts if kind == "text")
         chars += sum(len(call.name) + len(call.arguments) for turn in parsed.turns or [] for call in turn.tool_calls)
         chars += sum(len(t.name) + len(t.description) + len(t.parameters) for t in request.tools)
+        parsed = dataclasses.replace(parsed, size=chars + PER_MESSAGE * len(request.messages))
     else:
         for name in ("tools", "continue_final_message", "chat_template_kwargs", "tool_choice"):
             if _given(request, name):
@@ -139,7 +148,7 @@ def parse(request: tokenizer_pb2.GenerateRequest, settings: TokenizerSettings, f
                 )
         images = [Located(m, f"images[{i}]") for i, m in enumerate(request.images)]
         videos = [Located(m, f"videos[{i}]") for i, m in enumerate(request.videos)]
-        parsed = Parsed(request.prompt, None, [*images, *videos])
+        parsed = Parsed(request.prompt, None, [*images, *videos], size=len(request.prompt))
         chars = len(request.prompt)
         if not request.prompt and not parsed.media:
             raise InvalidRequest("the request has neither a prompt nor media")
@@ -175,7 +184,7 @@ def _token_prompt(request: tokenizer_pb2.GenerateRequest, settings: TokenizerSet
             f"prompt_token_ids has {len(request.prompt_token_ids)} ids, at most {settings.max_prompt_chars}",
             metadata={"param": "prompt_token_ids"},
         )
-    return Parsed("", None, [], token_ids=tuple(request.prompt_token_ids))
+    return Parsed("", None, [], token_ids=tuple(request.prompt_token_ids), size=len(request.prompt_token_ids))
 
 
 def _conversation(messages: list[tokenizer_pb2.ChatMessage], tools: list[tokenizer_pb2.Tool]) -> Parsed:

@@ -735,10 +735,13 @@ def parse_tokenize(body: Any) -> Tokenize:
     return Tokenize(parse_completion({"prompt": body["prompt"]}).request, None, strs)
 
 
-def parse_detokenize(body: Any) -> list[int]:
+def parse_detokenize(body: Any, max_ids: int) -> list[int]:
     """vLLM's /detokenize: the `tokens` to decode (ids; the vocabulary is
-    the caller's to check)."""
+    the caller's to check), at most `max_ids` of them (a prompt's limit:
+    a million ids held the event loop for 0.3 s)."""
     tokens: Any = _object(body).get("tokens")
+    if isinstance(tokens, list) and len(tokens) > max_ids:
+        raise invalid(f"tokens has {len(tokens)} ids, at most {max_ids}", "tokens")
     if not _token_ids(tokens, empty=True):
         raise invalid("tokens must be a list of token ids", "tokens")
     return list(tokens)
