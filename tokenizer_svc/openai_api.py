@@ -467,6 +467,12 @@ def _part(out: tokenizer_pb2.ChatMessage, part: Any, where: str) -> None:
         if not isinstance(part.get("text"), str):
             raise invalid(f"{where}.text must be a string", f"{where}.text")
         out.content.add(text=part["text"])
+    elif kind == "refusal" and out.role == tokenizer_pb2.CHAT_ROLE_ASSISTANT:
+        # An assistant's refusal, as OpenAI answers one, replayed in a
+        # conversation: its text (vLLM reads it so too).
+        if not isinstance(part.get("refusal"), str):
+            raise invalid(f"{where}.refusal must be a string", f"{where}.refusal")
+        out.content.add(text=part["refusal"])
     elif kind in ("image_url", "video_url"):
         value = part.get(kind)
         url = value.get("url") if isinstance(value, dict) else value
@@ -544,11 +550,18 @@ def _finish(body: dict[str, Any], request: tokenizer_pb2.GenerateRequest) -> Cal
         if not isinstance(salt, str) or not salt or len(salt) > MAX_CACHE_SALT:
             raise invalid(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT} characters", "cache_salt")
         request.cache_salt = salt
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):  # "yes" was answered whole
+        raise invalid("stream must be true or false", "stream")
     options = body.get("stream_options")
-    if options is not None and body.get("stream") is not True:
+    if options is not None and stream is not True:
         raise invalid("stream_options is only allowed with stream: true", "stream_options")
-    include_usage = isinstance(options, dict) and options.get("include_usage", True) is True
-    return Call(request, n or 1, body.get("stream") is True, include_usage)
+    if options is not None and not isinstance(options, dict):
+        raise invalid("stream_options must be an object", "stream_options")
+    include_usage = (options or {}).get("include_usage", True) if options is not None else False
+    if not isinstance(include_usage, bool):
+        raise invalid("stream_options.include_usage must be true or false", "stream_options")
+    return Call(request, n or 1, stream is True, include_usage)
 
 
 def _int(body: dict[str, Any], name: str) -> int | None:

@@ -43,6 +43,19 @@ def test_content_parts_and_shorthands_become_message_parts() -> None:
     assert (call.n, call.stream, call.include_usage) == (1, False, False)
 
 
+def test_an_assistant_s_refusal_part_is_its_text_and_only_an_assistant_has_one() -> None:
+    refused = {"role": "assistant", "content": [{"type": "refusal", "refusal": "I cannot help with that."}]}
+    call = openai_api.parse_chat({"messages": [{"role": "user", "content": "x"}, refused]})
+    assert [p.text for p in call.request.messages[1].content] == ["I cannot help with that."]
+    for message, param in (
+        ({**refused, "role": "user"}, "messages[0].content[0].type"),
+        ({"role": "assistant", "content": [{"type": "refusal"}]}, "messages[0].content[0].refusal"),
+    ):
+        with pytest.raises(InvalidRequest) as info:
+            openai_api.parse_chat({"messages": [message]})
+        assert openai_api.param_name(info.value) == param
+
+
 def test_sampling_fields_map_and_max_tokens_takes_the_smaller() -> None:
     call = openai_api.parse_chat(
         {
@@ -107,6 +120,10 @@ def test_sampling_fields_map_and_max_tokens_takes_the_smaller() -> None:
         ({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"\uff15": 1}}, "logit_bias"),
         ({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": True}}, "logit_bias"),
         ({"messages": [{"role": "user", "content": "x"}], "logit_bias": {str(2**33): 1}}, "logit_bias"),
+        ({"messages": [{"role": "user", "content": "x"}], "stream": "yes"}, "stream"),
+        ({"messages": [{"role": "user", "content": "x"}], "stream": True, "stream_options": []}, "stream_options"),
+        ({"messages": [{"role": "user", "content": "x"}], "stream": True, "stream_options": {"include_usage": 1}},
+         "stream_options"),
         # Counted before any message is read (OpenAI's own limits, and the parts of all messages).
         ({"messages": [{"role": "user", "content": ""}] * 2049}, "messages"),
         ({"messages": [{"role": "user", "content": [{"type": "text", "text": ""}] * 4097}] * 2}, "messages"),
