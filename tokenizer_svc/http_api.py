@@ -59,6 +59,8 @@ from tokenizer_svc.service import TokenizerService, merged
 log = logging.getLogger(__name__)
 
 KEEPALIVE_S = 15.0
+# --http-request-timeout-s: for a request's headers, then for its body.
+REQUEST_TIMEOUT_S = 75.0
 # A body this large is parsed off the event loop.
 BIG_BODY = 1 << 20
 _T = TypeVar("_T")
@@ -82,6 +84,7 @@ class HttpApi:
         max_body_bytes: int,
         metrics: Any = None,
         keepalive_s: float = KEEPALIVE_S,
+        request_timeout_s: float = REQUEST_TIMEOUT_S,
         tool_parser: str = "none",
         store: ResponseStore | None = None,
     ) -> None:
@@ -95,6 +98,7 @@ class HttpApi:
         self.max_body_bytes = max_body_bytes
         self.metrics = metrics
         self.keepalive_s = keepalive_s
+        self.request_timeout_s = request_timeout_s
         self.created = int(time.time())
         # (route, status) -> responses, for the metrics.
         self.responses: dict[tuple[str, int], int] = {}
@@ -190,7 +194,7 @@ class HttpApi:
         from (media preprocessed to count their placeholders), their count
         and the context they must fit (`max_model_len`, when a scheduler
         says)."""
-        got = await _body(request)
+        got = await _body(request, self.request_timeout_s)
         body = got.value
         if (other := self._other_model(body)) is not None:
             return other
@@ -225,7 +229,7 @@ class HttpApi:
 
     async def detokenize(self, request: web.Request) -> web.Response:
         """vLLM's /detokenize: the text of token ids (special tokens included)."""
-        got = await _body(request)
+        got = await _body(request, self.request_timeout_s)
         body = got.value
         if (other := self._other_model(body)) is not None:
             return other
@@ -246,7 +250,7 @@ class HttpApi:
 
     async def responses_api(self, request: web.Request) -> web.StreamResponse:
         """The Responses API: the body as a chat request, the answer as a Response."""
-        got = await _body(request)
+        got = await _body(request, self.request_timeout_s)
         body = got.value
         previous = body.get("previous_response_id") if isinstance(body, dict) else None
         history = None
@@ -362,7 +366,7 @@ class HttpApi:
         return web.json_response({"id": rid, "object": "response", "deleted": True})
 
     async def _generate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
-        got = await _body(request)
+        got = await _body(request, self.request_timeout_s)
         body = got.value
         if chat:
             call = await got.read(openai_api.parse_chat, body, self.tool_parser)
@@ -584,8 +588,17 @@ class _Body:
         return await asyncio.to_thread(parse, *args) if self.big else parse(*args)
 
 
-async def _body(request: web.Request) -> _Body:
-    raw = await request.read()
+async def _body(request: web.Request, timeout_s: float) -> _Body:
+    """The JSON body, which must arrive within `timeout_s`: a client that
+    trickles it (or stops) would hold the connection and this handler for
+    ever."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            raw = await request.read()
+    except TimeoutError:
+        raise InvalidRequest(
+            f"the request body did not arrive within {timeout_s:g} s (--http-request-timeout-s)"
+        ) from None
     big = len(raw) > BIG_BODY
     try:
         return _Body(await asyncio.to_thread(strict_json.loads, raw) if big else strict_json.loads(raw), big)
@@ -642,7 +655,17 @@ def _error_response(exc: MmsplitError) -> web.Response:
 async def start(api: HttpApi, host: str, port: int) -> tuple[web.AppRunner, int]:
     """Serve `api` on host:port (0: a free one); the runner and the port.
     Handlers are cancelled when their client disconnects."""
-    runner = web.AppRunner(api.app(), handler_cancellation=True, access_log=None, shutdown_timeout=0)
+    # keepalive_timeout also bounds the wait for a request's headers: aiohttp
+    # closes a connection with no whole request that long after it opened or
+    # after its last answer (its default, an hour, let half-sent requests
+    # hold connections).
+    runner = web.AppRunner(
+        api.app(),
+        handler_cancellation=True,
+        access_log=None,
+        shutdown_timeout=0,
+        keepalive_timeout=api.request_timeout_s,
+    )
     await runner.setup()
     try:
         await web.TCPSite(runner, host, port).start()

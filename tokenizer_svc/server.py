@@ -361,6 +361,7 @@ async def _serve(
             metrics=metrics,
             tool_parser=settings.tool_call_parser,
             keepalive_s=settings.http_keepalive_s,
+            request_timeout_s=settings.http_request_timeout_s,
             store=ResponseStore(settings.responses_store_bytes),
         )
         if metrics is not None:

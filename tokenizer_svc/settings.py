@@ -69,6 +69,13 @@ class TokenizerSettings(ServiceSettings):
         "0 = store none",
         min=0,
     )
+    http_request_timeout_s: float = _opt(
+        75.0,
+        "seconds an HTTP client has to send a request's headers (from connecting, or from its last answer on a "
+        "kept-alive connection, which is then closed when idle) and then as long again for its body; a slower "
+        "client is cut off instead of holding a connection open (slowloris)",
+        min=1.0,
+    )
     http_keepalive_s: float = _opt(
         15.0, "a streamed HTTP response says ': keep-alive' this often while nothing else comes (proxies)", min=0.01
     )

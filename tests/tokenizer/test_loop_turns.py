@@ -69,3 +69,41 @@ def test_detokenize_takes_at_most_a_prompt_s_ids() -> None:
     assert openai_api.parse_detokenize({"tokens": [1] * 10}, max_ids=10) == [1] * 10
     with pytest.raises(InvalidRequest, match="tokens has 11 ids, at most 10"):
         openai_api.parse_detokenize({"tokens": [1] * 11}, max_ids=10)
+
+
+def test_a_client_that_sends_half_a_request_is_cut_off_and_others_are_served() -> None:
+    """--http-request-timeout-s: headers that never end, or an idle
+    connection, are closed; a body that never ends is a 400 saying why;
+    meanwhile a whole request is answered."""
+    from tokenizer_svc.http_api import HttpApi, start
+
+    async def run() -> tuple[bytes, bytes, bytes, int]:
+        api = HttpApi(None, model="m", ready=lambda: True, max_body_bytes=1 << 20, request_timeout_s=1.0)  # type: ignore[arg-type]
+        runner, port = await start(api, "127.0.0.1", 0)
+        try:
+            opened = [await asyncio.open_connection("127.0.0.1", port) for _ in range(3)]
+            (headless, w1), (bodiless, w2), (idle, _) = opened
+            w1.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n")
+            w2.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"model\"")
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            health = int((await reader.readline()).split()[1])
+            # Each waits for the server to act (well past the 1 s), not for a time.
+            read = [
+                asyncio.wait_for(headless.read(), 30),
+                asyncio.wait_for(bodiless.readuntil(b"(--http-request-timeout-s)"), 30),  # then it lingers
+                asyncio.wait_for(idle.read(), 30),
+            ]
+            first, second, third = await asyncio.gather(*read)
+            for _, w in [*opened, (reader, writer)]:
+                w.close()
+            return first, second, third, health
+        finally:
+            await runner.cleanup()
+
+    headless, bodiless, idle, health = asyncio.run(run())
+    assert health == 200
+    assert headless == b""  # closed, nothing said
+    assert idle == b""
+    assert bodiless.startswith(b"HTTP/1.1 400")
+    assert b"did not arrive within 1 s (--http-request-timeout-s)" in bodiless
