@@ -84,7 +84,7 @@ def test_a_client_that_sends_half_a_request_is_cut_off_and_others_are_served() -
             opened = [await asyncio.open_connection("127.0.0.1", port) for _ in range(3)]
             (headless, w1), (bodiless, w2), (idle, _) = opened
             w1.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n")
-            w2.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"model\"")
+            w2.write(b'POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"model"')
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
             writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
             health = int((await reader.readline()).split()[1])
