@@ -318,8 +318,8 @@ class TokenizerService:
             _release(prepared)  # what was disowned is the scheduler's: untouched
 
     async def _built(self, parsed: Parsed, media: list[Media]) -> BuiltPrompt:
-        """The prompt, rendered and tokenized on the event loop, which that
-        holds: ~30 ms for 100,000 characters. A big one (`Parsed.size` over
+        """The prompt, rendered and tokenized on the event loop, which it
+        holds meanwhile: ~30 ms for 100,000 characters. A big one (`Parsed.size` over
         BIG_PROMPT) is built under a lock kept until a later turn of the
         loop, so big ones take a turn each, with the loop's I/O between
         them: the 16 prompts of one completions request otherwise ran in one

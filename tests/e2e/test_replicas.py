@@ -112,12 +112,24 @@ def test_groups_share_the_load_and_one_going_away_fails_only_what_it_had(fleet, 
         f"127.0.0.1:{ports[2]}": "TRANSPORT_INLINE",
     }
 
+    # Requests the groups have finished so far. A group logs a request a
+    # moment after its last token: each phase's count starts once the last
+    # phase's are all in the logs (the long request's line, logged after the
+    # 150 began, once made them 151).
+    done = [sum(served(g) for g in groups)]
+
+    def settled(finished: int) -> list[int]:
+        done[0] += finished
+        assert wait_until(lambda: sum(served(g) for g in groups) >= done[0], timeout=30), done
+        return [served(g) for g in groups]
+
     # The same greedy request on all three: the same tokens by shared memory and inline.
     before = [served(g) for g in groups]
     same = run_all(address, 9, max_tokens=6, tag="same", concurrency=9, image=IMAGES[0])
     assert all(o.ok for o in same), same
     assert len({tuple(o.token_ids) for o in same}) == 1, [o.token_ids for o in same]
     assert all(n > 0 for n in served_since(groups, before, 9)), "a group served none of them"
+    settled(9)
 
     # Fewest in flight: 12 long requests at once sit 4 on each group. (How
     # many each group serves over time depends on its speed, which on a busy
@@ -133,6 +145,7 @@ def test_groups_share_the_load_and_one_going_away_fails_only_what_it_had(fleet, 
         load = side.submit(run_all, address, 12, max_tokens=300, tag="even", concurrency=12)
         assert wait_until(all_placed, timeout=30), seen[-3:]
         placed = load.result(timeout=120)
+    settled(12)
     assert sorted(seen[-1]) == [4, 4, 4], seen[-1]
     assert all(o.ok for o in placed), [o for o in placed if not o.ok][:3]
 
@@ -152,7 +165,7 @@ def test_groups_share_the_load_and_one_going_away_fails_only_what_it_had(fleet, 
     assert after[ports.index(int(busy.rsplit(":", 1)[1]))] == 0, (busy, after)
 
     # 150 short requests, 12 at a time: every one served, by every group.
-    before = [served(g) for g in groups]
+    before = settled(1 + 3)
     outcomes = run_all(address, 150, max_tokens=2, tag="spread")
     assert all(o.ok for o in outcomes), [o for o in outcomes if not o.ok][:3]
     shares = served_since(groups, before, 150)
