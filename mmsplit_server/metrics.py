@@ -11,13 +11,21 @@ id. Gauges are read when scraped, from the service's own state.
 from __future__ import annotations
 
 import gc
+import socket
+import threading
 from collections.abc import Callable, Iterator, Mapping
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 from mmsplit_server import gcheap
+
+# A scraper sends its whole request at once: one that has sent nothing more
+# for this long is cut off (each connection holds a thread of its own).
+READ_TIMEOUT_S = 10.0
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
@@ -26,8 +34,10 @@ class ServiceMetrics:
     """Per-request metrics of one service, and its gauges and counters read
     on scrape."""
 
-    def __init__(self, service: str) -> None:
+    def __init__(self, service: str, *, read_timeout_s: float = READ_TIMEOUT_S) -> None:
+        self.read_timeout_s = read_timeout_s
         self.registry = CollectorRegistry()
+        self._servers: list[ThreadingWSGIServer] = []
         self.prefix = prefix = f"mmsplit_{service}"
         r = self.registry
         self.requests = Counter(
@@ -84,9 +94,32 @@ class ServiceMetrics:
         self.registry.register(_ReadLabelled(f"{self.prefix}_{name}", documentation, label, read, gauge=True))
 
     def serve(self, host: str, port: int) -> int:
-        """Serve /metrics on a thread; returns the port (port 0 picks one)."""
-        server, _ = start_http_server(port, addr=host, registry=self.registry)
+        """Serve /metrics on a thread; returns the port (port 0 picks one).
+        prometheus_client's own server, with a read timeout: without one a
+        client that sends half a request held a thread for ever."""
+
+        class Server(ThreadingWSGIServer):
+            address_family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+
+        class Handler(_QuietHandler):
+            timeout = self.read_timeout_s  # the connection's socket timeout: a stalled read ends it
+
+        server = make_server(host, port, make_wsgi_app(self.registry), Server, handler_class=Handler)
+        threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
+        self._servers.append(server)
         return int(server.server_port)
+
+    def close(self) -> None:
+        """Stop serving /metrics (a service's servers end with its process)."""
+        for server in self._servers:
+            server.shutdown()
+            server.server_close()
+        self._servers.clear()
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:
+        """Scrapes are not logged."""
 
 
 class _Read(Collector):
