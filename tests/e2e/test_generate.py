@@ -18,9 +18,9 @@ from mmsplit_cli import samples
 from mmsplit_cli.client import make_request, run_request
 from tests.conftest import SCHEDULER_SERVICE, TOKENIZER_SERVICE, Services
 from tests.e2e.helpers import health_status, rank_active_requests
-from tests.support import greedy
 from tests.support.faults import failing_request_id
 from tests.support.leaks import project_segments, wait_until
+from tests.support.logprobs import rank_within_ties
 
 pytestmark = pytest.mark.e2e
 
@@ -410,7 +410,7 @@ def test_prompt_logprobs_over_two_ranks_are_the_single_process_model_s(stub, ser
     assert len(scored.logprobs) == len(ids) - 1
     for k, (token, lp) in enumerate(zip(ids[1:], scored.logprobs, strict=True)):
         assert lp.logprob == pytest.approx(float(expected[k, token]), abs=1e-4), k
-        assert greedy.rank_within_ties(lp.rank, expected[k], token), (k, lp.rank)
+        assert rank_within_ties(lp.rank, expected[k], token), (k, lp.rank)
         assert list(lp.top_token_ids) == torch.topk(expected[k], 3).indices.tolist(), k
     generated = [t for e in events if e.WhichOneof("event") == "delta" for t in e.delta.token_ids]
     assert generated == reference_greedy(services.model, "Describe it.", [image], 3)

@@ -57,8 +57,8 @@ from mmsplit_cli.client import make_request, run_request  # noqa: E402
 from mmsplit_cli.launch import SCHEDULER_SERVICE, ServiceProcess, running_pair, scheduler_args  # noqa: E402
 from mmsplit_cli.tiny_model import build  # noqa: E402
 from scheduler_svc.model import model_info  # noqa: E402
-from tests.support.greedy import rank_within_ties  # noqa: E402
 from tests.support.local_token import scheduler_channel  # noqa: E402
+from tests.support.logprobs import rank_within_ties  # noqa: E402
 
 RESULTS: list[tuple[str, str, str]] = []
 DEVICE = sys.argv[2] if len(sys.argv) > 2 else "cuda"

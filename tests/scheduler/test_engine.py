@@ -17,7 +17,6 @@ from mmsplit.errors import E
 from scheduler_svc.engine import Engine
 from scheduler_svc.intake import all_finite
 from scheduler_svc.plan import NewRequest, Plan, StepOutcome
-from tests.support import greedy
 from tests.support.engine_kit import (
     InlineReader,
     SoloGroup,
@@ -28,6 +27,7 @@ from tests.support.engine_kit import (
     request,
     solo_engine,
 )
+from tests.support.logprobs import rank_within_ties
 
 
 @pytest.fixture(scope="module")
@@ -550,7 +550,7 @@ def test_prompt_logprobs_are_the_model_s_own_over_every_prompt_position(model: t
         top = req.sampling.prompt_logprobs
         for k, (token, lp) in enumerate(zip(req.input_ids[1:], got, strict=True)):
             assert lp.logprob == pytest.approx(float(expected[k, token]), abs=1e-4), (req.request_id, k)
-            assert greedy.rank_within_ties(lp.rank, expected[k], token), (req.request_id, k, lp.rank)
+            assert rank_within_ties(lp.rank, expected[k], token), (req.request_id, k, lp.rank)
             best = torch.topk(expected[k], top) if top else None
             assert list(lp.top_ids) == ([] if best is None else best.indices.tolist()), (req.request_id, k)
             if best is not None:

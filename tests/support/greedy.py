@@ -18,26 +18,12 @@ from mmsplit.tokenizer.v1 import tokenizer_pb2_grpc
 from mmsplit_cli import samples
 from mmsplit_cli.client import Outcome, make_request, run_request
 from tests.support import family_kit, hf_family
+from tests.support.logprobs import LOGPROB_TOLERANCE
 from tests.support.services import Pair
 
 VIDEO_MARKER = "<|vision_start|><|video_pad|><|vision_end|>"
-# Float noise between a batched step and `generate` is ~1e-6 here.
-LOGPROB_TOLERANCE = 1e-4
 
 Ask = list[Any]  # parts: text, or ("image" | "video", bytes)
-
-
-def rank_within_ties(rank: int, row: Any, token: int, tolerance: float = LOGPROB_TOLERANCE) -> bool:
-    """Whether `rank` is `token`'s rank in `row` (log probabilities over the
-    vocabulary): 1 + how many are above its own, where those within
-    `tolerance` of it may count either way. A random model's 32,000 log
-    probabilities lie close together, so near ties are common, and a
-    computation in another order (a head laid out by columns, another
-    rank's sums) moves a token's value past a neighbour's by ~1e-6."""
-    value = float(row[token])
-    surely_above = int((row > value + tolerance).sum())
-    maybe_above = int((row > value - tolerance).sum()) - 1  # not the token itself
-    return surely_above + 1 <= rank <= maybe_above + 1
 
 
 def asks(family: str, *, video: bool, images: tuple[bytes, bytes, bytes]) -> list[Ask]:
