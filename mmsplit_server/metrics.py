@@ -11,14 +11,12 @@ id. Gauges are read when scraped, from the service's own state.
 from __future__ import annotations
 
 import gc
-import socket
-import threading
 from collections.abc import Callable, Iterator, Mapping
-from wsgiref.simple_server import WSGIRequestHandler, make_server
+from typing import Any
+from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 from mmsplit_server import gcheap
@@ -37,7 +35,7 @@ class ServiceMetrics:
     def __init__(self, service: str, *, read_timeout_s: float = READ_TIMEOUT_S) -> None:
         self.read_timeout_s = read_timeout_s
         self.registry = CollectorRegistry()
-        self._servers: list[ThreadingWSGIServer] = []
+        self._servers: list[WSGIServer] = []
         self.prefix = prefix = f"mmsplit_{service}"
         r = self.registry
         self.requests = Counter(
@@ -95,17 +93,15 @@ class ServiceMetrics:
 
     def serve(self, host: str, port: int) -> int:
         """Serve /metrics on a thread; returns the port (port 0 picks one).
-        prometheus_client's own server, with a read timeout: without one a
-        client that sends half a request held a thread for ever."""
-
-        class Server(ThreadingWSGIServer):
-            address_family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
-
-        class Handler(_QuietHandler):
-            timeout = self.read_timeout_s  # the connection's socket timeout: a stalled read ends it
-
-        server = make_server(host, port, make_wsgi_app(self.registry), Server, handler_class=Handler)
-        threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
+        prometheus_client's server, its handler given a read timeout (the
+        socket's, set as each connection is taken): without one a client
+        that sends half a request held a thread for ever."""
+        server, _ = start_http_server(port, addr=host, registry=self.registry)
+        # Read per connection as it is taken: set the moment the thread
+        # starts, before the service is SERVING (a connection in between
+        # would only lack the timeout).
+        quiet: Any = server.RequestHandlerClass
+        server.RequestHandlerClass = type("TimedHandler", (quiet,), {"timeout": self.read_timeout_s})
         self._servers.append(server)
         return int(server.server_port)
 
@@ -115,11 +111,6 @@ class ServiceMetrics:
             server.shutdown()
             server.server_close()
         self._servers.clear()
-
-
-class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, format: str, *args: object) -> None:
-        """Scrapes are not logged."""
 
 
 class _Read(Collector):

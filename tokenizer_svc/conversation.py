@@ -139,7 +139,6 @@ def parse(request: tokenizer_pb2.GenerateRequest, settings: TokenizerSettings, f
         chars = sum(len(text) for turn in parsed.turns or [] for kind, text in turn.parts if kind == "text")
         chars += sum(len(call.name) + len(call.arguments) for turn in parsed.turns or [] for call in turn.tool_calls)
         chars += sum(len(t.name) + len(t.description) + len(t.parameters) for t in request.tools)
-        parsed = dataclasses.replace(parsed, size=chars + PER_MESSAGE * len(request.messages))
     else:
         for name in ("tools", "continue_final_message", "chat_template_kwargs", "tool_choice"):
             if _given(request, name):
@@ -148,7 +147,7 @@ def parse(request: tokenizer_pb2.GenerateRequest, settings: TokenizerSettings, f
                 )
         images = [Located(m, f"images[{i}]") for i, m in enumerate(request.images)]
         videos = [Located(m, f"videos[{i}]") for i, m in enumerate(request.videos)]
-        parsed = Parsed(request.prompt, None, [*images, *videos], size=len(request.prompt))
+        parsed = Parsed(request.prompt, None, [*images, *videos])
         chars = len(request.prompt)
         if not request.prompt and not parsed.media:
             raise InvalidRequest("the request has neither a prompt nor media")
@@ -164,7 +163,7 @@ def parse(request: tokenizer_pb2.GenerateRequest, settings: TokenizerSettings, f
         raise MediaUnsupported(f"this model ({family.name}) takes no video", metadata={"param": first.where})
     if n_videos > s.max_videos_per_request:
         raise InvalidRequest(f"{n_videos} videos, at most {s.max_videos_per_request}")
-    return parsed
+    return dataclasses.replace(parsed, size=chars + PER_MESSAGE * len(request.messages))
 
 
 def _given(request: tokenizer_pb2.GenerateRequest, name: str) -> bool:

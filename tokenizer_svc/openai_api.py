@@ -554,13 +554,15 @@ def _finish(body: dict[str, Any], request: tokenizer_pb2.GenerateRequest) -> Cal
     if stream is not None and not isinstance(stream, bool):  # "yes" was answered whole
         raise invalid("stream must be true or false", "stream")
     options = body.get("stream_options")
-    if options is not None and stream is not True:
-        raise invalid("stream_options is only allowed with stream: true", "stream_options")
-    if options is not None and not isinstance(options, dict):
-        raise invalid("stream_options must be an object", "stream_options")
-    include_usage = (options or {}).get("include_usage", True) if options is not None else False
-    if not isinstance(include_usage, bool):
-        raise invalid("stream_options.include_usage must be true or false", "stream_options")
+    include_usage = False
+    if options is not None:
+        if stream is not True:
+            raise invalid("stream_options is only allowed with stream: true", "stream_options")
+        if not isinstance(options, dict):
+            raise invalid("stream_options must be an object", "stream_options")
+        include_usage = options.get("include_usage", True)  # as vLLM's StreamOptions has it
+        if not isinstance(include_usage, bool):
+            raise invalid("stream_options.include_usage must be true or false", "stream_options")
     return Call(request, n or 1, stream is True, include_usage)
 
 
