@@ -35,9 +35,15 @@ $(STAMP): requirements.txt pyproject.toml client/pyproject.toml
 	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e ./client -e .
 	touch $@
 
-$(DEV): $(STAMP) requirements-dev.txt
+$(DEV): $(STAMP) requirements-dev.txt tests/js/package-lock.json
 	@command -v kubectl >/dev/null || { echo "installing kubectl (renders deploy/ in the tests)"; \
 	  apt-get install -y -q kubectl >/dev/null 2>&1 || apt-get install -y -q kubernetes-client; }
+	# Node.js and @grpc/grpc-js: the contract as a JavaScript client meets it
+	# (tests/e2e/test_other_clients.py), at the versions tests/js's lock file pins.
+	@command -v npm >/dev/null || { echo "installing Node.js (a gRPC client of the tests)"; \
+	  apt-get install -y -q nodejs npm >/dev/null; }
+	@command -v curl >/dev/null || apt-get install -y -q curl >/dev/null
+	cd tests/js && npm ci --no-audit --no-fund --loglevel=error
 	$(UV) -r requirements-dev.txt
 	$(BIN)/python -m pip download --quiet --only-binary :all: --dest $(CLIENT_WHEELS) \
 	  $$(grep -E '^(grpcio|grpcio-status|grpcio-health-checking|grpcio-reflection|protobuf|googleapis-common-protos)==' requirements.txt)
@@ -110,4 +116,4 @@ image: wheels
 	$${CONTAINER_ENGINE:-podman} build -f Containerfile -t mmsplit:$$($(BIN)/python -c 'import mmsplit; print(mmsplit.__version__)') .
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache tests/js/node_modules

@@ -28,11 +28,11 @@ from typing import Any, NoReturn, TypeVar
 import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from mmsplit.client import secrets_in
 from mmsplit.errors import MalformedMessage, Unauthenticated
 from mmsplit.keepalive import MIN_PING_INTERVAL_MS, keepalive_options
+from mmsplit_server import reflection
 
 log = logging.getLogger(__name__)
 
@@ -634,8 +634,7 @@ async def new_server(
     interceptors = [*security.interceptors(), RefuseMalformed()]
     server = grpc.aio.server(options=options, interceptors=interceptors, maximum_concurrent_rpcs=max_concurrent_rpcs)
     health_pb2_grpc.add_HealthServicer_to_server(health_.servicer, server)
-    names = [*service_names, HEALTH_SERVICE, reflection.SERVICE_NAME]
-    reflection.enable_server_reflection(names, server)
+    reflection.enable([*service_names, HEALTH_SERVICE], server)
     credentials = security.credentials()
     address = f"{host}:{port}"
     bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)

@@ -12,6 +12,7 @@ import asyncio
 import base64
 import json
 import re
+import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -138,6 +139,53 @@ def test_a_conversation_is_the_same_over_http_and_grpc_streamed_or_not(api: Api)
     assert chunks[-1].choices == []
     assert chunks[-1].usage is not None
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def curl(api: Api, path: str, body: dict[str, Any] | None, *, key: str = KEY) -> tuple[int, str]:
+    """`curl` as a person types it (-N: print the stream as it comes): the status and the body."""
+    command = ["curl", "-sS", "-N", "-w", "\n%{http_code}", "-H", "Content-Type: application/json"]
+    if key:
+        command += ["-H", f"Authorization: Bearer {key}"]
+    if body is not None:
+        command += ["--data-binary", "@-"]
+    done = subprocess.run(
+        [*command, f"{api.url}{path}"], input=json.dumps(body), capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    text, status = done.stdout.rsplit("\n", 1)
+    return int(status), text
+
+
+def test_curl_streams_server_sent_events_and_reads_errors(api: Api) -> None:
+    """The stream as curl prints it: `data: ` lines of chunks, the text the
+    SDK gets whole, the usage last, then `data: [DONE]`; a bad body and a
+    missing key are JSON errors with their statuses."""
+    question = {"model": api.model, "messages": CONVERSATION, "max_tokens": 8, "temperature": 0}
+    whole = api.client().chat.completions.create(**question)
+    status, stream = curl(
+        api, "/chat/completions", {**question, "stream": True, "stream_options": {"include_usage": True}}
+    )
+    assert status == 200, stream
+    events = [line for line in stream.splitlines() if line]
+    assert all(line.startswith("data: ") for line in events), events
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(line.removeprefix("data: ")) for line in events[:-1]]
+    assert {c["object"] for c in chunks} == {"chat.completion.chunk"}
+    assert len({c["id"] for c in chunks}) == 1
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert text == whole.choices[0].message.content
+    assert chunks[-1]["choices"] == []
+    assert whole.usage is not None
+    assert chunks[-1]["usage"]["completion_tokens"] == whole.usage.completion_tokens
+
+    status, said = curl(api, "/chat/completions", {**question, "max_tokens": -1})
+    assert status == 400, said
+    error = json.loads(said)["error"]
+    assert (error["type"], error["param"]) == ("invalid_request_error", "max_tokens")
+    assert error["message"]
+    status, said = curl(api, "/chat/completions", question, key="")
+    assert status == 401, said
+    assert json.loads(said)["error"]["message"]
 
 
 def test_the_async_sdk_streams_and_completions_take_a_prompt(api: Api) -> None:

@@ -26,6 +26,7 @@ TOKENIZER_METHODS = [
     ("/grpc.health.v1.Health/Check", False),
     ("/grpc.health.v1.Health/Watch", True),  # a servicer that writes with context.write
     ("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", None),  # a streamed request
+    ("/grpc.reflection.v1.ServerReflection/ServerReflectionInfo", None),  # the same servicer, its other name
 ]
 SCHEDULER_METHODS = [
     ("/mmsplit.scheduler.v1.SchedulerService/Generate", True),
