@@ -12,6 +12,7 @@ import asyncio
 import base64
 import json
 import re
+import shutil
 import subprocess
 import time
 import urllib.error
@@ -32,7 +33,7 @@ from mmsplit_cli.client import run_request
 from mmsplit_server.serving import free_port
 from tests.e2e.helpers import rank_active_requests, tokenizer_info
 from tests.support.leaks import PROJECT_PREFIX, project_segments, wait_until
-from tests.support.services import FreePort, Pair, running_pair
+from tests.support.services import ROOT, FreePort, Pair, running_pair
 
 pytestmark = pytest.mark.e2e
 KEY = "sk-test-0123456789"
@@ -85,8 +86,8 @@ def data_url(data: bytes, mime: str = "image/png") -> str:
     return f"data:{mime};base64,{base64.b64encode(data).decode()}"
 
 
-def image_part(data: bytes) -> dict[str, Any]:
-    return {"type": "image_url", "image_url": {"url": data_url(data), "detail": "high"}}
+def image_part(data: bytes, mime: str = "image/png") -> dict[str, Any]:
+    return {"type": "image_url", "image_url": {"url": data_url(data, mime), "detail": "high"}}
 
 
 A, B = samples.good_png(seed=11), samples.good_png(seed=12)
@@ -186,6 +187,73 @@ def test_curl_streams_server_sent_events_and_reads_errors(api: Api) -> None:
     status, said = curl(api, "/chat/completions", question, key="")
     assert status == 401, said
     assert json.loads(said)["error"]["message"]
+
+
+@pytest.mark.skipif(
+    shutil.which("node") is None, reason="Node.js is not installed (make dev installs it where apt can)"
+)
+def test_the_javascript_sdk_gets_what_the_python_sdk_gets(api: Api, tmp_path: Path) -> None:
+    """tests/js/openai-sdk.mjs: the official SDK for JavaScript parses our
+    answers, streams and errors as its own (its stream helpers assemble a
+    completion and a tool call from the chunks; its Responses stream takes
+    our events in order), and its greedy text is the Python SDK's."""
+    js = ROOT / "tests" / "js"
+    assert (js / "node_modules" / "openai").is_dir(), "tests/js is not installed: run `make dev`"
+    image = samples.good_jpeg(seed=5)
+    (tmp_path / "image.jpg").write_bytes(image)
+    done = subprocess.run(
+        ["node", str(js / "openai-sdk.mjs"), api.url, KEY, api.model, str(tmp_path / "image.jpg")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    seen = {report.pop("check"): report for report in map(json.loads, done.stdout.splitlines())}
+
+    question = [
+        {"role": "user", "content": [{"type": "text", "text": "What is this?"}, image_part(image, "image/jpeg")]}
+    ]
+    python = api.client().chat.completions.create(model=api.model, messages=question, max_tokens=8)  # type: ignore[arg-type]
+    expected = python.choices[0].message.content
+    assert seen["models"]["ids"] == [api.model]
+    assert (seen["chat"]["text"], seen["chat"]["finish"]) == (expected, python.choices[0].finish_reason)
+    assert python.usage is not None
+    assert seen["chat"]["usage"] == python.usage.model_dump(exclude_none=True)
+    assert seen["chat stream"] == {"text": expected, "usage": seen["chat"]["usage"]}
+    assert seen["stream helper"]["text"] == expected
+    assert seen["completion"]["text"]
+    assert seen["responses"] == {"text": expected, "status": "incomplete"}  # cut at max_output_tokens
+    events = seen["responses stream"]["events"]
+    assert seen["responses stream"]["text"] == expected
+    assert events[:2] == ["response.created", "response.in_progress"]
+    assert events[-1] == "response.incomplete"
+    assert events.count("response.output_text.delta") >= 1
+    assert "response.output_text.done" in events
+    assert seen["continued"]["input_tokens"] > python.usage.prompt_tokens  # the first turn and its answer, stored
+
+    for check in ("tool call", "tool call stream"):
+        (call,) = seen[check]["calls"]
+        assert call["type"] == "function"
+        assert call["function"]["name"] == "get_weather"
+        assert call["id"]
+        assert set(json.loads(call["function"]["arguments"])) == {"city"}
+    assert seen["tool call"]["finish"] == "tool_calls"
+
+    errors = seen["errors"]
+    assert errors["bad_parameter"] == {
+        "name": "BadRequestError",
+        "status": 400,
+        "code": "INVALID_REQUEST",
+        "param": "max_tokens",
+        "type": "invalid_request_error",
+    }
+    assert (errors["unknown_model"]["name"], errors["unknown_model"]["status"]) == ("NotFoundError", 404)
+    assert (errors["corrupt_image_streamed"]["name"], errors["corrupt_image_streamed"]["status"]) == (
+        "BadRequestError",
+        400,
+    )
+    assert errors["no_key"]["name"] == "AuthenticationError"
+    assert errors["no_key"]["status"] == 401
 
 
 def test_the_async_sdk_streams_and_completions_take_a_prompt(api: Api) -> None:
