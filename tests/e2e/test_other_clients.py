@@ -99,6 +99,8 @@ def test_grpc_js_sees_what_the_python_client_sees(pair: Pair, tmp_path: Path) ->
     assert len(generated["request_ids"]) == 1
     assert generated["request_ids"][0]
     assert generated["token_ids"] == python_tokens(pair, make_request(PROMPT, [IMAGE], max_tokens=6, min_tokens=6))
+    (compressed,) = seen["generate gzip"]  # its request gzip-compressed: the server inflates it
+    assert (compressed["token_ids"], compressed["error"]) == (generated["token_ids"], None)
     finished = generated["finished"]
     assert finished["finish_reason"] == "FINISH_REASON_LENGTH"
     assert (finished["prompt_tokens"], finished["completion_tokens"]) == (len(tokenized["token_ids"]), 6)

@@ -25,6 +25,10 @@ function load(files, dirs) {
 const mmsplit = load(["mmsplit/tokenizer/v1/tokenizer.proto"], [protosDir]).mmsplit;
 const health = load([path.join(__dirname, "health.proto")], []).grpc.health.v1;
 const tokenizer = new mmsplit.tokenizer.v1.TokenizerService(address, grpc.credentials.createInsecure());
+// The same service with its requests gzip-compressed, as a client may configure.
+const gzipped = new mmsplit.tokenizer.v1.TokenizerService(address, grpc.credentials.createInsecure(), {
+  "grpc.default_compression_algorithm": 2,
+});
 const checker = new health.Health(address, grpc.credentials.createInsecure());
 
 // google.rpc.Status and ErrorInfo, from the googleapis files Python's
@@ -70,10 +74,10 @@ function failure(err) {
 
 // A Generate call's events; `onEvent` may cancel it. Resolves with what
 // came and how it ended (never rejects: a failure is part of the report).
-function generate(request, { seconds = 60, onEvent = () => {} } = {}) {
+function generate(request, { seconds = 60, onEvent = () => {}, client = tokenizer } = {}) {
   return new Promise((resolve) => {
     const events = [];
-    const call = tokenizer.Generate(request, { deadline: deadline(seconds) });
+    const call = client.Generate(request, { deadline: deadline(seconds) });
     call.on("data", (event) => {
       events.push(event);
       onEvent(call, event);
@@ -111,6 +115,7 @@ async function main() {
 
   const greedy = { ...looking, sampling: { max_tokens: 6, min_tokens: 6 } };
   report("generate", summary(await generate(greedy)));
+  report("generate gzip", summary(await generate(greedy, { client: gzipped })));
 
   const corrupt = { prompt: "Describe <image>", images: [{ data: image.subarray(0, 300) }] };
   report("corrupt image", summary(await generate({ ...corrupt, sampling: { max_tokens: 2 } })));
@@ -120,8 +125,7 @@ async function main() {
   report("deadline", summary(await generate(long, { seconds: 0.3 })));
   report("cancel", summary(await generate(long, { onEvent: (call, event) => event.event === "delta" && call.cancel() })));
 
-  tokenizer.close();
-  checker.close();
+  for (const client of [tokenizer, gzipped, checker]) client.close();
 }
 
 main().catch((err) => {
