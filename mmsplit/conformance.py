@@ -13,7 +13,8 @@ the table it prints is the report, and any FAIL makes the exit status 1.
 What it checks, per service:
 - health: `""` (live) and the full service name (ready) are SERVING; an
   unknown service name is NOT_FOUND.
-- reflection lists the service, health and reflection itself.
+- reflection (v1, or v1alpha where v1 is not served) lists the service,
+  health and reflection itself.
 - GetServerInfo: the fields a client relies on are filled in and consistent.
 - a stream's events: (scheduler: exactly one Accepted first), then deltas,
   then exactly one Finished last; the tokens add up; the tokenizer puts the
@@ -53,7 +54,7 @@ import grpc
 
 try:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
-    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2
 except ImportError as exc:  # the light client without its extra
     raise ImportError(
         f"{exc.name} is missing: the conformance kit needs pip install 'mmsplit-client[conformance]'", name=exc.name
@@ -74,6 +75,8 @@ TOKENIZER_SERVICE = tokenizer_pb2.DESCRIPTOR.services_by_name["TokenizerService"
 SCHEDULER_SERVICE = scheduler_pb2.DESCRIPTOR.services_by_name["SchedulerService"].full_name
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 REFLECTION_SERVICE = reflection_pb2.DESCRIPTOR.services_by_name["ServerReflection"].full_name
+# The protocol's current name: the same messages as v1alpha's, in another package.
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
 # Appended to a serialized request: field 1999 as a varint and field 1998 as
 # bytes. Neither exists in any of our messages.
 UNKNOWN_FIELDS = b"\xf8\x7c\x01" + b"\xf2\x7c\x03abc"
@@ -235,14 +238,25 @@ class Kit:
             )
 
         def listed() -> str:
-            stub = reflection_pb2_grpc.ServerReflectionStub(channel)
-            replies = stub.ServerReflectionInfo(
-                iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10, metadata=metadata
-            )
-            names = {s.name for reply in replies for s in reply.list_services_response.service}
-            missing = {service, HEALTH_SERVICE, REFLECTION_SERVICE} - names
-            expect(not missing, f"reflection does not list {sorted(missing)} (lists {sorted(names)})")
-            return ", ".join(sorted(names))
+            # As grpcurl and buf curl do: v1 first, v1alpha where v1 is not served.
+            for reflection_service in (REFLECTION_V1, REFLECTION_SERVICE):
+                ask = channel.stream_stream(
+                    f"/{reflection_service}/ServerReflectionInfo",
+                    request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+                    response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+                )
+                request = reflection_pb2.ServerReflectionRequest(list_services="")
+                try:
+                    replies = list(ask(iter([request]), timeout=10, metadata=metadata))
+                except grpc.RpcError as exc:
+                    if exc.code() == grpc.StatusCode.UNIMPLEMENTED and reflection_service == REFLECTION_V1:
+                        continue
+                    raise
+                names = {s.name for reply in replies for s in reply.list_services_response.service}
+                missing = {service, HEALTH_SERVICE, reflection_service} - names
+                expect(not missing, f"reflection does not list {sorted(missing)} (lists {sorted(names)})")
+                return ", ".join(sorted(names))
+            raise AssertionError("unreachable: v1alpha either answers or raises")
 
         return [
             (f"{label}.health.live", live),

@@ -57,6 +57,9 @@ def test_our_services_pass_every_check(services: Services) -> None:
         "tokenizer.stream.choice",
     ):
         assert got[name] == "PASS"
+    # Reflection is asked as v1 first (its current name), which ours serves.
+    listed = next(line for line in run.stdout.splitlines() if line.startswith("tokenizer.reflection "))
+    assert "grpc.reflection.v1.ServerReflection" in listed, listed
 
 
 class WrongTokenizer(tokenizer_pb2_grpc.TokenizerServiceServicer):
@@ -99,6 +102,10 @@ def test_a_server_that_breaks_the_contract_fails_naming_the_checks(wrong_server:
     # What it does right passes...
     for name in ("tokenizer.health.live", "tokenizer.health.ready", "tokenizer.reflection", "tokenizer.server_info"):
         assert got[name] == "PASS", run.stdout
+    # Its reflection is grpcio's, v1alpha alone: asked for v1, it answers UNIMPLEMENTED, and v1alpha passes.
+    listed = next(line for line in run.stdout.splitlines() if line.startswith("tokenizer.reflection "))
+    assert "grpc.reflection.v1alpha.ServerReflection" in listed, listed
+    assert ".v1.ServerReflection" not in listed, listed
     # ...what it does wrong fails, each error check saying why.
     assert got["tokenizer.stream.events"] == "FAIL"
     assert got["tokenizer.stream.choice"] == "FAIL"
