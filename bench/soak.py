@@ -9,29 +9,42 @@ images never seen before, the rest a rotation of 50 images; every 13th
 client leaves after its first token. Every request ends in success, the
 corrupt ones' MEDIA_DECODE_FAILED, or the leaver's CANCELLED.
 
-    python bench/soak.py [--rounds 10] [--per-round 1000] [--tp 2] [--caches]
+With --http the same load goes through the OpenAI-compatible API and the
+official `openai` SDK (a tiny LLaVA with its chat template), chat
+completions streamed and not, and adds what only that API has: structured
+output with a schema of its own per request (nothing may keep one per
+schema), a tool call, and stored Responses API answers, each continued by
+`previous_response_id`, then deleted (with --caches only half of them: the
+store holds the rest, up to --responses-store-bytes, 64 MiB by default); a
+leaver closes its stream after the first chunk.
+
+    python bench/soak.py [--rounds 10] [--per-round 1000] [--tp 2] [--caches] [--http]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import sys
 import time
+from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import grpc
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import build_model, scratch_dir, table
+from harness import ROOT, build_model, scratch_dir, table
 
 from mmsplit.errors import RemoteError
 from mmsplit.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from mmsplit_cli import samples
 from mmsplit_cli.client import make_request
 from mmsplit_cli.launch import ServiceProcess, scheduler_args, tokenizer_args
+from mmsplit_server.serving import free_port
 
 ROTATION = [samples.encode(samples.gradient(320, 240, seed=i), "JPEG") for i in range(50)]
 CORRUPT = samples.good_png(seed=1)[:300]
@@ -71,6 +84,91 @@ async def one_round(address: str, first: int, count: int, concurrency: int) -> l
         return await asyncio.gather(*(one(i) for i in range(first, first + count)))
 
 
+def chat_request(i: int) -> dict[str, Any]:
+    """Request i of the HTTP load: the chat completion's arguments, and
+    under "_kind" what else it is ("responses" goes to the Responses API)."""
+    kind = i % 10
+    if kind == 3:
+        return {"messages": _looking(CORRUPT), "max_tokens": 2}
+    if kind == 7:
+        return {"messages": [{"role": "user", "content": "Say something."}], "max_tokens": 4, "stop": ["e"]}
+    if kind == 5:
+        return {
+            "messages": _looking(samples.encode(samples.gradient(160, 120, seed=100_000 + i), "JPEG")),
+            "max_tokens": 2,
+        }
+    if kind == 1:  # a schema no earlier request had
+        schema = {"type": "object", "properties": {f"k{i}": {"type": "integer"}}, "required": [f"k{i}"]}
+        form = {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema}}
+        return {"messages": [{"role": "user", "content": "A number."}], "max_tokens": 8, "response_format": form}
+    if kind == 9:
+        return {"_kind": "responses", "messages": _looking(ROTATION[i % len(ROTATION)])}
+    request: dict[str, Any] = {"messages": _looking(ROTATION[i % len(ROTATION)]), "max_tokens": 3}
+    if kind == 8:
+        tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+        request |= {"tools": [tool], "tool_choice": {"type": "function", "function": {"name": "f"}}, "max_tokens": 8}
+    if i % 13 == 0 or (i // 10) % 2:  # every 13th is a leaver: it streams
+        request |= {"stream": True, "stream_options": {"include_usage": True}}
+    return request
+
+
+def _looking(image: bytes) -> list[dict[str, Any]]:
+    url = "data:image/jpeg;base64," + base64.b64encode(image).decode()
+    return [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "Look."}, {"type": "image_url", "image_url": {"url": url}}],
+        }
+    ]
+
+
+async def one_http_round(url: str, model: str, first: int, count: int, concurrency: int, keep: bool) -> list[str]:
+    """Each HTTP request's outcome: "" for success, else its reason."""
+    import openai
+
+    api = openai.AsyncOpenAI(base_url=url, api_key="none", max_retries=0, timeout=120)
+    slots = asyncio.Semaphore(concurrency)
+
+    async def one(i: int) -> str:
+        request = chat_request(i)
+        async with slots:
+            try:
+                if request.pop("_kind", "") == "responses":
+                    content = [{"type": "input_text", "text": "Look."}]
+                    content += [
+                        {"type": "input_image", "image_url": request["messages"][0]["content"][1]["image_url"]["url"]}
+                    ]
+                    answer = await api.responses.create(
+                        model=model, input=[{"role": "user", "content": content}], max_output_tokens=3
+                    )
+                    then = await api.responses.create(
+                        model=model, previous_response_id=answer.id, input="And?", max_output_tokens=2
+                    )
+                    if not keep or (i // 10) % 2:
+                        await api.responses.delete(answer.id)
+                        await api.responses.delete(then.id)
+                    return ""
+                reply = await api.chat.completions.create(model=model, **request)
+                if not request.get("stream"):
+                    return ""
+                async for _ in reply:  # type: ignore[union-attr]
+                    if i % 13 == 0:
+                        await reply.close()  # type: ignore[union-attr]
+                        return "CANCELLED"
+                return ""
+            except openai.APIStatusError as exc:
+                return (
+                    str((exc.body or {}).get("code", exc.status_code))
+                    if isinstance(exc.body, dict)
+                    else str(exc.status_code)
+                )
+
+    try:
+        return await asyncio.gather(*(one(i) for i in range(first, first + count)))
+    finally:
+        await api.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=10)
@@ -79,11 +177,20 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--caches", action="store_true", help="keep both caches on (they grow to their bounds)")
     parser.add_argument("--workdir", type=Path, help="where the model and logs go (default: a temporary directory)")
+    parser.add_argument("--http", action="store_true", help="through the OpenAI-compatible API and the openai SDK")
     args = parser.parse_args()
-    off = [] if args.caches else ["--encoder-cache-bytes", "0"]
+    off = [] if args.caches else ["--encoder-cache-bytes", "0", "--prefix-cache-bytes", "0"]
     tok_off = [] if args.caches else ["--preprocess-cache-bytes", "0"]
+    http = free_port()
+    if args.http:
+        tok_off += ["--http-port", str(http)]
     with scratch_dir(args.workdir) as where:
-        model = build_model("tiny", where)
+        if args.http:  # with its chat template: conversations are what the API takes
+            from mmsplit_cli.tiny_model import build_once
+
+            model = build_once(where / "model-tiny-chat", cache_dir=ROOT / ".cache")
+        else:
+            model = build_model("tiny", where)
         sched = ServiceProcess("scheduler", scheduler_args(model, tp=args.tp, extra=off), where / "scheduler.log")
         tok: ServiceProcess | None = None
         try:
@@ -94,13 +201,25 @@ def main() -> None:
             tok.wait_serving("mmsplit.tokenizer.v1.TokenizerService", 300)
             rank0 = psutil.Process(sched.pid)
             processes = {"tokenizer": psutil.Process(tok.pid), "rank 0": rank0}
-            # Ranks 1.. are spawned children (not the resource tracker).
-            ranks = [p for p in rank0.children() if "spawn_main" in " ".join(p.cmdline())]
+            # Ranks 1.. are rank 0's children that name themselves mmsplit-rankN (not the resource tracker).
+            ranks = sorted(
+                (p for p in rank0.children() if p.name().startswith("mmsplit-rank")), key=psutil.Process.name
+            )
+            assert len(ranks) == args.tp - 1, [p.name() for p in rank0.children()]
             processes |= {f"rank {r}": p for r, p in enumerate(ranks, 1)}
             rows, resident = [], {name: [] for name in processes}
+            seen: Counter[str] = Counter()
             for n in range(args.rounds):
                 started = time.monotonic()
-                outcomes = asyncio.run(one_round(tok.address, n * args.per_round, args.per_round, args.concurrency))
+                if args.http:
+                    where_ = f"http://127.0.0.1:{http}/v1"
+                    round_ = one_http_round(
+                        where_, model.name, n * args.per_round, args.per_round, args.concurrency, keep=args.caches
+                    )
+                else:
+                    round_ = one_round(tok.address, n * args.per_round, args.per_round, args.concurrency)
+                outcomes = asyncio.run(round_)
+                seen.update(outcomes)
                 unexpected = [o for o in outcomes if o not in EXPECTED]
                 if unexpected:
                     raise SystemExit(f"round {n + 1}: unexpected outcomes {sorted(set(unexpected))}")
@@ -112,8 +231,10 @@ def main() -> None:
             if tok is not None:
                 tok.stop()
             sched.stop()
-    print(f"tp={args.tp}, caches {'on' if args.caches else 'off'}, {args.concurrency} clients; resident MiB")
+    over = "HTTP (openai SDK)" if args.http else "gRPC"
+    print(f"{over}, tp={args.tp}, caches {'on' if args.caches else 'off'}, {args.concurrency} clients; resident MiB")
     print(table(["requests", "round s", *processes], rows))
+    print("outcomes:", ", ".join(f"{k or 'ok'} {v}" for k, v in sorted(seen.items())))
     if args.rounds >= 4:
         # Growth that levels off (allocators, the KV cache's chunks) is not a
         # leak: the second half of the run shows whether it goes on.
