@@ -85,25 +85,20 @@ async def one_round(address: str, first: int, count: int, concurrency: int) -> l
 
 
 def chat_request(i: int) -> dict[str, Any]:
-    """Request i of the HTTP load: the chat completion's arguments, and
-    under "_kind" what else it is ("responses" goes to the Responses API)."""
+    """Request i of the HTTP load (one that is not `responses_request`): the chat completion's arguments."""
     kind = i % 10
     if kind == 3:
-        return {"messages": _looking(CORRUPT), "max_tokens": 2}
+        return {"messages": [_looking(_image_url(CORRUPT))], "max_tokens": 2}
     if kind == 7:
         return {"messages": [{"role": "user", "content": "Say something."}], "max_tokens": 4, "stop": ["e"]}
     if kind == 5:
-        return {
-            "messages": _looking(samples.encode(samples.gradient(160, 120, seed=100_000 + i), "JPEG")),
-            "max_tokens": 2,
-        }
+        fresh = samples.encode(samples.gradient(160, 120, seed=100_000 + i), "JPEG")
+        return {"messages": [_looking(_image_url(fresh))], "max_tokens": 2}
     if kind == 1:  # a schema no earlier request had
         schema = {"type": "object", "properties": {f"k{i}": {"type": "integer"}}, "required": [f"k{i}"]}
         form = {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema}}
         return {"messages": [{"role": "user", "content": "A number."}], "max_tokens": 8, "response_format": form}
-    if kind == 9:
-        return {"_kind": "responses", "messages": _looking(ROTATION[i % len(ROTATION)])}
-    request: dict[str, Any] = {"messages": _looking(ROTATION[i % len(ROTATION)]), "max_tokens": 3}
+    request: dict[str, Any] = {"messages": [_looking(_image_url(ROTATION[i % len(ROTATION)]))], "max_tokens": 3}
     if kind == 8:
         tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
         request |= {"tools": [tool], "tool_choice": {"type": "function", "function": {"name": "f"}}, "max_tokens": 8}
@@ -112,56 +107,59 @@ def chat_request(i: int) -> dict[str, Any]:
     return request
 
 
-def _looking(image: bytes) -> list[dict[str, Any]]:
-    url = "data:image/jpeg;base64," + base64.b64encode(image).decode()
-    return [
-        {
-            "role": "user",
-            "content": [{"type": "text", "text": "Look."}, {"type": "image_url", "image_url": {"url": url}}],
-        }
-    ]
+def responses_request(i: int) -> bool:
+    """Whether request i of the HTTP load goes to the Responses API."""
+    return i % 10 == 9
+
+
+def _image_url(image: bytes) -> str:
+    return "data:image/jpeg;base64," + base64.b64encode(image).decode()
+
+
+def _looking(url: str) -> dict[str, Any]:
+    return {
+        "role": "user",
+        "content": [{"type": "text", "text": "Look."}, {"type": "image_url", "image_url": {"url": url}}],
+    }
 
 
 async def one_http_round(url: str, model: str, first: int, count: int, concurrency: int, keep: bool) -> list[str]:
-    """Each HTTP request's outcome: "" for success, else its reason."""
+    """Each HTTP request's outcome: "" for success, else its reason (the
+    error's code). `keep`: half of the stored responses are left in the store."""
     import openai
 
     api = openai.AsyncOpenAI(base_url=url, api_key="none", max_retries=0, timeout=120)
     slots = asyncio.Semaphore(concurrency)
 
+    async def stored(i: int) -> None:
+        content = [{"type": "input_text", "text": "Look."}]
+        content.append({"type": "input_image", "image_url": _image_url(ROTATION[i % len(ROTATION)])})
+        answer = await api.responses.create(
+            model=model, input=[{"role": "user", "content": content}], max_output_tokens=3
+        )
+        then = await api.responses.create(
+            model=model, previous_response_id=answer.id, input="And?", max_output_tokens=2
+        )
+        if not keep or (i // 10) % 2:
+            await api.responses.delete(answer.id)
+            await api.responses.delete(then.id)
+
     async def one(i: int) -> str:
-        request = chat_request(i)
         async with slots:
             try:
-                if request.pop("_kind", "") == "responses":
-                    content = [{"type": "input_text", "text": "Look."}]
-                    content += [
-                        {"type": "input_image", "image_url": request["messages"][0]["content"][1]["image_url"]["url"]}
-                    ]
-                    answer = await api.responses.create(
-                        model=model, input=[{"role": "user", "content": content}], max_output_tokens=3
-                    )
-                    then = await api.responses.create(
-                        model=model, previous_response_id=answer.id, input="And?", max_output_tokens=2
-                    )
-                    if not keep or (i // 10) % 2:
-                        await api.responses.delete(answer.id)
-                        await api.responses.delete(then.id)
+                if responses_request(i):
+                    await stored(i)
                     return ""
+                request = chat_request(i)
                 reply = await api.chat.completions.create(model=model, **request)
-                if not request.get("stream"):
-                    return ""
-                async for _ in reply:  # type: ignore[union-attr]
-                    if i % 13 == 0:
-                        await reply.close()  # type: ignore[union-attr]
-                        return "CANCELLED"
+                if request.get("stream"):
+                    async for _ in reply:  # type: ignore[union-attr]
+                        if i % 13 == 0:
+                            await reply.close()  # type: ignore[union-attr]
+                            return "CANCELLED"
                 return ""
             except openai.APIStatusError as exc:
-                return (
-                    str((exc.body or {}).get("code", exc.status_code))
-                    if isinstance(exc.body, dict)
-                    else str(exc.status_code)
-                )
+                return exc.code or str(exc.status_code)
 
     try:
         return await asyncio.gather(*(one(i) for i in range(first, first + count)))
@@ -181,7 +179,7 @@ def main() -> None:
     args = parser.parse_args()
     off = [] if args.caches else ["--encoder-cache-bytes", "0", "--prefix-cache-bytes", "0"]
     tok_off = [] if args.caches else ["--preprocess-cache-bytes", "0"]
-    http = free_port()
+    http = free_port() if args.http else 0
     if args.http:
         tok_off += ["--http-port", str(http)]
     with scratch_dir(args.workdir) as where:
@@ -212,9 +210,13 @@ def main() -> None:
             for n in range(args.rounds):
                 started = time.monotonic()
                 if args.http:
-                    where_ = f"http://127.0.0.1:{http}/v1"
                     round_ = one_http_round(
-                        where_, model.name, n * args.per_round, args.per_round, args.concurrency, keep=args.caches
+                        f"http://127.0.0.1:{http}/v1",
+                        model.name,
+                        n * args.per_round,
+                        args.per_round,
+                        args.concurrency,
+                        keep=args.caches,
                     )
                 else:
                     round_ = one_round(tok.address, n * args.per_round, args.per_round, args.concurrency)
