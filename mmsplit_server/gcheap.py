@@ -13,8 +13,9 @@ what exists once the service is up into the collector's permanent
 generation (`gc.freeze`), which no collection walks again: a full
 collection then walks only what serving made. Reference counting still
 frees frozen objects as ever; only a reference cycle among them would
-stay, which is why garbage is collected first and why this is called once
-per process, at the end of its start-up.
+stay, which is why garbage is collected first and why this is called at
+the end of a process's start-up (and, in a CPU group's rank 0, also just
+before it forks the other ranks, so each of them walks only its own).
 
 `Pauses` counts the collections and the time they held the process, per
 generation, for the metrics (`mmsplit_<service>_gc_*`).

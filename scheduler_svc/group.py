@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+from mmsplit_server import gcheap
 from mmsplit_server.serving import exit_now, free_port, name_process
 from scheduler_svc import shm_allreduce
 from scheduler_svc.rendezvous import Rendezvous
@@ -166,6 +167,12 @@ def start_late(settings: SchedulerSettings) -> LocalRanks | None:
     if settings.launch == "env" or settings.tp <= 1:
         return None
     method = "fork" if forkable(settings) and threading.active_count() == 1 else "spawn"
+    if method == "fork":
+        # The imports every fork shares, out of the collector's reach once,
+        # here: each rank's own freeze at the end of its start-up then walks
+        # only what it made (and no collection in a rank touches, so copies,
+        # the pages it shares with rank 0).
+        gcheap.freeze()
     ranks = LocalRanks(settings, method)
     ranks.start()
     return ranks
