@@ -19,7 +19,7 @@ from mmsplit_server import gcheap
 from mmsplit_server.handoff import cuda_ipc, files
 from mmsplit_server.serving import setup_logging
 from mmsplit_server.structured import Grammars
-from scheduler_svc import counted_sums, shm_allreduce
+from scheduler_svc import counted_sums, experts, shm_allreduce
 from scheduler_svc.collective import TorchCollective, init_group, pick_device
 from scheduler_svc.engine import Engine
 from scheduler_svc.loop import run_follower
@@ -67,6 +67,8 @@ def bootstrap(settings: SchedulerSettings, rendezvous: Rendezvous | None, arena:
         dtype=dtype,
         tp_plan_overrides=info.family.tp_plan_overrides(),
     )
+    if info.family.splits_experts_after_load:
+        experts.split(model)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         short = memory_shortfall(settings, info, dtype.itemsize, free)

@@ -136,6 +136,13 @@ class Family:
         return {}
 
     @property
+    def splits_experts_after_load(self) -> bool:
+        """Whether `tp_plan_overrides` loads fused experts whole on every
+        rank for the scheduler to split over the ranks once loaded
+        (`scheduler_svc.experts`)."""
+        return False
+
+    @property
     def uses_mrope(self) -> bool:
         return False
 

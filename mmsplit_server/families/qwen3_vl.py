@@ -24,8 +24,8 @@ from the model's own `get_rope_index`, as in `qwen2_vl`. What differs:
   (`sized_frames`).
 
 Qwen3-VL-MoE (`qwen3_vl_moe`) is the same with a mixture-of-experts text
-model; over TP ranks its experts stay whole on every rank
-(`tp_plan_overrides`).
+model; over TP ranks its experts are loaded whole on every rank
+(`tp_plan_overrides`), then split by the scheduler (`scheduler_svc.experts`).
 """
 
 from __future__ import annotations
@@ -59,15 +59,19 @@ class Qwen3VL(QwenVL):
         return True
 
     def tp_plan_overrides(self) -> dict[str, str]:
-        """Qwen3-VL-MoE: its experts whole on every rank. transformers (5.23)
-        cannot load them split (their down_proj is cut along the checkpoint's
-        layout, not the model's: a size mismatch); replicated, each rank
-        computes every expert's output for its tokens and no sum is needed,
-        while attention and the rest stay split."""
+        """Qwen3-VL-MoE: its experts loaded whole on every rank. transformers
+        (5.23) cannot load them split (their down_proj is cut along the
+        checkpoint's layout, not the model's: a size mismatch); the
+        scheduler splits them once loaded (`splits_experts_after_load`),
+        while attention and the rest are split as the model's plan says."""
         if self.model_type != "qwen3_vl_moe":
             return {}
         experts = "model.language_model.layers.*.mlp.experts"
         return dict.fromkeys((experts, f"{experts}.gate_up_proj", f"{experts}.down_proj"), "replicate")
+
+    @property
+    def splits_experts_after_load(self) -> bool:
+        return self.model_type == "qwen3_vl_moe"
 
     def expand(self, modality: int, tokens: int, times: tuple[float, ...] = ()) -> str:
         if modality != VIDEO:

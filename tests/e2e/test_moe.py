@@ -1,7 +1,8 @@
 """Qwen3-VL's mixture-of-experts variant (`qwen3_vl_moe`): the Qwen3-VL
-adapter serves it at TP=2 (its experts whole on each rank:
-`Qwen3VL.tp_plan_overrides`), prefilling in chunks, with greedy tokens and
-log probabilities equal to the model's own `generate` for text, images and
+adapter serves it at TP=2 (its experts loaded whole on each rank:
+`Qwen3VL.tp_plan_overrides`, then split over the two by
+`scheduler_svc.experts`), prefilling in chunks, with greedy tokens and log
+probabilities equal to the model's own `generate` for text, images and
 videos in one batch."""
 
 from __future__ import annotations
@@ -30,4 +31,6 @@ def test_qwen3_vl_moe_at_tp2_gives_the_model_s_tokens_for_text_images_and_videos
         greedy.equal_to_the_model(FAMILY, pair, greedy.asks(FAMILY, video=True, images=images), max_tokens=6)
         log = pair.scheduler.log_path.read_text()
         assert log.count("prefilled in chunks") >= 8, "the media asks were not prefilled in chunks (a line per rank)"
+        split = [line for line in log.splitlines() if "MoE layers split over 2 ranks" in line]
+        assert len(split) == 2, "each rank keeps half of every expert"
         assert wait_until(lambda: rank_active_requests(pair.scheduler_address) == [0, 0], timeout=10)
