@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import threading
 import urllib.request
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import psutil
@@ -12,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from mmsplit.common.v1 import common_pb2
 from mmsplit.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from mmsplit.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from mmsplit_cli.client import Outcome, run_request
 from tests.support.local_token import scheduler_channel
 
 
@@ -81,3 +85,20 @@ def png(height: int, width: int, seed: int) -> bytes:
     buf = io.BytesIO()
     Image.fromarray(pixels).save(buf, format="PNG")
     return buf.getvalue()
+
+
+def sent_together(
+    stub: tokenizer_pb2_grpc.TokenizerServiceStub,
+    requests: Sequence[tokenizer_pb2.GenerateRequest],
+    timeout: float = 120,
+) -> list[Outcome]:
+    """Each request from a thread of its own, all let go at once (so that
+    they share the scheduler's steps); their outcomes, in order."""
+    barrier = threading.Barrier(len(requests))
+
+    def send(request: tokenizer_pb2.GenerateRequest) -> Outcome:
+        barrier.wait()
+        return run_request(stub, request, timeout=timeout)
+
+    with ThreadPoolExecutor(len(requests)) as pool:
+        return list(pool.map(send, requests))

@@ -12,10 +12,8 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -29,7 +27,7 @@ from mmsplit.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from mmsplit_cli import samples
 from mmsplit_cli.client import make_request, run_request
 from tests.conftest import SCHEDULER_SERVICE, TOKENIZER_SERVICE, Services
-from tests.e2e.helpers import health_status, png, rank_active_requests, scheduler_info
+from tests.e2e.helpers import health_status, png, rank_active_requests, scheduler_info, sent_together
 from tests.support import family_kit, greedy, video_corpus
 from tests.support.leaks import PROJECT_PREFIX, project_segments, wait_until
 from tests.support.local_token import scheduler_channel
@@ -229,14 +227,7 @@ def test_a_prefill_that_raises_on_one_rank_fails_that_request_alone(family_pair:
         stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
         alone = [run_request(stub, good, timeout=120).token_ids for good in goods]
         doomed = make_request(long_text, max_tokens=8, request_id=f"inject-forward-failure-rank1-{family}")
-        barrier = threading.Barrier(len(goods) + 1)
-
-        def send(request: tokenizer_pb2.GenerateRequest):  # type: ignore[no-untyped-def]
-            barrier.wait()
-            return run_request(stub, request, timeout=120)
-
-        with ThreadPoolExecutor(len(goods) + 1) as pool:
-            *together, failed = pool.map(send, [*goods, doomed])
+        *together, failed = sent_together(stub, [*goods, doomed])
         assert [out.token_ids for out in together] == alone
         assert all(out.ok for out in together), together
         assert (failed.grpc_code, failed.reason) == ("INTERNAL", "INTERNAL"), failed

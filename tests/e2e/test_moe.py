@@ -14,18 +14,16 @@ any sum alike.)"""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
 import pytest
 
-from mmsplit.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from mmsplit.tokenizer.v1 import tokenizer_pb2_grpc
 from mmsplit_cli.client import make_request, run_request
 from tests.conftest import SCHEDULER_SERVICE
-from tests.e2e.helpers import health_status, png, rank_active_requests
+from tests.e2e.helpers import health_status, png, rank_active_requests, sent_together
 from tests.support import greedy
 from tests.support.leaks import wait_until
 from tests.support.services import Pair, running_pair
@@ -66,14 +64,7 @@ def test_a_forward_that_raises_on_one_rank_fails_that_request_alone(moe_pair: Pa
         doomed = make_request(
             "Tell me all about tides and maps.", max_tokens=6, request_id="inject-forward-failure-rank1"
         )
-        barrier = threading.Barrier(len(goods) + 1)
-
-        def send(request: tokenizer_pb2.GenerateRequest):  # type: ignore[no-untyped-def]
-            barrier.wait()
-            return run_request(stub, request, timeout=120)
-
-        with ThreadPoolExecutor(len(goods) + 1) as pool:
-            *together, failed = pool.map(send, [*goods, doomed])
+        *together, failed = sent_together(stub, [*goods, doomed])
         assert [out.token_ids for out in together] == alone
         assert (failed.grpc_code, failed.reason) == ("INTERNAL", "INTERNAL"), failed
         assert "the model failed on this request in" in failed.message, failed
