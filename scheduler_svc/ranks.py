@@ -67,7 +67,7 @@ def bootstrap(settings: SchedulerSettings, rendezvous: Rendezvous | None, arena:
         dtype=dtype,
         tp_plan_overrides=info.family.tp_plan_overrides(),
     )
-    if info.family.splits_experts_after_load:
+    if info.family.splits_experts_after_load and settings.moe_experts == "split":
         experts.split(model)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)

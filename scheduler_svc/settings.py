@@ -174,6 +174,14 @@ class SchedulerSettings(ServiceSettings):
         "weight up to 2x faster; the values are the same (laying it out copies it once, at start-up)",
         choices=("auto", "stored", "columns"),  # head_layout.LAYOUTS (this module does not import torch)
     )
+    moe_experts: str = _opt(
+        "split",
+        "where a mixture-of-experts model's experts sit on a TP group (Qwen3-VL-MoE): 'split', each rank keeps "
+        "1/n of every expert and computes 1/n of its work (one more sum per MoE layer), or 'whole', every rank "
+        "keeps and runs every expert (on a CPU host the ranks then share the checkpoint's pages: less memory, "
+        "more time; on GPUs n times the experts' memory)",
+        choices=("split", "whole"),
+    )
     max_message_bytes: int = _opt(256 * 1024 * 1024, "largest gRPC message, bytes", min=1024)
     stats_interval_s: float = _opt(10.0, "how often the step loop logs its statistics", min=0.01)
 
