@@ -66,8 +66,6 @@ def fused_experts(model: torch.nn.Module) -> list[tuple[torch.nn.Module, Any]]:
         gate_up, down = _local(gate_up), _local(down)
         if gate_up.shape[:2] != (down.shape[0], 2 * down.shape[2]) or gate_up.shape[2] != down.shape[1]:
             continue  # not [experts, 2 x I, hidden] and [experts, hidden, I]
-        if getattr(experts, "is_transposed", False):
-            continue  # [experts, hidden, 2 x I]: another layout than the one cut here
         found.append((block, experts))
     return found
 
@@ -90,8 +88,6 @@ def split(model: torch.nn.Module) -> int:
     rank makes the same choice."""
     import torch.distributed as dist
 
-    if not dist.is_initialized():
-        return 0
     group = tp_group(model)
     return split_blocks(fused_experts(model), dist.get_rank(group), dist.get_world_size(group), group)
 
@@ -128,11 +124,8 @@ def _summed(group: Any) -> Any:
     def hook(module: torch.nn.Module, args: Any, output: Any) -> Any:
         from transformers.distributed import tensor_parallel
 
-        partial = output[0] if isinstance(output, tuple) else output
-        summed = partial.contiguous()  # summed in place: itself, where it is contiguous already
+        summed = output.contiguous()  # summed in place: the output itself, as it is contiguous already
         tensor_parallel.dist.all_reduce(summed, group=group)
-        if summed is partial:
-            return output
-        return (summed, *output[1:]) if isinstance(output, tuple) else summed
+        return summed
 
     return hook

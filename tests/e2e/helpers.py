@@ -16,7 +16,10 @@ from mmsplit.common.v1 import common_pb2
 from mmsplit.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from mmsplit.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from mmsplit_cli.client import Outcome, run_request
+from tests.conftest import SCHEDULER_SERVICE
+from tests.support.leaks import wait_until
 from tests.support.local_token import scheduler_channel
+from tests.support.services import Pair
 
 
 def tokenizer_stub(channel: grpc.Channel) -> tokenizer_pb2_grpc.TokenizerServiceStub:
@@ -102,3 +105,12 @@ def sent_together(
 
     with ThreadPoolExecutor(len(requests)) as pool:
         return list(pool.map(send, requests))
+
+
+def the_group_went_on(pair: Pair, pid: int) -> None:
+    """After one request failed alone: the scheduler kept its process (`pid`),
+    serves, and no rank still holds a request."""
+    assert pair.scheduler.pid == pid
+    assert pair.scheduler.proc.poll() is None
+    assert health_status(pair.scheduler_address, SCHEDULER_SERVICE) == "SERVING"
+    assert wait_until(lambda: rank_active_requests(pair.scheduler_address) == [0, 0], timeout=10)

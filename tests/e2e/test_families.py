@@ -27,7 +27,7 @@ from mmsplit.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from mmsplit_cli import samples
 from mmsplit_cli.client import make_request, run_request
 from tests.conftest import SCHEDULER_SERVICE, TOKENIZER_SERVICE, Services
-from tests.e2e.helpers import health_status, png, rank_active_requests, scheduler_info, sent_together
+from tests.e2e.helpers import health_status, png, rank_active_requests, scheduler_info, sent_together, the_group_went_on
 from tests.support import family_kit, greedy, video_corpus
 from tests.support.leaks import PROJECT_PREFIX, project_segments, wait_until
 from tests.support.local_token import scheduler_channel
@@ -235,10 +235,7 @@ def test_a_prefill_that_raises_on_one_rank_fails_that_request_alone(family_pair:
         if family in CHUNKED:
             assert "a chunk of its prefill" in failed.message, failed
         assert run_request(stub, goods[0], timeout=120).token_ids == alone[0]
-    assert pair.scheduler.pid == pid
-    assert pair.scheduler.proc.poll() is None
-    assert health_status(pair.scheduler_address, SCHEDULER_SERVICE) == "SERVING"
-    assert wait_until(lambda: rank_active_requests(pair.scheduler_address) == [0, 0], timeout=10)
+    the_group_went_on(pair, pid)
 
 
 def _media_outcome(stub: tokenizer_pb2_grpc.TokenizerServiceStub, request: tokenizer_pb2.GenerateRequest) -> str:

@@ -22,8 +22,7 @@ import pytest
 
 from mmsplit.tokenizer.v1 import tokenizer_pb2_grpc
 from mmsplit_cli.client import make_request, run_request
-from tests.conftest import SCHEDULER_SERVICE
-from tests.e2e.helpers import health_status, png, rank_active_requests, sent_together
+from tests.e2e.helpers import png, rank_active_requests, sent_together, the_group_went_on
 from tests.support import greedy
 from tests.support.leaks import wait_until
 from tests.support.services import Pair, running_pair
@@ -69,7 +68,4 @@ def test_a_forward_that_raises_on_one_rank_fails_that_request_alone(moe_pair: Pa
         assert (failed.grpc_code, failed.reason) == ("INTERNAL", "INTERNAL"), failed
         assert "the model failed on this request in" in failed.message, failed
         assert run_request(stub, goods[0], timeout=120).token_ids == alone[0]
-    assert pair.scheduler.pid == pid
-    assert pair.scheduler.proc.poll() is None
-    assert health_status(pair.scheduler_address, SCHEDULER_SERVICE) == "SERVING"
-    assert wait_until(lambda: rank_active_requests(pair.scheduler_address) == [0, 0], timeout=10)
+    the_group_went_on(pair, pid)
