@@ -34,12 +34,12 @@ def stub(services: Services):  # type: ignore[no-untyped-def]
 def reference_greedy(model_dir: Path, prompt: str, images: list[bytes], max_tokens: int) -> list[int]:
     """The same request run in this process by the plain transformers model,
     no tensor parallelism, no services: the tokens the services must match."""
-    from transformers import AutoModelForImageTextToText, AutoProcessor
+    from transformers import AutoModelForImageTextToText
 
     from tests.support import hf_family
     from tokenizer_svc.decode import decode_image
 
-    processor = AutoProcessor.from_pretrained(model_dir)
+    processor = hf_family.processor(model_dir)
     inputs = hf_family.inputs(processor, prompt, [decode_image(b, max_pixels=10**8) for b in images])
     ids = inputs["input_ids"][0].tolist()
     pixels = list(inputs["pixel_values"]) if images else []
@@ -386,7 +386,7 @@ def test_prompt_logprobs_over_two_ranks_are_the_single_process_model_s(stub, ser
     read, each one's log probability, rank and top 3 on log_softmax of one
     full forward in this process, before the first delta; the generated
     tokens are unchanged."""
-    from transformers import AutoModelForImageTextToText, AutoProcessor
+    from transformers import AutoModelForImageTextToText
 
     from tests.support import hf_family
     from tokenizer_svc.decode import decode_image
@@ -399,7 +399,7 @@ def test_prompt_logprobs_over_two_ranks_are_the_single_process_model_s(stub, ser
     assert kinds[0] == "prompt_logprobs"
     assert kinds.count("prompt_logprobs") == 1
     scored = events[0].prompt_logprobs
-    processor = AutoProcessor.from_pretrained(services.model)
+    processor = hf_family.processor(services.model)
     inputs = hf_family.inputs(processor, "Describe it.", [decode_image(image, max_pixels=10**8)])
     ids = inputs["input_ids"][0].tolist()
     assert list(scored.token_ids) == ids

@@ -32,6 +32,7 @@ from mmsplit_cli import samples
 from mmsplit_cli.client import run_request
 from mmsplit_server.serving import free_port
 from tests.e2e.helpers import rank_active_requests, tokenizer_info
+from tests.support import hf_loaded
 from tests.support.leaks import PROJECT_PREFIX, project_segments, wait_until
 from tests.support.services import ROOT, FreePort, Pair, running_pair
 
@@ -362,8 +363,6 @@ def test_vllm_s_min_p_ignore_eos_and_include_stop_str_in_output(api: Api) -> Non
     the bias makes certain (to max_tokens, finish_reason length; without
     it: stop at once); min_p 1 at a high temperature keeps only the
     likeliest token: the greedy text."""
-    from transformers import AutoTokenizer
-
     client = api.client()
     question = [{"role": "user", "content": "Count: one two three"}]
     free = client.chat.completions.create(model=api.model, messages=question, max_tokens=12).choices[0].message.content
@@ -373,7 +372,7 @@ def test_vllm_s_min_p_ignore_eos_and_include_stop_str_in_output(api: Api) -> Non
         model=api.model, messages=question, max_tokens=12, stop=[cut], extra_body={"include_stop_str_in_output": True}
     )
     assert kept.choices[0].message.content == free[: free.index(cut) + len(cut)]
-    eos = AutoTokenizer.from_pretrained(api.pair.model).eos_token_id
+    eos = hf_loaded.tokenizer(api.pair.model).eos_token_id
     ended = {"model": api.model, "messages": question, "max_tokens": 5, "logit_bias": {str(eos): 100}}
     short = client.chat.completions.create(**ended)  # type: ignore[call-overload]
     assert (short.choices[0].finish_reason, short.usage.completion_tokens) == ("stop", 1)
@@ -1158,9 +1157,7 @@ def test_tokenize_and_detokenize_give_the_ids_generation_uses(api: Api) -> None:
     assert status == 200
     assert "Hello there, friend." in text["prompt"], text  # (inside the chat template's user turn)
     # As lm-evaluation-harness's remote tokenizer asks: the text's own tokens, no BOS, no template.
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(api.pair.model)
+    tokenizer = hf_loaded.tokenizer(api.pair.model)
     status, raw = post("/tokenize", {"prompt": "Hello there, friend.", "add_special_tokens": False})
     assert status == 200
     assert raw["tokens"] == tokenizer("Hello there, friend.", add_special_tokens=False)["input_ids"]
@@ -1267,12 +1264,10 @@ def test_a_prompt_is_scored_as_lm_evaluation_harness_asks_with_echo_and_logprobs
     vLLM's prompt_logprobs give the same numbers with each token's rank,
     and over gRPC (prompt_token_ids, SamplingParams.prompt_logprobs) every
     choice gets them before its first token."""
-    from transformers import AutoTokenizer
-
     from mmsplit.tokenizer.v1 import tokenizer_pb2
 
     client = api.client()
-    tokenizer = AutoTokenizer.from_pretrained(api.pair.model)
+    tokenizer = hf_loaded.tokenizer(api.pair.model)
     prompts = [[1, 415, 2936, 9060, 285], [1, 9060, 415, 2936, 28705, 17]]
     reply = client.completions.create(
         model=api.model, prompt=prompts, max_tokens=1, temperature=0, logprobs=1, echo=True, seed=1234

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import grpc
 import pytest
-from transformers import AutoTokenizer
 
 from mmsplit.tokenizer.v1 import tokenizer_pb2_grpc
 from mmsplit_cli import samples
 from mmsplit_cli.client import make_request, run_request
+from tests.support import hf_loaded
 from tests.support.services import Pair, running_pair
 
 pytestmark = pytest.mark.e2e
@@ -58,7 +58,7 @@ def test_a_stop_string_inside_a_message_ends_the_text_before_it(pair: Pair, tiny
     assert stopped.finish_reason == "FINISH_REASON_STOP"
     assert stopped.text == free.text[: free.text.index(stop)]
     # As with one token a message: the tokens end with the one the stop string falls in.
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    tokenizer = hf_loaded.tokenizer(tiny_model)
     kept = len(stopped.token_ids)
     assert stopped.token_ids == free.token_ids[:kept]
     assert stop in tokenizer.decode(free.token_ids[:kept], skip_special_tokens=True)

@@ -10,6 +10,7 @@ import torch
 
 from mmsplit_server.sampling import Sampling
 from scheduler_svc.sampler import LogitAdjust, RowSampling, Sampler, make_generator, row_argmax
+from tests.support import hf_loaded
 
 EOS = 3
 CPU = torch.device("cpu")
@@ -270,14 +271,12 @@ def test_structured_output_draws_only_what_keeps_the_document_in_its_schema(tiny
     the unconstrained row beside them gets its own argmax every step."""
     import json
 
-    from transformers import AutoTokenizer
-
     from mmsplit.checks import SCHEMA  # the conformance kits' schema
     from mmsplit_server.structured import Grammars
 
-    eos = AutoTokenizer.from_pretrained(tiny_model).eos_token_id
+    eos = hf_loaded.tokenizer(tiny_model).eos_token_id
     grammars = Grammars(tiny_model, frozenset([eos]))
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    tokenizer = hf_loaded.tokenizer(tiny_model)
     sampler = Sampler(frozenset([eos]))
     for seed in range(3):
         structure = ("json_schema", json.dumps(SCHEMA))

@@ -19,10 +19,13 @@ class Node:
 
 @pytest.fixture
 def unfrozen() -> Iterator[None]:
-    """This test process's heap as it was: what a test froze is unfrozen."""
+    """This test process's heap with nothing frozen (the suite freezes its
+    own: tests/conftest.py), then frozen again."""
+    gc.unfreeze()
     assert gc.get_freeze_count() == 0
     yield
-    gc.unfreeze()
+    gc.collect()
+    gc.freeze()
 
 
 def test_freeze_collects_the_garbage_first_and_freezes_what_lives(unfrozen: None) -> None:

@@ -15,6 +15,7 @@ from mmsplit.common.v1 import common_pb2
 from mmsplit.scheduler.v1 import scheduler_pb2
 from mmsplit_server import families
 from mmsplit_server.handoff.reference import NUMPY_TO_DTYPE
+from tests.support import hf_loaded
 from tokenizer_svc.prompt import Media, PromptBuilder
 
 MARKERS = {
@@ -77,11 +78,9 @@ def inline(array: np.ndarray) -> common_pb2.TensorRef:
 
 
 def kit(model_dir: Path) -> Kit:
-    from transformers import AutoImageProcessor, AutoTokenizer
-
-    processor = AutoImageProcessor.from_pretrained(model_dir)
+    processor = hf_loaded.image_processor(model_dir)
     family = families.load(model_dir, frozenset(processor.model_input_names))
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = hf_loaded.tokenizer(model_dir)
     return Kit(model_dir, family, tokenizer, processor, PromptBuilder(family, tokenizer))
 
 

@@ -17,9 +17,13 @@ from typing import Any
 
 import torch
 
+from tests.support import hf_loaded
 
+
+@hf_loaded.once_per_files
 def processor(model_dir: Path) -> Any:
-    from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer, processing_utils
+    """The model's processor (shared: loaded once per test process and directory)."""
+    from transformers import AutoProcessor, processing_utils
 
     model_type = json.loads((model_dir / "config.json").read_text())["model_type"]
     if model_type not in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"):
@@ -36,10 +40,10 @@ def processor(model_dir: Path) -> Any:
     processing_utils.ProcessorMixin.check_argument_for_proper_class = (  # type: ignore[method-assign]
         lambda self, name, arg: None if arg is None else check(self, name, arg)
     )
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = hf_loaded.tokenizer(model_dir)
     try:
         return cls(
-            image_processor=AutoImageProcessor.from_pretrained(model_dir),
+            image_processor=hf_loaded.image_processor(model_dir),
             tokenizer=tokenizer,
             video_processor=None,
             # What from_pretrained reads from the directory's chat_template.jinja.

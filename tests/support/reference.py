@@ -21,9 +21,11 @@ class Ask:
 
 @functools.lru_cache(maxsize=2)
 def _load(model_dir: Path) -> tuple[Any, Any]:
-    from transformers import AutoModelForImageTextToText, AutoProcessor
+    from transformers import AutoModelForImageTextToText
 
-    processor = AutoProcessor.from_pretrained(model_dir)
+    from tests.support import hf_family
+
+    processor = hf_family.processor(model_dir)
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
     return processor, model
 

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 from tokenizers.decoders import DecodeStream
 
+from tests.support import hf_loaded
 from tokenizer_svc.detokenize import IncrementalDecoder, StopMatcher, StreamDecoder, make_decoder, stream_text
 
 MIXED = (
@@ -19,9 +20,7 @@ MIXED = (
 
 @pytest.fixture(scope="module")
 def tokenizer(tiny_model: Path) -> Any:
-    from transformers import AutoProcessor
-
-    return AutoProcessor.from_pretrained(tiny_model).tokenizer
+    return hf_loaded.tokenizer(tiny_model)
 
 
 class CountingTokenizer:
