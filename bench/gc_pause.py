@@ -75,7 +75,8 @@ def measure_heap(service: str, model_dir: Path, reps: int) -> dict[str, float]:
     kept = build_heap(service, model_dir)
     objects = len(gc.get_objects())
     before = full_collection_ms(reps)
-    frozen = gcheap.freeze()
+    gcheap.freeze()
+    frozen = gc.get_freeze_count()
     after = full_collection_ms(reps)
     del kept
     return {"objects": objects, "frozen": frozen, "before_ms": before, "after_ms": after}

@@ -33,19 +33,17 @@ log = logging.getLogger(__name__)
 GENERATIONS = ("0", "1", "2")
 
 
-def freeze() -> int:
-    """Collect the garbage there is, then freeze every object left; the
-    number of objects now frozen."""
+def freeze() -> None:
+    """Collect the garbage there is, then freeze every object left. (Not
+    counted: `gc.get_freeze_count()` walks every frozen object, ~70 ms for
+    a service's ~390,000, where the collection and the freeze of a process
+    whose imports are frozen already take ~3 ms.)"""
     started = time.perf_counter()
     gc.collect()
     gc.freeze()
-    frozen = gc.get_freeze_count()
     log.info(
-        "%d start-up objects moved out of the garbage collector's reach (%.2f s)",
-        frozen,
-        time.perf_counter() - started,
+        "the start-up's objects moved out of the garbage collector's reach (%.3f s)", time.perf_counter() - started
     )
-    return frozen
 
 
 class Pauses:
