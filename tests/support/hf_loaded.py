@@ -24,6 +24,7 @@ _READ = (
     "chat_template.json",
     "preprocessor_config.json",
     "processor_config.json",
+    "video_preprocessor_config.json",
     "config.json",
 )
 
