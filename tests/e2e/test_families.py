@@ -12,7 +12,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -40,12 +39,13 @@ CHUNKED = ("qwen2-vl", "qwen3-vl")
 
 
 @pytest.fixture(scope="module")
-def family_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """The pairs' allowed media directory (a video named clip.png in it) and
-    their TMPDIR, which must stay as it is."""
+def family_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
+    """The pairs' allowed media directory (a video named clip.png in it),
+    their TMPDIR, which must stay as it is, and where their workers say
+    they began a SLOW frame (tests.support.worker_hook)."""
     media, tmp = tmp_path_factory.mktemp("family-media"), tmp_path_factory.mktemp("family-tmp")
     (media / "clip.png").write_bytes(samples.video(frames=8))
-    return media, tmp
+    return media, tmp, tmp_path_factory.mktemp("family-slow")
 
 
 @pytest.fixture(scope="module", params=["llava", "llava-next", "qwen2-vl", "qwen2.5-vl", "qwen3-vl"])
@@ -53,7 +53,7 @@ def family_pair(
     request: pytest.FixtureRequest,
     family_models: Callable[[str], Path],
     services: Services,
-    family_dirs: tuple[Path, Path],
+    family_dirs: tuple[Path, Path, Path],
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[tuple[str, Pair]]:
     """Each family's pair at TP=2 (LLaVA-1.5 is the session's shared pair);
@@ -67,7 +67,7 @@ def family_pair(
         yield family, services
         return
     logs = tmp_path_factory.mktemp(f"logs-{family}")
-    media, tmp = family_dirs
+    media, tmp, slow = family_dirs
     with running_pair(
         family_models(family),
         logs,
@@ -79,7 +79,7 @@ def family_pair(
             *(["--max-prefill-tokens", "32", "--log-level", "DEBUG"] if family in CHUNKED else []),
         ],
         tokenizer_extra=["--worker-hook", "tests.support.worker_hook", "--allowed-media-dir", str(media)],
-        env={"TMPDIR": str(tmp)},
+        env={"TMPDIR": str(tmp), "MMSPLIT_TEST_SLOW_DIR": str(slow)},
     ) as pair:
         yield family, pair
         codes = {"tokenizer": pair.tokenizer.stop(), "scheduler": pair.scheduler.stop()}
@@ -244,7 +244,7 @@ def _media_outcome(stub: tokenizer_pb2_grpc.TokenizerServiceStub, request: token
 
 
 def test_video_corpus_has_its_documented_outcomes_and_leaves_nothing(
-    family_pair: tuple[str, Pair], family_dirs: tuple[Path, Path]
+    family_pair: tuple[str, Pair], family_dirs: tuple[Path, Path, Path]
 ) -> None:
     """Every corpus video through the tokenizer: its documented outcome
     (models without video: MEDIA_UNSUPPORTED each), a video named like an
@@ -295,8 +295,10 @@ def test_video_corpus_has_its_documented_outcomes_and_leaves_nothing(
                 prompt="Slow:",
                 videos=[tokenizer_pb2.Video(data=samples.video(frames=12, width=SLOW[0], height=SLOW[1]))],
             )
+            marks = set(family_dirs[2].iterdir())
             call = stub.Generate(slow, timeout=60)
-            time.sleep(2.0)
+            # Cancelled once a worker has begun its first slow frame.
+            assert wait_until(lambda: set(family_dirs[2].iterdir()) - marks, timeout=30), "no worker began the video"
             call.cancel()
             with pytest.raises(grpc.RpcError) as cancelled:
                 list(call)

@@ -17,7 +17,10 @@ worker removes it and SIGKILLs itself in its initializer (a worker killed as
 it starts, by the OOM killer say). If MMSPLIT_TEST_SERVING_DIR names a
 directory, a worker writes a file named by its pid there once it has
 decoded an image: it has started and serves (what a test that kills only
-serving workers looks for, however long starting took).
+serving workers looks for, however long starting took). If
+MMSPLIT_TEST_SLOW_DIR names a directory, a worker writes a file named by
+its pid and the time there as it begins a SLOW sleep: it is busy with that item now
+(what a test that cancels mid-preprocessing waits for).
 """
 
 from __future__ import annotations
@@ -68,6 +71,9 @@ def on_decoded(image: Image.Image) -> None:
         (Path(serving) / str(os.getpid())).touch()
     _kill_on_write = image.size == MID_WRITE
     if image.size == SLOW:
+        slowed = os.environ.get("MMSPLIT_TEST_SLOW_DIR")
+        if slowed:
+            (Path(slowed) / f"{os.getpid()}-{time.monotonic_ns()}").touch()
         time.sleep(1.5)
     elif image.size == SLOWER:
         time.sleep(4.0)
