@@ -16,10 +16,9 @@ from mmsplit.common.v1 import common_pb2
 from mmsplit.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from mmsplit.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from mmsplit_cli.client import Outcome, run_request
-from tests.conftest import SCHEDULER_SERVICE
 from tests.support.leaks import wait_until
 from tests.support.local_token import scheduler_channel
-from tests.support.services import Pair
+from tests.support.services import SCHEDULER_SERVICE, Pair
 
 
 def tokenizer_stub(channel: grpc.Channel) -> tokenizer_pb2_grpc.TokenizerServiceStub:

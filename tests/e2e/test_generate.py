@@ -34,16 +34,15 @@ def stub(services: Services):  # type: ignore[no-untyped-def]
 def reference_greedy(model_dir: Path, prompt: str, images: list[bytes], max_tokens: int) -> list[int]:
     """The same request run in this process by the plain transformers model,
     no tensor parallelism, no services: the tokens the services must match."""
-    from transformers import AutoModelForImageTextToText
 
-    from tests.support import hf_family
+    from tests.support import hf_family, hf_loaded
     from tokenizer_svc.decode import decode_image
 
     processor = hf_family.processor(model_dir)
     inputs = hf_family.inputs(processor, prompt, [decode_image(b, max_pixels=10**8) for b in images])
     ids = inputs["input_ids"][0].tolist()
     pixels = list(inputs["pixel_values"]) if images else []
-    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = hf_loaded.model(model_dir)
     eos = model.config.text_config.eos_token_id
     out: list[int] = []
     seq = torch.tensor([ids])
@@ -386,9 +385,8 @@ def test_prompt_logprobs_over_two_ranks_are_the_single_process_model_s(stub, ser
     read, each one's log probability, rank and top 3 on log_softmax of one
     full forward in this process, before the first delta; the generated
     tokens are unchanged."""
-    from transformers import AutoModelForImageTextToText
 
-    from tests.support import hf_family
+    from tests.support import hf_family, hf_loaded
     from tokenizer_svc.decode import decode_image
 
     image = samples.good_png(seed=41)
@@ -403,7 +401,7 @@ def test_prompt_logprobs_over_two_ranks_are_the_single_process_model_s(stub, ser
     inputs = hf_family.inputs(processor, "Describe it.", [decode_image(image, max_pixels=10**8)])
     ids = inputs["input_ids"][0].tolist()
     assert list(scored.token_ids) == ids
-    model = AutoModelForImageTextToText.from_pretrained(services.model, dtype=torch.float32).eval()
+    model = hf_loaded.model(services.model)
     with torch.inference_mode():
         logits = model(input_ids=inputs["input_ids"], pixel_values=inputs["pixel_values"]).logits[0, :-1]
     expected = torch.log_softmax(logits.float(), dim=-1)

@@ -571,7 +571,6 @@ def test_prompt_logprobs_on_qwen2_vl_are_the_model_s_own(qwen_api: Api) -> None:
     completions' prompt_logprobs equals log_softmax of one HF forward of
     the same ids and pixels (the processor's), entry by entry."""
     import torch
-    from transformers import AutoModelForImageTextToText
 
     from tests.support import hf_family
     from tokenizer_svc.decode import decode_image
@@ -591,7 +590,7 @@ def test_prompt_logprobs_on_qwen2_vl_are_the_model_s_own(qwen_api: Api) -> None:
     inputs = processor(text=[text], images=[decode_image(A, max_pixels=10**8)], return_tensors="pt")
     ids = inputs["input_ids"][0].tolist()
     assert len(entries) == len(ids)
-    model = AutoModelForImageTextToText.from_pretrained(qwen_api.pair.model, dtype=torch.float32).eval()
+    model = hf_loaded.model(qwen_api.pair.model)
     with torch.inference_mode():
         expected = torch.log_softmax(model(**inputs).logits[0, :-1].float(), dim=-1)
     for k, entry in enumerate(entries[1:]):
@@ -604,7 +603,6 @@ def test_logprobs_are_the_model_s_log_softmax_and_the_same_over_http(api: Api) -
     the top 5 are that distribution's top 5; over HTTP, the same values in
     OpenAI's shape, streamed or not."""
     import torch
-    from transformers import AutoModelForImageTextToText
 
     from mmsplit.tokenizer.v1 import tokenizer_pb2
     from tests.support import hf_family
@@ -628,7 +626,7 @@ def test_logprobs_are_the_model_s_log_softmax_and_the_same_over_http(api: Api) -
         add_generation_prompt=True,
     )
     prompt = hf_family.prompt_ids(proc, text, [])
-    model = AutoModelForImageTextToText.from_pretrained(api.pair.model, dtype=torch.float32).eval()
+    model = hf_loaded.model(api.pair.model)
     with torch.inference_mode():
         logits = model(input_ids=torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1]
     expected = torch.log_softmax(logits.float(), dim=-1)
@@ -663,7 +661,7 @@ def test_penalties_and_logit_bias_give_the_tokens_of_their_definitions(api: Api)
     openai SDK's named fields (repetition_penalty in extra_body) give the
     text gRPC gives."""
     import torch
-    from transformers import AutoModelForImageTextToText, RepetitionPenaltyLogitsProcessor
+    from transformers import RepetitionPenaltyLogitsProcessor
 
     from tests.support import hf_family
     from tokenizer_svc.decode import decode_image
@@ -674,7 +672,7 @@ def test_penalties_and_logit_bias_give_the_tokens_of_their_definitions(api: Api)
     text = proc.apply_chat_template(hf_chat, tokenize=False, add_generation_prompt=True)
     inputs = dict(proc(images=[decode_image(A, max_pixels=10**8)], text=text, return_tensors="pt"))
     prompt_ids = inputs["input_ids"][0].tolist()
-    model = AutoModelForImageTextToText.from_pretrained(api.pair.model, dtype=torch.float32).eval()
+    model = hf_loaded.model(api.pair.model)
     eos = model.config.text_config.eos_token_id
 
     def served(**knobs: Any) -> list[int]:
@@ -1248,9 +1246,8 @@ def test_a_client_s_request_id_names_the_request(api: Api) -> None:
 def _prompt_scores(model_dir: Path, ids: list[int]) -> Any:
     """log_softmax of the model's logits over `ids`, one forward in this process: ``[len(ids), vocab]``."""
     import torch
-    from transformers import AutoModelForImageTextToText
 
-    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = hf_loaded.model(model_dir)
     with torch.inference_mode():
         return torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].float(), dim=-1)
 

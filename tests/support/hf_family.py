@@ -71,11 +71,7 @@ def scored(
 ) -> tuple[list[int], list[float]]:
     """`generate`'s tokens and each one's log probability (log-softmax of the
     model's logits, before any processing)."""
-    from transformers import AutoModelForImageTextToText
-
-    model = _models.get(model_dir)
-    if model is None:
-        model = _models[model_dir] = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = hf_loaded.model(model_dir)
     if videos:
         inputs = _with_videos(proc, text, images, videos)
     else:
@@ -207,9 +203,6 @@ def video_inputs(model_dir: Path, data: bytes, *, fps: float, max_frames: int) -
     if model_type in ("qwen3_vl", "qwen3_vl_moe"):
         out["metadata"] = metadata
     return out
-
-
-_models: dict[Path, Any] = {}
 
 
 def with_markers(proc: Any, text: str, n_images: int) -> str:

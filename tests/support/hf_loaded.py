@@ -1,5 +1,5 @@
-"""Hugging Face tokenizers, image processors and processors, loaded once per
-test process and model directory.
+"""Hugging Face tokenizers, image processors, processors and reference
+models (float32, eval), loaded once per test process and model directory.
 
 A tiny model's tokenizer takes ~0.5 s of CPU to load (transformers rebuilds
 it from the 3.5 MB tokenizer.json's vocabulary and merges), and the suite's
@@ -26,6 +26,7 @@ _READ = (
     "processor_config.json",
     "video_preprocessor_config.json",
     "config.json",
+    "model.safetensors",
 )
 
 
@@ -58,3 +59,12 @@ def image_processor(model_dir: Path) -> Any:
     from transformers import AutoImageProcessor
 
     return AutoImageProcessor.from_pretrained(model_dir)
+
+
+@once_per_files
+def model(model_dir: Path) -> Any:
+    """The model as the references run it: float32, eval mode (only called, never changed)."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()

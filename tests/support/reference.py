@@ -4,10 +4,8 @@ services, the model's own image processor."""
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -19,22 +17,11 @@ class Ask:
     max_tokens: int
 
 
-@functools.lru_cache(maxsize=2)
-def _load(model_dir: Path) -> tuple[Any, Any]:
-    from transformers import AutoModelForImageTextToText
-
-    from tests.support import hf_family
-
-    processor = hf_family.processor(model_dir)
-    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
-    return processor, model
-
-
 def greedy(model_dir: Path, asks: list[Ask]) -> list[list[int]]:
-    from tests.support import hf_family
+    from tests.support import hf_family, hf_loaded
     from tokenizer_svc.decode import decode_image
 
-    processor, model = _load(model_dir)
+    processor, model = hf_family.processor(model_dir), hf_loaded.model(model_dir)
     out = []
     with torch.inference_mode():
         for ask in asks:
