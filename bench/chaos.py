@@ -2,7 +2,9 @@
 
 One tokenizer in front of two scheduler groups (TP=2 each, the tiny
 Qwen2-VL, which takes images and videos),
-and clients that keep C requests in flight for the whole run: over gRPC
+and clients that keep C requests in flight for the whole run (its minutes,
+and at least until every kind below has been sent: the kinds are dealt
+from shared shuffled decks, each kind as often as its weight): over gRPC
 through `mmsplit.client` (its retries on), and over the OpenAI-compatible
 HTTP API through the official `openai` SDK (its retries on); images (most
 seen before, some never), text, videos, corrupt images, clients that cancel
@@ -102,6 +104,30 @@ class Tally:
         return "wrong answer"
 
 
+class Deck:
+    """The kinds the clients send, dealt from shuffled decks shared by every
+    client: each deck holds every kind as often as its weight, so each kind
+    is sent in every stretch of `len(self.cards)` requests however few
+    requests a slow host makes (independent draws can leave a kind of
+    weight 1 out of a short run: of 30 requests, ~16 % of the time)."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self.rng = rng
+        self.cards = [kind for kind, weight in zip(KINDS, WEIGHTS, strict=True) for _ in range(weight)]
+        self.left: list[str] = []
+        self.decks = 0  # decks begun
+
+    def deal(self) -> str:
+        if not self.left:
+            self.left = self.rng.sample(self.cards, len(self.cards))
+            self.decks += 1
+        return self.left.pop()
+
+    def whole(self) -> bool:
+        """Whether a whole deck has been dealt: every kind at least once."""
+        return self.decks > 1 or (self.decks == 1 and not self.left)
+
+
 class Group:
     """One scheduler group on a fixed port, restarted when it dies."""
 
@@ -155,11 +181,14 @@ class Group:
         return out
 
 
-async def one(rng: random.Random, address: str, tally: Tally, stop_at: float, openai_client: object) -> None:
-    """Requests one after another until the run ends."""
+async def one(
+    rng: random.Random, deck: Deck, address: str, tally: Tally, stop_at: float, openai_client: object
+) -> None:
+    """Requests one after another until the run ends: its time is up and a
+    whole deck of kinds has been dealt."""
     async with AsyncClient(address, retries=3) as client:
-        while time.monotonic() < stop_at:
-            kind = rng.choices(KINDS, WEIGHTS)[0]
+        while time.monotonic() < stop_at or not deck.whole():
+            kind = deck.deal()
             started = time.monotonic()
             outcome = await asyncio.wait_for(_request(kind, rng, client, openai_client, tally), DEADLINE_S + 5)
             if outcome == "ok":
@@ -456,7 +485,10 @@ async def load(args: argparse.Namespace, tok: ServiceProcess, http: str, groups:
     rng = random.Random(args.seed)
     stop_at = time.monotonic() + args.minutes * 60
     api = openai.AsyncOpenAI(base_url=f"http://{http}/v1", api_key="none", max_retries=3)
-    clients = [one(random.Random(rng.random()), tok.address, tally, stop_at, api) for _ in range(args.concurrency)]
+    deck = Deck(random.Random(rng.random()))
+    clients = [
+        one(random.Random(rng.random()), deck, tok.address, tally, stop_at, api) for _ in range(args.concurrency)
+    ]
     keeper = asyncio.ensure_future(keep_groups_up(groups, stop_at, tally))
     injector = asyncio.ensure_future(inject(random.Random(args.seed + 1), tok.pid, groups, args.fault_every_s,
                                             stop_at, tally, args.prefix))  # fmt: skip
