@@ -253,8 +253,10 @@ def test_workers_killed_at_random_under_load_cost_only_their_own_images(pair: Pa
         stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
         outcomes: list[Outcome] = []
         numbers = itertools.count()
-        # Ten kills take ~10 s here (a replacement must live a second before
-        # it is killed); the deadline only bounds a pool that never recovers.
+        # A replacement is killed once it has decoded an image: the whole
+        # test took 5 s on a fast host state and 16 s on a slow one (2026-12-06,
+        # its CPU 6 and 18 s: the load runs until the tenth kill); the
+        # deadline only bounds a pool that never recovers.
         deadline = time.monotonic() + 120
 
         def client() -> None:
