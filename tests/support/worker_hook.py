@@ -91,6 +91,12 @@ def on_slice_written() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def slow_pids(marks: Path) -> set[int]:
+    """The workers that have begun a SLOW sleep, by the marks they left in
+    MMSPLIT_TEST_SLOW_DIR (`marks`)."""
+    return {int(mark.name.split("-")[0]) for mark in marks.iterdir()}
+
+
 def marked(size: tuple[int, int]) -> bytes:
     from mmsplit_cli import samples
 

@@ -29,7 +29,7 @@ from mmsplit_cli import samples
 from mmsplit_server import families
 from mmsplit_server.handoff import ranges, slab
 from tests.support.leaks import PROJECT_PREFIX, wait_until
-from tests.support.worker_hook import SLOW, UNSENDABLE, marked
+from tests.support.worker_hook import SLOW, UNSENDABLE, marked, slow_pids
 from tokenizer_svc import forkserver
 from tokenizer_svc import pool as pool_module
 from tokenizer_svc.decode import decode_image
@@ -41,26 +41,42 @@ PREFIX = PROJECT_PREFIX + "poolq"
 
 
 @pytest.fixture(scope="module")
-def deaths(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+def hook_dirs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Path]]:
     """One forkserver for this module's pools, started before any test's
     leak check looks and stopped at its end: it preloads transformers, and
     starting one per test cost ~4 s each. Its workers read the worker
-    hook's MMSPLIT_TEST_DIE_AT_START_DIR from the environment it started
-    with, so that is set first: the directory yielded, empty unless a test
-    puts deaths in it. Each test's workers must still be gone after it
-    (`owned`), since the leak check does not count a forkserver's children
-    when the forkserver was there before the test."""
-    where = tmp_path_factory.mktemp("deaths")
+    hook's MMSPLIT_TEST_DIE_AT_START_DIR and MMSPLIT_TEST_SLOW_DIR from the
+    environment it started with, so those are set first: the two
+    directories yielded, the deaths empty unless a test puts deaths in it,
+    the other where workers say they began a SLOW image. Each test's workers
+    must still be gone after it (`owned`), since the leak check does not
+    count a forkserver's children when the forkserver was there before the test."""
+    where, slow = tmp_path_factory.mktemp("deaths"), tmp_path_factory.mktemp("slow")
     with pytest.MonkeyPatch.context() as env:
         env.setenv("MMSPLIT_TEST_DIE_AT_START_DIR", str(where))
+        env.setenv("MMSPLIT_TEST_SLOW_DIR", str(slow))
         forkserver.start()
     try:
-        yield where
+        yield where, slow
     finally:
         # The forkserver and the resource tracker are children of this
         # process; `_stop` is how CPython's own tests end them.
         multiprocessing.forkserver._forkserver._stop()  # type: ignore[attr-defined]
         multiprocessing.resource_tracker._resource_tracker._stop()  # type: ignore[attr-defined]
+
+
+@pytest.fixture
+def deaths(hook_dirs: tuple[Path, Path]) -> Path:
+    return hook_dirs[0]
+
+
+@pytest.fixture
+def slow_marks(hook_dirs: tuple[Path, Path]) -> Path:
+    """Where this module's workers say they began a SLOW image (a file named
+    by the worker's pid and the time), emptied for the test."""
+    for mark in hook_dirs[1].iterdir():
+        mark.unlink()
+    return hook_dirs[1]
 
 
 @pytest.fixture
@@ -184,11 +200,11 @@ def test_media_bytes_travel_in_a_slab_slice_when_there_is_room(owned: ranges.Sla
     assert owned.used_bytes() == 0
 
 
-def test_a_worker_that_dies_costs_only_its_own_task(tiny_model: Path, owned: ranges.Slab) -> None:
-    asyncio.run(_one_dies(tiny_model, owned))
+def test_a_worker_that_dies_costs_only_its_own_task(tiny_model: Path, owned: ranges.Slab, slow_marks: Path) -> None:
+    asyncio.run(_one_dies(tiny_model, owned, slow_marks))
 
 
-async def _one_dies(tiny_model: Path, owned: ranges.Slab) -> None:
+async def _one_dies(tiny_model: Path, owned: ranges.Slab, marks: Path) -> None:
     # Two workers, each with a SLOW image; one is SIGKILLed. Its image is
     # retried (and served); the other worker is not touched: same process,
     # its image served once, no retry. Only the dead worker is replaced.
@@ -198,7 +214,9 @@ async def _one_dies(tiny_model: Path, owned: ranges.Slab) -> None:
             asyncio.ensure_future(pool.preprocess(job(marked(SLOW), owned), timeout_s=10, request_id=f"d{i}"))
             for i in range(2)
         ]
-        await asyncio.sleep(0.5)  # both are in their workers' 1.5 s now
+        # Killed once both workers are in their 1.5 s (a fixed wait could
+        # kill a worker that, on a busy host, had not begun its image yet).
+        assert await asyncio.to_thread(wait_until, lambda: slow_pids(marks) >= {first, second}, 30), slow_pids(marks)
         os.kill(first, signal.SIGKILL)
         results = await asyncio.gather(*tasks)
         for result in results:
@@ -290,11 +308,13 @@ async def _stages(tiny_model: Path, owned: ranges.Slab) -> None:
     assert sum(spent.values()) <= waited, (spent, waited)
 
 
-def test_a_pool_shut_down_under_load_answers_every_caller(tiny_model: Path, owned: ranges.Slab) -> None:
-    asyncio.run(_shut_down_under_load(tiny_model, owned))
+def test_a_pool_shut_down_under_load_answers_every_caller(
+    tiny_model: Path, owned: ranges.Slab, slow_marks: Path
+) -> None:
+    asyncio.run(_shut_down_under_load(tiny_model, owned, slow_marks))
 
 
-async def _shut_down_under_load(tiny_model: Path, owned: ranges.Slab) -> None:
+async def _shut_down_under_load(tiny_model: Path, owned: ranges.Slab, marks: Path) -> None:
     # One worker busy with a SLOW image, one task written to it behind that,
     # one waiting in the queue: a shutdown answers all three callers with a
     # typed error at once (none hangs), and the worker is gone after it.
@@ -305,7 +325,9 @@ async def _shut_down_under_load(tiny_model: Path, owned: ranges.Slab) -> None:
         asyncio.ensure_future(pool.preprocess(job(marked(SLOW), owned), timeout_s=10, request_id=f"s{i}"))
         for i in range(3)
     ]
-    await asyncio.sleep(0.3)
+    assert await asyncio.to_thread(wait_until, lambda: pid in slow_pids(marks), 30), (
+        "the worker never began the first image"
+    )
     started = time.monotonic()
     await pool.shutdown()
     outcomes = await asyncio.gather(*calls, return_exceptions=True)
