@@ -106,10 +106,10 @@ class Tally:
 
 class Deck:
     """The kinds the clients send, dealt from shuffled decks shared by every
-    client: each deck holds every kind as often as its weight, so each kind
-    is sent in every stretch of `len(self.cards)` requests however few
-    requests a slow host makes (independent draws can leave a kind of
-    weight 1 out of a short run: of 30 requests, ~16 % of the time)."""
+    client: each deck holds every kind as often as its weight, so every
+    whole deck sends each kind however few requests a slow host makes
+    (independent draws can leave a kind of weight 1 out of a short run: of
+    30 requests, ~16 % of the time)."""
 
     def __init__(self, rng: random.Random) -> None:
         self.rng = rng
