@@ -308,6 +308,7 @@ class TokenizerService:
                         # now and releases them from here on: drop ours.
                         for p in prepared:
                             p.disown()
+                        log.debug("%s: accepted downstream; its %d segment(s) are the scheduler's", rid, len(owned))
                     else:
                         # Every rank has read the tensors by the first token.
                         self._revoke(granted)

@@ -162,9 +162,12 @@ def test_segments_of_requests_queued_at_a_killed_scheduler_go_in_one_janitor_pas
     tok = None
     try:
         args = tokenizer_args(
-            tiny_model, f"127.0.0.1:{port}", extra=["--janitor-interval-s", "3600", "--shm-slab-bytes", "0"]
+            tiny_model,
+            f"127.0.0.1:{port}",
+            extra=["--janitor-interval-s", "3600", "--shm-slab-bytes", "0", "--log-level", "DEBUG"],
         )
         tok = ServiceProcess("tokenizer", args, tmp_path / "tokenizer.log", env=ENV)
+        tok_log = tok.log_path
         sched.wait_serving(SCHEDULER_SERVICE, 180)
         tok.wait_serving(TOKENIZER_SERVICE, 180)
         first = threading.Semaphore(0)
@@ -190,10 +193,14 @@ def test_segments_of_requests_queued_at_a_killed_scheduler_go_in_one_janitor_pas
             assert first.acquire(timeout=60)
             futures += [pool.submit(one, i) for i in range(1, 4)]
             # Queued at the scheduler (which sends Accepted as it queues them),
-            # and a moment for those events to reach the tokenizer: a request
-            # killed before its Accepted arrived is the tokenizer's to clean up.
+            # and those events at the tokenizer: a request killed before its
+            # Accepted arrived is the tokenizer's to clean up.
             assert wait_until(lambda: scheduler_info(sched.address).queued_requests == 3, timeout=30)
-            time.sleep(0.5)
+
+            def accepted() -> int:
+                return tok_log.read_text().count(": accepted downstream;")
+
+            assert wait_until(lambda: accepted() == 4, timeout=30), f"{accepted()} of 4 accepted at the tokenizer"
             # Theirs, and the tokenizer's grant table, whose grants end with the calls.
             queued = [n for n in project_segments() if "-grant" not in n]
             assert len(queued) == 3, queued
