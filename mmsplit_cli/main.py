@@ -21,7 +21,7 @@ from typing import Any, NoReturn
 
 from mmsplit_cli.config import add_settings_arguments, settings_from
 from mmsplit_cli.tiny_model import FAMILIES
-from mmsplit_server.serving import exit_now, raise_fd_limit, setup_logging
+from mmsplit_server.serving import exit_now, raise_fd_limit, setup_logging, stop_with_parent
 from mmsplit_server.settings import ServiceSettings
 
 
@@ -29,6 +29,7 @@ def _scheduler(args: argparse.Namespace) -> NoReturn:
     from scheduler_svc import group
     from scheduler_svc.settings import SchedulerSettings
 
+    stop_with_parent()
     settings = settings_from(args, SchedulerSettings, "scheduler")
     # Before any heavy import or the weights: a wrong directory or a taken
     # port is one line now, not a traceback minutes from now. (Ranks other
@@ -55,6 +56,7 @@ def _tokenizer(args: argparse.Namespace) -> NoReturn:
     from tokenizer_svc import forkserver
     from tokenizer_svc.settings import TokenizerSettings
 
+    stop_with_parent()
     settings = settings_from(args, TokenizerSettings, "tokenizer")
     _refuse_start(
         "tokenizer",

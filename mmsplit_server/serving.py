@@ -145,6 +145,29 @@ def name_process(name: bytes) -> None:
         ctypes.CDLL(None).prctl(15, ctypes.c_char_p(name[:15]), 0, 0, 0)
 
 
+# Set by `mmsplit serve` in its services' environment: the pid of the
+# process whose death must stop them (`stop_with_parent`).
+PARENT_ENV = "MMSPLIT_STOP_WITH_PARENT"
+_PR_SET_PDEATHSIG = 1
+
+
+def stop_with_parent() -> None:
+    """Where PARENT_ENV names this process's parent (a service `mmsplit
+    serve` started), have the kernel send this process SIGTERM when that
+    parent ends, however it ends: a serve killed outright (SIGKILL, the OOM
+    killer) otherwise left both services running, holding their ports and
+    memory, with nobody to stop them. SIGTERM is a service's usual stop (it
+    drains). The variable is removed so that nothing this process starts
+    inherits it; a parent already gone stops this process now."""
+    parent = os.environ.pop(PARENT_ENV, "")
+    if not parent.isdigit():
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != int(parent):  # it ended before the request above
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 # (pid, cleanup): what `exit_now` runs, in the process that registered it.
 _exit_cleanups: list[tuple[int, Callable[[], None]]] = []
 

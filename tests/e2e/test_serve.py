@@ -5,7 +5,9 @@ exit before anything starts."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -14,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import openai
+import psutil
 import pytest
 
 from mmsplit.client import Client
@@ -64,6 +67,39 @@ def test_one_command_serves_both_apis_and_ctrl_c_stops_it_cleanly(chat_models: C
     text = out.text
     assert "Traceback" not in text, text[-3000:]
     assert "stopping (the tokenizer, then the scheduler)" in text
+
+
+def test_a_serve_killed_outright_takes_its_services_with_it(chat_models: Callable[[str], Path]) -> None:
+    """SIGKILL (the OOM killer, say) leaves `mmsplit serve` no time to stop
+    its services: the kernel sends each SIGTERM as its parent dies
+    (`mmsplit_server.serving.stop_with_parent`), and they stop as on any
+    SIGTERM, instead of holding their ports and memory with nobody to stop
+    them."""
+    proc = _serve(["--model", str(chat_models("llava")), "--port", str(free_port()), "--http-port", "0"])
+    out = ServeOutput(proc)
+    services: list[psutil.Process] = []
+    try:
+        assert out.wait_ready(180), out.tail()
+        services = psutil.Process(proc.pid).children()
+        assert sorted(len(s.cmdline()) > 3 and s.cmdline()[3] for s in services) == ["scheduler", "tokenizer"]
+        proc.kill()
+        proc.wait()
+        _, alive = psutil.wait_procs(services, timeout=60)
+        assert not alive, f"outlived their serve: {[s.cmdline()[3] for s in alive]}"
+    finally:
+        for service in services:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                service.kill()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        out.join()
+    # What a serve killed outright cannot remove: its directory of the
+    # scheduler's token, which the services read again while they run (a
+    # rotated token), so it cannot go before they stop.
+    left = list(Path(ENV["TMPDIR"]).glob("mmsplit-serve-*"))
+    assert len(left) == 1, left
+    shutil.rmtree(left[0])
 
 
 def test_a_port_in_use_or_a_missing_model_is_one_line_before_anything_starts(
