@@ -81,11 +81,14 @@ def test_a_serve_killed_outright_takes_its_services_with_it(chat_models: Callabl
     try:
         assert out.wait_ready(180), out.tail()
         services = psutil.Process(proc.pid).children()
-        assert sorted(len(s.cmdline()) > 3 and s.cmdline()[3] for s in services) == ["scheduler", "tokenizer"]
+        assert sorted(s.cmdline()[3:4] for s in services) == [
+            ["scheduler"],
+            ["tokenizer"],
+        ]  # python -m mmsplit_cli NAME
         proc.kill()
         proc.wait()
         _, alive = psutil.wait_procs(services, timeout=60)
-        assert not alive, f"outlived their serve: {[s.cmdline()[3] for s in alive]}"
+        assert not alive, f"outlived their serve: {[s.cmdline()[3:4] for s in alive]}"
     finally:
         for service in services:
             with contextlib.suppress(psutil.NoSuchProcess):
