@@ -20,7 +20,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from mmsplit_server.serving import free_port
+from mmsplit_server.serving import PARENT_ENV, free_port
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +46,21 @@ def set_launcher(launcher: Launcher | None) -> Launcher | None:
     global _launcher
     previous, _launcher = _launcher, launcher
     return previous
+
+
+def _tied(env: dict[str, str], wrapper: Sequence[str]) -> dict[str, str]:
+    """`env`, asking the service to stop when this process ends however it
+    ends (`stop_with_parent`: a launcher killed outright, `mmsplit serve`,
+    `make demo` or a benchmark, otherwise left its services running with
+    nobody to stop them), where the tie can hold: the service is this
+    process's own child (no wrapper command between them, which would be
+    its parent) and it is started from the main thread (the kernel signals
+    a child when the *thread* that started it ends: one started from a
+    thread that ends first would be stopped early; the main thread ends
+    with the process)."""
+    if wrapper or threading.current_thread() is not threading.main_thread():
+        return env
+    return {**env, PARENT_ENV: str(os.getpid())}
 
 
 class StartFailed(RuntimeError):
@@ -88,7 +103,7 @@ class ServiceProcess:
                 stderr=subprocess.PIPE,
                 stdin=subprocess.DEVNULL,
                 text=True,
-                env=full_env,
+                env=_tied(full_env, wrapper),
                 start_new_session=new_group,
             )
         self._reader = threading.Thread(target=self._read, name=f"{name}-log", daemon=True)

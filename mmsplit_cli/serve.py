@@ -31,7 +31,7 @@ from types import FrameType
 
 from mmsplit_cli.launch import SCHEDULER_SERVICE, TOKENIZER_SERVICE, ServiceProcess
 from mmsplit_cli.startup import first_problem
-from mmsplit_server.serving import PARENT_ENV, free_port
+from mmsplit_server.serving import free_port
 
 START_TIMEOUT_S = 600.0  # a real checkpoint can take minutes to load
 
@@ -91,10 +91,10 @@ def serve_command(args: argparse.Namespace) -> int:
         # Separate process groups: a terminal's Ctrl-C reaches this process
         # only, which stops the services in order. Should this process end
         # without stopping them (killed outright), each gets SIGTERM from
-        # the kernel (`stop_with_parent`).
-        env = {PARENT_ENV: str(os.getpid())}
+        # the kernel (`ServiceProcess` asks for it: started here, from the
+        # main thread).
         for name, service_args in (("scheduler", scheduler), ("tokenizer", tokenizer)):
-            started.append(ServiceProcess(name, service_args, Path(os.devnull), env=env, echo=name, new_group=True))
+            started.append(ServiceProcess(name, service_args, Path(os.devnull), echo=name, new_group=True))
         if not _wait_serving(started, stopping):
             if stopping.is_set():
                 return _stop(started)

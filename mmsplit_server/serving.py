@@ -152,11 +152,12 @@ _PR_SET_PDEATHSIG = 1
 
 
 def stop_with_parent() -> None:
-    """Where PARENT_ENV names this process's parent (a service `mmsplit
-    serve` started), have the kernel send this process SIGTERM when that
-    parent ends, however it ends: a serve killed outright (SIGKILL, the OOM
-    killer) otherwise left both services running, holding their ports and
-    memory, with nobody to stop them. SIGTERM is a service's usual stop (it
+    """Where PARENT_ENV names this process's parent (a service that
+    `mmsplit serve`, `make demo` or a benchmark started:
+    `mmsplit_cli.launch.ServiceProcess`), have the kernel send this process
+    SIGTERM when that parent ends, however it ends: a launcher killed
+    outright (SIGKILL, the OOM killer) otherwise left its services running,
+    holding their ports and memory, with nobody to stop them. SIGTERM is a service's usual stop (it
     drains). The variable is removed so that nothing this process starts
     inherits it; a parent already gone stops this process now."""
     parent = os.environ.pop(PARENT_ENV, "")

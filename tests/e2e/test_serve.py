@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,7 +21,8 @@ import psutil
 import pytest
 
 from mmsplit.client import Client
-from mmsplit_server.serving import free_port
+from mmsplit_cli import launch
+from mmsplit_server.serving import PARENT_ENV, free_port
 from tests.support.serve_output import ServeOutput
 from tests.support.services import ENV, ROOT
 
@@ -72,9 +74,10 @@ def test_one_command_serves_both_apis_and_ctrl_c_stops_it_cleanly(chat_models: C
 def test_a_serve_killed_outright_takes_its_services_with_it(chat_models: Callable[[str], Path]) -> None:
     """SIGKILL (the OOM killer, say) leaves `mmsplit serve` no time to stop
     its services: the kernel sends each SIGTERM as its parent dies
-    (`mmsplit_server.serving.stop_with_parent`), and they stop as on any
-    SIGTERM, instead of holding their ports and memory with nobody to stop
-    them."""
+    (`mmsplit_server.serving.stop_with_parent`, asked for by every
+    `ServiceProcess` started from a main thread: `make demo`'s and the
+    benchmarks' too), and they stop as on any SIGTERM, instead of holding
+    their ports and memory with nobody to stop them."""
     proc = _serve(["--model", str(chat_models("llava")), "--port", str(free_port()), "--http-port", "0"])
     out = ServeOutput(proc)
     services: list[psutil.Process] = []
@@ -103,6 +106,21 @@ def test_a_serve_killed_outright_takes_its_services_with_it(chat_models: Callabl
     left = list(Path(ENV["TMPDIR"]).glob("mmsplit-serve-*"))
     assert len(left) == 1, left
     shutil.rmtree(left[0])
+
+
+def test_a_service_is_tied_to_its_launcher_only_where_the_tie_holds() -> None:
+    """The kernel signals a child when the thread that started it ends, and
+    a wrapper command in between would be the service's parent: a service
+    started from another thread, or under a wrapper, is not tied (it would
+    be stopped early, or at once)."""
+    env = {"MMSPLIT_LOG_LEVEL": "INFO"}
+    assert launch._tied(env, []) == {**env, PARENT_ENV: str(os.getpid())}
+    assert launch._tied(env, ["unshare", "--net", "--"]) == env
+    from_thread: list[dict[str, str]] = []
+    thread = threading.Thread(target=lambda: from_thread.append(launch._tied(env, [])))
+    thread.start()
+    thread.join()
+    assert from_thread == [env]
 
 
 def test_a_port_in_use_or_a_missing_model_is_one_line_before_anything_starts(
