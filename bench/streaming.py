@@ -259,7 +259,7 @@ def service_rates(
     runs: dict[str, list[dict[str, float]]] = {arm: [] for arm in SERVICE_ARMS}
     for round_ in range(rounds):
         for i, (arm, (scheduler_extra, tokenizer_extra)) in enumerate(SERVICE_ARMS.items()):
-            logs = workdir / f"services-{i}-{round_}"
+            logs = workdir / f"services-{model_dir.name}-{i}-{round_}"  # the tiny and 8x512 runs share workdir
             logs.mkdir()
             with running_pair(
                 model_dir, logs, tp=1, scheduler_extra=scheduler_extra, tokenizer_extra=tokenizer_extra

@@ -72,6 +72,16 @@ def test_tp_sums_benchmark_prints_both_ways_for_every_size() -> None:
         assert row.endswith("x"), row  # gloo / shm, both measured
 
 
+def test_grpc_floor_benchmark_prints_every_arm() -> None:
+    result = run_bench("grpc_floor.py", ["--intervals-ms", "20", "--seconds", "0.2", "--rounds", "1"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = {line[:20].strip(): line.split()[-5:] for line in result.stdout.splitlines()[3:]}
+    assert rows.keys() == {"back to back", "every 20 ms", "open, silent (per s)"}, result.stdout
+    assert rows["back to back"][-1] == "1.0"
+    assert float(rows["every 20 ms"][-1]) > 0  # its CPU per message against back to back's, both measured
+    assert [rows["every 20 ms"][1], rows["back to back"][1]] == ["10", "400"]  # messages: every one came
+
+
 def test_sampler_benchmark_prints_both_picks_for_every_shape() -> None:
     result = run_bench("sampler.py", ["--reps", "3", "--rounds", "1"])
     assert result.returncode == 0, result.stderr[-3000:]
