@@ -633,6 +633,7 @@ async def new_server(
     keepalive_s: float = 0.0,
     keepalive_timeout_s: float = 10.0,
     max_connection_age_s: float = 0.0,
+    max_connections: int = 0,
 ) -> tuple[grpc.aio.Server, int]:
     """A server with health and reflection registered; returns it and its bound
     port (`port` 0 picks a free one). The caller adds its servicers first via
@@ -641,7 +642,9 @@ async def new_server(
     with or without calls. With `max_connection_age_s`, each connection is
     sent GOAWAY after that long (gRPC adds ±10 %): its calls run to their
     end on it, and the client opens a new one for the next, which a load
-    balancer in front may send to another server."""
+    balancer in front may send to another server. With `max_connections`,
+    a connection accepted past that many open ones is closed at once (gRPC
+    core's own limit: the client sees UNAVAILABLE and retries)."""
     options = [
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
@@ -652,6 +655,8 @@ async def new_server(
     ]
     if max_connection_age_s > 0:
         options.append(("grpc.max_connection_age_ms", int(max_connection_age_s * 1000)))
+    if max_connections > 0:
+        options.append(("grpc.max_allowed_incoming_connections", max_connections))
     security = security or ServerSecurity()
     # Credentials first: a caller without them learns nothing, not even
     # whether its bytes parse.

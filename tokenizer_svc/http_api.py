@@ -63,6 +63,8 @@ KEEPALIVE_S = 15.0
 REQUEST_TIMEOUT_S = 75.0
 # A body this large is parsed off the event loop.
 BIG_BODY = 1 << 20
+# Connections refused at --max-connections are said in the log at most this often.
+REFUSALS_LOG_EVERY_S = 60.0
 _T = TypeVar("_T")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # Routes beside /v1 that --api-key-file guards too (they do a request's work).
@@ -102,6 +104,25 @@ class HttpApi:
         self.created = int(time.time())
         # (route, status) -> responses, for the metrics.
         self.responses: dict[tuple[str, int], int] = {}
+        # Connections closed unread at --max-connections; when that was last logged, and the count then.
+        self.refused_connections = 0
+        self._refusals_logged: tuple[float, int] = (-REFUSALS_LOG_EVERY_S, 0)
+
+    def refuse_connection(self, limit: int) -> None:
+        """Count a connection closed unread at the limit (said in the log
+        at most once a minute, with how many since)."""
+        self.refused_connections += 1
+        now = time.monotonic()
+        last, count = self._refusals_logged
+        if now - last >= REFUSALS_LOG_EVERY_S:
+            log.warning(
+                "HTTP: %d connection(s) open, the limit (--max-connections): new ones are closed unread "
+                "(%d so far, %d since this was last said)",
+                limit,
+                self.refused_connections,
+                self.refused_connections - count,
+            )
+            self._refusals_logged = (now, self.refused_connections)
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._errors])
@@ -652,9 +673,51 @@ def _error_response(exc: MmsplitError) -> web.Response:
     return _json(status, body, headers)
 
 
-async def start(api: HttpApi, host: str, port: int) -> tuple[web.AppRunner, int]:
-    """Serve `api` on host:port (0: a free one); the runner and the port.
-    Handlers are cancelled when their client disconnects."""
+class _Refused(asyncio.Protocol):
+    """A connection past the limit: closed at once, before a byte is read."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        transport.close()
+
+
+class _LimitedSite(web.TCPSite):
+    """aiohttp's TCP site, except that a connection accepted while `limit`
+    are open is closed at once, unread, instead of handed to aiohttp: idle
+    keep-alive connections and half-sent requests (each may be held for
+    --http-request-timeout-s) cannot pile up until the process is out of
+    descriptors, which every request, the slab and the scheduler's
+    connection need. A client sees its connection closed and retries (the
+    OpenAI SDK does, with backoff). aiohttp counts a connection once its
+    transport is made, so connects accepted in one turn of the event loop
+    can pass the limit by those few. (aiohttp 3.14's `TCPSite.start`, the
+    protocol factory wrapped; aiohttp is pinned, and test_http_api holds
+    the behaviour.)"""
+
+    def __init__(self, runner: web.AppRunner, host: str, port: int, *, limit: int, api: HttpApi) -> None:
+        super().__init__(runner, host, port)
+        self._limit = limit
+        self._api = api
+
+    def _protocol(self) -> asyncio.BaseProtocol:
+        server = self._runner.server
+        assert server is not None
+        if len(server.connections) >= self._limit:
+            self._api.refuse_connection(self._limit)
+            return _Refused()
+        return server()
+
+    async def start(self) -> None:
+        await web.BaseSite.start(self)  # registers the site with its runner
+        self._server = await asyncio.get_running_loop().create_server(
+            self._protocol, self._host, self._port, backlog=self._backlog
+        )
+        self._bound_port = self._server.sockets[0].getsockname()[1]
+
+
+async def start(api: HttpApi, host: str, port: int, *, max_connections: int) -> tuple[web.AppRunner, int]:
+    """Serve `api` on host:port (0: a free one), at most `max_connections`
+    connections open at once; the runner and the port. Handlers are
+    cancelled when their client disconnects."""
     # keepalive_timeout also bounds the wait for a request's headers: aiohttp
     # closes a connection with no whole request that long after it opened or
     # after its last answer (its default, an hour, let half-sent requests
@@ -668,7 +731,7 @@ async def start(api: HttpApi, host: str, port: int) -> tuple[web.AppRunner, int]
     )
     await runner.setup()
     try:
-        await web.TCPSite(runner, host, port).start()
+        await _LimitedSite(runner, host, port, limit=max_connections, api=api).start()
     except BaseException:
         await runner.cleanup()
         raise

@@ -335,6 +335,7 @@ async def _serve(
         keepalive_s=settings.keepalive_s,
         keepalive_timeout_s=settings.keepalive_timeout_s,
         max_connection_age_s=settings.max_connection_age_s,
+        max_connections=settings.connection_limit,
     )
     metrics = _metrics(settings, service, pool)
     servicer = TokenizerServicer(service, settings, metrics)
@@ -374,11 +375,28 @@ async def _serve(
                 lambda: {f"{route} {status}": n for (route, status), n in api.responses.items()},
             )
         try:
-            http, http_port = await start_http(api, settings.host, settings.http_port)
+            http, http_port = await start_http(
+                api, settings.host, settings.http_port, max_connections=settings.connection_limit
+            )
         except OSError as exc:  # the port is taken, say
             where = f"{settings.host}:{settings.http_port}"
             raise SystemExit(f"mmsplit tokenizer: cannot serve HTTP on {where}: {exc}") from exc
         log.info("OpenAI-compatible HTTP API on http://%s:%d/v1", settings.host, http_port)
+        if metrics is not None:
+            runner = http
+            metrics.gauge(
+                "http_connections",
+                "HTTP connections open now",
+                lambda: len(runner.server.connections) if runner.server is not None else 0,
+            )
+            metrics.counters(
+                lambda: {
+                    "http_connections_refused": (
+                        "HTTP connections closed unread because --max-connections were open",
+                        api.refused_connections,
+                    )
+                }
+            )
     probes = None
     if settings.health_port:
         probes, probe_port = await health_server(settings.health_host or settings.host, settings.health_port, health)

@@ -1,0 +1,149 @@
+"""`--max-connections`: past that many open connections on a public port,
+a new one is closed at once, unread, so a flood of connections (idle
+keep-alives, half-sent requests) cannot take the descriptors that requests
+need; the connections already open go on, and once some close, new ones
+are served again."""
+
+from __future__ import annotations
+
+import socket
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import openai
+import pytest
+
+from mmsplit.tokenizer.v1 import tokenizer_pb2_grpc
+from mmsplit_cli.client import Outcome, make_request, run_request
+from mmsplit_cli.launch import Pair
+from mmsplit_server.serving import free_port
+from tests.conftest import TOKENIZER_SERVICE
+from tests.support.leaks import wait_until
+from tests.support.services import ENV, ServiceProcess, tokenizer_args
+
+pytestmark = pytest.mark.e2e
+LIMIT = 4
+
+
+@pytest.fixture(scope="module")
+def limited(
+    services: Pair, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[ServiceProcess, int, int]]:
+    """A tokenizer of its own with --max-connections 4: it, its HTTP port
+    and its metrics port."""
+    http, metrics = free_port(), free_port()
+    extra = ["--max-connections", str(LIMIT), "--http-port", str(http), "--metrics-port", str(metrics)]
+    tok = ServiceProcess(
+        "tokenizer",
+        tokenizer_args(tiny_model, services.scheduler_address, extra=extra),
+        tmp_path_factory.mktemp("limited") / "tok.log",
+        env=ENV,
+    )
+    try:
+        tok.wait_serving(TOKENIZER_SERVICE, 180)
+        yield tok, http, metrics
+    finally:
+        tok.stop()
+
+
+def _served(port: int, sockets: list[socket.socket]) -> bool:
+    """Open a connection to the HTTP port and ask for /health on it; True
+    (and the connection kept in `sockets`) when an answer comes, False when
+    the server closes it unread (a reset, or an end)."""
+    conn = socket.create_connection(("127.0.0.1", port), timeout=30)
+    try:
+        conn.sendall(b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n")
+        answer = conn.recv(4096)
+    except (ConnectionResetError, BrokenPipeError):  # closed with our request unread: the kernel resets
+        answer = b""
+    if not answer:
+        conn.close()
+        return False
+    assert answer.startswith(b"HTTP/1.1 "), answer
+    sockets.append(conn)
+    return True
+
+
+def _accepted(port: int, sockets: list[socket.socket]) -> bool:
+    """Open a TCP connection to the gRPC port; True (kept) when the server
+    sends its HTTP/2 settings, False when it closes it unread."""
+    conn = socket.create_connection(("127.0.0.1", port), timeout=30)
+    if not conn.recv(9):  # a SETTINGS frame's header, sent as the server accepts
+        conn.close()
+        return False
+    sockets.append(conn)
+    return True
+
+
+def _metric(port: int, name: str) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    line = next(line for line in text.splitlines() if line.startswith(f"mmsplit_tokenizer_{name} "))
+    return float(line.split()[1])
+
+
+def test_connections_past_the_limit_are_closed_unread_and_the_open_ones_go_on(
+    limited: tuple[ServiceProcess, int, int],
+) -> None:
+    tok, http, metrics = limited
+    held: list[socket.socket] = []
+    try:
+        for _ in range(LIMIT):
+            assert _served(http, held)
+        assert not _served(http, held), "a connection past the limit was served"
+        assert _metric(metrics, "http_connections_refused_total") >= 1
+        assert _metric(metrics, "http_connections") == LIMIT
+        # The open ones are served as before: a second request on each.
+        for conn in held:
+            conn.sendall(b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n")
+            assert conn.recv(4096).startswith(b"HTTP/1.1 ")
+        held.pop().close()
+        # Once the server sees it closed, a new connection is served: a completion through the SDK.
+        assert wait_until(lambda: _served(http, held), timeout=30)
+        held.pop().close()
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{http}/v1", api_key="none", max_retries=5)
+        model = client.models.list().data[0].id
+        done = client.completions.create(model=model, prompt="Hi", max_tokens=2, extra_body={"min_tokens": 2})
+        assert done.usage is not None
+        assert done.usage.completion_tokens == 2
+    finally:
+        for conn in held:
+            conn.close()
+    assert "connection(s) open, the limit (--max-connections)" in tok.log_path.read_text()
+
+
+def test_grpc_connections_past_the_limit_are_refused_and_served_again_after(
+    limited: tuple[ServiceProcess, int, int],
+) -> None:
+    tok, _, _ = limited
+    assert tok.port is not None
+    held: list[socket.socket] = []
+    try:
+        # The health check that found the service SERVING may hold its
+        # connection a moment longer: until the server has let it go, a
+        # connection past the limit is closed, and is tried again.
+        for _ in range(LIMIT):
+            assert wait_until(lambda: _accepted(tok.port, held), timeout=30)
+        assert not _accepted(tok.port, held), "a connection past the limit was accepted"
+        refused = _generate(tok.address)
+        assert refused.grpc_code == "UNAVAILABLE", refused
+    finally:
+        for conn in held:
+            conn.close()
+    # Once the server sees them closed (a moment), a new connection is served.
+    outcomes: list[Outcome] = []
+
+    def served() -> bool:
+        outcomes.append(_generate(tok.address))
+        return outcomes[-1].ok
+
+    assert wait_until(served, timeout=30, interval=0.2), outcomes[-1]
+    assert len(outcomes[-1].token_ids) == 2, outcomes[-1]
+
+
+def _generate(address: str) -> Outcome:
+    """One request of two tokens over a new channel."""
+    with grpc.insecure_channel(address) as channel:
+        stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
+        return run_request(stub, make_request("Hi", max_tokens=2, min_tokens=2), timeout=30)
