@@ -7,8 +7,10 @@ are served again."""
 from __future__ import annotations
 
 import socket
+import subprocess
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -16,36 +18,43 @@ import openai
 import pytest
 
 from mmsplit.tokenizer.v1 import tokenizer_pb2_grpc
+from mmsplit_cli import samples
 from mmsplit_cli.client import Outcome, make_request, run_request
 from mmsplit_cli.launch import Pair
 from mmsplit_server.serving import free_port
 from tests.conftest import TOKENIZER_SERVICE
 from tests.support.leaks import wait_until
+from tests.support.origins import Origin, local_origin
 from tests.support.services import ENV, ServiceProcess, tokenizer_args
 
 pytestmark = pytest.mark.e2e
 LIMIT = 4
 
 
+@dataclass
+class Limited:
+    """A tokenizer of its own with --max-connections 4, its HTTP and
+    metrics ports, and an origin it may fetch images from."""
+
+    tok: ServiceProcess
+    http: int
+    metrics: int
+    origin: Origin
+
+
 @pytest.fixture(scope="module")
-def limited(
-    services: Pair, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[ServiceProcess, int, int]]:
-    """A tokenizer of its own with --max-connections 4: it, its HTTP port
-    and its metrics port."""
+def limited(services: Pair, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Limited]:
     http, metrics = free_port(), free_port()
-    extra = ["--max-connections", str(LIMIT), "--http-port", str(http), "--metrics-port", str(metrics)]
-    tok = ServiceProcess(
-        "tokenizer",
-        tokenizer_args(tiny_model, services.scheduler_address, extra=extra),
-        tmp_path_factory.mktemp("limited") / "tok.log",
-        env=ENV,
-    )
-    try:
-        tok.wait_serving(TOKENIZER_SERVICE, 180)
-        yield tok, http, metrics
-    finally:
-        tok.stop()
+    with local_origin(samples.good_png(seed=21)) as origin:
+        extra = ["--max-connections", str(LIMIT), "--http-port", str(http), "--metrics-port", str(metrics)]
+        extra += ["--private-fetch-exempt", origin.address]
+        args = tokenizer_args(tiny_model, services.scheduler_address, extra=extra)
+        tok = ServiceProcess("tokenizer", args, tmp_path_factory.mktemp("limited") / "tok.log", env=ENV)
+        try:
+            tok.wait_serving(TOKENIZER_SERVICE, 180)
+            yield Limited(tok, http, metrics, origin)
+        finally:
+            tok.stop()
 
 
 def _served(port: int, sockets: list[socket.socket]) -> bool:
@@ -83,10 +92,8 @@ def _metric(port: int, name: str) -> float:
     return float(line.split()[1])
 
 
-def test_connections_past_the_limit_are_closed_unread_and_the_open_ones_go_on(
-    limited: tuple[ServiceProcess, int, int],
-) -> None:
-    tok, http, metrics = limited
+def test_connections_past_the_limit_are_closed_unread_and_the_open_ones_go_on(limited: Limited) -> None:
+    tok, http, metrics = limited.tok, limited.http, limited.metrics
     held: list[socket.socket] = []
     try:
         for _ in range(LIMIT):
@@ -113,10 +120,8 @@ def test_connections_past_the_limit_are_closed_unread_and_the_open_ones_go_on(
     assert "connection(s) open, the limit (--max-connections)" in tok.log_path.read_text()
 
 
-def test_grpc_connections_past_the_limit_are_refused_and_served_again_after(
-    limited: tuple[ServiceProcess, int, int],
-) -> None:
-    tok, _, _ = limited
+def test_grpc_connections_past_the_limit_are_refused_and_served_again_after(limited: Limited) -> None:
+    tok = limited.tok
     assert tok.port is not None
     held: list[socket.socket] = []
     try:
@@ -140,6 +145,35 @@ def test_grpc_connections_past_the_limit_are_refused_and_served_again_after(
 
     assert wait_until(served, timeout=30, interval=0.2), outcomes[-1]
     assert len(outcomes[-1].token_ids) == 2, outcomes[-1]
+
+
+def test_a_flood_of_connections_leaves_the_descriptors_requests_need(limited: Limited) -> None:
+    """With the open-file limit lowered to 1,024, 1,100 connections to the
+    HTTP port. Without the limit they took every descriptor (accept failing
+    with EMFILE, over and over in the log): a request on a gRPC connection
+    opened before failed to fetch its image (no descriptor left for the
+    fetch's socket), and a new gRPC client could not connect. With it, all
+    but 4 are closed unread and both are served. (The last test here: the
+    tokenizer keeps the lowered limit.)"""
+    tok = limited.tok
+    subprocess.run(["prlimit", "--pid", str(tok.pid), "--nofile=1024:1024"], check=True)
+    flood: list[socket.socket] = []
+    with grpc.insecure_channel(tok.address) as channel:
+        stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
+        assert run_request(stub, make_request("Hi", max_tokens=1)).ok  # the connection, open before the flood
+        try:
+            for _ in range(1100):
+                flood.append(socket.create_connection(("127.0.0.1", limited.http), timeout=30))
+            hits = limited.origin.hits
+            fetched = run_request(stub, make_request("Hi", urls=[limited.origin.url("flood.png")], max_tokens=2))
+            assert fetched.ok, fetched
+            assert limited.origin.hits > hits
+            newcomer = _generate(tok.address)
+            assert newcomer.ok, newcomer
+        finally:
+            for conn in flood:
+                conn.close()
+    assert "Too many open files" not in tok.log_path.read_text()
 
 
 def _generate(address: str) -> Outcome:
