@@ -7,6 +7,7 @@ what both services share; each service's settings class extends it."""
 from __future__ import annotations
 
 import dataclasses
+import resource
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -71,6 +72,8 @@ def prefix_problems(prefix: str) -> list[str]:
     return []
 
 
+# The automatic --max-connections: at most this many per serving port.
+CONNECTIONS_AT_MOST = 10_000
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "debug", "info", "warning", "error")
 
 
@@ -127,6 +130,23 @@ class ServiceSettings:
     keepalive_timeout_s: float = opt(
         10.0, "how long a keepalive ping may go unanswered before its connection is closed", min=0.1
     )
+    max_connections: int = opt(
+        0,
+        "client connections each port serving requests (gRPC, and the tokenizer's HTTP) keeps open at once; a new "
+        "one past it is closed at once, unread (clients retry), so a flood of connections cannot take the "
+        "descriptors that requests need; 0 = a quarter of the open-file limit, at most 10,000",
+        min=0,
+    )
+
+    @property
+    def connection_limit(self) -> int:
+        """Client connections each serving port keeps open at once
+        (`max_connections`, or a quarter of this process's open-file limit
+        as it is now: read after the service raised it, at most 10,000)."""
+        if self.max_connections:
+            return self.max_connections
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        return CONNECTIONS_AT_MOST if soft == resource.RLIM_INFINITY else max(16, min(CONNECTIONS_AT_MOST, soft // 4))
 
     def __post_init__(self) -> None:
         check(self, *self.problems())

@@ -474,6 +474,7 @@ async def _serve_published(
         security=security,
         keepalive_s=settings.keepalive_s,
         keepalive_timeout_s=settings.keepalive_timeout_s,
+        max_connections=settings.connection_limit,
     )
     probes = None
     if settings.health_port:

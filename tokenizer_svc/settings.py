@@ -5,15 +5,11 @@ ranges and choices are checked when the object is made (`mmsplit_server.settings
 
 from __future__ import annotations
 
-import resource
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from mmsplit_server.settings import ServiceSettings
 from mmsplit_server.settings import opt as _opt
-
-# The automatic --max-connections: at most this many per public port.
-CONNECTIONS_AT_MOST = 10_000
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -174,13 +170,6 @@ class TokenizerSettings(ServiceSettings):
         "", "comma-separated HOST:PORT destinations exempt from the private-address guard (a sidecar, a test origin)"
     )
     max_inflight: int = _opt(256, "requests in progress; beyond this, OVERLOADED at once", min=1)
-    max_connections: int = _opt(
-        0,
-        "client connections each public port (gRPC, HTTP) keeps open at once; a new one past it is closed at once, "
-        "unread (clients retry), so a flood of connections cannot take the descriptors that requests, the slab "
-        "and the scheduler need; 0 = a quarter of the open-file limit, at most 10,000",
-        min=0,
-    )
     scheduler_wait_s: float = _opt(120.0, "how long startup waits for the scheduler before serving NOT_SERVING", min=0)
     unavailable_retry_after_ms: int = _opt(
         1000,
@@ -243,16 +232,6 @@ class TokenizerSettings(ServiceSettings):
             return self.worker_memory_bytes
         pixels = max(self.max_image_pixels, self.max_video_frame_pixels * self.video_max_frames)
         return (1 << 30) + 8 * pixels
-
-    @property
-    def connection_limit(self) -> int:
-        """Client connections each public port keeps open at once
-        (`max_connections`, or a quarter of this process's open-file limit
-        as it is now: read after the service raised it, at most 10,000)."""
-        if self.max_connections:
-            return self.max_connections
-        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-        return CONNECTIONS_AT_MOST if soft == resource.RLIM_INFINITY else max(16, min(CONNECTIONS_AT_MOST, soft // 4))
 
     @property
     def message_limit(self) -> int:

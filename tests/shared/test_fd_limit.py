@@ -3,11 +3,15 @@ descriptor open (its lock lives on it), and some container runtimes start
 processes with a soft limit of 1024. Both services raise the limit at start,
 and a process that still runs out answers OVERLOADED (retriable, the
 server's condition): never INVALID_REQUEST, as if the sender had named
-something that is not a segment."""
+something that is not a segment. And clients cannot take them all: each
+serving port keeps at most --max-connections open (a quarter of the limit
+by default)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -16,6 +20,7 @@ import numpy as np
 import pytest
 
 from mmsplit_server.handoff import ranges, slab
+from mmsplit_server.serving import Health, new_server
 from tests.support import limits
 from tests.support.granting import grant_table
 from tests.support.leaks import PROJECT_PREFIX, own_slab
@@ -111,3 +116,55 @@ def test_a_service_raises_its_open_file_limit() -> None:
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == [str(limits.RAISED), str(limits.RAISED)]
+
+
+def test_the_automatic_connection_limit_is_a_quarter_of_the_open_file_limit() -> None:
+    """`--max-connections 0`: a quarter of the limit as the service runs
+    with it (read after it raised its own), at most 10,000; a value given
+    wins."""
+    code = (
+        "import resource, sys\n"
+        "from pathlib import Path\n"
+        "from mmsplit_server.settings import ServiceSettings\n"
+        "soft = int(sys.argv[1])\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (soft, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))\n"
+        "print(ServiceSettings(model_dir=Path('.')).connection_limit,"
+        " ServiceSettings(model_dir=Path('.'), max_connections=7).connection_limit)\n"
+    )
+    for soft, expected in ((1024, "256 7"), (20000, "5000 7"), (40, "16 7")):
+        done = subprocess.run([sys.executable, "-c", code, str(soft)], capture_output=True, text=True, cwd=ROOT)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert done.stdout.split() == expected.split(), (soft, done.stdout)
+
+
+def test_a_server_closes_connections_past_its_limit_unread() -> None:
+    """What `new_server(max_connections=N)` asks of gRPC core, held: with 3
+    connections open, the next ones are closed before a byte is sent (an
+    accepted one gets the server's HTTP/2 settings at once)."""
+
+    async def run() -> list[int]:
+        health = Health("t.T")
+        await health.start()
+        server, port = await new_server(
+            host="127.0.0.1",
+            port=0,
+            health_=health,
+            service_names=["t.T"],
+            max_message_bytes=1 << 20,
+            max_connections=3,
+        )
+        await server.start()
+        held: list[socket.socket] = []
+        got: list[int] = []
+        try:
+            for _ in range(6):
+                conn = await asyncio.to_thread(socket.create_connection, ("127.0.0.1", port), 10)
+                held.append(conn)
+                got.append(len(await asyncio.to_thread(conn.recv, 9)))
+        finally:
+            for conn in held:
+                conn.close()
+            await server.stop(None)
+        return got
+
+    assert asyncio.run(run()) == [9, 9, 9, 0, 0, 0]
