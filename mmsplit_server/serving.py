@@ -157,9 +157,10 @@ def stop_with_parent() -> None:
     `mmsplit_cli.launch.ServiceProcess`), have the kernel send this process
     SIGTERM when that parent ends, however it ends: a launcher killed
     outright (SIGKILL, the OOM killer) otherwise left its services running,
-    holding their ports and memory, with nobody to stop them. SIGTERM is a service's usual stop (it
-    drains). The variable is removed so that nothing this process starts
-    inherits it; a parent already gone stops this process now."""
+    holding their ports and memory, with nobody to stop them. SIGTERM is a
+    service's usual stop (it drains). The variable is removed so that
+    nothing this process starts inherits it; a parent already gone stops
+    this process now."""
     parent = os.environ.pop(PARENT_ENV, "")
     if not parent.isdigit():
         return

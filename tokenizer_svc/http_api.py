@@ -690,7 +690,7 @@ class _LimitedSite(web.TCPSite):
     OpenAI SDK does, with backoff). aiohttp counts a connection once its
     transport is made, so connects accepted in one turn of the event loop
     can pass the limit by those few. (aiohttp 3.14's `TCPSite.start`, the
-    protocol factory wrapped; aiohttp is pinned, and test_http_api holds
+    protocol factory wrapped; aiohttp is pinned, and test_connection_limit holds
     the behaviour.)"""
 
     def __init__(self, runner: web.AppRunner, host: str, port: int, *, limit: int, api: HttpApi) -> None:
