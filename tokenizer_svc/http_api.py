@@ -50,6 +50,7 @@ from mmsplit.errors import InternalError, MmsplitError, Unauthenticated
 from mmsplit.tokenizer.v1 import tokenizer_pb2
 from mmsplit_server import strict_json
 from mmsplit_server.serving import RequestSummary, SecretFile
+from mmsplit_server.settings import CONNECTIONS_AT_MOST
 from tokenizer_svc import openai_answers, openai_api, openai_responses, response_store, tool_calls
 from tokenizer_svc.conversation import MAX_REQUEST_ID, valid_request_id
 from tokenizer_svc.errors import InvalidRequest
@@ -714,7 +715,9 @@ class _LimitedSite(web.TCPSite):
         self._bound_port = self._server.sockets[0].getsockname()[1]
 
 
-async def start(api: HttpApi, host: str, port: int, *, max_connections: int) -> tuple[web.AppRunner, int]:
+async def start(
+    api: HttpApi, host: str, port: int, *, max_connections: int = CONNECTIONS_AT_MOST
+) -> tuple[web.AppRunner, int]:
     """Serve `api` on host:port (0: a free one), at most `max_connections`
     connections open at once; the runner and the port. Handlers are
     cancelled when their client disconnects."""
