@@ -689,10 +689,12 @@ class _LimitedSite(web.TCPSite):
     descriptors, which every request, the slab and the scheduler's
     connection need. A client sees its connection closed and retries (the
     OpenAI SDK does, with backoff). aiohttp counts a connection once its
-    transport is made, so connects accepted in one turn of the event loop
-    can pass the limit by those few. (aiohttp 3.14's `TCPSite.start`, the
-    protocol factory wrapped; aiohttp is pinned, and test_connection_limit holds
-    the behaviour.)"""
+    transport is made, a turn of the event loop after it was accepted, so a
+    burst of connects can pass the limit by those accepted in one turn
+    (asyncio takes up to the listen backlog, 128, at a time; 1,100 connects
+    from one client against a limit of 4 left 9 open). (aiohttp 3.14's
+    `TCPSite.start`, the protocol factory wrapped; aiohttp is pinned, and
+    test_connection_limit holds the behaviour.)"""
 
     def __init__(self, runner: web.AppRunner, host: str, port: int, *, limit: int, api: HttpApi) -> None:
         super().__init__(runner, host, port)
