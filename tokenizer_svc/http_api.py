@@ -689,25 +689,36 @@ class _LimitedSite(web.TCPSite):
     descriptors, which every request, the slab and the scheduler's
     connection need. A client sees its connection closed and retries (the
     OpenAI SDK does, with backoff). aiohttp counts a connection once its
-    transport is made, a turn of the event loop after it was accepted, so a
-    burst of connects can pass the limit by those accepted in one turn
-    (asyncio takes up to the listen backlog, 128, at a time; 1,100 connects
-    from one client against a limit of 4 left 9 open). (aiohttp 3.14's
-    `TCPSite.start`, the protocol factory wrapped; aiohttp is pinned, and
-    test_connection_limit holds the behaviour.)"""
+    transport is made, a turn of the event loop after it was accepted (up
+    to the listen backlog, 128, are accepted in one turn), so handlers
+    handed out and not yet counted by aiohttp are counted here until they
+    are (without them, 1,100 connects from one client against a limit of 4
+    left 9 open). (aiohttp 3.14's `TCPSite.start`, the protocol factory
+    wrapped; aiohttp is pinned, and test_connection_limit holds the
+    behaviour.)"""
+
+    # A handler whose transport is not made within this long never will be
+    # (the accept failed on the way): it is no longer counted.
+    UNMADE_S = 1.0
 
     def __init__(self, runner: web.AppRunner, host: str, port: int, *, limit: int, api: HttpApi) -> None:
         super().__init__(runner, host, port)
         self._limit = limit
         self._api = api
+        # Handlers handed out whose connection aiohttp has not counted yet, with when.
+        self._unmade: list[tuple[web.RequestHandler, float]] = []
 
     def _protocol(self) -> asyncio.BaseProtocol:
         server = self._runner.server
         assert server is not None
-        if len(server.connections) >= self._limit:
+        now = time.monotonic()
+        self._unmade = [(h, at) for h, at in self._unmade if h.transport is None and now - at < self.UNMADE_S]
+        if len(server.connections) + len(self._unmade) >= self._limit:
             self._api.refuse_connection(self._limit)
             return _Refused()
-        return server()
+        handler = server()
+        self._unmade.append((handler, now))
+        return handler
 
     async def start(self) -> None:
         await web.BaseSite.start(self)  # registers the site with its runner
