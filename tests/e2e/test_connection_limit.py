@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import socket
 import subprocess
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +22,7 @@ from mmsplit_cli.client import Outcome, make_request, run_request
 from mmsplit_cli.launch import Pair
 from mmsplit_server.serving import free_port
 from tests.conftest import TOKENIZER_SERVICE
+from tests.e2e.helpers import scrape
 from tests.support.leaks import wait_until
 from tests.support.origins import Origin, local_origin
 from tests.support.services import ENV, ServiceProcess, tokenizer_args
@@ -86,12 +86,6 @@ def _accepted(port: int, sockets: list[socket.socket]) -> bool:
     return True
 
 
-def _metric(port: int, name: str) -> float:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    line = next(line for line in text.splitlines() if line.startswith(f"mmsplit_tokenizer_{name} "))
-    return float(line.split()[1])
-
-
 def test_connections_past_the_limit_are_closed_unread_and_the_open_ones_go_on(limited: Limited) -> None:
     tok, http, metrics = limited.tok, limited.http, limited.metrics
     held: list[socket.socket] = []
@@ -99,8 +93,8 @@ def test_connections_past_the_limit_are_closed_unread_and_the_open_ones_go_on(li
         for _ in range(LIMIT):
             assert _served(http, held)
         assert not _served(http, held), "a connection past the limit was served"
-        assert _metric(metrics, "http_connections_refused_total") >= 1
-        assert _metric(metrics, "http_connections") == LIMIT
+        assert scrape(metrics)[("mmsplit_tokenizer_http_connections_refused_total", ())] >= 1
+        assert scrape(metrics)[("mmsplit_tokenizer_http_connections", ())] == LIMIT
         # The open ones are served as before: a second request on each.
         for conn in held:
             conn.sendall(b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n")
@@ -166,7 +160,7 @@ def test_a_flood_of_connections_leaves_the_descriptors_requests_need(limited: Li
                 flood.append(socket.create_connection(("127.0.0.1", limited.http), timeout=30))
             # Exactly the limit open, however fast they came (aiohttp counts
             # a connection a turn of the event loop after its accept).
-            assert _metric(limited.metrics, "http_connections") == LIMIT
+            assert scrape(limited.metrics)[("mmsplit_tokenizer_http_connections", ())] == LIMIT
             hits = limited.origin.hits
             fetched = run_request(stub, make_request("Hi", urls=[limited.origin.url("flood.png")], max_tokens=2))
             assert fetched.ok, fetched
