@@ -8,7 +8,7 @@ SERVING, stopped cleanly, and no shared-memory segment was left behind.
 
 from __future__ import annotations
 
-import tempfile
+import shutil
 import textwrap
 import time
 from collections.abc import Callable, Sequence
@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from mmsplit.client import Client, Delta, Finished, RequestFailed
 from mmsplit.tokenizer.v1 import tokenizer_pb2
-from mmsplit_cli import samples
+from mmsplit_cli import private_dirs, samples
 from mmsplit_cli.client import Outcome, make_request
 from mmsplit_cli.launch import SCHEDULER_SERVICE, TOKENIZER_SERVICE, running_pair
 from mmsplit_cli.tiny_model import build
@@ -177,10 +177,15 @@ def _table(rows: Sequence[tuple[str, ...]]) -> str:
 
 
 def run_demo(*, workdir: Path | None, tp: int, cache_dir: Path) -> int:
-    with tempfile.TemporaryDirectory(prefix="mmsplit-demo-") as tmp:
-        root = workdir or Path(tmp)
-        root.mkdir(parents=True, exist_ok=True)
-        return _run(root, tp, cache_dir.resolve())
+    if workdir is not None:
+        workdir.mkdir(parents=True, exist_ok=True)
+        return _run(workdir, tp, cache_dir.resolve())
+    # A demo killed outright leaves its directory; the next one removes it.
+    tmp = private_dirs.make("mmsplit-demo-")
+    try:
+        return _run(tmp, tp, cache_dir.resolve())
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _run(root: Path, tp: int, cache_dir: Path) -> int:

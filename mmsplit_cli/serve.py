@@ -5,7 +5,7 @@ command.
 
 The scheduler listens on a free loopback port and requires a random token
 that only its tokenizer is given (a file in a directory only this user can
-enter, removed at the end): other users of the host cannot send it
+enter, removed at the end, or by the next serve if this one is killed outright): other users of the host cannot send it
 requests. The tokenizer serves gRPC and the OpenAI-compatible HTTP API on
 the fixed default ports. Both logs go to standard error, each line after
 its service's name; a ready line says where to send requests. SIGINT or
@@ -23,12 +23,12 @@ import secrets
 import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 from types import FrameType
 
+from mmsplit_cli import private_dirs
 from mmsplit_cli.launch import SCHEDULER_SERVICE, TOKENIZER_SERVICE, ServiceProcess
 from mmsplit_cli.startup import first_problem
 from mmsplit_server.serving import free_port
@@ -57,7 +57,7 @@ def serve_command(args: argparse.Namespace) -> int:
     if problem:
         print(f"mmsplit serve: {problem}", file=sys.stderr)
         return 2
-    private = Path(tempfile.mkdtemp(prefix="mmsplit-serve-"))  # mode 0700
+    private = private_dirs.make("mmsplit-serve-")  # mode 0700; a killed serve's is removed by the next
     stopping = threading.Event()
     started: list[ServiceProcess] = []
     stops = 0

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -21,7 +20,7 @@ import psutil
 import pytest
 
 from mmsplit.client import Client
-from mmsplit_cli import launch
+from mmsplit_cli import launch, private_dirs
 from mmsplit_server.serving import PARENT_ENV, free_port
 from tests.support.serve_output import ServeOutput
 from tests.support.services import ENV, ROOT
@@ -102,10 +101,11 @@ def test_a_serve_killed_outright_takes_its_services_with_it(chat_models: Callabl
         out.join()
     # What a serve killed outright cannot remove: its directory of the
     # scheduler's token, which the services read again while they run (a
-    # rotated token), so it cannot go before they stop.
+    # rotated token), so it cannot go before they stop. The next serve
+    # removes it as it starts (`private_dirs.make`), this sweep being its first step.
     left = list(Path(ENV["TMPDIR"]).glob("mmsplit-serve-*"))
     assert len(left) == 1, left
-    shutil.rmtree(left[0])
+    assert private_dirs.sweep("mmsplit-serve-", Path(ENV["TMPDIR"])) == left
 
 
 def test_a_service_is_tied_to_its_launcher_only_where_the_tie_holds() -> None:
