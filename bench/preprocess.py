@@ -11,7 +11,7 @@ torch thread). Slices are taken over and released as they come.
 The serial baseline calls the model's processor as it comes
 (`processor(images=image)`); the workers call it as the service does,
 without the RGB copy of an RGB image (`rgb_as_is`) and without the PIL
-processors' numpy round trips (`tokenizer_svc.pil_resize`), for the same
+processors' numpy round trips (`tokenizer_svc.pil_shortcuts`), for the same
 tensors (tests/tokenizer/test_preprocess.py). So the first ratio is the
 pool against the plain way of doing this work, and can pass 1.0; the
 "work in pool / serial" column below shows how much of it is that saving.

@@ -103,6 +103,14 @@ def test_gc_pause_benchmark_prints_both_heaps(models: Path) -> None:
         assert float(heap.split()[2]) > 100_000, heap  # the start-up, frozen
 
 
+def test_processor_steps_benchmark_prints_every_arm(models: Path) -> None:
+    result = run_bench("processor_steps.py", ["--families", "llava", "--reps", "1"], models=models)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "tensors equal" in result.stdout
+    for size in ("640x480", "1280x720", "1920x1080", "all three"):
+        assert re.search(rf"^llava\s+{size}(\s+[\d.]+){{3}}\s+[\d.]+x\s+[\d.]+x$", result.stdout, re.M), result.stdout
+
+
 def test_step_profile_prints_the_step_and_its_ops(models: Path) -> None:
     """The profile a GPU session runs (tests/gpu/run.sh), here on the CPU."""
     args = ["--model", "tiny", "--rows", "4", "--steps", "2", "--rounds", "1", "--arms"]

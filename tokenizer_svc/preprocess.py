@@ -44,7 +44,7 @@ from transformers import AutoImageProcessor
 
 from mmsplit_server import families
 from mmsplit_server.handoff import files, ranges, reference, slab
-from tokenizer_svc import pil_resize, video
+from tokenizer_svc import pil_shortcuts, video
 from tokenizer_svc.decode import decode_image
 from tokenizer_svc.errors import InternalError, MediaTooLarge, MediaUnsupported, Overloaded
 
@@ -207,7 +207,7 @@ def keep_heap() -> None:
 
 def init_worker(model_dir: str, owner_pid: int, hook_module: str = "", memory_bytes: int = 0) -> None:
     """Pool initializer: exit with the owner, keep the heap (`keep_heap`),
-    one torch thread, the model's image processor (with `pil_resize`'s
+    one torch thread, the model's image processor (with `pil_shortcuts`'s
     shortcuts), and the optional worker
     hook (`worker_hook` setting): a module whose `on_worker_start()` runs
     here and `on_decoded(image)` after each decode. Tests substitute it to
@@ -221,7 +221,7 @@ def init_worker(model_dir: str, owner_pid: int, hook_module: str = "", memory_by
             _hook.on_worker_start()
     torch.set_num_threads(1)
     _processor = AutoImageProcessor.from_pretrained(Path(model_dir))
-    pil_resize.install(_processor)
+    pil_shortcuts.install(_processor)
     _family = families.load(Path(model_dir), frozenset(_processor.model_input_names))
     if memory_bytes:
         limit_address_space(memory_bytes)
@@ -326,7 +326,7 @@ def _image(job: ImageJob, processor: Any, family: families.Family, clock: _Clock
     if ratio > job.max_aspect_ratio:
         raise MediaUnsupported(f"aspect ratio {image.width}x{image.height} exceeds {job.max_aspect_ratio:g}:1")
     try:
-        with pil_resize.processing():
+        with pil_shortcuts.processing():
             outputs = processor(images=image, return_tensors="np", **rgb_as_is(image))
         rows = family.item_rows({name: np.asarray(value) for name, value in outputs.items()})
         tokens = _count(family, families.IMAGE, rows)

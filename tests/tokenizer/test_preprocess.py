@@ -1,6 +1,6 @@
 """The worker's image path gives the tensors the model's own processor gives:
-with the RGB copy skipped (`rgb_as_is`) and with the resize shortcuts
-(`pil_resize`)."""
+with the RGB copy skipped (`rgb_as_is`) and with the resize and lookup
+shortcuts (`pil_shortcuts`)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from typing import Any
 import numpy as np
 import pytest
 from PIL import Image
-from transformers import AutoImageProcessor
+from transformers import AutoImageProcessor, BatchFeature
 
 from mmsplit_cli import samples
-from tokenizer_svc import pil_resize
+from tokenizer_svc import pil_shortcuts
 from tokenizer_svc.decode import decode_image
 from tokenizer_svc.preprocess import rgb_as_is
 
@@ -57,17 +57,18 @@ def test_an_rgb_image_with_a_transparency_key_is_left_to_the_processor() -> None
     assert rgb_as_is(image) == {}
 
 
-# Round trips each family skips per image with `pil_resize`: its copy of the
-# decoded image made into a PIL image again (LLaVA-NeXT: best-fit grid and
-# base image), and "resizes" to the same size (NeXT: base image and every
-# 336x336 patch, at least 3 for the pictures below).
-SHORTCUTS = {"llava": (1, 0), "llava-next": (2, 3), "qwen2-vl": (1, 0)}
+# Round trips each family skips per image with `pil_shortcuts`: its copy of
+# the decoded image made into a PIL image again (LLaVA-NeXT: best-fit grid
+# and base image), and "resizes" to the same size (NeXT: base image and every
+# 336x336 patch, at least 3 for the pictures below). Every family rescales
+# and normalizes by lookup, once per image (NeXT: once per patch).
+SHORTCUTS = {"llava": (1, 0), "llava-next": (2, 3), "qwen2-vl": (1, 0), "qwen2.5-vl": (1, 0), "qwen3-vl": (1, 0)}
 
 
-@pytest.mark.parametrize("family", ["llava", "llava-next", "qwen2-vl"])
-def test_the_resize_shortcuts_change_no_tensor(family: str, family_models: Callable[[str], Path]) -> None:
+@pytest.mark.parametrize("family", list(SHORTCUTS))
+def test_the_shortcuts_change_no_tensor(family: str, family_models: Callable[[str], Path]) -> None:
     processor = AutoImageProcessor.from_pretrained(family_models(family))
-    assert pil_resize.install(processor)
+    assert pil_shortcuts.install(processor)
     pictures = [
         samples.encode(samples.gradient(1920, 1080, seed=4), "JPEG", quality=90),
         samples.encode(samples.gradient(640, 480, seed=5), "JPEG", quality=90),
@@ -77,14 +78,16 @@ def test_the_resize_shortcuts_change_no_tensor(family: str, family_models: Calla
     from_decoded, same_size = SHORTCUTS[family]
     for data in pictures:
         image = decode_image(data, max_pixels=40_000_000)
-        before = dict(pil_resize.skipped)
-        with pil_resize.processing():
+        before = dict(pil_shortcuts.skipped)
+        with pil_shortcuts.processing():
             fast = processor(images=image, return_tensors="np", **rgb_as_is(image))
-        taken = {kind: pil_resize.skipped[kind] - before[kind] for kind in before}
+        taken = {kind: pil_shortcuts.skipped[kind] - before[kind] for kind in before}
         stock = processor(images=image, return_tensors="np", **rgb_as_is(image))  # outside: stock
-        assert pil_resize.skipped == before | {k: before[k] + taken[k] for k in taken}, "a shortcut outside"
+        assert pil_shortcuts.skipped == before | {k: before[k] + taken[k] for k in taken}, "a shortcut outside"
         assert taken["from_decoded"] == from_decoded, image.size
         assert taken["same_size"] >= same_size, image.size
+        patches = fast["pixel_values"].shape[1] if family == "llava-next" else 1
+        assert taken["looked_up"] == patches, image.size
         _assert_same(fast, stock)
     # Edges: sizes where a shortcut may or may not apply, a 3x3 image (its
     # array's shape reads either way), extreme aspect ratios, a grayscale
@@ -94,9 +97,18 @@ def test_the_resize_shortcuts_change_no_tensor(family: str, family_models: Calla
     edges += [_png(rng.integers(0, 255, (200, 300), dtype=np.uint8)), _rotated_jpeg(rng)]
     for data in edges:
         image = decode_image(data, max_pixels=40_000_000)
-        with pil_resize.processing():
+        with pil_shortcuts.processing():
             fast = processor(images=image, return_tensors="np", **rgb_as_is(image))
         _assert_same(fast, processor(images=image, return_tensors="np", **rgb_as_is(image)))
+    # Rescale or normalize turned off by the call (or a checkpoint's
+    # config): no lookup, the stock steps.
+    image = decode_image(pictures[1], max_pixels=40_000_000)
+    for off in ({"do_normalize": False}, {"do_rescale": False}):
+        before = pil_shortcuts.skipped["looked_up"]
+        with pil_shortcuts.processing():
+            fast = processor(images=image, return_tensors="np", **rgb_as_is(image), **off)
+        assert pil_shortcuts.skipped["looked_up"] == before, off
+        _assert_same(fast, processor(images=image, return_tensors="np", **rgb_as_is(image), **off))
 
 
 def _assert_same(fast: Any, stock: Any) -> None:
@@ -128,11 +140,33 @@ def test_an_image_the_processor_converts_is_not_resized_from_the_decoded_one(
     """With a transparency key the processor composites first: its array is
     not the decoded image, so that image must not stand in for it."""
     processor = AutoImageProcessor.from_pretrained(family_models("llava"))
-    pil_resize.install(processor)
+    pil_shortcuts.install(processor)
     image = decode_image(_png_with_a_transparent_colour(), max_pixels=40_000_000)
-    before = pil_resize.skipped["from_decoded"]
-    with pil_resize.processing():
+    before = pil_shortcuts.skipped["from_decoded"]
+    with pil_shortcuts.processing():
         fast = processor(images=image, return_tensors="np", **rgb_as_is(image))
-    assert pil_resize.skipped["from_decoded"] == before
+    assert pil_shortcuts.skipped["from_decoded"] == before
     stock = processor(images=image, return_tensors="np")
     assert np.array_equal(fast["pixel_values"], stock["pixel_values"])
+
+
+def test_a_processor_whose_rescale_does_not_lead_to_its_normalize_gets_the_stock_rescale(
+    family_models: Callable[[str], Path],
+) -> None:
+    """Steps other than the known ones (here a rescale with no normalize
+    after it, though normalizing is on): the call is made again with the
+    stock steps rather than hand on unscaled pixels."""
+    processor = AutoImageProcessor.from_pretrained(family_models("llava"))
+
+    def rescale_only(images: list[np.ndarray], **kwargs: Any) -> BatchFeature:
+        pixels = [processor.rescale(im, kwargs["rescale_factor"]) for im in images]
+        return BatchFeature({"pixel_values": pixels}, tensor_type="np")
+
+    processor._preprocess = rescale_only
+    image = decode_image(samples.good_jpeg(seed=3), max_pixels=40_000_000)
+    stock = processor(images=image, return_tensors="np")
+    assert stock["pixel_values"].dtype == np.float32
+    assert pil_shortcuts.install(processor)
+    with pil_shortcuts.processing():
+        fast = processor(images=image, return_tensors="np")
+    _assert_same(fast, stock)
