@@ -624,8 +624,10 @@ class TokenizerService:
                 ) from exc
         if self.cache.enabled and cached is None:
             try:
+                # On the loop: the copy out of shared memory holds the GIL
+                # whichever thread makes it, and a thread only adds its hop.
                 shared = any(t.segment is not None for t in result.tensors)
-                self.cache.put(key, await asyncio.to_thread(self._as_bytes, result) if shared else result)
+                self.cache.put(key, self._as_bytes(result) if shared else result)
             except Exception:
                 # Only the cache misses out: the item itself is fine.
                 log.warning("request %s: a preprocessed item could not be kept in the cache", rid, exc_info=True)
