@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import hmac
 import logging
 import time
@@ -222,7 +223,7 @@ class HttpApi:
             return other
         asked = await got.read(openai_api.parse_tokenize, body)
         if asked.request is not None:
-            ids = await self.service.tokenize(asked.request, _request_id(request))
+            ids = await self.service.tokenize(asked.request, _request_id(request), self._client(request))
         else:
             ids = await self._tokenize_text(asked.text or "")
         answer: dict[str, Any] = {"count": len(ids), "max_model_len": self.service.link.max_context, "tokens": ids}
@@ -313,6 +314,14 @@ class HttpApi:
                 log.exception("response %s could not be stored", response.get("id"))
 
         return keep
+
+    def _client(self, request: web.Request) -> str:
+        """Who sent `request`, for --max-inflight-per-client: its API key
+        (a digest of it) where keys are required, else its address, as a
+        gRPC call's is named (behind a proxy, the proxy's: give clients keys)."""
+        if self.api_keys is not None:
+            return "key:" + hashlib.sha256(_bearer(request)[1].encode()).hexdigest()[:32]
+        return "addr:" + (request.remote or "")
 
     def _owner(self, request: web.Request) -> bytes:
         """Whose stored responses a request may read: its API key's (none without keys)."""
@@ -407,11 +416,12 @@ class HttpApi:
         if isinstance(call.calls, openai_api.Forced):
             await tool_calls.check_schema(call.request.sampling.json_schema)
         summary = RequestSummary(rid, protocol="http", route=request.path, choices=call.choices)
+        client = self._client(request)
         try:
             if call.stream:
-                return await self._stream(request, call, shape, rid, summary)
+                return await self._stream(request, call, shape, rid, summary, client=client)
             choices = self._tally(call)
-            async for i, response in self._choices(call, rid):
+            async for i, response in self._choices(call, rid, client):
                 _count(summary, response)
                 choices.add(i, response)
             summary.finished("STOP", choices.prompt_tokens, sum(choices.completion_tokens))
@@ -438,17 +448,19 @@ class HttpApi:
         return openai_answers.Choices(call.choices, tokenizer, per_prompt=call.n, echo=echo)
 
     async def _choices(
-        self, call: openai_api.Call, rid: str
+        self, call: openai_api.Call, rid: str, client: str
     ) -> AsyncIterator[tuple[int, tokenizer_pb2.GenerateResponse]]:
         """Every choice's responses as they come (the service runs the n
         choices of a prompt), with the choice's index; several prompts'
-        requests run at once, prompt p's choices numbered from p * n."""
+        requests run at once, prompt p's choices numbered from p * n (each
+        prompt a request of `client`'s)."""
         if not call.others:
-            async for response in self.service.generate(call.request, rid, None):
+            async for response in self.service.generate(call.request, rid, None, client):
                 yield response.index, response
             return
         sources = [
-            _numbered(self.service.generate(r, f"{rid}-{p}", None), p * call.n) for p, r in enumerate(call.requests)
+            _numbered(self.service.generate(r, f"{rid}-{p}", None, client), p * call.n)
+            for p, r in enumerate(call.requests)
         ]
         async with contextlib.aclosing(merged(sources)) as items:
             async for item in items:
@@ -461,12 +473,15 @@ class HttpApi:
         shape: Shaped,
         rid: str,
         summary: RequestSummary,
+        *,
+        client: str,
     ) -> web.StreamResponse:
-        """Server-sent events. Errors before the first byte are ordinary
-        error responses (the middleware); after it, an error event. However
-        the handler ends (a client gone while its media were still being
-        fetched included), the request's work is closed here."""
-        events = _Prefetch(self._choices(call, rid))
+        """Server-sent events (`client`: who sent it, as `_client` names
+        them). Errors before the first byte are ordinary error responses
+        (the middleware); after it, an error event. However the handler ends
+        (a client gone while its media were still being fetched included),
+        the request's work is closed here."""
+        events = _Prefetch(self._choices(call, rid, client))
         try:
             first = await events.first(self.keepalive_s)
             return await self._sse(request, events, first, call, shape, rid, summary)

@@ -65,6 +65,7 @@ def _metrics(settings: TokenizerSettings, service: TokenizerService, pool: CpuPo
         return None
     metrics = ServiceMetrics("tokenizer")
     metrics.gauge("requests_in_flight", "Requests in progress", lambda: service.inflight)
+    metrics.gauge("clients_in_flight", "Clients with requests in progress", lambda: len(service.inflight_by_client))
     metrics.gauge("preprocess_cache_bytes", "Bytes the preprocessing cache holds", lambda: service.cache.bytes)
     fetcher = service.media.fetcher
     metrics.gauge_by(
@@ -116,6 +117,10 @@ def _metrics(settings: TokenizerSettings, service: TokenizerService, pool: CpuPo
             "fetch_retries": ("Fetch attempts that failed and were retried", fetcher.retries),
             "fetch_failures": ("Fetches that failed after their last attempt", fetcher.failures),
             "janitor_removed_segments": ("Orphaned segments the janitor removed", service.janitor_removed),
+            "client_limit_refusals": (
+                "Requests refused OVERLOADED because their client had --max-inflight-per-client in progress",
+                service.refused_per_client,
+            ),
         }
     )
     metrics.counter_by(
@@ -129,6 +134,19 @@ def _metrics(settings: TokenizerSettings, service: TokenizerService, pool: CpuPo
     port = metrics.serve(settings.metrics_host or settings.host, settings.metrics_port)
     log.info("metrics on port %d (/metrics)", port)
     return metrics
+
+
+def client_address(peer: str) -> str:
+    """Who a gRPC call came from, for --max-inflight-per-client: its
+    address without the port (``ipv4:10.0.0.7:51234`` -> ``addr:10.0.0.7``,
+    ``ipv6:[::1]:5`` -> ``addr:::1``), as the HTTP API names a client
+    without an API key; a peer of another form as it is."""
+    kind, _, rest = peer.partition(":")
+    if kind == "ipv4":
+        return "addr:" + rest.rpartition(":")[0]
+    if kind == "ipv6":
+        return "addr:" + rest.rpartition(":")[0].strip("[]")
+    return "peer:" + peer
 
 
 class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
@@ -150,7 +168,8 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
         if any(key == "grpc-previous-rpc-attempts" for key, _ in context.invocation_metadata() or ()):
             self.retried_calls += 1
         try:
-            async for response in self.service.generate(request, rid, context.time_remaining()):
+            client = client_address(context.peer())
+            async for response in self.service.generate(request, rid, context.time_remaining(), client):
                 if response.HasField("delta") and response.delta.token_ids:
                     summary.token(len(response.delta.token_ids))
                 elif response.HasField("finished"):
@@ -184,7 +203,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
         request = tokenize.request
         rid = await _request_id(request, context)
         try:
-            ids = await self.service.tokenize(request, rid)
+            ids = await self.service.tokenize(request, rid, client_address(context.peer()))
         except MmsplitError as exc:
             log.info("tokenizing %s failed: %s", rid, exc)
             await context.abort_with_status(exc.to_status(rid))

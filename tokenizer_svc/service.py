@@ -17,6 +17,7 @@ its first token (every rank has read its tensors by then) or its end.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import itertools
@@ -105,6 +106,10 @@ class TokenizerService:
         self.pool = pool
         self.link = link
         self.inflight = 0
+        # Requests in progress by client, for --max-inflight-per-client
+        # (a client with none has no entry: it holds only active clients).
+        self.inflight_by_client: collections.Counter[str] = collections.Counter()
+        self.refused_per_client = 0
         # Draining for shutdown: new requests are refused; `idle` is set when
         # the last running one ends; `tasks` lets the server end stragglers.
         self.draining = False
@@ -130,10 +135,12 @@ class TokenizerService:
         self._ids = itertools.count(1)
 
     async def generate(
-        self, request: tokenizer_pb2.GenerateRequest, request_id: str, timeout_s: float | None
+        self, request: tokenizer_pb2.GenerateRequest, request_id: str, timeout_s: float | None, client: str = ""
     ) -> AsyncIterator[tokenizer_pb2.GenerateResponse]:
+        """`request`'s responses; `client` names who sent it (what
+        --max-inflight-per-client counts by; "" counts nowhere)."""
         n = request.n or 1
-        with self._admitted():
+        with self._admitted(client):
             if n > MAX_CHOICES:
                 raise InvalidRequest(f"n {n} is over the limit {MAX_CHOICES}", metadata={"param": "n"})
             if n == 1:
@@ -144,18 +151,32 @@ class TokenizerService:
                 yield response
 
     @contextlib.contextmanager
-    def _admitted(self) -> Iterator[None]:
-        """One request's work, counted against --max-inflight (refused while
-        draining or at the limit); the last to end while draining says so."""
+    def _admitted(self, client: str) -> Iterator[None]:
+        """One request's work, counted against --max-inflight and its
+        client's share, --max-inflight-per-client (refused while draining
+        or at either limit); the last to end while draining says so."""
         if self.draining:
             raise ShuttingDown("this tokenizer is shutting down; retry on another replica")
         if self.inflight >= self.settings.max_inflight:
             raise Overloaded(f"{self.inflight} requests in flight, the limit is {self.settings.max_inflight}")
+        per_client = self.settings.max_inflight_per_client
+        if per_client and client and self.inflight_by_client[client] >= per_client:
+            self.refused_per_client += 1
+            raise Overloaded(
+                f"this client has {self.inflight_by_client[client]} requests in flight, the limit per client is "
+                f"{per_client}"
+            )
         self.inflight += 1
+        if client:
+            self.inflight_by_client[client] += 1
         try:
             yield
         finally:
             self.inflight -= 1
+            if client:
+                self.inflight_by_client[client] -= 1
+                if not self.inflight_by_client[client]:
+                    del self.inflight_by_client[client]
             if self.draining and self.inflight == 0:
                 self.idle.set()
 
@@ -345,14 +366,14 @@ class TokenizerService:
             template_kwargs=parsed.template_kwargs,
         )
 
-    async def tokenize(self, request: tokenizer_pb2.GenerateRequest, rid: str) -> list[int]:
+    async def tokenize(self, request: tokenizer_pb2.GenerateRequest, rid: str, client: str = "") -> list[int]:
         """The token ids `generate` would give the scheduler for `request`'s
         prompt or conversation, without generating: its media are fetched
         and preprocessed as for `generate` (so each counts the placeholders
         the model's processor gives it, and the preprocessing cache keeps
         them for the request that follows), then let go. It counts against
-        --max-inflight as a request does."""
-        with self._admitted():
+        --max-inflight and --max-inflight-per-client as a request does."""
+        with self._admitted(client):
             await structured.ready(request.sampling)
             parsed = self._validate(request)
             prepared = await self._prepare_media(parsed.media, rid, common_pb2.TRANSPORT_INLINE)

@@ -170,6 +170,12 @@ class TokenizerSettings(ServiceSettings):
         "", "comma-separated HOST:PORT destinations exempt from the private-address guard (a sidecar, a test origin)"
     )
     max_inflight: int = _opt(256, "requests in progress; beyond this, OVERLOADED at once", min=1)
+    max_inflight_per_client: int = _opt(
+        0,
+        "requests in progress from one client (its API key over HTTP when --api-key-file is set, else its "
+        "address); beyond this, that client's next is OVERLOADED at once while others are served; 0 = no limit",
+        min=0,
+    )
     scheduler_wait_s: float = _opt(120.0, "how long startup waits for the scheduler before serving NOT_SERVING", min=0)
     unavailable_retry_after_ms: int = _opt(
         1000,

@@ -111,7 +111,7 @@ def test_http_api_keys_rotate_without_a_restart(tmp_path: Path) -> None:
     class Answers:
         tokenizer = None
 
-        async def generate(self, request: Any, rid: str, timeout_s: Any) -> Any:
+        async def generate(self, request: Any, rid: str, timeout_s: Any, client: str = "") -> Any:
             yield pb.GenerateResponse(delta=pb.TextDelta(text="hi"))
             yield pb.GenerateResponse(finished=pb.Finished(finish_reason=1, prompt_tokens=1, completion_tokens=1))
 

@@ -412,7 +412,7 @@ def test_a_stream_cancelled_before_its_first_event_closes_the_request() -> None:
         class Preparing:
             tokenizer = None
 
-            async def generate(self, request: Any, rid: str, timeout_s: Any) -> Any:
+            async def generate(self, request: Any, rid: str, timeout_s: Any, client: str = "") -> Any:
                 try:
                     started.set()
                     await asyncio.Event().wait()  # media still being prepared
@@ -423,7 +423,7 @@ def test_a_stream_cancelled_before_its_first_event_closes_the_request() -> None:
         api = HttpApi(Preparing(), model="m", ready=lambda: True, max_body_bytes=1 << 20)  # type: ignore[arg-type]
         call = openai_api.parse_chat({"messages": [{"role": "user", "content": "x"}], "stream": True})
         shape = openai_answers.Shape.of(True, "r", "m")
-        handler = asyncio.create_task(api._stream(None, call, shape, "r", RequestSummary("r")))  # type: ignore[arg-type]
+        handler = asyncio.create_task(api._stream(None, call, shape, "r", RequestSummary("r"), client=""))  # type: ignore[arg-type]
         await asyncio.wait_for(started.wait(), 10)
         handler.cancel()
         await asyncio.wait([handler])
@@ -525,7 +525,7 @@ def test_the_openai_sdk_reads_auto_tool_calls_whole_and_streamed(
     class Scripted:
         tokenizer = None
 
-        async def generate(self, request: Any, rid: str, timeout_s: Any) -> Any:
+        async def generate(self, request: Any, rid: str, timeout_s: Any, client: str = "") -> Any:
             for at in range(0, len(script), 3):
                 yield pb.GenerateResponse(delta=pb.TextDelta(text=script[at : at + 3]))
             yield pb.GenerateResponse(
@@ -675,7 +675,7 @@ def test_a_client_gone_before_a_write_is_cancelled_not_an_internal_error(
     class Endless:
         tokenizer = None
 
-        async def generate(self, request: Any, rid: str, timeout_s: Any) -> Any:
+        async def generate(self, request: Any, rid: str, timeout_s: Any, client: str = "") -> Any:
             while True:
                 yield pb.GenerateResponse(delta=pb.TextDelta(text="and on "))
                 await asyncio.sleep(0)
@@ -735,7 +735,7 @@ def test_the_responses_api_names_its_own_fields_in_errors_before_and_during_a_st
     class Failing:
         tokenizer = None
 
-        async def generate(self, request: Any, rid: str, timeout_s: Any) -> Any:
+        async def generate(self, request: Any, rid: str, timeout_s: Any, client: str = "") -> Any:
             if request.sampling.max_tokens == 5:  # fail mid-stream
                 yield pb.GenerateResponse(delta=pb.TextDelta(text="So far"))
             raise MediaDecodeFailed("not an image", metadata={"param": "messages[1].content[0]"})

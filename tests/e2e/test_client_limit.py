@@ -1,0 +1,127 @@
+"""`--max-inflight-per-client`: one client (an API key over HTTP, else an
+address) with that many requests in progress gets OVERLOADED for its next
+one, while other clients are served; once its requests end it is served
+again. Without the flag nothing is counted by client."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import openai
+import pytest
+
+from mmsplit.tokenizer.v1 import tokenizer_pb2_grpc
+from mmsplit_cli.client import make_request
+from mmsplit_cli.launch import Pair
+from mmsplit_server.serving import free_port
+from tests.conftest import TOKENIZER_SERVICE
+from tests.e2e.helpers import scrape
+from tests.support.leaks import wait_until
+from tests.support.services import ENV, ServiceProcess, tokenizer_args
+from tokenizer_svc.server import client_address
+
+pytestmark = pytest.mark.e2e
+LIMIT = 2
+KEYS = ("sk-client-a", "sk-client-b")
+# Long enough to be in progress while the test sends the next requests (a
+# stream is left unread meanwhile), short enough to end soon once closed.
+LONG = {"max_tokens": 300, "extra_body": {"min_tokens": 300}}
+MODEL = "tiny-llava"  # the directory's name, as the API serves it
+
+
+@dataclass
+class Limited:
+    tok: ServiceProcess
+    http: int
+    metrics: int
+
+    def client(self, key: str) -> openai.OpenAI:
+        # No retries: a 429 is what the test looks for, not something to wait out.
+        return openai.OpenAI(base_url=f"http://127.0.0.1:{self.http}/v1", api_key=key, max_retries=0)
+
+    def refusals(self) -> float:
+        return scrape(self.metrics)[("mmsplit_tokenizer_client_limit_refusals_total", ())]
+
+
+@pytest.fixture(scope="module")
+def limited(services: Pair, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Limited]:
+    logs = tmp_path_factory.mktemp("client-limit")
+    (logs / "keys").write_text("\n".join(KEYS) + "\n")
+    http, metrics = free_port(), free_port()
+    extra = ["--max-inflight-per-client", str(LIMIT), "--api-key-file", str(logs / "keys")]
+    extra += ["--http-port", str(http), "--metrics-port", str(metrics)]
+    tok = ServiceProcess(
+        "tokenizer", tokenizer_args(tiny_model, services.scheduler_address, extra=extra), logs / "tok.log", env=ENV
+    )
+    try:
+        tok.wait_serving(TOKENIZER_SERVICE, 180)
+        yield Limited(tok, http, metrics)
+    finally:
+        tok.stop()
+
+
+def _started(client: openai.OpenAI, prompt: str) -> Any:
+    """A streamed completion whose first chunk has come: in progress."""
+    stream = client.completions.create(model=MODEL, prompt=prompt, stream=True, **LONG)
+    next(iter(stream))
+    return stream
+
+
+def test_a_client_at_its_limit_is_refused_while_another_is_served(limited: Limited) -> None:
+    a, b = limited.client(KEYS[0]), limited.client(KEYS[1])
+    before = limited.refusals()
+    streams = [_started(a, "Count to a thousand:"), _started(a, "Name every colour:")]
+    try:
+        with pytest.raises(openai.RateLimitError) as refused:
+            a.completions.create(model=MODEL, prompt="One more", max_tokens=2)
+        assert refused.value.body["code"] == "OVERLOADED", refused.value.body  # type: ignore[index]
+        assert "this client has 2 requests in flight, the limit per client is 2" in str(refused.value)
+        # Another key is another client: served while the first is at its limit.
+        other = b.completions.create(model=MODEL, prompt="Hello", max_tokens=2)
+        assert other.choices[0].finish_reason == "length"
+        assert limited.refusals() == before + 1
+    finally:
+        for stream in streams:
+            stream.close()
+
+    def served_again() -> bool:
+        try:
+            a.completions.create(model=MODEL, prompt="Again", max_tokens=2)
+        except openai.RateLimitError:
+            return False  # its closed streams not yet ended in the tokenizer
+        return True
+
+    assert wait_until(served_again, timeout=60)
+    assert scrape(limited.metrics)[("mmsplit_tokenizer_clients_in_flight", ())] == 0
+
+
+def test_over_grpc_a_client_is_its_address(limited: Limited) -> None:
+    with grpc.insecure_channel(limited.tok.address) as channel:
+        stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
+        calls = []
+        try:
+            for prompt in ("Count to a thousand:", "Name every colour:"):
+                call = stub.Generate(make_request(prompt, max_tokens=300, min_tokens=300))
+                calls.append(call)
+                next(r for r in call if r.HasField("delta"))
+            with pytest.raises(grpc.RpcError) as refused:
+                list(stub.Generate(make_request("One more", max_tokens=2)))
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "the limit per client is 2" in refused.value.details()
+        finally:
+            for call in calls:
+                call.cancel()
+        # Its requests ended (cancelled), the address is served again.
+        assert wait_until(lambda: scrape(limited.metrics)[("mmsplit_tokenizer_clients_in_flight", ())] == 0, 60)
+        finished = list(stub.Generate(make_request("Again", max_tokens=2)))
+        assert finished[-1].HasField("finished")
+
+
+def test_a_grpc_peer_is_named_by_its_address_without_the_port() -> None:
+    assert client_address("ipv4:10.0.0.7:51234") == "addr:10.0.0.7"
+    assert client_address("ipv6:[::1]:5") == "addr:::1"
+    assert client_address("unix:/tmp/s") == "peer:unix:/tmp/s"
