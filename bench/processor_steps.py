@@ -11,12 +11,20 @@ fastest call of each kept (this host's speed drifts within
 seconds), and the tensors compared (they must be equal). Decoding is not
 timed (both start from the same decoded image).
 
+And a Qwen2-VL video at its default per-frame budget (100,352 to 602,112
+pixels; a copy of the tiny model's directory with that budget): the rows
+of a 640x480 clip of 8 and 20 sampled frames as the workers made them
+before ("as images": each frame patchified as an image, its temporal copy
+made and dropped), as `video_rows` makes them (each frame patchified as a
+patch of one frame), and that with the shortcuts; the rows compared.
+
     python bench/processor_steps.py [--families llava,llava-next,qwen2-vl] [--reps 9]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -90,6 +98,82 @@ def run(family_names: list[str], reps: int, workdir: Path) -> str:
     return f"the image processor alone, fastest of {reps} calls each, in turn; tensors equal\n" + table(header, rows)
 
 
+def video_rows_as_images(family: Any, processor: Any, frames: list[Any]) -> np.ndarray:
+    """The video rows as the workers made them before: each frame through
+    the image processor as an image (its patches repeated for the temporal
+    patch), the first copy taken, then the frames stacked in temporal pairs
+    as `video_rows` orders them."""
+    tps, area = family.temporal_patch_size, family._patch_area
+    frames, kwargs = family.sized_frames(frames)
+    per_frame = []
+    for frame in frames:
+        rows = np.asarray(processor(images=frame, **kwargs, return_tensors="np")["pixel_values"], dtype=np.float32)
+        per_frame.append(rows.reshape(rows.shape[0], -1, tps, area)[:, :, 0])
+    per_frame.extend([per_frame[-1]] * (-len(per_frame) % tps))
+    stacked = np.stack(per_frame)
+    n, positions, channels, _ = stacked.shape
+    video = stacked.reshape(n // tps, tps, positions, channels, area).transpose(0, 2, 3, 1, 4)
+    return np.ascontiguousarray(video.reshape(n // tps * positions, channels * tps * area))
+
+
+def video_arms(workdir: Path, reps: int) -> str:
+    """Qwen2-VL video rows at the default per-frame budget: as images, by
+    `video_rows`, and by `video_rows` with the shortcuts (ms per clip)."""
+    import shutil
+    import time as clock
+
+    from transformers import AutoImageProcessor
+
+    from mmsplit_server import families
+    from tokenizer_svc import video
+
+    model = workdir / "qwen2-vl-video-budget"
+    if not model.exists():
+        shutil.copytree(_model("qwen2-vl", workdir), model)
+        config = json.loads((model / "video_preprocessor_config.json").read_text())
+        config["size"] = {"shortest_edge": 100352, "longest_edge": 602112}
+        (model / "video_preprocessor_config.json").write_text(json.dumps(config))
+    stock, fast = (AutoImageProcessor.from_pretrained(model) for _ in range(2))
+    pil_shortcuts.install(fast)
+    family = families.load(model, frozenset(stock.model_input_names))
+    rows = []
+    for frames in (8, 20):
+        data = samples.video(frames=frames * 3, width=640, height=480, fps=6, seed=frames)
+        limits = video.VideoLimits(
+            max_pixels=10**8, max_duration_s=600, max_frames=10**4, deadline=clock.monotonic() + 600
+        )
+        rule = video.Sampling(fps=2.0, min_frames=4, max_frames=64, temporal_patch_size=family.temporal_patch_size)
+        clip = video.decode_video(data, limits, rule)
+        arms = {
+            "as images": lambda c: video_rows_as_images(family, stock, c.frames),
+            "video_rows": lambda c: family.video_rows(stock, c.frames, c.sampled_fps)["pixel_values_videos"],
+            "+ shortcuts": lambda c: _with_shortcuts(family, fast, c),
+        }
+        best = dict.fromkeys(arms, float("inf"))
+        for _ in range(reps):
+            expected = None
+            for name, arm in arms.items():
+                start = clock.perf_counter()
+                got = arm(clip)
+                best[name] = min(best[name], clock.perf_counter() - start)
+                if expected is None:
+                    expected = got
+                elif not np.array_equal(got, expected):
+                    raise AssertionError(f"{name}: the video rows differ")
+        before, plain, fast_s = best.values()
+        rows.append(
+            [f"{len(clip.frames)} frames", f"{before * 1e3:.1f}", f"{plain * 1e3:.1f}", f"{fast_s * 1e3:.1f}",
+             f"{plain / before:.2f}x", f"{fast_s / before:.2f}x"]
+        )  # fmt: skip
+    header = ["640x480 clip", "as images ms", "video_rows ms", "+ shortcuts ms", "video_rows / as images", "both"]
+    return "Qwen2-VL video rows at the default per-frame budget, fastest of each; rows equal\n" + table(header, rows)
+
+
+def _with_shortcuts(family: Any, processor: Any, clip: Any) -> np.ndarray:
+    with pil_shortcuts.processing():
+        return family.video_rows(processor, clip.frames, clip.sampled_fps)["pixel_values_videos"]
+
+
 def _model(family: str, workdir: Path) -> Path:
     """A tiny model of `family` (the benchmarks' own tiny LLaVA for llava),
     kept in MMSPLIT_BENCH_MODELS when the environment names it."""
@@ -120,6 +204,9 @@ def main() -> None:
     args = parser.parse_args()
     with scratch_dir(args.workdir) as where:
         print(run(args.families.split(","), args.reps, where))
+        if "qwen2-vl" in args.families.split(","):
+            print()
+            print(video_arms(where, args.reps))
 
 
 if __name__ == "__main__":

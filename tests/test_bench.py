@@ -104,11 +104,16 @@ def test_gc_pause_benchmark_prints_both_heaps(models: Path) -> None:
 
 
 def test_processor_steps_benchmark_prints_every_arm(models: Path) -> None:
-    result = run_bench("processor_steps.py", ["--families", "llava", "--reps", "1"], models=models)
+    result = run_bench("processor_steps.py", ["--families", "llava,qwen2-vl", "--reps", "1"], models=models)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "tensors equal" in result.stdout
-    for size in ("640x480", "1280x720", "1920x1080", "all three"):
-        assert re.search(rf"^llava\s+{size}(\s+[\d.]+){{3}}\s+[\d.]+x\s+[\d.]+x$", result.stdout, re.M), result.stdout
+    for label in ("llava", "qwen2-vl", "qwen2-vl, default budget"):
+        for size in ("640x480", "1280x720", "1920x1080", "all three"):
+            row = rf"^{label}\s+{size}(\s+[\d.]+){{3}}\s+[\d.]+x\s+[\d.]+x$"
+            assert re.search(row, result.stdout, re.M), result.stdout
+    assert "video rows at the default per-frame budget, fastest of each; rows equal" in result.stdout
+    for frames in (8, 20):
+        assert re.search(rf"^{frames} frames(\s+[\d.]+){{3}}\s+[\d.]+x\s+[\d.]+x$", result.stdout, re.M), result.stdout
 
 
 def test_step_profile_prints_the_step_and_its_ops(models: Path) -> None:

@@ -370,7 +370,8 @@ def _video(job: VideoJob, processor: Any, family: families.Family, clock: _Clock
     clip = video.decode_video(job.data, limits, rule, on_frame=hook)
     clock.lap("decode")
     try:
-        rows = family.video_rows(processor, clip.frames, clip.sampled_fps)
+        with pil_shortcuts.processing():  # each frame goes through the image processor
+            rows = family.video_rows(processor, clip.frames, clip.sampled_fps)
         tokens = _count(family, families.VIDEO, rows)
     except (ValueError, TypeError, OSError, IndexError, KeyError) as exc:
         raise MediaUnsupported(f"the video's frames were rejected: {type(exc).__name__}: {exc}") from exc

@@ -70,7 +70,10 @@ class QwenVL(Family):
         rescaled, normalized and patchified exactly as an image is; an image
         row holds its frame ``temporal_patch_size`` times, a video row holds
         that many consecutive frames instead (the last frame repeated to fill
-        the final patch), in the same ``(C, T, P, P)`` order."""
+        the final patch), in the same ``(C, T, P, P)`` order. Each frame is
+        patchified as a patch of one frame (``temporal_patch_size=1``: the
+        image rows' first copy, without making the others), and an RGB frame
+        is taken as it is (its conversion to RGB would be a copy)."""
         if not frames:
             raise BadItem("a video item needs at least one frame")
         tps = self.temporal_patch_size
@@ -78,14 +81,14 @@ class QwenVL(Family):
         per_frame: list[np.ndarray] = []
         grid_hw: tuple[int, int] | None = None
         for frame in frames:
-            out = processor(images=frame, **kwargs, return_tensors="np")
+            rgb = {"do_convert_rgb": False} if _plain_rgb(frame) else {}
+            out = processor(images=frame, **kwargs, **rgb, temporal_patch_size=1, return_tensors="np")
             rows = np.asarray(out["pixel_values"], dtype=np.float32)
             _, gh, gw = (int(v) for v in np.asarray(out["image_grid_thw"])[0])
             if grid_hw not in (None, (gh, gw)):
                 raise BadItem("the frames of a video must all have one size")
             grid_hw = (gh, gw)
-            # [h*w, C*T*P*P] with T copies of the frame -> [h*w, C, P*P]
-            per_frame.append(rows.reshape(rows.shape[0], -1, tps, self._patch_area)[:, :, 0])
+            per_frame.append(rows.reshape(rows.shape[0], -1, self._patch_area))  # [h*w, C, P*P]
         per_frame.extend([per_frame[-1]] * (-len(per_frame) % tps))
         stacked = np.stack(per_frame)  # [frames, h*w, C, P*P]
         n, positions, channels, area = stacked.shape
@@ -208,6 +211,12 @@ class QwenVL(Family):
         grids = torch.cat([item[grid_name] for item in items])
         features = body.get_video_features if modality == VIDEO else body.get_image_features
         return features(pixels, grids, return_dict=True)
+
+
+def _plain_rgb(frame: Any) -> bool:
+    """An RGB PIL image with no transparency key: the processors' RGB
+    conversion of it is a copy of the same pixels."""
+    return getattr(frame, "mode", None) == "RGB" and getattr(frame, "info", {}).get("transparency") is None
 
 
 def placeholders(config: dict[str, Any]) -> dict[int, Placeholders]:

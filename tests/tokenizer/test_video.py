@@ -18,7 +18,7 @@ from mmsplit.errors import MmsplitError
 from mmsplit_cli import samples
 from mmsplit_server import families
 from tests.support import hf_family, video_corpus
-from tokenizer_svc import video
+from tokenizer_svc import pil_shortcuts, video
 from tokenizer_svc.errors import PreprocessTimeout
 from tokenizer_svc.settings import TokenizerSettings
 
@@ -116,6 +116,14 @@ def test_item_rows_equal_the_video_processors(family_models: Callable[[str], Pat
     data = samples.video(frames=frames, width=120, height=90, seed=frames)
     clip = video.decode_video(data, limits(), dataclasses.replace(RULE, spread=adapter.spreads_frames))
     rows = adapter.video_rows(processor, clip.frames, clip.sampled_fps)
+    # As a worker makes them: with the image processor's shortcuts.
+    fast = AutoImageProcessor.from_pretrained(model)
+    assert pil_shortcuts.install(fast)
+    with pil_shortcuts.processing():
+        in_worker = adapter.video_rows(fast, clip.frames, clip.sampled_fps)
+    assert sorted(in_worker) == sorted(rows)
+    for name, value in rows.items():
+        np.testing.assert_array_equal(in_worker[name], value, err_msg=name)
     expected = hf_family.video_inputs(model, data, fps=RULE.fps, max_frames=RULE.max_frames)
     if metadata := expected.pop("metadata", None):  # Qwen3-VL: the frames its processor samples
         assert clip.indices == metadata.frames_indices
