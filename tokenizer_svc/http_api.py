@@ -38,10 +38,11 @@ import asyncio
 import contextlib
 import hashlib
 import hmac
+import ipaddress
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -69,6 +70,7 @@ BIG_BODY = 1 << 20
 REFUSALS_LOG_EVERY_S = 60.0
 _T = TypeVar("_T")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+IpNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 # Routes beside /v1 that --api-key-file guards too (they do a request's work).
 _KEYED = frozenset({"/tokenize", "/detokenize", "/tokenizer_info"})
 # How an answer is shaped: chat or completions objects and chunks, or a Response and its events.
@@ -91,8 +93,11 @@ class HttpApi:
         request_timeout_s: float = REQUEST_TIMEOUT_S,
         tool_parser: str = "none",
         store: ResponseStore | None = None,
+        trusted_proxies: Sequence[IpNetwork] = (),
     ) -> None:
         self.service = service
+        # --forwarded-allow-ips: proxies whose X-Forwarded-For names the client.
+        self.trusted_proxies = tuple(trusted_proxies)
         # The Responses API's stored responses (--responses-store-bytes; off without one).
         self.store = store if store is not None else ResponseStore(0)
         self.tool_parser = tool_parser  # --tool-call-parser
@@ -318,10 +323,12 @@ class HttpApi:
     def _client(self, request: web.Request) -> str:
         """Who sent `request`, for --max-inflight-per-client: its API key
         (a digest of it) where keys are required, else its address, as a
-        gRPC call's is named (behind a proxy, the proxy's: give clients keys)."""
+        gRPC call's is named (behind a proxy, the proxy's, unless the proxy
+        is one --forwarded-allow-ips trusts: then the one X-Forwarded-For names)."""
         if self.api_keys is not None:
             return "key:" + hashlib.sha256(_bearer(request)[1].encode()).hexdigest()[:32]
-        return "addr:" + (request.remote or "")
+        forwarded = request.headers.getall("X-Forwarded-For", [])
+        return "addr:" + forwarded_client(request.remote or "", forwarded, self.trusted_proxies)
 
     def _owner(self, request: web.Request) -> bytes:
         """Whose stored responses a request may read: its API key's (none without keys)."""
@@ -646,6 +653,29 @@ async def _body(request: web.Request, timeout_s: float) -> _Body:
         raise InvalidRequest(f"the request body is not valid JSON: {exc}") from exc
     except RecursionError as exc:  # valid JSON nested deeper than the parser goes
         raise InvalidRequest("the request body nests too deeply") from exc
+
+
+def forwarded_client(remote: str, forwarded: Sequence[str], trusted: Sequence[IpNetwork]) -> str:
+    """The client's address: `remote`, or, where `remote` is a trusted
+    proxy, the right-most address of X-Forwarded-For (`forwarded`: its
+    headers) that is not one (the left-most when every one is). Entries to
+    the left of the first untrusted one are the client's to write, so they
+    are never taken."""
+
+    def is_trusted(address: str) -> bool:
+        try:
+            ip = ipaddress.ip_address(address)
+        except ValueError:
+            return False
+        return any(ip in network for network in trusted)
+
+    if not trusted or not is_trusted(remote):
+        return remote
+    hops = [hop.strip() for header in forwarded for hop in header.split(",") if hop.strip()]
+    for hop in reversed(hops):
+        if not is_trusted(hop):
+            return hop
+    return hops[0] if hops else remote
 
 
 def _bearer(request: web.Request) -> tuple[str, str]:

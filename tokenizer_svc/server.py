@@ -377,6 +377,7 @@ async def _serve(
             model=settings.served_model_name or settings.model_dir.name,
             ready=lambda: health.ready,
             api_keys=api_keys,
+            trusted_proxies=settings.trusted_proxies,
             max_body_bytes=settings.http_body_limit,
             metrics=metrics,
             tool_parser=settings.tool_call_parser,

@@ -5,6 +5,7 @@ ranges and choices are checked when the object is made (`mmsplit_server.settings
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -176,6 +177,11 @@ class TokenizerSettings(ServiceSettings):
         "address); beyond this, that client's next is OVERLOADED at once while others are served; 0 = no limit",
         min=0,
     )
+    forwarded_allow_ips: str = _opt(
+        "",
+        "comma-separated addresses or networks (CIDR) of proxies in front of the HTTP API whose X-Forwarded-For "
+        "names the client (for --max-inflight-per-client without API keys); empty = none is trusted",
+    )
     scheduler_wait_s: float = _opt(120.0, "how long startup waits for the scheduler before serving NOT_SERVING", min=0)
     unavailable_retry_after_ms: int = _opt(
         1000,
@@ -221,7 +227,20 @@ class TokenizerSettings(ServiceSettings):
             problems.append("--scheduler-tls-cert and --scheduler-tls-key go together")
         if self.scheduler_tls_cert and not self.scheduler_tls_ca:
             problems.append("--scheduler-tls-cert needs --scheduler-tls-ca (a client certificate goes over TLS)")
+        try:
+            _ = self.trusted_proxies
+        except ValueError as exc:
+            problems.append(f"--forwarded-allow-ips: {exc}")
         return problems
+
+    @property
+    def trusted_proxies(self) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
+        """`forwarded_allow_ips` as networks (an address is a network of one); ValueError names a bad one."""
+        return tuple(
+            ipaddress.ip_network(part.strip(), strict=False)
+            for part in self.forwarded_allow_ips.split(",")
+            if part.strip()
+        )
 
     @property
     def http_body_limit(self) -> int:

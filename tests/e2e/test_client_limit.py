@@ -121,6 +121,45 @@ def test_over_grpc_a_client_is_its_address(limited: Limited) -> None:
         assert finished[-1].HasField("finished")
 
 
+@pytest.fixture(scope="module")
+def behind_a_proxy(services: Pair, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
+    """A tokenizer without API keys that trusts 127.0.0.1 as a proxy; its HTTP port."""
+    logs = tmp_path_factory.mktemp("client-limit-proxy")
+    http = free_port()
+    extra = ["--max-inflight-per-client", str(LIMIT), "--forwarded-allow-ips", "127.0.0.1", "--http-port", str(http)]
+    tok = ServiceProcess(
+        "tokenizer", tokenizer_args(tiny_model, services.scheduler_address, extra=extra), logs / "tok.log", env=ENV
+    )
+    try:
+        tok.wait_serving(TOKENIZER_SERVICE, 180)
+        yield http
+    finally:
+        tok.stop()
+
+
+def test_behind_a_trusted_proxy_a_client_is_the_address_it_forwards(behind_a_proxy: int) -> None:
+    """Every request comes from 127.0.0.1 here, the proxy; X-Forwarded-For
+    tells its clients apart (what a client wrote itself, left of the hop
+    the proxy added, is not read)."""
+
+    def client(forwarded: str) -> openai.OpenAI:
+        return openai.OpenAI(
+            base_url=f"http://127.0.0.1:{behind_a_proxy}/v1", api_key="none", max_retries=0,
+            default_headers={"X-Forwarded-For": forwarded},
+        )  # fmt: skip
+
+    first = client("203.0.113.5")
+    streams = [_started(first, "Count to a thousand:"), _started(client("9.9.9.9, 203.0.113.5"), "Name every colour:")]
+    try:
+        with pytest.raises(openai.RateLimitError):
+            first.completions.create(model=MODEL, prompt="One more", max_tokens=2)
+        other = client("203.0.113.6").completions.create(model=MODEL, prompt="Hello", max_tokens=2)
+        assert other.choices[0].finish_reason == "length"
+    finally:
+        for stream in streams:
+            stream.close()
+
+
 def test_a_grpc_peer_is_named_by_its_address_without_the_port() -> None:
     assert client_address("ipv4:10.0.0.7:51234") == "addr:10.0.0.7"
     assert client_address("ipv6:[::1]:5") == "addr:::1"
