@@ -422,8 +422,8 @@ class HttpApi:
             return other
         if isinstance(call.calls, openai_api.Forced):
             await tool_calls.check_schema(call.request.sampling.json_schema)
-        summary = RequestSummary(rid, protocol="http", route=request.path, choices=call.choices)
         client = self._client(request)
+        summary = RequestSummary(rid, protocol="http", route=request.path, client=client, choices=call.choices)
         try:
             if call.stream:
                 return await self._stream(request, call, shape, rid, summary, client=client)

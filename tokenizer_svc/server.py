@@ -164,11 +164,13 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
         self, request: tokenizer_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[tokenizer_pb2.GenerateResponse]:
         rid = await _request_id(request, context)
-        summary = RequestSummary(rid, protocol="grpc", images=len(request.images), videos=len(request.videos))
+        client = client_address(context.peer())
+        summary = RequestSummary(
+            rid, protocol="grpc", client=client, images=len(request.images), videos=len(request.videos)
+        )
         if any(key == "grpc-previous-rpc-attempts" for key, _ in context.invocation_metadata() or ()):
             self.retried_calls += 1
         try:
-            client = client_address(context.peer())
             async for response in self.service.generate(request, rid, context.time_remaining(), client):
                 if response.HasField("delta") and response.delta.token_ids:
                     summary.token(len(response.delta.token_ids))

@@ -261,6 +261,7 @@ def test_each_finished_request_is_one_json_log_line_with_its_outcome(services: S
     assert done[ok_id]["outcome"] == "OK"
     assert done[ok_id]["completion_tokens"] == 3
     assert done[ok_id]["images"] == 1
+    assert done[ok_id]["client"] == "addr:127.0.0.1"  # who sent it, as --max-inflight-per-client counts
     assert 0 < done[ok_id]["ttft_s"] <= done[ok_id]["duration_s"]
     assert done[ok_id]["level"] == "INFO"
     assert done[bad_id]["outcome"] == "MEDIA_DECODE_FAILED"
