@@ -35,6 +35,7 @@ shape, malformed JSON 400, and a bug 500 with ``x-should-retry: false``.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import hashlib
 import hmac
@@ -114,6 +115,28 @@ class HttpApi:
         # Connections closed unread at --max-connections; when that was last logged, and the count then.
         self.refused_connections = 0
         self._refusals_logged: tuple[float, int] = (-REFUSALS_LOG_EVERY_S, 0)
+        # Connections closed unread at --max-connections-per-client; when that was last logged.
+        self.refused_per_client_connections = 0
+        self._client_refusals_logged = -REFUSALS_LOG_EVERY_S
+
+    def refuse_client_connection(self, peer: str, limit: int) -> None:
+        """Count a connection closed unread because its address had `limit`
+        open (said in the log at most once a minute)."""
+        self.refused_per_client_connections += 1
+        now = time.monotonic()
+        if now - self._client_refusals_logged >= REFUSALS_LOG_EVERY_S:
+            log.warning(
+                "HTTP: %s has %d connection(s) open, the limit per client (--max-connections-per-client): its new "
+                "ones are closed unread (%d so far, from any address)",
+                peer,
+                limit,
+                self.refused_per_client_connections,
+            )
+            self._client_refusals_logged = now
+
+    def is_trusted_proxy(self, address: str) -> bool:
+        """Whether `address` is one of --forwarded-allow-ips."""
+        return _is_trusted(address, self.trusted_proxies)
 
     def refuse_connection(self, limit: int) -> None:
         """Count a connection closed unread at the limit (said in the log
@@ -662,20 +685,22 @@ def forwarded_client(remote: str, forwarded: Sequence[str], trusted: Sequence[Ip
     the left of the first untrusted one are the client's to write, so they
     are never taken."""
 
-    def is_trusted(address: str) -> bool:
-        try:
-            ip = ipaddress.ip_address(address)
-        except ValueError:
-            return False
-        return any(ip in network for network in trusted)
-
-    if not trusted or not is_trusted(remote):
+    if not trusted or not _is_trusted(remote, trusted):
         return remote
     hops = [hop.strip() for header in forwarded for hop in header.split(",") if hop.strip()]
     for hop in reversed(hops):
-        if not is_trusted(hop):
+        if not _is_trusted(hop, trusted):
             return hop
     return hops[0] if hops else remote
+
+
+def _is_trusted(address: str, trusted: Sequence[IpNetwork]) -> bool:
+    """Whether `address` (an IP address, else never) lies in one of `trusted`."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return False
+    return any(ip in network for network in trusted)
 
 
 def _bearer(request: web.Request) -> tuple[str, str]:
@@ -726,6 +751,44 @@ class _Refused(asyncio.Protocol):
         transport.close()
 
 
+class _PerClient(asyncio.Protocol):
+    """aiohttp's handler of one connection, admitted only while its address
+    has fewer than --max-connections-per-client open (its address is known
+    once the transport is made): else closed at once, unread, and aiohttp
+    never sees it. Everything else goes to the handler."""
+
+    def __init__(self, handler: web.RequestHandler, site: _LimitedSite) -> None:
+        self._handler = handler
+        self._site = site
+        self._peer: str | None = None  # once admitted
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        peername = transport.get_extra_info("peername")
+        peer = str(peername[0]) if isinstance(peername, tuple) and peername else ""
+        if not self._site.admit(peer, self._handler):
+            transport.close()
+            return
+        self._peer = peer
+        self._handler.connection_made(transport)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._peer is not None:
+            self._site.release(self._peer)
+            self._handler.connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        self._handler.data_received(data)
+
+    def eof_received(self) -> None:
+        self._handler.eof_received()  # aiohttp's returns None: the transport closes itself
+
+    def pause_writing(self) -> None:
+        self._handler.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._handler.resume_writing()
+
+
 class _LimitedSite(web.TCPSite):
     """aiohttp's TCP site, except that a connection accepted while `limit`
     are open is closed at once, unread, instead of handed to aiohttp: idle
@@ -746,12 +809,32 @@ class _LimitedSite(web.TCPSite):
     # (the accept failed on the way): it is no longer counted.
     UNMADE_S = 1.0
 
-    def __init__(self, runner: web.AppRunner, host: str, port: int, *, limit: int, api: HttpApi) -> None:
+    def __init__(
+        self, runner: web.AppRunner, host: str, port: int, *, limit: int, per_client: int = 0, api: HttpApi
+    ) -> None:
         super().__init__(runner, host, port)
         self._limit = limit
+        self._per_client = per_client  # 0: no limit per address
         self._api = api
         # Handlers handed out whose connection aiohttp has not counted yet, with when.
         self._unmade: list[tuple[web.RequestHandler, float]] = []
+        # Open connections by address (--max-connections-per-client); an entry only while one is open.
+        self.by_client: collections.Counter[str] = collections.Counter()
+
+    def admit(self, peer: str, handler: web.RequestHandler) -> bool:
+        """Count a connection from `peer`, or refuse it (False) at the
+        limit per client; a trusted proxy's are counted, never refused."""
+        if self.by_client[peer] >= self._per_client and not self._api.is_trusted_proxy(peer):
+            self._unmade = [(h, at) for h, at in self._unmade if h is not handler]
+            self._api.refuse_client_connection(peer, self._per_client)
+            return False
+        self.by_client[peer] += 1
+        return True
+
+    def release(self, peer: str) -> None:
+        self.by_client[peer] -= 1
+        if not self.by_client[peer]:
+            del self.by_client[peer]
 
     def _protocol(self) -> asyncio.BaseProtocol:
         server = self._runner.server
@@ -763,7 +846,7 @@ class _LimitedSite(web.TCPSite):
             return _Refused()
         handler = server()
         self._unmade.append((handler, now))
-        return handler
+        return _PerClient(handler, self) if self._per_client else handler
 
     async def start(self) -> None:
         await web.BaseSite.start(self)  # registers the site with its runner
@@ -774,11 +857,12 @@ class _LimitedSite(web.TCPSite):
 
 
 async def start(
-    api: HttpApi, host: str, port: int, *, max_connections: int = CONNECTIONS_AT_MOST
+    api: HttpApi, host: str, port: int, *, max_connections: int = CONNECTIONS_AT_MOST, max_per_client: int = 0
 ) -> tuple[web.AppRunner, int]:
     """Serve `api` on host:port (0: a free one), at most `max_connections`
-    connections open at once; the runner and the port. Handlers are
-    cancelled when their client disconnects."""
+    connections open at once, and `max_per_client` from one address (0: no
+    limit); the runner and the port. Handlers are cancelled when their
+    client disconnects."""
     # keepalive_timeout also bounds the wait for a request's headers: aiohttp
     # closes a connection with no whole request that long after it opened or
     # after its last answer (its default, an hour, let half-sent requests
@@ -792,7 +876,7 @@ async def start(
     )
     await runner.setup()
     try:
-        await _LimitedSite(runner, host, port, limit=max_connections, api=api).start()
+        await _LimitedSite(runner, host, port, limit=max_connections, per_client=max_per_client, api=api).start()
     except BaseException:
         await runner.cleanup()
         raise

@@ -398,7 +398,11 @@ async def _serve(
             )
         try:
             http, http_port = await start_http(
-                api, settings.host, settings.http_port, max_connections=settings.connection_limit
+                api,
+                settings.host,
+                settings.http_port,
+                max_connections=settings.connection_limit,
+                max_per_client=settings.max_connections_per_client,
             )
         except OSError as exc:  # the port is taken, say
             where = f"{settings.host}:{settings.http_port}"
@@ -416,7 +420,11 @@ async def _serve(
                     "http_connections_refused": (
                         "HTTP connections closed unread because --max-connections were open",
                         api.refused_connections,
-                    )
+                    ),
+                    "http_connections_refused_per_client": (
+                        "HTTP connections closed unread because their address had --max-connections-per-client open",
+                        api.refused_per_client_connections,
+                    ),
                 }
             )
     probes = None

@@ -177,6 +177,12 @@ class TokenizerSettings(ServiceSettings):
         "address); beyond this, that client's next is OVERLOADED at once while others are served; 0 = no limit",
         min=0,
     )
+    max_connections_per_client: int = _opt(
+        0,
+        "open connections to the HTTP API from one address (those of --forwarded-allow-ips proxies not counted); "
+        "past it, that address's new connection is closed at once, unread; 0 = no limit",
+        min=0,
+    )
     forwarded_allow_ips: str = _opt(
         "",
         "comma-separated addresses or networks (CIDR) of proxies in front of the HTTP API whose X-Forwarded-For "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 import urllib.request
 from collections.abc import Sequence
@@ -113,3 +114,22 @@ def the_group_went_on(pair: Pair, pid: int) -> None:
     assert pair.scheduler.proc.poll() is None
     assert health_status(pair.scheduler_address, SCHEDULER_SERVICE) == "SERVING"
     assert wait_until(lambda: rank_active_requests(pair.scheduler_address) == [0, 0], timeout=10)
+
+
+def served_over_http(port: int, sockets: list[socket.socket], source: str | None = None) -> bool:
+    """Open a connection to the HTTP port on 127.0.0.1 (from `source`, an
+    address of the loopback network, if given) and ask for /health on it;
+    True (and the connection kept in `sockets`) when an answer comes, False
+    when the server closes it unread (a reset, or an end)."""
+    conn = socket.create_connection(("127.0.0.1", port), timeout=30, source_address=(source, 0) if source else None)
+    try:
+        conn.sendall(b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n")
+        answer = conn.recv(4096)
+    except (ConnectionResetError, BrokenPipeError):  # closed with our request unread: the kernel resets
+        answer = b""
+    if not answer:
+        conn.close()
+        return False
+    assert answer.startswith(b"HTTP/1.1 "), answer
+    sockets.append(conn)
+    return True

@@ -5,6 +5,7 @@ again. Without the flag nothing is counted by client."""
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +20,7 @@ from mmsplit_cli.client import make_request
 from mmsplit_cli.launch import Pair
 from mmsplit_server.serving import free_port
 from tests.conftest import TOKENIZER_SERVICE
-from tests.e2e.helpers import scrape
+from tests.e2e.helpers import scrape, served_over_http
 from tests.support.leaks import wait_until
 from tests.support.services import ENV, ServiceProcess, tokenizer_args
 from tokenizer_svc.server import client_address
@@ -122,29 +123,31 @@ def test_over_grpc_a_client_is_its_address(limited: Limited) -> None:
 
 
 @pytest.fixture(scope="module")
-def behind_a_proxy(services: Pair, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
-    """A tokenizer without API keys that trusts 127.0.0.1 as a proxy; its HTTP port."""
+def behind_a_proxy(services: Pair, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Limited]:
+    """A tokenizer without API keys that trusts 127.0.0.1 as a proxy, at
+    most 2 requests and 2 HTTP connections per client."""
     logs = tmp_path_factory.mktemp("client-limit-proxy")
-    http = free_port()
-    extra = ["--max-inflight-per-client", str(LIMIT), "--forwarded-allow-ips", "127.0.0.1", "--http-port", str(http)]
+    http, metrics = free_port(), free_port()
+    extra = ["--max-inflight-per-client", str(LIMIT), "--max-connections-per-client", str(LIMIT)]
+    extra += ["--forwarded-allow-ips", "127.0.0.1", "--http-port", str(http), "--metrics-port", str(metrics)]
     tok = ServiceProcess(
         "tokenizer", tokenizer_args(tiny_model, services.scheduler_address, extra=extra), logs / "tok.log", env=ENV
     )
     try:
         tok.wait_serving(TOKENIZER_SERVICE, 180)
-        yield http
+        yield Limited(tok, http, metrics)
     finally:
         tok.stop()
 
 
-def test_behind_a_trusted_proxy_a_client_is_the_address_it_forwards(behind_a_proxy: int) -> None:
+def test_behind_a_trusted_proxy_a_client_is_the_address_it_forwards(behind_a_proxy: Limited) -> None:
     """Every request comes from 127.0.0.1 here, the proxy; X-Forwarded-For
     tells its clients apart (what a client wrote itself, left of the hop
     the proxy added, is not read)."""
 
     def client(forwarded: str) -> openai.OpenAI:
         return openai.OpenAI(
-            base_url=f"http://127.0.0.1:{behind_a_proxy}/v1", api_key="none", max_retries=0,
+            base_url=f"http://127.0.0.1:{behind_a_proxy.http}/v1", api_key="none", max_retries=0,
             default_headers={"X-Forwarded-For": forwarded},
         )  # fmt: skip
 
@@ -158,6 +161,25 @@ def test_behind_a_trusted_proxy_a_client_is_the_address_it_forwards(behind_a_pro
     finally:
         for stream in streams:
             stream.close()
+
+
+def test_an_address_at_its_connection_limit_is_closed_unread_while_others_connect(behind_a_proxy: Limited) -> None:
+    port = behind_a_proxy.http
+    sockets: list[socket.socket] = []
+    refused = ("mmsplit_tokenizer_http_connections_refused_per_client_total", ())
+    try:
+        assert served_over_http(port, sockets, "127.0.0.2")
+        assert served_over_http(port, sockets, "127.0.0.2")
+        assert not served_over_http(port, sockets, "127.0.0.2")  # its third: closed unread
+        assert served_over_http(port, sockets, "127.0.0.3")  # another address
+        assert all(served_over_http(port, sockets, "127.0.0.1") for _ in range(4))  # the trusted proxy: not limited
+        assert scrape(behind_a_proxy.metrics)[refused] == 1
+        sockets.pop(0).close()
+        # Once the server has let the closed one go, the address connects again.
+        assert wait_until(lambda: served_over_http(port, sockets, "127.0.0.2"), timeout=30)
+    finally:
+        for conn in sockets:
+            conn.close()
 
 
 def test_a_grpc_peer_is_named_by_its_address_without_the_port() -> None:

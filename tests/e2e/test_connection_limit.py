@@ -22,7 +22,7 @@ from mmsplit_cli.client import Outcome, make_request, run_request
 from mmsplit_cli.launch import Pair
 from mmsplit_server.serving import free_port
 from tests.conftest import TOKENIZER_SERVICE
-from tests.e2e.helpers import scrape
+from tests.e2e.helpers import scrape, served_over_http
 from tests.support.leaks import wait_until
 from tests.support.origins import Origin, local_origin
 from tests.support.services import ENV, ServiceProcess, tokenizer_args
@@ -57,24 +57,6 @@ def limited(services: Pair, tiny_model: Path, tmp_path_factory: pytest.TempPathF
             tok.stop()
 
 
-def _served(port: int, sockets: list[socket.socket]) -> bool:
-    """Open a connection to the HTTP port and ask for /health on it; True
-    (and the connection kept in `sockets`) when an answer comes, False when
-    the server closes it unread (a reset, or an end)."""
-    conn = socket.create_connection(("127.0.0.1", port), timeout=30)
-    try:
-        conn.sendall(b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n")
-        answer = conn.recv(4096)
-    except (ConnectionResetError, BrokenPipeError):  # closed with our request unread: the kernel resets
-        answer = b""
-    if not answer:
-        conn.close()
-        return False
-    assert answer.startswith(b"HTTP/1.1 "), answer
-    sockets.append(conn)
-    return True
-
-
 def _accepted(port: int, sockets: list[socket.socket]) -> bool:
     """Open a TCP connection to the gRPC port; True (kept) when the server
     sends its HTTP/2 settings, False when it closes it unread."""
@@ -91,8 +73,8 @@ def test_connections_past_the_limit_are_closed_unread_and_the_open_ones_go_on(li
     held: list[socket.socket] = []
     try:
         for _ in range(LIMIT):
-            assert _served(http, held)
-        assert not _served(http, held), "a connection past the limit was served"
+            assert served_over_http(http, held)
+        assert not served_over_http(http, held), "a connection past the limit was served"
         assert scrape(metrics)[("mmsplit_tokenizer_http_connections_refused_total", ())] >= 1
         assert scrape(metrics)[("mmsplit_tokenizer_http_connections", ())] == LIMIT
         # The open ones are served as before: a second request on each.
@@ -101,7 +83,7 @@ def test_connections_past_the_limit_are_closed_unread_and_the_open_ones_go_on(li
             assert conn.recv(4096).startswith(b"HTTP/1.1 ")
         held.pop().close()
         # Once the server sees it closed, a new connection is served: a completion through the SDK.
-        assert wait_until(lambda: _served(http, held), timeout=30)
+        assert wait_until(lambda: served_over_http(http, held), timeout=30)
         held.pop().close()
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{http}/v1", api_key="none", max_retries=5)
         model = client.models.list().data[0].id
