@@ -5,6 +5,7 @@ again. Without the flag nothing is counted by client."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -48,21 +49,29 @@ class Limited:
         return scrape(self.metrics)[("mmsplit_tokenizer_client_limit_refusals_total", ())]
 
 
-@pytest.fixture(scope="module")
-def limited(services: Pair, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Limited]:
-    logs = tmp_path_factory.mktemp("client-limit")
-    (logs / "keys").write_text("\n".join(KEYS) + "\n")
+@contextlib.contextmanager
+def _limited_tokenizer(services: Pair, model: Path, logs: Path, extra: list[str]) -> Iterator[Limited]:
+    """A tokenizer of its own in front of the shared scheduler, with `extra`,
+    an HTTP port and a metrics port."""
     http, metrics = free_port(), free_port()
-    extra = ["--max-inflight-per-client", str(LIMIT), "--api-key-file", str(logs / "keys")]
-    extra += ["--http-port", str(http), "--metrics-port", str(metrics)]
+    extra = [*extra, "--http-port", str(http), "--metrics-port", str(metrics)]
     tok = ServiceProcess(
-        "tokenizer", tokenizer_args(tiny_model, services.scheduler_address, extra=extra), logs / "tok.log", env=ENV
+        "tokenizer", tokenizer_args(model, services.scheduler_address, extra=extra), logs / "tok.log", env=ENV
     )
     try:
         tok.wait_serving(TOKENIZER_SERVICE, 180)
         yield Limited(tok, http, metrics)
     finally:
         tok.stop()
+
+
+@pytest.fixture(scope="module")
+def limited(services: Pair, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Limited]:
+    logs = tmp_path_factory.mktemp("client-limit")
+    (logs / "keys").write_text("\n".join(KEYS) + "\n")
+    extra = ["--max-inflight-per-client", str(LIMIT), "--api-key-file", str(logs / "keys")]
+    with _limited_tokenizer(services, tiny_model, logs, extra) as tok:
+        yield tok
 
 
 def _started(client: openai.OpenAI, prompt: str) -> Any:
@@ -126,18 +135,10 @@ def test_over_grpc_a_client_is_its_address(limited: Limited) -> None:
 def behind_a_proxy(services: Pair, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Limited]:
     """A tokenizer without API keys that trusts 127.0.0.1 as a proxy, at
     most 2 requests and 2 HTTP connections per client."""
-    logs = tmp_path_factory.mktemp("client-limit-proxy")
-    http, metrics = free_port(), free_port()
     extra = ["--max-inflight-per-client", str(LIMIT), "--max-connections-per-client", str(LIMIT)]
-    extra += ["--forwarded-allow-ips", "127.0.0.1", "--http-port", str(http), "--metrics-port", str(metrics)]
-    tok = ServiceProcess(
-        "tokenizer", tokenizer_args(tiny_model, services.scheduler_address, extra=extra), logs / "tok.log", env=ENV
-    )
-    try:
-        tok.wait_serving(TOKENIZER_SERVICE, 180)
-        yield Limited(tok, http, metrics)
-    finally:
-        tok.stop()
+    extra += ["--forwarded-allow-ips", "127.0.0.1"]
+    with _limited_tokenizer(services, tiny_model, tmp_path_factory.mktemp("client-limit-proxy"), extra) as tok:
+        yield tok
 
 
 def test_behind_a_trusted_proxy_a_client_is_the_address_it_forwards(behind_a_proxy: Limited) -> None:
