@@ -112,19 +112,19 @@ class HttpApi:
         self.created = int(time.time())
         # (route, status) -> responses, for the metrics.
         self.responses: dict[tuple[str, int], int] = {}
-        # Connections closed unread at --max-connections; when that was last logged, and the count then.
+        # Connections closed unread at --max-connections, and the count when that was last logged.
         self.refused_connections = 0
-        self._refusals_logged: tuple[float, int] = (-REFUSALS_LOG_EVERY_S, 0)
-        # Connections closed unread at --max-connections-per-client; when that was last logged.
+        self._refusals_said = 0
+        # Connections closed unread at --max-connections-per-client.
         self.refused_per_client_connections = 0
-        self._client_refusals_logged = -REFUSALS_LOG_EVERY_S
+        # Each said in the log at most once a minute: a flood of connections is not a flood of lines.
+        self._say_refusals, self._say_client_refusals = _Sometimes(), _Sometimes()
 
     def refuse_client_connection(self, peer: str, limit: int) -> None:
         """Count a connection closed unread because its address had `limit`
         open (said in the log at most once a minute)."""
         self.refused_per_client_connections += 1
-        now = time.monotonic()
-        if now - self._client_refusals_logged >= REFUSALS_LOG_EVERY_S:
+        if self._say_client_refusals.due():
             log.warning(
                 "HTTP: %s has %d connection(s) open, the limit per client (--max-connections-per-client): its new "
                 "ones are closed unread (%d so far, from any address)",
@@ -132,7 +132,6 @@ class HttpApi:
                 limit,
                 self.refused_per_client_connections,
             )
-            self._client_refusals_logged = now
 
     def is_trusted_proxy(self, address: str) -> bool:
         """Whether `address` is one of --forwarded-allow-ips."""
@@ -142,17 +141,15 @@ class HttpApi:
         """Count a connection closed unread at the limit (said in the log
         at most once a minute, with how many since)."""
         self.refused_connections += 1
-        now = time.monotonic()
-        last, count = self._refusals_logged
-        if now - last >= REFUSALS_LOG_EVERY_S:
+        if self._say_refusals.due():
             log.warning(
                 "HTTP: %d connection(s) open, the limit (--max-connections): new ones are closed unread "
                 "(%d so far, %d since this was last said)",
                 limit,
                 self.refused_connections,
-                self.refused_connections - count,
+                self.refused_connections - self._refusals_said,
             )
-            self._refusals_logged = (now, self.refused_connections)
+            self._refusals_said = self.refused_connections
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._errors])
@@ -742,6 +739,21 @@ def _not_served(model: object, served: str) -> web.Response:
 def _error_response(exc: MmsplitError) -> web.Response:
     status, body, headers = openai_api.error_body(exc)
     return _json(status, body, headers)
+
+
+class _Sometimes:
+    """`due()` is True at most once every `every_s` seconds (the first call's included)."""
+
+    def __init__(self, every_s: float = REFUSALS_LOG_EVERY_S) -> None:
+        self.every_s = every_s
+        self._last = -every_s
+
+    def due(self) -> bool:
+        now = time.monotonic()
+        if now - self._last < self.every_s:
+            return False
+        self._last = now
+        return True
 
 
 class _Refused(asyncio.Protocol):
