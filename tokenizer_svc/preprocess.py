@@ -43,6 +43,7 @@ import torch
 from transformers import AutoImageProcessor
 
 from mmsplit_server import families
+from mmsplit_server.families.base import rgb_as_is
 from mmsplit_server.handoff import files, ranges, reference, slab
 from tokenizer_svc import pil_shortcuts, video
 from tokenizer_svc.decode import decode_image
@@ -334,20 +335,6 @@ def _image(job: ImageJob, processor: Any, family: families.Family, clock: _Clock
         raise MediaUnsupported(f"the image processor rejected this image: {type(exc).__name__}: {exc}") from exc
     clock.lap("process")
     return _publish(job, families.IMAGE, rows, tokens, image.width, image.height)
-
-
-def rgb_as_is(image: Any) -> dict[str, bool]:
-    """The processor's keyword to skip its RGB conversion where that would
-    only copy: `decode_image` returns RGB (alpha composited over white), and
-    for an RGB image with no transparency key the processors' conversion is
-    PIL's convert to the same mode, a copy of every pixel (6 MB and ~2 ms
-    for a 1920x1080 photo, ~6 % of a LLaVA-1.5 worker's time). An RGB image
-    that does carry a transparency key (a PNG's tRNS) is left to the
-    processor, which composites it. The tensors are the same either way
-    (tests/tokenizer/test_preprocess.py)."""
-    if image.mode == "RGB" and image.info.get("transparency") is None:
-        return {"do_convert_rgb": False}
-    return {}
 
 
 def _video(job: VideoJob, processor: Any, family: families.Family, clock: _Clock) -> ItemResult:

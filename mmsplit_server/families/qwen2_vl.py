@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from mmsplit_server.families.base import IMAGE, VIDEO, BadItem, Family, Placeholders, ints, need
+from mmsplit_server.families.base import IMAGE, VIDEO, BadItem, Family, Placeholders, ints, need, rgb_as_is
 
 MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
 GRID_NAMES: dict[int, tuple[str, str]] = {
@@ -81,8 +81,7 @@ class QwenVL(Family):
         per_frame: list[np.ndarray] = []
         grid_hw: tuple[int, int] | None = None
         for frame in frames:
-            rgb = {"do_convert_rgb": False} if _plain_rgb(frame) else {}
-            out = processor(images=frame, **kwargs, **rgb, temporal_patch_size=1, return_tensors="np")
+            out = processor(images=frame, **kwargs, **rgb_as_is(frame), temporal_patch_size=1, return_tensors="np")
             rows = np.asarray(out["pixel_values"], dtype=np.float32)
             _, gh, gw = (int(v) for v in np.asarray(out["image_grid_thw"])[0])
             if grid_hw not in (None, (gh, gw)):
@@ -211,12 +210,6 @@ class QwenVL(Family):
         grids = torch.cat([item[grid_name] for item in items])
         features = body.get_video_features if modality == VIDEO else body.get_image_features
         return features(pixels, grids, return_dict=True)
-
-
-def _plain_rgb(frame: Any) -> bool:
-    """An RGB PIL image with no transparency key: the processors' RGB
-    conversion of it is a copy of the same pixels."""
-    return getattr(frame, "mode", None) == "RGB" and getattr(frame, "info", {}).get("transparency") is None
 
 
 def placeholders(config: dict[str, Any]) -> dict[int, Placeholders]:
