@@ -243,6 +243,11 @@ class Frontend:
             tokens = family.count(pb.modality, shapes, side)
         except (BadItem, ArithmeticError) as exc:  # arithmetic on values the client sent
             raise InvalidRequest(f"item {index}: {exc}") from exc
+        if not self.settings.one_frame_image_rows and family.one_frame_rows(pb.modality, shapes):
+            raise InvalidRequest(
+                f"item {index}: an image's rows of one frame, which this scheduler does not take "
+                "(--one-frame-image-rows false); send all of its frames' rows"
+            )
         runs = tuple((int(r.offset), int(r.length)) for r in pb.placeholders)
         item = Item(pb.modality, tuple(encoder), side, runs, bytes(pb.content_hash[:64]))
         return item, tokens

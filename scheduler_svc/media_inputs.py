@@ -105,7 +105,7 @@ class MediaInputs:
                 if hit is None:
                     if not use_cache:
                         cache.misses += 1
-                    inputs = {name: owned(t, self.device, self.dtype) for name, t in encoder.items()}
+                    inputs = {name: self._model_input(item.modality, name, t) for name, t in encoder.items()}
                     inputs |= {name: torch.from_numpy(v).to(self.device) for name, v in item.side.items()}
                     misses.append((ji, k, inputs, key, rows))
                 j.features.append((item.modality, hit))
@@ -166,11 +166,23 @@ class MediaInputs:
                 placed[place] = output
         return placed
 
+    def _model_input(self, modality: int, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A read encoder input as the model's own input (`owned`), an
+        image's rows of one frame repeated (`Family.full_rows`): on a CPU in
+        one copy from the lent rows, elsewhere after the rows' move to the
+        device (half the bytes moved)."""
+        if self.device.type == "cpu":
+            full = self.family.full_rows(modality, name, tensor)
+            if full is not tensor:  # a new tensor already
+                return full.to(self.device, self.dtype)
+        return self.family.full_rows(modality, name, owned(tensor, self.device, self.dtype))
+
     def joined(self, joiners: list[Joiner]) -> dict[str, torch.Tensor]:
         """Every item's tensors joined name by name with cat(dim=0), in plan
         order (the model fills placeholders in row-major order), but for the
         items inside a joiner's cached prefix. Encoder inputs are cast to the
-        model's dtype; side tensors keep theirs. The cat is the copy that
+        model's dtype (an image's rows of one frame repeated: `full_rows`);
+        side tensors keep theirs. The cat is the copy that
         makes borrowed tensors the engine's own."""
         parts: dict[str, list[torch.Tensor]] = {}
         for j in joiners:
@@ -178,7 +190,8 @@ class MediaInputs:
                 if item.placeholders and item.span[0] < j.cached:
                     continue
                 for name, tensor in encoder.items():
-                    parts.setdefault(name, []).append(tensor.to(self.device, self.dtype))
+                    full = self.family.full_rows(item.modality, name, tensor.to(self.device, self.dtype))
+                    parts.setdefault(name, []).append(full)
                 for name, value in item.side.items():
                     parts.setdefault(name, []).append(torch.from_numpy(value).to(self.device))
         return {name: torch.cat(chunks) for name, chunks in parts.items()}

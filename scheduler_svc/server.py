@@ -364,6 +364,7 @@ def server_info(
         generate_stream=True,
         max_message_bytes=settings.max_message_bytes,
         max_context_tokens=info.max_context,
+        one_frame_image_rows=settings.one_frame_image_rows,
     )
 
 

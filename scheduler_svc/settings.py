@@ -142,6 +142,13 @@ class SchedulerSettings(ServiceSettings):
         "each rank hashes itself), on the model's device; a hit skips the vision tower; 0 = off",
         min=0,
     )
+    one_frame_image_rows: bool = _opt(
+        True,
+        "take an image's rows with its frame once from tokenizers, where the model's patches span several "
+        "frames (Qwen: temporal_patch_size 2) and the image would be sent that many times, and repeat it "
+        "here (on the model's device): half the bytes to hand over, hash, check and copy per image. false: "
+        "tokenizers send every copy (as schedulers before this setting, which take only those)",
+    )
     prefix_cache_bytes: int = _opt(
         1024**3,
         "bytes of keys and values each rank keeps (prompts once prefilled, finished requests' outputs), in "

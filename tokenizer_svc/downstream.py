@@ -164,6 +164,11 @@ class SchedulerLink:
         return self.info is not None
 
     @property
+    def one_frame_image_rows(self) -> bool:
+        """Whether it takes an image's rows of one frame (ServerInfo.one_frame_image_rows)."""
+        return self.info is not None and self.info.one_frame_image_rows
+
+    @property
     def ready(self) -> bool:
         """Connected, and gRPC's health checking has not taken it out."""
         return self.info is not None and self.channel.get_state() != grpc.ChannelConnectivity.TRANSIENT_FAILURE
@@ -338,14 +343,20 @@ class Schedulers:
             return ""
         return next((link.refused for link in self.links.values() if link.refused), "")
 
-    def pick(self, exclude: Collection[SchedulerLink] = (), transport: int = 0) -> SchedulerLink | None:
+    def pick(
+        self, exclude: Collection[SchedulerLink] = (), transport: int = 0, *, one_frame: bool = False
+    ) -> SchedulerLink | None:
         """The ready backend with the fewest of this tokenizer's requests in
-        flight (ties in turn), not in `exclude`, and with `transport` when
-        given. None when there is none."""
+        flight (ties in turn), not in `exclude`, with `transport` when given,
+        and taking images' rows of one frame when `one_frame`. None when
+        there is none."""
         ready = [
             link
             for link in self.links.values()
-            if link.ready and link not in exclude and (not transport or link.transport == transport)
+            if link.ready
+            and link not in exclude
+            and (not transport or link.transport == transport)
+            and (not one_frame or link.one_frame_image_rows)
         ]
         if not ready:
             return None

@@ -75,6 +75,9 @@ class ImageJob:
     slab: SlabRef | None = None
     # Where `data` is when it is not in the job (`stage_input`).
     source: files.Slice | None = None
+    # Rows holding the image's frame once where the family repeats it
+    # (`Family.image_options`), for a scheduler that takes them.
+    one_frame: bool = False
 
 
 @dataclass(frozen=True)
@@ -328,7 +331,8 @@ def _image(job: ImageJob, processor: Any, family: families.Family, clock: _Clock
         raise MediaUnsupported(f"aspect ratio {image.width}x{image.height} exceeds {job.max_aspect_ratio:g}:1")
     try:
         with pil_shortcuts.processing():
-            outputs = processor(images=image, return_tensors="np", **rgb_as_is(image))
+            options = family.image_options(one_frame=job.one_frame)
+            outputs = processor(images=image, return_tensors="np", **rgb_as_is(image), **options)
         rows = family.item_rows({name: np.asarray(value) for name, value in outputs.items()})
         tokens = _count(family, families.IMAGE, rows)
     except (ValueError, TypeError, OSError, IndexError, KeyError) as exc:

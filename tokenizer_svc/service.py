@@ -282,7 +282,7 @@ class TokenizerService:
                 retry_after_ms=self.settings.unavailable_retry_after_ms,
             )
         # Counted on its backend from now on (a failover moves it).
-        assigned = Assigned(backend)
+        assigned = Assigned(backend, one_frame=backend.one_frame_image_rows and self.family.image_frames > 1)
         backend.inflight += 1
         try:
             async for response in self._generate_on(request, parsed, rid, timeout_s, assigned, backend.transport):
@@ -299,7 +299,7 @@ class TokenizerService:
         assigned: Assigned,
         transport: int,
     ) -> AsyncGenerator[tokenizer_pb2.GenerateResponse, None]:
-        prepared = await self._prepare_media(parsed.media, rid, transport)
+        prepared = await self._prepare_media(parsed.media, rid, transport, one_frame=assigned.one_frame)
         results = [p.result for p in prepared]
         owned = [name for r in results for name in r.segments]
         self.held.update(owned)
@@ -407,7 +407,12 @@ class TokenizerService:
                 again = None
                 if not accepted and len(tried) == 1 and exc.error_code in FAILOVER_CODES:
                     # Without media any backend will do.
-                    again = self.link.pick(exclude=tried, transport=transport if downstream.items else 0)
+                    media = bool(downstream.items)
+                    again = self.link.pick(
+                        exclude=tried,
+                        transport=transport if media else 0,
+                        one_frame=assigned.one_frame and media,
+                    )
                 if again is None:
                     raise
                 log.info(
@@ -496,12 +501,15 @@ class TokenizerService:
             )
         return parse(request, self.settings, self.family)
 
-    async def _prepare_media(self, media: list[Located], rid: str, transport: int) -> list[Prepared]:
+    async def _prepare_media(
+        self, media: list[Located], rid: str, transport: int, *, one_frame: bool = False
+    ) -> list[Prepared]:
         """Every image and video fetched, preprocessed and locked, or none
         held: on any failure or cancellation the others' work is awaited and
         released. In request order: the images, then the videos. An error
-        about one names where it was in the request (metadata "param")."""
-        tasks = [asyncio.create_task(self._located(m, rid, transport)) for m in media]
+        about one names where it was in the request (metadata "param").
+        `one_frame`: images' rows of one frame (`Assigned.one_frame`)."""
+        tasks = [asyncio.create_task(self._located(m, rid, transport, one_frame)) for m in media]
         if not tasks:
             return []
         try:
@@ -585,14 +593,16 @@ class TokenizerService:
         if self.grants is not None:
             self.grants.close()
 
-    async def _located(self, located: Located, rid: str, transport: int) -> Prepared:
+    async def _located(self, located: Located, rid: str, transport: int, one_frame: bool) -> Prepared:
         try:
-            return await self._one(located.medium, rid, transport)
+            return await self._one(located.medium, rid, transport, one_frame=one_frame)
         except MmsplitError as exc:
             exc.metadata.setdefault("param", located.where)
             raise
 
-    async def _one(self, medium: tokenizer_pb2.Image | tokenizer_pb2.Video, rid: str, transport: int) -> Prepared:
+    async def _one(
+        self, medium: tokenizer_pb2.Image | tokenizer_pb2.Video, rid: str, transport: int, *, one_frame: bool = False
+    ) -> Prepared:
         data = await self.media.load(medium)  # IO pool, its own timeouts
         # CUDA IPC: the worker returns bytes (as for inline) and this process
         # stages them in its GPU pool (`_stage`).
@@ -615,6 +625,7 @@ class TokenizerService:
                 owner_pid=self._pid,
                 inline=inline,
                 slab=slab_ref,
+                one_frame=one_frame,
             )
             timeout_s = s.preprocess_timeout_s
         # The key names the item (its content hash) whether or not the cache is on.
@@ -836,9 +847,13 @@ class _WriterLost(PreprocessWorkerCrashed):
 
 @dataclass
 class Assigned:
-    """The backend a request is on (a failover changes it)."""
+    """The backend a request is on (a failover changes it), and whether its
+    images go as rows of one frame (the family repeats an image's frame, and
+    the backend takes them so: ServerInfo.one_frame_image_rows); a failover
+    then goes only to a backend that takes them too."""
 
     backend: SchedulerLink
+    one_frame: bool = False
 
 
 @dataclass

@@ -108,6 +108,20 @@ class Family:
         return self.placeholders[modality].expand(tokens)
 
     @property
+    def image_frames(self) -> int:
+        """How many times an image's rows hold its one frame: a family whose
+        patches span several frames (Qwen's ``temporal_patch_size``) repeats
+        a still image to fill them. 1 for the others."""
+        return 1
+
+    def image_options(self, *, one_frame: bool) -> dict[str, Any]:
+        """The image processor's keywords for an item's rows: `one_frame`,
+        rows holding the image's frame once where `image_frames` > 1 (the
+        scheduler repeats it: `full_rows`), for a scheduler that takes them
+        (ServerInfo.one_frame_image_rows)."""
+        return {}
+
+    @property
     def spreads_frames(self) -> bool:
         """Whether a video's frames are sampled from its first frame to its
         last (Qwen3-VL), not at a stride in whole temporal patches
@@ -141,6 +155,17 @@ class Family:
         rank for the scheduler to split over the ranks once loaded
         (`scheduler_svc.experts`)."""
         return False
+
+    def one_frame_rows(self, modality: int, shapes: dict[str, tuple[int, ...]]) -> bool:
+        """Whether an item's encoder inputs (their shapes) are an image's rows
+        of one frame (`image_options`), which `full_rows` repeats."""
+        return False
+
+    def full_rows(self, modality: int, name: str, tensor: Any) -> Any:
+        """An item's encoder input as the model takes it: an image's rows of
+        one frame (`image_options`) with the frame repeated `image_frames`
+        times (a new tensor, on the input's device), else `tensor` itself."""
+        return tensor
 
     @property
     def uses_mrope(self) -> bool:

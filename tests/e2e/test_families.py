@@ -26,7 +26,15 @@ from mmsplit.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from mmsplit_cli import samples
 from mmsplit_cli.client import make_request, run_request
 from tests.conftest import SCHEDULER_SERVICE, TOKENIZER_SERVICE, Services
-from tests.e2e.helpers import health_status, png, rank_active_requests, scheduler_info, sent_together, the_group_went_on
+from tests.e2e.helpers import (
+    health_status,
+    png,
+    rank_active_requests,
+    scheduler_info,
+    sent_together,
+    the_group_went_on,
+    tokenizer_info,
+)
 from tests.support import family_kit, greedy, video_corpus
 from tests.support.leaks import PROJECT_PREFIX, project_segments, wait_until
 from tests.support.local_token import scheduler_channel
@@ -186,6 +194,10 @@ def _malformed(kit: family_kit.Kit, good: scheduler_pb2.GenerateRequest) -> dict
         del m.input_ids[:]
         m.input_ids.extend(ids)
         second.offset = first.offset + first.length
+        m = variant("rows of neither width (all frames', one frame's)")
+        ref = m.items[0].tensors["pixel_values"]
+        rows = np.frombuffer(ref.inline, dtype=np.float32).reshape(tuple(ref.shape))
+        ref.CopyFrom(family_kit.inline(np.ascontiguousarray(rows[:, : rows.shape[1] * 3 // 4])))
         m = variant("odd grid")
         grid[0, 1] -= 3
         m.items[0].tensors["image_grid_thw"].CopyFrom(family_kit.inline(grid))
@@ -210,6 +222,64 @@ def test_malformed_items_are_refused_and_the_group_keeps_serving(family_pair: tu
     assert health_status(pair.scheduler_address, SCHEDULER_SERVICE) == "SERVING"
     assert health_status(pair.tokenizer_address, TOKENIZER_SERVICE) == "SERVING"
     assert wait_until(lambda: rank_active_requests(pair.scheduler_address) == [0, 0], timeout=10)
+
+
+def test_an_image_s_rows_of_one_frame_give_the_tokens_of_all_its_frames(family_pair: tuple[str, Pair]) -> None:
+    """Qwen: the same images sent straight to the scheduler (both ranks) as
+    rows of every frame and as rows of one frame (which it says it takes,
+    and the tokenizer sends it) give the same tokens: each rank repeats the
+    frame before the vision tower. Other families' rows hold the frame once:
+    the same message either way."""
+    from PIL import Image
+
+    family, pair = family_pair
+    kit = family_kit.kit(pair.model)
+    images = [Image.open(io.BytesIO(png(120, 200, 4))), Image.open(io.BytesIO(png(300, 90, 5)))]
+    text = f"Compare {kit.marker} with {kit.marker}, please."
+    whole, one = (kit.message(rid, text, images, MAX_TOKENS, one_frame=rid == "one") for rid in ("whole", "one"))
+    if not family.startswith("qwen"):
+        one.request_id = "whole"
+        assert one == whole
+        return
+    assert scheduler_info(pair.scheduler_address).one_frame_image_rows
+    for m in (whole, one):
+        m.sampling.min_tokens = MAX_TOKENS  # no early end: every step compared
+    widths = [m.items[0].tensors["pixel_values"].shape[1] for m in (whole, one)]
+    assert widths[0] == 2 * widths[1], widths
+    with scheduler_channel(pair.scheduler_address) as channel:
+        stub = scheduler_pb2_grpc.SchedulerServiceStub(channel)
+        tokens = [_token_ids(stub, m) for m in (whole, one)]
+    assert len(tokens[0]) == MAX_TOKENS, tokens
+    assert tokens[0] == tokens[1], tokens
+    # The tokenizer makes and sends such rows: what it keeps of a new image.
+    assert kept_of_one_image(pair, kit, png(210, 140, 6)) == kit_rows_bytes(kit, png(210, 140, 6), one_frame=True)
+    assert wait_until(lambda: rank_active_requests(pair.scheduler_address) == [0, 0], timeout=10)
+
+
+def kept_of_one_image(pair: Pair, kit: family_kit.Kit, image: bytes) -> int:
+    """The bytes the pair's tokenizer keeps in its preprocessing cache for
+    `image` (one never sent before), a request of it answered: the item's
+    tensors as its worker made them and sent them on."""
+    before = tokenizer_info(pair.tokenizer_address).info.preprocess_cache_bytes
+    with grpc.insecure_channel(pair.tokenizer_address) as channel:
+        stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
+        outcome = run_request(stub, make_request(f"What is in {kit.marker}?", [image], max_tokens=2), timeout=120)
+    assert outcome.ok, outcome
+    return tokenizer_info(pair.tokenizer_address).info.preprocess_cache_bytes - before
+
+
+def kit_rows_bytes(kit: family_kit.Kit, image: bytes, *, one_frame: bool) -> int:
+    """The bytes of `image`'s item tensors as the model's processor makes them."""
+    from PIL import Image
+
+    ((rows, _),) = kit.items([Image.open(io.BytesIO(image)).convert("RGB")], one_frame=one_frame)
+    return sum(array.nbytes for array in rows.values())
+
+
+def _token_ids(stub: scheduler_pb2_grpc.SchedulerServiceStub, message: scheduler_pb2.GenerateRequest) -> list[int]:
+    events = list(stub.Generate(message, timeout=60))
+    assert events[-1].HasField("finished"), events[-1]
+    return [t for e in events if e.HasField("tokens") for t in e.tokens.token_ids]
 
 
 def test_a_prefill_that_raises_on_one_rank_fails_that_request_alone(family_pair: tuple[str, Pair]) -> None:

@@ -40,19 +40,23 @@ class Kit:
     def marker(self) -> str:
         return MARKERS[self.family.name]
 
-    def items(self, images: list[Any]) -> list[tuple[dict[str, np.ndarray], int]]:
-        """Per image: its item tensors and placeholder count."""
+    def items(self, images: list[Any], *, one_frame: bool = False) -> list[tuple[dict[str, np.ndarray], int]]:
+        """Per image: its item tensors and placeholder count; `one_frame`:
+        its rows of one frame where the family repeats it (`image_options`)."""
         out = []
         for image in images:
-            raw = self.image_processor(images=image, return_tensors="np")
+            options = self.family.image_options(one_frame=one_frame)
+            raw = self.image_processor(images=image, return_tensors="np", **options)
             rows = self.family.item_rows({k: np.asarray(v) for k, v in raw.items()})
             shapes = {n: tuple(a.shape) for n, a in rows.items() if families.is_encoder_input(n)}
             side = {n: a for n, a in rows.items() if n not in shapes}
             out.append((rows, self.family.count(families.IMAGE, shapes, side)))
         return out
 
-    def message(self, rid: str, text: str, images: list[Any], max_tokens: int) -> scheduler_pb2.GenerateRequest:
-        made = self.items(images)
+    def message(
+        self, rid: str, text: str, images: list[Any], max_tokens: int, *, one_frame: bool = False
+    ) -> scheduler_pb2.GenerateRequest:
+        made = self.items(images, one_frame=one_frame)
         prompt = self.prompts.build(text, [Media(families.IMAGE, n) for _, n in made])
         items = [
             common_pb2.MultimodalItem(

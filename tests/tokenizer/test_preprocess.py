@@ -1,6 +1,7 @@
 """The worker's image path gives the tensors the model's own processor gives:
-with the RGB copy skipped (`rgb_as_is`) and with the resize and lookup
-shortcuts (`pil_shortcuts`)."""
+with the RGB copy skipped (`rgb_as_is`), with the resize and lookup
+shortcuts (`pil_shortcuts`), and as an image's rows of one frame that the
+scheduler repeats (`Family.image_options`, `Family.full_rows`)."""
 
 from __future__ import annotations
 
@@ -11,10 +12,12 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 from transformers import AutoImageProcessor, BatchFeature
 
 from mmsplit_cli import samples
+from mmsplit_server import families
 from tokenizer_svc import pil_shortcuts
 from tokenizer_svc.decode import decode_image
 from tokenizer_svc.preprocess import rgb_as_is
@@ -109,6 +112,56 @@ def test_the_shortcuts_change_no_tensor(family: str, family_models: Callable[[st
             fast = processor(images=image, return_tensors="np", **rgb_as_is(image), **off)
         assert pil_shortcuts.skipped["looked_up"] == before, off
         _assert_same(fast, processor(images=image, return_tensors="np", **rgb_as_is(image), **off))
+
+
+@pytest.mark.parametrize("family", ["llava", "llava-next", "qwen2-vl", "qwen2.5-vl", "qwen3-vl"])
+def test_an_image_s_rows_of_one_frame_repeated_are_the_processor_s_rows(
+    family: str, family_models: Callable[[str], Path]
+) -> None:
+    """Qwen's rows hold a still image's frame `temporal_patch_size` times;
+    rows of one frame, repeated by the scheduler, are those rows exactly,
+    and either form passes the family's count (nothing else does). Families
+    whose rows hold the frame once keep their rows as they are."""
+    model_dir = family_models(family)
+    processor = AutoImageProcessor.from_pretrained(model_dir)
+    fam = families.load(model_dir, frozenset(processor.model_input_names))
+    options = fam.image_options(one_frame=True)
+    assert fam.image_options(one_frame=False) == {}
+    if not family.startswith("qwen"):
+        assert (fam.image_frames, options) == (1, {})
+        return
+    assert (fam.image_frames, options) == (2, {"temporal_patch_size": 1})
+    pictures = [
+        samples.encode(samples.gradient(1920, 1080, seed=4), "JPEG", quality=90),
+        samples.encode(samples.gradient(300, 500, seed=3), "PNG"),
+        samples.good_png(),
+    ]
+    pil_shortcuts.install(processor)
+    for data in pictures:
+        image = decode_image(data, max_pixels=40_000_000)
+        with pil_shortcuts.processing():  # as the workers make them
+            one = processor(images=image, return_tensors="np", **rgb_as_is(image), **options)
+        stock = processor(images=image, return_tensors="np")
+        rows, full = np.asarray(one["pixel_values"]), np.asarray(stock["pixel_values"])
+        assert rows.shape == (full.shape[0], full.shape[1] // 2), image.size
+        assert np.array_equal(np.asarray(one["image_grid_thw"]), np.asarray(stock["image_grid_thw"]))
+        shapes = {"pixel_values": rows.shape}
+        assert fam.one_frame_rows(families.IMAGE, shapes)
+        assert not fam.one_frame_rows(families.IMAGE, {"pixel_values": full.shape})
+        repeated = fam.full_rows(families.IMAGE, "pixel_values", torch.from_numpy(rows))
+        assert torch.equal(repeated, torch.from_numpy(full)), image.size
+        whole = torch.from_numpy(full)
+        assert fam.full_rows(families.IMAGE, "pixel_values", whole) is whole
+        side = {"image_grid_thw": np.asarray(stock["image_grid_thw"])}
+        count = fam.count(families.IMAGE, {"pixel_values": full.shape}, side)
+        assert fam.count(families.IMAGE, shapes, side) == count
+        for width in (full.shape[1] // 4, full.shape[1] // 2 + 1, full.shape[1] * 2):
+            with pytest.raises(families.BadItem, match="must have shape"):
+                fam.count(families.IMAGE, {"pixel_values": (full.shape[0], width)}, side)
+        # A video's rows never are one frame's: its patches hold two frames.
+        assert not fam.one_frame_rows(families.VIDEO, {"pixel_values_videos": rows.shape})
+        with pytest.raises(families.BadItem, match="must have shape"):
+            fam.count(families.VIDEO, {"pixel_values_videos": rows.shape}, {"video_grid_thw": side["image_grid_thw"]})
 
 
 def _assert_same(fast: Any, stock: Any) -> None:
