@@ -116,6 +116,20 @@ def test_processor_steps_benchmark_prints_every_arm(models: Path) -> None:
         assert re.search(rf"^{frames} frames(\s+[\d.]+){{3}}\s+[\d.]+x\s+[\d.]+x$", result.stdout, re.M), result.stdout
 
 
+def test_image_rows_benchmark_prints_both_forms_in_process_and_through_the_services(models: Path) -> None:
+    args = ["--reps", "1", "--rounds", "1", "--n", "2", "--concurrency", "1"]
+    result = run_bench("image_rows.py", args, models=models)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "(the model's inputs equal)" in result.stdout
+    for size in ("640x480", "1280x720", "1920x1080"):
+        for form in ("both frames", "one frame"):
+            assert re.search(rf"^{size}\s+{form}(\s+[\d.]+){{6}}$", result.stdout, re.M), result.stdout
+    assert len(re.findall(r"^\s+one / both\s+0\.50(\s+[\d.]+){5}$", result.stdout, re.M)) == 3, result.stdout
+    for form in ("both frames", "one frame"):
+        assert re.search(rf"^{form}(\s+[\d.]+){{5}}$", result.stdout, re.M), result.stdout
+    assert re.search(r"^one frame / both frames: [\d.]+x the requests/s$", result.stdout, re.M), result.stdout
+
+
 def test_step_profile_prints_the_step_and_its_ops(models: Path) -> None:
     """The profile a GPU session runs (tests/gpu/run.sh), here on the CPU."""
     args = ["--model", "tiny", "--rows", "4", "--steps", "2", "--rounds", "1", "--arms"]
