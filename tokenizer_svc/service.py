@@ -407,11 +407,11 @@ class TokenizerService:
                 again = None
                 if not accepted and len(tried) == 1 and exc.error_code in FAILOVER_CODES:
                     # Without media any backend will do.
-                    media = bool(downstream.items)
+                    images = any(item.modality == common_pb2.MODALITY_IMAGE for item in downstream.items)
                     again = self.link.pick(
                         exclude=tried,
-                        transport=transport if media else 0,
-                        one_frame=assigned.one_frame and media,
+                        transport=transport if downstream.items else 0,
+                        one_frame=assigned.one_frame and images,
                     )
                 if again is None:
                     raise
