@@ -123,6 +123,11 @@ def _uses_cuda(setting: str) -> bool:
     return setting == "cuda" or (setting == "auto" and torch.cuda.is_available())
 
 
+def model_device(setting: str) -> torch.device:
+    """The kind of device `setting` puts the model on (no index: any process may ask)."""
+    return torch.device("cuda" if _uses_cuda(setting) else "cpu")
+
+
 def pick_device(setting: str) -> torch.device:
     """This rank's device; call after `init_group`."""
     if not _uses_cuda(setting):

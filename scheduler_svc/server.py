@@ -44,6 +44,7 @@ from mmsplit_server.serving import (
     on_stop_signals,
     run_service,
 )
+from scheduler_svc.collective import model_device
 from scheduler_svc.errors import SchedulerUnavailable
 from scheduler_svc.frontend import Frontend
 from scheduler_svc.group import LocalRanks, start_late
@@ -341,6 +342,14 @@ def _bootstrap_watching(settings: SchedulerSettings, ranks: LocalRanks | None, r
             raise
 
 
+# The model's dtype -> the wire's (ServerInfo.encoder_input_dtype).
+ENCODER_INPUT_DTYPES = {
+    torch.float32: common_pb2.DTYPE_FLOAT32,
+    torch.float16: common_pb2.DTYPE_FLOAT16,
+    torch.bfloat16: common_pb2.DTYPE_BFLOAT16,
+}
+
+
 def server_info(
     settings: SchedulerSettings, info: ModelInfo, shm_namespace: str, kv_budget_tokens: int, vocabulary: str
 ) -> common_pb2.ServerInfo:
@@ -365,6 +374,7 @@ def server_info(
         max_message_bytes=settings.max_message_bytes,
         max_context_tokens=info.max_context,
         one_frame_image_rows=settings.one_frame_image_rows,
+        encoder_input_dtype=ENCODER_INPUT_DTYPES[model_dtype(settings.dtype, model_device(settings.device))],
     )
 
 

@@ -24,9 +24,9 @@ import math
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 from blake3 import blake3
 
+from mmsplit_server.handoff import reference
 from mmsplit_server.lru import ByteLRU
 from tokenizer_svc.preprocess import ItemResult, Job, VideoJob
 
@@ -52,7 +52,7 @@ def consistent(result: ItemResult) -> bool:
     for t in result.tensors:
         if t.inline is None or t.segment is not None:
             return False
-        if len(t.inline) != math.prod(t.shape) * np.dtype(t.dtype).itemsize or len(t.inline) != t.nbytes:
+        if len(t.inline) != math.prod(t.shape) * reference.itemsize(t.dtype) or len(t.inline) != t.nbytes:
             return False
     return True
 

@@ -40,10 +40,12 @@ from mmsplit.keepalive import keepalive_options
 from mmsplit.pairing import UNKNOWN, Pairing
 from mmsplit.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from mmsplit.tokenizer.v1 import tokenizer_pb2
+from mmsplit_server.families import Family
 from mmsplit_server.handoff import files
 from mmsplit_server.serving import ClientSecurity
 from tokenizer_svc.errors import SchedulerUnavailable
 from tokenizer_svc.multiplex import CallEnded, StreamedCalls
+from tokenizer_svc.preprocess import PLAIN_ROWS, RowForm
 from tokenizer_svc.settings import TokenizerSettings
 
 log = logging.getLogger(__name__)
@@ -60,6 +62,14 @@ SERVICE_CONFIG = json.dumps(
 DNS_SCHEME = "dns:///"
 # What a GenerateStreamRequest adds around its GenerateRequest, with room.
 STREAM_ENVELOPE_BYTES = 64
+
+
+# A scheduler's ServerInfo.encoder_input_dtype -> the dtype media rows are made in for it.
+PIXEL_DTYPE_NAMES = {
+    common_pb2.DTYPE_FLOAT32: "float32",
+    common_pb2.DTYPE_FLOAT16: "float16",
+    common_pb2.DTYPE_BFLOAT16: "bfloat16",
+}
 
 
 def backend_targets(setting: str) -> tuple[list[str], str]:
@@ -163,10 +173,23 @@ class SchedulerLink:
     def connected(self) -> bool:
         return self.info is not None
 
-    @property
-    def one_frame_image_rows(self) -> bool:
-        """Whether it takes an image's rows of one frame (ServerInfo.one_frame_image_rows)."""
-        return self.info is not None and self.info.one_frame_image_rows
+    def row_form(self, family: Family) -> RowForm:
+        """How media rows are made for it: an image's frame once where the
+        family repeats it and it takes that (ServerInfo.one_frame_image_rows),
+        in its model's dtype where that is float16 or bfloat16
+        (ServerInfo.encoder_input_dtype), else float32."""
+        info = self.info
+        if info is None:
+            return PLAIN_ROWS
+        one_frame = info.one_frame_image_rows and family.image_frames > 1
+        return RowForm(one_frame=one_frame, dtype=PIXEL_DTYPE_NAMES.get(info.encoder_input_dtype, "float32"))
+
+    def takes(self, form: RowForm) -> bool:
+        """Whether rows made in `form` (for another backend) are what it would be sent."""
+        if self.info is None:
+            return False
+        mine = PIXEL_DTYPE_NAMES.get(self.info.encoder_input_dtype, "float32")
+        return (not form.one_frame or self.info.one_frame_image_rows) and form.dtype == mine
 
     @property
     def ready(self) -> bool:
@@ -344,19 +367,18 @@ class Schedulers:
         return next((link.refused for link in self.links.values() if link.refused), "")
 
     def pick(
-        self, exclude: Collection[SchedulerLink] = (), transport: int = 0, *, one_frame: bool = False
+        self, exclude: Collection[SchedulerLink] = (), transport: int = 0, *, form: RowForm | None = None
     ) -> SchedulerLink | None:
         """The ready backend with the fewest of this tokenizer's requests in
         flight (ties in turn), not in `exclude`, with `transport` when given,
-        and taking images' rows of one frame when `one_frame`. None when
-        there is none."""
+        and taking rows made in `form` when given. None when there is none."""
         ready = [
             link
             for link in self.links.values()
             if link.ready
             and link not in exclude
             and (not transport or link.transport == transport)
-            and (not one_frame or link.one_frame_image_rows)
+            and (form is None or link.takes(form))
         ]
         if not ready:
             return None

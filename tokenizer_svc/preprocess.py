@@ -64,6 +64,23 @@ class SlabRef:
 
 
 @dataclass(frozen=True)
+class RowForm:
+    """How an item's encoder inputs are made for the scheduler they go to:
+    an image's rows of one frame where the family repeats it
+    (`Family.image_options`; ServerInfo.one_frame_image_rows), and their
+    dtype (float32, or the model's float16 or bfloat16:
+    ServerInfo.encoder_input_dtype)."""
+
+    one_frame: bool = False
+    dtype: str = "float32"
+
+
+PIXEL_DTYPES = ("float32", "float16", "bfloat16")
+# Rows of every frame in float32: what every scheduler takes.
+PLAIN_ROWS = RowForm()
+
+
+@dataclass(frozen=True)
 class ImageJob:
     data: bytes
     max_pixels: int
@@ -75,9 +92,7 @@ class ImageJob:
     slab: SlabRef | None = None
     # Where `data` is when it is not in the job (`stage_input`).
     source: files.Slice | None = None
-    # Rows holding the image's frame once where the family repeats it
-    # (`Family.image_options`), for a scheduler that takes them.
-    one_frame: bool = False
+    form: RowForm = PLAIN_ROWS
 
 
 @dataclass(frozen=True)
@@ -95,6 +110,7 @@ class VideoJob:
     inline: bool = False  # as ImageJob.inline
     slab: SlabRef | None = None
     source: files.Slice | None = None  # as ImageJob.source
+    form: RowForm = PLAIN_ROWS  # its dtype (a video's rows are of two frames whatever the scheduler)
 
 
 Job = ImageJob | VideoJob
@@ -331,7 +347,7 @@ def _image(job: ImageJob, processor: Any, family: families.Family, clock: _Clock
         raise MediaUnsupported(f"aspect ratio {image.width}x{image.height} exceeds {job.max_aspect_ratio:g}:1")
     try:
         with pil_shortcuts.processing():
-            options = family.image_options(one_frame=job.one_frame)
+            options = family.image_options(one_frame=job.form.one_frame)
             outputs = processor(images=image, return_tensors="np", **rgb_as_is(image), **options)
         rows = family.item_rows({name: np.asarray(value) for name, value in outputs.items()})
         tokens = _count(family, families.IMAGE, rows)
@@ -394,6 +410,18 @@ def place(t: ItemTensor, data: memoryview, ref: SlabRef | None, prefix: str, own
     return dataclasses.replace(t, segment=piece.segment, offset=piece.offset, inline=None)
 
 
+def pixels_as(array: np.ndarray, dtype: str) -> tuple[np.ndarray, str]:
+    """Encoder inputs in `dtype` (one of PIXEL_DTYPES) and its name: float16
+    and bfloat16 by torch's cast from float32, the one a rank makes to its
+    model's dtype (the model gets the same values); bfloat16, which numpy
+    lacks, as its bits (uint16)."""
+    pixels = np.ascontiguousarray(array, dtype=np.float32)
+    if dtype == "float32":
+        return pixels, dtype
+    cast = torch.from_numpy(pixels).to(getattr(torch, dtype))
+    return (cast.view(torch.uint16) if dtype == "bfloat16" else cast).numpy(), dtype
+
+
 def _count(family: families.Family, modality: int, rows: dict[str, np.ndarray]) -> int:
     shapes = {n: tuple(a.shape) for n, a in rows.items() if families.is_encoder_input(n)}
     return family.count(modality, shapes, {n: a for n, a in rows.items() if n not in shapes})
@@ -414,11 +442,11 @@ def _publish(
     tensors: list[ItemTensor] = []
     try:
         for name in sorted(rows):
-            array = rows[name]
+            array = np.ascontiguousarray(rows[name])
+            dtype = str(array.dtype)
             if families.is_encoder_input(name):
-                array = np.ascontiguousarray(array, dtype=np.float32)
-            array = np.ascontiguousarray(array)
-            t = ItemTensor(name, str(array.dtype), tuple(array.shape), array.nbytes)
+                array, dtype = pixels_as(array, job.form.dtype)
+            t = ItemTensor(name, dtype, tuple(array.shape), array.nbytes)
             if not families.is_encoder_input(name) or job.inline:
                 tensors.append(dataclasses.replace(t, inline=array.tobytes()))
             else:

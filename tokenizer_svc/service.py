@@ -35,7 +35,7 @@ from mmsplit.scheduler.v1 import scheduler_pb2
 from mmsplit.tokenizer.v1 import tokenizer_pb2
 from mmsplit_server import families, structured
 from mmsplit_server.handoff import cuda_ipc, files, grants, ranges, reference
-from mmsplit_server.handoff.reference import NUMPY_TO_DTYPE, CudaRef, TensorSpec
+from mmsplit_server.handoff.reference import DTYPE_BY_NAME, CudaRef, TensorSpec
 from mmsplit_server.sampling import Sampling
 from tokenizer_svc import tool_calls
 from tokenizer_svc.cache import PreprocessCache, fingerprint
@@ -53,11 +53,13 @@ from tokenizer_svc.errors import (
 from tokenizer_svc.media import MediaLoader
 from tokenizer_svc.pool import CpuPool
 from tokenizer_svc.preprocess import (
+    PLAIN_ROWS,
     STAGES,
     ImageJob,
     ItemResult,
     ItemTensor,
     Job,
+    RowForm,
     SlabRef,
     VideoJob,
     abandon,
@@ -282,7 +284,7 @@ class TokenizerService:
                 retry_after_ms=self.settings.unavailable_retry_after_ms,
             )
         # Counted on its backend from now on (a failover moves it).
-        assigned = Assigned(backend, one_frame=backend.one_frame_image_rows and self.family.image_frames > 1)
+        assigned = Assigned(backend, backend.row_form(self.family))
         backend.inflight += 1
         try:
             async for response in self._generate_on(request, parsed, rid, timeout_s, assigned, backend.transport):
@@ -299,7 +301,7 @@ class TokenizerService:
         assigned: Assigned,
         transport: int,
     ) -> AsyncGenerator[tokenizer_pb2.GenerateResponse, None]:
-        prepared = await self._prepare_media(parsed.media, rid, transport, one_frame=assigned.one_frame)
+        prepared = await self._prepare_media(parsed.media, rid, transport, assigned.form)
         results = [p.result for p in prepared]
         owned = [name for r in results for name in r.segments]
         self.held.update(owned)
@@ -376,7 +378,10 @@ class TokenizerService:
         with self._admitted(client):
             await structured.ready(request.sampling)
             parsed = self._validate(request)
-            prepared = await self._prepare_media(parsed.media, rid, common_pb2.TRANSPORT_INLINE)
+            # In the rows a backend would be sent, for the cache to keep for the request that follows.
+            backend = self.link.primary
+            form = PLAIN_ROWS if backend is None else backend.row_form(self.family)
+            prepared = await self._prepare_media(parsed.media, rid, common_pb2.TRANSPORT_INLINE, form)
             try:
                 media = [Media(p.result.modality, p.result.tokens, p.result.times) for p in prepared]
                 return (await self._built(parsed, media)).input_ids
@@ -406,12 +411,11 @@ class TokenizerService:
             except (SchedulerUnavailable, RemoteError) as exc:
                 again = None
                 if not accepted and len(tried) == 1 and exc.error_code in FAILOVER_CODES:
-                    # Without media any backend will do.
-                    images = any(item.modality == common_pb2.MODALITY_IMAGE for item in downstream.items)
+                    # Without media any backend will do; with them, one of
+                    # the transport and row form they were made for.
+                    media = bool(downstream.items)
                     again = self.link.pick(
-                        exclude=tried,
-                        transport=transport if downstream.items else 0,
-                        one_frame=assigned.one_frame and images,
+                        exclude=tried, transport=transport if media else 0, form=assigned.form if media else None
                     )
                 if again is None:
                     raise
@@ -502,14 +506,14 @@ class TokenizerService:
         return parse(request, self.settings, self.family)
 
     async def _prepare_media(
-        self, media: list[Located], rid: str, transport: int, *, one_frame: bool = False
+        self, media: list[Located], rid: str, transport: int, form: RowForm = PLAIN_ROWS
     ) -> list[Prepared]:
         """Every image and video fetched, preprocessed and locked, or none
         held: on any failure or cancellation the others' work is awaited and
         released. In request order: the images, then the videos. An error
         about one names where it was in the request (metadata "param").
-        `one_frame`: images' rows of one frame (`Assigned.one_frame`)."""
-        tasks = [asyncio.create_task(self._located(m, rid, transport, one_frame)) for m in media]
+        `form`: how their rows are made (`Assigned.form`)."""
+        tasks = [asyncio.create_task(self._located(m, rid, transport, form)) for m in media]
         if not tasks:
             return []
         try:
@@ -593,15 +597,19 @@ class TokenizerService:
         if self.grants is not None:
             self.grants.close()
 
-    async def _located(self, located: Located, rid: str, transport: int, one_frame: bool) -> Prepared:
+    async def _located(self, located: Located, rid: str, transport: int, form: RowForm) -> Prepared:
         try:
-            return await self._one(located.medium, rid, transport, one_frame=one_frame)
+            return await self._one(located.medium, rid, transport, form)
         except MmsplitError as exc:
             exc.metadata.setdefault("param", located.where)
             raise
 
     async def _one(
-        self, medium: tokenizer_pb2.Image | tokenizer_pb2.Video, rid: str, transport: int, *, one_frame: bool = False
+        self,
+        medium: tokenizer_pb2.Image | tokenizer_pb2.Video,
+        rid: str,
+        transport: int,
+        form: RowForm = PLAIN_ROWS,
     ) -> Prepared:
         data = await self.media.load(medium)  # IO pool, its own timeouts
         # CUDA IPC: the worker returns bytes (as for inline) and this process
@@ -614,7 +622,8 @@ class TokenizerService:
         # (`inline`): the worker returns them and writes no segment at all.
         job: Job
         if isinstance(medium, tokenizer_pb2.Video):
-            job = self._video_job(data, inline, slab_ref)
+            # A video's rows hold two frames a patch: only their dtype changes.
+            job = self._video_job(data, inline, slab_ref, dataclasses.replace(form, one_frame=False))
             timeout_s = s.video_preprocess_timeout_s
         else:
             job = ImageJob(
@@ -625,7 +634,7 @@ class TokenizerService:
                 owner_pid=self._pid,
                 inline=inline,
                 slab=slab_ref,
-                one_frame=one_frame,
+                form=form,
             )
             timeout_s = s.preprocess_timeout_s
         # The key names the item (its content hash) whether or not the cache is on.
@@ -770,7 +779,7 @@ class TokenizerService:
         piece = files.Slice(t.segment, t.offset, t.nbytes)
         return reference.read_bytes(piece, self.settings.shm_prefix, max_segment_bytes=t.nbytes)
 
-    def _video_job(self, data: bytes, inline: bool, slab_ref: SlabRef | None) -> VideoJob:
+    def _video_job(self, data: bytes, inline: bool, slab_ref: SlabRef | None, form: RowForm) -> VideoJob:
         """The sampling rule: this server's settings, bounded by the model's
         video processor (README "Video")."""
         s, model = self.settings, self.family.video_config
@@ -791,6 +800,7 @@ class TokenizerService:
             owner_pid=self._pid,
             inline=inline,
             slab=slab_ref,
+            form=form,
         )
 
     def _item(
@@ -804,7 +814,7 @@ class TokenizerService:
         )
 
     def _tensor_ref(self, t: ItemTensor, transport: int, granted: list[grants.Grant]) -> common_pb2.TensorRef:
-        dtype = NUMPY_TO_DTYPE[t.dtype]
+        dtype = DTYPE_BY_NAME[t.dtype]
         if t.segment is None:
             return TensorSpec(dtype, t.shape, inline=t.inline).to_pb()
         piece = files.Slice(t.segment, t.offset, t.nbytes)
@@ -847,13 +857,12 @@ class _WriterLost(PreprocessWorkerCrashed):
 
 @dataclass
 class Assigned:
-    """The backend a request is on (a failover changes it), and whether its
-    images go as rows of one frame (the family repeats an image's frame, and
-    the backend takes them so: ServerInfo.one_frame_image_rows); a failover
-    then goes only to a backend that takes them too."""
+    """The backend a request is on (a failover changes it), and the form of
+    its media's rows made for that backend (`SchedulerLink.row_form`); a
+    failover goes only to a backend that takes them too."""
 
     backend: SchedulerLink
-    one_frame: bool = False
+    form: RowForm = PLAIN_ROWS
 
 
 @dataclass

@@ -54,6 +54,15 @@ DTYPES: dict[int, tuple[int, str | None]] = {
     D.DTYPE_INT64: (8, "int64"),
 }
 NUMPY_TO_DTYPE = {name: code for code, (_, name) in DTYPES.items() if name}
+# The names tensors are given by in this project (numpy's, and bfloat16) -> dtype.
+DTYPE_BY_NAME = {**NUMPY_TO_DTYPE, "bfloat16": D.DTYPE_BFLOAT16}
+
+
+def itemsize(name: str) -> int:
+    """The bytes of one element of a dtype named as in `DTYPE_BY_NAME`."""
+    return DTYPES[DTYPE_BY_NAME[name]][0]
+
+
 MAX_DIMS = 8
 _CPU = torch.device("cpu")
 

@@ -52,34 +52,61 @@ def test_grpc_s_own_internal_is_the_scheduler_unavailable_and_ours_stays_typed(t
     ]
 
 
-def test_a_request_with_one_frame_rows_fails_over_only_to_a_backend_that_takes_them(tmp_path: Path) -> None:
-    """`Schedulers.pick(one_frame=True)` (a request whose images went as rows
-    of one frame, failing over) passes by a backend whose ServerInfo does not
-    say one_frame_image_rows; without media any ready backend will do."""
+def test_media_fail_over_only_to_a_backend_that_takes_their_rows_as_made(tmp_path: Path) -> None:
+    """The rows a request's media were made in for its backend
+    (`SchedulerLink.row_form`: an image's frame once, and the model's dtype,
+    as the backend's ServerInfo says it takes them) go on failover only to a
+    backend that would be sent the same (`Schedulers.pick(form=...)`);
+    without media (no form) any ready backend will do."""
+    from types import SimpleNamespace
+
     from mmsplit.common.v1 import common_pb2
     from tokenizer_svc.downstream import Schedulers
+    from tokenizer_svc.preprocess import PLAIN_ROWS, RowForm
 
-    async def run() -> list[list[str]]:
-        settings = TokenizerSettings(model_dir=tmp_path, scheduler="127.0.0.1:1,127.0.0.1:2,127.0.0.1:3")
+    said = {  # address: (one_frame_image_rows, encoder_input_dtype)
+        "127.0.0.1:1": (False, common_pb2.DTYPE_UNSPECIFIED),  # from before either
+        "127.0.0.1:2": (True, common_pb2.DTYPE_FLOAT32),
+        "127.0.0.1:3": (True, common_pb2.DTYPE_FLOAT32),
+        "127.0.0.1:4": (True, common_pb2.DTYPE_BFLOAT16),
+    }
+    qwen, llava = SimpleNamespace(image_frames=2), SimpleNamespace(image_frames=1)
+
+    async def run() -> tuple[list[list[str]], list[RowForm]]:
+        settings = TokenizerSettings(model_dir=tmp_path, scheduler=",".join(said))
         backends = Schedulers(settings, ClientSecurity())
         try:
-            old, new, other = backends.links.values()
-            for link, takes in ((old, False), (new, True), (other, True)):
-                link.info = common_pb2.ServerInfo(one_frame_image_rows=takes)
-                link.transport = common_pb2.TRANSPORT_SHM
-            shm = common_pb2.TRANSPORT_SHM
+            links = backends.links
+            for address, (one_frame, dtype) in said.items():
+                links[address].info = common_pb2.ServerInfo(one_frame_image_rows=one_frame, encoder_input_dtype=dtype)
+                links[address].transport = common_pb2.TRANSPORT_SHM
+            forms = [links[a].row_form(family) for a in said for family in (qwen, llava)]
+            one_frame = RowForm(one_frame=True)
             picked = []
-            for exclude, one_frame in (([new], True), ([new, other], True), ([new, other], False), ([], True)):
-                chosen = [backends.pick(exclude, shm, one_frame=one_frame) for _ in range(6)]
+            for exclude, form in (
+                (["127.0.0.1:2"], one_frame),
+                (["127.0.0.1:2", "127.0.0.1:3"], one_frame),
+                (["127.0.0.1:2", "127.0.0.1:3"], PLAIN_ROWS),
+                ([], RowForm(one_frame=True, dtype="bfloat16")),
+                (["127.0.0.1:2", "127.0.0.1:3", "127.0.0.1:4"], None),
+            ):
+                out = [links[a] for a in exclude]
+                chosen = [backends.pick(out, common_pb2.TRANSPORT_SHM, form=form) for _ in range(8)]
                 picked.append(sorted({"-" if link is None else link.target for link in chosen}))
-            return picked
+            return picked, forms
         finally:
             for link in backends.links.values():
                 await link.close()
 
-    assert asyncio.run(run()) == [
-        ["127.0.0.1:3"],
-        ["-"],
-        ["127.0.0.1:1"],
-        ["127.0.0.1:2", "127.0.0.1:3"],
+    picked, forms = asyncio.run(run())
+    assert picked == [["127.0.0.1:3"], ["-"], ["127.0.0.1:1"], ["127.0.0.1:4"], ["127.0.0.1:1"]]
+    assert forms == [
+        PLAIN_ROWS,
+        PLAIN_ROWS,
+        RowForm(one_frame=True),
+        PLAIN_ROWS,
+        RowForm(one_frame=True),
+        PLAIN_ROWS,
+        RowForm(one_frame=True, dtype="bfloat16"),
+        RowForm(dtype="bfloat16"),
     ]

@@ -20,7 +20,7 @@ from mmsplit_cli import samples
 from mmsplit_server import families
 from tokenizer_svc import pil_shortcuts
 from tokenizer_svc.decode import decode_image
-from tokenizer_svc.preprocess import rgb_as_is
+from tokenizer_svc.preprocess import pixels_as, rgb_as_is
 
 
 def _png_with_a_transparent_colour() -> bytes:
@@ -162,6 +162,28 @@ def test_an_image_s_rows_of_one_frame_repeated_are_the_processor_s_rows(
         assert not fam.one_frame_rows(families.VIDEO, {"pixel_values_videos": rows.shape})
         with pytest.raises(families.BadItem, match="must have shape"):
             fam.count(families.VIDEO, {"pixel_values_videos": rows.shape}, {"video_grid_thw": side["image_grid_thw"]})
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_pixels_in_the_model_s_dtype_are_the_values_a_rank_would_cast_to(dtype: str) -> None:
+    """`pixels_as`: what a scheduler whose model runs in float16 or bfloat16
+    is sent instead of float32 rows; bit for bit the rank's own cast
+    (`torch.Tensor.to`), ties, subnormals and values past the type's range
+    included, bfloat16 as its bits."""
+    rng = np.random.default_rng(3)
+    edges = [0.0, -0.0, 1.0, 65504.0, 65520.0, 1e-8, -1e-8, 6.1e-5, 3.0e38, 1.00390625, 1.005859375, -2.017578125]
+    values = np.concatenate([rng.normal(0, 2, 4096), np.array(edges)]).astype(np.float32).reshape(-1, 4)
+    rows, name = pixels_as(values, dtype)
+    expected = torch.from_numpy(values).to(getattr(torch, dtype))
+    assert name == dtype
+    assert rows.shape == values.shape
+    assert rows.nbytes == values.nbytes // 2
+    got = torch.from_numpy(rows).view(torch.bfloat16) if dtype == "bfloat16" else torch.from_numpy(rows)
+    assert got.dtype == expected.dtype
+    assert torch.equal(got.view(torch.int16), expected.view(torch.int16))
+    same, same_name = pixels_as(values, "float32")
+    assert same_name == "float32"
+    assert np.array_equal(same, values)
 
 
 def _assert_same(fast: Any, stock: Any) -> None:

@@ -14,8 +14,11 @@ from pathlib import Path
 import grpc
 import pytest
 
+from mmsplit.common.v1 import common_pb2
 from mmsplit.errors import RemoteError
 from mmsplit.scheduler.v1 import scheduler_pb2_grpc
+from mmsplit.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
+from mmsplit_cli.client import make_request, run_request
 from tests.e2e.helpers import png, rank_active_requests, scheduler_info, tokenizer_info
 from tests.e2e.test_families import kept_of_one_image, kit_rows_bytes
 from tests.support import family_kit, greedy
@@ -56,4 +59,44 @@ def test_a_scheduler_that_does_not_take_one_frame_rows_gets_every_frame_s(refusi
     # What the tokenizer sends it answers as the model does (every frame's rows).
     asks = [["USER: ", ("image", png(120, 200, 1)), " and ", ("image", image), "? ASSISTANT:"]]
     greedy.equal_to_the_model("qwen2-vl", pair, asks, max_tokens=4)
+    assert wait_until(lambda: rank_active_requests(pair.scheduler_address) == [0], timeout=10)
+
+
+@pytest.fixture(scope="module")
+def bfloat16_pair(family_models: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+    logs = tmp_path_factory.mktemp("logs-bfloat16")
+    with running_pair(family_models("llava"), logs, tp=1, scheduler_extra=["--dtype", "bfloat16"]) as pair:
+        yield pair
+
+
+def test_a_bfloat16_model_gets_its_pixels_in_bfloat16_with_the_tokens_of_float32_ones(bfloat16_pair: Pair) -> None:
+    pair = bfloat16_pair
+    kit = family_kit.kit(pair.model)
+    assert scheduler_info(pair.scheduler_address).encoder_input_dtype == common_pb2.DTYPE_BFLOAT16
+    image = png(200, 150, 8)
+    float32_bytes = kit_rows_bytes(kit, image, one_frame=False)
+    assert kept_of_one_image(pair, kit, image) == float32_bytes // 2
+    prompt = f"USER: {kit.marker}\nWhat is it? ASSISTANT:"
+    direct = kit.message("float32", prompt, [decode_image(image, max_pixels=10**8)], 6)
+    assert direct.items[0].tensors["pixel_values"].dtype == common_pb2.DTYPE_FLOAT32
+    direct.sampling.min_tokens = 6
+    with scheduler_channel(pair.scheduler_address) as channel:
+        events = list(scheduler_pb2_grpc.SchedulerServiceStub(channel).Generate(direct, timeout=60))
+    expected = [t for e in events if e.HasField("tokens") for t in e.tokens.token_ids]
+    assert len(expected) == 6, events[-1]
+    with grpc.insecure_channel(pair.tokenizer_address) as channel:
+        stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
+        answer = run_request(stub, make_request(prompt, [image], max_tokens=6, min_tokens=6), timeout=120)
+    assert answer.ok, answer
+    assert answer.token_ids == expected
+    # Tokenize preprocesses a new image in the backend's form too: the request that follows takes it from the cache.
+    fresh = make_request(prompt, [png(180, 120, 9)], max_tokens=2)
+    before = tokenizer_info(pair.tokenizer_address).info
+    with grpc.insecure_channel(pair.tokenizer_address) as channel:
+        stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
+        stub.Tokenize(tokenizer_pb2.TokenizeRequest(request=fresh), timeout=60)
+        assert run_request(stub, fresh, timeout=120).ok
+    after = tokenizer_info(pair.tokenizer_address).info
+    assert after.preprocess_cache_misses - before.preprocess_cache_misses == 1
+    assert after.preprocess_cache_hits - before.preprocess_cache_hits == 1
     assert wait_until(lambda: rank_active_requests(pair.scheduler_address) == [0], timeout=10)
