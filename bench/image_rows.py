@@ -12,7 +12,9 @@ the item (BLAKE3, `EncoderCache.key`), the finite check (`all_finite`) and
 the model's input made from the lent rows (`MediaInputs._model_input`: a
 copy of rows of both frames, the frame repeated for rows of one). Fastest
 of --reps calls of each, the forms in turn; the model's inputs compared
-(equal, or the script fails).
+(equal, or the script fails). Twice: for a float32 model (rows of one
+frame in float32), and for a bfloat16 one (rows of one frame in bfloat16,
+as the workers make them for it, against float32 rows the ranks cast).
 
 Part 2, the services: two pairs of a tiny Qwen2-VL given that pixel budget
 and a context of 8,192 positions, one with a scheduler that takes rows of
@@ -47,7 +49,7 @@ from mmsplit_cli import samples
 from mmsplit_cli.client import make_request
 from tokenizer_svc import pil_shortcuts
 from tokenizer_svc.decode import decode_image
-from tokenizer_svc.preprocess import rgb_as_is
+from tokenizer_svc.preprocess import pixels_as, rgb_as_is
 
 SIZES = [(640, 480), (1280, 720), (1920, 1080)]
 # Qwen2-VL's own preprocessor_config.json; the tiny model keeps 50,176 pixels at most.
@@ -78,7 +80,11 @@ def model_dir(workdir: Path) -> Path:
     return budget
 
 
-def per_image(model: Path, reps: int) -> str:
+def per_image(model: Path, reps: int, model_dtype: str = "float32") -> str:
+    """Part 1 for a model in `model_dtype`: the rows any scheduler takes
+    ("both frames": float32, each frame) against those the tokenizer sends
+    it now ("one frame": the frame once, in the model's dtype where that
+    is bfloat16 or float16)."""
     import torch
     from transformers import AutoImageProcessor
 
@@ -92,7 +98,7 @@ def per_image(model: Path, reps: int) -> str:
     family = families.load(model, frozenset(processor.model_input_names))
     # Only what _model_input reads of a MediaInputs: the family, device and dtype.
     media = MediaInputs.__new__(MediaInputs)
-    media.family, media.device, media.dtype = family, torch.device("cpu"), torch.float32
+    media.family, media.device, media.dtype = family, torch.device("cpu"), getattr(torch, model_dtype)
     rows = []
     for i, size in enumerate(SIZES):
         image = decode_image(samples.encode(samples.gradient(*size, seed=i), "JPEG", quality=90), max_pixels=10**8)
@@ -104,7 +110,11 @@ def per_image(model: Path, reps: int) -> str:
                 options = family.image_options(one_frame=form == "one frame")
                 start = time.perf_counter()
                 with pil_shortcuts.processing():
-                    made[form] = processor(images=image, return_tensors="np", **rgb_as_is(image), **options)
+                    out = processor(images=image, return_tensors="np", **rgb_as_is(image), **options)
+                pixels, _ = pixels_as(
+                    np.asarray(out["pixel_values"]), model_dtype if form == "one frame" else "float32"
+                )
+                made[form] = {"pixel_values": pixels, "image_grid_thw": out["image_grid_thw"]}
                 best[form]["processor"] = min(best[form].get("processor", 1e9), time.perf_counter() - start)
             # Then each form's steps as a rank runs them, on rows lent read-only,
             # each step's output dropped before the next form's (alike for both).
@@ -115,6 +125,7 @@ def per_image(model: Path, reps: int) -> str:
                 pixels.flags.writeable = False
                 nbytes[form] = pixels.nbytes
                 lent = torch.from_numpy(pixels)
+                lent = lent.view(torch.bfloat16) if lent.dtype == torch.uint16 else lent
                 side = {"image_grid_thw": np.asarray(made[form]["image_grid_thw"])}
                 steps: dict[str, Any] = {
                     "key": lambda t, side: EncoderCache.key({"pixel_values": t}, side),
@@ -145,9 +156,8 @@ def per_image(model: Path, reps: int) -> str:
         size_ratio = nbytes["one frame"] / nbytes["both frames"]
         rows.append(["", "one / both", f"{size_ratio:.2f}", *[f"{r:.2f}" for r in ratio], f"{rank_ratio:.2f}"])
     header = ["JPEG", "rows", "MB", "processor ms", "key ms", "finite ms", "model input ms", "per rank ms"]
-    return f"Qwen2-VL at its default pixel budget, per image, fastest of {reps} (the model's inputs equal)\n" + table(
-        header, rows
-    )
+    title = f"Qwen2-VL at its default pixel budget, a {model_dtype} model: per image, fastest of {reps}"
+    return f"{title} (the model's inputs equal)\n" + table(header, rows)
 
 
 def services(model: Path, n: int, concurrency: int, rounds: int, tp: int, logs: Path) -> str:
@@ -218,7 +228,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="mmsplit-bench-") as tmp:
         workdir = args.workdir or Path(tmp)
         model = model_dir(workdir)
-        print(per_image(model, args.reps), flush=True)
+        for dtype in ("float32", "bfloat16"):
+            print(per_image(model, args.reps, dtype), flush=True)
         if args.rounds:
             print(services(model, args.n, args.concurrency, args.rounds, args.tp, Path(tmp)), flush=True)
 

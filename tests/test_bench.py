@@ -120,11 +120,14 @@ def test_image_rows_benchmark_prints_both_forms_in_process_and_through_the_servi
     args = ["--reps", "1", "--rounds", "1", "--n", "2", "--concurrency", "1"]
     result = run_bench("image_rows.py", args, models=models)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "(the model's inputs equal)" in result.stdout
+    for dtype in ("float32", "bfloat16"):
+        assert f"a {dtype} model: per image, fastest of 1 (the model's inputs equal)" in result.stdout
     for size in ("640x480", "1280x720", "1920x1080"):
         for form in ("both frames", "one frame"):
-            assert re.search(rf"^{size}\s+{form}(\s+[\d.]+){{6}}$", result.stdout, re.M), result.stdout
-    assert len(re.findall(r"^\s+one / both\s+0\.50(\s+[\d.]+){5}$", result.stdout, re.M)) == 3, result.stdout
+            assert len(re.findall(rf"^{size}\s+{form}(\s+[\d.]+){{6}}$", result.stdout, re.M)) == 2, result.stdout
+    for ratio in ("0.50", "0.25"):  # one frame; and in bfloat16
+        found = re.findall(rf"^\s+one / both\s+{ratio}(\s+[\d.]+){{5}}$", result.stdout, re.M)
+        assert len(found) == 3, result.stdout
     for form in ("both frames", "one frame"):
         assert re.search(rf"^{form}(\s+[\d.]+){{5}}$", result.stdout, re.M), result.stdout
     assert re.search(r"^one frame / both frames: [\d.]+x the requests/s$", result.stdout, re.M), result.stdout
