@@ -18,6 +18,8 @@ written to OUT/summary.txt:
   - the CUDA-IPC hand-off: a tokenizer with a GPU pool is given CUDA IPC,
     its tokens equal shared memory's, a cancel leaves the pool empty, its
     SIGKILL leaves the scheduler serving;
+  - a bfloat16 model gets its pixels in bfloat16 by CUDA IPC (half the
+    bytes), with the tokens of float32 rows it casts itself;
   - two ranks on one GPU (TP=2): whether NCCL lets them share the device;
     then a read failure injected on rank 1 fails only its request (the
     agreement over NCCL), a prefill and a decode that raise inside the
@@ -483,6 +485,55 @@ def cuda_ipc(pair, model_dir: Path, logs: Path) -> None:  # type: ignore[no-unty
         tok.stop()
 
 
+@check("bfloat16 pixels")
+def bfloat16_pixels(model_dir: Path, logs: Path) -> None:
+    """A bfloat16 scheduler says so (`encoder_input_dtype`), and a tokenizer
+    with a GPU pool stages its pixels in bfloat16 (by CUDA IPC; by shared
+    memory in a dry run on the CPU): half the bytes of float32 kept per
+    image, and the tokens of float32 rows sent straight to the scheduler,
+    which casts them on the GPU itself."""
+    from mmsplit.tokenizer.v1 import tokenizer_pb2
+    from tests.support import family_kit
+    from tokenizer_svc.decode import decode_image
+
+    def info(address: str):  # type: ignore[no-untyped-def]
+        with grpc.insecure_channel(address) as channel:
+            stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
+            return stub.GetServerInfo(tokenizer_pb2.GetServerInfoRequest(), timeout=5)
+
+    (logs / "bfloat16").mkdir(exist_ok=True)
+    with running_pair(
+        model_dir, logs / "bfloat16", tp=1, scheduler_extra=["--device", DEVICE, "--dtype", "bfloat16"]
+    ) as pair:
+        got = info(pair.tokenizer_address)
+        wanted = common_pb2.TRANSPORT_CUDA_IPC if DEVICE == "cuda" else common_pb2.TRANSPORT_SHM
+        if got.transport != wanted or got.scheduler.encoder_input_dtype != common_pb2.DTYPE_BFLOAT16:
+            raise AssertionError(f"transport {got.transport}, encoder_input_dtype {got.scheduler.encoder_input_dtype}")
+        kit = family_kit.kit(model_dir)
+        prompt = f"{kit.marker}\nDescribe it."
+        same, halves = 0, 0
+        for seed in range(4):
+            jpeg = samples.good_jpeg(seed=960 + seed)
+            direct = kit.message(f"float32-{seed}", prompt, [decode_image(jpeg, max_pixels=10**8)], 8)
+            direct.sampling.min_tokens = 8
+            float32_bytes = len(direct.items[0].tensors["pixel_values"].inline)
+            kept = info(pair.tokenizer_address).info.preprocess_cache_bytes
+            with grpc.insecure_channel(pair.tokenizer_address) as channel:
+                stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
+                out = run_request(stub, make_request(prompt, [jpeg], max_tokens=8, min_tokens=8), timeout=60)
+            halves += info(pair.tokenizer_address).info.preprocess_cache_bytes - kept == float32_bytes // 2
+            with scheduler_channel(pair.scheduler_address) as channel:
+                events = list(scheduler_pb2_grpc.SchedulerServiceStub(channel).Generate(direct, timeout=60))
+            expected = [t for e in events if e.HasField("tokens") for t in e.tokens.token_ids]
+            same += out.ok and out.token_ids == expected and len(expected) == 8
+        used = info(pair.tokenizer_address).info.cuda_ipc_pool_used_bytes
+        ok = same == 4 and halves == 4 and used == 0
+        detail = (
+            f"{same}/4 token-identical to float32 rows; {halves}/4 kept at half the float32 bytes; pool used {used}"
+        )
+        report("PASS" if ok else "FAIL", "bfloat16 pixels", detail)
+
+
 def main() -> int:
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
@@ -513,6 +564,7 @@ def main() -> int:
         prompt_scores(pair.tokenizer_address, model_dir)
         hostile(pair, model_dir)
         cuda_ipc(pair, model_dir, logs)
+    bfloat16_pixels(model_dir, logs)
     two_ranks_one_gpu(model_dir, logs)
     lines = [f"{s} {n}: {d.splitlines()[0] if d else ''}" for s, n, d in RESULTS]
     lines.append(f"checks took {time.monotonic() - started:.0f} s")
