@@ -100,3 +100,34 @@ def test_a_bfloat16_model_gets_its_pixels_in_bfloat16_with_the_tokens_of_float32
     assert after.preprocess_cache_misses - before.preprocess_cache_misses == 1
     assert after.preprocess_cache_hits - before.preprocess_cache_hits == 1
     assert wait_until(lambda: rank_active_requests(pair.scheduler_address) == [0], timeout=10)
+
+
+def test_a_bfloat16_qwen_model_gets_one_frame_rows_in_bfloat16_and_its_videos_too(
+    family_models: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Both forms at once (Qwen2-VL in bfloat16): an image kept at a quarter
+    of the float32 rows of both frames, a video's rows (two frames a patch
+    whatever the scheduler) in bfloat16, and a request with both answered."""
+    from mmsplit_cli import samples
+    from mmsplit_server import families
+
+    logs = tmp_path_factory.mktemp("logs-qwen-bfloat16")
+    model = family_models("qwen2-vl")
+    with running_pair(model, logs, tp=1, scheduler_extra=["--dtype", "bfloat16"]) as pair:
+        kit = family_kit.kit(model)
+        image = png(210, 140, 10)
+        whole, grid = kit_rows_bytes(kit, image, one_frame=False), 3 * 8
+        assert kept_of_one_image(pair, kit, image) == (whole - grid) // 4 + grid  # the grid's int64s as they are
+        marker = "<|vision_start|><|video_pad|><|vision_end|>"
+        request = make_request(f"{marker} Same?", [], videos=[samples.video(frames=8, seed=3)], max_tokens=3)
+        before = tokenizer_info(pair.tokenizer_address).info.preprocess_cache_bytes
+        with grpc.insecure_channel(pair.tokenizer_address) as channel:
+            stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
+            answer = run_request(stub, request, timeout=120)
+            ids = stub.Tokenize(tokenizer_pb2.TokenizeRequest(request=request), timeout=60).token_ids
+        assert answer.ok, answer
+        kept = tokenizer_info(pair.tokenizer_address).info.preprocess_cache_bytes - before
+        # Its rows: a placeholder per merge x merge patches, each row_width values of 2 bytes; and its grid.
+        pads = list(ids).count(kit.family.placeholders[families.VIDEO].token_id)
+        assert pads > 0
+        assert kept == pads * kit.family.merge**2 * kit.family.row_width() * 2 + grid
