@@ -185,11 +185,14 @@ class SchedulerLink:
         return RowForm(one_frame=one_frame, dtype=PIXEL_DTYPE_NAMES.get(info.encoder_input_dtype, "float32"))
 
     def takes(self, form: RowForm) -> bool:
-        """Whether rows made in `form` (for another backend) are what it would be sent."""
+        """Whether rows made in `form` (for another backend) give its model
+        what its own rows would: one frame's only where it takes them, and
+        float32 anywhere (each rank casts them to its model's dtype, as the
+        workers would), a narrower dtype only where the model runs in it."""
         if self.info is None:
             return False
         mine = PIXEL_DTYPE_NAMES.get(self.info.encoder_input_dtype, "float32")
-        return (not form.one_frame or self.info.one_frame_image_rows) and form.dtype == mine
+        return (not form.one_frame or self.info.one_frame_image_rows) and form.dtype in ("float32", mine)
 
     @property
     def ready(self) -> bool:

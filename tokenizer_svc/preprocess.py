@@ -75,7 +75,6 @@ class RowForm:
     dtype: str = "float32"
 
 
-PIXEL_DTYPES = ("float32", "float16", "bfloat16")
 # Rows of every frame in float32: what every scheduler takes.
 PLAIN_ROWS = RowForm()
 
@@ -411,7 +410,7 @@ def place(t: ItemTensor, data: memoryview, ref: SlabRef | None, prefix: str, own
 
 
 def pixels_as(array: np.ndarray, dtype: str) -> tuple[np.ndarray, str]:
-    """Encoder inputs in `dtype` (one of PIXEL_DTYPES) and its name: float16
+    """Encoder inputs in `dtype` (float32, float16 or bfloat16) and its name: float16
     and bfloat16 by torch's cast from float32, the one a rank makes to its
     model's dtype (the model gets the same values); bfloat16, which numpy
     lacks, as its bits (uint16)."""

@@ -88,6 +88,7 @@ def test_media_fail_over_only_to_a_backend_that_takes_their_rows_as_made(tmp_pat
                 (["127.0.0.1:2", "127.0.0.1:3"], one_frame),
                 (["127.0.0.1:2", "127.0.0.1:3"], PLAIN_ROWS),
                 ([], RowForm(one_frame=True, dtype="bfloat16")),
+                (["127.0.0.1:4"], RowForm(dtype="bfloat16")),
                 (["127.0.0.1:2", "127.0.0.1:3", "127.0.0.1:4"], None),
             ):
                 out = [links[a] for a in exclude]
@@ -99,7 +100,15 @@ def test_media_fail_over_only_to_a_backend_that_takes_their_rows_as_made(tmp_pat
                 await link.close()
 
     picked, forms = asyncio.run(run())
-    assert picked == [["127.0.0.1:3"], ["-"], ["127.0.0.1:1"], ["127.0.0.1:4"], ["127.0.0.1:1"]]
+    # Float32 rows of every frame go anywhere; bfloat16 ones only to a bfloat16 model.
+    assert picked == [
+        ["127.0.0.1:3", "127.0.0.1:4"],
+        ["127.0.0.1:4"],
+        ["127.0.0.1:1", "127.0.0.1:4"],
+        ["127.0.0.1:4"],
+        ["-"],
+        ["127.0.0.1:1"],
+    ]
     assert forms == [
         PLAIN_ROWS,
         PLAIN_ROWS,
