@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import socket
 import threading
 import urllib.request
@@ -16,7 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from mmsplit.common.v1 import common_pb2
 from mmsplit.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from mmsplit.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
-from mmsplit_cli.client import Outcome, run_request
+from mmsplit_cli.client import Outcome, make_request, run_request
+from tests.support import family_kit
 from tests.support.leaks import wait_until
 from tests.support.local_token import scheduler_channel
 from tests.support.services import SCHEDULER_SERVICE, Pair
@@ -133,3 +135,23 @@ def served_over_http(port: int, sockets: list[socket.socket], source: str | None
     assert answer.startswith(b"HTTP/1.1 "), answer
     sockets.append(conn)
     return True
+
+
+def kept_of_one_image(pair: Pair, kit: family_kit.Kit, image: bytes) -> int:
+    """The bytes the pair's tokenizer keeps in its preprocessing cache for
+    `image` (one never sent before), a request of it answered: the item's
+    tensors as its worker made them and sent them on."""
+    before = tokenizer_info(pair.tokenizer_address).info.preprocess_cache_bytes
+    with grpc.insecure_channel(pair.tokenizer_address) as channel:
+        stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
+        outcome = run_request(stub, make_request(f"What is in {kit.marker}?", [image], max_tokens=2), timeout=120)
+    assert outcome.ok, outcome
+    return tokenizer_info(pair.tokenizer_address).info.preprocess_cache_bytes - before
+
+
+def kit_rows_bytes(kit: family_kit.Kit, image: bytes, *, one_frame: bool) -> int:
+    """The bytes of `image`'s item tensors as the model's processor makes them."""
+    from PIL import Image
+
+    ((rows, _),) = kit.items([Image.open(io.BytesIO(image)).convert("RGB")], one_frame=one_frame)
+    return sum(array.nbytes for array in rows.values())

@@ -28,12 +28,13 @@ from mmsplit_cli.client import make_request, run_request
 from tests.conftest import SCHEDULER_SERVICE, TOKENIZER_SERVICE, Services
 from tests.e2e.helpers import (
     health_status,
+    kept_of_one_image,
+    kit_rows_bytes,
     png,
     rank_active_requests,
     scheduler_info,
     sent_together,
     the_group_went_on,
-    tokenizer_info,
 )
 from tests.support import family_kit, greedy, video_corpus
 from tests.support.leaks import PROJECT_PREFIX, project_segments, wait_until
@@ -254,26 +255,6 @@ def test_an_image_s_rows_of_one_frame_give_the_tokens_of_all_its_frames(family_p
     # The tokenizer makes and sends such rows: what it keeps of a new image.
     assert kept_of_one_image(pair, kit, png(210, 140, 6)) == kit_rows_bytes(kit, png(210, 140, 6), one_frame=True)
     assert wait_until(lambda: rank_active_requests(pair.scheduler_address) == [0, 0], timeout=10)
-
-
-def kept_of_one_image(pair: Pair, kit: family_kit.Kit, image: bytes) -> int:
-    """The bytes the pair's tokenizer keeps in its preprocessing cache for
-    `image` (one never sent before), a request of it answered: the item's
-    tensors as its worker made them and sent them on."""
-    before = tokenizer_info(pair.tokenizer_address).info.preprocess_cache_bytes
-    with grpc.insecure_channel(pair.tokenizer_address) as channel:
-        stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
-        outcome = run_request(stub, make_request(f"What is in {kit.marker}?", [image], max_tokens=2), timeout=120)
-    assert outcome.ok, outcome
-    return tokenizer_info(pair.tokenizer_address).info.preprocess_cache_bytes - before
-
-
-def kit_rows_bytes(kit: family_kit.Kit, image: bytes, *, one_frame: bool) -> int:
-    """The bytes of `image`'s item tensors as the model's processor makes them."""
-    from PIL import Image
-
-    ((rows, _),) = kit.items([Image.open(io.BytesIO(image)).convert("RGB")], one_frame=one_frame)
-    return sum(array.nbytes for array in rows.values())
 
 
 def _token_ids(stub: scheduler_pb2_grpc.SchedulerServiceStub, message: scheduler_pb2.GenerateRequest) -> list[int]:

@@ -19,8 +19,14 @@ from mmsplit.errors import RemoteError
 from mmsplit.scheduler.v1 import scheduler_pb2_grpc
 from mmsplit.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from mmsplit_cli.client import make_request, run_request
-from tests.e2e.helpers import png, rank_active_requests, scheduler_info, tokenizer_info
-from tests.e2e.test_families import kept_of_one_image, kit_rows_bytes
+from tests.e2e.helpers import (
+    kept_of_one_image,
+    kit_rows_bytes,
+    png,
+    rank_active_requests,
+    scheduler_info,
+    tokenizer_info,
+)
 from tests.support import family_kit, greedy
 from tests.support.leaks import wait_until
 from tests.support.local_token import scheduler_channel
