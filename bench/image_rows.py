@@ -24,6 +24,12 @@ JPEG never sent before (no cache spares any work) by --concurrency clients,
 one token each. Per form: requests/s (median of the rounds), and CPU ms per
 request of the tokenizer, its workers and the scheduler's ranks.
 
+Part 3, the same for the services' heaps (`mmsplit_server.mallocheap`):
+rows of one frame of 1920x1080 JPEGs, both services keeping their freed
+buffers (the default) against glibc's thresholds as a process that sets
+none has them at their top (set by the environment, which `mallocheap`
+leaves to glibc).
+
     python bench/image_rows.py [--reps 7] [--n 16] [--concurrency 2] [--rounds 3] [--tp 1]
 """
 
@@ -47,6 +53,7 @@ from harness import MODELS_DIR, ROOT, run_clients, table
 
 from mmsplit_cli import samples
 from mmsplit_cli.client import make_request
+from mmsplit_server import mallocheap
 from tokenizer_svc import pil_shortcuts
 from tokenizer_svc.decode import decode_image
 from tokenizer_svc.preprocess import pixels_as, rgb_as_is
@@ -56,6 +63,9 @@ SIZES = [(640, 480), (1280, 720), (1920, 1080)]
 QWEN_DEFAULT_BUDGET = {"shortest_edge": 3136, "longest_edge": 12845056}
 FORMS = ("both frames", "one frame")
 SERVICE_IMAGE = (1280, 720)
+# Where the heap's settings show: a 1920x1080 photo's one-frame rows are 25.3 MB, the
+# vision tower's buffers over its 10,764 patches larger (`mallocheap`).
+HEAP_IMAGE = (1920, 1080)
 
 
 def model_dir(workdir: Path) -> Path:
@@ -160,59 +170,78 @@ def per_image(model: Path, reps: int, model_dtype: str = "float32") -> str:
     return f"{title} (the model's inputs equal)\n" + table(header, rows)
 
 
-def services(model: Path, n: int, concurrency: int, rounds: int, tp: int, logs: Path) -> str:
+# Arms of the services part: label -> (the scheduler's extra arguments, environment of both services).
+FORM_ARMS = {
+    "both frames": (["--one-frame-image-rows", "false"], {}),
+    "one frame": (["--one-frame-image-rows", "true"], {}),
+}
+# glibc's thresholds as a process that sets none has them once its dynamic
+# mmap threshold has grown to its top (32 MiB; trim 128 KiB): `mallocheap.keep`
+# leaves them to glibc when the environment sets them.
+HEAP_ARMS = {
+    "glibc's defaults": ([], {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(128 << 10)}),
+    "heap kept": ([], {}),
+}
+
+
+def services(
+    model: Path,
+    arms: dict[str, tuple[list[str], dict[str, str]]],
+    size: tuple[int, int],
+    n: int,
+    concurrency: int,
+    rounds: int,
+    tp: int,
+    logs: Path,
+) -> str:
+    """The services, one pair per arm (all running, used in turn): --rounds
+    rounds of `n` new JPEGs of `size`, 1 token each; the last arm against
+    the first."""
     import contextlib
+    import os
 
     from mmsplit_cli.launch import running_pair
 
-    results: dict[str, list[tuple[float, dict[str, float]]]] = {form: [] for form in FORMS}
-    for form in FORMS:
-        (logs / form.replace(" ", "-")).mkdir(parents=True, exist_ok=True)
+    results: dict[str, list[tuple[float, dict[str, float]]]] = {arm: [] for arm in arms}
     with contextlib.ExitStack() as stack:
-        pairs = {
-            form: stack.enter_context(
-                running_pair(
-                    model,
-                    logs / form.replace(" ", "-"),
-                    tp=tp,
-                    scheduler_extra=["--one-frame-image-rows", "true" if form == "one frame" else "false"],
-                )
-            )
-            for form in FORMS
-        }
-        seed = 1000
+        pairs = {}
+        for arm, (extra, env) in arms.items():
+            where = logs / arm.replace(" ", "-").replace("'", "")
+            where.mkdir(parents=True, exist_ok=True)
+            environment = {k: v for k, v in os.environ.items() if k not in mallocheap.ENVIRONMENT} | env
+            pairs[arm] = stack.enter_context(running_pair(model, where, tp=tp, scheduler_extra=extra, env=environment))
+        seed = 1000 + size[0]
         prompt = "<|vision_start|><|image_pad|><|vision_end|>What is this?"
 
         def batch() -> list[Any]:
             nonlocal seed
             seed += n
-            jpegs = [
-                samples.encode(samples.gradient(*SERVICE_IMAGE, seed=seed + i), "JPEG", quality=90) for i in range(n)
-            ]
+            jpegs = [samples.encode(samples.gradient(*size, seed=seed + i), "JPEG", quality=90) for i in range(n)]
             return [make_request(prompt, [jpeg], max_tokens=1, min_tokens=1) for jpeg in jpegs]
 
         for pair in pairs.values():  # warm up each: the first requests load what is loaded lazily
             run_clients(pair.tokenizer_address, batch()[:concurrency], concurrency)
         for _ in range(rounds):
-            for form, pair in pairs.items():
+            for arm, pair in pairs.items():
                 run = serve(pair, batch(), concurrency)  # one token a request: tokens/s = requests/s
-                results[form].append((run.tps, {part: seconds / n for part, seconds in run.cpu.items()}))
+                results[arm].append((run.tps, {part: seconds / n for part, seconds in run.cpu.items()}))
     rows = []
     medians: dict[str, float] = {}
-    for form in FORMS:
-        rates = [rate for rate, _ in results[form]]
-        medians[form] = statistics.median(rates)
-        cpu = {k: statistics.median(c[k] for _, c in results[form]) for k in ("tokenizer", "workers", "scheduler")}
+    for arm in arms:
+        rates = [rate for rate, _ in results[arm]]
+        medians[arm] = statistics.median(rates)
+        cpu = {k: statistics.median(c[k] for _, c in results[arm]) for k in ("tokenizer", "workers", "scheduler")}
         rows.append(
-            [form, f"{medians[form]:.2f}", " ".join(f"{r:.2f}" for r in rates),
+            [arm, f"{medians[arm]:.2f}", " ".join(f"{r:.2f}" for r in rates),
              *(f"{cpu[k] * 1e3:.0f}" for k in ("tokenizer", "workers", "scheduler"))]
         )  # fmt: skip
-    header = ["rows", "req/s", "rounds", "tokenizer CPU ms/req", "workers CPU ms/req", "scheduler CPU ms/req"]
+    header = ["arm", "req/s", "rounds", "tokenizer CPU ms/req", "workers CPU ms/req", "scheduler CPU ms/req"]
+    first, *_, last = arms
     return (
-        f"the services, TP={tp}: {n} new {SERVICE_IMAGE[0]}x{SERVICE_IMAGE[1]} JPEGs a round by {concurrency} "
-        f"clients, 1 token each, {rounds} rounds, forms in turn (medians)\n"
+        f"the services, TP={tp}: {n} new {size[0]}x{size[1]} JPEGs a round by {concurrency} "
+        f"clients, 1 token each, {rounds} rounds, arms in turn (medians)\n"
         + table(header, rows)
-        + f"\none frame / both frames: {medians['one frame'] / medians['both frames']:.2f}x the requests/s"
+        + f"\n{last} / {first}: {medians[last] / medians[first]:.2f}x the requests/s"
     )
 
 
@@ -231,7 +260,9 @@ def main() -> None:
         for dtype in ("float32", "bfloat16"):
             print(per_image(model, args.reps, dtype), flush=True)
         if args.rounds:
-            print(services(model, args.n, args.concurrency, args.rounds, args.tp, Path(tmp)), flush=True)
+            common = (args.n, args.concurrency, args.rounds, args.tp, Path(tmp))
+            print(services(model, FORM_ARMS, SERVICE_IMAGE, *common), flush=True)
+            print(services(model, HEAP_ARMS, HEAP_IMAGE, *common), flush=True)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from mmsplit_server import gcheap
+from mmsplit_server import gcheap, mallocheap
 from mmsplit_server.handoff import cuda_ipc, files
 from mmsplit_server.serving import setup_logging
 from mmsplit_server.structured import Grammars
@@ -48,6 +48,7 @@ def bootstrap(settings: SchedulerSettings, rendezvous: Rendezvous | None, arena:
     route its TP sums through `arena` (a local CPU group's, made before its
     ranks were forked), exchange namespace ids. Returns when every rank has
     done the same."""
+    mallocheap.keep()  # each item's model input and the step's large buffers: from a heap kept warm
     init_group(
         rendezvous=rendezvous,
         device=settings.device,

@@ -128,9 +128,10 @@ def test_image_rows_benchmark_prints_both_forms_in_process_and_through_the_servi
     for ratio in ("0.50", "0.25"):  # one frame; and in bfloat16
         found = re.findall(rf"^\s+one / both\s+{ratio}(\s+[\d.]+){{5}}$", result.stdout, re.M)
         assert len(found) == 3, result.stdout
-    for form in ("both frames", "one frame"):
-        assert re.search(rf"^{form}(\s+[\d.]+){{5}}$", result.stdout, re.M), result.stdout
-    assert re.search(r"^one frame / both frames: [\d.]+x the requests/s$", result.stdout, re.M), result.stdout
+    for arm in ("both frames", "one frame", "glibc's defaults", "heap kept"):
+        assert re.search(rf"^{arm}(\s+[\d.]+){{5}}$", result.stdout, re.M), result.stdout
+    for line in ("one frame / both frames", "heap kept / glibc's defaults"):
+        assert re.search(rf"^{line}: [\d.]+x the requests/s$", result.stdout, re.M), result.stdout
 
 
 def test_step_profile_prints_the_step_and_its_ops(models: Path) -> None:

@@ -21,7 +21,6 @@ transformers. Tasks are pure functions of their input and may be retried.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
 import importlib
 import os
@@ -42,7 +41,7 @@ import numpy as np
 import torch
 from transformers import AutoImageProcessor
 
-from mmsplit_server import families
+from mmsplit_server import families, mallocheap
 from mmsplit_server.families.base import rgb_as_is
 from mmsplit_server.handoff import files, ranges, reference, slab
 from tokenizer_svc import pil_shortcuts, video
@@ -200,28 +199,15 @@ def _exit_with(owner_pid: int) -> None:
     os._exit(0)
 
 
-# glibc's mallopt parameters, and the values a worker sets (see `keep_heap`).
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-HEAP_MMAP_THRESHOLD = 64 << 20
-HEAP_TRIM_THRESHOLD = 128 << 20
-
-
 def keep_heap() -> None:
     """Keep a worker's freed buffers for the next image instead of handing
-    them back to the kernel. The processor allocates and frees the same few
-    large arrays per image (a 1920x1080 frame in float64 is 50 MB); with
-    glibc's defaults in a forkserver child those were mmapped and unmapped
-    each time, about 1,000 page faults per image and ~15 % of a worker's
-    time (measured: 25,000 faults per 24 images against none in a process
-    that had warmed up; with these settings, none). Arrays under 64 MiB come
-    from the heap, and up to 128 MiB of free heap is kept per worker, which
-    bounds what this costs in memory. No-op without glibc."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(_M_MMAP_THRESHOLD, HEAP_MMAP_THRESHOLD)
-        libc.mallopt(_M_TRIM_THRESHOLD, HEAP_TRIM_THRESHOLD)
-    except (OSError, AttributeError):
-        return
+    them back to the kernel (`mallocheap.keep`). The processor allocates and
+    frees the same few large arrays per image (a 1920x1080 frame in float64
+    is 50 MB); with glibc's defaults in a forkserver child those were
+    mmapped and unmapped each time, about 1,000 page faults per image and
+    ~15 % of a worker's time (measured: 25,000 faults per 24 images against
+    none in a process that had warmed up; with these settings, none)."""
+    mallocheap.keep()
 
 
 def init_worker(model_dir: str, owner_pid: int, hook_module: str = "", memory_bytes: int = 0) -> None:

@@ -25,7 +25,7 @@ from mmsplit import __version__, pairing
 from mmsplit.common.v1 import common_pb2
 from mmsplit.errors import InternalError, MmsplitError
 from mmsplit.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
-from mmsplit_server import families, gcheap
+from mmsplit_server import families, gcheap, mallocheap
 from mmsplit_server.handoff import cuda_ipc, files
 from mmsplit_server.metrics import ServiceMetrics
 from mmsplit_server.serving import (
@@ -261,6 +261,9 @@ def run(settings: TokenizerSettings) -> int:
     """Serve until stopped; the exit code. The caller has raised the
     open-file limit (`mmsplit_cli.main`) before it started the CPU pool's
     forkserver, whose workers inherit it."""
+    # Large items (the cache's copy of each new one, on the event loop;
+    # inline ones from the workers and to a scheduler) from a heap kept warm.
+    mallocheap.keep()
     try:
         security = ServerSecurity(cert=settings.tls_cert, key=settings.tls_key, client_ca=settings.tls_client_ca)
         security.credentials()  # unreadable certificate files fail here

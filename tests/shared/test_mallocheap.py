@@ -1,0 +1,47 @@
+"""`mallocheap.keep`: a process that handles large buffers keeps its freed
+memory for the next one. Counted in page faults, not time: copying a 48 MiB
+buffer again faults its pages in again under glibc's thresholds at their
+top (set by the environment, which `keep` leaves alone), and not once the
+heap is kept."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from mmsplit_server import mallocheap
+
+PROBE = """
+import json, resource
+from mmsplit_server import mallocheap
+kept = mallocheap.keep()
+source = bytearray(48 << 20)
+faults = []
+for _ in range(3):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    copy = bytes(source)
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    del copy
+print(json.dumps({"kept": kept, "faults": faults}))
+"""
+
+
+def _probe(env: dict[str, str]) -> dict[str, object]:
+    clean = {k: v for k, v in os.environ.items() if k not in mallocheap.ENVIRONMENT}
+    out = subprocess.run([sys.executable, "-c", PROBE], env=clean | env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    result: dict[str, object] = json.loads(out.stdout)
+    return result
+
+
+def test_a_kept_heap_copies_a_large_buffer_again_without_faulting_its_pages_in() -> None:
+    pages = (48 << 20) // os.sysconf("SC_PAGE_SIZE")
+    kept = _probe({})
+    assert kept["kept"] is True
+    defaults = _probe({"MALLOC_MMAP_THRESHOLD_": str(32 << 20)})
+    assert defaults["kept"] is False
+    again_kept, again_defaults = kept["faults"][1:], defaults["faults"][1:]  # type: ignore[index]
+    assert all(f > pages // 2 for f in again_defaults), defaults
+    assert all(f < pages // 50 for f in again_kept), kept
