@@ -171,7 +171,8 @@ class SchedulerSettings(ServiceSettings):
         True,
         "on a CPU device, run each step on all of a rank's threads or on one fewer, whichever has been faster "
         "lately for decode steps of its batch size (the other re-measured now and then; a step that prefills "
-        "follows their verdict): on a host whose cores the tokenizer shares, leaving it one can be faster",
+        "follows the verdict of the decode steps with the most rows): on a host whose cores the tokenizer "
+        "shares, leaving it one can be faster",
     )
     lm_head_layout: str = _opt(
         "auto",

@@ -22,11 +22,18 @@ kind, more rarely the further behind it is), so it follows the load when it
 changes. A step that prefills is never an experiment (trying the wrong
 choice there costs a whole prefill: 8x512 at 32 concurrent lost 14 % of its
 tokens/s to it in a short-lived service): it runs on the verdict of the
-decode steps with as many running rows, else on the latest verdict, else
-on every thread. A step with no running rows and no prefill runs no forward
-(a heartbeat, a step that only drops): it is not timed, and gives no verdict
-(its times are noise, ~0.0 ms on either choice, yet its verdict set the
-thread count of the first prefill after an idle spell).
+decode steps with the most rows that have one (a prefill's operators are
+at least as large as theirs), else on every thread. It once followed the
+decode steps with as many running rows, else the latest verdict of any
+kind: a burst's second prefill (30 prompts joining 1-3 running rows, whose
+decode steps never run alone) then ran on one thread whenever the last
+verdict had been one thread for 16-31 rows (measured while the workers
+preprocessed the next burst), ~0.5 s more on that step, 8x512 at 32
+concurrent 370-390 tokens/s instead of 450-500 (bench/RESULTS.md). A step
+with no running rows and no prefill runs no forward (a heartbeat, a step
+that only drops): it is not timed, and gives no verdict (its times are
+noise, ~0.0 ms on either choice, yet its verdict set the thread count of
+the first prefill after an idle spell).
 
 The thread count only changes how operators split their work: the tokens
 are the same either way up to the order of floating-point sums inside an
@@ -111,7 +118,6 @@ class StepThreads:
         self.explore_every = explore_every
         self.warmup = warmup
         self._seen: dict[StepKind, _Seen] = {}
-        self._latest = threads  # the latest verdict, for steps of a kind with none yet
 
     @property
     def tuning(self) -> bool:
@@ -122,8 +128,7 @@ class StepThreads:
         if not self.tuning or kind == IDLE:
             return self.threads
         if kind.prefill:
-            decoding = self._seen.get(StepKind(kind.rows, False))
-            return decoding.best if decoding is not None and decoding.best is not None else self._latest
+            return self._heaviest_verdict()
         seen = self._seen.setdefault(kind, _Seen())
         seen.steps += 1
         untried = [c for c in self.choices if seen.runs.get(c, 0) < self.warmup]
@@ -134,6 +139,12 @@ class StepThreads:
         behind = seen.seconds[other] / max(seen.seconds[best], 1e-9) - 1
         every = self.explore_every * max(1, int(behind / EXPLORE_COST))
         return other if seen.steps % every == 0 else best
+
+    def _heaviest_verdict(self) -> int:
+        """The thread count of the decode steps with the most rows that have
+        a verdict; every thread before any has one."""
+        judged = [(kind.rows, seen.best) for kind, seen in self._seen.items() if seen.best is not None]
+        return max(judged)[1] if judged else self.threads
 
     def record(self, kind: StepKind, threads: int, seconds: float) -> None:
         if not self.tuning or kind.prefill or kind == IDLE:
@@ -146,7 +157,7 @@ class StepThreads:
             return
         best = min(self.choices, key=lambda c: seen.seconds[c])
         if best != seen.best:
-            seen.best = self._latest = best
+            seen.best = best
             self._log_verdict(kind, seen)
 
     def _log_verdict(self, kind: StepKind, seen: _Seen) -> None:

@@ -88,21 +88,28 @@ def test_a_verdict_that_flips_near_a_tie_is_logged_at_info_once_a_minute(caplog:
     assert len(debug) > 50, "every other change is still there at DEBUG"
 
 
-def test_decode_kinds_are_tuned_apart_and_a_prefill_step_follows_their_verdict() -> None:
+def test_decode_kinds_are_tuned_apart_and_a_prefill_step_follows_the_heaviest_verdict() -> None:
+    """A prefill step runs on the verdict of the decode steps with the most
+    rows that have one, whatever its own running rows: a burst's 30 prompts
+    joining 2 running rows is no 2-row step (it once followed the latest
+    verdict of any kind, and ran on one thread after a contended 16-31-row
+    verdict)."""
     tuner = StepThreads(2, explore_every=1000, warmup=1)
-    decode_4 = StepKind.of(5, prefill=False)
-    prefill_32, prefill_4, prefill_8 = (StepKind.of(n, prefill=True) for n in (32, 5, 9))
+    decode_4, decode_16 = StepKind.of(5, prefill=False), StepKind.of(20, prefill=False)
+    prefill_32, prefill_4, prefill_2 = (StepKind.of(n, prefill=True) for n in (32, 5, 2))
     assert tuner.choose(prefill_32) == 2, "no verdict yet: every thread"
-    feed(tuner, DECODE_32, {2: 0.010, 1: 0.005}, 10)
-    feed(tuner, decode_4, {2: 0.002, 1: 0.004}, 10)
-    assert (tuner.choose(DECODE_32), tuner.choose(decode_4)) == (1, 2)
-    assert tuner.choose(prefill_32) == 1
-    assert tuner.choose(prefill_4) == 2
-    assert tuner.choose(prefill_8) == 2, "no decode verdict for 8-15 rows: the latest one"
+    feed(tuner, decode_4, {2: 0.004, 1: 0.002}, 10)
+    assert tuner.choose(prefill_32) == 1, "the one verdict there is"
+    feed(tuner, DECODE_32, {2: 0.005, 1: 0.010}, 10)
+    feed(tuner, decode_16, {2: 0.050, 1: 0.008}, 10)  # measured while something else took a core
+    assert (tuner.choose(DECODE_32), tuner.choose(decode_16), tuner.choose(decode_4)) == (2, 1, 1)
+    assert [tuner.choose(k) for k in (prefill_32, prefill_4, prefill_2)] == [2, 2, 2], "32-63 rows' verdict"
+    feed(tuner, DECODE_32, {2: 0.020, 1: 0.010}, 10)
+    assert tuner.choose(prefill_2) == 1, "it follows that verdict as it changes"
     # A prefill step is never an experiment, and its time teaches nothing.
     assert [tuner.choose(prefill_32) for _ in range(50)] == [1] * 50
     tuner.record(prefill_32, 2, 0.001)
-    assert set(tuner.summary()) == {DECODE_32, decode_4}
+    assert set(tuner.summary()) == {DECODE_32, decode_16, decode_4}
     assert str(prefill_4) == "steps with 4-7 running rows and a prefill"
     assert str(StepKind.of(0, prefill=False)) == "steps with no running rows"
 
@@ -117,7 +124,7 @@ def test_a_step_with_nothing_to_run_gives_no_verdict_for_the_prefill_after_it() 
     assert tuner.summary() == {}
     assert tuner.choose(first_prefill) == 2, "no verdict: every thread"
     feed(tuner, DECODE_32, {2: 0.010, 1: 0.005}, 10)
-    assert tuner.choose(first_prefill) == 1, "the latest verdict of steps that ran a forward"
+    assert tuner.choose(first_prefill) == 1, "the verdict of steps that ran a forward"
 
 
 def test_the_step_runs_on_its_choice_and_every_thread_comes_back_even_when_it_raises() -> None:
