@@ -52,6 +52,7 @@ from scheduler_svc.loop import StepLoop
 from scheduler_svc.model import ModelInfo, model_dtype, model_info
 from scheduler_svc.multiplex import StreamCall, serve
 from scheduler_svc.ranks import Bootstrapped, bootstrap, run_follower_until_stopped
+from scheduler_svc.reader import DTYPES as READ_DTYPES
 from scheduler_svc.rendezvous import Rendezvous
 from scheduler_svc.settings import SchedulerSettings
 
@@ -342,12 +343,8 @@ def _bootstrap_watching(settings: SchedulerSettings, ranks: LocalRanks | None, r
             raise
 
 
-# The model's dtype -> the wire's (ServerInfo.encoder_input_dtype).
-ENCODER_INPUT_DTYPES = {
-    torch.float32: common_pb2.DTYPE_FLOAT32,
-    torch.float16: common_pb2.DTYPE_FLOAT16,
-    torch.bfloat16: common_pb2.DTYPE_BFLOAT16,
-}
+# The model's dtype -> the wire's (ServerInfo.encoder_input_dtype): the reader's table, turned round.
+ENCODER_INPUT_DTYPES = {torch_dtype: common_pb2.Dtype.ValueType(code) for code, (torch_dtype, _) in READ_DTYPES.items()}
 
 
 def server_info(

@@ -42,6 +42,7 @@ from mmsplit.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from mmsplit.tokenizer.v1 import tokenizer_pb2
 from mmsplit_server.families import Family
 from mmsplit_server.handoff import files
+from mmsplit_server.handoff.reference import DTYPE_BY_NAME
 from mmsplit_server.serving import ClientSecurity
 from tokenizer_svc.errors import SchedulerUnavailable
 from tokenizer_svc.multiplex import CallEnded, StreamedCalls
@@ -64,12 +65,8 @@ DNS_SCHEME = "dns:///"
 STREAM_ENVELOPE_BYTES = 64
 
 
-# A scheduler's ServerInfo.encoder_input_dtype -> the dtype media rows are made in for it.
-PIXEL_DTYPE_NAMES = {
-    common_pb2.DTYPE_FLOAT32: "float32",
-    common_pb2.DTYPE_FLOAT16: "float16",
-    common_pb2.DTYPE_BFLOAT16: "bfloat16",
-}
+# A scheduler's ServerInfo.encoder_input_dtype -> the dtype media rows are made in for it (a float one).
+PIXEL_DTYPE_NAMES = {code: name for name, code in DTYPE_BY_NAME.items() if name in ("float32", "float16", "bfloat16")}
 
 
 def backend_targets(setting: str) -> tuple[list[str], str]:
@@ -181,8 +178,7 @@ class SchedulerLink:
         info = self.info
         if info is None:
             return PLAIN_ROWS
-        one_frame = info.one_frame_image_rows and family.image_frames > 1
-        return RowForm(one_frame=one_frame, dtype=PIXEL_DTYPE_NAMES.get(info.encoder_input_dtype, "float32"))
+        return RowForm(one_frame=info.one_frame_image_rows and family.image_frames > 1, dtype=self._pixel_dtype)
 
     def takes(self, form: RowForm) -> bool:
         """Whether rows made in `form` (for another backend) give its model
@@ -191,8 +187,12 @@ class SchedulerLink:
         workers would), a narrower dtype only where the model runs in it."""
         if self.info is None:
             return False
-        mine = PIXEL_DTYPE_NAMES.get(self.info.encoder_input_dtype, "float32")
-        return (not form.one_frame or self.info.one_frame_image_rows) and form.dtype in ("float32", mine)
+        return (not form.one_frame or self.info.one_frame_image_rows) and form.dtype in ("float32", self._pixel_dtype)
+
+    @property
+    def _pixel_dtype(self) -> str:
+        """The dtype of the pixels it is sent (float32 when it does not say)."""
+        return "float32" if self.info is None else PIXEL_DTYPE_NAMES.get(self.info.encoder_input_dtype, "float32")
 
     @property
     def ready(self) -> bool:

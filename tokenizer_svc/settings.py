@@ -179,7 +179,7 @@ class TokenizerSettings(ServiceSettings):
     )
     max_connections_per_client: int = _opt(
         0,
-        "open connections to the HTTP API from one address (those of --forwarded-allow-ips proxies not counted); "
+        "open connections to the HTTP API from one address (those of --forwarded-allow-ips proxies never refused); "
         "past it, that address's new connection is closed at once, unread; 0 = no limit",
         min=0,
     )
