@@ -339,6 +339,8 @@ def build_request(
     tool_choice: str = "",
     call_tool: str = "",
     single_call: bool = False,
+    min_pixels: int = 0,
+    max_pixels: int = 0,
 ) -> tokenizer_pb2.GenerateRequest:
     """A GenerateRequest of a prompt (with `images` and `videos`) or of a
     conversation (`messages`); media given as bytes are sent inline, as str
@@ -357,7 +359,10 @@ def build_request(
     choice's first delta; raw `Generate` responses carry it). `tool_choice`
     "auto" or "required", or `call_tool` a tool's name: how the model may
     call `tools` (`single_call`: at most one); the last event's
-    `tool_calls` and `content` then hold the calls found and the rest."""
+    `tool_calls` and `content` then hold the calls found and the rest.
+    `min_pixels`, `max_pixels`: a Qwen-VL model's images resized within
+    these bounds instead of the checkpoint's (within them only; 0 leaves a
+    bound as the checkpoint's: `GenerateRequest.image_budget`)."""
     sampling = common_pb2.SamplingParams(
         max_tokens=max_tokens,
         temperature=temperature,
@@ -406,6 +411,11 @@ def build_request(
         chat_template_kwargs=json.dumps(dict(chat_template_kwargs)) if chat_template_kwargs else "",
         prompt_token_ids=list(prompt_token_ids),
         tool_choice=choose,
+        image_budget=(
+            tokenizer_pb2.ImageBudget(min_pixels=min_pixels, max_pixels=max_pixels)
+            if min_pixels or max_pixels
+            else None
+        ),
     )
 
 

@@ -145,6 +145,8 @@ def generate_command(args: argparse.Namespace) -> int:
         "videos": [] if messages else videos,
         "request_id": args.request_id,
         "timeout": args.timeout,
+        "min_pixels": args.min_pixels,
+        "max_pixels": args.max_pixels,
     }
     with client:
         try:

@@ -210,6 +210,14 @@ def parser() -> argparse.ArgumentParser:
         "--image", action="append", default=[], help="image file (sent as inline bytes) or URL (http(s):, data:)"
     )
     p.add_argument("--video", action="append", default=[], help="video file or URL, as --image (Qwen-VL models)")
+    for bound in ("max", "min"):
+        p.add_argument(
+            f"--{bound}-pixels",
+            type=_count,
+            default=0,
+            help=f"Qwen-VL models: the {bound}imum pixels each image is resized to, within the checkpoint's budget "
+            "(GetServerInfo's image_min_pixels, image_max_pixels); 0 = the checkpoint's",
+        )
     p.add_argument("--max-tokens", type=_count, default=0, help="0 = the server's default")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy, else within [0.001, 100]")
     p.add_argument("--seed", type=_count, default=0, help="0 = derived from the request id")

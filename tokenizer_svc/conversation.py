@@ -19,7 +19,7 @@ from typing import Any
 
 from mmsplit.tokenizer.v1 import tokenizer_pb2
 from mmsplit_server import strict_json
-from mmsplit_server.families import Family
+from mmsplit_server.families import Family, PixelBudget
 from tokenizer_svc.errors import InvalidRequest, MediaUnsupported
 from tokenizer_svc.prompt import ToolCall, Turn
 from tokenizer_svc.settings import TokenizerSettings
@@ -112,6 +112,8 @@ class Parsed:
     # characters: its texts (with a conversation's calls and tools, and
     # PER_MESSAGE for each message's template), or its ids.
     size: int = 0
+    # The images' own pixel budget (image_budget); None: the checkpoint's.
+    image_pixels: PixelBudget | None = None
 
 
 # What the template adds per message, counted in `Parsed.size`.
@@ -120,6 +122,7 @@ PER_MESSAGE = 64
 
 def parse(request: tokenizer_pb2.GenerateRequest, settings: TokenizerSettings, family: Family) -> Parsed:
     """The request's shape, checked against the per-request limits."""
+    pixels = image_budget(request, family)
     if request.prompt_token_ids:
         return _token_prompt(request, settings)
     if request.messages:
@@ -163,7 +166,44 @@ def parse(request: tokenizer_pb2.GenerateRequest, settings: TokenizerSettings, f
         raise MediaUnsupported(f"this model ({family.name}) takes no video", metadata={"param": first.where})
     if n_videos > s.max_videos_per_request:
         raise InvalidRequest(f"{n_videos} videos, at most {s.max_videos_per_request}")
-    return dataclasses.replace(parsed, size=chars + PER_MESSAGE * len(request.messages))
+    return dataclasses.replace(parsed, size=chars + PER_MESSAGE * len(request.messages), image_pixels=pixels)
+
+
+def image_budget(request: tokenizer_pb2.GenerateRequest, family: Family) -> PixelBudget | None:
+    """The pixel budget the request's images are resized to, where it asks
+    for one within the checkpoint's (`Family.image_pixels`): a bound left 0
+    is the checkpoint's, but a min_pixels left 0 never over the max asked.
+    None when it asks for none or for exactly the checkpoint's (the same
+    rows, and preprocessing cache entries, as a request without one)."""
+    if not request.HasField("image_budget"):
+        return None
+    asked, own = request.image_budget, family.image_pixels
+    if own is None:
+        if asked.min_pixels or asked.max_pixels:
+            raise InvalidRequest(
+                f"this model ({family.name}) resizes every image to one size: it takes no pixel budget",
+                metadata={"param": "image_budget"},
+            )
+        return None
+    most = asked.max_pixels or own.most
+    least = asked.min_pixels or min(own.least, most)
+    fewest = family.least_image_pixels
+    if most > own.most:
+        raise InvalidRequest(
+            f"max_pixels {most} is over this model's image budget of {own.most} pixels",
+            metadata={"param": "image_budget.max_pixels"},
+        )
+    if most < fewest:
+        raise InvalidRequest(
+            f"max_pixels {most} is under one merged patch of this model ({fewest} pixels)",
+            metadata={"param": "image_budget.max_pixels"},
+        )
+    if least > most:
+        raise InvalidRequest(
+            f"min_pixels {least} is over max_pixels {most}", metadata={"param": "image_budget.min_pixels"}
+        )
+    budget = PixelBudget(least, most)
+    return None if budget == own else budget
 
 
 def _given(request: tokenizer_pb2.GenerateRequest, name: str) -> bool:

@@ -27,7 +27,9 @@ What is accepted, as vLLM, SGLang and TGI accept it:
   the contract's `SamplingParams.json_schema`, structured output), and
   vLLM's `cache_salt` (a tenant's prefix-cache isolation). The usage reports
   `prompt_tokens_details.cached_tokens`: prompt tokens the scheduler took
-  from its prefix cache.
+  from its prefix cache. vLLM's `mm_processor_kwargs` with `max_pixels`
+  and `min_pixels`: a Qwen-VL model's images resized within that budget
+  (GenerateRequest.image_budget; other keys refused).
 - Tools (chat only): `tools` reach the chat template (the contract's
   `GenerateRequest.tools`); `tool_choice` a named function or "required"
   constrains the output with a JSON Schema built from the tools (`Forced`),
@@ -107,10 +109,13 @@ KNOWN = {
     "tools", "tool_choice", "parallel_tool_calls", "structured_outputs", "guided_json", "guided_regex",
     "guided_choice", "guided_grammar", "min_p", "ignore_eos", "echo", "prompt_logprobs",
     "include_stop_str_in_output", "continue_final_message", "add_generation_prompt", "chat_template_kwargs",
+    "mm_processor_kwargs",
 }  # fmt: skip
 
 # Prompts one completions request may give (each its own generation).
 MAX_PROMPTS = 16
+# The most a pixel bound may say (GenerateRequest.image_budget's fields are 32-bit).
+MAX_PIXELS = (1 << 32) - 1
 # The json_schema of "any JSON object" (response_format json_object).
 ANY_OBJECT = '{"type": "object"}'
 # Field -> (the values that ask for nothing, and are accepted; why any other
@@ -130,7 +135,6 @@ UNHONOURED: dict[str, tuple[tuple[Any, ...], str]] = {
     "allowed_token_ids": ((None, []), "use logit_bias"),
     "bad_words": ((None, []), "use logit_bias"),
     "truncate_prompt_tokens": ((None,), "this server does not cut prompts; a prompt over the context is refused"),
-    "mm_processor_kwargs": ((None, {}), "the model's processor runs with the server's settings"),
     "chat_template": ((None,), "the server's --chat-template renders every conversation"),
     "documents": ((None, []), "the server's --chat-template renders every conversation as it is"),
     "skip_special_tokens": ((None, True), "the text leaves out special tokens"),
@@ -545,6 +549,7 @@ def _finish(body: dict[str, Any], request: tokenizer_pb2.GenerateRequest) -> Cal
     if n is not None and not 1 <= n <= MAX_CHOICES:
         raise invalid(f"n must be within [1, {MAX_CHOICES}]", "n")
     request.n = n or 1
+    _image_budget(body, request)
     salt = body.get("cache_salt")
     if salt is not None:
         if not isinstance(salt, str) or not salt or len(salt) > MAX_CACHE_SALT:
@@ -564,6 +569,36 @@ def _finish(body: dict[str, Any], request: tokenizer_pb2.GenerateRequest) -> Cal
         if not isinstance(include_usage, bool):
             raise invalid("stream_options.include_usage must be true or false", "stream_options")
     return Call(request, n or 1, stream is True, include_usage)
+
+
+def _image_budget(body: dict[str, Any], request: tokenizer_pb2.GenerateRequest) -> None:
+    """vLLM's `mm_processor_kwargs` as far as this server honours it: a
+    Qwen-VL model's `max_pixels` and `min_pixels` per image
+    (GenerateRequest.image_budget, which the service checks against the
+    model). Applied to images only, so a request with a video is refused
+    rather than given a video at the server's frame budget unsaid."""
+    kwargs = body.get("mm_processor_kwargs")
+    if kwargs is None or kwargs == {}:
+        return
+    if not isinstance(kwargs, dict):
+        raise invalid("mm_processor_kwargs must be an object", "mm_processor_kwargs")
+    budget = tokenizer_pb2.ImageBudget()
+    for name, value in kwargs.items():
+        where = f"mm_processor_kwargs.{name}"
+        if name not in ("max_pixels", "min_pixels"):
+            raise invalid(
+                f"{where} is not supported: this server takes max_pixels and min_pixels (an image's pixel budget)",
+                where,
+            )
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_PIXELS:
+            raise invalid(f"{where} must be a whole number of pixels within [1, {MAX_PIXELS}]", where)
+        setattr(budget, name, value)
+    if request.videos or any(p.HasField("video") for m in request.messages for p in m.content):
+        raise invalid(
+            "mm_processor_kwargs applies to images only on this server: leave it out of a request with a video",
+            "mm_processor_kwargs",
+        )
+    request.image_budget.CopyFrom(budget)
 
 
 def _int(body: dict[str, Any], name: str) -> int | None:
@@ -699,6 +734,8 @@ def param_name(exc: MmsplitError) -> str | None:
     name = param.removeprefix("sampling.")
     if name == "prompt_token_ids":
         return "prompt"
+    if name.startswith("image_budget"):
+        return name.replace("image_budget", "mm_processor_kwargs", 1)
     structured = {"regex", "choice", "grammar"}
     return "response_format" if name == "json_schema" else "structured_outputs" if name in structured else name
 
@@ -739,7 +776,8 @@ def parse_tokenize(body: Any) -> Tokenize:
     if not isinstance(strs, bool):
         raise invalid("return_token_strs must be true or false", "return_token_strs")
     if chat:
-        fields = ("messages", "tools", "continue_final_message", "add_generation_prompt", "chat_template_kwargs")
+        fields = ("messages", "tools", "continue_final_message", "add_generation_prompt", "chat_template_kwargs",
+                  "mm_processor_kwargs")  # fmt: skip
         request = parse_chat({**{k: body[k] for k in fields if k in body}, "tool_choice": "none"}).request
         return Tokenize(request, None, strs)
     if special is False:
@@ -747,7 +785,8 @@ def parse_tokenize(body: Any) -> Tokenize:
         if not isinstance(text, str):
             raise invalid("prompt must be a string (add_special_tokens false tokenizes a text)", "prompt")
         return Tokenize(None, text, strs)
-    return Tokenize(parse_completion({"prompt": body["prompt"]}).request, None, strs)
+    given = {k: body[k] for k in ("prompt", "mm_processor_kwargs") if k in body}
+    return Tokenize(parse_completion(given).request, None, strs)
 
 
 def parse_detokenize(body: Any, max_ids: int) -> list[int]:

@@ -51,7 +51,8 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
 # Responses fields that mean what chat completions' of the same name do.
 _SAME = ("model", "temperature", "top_p", "stream", "parallel_tool_calls", "tool_choice", "seed", "stop",
          "top_k", "min_p", "min_tokens", "repetition_penalty", "presence_penalty", "frequency_penalty",
-         "logit_bias", "stop_token_ids", "ignore_eos", "cache_salt", "structured_outputs")  # fmt: skip
+         "logit_bias", "stop_token_ids", "ignore_eos", "cache_salt", "structured_outputs",
+         "mm_processor_kwargs")  # fmt: skip
 _ROLES = ("user", "system", "developer", "assistant")
 # What `include` may ask for: the output text's log probabilities.
 LOGPROBS = "message.output_text.logprobs"

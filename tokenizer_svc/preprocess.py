@@ -91,6 +91,8 @@ class ImageJob:
     # Where `data` is when it is not in the job (`stage_input`).
     source: files.Slice | None = None
     form: RowForm = PLAIN_ROWS
+    # The request's own pixel budget (GenerateRequest.image_budget); None: the checkpoint's.
+    pixels: families.PixelBudget | None = None
 
 
 @dataclass(frozen=True)
@@ -332,7 +334,7 @@ def _image(job: ImageJob, processor: Any, family: families.Family, clock: _Clock
         raise MediaUnsupported(f"aspect ratio {image.width}x{image.height} exceeds {job.max_aspect_ratio:g}:1")
     try:
         with pil_shortcuts.processing():
-            options = family.image_options(one_frame=job.form.one_frame)
+            options = family.image_options(one_frame=job.form.one_frame, pixels=job.pixels)
             outputs = processor(images=image, return_tensors="np", **rgb_as_is(image), **options)
         rows = family.item_rows({name: np.asarray(value) for name, value in outputs.items()})
         tokens = _count(family, families.IMAGE, rows)

@@ -221,6 +221,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
         link = self.service.link
         primary = link.primary
         own_slab, gpu = self.service.slab, self.service.device_pool
+        budget = self.service.family.image_pixels
         return tokenizer_pb2.GetServerInfoResponse(
             info=common_pb2.ServerInfo(
                 model=self.settings.model_dir.name,
@@ -239,6 +240,8 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
                 cuda_device_uuids=[gpu.uuid] if gpu else [],
                 cuda_ipc_pool_bytes=gpu.size if gpu else 0,
                 cuda_ipc_pool_used_bytes=gpu.used_bytes() if gpu else 0,
+                image_min_pixels=budget.least if budget else 0,
+                image_max_pixels=budget.most if budget else 0,
             ),
             scheduler=primary.info if primary else None,
             transport=primary.transport if primary else common_pb2.TRANSPORT_UNSPECIFIED,

@@ -34,6 +34,7 @@ from mmsplit.errors import E, MmsplitError, RemoteError
 from mmsplit.scheduler.v1 import scheduler_pb2
 from mmsplit.tokenizer.v1 import tokenizer_pb2
 from mmsplit_server import families, structured
+from mmsplit_server.families import PixelBudget
 from mmsplit_server.handoff import cuda_ipc, files, grants, ranges, reference
 from mmsplit_server.handoff.reference import DTYPE_BY_NAME, CudaRef, TensorSpec
 from mmsplit_server.sampling import Sampling
@@ -301,7 +302,7 @@ class TokenizerService:
         assigned: Assigned,
         transport: int,
     ) -> AsyncGenerator[tokenizer_pb2.GenerateResponse, None]:
-        prepared = await self._prepare_media(parsed.media, rid, transport, assigned.form)
+        prepared = await self._prepare_media(parsed.media, rid, transport, assigned.form, parsed.image_pixels)
         results = [p.result for p in prepared]
         owned = [name for r in results for name in r.segments]
         self.held.update(owned)
@@ -381,7 +382,9 @@ class TokenizerService:
             # In the rows a backend would be sent, for the cache to keep for the request that follows.
             backend = self.link.primary
             form = PLAIN_ROWS if backend is None else backend.row_form(self.family)
-            prepared = await self._prepare_media(parsed.media, rid, common_pb2.TRANSPORT_INLINE, form)
+            prepared = await self._prepare_media(
+                parsed.media, rid, common_pb2.TRANSPORT_INLINE, form, parsed.image_pixels
+            )
             try:
                 media = [Media(p.result.modality, p.result.tokens, p.result.times) for p in prepared]
                 return (await self._built(parsed, media)).input_ids
@@ -506,14 +509,20 @@ class TokenizerService:
         return parse(request, self.settings, self.family)
 
     async def _prepare_media(
-        self, media: list[Located], rid: str, transport: int, form: RowForm = PLAIN_ROWS
+        self,
+        media: list[Located],
+        rid: str,
+        transport: int,
+        form: RowForm = PLAIN_ROWS,
+        pixels: PixelBudget | None = None,
     ) -> list[Prepared]:
         """Every image and video fetched, preprocessed and locked, or none
         held: on any failure or cancellation the others' work is awaited and
         released. In request order: the images, then the videos. An error
         about one names where it was in the request (metadata "param").
-        `form`: how their rows are made (`Assigned.form`)."""
-        tasks = [asyncio.create_task(self._located(m, rid, transport, form)) for m in media]
+        `form`: how their rows are made (`Assigned.form`); `pixels`: the
+        images' own budget (`Parsed.image_pixels`)."""
+        tasks = [asyncio.create_task(self._located(m, rid, transport, form, pixels)) for m in media]
         if not tasks:
             return []
         try:
@@ -597,9 +606,11 @@ class TokenizerService:
         if self.grants is not None:
             self.grants.close()
 
-    async def _located(self, located: Located, rid: str, transport: int, form: RowForm) -> Prepared:
+    async def _located(
+        self, located: Located, rid: str, transport: int, form: RowForm, pixels: PixelBudget | None
+    ) -> Prepared:
         try:
-            return await self._one(located.medium, rid, transport, form)
+            return await self._one(located.medium, rid, transport, form, pixels)
         except MmsplitError as exc:
             exc.metadata.setdefault("param", located.where)
             raise
@@ -610,6 +621,7 @@ class TokenizerService:
         rid: str,
         transport: int,
         form: RowForm = PLAIN_ROWS,
+        pixels: PixelBudget | None = None,
     ) -> Prepared:
         data = await self.media.load(medium)  # IO pool, its own timeouts
         # CUDA IPC: the worker returns bytes (as for inline) and this process
@@ -635,6 +647,7 @@ class TokenizerService:
                 inline=inline,
                 slab=slab_ref,
                 form=form,
+                pixels=pixels,
             )
             timeout_s = s.preprocess_timeout_s
         # The key names the item (its content hash) whether or not the cache is on.

@@ -12,15 +12,26 @@ import importlib
 from pathlib import Path
 from typing import Any
 
-from mmsplit_server.families.base import IMAGE, VIDEO, BadItem, Family, Placeholders, is_encoder_input, read_json
+from mmsplit_server.families.base import (
+    IMAGE,
+    VIDEO,
+    BadItem,
+    Family,
+    PixelBudget,
+    Placeholders,
+    is_encoder_input,
+    read_json,
+)
 
 MODULES = ("llava", "llava_next", "qwen2_vl", "qwen3_vl")
 VIDEO_CONFIG = "video_preprocessor_config.json"
+IMAGE_CONFIG = "preprocessor_config.json"
 __all__ = [
     "IMAGE",
     "VIDEO",
     "BadItem",
     "Family",
+    "PixelBudget",
     "Placeholders",
     "from_config",
     "is_encoder_input",
@@ -45,12 +56,14 @@ def load(model_dir: Path, input_names: frozenset[str] | None = None) -> Family:
     config = read_json(model_dir / "config.json")
     processor_config = read_json(model_dir / "processor_config.json")
     video_config = read_json(model_dir / VIDEO_CONFIG)
+    image_config = read_json(model_dir / IMAGE_CONFIG)
     if input_names is None:
         _module(config)  # an unsupported model fails here, before loading its processor
         input_names = _input_names(model_dir)
     if video_config:
         input_names = input_names | video_names(str(config.get("model_type", "")))
-    return dataclasses.replace(from_config(config, processor_config, input_names), video_config=video_config)
+    family = from_config(config, processor_config, input_names)
+    return dataclasses.replace(family, video_config=video_config, image_config=image_config)
 
 
 def from_config(

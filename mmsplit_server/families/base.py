@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -56,6 +56,15 @@ class Placeholders:
         return self.before + self.token * count + self.after
 
 
+class PixelBudget(NamedTuple):
+    """The fewest and most pixels an image processor resizes an image to
+    (Qwen's `min_pixels`, `max_pixels`: its `size` shortest and longest
+    edge)."""
+
+    least: int
+    most: int
+
+
 @dataclass(frozen=True)
 class Family:
     name: str
@@ -67,6 +76,8 @@ class Family:
     config: dict[str, Any] = field(repr=False, default_factory=dict)
     # The checkpoint's video_preprocessor_config.json (empty when it has none).
     video_config: dict[str, Any] = field(repr=False, default_factory=dict)
+    # Its preprocessor_config.json: the image processor's settings.
+    image_config: dict[str, Any] = field(repr=False, default_factory=dict)
 
     # ---- both sides ----
     def rules(self) -> dict[str, Any]:
@@ -114,12 +125,25 @@ class Family:
         a still image to fill them. 1 for the others."""
         return 1
 
-    def image_options(self, *, one_frame: bool) -> dict[str, Any]:
+    def image_options(self, *, one_frame: bool, pixels: PixelBudget | None = None) -> dict[str, Any]:
         """The image processor's keywords for an item's rows: `one_frame`,
         rows holding the image's frame once where `image_frames` > 1 (the
         scheduler repeats it: `full_rows`), for a scheduler that takes them
-        (ServerInfo.one_frame_image_rows)."""
+        (ServerInfo.one_frame_image_rows); `pixels`, a request's own budget
+        (`image_pixels` bounds it), for a family that has one."""
         return {}
+
+    @property
+    def image_pixels(self) -> PixelBudget | None:
+        """The checkpoint's budget of pixels per image, for a family whose
+        processor sizes each image by one (its placeholders then follow the
+        image's size); None where every image becomes the same size."""
+        return None
+
+    @property
+    def least_image_pixels(self) -> int:
+        """The fewest pixels any image becomes (a budget under it means nothing)."""
+        return 1
 
     @property
     def spreads_frames(self) -> bool:

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from mmsplit_server.families.base import IMAGE, VIDEO, BadItem, Family, Placeholders, ints, need, rgb_as_is
+from mmsplit_server.families.base import IMAGE, VIDEO, BadItem, Family, PixelBudget, Placeholders, ints, need, rgb_as_is
 
 MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
 GRID_NAMES: dict[int, tuple[str, str]] = {
@@ -29,6 +29,8 @@ GRID_NAMES: dict[int, tuple[str, str]] = {
 }
 # Placeholders of one item at most (a 4K image at Qwen's patch sizes is ~11k).
 MAX_ITEM_TOKENS = 1 << 15
+# Pixel bounds of an image when the checkpoint names none (transformers' Qwen2VLImageProcessor's).
+DEFAULT_IMAGE_SIZE = {"shortest_edge": 56 * 56, "longest_edge": 28 * 28 * 1280}
 # Pixel bounds of one video frame when the checkpoint names none (transformers' defaults).
 DEFAULT_VIDEO_SIZE = {"shortest_edge": 128 * 28 * 28, "longest_edge": 28 * 28 * 768}
 
@@ -68,11 +70,36 @@ class QwenVL(Family):
     def image_frames(self) -> int:
         return self.temporal_patch_size
 
-    def image_options(self, *, one_frame: bool) -> dict[str, Any]:
+    def image_options(self, *, one_frame: bool, pixels: PixelBudget | None = None) -> dict[str, Any]:
         # Patchified as a patch of one frame: the rows of `temporal_patch_size`
         # copies hold each pixel that many times (a 1920x1080 photo at the
         # default budget: 50.6 MB of float32 instead of 25.3).
-        return {"temporal_patch_size": 1} if one_frame and self.image_frames > 1 else {}
+        options: dict[str, Any] = {"temporal_patch_size": 1} if one_frame and self.image_frames > 1 else {}
+        if pixels is not None:  # the processor's `size` for this call only
+            options["size"] = {"shortest_edge": pixels.least, "longest_edge": pixels.most}
+        return options
+
+    @property
+    def image_pixels(self) -> PixelBudget:
+        """As transformers' processor reads preprocessor_config.json: its
+        top-level `min_pixels` and `max_pixels` over `size`'s shortest and
+        longest edge, else the class's own (tests/tokenizer/test_image_budget.py)."""
+        config = self.image_config
+        size = dict(config.get("size") or {})
+
+        def bound(edge: str, old: str) -> int:
+            value: Any = config.get(old)
+            if value is None:
+                value = size.get(edge, DEFAULT_IMAGE_SIZE[edge])
+            return int(value)
+
+        return PixelBudget(bound("shortest_edge", "min_pixels"), bound("longest_edge", "max_pixels"))
+
+    @property
+    def least_image_pixels(self) -> int:
+        # One merged patch: the smallest image the processor makes.
+        side = int(self.vision.get("patch_size", self.patch_default)) * self.merge
+        return side * side
 
     def one_frame_rows(self, modality: int, shapes: dict[str, tuple[int, ...]]) -> bool:
         shape = shapes.get(GRID_NAMES[IMAGE][0], ())

@@ -14,6 +14,7 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -595,6 +596,131 @@ def test_prompt_logprobs_on_qwen2_vl_are_the_model_s_own(qwen_api: Api) -> None:
         expected = torch.log_softmax(model(**inputs).logits[0, :-1].float(), dim=-1)
     for k, entry in enumerate(entries[1:]):
         assert entry[str(ids[k + 1])]["logprob"] == pytest.approx(float(expected[k, ids[k + 1]]), abs=1e-4), k
+
+
+def test_mm_processor_kwargs_size_a_qwen_model_s_images_as_its_processor_does(qwen_api: Api, tmp_path: Path) -> None:
+    """vLLM's `mm_processor_kwargs` `max_pixels` and `min_pixels`: the
+    images of that request resized within them, as the model's own
+    processor does with that `size`: the prompt ids (/tokenize, and chat's
+    usage) and the greedy tokens with their log probabilities (gRPC's
+    `image_budget`, through the client library). The same image with and
+    without a budget, in turn, never gets the other's rows from the
+    preprocessing cache. GetServerInfo names the checkpoint's budget; a
+    budget past it, an unknown key, or one with a video is a 400 naming
+    the field, and the next request succeeds."""
+    from tests.support import hf_family
+    from tokenizer_svc.decode import decode_image
+
+    pair, image = qwen_api.pair, samples.good_png(seed=21)
+    proc = hf_family.processor(pair.model)
+    own = proc.image_processor.size
+    info = tokenizer_info(pair.tokenizer_address).info
+    assert (info.image_min_pixels, info.image_max_pixels) == (own.shortest_edge, own.longest_edge)
+    small = {"shortest_edge": 28 * 28, "longest_edge": 40 * 28 * 28}
+    text = proc.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    pil = [decode_image(image, max_pixels=10**8)]
+    ids = {
+        name: proc(images=pil, text=text, return_tensors="pt", **kw)["input_ids"][0].tolist()
+        for name, kw in (("own", {}), ("small", {"size": small}))
+    }
+    assert len(ids["small"]) < len(ids["own"])  # the budget matters for this image
+
+    messages = [{"role": "user", "content": [image_part(image), {"type": "text", "text": "What is it?"}]}]
+    kwargs = {"mm_processor_kwargs": {"max_pixels": small["longest_edge"], "min_pixels": small["shortest_edge"]}}
+    base = qwen_api.url.removesuffix("/v1")
+    request = urllib.request.Request(
+        base + "/tokenize", data=json.dumps({"messages": messages, **kwargs}).encode(),
+        headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
+    )  # fmt: skip
+    with urllib.request.urlopen(request, timeout=60) as reply:
+        assert json.loads(reply.read())["tokens"] == ids["small"]
+    client = qwen_api.client()
+    for name in ("small", "own", "small", "own"):  # the cache holds both forms of the image, each its own
+        reply = client.chat.completions.create(
+            model=qwen_api.model, messages=messages, max_tokens=1,
+            extra_body=kwargs if name == "small" else {},  # type: ignore[arg-type]
+        )  # fmt: skip
+        assert reply.usage is not None
+        assert reply.usage.prompt_tokens == len(ids[name]), name
+
+    asked = build_request(
+        messages=[("user", [ImagePart(image), "What is it?"])],
+        max_tokens=4,
+        min_pixels=small["shortest_edge"],
+        max_pixels=small["longest_edge"],
+    )
+    asked.sampling.logprobs = True
+    got: list[int] = []
+    scores: list[float] = []
+    with grpc.insecure_channel(pair.tokenizer_address) as channel:
+        for event in tokenizer_pb2_grpc.TokenizerServiceStub(channel).Generate(asked, timeout=60):
+            if event.HasField("delta"):
+                got += event.delta.token_ids
+                scores += [lp.logprob for lp in event.delta.logprobs]
+    expected, logprobs = hf_family.scored(pair.model, proc, text, pil, 4, size=small)
+    assert got == expected
+    assert scores == pytest.approx(logprobs, abs=1e-4)
+    # The command line's --min-pixels and --max-pixels: the image's placeholders as few as above.
+    path = tmp_path / "image.png"
+    path.write_bytes(image)
+    argv = [sys.executable, "-m", "mmsplit_cli", "generate", "--server", pair.tokenizer_address, "--tokenize", "--json"]
+    argv += ["--image", str(path), "What is it?"]
+    bounds = ["--min-pixels", str(small["shortest_edge"]), "--max-pixels", str(small["longest_edge"])]
+    counts = [
+        json.loads(subprocess.run(a, capture_output=True, text=True, timeout=120, cwd=ROOT, check=True).stdout)["count"]
+        for a in (argv, [*argv, *bounds])
+    ]
+    assert counts[0] - counts[1] == len(ids["own"]) - len(ids["small"]), counts
+
+    clip = {"type": "video_url", "video_url": {"url": data_url(samples.video(frames=4), "video/mp4")}}
+    for body, param in (
+        ({"max_pixels": own.longest_edge + 1}, "mm_processor_kwargs.max_pixels"),
+        ({"max_pixels": 100}, "mm_processor_kwargs.max_pixels"),  # under one merged patch (784)
+        ({"min_pixels": 5000, "max_pixels": 4000}, "mm_processor_kwargs.min_pixels"),
+        ({"max_pixels": "many"}, "mm_processor_kwargs.max_pixels"),
+        ({"do_resize": False}, "mm_processor_kwargs.do_resize"),
+    ):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(
+                model=qwen_api.model, messages=messages, max_tokens=1,
+                extra_body={"mm_processor_kwargs": body},  # type: ignore[arg-type]
+            )  # fmt: skip
+        assert refused.value.body["param"] == param, (body, refused.value.body)  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(
+            model=qwen_api.model, messages=[{"role": "user", "content": [clip]}], max_tokens=1,
+            extra_body=kwargs,  # type: ignore[arg-type]
+        )  # fmt: skip
+    assert refused.value.body["param"] == "mm_processor_kwargs"  # type: ignore[index]
+    assert "images only" in refused.value.body["message"]  # type: ignore[index]
+    _good_after(qwen_api)
+
+
+def test_mm_processor_kwargs_are_refused_by_a_model_whose_images_are_one_size(api: Api) -> None:
+    """LLaVA resizes every image to its own size: a pixel budget would be
+    ignored, so it is refused by name; an empty one asks for nothing."""
+    messages = [{"role": "user", "content": [image_part(A), {"type": "text", "text": "Hi"}]}]
+    client = api.client()
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(
+            model=api.model, messages=messages, max_tokens=1,
+            extra_body={"mm_processor_kwargs": {"max_pixels": 50_000}},  # type: ignore[arg-type]
+        )  # fmt: skip
+    assert refused.value.body["param"] == "mm_processor_kwargs"  # type: ignore[index]
+    assert "one size" in refused.value.body["message"]  # type: ignore[index]
+    info = tokenizer_info(api.pair.tokenizer_address).info
+    assert (info.image_min_pixels, info.image_max_pixels) == (0, 0)
+    reply = client.chat.completions.create(
+        model=api.model,
+        messages=messages,
+        max_tokens=1,
+        extra_body={"mm_processor_kwargs": {}},  # type: ignore[arg-type]
+    )
+    assert reply.choices[0].finish_reason == "length"
 
 
 def test_logprobs_are_the_model_s_log_softmax_and_the_same_over_http(api: Api) -> None:

@@ -67,15 +67,22 @@ def generate(
 
 
 def scored(
-    model_dir: Path, proc: Any, text: str, images: list[Any], max_tokens: int, videos: list[dict[str, Any]] = ()
+    model_dir: Path,
+    proc: Any,
+    text: str,
+    images: list[Any],
+    max_tokens: int,
+    videos: list[dict[str, Any]] = (),
+    size: dict[str, int] | None = None,
 ) -> tuple[list[int], list[float]]:
     """`generate`'s tokens and each one's log probability (log-softmax of the
-    model's logits, before any processing)."""
+    model's logits, before any processing). `size`: the image processor's
+    for this call (a Qwen model's pixel budget)."""
     model = hf_loaded.model(model_dir)
     if videos:
         inputs = _with_videos(proc, text, images, videos)
     else:
-        inputs = dict(proc(images=images or None, text=text, return_tensors="pt"))
+        inputs = dict(proc(images=images or None, text=text, return_tensors="pt", **({"size": size} if size else {})))
     with torch.inference_mode():
         out = model.generate(
             **inputs, max_new_tokens=max_tokens, do_sample=False, output_logits=True, return_dict_in_generate=True

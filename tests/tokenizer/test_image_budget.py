@@ -1,0 +1,128 @@
+"""A request's own pixel budget for its images (GenerateRequest.image_budget,
+the OpenAI API's `mm_processor_kwargs`): the checkpoint's budget read as
+transformers reads it, a request's checked against it (each refusal names
+its field), and the budget making the rows the processor makes with that
+`size`. Through the services: tests/e2e/test_http_api.py."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from mmsplit.tokenizer.v1 import tokenizer_pb2 as pb
+from mmsplit_server.families import PixelBudget
+from tests.e2e.helpers import png
+from tests.support import family_kit
+from tokenizer_svc import conversation, openai_api
+from tokenizer_svc.decode import decode_image
+from tokenizer_svc.errors import InvalidRequest
+from tokenizer_svc.settings import TokenizerSettings
+
+QWEN = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl")
+
+
+@pytest.mark.parametrize("name", QWEN)
+def test_the_checkpoint_s_budget_is_the_one_its_processor_uses(family_models: Callable[[str], Path], name: str) -> None:
+    """As the checkpoint's processor holds it, and for the other ways a
+    preprocessor_config.json says it (the top-level min_pixels and
+    max_pixels over `size`, nothing at all: the class's own), as
+    transformers' processor class reads each."""
+    kit = family_kit.kit(family_models(name))
+    own = kit.image_processor.size
+    assert kit.family.image_pixels == PixelBudget(own.shortest_edge, own.longest_edge)
+    assert kit.family.least_image_pixels == (kit.image_processor.patch_size * kit.image_processor.merge_size) ** 2
+    cls = type(kit.image_processor)
+    for config in (
+        {"size": {"shortest_edge": 1000, "longest_edge": 90000}, "min_pixels": 2000, "max_pixels": 80000},
+        {"size": {"shortest_edge": 1000, "longest_edge": 90000}, "max_pixels": 80000},
+        {},
+    ):
+        family = dataclasses.replace(kit.family, image_config=config)
+        made = cls(**config).size
+        assert family.image_pixels == PixelBudget(made.shortest_edge, made.longest_edge), config
+
+
+@pytest.mark.parametrize("name", QWEN)
+def test_a_budget_makes_the_rows_the_processor_makes_with_that_size(
+    family_models: Callable[[str], Path], name: str
+) -> None:
+    kit = family_kit.kit(family_models(name))
+    image = decode_image(png(300, 420, 5), max_pixels=10**8)
+    budget = PixelBudget(kit.family.least_image_pixels, 6 * kit.family.least_image_pixels)
+    options = kit.family.image_options(one_frame=False, pixels=budget)
+    ours = kit.image_processor(images=image, return_tensors="np", **options)
+    size = {"shortest_edge": budget.least, "longest_edge": budget.most}
+    theirs = kit.image_processor(images=image, return_tensors="np", size=size)
+    assert np.array_equal(ours["pixel_values"], theirs["pixel_values"])
+    assert np.array_equal(ours["image_grid_thw"], theirs["image_grid_thw"])
+    assert int(np.prod(ours["image_grid_thw"])) <= 6 * kit.image_processor.merge_size**2  # within the budget
+    assert "size" not in kit.family.image_options(one_frame=False)  # none asked: the checkpoint's
+
+
+@pytest.fixture(scope="module")
+def parse(family_models: Callable[[str], Path]) -> Callable[[str, dict[str, int]], conversation.Parsed]:
+    kits = {name: family_kit.kit(family_models(name)) for name in ("qwen2-vl", "llava")}
+
+    def parse(name: str, budget: dict[str, int]) -> conversation.Parsed:
+        kit = kits[name]
+        request = pb.GenerateRequest(prompt="Hi", image_budget=pb.ImageBudget(**budget))
+        return conversation.parse(request, TokenizerSettings(model_dir=kit.model_dir), kit.family)
+
+    return parse
+
+
+def test_a_request_s_budget_is_checked_against_the_checkpoint_s(
+    parse: Callable[[str, dict[str, Any]], conversation.Parsed], family_models: Callable[[str], Path]
+) -> None:
+    own = family_kit.kit(family_models("qwen2-vl")).family.image_pixels
+    assert own is not None
+    patch = 28 * 28
+    assert parse("qwen2-vl", {"max_pixels": 10 * patch}).image_pixels == PixelBudget(own.least, 10 * patch)
+    # A max under the checkpoint's min takes the min down with it, rather than refusing the request.
+    assert parse("qwen2-vl", {"max_pixels": patch}).image_pixels == PixelBudget(patch, patch)
+    assert parse("qwen2-vl", {"min_pixels": 2 * patch}).image_pixels == PixelBudget(2 * patch, own.most)
+    # Exactly the checkpoint's, or nothing asked: no budget of its own (the same cache entries).
+    assert parse("qwen2-vl", {"min_pixels": own.least, "max_pixels": own.most}).image_pixels is None
+    assert parse("qwen2-vl", {}).image_pixels is None
+    assert parse("llava", {}).image_pixels is None
+    for name, budget, param, words in (
+        ("qwen2-vl", {"max_pixels": own.most + 1}, "image_budget.max_pixels", "over this model's image budget"),
+        ("qwen2-vl", {"max_pixels": patch - 1}, "image_budget.max_pixels", "under one merged patch"),
+        ("qwen2-vl", {"min_pixels": 3 * patch, "max_pixels": 2 * patch}, "image_budget.min_pixels", "over max"),
+        ("llava", {"max_pixels": 5000}, "image_budget", "one size"),
+    ):
+        with pytest.raises(InvalidRequest, match=words) as refused:
+            parse(name, budget)
+        assert refused.value.metadata["param"] == param
+        assert openai_api.param_name(refused.value) == param.replace("image_budget", "mm_processor_kwargs")
+
+
+def test_mm_processor_kwargs_become_the_image_budget() -> None:
+    user = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}
+    kwargs = {"mm_processor_kwargs": {"max_pixels": 5000, "min_pixels": 1000}}
+    for request in (
+        openai_api.parse_chat({"messages": [user], **kwargs}).request,
+        openai_api.parse_completion({"prompt": "x", **kwargs}).request,
+        openai_api.parse_tokenize({"messages": [user], **kwargs}).request,
+        openai_api.parse_tokenize({"prompt": "x", **kwargs}).request,
+    ):
+        assert request is not None
+        assert (request.image_budget.min_pixels, request.image_budget.max_pixels) == (1000, 5000)
+    assert not openai_api.parse_chat({"messages": [user], "mm_processor_kwargs": {}}).request.HasField("image_budget")
+    video = {"role": "user", "content": [{"type": "video_url", "video_url": {"url": "https://example.com/a.mp4"}}]}
+    for body, param in (
+        ({"mm_processor_kwargs": [1]}, "mm_processor_kwargs"),
+        ({"mm_processor_kwargs": {"max_pixels": 0}}, "mm_processor_kwargs.max_pixels"),
+        ({"mm_processor_kwargs": {"max_pixels": True}}, "mm_processor_kwargs.max_pixels"),
+        ({"mm_processor_kwargs": {"min_pixels": 1 << 32}}, "mm_processor_kwargs.min_pixels"),
+        ({"mm_processor_kwargs": {"fps": 2}}, "mm_processor_kwargs.fps"),
+        ({"messages": [video], **kwargs}, "mm_processor_kwargs"),
+    ):
+        with pytest.raises(InvalidRequest) as refused:
+            openai_api.parse_chat({"messages": [user], **body})
+        assert openai_api.param_name(refused.value) == param, body
