@@ -18,7 +18,7 @@ from mmsplit.tokenizer.v1 import tokenizer_pb2 as pb
 from mmsplit_server.families import PixelBudget
 from tests.e2e.helpers import png
 from tests.support import family_kit
-from tokenizer_svc import conversation, openai_api
+from tokenizer_svc import conversation, openai_api, openai_responses
 from tokenizer_svc.decode import decode_image
 from tokenizer_svc.errors import InvalidRequest
 from tokenizer_svc.settings import TokenizerSettings
@@ -114,6 +114,10 @@ def test_mm_processor_kwargs_become_the_image_budget() -> None:
         assert request is not None
         assert (request.image_budget.min_pixels, request.image_budget.max_pixels) == (1000, 5000)
     assert not openai_api.parse_chat({"messages": [user], "mm_processor_kwargs": {}}).request.HasField("image_budget")
+    # The Responses API passes it on as chat completions takes it.
+    chat, _ = openai_responses.to_chat({"input": "x", **kwargs})
+    budget = openai_api.parse_chat(chat).request.image_budget
+    assert (budget.min_pixels, budget.max_pixels) == (1000, 5000)
     video = {"role": "user", "content": [{"type": "video_url", "video_url": {"url": "https://example.com/a.mp4"}}]}
     for body, param in (
         ({"mm_processor_kwargs": [1]}, "mm_processor_kwargs"),
