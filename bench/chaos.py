@@ -7,7 +7,8 @@ and at least until every kind below has been sent: the kinds are dealt
 from shared shuffled decks, each kind as often as its weight): over gRPC
 through `mmsplit.client` (its retries on), and over the OpenAI-compatible
 HTTP API through the official `openai` SDK (its retries on); images (most
-seen before, some never), text, videos, corrupt images, clients that cancel
+seen before, some never; over HTTP some at a smaller pixel budget of their
+own, `mm_processor_kwargs`), text, videos, corrupt images, clients that cancel
 mid-request, prompts scored (prompt log probabilities), completions echoing
 their token-id prompts with log probabilities, and stored Responses API
 answers continued (`previous_response_id`) and deleted. Meanwhile
@@ -64,7 +65,7 @@ from mmsplit.client import AsyncClient, RequestFailed
 from mmsplit.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from mmsplit_cli import samples
 from mmsplit_cli.launch import SCHEDULER_SERVICE, TOKENIZER_SERVICE, ServiceProcess, scheduler_args, tokenizer_args
-from mmsplit_server import mallocheap
+from mmsplit_server import families, mallocheap
 from mmsplit_server.serving import free_port
 
 IMAGES = [samples.encode(samples.gradient(320, 240, seed=i), "JPEG") for i in range(12)]
@@ -75,6 +76,9 @@ OWN_FAULT = {"MEDIA_DECODE_FAILED"}
 DEADLINE_S = 90.0  # a request with no answer by then is lost
 # The served model's name (its directory's), for the HTTP requests.
 MODEL_NAME = [""]
+# Pixel budgets the HTTP image requests ask for in turn (mm_processor_kwargs:
+# none, or within the model's own); only none for a model without one.
+BUDGETS: list[dict[str, int]] = [{}]
 FAULTS = ("worker", "forkserver", "rank1", "group", "freeze")
 # What the clients send, and how often: "scored" asks for prompt log
 # probabilities over gRPC, "echo" is a completion echoing its token-id prompt
@@ -209,9 +213,11 @@ async def _request(kind: str, rng: random.Random, client: AsyncClient, api: obje
 
             url = "data:image/jpeg;base64," + __import__("base64").b64encode(image).decode()
             content = [{"type": "text", "text": "Describe it."}, {"type": "image_url", "image_url": {"url": url}}]
+            budget = rng.choice(BUDGETS)
             raw = await api.chat.completions.with_raw_response.create(  # type: ignore[attr-defined]
-                model=MODEL_NAME[0], messages=[{"role": "user", "content": content}], max_tokens=6, timeout=DEADLINE_S
-            )
+                model=MODEL_NAME[0], messages=[{"role": "user", "content": content}], max_tokens=6, timeout=DEADLINE_S,
+                extra_body={"mm_processor_kwargs": budget} if budget else None,
+            )  # fmt: skip
             tally.retries += int(raw.retries_taken)
             return "ok" if raw.parse().choices else "http: no choices"
         if kind in ("echo", "conversation"):
@@ -531,6 +537,10 @@ def run(args: argparse.Namespace, workdir: Path, model: Path | None = None) -> t
     the exit status and the tally. `model`: the tiny LLaVA's directory (else built here)."""
     model = model or build_qwen(workdir)
     MODEL_NAME[0] = model.name
+    family = families.load(model)
+    if family.image_pixels is not None:
+        least = family.least_image_pixels
+        BUDGETS[:] = [{}, {"max_pixels": 4 * least}, {"min_pixels": least, "max_pixels": family.image_pixels.most // 2}]
     prefix = args.prefix
     logs = workdir / "chaos-logs"
     logs.mkdir(exist_ok=True)

@@ -102,6 +102,8 @@ def client_requests(draw: st.DrawFn) -> tokenizer_pb2.GenerateRequest:
     sampling.min_tokens = draw(st.one_of(st.integers(0, 4), u32))
     sampling.stop_token_ids.extend(draw(st.lists(u32, max_size=4)))
     sampling.stop.extend(draw(st.lists(st.text(max_size=150), max_size=4)))
+    if draw(st.booleans()):
+        request.image_budget.min_pixels, request.image_budget.max_pixels = draw(u32), draw(u32)
     return request
 
 
