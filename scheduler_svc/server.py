@@ -369,6 +369,7 @@ def server_info(
         item_rules=pairing.item_rules(info.family),
         generate_stream=True,
         max_message_bytes=settings.max_message_bytes,
+        max_tensor_bytes=settings.max_tensor_bytes,
         max_context_tokens=info.max_context,
         one_frame_image_rows=settings.one_frame_image_rows,
         encoder_input_dtype=ENCODER_INPUT_DTYPES[model_dtype(settings.dtype, model_device(settings.device))],

@@ -308,6 +308,7 @@ class TokenizerService:
         self.held.update(owned)
         granted: list[grants.Grant] = []
         try:
+            self._check_sizes(parsed.media, results, assigned.backend.info)
             prompt = await self._built(parsed, [Media(r.modality, r.tokens, r.times) for r in results])
             # Items go in prompt order (by their first placeholder).
             items = sorted(zip(prompt.runs, results, strict=True), key=lambda pair: pair[0][0][0])
@@ -341,6 +342,33 @@ class TokenizerService:
             self._revoke(granted)
             self.held.difference_update(owned)
             _release(prepared)  # what was disowned is the scheduler's: untouched
+
+    def _check_sizes(self, media: list[Located], results: list[ItemResult], info: common_pb2.ServerInfo | None) -> None:
+        """Each item's encoder inputs within the largest tensor the backend
+        takes (ServerInfo.max_tensor_bytes; unchecked where it does not say):
+        refused here, naming the item and what would fit, not by the
+        scheduler after the hand-off as "tensor of shape [...] is N bytes"."""
+        cap = info.max_tensor_bytes if info is not None else 0
+        if not cap:
+            return
+        for located, result in zip(media, results, strict=True):
+            for t in result.tensors:
+                if not families.is_encoder_input(t.name) or t.nbytes <= cap:
+                    continue
+                image = result.modality == families.IMAGE
+                fix = "send a smaller image" if image else "send a shorter or smaller video"
+                row_pixels, rows = self.family.image_row_pixels, t.shape[0] if t.shape else 0
+                if image and row_pixels and rows:
+                    # A budget of at most this many pixels makes at most cap / (bytes a row) rows.
+                    most = cap // -(-t.nbytes // rows) * row_pixels
+                    if most >= self.family.least_image_pixels:
+                        fix += f", or ask for at most {most:,} pixels an image (max_pixels)"
+                kind = "image" if image else "video"
+                raise InvalidRequest(
+                    f"this {kind} comes to {t.nbytes:,} bytes of pixels for the model, over the {cap:,} its "
+                    f"scheduler takes (--max-tensor-bytes): {fix}",
+                    metadata={"param": located.where},
+                )
 
     async def _built(self, parsed: Parsed, media: list[Media]) -> BuiltPrompt:
         """The prompt, rendered and tokenized on the event loop, which it

@@ -141,6 +141,12 @@ class Family:
         return None
 
     @property
+    def image_row_pixels(self) -> int:
+        """The pixels each row of an image's encoder input holds, for a
+        family with a pixel budget (a Qwen patch: 14x14); 0 for the others."""
+        return 0
+
+    @property
     def least_image_pixels(self) -> int:
         """The fewest pixels any image becomes (a budget under it means nothing)."""
         return 1

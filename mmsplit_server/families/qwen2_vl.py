@@ -96,10 +96,14 @@ class QwenVL(Family):
         return PixelBudget(bound("shortest_edge", "min_pixels"), bound("longest_edge", "max_pixels"))
 
     @property
+    def image_row_pixels(self) -> int:
+        side = int(self.vision.get("patch_size", self.patch_default))
+        return side * side
+
+    @property
     def least_image_pixels(self) -> int:
         # One merged patch: the smallest image the processor makes.
-        side = int(self.vision.get("patch_size", self.patch_default)) * self.merge
-        return side * side
+        return self.image_row_pixels * self.merge * self.merge
 
     def one_frame_rows(self, modality: int, shapes: dict[str, tuple[int, ...]]) -> bool:
         shape = shapes.get(GRID_NAMES[IMAGE][0], ())

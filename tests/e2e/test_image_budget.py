@@ -1,0 +1,63 @@
+"""An image too large for the scheduler (its pixels over --max-tensor-bytes,
+which its GetServerInfo states) is refused by the tokenizer before the
+hand-off, INVALID_REQUEST naming the image and the pixel budget that would
+fit; asking for that budget (`mm_processor_kwargs`, `image_budget`) is then
+served, and the pair goes on. (The budget itself against the model's own
+processor: tests/e2e/test_http_api.py.)"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from mmsplit.client import ImagePart, build_request
+from mmsplit.tokenizer.v1 import tokenizer_pb2_grpc
+from mmsplit_cli import samples
+from mmsplit_cli.client import Outcome, run_request
+from tests.e2e.helpers import health_status, rank_active_requests, scheduler_info
+from tests.support.leaks import wait_until
+from tests.support.services import Pair, running_pair
+
+pytestmark = pytest.mark.e2e
+
+CAP = 200_000  # bytes: a 320x240 photo at the tiny Qwen2-VL's budget is ~600 KB of float32 rows
+
+
+@pytest.fixture(scope="module")
+def capped_pair(family_models: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+    logs = tmp_path_factory.mktemp("logs-capped")
+    with running_pair(family_models("qwen2-vl"), logs, tp=1, scheduler_extra=["--max-tensor-bytes", str(CAP)]) as pair:
+        yield pair
+
+
+def test_an_image_over_the_scheduler_s_cap_is_refused_naming_a_budget_that_fits(capped_pair: Pair) -> None:
+    pair = capped_pair
+    assert scheduler_info(pair.scheduler_address).max_tensor_bytes == CAP
+    photo = samples.encode(samples.gradient(320, 240, seed=4), "JPEG")
+    with grpc.insecure_channel(pair.tokenizer_address) as channel:
+        stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
+
+        def ask(**budget: int) -> Outcome:
+            messages = [("user", ["Describe ", ImagePart(photo), "."])]
+            return run_request(stub, build_request(messages=messages, max_tokens=2, **budget), timeout=60)
+
+        refused = ask()
+        assert not refused.ok
+        assert refused.reason == "INVALID_REQUEST", refused
+        message = refused.message
+        assert f"over the {CAP:,} its scheduler takes (--max-tensor-bytes)" in message, message
+        assert refused.metadata.get("param") == "messages[0].content[1]", refused
+        found = re.search(r"ask for at most ([\d,]+) pixels an image \(max_pixels\)", message)
+        assert found, message
+        most = int(found.group(1).replace(",", ""))
+        # The most that fits, to a row: rows of one frame in float32 are 12 bytes a pixel, a row 14x14 pixels.
+        assert CAP // 12 - 14 * 14 <= most <= CAP // 12
+        served = ask(max_pixels=most)
+        assert served.ok, served
+        assert run_request(stub, build_request("Hello.", max_tokens=2), timeout=60).ok
+    assert health_status(pair.tokenizer_address, "") == "SERVING"
+    assert wait_until(lambda: rank_active_requests(pair.scheduler_address) == [0], timeout=10)
