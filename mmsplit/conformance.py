@@ -188,6 +188,7 @@ class Kit:
             ("tokenizer.stream.choice", self.tokenizer_choice),
             *[(f"tokenizer.error.{label}", self._tokenizer_error(code, build)) for label, code, build in CLIENT_ERRORS],
             ("tokenizer.error.MEDIA_NOT_FOUND", self.tokenizer_not_found),
+            ("tokenizer.error.INVALID_REQUEST(image_budget past the model's)", self.tokenizer_image_budget),
             ("tokenizer.unknown_fields", self.tokenizer_unknown_fields),
             ("tokenizer.cancel_propagates", lambda: self.tokenizer_ends_early(cancel=True)),
             ("tokenizer.deadline_propagates", lambda: self.tokenizer_ends_early(cancel=False)),
@@ -407,6 +408,17 @@ class Kit:
         after = self._generate(_text_request(_request_id(), tokens=1))
         expect(after[-1].WhichOneof("event") == "finished", "the next good request did not finish")
         return summary
+
+    def tokenizer_image_budget(self) -> str:
+        """A pixel budget over the model's (ServerInfo.image_max_pixels), or
+        any for a model without one (0: every image one size)."""
+        most = self.tok.GetServerInfo(tokenizer_pb2.GetServerInfoRequest(), timeout=10).info.image_max_pixels
+
+        def build(request: tokenizer_pb2.GenerateRequest) -> None:
+            request.images.add(data=png())
+            request.image_budget.max_pixels = most + 1 if most else 1 << 20
+
+        return self._tokenizer_error(E.ERROR_CODE_INVALID_REQUEST, build)()
 
     def tokenizer_not_found(self) -> str:
         if not self.options.not_found_url:

@@ -111,7 +111,7 @@ def test_a_server_that_breaks_the_contract_fails_naming_the_checks(wrong_server:
     assert got["tokenizer.stream.choice"] == "FAIL"
     errors = [line for line in run.stdout.splitlines() if line.startswith("tokenizer.error.")]
     errors = [line for line in errors if not line.startswith("tokenizer.error.MEDIA_NOT_FOUND ")]
-    assert len(errors) == 11, run.stdout
+    assert len(errors) == 12, run.stdout
     assert all(" FAIL " in line and "INTERNAL without a google.rpc.ErrorInfo" in line for line in errors), run.stdout
     assert got["tokenizer.error.MEDIA_NOT_FOUND"] == "SKIP"
     assert "failed" in run.stdout.splitlines()[-1]
