@@ -73,6 +73,8 @@ class PreprocessCache(ByteLRU[ItemResult]):
         )
         if isinstance(settings, VideoJob):
             settings = dataclasses.replace(settings, budget_s=0.0)  # a time budget does not shape the item
+        else:
+            settings = dataclasses.replace(settings, max_bytes=0)  # nor does a scheduler's cap admit it for another
         # BLAKE3: collision-resistant (entries are shared between clients),
         # and 4x as fast as SHA-256 here (media up to 1 MiB are hashed on the
         # event loop).

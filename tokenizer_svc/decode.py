@@ -16,6 +16,7 @@ import io
 import struct
 import warnings
 import zlib
+from collections.abc import Callable
 
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
@@ -26,7 +27,10 @@ FORMATS = ("PNG", "JPEG", "GIF", "WEBP", "BMP", "TIFF")
 BACKGROUND = (255, 255, 255)
 
 
-def decode_image(data: bytes, *, max_pixels: int) -> Image.Image:
+def decode_image(data: bytes, *, max_pixels: int, check: Callable[[int, int], None] | None = None) -> Image.Image:
+    """`data` decoded as an RGB image. `check`: called with the width and
+    height the header states, once they are within `max_pixels` and before
+    any pixel is decoded; what it raises goes to the caller."""
     if not data:
         raise MediaDecodeFailed("image is empty (0 bytes)")
     # PIL's own bomb guard raises at 2x its limit and only warns below it; ours
@@ -43,6 +47,8 @@ def decode_image(data: bytes, *, max_pixels: int) -> Image.Image:
                     raise MediaDecodeFailed(f"image claims size {width}x{height}")
                 if width * height > max_pixels:
                     raise MediaTooLarge(f"image is {width}x{height} pixels, over the limit of {max_pixels}")
+                if check is not None:
+                    check(width, height)
                 im.seek(0)
                 im.load()
                 # In place: without it an image that needs no turn is copied

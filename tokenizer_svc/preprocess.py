@@ -28,7 +28,7 @@ import resource
 import select
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -93,6 +93,9 @@ class ImageJob:
     form: RowForm = PLAIN_ROWS
     # The request's own pixel budget (GenerateRequest.image_budget); None: the checkpoint's.
     pixels: families.PixelBudget | None = None
+    # The largest tensor its scheduler takes (ServerInfo.max_tensor_bytes),
+    # checked from the image's header where the family says its rows; 0: unchecked.
+    max_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -325,7 +328,7 @@ class _Clock:
 
 
 def _image(job: ImageJob, processor: Any, family: families.Family, clock: _Clock) -> ItemResult:
-    image = decode_image(job.data, max_pixels=job.max_pixels)
+    image = decode_image(job.data, max_pixels=job.max_pixels, check=_rows_check(job, family))
     if _hook is not None and hasattr(_hook, "on_decoded"):
         _hook.on_decoded(image)
     clock.lap("decode")
@@ -342,6 +345,65 @@ def _image(job: ImageJob, processor: Any, family: families.Family, clock: _Clock
         raise MediaUnsupported(f"the image processor rejected this image: {type(exc).__name__}: {exc}") from exc
     clock.lap("process")
     return _publish(job, families.IMAGE, rows, tokens, image.width, image.height)
+
+
+def _rows_check(job: ImageJob, family: families.Family) -> Callable[[int, int], None] | None:
+    """What refuses an image whose rows would be over its scheduler's
+    largest tensor, from the size its header states, before any pixel is
+    decoded or processed (a 12-megapixel photo for Qwen2-VL at its default
+    budget is ~73 MB of rows even in bfloat16): the processor's own rule
+    for a size's rows (`Family.image_rows`), for a family whose rows are
+    patches."""
+    own = family.image_pixels
+    if not job.max_bytes or not family.image_row_pixels or own is None:
+        return None
+    budget = job.pixels or own
+    row_bytes = family.image_row_values(one_frame=job.form.one_frame) * reference.itemsize(job.form.dtype)
+
+    def check(width: int, height: int) -> None:
+        try:
+            rows = family.image_rows(width, height, budget)
+        except ValueError:
+            return  # a shape the processor refuses: said when it processes the image
+        if rows * row_bytes > job.max_bytes:
+            most = most_pixels(family, width, height, budget, row_bytes, job.max_bytes)
+            raise too_large(families.IMAGE, rows * row_bytes, job.max_bytes, most)
+
+    return check
+
+
+def most_pixels(
+    family: families.Family, width: int, height: int, budget: families.PixelBudget, row_bytes: int, cap: int
+) -> int | None:
+    """The largest max_pixels (within `budget`, a min_pixels over it taken
+    down to it, as `conversation.image_budget` does) under which an image
+    of this size makes rows of at most `cap` bytes; None if even one
+    merged patch would not. Rows never shrink as max_pixels grows (the
+    processor's resize rule), so a bisection finds it."""
+
+    def fits(most: int) -> bool:
+        return family.image_rows(width, height, families.PixelBudget(min(budget.least, most), most)) * row_bytes <= cap
+
+    low, high = family.least_image_pixels, budget.most
+    if not fits(low):
+        return None
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid - 1)
+    return low
+
+
+def too_large(modality: int, nbytes: int, cap: int, most: int | None = None) -> MediaTooLarge:
+    """MEDIA_TOO_LARGE for an item of `nbytes` of encoder input over its
+    scheduler's `cap`; `most`, for an image, the max_pixels whose rows fit."""
+    image = modality == families.IMAGE
+    fix = "send a smaller image" if image else "send a shorter or smaller video"
+    if most is not None:
+        fix += f", or ask for at most {most:,} pixels an image (max_pixels)"
+    return MediaTooLarge(
+        f"this {'image' if image else 'video'} comes to {nbytes:,} bytes of pixels for the model, over the "
+        f"{cap:,} its scheduler takes (--max-tensor-bytes): {fix}"
+    )
 
 
 def _video(job: VideoJob, processor: Any, family: families.Family, clock: _Clock) -> ItemResult:

@@ -64,7 +64,9 @@ from tokenizer_svc.preprocess import (
     SlabRef,
     VideoJob,
     abandon,
+    most_pixels,
     place,
+    too_large,
 )
 from tokenizer_svc.prompt import BuiltPrompt, Media, PromptBuilder
 from tokenizer_svc.settings import TokenizerSettings
@@ -78,6 +80,18 @@ FAILOVER_CODES = frozenset({E.ERROR_CODE_SCHEDULER_UNAVAILABLE, E.ERROR_CODE_SHU
 # A prompt (Parsed.size) that takes several milliseconds to build (~5 ms at
 # 16,384 characters): built one per turn of the event loop (`_built`).
 BIG_PROMPT = 16_384
+
+
+@dataclass(frozen=True)
+class ItemAsk:
+    """How a request's images and videos are to be made: the rows' form
+    its backend takes (`Assigned.form`), the request's own image budget
+    (`Parsed.image_pixels`), and the largest tensor the backend takes
+    (ServerInfo.max_tensor_bytes; 0: unchecked, as for Tokenize)."""
+
+    form: RowForm = PLAIN_ROWS
+    pixels: PixelBudget | None = None
+    max_bytes: int = 0
 
 
 class TokenizerService:
@@ -302,13 +316,15 @@ class TokenizerService:
         assigned: Assigned,
         transport: int,
     ) -> AsyncGenerator[tokenizer_pb2.GenerateResponse, None]:
-        prepared = await self._prepare_media(parsed.media, rid, transport, assigned.form, parsed.image_pixels)
+        info = assigned.backend.info
+        ask = ItemAsk(assigned.form, parsed.image_pixels, info.max_tensor_bytes if info is not None else 0)
+        prepared = await self._prepare_media(parsed.media, rid, transport, ask)
         results = [p.result for p in prepared]
         owned = [name for r in results for name in r.segments]
         self.held.update(owned)
         granted: list[grants.Grant] = []
         try:
-            self._check_sizes(parsed.media, results, assigned.backend.info)
+            self._check_sizes(parsed.media, results, ask)
             prompt = await self._built(parsed, [Media(r.modality, r.tokens, r.times) for r in results])
             # Items go in prompt order (by their first placeholder).
             items = sorted(zip(prompt.runs, results, strict=True), key=lambda pair: pair[0][0][0])
@@ -343,32 +359,29 @@ class TokenizerService:
             self.held.difference_update(owned)
             _release(prepared)  # what was disowned is the scheduler's: untouched
 
-    def _check_sizes(self, media: list[Located], results: list[ItemResult], info: common_pb2.ServerInfo | None) -> None:
+    def _check_sizes(self, media: list[Located], results: list[ItemResult], ask: ItemAsk) -> None:
         """Each item's encoder inputs within the largest tensor the backend
         takes (ServerInfo.max_tensor_bytes; unchecked where it does not say):
-        refused here, naming the item and what would fit, not by the
-        scheduler after the hand-off as "tensor of shape [...] is N bytes"."""
-        cap = info.max_tensor_bytes if info is not None else 0
+        MEDIA_TOO_LARGE here, naming the item and what would fit, not
+        INVALID_REQUEST from the scheduler after the hand-off ("tensor of
+        shape [...] is N bytes"). An image whose rows the worker counted
+        from its header was refused there already (`ImageJob.max_bytes`);
+        this is for the rest: videos, families that do not say, and items
+        the preprocessing cache kept from a request with no cap (Tokenize)."""
+        cap, pixels = ask.max_bytes, ask.pixels
         if not cap:
             return
+        own = self.family.image_pixels
         for located, result in zip(media, results, strict=True):
             for t in result.tensors:
-                if not families.is_encoder_input(t.name) or t.nbytes <= cap:
-                    continue
-                image = result.modality == families.IMAGE
-                fix = "send a smaller image" if image else "send a shorter or smaller video"
-                row_pixels, rows = self.family.image_row_pixels, t.shape[0] if t.shape else 0
-                if image and row_pixels and rows:
-                    # A budget of at most this many pixels makes at most cap / (bytes a row) rows.
-                    most = cap // -(-t.nbytes // rows) * row_pixels
-                    if most >= self.family.least_image_pixels:
-                        fix += f", or ask for at most {most:,} pixels an image (max_pixels)"
-                kind = "image" if image else "video"
-                raise InvalidRequest(
-                    f"this {kind} comes to {t.nbytes:,} bytes of pixels for the model, over the {cap:,} its "
-                    f"scheduler takes (--max-tensor-bytes): {fix}",
-                    metadata={"param": located.where},
-                )
+                if families.is_encoder_input(t.name) and t.nbytes > cap:
+                    most = None
+                    if result.modality == families.IMAGE and own is not None and t.shape and t.shape[0]:
+                        row_bytes = t.nbytes // t.shape[0]
+                        most = most_pixels(self.family, result.width, result.height, pixels or own, row_bytes, cap)
+                    exc = too_large(result.modality, t.nbytes, cap, most)
+                    exc.metadata["param"] = located.where
+                    raise exc
 
     async def _built(self, parsed: Parsed, media: list[Media]) -> BuiltPrompt:
         """The prompt, rendered and tokenized on the event loop, which it
@@ -410,9 +423,8 @@ class TokenizerService:
             # In the rows a backend would be sent, for the cache to keep for the request that follows.
             backend = self.link.primary
             form = PLAIN_ROWS if backend is None else backend.row_form(self.family)
-            prepared = await self._prepare_media(
-                parsed.media, rid, common_pb2.TRANSPORT_INLINE, form, parsed.image_pixels
-            )
+            ask = ItemAsk(form, parsed.image_pixels)  # counted, not sent: no tensor cap
+            prepared = await self._prepare_media(parsed.media, rid, common_pb2.TRANSPORT_INLINE, ask)
             try:
                 media = [Media(p.result.modality, p.result.tokens, p.result.times) for p in prepared]
                 return (await self._built(parsed, media)).input_ids
@@ -541,16 +553,14 @@ class TokenizerService:
         media: list[Located],
         rid: str,
         transport: int,
-        form: RowForm = PLAIN_ROWS,
-        pixels: PixelBudget | None = None,
+        ask: ItemAsk = ItemAsk(),
     ) -> list[Prepared]:
         """Every image and video fetched, preprocessed and locked, or none
         held: on any failure or cancellation the others' work is awaited and
         released. In request order: the images, then the videos. An error
         about one names where it was in the request (metadata "param").
-        `form`: how their rows are made (`Assigned.form`); `pixels`: the
-        images' own budget (`Parsed.image_pixels`)."""
-        tasks = [asyncio.create_task(self._located(m, rid, transport, form, pixels)) for m in media]
+        `ask`: how their rows are made and what bounds them."""
+        tasks = [asyncio.create_task(self._located(m, rid, transport, ask)) for m in media]
         if not tasks:
             return []
         try:
@@ -634,11 +644,9 @@ class TokenizerService:
         if self.grants is not None:
             self.grants.close()
 
-    async def _located(
-        self, located: Located, rid: str, transport: int, form: RowForm, pixels: PixelBudget | None
-    ) -> Prepared:
+    async def _located(self, located: Located, rid: str, transport: int, ask: ItemAsk) -> Prepared:
         try:
-            return await self._one(located.medium, rid, transport, form, pixels)
+            return await self._one(located.medium, rid, transport, ask)
         except MmsplitError as exc:
             exc.metadata.setdefault("param", located.where)
             raise
@@ -648,8 +656,7 @@ class TokenizerService:
         medium: tokenizer_pb2.Image | tokenizer_pb2.Video,
         rid: str,
         transport: int,
-        form: RowForm = PLAIN_ROWS,
-        pixels: PixelBudget | None = None,
+        ask: ItemAsk = ItemAsk(),
     ) -> Prepared:
         data = await self.media.load(medium)  # IO pool, its own timeouts
         # CUDA IPC: the worker returns bytes (as for inline) and this process
@@ -663,7 +670,7 @@ class TokenizerService:
         job: Job
         if isinstance(medium, tokenizer_pb2.Video):
             # A video's rows hold two frames a patch: only their dtype changes.
-            job = self._video_job(data, inline, slab_ref, dataclasses.replace(form, one_frame=False))
+            job = self._video_job(data, inline, slab_ref, dataclasses.replace(ask.form, one_frame=False))
             timeout_s = s.video_preprocess_timeout_s
         else:
             job = ImageJob(
@@ -674,8 +681,9 @@ class TokenizerService:
                 owner_pid=self._pid,
                 inline=inline,
                 slab=slab_ref,
-                form=form,
-                pixels=pixels,
+                form=ask.form,
+                pixels=ask.pixels,
+                max_bytes=ask.max_bytes,
             )
             timeout_s = s.preprocess_timeout_s
         # The key names the item (its content hash) whether or not the cache is on.

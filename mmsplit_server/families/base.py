@@ -146,6 +146,17 @@ class Family:
         family with a pixel budget (a Qwen patch: 14x14); 0 for the others."""
         return 0
 
+    def image_rows(self, width: int, height: int, pixels: PixelBudget) -> int:
+        """The rows the image processor makes of an image of this size
+        within `pixels`, for a family with `image_row_pixels` (ValueError
+        for a shape the processor refuses); 0 for the others."""
+        return 0
+
+    def image_row_values(self, *, one_frame: bool) -> int:
+        """Values in each row of an image's encoder input (one frame's, or
+        every frame's), for a family with `image_row_pixels`; 0 for the others."""
+        return 0
+
     @property
     def least_image_pixels(self) -> int:
         """The fewest pixels any image becomes (a budget under it means nothing)."""

@@ -100,6 +100,20 @@ class QwenVL(Family):
         side = int(self.vision.get("patch_size", self.patch_default))
         return side * side
 
+    def image_rows(self, width: int, height: int, pixels: PixelBudget) -> int:
+        # The processor's own resize rule, with its patch and merge sizes: what
+        # its get_number_of_image_patches counts (tests/tokenizer/test_image_budget.py).
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+        config = self.image_config
+        patch = int(config.get("patch_size", self.vision.get("patch_size", self.patch_default)))
+        factor = patch * int(config.get("merge_size", self.merge))
+        h, w = smart_resize(height, width, factor, min_pixels=pixels.least, max_pixels=pixels.most)
+        return (h // patch) * (w // patch)
+
+    def image_row_values(self, *, one_frame: bool) -> int:
+        return self.row_width() // (self.image_frames if one_frame else 1)
+
     @property
     def least_image_pixels(self) -> int:
         # One merged patch: the smallest image the processor makes.

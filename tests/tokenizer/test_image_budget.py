@@ -130,3 +130,47 @@ def test_mm_processor_kwargs_become_the_image_budget() -> None:
         with pytest.raises(InvalidRequest) as refused:
             openai_api.parse_chat({"messages": [user], **body})
         assert openai_api.param_name(refused.value) == param, body
+
+
+@pytest.mark.parametrize("name", QWEN)
+def test_an_image_over_its_scheduler_s_cap_is_refused_from_its_header(
+    family_models: Callable[[str], Path], name: str
+) -> None:
+    """The worker's check counts the rows the processor will make from the
+    size alone, exactly (every form, with and without a budget, a 50:1
+    strip included), lets the image through at the cap, and just past it
+    refuses MEDIA_TOO_LARGE naming the largest max_pixels whose rows fit
+    (the processor's rows under it fit; a pixel more would not)."""
+    from mmsplit_server.handoff import reference
+    from tokenizer_svc.errors import MediaTooLarge
+    from tokenizer_svc.preprocess import ImageJob, RowForm, _rows_check
+
+    kit = family_kit.kit(family_models(name))
+    family, processor = kit.family, kit.image_processor
+    own = family.image_pixels
+    assert own is not None
+    small = PixelBudget(family.least_image_pixels, 9 * family.least_image_pixels)
+
+    def rows_of(image: Any, form: RowForm, pixels: PixelBudget | None) -> tuple[int, int]:
+        options = family.image_options(one_frame=form.one_frame, pixels=pixels)
+        rows = processor(images=image, return_tensors="np", **options)["pixel_values"]
+        return rows.shape[0], rows.shape[0] * rows.shape[1] * reference.itemsize(form.dtype)
+
+    for height, width in ((300, 420), (1080, 1920), (40, 2000)):
+        image = decode_image(png(height, width, 3), max_pixels=10**8)
+        for form in (RowForm(), RowForm(one_frame=True, dtype="bfloat16")):
+            for pixels in (None, small):
+                rows, nbytes = rows_of(image, form, pixels)
+                assert family.image_rows(width, height, pixels or own) == rows
+                fits = ImageJob(b"", 10**8, 200.0, "", 0, form=form, pixels=pixels, max_bytes=nbytes)
+                check = _rows_check(fits, family)
+                assert check is not None
+                check(width, height)  # exactly at the cap: through
+                over = _rows_check(dataclasses.replace(fits, max_bytes=nbytes - 1), family)
+                assert over is not None
+                with pytest.raises(MediaTooLarge, match=r"ask for at most [\d,]+ pixels an image") as refused:
+                    over(width, height)
+                most = int(str(refused.value).rsplit("at most ", 1)[1].split(" ")[0].replace(",", ""))
+                least = (pixels or own).least
+                assert rows_of(image, form, PixelBudget(min(least, most), most))[1] <= nbytes - 1
+                assert rows_of(image, form, PixelBudget(min(least, most + 1), most + 1))[1] > nbytes - 1
