@@ -179,6 +179,21 @@ class PromptScores:
     request_id: str = ""
 
 
+@dataclass(frozen=True)
+class PromptIds:
+    """The prompt's token ids as the model reads them (chat template and
+    placeholders included), before anything else of a choice, when asked
+    (`return_prompt_token_ids=True`)."""
+
+    token_ids: tuple[int, ...]
+    text: str = ""  # always empty: lets a loop print every event's text
+    request_id: str = ""
+
+
+# What a request's stream yields.
+Event = Delta | Finished | PromptScores | PromptIds
+
+
 @dataclass
 class Completion:
     text: str = ""
@@ -189,6 +204,7 @@ class Completion:
     tool_calls: tuple[ToolCall, ...] = ()  # with tool_choice (Finished.tool_calls)
     content: str = ""
     prompt: PromptScores | None = None  # with prompt_logprobs
+    prompt_token_ids: list[int] = field(default_factory=list)  # with return_prompt_token_ids
 
 
 @dataclass(frozen=True)
@@ -341,6 +357,7 @@ def build_request(
     single_call: bool = False,
     min_pixels: int = 0,
     max_pixels: int = 0,
+    return_prompt_token_ids: bool = False,
 ) -> tokenizer_pb2.GenerateRequest:
     """A GenerateRequest of a prompt (with `images` and `videos`) or of a
     conversation (`messages`); media given as bytes are sent inline, as str
@@ -362,7 +379,9 @@ def build_request(
     `tool_calls` and `content` then hold the calls found and the rest.
     `min_pixels`, `max_pixels`: a Qwen-VL model's images resized within
     these bounds instead of the checkpoint's (within them only; 0 leaves a
-    bound as the checkpoint's: `GenerateRequest.image_budget`)."""
+    bound as the checkpoint's: `GenerateRequest.image_budget`).
+    `return_prompt_token_ids`: a `PromptIds` event first, the ids the
+    model reads."""
     sampling = common_pb2.SamplingParams(
         max_tokens=max_tokens,
         temperature=temperature,
@@ -416,11 +435,14 @@ def build_request(
             if min_pixels or max_pixels
             else None
         ),
+        return_prompt_token_ids=return_prompt_token_ids,
     )
 
 
-def _event(response: tokenizer_pb2.GenerateResponse) -> Delta | Finished | PromptScores | None:
+def _event(response: tokenizer_pb2.GenerateResponse) -> Event | None:
     kind = response.WhichOneof("event")
+    if kind == "prompt_tokens":
+        return PromptIds(tuple(response.prompt_tokens.token_ids), request_id=response.request_id)
     if kind == "prompt_logprobs":
         scored = response.prompt_logprobs
         entries = list(scored.logprobs)
@@ -444,8 +466,10 @@ def _event(response: tokenizer_pb2.GenerateResponse) -> Delta | Finished | Promp
     return None
 
 
-def _add(done: Completion, event: Delta | Finished | PromptScores) -> None:
-    if isinstance(event, PromptScores):
+def _add(done: Completion, event: Event) -> None:
+    if isinstance(event, PromptIds):
+        done.prompt_token_ids = list(event.token_ids)
+    elif isinstance(event, PromptScores):
         done.prompt = event
     elif isinstance(event, Delta):
         done.text += event.text
@@ -526,17 +550,13 @@ class Client(_Connection):
             return grpc.insecure_channel(address, options=options)
         return grpc.secure_channel(address, credentials, options=options)
 
-    def generate(
-        self, prompt: str = "", *, timeout: float | None = None, **kwargs: Any
-    ) -> Iterator[Delta | Finished | PromptScores]:
+    def generate(self, prompt: str = "", *, timeout: float | None = None, **kwargs: Any) -> Iterator[Event]:
         """The stream: deltas, then one Finished (first a PromptScores with
         `prompt_logprobs=`). Raises RequestFailed. `kwargs` are
         `build_request`'s (messages, images, videos, sampling, request_id)."""
         return self.send(build_request(prompt, **kwargs), timeout=timeout)
 
-    def send(
-        self, request: tokenizer_pb2.GenerateRequest, *, timeout: float | None = None
-    ) -> Iterator[Delta | Finished | PromptScores]:
+    def send(self, request: tokenizer_pb2.GenerateRequest, *, timeout: float | None = None) -> Iterator[Event]:
         """`generate` for a request already built."""
         try:
             for response in self._stub.Generate(request, timeout=timeout):
@@ -592,7 +612,7 @@ class AsyncClient(_Connection):
         *,
         timeout: float | None = None,  # noqa: ASYNC109 (the call's gRPC deadline, which the server sees)
         **kwargs: Any,
-    ) -> AsyncIterator[Delta | Finished | PromptScores]:
+    ) -> AsyncIterator[Event]:
         request = build_request(prompt, **kwargs)
         try:
             async for response in self._stub.Generate(request, timeout=timeout):

@@ -17,9 +17,10 @@ import grpc
 from mmsplit.client import (
     Client,
     Delta,
-    Finished,
+    Event,
     ImagePart,
     Message,
+    PromptIds,
     PromptScores,
     RequestFailed,
     VideoPart,
@@ -225,7 +226,9 @@ def conversation(turns: list[tuple[str, str]], images: list[bytes | str], videos
     return messages
 
 
-def _event_json(event: Delta | Finished | PromptScores) -> dict[str, object]:
+def _event_json(event: Event) -> dict[str, object]:
+    if isinstance(event, PromptIds):
+        return {"request_id": event.request_id, "prompt_token_ids": list(event.token_ids)}
     if isinstance(event, Delta):
         return {"request_id": event.request_id, "text": event.text, "token_ids": list(event.token_ids)}
     if isinstance(event, PromptScores):

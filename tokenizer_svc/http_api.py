@@ -431,7 +431,7 @@ class HttpApi:
         else:
             call = await got.read(openai_api.parse_completion, body)
         rid = _request_id(request)
-        shape = openai_answers.Shape.of(chat, rid, self.model, call.calls)
+        shape = openai_answers.Shape.of(chat, rid, self.model, call.calls, token_ids=call.token_ids)
         return await self._serve(request, body, call, shape, rid)
 
     async def _serve(
@@ -472,7 +472,7 @@ class HttpApi:
             )
         s = call.request.sampling
         echo = openai_answers.Echo(texts, s.top_logprobs if call.echo and s.logprobs else None, call.prompt_logprobs)
-        return openai_answers.Choices(call.choices, tokenizer, per_prompt=call.n, echo=echo)
+        return openai_answers.Choices(call.choices, tokenizer, per_prompt=call.n, echo=echo, token_ids=call.token_ids)
 
     async def _choices(
         self, call: openai_api.Call, rid: str, client: str

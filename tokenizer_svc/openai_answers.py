@@ -40,8 +40,13 @@ class Choices:
     and the usage: text, finish reason and token counts per choice. With
     several prompts (completions), `per_prompt` choices are each prompt's."""
 
-    def __init__(self, n: int, tokens: Any = None, per_prompt: int = 0, echo: Echo | None = None) -> None:
-        """`tokens`: the tokenizer, to name the tokens of log probabilities."""
+    def __init__(
+        self, n: int, tokens: Any = None, per_prompt: int = 0, echo: Echo | None = None, token_ids: bool = False
+    ) -> None:
+        """`tokens`: the tokenizer, to name the tokens of log probabilities;
+        `token_ids`: the ids are shown (return_token_ids), so a response
+        that adds only ids is shown too."""
+        self.want_ids = token_ids
         self.echo = echo or Echo()
         self._echoed: set[int] = set()  # choices whose output began (with their echo, if any)
         self.prompt_logprobs: dict[int, list[dict[str, Any] | None]] = {}  # vLLM's, by choice
@@ -57,13 +62,19 @@ class Choices:
         self._offset = [0] * n  # characters of the tokens of each choice's entries so far (legacy text_offset)
         self._names: dict[int, str] = {}  # token id -> its text (`_text`)
         self.tokens = tokens
+        # With return_token_ids: each choice's prompt ids, and its generated ids.
+        self.prompt_ids: dict[int, list[int]] = {}
+        self.token_ids: list[list[int]] = [[] for _ in range(n)]
 
     def add(self, i: int, response: tokenizer_pb2.GenerateResponse) -> Shown | None:
         """Record a response of choice `i`: what to show of it, or None
         when it adds nothing to show."""
         kind = response.WhichOneof("event")
         shown: Shown | None = None
-        if kind == "prompt_logprobs":
+        if kind == "prompt_tokens":
+            self.prompt_ids[i] = list(response.prompt_tokens.token_ids)
+            shown = Shown("", None, [], prompt_ids=self.prompt_ids[i])
+        elif kind == "prompt_logprobs":
             scored = response.prompt_logprobs
             if self.echo.prompt_logprobs is not None:
                 self.prompt_logprobs[i] = self._vllm_form(scored, self.echo.prompt_logprobs)
@@ -72,7 +83,8 @@ class Choices:
         elif kind == "delta":
             d = response.delta
             entries = [self._entry(t, lp) for t, lp in zip(d.token_ids, d.logprobs, strict=False)]
-            shown = Shown(d.text, None, entries)
+            shown = Shown(d.text, None, entries, token_ids=list(d.token_ids))
+            self.token_ids[i] += d.token_ids
         elif kind == "finished":
             f = response.finished
             self.finish[i] = FINISH.get(f.finish_reason, "stop")
@@ -85,7 +97,8 @@ class Choices:
             # The choice's first output: its prompt's text goes first (with
             # the prompt's log probabilities, which come before any token).
             shown = dataclasses.replace(shown, text=self.echo.texts[i // self.per_prompt] + shown.text)
-        if shown is None or not (shown.text or shown.logprobs or shown.finish):
+        ids = self.want_ids and bool(shown and (shown.token_ids or shown.prompt_ids is not None))
+        if shown is None or not (shown.text or shown.logprobs or shown.finish or ids):
             return None
         self._echoed.add(i)
         self.text[i] += shown.text
@@ -158,6 +171,8 @@ class Shown:
     finish: str | None
     logprobs: list[dict[str, Any]]
     offset: int = 0  # the first entry's legacy text_offset: its choice's earlier tokens' characters
+    token_ids: list[int] = dataclasses.field(default_factory=list)  # the tokens it adds
+    prompt_ids: list[int] | None = None  # the choice's prompt (return_token_ids), before any output
 
 
 def completion_logprobs(entries: list[dict[str, Any]], start: int = 0) -> dict[str, Any]:
@@ -191,14 +206,21 @@ class Shape:
     model: str
     created: int
     calls: Forced | Auto | None = None  # how the output answers with tool calls
+    # vLLM's return_token_ids: the prompt's ids (chat: the answer's; completions:
+    # each choice's) and each choice's generated ids; streamed, the prompt's in
+    # each choice's first chunk (which then comes once they are known) and a
+    # chunk's own ids in it.
+    token_ids: bool = False
     # A stream's named-function calls: each choice's call id, once its first chunk went.
     _opened: dict[int, str] = dataclasses.field(default_factory=dict, compare=False)
     # A stream under "auto": each choice's characters sent as content.
     _sent: dict[int, int] = dataclasses.field(default_factory=dict, compare=False)
 
     @classmethod
-    def of(cls, chat: bool, rid: str, model: str, calls: Forced | Auto | None = None) -> Shape:
-        return cls(chat, ("chatcmpl-" if chat else "cmpl-") + rid, model, int(time.time()), calls)
+    def of(
+        cls, chat: bool, rid: str, model: str, calls: Forced | Auto | None = None, *, token_ids: bool = False
+    ) -> Shape:
+        return cls(chat, ("chatcmpl-" if chat else "cmpl-") + rid, model, int(time.time()), calls, token_ids)
 
     def _head(self, chunk: bool) -> dict[str, Any]:
         kind = "chat.completion" if self.chat else "text_completion"
@@ -221,8 +243,14 @@ class Shape:
                 out["choices"].append({"index": i, "text": text, "logprobs": lps, "finish_reason": f})
                 if choices.echo.prompt_logprobs is not None:
                     out["choices"][-1]["prompt_logprobs"] = choices.prompt_logprobs.get(i)
+                if self.token_ids:
+                    out["choices"][-1]["prompt_token_ids"] = choices.prompt_ids.get(i)
+            if self.token_ids:
+                out["choices"][-1]["token_ids"] = choices.token_ids[i]
         if self.chat and choices.echo.prompt_logprobs is not None:  # vLLM's: the request's, once
             out["prompt_logprobs"] = choices.prompt_logprobs.get(0)
+        if self.chat and self.token_ids:  # vLLM's: the request's, once
+            out["prompt_token_ids"] = choices.prompt_ids.get(0)
         out["usage"] = choices.usage()
         return out
 
@@ -230,16 +258,40 @@ class Shape:
         """Chat's form, or the legacy one with text offsets from `start`."""
         return {"content": entries} if self.chat else completion_logprobs(entries, start)
 
-    def first(self, i: int) -> dict[str, Any] | None:
-        """A chat stream's first chunk of a choice: the assistant's role."""
-        if not self.chat:
+    def first(self, i: int, prompt_ids: list[int] | None = None) -> dict[str, Any] | None:
+        """A chat stream's first chunk of a choice: the assistant's role
+        (with return_token_ids, sent with the prompt's ids once they come)."""
+        if not self.chat or (self.token_ids and prompt_ids is None):
             return None
-        return self.chunk(i, {"role": "assistant", "content": ""}, None)
+        out = self.chunk(i, {"role": "assistant", "content": ""}, None)
+        if prompt_ids is not None:
+            out["prompt_token_ids"] = prompt_ids
+        return out
 
     def delta(self, i: int, shown: Shown, text: str = "") -> dict[str, Any] | None:
         """The chunk of what a response adds to choice `i` (None: nothing to
         send yet); `text`: the choice's output so far, this response's
         included (its tool calls, when they are made at the end)."""
+        if self.token_ids and shown.prompt_ids is not None:
+            return self._prompted(i, shown)
+        out = self._delta(i, shown, text)
+        if self.token_ids and (out is not None or shown.token_ids):
+            # A chunk's tokens go with it, or alone when its text is held back.
+            out = out or self.chunk(i, {}, None)
+            out["choices"][0]["token_ids"] = shown.token_ids
+        return out
+
+    def _prompted(self, i: int, shown: Shown) -> dict[str, Any] | None:
+        """A choice's first chunk with return_token_ids: chat's role with the
+        prompt's ids (vLLM's, at the chunk's top), completions' echoed text
+        (if any) with them in the choice."""
+        if self.chat:
+            return self.first(i, shown.prompt_ids)
+        out = self.chunk(i, {"content": shown.text}, None)
+        out["choices"][0]["prompt_token_ids"] = shown.prompt_ids
+        return out
+
+    def _delta(self, i: int, shown: Shown, text: str) -> dict[str, Any] | None:
         logprobs = self._logprobs(shown.logprobs, shown.offset) if shown.logprobs else None
         if isinstance(self.calls, Forced) and self.chat:
             return self._called(i, shown, text, logprobs)

@@ -109,7 +109,7 @@ KNOWN = {
     "tools", "tool_choice", "parallel_tool_calls", "structured_outputs", "guided_json", "guided_regex",
     "guided_choice", "guided_grammar", "min_p", "ignore_eos", "echo", "prompt_logprobs",
     "include_stop_str_in_output", "continue_final_message", "add_generation_prompt", "chat_template_kwargs",
-    "mm_processor_kwargs",
+    "mm_processor_kwargs", "return_token_ids",
 }  # fmt: skip
 
 # Prompts one completions request may give (each its own generation).
@@ -182,6 +182,9 @@ class Call:
     # names (None: not asked). The requests ask for the most that `echo`
     # and this need (`SamplingParams.prompt_logprobs`).
     prompt_logprobs: int | None = None
+    # vLLM's return_token_ids: the prompt's ids and each choice's generated
+    # ids in the answer (GenerateRequest.return_prompt_token_ids).
+    token_ids: bool = False
 
     @property
     def choices(self) -> int:
@@ -550,6 +553,10 @@ def _finish(body: dict[str, Any], request: tokenizer_pb2.GenerateRequest) -> Cal
         raise invalid(f"n must be within [1, {MAX_CHOICES}]", "n")
     request.n = n or 1
     _image_budget(body, request)
+    token_ids = body.get("return_token_ids")
+    if token_ids is not None and not isinstance(token_ids, bool):
+        raise invalid("return_token_ids must be true or false", "return_token_ids")
+    request.return_prompt_token_ids = token_ids is True
     salt = body.get("cache_salt")
     if salt is not None:
         if not isinstance(salt, str) or not salt or len(salt) > MAX_CACHE_SALT:
@@ -568,7 +575,7 @@ def _finish(body: dict[str, Any], request: tokenizer_pb2.GenerateRequest) -> Cal
         include_usage = options.get("include_usage", True)  # as vLLM's StreamOptions has it
         if not isinstance(include_usage, bool):
             raise invalid("stream_options.include_usage must be true or false", "stream_options")
-    return Call(request, n or 1, stream is True, include_usage)
+    return Call(request, n or 1, stream is True, include_usage, token_ids=token_ids is True)
 
 
 def _image_budget(body: dict[str, Any], request: tokenizer_pb2.GenerateRequest) -> None:

@@ -342,7 +342,8 @@ class TokenizerService:
                 for p in prepared:
                     p.release_segments()
             events = self._send(downstream, timeout_s, assigned, transport)
-            async with contextlib.aclosing(self._relay(rid, downstream, events, parsed.calls)) as relay:
+            relayed = self._relay(rid, downstream, events, parsed.calls, prompt_ids=request.return_prompt_token_ids)
+            async with contextlib.aclosing(relayed) as relay:
                 async for response in relay:
                     if response is None:
                         # The scheduler holds its own claims on the tensors
@@ -351,8 +352,10 @@ class TokenizerService:
                             p.disown()
                         log.debug("%s: accepted downstream; its %d segment(s) are the scheduler's", rid, len(owned))
                     else:
-                        # Every rank has read the tensors by the first token.
-                        self._revoke(granted)
+                        # Every rank has read the tensors by the first token
+                        # (not by the prompt's ids, sent on acceptance).
+                        if response.WhichOneof("event") != "prompt_tokens":
+                            self._revoke(granted)
                         yield response
         finally:
             self._revoke(granted)
@@ -482,8 +485,11 @@ class TokenizerService:
         downstream: scheduler_pb2.GenerateRequest,
         stream: AsyncGenerator[scheduler_pb2.GenerateResponse, None],
         calls: Forced | Auto | None = None,
+        *,
+        prompt_ids: bool = False,
     ) -> AsyncGenerator[tokenizer_pb2.GenerateResponse | None, None]:
-        """The scheduler's stream as text: None once it has accepted, then a
+        """The scheduler's stream as text: None once it has accepted (and,
+        with `prompt_ids`, the prompt's ids: GenerateRequest.return_prompt_token_ids), then a
         delta per step (text may be empty while a character or a possible
         stop string is held back), then Finished (with `calls`, the
         request's tool_choice: the calls found in the whole text). A stop
@@ -499,6 +505,9 @@ class TokenizerService:
                 kind = event.WhichOneof("event")
                 if kind == "accepted":
                     yield None
+                    if prompt_ids:
+                        read = tokenizer_pb2.PromptTokens(token_ids=downstream.input_ids)
+                        yield tokenizer_pb2.GenerateResponse(request_id=rid, prompt_tokens=read)
                 elif kind == "tokens":
                     cached = cached or event.tokens.cached_tokens
                     if scoring:  # a prompt of one token has no entries, and its event all the same

@@ -1663,3 +1663,72 @@ def test_grpc_tool_choice_gives_the_calls_chat_completions_gives(api: Api) -> No
     assert "not among the tools" in refused(build_request(messages=grpc_turn, tools=[tool], call_tool="nope"))
     assert "tool_choice go with a conversation" in refused(build_request("Hi", tool_choice="required"))
     _good_after(api)
+
+
+def test_return_token_ids_gives_the_ids_the_model_read_and_made(api: Api) -> None:
+    """vLLM's `return_token_ids`: chat's answer has the prompt's ids (those
+    /tokenize and gRPC's Tokenize give) and each choice's generated ids
+    (gRPC's, for the same greedy request); streamed, the prompt's ids come
+    in each choice's first chunk (the role's) and the chunks' ids add up to
+    the whole; completions have both per choice, each of its own prompt.
+    Without it the objects are as before; a value that is not a boolean is a
+    400 naming it."""
+    from mmsplit.client import Client
+
+    client, tokenizer = api.client(), hf_loaded.tokenizer(api.pair.model)
+    asked = {"return_token_ids": True}
+    prompts = ["Once upon a time", "The capital of France is"]
+    with Client(api.pair.tokenizer_address) as grpc_client:
+        prompt_ids = grpc_client.tokenize(messages=SAME_OVER_GRPC).ids
+        done = grpc_client.complete(messages=SAME_OVER_GRPC, max_tokens=6, return_prompt_token_ids=True)
+        read = [grpc_client.tokenize(p).ids for p in prompts]  # as the server renders a prompt
+    assert done.prompt_token_ids == prompt_ids
+    whole = client.chat.completions.create(
+        model=api.model,
+        messages=CONVERSATION,
+        max_tokens=6,
+        extra_body=asked,  # type: ignore[arg-type]
+    ).model_dump()
+    assert whole["prompt_token_ids"] == prompt_ids
+    choice = whole["choices"][0]
+    assert choice["token_ids"] == done.token_ids
+    assert len(choice["token_ids"]) == whole["usage"]["completion_tokens"]
+    assert tokenizer.decode(choice["token_ids"], skip_special_tokens=True) == choice["message"]["content"]
+
+    chunks = [c.model_dump() for c in client.chat.completions.create(
+        model=api.model, messages=CONVERSATION, max_tokens=6, stream=True, n=2, extra_body=asked,  # type: ignore[arg-type]
+    )]  # fmt: skip
+    for i in range(2):
+        mine = [c for c in chunks if c["choices"] and c["choices"][0]["index"] == i]
+        assert mine[0]["choices"][0]["delta"]["role"] == "assistant"
+        assert mine[0]["prompt_token_ids"] == prompt_ids
+        assert all("prompt_token_ids" not in c for c in mine[1:])
+        assert [t for c in mine[1:] for t in c["choices"][0]["token_ids"]] == done.token_ids  # greedy: each choice
+
+    completion = client.completions.create(
+        model=api.model,
+        prompt=prompts,
+        max_tokens=4,
+        n=2,
+        extra_body=asked,  # type: ignore[arg-type]
+    ).model_dump()
+    for k, c in enumerate(completion["choices"]):
+        assert c["prompt_token_ids"] == read[k // 2]
+        assert len(c["token_ids"]) == 4
+    streamed = [c.model_dump() for c in client.completions.create(
+        model=api.model, prompt=prompts[0], max_tokens=4, stream=True, extra_body=asked,  # type: ignore[arg-type]
+    )]  # fmt: skip
+    assert streamed[0]["choices"][0]["prompt_token_ids"] == completion["choices"][0]["prompt_token_ids"]
+    assert [t for c in streamed[1:] for t in c["choices"][0]["token_ids"]] == completion["choices"][0]["token_ids"]
+
+    plain = client.chat.completions.create(model=api.model, messages=CONVERSATION, max_tokens=2).model_dump()
+    assert "prompt_token_ids" not in plain
+    assert "token_ids" not in plain["choices"][0]
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(
+            model=api.model,
+            messages=CONVERSATION,
+            max_tokens=2,
+            extra_body={"return_token_ids": "yes"},  # type: ignore[arg-type]
+        )
+    assert refused.value.body["param"] == "return_token_ids"  # type: ignore[index]

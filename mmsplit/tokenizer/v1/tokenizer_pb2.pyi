@@ -38,7 +38,7 @@ class Video(_message.Message):
     def __init__(self, data: _Optional[bytes] = ..., url: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "images", "sampling", "videos", "messages", "n", "cache_salt", "tools", "continue_final_message", "chat_template_kwargs", "prompt_token_ids", "tool_choice", "image_budget")
+    __slots__ = ("request_id", "prompt", "images", "sampling", "videos", "messages", "n", "cache_salt", "tools", "continue_final_message", "chat_template_kwargs", "prompt_token_ids", "tool_choice", "image_budget", "return_prompt_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +53,7 @@ class GenerateRequest(_message.Message):
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
     IMAGE_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    RETURN_PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     images: _containers.RepeatedCompositeFieldContainer[Image]
@@ -67,7 +68,8 @@ class GenerateRequest(_message.Message):
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     tool_choice: ToolChoice
     image_budget: ImageBudget
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., videos: _Optional[_Iterable[_Union[Video, _Mapping]]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., n: _Optional[int] = ..., cache_salt: _Optional[str] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., continue_final_message: _Optional[bool] = ..., chat_template_kwargs: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., image_budget: _Optional[_Union[ImageBudget, _Mapping]] = ...) -> None: ...
+    return_prompt_token_ids: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., videos: _Optional[_Iterable[_Union[Video, _Mapping]]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., n: _Optional[int] = ..., cache_salt: _Optional[str] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., continue_final_message: _Optional[bool] = ..., chat_template_kwargs: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., image_budget: _Optional[_Union[ImageBudget, _Mapping]] = ..., return_prompt_token_ids: _Optional[bool] = ...) -> None: ...
 
 class ImageBudget(_message.Message):
     __slots__ = ("min_pixels", "max_pixels")
@@ -165,19 +167,27 @@ class PromptLogprobs(_message.Message):
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
+class PromptTokens(_message.Message):
+    __slots__ = ("token_ids",)
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "delta", "finished", "prompt_logprobs", "index")
+    __slots__ = ("request_id", "delta", "finished", "prompt_logprobs", "prompt_tokens", "index")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     DELTA_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     delta: TextDelta
     finished: Finished
     prompt_logprobs: PromptLogprobs
+    prompt_tokens: PromptTokens
     index: int
-    def __init__(self, request_id: _Optional[str] = ..., delta: _Optional[_Union[TextDelta, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ..., prompt_logprobs: _Optional[_Union[PromptLogprobs, _Mapping]] = ..., index: _Optional[int] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., delta: _Optional[_Union[TextDelta, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ..., prompt_logprobs: _Optional[_Union[PromptLogprobs, _Mapping]] = ..., prompt_tokens: _Optional[_Union[PromptTokens, _Mapping]] = ..., index: _Optional[int] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("request",)
