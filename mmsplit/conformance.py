@@ -182,6 +182,7 @@ class Kit:
             ("tokenizer.stream.events", self.tokenizer_stream),
             ("tokenizer.stream.image", self.tokenizer_image),
             ("tokenizer.tokenize", self.tokenizer_tokenize),
+            ("tokenizer.stream.prompt_tokens", self.tokenizer_prompt_tokens),
             ("tokenizer.stream.prompt_logprobs", self.tokenizer_prompt_logprobs),
             ("tokenizer.stream.request_id_assigned", self.tokenizer_request_id),
             ("tokenizer.stream.json_schema", self.tokenizer_json_schema),
@@ -356,6 +357,18 @@ class Kit:
             counted.max_context_tokens > prompt, f"max_context_tokens {counted.max_context_tokens} for {prompt} tokens"
         )
         return f"{prompt} ids, context {counted.max_context_tokens}"
+
+    def tokenizer_prompt_tokens(self) -> str:
+        """return_prompt_token_ids: a PromptTokens event first, of the ids Tokenize gives."""
+        request = _text_request(_request_id(), tokens=1)
+        request.images.add(data=png())
+        counted = self.tok.Tokenize(tokenizer_pb2.TokenizeRequest(request=request), timeout=self.options.timeout_s)
+        request.return_prompt_token_ids = True
+        events = self._generate(request)
+        kinds = [e.WhichOneof("event") for e in events]
+        expect(kinds[0] == "prompt_tokens" and kinds.count("prompt_tokens") == 1, f"events {kinds}")
+        expect(list(events[0].prompt_tokens.token_ids) == list(counted.token_ids), "not the ids Tokenize gives")
+        return f"{len(counted.token_ids)} ids"
 
     def tokenizer_json_schema(self) -> str:
         """Structured output: the answer is a document of the schema, ended by the server (STOP)."""
