@@ -109,7 +109,7 @@ KNOWN = {
     "tools", "tool_choice", "parallel_tool_calls", "structured_outputs", "guided_json", "guided_regex",
     "guided_choice", "guided_grammar", "min_p", "ignore_eos", "echo", "prompt_logprobs",
     "include_stop_str_in_output", "continue_final_message", "add_generation_prompt", "chat_template_kwargs",
-    "mm_processor_kwargs", "return_token_ids",
+    "mm_processor_kwargs", "return_token_ids", "skip_special_tokens",
 }  # fmt: skip
 
 # Prompts one completions request may give (each its own generation).
@@ -137,7 +137,6 @@ UNHONOURED: dict[str, tuple[tuple[Any, ...], str]] = {
     "truncate_prompt_tokens": ((None,), "this server does not cut prompts; a prompt over the context is refused"),
     "chat_template": ((None,), "the server's --chat-template renders every conversation"),
     "documents": ((None, []), "the server's --chat-template renders every conversation as it is"),
-    "skip_special_tokens": ((None, True), "the text leaves out special tokens"),
     "spaces_between_special_tokens": ((None, True), "the text leaves out special tokens"),
     "return_tokens_as_token_ids": ((None, False), "log probabilities name tokens by their text"),
     "logits_processors": ((None, []), "this server runs no custom logits processors"),
@@ -557,6 +556,10 @@ def _finish(body: dict[str, Any], request: tokenizer_pb2.GenerateRequest) -> Cal
     if token_ids is not None and not isinstance(token_ids, bool):
         raise invalid("return_token_ids must be true or false", "return_token_ids")
     request.return_prompt_token_ids = token_ids is True
+    skip = body.get("skip_special_tokens")
+    if skip is not None and not isinstance(skip, bool):
+        raise invalid("skip_special_tokens must be true or false", "skip_special_tokens")
+    request.keep_special_tokens = skip is False
     salt = body.get("cache_salt")
     if salt is not None:
         if not isinstance(salt, str) or not salt or len(salt) > MAX_CACHE_SALT:

@@ -342,7 +342,14 @@ class TokenizerService:
                 for p in prepared:
                     p.release_segments()
             events = self._send(downstream, timeout_s, assigned, transport)
-            relayed = self._relay(rid, downstream, events, parsed.calls, prompt_ids=request.return_prompt_token_ids)
+            relayed = self._relay(
+                rid,
+                downstream,
+                events,
+                parsed.calls,
+                prompt_ids=request.return_prompt_token_ids,
+                special=request.keep_special_tokens,
+            )
             async with contextlib.aclosing(relayed) as relay:
                 async for response in relay:
                     if response is None:
@@ -487,6 +494,7 @@ class TokenizerService:
         calls: Forced | Auto | None = None,
         *,
         prompt_ids: bool = False,
+        special: bool = False,
     ) -> AsyncGenerator[tokenizer_pb2.GenerateResponse | None, None]:
         """The scheduler's stream as text: None once it has accepted (and,
         with `prompt_ids`, the prompt's ids: GenerateRequest.return_prompt_token_ids), then a
@@ -495,7 +503,7 @@ class TokenizerService:
         request's tool_choice: the calls found in the whole text). A stop
         string ends the stream here, and closing the call aborts the
         request downstream."""
-        decoder = make_decoder(self.tokenizer)
+        decoder = make_decoder(self.tokenizer, skip_special_tokens=not special)  # keep_special_tokens
         stops = StopMatcher(tuple(downstream.sampling.stop), downstream.sampling.include_stop_str_in_output)
         completion = cached = 0
         text_so_far: list[str] = []  # the whole text, for the calls in it (tool_choice only)

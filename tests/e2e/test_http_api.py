@@ -1732,3 +1732,48 @@ def test_return_token_ids_gives_the_ids_the_model_read_and_made(api: Api) -> Non
             extra_body={"return_token_ids": "yes"},  # type: ignore[arg-type]
         )
     assert refused.value.body["param"] == "return_token_ids"  # type: ignore[index]
+
+
+def test_skip_special_tokens_false_keeps_them_in_the_text(api: Api) -> None:
+    """A model made to write its end-of-sequence token (biased to it, with
+    ignore_eos so it goes on): left out of the text by default, kept with
+    vLLM's skip_special_tokens false, whole and streamed, chat and
+    completions; the same over gRPC (keep_special_tokens); ids the same."""
+    from mmsplit.client import Client
+
+    tokenizer = hf_loaded.tokenizer(api.pair.model)
+    eos = tokenizer.eos_token_id
+    forced = {"ignore_eos": True, "logit_bias": {str(eos): 100}, "return_token_ids": True}
+    client = api.client()
+    messages = [{"role": "user", "content": "Say nothing."}]
+    for extra, expected in (({}, ""), ({"skip_special_tokens": False}, tokenizer.eos_token * 3)):
+        body: dict[str, Any] = {**forced, **extra}
+        chat = client.chat.completions.create(
+            model=api.model,
+            messages=messages,
+            max_tokens=3,
+            extra_body=body,  # type: ignore[arg-type]
+        ).model_dump()
+        assert chat["choices"][0]["token_ids"] == [eos] * 3
+        assert chat["choices"][0]["message"]["content"] == expected, extra
+        streamed = client.completions.create(
+            model=api.model,
+            prompt="Say nothing.",
+            max_tokens=3,
+            stream=True,
+            extra_body=body,  # type: ignore[arg-type]
+        )
+        assert "".join(c.choices[0].text for c in streamed if c.choices) == expected, extra
+    with Client(api.pair.tokenizer_address) as grpc_client:
+        request = build_request("Say nothing.", max_tokens=3, ignore_eos=True, logit_bias={eos: 100})
+        request.keep_special_tokens = True
+        out = [e.text for e in grpc_client.send(request)]
+    assert "".join(out) == tokenizer.eos_token * 3
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(
+            model=api.model,
+            messages=messages,
+            max_tokens=1,
+            extra_body={"skip_special_tokens": 0},  # type: ignore[arg-type]
+        )
+    assert refused.value.body["param"] == "skip_special_tokens"  # type: ignore[index]

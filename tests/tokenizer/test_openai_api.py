@@ -169,7 +169,6 @@ def test_a_conversation_at_the_limits_is_taken_and_the_responses_api_names_its_i
         ("use_beam_search", True),
         ("allowed_token_ids", [1, 2]),
         ("chat_template", "{{ messages }}"),
-        ("skip_special_tokens", False),
         ("priority", 5),
     ],
 )
@@ -193,13 +192,13 @@ def test_the_do_nothing_values_of_those_fields_are_accepted() -> None:
         "suffix": "", "best_of": 1, "web_search_options": None,
         "use_beam_search": False, "length_penalty": 1.0, "allowed_token_ids": None, "bad_words": [],
         "truncate_prompt_tokens": None, "chat_template": None, "documents": None,
-        "skip_special_tokens": True, "spaces_between_special_tokens": True,
+        "spaces_between_special_tokens": True,
         "return_tokens_as_token_ids": False, "logits_processors": None, "priority": 0,
     }  # fmt: skip
     assert defaults.keys() == openai_api.UNHONOURED.keys()
     defaults |= {"tools": [], "tool_choice": "none", "add_generation_prompt": True, "continue_final_message": False,
                  "chat_template_kwargs": {}, "echo": False, "prompt_logprobs": None,
-                 "mm_processor_kwargs": {}}  # fmt: skip
+                 "mm_processor_kwargs": {}, "skip_special_tokens": True, "return_token_ids": False}  # fmt: skip
     call = openai_api.parse_chat({"messages": [{"role": "user", "content": "x"}], **defaults})
     assert call.request.messages[0].content[0].text == "x"
     assert openai_api.parse_completion({"prompt": "x", **defaults}).request.prompt == "x"
