@@ -21,9 +21,15 @@ def _prefix() -> str:
     """The segment prefix of this test process and every service it starts
     (through the environment: MMSPLIT_SHM_PREFIX is both services' fallback).
     Each pytest-xdist worker has its own, so one worker's leak checks and
-    janitors never see another's segments."""
+    janitors never see another's segments; and each session its own (the
+    id of its pytest process: an xdist worker's parent), ended by "x" so
+    that no session's is the start of another's: a leak check of one
+    session once took another's live slab, run at the same time on the same
+    host, for a leak and unlinked it ("mmsplit", a session without xdist,
+    began every worker's "mmsplitgw0")."""
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
-    prefix = "mmsplit" + "".join(c for c in worker if c.isalnum())
+    session = os.getppid() if worker else os.getpid()
+    prefix = "mmsplit" + "".join(c for c in worker if c.isalnum()) + f"s{session}x"
     os.environ["MMSPLIT_SHM_PREFIX"] = prefix
     return prefix
 
