@@ -27,7 +27,7 @@ from typing import Any, NoReturn, TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from mmsplit.client import secrets_in
 from mmsplit.errors import MalformedMessage, Unauthenticated
@@ -334,14 +334,69 @@ def setup_logging(level: str = "INFO", fmt: str = "text") -> None:
     faulthandler.enable(sys.stderr, all_threads=True)
 
 
+class _HealthServicer(health_pb2_grpc.HealthServicer):
+    """grpc.health.v1's Check and Watch, whose Watch streams end with status
+    OK at `end_watches` (grpc's own servicer never ends one). A gRPC
+    server's stop cancels what is still open when its grace runs out and
+    logs each at ERROR with a CancelledError traceback ("Exception not
+    handled by _handle_exceptions in servicer method
+    [/grpc.health.v1.Health/Watch]"): the tokenizer's client-side health
+    checking of its scheduler, slow to drop its watch on a busy host, was
+    seen so at a clean Ctrl-C. A watch asked for after the end ends at once,
+    after its one status. A watch writes without holding the lock `set`
+    takes, so a slow watcher never holds up a change of status."""
+
+    def __init__(self) -> None:
+        self._status: dict[str, int] = {}
+        self._changed = asyncio.Condition()
+        self._version = 0
+        self._ended = False
+
+    async def Check(self, request: health_pb2.HealthCheckRequest, context: Any) -> health_pb2.HealthCheckResponse:  # noqa: N802
+        status = self._status.get(request.service)
+        if status is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND)
+        return health_pb2.HealthCheckResponse(status=status)
+
+    async def Watch(self, request: health_pb2.HealthCheckRequest, context: Any) -> None:  # noqa: N802
+        sent, seen = None, -1
+        while True:
+            async with self._changed:
+                while self._version == seen and not self._ended:
+                    await self._changed.wait()
+                seen, ended = self._version, self._ended
+                status = self._status.get(request.service, health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
+            if status != sent:
+                await context.write(health_pb2.HealthCheckResponse(status=status))
+                sent = status
+            if ended:
+                return
+
+    async def set(self, service: str, status: int) -> None:
+        async with self._changed:
+            self._status[service] = status
+            self._version += 1
+            self._changed.notify_all()
+
+    async def end_watches(self) -> None:
+        async with self._changed:
+            self._ended = True
+            self._changed.notify_all()
+
+
 class Health:
     """grpc.health.v1 for one service: "" reports liveness (SERVING while the
     process serves at all), the full service name reports readiness."""
 
     def __init__(self, service_name: str) -> None:
         self.service_name = service_name
-        self.servicer = health.aio.HealthServicer()
+        self.servicer = _HealthServicer()
         self._ready = False
+
+    async def stopping(self) -> None:
+        """The server stops next: its watch streams end now (OK), not cut
+        off by the stop (`_HealthServicer`)."""
+        await self.servicer.end_watches()
 
     async def start(self) -> None:
         await self.servicer.set("", SERVING)

@@ -543,6 +543,7 @@ async def _serve_published(
             if not frontend.open_streams:
                 break
             await asyncio.sleep(0.05)
+        await health.stopping()
         await server.stop(1.0)
         if ranks is not None:
             ranks.terminate()
@@ -560,6 +561,7 @@ async def _serve_published(
     if ranks is not None:
         ranks.stopping = True
     step_loop.request_stop()
+    await health.stopping()
     await server.stop(2.0)
     if probes is not None:
         await probes.stop(0)

@@ -464,6 +464,7 @@ async def _serve(
         stragglers = service.force_stop()
         log.warning("grace period over; ending %d request(s) with SHUTTING_DOWN", len(stragglers))
         await asyncio.wait(stragglers, timeout=10)
+    await health.stopping()
     await server.stop(1.0)
     if http is not None:
         await http.cleanup()
