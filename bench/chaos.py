@@ -8,7 +8,8 @@ from shared shuffled decks, each kind as often as its weight): over gRPC
 through `mmsplit.client` (its retries on), and over the OpenAI-compatible
 HTTP API through the official `openai` SDK (its retries on); images (most
 seen before, some never; over HTTP some at a smaller pixel budget of their
-own, `mm_processor_kwargs`), text, videos, corrupt images, clients that cancel
+own, `mm_processor_kwargs`, half asking for the token ids, `return_token_ids`),
+text, videos, corrupt images, clients that cancel
 mid-request, prompts scored (prompt log probabilities), completions echoing
 their token-id prompts with log probabilities, and stored Responses API
 answers continued (`previous_response_id`) and deleted. Meanwhile
@@ -213,13 +214,20 @@ async def _request(kind: str, rng: random.Random, client: AsyncClient, api: obje
 
             url = "data:image/jpeg;base64," + __import__("base64").b64encode(image).decode()
             content = [{"type": "text", "text": "Describe it."}, {"type": "image_url", "image_url": {"url": url}}]
-            budget = rng.choice(BUDGETS)
+            budget, ids = rng.choice(BUDGETS), rng.random() < 0.5
+            extra: dict[str, object] = {"mm_processor_kwargs": budget} if budget else {}
+            if ids:
+                extra["return_token_ids"] = True
             raw = await api.chat.completions.with_raw_response.create(  # type: ignore[attr-defined]
                 model=MODEL_NAME[0], messages=[{"role": "user", "content": content}], max_tokens=6, timeout=DEADLINE_S,
-                extra_body={"mm_processor_kwargs": budget} if budget else None,
+                extra_body=extra or None,
             )  # fmt: skip
             tally.retries += int(raw.retries_taken)
-            return "ok" if raw.parse().choices else "http: no choices"
+            answer = raw.parse()
+            whole = answer.model_dump()
+            if ids and not (whole.get("prompt_token_ids") and whole["choices"][0].get("token_ids")):
+                return tally.wrong("http: return_token_ids answered without the ids")
+            return "ok" if answer.choices else "http: no choices"
         if kind in ("echo", "conversation"):
             return await _stateful_http(kind, image, api, tally)
         if kind == "cancel":
