@@ -186,7 +186,7 @@ def image_budget(request: tokenizer_pb2.GenerateRequest, family: Family) -> Pixe
             )
         return None
     most = asked.max_pixels or own.most
-    least = asked.min_pixels or min(own.least, most)
+    budget = PixelBudget(asked.min_pixels, most) if asked.min_pixels else own.at_most(most)
     fewest = family.least_image_pixels
     if most > own.most:
         raise InvalidRequest(
@@ -198,11 +198,10 @@ def image_budget(request: tokenizer_pb2.GenerateRequest, family: Family) -> Pixe
             f"max_pixels {most} is under one merged patch of this model ({fewest} pixels)",
             metadata={"param": "image_budget.max_pixels"},
         )
-    if least > most:
+    if budget.least > most:
         raise InvalidRequest(
-            f"min_pixels {least} is over max_pixels {most}", metadata={"param": "image_budget.min_pixels"}
+            f"min_pixels {budget.least} is over max_pixels {most}", metadata={"param": "image_budget.min_pixels"}
         )
-    budget = PixelBudget(least, most)
     return None if budget == own else budget
 
 

@@ -376,13 +376,13 @@ def most_pixels(
     family: families.Family, width: int, height: int, budget: families.PixelBudget, row_bytes: int, cap: int
 ) -> int | None:
     """The largest max_pixels (within `budget`, a min_pixels over it taken
-    down to it, as `conversation.image_budget` does) under which an image
+    down to it: `PixelBudget.at_most`) under which an image
     of this size makes rows of at most `cap` bytes; None if even one
     merged patch would not. Rows never shrink as max_pixels grows (the
     processor's resize rule), so a bisection finds it."""
 
     def fits(most: int) -> bool:
-        return family.image_rows(width, height, families.PixelBudget(min(budget.least, most), most)) * row_bytes <= cap
+        return family.image_rows(width, height, budget.at_most(most)) * row_bytes <= cap
 
     low, high = family.least_image_pixels, budget.most
     if not fits(low):

@@ -359,10 +359,8 @@ class TokenizerService:
                             p.disown()
                         log.debug("%s: accepted downstream; its %d segment(s) are the scheduler's", rid, len(owned))
                     else:
-                        # Every rank has read the tensors by the first token
-                        # (not by the prompt's ids, sent on acceptance).
-                        if response.WhichOneof("event") != "prompt_tokens":
-                            self._revoke(granted)
+                        # Every rank has read the tensors by the first token.
+                        self._revoke(granted)
                         yield response
         finally:
             self._revoke(granted)
@@ -496,9 +494,9 @@ class TokenizerService:
         prompt_ids: bool = False,
         special: bool = False,
     ) -> AsyncGenerator[tokenizer_pb2.GenerateResponse | None, None]:
-        """The scheduler's stream as text: None once it has accepted (and,
-        with `prompt_ids`, the prompt's ids: GenerateRequest.return_prompt_token_ids), then a
-        delta per step (text may be empty while a character or a possible
+        """The scheduler's stream as text: None once it has accepted, then
+        (with `prompt_ids`: GenerateRequest.return_prompt_token_ids) the
+        prompt's ids with its first tokens, then a delta per step (text may be empty while a character or a possible
         stop string is held back), then Finished (with `calls`, the
         request's tool_choice: the calls found in the whole text). A stop
         string ends the stream here, and closing the call aborts the
@@ -513,10 +511,12 @@ class TokenizerService:
                 kind = event.WhichOneof("event")
                 if kind == "accepted":
                     yield None
-                    if prompt_ids:
-                        read = tokenizer_pb2.PromptTokens(token_ids=downstream.input_ids)
-                        yield tokenizer_pb2.GenerateResponse(request_id=rid, prompt_tokens=read)
-                elif kind == "tokens":
+                    continue
+                if prompt_ids:  # before the first of what the scheduler made
+                    prompt_ids = False
+                    read = tokenizer_pb2.PromptTokens(token_ids=downstream.input_ids)
+                    yield tokenizer_pb2.GenerateResponse(request_id=rid, prompt_tokens=read)
+                if kind == "tokens":
                     cached = cached or event.tokens.cached_tokens
                     if scoring:  # a prompt of one token has no entries, and its event all the same
                         scoring = False

@@ -64,6 +64,11 @@ class PixelBudget(NamedTuple):
     least: int
     most: int
 
+    def at_most(self, most: int) -> PixelBudget:
+        """This budget with `most` as its most (its least taken down to it
+        where over): a request's max_pixels without a min_pixels."""
+        return PixelBudget(min(self.least, most), most)
+
 
 @dataclass(frozen=True)
 class Family:
