@@ -72,6 +72,7 @@ from scheduler_svc.encoder_cache import EncoderCache
 from scheduler_svc.head_layout import lay_out
 from scheduler_svc.intake import Intake, ItemTensors
 from scheduler_svc.kvcache import ForwardInputs, RowCache
+from scheduler_svc.lean_decode import lean_decode_body
 from scheduler_svc.media_inputs import Joiner, MediaInputs
 from scheduler_svc.plan import Failure, NewRequest, Plan, StepOutcome
 from scheduler_svc.prefix_cache import BLOCK_TOKENS, NO_MATCH, Match, PrefixCache, Runs, chain
@@ -136,6 +137,7 @@ class Engine:
         cudnn_attention: bool = False,
         decode_kv_multiple: int = 1,
         head_layout: str = "auto",
+        lean_decode: bool = True,
     ) -> None:
         self.model = model
         # Rank 0's compiler of structured-output constraints (None: requests with a structure fail).
@@ -150,11 +152,20 @@ class Engine:
         # decode feeds text tokens only, so it skips the wrapper and runs the
         # language model directly where the family has one.
         self._prefill_body: torch.nn.Module = model.model  # type: ignore[assignment]
-        self._decode_body: torch.nn.Module = getattr(model.model, "language_model", model.model)  # type: ignore[arg-type]
+        # Where nothing could tell, without transformers' module calls around
+        # its layers (`lean_decode`: the same operations, checked at start-up).
+        text_model: torch.nn.Module = getattr(model.model, "language_model", model.model)  # type: ignore[arg-type]
         layers = int(model.config.get_text_config().num_hidden_layers)  # type: ignore[union-attr,operator]
-        self.cache = RowCache(
-            layers, dtype=self.dtype, device=device, token_chunk=token_chunk, decode_kv_multiple=decode_kv_multiple
-        )
+
+        def new_cache(layers: int) -> RowCache:
+            return RowCache(
+                layers, dtype=self.dtype, device=device, token_chunk=token_chunk, decode_kv_multiple=decode_kv_multiple
+            )
+
+        self.cache = new_cache(layers)
+        self._decode_body: Callable[..., Any] = text_model
+        if lean_decode:
+            self._decode_body = lean_decode_body(text_model, world_size=coll.world_size, make_cache=new_cache)
         # On CUDA, torch's attention without cuDNN's kernel unless asked for
         # (`--cudnn-attention`): it plans a graph on the host for each new shape.
         self._kernels = _attention_kernels(device, cudnn=cudnn_attention)
@@ -827,7 +838,7 @@ class Engine:
 
     def _body(
         self,
-        body: torch.nn.Module,
+        body: Callable[..., Any],
         ids: torch.Tensor,
         inputs: ForwardInputs,
         cache: RowCache | None = None,

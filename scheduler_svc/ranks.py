@@ -92,6 +92,7 @@ def bootstrap(settings: SchedulerSettings, rendezvous: Rendezvous | None, arena:
         cudnn_attention=settings.cudnn_attention,
         decode_kv_multiple=settings.decode_kv_multiple,
         head_layout=settings.lm_head_layout,
+        lean_decode=settings.lean_decode,
         threads=StepThreads(torch.get_num_threads()) if device.type == "cpu" and settings.tune_threads else None,
         hook=importlib.import_module(settings.engine_hook) if settings.engine_hook else None,
         grammars=Grammars(settings.model_dir, info.eos_token_ids) if coll.rank == 0 else None,

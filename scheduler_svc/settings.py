@@ -182,6 +182,14 @@ class SchedulerSettings(ServiceSettings):
         "weight up to 2x faster; the values are the same (laying it out copies it once, at start-up)",
         choices=("auto", "stored", "columns"),  # head_layout.LAYOUTS (this module does not import torch)
     )
+    lean_decode: bool = _opt(
+        True,
+        "on a single-rank group, decode steps of a Llama text model (the LLaVA families) make the model's "
+        "operations without transformers' module calls around them: the same operations on the same weights "
+        "in the same order, checked bit for bit against the model's own forward at start-up (where they "
+        "differ, under TP, and for other text models, the model's own forward runs). On a CPU the calls "
+        "are a tenth of a one-row decode step of an 8-layer 512-wide model",
+    )
     moe_experts: str = _opt(
         "split",
         "where a mixture-of-experts model's experts sit on a TP group (Qwen3-VL-MoE): 'split', each rank keeps "

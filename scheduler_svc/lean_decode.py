@@ -1,0 +1,271 @@
+"""A decode step's text model without transformers' module calls around
+its layers, bit for bit the same (`--lean-decode`).
+
+A decode step feeds one token per running row through every layer. On a
+CPU the model's own arithmetic for one row of the 8x512 model is ~6 ms of
+matrix products; transformers' forward adds ~1 ms around it: a module call
+per norm, projection and MLP (each with its hook checks), the model's
+output-capturing and config decorators, the mask builder. That is a tenth
+of the step there and a fifth of the tiny model's (`bench/engine.py`).
+`LeanLlama` makes the same operations, on the same weights, in the same
+order, as transformers' Llama layers (the text model of the LLaVA
+families): the model's own embedding, rotary embedding, attention function
+(`config._attn_implementation`) and activation, the projections as
+`nn.Linear` makes them, the norms as `LlamaRMSNorm` makes them. Only the
+calls between them go.
+
+It stands in for the model's forward only where nothing could tell:
+
+- a group of one rank: under TP, transformers' plan shards the
+  projections and sums inside its modules' hooks;
+- a text model of exactly the classes it copies (`LEAN`), in eval mode;
+- at start-up, a probe (a prefill of a few tokens, then a decode step, in
+  a scratch cache) makes bit-identical hidden states both ways: a
+  transformers version whose layers differ, a kernel that replaced a
+  forward, or an attention function that reads what we do not pass
+  leaves the model's own forward in place (logged);
+- on every call, no module it skips has a forward hook or a forward of
+  its own set on the instance (tests' fault injection, an offload hook):
+  that call goes through the model's own forward.
+
+Prefill forwards stay the model's own: their matrix products are large
+enough that the calls around them do not count.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+from torch.nn import functional
+from torch.nn.modules import module as torch_module
+
+log = logging.getLogger(__name__)
+
+# A scratch cache for the probe: (layers) -> a `transformers.Cache` that the
+# engine's `RowCache` is (begin_prefill / begin_decode / update).
+CacheFactory = Callable[[int], Any]
+
+PROBE_TOKENS = 5
+
+
+class Hidden(NamedTuple):
+    """What the engine reads of a body's output."""
+
+    last_hidden_state: torch.Tensor
+
+
+class _Layer(NamedTuple):
+    layer: torch.nn.Module
+    attn: Any
+    mlp: torch.nn.Module
+    input_norm: Any
+    q: torch.nn.Linear
+    k: torch.nn.Linear
+    v: torch.nn.Linear
+    o: torch.nn.Linear
+    post_norm: Any
+    gate: torch.nn.Linear
+    up: torch.nn.Linear
+    down: torch.nn.Linear
+    act: Callable[[torch.Tensor], torch.Tensor]
+
+
+def _rms_norm(norm: Any, hidden: torch.Tensor) -> torch.Tensor:
+    """`LlamaRMSNorm.forward`, operation for operation."""
+    dtype = hidden.dtype
+    hidden = hidden.to(torch.float32)
+    variance = hidden.pow(2).mean(-1, keepdim=True)
+    hidden = hidden * torch.rsqrt(variance + norm.variance_epsilon)
+    return norm.weight * hidden.to(dtype)
+
+
+def _linear(proj: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """`nn.Linear.forward`."""
+    return functional.linear(x, proj.weight, proj.bias)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class LeanLlama:
+    """transformers' `LlamaModel.forward` for the engine's calls (input ids,
+    positions, an additive 4-D mask, the engine's cache), without the module
+    calls between its operations."""
+
+    def __init__(self, body: torch.nn.Module) -> None:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+        from transformers.models.llama.modeling_llama import eager_attention_forward
+
+        self.body = body
+        config: Any = body.config
+        self._attention = ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, eager_attention_forward)
+        self._layers = [
+            _Layer(
+                layer,
+                layer.self_attn,
+                layer.mlp,
+                layer.input_layernorm,
+                layer.self_attn.q_proj,
+                layer.self_attn.k_proj,
+                layer.self_attn.v_proj,
+                layer.self_attn.o_proj,
+                layer.post_attention_layernorm,
+                layer.mlp.gate_proj,
+                layer.mlp.up_proj,
+                layer.mlp.down_proj,
+                layer.mlp.act_fn,
+            )
+            for layer in body.layers[: config.num_hidden_layers]  # type: ignore[index,union-attr]
+        ]
+        # The modules whose calls this skips: a hook on any of them, or a
+        # forward set on one, sends a call through the model's own forward.
+        self._skipped: list[torch.nn.Module] = [body, body.norm]  # type: ignore[list-item]
+        for parts in self._layers:
+            self._skipped += [parts.layer, parts.attn, parts.input_norm, parts.post_norm, parts.mlp]
+            self._skipped += [parts.q, parts.k, parts.v, parts.o, parts.gate, parts.up, parts.down]
+
+    def observed(self) -> bool:
+        """Whether anything would see the skipped calls (then the model's own forward runs)."""
+        if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
+            return True
+        return any(m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__ for m in self._skipped)
+
+    def __call__(
+        self,
+        *,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        past_key_values: Any,
+        use_cache: bool = True,
+        **extra: Any,
+    ) -> Any:
+        if extra or self.observed():
+            return self.body(
+                input_ids=input_ids,
+                position_ids=position_ids,
+                attention_mask=attention_mask,
+                past_key_values=past_key_values,
+                use_cache=use_cache,
+                **extra,
+            )
+        return Hidden(self.forward(input_ids, position_ids, attention_mask, past_key_values, use_cache))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        cache: Any,
+        use_cache: bool,
+    ) -> torch.Tensor:
+        body: Any = self.body
+        hidden = body.embed_tokens(input_ids)
+        cos, sin = body.rotary_emb(hidden, position_ids=position_ids)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # apply_rotary_pos_emb's unsqueeze_dim=1
+        shape = hidden.shape[:-1]
+        for p in self._layers:
+            residual = hidden
+            normed = _rms_norm(p.input_norm, hidden)
+            heads = (*shape, -1, p.attn.head_dim)
+            q = _linear(p.q, normed).view(heads).transpose(1, 2)
+            k = _linear(p.k, normed).view(heads).transpose(1, 2)
+            v = _linear(p.v, normed).view(heads).transpose(1, 2)
+            q = (q * cos) + (_rotate_half(q) * sin)
+            k = (k * cos) + (_rotate_half(k) * sin)
+            k, v = cache.update(k, v, p.attn.layer_idx)
+            out, _ = self._attention(
+                p.attn,
+                q,
+                k,
+                v,
+                attention_mask,
+                dropout=0.0,
+                scaling=p.attn.scaling,
+                position_ids=position_ids,
+                use_cache=use_cache,
+            )
+            out = out.reshape(*shape, -1).contiguous()
+            hidden = residual + _linear(p.o, out)
+            residual = hidden
+            normed = _rms_norm(p.post_norm, hidden)
+            hidden = residual + _linear(p.down, p.act(_linear(p.gate, normed)) * _linear(p.up, normed))
+        return _rms_norm(body.norm, hidden)
+
+
+def _lean_classes() -> dict[type, type[LeanLlama]]:
+    from transformers.models.llama import modeling_llama as llama
+
+    return {llama.LlamaModel: LeanLlama}
+
+
+def _parts_are_llama(body: torch.nn.Module) -> bool:
+    from transformers.models.llama import modeling_llama as llama
+
+    for layer in body.layers:  # type: ignore[union-attr]
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        if type(layer) is not llama.LlamaDecoderLayer or type(layer.self_attn) is not llama.LlamaAttention:
+            return False
+        if type(layer.mlp) is not llama.LlamaMLP or any(type(n) is not llama.LlamaRMSNorm for n in norms):
+            return False
+    return type(body.norm) is llama.LlamaRMSNorm and type(body.rotary_emb) is llama.LlamaRotaryEmbedding  # type: ignore[union-attr]
+
+
+def lean_decode_body(body: torch.nn.Module, *, world_size: int, make_cache: CacheFactory) -> Any:
+    """`body` itself, or a `LeanLlama` over it where it may stand in (the
+    module docstring's conditions), with the reason logged either way."""
+    lean_class = _lean_classes().get(type(body))
+    why = ""
+    if world_size != 1:
+        why = f"a group of {world_size} ranks (transformers' TP plan works inside its modules)"
+    elif lean_class is None or not _parts_are_llama(body):
+        why = f"its text model ({type(body).__name__}) is not one whose layers it copies"
+    elif body.training:
+        why = "the model is in training mode"
+    if why:
+        log.info("decode steps run the model's own forward: %s", why)
+        return body
+    assert lean_class is not None
+    lean = lean_class(body)
+    differs = _probe(lean, body, make_cache)
+    if differs:
+        log.warning("decode steps run the model's own forward: the lean decode %s", differs)
+        return body
+    log.info("decode steps run the model's operations without its module calls (--lean-decode)")
+    return lean
+
+
+def _probe(lean: LeanLlama, body: torch.nn.Module, make_cache: CacheFactory) -> str:
+    """'' where `lean` makes bit-identical hidden states to `body` over a
+    prefill of a few tokens and one decode step; else what differed."""
+    if lean.observed():
+        return "could not be checked: the model has forward hooks at start-up"
+    config: Any = body.config
+    device: Any = body.embed_tokens.weight.device  # type: ignore[union-attr]
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, config.vocab_size, (1, PROBE_TOKENS + 1), generator=generator).to(device)
+
+    def own(ids: torch.Tensor, inputs: Any, cache: Any) -> torch.Tensor:
+        out = body(input_ids=ids, position_ids=inputs.position_ids, attention_mask=inputs.attention_mask,
+                   past_key_values=cache, use_cache=True)  # fmt: skip
+        return out.last_hidden_state  # type: ignore[no-any-return]
+
+    def lean_own(ids: torch.Tensor, inputs: Any, cache: Any) -> torch.Tensor:
+        return lean.forward(ids, inputs.position_ids, inputs.attention_mask, cache, True)
+
+    made = []
+    with torch.inference_mode():
+        for forward in (own, lean_own):
+            cache = make_cache(config.num_hidden_layers)
+            prefill = forward(ids[:, :PROBE_TOKENS], cache.begin_prefill([PROBE_TOKENS]), cache)
+            made.append((prefill, forward(ids[:, PROBE_TOKENS:], cache.begin_decode(), cache)))
+    for what, theirs, ours in zip(("a prefill", "a decode step"), *made, strict=True):
+        if not torch.equal(theirs, ours):
+            most = (theirs - ours).abs().max().item()
+            return f"made other hidden states than the model's own forward in {what} (by up to {most:.3g})"
+    return ""

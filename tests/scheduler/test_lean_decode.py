@@ -1,0 +1,153 @@
+"""Decode steps without transformers' module calls (scheduler_svc/lean_decode.py):
+the same logits bit for bit as the model's own forward, step after step
+with rows joining and leaving; used only where it may be (a Llama text
+model, one rank, a probe that agrees at start-up, no hook on a module it
+skips), the model's own forward everywhere else."""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from scheduler_svc.engine import Engine
+from scheduler_svc.lean_decode import LeanLlama, lean_decode_body
+from scheduler_svc.plan import Plan, StepOutcome
+from tests.support.engine_kit import drive, image_prompt, pixels, reference, request, solo_engine
+
+
+def load(model_dir: Path) -> torch.nn.Module:
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def text_model(model: torch.nn.Module) -> torch.nn.Module:
+    return model.model.language_model  # type: ignore[union-attr,return-value]
+
+
+class Twins:
+    """Two engines stepped with the same plans; every step's outcome must be
+    the same in both, log probabilities (the logits' values) included."""
+
+    def __init__(self, one: Engine, other: Engine) -> None:
+        self.one, self.other = one, other
+        self.steps = 0
+        self.scored = 0  # tokens whose log probabilities were compared
+
+    @property
+    def rows(self) -> list[Any]:
+        assert len(self.one.rows) == len(self.other.rows)
+        return self.one.rows
+
+    @property
+    def prefilling(self) -> bool:
+        return self.one.prefilling
+
+    def step(self, plan: Plan) -> StepOutcome:
+        mine, theirs = self.one.step(plan), self.other.step(plan)
+        assert mine.sampled == theirs.sampled, f"step {plan.step}"
+        assert mine.logprobs == theirs.logprobs, f"step {plan.step}"
+        assert not mine.failed
+        assert not mine.rejected
+        assert not mine.ended
+        self.steps += 1
+        self.scored += len(mine.logprobs)
+        return mine
+
+
+def workload(model: torch.nn.Module, seed: int, *, images: bool) -> tuple[dict[int, list[Any]], list[Any]]:
+    """12 requests of different prompts and lengths joining at random steps;
+    every other one asks for its tokens' log probabilities (5 alternatives)."""
+    rng = random.Random(seed)
+    arrivals: dict[int, list[Any]] = {}
+    requests = []
+    for i in range(12):
+        n_images = rng.choice([0, 1]) if images else 0
+        ids = image_prompt(model, n_images, [rng.randrange(100, 30000) for _ in range(rng.randrange(1, 30))])
+        scored = {"logprobs": True, "top_logprobs": 5} if i % 2 else {}
+        req = request(f"r{i}", ids, [pixels(seed + i)] * n_images, max_tokens=rng.randrange(2, 14), **scored)
+        requests.append(req)
+        arrivals.setdefault(rng.randrange(0, 10), []).append(req)
+    return arrivals, requests
+
+
+@pytest.mark.parametrize("family", ["llava", "llava-next"])
+def test_lean_decode_makes_the_model_s_own_logits_bit_for_bit(
+    family_models: Callable[[str], Path], family: str
+) -> None:
+    model = load(family_models(family))
+    lean, own = solo_engine(model), solo_engine(model, lean_decode=False)
+    assert isinstance(lean._decode_body, LeanLlama)
+    assert own._decode_body is text_model(model)
+    # The tiny LLaVA-NeXT's requests here are text only: images change prefills, not decode steps.
+    arrivals, requests = workload(model, 7, images=family == "llava")
+    twins = Twins(lean, own)
+    results = drive(twins, arrivals, model.config.text_config.eos_token_id)  # type: ignore[arg-type,union-attr]
+    assert twins.steps > 10
+    assert twins.scored > 20
+    assert sorted(results) == sorted(req.request_id for req in requests)
+    first = requests[0]
+    assert results[first.request_id] == reference(model, first)
+
+
+def test_qwen_text_models_decode_through_their_own_forward(
+    family_models: Callable[[str], Path], caplog: pytest.LogCaptureFixture
+) -> None:
+    model = load(family_models("qwen2-vl"))
+    with caplog.at_level(logging.INFO, logger="scheduler_svc.lean_decode"):
+        engine = solo_engine(model)
+    assert engine._decode_body is text_model(model)
+    assert "is not one whose layers it copies" in caplog.text
+
+
+def test_off_and_under_tp_the_model_s_own_forward_runs(tiny_model: Path) -> None:
+    model = load(tiny_model)
+    body = text_model(model)
+    assert solo_engine(model, lean_decode=False)._decode_body is body
+
+    def no_cache(layers: int) -> None:
+        raise AssertionError("no probe under TP")
+
+    assert lean_decode_body(body, world_size=2, make_cache=no_cache) is body
+
+
+def test_a_layer_that_computes_otherwise_keeps_the_model_s_own_forward(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """As a kernel that replaced a layer's forward would: the start-up probe
+    sees other hidden states, and the engine keeps the model's forward."""
+    from transformers.models.llama import modeling_llama
+
+    plain = modeling_llama.LlamaMLP.forward
+    monkeypatch.setattr(modeling_llama.LlamaMLP, "forward", lambda self, x: plain(self, x) * 1.001)
+    model = load(tiny_model)
+    with caplog.at_level(logging.WARNING, logger="scheduler_svc.lean_decode"):
+        engine = solo_engine(model)
+    assert engine._decode_body is text_model(model)
+    assert "made other hidden states than the model's own forward in a prefill" in caplog.text
+
+
+def test_a_hook_on_a_skipped_module_sends_steps_through_the_model_s_own_forward(tiny_model: Path) -> None:
+    model = load(tiny_model)
+    engine = solo_engine(model)
+    assert isinstance(engine._decode_body, LeanLlama)
+    layer = text_model(model).layers[1]  # type: ignore[index]
+    calls: list[int] = []
+    handle = layer.register_forward_pre_hook(lambda module, args: calls.append(args[0].shape[1]))
+    eos = model.config.text_config.eos_token_id  # type: ignore[union-attr]
+    req = request("hooked", image_prompt(model, 0, [500, 600]), max_tokens=5, min_tokens=5)
+    try:
+        assert drive(engine, {0: [req]}, eos)["hooked"] == reference(model, req)
+    finally:
+        handle.remove()
+    assert calls.count(1) == 4, calls  # the 4 decode steps after the prefill, each one token
+    calls.clear()
+    again = request("plain", image_prompt(model, 0, [500, 600]), max_tokens=5, min_tokens=5)
+    assert drive(engine, {0: [again]}, eos)["plain"] == reference(model, req)
+    assert calls == []
