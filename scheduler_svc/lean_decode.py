@@ -9,16 +9,19 @@ output-capturing and config decorators, the mask builder. That is a tenth
 of the step there and a fifth of the tiny model's (`bench/engine.py`).
 `LeanLlama` makes the same operations, on the same weights, in the same
 order, as transformers' Llama layers (the text model of the LLaVA
-families): the model's own embedding, rotary embedding, attention function
-(`config._attn_implementation`) and activation, the projections as
-`nn.Linear` makes them, the norms as `LlamaRMSNorm` makes them. Only the
-calls between them go.
+families), and `LeanQwen2VL` as Qwen2-VL's and Qwen2.5-VL's (the same
+layers, with M-RoPE positions): the model's own embedding, rotary
+embedding, attention function (`config._attn_implementation`) and
+activation, the projections as `nn.Linear` makes them, the norms as the
+model's RMSNorm makes them. Only the calls between them go.
 
 It stands in for the model's forward only where nothing could tell:
 
 - a group of one rank: under TP, transformers' plan shards the
   projections and sums inside its modules' hooks;
-- a text model of exactly the classes it copies (`LEAN`), in eval mode;
+- a text model, and parts, of exactly the classes it copies
+  (`_architectures`; Qwen3-VL's, with its per-head norms, is not one), no
+  sliding-window layers, in eval mode;
 - at start-up, a probe (a prefill of a few tokens, then a decode step, in
   a scratch cache) makes bit-identical hidden states both ways: a
   transformers version whose layers differ, a kernel that replaced a
@@ -95,7 +98,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class LeanLlama:
     """transformers' `LlamaModel.forward` for the engine's calls (input ids,
     positions, an additive 4-D mask, the engine's cache), without the module
-    calls between its operations."""
+    calls between its operations. Subclasses differ only in how positions
+    reach the rotary embedding and what the attention function is given."""
 
     def __init__(self, body: torch.nn.Module) -> None:
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -166,7 +170,8 @@ class LeanLlama:
     ) -> torch.Tensor:
         body: Any = self.body
         hidden = body.embed_tokens(input_ids)
-        cos, sin = body.rotary_emb(hidden, position_ids=position_ids)
+        rope_positions, text_positions = self._positions(position_ids)
+        cos, sin = body.rotary_emb(hidden, rope_positions)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # apply_rotary_pos_emb's unsqueeze_dim=1
         shape = hidden.shape[:-1]
         for p in self._layers:
@@ -187,7 +192,7 @@ class LeanLlama:
                 attention_mask,
                 dropout=0.0,
                 scaling=p.attn.scaling,
-                position_ids=position_ids,
+                **self._attention_extra(p.attn, text_positions),
                 use_cache=use_cache,
             )
             out = out.reshape(*shape, -1).contiguous()
@@ -197,41 +202,93 @@ class LeanLlama:
             hidden = residual + _linear(p.down, p.act(_linear(p.gate, normed)) * _linear(p.up, normed))
         return _rms_norm(body.norm, hidden)
 
+    def _positions(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(what the rotary embedding is given, what the attention function is given)."""
+        return position_ids, position_ids
 
-def _lean_classes() -> dict[type, type[LeanLlama]]:
+    def _attention_extra(self, attn: Any, text_positions: torch.Tensor | None) -> dict[str, Any]:
+        return {"position_ids": text_positions}
+
+
+class LeanQwen2VL(LeanLlama):
+    """`Qwen2VLTextModel.forward` (Qwen2-VL's and Qwen2.5-VL's text model):
+    Llama's layers with M-RoPE positions (three rows: time, height, width;
+    a fourth first one, where given, is the text positions for the
+    attention function) and each attention's sliding window passed on."""
+
+    def _positions(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if position_ids.ndim == 2:
+            position_ids = position_ids[None, ...].expand(3, position_ids.shape[0], -1)
+        if position_ids.ndim == 3 and position_ids.shape[0] == 4:
+            return position_ids[1:], position_ids[0]
+        return position_ids, None
+
+    def _attention_extra(self, attn: Any, text_positions: torch.Tensor | None) -> dict[str, Any]:
+        return {"sliding_window": attn.sliding_window, "position_ids": text_positions}
+
+
+class _Architecture(NamedTuple):
+    """The classes of a text model's parts that a lean body copies."""
+
+    layer: type
+    attn: type
+    mlp: type
+    norm: type
+    rotary: type
+    lean: type[LeanLlama]
+
+
+def _architectures() -> dict[type, _Architecture]:
+    """By the text model's class (exactly: a subclass may compute otherwise)."""
     from transformers.models.llama import modeling_llama as llama
+    from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as qwen25
+    from transformers.models.qwen2_vl import modeling_qwen2_vl as qwen2
 
-    return {llama.LlamaModel: LeanLlama}
+    return {
+        llama.LlamaModel: _Architecture(
+            llama.LlamaDecoderLayer, llama.LlamaAttention, llama.LlamaMLP, llama.LlamaRMSNorm,
+            llama.LlamaRotaryEmbedding, LeanLlama,
+        ),
+        qwen2.Qwen2VLTextModel: _Architecture(
+            qwen2.Qwen2VLDecoderLayer, qwen2.Qwen2VLAttention, qwen2.Qwen2MLP, qwen2.Qwen2VLRMSNorm,
+            qwen2.Qwen2VLRotaryEmbedding, LeanQwen2VL,
+        ),
+        qwen25.Qwen2_5_VLTextModel: _Architecture(
+            qwen25.Qwen2_5_VLDecoderLayer, qwen25.Qwen2_5_VLAttention, qwen25.Qwen2MLP, qwen25.Qwen2_5_VLRMSNorm,
+            qwen25.Qwen2_5_VLRotaryEmbedding, LeanQwen2VL,
+        ),
+    }  # fmt: skip
 
 
-def _parts_are_llama(body: torch.nn.Module) -> bool:
-    from transformers.models.llama import modeling_llama as llama
-
-    for layer in body.layers:  # type: ignore[union-attr]
-        norms = (layer.input_layernorm, layer.post_attention_layernorm)
-        if type(layer) is not llama.LlamaDecoderLayer or type(layer.self_attn) is not llama.LlamaAttention:
+def _copied(body: torch.nn.Module, arch: _Architecture) -> bool:
+    """Whether every part of `body` is of the class `arch` copies, with no sliding-window layers."""
+    config: Any = body.config
+    if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
+        return False
+    layers: Any = body.layers
+    for layer in layers:
+        parts = (layer, layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm)
+        if tuple(map(type, parts)) != (arch.layer, arch.attn, arch.mlp, arch.norm, arch.norm):
             return False
-        if type(layer.mlp) is not llama.LlamaMLP or any(type(n) is not llama.LlamaRMSNorm for n in norms):
-            return False
-    return type(body.norm) is llama.LlamaRMSNorm and type(body.rotary_emb) is llama.LlamaRotaryEmbedding  # type: ignore[union-attr]
+    return type(body.norm) is arch.norm and type(body.rotary_emb) is arch.rotary  # type: ignore[union-attr]
 
 
 def lean_decode_body(body: torch.nn.Module, *, world_size: int, make_cache: CacheFactory) -> Any:
     """`body` itself, or a `LeanLlama` over it where it may stand in (the
     module docstring's conditions), with the reason logged either way."""
-    lean_class = _lean_classes().get(type(body))
+    arch = _architectures().get(type(body))
     why = ""
     if world_size != 1:
         why = f"a group of {world_size} ranks (transformers' TP plan works inside its modules)"
-    elif lean_class is None or not _parts_are_llama(body):
+    elif arch is None or not _copied(body, arch):
         why = f"its text model ({type(body).__name__}) is not one whose layers it copies"
     elif body.training:
         why = "the model is in training mode"
     if why:
         log.info("decode steps run the model's own forward: %s", why)
         return body
-    assert lean_class is not None
-    lean = lean_class(body)
+    assert arch is not None
+    lean = arch.lean(body)
     differs = _probe(lean, body, make_cache)
     if differs:
         log.warning("decode steps run the model's own forward: the lean decode %s", differs)

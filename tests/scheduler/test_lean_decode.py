@@ -77,7 +77,7 @@ def workload(model: torch.nn.Module, seed: int, *, images: bool) -> tuple[dict[i
     return arrivals, requests
 
 
-@pytest.mark.parametrize("family", ["llava", "llava-next"])
+@pytest.mark.parametrize("family", ["llava", "llava-next", "qwen2-vl", "qwen2.5-vl"])
 def test_lean_decode_makes_the_model_s_own_logits_bit_for_bit(
     family_models: Callable[[str], Path], family: str
 ) -> None:
@@ -85,7 +85,9 @@ def test_lean_decode_makes_the_model_s_own_logits_bit_for_bit(
     lean, own = solo_engine(model), solo_engine(model, lean_decode=False)
     assert isinstance(lean._decode_body, LeanLlama)
     assert own._decode_body is text_model(model)
-    # The tiny LLaVA-NeXT's requests here are text only: images change prefills, not decode steps.
+    # The other families' requests here are text only (the kit's images are the tiny
+    # LLaVA's): images change prefills, not decode steps; a Qwen row decodes at its
+    # prompt's M-RoPE offset either way.
     arrivals, requests = workload(model, 7, images=family == "llava")
     twins = Twins(lean, own)
     results = drive(twins, arrivals, model.config.text_config.eos_token_id)  # type: ignore[arg-type,union-attr]
@@ -96,10 +98,10 @@ def test_lean_decode_makes_the_model_s_own_logits_bit_for_bit(
     assert results[first.request_id] == reference(model, first)
 
 
-def test_qwen_text_models_decode_through_their_own_forward(
+def test_other_text_models_decode_through_their_own_forward(
     family_models: Callable[[str], Path], caplog: pytest.LogCaptureFixture
 ) -> None:
-    model = load(family_models("qwen2-vl"))
+    model = load(family_models("qwen3-vl"))
     with caplog.at_level(logging.INFO, logger="scheduler_svc.lean_decode"):
         engine = solo_engine(model)
     assert engine._decode_body is text_model(model)
