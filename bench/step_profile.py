@@ -6,6 +6,11 @@ decodes them. Timed first without the profiler (the step's wall time, the
 baseline), then `torch.profiler` over S more decode steps. Printed:
 
 - the decode step's wall time, median, without and with the profiler;
+- the decode step with the model's own forward (`--lean-decode false`)
+  and with the engine's lean one (the default where the model's text
+  model is one it copies: `scheduler_svc/lean_decode.py`), alternating
+  over `--rounds`, each from a new join of the same rows: the time the
+  module calls around the model's operations cost (`--no-lean-arms` skips it);
 - the ops with the most self CPU time (on a GPU: the host's launch and
   bookkeeping cost), and on a GPU the kernels with the most device time;
 - the share of the step's wall time the ops account for on the host (the
@@ -119,6 +124,26 @@ def arms(model: Any, args: argparse.Namespace, warm: int, sync: Any) -> None:
     print(f"decode step wall ms, median of {args.rounds} rounds: {said}")
 
 
+def lean_arms(model: Any, args: argparse.Namespace, warm: int, sync: Any) -> None:
+    """The decode step with the model's own forward and with the lean one,
+    alternating over `args.rounds` rounds, each from a new join."""
+    from scheduler_svc.lean_decode import LeanLlama
+
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for _ in range(args.rounds):
+        for lean, seen in times.items():
+            eng = engine(model, 0, lean_decode=lean)
+            if lean and not isinstance(eng._decode_body, LeanLlama):
+                print("lean decode: not used for this model (the scheduler's log says why)")
+                return
+            trial = Decoder(eng, args.rows, args.prompt, answer=1 + warm + args.steps + 1)
+            timed(trial, warm, sync)
+            seen.append(timed(trial, args.steps, sync))
+    own, lean_ms = statistics.median(times[False]), statistics.median(times[True])
+    print(f"decode step wall ms, median of {args.rounds} rounds: the model's own forward {own:.2f}, "
+          f"lean {lean_ms:.2f} ({lean_ms / own:.2f}x)")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="tiny", help="tiny or 8x512")
@@ -130,7 +155,13 @@ def main() -> None:
     parser.add_argument("--arms", action=argparse.BooleanOptionalAction, default=None,
                         help="time the step with cuDNN's attention off and on, keys padded and not "
                         "(default: on a GPU only)")  # fmt: skip
-    parser.add_argument("--rounds", type=int, default=3, help="rounds of those arms")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of those arms, and of the lean ones")
+    parser.add_argument(
+        "--lean-arms",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="time the decode step with the model's own forward and with the lean one",
+    )
     parser.add_argument("--pad", type=int, default=64, help="the padded arm's multiple of keys")
     parser.add_argument("--trace", type=Path, default=None, help="write the profiler's Chrome trace here")
     parser.add_argument("--workdir", type=Path, default=None)
@@ -150,6 +181,8 @@ def main() -> None:
     warm, steps = 3, args.steps
     if args.arms if args.arms is not None else cuda:
         arms(model, args, warm, sync)
+    if args.lean_arms:
+        lean_arms(model, args, warm, sync)
     decoder = Decoder(engine(model, 0), args.rows, args.prompt, answer=1 + warm + 2 * steps + 1)
     timed(decoder, warm, sync)
     plain = timed(decoder, steps, sync)

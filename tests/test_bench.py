@@ -144,6 +144,8 @@ def test_step_profile_prints_the_step_and_its_ops(models: Path) -> None:
     arms = rf"cuDNN off \(default\) {arm}, cuDNN on {arm}, cuDNN off, {padded} {arm}, cuDNN on, {padded} {arm}$"
     assert re.search(arms, result.stdout, re.M), result.stdout
     assert re.search(r"decode step wall ms, median: [\d.]+ without the profiler, [\d.]+ with it", result.stdout)
+    lean = rf"median of 1 rounds: the model's own forward [\d.]+, lean {arm}$"
+    assert re.search(lean, result.stdout, re.M), result.stdout
     assert re.search(r"^aten::mm\s+\d+\s+[\d.]+$", result.stdout, re.M), result.stdout
 
 
