@@ -10,8 +10,9 @@ one-row decode step takes 0.92x as long there, the tiny model's 0.81x
 (`bench/step_profile.py`).
 `LeanLlama` makes the same operations, on the same weights, in the same
 order, as transformers' Llama layers (the text model of the LLaVA
-families), and `LeanQwen2VL` as Qwen2-VL's and Qwen2.5-VL's (the same
-layers, with M-RoPE positions): the model's own embedding, rotary
+families), `LeanQwen2VL` as Qwen2-VL's and Qwen2.5-VL's (the same layers,
+with M-RoPE positions) and `LeanQwen3VL` as Qwen3-VL's (with a norm over
+each head's queries and keys): the model's own embedding, rotary
 embedding, attention function (`config._attn_implementation`) and
 activation, the projections as `nn.Linear` makes them, the norms as the
 model's RMSNorm makes them. Only the calls between them go.
@@ -21,7 +22,7 @@ It stands in for the model's forward only where nothing could tell:
 - a group of one rank: under TP, transformers' plan shards the
   projections and sums inside its modules' hooks;
 - a text model, and parts, of exactly the classes it copies
-  (`_architectures`; Qwen3-VL's, with its per-head norms, is not one), no
+  (`_architectures`; Qwen3-VL-MoE's, with its experts, is not one), no
   sliding-window layers, in eval mode;
 - at start-up, a probe (a prefill of a few tokens, then a decode step, in
   a scratch cache) makes bit-identical hidden states both ways: a
@@ -178,10 +179,7 @@ class LeanLlama:
         for p in self._layers:
             residual = hidden
             normed = _rms_norm(p.input_norm, hidden)
-            heads = (*shape, -1, p.attn.head_dim)
-            q = _linear(p.q, normed).view(heads).transpose(1, 2)
-            k = _linear(p.k, normed).view(heads).transpose(1, 2)
-            v = _linear(p.v, normed).view(heads).transpose(1, 2)
+            q, k, v = self._qkv(p, normed, (*shape, -1, p.attn.head_dim))
             q = (q * cos) + (_rotate_half(q) * sin)
             k = (k * cos) + (_rotate_half(k) * sin)
             k, v = cache.update(k, v, p.attn.layer_idx)
@@ -193,8 +191,7 @@ class LeanLlama:
                 attention_mask,
                 dropout=0.0,
                 scaling=p.attn.scaling,
-                **self._attention_extra(p.attn, text_positions),
-                use_cache=use_cache,
+                **self._attention_extra(p.attn, text_positions, use_cache),
             )
             out = out.reshape(*shape, -1).contiguous()
             hidden = residual + _linear(p.o, out)
@@ -203,12 +200,17 @@ class LeanLlama:
             hidden = residual + _linear(p.down, p.act(_linear(p.gate, normed)) * _linear(p.up, normed))
         return _rms_norm(body.norm, hidden)
 
+    def _qkv(self, p: _Layer, normed: torch.Tensor, heads: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+        """The queries, keys and values, ``[rows, heads, tokens, head dim]``, before the rotary embedding."""
+        return tuple(_linear(proj, normed).view(heads).transpose(1, 2) for proj in (p.q, p.k, p.v))
+
     def _positions(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(what the rotary embedding is given, what the attention function is given)."""
         return position_ids, position_ids
 
-    def _attention_extra(self, attn: Any, text_positions: torch.Tensor | None) -> dict[str, Any]:
-        return {"position_ids": text_positions}
+    def _attention_extra(self, attn: Any, text_positions: torch.Tensor | None, use_cache: bool) -> dict[str, Any]:
+        """What the attention function is given besides the model's tensors, as the model's layers give it."""
+        return {"position_ids": text_positions, "use_cache": use_cache}
 
 
 class LeanQwen2VL(LeanLlama):
@@ -217,15 +219,41 @@ class LeanQwen2VL(LeanLlama):
     a fourth first one, where given, is the text positions for the
     attention function) and each attention's sliding window passed on."""
 
+    # Rows a 2-D position tensor is expanded to (Qwen3-VL's text model takes
+    # the text positions' row from it as well).
+    POSITION_ROWS = 3
+
     def _positions(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if position_ids.ndim == 2:
-            position_ids = position_ids[None, ...].expand(3, position_ids.shape[0], -1)
+            position_ids = position_ids[None, ...].expand(self.POSITION_ROWS, position_ids.shape[0], -1)
         if position_ids.ndim == 3 and position_ids.shape[0] == 4:
             return position_ids[1:], position_ids[0]
         return position_ids, None
 
-    def _attention_extra(self, attn: Any, text_positions: torch.Tensor | None) -> dict[str, Any]:
-        return {"sliding_window": attn.sliding_window, "position_ids": text_positions}
+    def _attention_extra(self, attn: Any, text_positions: torch.Tensor | None, use_cache: bool) -> dict[str, Any]:
+        return {"sliding_window": attn.sliding_window, "position_ids": text_positions, "use_cache": use_cache}
+
+
+class LeanQwen3VL(LeanQwen2VL):
+    """`Qwen3VLTextModel.forward`: Llama's layers with an RMSNorm over each
+    head's queries and keys, M-RoPE positions (four rows, the text positions
+    first), and no `use_cache` passed to the layers (so the attention
+    function sees the layer's default, False). Its decode steps have no
+    deepstack features (those add to the image positions of a prefill)."""
+
+    POSITION_ROWS = 4
+
+    def __init__(self, body: torch.nn.Module) -> None:
+        super().__init__(body)
+        self._skipped += [norm for p in self._layers for norm in (p.attn.q_norm, p.attn.k_norm)]
+
+    def _qkv(self, p: _Layer, normed: torch.Tensor, heads: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
+        q = _rms_norm(p.attn.q_norm, _linear(p.q, normed).view(heads)).transpose(1, 2)
+        k = _rms_norm(p.attn.k_norm, _linear(p.k, normed).view(heads)).transpose(1, 2)
+        return q, k, _linear(p.v, normed).view(heads).transpose(1, 2)
+
+    def _attention_extra(self, attn: Any, text_positions: torch.Tensor | None, use_cache: bool) -> dict[str, Any]:
+        return {"position_ids": text_positions, "use_cache": False}
 
 
 class _Architecture(NamedTuple):
@@ -244,6 +272,7 @@ def _architectures() -> dict[type, _Architecture]:
     from transformers.models.llama import modeling_llama as llama
     from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as qwen25
     from transformers.models.qwen2_vl import modeling_qwen2_vl as qwen2
+    from transformers.models.qwen3_vl import modeling_qwen3_vl as qwen3
 
     return {
         llama.LlamaModel: _Architecture(
@@ -257,6 +286,10 @@ def _architectures() -> dict[type, _Architecture]:
         qwen25.Qwen2_5_VLTextModel: _Architecture(
             qwen25.Qwen2_5_VLDecoderLayer, qwen25.Qwen2_5_VLAttention, qwen25.Qwen2MLP, qwen25.Qwen2_5_VLRMSNorm,
             qwen25.Qwen2_5_VLRotaryEmbedding, LeanQwen2VL,
+        ),
+        qwen3.Qwen3VLTextModel: _Architecture(
+            qwen3.Qwen3VLTextDecoderLayer, qwen3.Qwen3VLTextAttention, qwen3.Qwen3VLTextMLP, qwen3.Qwen3VLTextRMSNorm,
+            qwen3.Qwen3VLTextRotaryEmbedding, LeanQwen3VL,
         ),
     }  # fmt: skip
 

@@ -184,8 +184,8 @@ class SchedulerSettings(ServiceSettings):
     )
     lean_decode: bool = _opt(
         True,
-        "on a single-rank group, decode steps of a Llama or Qwen2-VL text model (the LLaVA, Qwen2-VL and "
-        "Qwen2.5-VL families) make the model's "
+        "on a single-rank group, decode steps of a Llama, Qwen2-VL or Qwen3-VL text model (the LLaVA, "
+        "Qwen2-VL, Qwen2.5-VL and Qwen3-VL families; not Qwen3-VL-MoE) make the model's "
         "operations without transformers' module calls around them: the same operations on the same weights "
         "in the same order, checked bit for bit against the model's own forward at start-up (where they "
         "differ, under TP, and for other text models, the model's own forward runs). On a CPU the calls "
