@@ -295,7 +295,8 @@ def _architectures() -> dict[type, _Architecture]:
 
 
 def _copied(body: torch.nn.Module, arch: _Architecture) -> bool:
-    """Whether every part of `body` is of the class `arch` copies, with no sliding-window layers."""
+    """Whether every part of `body` is of the class `arch` copies (its
+    projections plain `nn.Linear`), with no sliding-window layers."""
     config: Any = body.config
     if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
         return False
@@ -303,6 +304,11 @@ def _copied(body: torch.nn.Module, arch: _Architecture) -> bool:
     for layer in layers:
         parts = (layer, layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm)
         if tuple(map(type, parts)) != (arch.layer, arch.attn, arch.mlp, arch.norm, arch.norm):
+            return False
+        # Plain projections only: a quantized one multiplies in its own forward, not by its weight.
+        attn, mlp = layer.self_attn, layer.mlp
+        projections = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+        if any(type(proj) is not torch.nn.Linear for proj in projections):
             return False
     return type(body.norm) is arch.norm and type(body.rotary_emb) is arch.rotary  # type: ignore[union-attr]
 

@@ -119,6 +119,30 @@ def test_off_and_under_tp_the_model_s_own_forward_runs(tiny_model: Path) -> None
     assert lean_decode_body(body, world_size=2, make_cache=no_cache) is body
 
 
+def test_a_projection_of_its_own_kind_is_never_skipped(tiny_model: Path) -> None:
+    """A projection that is no plain `nn.Linear` (a quantized layer, say)
+    multiplies in its own forward, which the lean body would skip: even one
+    that computes what `nn.Linear` does (so the start-up probe agrees) keeps
+    the model's own forward, and its forward runs in every decode step."""
+    calls: list[int] = []
+
+    class Counted(torch.nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            calls.append(x.shape[1])
+            return super().forward(x)
+
+    model = load(tiny_model)
+    old = text_model(model).layers[0].mlp.up_proj  # type: ignore[index]
+    counted = Counted(old.in_features, old.out_features, bias=False)
+    counted.weight = old.weight
+    text_model(model).layers[0].mlp.up_proj = counted  # type: ignore[index]
+    engine = solo_engine(model)
+    assert engine._decode_body is text_model(model)
+    req = request("r", image_prompt(model, 0, [500, 600]), max_tokens=4, min_tokens=4)
+    assert drive(engine, {0: [req]}, model.config.text_config.eos_token_id)["r"] == reference(model, req)  # type: ignore[union-attr]
+    assert calls.count(1) >= 3  # the 3 decode steps after the prefill (the reference's calls are whole prompts)
+
+
 def test_a_layer_that_computes_otherwise_keeps_the_model_s_own_forward(
     tiny_model: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
