@@ -130,16 +130,25 @@ class LeanLlama:
         ]
         # The modules whose calls this skips: a hook on any of them, or a
         # forward set on one, sends a call through the model's own forward.
-        self._skipped: list[torch.nn.Module] = [body, body.norm]  # type: ignore[list-item]
+        # Their hook dicts (torch adds a hook to the module's own dict, in
+        # place) and instance dicts, held to check every call in C's loops.
+        skipped = self._skipped()
+        self._hook_dicts = tuple(d for m in skipped for d in (m._forward_hooks, m._forward_pre_hooks))
+        self._instance_dicts = tuple(m.__dict__ for m in skipped)
+
+    def _skipped(self) -> list[torch.nn.Module]:
+        body: Any = self.body
+        skipped: list[torch.nn.Module] = [body, body.norm]
         for parts in self._layers:
-            self._skipped += [parts.layer, parts.attn, parts.input_norm, parts.post_norm, parts.mlp]
-            self._skipped += [parts.q, parts.k, parts.v, parts.o, parts.gate, parts.up, parts.down]
+            skipped += [parts.layer, parts.attn, parts.input_norm, parts.post_norm, parts.mlp]
+            skipped += [parts.q, parts.k, parts.v, parts.o, parts.gate, parts.up, parts.down]
+        return skipped
 
     def observed(self) -> bool:
         """Whether anything would see the skipped calls (then the model's own forward runs)."""
-        if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
+        if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks or any(self._hook_dicts):
             return True
-        return any(m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__ for m in self._skipped)
+        return any("forward" in d for d in self._instance_dicts)
 
     def __call__(
         self,
@@ -243,9 +252,8 @@ class LeanQwen3VL(LeanQwen2VL):
 
     POSITION_ROWS = 4
 
-    def __init__(self, body: torch.nn.Module) -> None:
-        super().__init__(body)
-        self._skipped += [norm for p in self._layers for norm in (p.attn.q_norm, p.attn.k_norm)]
+    def _skipped(self) -> list[torch.nn.Module]:
+        return super()._skipped() + [norm for p in self._layers for norm in (p.attn.q_norm, p.attn.k_norm)]
 
     def _qkv(self, p: _Layer, normed: torch.Tensor, heads: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
         q = _rms_norm(p.attn.q_norm, _linear(p.q, normed).view(heads)).transpose(1, 2)
