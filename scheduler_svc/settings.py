@@ -188,8 +188,8 @@ class SchedulerSettings(ServiceSettings):
         "Qwen2-VL, Qwen2.5-VL and Qwen3-VL families; not Qwen3-VL-MoE) make the model's "
         "operations without transformers' module calls around them: the same operations on the same weights "
         "in the same order, checked bit for bit against the model's own forward at start-up (where they "
-        "differ, under TP, and for other text models, the model's own forward runs). On a CPU the calls "
-        "are a tenth of a one-row decode step of an 8-layer 512-wide model",
+        "differ, under TP, and for other text models, the model's own forward runs). On a CPU a one-row "
+        "decode step of an 8-layer 512-wide model takes 0.92x as long without them",
     )
     moe_experts: str = _opt(
         "split",
