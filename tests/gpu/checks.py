@@ -557,6 +557,11 @@ def main() -> int:
             "group on CUDA with NCCL",
             "rank 0 joined the nccl group" if nccl else log[-500:],
         )
+        # The lean decode's start-up probe compares it bit for bit with the
+        # model's own forward on this device; the tokens checks below then run through it.
+        lean = next((line for line in log.splitlines() if "decode steps run" in line), "")
+        used = "without its module calls" in lean
+        report("PASS" if used else "FAIL", "lean decode on the device", lean[-300:] or log[-500:])
         continuous_batching(pair.tokenizer_address, model_dir)
         seeded(pair.tokenizer_address)
         penalties(pair.tokenizer_address, model_dir)
