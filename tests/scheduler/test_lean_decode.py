@@ -18,6 +18,7 @@ import torch
 from scheduler_svc.engine import Engine
 from scheduler_svc.lean_decode import LeanLlama, lean_decode_body
 from scheduler_svc.plan import Plan, StepOutcome
+from tests.support import family_kit
 from tests.support.engine_kit import drive, image_prompt, pixels, reference, request, solo_engine
 
 
@@ -39,6 +40,7 @@ class Twins:
         self.one, self.other = one, other
         self.steps = 0
         self.scored = 0  # tokens whose log probabilities were compared
+        self.deltas: set[int] = set()  # the running rows' M-RoPE offsets seen
 
     @property
     def rows(self) -> list[Any]:
@@ -58,6 +60,7 @@ class Twins:
         assert not mine.ended
         self.steps += 1
         self.scored += len(mine.logprobs)
+        self.deltas.update(row.rope_delta for row in self.one.rows)
         return mine
 
 
@@ -96,6 +99,33 @@ def test_lean_decode_makes_the_model_s_own_logits_bit_for_bit(
     assert sorted(results) == sorted(req.request_id for req in requests)
     first = requests[0]
     assert results[first.request_id] == reference(model, first)
+
+
+@pytest.mark.parametrize("family", ["qwen2-vl", "qwen2.5-vl", "qwen3-vl"])
+def test_qwen_rows_after_images_decode_bit_for_bit(family_models: Callable[[str], Path], family: str) -> None:
+    """Rows whose prompts hold images decode at their M-RoPE offset (the
+    prompt's rope delta, not 0): the same logits both ways there too."""
+    from PIL import Image
+
+    model_dir = family_models(family)
+    model = load(model_dir)
+    kit = family_kit.kit(model_dir)
+    rng = random.Random(11)
+    arrivals: dict[int, list[Any]] = {}
+    for i in range(6):
+        size = (rng.randrange(28, 120), rng.randrange(28, 120))
+        image = Image.new("RGB", size, (rng.randrange(256), rng.randrange(256), rng.randrange(256)))
+        message = kit.message(f"q{i}", f"Look: {kit.marker} and tell me {i}.", [image], rng.randrange(3, 10))
+        message.sampling.logprobs, message.sampling.top_logprobs = True, 5
+        arrivals.setdefault(rng.randrange(0, 5), []).append(family_kit.admit(model_dir, message))
+    lean, own = solo_engine(model), solo_engine(model, lean_decode=False)
+    assert isinstance(lean._decode_body, LeanLlama)
+    twins = Twins(lean, own)
+    results = drive(twins, arrivals, model.config.text_config.eos_token_id)  # type: ignore[arg-type,union-attr]
+    assert len(results) == 6
+    assert all(isinstance(tokens, list) for tokens in results.values()), results
+    assert twins.scored > 10
+    assert twins.deltas - {0}, "some rows decoded at an offset from their images"
 
 
 def test_other_text_models_decode_through_their_own_forward(
