@@ -80,12 +80,18 @@ def workload(model: torch.nn.Module, seed: int, *, images: bool) -> tuple[dict[i
     return arrivals, requests
 
 
-@pytest.mark.parametrize("family", ["llava", "llava-next", "qwen2-vl", "qwen2.5-vl", "qwen3-vl"])
+@pytest.mark.parametrize(
+    ("family", "kv_multiple"),
+    [("llava", 1), ("llava", 64), ("llava-next", 1), ("qwen2-vl", 1), ("qwen2.5-vl", 1), ("qwen3-vl", 1)],
+)
 def test_lean_decode_makes_the_model_s_own_logits_bit_for_bit(
-    family_models: Callable[[str], Path], family: str
+    family_models: Callable[[str], Path], family: str, kv_multiple: int
 ) -> None:
+    """`kv_multiple` 64: each decode step's keys padded (masked) to a
+    multiple of 64, as `--decode-kv-multiple` asks on a GPU."""
     model = load(family_models(family))
-    lean, own = solo_engine(model), solo_engine(model, lean_decode=False)
+    options = {"decode_kv_multiple": kv_multiple}
+    lean, own = solo_engine(model, **options), solo_engine(model, lean_decode=False, **options)
     assert isinstance(lean._decode_body, LeanLlama)
     assert own._decode_body is text_model(model)
     # The other families' requests here are text only (the kit's images are the tiny
