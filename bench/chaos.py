@@ -1,7 +1,9 @@
 """Chaos soak: many faults at once, for a set time, under mixed load.
 
-One tokenizer in front of two scheduler groups (TP=2 each, the tiny
-Qwen2-VL, which takes images and videos),
+One tokenizer in front of two scheduler groups (TP=2 each, or `--tp 1`:
+one rank each, whose decode steps then run the lean body,
+`scheduler_svc/lean_decode.py`; the tiny Qwen2-VL, which takes images and
+videos),
 and clients that keep C requests in flight for the whole run (its minutes,
 and at least until every kind below has been sent: the kinds are dealt
 from shared shuffled decks, each kind as often as its weight): over gRPC
@@ -14,8 +16,9 @@ mid-request, prompts scored (prompt log probabilities), completions echoing
 their token-id prompts with log probabilities, and stored Responses API
 answers continued (`previous_response_id`) and deleted. Meanwhile
 a fault injector, at random times drawn from a seed, SIGKILLs a CPU worker,
-the tokenizer's forkserver, rank 1 of a group, or a whole group; freezes a
-rank (SIGSTOP, then SIGCONT a moment later); with `--shm-size`, fills
+the tokenizer's forkserver, rank 1 of a group (TP=2), or a whole group;
+freezes a rank (rank 1, or at TP=1 the group's one; SIGSTOP, then SIGCONT
+a moment later); with `--shm-size`, fills
 /dev/shm to within a few MiB of its limit for a few seconds; and restarts
 every group it took down on the same port. `--shm-size SIZE` runs the whole
 soak (this script, the tokenizer and both groups, which then still share
@@ -38,7 +41,8 @@ injected, what was left in /dev/shm and in the slab after the load, and the
 tokenizer's descriptors and resident memory at the start and the end. Exit
 status 1 when something was lost, untyped or left behind.
 
-    python bench/chaos.py [--minutes 10] [--concurrency 12] [--seed 1] [--fault-every-s 6] [--tp-all-reduce gloo]
+    python bench/chaos.py [--minutes 10] [--concurrency 12] [--seed 1] [--fault-every-s 6] [--tp 2]
+                          [--tp-all-reduce gloo]
                           [--shm-size 1g] [--caches on|off]
 """
 
@@ -139,8 +143,8 @@ class Deck:
 class Group:
     """One scheduler group on a fixed port, restarted when it dies."""
 
-    def __init__(self, name: str, model: Path, logs: Path, prefix: str, extra: list[str]) -> None:
-        self.name, self.model, self.logs, self.prefix, self.extra = name, model, logs, prefix, extra
+    def __init__(self, name: str, model: Path, logs: Path, prefix: str, extra: list[str], tp: int = 2) -> None:
+        self.name, self.model, self.logs, self.prefix, self.extra, self.tp = name, model, logs, prefix, extra, tp
         self.port = free_port()
         self.starts = 0
         self.proc = self._start()
@@ -148,7 +152,7 @@ class Group:
     def _start(self) -> ServiceProcess:
         self.starts += 1
         extra = ["--port", str(self.port), "--shm-prefix", self.prefix, *self.extra]
-        args = scheduler_args(self.model, tp=2, extra=extra)
+        args = scheduler_args(self.model, tp=self.tp, extra=extra)
         return ServiceProcess(self.name, args, self.logs / f"{self.name}-{self.starts}.log")
 
     def ranks(self) -> list[psutil.Process]:
@@ -411,6 +415,8 @@ async def fill_shm(rng: random.Random) -> bool:
 async def inject(rng: random.Random, tokenizer_pid: int, groups: list[Group], every_s: float, stop_at: float,
                  tally: Tally, prefix: str) -> None:  # fmt: skip
     faults = (*FAULTS, SHM_FAULT) if private_shm() else FAULTS
+    if all(group.tp == 1 for group in groups):  # no rank 1 to kill
+        faults = tuple(f for f in faults if f != "rank1")
     while time.monotonic() < stop_at - every_s:
         await asyncio.sleep(rng.uniform(0.5, 1.5) * every_s)
         fault = rng.choice(faults)
@@ -429,10 +435,11 @@ async def inject(rng: random.Random, tokenizer_pid: int, groups: list[Group], ev
             target = ranks[1]
         elif fault == "group" and ranks:
             target = ranks[0]
-        elif fault == "freeze" and len(ranks) > 1:
-            ranks[1].send_signal(signal.SIGSTOP)
+        elif fault == "freeze" and ranks:
+            frozen = ranks[1] if group.tp > 1 and len(ranks) > 1 else ranks[0]
+            frozen.send_signal(signal.SIGSTOP)
             await asyncio.sleep(rng.uniform(0.5, 2.0))
-            ranks[1].send_signal(signal.SIGCONT)
+            frozen.send_signal(signal.SIGCONT)
             tally.faults[fault] += 1
             continue
         if target is None:
@@ -555,7 +562,8 @@ def run(args: argparse.Namespace, workdir: Path, model: Path | None = None) -> t
     caches = getattr(args, "caches", "on")
     off = caches == "off"
     sums = ["--tp-all-reduce", getattr(args, "tp_all_reduce", "shm")]
-    groups = [Group(f"scheduler{k}", model, logs, prefix, [*sums, *(NO_CACHES["scheduler"] if off else [])])
+    tp = getattr(args, "tp", 2)
+    groups = [Group(f"scheduler{k}", model, logs, prefix, [*sums, *(NO_CACHES["scheduler"] if off else [])], tp)
               for k in range(2)]  # fmt: skip
     http = f"127.0.0.1:{free_port()}"
     schedulers = ",".join(f"127.0.0.1:{g.port}" for g in groups)
@@ -647,6 +655,8 @@ def main() -> None:
                         "/dev/shm (e.g. 1g; root only), and fill it as one of the faults")  # fmt: skip
     parser.add_argument("--caches", choices=("on", "off"), default="on",
                         help="off: the services' caches off, and resident memory checked")  # fmt: skip
+    parser.add_argument("--tp", type=int, choices=(1, 2), default=2,
+                        help="ranks per group (1: no rank 1 to kill; a freeze stops the group's one rank)")  # fmt: skip
     parser.add_argument("--tp-all-reduce", choices=("shm", "gloo"), default="shm",
                         help="the groups' TP sums: gloo as between hosts (a failed forward drains them)")  # fmt: skip
     args = parser.parse_args()
