@@ -435,8 +435,8 @@ async def inject(rng: random.Random, tokenizer_pid: int, groups: list[Group], ev
             target = ranks[1]
         elif fault == "group" and ranks:
             target = ranks[0]
-        elif fault == "freeze" and ranks:
-            frozen = ranks[1] if group.tp > 1 and len(ranks) > 1 else ranks[0]
+        elif fault == "freeze" and len(ranks) >= group.tp:  # rank 1, or a group of one's only rank
+            frozen = ranks[group.tp - 1]
             frozen.send_signal(signal.SIGSTOP)
             await asyncio.sleep(rng.uniform(0.5, 2.0))
             frozen.send_signal(signal.SIGCONT)

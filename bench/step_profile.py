@@ -134,7 +134,7 @@ def lean_arms(model: Any, args: argparse.Namespace, warm: int, sync: Any) -> Non
         for lean, seen in times.items():
             eng = engine(model, 0, lean_decode=lean)
             if lean and not isinstance(eng._decode_body, LeanLlama):
-                print("lean decode: not used for this model (the scheduler's log says why)")
+                print("lean decode: not used for this model (scheduler_svc.lean_decode logged why)")
                 return
             trial = Decoder(eng, args.rows, args.prompt, answer=1 + warm + args.steps + 1)
             timed(trial, warm, sync)

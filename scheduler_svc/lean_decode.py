@@ -12,10 +12,11 @@ one-row decode step takes 0.92x as long there, the tiny model's 0.81x
 order, as transformers' Llama layers (the text model of the LLaVA
 families), `LeanQwen2VL` as Qwen2-VL's and Qwen2.5-VL's (the same layers,
 with M-RoPE positions) and `LeanQwen3VL` as Qwen3-VL's (with a norm over
-each head's queries and keys): the model's own embedding, rotary
-embedding, attention function (`config._attn_implementation`) and
-activation, the projections as `nn.Linear` makes them, the norms as the
-model's RMSNorm makes them. Only the calls between them go.
+each head's queries and keys). It calls the model's own pieces: the
+embedding, the rotary embedding and `apply_rotary_pos_emb` of the model's
+modeling module, the attention function (`config._attn_implementation`),
+each norm's, projection's and activation's `forward`. Only the layers'
+glue is written here, and the module calls between the pieces go.
 
 It stands in for the model's forward only where nothing could tell:
 
@@ -39,12 +40,12 @@ enough that the calls around them do not count.
 
 from __future__ import annotations
 
+import importlib
 import logging
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
-from torch.nn import functional
 from torch.nn.modules import module as torch_module
 
 log = logging.getLogger(__name__)
@@ -63,9 +64,8 @@ class Hidden(NamedTuple):
 
 
 class _Layer(NamedTuple):
-    layer: torch.nn.Module
+    layer: Any
     attn: Any
-    mlp: torch.nn.Module
     input_norm: Any
     q: torch.nn.Linear
     k: torch.nn.Linear
@@ -78,25 +78,6 @@ class _Layer(NamedTuple):
     act: Callable[[torch.Tensor], torch.Tensor]
 
 
-def _rms_norm(norm: Any, hidden: torch.Tensor) -> torch.Tensor:
-    """`LlamaRMSNorm.forward`, operation for operation."""
-    dtype = hidden.dtype
-    hidden = hidden.to(torch.float32)
-    variance = hidden.pow(2).mean(-1, keepdim=True)
-    hidden = hidden * torch.rsqrt(variance + norm.variance_epsilon)
-    return norm.weight * hidden.to(dtype)
-
-
-def _linear(proj: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """`nn.Linear.forward`."""
-    return functional.linear(x, proj.weight, proj.bias)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class LeanLlama:
     """transformers' `LlamaModel.forward` for the engine's calls (input ids,
     positions, an additive 4-D mask, the engine's cache), without the module
@@ -105,16 +86,19 @@ class LeanLlama:
 
     def __init__(self, body: torch.nn.Module) -> None:
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-        from transformers.models.llama.modeling_llama import eager_attention_forward
 
         self.body = body
         config: Any = body.config
-        self._attention = ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, eager_attention_forward)
+        # The model's own functions, from its modeling module, as its attention calls them.
+        modeling = importlib.import_module(type(body.layers[0].self_attn).__module__)  # type: ignore[index,union-attr]
+        self._rotary = modeling.apply_rotary_pos_emb
+        self._attention = ALL_ATTENTION_FUNCTIONS.get_interface(
+            config._attn_implementation, modeling.eager_attention_forward
+        )
         self._layers = [
             _Layer(
                 layer,
                 layer.self_attn,
-                layer.mlp,
                 layer.input_layernorm,
                 layer.self_attn.q_proj,
                 layer.self_attn.k_proj,
@@ -140,7 +124,7 @@ class LeanLlama:
         body: Any = self.body
         skipped: list[torch.nn.Module] = [body, body.norm]
         for parts in self._layers:
-            skipped += [parts.layer, parts.attn, parts.input_norm, parts.post_norm, parts.mlp]
+            skipped += [parts.layer, parts.attn, parts.input_norm, parts.post_norm, parts.layer.mlp]
             skipped += [parts.q, parts.k, parts.v, parts.o, parts.gate, parts.up, parts.down]
         return skipped
 
@@ -183,14 +167,12 @@ class LeanLlama:
         hidden = body.embed_tokens(input_ids)
         rope_positions, text_positions = self._positions(position_ids)
         cos, sin = body.rotary_emb(hidden, rope_positions)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # apply_rotary_pos_emb's unsqueeze_dim=1
         shape = hidden.shape[:-1]
         for p in self._layers:
             residual = hidden
-            normed = _rms_norm(p.input_norm, hidden)
+            normed = p.input_norm.forward(hidden)
             q, k, v = self._qkv(p, normed, (*shape, -1, p.attn.head_dim))
-            q = (q * cos) + (_rotate_half(q) * sin)
-            k = (k * cos) + (_rotate_half(k) * sin)
+            q, k = self._rotary(q, k, cos, sin)
             k, v = cache.update(k, v, p.attn.layer_idx)
             out, _ = self._attention(
                 p.attn,
@@ -203,15 +185,15 @@ class LeanLlama:
                 **self._attention_extra(p.attn, text_positions, use_cache),
             )
             out = out.reshape(*shape, -1).contiguous()
-            hidden = residual + _linear(p.o, out)
+            hidden = residual + p.o.forward(out)
             residual = hidden
-            normed = _rms_norm(p.post_norm, hidden)
-            hidden = residual + _linear(p.down, p.act(_linear(p.gate, normed)) * _linear(p.up, normed))
-        return _rms_norm(body.norm, hidden)
+            normed = p.post_norm.forward(hidden)
+            hidden = residual + p.down.forward(p.act(p.gate.forward(normed)) * p.up.forward(normed))
+        return body.norm.forward(hidden)  # type: ignore[no-any-return]
 
     def _qkv(self, p: _Layer, normed: torch.Tensor, heads: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
         """The queries, keys and values, ``[rows, heads, tokens, head dim]``, before the rotary embedding."""
-        return tuple(_linear(proj, normed).view(heads).transpose(1, 2) for proj in (p.q, p.k, p.v))
+        return tuple(proj.forward(normed).view(heads).transpose(1, 2) for proj in (p.q, p.k, p.v))
 
     def _positions(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(what the rotary embedding is given, what the attention function is given)."""
@@ -256,9 +238,9 @@ class LeanQwen3VL(LeanQwen2VL):
         return super()._skipped() + [norm for p in self._layers for norm in (p.attn.q_norm, p.attn.k_norm)]
 
     def _qkv(self, p: _Layer, normed: torch.Tensor, heads: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
-        q = _rms_norm(p.attn.q_norm, _linear(p.q, normed).view(heads)).transpose(1, 2)
-        k = _rms_norm(p.attn.k_norm, _linear(p.k, normed).view(heads)).transpose(1, 2)
-        return q, k, _linear(p.v, normed).view(heads).transpose(1, 2)
+        q = p.attn.q_norm.forward(p.q.forward(normed).view(heads)).transpose(1, 2)
+        k = p.attn.k_norm.forward(p.k.forward(normed).view(heads)).transpose(1, 2)
+        return q, k, p.v.forward(normed).view(heads).transpose(1, 2)
 
     def _attention_extra(self, attn: Any, text_positions: torch.Tensor | None, use_cache: bool) -> dict[str, Any]:
         return {"position_ids": text_positions, "use_cache": False}
