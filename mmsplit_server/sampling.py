@@ -26,6 +26,9 @@ MAX_TOP_LOGPROBS = 20
 MAX_PENALTY = 2.0  # presence and frequency: [-2, 2], as OpenAI's; repetition: (0, 2], as vLLM's
 MAX_LOGIT_BIAS = 100.0
 MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_ALLOWED_TOKEN_IDS = 262_144
+MAX_BAD_WORDS = 64
+MAX_BAD_WORD_CHARS = 128
 
 
 class InvalidSampling(MmsplitError):
@@ -61,6 +64,10 @@ class Sampling:
     ignore_eos: bool = False
     # The prompt tokens' log probabilities with this many alternatives each, or None.
     prompt_logprobs: int | None = None
+    # The only tokens that may be drawn, sorted; () for any.
+    allowed_token_ids: tuple[int, ...] = ()
+    # Words never generated (the tokenizer service turns them into token ids).
+    bad_words: tuple[str, ...] = ()
 
     @property
     def greedy(self) -> bool:
@@ -139,6 +146,14 @@ class Sampling:
         if prompt_logprobs is not None and prompt_logprobs > MAX_TOP_LOGPROBS:
             raise InvalidSampling(f"sampling.prompt_logprobs {prompt_logprobs} is over the limit {MAX_TOP_LOGPROBS}")
         bias = _logit_bias(pb, vocab_size)
+        allowed = _allowed(pb, vocab_size)
+        bad_words = tuple(pb.bad_words)
+        if len(bad_words) > MAX_BAD_WORDS:
+            raise InvalidSampling(f"sampling.bad_words has {len(bad_words)} words, at most {MAX_BAD_WORDS}")
+        if any(not 1 <= len(w.strip()) <= MAX_BAD_WORD_CHARS for w in bad_words):
+            raise InvalidSampling(
+                f"sampling.bad_words: each word must have 1 to {MAX_BAD_WORD_CHARS} characters besides spaces"
+            )
         structure = _structure(pb)
         if structure is not None and pb.ignore_eos:
             raise InvalidSampling(
@@ -164,6 +179,8 @@ class Sampling:
             min_p=float(pb.min_p),
             ignore_eos=bool(pb.ignore_eos),
             prompt_logprobs=prompt_logprobs,
+            allowed_token_ids=allowed,
+            bad_words=bad_words,
         )
 
 
@@ -183,6 +200,16 @@ def _structure(pb: common_pb2.SamplingParams) -> structured.Spec | None:
     except ValueError as exc:
         raise InvalidSampling(f"sampling.{field} {exc}") from None
     return structure
+
+
+def _allowed(pb: common_pb2.SamplingParams, vocab_size: int | None) -> tuple[int, ...]:
+    count = len(pb.allowed_token_ids)
+    if count > MAX_ALLOWED_TOKEN_IDS:
+        raise InvalidSampling(f"sampling.allowed_token_ids has {count} ids, at most {MAX_ALLOWED_TOKEN_IDS}")
+    allowed = tuple(sorted(set(pb.allowed_token_ids)))
+    if vocab_size is not None and allowed and allowed[-1] >= vocab_size:
+        raise InvalidSampling(f"sampling.allowed_token_ids: {allowed[-1]} is outside the vocabulary of {vocab_size}")
+    return allowed
 
 
 def _logit_bias(pb: common_pb2.SamplingParams, vocab_size: int | None) -> tuple[tuple[int, float], ...]:

@@ -78,7 +78,7 @@ from scheduler_svc.plan import Failure, NewRequest, Plan, StepOutcome
 from scheduler_svc.prefix_cache import BLOCK_TOKENS, NO_MATCH, Match, PrefixCache, Runs, chain
 from scheduler_svc.prompt_scores import score_prompt
 from scheduler_svc.reader import TensorReader
-from scheduler_svc.sampler import LogitAdjust, Logprob, RowSampling, Sampler, make_generator
+from scheduler_svc.sampler import Bans, LogitAdjust, Logprob, RowSampling, Sampler, make_generator
 from scheduler_svc.shm_allreduce import Arena, SumAborted
 from scheduler_svc.threads import StepKind, StepThreads
 
@@ -349,7 +349,7 @@ class Engine:
                 if hidden is not None:
                     self._keep_scores(j.request.request_id, self._score_prompt(j.request, hidden, 0))
             self._prompt_hidden = {}
-        rejected: dict[str, str] = {}
+        rejected: dict[str, str | MmsplitError] = {}
         if self._chunked:
             chunk_logits = self._next_chunk(ended)
             if chunk_logits is not None:
@@ -367,7 +367,7 @@ class Engine:
             for i, lp in by_row.items():
                 logprobs[rows[i].request.request_id] = lp
             for row, result in zip(rows, results, strict=True):
-                if isinstance(result, str):
+                if not isinstance(result, int):
                     rejected[row.request.request_id] = result
                 else:
                     sampled[row.request.request_id] = result
@@ -465,7 +465,9 @@ class Engine:
         generator = make_generator(req.sampling, seed, self.device)
         adjust = LogitAdjust(req.sampling, req.input_ids) if req.sampling.adjusts_logits else None
         constraint = self._constraint(req) if req.sampling.structure else None
-        return RowSampling(req.request_id, req.sampling, 0, generator, adjust=adjust, constraint=constraint)
+        allowed = req.sampling.allowed_token_ids
+        bans = Bans(allowed, req.bad_words) if allowed or req.bad_words else None
+        return RowSampling(req.request_id, req.sampling, 0, generator, adjust=adjust, constraint=constraint, bans=bans)
 
     def _constraint(self, req: NewRequest) -> Constraint | Broken:
         """The request's structured-output matcher, or what fails it at its

@@ -29,6 +29,9 @@ from scheduler_svc.settings import SchedulerSettings
 
 MAX_REQUEST_ID = 128
 MAX_CACHE_SALT = 256
+# GenerateRequest.bad_words: at most this many sequences of at most this many ids.
+MAX_BAD_WORD_SEQUENCES = 128
+MAX_BAD_WORD_TOKENS = 64
 # What one request's prompt_logprobs may take in its first message (and in
 # the tokenizer's PromptLogprobs, with the ids): within the 4 MiB a gRPC
 # client reads by default, with room for the rest.
@@ -175,7 +178,34 @@ class Frontend:
             )
         if sampling.prompt_logprobs is not None:
             check_prompt_logprobs(count, sampling.prompt_logprobs)
-        return NewRequest(request_id=rid, input_ids=ids, items=items, sampling=sampling, cache_salt=pb.cache_salt)
+        return NewRequest(
+            request_id=rid,
+            input_ids=ids,
+            items=items,
+            sampling=sampling,
+            cache_salt=pb.cache_salt,
+            bad_words=self._bad_words(pb),
+        )
+
+    def _bad_words(self, pb: scheduler_pb2.GenerateRequest) -> tuple[tuple[int, ...], ...]:
+        if len(pb.bad_words) > MAX_BAD_WORD_SEQUENCES:
+            raise InvalidRequest(
+                f"bad_words has {len(pb.bad_words)} token sequences, at most {MAX_BAD_WORD_SEQUENCES}",
+                metadata={"param": "bad_words"},
+            )
+        words = tuple(tuple(word.token_ids) for word in pb.bad_words)
+        for i, word in enumerate(words):
+            if not 1 <= len(word) <= MAX_BAD_WORD_TOKENS:
+                raise InvalidRequest(
+                    f"bad_words[{i}] has {len(word)} token ids; each sequence has 1 to {MAX_BAD_WORD_TOKENS}",
+                    metadata={"param": "bad_words"},
+                )
+            if max(word) >= self.info.vocab_size:
+                raise InvalidRequest(
+                    f"bad_words[{i}]: token id {max(word)} is outside the vocabulary of {self.info.vocab_size}",
+                    metadata={"param": "bad_words"},
+                )
+        return words
 
     # ---- multimodal items ----
     def _items(self, pb: scheduler_pb2.GenerateRequest, ids: tuple[int, ...]) -> tuple[Item, ...]:

@@ -503,7 +503,7 @@ class StepLoop:
         # plan drops it everywhere.
         ending = {rid: error_for_code(f.code, "; ".join(m for _, m in sorted(f.messages.items())) or "its step failed")
                   for rid, f in outcome.ended.items()}  # fmt: skip
-        ending |= {rid: InternalError(message) for rid, message in rejected.items()}
+        ending |= {rid: why if isinstance(why, MmsplitError) else InternalError(why) for rid, why in rejected.items()}
         for rid, error in ending.items():
             gone = self._running.pop(rid, None)
             if gone is None:  # aborted while this step ran; already queued for dropping

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from mmsplit.errors import MmsplitError
 from mmsplit_server.handoff.reference import TensorSpec
 from mmsplit_server.sampling import Sampling
 
@@ -54,6 +55,8 @@ class NewRequest:
     sampling: Sampling
     # Isolates this request's prefix-cache blocks from those of other salts.
     cache_salt: str = ""
+    # Token sequences it never generates (GenerateRequest.bad_words).
+    bad_words: tuple[tuple[int, ...], ...] = ()
 
     @property
     def specs(self) -> list[TensorSpec]:
@@ -95,8 +98,9 @@ class StepOutcome:
     # steps where requests join or leave; unchanged in the others).
     active_per_rank: list[int]
     # request id -> why it could not be sampled (rank 0 only): fails that
-    # request alone; the next plan drops it on every rank.
-    rejected: dict[str, str] = field(default_factory=dict)
+    # request alone, with this error (its own parameters banned every token)
+    # or as INTERNAL with this message; the next plan drops it on every rank.
+    rejected: dict[str, str | MmsplitError] = field(default_factory=dict)
     # Seconds this rank spent in each phase of the step (read, decode, prefill, sample).
     phases: dict[str, float] = field(default_factory=dict)
     # request id -> the sampled token's log probability, for the requests

@@ -5,7 +5,10 @@ rows each draw from their own `torch.Generator` (seeded per request), so a
 request's tokens do not depend on what else is in the batch. The order of
 the processors is transformers' own: temperature, then top_k, then top_p.
 
-Before any of that, a request's logit_bias is added to its logits and its
+Before any of that, a request's bans take its tokens that may not come
+next to -inf (`Bans`: every token outside its allowed_token_ids, and the
+last token of each bad word whose earlier tokens the output ends with,
+vLLM's order); then its logit_bias is added to its logits and its
 penalties applied (`LogitAdjust`; repetition, then frequency and presence,
 in vLLM's order), then its structured output's mask (a json_schema, regex
 or choice: the tokens its matcher does not allow next go to -inf), for greedy and sampled
@@ -17,6 +20,10 @@ penalties, the mask and the min_tokens suppression) for greedy rows; the log of 
 renormalized probabilities after temperature, top_k and top_p for sampled
 ones.
 
+A row with bans left with nothing to draw (every token banned by its own
+allowed_token_ids, bad words, min_tokens or structure) fails its request
+with INVALID_REQUEST (`NothingToDraw`), not as a model fault.
+
 Isolation: nothing one row carries can fail the others. A row whose logits
 are not finite, or whose sampling raises, gets an error message instead of
 a token; the step loop fails that request alone and drops it on every rank
@@ -27,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -34,7 +42,7 @@ import numpy as np
 import torch
 
 from mmsplit_server import structured
-from mmsplit_server.sampling import Sampling
+from mmsplit_server.sampling import InvalidSampling, Sampling
 from mmsplit_server.structured import Broken, Constraint
 
 log = logging.getLogger(__name__)
@@ -99,6 +107,58 @@ class LogitAdjust:
         return i
 
 
+class Bans:
+    """One request's tokens that may not come next: those outside its
+    allowed_token_ids (sorted; empty for any), and the last token of each
+    of its bad words (token sequences) whose earlier tokens the generated
+    tokens end with, as vLLM matches them (the output's tokens only, not
+    the prompt's). A step costs a row one write over the vocabulary when it
+    has allowed ids, and a comparison per bad word of two or more tokens."""
+
+    def __init__(self, allowed: Sequence[int], bad_words: Sequence[Sequence[int]]) -> None:
+        self.allowed = tuple(allowed)
+        self._allowed: torch.Tensor | None = None  # as an index, on the logits' device (first use)
+        self.single = tuple(sorted({word[0] for word in bad_words if len(word) == 1}))
+        self.longer = tuple((tuple(word[:-1]), word[-1]) for word in bad_words if len(word) > 1)
+        # The last generated tokens, as many as the longest bad word's earlier ones.
+        self._tail: deque[int] = deque(maxlen=max((len(prefix) for prefix, _ in self.longer), default=0))
+
+    def took(self, token: int) -> None:
+        if self.longer:
+            self._tail.append(token)
+
+    def banned(self) -> list[int]:
+        """The bad words' tokens that may not come next."""
+        out = list(self.single)
+        if self.longer:
+            tail = tuple(self._tail)
+            out += [last for prefix, last in self.longer if tail[len(tail) - len(prefix) :] == prefix]
+        return out
+
+    def apply(self, row: torch.Tensor) -> None:
+        """Ban them in one row of float32 logits (``[vocab]``), in place."""
+        if self.allowed:
+            if self._allowed is None:
+                self._allowed = torch.tensor(self.allowed, dtype=torch.long, device=row.device)
+            kept = row[self._allowed]
+            row.fill_(float("-inf"))
+            row[self._allowed] = kept
+        banned = self.banned()
+        if banned:
+            row[torch.tensor(banned, dtype=torch.long, device=row.device)] = float("-inf")
+
+
+class NothingToDraw(InvalidSampling):
+    """Every token is banned at this step by the request's own parameters."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            "sampling.allowed_token_ids: no token is left to draw at this step (every one is outside "
+            "allowed_token_ids, or a bad word's, or an end-of-sequence or stop token before min_tokens, "
+            "or outside the structure)"
+        )
+
+
 def adjust_logits(logits: torch.Tensor, adjusts: Sequence[tuple[int, LogitAdjust]]) -> None:
     """Each (row index, its LogitAdjust) of the float32 ``[rows, vocab]``
     logits, in vLLM's order: the bias added, then the repetition penalty
@@ -139,10 +199,14 @@ class RowSampling:
     adjust: LogitAdjust | None = None
     # Its structured output's matcher (mmsplit_server.structured); None when it asks for none.
     constraint: Constraint | Broken | None = None
+    # Its allowed_token_ids and bad words; None when it has neither.
+    bans: Bans | None = None
 
     def took(self, token: int) -> None:
         """The token this row was given."""
         self.generated += 1
+        if self.bans is not None:
+            self.bans.took(token)
         if self.adjust is not None:
             self.adjust.took(token)
         if self.constraint is not None:
@@ -173,20 +237,23 @@ class Sampler:
     def __init__(self, eos_token_ids: frozenset[int]) -> None:
         self.eos_token_ids = tuple(sorted(eos_token_ids))
 
-    def sample(self, logits: torch.Tensor, rows: Sequence[RowSampling]) -> list[int | str]:
-        """`logits` is ``[rows, vocab]``; returns each row's token, or an
-        error message for a row that cannot be sampled."""
+    def sample(self, logits: torch.Tensor, rows: Sequence[RowSampling]) -> list[int | str | InvalidSampling]:
+        """`logits` is ``[rows, vocab]``; returns each row's token, or for a
+        row that cannot be sampled an error message (a fault) or the
+        request's own error (`NothingToDraw`)."""
         return self.sample_rows(logits, rows)[0]
 
     def sample_rows(
         self, logits: torch.Tensor, rows: Sequence[RowSampling]
-    ) -> tuple[list[int | str], dict[int, Logprob]]:
+    ) -> tuple[list[int | str | InvalidSampling], dict[int, Logprob]]:
         """`sample`, and the log probabilities of the rows that asked (by row index)."""
         if logits.shape[0] != len(rows):
             raise ValueError(f"{logits.shape[0]} logit rows for {len(rows)} requests")
         logits = logits.float()
-        # Rows whose bias, penalties or constraint failed: each fails alone, with its message.
-        failed = self._adjust(logits, rows) if any(row.adjust is not None for row in rows) else {}
+        # Rows whose bans, bias, penalties or constraint failed: each fails alone, with its message.
+        failed = self._ban(logits, rows) if any(row.bans is not None for row in rows) else {}
+        if any(row.adjust is not None for row in rows):
+            failed = self._adjust(logits, rows) | failed
         if any(row.constraint is not None for row in rows):
             failed = self._constrain(logits, rows) | failed
         self._suppress_stops(logits, rows)
@@ -195,13 +262,16 @@ class Sampler:
         top, greedy_t = row_argmax(logits)
         finite = torch.isfinite(top).tolist()
         greedy = greedy_t.tolist()
-        out: list[int | str] = []
+        out: list[int | str | InvalidSampling] = []
         logprobs: dict[int, Logprob] = {}
         for i, row in enumerate(rows):
             if i in failed:
                 out.append(failed[i])
             elif not finite[i]:
-                out.append("the model produced non-finite logits for this request")
+                # -inf everywhere: its own parameters banned every token (the
+                # model's logits are finite, or a NaN would be the maximum).
+                nothing = row.bans is not None and top[i].item() == float("-inf")
+                out.append(NothingToDraw() if nothing else "the model produced non-finite logits for this request")
             elif row.params.greedy:
                 out.append(int(greedy[i]))
                 if row.params.logprobs:
@@ -217,6 +287,22 @@ class Sampler:
                     log.exception("sampling failed for request %s", row.request_id)
                     out.append(f"sampling failed: {type(exc).__name__}")
         return out, logprobs
+
+    @staticmethod
+    def _ban(logits: torch.Tensor, rows: Sequence[RowSampling]) -> dict[int, str]:
+        """Each banning row's tokens that may not come next to -inf; the
+        rows whose banning raised, with their message (such a row is not
+        sampled)."""
+        failed: dict[int, str] = {}
+        for i, row in enumerate(rows):
+            if row.bans is None:
+                continue
+            try:
+                row.bans.apply(logits[i])
+            except Exception as exc:  # one row's failure must not fail the batch
+                log.exception("applying allowed_token_ids or bad_words failed for request %s", row.request_id)
+                failed[i] = f"applying allowed_token_ids or bad_words failed: {type(exc).__name__}"
+        return failed
 
     @staticmethod
     def _adjust(logits: torch.Tensor, rows: Sequence[RowSampling]) -> dict[int, str]:
@@ -315,10 +401,16 @@ def row_argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _logprob(logprobs: torch.Tensor, token: int, params: Sampling) -> Logprob:
+    """The token's log probability and the top alternatives that could have
+    been drawn: a banned or masked token (-inf, probability 0) is none, so
+    a distribution over fewer tokens than top_logprobs lists fewer (and no
+    -inf reaches a JSON answer, which cannot hold one)."""
     if not params.top_logprobs:
         return Logprob(float(logprobs[token]))
     top = torch.topk(logprobs, min(params.top_logprobs, logprobs.shape[0]))
-    return Logprob(float(logprobs[token]), tuple(top.indices.tolist()), tuple(top.values.tolist()))
+    ids, values = top.indices.tolist(), top.values.tolist()
+    kept = sum(1 for v in values if v != float("-inf"))  # sorted: the -inf ones come last
+    return Logprob(float(logprobs[token]), tuple(ids[:kept]), tuple(values[:kept]))
 
 
 def _draw(logits: torch.Tensor, params: Sampling, generator: torch.Generator | None) -> tuple[int, torch.Tensor]:

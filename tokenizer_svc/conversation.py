@@ -114,6 +114,8 @@ class Parsed:
     size: int = 0
     # The images' own pixel budget (image_budget); None: the checkpoint's.
     image_pixels: PixelBudget | None = None
+    # SamplingParams.bad_words as token sequences (tokenizer_svc.bad_words).
+    bad_words: tuple[tuple[int, ...], ...] = ()
 
 
 # What the template adds per message, counted in `Parsed.size`.

@@ -23,7 +23,7 @@ What is accepted, as vLLM, SGLang and TGI accept it:
   logprobs and top_logprobs (chat: a boolean and 0 to 20; completions: the
   legacy integer, the number of top entries), presence_penalty,
   frequency_penalty, logit_bias (token ids as strings, as OpenAI's), vLLM's
-  repetition_penalty, `response_format` (text, json_object, json_schema:
+  repetition_penalty, allowed_token_ids and bad_words, `response_format` (text, json_object, json_schema:
   the contract's `SamplingParams.json_schema`, structured output), and
   vLLM's `cache_salt` (a tenant's prefix-cache isolation). The usage reports
   `prompt_tokens_details.cached_tokens`: prompt tokens the scheduler took
@@ -109,7 +109,7 @@ KNOWN = {
     "tools", "tool_choice", "parallel_tool_calls", "structured_outputs", "guided_json", "guided_regex",
     "guided_choice", "guided_grammar", "min_p", "ignore_eos", "echo", "prompt_logprobs",
     "include_stop_str_in_output", "continue_final_message", "add_generation_prompt", "chat_template_kwargs",
-    "mm_processor_kwargs", "return_token_ids", "skip_special_tokens",
+    "mm_processor_kwargs", "return_token_ids", "skip_special_tokens", "allowed_token_ids", "bad_words",
 }  # fmt: skip
 
 # Prompts one completions request may give (each its own generation).
@@ -132,8 +132,6 @@ UNHONOURED: dict[str, tuple[tuple[Any, ...], str]] = {
     # vLLM's extensions that this server does not serve (those it does are in KNOWN).
     "use_beam_search": ((None, False), "this server does not search beams"),
     "length_penalty": ((None, 1), "this server does not search beams"),
-    "allowed_token_ids": ((None, []), "use logit_bias"),
-    "bad_words": ((None, []), "use logit_bias"),
     "truncate_prompt_tokens": ((None,), "this server does not cut prompts; a prompt over the context is refused"),
     "chat_template": ((None,), "the server's --chat-template renders every conversation"),
     "documents": ((None, []), "the server's --chat-template renders every conversation as it is"),
@@ -537,6 +535,16 @@ def _finish(body: dict[str, Any], request: tokenizer_pb2.GenerateRequest) -> Cal
         if not _token_ids(ids, empty=True):
             raise invalid("stop_token_ids must be a list of token ids", "stop_token_ids")
         s.stop_token_ids.extend(ids)
+    allowed = body.get("allowed_token_ids")
+    if allowed is not None:
+        if not _token_ids(allowed, empty=True):
+            raise invalid("allowed_token_ids must be a list of token ids", "allowed_token_ids")
+        s.allowed_token_ids.extend(allowed)
+    words = body.get("bad_words")
+    if words is not None:
+        if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
+            raise invalid("bad_words must be a list of strings", "bad_words")
+        s.bad_words.extend(words)
     for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
         penalty = _number(body, name)
         if penalty is not None:

@@ -39,6 +39,7 @@ from mmsplit_server.handoff import cuda_ipc, files, grants, ranges, reference
 from mmsplit_server.handoff.reference import DTYPE_BY_NAME, CudaRef, TensorSpec
 from mmsplit_server.sampling import Sampling
 from tokenizer_svc import tool_calls
+from tokenizer_svc.bad_words import token_sequences
 from tokenizer_svc.cache import PreprocessCache, fingerprint
 from tokenizer_svc.conversation import MAX_CACHE_SALT, MAX_CHOICES, Located, Parsed, choice_request, parse
 from tokenizer_svc.detokenize import StopMatcher, make_decoder, stream_text
@@ -337,6 +338,8 @@ class TokenizerService:
             )
             if parsed.tool_schema:  # "required" or a named function: the output is the calls
                 downstream.sampling.json_schema = parsed.tool_schema
+            for ids in parsed.bad_words:
+                downstream.bad_words.add(token_ids=ids)
             if transport != common_pb2.TRANSPORT_SHM:
                 # Their bytes are in the message now: one-off segments have done their job.
                 for p in prepared:
@@ -563,7 +566,11 @@ class TokenizerService:
             raise InvalidRequest(
                 f"cache_salt must be at most {MAX_CACHE_SALT} characters", metadata={"param": "cache_salt"}
             )
-        return parse(request, self.settings, self.family)
+        parsed = parse(request, self.settings, self.family)
+        if request.sampling.bad_words:
+            words = tuple(token_sequences(self.tokenizer, request.sampling.bad_words))
+            parsed = dataclasses.replace(parsed, bad_words=words)
+        return parsed
 
     async def _prepare_media(
         self,

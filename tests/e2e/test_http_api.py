@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import itertools
 import json
 import re
 import shutil
@@ -1777,3 +1778,58 @@ def test_skip_special_tokens_false_keeps_them_in_the_text(api: Api) -> None:
             extra_body={"skip_special_tokens": 0},  # type: ignore[arg-type]
         )
     assert refused.value.body["param"] == "skip_special_tokens"  # type: ignore[index]
+
+
+def test_allowed_token_ids_and_bad_words_keep_what_they_ban_out_of_the_answer(api: Api) -> None:
+    """vLLM's two extensions over the openai SDK (extra_body), greedy:
+    with allowed_token_ids every generated id is one of them, and the
+    first is the plain answer's when that one is listed; with bad_words
+    the plain answer is kept up to where a banned word would come, never
+    that word: a one-token word never, a two-token word's second token
+    never right after its first. Refused, naming the field: an id outside
+    the vocabulary, and a request left with nothing to draw (its only
+    allowed token is EOS, before min_tokens); the next request is served."""
+    from tokenizer_svc.bad_words import token_sequences
+
+    client, tokenizer = api.client(), hf_loaded.tokenizer(api.pair.model)
+
+    def ids(**extra: Any) -> list[int]:
+        answer = client.chat.completions.create(
+            model=api.model,
+            messages=CONVERSATION,
+            max_tokens=24,
+            extra_body={"return_token_ids": True, **extra},  # type: ignore[arg-type]
+        ).model_dump()
+        return answer["choices"][0]["token_ids"]  # type: ignore[no-any-return]
+
+    plain = ids()
+    allowed = sorted({plain[0], plain[2], 100, 200, 300})
+    constrained = ids(allowed_token_ids=allowed)
+    assert set(constrained) <= set(allowed)
+    assert constrained[0] == plain[0]
+    assert constrained != plain[: len(constrained)]
+
+    def word(tokens: list[int]) -> str | None:
+        """The text of `tokens`, where it is a bad word whose one sequence is exactly them."""
+        text = tokenizer.decode(tokens).strip()
+        return text if text and token_sequences(tokenizer, [text]) == [tuple(tokens)] else None
+
+    one = next(i for i in range(1, len(plain)) if word(plain[i : i + 1]) and plain[i] not in plain[:i])
+    banned = ids(bad_words=[word(plain[one : one + 1])])
+    assert banned[:one] == plain[:one]
+    assert plain[one] not in banned
+    two = next(i for i in range(1, len(plain) - 1) if word(plain[i : i + 2]) and plain[i] not in plain[:i])
+    split = ids(bad_words=[word(plain[two : two + 2])])
+    assert split[: two + 1] == plain[: two + 1]
+    assert all((a, b) != (plain[two], plain[two + 1]) for a, b in itertools.pairwise(split))
+
+    eos = hf_loaded.model(api.pair.model).config.text_config.eos_token_id
+    for extra, param in (
+        ({"allowed_token_ids": [1, 10**6]}, "allowed_token_ids"),
+        ({"allowed_token_ids": [eos], "min_tokens": 2}, "allowed_token_ids"),
+        ({"bad_words": ["  "]}, "bad_words"),
+    ):
+        with pytest.raises(openai.BadRequestError) as refused:
+            ids(**extra)
+        assert refused.value.body["param"] == param, (extra, refused.value.body)  # type: ignore[index]
+    assert ids() == plain

@@ -184,3 +184,32 @@ def test_a_cache_salt_too_long_names_its_field(services: Services, sched) -> Non
     assert (reason, metadata.get("param"), metadata["grpc"]) == ("INVALID_REQUEST", "cache_salt", "INVALID_ARGUMENT")
     request.cache_salt = "x" * 256
     assert outcome(sched, request) == ("ok", {})
+
+
+def test_bad_word_sequences_are_checked_and_banned_for_a_direct_client(services: Services, sched) -> None:  # type: ignore[no-untyped-def]
+    """GenerateRequest.bad_words from a client of the scheduler itself:
+    over the limits or outside the vocabulary it is INVALID_REQUEST naming
+    bad_words; within them, the greedy answer never holds a banned
+    sequence (here its own first two tokens, then its first alone)."""
+
+    def request(*words: list[int], tokens: int = 6) -> scheduler_pb2.GenerateRequest:
+        return scheduler_pb2.GenerateRequest(
+            request_id=f"bad-{uuid.uuid4().hex[:8]}",
+            input_ids=[1, 22557, 1526],
+            sampling=common_pb2.SamplingParams(max_tokens=tokens),
+            bad_words=[scheduler_pb2.TokenSequence(token_ids=w) for w in words],
+        )
+
+    def answer(req: scheduler_pb2.GenerateRequest) -> list[int]:
+        return [t for e in sched.Generate(req, timeout=60) if e.HasField("tokens") for t in e.tokens.token_ids]
+
+    vocab = model_info(services.model).vocab_size
+    for words in ([[]], [[1] * 65], [[5]] * 129, [[5, vocab]]):
+        reason, metadata = outcome(sched, request(*words))
+        assert (reason, metadata.get("param")) == ("INVALID_REQUEST", "bad_words"), words
+    plain = answer(request())
+    pair = answer(request(plain[:2]))
+    assert pair[0] == plain[0]
+    assert pair[1] != plain[1]
+    alone = answer(request(plain[:1]))
+    assert plain[0] not in alone

@@ -3,13 +3,16 @@ logit_bias and the penalties, and one row's failure staying that row's."""
 
 from __future__ import annotations
 
+import itertools
+import math
 from pathlib import Path
 
 import pytest
 import torch
 
+from mmsplit.errors import E
 from mmsplit_server.sampling import Sampling
-from scheduler_svc.sampler import LogitAdjust, RowSampling, Sampler, make_generator, row_argmax
+from scheduler_svc.sampler import Bans, LogitAdjust, NothingToDraw, RowSampling, Sampler, make_generator, row_argmax
 from tests.support import hf_loaded
 
 EOS = 3
@@ -17,10 +20,17 @@ CPU = torch.device("cpu")
 
 
 def row(
-    params: Sampling, *, seed: int = 1, generated: int = 0, rid: str = "r", prompt: tuple[int, ...] = ()
+    params: Sampling,
+    *,
+    seed: int = 1,
+    generated: int = 0,
+    rid: str = "r",
+    prompt: tuple[int, ...] = (),
+    bad_words: tuple[tuple[int, ...], ...] = (),
 ) -> RowSampling:
     adjust = LogitAdjust(params, prompt) if params.adjusts_logits else None
-    return RowSampling(rid, params, generated, make_generator(params, seed, CPU), adjust)
+    bans = Bans(params.allowed_token_ids, bad_words) if params.allowed_token_ids or bad_words else None
+    return RowSampling(rid, params, generated, make_generator(params, seed, CPU), adjust, bans=bans)
 
 
 def logits(rows: int, vocab: int = 50, seed: int = 0) -> torch.Tensor:
@@ -310,3 +320,87 @@ def test_a_row_whose_constraint_could_not_be_made_fails_alone() -> None:
     out = Sampler(frozenset()).sample(x, [broken, row(Sampling(max_tokens=4))])
     assert out[0] == "structured output failed: no grammar"
     assert out[1] == int(x[1].argmax())
+
+
+def test_allowed_token_ids_leave_only_those_to_draw_and_logprobs_are_of_them() -> None:
+    """Greedy and sampled rows draw only listed ids, whatever the other rows
+    allow; a greedy row's log probabilities are over the allowed ids alone;
+    a row with no list is untouched."""
+    sampler = Sampler(frozenset([EOS]))
+    allowed = (4, 9, 31)
+    greedy = row(Sampling(max_tokens=64, allowed_token_ids=allowed, logprobs=True, top_logprobs=5))
+    sampled = row(
+        Sampling(max_tokens=64, temperature=2.0, allowed_token_ids=(1, 2), logprobs=True, top_logprobs=5),
+        seed=7,
+        rid="s",
+    )
+    free = row(Sampling(max_tokens=64), rid="f")
+    seen: set[int] = set()
+    for step in range(40):
+        x = logits(3, seed=step)
+        out, logprobs = sampler.sample_rows(x.clone(), [greedy, sampled, free])
+        assert out[0] == max(allowed, key=lambda t: float(x[0, t]))
+        assert out[1] in (1, 2)
+        seen.add(out[1])  # type: ignore[arg-type]
+        assert out[2] == int(x[2].argmax())
+        # The alternatives are tokens that could have been drawn: never a banned one (-inf).
+        assert set(logprobs[0].top_ids) == set(allowed)
+        assert set(logprobs[1].top_ids) == {1, 2}
+        assert all(math.isfinite(v) for lp in logprobs.values() for v in lp.top_logprobs)
+        expected = torch.log_softmax(x[0, list(allowed)], dim=0)
+        assert logprobs[0].logprob == pytest.approx(float(expected.max()), abs=1e-5)
+        for r, token in zip((greedy, sampled, free), out, strict=True):
+            r.took(token)  # type: ignore[arg-type]
+    assert seen == {1, 2}, "temperature 2 over two allowed ids should draw both"
+
+
+def test_bad_words_ban_a_word_s_last_token_only_after_its_earlier_ones() -> None:
+    """A one-token bad word is never drawn; a longer one's last token is
+    banned exactly where the generated tokens end with its earlier ones
+    (the prompt's do not count), so the word never appears whole."""
+    sampler = Sampler(frozenset([EOS]))
+    vocab = 12
+    # Token t scores highest, then t+1, ...: greedy would walk 5, 6, 7, 8, ...
+    r = row(Sampling(max_tokens=64), bad_words=((8,), (6, 7)), prompt=(6,))
+    out = []
+    for _ in range(6):
+        x = torch.zeros(1, vocab)
+        if not out:
+            x[0, 7], x[0, 5] = 3.0, 2.0  # 7 right after the prompt's 6: allowed (output tokens only)
+        else:
+            start = out[-1] + 1
+            for k in range(vocab):
+                x[0, (start + k) % vocab] = float(vocab - k)
+        token = sampler.sample(x, [r])[0]
+        assert isinstance(token, int)
+        out.append(token)
+        r.took(token)
+    assert out[0] == 7
+    assert 8 not in out
+    assert all((a, b) != (6, 7) for a, b in itertools.pairwise(out)), out
+    assert out == [7, 9, 10, 11, 0, 1]
+    words = Bans((), ((6, 7), (6, 7, 9)))
+    for token in (1, 6):
+        words.took(token)
+    assert sorted(words.banned()) == [7]
+    words.took(7)
+    assert words.banned() == [9]
+
+
+def test_a_row_left_with_nothing_to_draw_fails_alone_as_the_client_s_error() -> None:
+    """allowed_token_ids that only hold EOS before min_tokens, or a bad word
+    that is the only allowed token: that row fails with INVALID_REQUEST
+    naming the field; the others are sampled."""
+    sampler = Sampler(frozenset([EOS]))
+    x = logits(3)
+    rows = [
+        row(Sampling(max_tokens=8, min_tokens=2, allowed_token_ids=(EOS,))),
+        row(Sampling(max_tokens=8, allowed_token_ids=(5,)), bad_words=((5,),), rid="b"),
+        row(Sampling(max_tokens=8), rid="ok"),
+    ]
+    out = sampler.sample(x, rows)
+    for failed in out[:2]:
+        assert isinstance(failed, NothingToDraw)
+        assert failed.error_code == E.ERROR_CODE_INVALID_REQUEST
+        assert failed.metadata["param"] == "sampling.allowed_token_ids"
+    assert out[2] == int(x[2].argmax())

@@ -72,6 +72,11 @@ def check(pb: common_pb2.SamplingParams, **kw: object) -> Sampling:
         ({"min_p": 1.5}, "min_p"),
         ({"min_p": math.nan}, "min_p"),
         ({"ignore_eos": True, "choice": ["a"]}, "ignore_eos"),
+        ({"allowed_token_ids": [3, 1000]}, "allowed_token_ids"),  # outside the vocabulary of 1,000
+        ({"allowed_token_ids": [1] * 262_145}, "allowed_token_ids"),
+        ({"bad_words": ["x"] * 65}, "bad_words"),
+        ({"bad_words": ["   "]}, "bad_words"),
+        ({"bad_words": ["z" * 129]}, "bad_words"),
     ],
 )
 def test_out_of_limits_is_invalid_request_naming_the_field(params: dict[str, object], field: str) -> None:
@@ -134,6 +139,11 @@ def test_defaults_and_accepted_values() -> None:
     assert check(common_pb2.SamplingParams(grammar=lark)).structure == ("grammar", lark)
     assert check(common_pb2.SamplingParams(grammar=gbnf)).structure == ("grammar", gbnf)
     assert check(common_pb2.SamplingParams()).structure is None
+    # allowed_token_ids: a set, sorted; bad_words as given (the tokenizer service tokenizes them).
+    bans = check(common_pb2.SamplingParams(allowed_token_ids=[9, 2, 9, 999], bad_words=[" Paris", "z" * 128]))
+    assert bans.allowed_token_ids == (2, 9, 999)
+    assert bans.bad_words == (" Paris", "z" * 128)
+    assert (plain.allowed_token_ids, plain.bad_words) == ((), ())
 
 
 def test_the_tokenizer_side_leaves_the_default_and_the_vocabulary_to_the_scheduler() -> None:

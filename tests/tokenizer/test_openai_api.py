@@ -167,7 +167,7 @@ def test_a_conversation_at_the_limits_is_taken_and_the_responses_api_names_its_i
         ("best_of", 3),
         ("web_search_options", {}),
         ("use_beam_search", True),
-        ("allowed_token_ids", [1, 2]),
+        ("truncate_prompt_tokens", 16),
         ("chat_template", "{{ messages }}"),
         ("priority", 5),
     ],
@@ -190,7 +190,7 @@ def test_the_do_nothing_values_of_those_fields_are_accepted() -> None:
         "functions": None, "function_call": "none",
         "modalities": ["text"], "audio": None,
         "suffix": "", "best_of": 1, "web_search_options": None,
-        "use_beam_search": False, "length_penalty": 1.0, "allowed_token_ids": None, "bad_words": [],
+        "use_beam_search": False, "length_penalty": 1.0,
         "truncate_prompt_tokens": None, "chat_template": None, "documents": None,
         "spaces_between_special_tokens": True,
         "return_tokens_as_token_ids": False, "logits_processors": None, "priority": 0,
@@ -198,10 +198,32 @@ def test_the_do_nothing_values_of_those_fields_are_accepted() -> None:
     assert defaults.keys() == openai_api.UNHONOURED.keys()
     defaults |= {"tools": [], "tool_choice": "none", "add_generation_prompt": True, "continue_final_message": False,
                  "chat_template_kwargs": {}, "echo": False, "prompt_logprobs": None,
-                 "mm_processor_kwargs": {}, "skip_special_tokens": True, "return_token_ids": False}  # fmt: skip
+                 "mm_processor_kwargs": {}, "skip_special_tokens": True, "return_token_ids": False,
+                 "allowed_token_ids": None, "bad_words": []}  # fmt: skip
     call = openai_api.parse_chat({"messages": [{"role": "user", "content": "x"}], **defaults})
     assert call.request.messages[0].content[0].text == "x"
     assert openai_api.parse_completion({"prompt": "x", **defaults}).request.prompt == "x"
+
+
+def test_allowed_token_ids_and_bad_words_reach_the_contract() -> None:
+    """vLLM's two extensions, on both endpoints; malformed ones are refused naming the field."""
+    knobs = {"allowed_token_ids": [7, 3, 7], "bad_words": ["Paris", " the end"]}
+    for call in (
+        openai_api.parse_chat({"messages": [{"role": "user", "content": "x"}], **knobs}),
+        openai_api.parse_completion({"prompt": "x", **knobs}),
+    ):
+        assert list(call.request.sampling.allowed_token_ids) == [7, 3, 7]
+        assert list(call.request.sampling.bad_words) == ["Paris", " the end"]
+    for field, value in (
+        ("allowed_token_ids", [1, -2]),
+        ("allowed_token_ids", [True]),
+        ("allowed_token_ids", "1,2"),
+        ("bad_words", "Paris"),
+        ("bad_words", ["Paris", 3]),
+    ):
+        with pytest.raises(InvalidRequest) as info:
+            openai_api.parse_completion({"prompt": "x", field: value})
+        assert openai_api.param_name(info.value) == field
 
 
 def test_penalties_and_logit_bias_reach_the_contract() -> None:

@@ -172,7 +172,7 @@ class MultimodalItem(_message.Message):
     def __init__(self, modality: _Optional[_Union[Modality, str]] = ..., tensors: _Optional[_Mapping[str, TensorRef]] = ..., placeholders: _Optional[_Iterable[_Union[PlaceholderRange, _Mapping]]] = ..., content_hash: _Optional[bytes] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "seed", "top_p", "top_k", "min_tokens", "stop_token_ids", "stop", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "json_schema", "regex", "choice", "grammar", "min_p", "ignore_eos", "include_stop_str_in_output", "prompt_logprobs")
+    __slots__ = ("max_tokens", "temperature", "seed", "top_p", "top_k", "min_tokens", "stop_token_ids", "stop", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "json_schema", "regex", "choice", "grammar", "min_p", "ignore_eos", "include_stop_str_in_output", "prompt_logprobs", "allowed_token_ids", "bad_words")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -202,6 +202,8 @@ class SamplingParams(_message.Message):
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_STOP_STR_IN_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    ALLOWED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BAD_WORDS_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     seed: int
@@ -224,7 +226,9 @@ class SamplingParams(_message.Message):
     ignore_eos: bool
     include_stop_str_in_output: bool
     prompt_logprobs: int
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., seed: _Optional[int] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., json_schema: _Optional[str] = ..., regex: _Optional[str] = ..., choice: _Optional[_Iterable[str]] = ..., grammar: _Optional[str] = ..., min_p: _Optional[float] = ..., ignore_eos: _Optional[bool] = ..., include_stop_str_in_output: _Optional[bool] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
+    allowed_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    bad_words: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., seed: _Optional[int] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., json_schema: _Optional[str] = ..., regex: _Optional[str] = ..., choice: _Optional[_Iterable[str]] = ..., grammar: _Optional[str] = ..., min_p: _Optional[float] = ..., ignore_eos: _Optional[bool] = ..., include_stop_str_in_output: _Optional[bool] = ..., prompt_logprobs: _Optional[int] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., bad_words: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("logprob", "top_token_ids", "top_logprobs", "rank")

@@ -8,20 +8,28 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "input_ids", "pixel_values", "sampling", "items", "cache_salt")
+    __slots__ = ("request_id", "input_ids", "pixel_values", "sampling", "items", "cache_salt", "bad_words")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     PIXEL_VALUES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    BAD_WORDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     input_ids: _containers.RepeatedScalarFieldContainer[int]
     pixel_values: _containers.RepeatedCompositeFieldContainer[_common_pb2.TensorRef]
     sampling: _common_pb2.SamplingParams
     items: _containers.RepeatedCompositeFieldContainer[_common_pb2.MultimodalItem]
     cache_salt: str
-    def __init__(self, request_id: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., pixel_values: _Optional[_Iterable[_Union[_common_pb2.TensorRef, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., items: _Optional[_Iterable[_Union[_common_pb2.MultimodalItem, _Mapping]]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    bad_words: _containers.RepeatedCompositeFieldContainer[TokenSequence]
+    def __init__(self, request_id: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., pixel_values: _Optional[_Iterable[_Union[_common_pb2.TensorRef, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., items: _Optional[_Iterable[_Union[_common_pb2.MultimodalItem, _Mapping]]] = ..., cache_salt: _Optional[str] = ..., bad_words: _Optional[_Iterable[_Union[TokenSequence, _Mapping]]] = ...) -> None: ...
+
+class TokenSequence(_message.Message):
+    __slots__ = ("token_ids",)
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Accepted(_message.Message):
     __slots__ = ()
