@@ -472,7 +472,10 @@ class HttpApi:
             )
         s = call.request.sampling
         echo = openai_answers.Echo(texts, s.top_logprobs if call.echo and s.logprobs else None, call.prompt_logprobs)
-        return openai_answers.Choices(call.choices, tokenizer, per_prompt=call.n, echo=echo, token_ids=call.token_ids)
+        return openai_answers.Choices(
+            call.choices, tokenizer, per_prompt=call.n, echo=echo, token_ids=call.token_ids,
+            tokens_as_ids=call.tokens_as_ids,
+        )  # fmt: skip
 
     async def _choices(
         self, call: openai_api.Call, rid: str, client: str

@@ -41,12 +41,21 @@ class Choices:
     several prompts (completions), `per_prompt` choices are each prompt's."""
 
     def __init__(
-        self, n: int, tokens: Any = None, per_prompt: int = 0, echo: Echo | None = None, token_ids: bool = False
+        self,
+        n: int,
+        tokens: Any = None,
+        per_prompt: int = 0,
+        echo: Echo | None = None,
+        token_ids: bool = False,
+        tokens_as_ids: bool = False,
     ) -> None:
         """`tokens`: the tokenizer, to name the tokens of log probabilities;
         `token_ids`: the ids are shown (return_token_ids), so a response
-        that adds only ids is shown too."""
+        that adds only ids is shown too; `tokens_as_ids`: log probabilities
+        name a token "token_id:<id>" (return_tokens_as_token_ids; the
+        legacy text offsets then count those names, as vLLM's do)."""
         self.want_ids = token_ids
+        self.tokens_as_ids = tokens_as_ids
         self.echo = echo or Echo()
         self._echoed: set[int] = set()  # choices whose output began (with their echo, if any)
         self.prompt_logprobs: dict[int, list[dict[str, Any] | None]] = {}  # vLLM's, by choice
@@ -133,7 +142,7 @@ class Choices:
         return out
 
     def _named(self, token: int, logprob: float | None) -> dict[str, Any]:
-        text = self._text(token)
+        text = f"token_id:{token}" if self.tokens_as_ids else self._text(token)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
     def _text(self, token: int) -> str:

@@ -23,9 +23,11 @@ What is accepted, as vLLM, SGLang and TGI accept it:
   logprobs and top_logprobs (chat: a boolean and 0 to 20; completions: the
   legacy integer, the number of top entries), presence_penalty,
   frequency_penalty, logit_bias (token ids as strings, as OpenAI's), vLLM's
-  repetition_penalty, allowed_token_ids and bad_words, `response_format` (text, json_object, json_schema:
-  the contract's `SamplingParams.json_schema`, structured output), and
-  vLLM's `cache_salt` (a tenant's prefix-cache isolation). The usage reports
+  repetition_penalty, allowed_token_ids and bad_words,
+  return_tokens_as_token_ids (log probabilities name tokens "token_id:<id>"),
+  `response_format` (text, json_object, json_schema: the contract's
+  `SamplingParams.json_schema`, structured output), and vLLM's
+  `cache_salt` (a tenant's prefix-cache isolation). The usage reports
   `prompt_tokens_details.cached_tokens`: prompt tokens the scheduler took
   from its prefix cache. vLLM's `mm_processor_kwargs` with `max_pixels`
   and `min_pixels`: a Qwen-VL model's images resized within that budget
@@ -110,6 +112,7 @@ KNOWN = {
     "guided_choice", "guided_grammar", "min_p", "ignore_eos", "echo", "prompt_logprobs",
     "include_stop_str_in_output", "continue_final_message", "add_generation_prompt", "chat_template_kwargs",
     "mm_processor_kwargs", "return_token_ids", "skip_special_tokens", "allowed_token_ids", "bad_words",
+    "return_tokens_as_token_ids",
 }  # fmt: skip
 
 # Prompts one completions request may give (each its own generation).
@@ -136,7 +139,6 @@ UNHONOURED: dict[str, tuple[tuple[Any, ...], str]] = {
     "chat_template": ((None,), "the server's --chat-template renders every conversation"),
     "documents": ((None, []), "the server's --chat-template renders every conversation as it is"),
     "spaces_between_special_tokens": ((None, True), "the text leaves out special tokens"),
-    "return_tokens_as_token_ids": ((None, False), "log probabilities name tokens by their text"),
     "logits_processors": ((None, []), "this server runs no custom logits processors"),
     "priority": ((None, 0), "this server serves requests in arrival order"),
 }
@@ -182,6 +184,9 @@ class Call:
     # vLLM's return_token_ids: the prompt's ids and each choice's generated
     # ids in the answer (GenerateRequest.return_prompt_token_ids).
     token_ids: bool = False
+    # vLLM's return_tokens_as_token_ids: log probabilities name each token
+    # "token_id:<id>" instead of its text (which may be no whole character).
+    tokens_as_ids: bool = False
 
     @property
     def choices(self) -> int:
@@ -586,7 +591,12 @@ def _finish(body: dict[str, Any], request: tokenizer_pb2.GenerateRequest) -> Cal
         include_usage = options.get("include_usage", True)  # as vLLM's StreamOptions has it
         if not isinstance(include_usage, bool):
             raise invalid("stream_options.include_usage must be true or false", "stream_options")
-    return Call(request, n or 1, stream is True, include_usage, token_ids=token_ids is True)
+    as_ids = body.get("return_tokens_as_token_ids")
+    if as_ids is not None and not isinstance(as_ids, bool):
+        raise invalid("return_tokens_as_token_ids must be true or false", "return_tokens_as_token_ids")
+    return Call(
+        request, n or 1, stream is True, include_usage, token_ids=token_ids is True, tokens_as_ids=as_ids is True
+    )
 
 
 def _image_budget(body: dict[str, Any], request: tokenizer_pb2.GenerateRequest) -> None:

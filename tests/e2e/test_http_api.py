@@ -1833,3 +1833,42 @@ def test_allowed_token_ids_and_bad_words_keep_what_they_ban_out_of_the_answer(ap
             ids(**extra)
         assert refused.value.body["param"] == param, (extra, refused.value.body)  # type: ignore[index]
     assert ids() == plain
+
+
+def test_return_tokens_as_token_ids_names_logprob_tokens_by_their_ids(api: Api) -> None:
+    """vLLM's return_tokens_as_token_ids: with logprobs, each token (and
+    each top alternative) is named "token_id:<id>", the ids those of
+    return_token_ids, in chat (whole and streamed) and in completions'
+    legacy form; the log probabilities are the same as without it."""
+    client = api.client()
+    asked = {"return_token_ids": True, "return_tokens_as_token_ids": True}
+    chat = client.chat.completions.create(
+        model=api.model, messages=CONVERSATION, max_tokens=5, logprobs=True, top_logprobs=3, extra_body=asked,  # type: ignore[arg-type]
+    ).model_dump()  # fmt: skip
+    plain = client.chat.completions.create(
+        model=api.model, messages=CONVERSATION, max_tokens=5, logprobs=True, top_logprobs=3
+    ).model_dump()
+    entries, ids = chat["choices"][0]["logprobs"]["content"], chat["choices"][0]["token_ids"]
+    assert [e["token"] for e in entries] == [f"token_id:{t}" for t in ids]
+    assert all(e["bytes"] == list(e["token"].encode()) for e in entries)
+    assert all(re.fullmatch(r"token_id:\d+", top["token"]) for e in entries for top in e["top_logprobs"])
+    assert [e["logprob"] for e in entries] == [e["logprob"] for e in plain["choices"][0]["logprobs"]["content"]]
+    assert entries[0]["top_logprobs"][0]["token"] == f"token_id:{ids[0]}"  # greedy: the first is the likeliest
+    streamed = [c.model_dump() for c in client.chat.completions.create(
+        model=api.model, messages=CONVERSATION, max_tokens=5, logprobs=True, stream=True, extra_body=asked,  # type: ignore[arg-type]
+    )]  # fmt: skip
+    logprobs = [c["choices"][0]["logprobs"] for c in streamed if c["choices"]]
+    names = [e["token"] for lp in logprobs if lp for e in lp["content"]]
+    assert names == [f"token_id:{t}" for t in ids]
+    legacy = client.completions.create(
+        model=api.model,
+        prompt="Once upon a time",
+        max_tokens=4,
+        logprobs=2,
+        extra_body=asked,  # type: ignore[arg-type]
+    ).model_dump()
+    choice = legacy["choices"][0]
+    assert choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in choice["token_ids"]]
+    assert all(all(k.startswith("token_id:") for k in top) for top in choice["logprobs"]["top_logprobs"])
+    refused = _bad(api, _chat([{"type": "text", "text": "x"}], extra_body={"return_tokens_as_token_ids": 1}))
+    assert (refused.status_code, refused.body["param"]) == (400, "return_tokens_as_token_ids")  # type: ignore[index]

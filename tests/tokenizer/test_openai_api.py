@@ -193,13 +193,13 @@ def test_the_do_nothing_values_of_those_fields_are_accepted() -> None:
         "use_beam_search": False, "length_penalty": 1.0,
         "truncate_prompt_tokens": None, "chat_template": None, "documents": None,
         "spaces_between_special_tokens": True,
-        "return_tokens_as_token_ids": False, "logits_processors": None, "priority": 0,
+        "logits_processors": None, "priority": 0,
     }  # fmt: skip
     assert defaults.keys() == openai_api.UNHONOURED.keys()
     defaults |= {"tools": [], "tool_choice": "none", "add_generation_prompt": True, "continue_final_message": False,
                  "chat_template_kwargs": {}, "echo": False, "prompt_logprobs": None,
                  "mm_processor_kwargs": {}, "skip_special_tokens": True, "return_token_ids": False,
-                 "allowed_token_ids": None, "bad_words": []}  # fmt: skip
+                 "allowed_token_ids": None, "bad_words": [], "return_tokens_as_token_ids": False}  # fmt: skip
     call = openai_api.parse_chat({"messages": [{"role": "user", "content": "x"}], **defaults})
     assert call.request.messages[0].content[0].text == "x"
     assert openai_api.parse_completion({"prompt": "x", **defaults}).request.prompt == "x"
