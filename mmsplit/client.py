@@ -360,6 +360,7 @@ def build_request(
     min_pixels: int = 0,
     max_pixels: int = 0,
     return_prompt_token_ids: bool = False,
+    truncate_prompt_tokens: int = 0,
 ) -> tokenizer_pb2.GenerateRequest:
     """A GenerateRequest of a prompt (with `images` and `videos`) or of a
     conversation (`messages`); media given as bytes are sent inline, as str
@@ -383,7 +384,8 @@ def build_request(
     these bounds instead of the checkpoint's (within them only; 0 leaves a
     bound as the checkpoint's: `GenerateRequest.image_budget`).
     `return_prompt_token_ids`: a `PromptIds` event first, the ids the
-    model reads."""
+    model reads. `truncate_prompt_tokens`: the model reads only the
+    prompt's last N tokens (-1: as many as the context holds)."""
     sampling = common_pb2.SamplingParams(
         max_tokens=max_tokens,
         temperature=temperature,
@@ -440,6 +442,7 @@ def build_request(
             else None
         ),
         return_prompt_token_ids=return_prompt_token_ids,
+        truncate_prompt_tokens=truncate_prompt_tokens,
     )
 
 

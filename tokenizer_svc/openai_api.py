@@ -25,6 +25,8 @@ What is accepted, as vLLM, SGLang and TGI accept it:
   frequency_penalty, logit_bias (token ids as strings, as OpenAI's), vLLM's
   repetition_penalty, allowed_token_ids and bad_words,
   return_tokens_as_token_ids (log probabilities name tokens "token_id:<id>"),
+  truncate_prompt_tokens (the rendered prompt's last N tokens; -1: as many
+  as the context holds; never through a media item; not with echo),
   `response_format` (text, json_object, json_schema: the contract's
   `SamplingParams.json_schema`, structured output), and vLLM's
   `cache_salt` (a tenant's prefix-cache isolation). The usage reports
@@ -72,6 +74,7 @@ log = logging.getLogger(__name__)
 
 _U63 = (1 << 63) - 1
 _U32 = (1 << 32) - 1
+_I31 = (1 << 31) - 1
 
 # ErrorCode -> (HTTP status, OpenAI error type). Retriable codes also get
 # Retry-After; every error says x-should-retry, so the OpenAI SDK (which
@@ -112,7 +115,7 @@ KNOWN = {
     "guided_choice", "guided_grammar", "min_p", "ignore_eos", "echo", "prompt_logprobs",
     "include_stop_str_in_output", "continue_final_message", "add_generation_prompt", "chat_template_kwargs",
     "mm_processor_kwargs", "return_token_ids", "skip_special_tokens", "allowed_token_ids", "bad_words",
-    "return_tokens_as_token_ids",
+    "return_tokens_as_token_ids", "truncate_prompt_tokens",
 }  # fmt: skip
 
 # Prompts one completions request may give (each its own generation).
@@ -135,7 +138,6 @@ UNHONOURED: dict[str, tuple[tuple[Any, ...], str]] = {
     # vLLM's extensions that this server does not serve (those it does are in KNOWN).
     "use_beam_search": ((None, False), "this server does not search beams"),
     "length_penalty": ((None, 1), "this server does not search beams"),
-    "truncate_prompt_tokens": ((None,), "this server does not cut prompts; a prompt over the context is refused"),
     "chat_template": ((None,), "the server's --chat-template renders every conversation"),
     "documents": ((None, []), "the server's --chat-template renders every conversation as it is"),
     "spaces_between_special_tokens": ((None, True), "the text leaves out special tokens"),
@@ -335,6 +337,8 @@ def parse_completion(body: Any) -> Call:
     echo = body.get("echo")
     if echo is not None and not isinstance(echo, bool):
         raise invalid("echo must be true or false", "echo")
+    if echo and request.truncate_prompt_tokens:
+        raise invalid("echo cannot go with truncate_prompt_tokens: the prompt echoed is the one sent", "echo")
     call = _prompt_logprobs(body, call, echo=bool(echo))
     if call.n * len(prompts) > MAX_PROMPTS * MAX_CHOICES // 4:
         raise invalid(f"{len(prompts)} prompts of n {call.n}: at most {MAX_PROMPTS * MAX_CHOICES // 4} choices", "n")
@@ -573,6 +577,11 @@ def _finish(body: dict[str, Any], request: tokenizer_pb2.GenerateRequest) -> Cal
     if skip is not None and not isinstance(skip, bool):
         raise invalid("skip_special_tokens must be true or false", "skip_special_tokens")
     request.keep_special_tokens = skip is False
+    keep = body.get("truncate_prompt_tokens")
+    if keep is not None:
+        if not isinstance(keep, int) or isinstance(keep, bool) or not -1 <= keep <= _I31:
+            raise invalid("truncate_prompt_tokens must be an integer of at least -1", "truncate_prompt_tokens")
+        request.truncate_prompt_tokens = keep
     salt = body.get("cache_salt")
     if salt is not None:
         if not isinstance(salt, str) or not salt or len(salt) > MAX_CACHE_SALT:

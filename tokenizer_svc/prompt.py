@@ -31,7 +31,7 @@ from __future__ import annotations
 import inspect
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,6 +72,24 @@ class BuiltPrompt:
     input_ids: list[int]
     # Per media item, in request order: its placeholder runs (offset, length).
     runs: list[list[tuple[int, int]]]
+
+
+def truncated(prompt: BuiltPrompt, keep: int, media: Sequence[str]) -> BuiltPrompt:
+    """The prompt's last `keep` tokens (truncate_prompt_tokens), its
+    items' runs moved with them; `media` names each item (its place in the
+    request). A cut before or inside an item's runs is INVALID_REQUEST."""
+    cut = len(prompt.input_ids) - keep
+    if cut <= 0:
+        return prompt
+    for where, runs in zip(media, prompt.runs, strict=True):
+        if runs and runs[0][0] < cut:
+            raise InvalidRequest(
+                f"truncate_prompt_tokens {keep} would cut {where} out of the prompt of {len(prompt.input_ids)} "
+                f"tokens (its placeholders start at token {runs[0][0]}): keep at least "
+                f"{len(prompt.input_ids) - runs[0][0]} tokens, or send it no more",
+                metadata={"param": "truncate_prompt_tokens"},
+            )
+    return BuiltPrompt(prompt.input_ids[cut:], [[(at - cut, n) for at, n in runs] for runs in prompt.runs])
 
 
 _NAMES = {1: "image", 2: "video", 3: "audio"}

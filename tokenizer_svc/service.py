@@ -69,7 +69,7 @@ from tokenizer_svc.preprocess import (
     place,
     too_large,
 )
-from tokenizer_svc.prompt import BuiltPrompt, Media, PromptBuilder
+from tokenizer_svc.prompt import BuiltPrompt, Media, PromptBuilder, truncated
 from tokenizer_svc.settings import TokenizerSettings
 from tokenizer_svc.tool_calls import Auto, Forced
 
@@ -327,6 +327,8 @@ class TokenizerService:
         try:
             self._check_sizes(parsed.media, results, ask)
             prompt = await self._built(parsed, [Media(r.modality, r.tokens, r.times) for r in results])
+            if request.truncate_prompt_tokens:
+                prompt = truncated(prompt, self._kept(request, info), [m.where for m in parsed.media])
             # Items go in prompt order (by their first placeholder).
             items = sorted(zip(prompt.runs, results, strict=True), key=lambda pair: pair[0][0][0])
             downstream = scheduler_pb2.GenerateRequest(
@@ -560,8 +562,26 @@ class TokenizerService:
         matched. Responses and errors carry the client's id alone."""
         return f"{self.instance}-{next(self._ids):x}.{rid[:64]}"
 
+    @staticmethod
+    def _kept(request: tokenizer_pb2.GenerateRequest, info: common_pb2.ServerInfo | None) -> int:
+        """The prompt tokens truncate_prompt_tokens keeps (-1: the context's, less one to generate)."""
+        if request.truncate_prompt_tokens > 0:
+            return request.truncate_prompt_tokens
+        context = info.max_context_tokens if info is not None else 0
+        if not context:
+            raise SchedulerUnavailable(
+                "truncate_prompt_tokens -1 needs the scheduler's context length, not known yet; retry shortly"
+            )
+        return context - 1
+
     def _validate(self, request: tokenizer_pb2.GenerateRequest) -> Parsed:
         Sampling.from_pb(request.sampling, max_tokens_limit=self.settings.max_tokens_limit)
+        if request.truncate_prompt_tokens < -1:
+            raise InvalidRequest(
+                f"truncate_prompt_tokens {request.truncate_prompt_tokens}: give the prompt tokens to keep, "
+                "-1 for as many as the context holds, or 0 for all",
+                metadata={"param": "truncate_prompt_tokens"},
+            )
         if len(request.cache_salt) > MAX_CACHE_SALT:
             raise InvalidRequest(
                 f"cache_salt must be at most {MAX_CACHE_SALT} characters", metadata={"param": "cache_salt"}

@@ -1780,6 +1780,20 @@ def test_skip_special_tokens_false_keeps_them_in_the_text(api: Api) -> None:
     assert refused.value.body["param"] == "skip_special_tokens"  # type: ignore[index]
 
 
+def _with_ids(api: Api, max_tokens: int, **extra: Any) -> dict[str, Any]:
+    """A greedy chat answer to CONVERSATION, with return_token_ids and `extra` in extra_body."""
+    return (
+        api.client()
+        .chat.completions.create(  # type: ignore[no-any-return]
+            model=api.model,
+            messages=CONVERSATION,
+            max_tokens=max_tokens,
+            extra_body={"return_token_ids": True, **extra},  # type: ignore[arg-type]
+        )
+        .model_dump()
+    )
+
+
 def test_allowed_token_ids_and_bad_words_keep_what_they_ban_out_of_the_answer(api: Api) -> None:
     """vLLM's two extensions over the openai SDK (extra_body), greedy:
     with allowed_token_ids every generated id is one of them, and the
@@ -1791,16 +1805,10 @@ def test_allowed_token_ids_and_bad_words_keep_what_they_ban_out_of_the_answer(ap
     allowed token is EOS, before min_tokens); the next request is served."""
     from tokenizer_svc.bad_words import token_sequences
 
-    client, tokenizer = api.client(), hf_loaded.tokenizer(api.pair.model)
+    tokenizer = hf_loaded.tokenizer(api.pair.model)
 
     def ids(**extra: Any) -> list[int]:
-        answer = client.chat.completions.create(
-            model=api.model,
-            messages=CONVERSATION,
-            max_tokens=24,
-            extra_body={"return_token_ids": True, **extra},  # type: ignore[arg-type]
-        ).model_dump()
-        return answer["choices"][0]["token_ids"]  # type: ignore[no-any-return]
+        return _with_ids(api, 24, **extra)["choices"][0]["token_ids"]  # type: ignore[no-any-return]
 
     plain = ids()
     allowed = sorted({plain[0], plain[2], 100, 200, 300})
@@ -1872,3 +1880,53 @@ def test_return_tokens_as_token_ids_names_logprob_tokens_by_their_ids(api: Api) 
     assert all(all(k.startswith("token_id:") for k in top) for top in choice["logprobs"]["top_logprobs"])
     refused = _bad(api, _chat([{"type": "text", "text": "x"}], extra_body={"return_tokens_as_token_ids": 1}))
     assert (refused.status_code, refused.body["param"]) == (400, "return_tokens_as_token_ids")  # type: ignore[index]
+
+
+def test_truncate_prompt_tokens_reads_the_prompt_s_last_tokens_and_never_half_an_image(api: Api) -> None:
+    """vLLM's truncate_prompt_tokens, over the openai SDK: completions read
+    the prompt's last N ids (return_token_ids shows them; the usage counts
+    them; the answer is that of a prompt of those ids); -1 cuts a prompt
+    longer than the context to the context less one; a chat with an image
+    keeps its image when N reaches it and is a 400 naming the field when N
+    would cut it; echo with it, and -2, are 400s."""
+    from mmsplit.client import Client
+
+    client = api.client()
+
+    def completion(prompt: str | list[int], **extra: Any) -> dict[str, Any]:
+        return client.completions.create(
+            model=api.model,
+            prompt=prompt,
+            max_tokens=4,
+            extra_body={"return_token_ids": True, **extra},  # type: ignore[arg-type]
+        ).model_dump()
+
+    text = "Once upon a time there was a picture of a cat on a mat."
+    whole = completion(text)["choices"][0]["prompt_token_ids"]
+    cut = completion(text, truncate_prompt_tokens=6)
+    assert cut["choices"][0]["prompt_token_ids"] == whole[-6:]
+    assert cut["usage"]["prompt_tokens"] == 6
+    assert cut["choices"][0]["token_ids"] == completion(whole[-6:])["choices"][0]["token_ids"]
+    assert completion(text, truncate_prompt_tokens=len(whole) + 5)["choices"][0]["prompt_token_ids"] == whole
+
+    with Client(api.pair.tokenizer_address) as grpc_client:
+        context = grpc_client.tokenize(text).max_context_tokens
+    long = completion(" ".join(["cat"] * (context + 50)), truncate_prompt_tokens=-1)
+    assert long["usage"]["prompt_tokens"] == context - 1, (context, long["usage"])
+    assert long["choices"][0]["finish_reason"] == "length"
+
+    def chat_ids(**extra: Any) -> list[int]:
+        return _with_ids(api, 2, **extra)["prompt_token_ids"]  # type: ignore[no-any-return]
+
+    rendered = chat_ids()
+    image = hf_loaded.model(api.pair.model).config.image_token_id
+    keep = len(rendered) - rendered.index(image)  # from the first image's first placeholder on
+    assert chat_ids(truncate_prompt_tokens=keep) == rendered[-keep:]
+    refused = _bad(api, lambda c: chat_ids(truncate_prompt_tokens=keep - 1))
+    assert (refused.status_code, refused.body["param"]) == (400, "truncate_prompt_tokens"), refused.body  # type: ignore[index]
+    assert f"keep at least {keep} tokens" in refused.message
+    for extra in ({"truncate_prompt_tokens": -2}, {"truncate_prompt_tokens": "3"}):
+        refused = _bad(api, lambda c, extra=extra: completion(text, **extra))  # type: ignore[misc]
+        assert (refused.status_code, refused.body["param"]) == (400, "truncate_prompt_tokens")  # type: ignore[index]
+    refused = _bad(api, lambda c: completion(text, truncate_prompt_tokens=3, echo=True))
+    assert (refused.status_code, refused.body["param"]) == (400, "echo")  # type: ignore[index]

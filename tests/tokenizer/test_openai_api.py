@@ -167,7 +167,7 @@ def test_a_conversation_at_the_limits_is_taken_and_the_responses_api_names_its_i
         ("best_of", 3),
         ("web_search_options", {}),
         ("use_beam_search", True),
-        ("truncate_prompt_tokens", 16),
+        ("logits_processors", ["my.module:Proc"]),
         ("chat_template", "{{ messages }}"),
         ("priority", 5),
     ],
@@ -191,7 +191,7 @@ def test_the_do_nothing_values_of_those_fields_are_accepted() -> None:
         "modalities": ["text"], "audio": None,
         "suffix": "", "best_of": 1, "web_search_options": None,
         "use_beam_search": False, "length_penalty": 1.0,
-        "truncate_prompt_tokens": None, "chat_template": None, "documents": None,
+        "chat_template": None, "documents": None,
         "spaces_between_special_tokens": True,
         "logits_processors": None, "priority": 0,
     }  # fmt: skip
@@ -199,7 +199,8 @@ def test_the_do_nothing_values_of_those_fields_are_accepted() -> None:
     defaults |= {"tools": [], "tool_choice": "none", "add_generation_prompt": True, "continue_final_message": False,
                  "chat_template_kwargs": {}, "echo": False, "prompt_logprobs": None,
                  "mm_processor_kwargs": {}, "skip_special_tokens": True, "return_token_ids": False,
-                 "allowed_token_ids": None, "bad_words": [], "return_tokens_as_token_ids": False}  # fmt: skip
+                 "allowed_token_ids": None, "bad_words": [], "return_tokens_as_token_ids": False,
+                 "truncate_prompt_tokens": None}  # fmt: skip
     call = openai_api.parse_chat({"messages": [{"role": "user", "content": "x"}], **defaults})
     assert call.request.messages[0].content[0].text == "x"
     assert openai_api.parse_completion({"prompt": "x", **defaults}).request.prompt == "x"

@@ -16,7 +16,7 @@ import pytest
 from mmsplit_server import families
 from tests.support import family_kit, hf_family
 from tokenizer_svc.errors import InvalidRequest
-from tokenizer_svc.prompt import Media, Turn
+from tokenizer_svc.prompt import BuiltPrompt, Media, Turn, truncated
 
 FAMILIES = ["llava", "llava-next", "qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3-vl-moe"]
 
@@ -371,3 +371,22 @@ def test_a_qwen3_vl_video_is_timed_runs_as_its_processor_writes_and_the_schedule
     for bad in ([(start, 18)], [*runs[:2], (runs[2][0], 5)], [(start, 6), (start + 6, 6), runs[2]]):
         with pytest.raises(BadItem):
             check(bad)
+
+
+def test_truncation_keeps_the_last_tokens_and_moves_the_runs_with_them() -> None:
+    """truncate_prompt_tokens: the last N ids; each item's runs shifted by
+    the cut; N at least the length keeps the prompt; a cut before or
+    inside an item's runs is INVALID_REQUEST naming the item and the least
+    that keeps it."""
+    ids = [1, 2, 3, 9, 9, 9, 4, 5, 9, 9, 6]
+    prompt = BuiltPrompt(ids, [[(3, 3)], [(8, 2)]])
+    kept = truncated(prompt, 8, ["images[0]", "images[1]"])
+    assert kept.input_ids == ids[3:]
+    assert kept.runs == [[(0, 3)], [(5, 2)]]
+    assert truncated(prompt, 11, ["a", "b"]) is prompt
+    assert truncated(prompt, 50, ["a", "b"]) is prompt
+    assert truncated(BuiltPrompt(ids, []), 2, []).input_ids == [9, 6]
+    for keep in (7, 4, 1):
+        with pytest.raises(InvalidRequest, match=r"would cut images\[0\] .* keep at least 8 tokens") as info:
+            truncated(prompt, keep, ["images[0]", "images[1]"])
+        assert info.value.metadata["param"] == "truncate_prompt_tokens"
