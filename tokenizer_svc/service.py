@@ -326,9 +326,8 @@ class TokenizerService:
         granted: list[grants.Grant] = []
         try:
             self._check_sizes(parsed.media, results, ask)
-            prompt = await self._built(parsed, [Media(r.modality, r.tokens, r.times) for r in results])
-            if request.truncate_prompt_tokens:
-                prompt = truncated(prompt, self._kept(request, info), [m.where for m in parsed.media])
+            media = [Media(r.modality, r.tokens, r.times) for r in results]
+            prompt = await self._model_reads(request, parsed, media, info)
             # Items go in prompt order (by their first placeholder).
             items = sorted(zip(prompt.runs, results, strict=True), key=lambda pair: pair[0][0][0])
             downstream = scheduler_pb2.GenerateRequest(
@@ -440,7 +439,7 @@ class TokenizerService:
             prepared = await self._prepare_media(parsed.media, rid, common_pb2.TRANSPORT_INLINE, ask)
             try:
                 media = [Media(p.result.modality, p.result.tokens, p.result.times) for p in prepared]
-                return (await self._built(parsed, media)).input_ids
+                return (await self._model_reads(request, parsed, media, backend.info if backend else None)).input_ids
             finally:
                 _release(prepared)
 
@@ -561,6 +560,20 @@ class TokenizerService:
         id (cut to 64 characters) is kept only so logs on both sides can be
         matched. Responses and errors carry the client's id alone."""
         return f"{self.instance}-{next(self._ids):x}.{rid[:64]}"
+
+    async def _model_reads(
+        self,
+        request: tokenizer_pb2.GenerateRequest,
+        parsed: Parsed,
+        media: list[Media],
+        info: common_pb2.ServerInfo | None,
+    ) -> BuiltPrompt:
+        """The prompt the model reads: built, then cut to its last
+        truncate_prompt_tokens (`info`: the backend's, for -1)."""
+        prompt = await self._built(parsed, media)
+        if request.truncate_prompt_tokens:
+            prompt = truncated(prompt, self._kept(request, info), [m.where for m in parsed.media])
+        return prompt
 
     @staticmethod
     def _kept(request: tokenizer_pb2.GenerateRequest, info: common_pb2.ServerInfo | None) -> int:

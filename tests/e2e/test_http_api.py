@@ -1885,7 +1885,8 @@ def test_return_tokens_as_token_ids_names_logprob_tokens_by_their_ids(api: Api) 
 def test_truncate_prompt_tokens_reads_the_prompt_s_last_tokens_and_never_half_an_image(api: Api) -> None:
     """vLLM's truncate_prompt_tokens, over the openai SDK: completions read
     the prompt's last N ids (return_token_ids shows them; the usage counts
-    them; the answer is that of a prompt of those ids); -1 cuts a prompt
+    them, and so does Tokenize; the answer is that of a prompt of those
+    ids); -1 cuts a prompt
     longer than the context to the context less one; a chat with an image
     keeps its image when N reaches it and is a 400 naming the field when N
     would cut it; echo with it, and -2, are 400s."""
@@ -1911,6 +1912,7 @@ def test_truncate_prompt_tokens_reads_the_prompt_s_last_tokens_and_never_half_an
 
     with Client(api.pair.tokenizer_address) as grpc_client:
         context = grpc_client.tokenize(text).max_context_tokens
+        assert grpc_client.tokenize(text, truncate_prompt_tokens=6).ids == whole[-6:]  # as generation reads it
     long = completion(" ".join(["cat"] * (context + 50)), truncate_prompt_tokens=-1)
     assert long["usage"]["prompt_tokens"] == context - 1, (context, long["usage"])
     assert long["choices"][0]["finish_reason"] == "length"
