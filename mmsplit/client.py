@@ -361,6 +361,7 @@ def build_request(
     max_pixels: int = 0,
     return_prompt_token_ids: bool = False,
     truncate_prompt_tokens: int = 0,
+    priority: int = 0,
 ) -> tokenizer_pb2.GenerateRequest:
     """A GenerateRequest of a prompt (with `images` and `videos`) or of a
     conversation (`messages`); media given as bytes are sent inline, as str
@@ -385,7 +386,9 @@ def build_request(
     bound as the checkpoint's: `GenerateRequest.image_budget`).
     `return_prompt_token_ids`: a `PromptIds` event first, the ids the
     model reads. `truncate_prompt_tokens`: the model reads only the
-    prompt's last N tokens (-1: as many as the context holds)."""
+    prompt's last N tokens (-1: as many as the context holds). `priority`:
+    the scheduler's admission order, lower first (its --scheduling-policy
+    priority; elsewhere only 0)."""
     sampling = common_pb2.SamplingParams(
         max_tokens=max_tokens,
         temperature=temperature,
@@ -443,6 +446,7 @@ def build_request(
         ),
         return_prompt_token_ids=return_prompt_token_ids,
         truncate_prompt_tokens=truncate_prompt_tokens,
+        priority=priority,
     )
 
 

@@ -185,7 +185,17 @@ class Frontend:
             sampling=sampling,
             cache_salt=pb.cache_salt,
             bad_words=self._bad_words(pb),
+            priority=self._priority(pb),
         )
+
+    def _priority(self, pb: scheduler_pb2.GenerateRequest) -> int:
+        if pb.priority and self.settings.scheduling_policy != "priority":
+            raise InvalidRequest(
+                f"priority {pb.priority}: this scheduler admits requests first come first served "
+                "(--scheduling-policy fcfs); send 0",
+                metadata={"param": "priority"},
+            )
+        return pb.priority
 
     def _bad_words(self, pb: scheduler_pb2.GenerateRequest) -> tuple[tuple[int, ...], ...]:
         if len(pb.bad_words) > MAX_BAD_WORD_SEQUENCES:

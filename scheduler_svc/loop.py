@@ -2,7 +2,8 @@
 
 Rank 0's `StepLoop` owns all per-request policy: admission into the batch
 (row cap, new requests per step, prefill tokens per step, the KV-cache
-budget), the token each request feeds next, finishing, aborts. Only the
+budget; in arrival order, or by priority under --scheduling-policy
+priority), the token each request feeds next, finishing, aborts. Only the
 thread that runs `StepLoop.run` touches its state; other threads talk to it
 through `inbox`. Events go back to the gRPC side in one batch per step
 through `post`, which runs a callable on the consumer's thread.
@@ -318,7 +319,7 @@ class StepLoop:
                 window_ends = time.monotonic() + self.settings.batch_window_s
             timeout = max(0.0, window_ends - time.monotonic()) if window_ends is not None else None
             if isinstance(item, Admission):
-                self._pending.append(item)
+                self._enqueue(item)
             elif isinstance(item, _Abort):
                 self._abort(item.request_id)
             elif isinstance(item, _Wake):
@@ -326,6 +327,15 @@ class StepLoop:
             else:
                 self._stopping = True
                 self._fail_all(ShuttingDown("scheduler is shutting down"))
+
+    def _enqueue(self, admission: Admission) -> None:
+        """Behind every queued request of its priority or a lower value
+        (all 0 under --scheduling-policy fcfs: arrival order)."""
+        pending, priority = self._pending, admission.request.priority
+        at = len(pending)
+        while at and pending[at - 1].request.priority > priority:
+            at -= 1
+        pending.insert(at, admission)
 
     def _janitor(self) -> None:
         """Sweep the segments of the prefix that nobody holds a lock on (a

@@ -57,6 +57,8 @@ class NewRequest:
     cache_salt: str = ""
     # Token sequences it never generates (GenerateRequest.bad_words).
     bad_words: tuple[tuple[int, ...], ...] = ()
+    # Admission order: lower first (GenerateRequest.priority; 0 under fcfs).
+    priority: int = 0
 
     @property
     def specs(self) -> list[TensorSpec]:

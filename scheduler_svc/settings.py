@@ -182,6 +182,14 @@ class SchedulerSettings(ServiceSettings):
         "weight up to 2x faster; the values are the same (laying it out copies it once, at start-up)",
         choices=("auto", "stored", "columns"),  # head_layout.LAYOUTS (this module does not import torch)
     )
+    scheduling_policy: str = _opt(
+        "fcfs",
+        "the order queued requests are admitted in: 'fcfs', first come first served (a request's priority must "
+        "be 0); 'priority', lower GenerateRequest.priority first, then first come first served (vLLM's priority "
+        "policy; running requests are never preempted). Under 'priority' any client may jump the queue: set it "
+        "where the clients that reach this scheduler are trusted to",
+        choices=("fcfs", "priority"),
+    )
     lean_decode: bool = _opt(
         True,
         "on a single-rank group, decode steps of a Llama, Qwen2-VL or Qwen3-VL text model (the LLaVA, "

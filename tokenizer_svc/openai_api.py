@@ -27,6 +27,8 @@ What is accepted, as vLLM, SGLang and TGI accept it:
   return_tokens_as_token_ids (log probabilities name tokens "token_id:<id>"),
   truncate_prompt_tokens (the rendered prompt's last N tokens; -1: as many
   as the context holds; never through a media item; not with echo),
+  priority (the scheduler's admission order, lower first, where it runs
+  --scheduling-policy priority),
   `response_format` (text, json_object, json_schema: the contract's
   `SamplingParams.json_schema`, structured output), and vLLM's
   `cache_salt` (a tenant's prefix-cache isolation). The usage reports
@@ -115,7 +117,7 @@ KNOWN = {
     "guided_choice", "guided_grammar", "min_p", "ignore_eos", "echo", "prompt_logprobs",
     "include_stop_str_in_output", "continue_final_message", "add_generation_prompt", "chat_template_kwargs",
     "mm_processor_kwargs", "return_token_ids", "skip_special_tokens", "allowed_token_ids", "bad_words",
-    "return_tokens_as_token_ids", "truncate_prompt_tokens",
+    "return_tokens_as_token_ids", "truncate_prompt_tokens", "priority",
 }  # fmt: skip
 
 # Prompts one completions request may give (each its own generation).
@@ -142,7 +144,6 @@ UNHONOURED: dict[str, tuple[tuple[Any, ...], str]] = {
     "documents": ((None, []), "the server's --chat-template renders every conversation as it is"),
     "spaces_between_special_tokens": ((None, True), "the text leaves out special tokens"),
     "logits_processors": ((None, []), "this server runs no custom logits processors"),
-    "priority": ((None, 0), "this server serves requests in arrival order"),
 }
 
 
@@ -582,6 +583,11 @@ def _finish(body: dict[str, Any], request: tokenizer_pb2.GenerateRequest) -> Cal
         if not isinstance(keep, int) or isinstance(keep, bool) or not -1 <= keep <= _I31:
             raise invalid("truncate_prompt_tokens must be an integer of at least -1", "truncate_prompt_tokens")
         request.truncate_prompt_tokens = keep
+    priority = _int(body, "priority")
+    if priority is not None:
+        if not -_I31 - 1 <= priority <= _I31:
+            raise invalid("priority must be a 32-bit integer", "priority")
+        request.priority = priority
     salt = body.get("cache_salt")
     if salt is not None:
         if not isinstance(salt, str) or not salt or len(salt) > MAX_CACHE_SALT:

@@ -336,6 +336,7 @@ class TokenizerService:
                 items=[self._item(r, runs, transport, granted) for runs, r in items],
                 sampling=request.sampling,
                 cache_salt=request.cache_salt,
+                priority=request.priority,
             )
             if parsed.tool_schema:  # "required" or a named function: the output is the calls
                 downstream.sampling.json_schema = parsed.tool_schema

@@ -1801,8 +1801,10 @@ def test_allowed_token_ids_and_bad_words_keep_what_they_ban_out_of_the_answer(ap
     the plain answer is kept up to where a banned word would come, never
     that word: a one-token word never, a two-token word's second token
     never right after its first. Refused, naming the field: an id outside
-    the vocabulary, and a request left with nothing to draw (its only
-    allowed token is EOS, before min_tokens); the next request is served."""
+    the vocabulary, a request left with nothing to draw (its only allowed
+    token is EOS, before min_tokens), and a priority other than 0 where
+    the scheduler admits first come first served; the next request is
+    served, with priority 0 too."""
     from tokenizer_svc.bad_words import token_sequences
 
     tokenizer = hf_loaded.tokenizer(api.pair.model)
@@ -1836,11 +1838,13 @@ def test_allowed_token_ids_and_bad_words_keep_what_they_ban_out_of_the_answer(ap
         ({"allowed_token_ids": [1, 10**6]}, "allowed_token_ids"),
         ({"allowed_token_ids": [eos], "min_tokens": 2}, "allowed_token_ids"),
         ({"bad_words": ["  "]}, "bad_words"),
+        ({"priority": 5}, "priority"),  # this scheduler runs --scheduling-policy fcfs (the default)
     ):
         with pytest.raises(openai.BadRequestError) as refused:
             ids(**extra)
         assert refused.value.body["param"] == param, (extra, refused.value.body)  # type: ignore[index]
     assert ids() == plain
+    assert ids(priority=0) == plain
 
 
 def test_return_tokens_as_token_ids_names_logprob_tokens_by_their_ids(api: Api) -> None:

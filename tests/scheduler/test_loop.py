@@ -440,3 +440,22 @@ def test_requests_that_finish_at_their_first_token_do_not_serialize_a_burst() ->
     h.wait_ended(["a", "b", "c", "d"])
     h.stop()
     assert admitted(engine) == [["a"], ["b", "c", "d"]]
+
+
+def test_under_the_priority_policy_lower_values_are_admitted_first_and_fcfs_within_one() -> None:
+    """--scheduling-policy priority, one row at a time: while "first" runs,
+    requests queue with priorities 5, 0, -3, 0, -3; they are admitted -3,
+    -3, 0, 0, 5, each priority in arrival order; nobody is preempted."""
+    hold = threading.Event()
+    engine = FakeEngine(hold)
+    h = Harness(engine, max_running=1, scheduling_policy="priority")
+    h.submit("first", max_tokens=3)
+    h.thread.start()
+    assert wait_until(lambda: len(engine.plans) == 1, timeout=10)  # "first" joined; the next step waits for `hold`
+    for rid, priority in (("p5", 5), ("p0a", 0), ("m3a", -3), ("p0b", 0), ("m3b", -3)):
+        h.submit(rid, max_tokens=3, priority=priority)
+    hold.set()
+    h.wait_ended(["first", "p5", "p0a", "m3a", "p0b", "m3b"])
+    h.stop()
+    assert [p.new[0].request_id for p in engine.plans if p.new] == ["first", "m3a", "m3b", "p0a", "p0b", "p5"]
+    assert all(isinstance(ends(h, rid), Finished) for rid in ("first", "p5", "m3b"))

@@ -169,7 +169,6 @@ def test_a_conversation_at_the_limits_is_taken_and_the_responses_api_names_its_i
         ("use_beam_search", True),
         ("logits_processors", ["my.module:Proc"]),
         ("chat_template", "{{ messages }}"),
-        ("priority", 5),
     ],
 )
 def test_fields_that_cannot_be_honoured_are_refused_not_ignored(field: str, value: Any) -> None:
@@ -193,29 +192,32 @@ def test_the_do_nothing_values_of_those_fields_are_accepted() -> None:
         "use_beam_search": False, "length_penalty": 1.0,
         "chat_template": None, "documents": None,
         "spaces_between_special_tokens": True,
-        "logits_processors": None, "priority": 0,
+        "logits_processors": None,
     }  # fmt: skip
     assert defaults.keys() == openai_api.UNHONOURED.keys()
     defaults |= {"tools": [], "tool_choice": "none", "add_generation_prompt": True, "continue_final_message": False,
                  "chat_template_kwargs": {}, "echo": False, "prompt_logprobs": None,
                  "mm_processor_kwargs": {}, "skip_special_tokens": True, "return_token_ids": False,
                  "allowed_token_ids": None, "bad_words": [], "return_tokens_as_token_ids": False,
-                 "truncate_prompt_tokens": None}  # fmt: skip
+                 "truncate_prompt_tokens": None, "priority": 0}  # fmt: skip
     call = openai_api.parse_chat({"messages": [{"role": "user", "content": "x"}], **defaults})
     assert call.request.messages[0].content[0].text == "x"
     assert openai_api.parse_completion({"prompt": "x", **defaults}).request.prompt == "x"
 
 
-def test_allowed_token_ids_and_bad_words_reach_the_contract() -> None:
-    """vLLM's two extensions, on both endpoints; malformed ones are refused naming the field."""
-    knobs = {"allowed_token_ids": [7, 3, 7], "bad_words": ["Paris", " the end"]}
+def test_allowed_token_ids_bad_words_and_priority_reach_the_contract() -> None:
+    """vLLM's extensions, on both endpoints; malformed ones are refused naming the field."""
+    knobs = {"allowed_token_ids": [7, 3, 7], "bad_words": ["Paris", " the end"], "priority": -3}
     for call in (
         openai_api.parse_chat({"messages": [{"role": "user", "content": "x"}], **knobs}),
         openai_api.parse_completion({"prompt": "x", **knobs}),
     ):
         assert list(call.request.sampling.allowed_token_ids) == [7, 3, 7]
         assert list(call.request.sampling.bad_words) == ["Paris", " the end"]
+        assert call.request.priority == -3
     for field, value in (
+        ("priority", 1.5),
+        ("priority", 1 << 31),
         ("allowed_token_ids", [1, -2]),
         ("allowed_token_ids", [True]),
         ("allowed_token_ids", "1,2"),
