@@ -362,6 +362,8 @@ def build_request(
     return_prompt_token_ids: bool = False,
     truncate_prompt_tokens: int = 0,
     priority: int = 0,
+    video_fps: float = 0.0,
+    video_max_frames: int = 0,
 ) -> tokenizer_pb2.GenerateRequest:
     """A GenerateRequest of a prompt (with `images` and `videos`) or of a
     conversation (`messages`); media given as bytes are sent inline, as str
@@ -388,7 +390,9 @@ def build_request(
     model reads. `truncate_prompt_tokens`: the model reads only the
     prompt's last N tokens (-1: as many as the context holds). `priority`:
     the scheduler's admission order, lower first (its --scheduling-policy
-    priority; elsewhere only 0)."""
+    priority; elsewhere only 0). `video_fps`, `video_max_frames`: how the
+    request's videos are sampled, within the server's rule (0 leaves the
+    server's: `GenerateRequest.video_budget`)."""
     sampling = common_pb2.SamplingParams(
         max_tokens=max_tokens,
         temperature=temperature,
@@ -447,6 +451,9 @@ def build_request(
         return_prompt_token_ids=return_prompt_token_ids,
         truncate_prompt_tokens=truncate_prompt_tokens,
         priority=priority,
+        video_budget=tokenizer_pb2.VideoBudget(fps=video_fps, max_frames=video_max_frames)
+        if video_fps or video_max_frames
+        else None,
     )
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -91,6 +92,18 @@ class Located:
 
 
 @dataclass(frozen=True)
+class VideoSampling:
+    """A request's own rule for its videos' frames (GenerateRequest.video_budget); 0 leaves the server's."""
+
+    fps: float = 0.0
+    max_frames: int = 0
+
+
+# The most frames per second of video a request may ask to be sampled.
+MAX_VIDEO_FPS = 60.0
+
+
+@dataclass(frozen=True)
 class Parsed:
     prompt: str
     turns: list[Turn] | None  # None: a prompt request
@@ -114,6 +127,8 @@ class Parsed:
     size: int = 0
     # The images' own pixel budget (image_budget); None: the checkpoint's.
     image_pixels: PixelBudget | None = None
+    # The videos' own sampling (video_budget); None: the server's.
+    video_sampling: VideoSampling | None = None
     # SamplingParams.bad_words as token sequences (tokenizer_svc.bad_words).
     bad_words: tuple[tuple[int, ...], ...] = ()
 
@@ -125,6 +140,7 @@ PER_MESSAGE = 64
 def parse(request: tokenizer_pb2.GenerateRequest, settings: TokenizerSettings, family: Family) -> Parsed:
     """The request's shape, checked against the per-request limits."""
     pixels = image_budget(request, family)
+    sampling = video_budget(request, settings)
     if request.prompt_token_ids:
         return _token_prompt(request, settings)
     if request.messages:
@@ -168,7 +184,31 @@ def parse(request: tokenizer_pb2.GenerateRequest, settings: TokenizerSettings, f
         raise MediaUnsupported(f"this model ({family.name}) takes no video", metadata={"param": first.where})
     if n_videos > s.max_videos_per_request:
         raise InvalidRequest(f"{n_videos} videos, at most {s.max_videos_per_request}")
-    return dataclasses.replace(parsed, size=chars + PER_MESSAGE * len(request.messages), image_pixels=pixels)
+    return dataclasses.replace(
+        parsed, size=chars + PER_MESSAGE * len(request.messages), image_pixels=pixels, video_sampling=sampling
+    )
+
+
+def video_budget(request: tokenizer_pb2.GenerateRequest, settings: TokenizerSettings) -> VideoSampling | None:
+    """The rule the request's videos are sampled by, where it asks for one
+    within the server's; None where it asks for none."""
+    if not request.HasField("video_budget"):
+        return None
+    asked = request.video_budget
+    if not math.isfinite(asked.fps) or not 0.0 <= asked.fps <= MAX_VIDEO_FPS:
+        raise InvalidRequest(
+            f"fps {asked.fps!r} must be within (0, {MAX_VIDEO_FPS:g}] frames sampled per second of video",
+            metadata={"param": "video_budget.fps"},
+        )
+    if asked.max_frames > settings.video_max_frames:
+        raise InvalidRequest(
+            f"max_frames {asked.max_frames} is over this server's {settings.video_max_frames} frames a video "
+            "(--video-max-frames)",
+            metadata={"param": "video_budget.max_frames"},
+        )
+    if not asked.fps and not asked.max_frames:
+        return None
+    return VideoSampling(float(asked.fps), int(asked.max_frames))
 
 
 def image_budget(request: tokenizer_pb2.GenerateRequest, family: Family) -> PixelBudget | None:

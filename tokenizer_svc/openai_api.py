@@ -68,7 +68,7 @@ from mmsplit.errors import E, MmsplitError
 from mmsplit.tokenizer.v1 import tokenizer_pb2
 from mmsplit_server import strict_json
 from mmsplit_server.sampling import MAX_TOP_LOGPROBS
-from tokenizer_svc.conversation import MAX_CACHE_SALT, MAX_CHOICES, check_sizes
+from tokenizer_svc.conversation import MAX_CACHE_SALT, MAX_CHOICES, MAX_VIDEO_FPS, check_sizes
 from tokenizer_svc.errors import InvalidRequest
 from tokenizer_svc.tool_calls import Auto, Forced, choose
 
@@ -569,7 +569,7 @@ def _finish(body: dict[str, Any], request: tokenizer_pb2.GenerateRequest) -> Cal
     if n is not None and not 1 <= n <= MAX_CHOICES:
         raise invalid(f"n must be within [1, {MAX_CHOICES}]", "n")
     request.n = n or 1
-    _image_budget(body, request)
+    _mm_processor_kwargs(body, request)
     token_ids = body.get("return_token_ids")
     if token_ids is not None and not isinstance(token_ids, bool):
         raise invalid("return_token_ids must be true or false", "return_token_ids")
@@ -614,34 +614,53 @@ def _finish(body: dict[str, Any], request: tokenizer_pb2.GenerateRequest) -> Cal
     )
 
 
-def _image_budget(body: dict[str, Any], request: tokenizer_pb2.GenerateRequest) -> None:
+def _mm_processor_kwargs(body: dict[str, Any], request: tokenizer_pb2.GenerateRequest) -> None:
     """vLLM's `mm_processor_kwargs` as far as this server honours it: a
     Qwen-VL model's `max_pixels` and `min_pixels` per image
     (GenerateRequest.image_budget, which the service checks against the
-    model). Applied to images only, so a request with a video is refused
-    rather than given a video at the server's frame budget unsaid."""
+    model), and the videos' sampling, `fps` and `max_frames`
+    (GenerateRequest.video_budget, checked against the server's). The pixel
+    bounds apply to images only, so a request with a video is refused
+    rather than given its frames at the server's pixel budget unsaid."""
     kwargs = body.get("mm_processor_kwargs")
     if kwargs is None or kwargs == {}:
         return
     if not isinstance(kwargs, dict):
         raise invalid("mm_processor_kwargs must be an object", "mm_processor_kwargs")
-    budget = tokenizer_pb2.ImageBudget()
+    budget, video = tokenizer_pb2.ImageBudget(), tokenizer_pb2.VideoBudget()
     for name, value in kwargs.items():
         where = f"mm_processor_kwargs.{name}"
-        if name not in ("max_pixels", "min_pixels"):
+        if name == "fps":
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+                raise invalid(f"{where} must be a number of frames per second", where)
+            if not 0 < value <= MAX_VIDEO_FPS:
+                raise invalid(f"{where} must be within (0, {MAX_VIDEO_FPS:g}]", where)
+            video.fps = value
+        elif name == "max_frames":
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= _U32:
+                raise invalid(f"{where} must be a whole number of frames, at least 1", where)
+            video.max_frames = value
+        elif name in ("max_pixels", "min_pixels"):
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_PIXELS:
+                raise invalid(f"{where} must be a whole number of pixels within [1, {MAX_PIXELS}]", where)
+            setattr(budget, name, value)
+        else:
             raise invalid(
-                f"{where} is not supported: this server takes max_pixels and min_pixels (an image's pixel budget)",
+                f"{where} is not supported: this server takes max_pixels and min_pixels (an image's pixel "
+                "budget), fps and max_frames (how a video's frames are sampled)",
                 where,
             )
-        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_PIXELS:
-            raise invalid(f"{where} must be a whole number of pixels within [1, {MAX_PIXELS}]", where)
-        setattr(budget, name, value)
-    if request.videos or any(p.HasField("video") for m in request.messages for p in m.content):
+    pixels = budget.max_pixels or budget.min_pixels
+    if pixels and (request.videos or any(p.HasField("video") for m in request.messages for p in m.content)):
         raise invalid(
-            "mm_processor_kwargs applies to images only on this server: leave it out of a request with a video",
+            "mm_processor_kwargs' max_pixels and min_pixels apply to images only on this server: leave them out "
+            "of a request with a video",
             "mm_processor_kwargs",
         )
-    request.image_budget.CopyFrom(budget)
+    if pixels:
+        request.image_budget.CopyFrom(budget)
+    if video.fps or video.max_frames:
+        request.video_budget.CopyFrom(video)
 
 
 def _int(body: dict[str, Any], name: str) -> int | None:
@@ -777,8 +796,8 @@ def param_name(exc: MmsplitError) -> str | None:
     name = param.removeprefix("sampling.")
     if name == "prompt_token_ids":
         return "prompt"
-    if name.startswith("image_budget"):
-        return name.replace("image_budget", "mm_processor_kwargs", 1)
+    if name.startswith(("image_budget", "video_budget")):
+        return "mm_processor_kwargs" + name.removeprefix("image_budget").removeprefix("video_budget")
     structured = {"regex", "choice", "grammar"}
     return "response_format" if name == "json_schema" else "structured_outputs" if name in structured else name
 

@@ -41,7 +41,15 @@ from mmsplit_server.sampling import Sampling
 from tokenizer_svc import tool_calls
 from tokenizer_svc.bad_words import token_sequences
 from tokenizer_svc.cache import PreprocessCache, fingerprint
-from tokenizer_svc.conversation import MAX_CACHE_SALT, MAX_CHOICES, Located, Parsed, choice_request, parse
+from tokenizer_svc.conversation import (
+    MAX_CACHE_SALT,
+    MAX_CHOICES,
+    Located,
+    Parsed,
+    VideoSampling,
+    choice_request,
+    parse,
+)
 from tokenizer_svc.detokenize import StopMatcher, make_decoder, stream_text
 from tokenizer_svc.downstream import SchedulerLink, Schedulers
 from tokenizer_svc.errors import (
@@ -87,12 +95,14 @@ BIG_PROMPT = 16_384
 class ItemAsk:
     """How a request's images and videos are to be made: the rows' form
     its backend takes (`Assigned.form`), the request's own image budget
-    (`Parsed.image_pixels`), and the largest tensor the backend takes
-    (ServerInfo.max_tensor_bytes; 0: unchecked, as for Tokenize)."""
+    (`Parsed.image_pixels`), the largest tensor the backend takes
+    (ServerInfo.max_tensor_bytes; 0: unchecked, as for Tokenize), and the
+    request's own video sampling."""
 
     form: RowForm = PLAIN_ROWS
     pixels: PixelBudget | None = None
     max_bytes: int = 0
+    video: VideoSampling | None = None  # the request's own video sampling (`Parsed.video_sampling`)
 
 
 class TokenizerService:
@@ -318,7 +328,9 @@ class TokenizerService:
         transport: int,
     ) -> AsyncGenerator[tokenizer_pb2.GenerateResponse, None]:
         info = assigned.backend.info
-        ask = ItemAsk(assigned.form, parsed.image_pixels, info.max_tensor_bytes if info is not None else 0)
+        ask = ItemAsk(
+            assigned.form, parsed.image_pixels, info.max_tensor_bytes if info is not None else 0, parsed.video_sampling
+        )
         prepared = await self._prepare_media(parsed.media, rid, transport, ask)
         results = [p.result for p in prepared]
         owned = [name for r in results for name in r.segments]
@@ -436,7 +448,7 @@ class TokenizerService:
             # In the rows a backend would be sent, for the cache to keep for the request that follows.
             backend = self.link.primary
             form = PLAIN_ROWS if backend is None else backend.row_form(self.family)
-            ask = ItemAsk(form, parsed.image_pixels)  # counted, not sent: no tensor cap
+            ask = ItemAsk(form, parsed.image_pixels, video=parsed.video_sampling)  # counted, not sent: no tensor cap
             prepared = await self._prepare_media(parsed.media, rid, common_pb2.TRANSPORT_INLINE, ask)
             try:
                 media = [Media(p.result.modality, p.result.tokens, p.result.times) for p in prepared]
@@ -728,7 +740,7 @@ class TokenizerService:
         job: Job
         if isinstance(medium, tokenizer_pb2.Video):
             # A video's rows hold two frames a patch: only their dtype changes.
-            job = self._video_job(data, inline, slab_ref, dataclasses.replace(ask.form, one_frame=False))
+            job = self._video_job(data, inline, slab_ref, dataclasses.replace(ask.form, one_frame=False), ask.video)
             timeout_s = s.video_preprocess_timeout_s
         else:
             job = ImageJob(
@@ -886,11 +898,14 @@ class TokenizerService:
         piece = files.Slice(t.segment, t.offset, t.nbytes)
         return reference.read_bytes(piece, self.settings.shm_prefix, max_segment_bytes=t.nbytes)
 
-    def _video_job(self, data: bytes, inline: bool, slab_ref: SlabRef | None, form: RowForm) -> VideoJob:
-        """The sampling rule: this server's settings, bounded by the model's
-        video processor (README "Video")."""
+    def _video_job(
+        self, data: bytes, inline: bool, slab_ref: SlabRef | None, form: RowForm, own: VideoSampling | None = None
+    ) -> VideoJob:
+        """The sampling rule: the request's own (`own`, within the server's),
+        else this server's settings, bounded by the model's video processor
+        (README "Video")."""
         s, model = self.settings, self.family.video_config
-        max_frames = s.video_max_frames
+        max_frames = (own.max_frames if own is not None else 0) or s.video_max_frames
         if model.get("max_frames"):
             max_frames = min(max_frames, int(model["max_frames"]))
         return VideoJob(
@@ -898,7 +913,7 @@ class TokenizerService:
             max_pixels=s.max_video_frame_pixels,
             max_duration_s=s.max_video_duration_s,
             max_frames=s.max_video_file_frames,
-            fps=s.video_fps or float(model.get("fps") or 2.0),
+            fps=(own.fps if own is not None else 0.0) or s.video_fps or float(model.get("fps") or 2.0),
             min_frames=min(int(model.get("min_frames") or 4), max_frames),
             max_sampled_frames=max_frames,
             # The worker stops itself a little before the caller gives up.

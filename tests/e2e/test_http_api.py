@@ -701,6 +701,56 @@ def test_mm_processor_kwargs_size_a_qwen_model_s_images_as_its_processor_does(qw
     _good_after(qwen_api)
 
 
+def test_mm_processor_kwargs_fps_and_max_frames_sample_a_qwen_model_s_videos(qwen_api: Api) -> None:
+    """vLLM's `mm_processor_kwargs` `fps` and `max_frames`: that request's
+    videos sampled by that rule within the server's, as transformers' video
+    processor samples them (the placeholders of its grid; usage over HTTP,
+    Tokenize over gRPC); each rule's rows are their own in the preprocessing
+    cache; a rule past the server's, or malformed, is a 400 naming it."""
+    from mmsplit.client import Client
+    from tests.support import hf_family
+
+    pair, clip = qwen_api.pair, samples.video(frames=48, fps=6)  # 8 seconds
+    merge = json.loads((pair.model / "video_preprocessor_config.json").read_text())["merge_size"]
+    content = [{"type": "video_url", "video_url": {"url": data_url(clip, "video/mp4")}}, {"type": "text", "text": "Hi"}]
+
+    def placeholders(fps: float, max_frames: int) -> int:
+        grid = hf_family.video_inputs(pair.model, clip, fps=fps, max_frames=max_frames)["video_grid_thw"]
+        return int(grid.prod()) // merge**2
+
+    def prompt_tokens(**rule: Any) -> int:
+        reply = qwen_api.client().chat.completions.create(
+            model=qwen_api.model, messages=[{"role": "user", "content": content}], max_tokens=1,
+            extra_body={"mm_processor_kwargs": rule},  # type: ignore[arg-type]
+        )  # fmt: skip
+        assert reply.usage is not None
+        return reply.usage.prompt_tokens
+
+    text = prompt_tokens() - placeholders(2.0, 32)  # the server's rule: the model's 2 fps
+    assert placeholders(2.0, 4) < placeholders(2.0, 32)
+    for rule, (fps, most) in (
+        ({"max_frames": 4}, (2.0, 4)),
+        ({}, (2.0, 32)),
+        ({"fps": 0.5}, (0.5, 32)),
+        ({"fps": 0.5, "max_frames": 4}, (0.5, 4)),
+        ({"max_frames": 4}, (2.0, 4)),
+    ):
+        assert prompt_tokens(**rule) == text + placeholders(fps, most), rule
+    with Client(pair.tokenizer_address) as grpc_client:
+        counted = grpc_client.tokenize(messages=[("user", [VideoPart(clip), "Hi"])], video_max_frames=4).ids
+    assert len(counted) == text + placeholders(2.0, 4)
+    for rule, param in (
+        ({"fps": 0}, "mm_processor_kwargs.fps"),
+        ({"fps": 61}, "mm_processor_kwargs.fps"),
+        ({"fps": "fast"}, "mm_processor_kwargs.fps"),
+        ({"max_frames": 0}, "mm_processor_kwargs.max_frames"),
+        ({"max_frames": 33}, "mm_processor_kwargs.max_frames"),  # over the server's --video-max-frames 32
+    ):
+        refused = _bad(qwen_api, lambda c, rule=rule: prompt_tokens(**rule))  # type: ignore[misc]
+        assert (refused.status_code, refused.body["param"]) == (400, param), (rule, refused.body)  # type: ignore[index]
+    _good_after(qwen_api)
+
+
 def test_mm_processor_kwargs_are_refused_by_a_model_whose_images_are_one_size(api: Api) -> None:
     """LLaVA resizes every image to its own size: a pixel budget would be
     ignored, so it is refused by name; an empty one asks for nothing."""

@@ -102,7 +102,7 @@ def test_a_request_s_budget_is_checked_against_the_checkpoint_s(
         assert openai_api.param_name(refused.value) == param.replace("image_budget", "mm_processor_kwargs")
 
 
-def test_mm_processor_kwargs_become_the_image_budget() -> None:
+def test_mm_processor_kwargs_become_the_image_budget_and_the_video_budget() -> None:
     user = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}
     kwargs = {"mm_processor_kwargs": {"max_pixels": 5000, "min_pixels": 1000}}
     for request in (
@@ -124,12 +124,20 @@ def test_mm_processor_kwargs_become_the_image_budget() -> None:
         ({"mm_processor_kwargs": {"max_pixels": 0}}, "mm_processor_kwargs.max_pixels"),
         ({"mm_processor_kwargs": {"max_pixels": True}}, "mm_processor_kwargs.max_pixels"),
         ({"mm_processor_kwargs": {"min_pixels": 1 << 32}}, "mm_processor_kwargs.min_pixels"),
-        ({"mm_processor_kwargs": {"fps": 2}}, "mm_processor_kwargs.fps"),
+        ({"mm_processor_kwargs": {"fps": 0}}, "mm_processor_kwargs.fps"),
+        ({"mm_processor_kwargs": {"fps": 60.5}}, "mm_processor_kwargs.fps"),
+        ({"mm_processor_kwargs": {"fps": float("nan")}}, "mm_processor_kwargs.fps"),
+        ({"mm_processor_kwargs": {"max_frames": 2.5}}, "mm_processor_kwargs.max_frames"),
+        ({"mm_processor_kwargs": {"do_resize": False}}, "mm_processor_kwargs.do_resize"),
         ({"messages": [video], **kwargs}, "mm_processor_kwargs"),
     ):
         with pytest.raises(InvalidRequest) as refused:
             openai_api.parse_chat({"messages": [user], **body})
         assert openai_api.param_name(refused.value) == param, body
+    # fps and max_frames sample videos: with a video, without pixel bounds, they are its rule.
+    rule = openai_api.parse_chat({"messages": [video], "mm_processor_kwargs": {"fps": 0.5, "max_frames": 6}}).request
+    assert (rule.video_budget.fps, rule.video_budget.max_frames, rule.HasField("image_budget")) == (0.5, 6, False)
+    assert not openai_api.parse_chat({"messages": [user], **kwargs}).request.HasField("video_budget")
 
 
 @pytest.mark.parametrize("name", QWEN)
