@@ -115,6 +115,8 @@ class Parsed:
     continue_final: bool = False
     # The chat template's extra variables (chat_template_kwargs).
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # The chat template's documents (GenerateRequest.documents).
+    documents: list[dict[str, str]] = field(default_factory=list)
     # The prompt as token ids (prompt_token_ids), instead of text and media.
     token_ids: tuple[int, ...] | None = None
     # tool_choice: how the output answers with calls, and the JSON Schema
@@ -135,6 +137,8 @@ class Parsed:
 
 # What the template adds per message, counted in `Parsed.size`.
 PER_MESSAGE = 64
+# Documents one conversation may give its chat template.
+MAX_DOCUMENTS = 64
 
 
 def parse(request: tokenizer_pb2.GenerateRequest, settings: TokenizerSettings, family: Family) -> Parsed:
@@ -154,14 +158,16 @@ def parse(request: tokenizer_pb2.GenerateRequest, settings: TokenizerSettings, f
             parsed,
             continue_final=_continued(request, parsed.turns or []),
             template_kwargs=_template_kwargs(request.chat_template_kwargs),
+            documents=_documents(request.documents),
             calls=calls,
             tool_schema=schema,
         )
         chars = sum(len(text) for turn in parsed.turns or [] for kind, text in turn.parts if kind == "text")
         chars += sum(len(call.name) + len(call.arguments) for turn in parsed.turns or [] for call in turn.tool_calls)
         chars += sum(len(t.name) + len(t.description) + len(t.parameters) for t in request.tools)
+        chars += sum(len(k) + len(v) for document in parsed.documents for k, v in document.items())
     else:
-        for name in ("tools", "continue_final_message", "chat_template_kwargs", "tool_choice"):
+        for name in ("tools", "continue_final_message", "chat_template_kwargs", "tool_choice", "documents"):
             if _given(request, name):
                 raise InvalidRequest(
                     f"{name} go with a conversation (messages), not a prompt", metadata={"param": name}
@@ -391,6 +397,24 @@ def _template_kwargs(text: str) -> dict[str, Any]:
                 metadata=where,
             )
     return kwargs
+
+
+def _documents(text: str) -> list[dict[str, str]]:
+    """documents: a JSON list of objects of strings (the prompt builder
+    checks their text as it checks the messages')."""
+    where = {"param": "documents"}
+    if not text:
+        return []
+    try:
+        documents = strict_json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidRequest(f"documents is not JSON ({exc})", metadata=where) from None
+    if not isinstance(documents, list) or len(documents) > MAX_DOCUMENTS:
+        raise InvalidRequest(f"documents must be a list of at most {MAX_DOCUMENTS} objects", metadata=where)
+    for i, document in enumerate(documents):
+        if not isinstance(document, dict) or not all(isinstance(v, str) for v in document.values()):
+            raise InvalidRequest(f"documents[{i}] must be an object whose values are strings", metadata=where)
+    return documents
 
 
 def _at(i: int) -> dict[str, str]:

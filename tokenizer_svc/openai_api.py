@@ -117,7 +117,7 @@ KNOWN = {
     "guided_choice", "guided_grammar", "min_p", "ignore_eos", "echo", "prompt_logprobs",
     "include_stop_str_in_output", "continue_final_message", "add_generation_prompt", "chat_template_kwargs",
     "mm_processor_kwargs", "return_token_ids", "skip_special_tokens", "allowed_token_ids", "bad_words",
-    "return_tokens_as_token_ids", "truncate_prompt_tokens", "priority",
+    "return_tokens_as_token_ids", "truncate_prompt_tokens", "priority", "documents",
 }  # fmt: skip
 
 # Prompts one completions request may give (each its own generation).
@@ -141,7 +141,6 @@ UNHONOURED: dict[str, tuple[tuple[Any, ...], str]] = {
     "use_beam_search": ((None, False), "this server does not search beams"),
     "length_penalty": ((None, 1), "this server does not search beams"),
     "chat_template": ((None,), "the server's --chat-template renders every conversation"),
-    "documents": ((None, []), "the server's --chat-template renders every conversation as it is"),
     "spaces_between_special_tokens": ((None, True), "the text leaves out special tokens"),
     "logits_processors": ((None, []), "this server runs no custom logits processors"),
 }
@@ -265,6 +264,11 @@ def _template_options(body: dict[str, Any], request: tokenizer_pb2.GenerateReque
         raise invalid("chat_template_kwargs must be an object", "chat_template_kwargs")
     if kwargs:
         request.chat_template_kwargs = json.dumps(kwargs)
+    documents = body.get("documents")
+    if documents is not None and not isinstance(documents, list):
+        raise invalid("documents must be a list of objects", "documents")
+    if documents:
+        request.documents = json.dumps(documents)  # the service checks their shape and text
 
 
 def _tools(
@@ -321,7 +325,7 @@ def parse_completion(body: Any) -> Call:
     body = _object(body)
     chat_only: tuple[tuple[str, tuple[Any, ...]], ...] = (
         ("tools", (None, [])), ("tool_choice", (None, "none")), ("continue_final_message", (None, False)),
-        ("add_generation_prompt", (None, True)), ("chat_template_kwargs", (None, {})),
+        ("add_generation_prompt", (None, True)), ("chat_template_kwargs", (None, {})), ("documents", (None, [])),
     )  # fmt: skip
     for name, nothing in chat_only:
         if body.get(name) not in nothing:
@@ -839,7 +843,7 @@ def parse_tokenize(body: Any) -> Tokenize:
         raise invalid("return_token_strs must be true or false", "return_token_strs")
     if chat:
         fields = ("messages", "tools", "continue_final_message", "add_generation_prompt", "chat_template_kwargs",
-                  "mm_processor_kwargs")  # fmt: skip
+                  "mm_processor_kwargs", "documents")  # fmt: skip
         request = parse_chat({**{k: body[k] for k in fields if k in body}, "tool_choice": "none"}).request
         return Tokenize(request, None, strs)
     if special is False:

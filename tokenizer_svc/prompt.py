@@ -183,6 +183,7 @@ class PromptBuilder:
         *,
         continue_final: bool = False,
         template_kwargs: dict[str, Any] | None = None,
+        documents: list[dict[str, str]] | None = None,
     ) -> BuiltPrompt:
         """A conversation rendered by the chat template with the generation
         prompt (or, `continue_final`, with its last turn left open for the
@@ -193,7 +194,9 @@ class PromptBuilder:
         "function": {...}}); an assistant turn's calls as its `tool_calls`
         (each {"id", "type": "function", "function": {"name", "arguments":
         a dict}}), a tool turn with its `tool_call_id`, as transformers'
-        templates take them; `template_kwargs` as variables of their own.
+        templates take them; `template_kwargs` as variables of their own;
+        `documents` as the template's `documents` (a template that reads
+        none leaves them out).
         Every turn's content is its list of parts (what
         these models' templates read; a template may test for a string)."""
         if self.chat_template is None:
@@ -229,6 +232,9 @@ class PromptBuilder:
             )
         for text in _strings(kwargs):
             self._check_text(text, "chat_template_kwargs", markers=True)
+        for k, document in enumerate(documents or []):
+            for text in _strings(document):
+                self._check_text(text, f"documents[{k}]", markers=True)
         sent = [kinds[kind] for turn in turns for kind, _ in turn.parts if kind != "text"]
         if sorted(sent) != sorted(m.modality for m in media):
             raise InternalError("the conversation's media parts do not match its media")
@@ -240,6 +246,7 @@ class PromptBuilder:
                 add_generation_prompt=not continue_final,
                 continue_final_message=continue_final,
                 **({"tools": tools} if tools else {}),
+                **({"documents": documents} if documents else {}),
                 **kwargs,
             )
         except Exception as exc:  # a template's raise_exception(): it refuses this conversation's shape

@@ -433,6 +433,7 @@ class TokenizerService:
             parsed.tools,
             continue_final=parsed.continue_final,
             template_kwargs=parsed.template_kwargs,
+            documents=parsed.documents,
         )
 
     async def tokenize(self, request: tokenizer_pb2.GenerateRequest, rid: str, client: str = "") -> list[int]:

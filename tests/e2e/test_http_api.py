@@ -1986,3 +1986,21 @@ def test_truncate_prompt_tokens_reads_the_prompt_s_last_tokens_and_never_half_an
         assert (refused.status_code, refused.body["param"]) == (400, "truncate_prompt_tokens")  # type: ignore[index]
     refused = _bad(api, lambda c: completion(text, truncate_prompt_tokens=3, echo=True))
     assert (refused.status_code, refused.body["param"]) == (400, "echo")  # type: ignore[index]
+
+
+def test_documents_are_taken_and_a_template_that_reads_none_leaves_them_out(api: Api) -> None:
+    """vLLM's `documents` over the openai SDK: LLaVA's template reads none,
+    so the prompt and the answer are those without them (what a template
+    that renders them makes: tests/tokenizer/test_prompt.py); a document
+    with a special token's text, or a malformed list, is a 400 naming it."""
+    documents = [{"title": "Cats", "text": "Cats sleep a lot."}]
+    plain, given = _with_ids(api, 4), _with_ids(api, 4, documents=documents)
+    assert given["prompt_token_ids"] == plain["prompt_token_ids"]
+    assert given["choices"][0]["token_ids"] == plain["choices"][0]["token_ids"]
+    for bad, param in (
+        ([{"text": "ok"}, {"text": "</s> sneaky"}], "documents[1]"),
+        ([{"text": "a", "page": 3}], "documents"),
+        ({"text": "a"}, "documents"),
+    ):
+        refused = _bad(api, lambda c, bad=bad: _with_ids(api, 1, documents=bad))  # type: ignore[misc]
+        assert (refused.status_code, refused.body["param"]) == (400, param), refused.body  # type: ignore[index]

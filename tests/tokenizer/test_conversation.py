@@ -47,6 +47,18 @@ def test_continue_final_message_and_chat_template_kwargs_are_parsed(
     )
 
 
+def test_documents_are_parsed_in_order_and_count_toward_the_prompt_s_size(
+    parse: Callable[[pb.GenerateRequest], conversation.Parsed],
+) -> None:
+    documents = '[{"title": "A", "text": "alpha"}, {"text": "beta", "title": "B"}]'
+    parsed = parse(pb.GenerateRequest(messages=[USER], documents=documents))
+    assert [list(d.items()) for d in parsed.documents] == [
+        [("title", "A"), ("text", "alpha")],
+        [("text", "beta"), ("title", "B")],
+    ]
+    assert parsed.size == parse(pb.GenerateRequest(messages=[USER])).size + len("titleAtextalphatextbetatitleB")
+
+
 def test_a_tool_conversation_is_parsed_into_turns_and_template_tools(
     parse: Callable[[pb.GenerateRequest], conversation.Parsed],
 ) -> None:
@@ -97,6 +109,13 @@ def test_a_tool_conversation_is_parsed_into_turns_and_template_tools(
         (pb.GenerateRequest(messages=[USER], tools=[pb.Tool(name="f", parameters='{"\\udc00": 1}')]), "tools[0]",
          "a key holds a lone UTF-16 surrogate"),
         (pb.GenerateRequest(messages=[USER], chat_template_kwargs="[1]"), "chat_template_kwargs", "JSON object"),
+        (pb.GenerateRequest(prompt="hi", documents='[{"text": "a"}]'), "documents", "conversation"),
+        (pb.GenerateRequest(messages=[USER], documents="[{"), "documents", "not JSON"),
+        (pb.GenerateRequest(messages=[USER], documents='{"text": "a"}'), "documents", "a list of at most 64"),
+        (pb.GenerateRequest(messages=[USER], documents="[" + ",".join(['{"t": "a"}'] * 65) + "]"), "documents",
+         "a list of at most 64"),
+        (pb.GenerateRequest(messages=[USER], documents='[{"text": "a"}, {"page": 3}]'), "documents",
+         r"documents\[1\] must be an object whose values are strings"),
         (pb.GenerateRequest(messages=[USER], chat_template_kwargs='{"two words": 1}'), "chat_template_kwargs",
          "not a name"),
         (pb.GenerateRequest(messages=[USER], chat_template_kwargs='{"_private": 1}'), "chat_template_kwargs",

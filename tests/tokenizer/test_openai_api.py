@@ -190,7 +190,7 @@ def test_the_do_nothing_values_of_those_fields_are_accepted() -> None:
         "modalities": ["text"], "audio": None,
         "suffix": "", "best_of": 1, "web_search_options": None,
         "use_beam_search": False, "length_penalty": 1.0,
-        "chat_template": None, "documents": None,
+        "chat_template": None,
         "spaces_between_special_tokens": True,
         "logits_processors": None,
     }  # fmt: skip
@@ -199,7 +199,7 @@ def test_the_do_nothing_values_of_those_fields_are_accepted() -> None:
                  "chat_template_kwargs": {}, "echo": False, "prompt_logprobs": None,
                  "mm_processor_kwargs": {}, "skip_special_tokens": True, "return_token_ids": False,
                  "allowed_token_ids": None, "bad_words": [], "return_tokens_as_token_ids": False,
-                 "truncate_prompt_tokens": None, "priority": 0}  # fmt: skip
+                 "truncate_prompt_tokens": None, "priority": 0, "documents": None}  # fmt: skip
     call = openai_api.parse_chat({"messages": [{"role": "user", "content": "x"}], **defaults})
     assert call.request.messages[0].content[0].text == "x"
     assert openai_api.parse_completion({"prompt": "x", **defaults}).request.prompt == "x"
@@ -600,6 +600,22 @@ def test_the_openai_sdk_reads_auto_tool_calls_whole_and_streamed(
     with pytest.raises(openai.BadRequestError) as info:
         asyncio.run(run("none"))
     assert info.value.body["param"] == "tool_choice"  # type: ignore[index]
+
+
+def test_documents_reach_the_contract_for_chat_only() -> None:
+    documents = [{"title": "A", "text": "alpha"}]
+    call = openai_api.parse_chat({"messages": [{"role": "user", "content": "x"}], "documents": documents})
+    assert json.loads(call.request.documents) == documents
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    assert not openai_api.parse_chat({**chat, "documents": []}).request.documents
+    assert json.loads(openai_api.parse_tokenize({**chat, "documents": documents}).request.documents) == documents
+    for parse, body in (
+        (openai_api.parse_chat, {**chat, "documents": {"text": "a"}}),
+        (openai_api.parse_completion, {"prompt": "x", "documents": documents}),
+    ):
+        with pytest.raises(InvalidRequest) as refused:
+            parse(body)
+        assert openai_api.param_name(refused.value) == "documents"
 
 
 def test_continue_final_message_and_chat_template_kwargs_reach_the_contract() -> None:

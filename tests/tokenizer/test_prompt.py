@@ -390,3 +390,39 @@ def test_truncation_keeps_the_last_tokens_and_moves_the_runs_with_them() -> None
         with pytest.raises(InvalidRequest, match=r"would cut images\[0\] .* keep at least 8 tokens") as info:
             truncated(prompt, keep, ["images[0]", "images[1]"])
         assert info.value.metadata["param"] == "truncate_prompt_tokens"
+
+
+# A template in the shape of the RAG templates (Command-R's, Granite's): each document's fields in order.
+DOCUMENTS_TEMPLATE = (
+    "{% if documents %}<documents>{% for d in documents %}\n{% for k, v in d.items() %}{{ k }}: {{ v }}\n"
+    "{% endfor %}{% endfor %}</documents>\n{% endif %}"
+    "{% for m in messages %}{{ m['role'] }}: {% for p in m['content'] %}{{ p['text'] }}{% endfor %}\n{% endfor %}"
+    "assistant:"
+)
+
+
+def test_documents_reach_the_chat_template_as_given_and_their_text_is_checked(
+    family_models: Callable[[str], Path],
+) -> None:
+    """GenerateRequest.documents: the template renders them as
+    transformers' apply_chat_template does with `documents` (fields in the
+    order given); a template that reads none renders the conversation as
+    without them; their text is checked as a message's (no special token,
+    no media marker), naming the document."""
+    from tokenizer_svc.prompt import PromptBuilder
+
+    kit = family_kit.kit(family_models("llava"))
+    turns = [Turn("user", (("text", "What is the capital?"),))]
+    messages = [{"role": "user", "content": [{"type": "text", "text": "What is the capital?"}]}]
+    documents = [{"title": "France", "text": "Paris is the capital."}, {"text": "Second.", "title": "B"}]
+    built = PromptBuilder(kit.family, kit.tokenizer, DOCUMENTS_TEMPLATE).build_chat(turns, [], documents=documents)
+    rendered = kit.tokenizer.apply_chat_template(
+        messages, chat_template=DOCUMENTS_TEMPLATE, documents=documents, tokenize=False, add_generation_prompt=True
+    )
+    assert "title: France\ntext: Paris is the capital.\ntext: Second.\ntitle: B" in rendered
+    assert built.input_ids == kit.tokenizer(rendered, add_special_tokens=True)["input_ids"]
+    plain = PromptBuilder(kit.family, kit.tokenizer, LLAVA_TEMPLATE)
+    assert plain.build_chat(turns, [], documents=documents).input_ids == plain.build_chat(turns, []).input_ids
+    for text in ("</s> sneaky", f"an {kit.marker} in text"):
+        with pytest.raises(InvalidRequest, match=r"documents\[1\] contains"):
+            plain.build_chat(turns, [], documents=[{"text": "fine"}, {"text": text}])
