@@ -117,7 +117,7 @@ KNOWN = {
     "guided_choice", "guided_grammar", "min_p", "ignore_eos", "echo", "prompt_logprobs",
     "include_stop_str_in_output", "continue_final_message", "add_generation_prompt", "chat_template_kwargs",
     "mm_processor_kwargs", "return_token_ids", "skip_special_tokens", "allowed_token_ids", "bad_words",
-    "return_tokens_as_token_ids", "truncate_prompt_tokens", "priority", "documents",
+    "return_tokens_as_token_ids", "truncate_prompt_tokens", "priority", "documents", "spaces_between_special_tokens",
 }  # fmt: skip
 
 # Prompts one completions request may give (each its own generation).
@@ -141,7 +141,6 @@ UNHONOURED: dict[str, tuple[tuple[Any, ...], str]] = {
     "use_beam_search": ((None, False), "this server does not search beams"),
     "length_penalty": ((None, 1), "this server does not search beams"),
     "chat_template": ((None,), "the server's --chat-template renders every conversation"),
-    "spaces_between_special_tokens": ((None, True), "the text leaves out special tokens"),
     "logits_processors": ((None, []), "this server runs no custom logits processors"),
 }
 
@@ -582,6 +581,9 @@ def _finish(body: dict[str, Any], request: tokenizer_pb2.GenerateRequest) -> Cal
     if skip is not None and not isinstance(skip, bool):
         raise invalid("skip_special_tokens must be true or false", "skip_special_tokens")
     request.keep_special_tokens = skip is False
+    spaces = body.get("spaces_between_special_tokens")
+    if spaces is not None and not isinstance(spaces, bool):  # either way: no space is put between them
+        raise invalid("spaces_between_special_tokens must be true or false", "spaces_between_special_tokens")
     keep = body.get("truncate_prompt_tokens")
     if keep is not None:
         if not isinstance(keep, int) or isinstance(keep, bool) or not -1 <= keep <= _I31:

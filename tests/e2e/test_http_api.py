@@ -1789,7 +1789,9 @@ def test_skip_special_tokens_false_keeps_them_in_the_text(api: Api) -> None:
     """A model made to write its end-of-sequence token (biased to it, with
     ignore_eos so it goes on): left out of the text by default, kept with
     vLLM's skip_special_tokens false, whole and streamed, chat and
-    completions; the same over gRPC (keep_special_tokens); ids the same."""
+    completions, with no space between them (vLLM's
+    spaces_between_special_tokens is taken and changes nothing); the same
+    over gRPC (keep_special_tokens); ids the same."""
     from mmsplit.client import Client
 
     tokenizer = hf_loaded.tokenizer(api.pair.model)
@@ -1797,7 +1799,13 @@ def test_skip_special_tokens_false_keeps_them_in_the_text(api: Api) -> None:
     forced = {"ignore_eos": True, "logit_bias": {str(eos): 100}, "return_token_ids": True}
     client = api.client()
     messages = [{"role": "user", "content": "Say nothing."}]
-    for extra, expected in (({}, ""), ({"skip_special_tokens": False}, tokenizer.eos_token * 3)):
+    kept = tokenizer.eos_token * 3  # one after the other, whatever spaces_between_special_tokens says
+    for extra, expected in (
+        ({}, ""),
+        ({"skip_special_tokens": False}, kept),
+        ({"skip_special_tokens": False, "spaces_between_special_tokens": False}, kept),
+        ({"skip_special_tokens": False, "spaces_between_special_tokens": True}, kept),
+    ):
         body: dict[str, Any] = {**forced, **extra}
         chat = client.chat.completions.create(
             model=api.model,

@@ -191,7 +191,6 @@ def test_the_do_nothing_values_of_those_fields_are_accepted() -> None:
         "suffix": "", "best_of": 1, "web_search_options": None,
         "use_beam_search": False, "length_penalty": 1.0,
         "chat_template": None,
-        "spaces_between_special_tokens": True,
         "logits_processors": None,
     }  # fmt: skip
     assert defaults.keys() == openai_api.UNHONOURED.keys()
@@ -199,7 +198,8 @@ def test_the_do_nothing_values_of_those_fields_are_accepted() -> None:
                  "chat_template_kwargs": {}, "echo": False, "prompt_logprobs": None,
                  "mm_processor_kwargs": {}, "skip_special_tokens": True, "return_token_ids": False,
                  "allowed_token_ids": None, "bad_words": [], "return_tokens_as_token_ids": False,
-                 "truncate_prompt_tokens": None, "priority": 0, "documents": None}  # fmt: skip
+                 "truncate_prompt_tokens": None, "priority": 0, "documents": None,
+                 "spaces_between_special_tokens": True}  # fmt: skip
     call = openai_api.parse_chat({"messages": [{"role": "user", "content": "x"}], **defaults})
     assert call.request.messages[0].content[0].text == "x"
     assert openai_api.parse_completion({"prompt": "x", **defaults}).request.prompt == "x"
