@@ -113,6 +113,8 @@ class Parsed:
     tools: list[dict[str, Any]] = field(default_factory=list)
     # The last (assistant) turn is continued, not closed (continue_final_message).
     continue_final: bool = False
+    # The template's generation prompt ends the conversation (not no_generation_prompt).
+    generation_prompt: bool = True
     # The chat template's extra variables (chat_template_kwargs).
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     # The chat template's documents (GenerateRequest.documents).
@@ -157,6 +159,7 @@ def parse(request: tokenizer_pb2.GenerateRequest, settings: TokenizerSettings, f
         parsed = dataclasses.replace(
             parsed,
             continue_final=_continued(request, parsed.turns or []),
+            generation_prompt=not request.no_generation_prompt,
             template_kwargs=_template_kwargs(request.chat_template_kwargs),
             documents=_documents(request.documents),
             calls=calls,
@@ -167,7 +170,14 @@ def parse(request: tokenizer_pb2.GenerateRequest, settings: TokenizerSettings, f
         chars += sum(len(t.name) + len(t.description) + len(t.parameters) for t in request.tools)
         chars += sum(len(k) + len(v) for document in parsed.documents for k, v in document.items())
     else:
-        for name in ("tools", "continue_final_message", "chat_template_kwargs", "tool_choice", "documents"):
+        for name in (
+            "tools",
+            "continue_final_message",
+            "chat_template_kwargs",
+            "tool_choice",
+            "documents",
+            "no_generation_prompt",
+        ):
             if _given(request, name):
                 raise InvalidRequest(
                     f"{name} go with a conversation (messages), not a prompt", metadata={"param": name}

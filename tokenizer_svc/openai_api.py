@@ -243,8 +243,8 @@ def parse_chat(body: Any, tool_parser: str = "none") -> Call:
 
 def _template_options(body: dict[str, Any], request: tokenizer_pb2.GenerateRequest) -> None:
     """vLLM's continue_final_message (with add_generation_prompt false or
-    absent; false alone is not served: a conversation ends with the
-    assistant's turn to answer or continue) and chat_template_kwargs."""
+    absent), add_generation_prompt false alone (no generation prompt),
+    chat_template_kwargs and documents."""
     for name in ("continue_final_message", "add_generation_prompt"):
         if not isinstance(body.get(name, False), bool):
             raise invalid(f"{name} must be true or false", name)
@@ -252,12 +252,7 @@ def _template_options(body: dict[str, Any], request: tokenizer_pb2.GenerateReque
     generation_prompt = body.get("add_generation_prompt")
     if request.continue_final_message and generation_prompt is True:
         raise invalid("continue_final_message needs add_generation_prompt false (or absent)", "add_generation_prompt")
-    if not request.continue_final_message and generation_prompt is False:
-        raise invalid(
-            "add_generation_prompt false is not supported: a conversation ends with the assistant's turn to answer, "
-            "or with continue_final_message, the assistant's last message continued",
-            "add_generation_prompt",
-        )
+    request.no_generation_prompt = not request.continue_final_message and generation_prompt is False
     kwargs = body.get("chat_template_kwargs")
     if kwargs is not None and not isinstance(kwargs, dict):
         raise invalid("chat_template_kwargs must be an object", "chat_template_kwargs")

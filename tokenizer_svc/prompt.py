@@ -182,12 +182,14 @@ class PromptBuilder:
         tools: list[dict[str, Any]] | None = None,
         *,
         continue_final: bool = False,
+        generation_prompt: bool = True,
         template_kwargs: dict[str, Any] | None = None,
         documents: list[dict[str, str]] | None = None,
     ) -> BuiltPrompt:
         """A conversation rendered by the chat template with the generation
         prompt (or, `continue_final`, with its last turn left open for the
-        model to continue, as transformers' `continue_final_message`).
+        model to continue, as transformers' `continue_final_message`; or,
+        not `generation_prompt`, closed and with no generation prompt).
         `media` are the images of every turn in order, then the
         videos in order; the k-th image part takes the k-th image. `tools`
         go to the template as its `tools` (each {"type": "function",
@@ -243,7 +245,7 @@ class PromptBuilder:
                 conversation,
                 chat_template=self.chat_template,
                 tokenize=False,
-                add_generation_prompt=not continue_final,
+                add_generation_prompt=generation_prompt and not continue_final,
                 continue_final_message=continue_final,
                 **({"tools": tools} if tools else {}),
                 **({"documents": documents} if documents else {}),

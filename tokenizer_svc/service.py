@@ -432,6 +432,7 @@ class TokenizerService:
             media,
             parsed.tools,
             continue_final=parsed.continue_final,
+            generation_prompt=parsed.generation_prompt,
             template_kwargs=parsed.template_kwargs,
             documents=parsed.documents,
         )

@@ -620,11 +620,15 @@ def test_documents_reach_the_contract_for_chat_only() -> None:
 
 def test_continue_final_message_and_chat_template_kwargs_reach_the_contract() -> None:
     """vLLM's continue_final_message (add_generation_prompt false or
-    absent with it; false alone is not served) and chat_template_kwargs:
-    chat only."""
+    absent with it), add_generation_prompt false alone (no generation
+    prompt) and chat_template_kwargs: chat only."""
     chat = {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]}
     for extra in ({"continue_final_message": True}, {"continue_final_message": True, "add_generation_prompt": False}):
-        assert openai_api.parse_chat({**chat, **extra}).request.continue_final_message
+        request = openai_api.parse_chat({**chat, **extra}).request
+        assert (request.continue_final_message, request.no_generation_prompt) == (True, False)
+    closed = openai_api.parse_chat({**chat, "add_generation_prompt": False}).request
+    assert (closed.continue_final_message, closed.no_generation_prompt) == (False, True)
+    assert not openai_api.parse_chat({**chat, "add_generation_prompt": True}).request.no_generation_prompt
     kwargs = openai_api.parse_chat({**chat, "chat_template_kwargs": {"enable_thinking": False}}).request
     assert (json.loads(kwargs.chat_template_kwargs), kwargs.continue_final_message) == (
         {"enable_thinking": False},
@@ -632,7 +636,7 @@ def test_continue_final_message_and_chat_template_kwargs_reach_the_contract() ->
     )
     for wrong, param in (
         ({"continue_final_message": True, "add_generation_prompt": True}, "add_generation_prompt"),
-        ({"add_generation_prompt": False}, "add_generation_prompt"),
+        ({"add_generation_prompt": "no"}, "add_generation_prompt"),
         ({"continue_final_message": 1}, "continue_final_message"),
         ({"chat_template_kwargs": "x=1"}, "chat_template_kwargs"),
     ):

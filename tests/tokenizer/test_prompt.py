@@ -209,6 +209,12 @@ def test_a_conversation_gives_the_processor_s_ids_for_its_chat_template(
     )
     assert rendered.rstrip().endswith("It is a"), rendered
     assert continued.input_ids == hf_family.prompt_ids(proc, rendered, imgs), family
+    # add_generation_prompt false: the conversation as the template closes it, and no more.
+    closed = builder.build_chat(turns, media, generation_prompt=False)
+    rendered = proc.apply_chat_template(messages, chat_template=template, tokenize=False, add_generation_prompt=False)
+    assert closed.input_ids == hf_family.prompt_ids(proc, rendered, imgs), family
+    with_prompt = proc.apply_chat_template(messages, chat_template=template, tokenize=False, add_generation_prompt=True)
+    assert (closed.input_ids != built.input_ids) == (rendered != with_prompt), family  # LLaVA-NeXT's template has none
 
 
 def test_conversation_text_is_checked_and_a_model_without_a_template_refuses_it(
