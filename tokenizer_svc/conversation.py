@@ -119,6 +119,8 @@ class Parsed:
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     # The chat template's documents (GenerateRequest.documents).
     documents: list[dict[str, str]] = field(default_factory=list)
+    # The request's own chat template (GenerateRequest.chat_template); None: the server's.
+    chat_template: str | None = None
     # The prompt as token ids (prompt_token_ids), instead of text and media.
     token_ids: tuple[int, ...] | None = None
     # tool_choice: how the output answers with calls, and the JSON Schema
@@ -141,6 +143,8 @@ class Parsed:
 PER_MESSAGE = 64
 # Documents one conversation may give its chat template.
 MAX_DOCUMENTS = 64
+# A request's own chat template.
+MAX_TEMPLATE_BYTES = 64 * 1024
 
 
 def parse(request: tokenizer_pb2.GenerateRequest, settings: TokenizerSettings, family: Family) -> Parsed:
@@ -162,6 +166,7 @@ def parse(request: tokenizer_pb2.GenerateRequest, settings: TokenizerSettings, f
             generation_prompt=not request.no_generation_prompt,
             template_kwargs=_template_kwargs(request.chat_template_kwargs),
             documents=_documents(request.documents),
+            chat_template=_own_template(request.chat_template, settings),
             calls=calls,
             tool_schema=schema,
         )
@@ -177,6 +182,7 @@ def parse(request: tokenizer_pb2.GenerateRequest, settings: TokenizerSettings, f
             "tool_choice",
             "documents",
             "no_generation_prompt",
+            "chat_template",
         ):
             if _given(request, name):
                 raise InvalidRequest(
@@ -407,6 +413,22 @@ def _template_kwargs(text: str) -> dict[str, Any]:
                 metadata=where,
             )
     return kwargs
+
+
+def _own_template(template: str, settings: TokenizerSettings) -> str | None:
+    """A request's own chat template, where the server trusts them."""
+    where = {"param": "chat_template"}
+    if not template:
+        return None
+    if not settings.trust_request_chat_template:
+        raise InvalidRequest(
+            "a request's own chat_template is not rendered here: this server renders every conversation with "
+            "its --chat-template (start the tokenizer with --trust-request-chat-template to take them)",
+            metadata=where,
+        )
+    if len(template.encode()) > MAX_TEMPLATE_BYTES:
+        raise InvalidRequest(f"chat_template is over {MAX_TEMPLATE_BYTES} bytes", metadata=where)
+    return template
 
 
 def _documents(text: str) -> list[dict[str, str]]:

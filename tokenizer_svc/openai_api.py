@@ -118,6 +118,7 @@ KNOWN = {
     "include_stop_str_in_output", "continue_final_message", "add_generation_prompt", "chat_template_kwargs",
     "mm_processor_kwargs", "return_token_ids", "skip_special_tokens", "allowed_token_ids", "bad_words",
     "return_tokens_as_token_ids", "truncate_prompt_tokens", "priority", "documents", "spaces_between_special_tokens",
+    "chat_template",
 }  # fmt: skip
 
 # Prompts one completions request may give (each its own generation).
@@ -140,7 +141,6 @@ UNHONOURED: dict[str, tuple[tuple[Any, ...], str]] = {
     # vLLM's extensions that this server does not serve (those it does are in KNOWN).
     "use_beam_search": ((None, False), "this server does not search beams"),
     "length_penalty": ((None, 1), "this server does not search beams"),
-    "chat_template": ((None,), "the server's --chat-template renders every conversation"),
     "logits_processors": ((None, []), "this server runs no custom logits processors"),
 }
 
@@ -263,6 +263,10 @@ def _template_options(body: dict[str, Any], request: tokenizer_pb2.GenerateReque
         raise invalid("documents must be a list of objects", "documents")
     if documents:
         request.documents = json.dumps(documents)  # the service checks their shape and text
+    template = body.get("chat_template")
+    if template is not None and not isinstance(template, str):
+        raise invalid("chat_template must be a string (a Jinja template)", "chat_template")
+    request.chat_template = template or ""  # the service takes it where it trusts requests' templates
 
 
 def _tools(
@@ -320,6 +324,7 @@ def parse_completion(body: Any) -> Call:
     chat_only: tuple[tuple[str, tuple[Any, ...]], ...] = (
         ("tools", (None, [])), ("tool_choice", (None, "none")), ("continue_final_message", (None, False)),
         ("add_generation_prompt", (None, True)), ("chat_template_kwargs", (None, {})), ("documents", (None, [])),
+        ("chat_template", (None,)),
     )  # fmt: skip
     for name, nothing in chat_only:
         if body.get(name) not in nothing:
@@ -840,7 +845,7 @@ def parse_tokenize(body: Any) -> Tokenize:
         raise invalid("return_token_strs must be true or false", "return_token_strs")
     if chat:
         fields = ("messages", "tools", "continue_final_message", "add_generation_prompt", "chat_template_kwargs",
-                  "mm_processor_kwargs", "documents")  # fmt: skip
+                  "mm_processor_kwargs", "documents", "chat_template")  # fmt: skip
         request = parse_chat({**{k: body[k] for k in fields if k in body}, "tool_choice": "none"}).request
         return Tokenize(request, None, strs)
     if special is False:

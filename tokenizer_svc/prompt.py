@@ -185,6 +185,7 @@ class PromptBuilder:
         generation_prompt: bool = True,
         template_kwargs: dict[str, Any] | None = None,
         documents: list[dict[str, str]] | None = None,
+        template: str | None = None,
     ) -> BuiltPrompt:
         """A conversation rendered by the chat template with the generation
         prompt (or, `continue_final`, with its last turn left open for the
@@ -198,10 +199,12 @@ class PromptBuilder:
         a dict}}), a tool turn with its `tool_call_id`, as transformers'
         templates take them; `template_kwargs` as variables of their own;
         `documents` as the template's `documents` (a template that reads
-        none leaves them out).
+        none leaves them out). `template`: the request's own chat template,
+        instead of the server's.
         Every turn's content is its list of parts (what
         these models' templates read; a template may test for a string)."""
-        if self.chat_template is None:
+        template = template or self.chat_template
+        if template is None:
             raise InvalidRequest(
                 "this model has no chat template, so a conversation (messages) cannot be rendered; "
                 "send a prompt instead, or start the tokenizer with --chat-template FILE"
@@ -243,7 +246,7 @@ class PromptBuilder:
         try:
             rendered: str = self.tokenizer.apply_chat_template(
                 conversation,
-                chat_template=self.chat_template,
+                chat_template=template,
                 tokenize=False,
                 add_generation_prompt=generation_prompt and not continue_final,
                 continue_final_message=continue_final,
@@ -252,7 +255,11 @@ class PromptBuilder:
                 **kwargs,
             )
         except Exception as exc:  # a template's raise_exception(): it refuses this conversation's shape
-            raise InvalidRequest(f"the model's chat template refused the conversation: {exc}") from exc
+            own = template is self.chat_template
+            raise InvalidRequest(
+                f"{'the model' if own else 'the request'}'s chat template refused the conversation: {exc}",
+                metadata={} if own else {"param": "chat_template"},
+            ) from exc
         for whole, marker in self._wrapped.items():
             rendered = rendered.replace(whole, marker)
         found = [self._by_marker[m] for m in self._marker_re.findall(rendered)]

@@ -435,6 +435,7 @@ class TokenizerService:
             generation_prompt=parsed.generation_prompt,
             template_kwargs=parsed.template_kwargs,
             documents=parsed.documents,
+            template=parsed.chat_template,
         )
 
     async def tokenize(self, request: tokenizer_pb2.GenerateRequest, rid: str, client: str = "") -> list[int]:

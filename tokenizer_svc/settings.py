@@ -148,6 +148,12 @@ class TokenizerSettings(ServiceSettings):
         "auto = the chat template the model ships, when it ships one (each prompt becomes one user turn, with the "
         "generation prompt); none = prompts as written; else a path to a Jinja template file",
     )
+    trust_request_chat_template: bool = _opt(
+        False,
+        "render a conversation with the chat template its request gives (GenerateRequest.chat_template, the HTTP "
+        "API's chat_template) instead of refusing it: a template is code the tokenizer runs (sandboxed Jinja, "
+        "but a costly one holds the tokenizer while it renders), so only where the clients are trusted to",
+    )
     tool_call_parser: str = _opt(
         "none",
         'how the HTTP API finds the tool calls a model writes itself, for tool_choice "auto" (the default '

@@ -64,7 +64,7 @@ class Api:
         return 0.0
 
 
-def _api(model: Path, logs: Path, *, tp: str = "1") -> Iterator[Api]:
+def _api(model: Path, logs: Path, *, tp: str = "1", extra: tuple[str, ...] = ()) -> Iterator[Api]:
     (logs / "key").write_text(KEY + "\n")
     http, metrics, closed = FreePort(), FreePort(), free_port()  # closed: nothing listens there
     tokenizer = [
@@ -74,6 +74,7 @@ def _api(model: Path, logs: Path, *, tp: str = "1") -> Iterator[Api]:
         "--metrics-port", metrics,
         "--private-fetch-exempt", f"127.0.0.1:{closed}",
         "--fetch-retries", "0",
+        *extra,
     ]  # fmt: skip
     with running_pair(model, logs, scheduler_extra=["--tp", tp], tokenizer_extra=tokenizer) as pair:
         urls = f"http://127.0.0.1:{http.number}/v1", f"http://127.0.0.1:{metrics.number}/metrics"
@@ -553,7 +554,10 @@ def test_a_client_that_leaves_mid_stream_leaves_nothing_held(api: Api) -> None:
 
 @pytest.fixture(scope="module")
 def qwen_api(chat_models: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Api]:
-    yield from _api(chat_models("qwen2-vl"), tmp_path_factory.mktemp("http-qwen"))
+    # It takes requests' own chat templates (the other pair refuses them).
+    yield from _api(
+        chat_models("qwen2-vl"), tmp_path_factory.mktemp("http-qwen"), extra=("--trust-request-chat-template",)
+    )
 
 
 def test_video_url_on_a_video_model_is_the_same_over_http_and_grpc(qwen_api: Api) -> None:
@@ -2012,3 +2016,49 @@ def test_documents_are_taken_and_a_template_that_reads_none_leaves_them_out(api:
     ):
         refused = _bad(api, lambda c, bad=bad: _with_ids(api, 1, documents=bad))  # type: ignore[misc]
         assert (refused.status_code, refused.body["param"]) == (400, param), refused.body  # type: ignore[index]
+
+
+# A request's own template: ChatML with a system turn of its own, each part's text or a vision block.
+OWN_TEMPLATE = (
+    "<|im_start|>system\nAnswer in one word.<|im_end|>\n"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% for p in m['content'] %}"
+    "{% if p['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>{% else %}{{ p['text'] }}{% endif %}"
+    "{% endfor %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_a_request_s_own_chat_template_where_the_tokenizer_trusts_them(api: Api, qwen_api: Api) -> None:
+    """vLLM's chat_template: a tokenizer started with
+    --trust-request-chat-template renders that request's conversation with
+    it (the prompt ids are those of the processor's apply_chat_template with
+    that template, image included) and the answer is that prompt's; one
+    that fails to render is a 400 naming it; a tokenizer without the flag
+    refuses any with a 400 that names the flag."""
+    from tests.support import hf_family
+    from tokenizer_svc.decode import decode_image
+
+    messages = [{"role": "user", "content": [image_part(A), {"type": "text", "text": "What is it?"}]}]
+    own = qwen_api.client().chat.completions.create(
+        model=qwen_api.model, messages=messages, max_tokens=3,  # type: ignore[arg-type]
+        extra_body={"chat_template": OWN_TEMPLATE, "return_token_ids": True},
+    ).model_dump()  # fmt: skip
+    proc = hf_family.processor(qwen_api.pair.model)
+    hf_messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]}]
+    rendered = proc.apply_chat_template(
+        hf_messages, chat_template=OWN_TEMPLATE, tokenize=False, add_generation_prompt=True
+    )
+    assert "Answer in one word." in rendered
+    expected = proc(images=[decode_image(A, max_pixels=10**8)], text=rendered, return_tensors="pt")["input_ids"][0]
+    assert own["prompt_token_ids"] == expected.tolist()
+    by_template = qwen_api.client().chat.completions.create(
+        model=qwen_api.model, messages=messages, max_tokens=3,  # type: ignore[arg-type]
+        extra_body={"return_token_ids": True},
+    ).model_dump()  # fmt: skip
+    assert by_template["prompt_token_ids"] != own["prompt_token_ids"]
+    broken = _bad(qwen_api, _chat([{"type": "text", "text": "x"}], model=qwen_api.model,
+                                  extra_body={"chat_template": "{% if %}"}))  # fmt: skip
+    assert (broken.status_code, broken.body["param"]) == (400, "chat_template"), broken.body  # type: ignore[index]
+    refused = _bad(api, _chat([{"type": "text", "text": "x"}], extra_body={"chat_template": OWN_TEMPLATE}))
+    assert (refused.status_code, refused.body["param"]) == (400, "chat_template")  # type: ignore[index]
+    assert "--trust-request-chat-template" in refused.message
+    _good_after(qwen_api)

@@ -47,6 +47,20 @@ def test_continue_final_message_and_chat_template_kwargs_are_parsed(
     )
 
 
+def test_a_request_s_chat_template_is_taken_only_where_the_server_trusts_them(
+    family_models: Callable[[str], Path],
+) -> None:
+    model_dir = family_models("qwen2-vl")
+    family = family_kit.kit(model_dir).family
+    trusting = TokenizerSettings(model_dir=model_dir, trust_request_chat_template=True)
+    parsed = conversation.parse(pb.GenerateRequest(messages=[USER], chat_template="{{ 1 }}"), trusting, family)
+    assert parsed.chat_template == "{{ 1 }}"
+    assert conversation.parse(pb.GenerateRequest(messages=[USER]), trusting, family).chat_template is None
+    with pytest.raises(InvalidRequest, match="over 65536 bytes") as refused:
+        conversation.parse(pb.GenerateRequest(messages=[USER], chat_template="x" * 65537), trusting, family)
+    assert refused.value.metadata["param"] == "chat_template"
+
+
 def test_documents_are_parsed_in_order_and_count_toward_the_prompt_s_size(
     parse: Callable[[pb.GenerateRequest], conversation.Parsed],
 ) -> None:
@@ -110,6 +124,8 @@ def test_a_tool_conversation_is_parsed_into_turns_and_template_tools(
          "a key holds a lone UTF-16 surrogate"),
         (pb.GenerateRequest(messages=[USER], chat_template_kwargs="[1]"), "chat_template_kwargs", "JSON object"),
         (pb.GenerateRequest(prompt="hi", documents='[{"text": "a"}]'), "documents", "conversation"),
+        (pb.GenerateRequest(messages=[USER], chat_template="{{ 1 }}"), "chat_template", "trust-request-chat-template"),
+        (pb.GenerateRequest(prompt="hi", chat_template="{{ 1 }}"), "chat_template", "conversation"),
         (pb.GenerateRequest(messages=[USER], documents="[{"), "documents", "not JSON"),
         (pb.GenerateRequest(messages=[USER], documents='{"text": "a"}'), "documents", "a list of at most 64"),
         (pb.GenerateRequest(messages=[USER], documents="[" + ",".join(['{"t": "a"}'] * 65) + "]"), "documents",

@@ -168,7 +168,6 @@ def test_a_conversation_at_the_limits_is_taken_and_the_responses_api_names_its_i
         ("web_search_options", {}),
         ("use_beam_search", True),
         ("logits_processors", ["my.module:Proc"]),
-        ("chat_template", "{{ messages }}"),
     ],
 )
 def test_fields_that_cannot_be_honoured_are_refused_not_ignored(field: str, value: Any) -> None:
@@ -190,7 +189,6 @@ def test_the_do_nothing_values_of_those_fields_are_accepted() -> None:
         "modalities": ["text"], "audio": None,
         "suffix": "", "best_of": 1, "web_search_options": None,
         "use_beam_search": False, "length_penalty": 1.0,
-        "chat_template": None,
         "logits_processors": None,
     }  # fmt: skip
     assert defaults.keys() == openai_api.UNHONOURED.keys()
@@ -199,7 +197,7 @@ def test_the_do_nothing_values_of_those_fields_are_accepted() -> None:
                  "mm_processor_kwargs": {}, "skip_special_tokens": True, "return_token_ids": False,
                  "allowed_token_ids": None, "bad_words": [], "return_tokens_as_token_ids": False,
                  "truncate_prompt_tokens": None, "priority": 0, "documents": None,
-                 "spaces_between_special_tokens": True}  # fmt: skip
+                 "spaces_between_special_tokens": True, "chat_template": None}  # fmt: skip
     call = openai_api.parse_chat({"messages": [{"role": "user", "content": "x"}], **defaults})
     assert call.request.messages[0].content[0].text == "x"
     assert openai_api.parse_completion({"prompt": "x", **defaults}).request.prompt == "x"
@@ -600,6 +598,21 @@ def test_the_openai_sdk_reads_auto_tool_calls_whole_and_streamed(
     with pytest.raises(openai.BadRequestError) as info:
         asyncio.run(run("none"))
     assert info.value.body["param"] == "tool_choice"  # type: ignore[index]
+
+
+def test_a_chat_template_reaches_the_contract_for_chat_only() -> None:
+    """The request's own template goes to the service, which takes it only
+    where it trusts requests' templates (tests/tokenizer/test_conversation.py)."""
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    assert openai_api.parse_chat({**chat, "chat_template": "{{ 1 }}"}).request.chat_template == "{{ 1 }}"
+    assert openai_api.parse_tokenize({**chat, "chat_template": "{{ 1 }}"}).request.chat_template == "{{ 1 }}"
+    for parse, body in (
+        (openai_api.parse_chat, {**chat, "chat_template": ["{{ 1 }}"]}),
+        (openai_api.parse_completion, {"prompt": "x", "chat_template": "{{ 1 }}"}),
+    ):
+        with pytest.raises(InvalidRequest) as refused:
+            parse(body)
+        assert openai_api.param_name(refused.value) == "chat_template"
 
 
 def test_documents_reach_the_contract_for_chat_only() -> None:

@@ -432,3 +432,28 @@ def test_documents_reach_the_chat_template_as_given_and_their_text_is_checked(
     for text in ("</s> sneaky", f"an {kit.marker} in text"):
         with pytest.raises(InvalidRequest, match=r"documents\[1\] contains"):
             plain.build_chat(turns, [], documents=[{"text": "fine"}, {"text": text}])
+
+
+def test_a_request_s_own_template_renders_its_conversation_and_a_broken_one_names_itself(
+    family_models: Callable[[str], Path],
+) -> None:
+    """build_chat(template=...): that template, not the server's (or none:
+    a model without one renders a conversation with the request's); a
+    template that does not compile or render is INVALID_REQUEST naming
+    chat_template."""
+    from tokenizer_svc.prompt import PromptBuilder
+
+    kit = family_kit.kit(family_models("llava"))
+    turns = [Turn("user", (("text", "What is the capital?"),))]
+    messages = [{"role": "user", "content": [{"type": "text", "text": "What is the capital?"}]}]
+    for server in (LLAVA_TEMPLATE, None):
+        built = PromptBuilder(kit.family, kit.tokenizer, server).build_chat(turns, [], template=DOCUMENTS_TEMPLATE)
+        rendered = kit.tokenizer.apply_chat_template(
+            messages, chat_template=DOCUMENTS_TEMPLATE, tokenize=False, add_generation_prompt=True
+        )
+        assert built.input_ids == kit.tokenizer(rendered, add_special_tokens=True)["input_ids"]
+    builder = PromptBuilder(kit.family, kit.tokenizer, LLAVA_TEMPLATE)
+    for broken in ("{% if %}", "{{ raise_exception('no') }}"):
+        with pytest.raises(InvalidRequest, match="the request's chat template refused") as refused:
+            builder.build_chat(turns, [], template=broken)
+        assert refused.value.metadata["param"] == "chat_template"
