@@ -148,6 +148,9 @@ def generate_command(args: argparse.Namespace) -> int:
         "timeout": args.timeout,
         "min_pixels": args.min_pixels,
         "max_pixels": args.max_pixels,
+        "video_fps": args.video_fps,
+        "video_max_frames": args.video_max_frames,
+        "truncate_prompt_tokens": args.truncate_prompt_tokens,
     }
     with client:
         try:
@@ -176,6 +179,9 @@ def generate_command(args: argparse.Namespace) -> int:
                 frequency_penalty=args.frequency_penalty,
                 repetition_penalty=args.repetition_penalty,
                 logit_bias=dict(args.logit_bias),
+                allowed_token_ids=args.allowed_token_id,
+                bad_words=args.bad_word,
+                priority=args.priority,
                 json_schema=schema,
                 regex=args.regex,
                 choice=args.choice,

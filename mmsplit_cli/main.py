@@ -218,6 +218,25 @@ def parser() -> argparse.ArgumentParser:
             help=f"Qwen-VL models: the {bound}imum pixels each image is resized to, within the checkpoint's budget "
             "(GetServerInfo's image_min_pixels, image_max_pixels); 0 = the checkpoint's",
         )
+    p.add_argument(
+        "--video-fps",
+        type=float,
+        default=0.0,
+        help="Qwen-VL models: frames sampled per second of video; 0 = the server's",
+    )
+    p.add_argument(
+        "--video-max-frames",
+        type=_count,
+        default=0,
+        help="Qwen-VL models: at most this many frames of each video (up to the server's); 0 = the server's",
+    )
+    p.add_argument(
+        "--truncate-prompt-tokens",
+        type=int,
+        default=0,
+        metavar="N",
+        help="the model reads only the prompt's last N tokens (-1: as many as the context holds); 0 = all",
+    )
     p.add_argument("--max-tokens", type=_count, default=0, help="0 = the server's default")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy, else within [0.001, 100]")
     p.add_argument("--seed", type=_count, default=0, help="0 = derived from the request id")
@@ -240,6 +259,20 @@ def parser() -> argparse.ArgumentParser:
         type=_bias,
         metavar="ID=BIAS",
         help="add BIAS (within [-100, 100]) to token ID's logit (repeatable)",
+    )
+    p.add_argument(
+        "--allowed-token-id",
+        action="append",
+        default=[],
+        type=_count,
+        help="only these tokens may be generated (repeatable)",
+    )
+    p.add_argument("--bad-word", action="append", default=[], help="a word never generated (repeatable)")
+    p.add_argument(
+        "--priority",
+        type=int,
+        default=0,
+        help="lower is admitted first, where the scheduler runs --scheduling-policy priority",
     )
     p.add_argument(
         "--json-schema",

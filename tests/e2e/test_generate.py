@@ -284,8 +284,10 @@ def test_the_cli_takes_an_image_url_and_sampling_knobs_and_a_closed_pipe_is_no_e
     services: Services, tmp_path: Path
 ) -> None:
     """`mmsplit generate --image data:... --json | head -1`: the same tokens
-    as the image sent as bytes (with the penalty, bias, --json-schema and
-    --choice and --grammar flags: the tokens those fields give), and the reader leaving early ends
+    as the image sent as bytes (with the penalty, bias, --json-schema,
+    --choice, --grammar, --allowed-token-id and --bad-word flags: the tokens
+    those fields give; --tokenize with --truncate-prompt-tokens counts the
+    last tokens), and the reader leaving early ends
     the command quietly (exit 0, nothing on stderr)."""
     import base64
     import json
@@ -305,6 +307,10 @@ def test_the_cli_takes_an_image_url_and_sampling_knobs_and_a_closed_pipe_is_no_e
         shaped = run_request(stub, make_request("Look.", [image], max_tokens=30, json_schema=SCHEMA, **knobs))
         chosen = run_request(stub, make_request("Look.", [image], max_tokens=30, choice=["up", "down"], **knobs))
         spoken = run_request(stub, make_request("Look.", [image], max_tokens=30, grammar=GRAMMAR, **knobs))
+        allowed = sorted({*same.token_ids[:2], 300, 400})
+        kept = run_request(stub, make_request("Look.", [image], max_tokens=5, allowed_token_ids=allowed, **knobs))
+        banned = run_request(stub, make_request("Look.", [image], max_tokens=5, bad_words=["Look"], **knobs))
+    assert set(kept.token_ids) <= set(allowed), kept
     assert chosen.text in ("up", "down"), chosen
     assert spoken.text in ("a cat", "a dog", "the cat", "the dog"), spoken
     assert same.token_ids != plain.token_ids
@@ -319,6 +325,8 @@ def test_the_cli_takes_an_image_url_and_sampling_knobs_and_a_closed_pipe_is_no_e
         ("30", ["--json-schema", f"@{schema_file}"], shaped),
         ("30", ["--choice", "up", "--choice", "down"], chosen),
         ("30", ["--grammar", f"@{grammar_file}"], spoken),
+        ("5", [arg for t in allowed for arg in ("--allowed-token-id", str(t))], kept),
+        ("5", ["--bad-word", "Look"], banned),
     ):
         done = subprocess.run(
             [*argv, "--image", url, "--max-tokens", tokens, "--json", "--repetition-penalty", "1.8",
@@ -327,6 +335,12 @@ def test_the_cli_takes_an_image_url_and_sampling_knobs_and_a_closed_pipe_is_no_e
         )  # fmt: skip
         ids = [t for line in done.stdout.splitlines() for t in json.loads(line).get("token_ids", [])]
         assert ids == expected.token_ids, extra
+    counted = [
+        json.loads(subprocess.run([*argv, "--tokenize", "--json", *extra, "Look at the picture closely."],
+                                  capture_output=True, text=True, timeout=120, cwd=ROOT, check=True).stdout)
+        for extra in ([], ["--truncate-prompt-tokens", "3"])
+    ]  # fmt: skip
+    assert counted[1]["token_ids"] == counted[0]["token_ids"][-3:]
 
     proc = subprocess.Popen(
         [*argv, "--max-tokens", "200", "--min-tokens", "200", "--json", "Go on."],
