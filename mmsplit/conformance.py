@@ -686,6 +686,17 @@ CLIENT_ERRORS: Sequence[tuple[str, int, Callable[[tokenizer_pb2.GenerateRequest]
         lambda r: r.sampling.stop_token_ids.extend(range(1, 34)),
     ),
     ("INVALID_REQUEST(presence_penalty 3)", E.ERROR_CODE_INVALID_REQUEST, _sampling(presence_penalty=3.0)),
+    ("INVALID_REQUEST(65 bad words)", E.ERROR_CODE_INVALID_REQUEST, lambda r: r.sampling.bad_words.extend(["x"] * 65)),
+    (
+        "INVALID_REQUEST(truncate_prompt_tokens -2)",
+        E.ERROR_CODE_INVALID_REQUEST,
+        lambda r: setattr(r, "truncate_prompt_tokens", -2),
+    ),
+    (
+        "INVALID_REQUEST(video_budget fps 61)",
+        E.ERROR_CODE_INVALID_REQUEST,
+        lambda r: r.video_budget.CopyFrom(tokenizer_pb2.VideoBudget(fps=61.0)),
+    ),
     (
         "INVALID_REQUEST(json_schema not a schema)",
         E.ERROR_CODE_INVALID_REQUEST,

@@ -15,7 +15,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from mmsplit.common.v1 import common_pb2
-from mmsplit.conformance import HEALTH_SERVICE, TOKENIZER_SERVICE
+from mmsplit.conformance import CLIENT_ERRORS, HEALTH_SERVICE, TOKENIZER_SERVICE
 from mmsplit.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from tests.conftest import ROOT, Services
 from tests.e2e.helpers import scheduler_info
@@ -111,7 +111,7 @@ def test_a_server_that_breaks_the_contract_fails_naming_the_checks(wrong_server:
     assert got["tokenizer.stream.choice"] == "FAIL"
     errors = [line for line in run.stdout.splitlines() if line.startswith("tokenizer.error.")]
     errors = [line for line in errors if not line.startswith("tokenizer.error.MEDIA_NOT_FOUND ")]
-    assert len(errors) == 12, run.stdout
+    assert len(errors) == len(CLIENT_ERRORS) + 1, run.stdout  # and image_budget past the model's
     assert all(" FAIL " in line and "INTERNAL without a google.rpc.ErrorInfo" in line for line in errors), run.stdout
     assert got["tokenizer.error.MEDIA_NOT_FOUND"] == "SKIP"
     assert "failed" in run.stdout.splitlines()[-1]
