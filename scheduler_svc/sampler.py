@@ -401,16 +401,13 @@ def row_argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _logprob(logprobs: torch.Tensor, token: int, params: Sampling) -> Logprob:
-    """The token's log probability and the top alternatives that could have
-    been drawn: a banned or masked token (-inf, probability 0) is none, so
-    a distribution over fewer tokens than top_logprobs lists fewer (and no
-    -inf reaches a JSON answer, which cannot hold one)."""
+    """The token's log probability and the top alternatives, as many as
+    asked: where fewer tokens could be drawn (banned, masked, cut by top_k),
+    the rest are -inf, which the HTTP API writes as OpenAI's -9999.0."""
     if not params.top_logprobs:
         return Logprob(float(logprobs[token]))
     top = torch.topk(logprobs, min(params.top_logprobs, logprobs.shape[0]))
-    ids, values = top.indices.tolist(), top.values.tolist()
-    kept = sum(1 for v in values if v != float("-inf"))  # sorted: the -inf ones come last
-    return Logprob(float(logprobs[token]), tuple(ids[:kept]), tuple(values[:kept]))
+    return Logprob(float(logprobs[token]), tuple(top.indices.tolist()), tuple(top.values.tolist()))
 
 
 def _draw(logits: torch.Tensor, params: Sampling, generator: torch.Generator | None) -> tuple[int, torch.Tensor]:

@@ -35,6 +35,16 @@ class Echo:
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs, top tokens per entry (None: not asked)
 
 
+# What a log probability of -inf (a token that could not be drawn: banned,
+# masked, cut by top_k) is written as: JSON has no infinity, and OpenAI's
+# API (and vLLM's) uses this.
+LOGPROB_FLOOR = -9999.0
+
+
+def _finite(logprob: float | None) -> float | None:
+    return None if logprob is None else max(logprob, LOGPROB_FLOOR)
+
+
 class Choices:
     """What the choices of one request have produced, for the final object
     and the usage: text, finish reason and token counts per choice. With
@@ -135,15 +145,15 @@ class Choices:
         then its position's `top` most likely."""
         out: list[dict[str, Any] | None] = [None] if scored.token_ids else []
         for token, lp in zip(scored.token_ids[1:], scored.logprobs, strict=True):
-            entry = {str(token): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": self._text(token)}}
+            entry = {str(token): {"logprob": _finite(lp.logprob), "rank": lp.rank, "decoded_token": self._text(token)}}
             for rank, (t, v) in enumerate(list(zip(lp.top_token_ids, lp.top_logprobs, strict=True))[:top], 1):
-                entry.setdefault(str(t), {"logprob": v, "rank": rank, "decoded_token": self._text(t)})
+                entry.setdefault(str(t), {"logprob": _finite(v), "rank": rank, "decoded_token": self._text(t)})
             out.append(entry)
         return out
 
     def _named(self, token: int, logprob: float | None) -> dict[str, Any]:
         text = f"token_id:{token}" if self.tokens_as_ids else self._text(token)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode())}
 
     def _text(self, token: int) -> str:
         """A token's text, decoded once per answer (a long prompt's top

@@ -1880,6 +1880,14 @@ def test_allowed_token_ids_and_bad_words_keep_what_they_ban_out_of_the_answer(ap
     assert set(constrained) <= set(allowed)
     assert constrained[0] == plain[0]
     assert constrained != plain[: len(constrained)]
+    # top_logprobs lists as many as asked: past the allowed ids, tokens that
+    # could not be drawn, at OpenAI's -9999.0 (JSON has no -inf).
+    scored = _with_ids(api, 3, allowed_token_ids=allowed, logprobs=True, top_logprobs=len(allowed) + 2)
+    for entry in scored["choices"][0]["logprobs"]["content"]:
+        tops = [t["logprob"] for t in entry["top_logprobs"]]
+        assert len(tops) == len(allowed) + 2
+        assert all(v > -9999.0 for v in tops[: len(allowed)]), tops
+        assert tops[len(allowed) :] == [-9999.0, -9999.0], tops
 
     def word(tokens: list[int]) -> str | None:
         """The text of `tokens`, where it is a bad word whose one sequence is exactly them."""

@@ -343,10 +343,12 @@ def test_allowed_token_ids_leave_only_those_to_draw_and_logprobs_are_of_them() -
         assert out[1] in (1, 2)
         seen.add(out[1])  # type: ignore[arg-type]
         assert out[2] == int(x[2].argmax())
-        # The alternatives are tokens that could have been drawn: never a banned one (-inf).
-        assert set(logprobs[0].top_ids) == set(allowed)
-        assert set(logprobs[1].top_ids) == {1, 2}
-        assert all(math.isfinite(v) for lp in logprobs.values() for v in lp.top_logprobs)
+        # As many alternatives as asked: the drawable ones first, then banned ones at -inf.
+        for lp, drawable in ((logprobs[0], set(allowed)), (logprobs[1], {1, 2})):
+            assert len(lp.top_ids) == 5
+            assert set(lp.top_ids[: len(drawable)]) == drawable
+            assert all(math.isfinite(v) for v in lp.top_logprobs[: len(drawable)])
+            assert all(v == float("-inf") for v in lp.top_logprobs[len(drawable) :])
         expected = torch.log_softmax(x[0, list(allowed)], dim=0)
         assert logprobs[0].logprob == pytest.approx(float(expected.max()), abs=1e-5)
         for r, token in zip((greedy, sampled, free), out, strict=True):
