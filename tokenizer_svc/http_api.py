@@ -663,7 +663,7 @@ async def _body(request: web.Request, timeout_s: float) -> _Body:
         async with asyncio.timeout(timeout_s):
             raw = await request.read()
     except TimeoutError:
-        raise InvalidRequest(
+        raise openai_api.BodyTimeout(
             f"the request body did not arrive within {timeout_s:g} s (--http-request-timeout-s)"
         ) from None
     big = len(raw) > BIG_BODY

@@ -145,9 +145,17 @@ UNHONOURED: dict[str, tuple[tuple[Any, ...], str]] = {
 }
 
 
+class BodyTimeout(InvalidRequest):
+    """The request's body did not arrive within --http-request-timeout-s:
+    the client's (INVALID_REQUEST), answered 408 Request Timeout."""
+
+    http_status = 408
+
+
 def error_body(exc: MmsplitError) -> tuple[int, dict[str, Any], dict[str, str]]:
     """(status, body, headers) of an error response."""
     status, kind = STATUS.get(exc.error_code, (500, "server_error"))
+    status = getattr(exc, "http_status", status)
     return status, error_json(exc.message, kind, exc.reason, param_name(exc)), retry_headers(exc)
 
 

@@ -73,7 +73,8 @@ def test_detokenize_takes_at_most_a_prompt_s_ids() -> None:
 
 def test_a_client_that_sends_half_a_request_is_cut_off_and_others_are_served() -> None:
     """--http-request-timeout-s: headers that never end, or an idle
-    connection, are closed; a body that never ends is a 400 saying why;
+    connection, are closed; a body that never ends is a 408 (Request
+    Timeout) saying why;
     meanwhile a whole request is answered."""
     from tokenizer_svc.http_api import HttpApi, start
 
@@ -105,5 +106,5 @@ def test_a_client_that_sends_half_a_request_is_cut_off_and_others_are_served() -
     assert health == 200
     assert headless == b""  # closed, nothing said
     assert idle == b""
-    assert bodiless.startswith(b"HTTP/1.1 400")
+    assert bodiless.startswith(b"HTTP/1.1 408")
     assert b"did not arrive within 1 s (--http-request-timeout-s)" in bodiless
