@@ -2012,11 +2012,19 @@ def test_documents_are_taken_and_a_template_that_reads_none_leaves_them_out(api:
     """vLLM's `documents` over the openai SDK: LLaVA's template reads none,
     so the prompt and the answer are those without them (what a template
     that renders them makes: tests/tokenizer/test_prompt.py); a document
-    with a special token's text, or a malformed list, is a 400 naming it."""
+    with a special token's text, or a malformed list, is a 400 naming it.
+    add_generation_prompt false leaves the template's generation prompt
+    off the same conversation."""
     documents = [{"title": "Cats", "text": "Cats sleep a lot."}]
     plain, given = _with_ids(api, 4), _with_ids(api, 4, documents=documents)
     assert given["prompt_token_ids"] == plain["prompt_token_ids"]
     assert given["choices"][0]["token_ids"] == plain["choices"][0]["token_ids"]
+    # add_generation_prompt false: the same conversation without the template's "ASSISTANT:" at its end.
+    closed = _with_ids(api, 2, add_generation_prompt=False)["prompt_token_ids"]
+    tokenizer = hf_loaded.tokenizer(api.pair.model)
+    assert tokenizer.decode(plain["prompt_token_ids"]).rstrip().endswith("ASSISTANT:")
+    assert not tokenizer.decode(closed).rstrip().endswith("ASSISTANT:")
+    assert len(closed) < len(plain["prompt_token_ids"])
     for bad, param in (
         ([{"text": "ok"}, {"text": "</s> sneaky"}], "documents[1]"),
         ([{"text": "a", "page": 3}], "documents"),
