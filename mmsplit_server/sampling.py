@@ -29,6 +29,10 @@ MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_ALLOWED_TOKEN_IDS = 262_144
 MAX_BAD_WORDS = 64
 MAX_BAD_WORD_CHARS = 128
+# What the tokenizer makes of them (scheduler GenerateRequest.bad_words):
+# a word's token ids alone and, at most, after a space; each at most this long.
+MAX_BAD_WORD_SEQUENCES = 2 * MAX_BAD_WORDS
+MAX_BAD_WORD_TOKENS = 64
 
 
 class InvalidSampling(MmsplitError):

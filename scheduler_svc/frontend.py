@@ -19,7 +19,7 @@ from mmsplit.scheduler.v1 import scheduler_pb2
 from mmsplit_server import structured
 from mmsplit_server.families import IMAGE, BadItem, is_encoder_input
 from mmsplit_server.handoff.reference import TensorSpec
-from mmsplit_server.sampling import Sampling
+from mmsplit_server.sampling import MAX_BAD_WORD_SEQUENCES, MAX_BAD_WORD_TOKENS, Sampling
 from scheduler_svc.errors import InvalidRequest, InvalidTensorRef, MmsplitError
 from scheduler_svc.loop import Admission, Event, Failed, Finished, StepLoop, Token
 from scheduler_svc.model import ModelInfo
@@ -29,9 +29,6 @@ from scheduler_svc.settings import SchedulerSettings
 
 MAX_REQUEST_ID = 128
 MAX_CACHE_SALT = 256
-# GenerateRequest.bad_words: at most this many sequences of at most this many ids.
-MAX_BAD_WORD_SEQUENCES = 128
-MAX_BAD_WORD_TOKENS = 64
 # What one request's prompt_logprobs may take in its first message (and in
 # the tokenizer's PromptLogprobs, with the ids): within the 4 MiB a gRPC
 # client reads by default, with room for the rest.

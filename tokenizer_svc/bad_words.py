@@ -15,23 +15,22 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from mmsplit_server.sampling import InvalidSampling
-
-# What the scheduler takes (scheduler_svc.frontend): ids per sequence.
-MAX_TOKENS = 64
+from mmsplit_server.sampling import MAX_BAD_WORD_TOKENS, InvalidSampling
 
 
 def token_sequences(tokenizer: Any, words: Sequence[str]) -> list[tuple[int, ...]]:
     """Each word's token ids alone and, where another word token, after a
-    space; no sequence twice. A word longer than MAX_TOKENS ids is
+    space; no sequence twice. A word longer than MAX_BAD_WORD_TOKENS ids is
     INVALID_REQUEST."""
     out: list[tuple[int, ...]] = []
     for word in words:
         word = word.lstrip()
         alone = tuple(tokenizer.encode(word, add_special_tokens=False))
         spaced = tuple(tokenizer.encode(" " + word, add_special_tokens=False))
-        if len(alone) > MAX_TOKENS:
-            raise InvalidSampling(f"sampling.bad_words: {word[:32]!r} is {len(alone)} tokens, at most {MAX_TOKENS}")
+        if len(alone) > MAX_BAD_WORD_TOKENS:
+            raise InvalidSampling(
+                f"sampling.bad_words: {word[:32]!r} is {len(alone)} tokens, at most {MAX_BAD_WORD_TOKENS}"
+            )
         ways = [alone] if alone else []
         if spaced and alone and spaced[0] != alone[0] and len(spaced) == len(alone):
             ways.append(spaced)

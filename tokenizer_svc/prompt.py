@@ -203,7 +203,8 @@ class PromptBuilder:
         instead of the server's.
         Every turn's content is its list of parts (what
         these models' templates read; a template may test for a string)."""
-        template = template or self.chat_template
+        own = template is not None  # the request's, else the server's
+        template = template if own else self.chat_template
         if template is None:
             raise InvalidRequest(
                 "this model has no chat template, so a conversation (messages) cannot be rendered; "
@@ -255,10 +256,9 @@ class PromptBuilder:
                 **kwargs,
             )
         except Exception as exc:  # a template's raise_exception(): it refuses this conversation's shape
-            own = template is self.chat_template
             raise InvalidRequest(
-                f"{'the model' if own else 'the request'}'s chat template refused the conversation: {exc}",
-                metadata={} if own else {"param": "chat_template"},
+                f"{'the request' if own else 'the model'}'s chat template refused the conversation: {exc}",
+                metadata={"param": "chat_template"} if own else {},
             ) from exc
         for whole, marker in self._wrapped.items():
             rendered = rendered.replace(whole, marker)

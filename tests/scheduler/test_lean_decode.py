@@ -134,14 +134,19 @@ def test_qwen_rows_after_images_decode_bit_for_bit(family_models: Callable[[str]
     assert twins.deltas - {0}, "some rows decoded at an offset from their images"
 
 
+def keeps_its_own_forward(model: Any, caplog: pytest.LogCaptureFixture, level: int, says: str) -> None:
+    """A solo engine over `model` decodes through the model's own forward and logs `says` at `level`."""
+    with caplog.at_level(level, logger="scheduler_svc.lean_decode"):
+        engine = solo_engine(model)
+    assert engine._decode_body is text_model(model)
+    assert says in caplog.text
+
+
 def test_other_text_models_decode_through_their_own_forward(
     family_models: Callable[[str], Path], caplog: pytest.LogCaptureFixture
 ) -> None:
     model = load(family_models("qwen3-vl-moe"))  # its experts are no MLP the lean bodies copy
-    with caplog.at_level(logging.INFO, logger="scheduler_svc.lean_decode"):
-        engine = solo_engine(model)
-    assert engine._decode_body is text_model(model)
-    assert "is not one whose layers it copies" in caplog.text
+    keeps_its_own_forward(model, caplog, logging.INFO, "is not one whose layers it copies")
 
 
 def test_off_and_under_tp_the_model_s_own_forward_runs(tiny_model: Path) -> None:
@@ -188,11 +193,8 @@ def test_a_layer_that_computes_otherwise_keeps_the_model_s_own_forward(
 
     plain = modeling_llama.LlamaMLP.forward
     monkeypatch.setattr(modeling_llama.LlamaMLP, "forward", lambda self, x: plain(self, x) * 1.001)
-    model = load(tiny_model)
-    with caplog.at_level(logging.WARNING, logger="scheduler_svc.lean_decode"):
-        engine = solo_engine(model)
-    assert engine._decode_body is text_model(model)
-    assert "made other hidden states than the model's own forward in a prefill" in caplog.text
+    says = "made other hidden states than the model's own forward in a prefill"
+    keeps_its_own_forward(load(tiny_model), caplog, logging.WARNING, says)
 
 
 def test_a_hook_on_a_skipped_module_sends_steps_through_the_model_s_own_forward(tiny_model: Path) -> None:

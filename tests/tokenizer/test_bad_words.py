@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from mmsplit_server.sampling import InvalidSampling
-from tokenizer_svc.bad_words import MAX_TOKENS, token_sequences
+from mmsplit_server.sampling import MAX_BAD_WORD_TOKENS, InvalidSampling
+from tokenizer_svc.bad_words import token_sequences
 
 
 class Spaced:
@@ -52,6 +52,6 @@ def test_each_word_alone_and_after_a_space_with_the_models_tokenizer(family_mode
 
 def test_a_word_of_more_tokens_than_the_scheduler_takes_is_refused(family_models: Callable[[str], Path]) -> None:
     tok = AutoTokenizer.from_pretrained(family_models("llava"))
-    with pytest.raises(InvalidSampling, match=f"at most {MAX_TOKENS}") as info:
+    with pytest.raises(InvalidSampling, match=f"at most {MAX_BAD_WORD_TOKENS}") as info:
         token_sequences(tok, ["🦜" * 40])
     assert info.value.metadata["param"] == "sampling.bad_words"
