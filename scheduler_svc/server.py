@@ -373,6 +373,9 @@ def server_info(
         max_context_tokens=info.max_context,
         one_frame_image_rows=settings.one_frame_image_rows,
         encoder_input_dtype=ENCODER_INPUT_DTYPES[model_dtype(settings.dtype, model_device(settings.device))],
+        eos_token_ids=sorted(info.eos_token_ids),
+        default_max_tokens=settings.default_max_tokens,
+        max_tokens_limit=settings.max_tokens_limit,
     )
 
 

@@ -28,7 +28,8 @@ What is accepted, as vLLM, SGLang and TGI accept it:
   truncate_prompt_tokens (the rendered prompt's last N tokens; -1: as many
   as the context holds; never through a media item; not with echo),
   priority (the scheduler's admission order, lower first, where it runs
-  --scheduling-policy priority),
+  --scheduling-policy priority), use_beam_search with length_penalty (the
+  n best beams; `GenerateRequest.beam_search` says what goes with it),
   `response_format` (text, json_object, json_schema: the contract's
   `SamplingParams.json_schema`, structured output), and vLLM's
   `cache_salt` (a tenant's prefix-cache isolation). The usage reports
@@ -118,7 +119,7 @@ KNOWN = {
     "include_stop_str_in_output", "continue_final_message", "add_generation_prompt", "chat_template_kwargs",
     "mm_processor_kwargs", "return_token_ids", "skip_special_tokens", "allowed_token_ids", "bad_words",
     "return_tokens_as_token_ids", "truncate_prompt_tokens", "priority", "documents", "spaces_between_special_tokens",
-    "chat_template",
+    "chat_template", "use_beam_search", "length_penalty",
 }  # fmt: skip
 
 # Prompts one completions request may give (each its own generation).
@@ -139,8 +140,6 @@ UNHONOURED: dict[str, tuple[tuple[Any, ...], str]] = {
     "best_of": ((None, 1), "this server returns every choice it makes (use n)"),
     "web_search_options": ((None,), "this server does not search the web"),
     # vLLM's extensions that this server does not serve (those it does are in KNOWN).
-    "use_beam_search": ((None, False), "this server does not search beams"),
-    "length_penalty": ((None, 1), "this server does not search beams"),
     "logits_processors": ((None, []), "this server runs no custom logits processors"),
 }
 
@@ -580,6 +579,7 @@ def _finish(body: dict[str, Any], request: tokenizer_pb2.GenerateRequest) -> Cal
     if n is not None and not 1 <= n <= MAX_CHOICES:
         raise invalid(f"n must be within [1, {MAX_CHOICES}]", "n")
     request.n = n or 1
+    _beam_search(body, request)
     _mm_processor_kwargs(body, request)
     token_ids = body.get("return_token_ids")
     if token_ids is not None and not isinstance(token_ids, bool):
@@ -626,6 +626,22 @@ def _finish(body: dict[str, Any], request: tokenizer_pb2.GenerateRequest) -> Cal
     return Call(
         request, n or 1, stream is True, include_usage, token_ids=token_ids is True, tokens_as_ids=as_ids is True
     )
+
+
+def _beam_search(body: dict[str, Any], request: tokenizer_pb2.GenerateRequest) -> None:
+    """vLLM's use_beam_search (n is the beam width) and length_penalty
+    (GenerateRequest.beam_search). A length_penalty without beam search
+    would change nothing: refused, not ignored."""
+    beams = body.get("use_beam_search")
+    if beams is not None and not isinstance(beams, bool):
+        raise invalid("use_beam_search must be true or false", "use_beam_search")
+    penalty = _number(body, "length_penalty")
+    if beams:
+        request.beam_search.SetInParent()
+        if penalty is not None:
+            request.beam_search.length_penalty = penalty
+    elif penalty is not None and penalty != 1:
+        raise invalid("length_penalty applies to beam search only: set use_beam_search true", "length_penalty")
 
 
 def _mm_processor_kwargs(body: dict[str, Any], request: tokenizer_pb2.GenerateRequest) -> None:

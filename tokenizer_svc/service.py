@@ -37,8 +37,8 @@ from mmsplit_server import families, structured
 from mmsplit_server.families import PixelBudget
 from mmsplit_server.handoff import cuda_ipc, files, grants, ranges, reference
 from mmsplit_server.handoff.reference import DTYPE_BY_NAME, CudaRef, TensorSpec
-from mmsplit_server.sampling import Sampling
-from tokenizer_svc import tool_calls
+from mmsplit_server.sampling import InvalidSampling, Sampling
+from tokenizer_svc import beam_search, tool_calls
 from tokenizer_svc.bad_words import token_sequences
 from tokenizer_svc.cache import PreprocessCache, fingerprint
 from tokenizer_svc.conversation import (
@@ -171,7 +171,9 @@ class TokenizerService:
         with self._admitted(client):
             if n > MAX_CHOICES:
                 raise InvalidRequest(f"n {n} is over the limit {MAX_CHOICES}", metadata={"param": "n"})
-            if n == 1:
+            if request.HasField("beam_search"):
+                source = self._beams(request, request_id, timeout_s)
+            elif n == 1:
                 source = self._generate(request, request_id, timeout_s)
             else:
                 source = self._choices(request, request_id, timeout_s, n)
@@ -278,6 +280,154 @@ class TokenizerService:
             async for response in responses:
                 yield response
 
+    async def _beams(
+        self, request: tokenizer_pb2.GenerateRequest, rid: str, timeout_s: float | None
+    ) -> AsyncGenerator[tokenizer_pb2.GenerateResponse, None]:
+        """Beam search (GenerateRequest.beam_search; `tokenizer_svc.beam_search`
+        picks the beams): the media fetched and preprocessed once, then a
+        step at a time one token of every live beam asked of the scheduler,
+        each with its own copy of the media; the n best beams answered as
+        choices when the search ends."""
+        width = request.n or 1
+        penalty = beam_search.checked(request)
+        parsed = self._validate(request)
+        if parsed.tool_schema:
+            raise InvalidRequest(
+                "tool_choice required or a named function cannot go with beam search (the calls are constrained "
+                "as structured output is)",
+                metadata={"param": "tool_choice"},
+            )
+        backend = self._backend()
+        info = backend.info
+        if info is None or not info.default_max_tokens:
+            raise SchedulerUnavailable(
+                "the scheduler does not say its end-of-sequence tokens (a version before beam search); retry shortly",
+                retry_after_ms=self.settings.unavailable_retry_after_ms,
+            )
+        max_tokens = request.sampling.max_tokens or info.default_max_tokens
+        if max_tokens > info.max_tokens_limit:
+            raise InvalidSampling(f"sampling.max_tokens {max_tokens} is over the limit {info.max_tokens_limit}")
+        ends = frozenset(request.sampling.stop_token_ids)
+        if not request.sampling.ignore_eos:
+            ends |= frozenset(info.eos_token_ids)
+        form = backend.row_form(self.family)
+        ask = ItemAsk(form, parsed.image_pixels, info.max_tensor_bytes, parsed.video_sampling)
+        # The media once, as bytes: each step's requests get copies (`_copies`).
+        inline = common_pb2.TRANSPORT_INLINE
+        prepared, prompt = await self._media_and_prompt(request, parsed, rid, inline, ask, info)
+        items = [p.result for p in prepared]
+        _release(prepared)  # bytes: nothing shared is held
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout_s is None else loop.time() + timeout_s
+        context = info.max_context_tokens
+        steps = min(max_tokens, context - len(prompt.input_ids)) if context else max_tokens
+        search = beam_search.Search(width, penalty, ends)
+        cached = step = 0
+        reason = common_pb2.FINISH_REASON_LENGTH if steps == max_tokens else common_pb2.FINISH_REASON_CONTEXT_LENGTH
+        # One step at least (`last` ends the search): a prompt that fills
+        # the context is the scheduler's to refuse.
+        while not search.over:
+            sub = beam_search.step_request(request, search.k, step)
+            asks = [
+                self._beam_step(sub, parsed, rid, deadline, Assigned(backend, form), prompt, items, beam)
+                for beam in search.live
+            ]
+            tasks = [asyncio.create_task(a) for a in asks]
+            try:
+                answers = await asyncio.gather(*tasks)
+            except BaseException:
+                for task in tasks:
+                    task.cancel()
+                await _settle(tasks)
+                raise
+            cached = cached or answers[0][1]
+            step += 1
+            search.advance([entry for entry, _ in answers], last=step >= steps, last_reason=reason)
+        for i, beam in enumerate(search.best()):
+            for response in self._beam_answer(request, rid, parsed, prompt, beam, cached):
+                response.index = i
+                yield response
+
+    async def _beam_step(
+        self,
+        sub: tokenizer_pb2.GenerateRequest,
+        parsed: Parsed,
+        rid: str,
+        deadline: float | None,
+        assigned: Assigned,
+        prompt: BuiltPrompt,
+        items: list[ItemResult],
+        beam: beam_search.Beam,
+    ) -> tuple[common_pb2.TokenLogprob, int]:
+        """`beam`'s next-token alternatives (and the prompt tokens the
+        scheduler took from its prefix cache): one token of `sub` asked for
+        the prompt followed by the beam's tokens."""
+        timeout_s = None if deadline is None else max(0.0, deadline - asyncio.get_running_loop().time())
+        with self._counted(assigned):
+            transport = assigned.backend.transport
+            prepared = await self._copies(items, transport)
+            grown = dataclasses.replace(prompt, input_ids=[*prompt.input_ids, *beam.tokens])
+            entry, cached = None, 0
+            handed = self._handed(sub, parsed, rid, timeout_s, assigned, transport, prepared, grown, None)
+            try:
+                async with contextlib.aclosing(handed) as responses:
+                    async for response in responses:
+                        if response.HasField("delta") and response.delta.logprobs:
+                            entry = response.delta.logprobs[0]
+                        elif response.HasField("finished"):
+                            cached = response.finished.cached_tokens
+            finally:
+                _release(prepared)  # as `_generate_on`
+        if entry is None:
+            raise InternalError("the scheduler answered a beam's step with no log probabilities")
+        return entry, cached
+
+    async def _copies(self, items: list[ItemResult], transport: int) -> list[Prepared]:
+        """`items` (preprocessed, as bytes) ready to hand over by `transport`,
+        as a preprocessing cache hit is (`_one`)."""
+        inline = transport != common_pb2.TRANSPORT_SHM
+        slab_ref = None if inline else await self._slab_ref()
+        prepared: list[Prepared] = []
+        try:
+            for item in items:
+                if transport == common_pb2.TRANSPORT_CUDA_IPC:
+                    result = await self._off_loop(self._stage, item)
+                else:
+                    result = await self._off_loop(self._materialize, item, inline, slab_ref)
+                prepared.append(self._hold(result))
+        except BaseException:
+            _release(prepared)
+            raise
+        return prepared
+
+    def _beam_answer(
+        self,
+        request: tokenizer_pb2.GenerateRequest,
+        rid: str,
+        parsed: Parsed,
+        prompt: BuiltPrompt,
+        beam: beam_search.Beam,
+        cached: int,
+    ) -> Iterator[tokenizer_pb2.GenerateResponse]:
+        """One chosen beam as a choice's responses: its prompt's ids when
+        asked, its text in one delta, its Finished (with the calls in it
+        under tool_choice auto)."""
+        if request.return_prompt_token_ids:
+            read = tokenizer_pb2.PromptTokens(token_ids=prompt.input_ids)
+            yield tokenizer_pb2.GenerateResponse(request_id=rid, prompt_tokens=read)
+        decoder = make_decoder(self.tokenizer, skip_special_tokens=not request.keep_special_tokens)
+        text, _ = stream_text(decoder, StopMatcher((), False), list(beam.tokens))
+        text += decoder.flush()
+        delta = tokenizer_pb2.TextDelta(text=text, token_ids=beam.tokens)
+        if request.sampling.logprobs:
+            top = request.sampling.top_logprobs
+            for entry in beam.logprobs:
+                ids, lps = entry.top_token_ids[:top], entry.top_logprobs[:top]
+                delta.logprobs.add(logprob=entry.logprob, top_token_ids=ids, top_logprobs=lps)
+        yield tokenizer_pb2.GenerateResponse(request_id=rid, delta=delta)
+        done = _finished(rid, beam.finish_reason, len(prompt.input_ids), len(beam.tokens), cached)
+        yield _with_calls(done, parsed.calls, text)
+
     def begin_drain(self) -> None:
         self.draining = True
         if self.inflight == 0:
@@ -300,6 +450,13 @@ class TokenizerService:
             await tool_calls.check_schema(parsed.tool_schema)
         # The backend first: whether its media go by shared memory or inline
         # depends on where it is.
+        backend = self._backend()
+        with self._counted(Assigned(backend, backend.row_form(self.family))) as assigned:
+            async for response in self._generate_on(request, parsed, rid, timeout_s, assigned, backend.transport):
+                yield response
+
+    def _backend(self) -> Any:
+        """A ready scheduler of this model, or SCHEDULER_UNAVAILABLE."""
         backend = self.link.pick()
         if backend is None:
             differ = self.link.serving_another_model
@@ -309,12 +466,15 @@ class TokenizerService:
                 else "no scheduler is reachable; retry shortly",
                 retry_after_ms=self.settings.unavailable_retry_after_ms,
             )
-        # Counted on its backend from now on (a failover moves it).
-        assigned = Assigned(backend, backend.row_form(self.family))
-        backend.inflight += 1
+        return backend
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _counted(assigned: Assigned) -> Iterator[Assigned]:
+        """One request counted on its backend while it runs (a failover moves it)."""
+        assigned.backend.inflight += 1
         try:
-            async for response in self._generate_on(request, parsed, rid, timeout_s, assigned, backend.transport):
-                yield response
+            yield assigned
         finally:
             assigned.backend.inflight -= 1
 
@@ -331,15 +491,55 @@ class TokenizerService:
         ask = ItemAsk(
             assigned.form, parsed.image_pixels, info.max_tensor_bytes if info is not None else 0, parsed.video_sampling
         )
+        prepared, prompt = await self._media_and_prompt(request, parsed, rid, transport, ask, info)
+        handed = self._handed(request, parsed, rid, timeout_s, assigned, transport, prepared, prompt, parsed.calls)
+        try:
+            async with contextlib.aclosing(handed) as responses:
+                async for response in responses:
+                    yield response
+        finally:
+            _release(prepared)  # `_handed` did, unless it never started; what the scheduler took is left alone
+
+    async def _media_and_prompt(
+        self,
+        request: tokenizer_pb2.GenerateRequest,
+        parsed: Parsed,
+        rid: str,
+        transport: int,
+        ask: ItemAsk,
+        info: common_pb2.ServerInfo | None,
+    ) -> tuple[list[Prepared], BuiltPrompt]:
+        """The request's media prepared for `transport` (the caller's to hand
+        over or release) and the prompt the model reads with them."""
         prepared = await self._prepare_media(parsed.media, rid, transport, ask)
+        try:
+            results = [p.result for p in prepared]
+            self._check_sizes(parsed.media, results, ask)
+            media = [Media(r.modality, r.tokens, r.times) for r in results]
+            return prepared, await self._model_reads(request, parsed, media, info)
+        except BaseException:
+            _release(prepared)
+            raise
+
+    async def _handed(
+        self,
+        request: tokenizer_pb2.GenerateRequest,
+        parsed: Parsed,
+        rid: str,
+        timeout_s: float | None,
+        assigned: Assigned,
+        transport: int,
+        prepared: list[Prepared],
+        prompt: BuiltPrompt,
+        calls: Forced | Auto | None,
+    ) -> AsyncGenerator[tokenizer_pb2.GenerateResponse, None]:
+        """`prompt` and its `prepared` media sent to the scheduler, and its
+        answer as text; what is `prepared` is this call's to hand over or release."""
         results = [p.result for p in prepared]
         owned = [name for r in results for name in r.segments]
         self.held.update(owned)
         granted: list[grants.Grant] = []
         try:
-            self._check_sizes(parsed.media, results, ask)
-            media = [Media(r.modality, r.tokens, r.times) for r in results]
-            prompt = await self._model_reads(request, parsed, media, info)
             # Items go in prompt order (by their first placeholder).
             items = sorted(zip(prompt.runs, results, strict=True), key=lambda pair: pair[0][0][0])
             downstream = scheduler_pb2.GenerateRequest(
@@ -363,7 +563,7 @@ class TokenizerService:
                 rid,
                 downstream,
                 events,
-                parsed.calls,
+                calls,
                 prompt_ids=request.return_prompt_token_ids,
                 special=request.keep_special_tokens,
             )

@@ -831,6 +831,19 @@ def test_logprobs_are_the_model_s_log_softmax_and_the_same_over_http(api: Api) -
     assert [e.logprob for e in entries] == pytest.approx([lp.logprob for lp in got], abs=1e-6)
 
 
+def _described_a(api: Api) -> tuple[dict[str, Any], list[int], Any]:
+    """One user turn, "Describe the image." with image A, as transformers
+    reads it: the processor's inputs, the prompt's ids, the model."""
+    from tests.support import hf_family
+    from tokenizer_svc.decode import decode_image
+
+    proc = hf_family.processor(api.pair.model)
+    hf_chat = [{"role": "user", "content": [{"type": "text", "text": "Describe the image."}, {"type": "image"}]}]
+    text = proc.apply_chat_template(hf_chat, tokenize=False, add_generation_prompt=True)
+    inputs = dict(proc(images=[decode_image(A, max_pixels=10**8)], text=text, return_tensors="pt"))
+    return inputs, inputs["input_ids"][0].tolist(), hf_loaded.model(api.pair.model)
+
+
 def test_penalties_and_logit_bias_give_the_tokens_of_their_definitions(api: Api) -> None:
     """Greedy, a chat turn with an image: with each of repetition_penalty,
     frequency_penalty, presence_penalty and logit_bias (and all at once)
@@ -844,16 +857,8 @@ def test_penalties_and_logit_bias_give_the_tokens_of_their_definitions(api: Api)
     import torch
     from transformers import RepetitionPenaltyLogitsProcessor
 
-    from tests.support import hf_family
-    from tokenizer_svc.decode import decode_image
-
     messages, tokens = [("user", ["Describe the image.", ImagePart(A)])], 10
-    proc = hf_family.processor(api.pair.model)
-    hf_chat = [{"role": "user", "content": [{"type": "text", "text": "Describe the image."}, {"type": "image"}]}]
-    text = proc.apply_chat_template(hf_chat, tokenize=False, add_generation_prompt=True)
-    inputs = dict(proc(images=[decode_image(A, max_pixels=10**8)], text=text, return_tensors="pt"))
-    prompt_ids = inputs["input_ids"][0].tolist()
-    model = hf_loaded.model(api.pair.model)
+    inputs, prompt_ids, model = _described_a(api)
     eos = model.config.text_config.eos_token_id
 
     def served(**knobs: Any) -> list[int]:
@@ -2078,3 +2083,128 @@ def test_a_request_s_own_chat_template_where_the_tokenizer_trusts_them(api: Api,
     assert (refused.status_code, refused.body["param"]) == (400, "chat_template")  # type: ignore[index]
     assert "--trust-request-chat-template" in refused.message
     _good_after(qwen_api)
+
+
+def test_beam_search_returns_the_beams_transformers_finds(api: Api) -> None:
+    """vLLM's use_beam_search over the openai SDK, a chat turn with an
+    image: the n choices are transformers' `generate(num_beams=n,
+    num_return_sequences=n)` sequences on the same prompt and pixels, best
+    first, for several widths and length penalties, with a stop token id
+    that ends some beams early (transformers' extra eos id), streamed too;
+    each choice's log probabilities sum to its beam's. Refused, naming the
+    field: a sampling field beam search cannot honour (stop), a
+    length_penalty without beam search; the next request is served."""
+    import torch
+
+    inputs, prompt_ids, model = _described_a(api)
+    eos = model.config.text_config.eos_token_id
+    chat = [{"role": "user", "content": [{"type": "text", "text": "Describe the image."}, image_part(A)]}]
+    client = api.client()
+
+    def hf_beams(width: int, penalty: float, tokens: int, stops: list[int]) -> list[list[int]]:
+        with torch.inference_mode():
+            made = model.generate(
+                **inputs, max_new_tokens=tokens, num_beams=width, num_return_sequences=width, do_sample=False,
+                length_penalty=penalty, early_stopping=False, eos_token_id=[eos, *stops], pad_token_id=eos,
+            )  # fmt: skip
+        beams = []
+        for row in made[:, len(prompt_ids) :].tolist():
+            ends = [i for i, t in enumerate(row) if t in (eos, *stops)]
+            beams.append(row[: ends[0] + 1] if ends else row)
+        return beams
+
+    plain = client.chat.completions.create(
+        model=api.model,
+        messages=chat,
+        max_tokens=8,
+        extra_body={"return_token_ids": True},  # type: ignore[arg-type]
+    ).model_dump()
+    assert plain["prompt_token_ids"] == prompt_ids
+    greedy = plain["choices"][0]["token_ids"]
+    best: list[int] = []
+    answers: dict[float, list[list[int]]] = {}
+    # The best beam's third token as a stop token: with no length penalty a
+    # beam it ends early keeps a higher sum and is in the answer; a penalty
+    # of 3 ranks the longer beams first.
+    cases = ((3, 1.0, 8, []), (4, 0.0, 6, [-3]), (4, 3.0, 6, [-3]), (2, 2.0, 7, [greedy[1]]))
+    for width, penalty, tokens, stops in cases:
+        stops = [best[2] if s == -3 else s for s in stops]
+        expected = hf_beams(width, penalty, tokens, stops)
+        extra = {"use_beam_search": True, "length_penalty": penalty, "return_token_ids": True, "stop_token_ids": stops}
+        reply = client.chat.completions.create(
+            model=api.model, messages=chat, max_tokens=tokens, n=width, logprobs=True, top_logprobs=2,
+            extra_body=extra,  # type: ignore[arg-type]
+        ).model_dump()  # fmt: skip
+        choices = reply["choices"]
+        assert [c["token_ids"] for c in choices] == expected, (width, penalty, stops)
+        assert [c["index"] for c in choices] == list(range(width))
+        assert [c["finish_reason"] for c in choices] == [
+            "stop" if c["token_ids"][-1] in stops else "length" for c in choices
+        ]
+        if penalty == 0.0:
+            assert any(c["finish_reason"] == "stop" for c in choices), (width, stops, choices)
+        best = best or choices[0]["token_ids"]
+        answers[penalty] = expected
+        for c in choices:
+            content = c["logprobs"]["content"]
+            assert len(content) == len(c["token_ids"])
+            assert all(len(e["top_logprobs"]) == 2 for e in content)
+        assert reply["usage"]["completion_tokens"] == sum(len(c["token_ids"]) for c in choices)
+        assert reply["usage"]["prompt_tokens"] == len(prompt_ids)
+    assert answers[0.0] != answers[3.0], "the length penalty changed nothing: the cases prove nothing"
+    # The beams' text, streamed: the same choices, each whole at the end.
+    streamed = client.chat.completions.create(
+        model=api.model, messages=chat, max_tokens=8, n=3, stream=True,
+        extra_body={"use_beam_search": True},  # type: ignore[arg-type]
+    )  # fmt: skip
+    texts = ["", "", ""]
+    for chunk in streamed:
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+    whole = client.chat.completions.create(
+        model=api.model,
+        messages=chat,
+        max_tokens=8,
+        n=3,
+        extra_body={"use_beam_search": True},  # type: ignore[arg-type]
+    )
+    assert texts == [c.message.content for c in whole.choices]
+    assert whole.choices[0].message.content != whole.choices[1].message.content
+
+    for extra, param in (
+        ({"use_beam_search": True, "stop": ["x"]}, "stop"),
+        ({"length_penalty": 0.5}, "length_penalty"),
+    ):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(
+                model=api.model,
+                messages=chat,
+                max_tokens=4,
+                extra_body=extra,  # type: ignore[arg-type]
+            )
+        assert refused.value.body["param"] == param, refused.value.body  # type: ignore[index]
+    assert client.chat.completions.create(model=api.model, messages=chat, max_tokens=4).choices[0].message.content
+
+
+def test_a_beam_search_the_client_leaves_ends_and_lets_everything_go(api: Api) -> None:
+    """A gRPC beam search (n 4, an image, up to 300 tokens) cancelled by its
+    client while its beams' steps run: the scheduler holds no row within
+    seconds, the slab no slice, /dev/shm no segment of the tokenizer's, and
+    the next request is served."""
+    request = build_request(messages=[("user", [ImagePart(B), "Go on and on."])], max_tokens=300)
+    request.n = 4
+    request.sampling.ignore_eos = True
+    request.beam_search.SetInParent()
+    with grpc.insecure_channel(api.pair.tokenizer_address) as channel:
+        call = tokenizer_pb2_grpc.TokenizerServiceStub(channel).Generate(request, timeout=120)
+        assert wait_until(lambda: any(rank_active_requests(api.pair.scheduler_address)), timeout=30), "no step ran"
+        call.cancel()
+        with pytest.raises(grpc.RpcError) as ended:
+            list(call)
+        assert ended.value.code() == grpc.StatusCode.CANCELLED
+    assert wait_until(lambda: not any(rank_active_requests(api.pair.scheduler_address)), timeout=10), "a row stayed"
+    slab_free = lambda: tokenizer_info(api.pair.tokenizer_address).info.shm_slab_used_bytes == 0  # noqa: E731
+    assert wait_until(slab_free, timeout=10), "the slab still holds a slice"
+    mine = [n for n in project_segments() if n.startswith(f"{PROJECT_PREFIX}-{api.pair.tokenizer.pid}-")]
+    assert not mine, mine
+    _good_after(api)

@@ -166,7 +166,6 @@ def test_a_conversation_at_the_limits_is_taken_and_the_responses_api_names_its_i
         ("suffix", "end"),
         ("best_of", 3),
         ("web_search_options", {}),
-        ("use_beam_search", True),
         ("logits_processors", ["my.module:Proc"]),
     ],
 )
@@ -188,7 +187,6 @@ def test_the_do_nothing_values_of_those_fields_are_accepted() -> None:
         "functions": None, "function_call": "none",
         "modalities": ["text"], "audio": None,
         "suffix": "", "best_of": 1, "web_search_options": None,
-        "use_beam_search": False, "length_penalty": 1.0,
         "logits_processors": None,
     }  # fmt: skip
     assert defaults.keys() == openai_api.UNHONOURED.keys()
@@ -197,7 +195,8 @@ def test_the_do_nothing_values_of_those_fields_are_accepted() -> None:
                  "mm_processor_kwargs": {}, "skip_special_tokens": True, "return_token_ids": False,
                  "allowed_token_ids": None, "bad_words": [], "return_tokens_as_token_ids": False,
                  "truncate_prompt_tokens": None, "priority": 0, "documents": None,
-                 "spaces_between_special_tokens": True, "chat_template": None}  # fmt: skip
+                 "spaces_between_special_tokens": True, "chat_template": None,
+                 "use_beam_search": False, "length_penalty": 1.0}  # fmt: skip
     call = openai_api.parse_chat({"messages": [{"role": "user", "content": "x"}], **defaults})
     assert call.request.messages[0].content[0].text == "x"
     assert openai_api.parse_completion({"prompt": "x", **defaults}).request.prompt == "x"
@@ -225,6 +224,32 @@ def test_allowed_token_ids_bad_words_and_priority_reach_the_contract() -> None:
         with pytest.raises(InvalidRequest) as info:
             openai_api.parse_completion({"prompt": "x", field: value})
         assert openai_api.param_name(info.value) == field
+
+
+def test_beam_search_reaches_the_contract() -> None:
+    """vLLM's use_beam_search and length_penalty on both endpoints (n is the
+    width); a length_penalty other than 1 without beam search is refused,
+    as is a use_beam_search that is not a boolean."""
+    for call in (
+        openai_api.parse_chat({"messages": [{"role": "user", "content": "x"}], "use_beam_search": True, "n": 3}),
+        openai_api.parse_completion({"prompt": "x", "use_beam_search": True, "n": 3, "length_penalty": 0.5}),
+    ):
+        assert call.request.HasField("beam_search")
+        assert call.request.n == call.n == 3
+    assert call.request.beam_search.length_penalty == 0.5
+    chat = openai_api.parse_chat({"messages": [{"role": "user", "content": "x"}], "use_beam_search": True})
+    assert not chat.request.beam_search.HasField("length_penalty")  # the service's 1
+    plain = openai_api.parse_completion({"prompt": "x", "use_beam_search": False, "length_penalty": 1})
+    assert not plain.request.HasField("beam_search")
+    refused: list[tuple[dict[str, Any], str]] = [
+        ({"length_penalty": 0.5}, "length_penalty"),
+        ({"use_beam_search": "yes"}, "use_beam_search"),
+        ({"use_beam_search": True, "length_penalty": "1"}, "length_penalty"),
+    ]
+    for body, param in refused:
+        with pytest.raises(InvalidRequest) as info:
+            openai_api.parse_completion({"prompt": "x", **body})
+        assert openai_api.param_name(info.value) == param
 
 
 def test_penalties_and_logit_bias_reach_the_contract() -> None:
