@@ -603,6 +603,33 @@ def test_prompt_logprobs_on_qwen2_vl_are_the_model_s_own(qwen_api: Api) -> None:
         assert entry[str(ids[k + 1])]["logprob"] == pytest.approx(float(expected[k, ids[k + 1]]), abs=1e-4), k
 
 
+def test_beam_search_on_qwen2_vl_returns_the_beams_transformers_finds(qwen_api: Api) -> None:
+    """An M-RoPE family: each step re-sends the prompt with a beam's tokens,
+    whose positions follow the image's as they do in generation: the beams
+    equal transformers' generate(num_beams=3) on the same ids and pixels."""
+    import torch
+
+    from tests.support import hf_family
+    from tokenizer_svc.decode import decode_image
+
+    processor = hf_family.processor(qwen_api.pair.model)
+    hf_messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]}]
+    text = processor.apply_chat_template(hf_messages, add_generation_prompt=True, tokenize=False)
+    inputs = processor(text=[text], images=[decode_image(A, max_pixels=10**8)], return_tensors="pt")
+    model = hf_loaded.model(qwen_api.pair.model)
+    with torch.inference_mode():
+        made = model.generate(**inputs, max_new_tokens=6, num_beams=3, num_return_sequences=3, do_sample=False)
+    expected = made[:, inputs["input_ids"].shape[1] :].tolist()
+    reply = qwen_api.client().chat.completions.create(
+        model=qwen_api.model,
+        messages=[{"role": "user", "content": [image_part(A), {"type": "text", "text": "What is it?"}]}],
+        max_tokens=6,
+        n=3,
+        extra_body={"use_beam_search": True, "return_token_ids": True},  # type: ignore[arg-type]
+    )
+    assert [c["token_ids"] for c in reply.model_dump()["choices"]] == expected
+
+
 def test_mm_processor_kwargs_size_a_qwen_model_s_images_as_its_processor_does(qwen_api: Api, tmp_path: Path) -> None:
     """vLLM's `mm_processor_kwargs` `max_pixels` and `min_pixels`: the
     images of that request resized within them, as the model's own
