@@ -271,9 +271,10 @@ class RequestSummary:
     CANCELLED when the caller went away), finish reason, tokens, duration and
     time to first token, plus what the service adds (media counts)."""
 
-    def __init__(self, rid: str, **fields: object) -> None:
+    def __init__(self, rid: str, *, quiet: bool = False, **fields: object) -> None:
         self.rid = rid
         self.fields = fields
+        self.quiet = quiet  # logged at debug, not info (a scheduler's GenerateRequest.search_step)
         self.start = time.perf_counter()
         self.first_token: float | None = None
         self.outcome = "CANCELLED"  # unless the stream ends or fails
@@ -311,7 +312,8 @@ class RequestSummary:
             "duration_s": round(duration, 4),
             "ttft_s": None if ttft is None else round(ttft, 4),
         }
-        logger.info(
+        logger.log(
+            logging.DEBUG if self.quiet else logging.INFO,
             "request %s finished: %s, %d+%d tokens in %.3fs",
             self.rid,
             self.outcome,

@@ -103,7 +103,7 @@ class StreamCall:
     def start(self, pb: scheduler_pb2.GenerateRequest) -> None:
         rid = pb.request_id
         self.started += 1
-        summary = RequestSummary(rid, items=len(pb.items) + len(pb.pixel_values))
+        summary = RequestSummary(rid, quiet=pb.search_step, items=len(pb.items) + len(pb.pixel_values))
         request = _Request(rid, summary)
         try:
             # A request id still open anywhere is refused, as by Generate.

@@ -111,7 +111,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
         self, request: scheduler_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[scheduler_pb2.GenerateResponse]:
         rid = request.request_id
-        summary = RequestSummary(rid, items=len(request.items) + len(request.pixel_values))
+        summary = RequestSummary(rid, quiet=request.search_step, items=len(request.items) + len(request.pixel_values))
         try:
             self._check_pairing(context)
             await self.frontend.ready(request)

@@ -368,7 +368,9 @@ class TokenizerService:
             prepared = await self._copies(items, transport)
             grown = dataclasses.replace(prompt, input_ids=[*prompt.input_ids, *beam.tokens])
             entry, cached = None, 0
-            handed = self._handed(sub, parsed, rid, timeout_s, assigned, transport, prepared, grown, None)
+            handed = self._handed(
+                sub, parsed, rid, timeout_s, assigned, transport, prepared, grown, None, search_step=True
+            )
             try:
                 async with contextlib.aclosing(handed) as responses:
                     async for response in responses:
@@ -532,9 +534,12 @@ class TokenizerService:
         prepared: list[Prepared],
         prompt: BuiltPrompt,
         calls: Forced | Auto | None,
+        *,
+        search_step: bool = False,
     ) -> AsyncGenerator[tokenizer_pb2.GenerateResponse, None]:
         """`prompt` and its `prepared` media sent to the scheduler, and its
-        answer as text; what is `prepared` is this call's to hand over or release."""
+        answer as text; what is `prepared` is this call's to hand over or
+        release. `search_step`: the scheduler GenerateRequest's."""
         results = [p.result for p in prepared]
         owned = [name for r in results for name in r.segments]
         self.held.update(owned)
@@ -549,6 +554,7 @@ class TokenizerService:
                 sampling=request.sampling,
                 cache_salt=request.cache_salt,
                 priority=request.priority,
+                search_step=search_step,
             )
             if parsed.tool_schema:  # "required" or a named function: the output is the calls
                 downstream.sampling.json_schema = parsed.tool_schema

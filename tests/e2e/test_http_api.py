@@ -2154,16 +2154,19 @@ def test_beam_search_returns_the_beams_transformers_finds(api: Api) -> None:
     # beam it ends early keeps a higher sum and is in the answer; a penalty
     # of 3 ranks the longer beams first.
     cases = ((3, 1.0, 8, []), (4, 0.0, 6, [-3]), (4, 3.0, 6, [-3]), (2, 2.0, 7, [greedy[1]]))
+    logged = lambda: api.pair.scheduler.log_path.read_text().count(" finished: ")  # noqa: E731
     for width, penalty, tokens, stops in cases:
         stops = [best[2] if s == -3 else s for s in stops]
         expected = hf_beams(width, penalty, tokens, stops)
         extra = {"use_beam_search": True, "length_penalty": penalty, "return_token_ids": True, "stop_token_ids": stops}
+        lines = logged()
         reply = client.chat.completions.create(
             model=api.model, messages=chat, max_tokens=tokens, n=width, logprobs=True, top_logprobs=2,
             extra_body=extra,  # type: ignore[arg-type]
         ).model_dump()  # fmt: skip
         choices = reply["choices"]
         assert [c["token_ids"] for c in choices] == expected, (width, penalty, stops)
+        assert logged() == lines  # the scheduler logs each step (one token of a beam) at debug level
         assert [c["index"] for c in choices] == list(range(width))
         assert [c["finish_reason"] for c in choices] == [
             "stop" if c["token_ids"][-1] in stops else "length" for c in choices

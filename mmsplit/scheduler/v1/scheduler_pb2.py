@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from mmsplit.common.v1 import common_pb2 as mmsplit_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$mmsplit/scheduler/v1/scheduler.proto\x12\x14mmsplit.scheduler.v1\x1a\x1emmsplit/common/v1/common.proto\"\xb1\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tinput_ids\x18\x02 \x03(\r\x12\x32\n\x0cpixel_values\x18\x03 \x03(\x0b\x32\x1c.mmsplit.common.v1.TensorRef\x12\x33\n\x08sampling\x18\x04 \x01(\x0b\x32!.mmsplit.common.v1.SamplingParams\x12\x30\n\x05items\x18\x05 \x03(\x0b\x32!.mmsplit.common.v1.MultimodalItem\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x36\n\tbad_words\x18\x07 \x03(\x0b\x32#.mmsplit.scheduler.v1.TokenSequence\x12\x10\n\x08priority\x18\x08 \x01(\x05\"\"\n\rTokenSequence\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\n\n\x08\x41\x63\x63\x65pted\"\x9f\x01\n\x06Tokens\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x31\n\x08logprobs\x18\x02 \x03(\x0b\x32\x1f.mmsplit.common.v1.TokenLogprob\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x38\n\x0fprompt_logprobs\x18\x04 \x03(\x0b\x32\x1f.mmsplit.common.v1.TokenLogprob\"\x8b\x01\n\x08\x46inished\x12\x36\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1f.mmsplit.common.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\"\xb3\x01\n\x10GenerateResponse\x12\x32\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x0b\x32\x1e.mmsplit.scheduler.v1.AcceptedH\x00\x12.\n\x06tokens\x18\x02 \x01(\x0b\x32\x1c.mmsplit.scheduler.v1.TokensH\x00\x12\x32\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x1e.mmsplit.scheduler.v1.FinishedH\x00\x42\x07\n\x05\x65vent\"\x8c\x01\n\x15GenerateStreamRequest\x12\x39\n\x08generate\x18\x01 \x01(\x0b\x32%.mmsplit.scheduler.v1.GenerateRequestH\x00\x12.\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x1c.mmsplit.scheduler.v1.CancelH\x00\x42\x08\n\x06\x61\x63tion\"\x1c\n\x06\x43\x61ncel\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"L\n\x16GenerateStreamResponse\x12\x32\n\x06\x65vents\x18\x01 \x03(\x0b\x32\".mmsplit.scheduler.v1.RequestEvent\"\xfa\x01\n\x0cRequestEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x32\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x0b\x32\x1e.mmsplit.scheduler.v1.AcceptedH\x00\x12.\n\x06tokens\x18\x03 \x01(\x0b\x32\x1c.mmsplit.scheduler.v1.TokensH\x00\x12\x32\n\x08\x66inished\x18\x04 \x01(\x0b\x32\x1e.mmsplit.scheduler.v1.FinishedH\x00\x12\x35\n\x06\x66\x61iled\x18\x05 \x01(\x0b\x32#.mmsplit.scheduler.v1.RequestFailedH\x00\x42\x07\n\x05\x65vent\"\xa6\x01\n\rRequestFailed\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x43\n\x08metadata\x18\x03 \x03(\x0b\x32\x31.mmsplit.scheduler.v1.RequestFailed.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x16\n\x14GetServerInfoRequest\"D\n\x15GetServerInfoResponse\x12+\n\x04info\x18\x01 \x01(\x0b\x32\x1d.mmsplit.common.v1.ServerInfo2\xca\x02\n\x10SchedulerService\x12[\n\x08Generate\x12%.mmsplit.scheduler.v1.GenerateRequest\x1a&.mmsplit.scheduler.v1.GenerateResponse0\x01\x12o\n\x0eGenerateStream\x12+.mmsplit.scheduler.v1.GenerateStreamRequest\x1a,.mmsplit.scheduler.v1.GenerateStreamResponse(\x01\x30\x01\x12h\n\rGetServerInfo\x12*.mmsplit.scheduler.v1.GetServerInfoRequest\x1a+.mmsplit.scheduler.v1.GetServerInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$mmsplit/scheduler/v1/scheduler.proto\x12\x14mmsplit.scheduler.v1\x1a\x1emmsplit/common/v1/common.proto\"\xc6\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tinput_ids\x18\x02 \x03(\r\x12\x32\n\x0cpixel_values\x18\x03 \x03(\x0b\x32\x1c.mmsplit.common.v1.TensorRef\x12\x33\n\x08sampling\x18\x04 \x01(\x0b\x32!.mmsplit.common.v1.SamplingParams\x12\x30\n\x05items\x18\x05 \x03(\x0b\x32!.mmsplit.common.v1.MultimodalItem\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x36\n\tbad_words\x18\x07 \x03(\x0b\x32#.mmsplit.scheduler.v1.TokenSequence\x12\x10\n\x08priority\x18\x08 \x01(\x05\x12\x13\n\x0bsearch_step\x18\t \x01(\x08\"\"\n\rTokenSequence\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\n\n\x08\x41\x63\x63\x65pted\"\x9f\x01\n\x06Tokens\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x31\n\x08logprobs\x18\x02 \x03(\x0b\x32\x1f.mmsplit.common.v1.TokenLogprob\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x38\n\x0fprompt_logprobs\x18\x04 \x03(\x0b\x32\x1f.mmsplit.common.v1.TokenLogprob\"\x8b\x01\n\x08\x46inished\x12\x36\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1f.mmsplit.common.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\"\xb3\x01\n\x10GenerateResponse\x12\x32\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x0b\x32\x1e.mmsplit.scheduler.v1.AcceptedH\x00\x12.\n\x06tokens\x18\x02 \x01(\x0b\x32\x1c.mmsplit.scheduler.v1.TokensH\x00\x12\x32\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x1e.mmsplit.scheduler.v1.FinishedH\x00\x42\x07\n\x05\x65vent\"\x8c\x01\n\x15GenerateStreamRequest\x12\x39\n\x08generate\x18\x01 \x01(\x0b\x32%.mmsplit.scheduler.v1.GenerateRequestH\x00\x12.\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x1c.mmsplit.scheduler.v1.CancelH\x00\x42\x08\n\x06\x61\x63tion\"\x1c\n\x06\x43\x61ncel\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"L\n\x16GenerateStreamResponse\x12\x32\n\x06\x65vents\x18\x01 \x03(\x0b\x32\".mmsplit.scheduler.v1.RequestEvent\"\xfa\x01\n\x0cRequestEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x32\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x0b\x32\x1e.mmsplit.scheduler.v1.AcceptedH\x00\x12.\n\x06tokens\x18\x03 \x01(\x0b\x32\x1c.mmsplit.scheduler.v1.TokensH\x00\x12\x32\n\x08\x66inished\x18\x04 \x01(\x0b\x32\x1e.mmsplit.scheduler.v1.FinishedH\x00\x12\x35\n\x06\x66\x61iled\x18\x05 \x01(\x0b\x32#.mmsplit.scheduler.v1.RequestFailedH\x00\x42\x07\n\x05\x65vent\"\xa6\x01\n\rRequestFailed\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x43\n\x08metadata\x18\x03 \x03(\x0b\x32\x31.mmsplit.scheduler.v1.RequestFailed.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x16\n\x14GetServerInfoRequest\"D\n\x15GetServerInfoResponse\x12+\n\x04info\x18\x01 \x01(\x0b\x32\x1d.mmsplit.common.v1.ServerInfo2\xca\x02\n\x10SchedulerService\x12[\n\x08Generate\x12%.mmsplit.scheduler.v1.GenerateRequest\x1a&.mmsplit.scheduler.v1.GenerateResponse0\x01\x12o\n\x0eGenerateStream\x12+.mmsplit.scheduler.v1.GenerateStreamRequest\x1a,.mmsplit.scheduler.v1.GenerateStreamResponse(\x01\x30\x01\x12h\n\rGetServerInfo\x12*.mmsplit.scheduler.v1.GetServerInfoRequest\x1a+.mmsplit.scheduler.v1.GetServerInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,33 +35,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REQUESTFAILED_METADATAENTRY']._loaded_options = None
   _globals['_REQUESTFAILED_METADATAENTRY']._serialized_options = b'8\001'
   _globals['_GENERATEREQUEST']._serialized_start=95
-  _globals['_GENERATEREQUEST']._serialized_end=400
-  _globals['_TOKENSEQUENCE']._serialized_start=402
-  _globals['_TOKENSEQUENCE']._serialized_end=436
-  _globals['_ACCEPTED']._serialized_start=438
-  _globals['_ACCEPTED']._serialized_end=448
-  _globals['_TOKENS']._serialized_start=451
-  _globals['_TOKENS']._serialized_end=610
-  _globals['_FINISHED']._serialized_start=613
-  _globals['_FINISHED']._serialized_end=752
-  _globals['_GENERATERESPONSE']._serialized_start=755
-  _globals['_GENERATERESPONSE']._serialized_end=934
-  _globals['_GENERATESTREAMREQUEST']._serialized_start=937
-  _globals['_GENERATESTREAMREQUEST']._serialized_end=1077
-  _globals['_CANCEL']._serialized_start=1079
-  _globals['_CANCEL']._serialized_end=1107
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1109
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1185
-  _globals['_REQUESTEVENT']._serialized_start=1188
-  _globals['_REQUESTEVENT']._serialized_end=1438
-  _globals['_REQUESTFAILED']._serialized_start=1441
-  _globals['_REQUESTFAILED']._serialized_end=1607
-  _globals['_REQUESTFAILED_METADATAENTRY']._serialized_start=1560
-  _globals['_REQUESTFAILED_METADATAENTRY']._serialized_end=1607
-  _globals['_GETSERVERINFOREQUEST']._serialized_start=1609
-  _globals['_GETSERVERINFOREQUEST']._serialized_end=1631
-  _globals['_GETSERVERINFORESPONSE']._serialized_start=1633
-  _globals['_GETSERVERINFORESPONSE']._serialized_end=1701
-  _globals['_SCHEDULERSERVICE']._serialized_start=1704
-  _globals['_SCHEDULERSERVICE']._serialized_end=2034
+  _globals['_GENERATEREQUEST']._serialized_end=421
+  _globals['_TOKENSEQUENCE']._serialized_start=423
+  _globals['_TOKENSEQUENCE']._serialized_end=457
+  _globals['_ACCEPTED']._serialized_start=459
+  _globals['_ACCEPTED']._serialized_end=469
+  _globals['_TOKENS']._serialized_start=472
+  _globals['_TOKENS']._serialized_end=631
+  _globals['_FINISHED']._serialized_start=634
+  _globals['_FINISHED']._serialized_end=773
+  _globals['_GENERATERESPONSE']._serialized_start=776
+  _globals['_GENERATERESPONSE']._serialized_end=955
+  _globals['_GENERATESTREAMREQUEST']._serialized_start=958
+  _globals['_GENERATESTREAMREQUEST']._serialized_end=1098
+  _globals['_CANCEL']._serialized_start=1100
+  _globals['_CANCEL']._serialized_end=1128
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1130
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1206
+  _globals['_REQUESTEVENT']._serialized_start=1209
+  _globals['_REQUESTEVENT']._serialized_end=1459
+  _globals['_REQUESTFAILED']._serialized_start=1462
+  _globals['_REQUESTFAILED']._serialized_end=1628
+  _globals['_REQUESTFAILED_METADATAENTRY']._serialized_start=1581
+  _globals['_REQUESTFAILED_METADATAENTRY']._serialized_end=1628
+  _globals['_GETSERVERINFOREQUEST']._serialized_start=1630
+  _globals['_GETSERVERINFOREQUEST']._serialized_end=1652
+  _globals['_GETSERVERINFORESPONSE']._serialized_start=1654
+  _globals['_GETSERVERINFORESPONSE']._serialized_end=1722
+  _globals['_SCHEDULERSERVICE']._serialized_start=1725
+  _globals['_SCHEDULERSERVICE']._serialized_end=2055
 # @@protoc_insertion_point(module_scope)
