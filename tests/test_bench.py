@@ -64,6 +64,16 @@ def test_shared_prefix_benchmark_prints_both_arms_and_their_ratios(models: Path)
     assert "waiting / not waiting: TTFT p50" in result.stdout
 
 
+def test_beam_search_benchmark_prints_every_arm_and_finds_transformers_beams(models: Path) -> None:
+    args = ["--model", "tiny", "--width", "2", "--tokens", "3", "--rounds", "1"]
+    result = run_bench("beam_search.py", args, models=models)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for line in ("services, beam search", "services, n=2 sampled", "transformers' beam search, in process"):
+        assert line in result.stdout
+    assert "beam search, services / transformers in process:" in result.stdout
+    assert "the services' beams are transformers': 2/2" in result.stdout
+
+
 def test_tp_sums_benchmark_prints_both_ways_for_every_size() -> None:
     result = run_bench("tp_sums.py", ["--reps", "20"])
     assert result.returncode == 0, result.stderr[-3000:]
