@@ -13,7 +13,7 @@ With --http the same load goes through the OpenAI-compatible API and the
 official `openai` SDK (a tiny LLaVA with its chat template), chat
 completions streamed and not, and adds what only that API has: structured
 output with a schema of its own per request (nothing may keep one per
-schema), a tool call, and stored Responses API answers, each continued by
+schema), a tool call, beam searches (width 3), and stored Responses API answers, each continued by
 `previous_response_id`, then deleted (with --caches only half of them: the
 store holds the rest, up to --responses-store-bytes, 64 MiB by default); a
 leaver closes its stream after the first chunk.
@@ -99,6 +99,8 @@ def chat_request(i: int) -> dict[str, Any]:
         form = {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema}}
         return {"messages": [{"role": "user", "content": "A number."}], "max_tokens": 8, "response_format": form}
     request: dict[str, Any] = {"messages": [_looking(_image_url(ROTATION[i % len(ROTATION)]))], "max_tokens": 3}
+    if kind == 2:  # a beam search: a scheduler request per beam and step, each with its own copy of the image
+        request |= {"n": 3, "max_tokens": 4, "extra_body": {"use_beam_search": True}}
     if kind == 8:
         tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
         request |= {"tools": [tool], "tool_choice": {"type": "function", "function": {"name": "f"}}, "max_tokens": 8}
