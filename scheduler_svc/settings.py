@@ -67,7 +67,12 @@ class SchedulerSettings(ServiceSettings):
         "attention kernels that plan per shape; 1 = no padding",
         min=1,
     )
-    max_tensor_bytes: int = _opt(64 * 1024 * 1024, "largest tensor (and segment) accepted, bytes", min=1)
+    max_tensor_bytes: int = _opt(
+        128 * 1024 * 1024,
+        "largest tensor (and segment) accepted, bytes; the default takes a Qwen-VL image at its checkpoint's own "
+        "pixel budget in bfloat16 or float16",
+        min=1,
+    )
     max_new_per_step: int = _opt(32, "new requests admitted into one step; the rest wait", min=1)
     max_running: int = _opt(64, "requests generating at once (rows of the batch)", min=1)
     max_queue: int = _opt(256, "accepted requests waiting for room; beyond this, OVERLOADED at once", min=1)
