@@ -13,7 +13,8 @@ seen before, some never; over HTTP some at a smaller pixel budget of their
 own, `mm_processor_kwargs`, half asking for the token ids, `return_token_ids`),
 text, videos, corrupt images, clients that cancel
 mid-request, prompts scored (prompt log probabilities), completions echoing
-their token-id prompts with log probabilities, and stored Responses API
+their token-id prompts with log probabilities, beam searches over HTTP
+(width 2: a scheduler request per beam and step), and stored Responses API
 answers continued (`previous_response_id`) and deleted. Meanwhile
 a fault injector, at random times drawn from a seed, SIGKILLs a CPU worker,
 the tokenizer's forkserver, rank 1 of a group (TP=2), or a whole group;
@@ -89,8 +90,8 @@ FAULTS = ("worker", "forkserver", "rank1", "group", "freeze")
 # probabilities over gRPC, "echo" is a completion echoing its token-id prompt
 # with log probabilities, "conversation" a stored Responses API answer that
 # a second request continues (previous_response_id) and a third deletes.
-KINDS = ["image", "text", "http", "video", "corrupt", "cancel", "scored", "echo", "conversation"]
-WEIGHTS = [5, 2, 3, 1, 1, 2, 1, 1, 1]
+KINDS = ["image", "text", "http", "video", "corrupt", "cancel", "scored", "echo", "conversation", "beams"]
+WEIGHTS = [5, 2, 3, 1, 1, 2, 1, 1, 1, 1]
 SHM_FAULT = "shm-full"  # drawn only with a /dev/shm of the run's own (--shm-size)
 SHM_MARGIN = 4 << 20  # what the fault leaves free
 # In the environment of the run re-executed in a mount namespace of its
@@ -232,7 +233,7 @@ async def _request(kind: str, rng: random.Random, client: AsyncClient, api: obje
             if ids and not (whole.get("prompt_token_ids") and whole["choices"][0].get("token_ids")):
                 return tally.wrong("http: return_token_ids answered without the ids")
             return "ok" if answer.choices else "http: no choices"
-        if kind in ("echo", "conversation"):
+        if kind in ("echo", "conversation", "beams"):
             return await _stateful_http(kind, image, api, tally)
         if kind == "cancel":
             gen = client.generate("Look.", images=[image], max_tokens=32, timeout=DEADLINE_S)
@@ -295,8 +296,20 @@ async def _request(kind: str, rng: random.Random, client: AsyncClient, api: obje
 
 
 async def _stateful_http(kind: str, image: bytes, api: object, tally: Tally) -> str:
-    """An "echo" or "conversation" request over the SDK (its errors go to
-    the caller's handling): "ok", or what was wrong with the answer."""
+    """An "echo", "conversation" or "beams" request over the SDK (its errors
+    go to the caller's handling): "ok", or what was wrong with the answer."""
+    url = "data:image/jpeg;base64," + __import__("base64").b64encode(image).decode()
+    if kind == "beams":
+        content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What is it?"}]
+        raw = await api.chat.completions.with_raw_response.create(  # type: ignore[attr-defined]
+            model=MODEL_NAME[0], messages=[{"role": "user", "content": content}], max_tokens=4, n=2,
+            extra_body={"use_beam_search": True}, timeout=DEADLINE_S,
+        )  # fmt: skip
+        tally.retries += int(raw.retries_taken)
+        choices = raw.parse().choices
+        if [c.index for c in choices] != [0, 1]:
+            return tally.wrong(f"beams: {len(choices)} choices, not 2")
+        return "ok"
     if kind == "echo":
         prompt = list(range(100, 110))  # ordinary tokens of the vocabulary, no placeholder
         raw = await api.completions.with_raw_response.create(  # type: ignore[attr-defined]
@@ -307,7 +320,6 @@ async def _stateful_http(kind: str, image: bytes, api: object, tally: Tally) -> 
         if lp is None or len(lp.token_logprobs) < len(prompt) or lp.token_logprobs[0] is not None:
             return tally.wrong(f"echo: the prompt's log probabilities missing: {lp}")
         return "ok"
-    url = "data:image/jpeg;base64," + __import__("base64").b64encode(image).decode()
     content = [{"type": "input_image", "image_url": url}, {"type": "input_text", "text": "What is it?"}]
     first = await api.responses.with_raw_response.create(  # type: ignore[attr-defined]
         model=MODEL_NAME[0],
@@ -414,7 +426,7 @@ async def fill_shm(rng: random.Random) -> bool:
 
 async def inject(rng: random.Random, tokenizer_pid: int, groups: list[Group], every_s: float, stop_at: float,
                  tally: Tally, prefix: str) -> None:  # fmt: skip
-    faults = (*FAULTS, SHM_FAULT) if private_shm() else FAULTS
+    faults: tuple[str, ...] = (*FAULTS, SHM_FAULT) if private_shm() else FAULTS
     if all(group.tp == 1 for group in groups):  # no rank 1 to kill
         faults = tuple(f for f in faults if f != "rank1")
     while time.monotonic() < stop_at - every_s:
