@@ -430,7 +430,7 @@ class HttpApi:
             call = await got.read(openai_api.parse_chat, body, self.tool_parser)
         else:
             call = await got.read(openai_api.parse_completion, body)
-        rid = _request_id(request)
+        rid = _request_id(request, body)
         shape = openai_answers.Shape.of(chat, rid, self.model, call.calls, token_ids=call.token_ids)
         return await self._serve(request, body, call, shape, rid)
 
@@ -709,18 +709,20 @@ def _bearer(request: web.Request) -> tuple[str, str]:
     return scheme, token.strip()
 
 
-def _request_id(request: web.Request) -> str:
-    """The client's X-Request-Id (1 to 128 printable characters: its logs
-    and ours then name the request alike; it comes back in x-request-id and
-    the object's id), or a new one."""
+def _request_id(request: web.Request, body: Any = None) -> str:
+    """The client's X-Request-Id, else (chat and completions) vLLM's
+    `request_id` of the body, as vLLM takes them: 1 to 128 printable
+    characters, its logs and ours then name the request alike; it comes
+    back in x-request-id and the object's id. Else a new one."""
     given = request.headers.get("X-Request-Id")
+    where = "the X-Request-Id header"
+    if given is None and isinstance(body, dict) and body.get("request_id") is not None:
+        given, where = body["request_id"], "request_id"
     if given is None:
         return uuid.uuid4().hex
-    if not valid_request_id(given):
-        raise InvalidRequest(
-            f"the X-Request-Id header must be 1 to {MAX_REQUEST_ID} printable characters",
-            metadata={"param": "X-Request-Id"},
-        )
+    if not isinstance(given, str) or not valid_request_id(given):
+        param = "X-Request-Id" if where.startswith("the") else "request_id"
+        raise InvalidRequest(f"{where} must be 1 to {MAX_REQUEST_ID} printable characters", metadata={"param": param})
     return given
 
 

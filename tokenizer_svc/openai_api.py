@@ -119,7 +119,7 @@ KNOWN = {
     "include_stop_str_in_output", "continue_final_message", "add_generation_prompt", "chat_template_kwargs",
     "mm_processor_kwargs", "return_token_ids", "skip_special_tokens", "allowed_token_ids", "bad_words",
     "return_tokens_as_token_ids", "truncate_prompt_tokens", "priority", "documents", "spaces_between_special_tokens",
-    "chat_template", "use_beam_search", "length_penalty",
+    "chat_template", "use_beam_search", "length_penalty", "request_id",
 }  # fmt: skip
 
 # Prompts one completions request may give (each its own generation).

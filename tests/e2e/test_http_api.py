@@ -1438,7 +1438,8 @@ def test_the_sdk_s_structured_output_helpers_parse_our_answers(api: Api) -> None
 def test_a_client_s_request_id_names_the_request(api: Api) -> None:
     """X-Request-Id (the openai SDK's extra_headers) comes back in
     x-request-id and the object's id, streamed or not; one over 128
-    characters is a 400 naming the header."""
+    characters is a 400 naming the header. vLLM's request_id in the body
+    does the same where no header is given."""
     client = api.client()
     chat = [{"role": "user", "content": "Hi"}]
     raw = client.chat.completions.with_raw_response.create(
@@ -1454,6 +1455,23 @@ def test_a_client_s_request_id_names_the_request(api: Api) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=api.model, messages=chat, extra_headers={"X-Request-Id": "x" * 129})  # type: ignore[arg-type]
     assert info.value.body["param"] == "X-Request-Id"  # type: ignore[index]
+    # vLLM's request_id in the body names it where no header does; the header wins.
+    named = client.completions.with_raw_response.create(
+        model=api.model,
+        prompt="Hi",
+        max_tokens=2,
+        extra_body={"request_id": "job-12"},  # type: ignore[arg-type]
+    )
+    assert (named.headers["x-request-id"], named.parse().id) == ("job-12", "cmpl-job-12")
+    both = client.chat.completions.create(
+        model=api.model, messages=chat, max_tokens=2, extra_headers={"X-Request-Id": "hdr-1"},  # type: ignore[arg-type]
+        extra_body={"request_id": "body-1"},
+    )  # fmt: skip
+    assert both.id == "chatcmpl-hdr-1"
+    for bad in (7, "x" * 129):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model=api.model, messages=chat, extra_body={"request_id": bad})  # type: ignore[arg-type]
+        assert info.value.body["param"] == "request_id"  # type: ignore[index]
 
 
 def _prompt_scores(model_dir: Path, ids: list[int]) -> Any:
