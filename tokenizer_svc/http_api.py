@@ -546,6 +546,8 @@ class HttpApi:
                 _count(summary, event)
                 shown = choices.add(i, event)
                 for out in shape.step(i, shown, choices.text[i]) if shown is not None else ():
+                    if call.continuous_usage:
+                        out["usage"] = choices.usage_so_far()
                     await _send(response, shape.sse(out))
             for out in shape.closing(choices, call.include_usage):
                 await _send(response, shape.sse(out))

@@ -19,7 +19,8 @@ What is accepted, as vLLM, SGLang and TGI accept it:
   token's log probability, rank and top tokens (`SamplingParams.prompt_logprobs`).
 - Parameters: temperature, top_p, top_k, seed, stop (a string or a list),
   max_tokens and max_completion_tokens (the smaller when both), min_tokens,
-  stop_token_ids, n (up to MAX_CHOICES), stream, stream_options.include_usage,
+  stop_token_ids, n (up to MAX_CHOICES), stream, stream_options.include_usage
+  (and vLLM's continuous_usage_stats: the usage so far in every output chunk),
   logprobs and top_logprobs (chat: a boolean and 0 to 20; completions: the
   legacy integer, the number of top entries), presence_penalty,
   frequency_penalty, logit_bias (token ids as strings, as OpenAI's), vLLM's
@@ -195,6 +196,9 @@ class Call:
     # vLLM's return_tokens_as_token_ids: log probabilities name each token
     # "token_id:<id>" instead of its text (which may be no whole character).
     tokens_as_ids: bool = False
+    # vLLM's stream_options.continuous_usage_stats (with include_usage):
+    # every chunk of output carries the usage so far.
+    continuous_usage: bool = False
 
     @property
     def choices(self) -> int:
@@ -611,20 +615,32 @@ def _finish(body: dict[str, Any], request: tokenizer_pb2.GenerateRequest) -> Cal
     if stream is not None and not isinstance(stream, bool):  # "yes" was answered whole
         raise invalid("stream must be true or false", "stream")
     options = body.get("stream_options")
-    include_usage = False
+    include_usage = continuous = False
     if options is not None:
         if stream is not True:
             raise invalid("stream_options is only allowed with stream: true", "stream_options")
         if not isinstance(options, dict):
             raise invalid("stream_options must be an object", "stream_options")
         include_usage = options.get("include_usage", True)  # as vLLM's StreamOptions has it
-        if not isinstance(include_usage, bool):
-            raise invalid("stream_options.include_usage must be true or false", "stream_options")
+        continuous = options.get("continuous_usage_stats", False)  # vLLM's
+        if not isinstance(include_usage, bool) or not isinstance(continuous, bool):
+            raise invalid("stream_options.include_usage and continuous_usage_stats must be true or false",
+                          "stream_options")  # fmt: skip
+        # The prompt's tokens are counted from its ids, which come first
+        # (shown only with return_token_ids).
+        continuous = include_usage and continuous
+        request.return_prompt_token_ids |= continuous
     as_ids = body.get("return_tokens_as_token_ids")
     if as_ids is not None and not isinstance(as_ids, bool):
         raise invalid("return_tokens_as_token_ids must be true or false", "return_tokens_as_token_ids")
     return Call(
-        request, n or 1, stream is True, include_usage, token_ids=token_ids is True, tokens_as_ids=as_ids is True
+        request,
+        n or 1,
+        stream is True,
+        include_usage,
+        token_ids=token_ids is True,
+        tokens_as_ids=as_ids is True,
+        continuous_usage=continuous,
     )
 
 

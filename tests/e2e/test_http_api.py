@@ -2256,3 +2256,44 @@ def test_a_beam_search_the_client_leaves_ends_and_lets_everything_go(api: Api) -
     mine = [n for n in project_segments() if n.startswith(f"{PROJECT_PREFIX}-{api.pair.tokenizer.pid}-")]
     assert not mine, mine
     _good_after(api)
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(api: Api) -> None:
+    """vLLM's stream_options.continuous_usage_stats (with include_usage),
+    chat and completions (echo, two choices) over the openai SDK: every
+    chunk of output carries the usage so far, its prompt tokens the final
+    usage's and its completion tokens never fewer than the chunk before,
+    up to the final usage's; without it no chunk but the last has usage.
+    A non-boolean value is a 400 naming stream_options."""
+    client = api.client()
+    chat = [{"role": "user", "content": [image_part(A), {"type": "text", "text": "Hi"}]}]
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    for streamed in (
+        client.chat.completions.create(model=api.model, messages=chat, max_tokens=6, stream=True,
+                                       stream_options=options),  # type: ignore[arg-type]
+        client.completions.create(model=api.model, prompt="Once upon", max_tokens=5, n=2, echo=True, stream=True,
+                                  stream_options=options),  # type: ignore[arg-type]
+    ):  # fmt: skip
+        chunks = list(streamed)
+        final = chunks[-1].usage
+        assert final is not None
+        assert not chunks[-1].choices
+        # Every chunk with output (all but chat's opening one, with the role) says the usage so far.
+        with_output = [
+            c for c in chunks[:-1] if c.choices and not getattr(c.choices[0].__dict__.get("delta"), "role", None)
+        ]
+        counted = [c.usage for c in with_output]
+        assert counted
+        assert None not in counted
+        assert {u.prompt_tokens for u in counted} == {final.prompt_tokens}  # type: ignore[union-attr]
+        seen = [u.completion_tokens for u in counted]  # type: ignore[union-attr]
+        assert seen == sorted(seen), seen
+        assert seen[-1] == final.completion_tokens, (seen, final)
+        assert all(u.total_tokens == u.prompt_tokens + u.completion_tokens for u in counted)  # type: ignore[union-attr]
+    plain = list(client.chat.completions.create(model=api.model, messages=chat, max_tokens=4, stream=True,
+                                                stream_options={"include_usage": True}))  # fmt: skip
+    assert [c.usage is not None for c in plain] == [False] * (len(plain) - 1) + [True]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=api.model, messages=chat, max_tokens=2, stream=True,
+                                       stream_options={"include_usage": True, "continuous_usage_stats": "yes"})  # type: ignore[typeddict-item]  # fmt: skip
+    assert info.value.body["param"] == "stream_options"  # type: ignore[index]
