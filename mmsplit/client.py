@@ -364,6 +364,8 @@ def build_request(
     priority: int = 0,
     video_fps: float = 0.0,
     video_max_frames: int = 0,
+    beam_width: int = 0,
+    length_penalty: float | None = None,
 ) -> tokenizer_pb2.GenerateRequest:
     """A GenerateRequest of a prompt (with `images` and `videos`) or of a
     conversation (`messages`); media given as bytes are sent inline, as str
@@ -392,7 +394,10 @@ def build_request(
     the scheduler's admission order, lower first (its --scheduling-policy
     priority; elsewhere only 0). `video_fps`, `video_max_frames`: how the
     request's videos are sampled, within the server's rule (0 leaves the
-    server's: `GenerateRequest.video_budget`)."""
+    server's: `GenerateRequest.video_budget`). `beam_width`: beam search
+    of that many beams instead of sampling (`GenerateRequest.beam_search`
+    with `n`; `length_penalty`, 1 unset); `Client.beam_search` answers
+    each beam."""
     sampling = common_pb2.SamplingParams(
         max_tokens=max_tokens,
         temperature=temperature,
@@ -428,9 +433,19 @@ def build_request(
             choose.function = call_tool
         else:
             setattr(choose, tool_choice, True)
+    if length_penalty is not None and not beam_width:
+        raise ValueError("length_penalty applies to beam search only: give beam_width")
     return tokenizer_pb2.GenerateRequest(
         request_id=request_id,
         prompt=prompt,
+        n=beam_width,
+        beam_search=(
+            tokenizer_pb2.BeamSearch(length_penalty=length_penalty)
+            if length_penalty is not None
+            else tokenizer_pb2.BeamSearch()
+            if beam_width
+            else None
+        ),
         images=[_source(tokenizer_pb2.Image, m) for m in images],
         videos=[_source(tokenizer_pb2.Video, m) for m in videos],
         sampling=sampling,
@@ -482,6 +497,13 @@ def _event(response: tokenizer_pb2.GenerateResponse) -> Event | None:
             cached_tokens=f.cached_tokens, tool_calls=calls, content=f.content,
         )  # fmt: skip
     return None
+
+
+def _add_beam(beams: dict[int, Completion], response: tokenizer_pb2.GenerateResponse) -> None:
+    """A beam search's response, added to its choice's Completion."""
+    event = _event(response)
+    if event is not None:
+        _add(beams.setdefault(response.index, Completion()), event)
 
 
 def _add(done: Completion, event: Event) -> None:
@@ -590,6 +612,20 @@ class Client(_Connection):
             _add(done, event)
         return done
 
+    def beam_search(
+        self, prompt: str = "", *, width: int, timeout: float | None = None, **kwargs: Any
+    ) -> list[Completion]:
+        """The `width` best beams (fewer when fewer hypotheses completed), best
+        first: beam search instead of sampling (`build_request`'s
+        `beam_width`; `length_penalty` and the other `kwargs` are its)."""
+        beams: dict[int, Completion] = {}
+        try:
+            for response in self._stub.Generate(build_request(prompt, beam_width=width, **kwargs), timeout=timeout):
+                _add_beam(beams, response)
+        except grpc.RpcError as exc:
+            raise decode_error(exc) from None
+        return [beams[i] for i in sorted(beams)]
+
     def server_info(self, timeout: float = 10.0) -> tokenizer_pb2.GetServerInfoResponse:
         try:
             return self._stub.GetServerInfo(tokenizer_pb2.GetServerInfoRequest(), timeout=timeout)
@@ -651,6 +687,24 @@ class AsyncClient(_Connection):
         async for event in self.generate(prompt, timeout=timeout, **kwargs):
             _add(done, event)
         return done
+
+    async def beam_search(
+        self,
+        prompt: str = "",
+        *,
+        width: int,
+        timeout: float | None = None,  # noqa: ASYNC109 (as generate)
+        **kwargs: Any,
+    ) -> list[Completion]:
+        beams: dict[int, Completion] = {}
+        try:
+            async for response in self._stub.Generate(
+                build_request(prompt, beam_width=width, **kwargs), timeout=timeout
+            ):
+                _add_beam(beams, response)
+        except grpc.RpcError as exc:
+            raise decode_error(exc) from None
+        return [beams[i] for i in sorted(beams)]
 
     async def tokenize(
         self,

@@ -162,9 +162,7 @@ def generate_command(args: argparse.Namespace) -> int:
                 else:
                     print(f"{answer['count']} prompt tokens (context {answer['max_context_tokens']})", flush=True)
                 return 0
-            events = client.generate(
-                args.prompt or "",
-                **asked,
+            sampling: dict[str, Any] = dict(
                 max_tokens=args.max_tokens,
                 temperature=args.temperature,
                 top_p=args.top_p,
@@ -188,6 +186,19 @@ def generate_command(args: argparse.Namespace) -> int:
                 grammar=grammar,
                 prompt_logprobs=args.prompt_logprobs,
             )
+            if args.beams:
+                found = client.beam_search(
+                    args.prompt or "", width=args.beams, length_penalty=args.length_penalty, **asked, **sampling
+                )
+                for i, beam in enumerate(found):
+                    if args.json:
+                        said = {"index": i, "text": beam.text, "token_ids": beam.token_ids}
+                        said |= {"finish_reason": beam.finish_reason, "completion_tokens": beam.completion_tokens}
+                        print(json.dumps(said), flush=True)
+                    else:
+                        print(f"[{i}] {beam.text}", flush=True)
+                return 0
+            events = client.generate(args.prompt or "", **asked, **sampling)
             try:
                 for event in events:
                     if args.json:

@@ -269,6 +269,19 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--bad-word", action="append", default=[], help="a word never generated (repeatable)")
     p.add_argument(
+        "--beams",
+        type=_count,
+        default=0,
+        metavar="N",
+        help="beam search of N beams (at most 8) instead of sampling: prints each, best first",
+    )
+    p.add_argument(
+        "--length-penalty",
+        type=float,
+        default=None,
+        help="beam search: a beam's summed log probability is divided by its length to this power (default 1)",
+    )
+    p.add_argument(
         "--priority",
         type=int,
         default=0,

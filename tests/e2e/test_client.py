@@ -99,6 +99,54 @@ def test_tokenize_gives_the_prompt_ids_generation_starts_from(services: Services
     }
 
 
+def test_beam_search_answers_each_beam_best_first(services: Services, tmp_path: Path) -> None:
+    """`beam_search` (blocking and async): the beams the contract's
+    GenerateRequest.beam_search answers, one Completion each, in order;
+    beam search's refusals typed; a length_penalty without a width is the
+    caller's error before anything is sent. `mmsplit generate --beams`
+    prints the same beams."""
+    image = samples.good_png(seed=43)
+    with Client(services.tokenizer_address) as client:
+        beams = client.beam_search("Describe it.", images=[image], width=3, max_tokens=5, length_penalty=0.5)
+        with pytest.raises(InvalidRequest) as refused:
+            client.beam_search("Describe it.", width=2, max_tokens=3, stop=["x"])
+        with pytest.raises(ValueError, match="beam_width"):
+            client.complete("Hi", length_penalty=0.5)
+    assert refused.value.message.startswith("sampling.stop cannot go with beam search")
+    request = make_request("Describe it.", [image], max_tokens=5)
+    request.n = 3
+    request.beam_search.length_penalty = 0.5
+    raw: dict[int, list[int]] = {}
+    with grpc.insecure_channel(services.tokenizer_address) as channel:
+        for event in tokenizer_pb2_grpc.TokenizerServiceStub(channel).Generate(request, timeout=60):
+            if event.HasField("delta"):
+                raw.setdefault(event.index, []).extend(event.delta.token_ids)
+    assert [b.token_ids for b in beams] == [raw[i] for i in range(3)]
+    assert len({tuple(b.token_ids) for b in beams}) == 3
+    assert all(b.finish_reason in ("STOP", "LENGTH") and b.completion_tokens == len(b.token_ids) for b in beams)
+
+    async def run() -> list[list[int]]:
+        async with AsyncClient(services.tokenizer_address) as client:
+            found = await client.beam_search("Describe it.", images=[image], width=3, max_tokens=5, length_penalty=0.5)
+        return [b.token_ids for b in found]
+
+    assert asyncio.run(run()) == [b.token_ids for b in beams]
+
+    # The command line: `mmsplit generate --beams 3`.
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    path = tmp_path / "image.png"
+    path.write_bytes(image)
+    argv = [sys.executable, "-m", "mmsplit_cli", "generate", "--server", services.tokenizer_address, "--json"]
+    argv += ["--beams", "3", "--length-penalty", "0.5", "--max-tokens", "5", "--image", str(path), "Describe it."]
+    said = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=ROOT, check=True).stdout
+    assert [json.loads(line)["token_ids"] for line in said.splitlines()] == [b.token_ids for b in beams]
+
+
 def test_the_async_client_gives_the_same_tokens(services: Services) -> None:
     async def run() -> tuple[list[int], list[int]]:
         async with AsyncClient(services.tokenizer_address) as client:
