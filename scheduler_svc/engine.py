@@ -165,7 +165,7 @@ class Engine:
         self.cache = new_cache(layers)
         self._decode_body: Callable[..., Any] = text_model
         if lean_decode:
-            self._decode_body = lean_decode_body(text_model, world_size=coll.world_size, make_cache=new_cache)
+            self._decode_body = lean_decode_body(text_model, make_cache=new_cache)
         # On CUDA, torch's attention without cuDNN's kernel unless asked for
         # (`--cudnn-attention`): it plans a graph on the host for each new shape.
         self._kernels = _attention_kernels(device, cudnn=cudnn_attention)

@@ -20,8 +20,11 @@ glue is written here, and the module calls between the pieces go.
 
 It stands in for the model's forward only where nothing could tell:
 
-- a group of one rank: under TP, transformers' plan shards the
-  projections and sums inside its modules' hooks;
+- under TP too: transformers' plan puts its own `forward` on each
+  projection it shards (the rowwise ones, o_proj and down_proj, sum the
+  ranks' partial outputs inside it), and the lean body calls each
+  projection's `forward` as the layer does, so it makes the same sums in
+  the same order on every rank;
 - a text model, and parts, of exactly the classes it copies
   (`_architectures`; Qwen3-VL-MoE's, with its experts, is not one), no
   sliding-window layers, in eval mode;
@@ -30,9 +33,10 @@ It stands in for the model's forward only where nothing could tell:
   transformers version whose layers differ, a kernel that replaced a
   forward, or an attention function that reads what we do not pass
   leaves the model's own forward in place (logged);
-- on every call, no module it skips has a forward hook or a forward of
-  its own set on the instance (tests' fault injection, an offload hook):
-  that call goes through the model's own forward.
+- on every call, no module it skips has a forward hook, or a forward
+  set on the instance since it was made (tests' fault injection, an
+  offload hook; the TP plan's, set before, are the model's own): that
+  call goes through the model's own forward.
 
 Prefill forwards stay the model's own: their matrix products are large
 enough that the calls around them do not count.
@@ -113,12 +117,14 @@ class LeanLlama:
             for layer in body.layers[: config.num_hidden_layers]  # type: ignore[index,union-attr]
         ]
         # The modules whose calls this skips: a hook on any of them, or a
-        # forward set on one, sends a call through the model's own forward.
-        # Their hook dicts (torch adds a hook to the module's own dict, in
-        # place) and instance dicts, held to check every call in C's loops.
+        # forward set on one since (the TP plan's are set as the model
+        # loads), sends a call through the model's own forward. Their hook
+        # dicts (torch adds a hook to the module's own dict, in place) and
+        # instance dicts, held to check every call in C's loops.
         skipped = self._skipped()
         self._hook_dicts = tuple(d for m in skipped for d in (m._forward_hooks, m._forward_pre_hooks))
         self._instance_dicts = tuple(m.__dict__ for m in skipped)
+        self._forwards = tuple(d.get("forward") for d in self._instance_dicts)
 
     def _skipped(self) -> list[torch.nn.Module]:
         body: Any = self.body
@@ -132,7 +138,7 @@ class LeanLlama:
         """Whether anything would see the skipped calls (then the model's own forward runs)."""
         if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks or any(self._hook_dicts):
             return True
-        return any("forward" in d for d in self._instance_dicts)
+        return any(d.get("forward") is not f for d, f in zip(self._instance_dicts, self._forwards, strict=True))
 
     def __call__(
         self,
@@ -303,14 +309,14 @@ def _copied(body: torch.nn.Module, arch: _Architecture) -> bool:
     return type(body.norm) is arch.norm and type(body.rotary_emb) is arch.rotary  # type: ignore[union-attr]
 
 
-def lean_decode_body(body: torch.nn.Module, *, world_size: int, make_cache: CacheFactory) -> Any:
+def lean_decode_body(body: torch.nn.Module, *, make_cache: CacheFactory) -> Any:
     """`body` itself, or a `LeanLlama` over it where it may stand in (the
-    module docstring's conditions), with the reason logged either way."""
+    module docstring's conditions), with the reason logged either way.
+    Under TP every rank calls it as the group starts: the probe's forwards
+    make their sums together."""
     arch = _architectures().get(type(body))
     why = ""
-    if world_size != 1:
-        why = f"a group of {world_size} ranks (transformers' TP plan works inside its modules)"
-    elif arch is None or not _copied(body, arch):
+    if arch is None or not _copied(body, arch):
         why = f"its text model ({type(body).__name__}) is not one whose layers it copies"
     elif body.training:
         why = "the model is in training mode"

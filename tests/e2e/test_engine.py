@@ -201,9 +201,14 @@ def test_32_requests_joining_and_leaving_get_the_tokens_of_plain_generate_at_tp2
     services: Services, tiny_model: Path
 ) -> None:
     """The shared pair holds each rank's rows of the LM head column after
-    column (`--lm-head-layout columns`): the tokens are the model's all the same."""
-    laid = services.scheduler.log_path.read_text().count("the LM head is stored column after column")
+    column (`--lm-head-layout columns`) and decodes through the lean body
+    (`scheduler_svc/lean_decode.py`) on both ranks: the tokens are the
+    model's all the same."""
+    log = services.scheduler.log_path.read_text()
+    laid = log.count("the LM head is stored column after column")
     assert laid == 2, f"{laid} ranks laid out their rows of the LM head"
+    # Under TP too the decode steps skip the module calls (the TP plan's sums inside its projections' forwards).
+    assert log.count("decode steps run the model's operations without its module calls") == 2
     check_against_generate(services, tiny_model, seed=2)
 
 

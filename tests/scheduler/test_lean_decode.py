@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from scheduler_svc.engine import Engine
+from scheduler_svc.kvcache import RowCache
 from scheduler_svc.lean_decode import LeanLlama, lean_decode_body
 from scheduler_svc.plan import Plan, StepOutcome
 from tests.support import family_kit
@@ -149,15 +150,34 @@ def test_other_text_models_decode_through_their_own_forward(
     keeps_its_own_forward(model, caplog, logging.INFO, "is not one whose layers it copies")
 
 
-def test_off_and_under_tp_the_model_s_own_forward_runs(tiny_model: Path) -> None:
+def test_off_the_model_s_own_forward_runs(tiny_model: Path) -> None:
+    model = load(tiny_model)
+    assert solo_engine(model, lean_decode=False)._decode_body is text_model(model)
+
+
+def test_forwards_set_before_it_are_the_model_s_own_and_later_ones_are_seen(tiny_model: Path) -> None:
+    """As transformers' TP plan does, a projection whose instance has its
+    own forward as the lean body is made keeps it (the body calls it, and
+    decodes leanly); one set later, as a test's fault or an offload hook
+    would be, sends calls through the model's own forward."""
     model = load(tiny_model)
     body = text_model(model)
-    assert solo_engine(model, lean_decode=False)._decode_body is body
+    o_proj = body.layers[0].self_attn.o_proj  # type: ignore[index,union-attr]
+    calls: list[int] = []
 
-    def no_cache(layers: int) -> None:
-        raise AssertionError("no probe under TP")
+    def counted(x: torch.Tensor, plain: Any = o_proj.forward) -> torch.Tensor:
+        calls.append(x.shape[1])
+        return plain(x)  # type: ignore[no-any-return]
 
-    assert lean_decode_body(body, world_size=2, make_cache=no_cache) is body
+    o_proj.forward = counted
+    lean = lean_decode_body(
+        body, make_cache=lambda layers: RowCache(layers, dtype=torch.float32, device=torch.device("cpu"))
+    )
+    assert isinstance(lean, LeanLlama)
+    assert not lean.observed()
+    assert calls, "the probe's lean forwards called the instance's own forward"
+    body.layers[1].mlp.down_proj.forward = lambda x: x  # type: ignore[index,union-attr,method-assign]
+    assert lean.observed()
 
 
 def test_a_projection_of_its_own_kind_is_never_skipped(tiny_model: Path) -> None:
