@@ -8,7 +8,8 @@ Routes: POST /v1/chat/completions, POST /v1/completions, POST /v1/responses
 `openai_responses`), GET /v1/models, GET and DELETE /v1/responses/{id} and
 GET /v1/responses/{id}/input_items (the stored responses, `response_store`),
 POST /tokenize and /detokenize and GET /tokenizer_info (vLLM's),
-GET /health (200 only while a scheduler backend is ready, else 503). With
+GET /health (200 only while a scheduler backend is ready, else 503; vLLM's
+GET and POST /ping the same), GET /version (vLLM's: the server's version). With
 `--api-key-file`, every /v1 route and the token routes need
 ``Authorization: Bearer <key>`` with a key of the file (401 otherwise;
 compared in constant time; the file is read again when it changes).
@@ -49,6 +50,7 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
+from mmsplit import __version__
 from mmsplit.errors import InternalError, MmsplitError, Unauthenticated
 from mmsplit.tokenizer.v1 import tokenizer_pb2
 from mmsplit_server import strict_json
@@ -165,6 +167,9 @@ class HttpApi:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model}", self.model_card)
         app.router.add_get("/health", self.health)
+        app.router.add_get("/ping", self.health)  # vLLM's (SageMaker's health check), GET or POST
+        app.router.add_post("/ping", self.health)
+        app.router.add_get("/version", self.version)
         return app
 
     # ---- middleware: every error in the OpenAI shape, auth, counting ----
@@ -215,6 +220,9 @@ class HttpApi:
         if self.ready():
             return web.json_response({"status": "ok"})
         return web.json_response({"status": "not ready"}, status=503, headers={"Retry-After": "1"})
+
+    async def version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": __version__})
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [self._card()]})

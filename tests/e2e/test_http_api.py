@@ -513,6 +513,15 @@ def test_raw_http_mistakes_key_body_and_health(api: Api) -> None:
     assert unknown.value.body["param"] == "model"  # type: ignore[index]
     with urllib.request.urlopen(base + "/health", timeout=10) as reply:
         assert reply.status == 200
+    # vLLM's /ping (GET or POST, as SageMaker asks) and /version, with curl and no key.
+    from mmsplit import __version__
+
+    def curl(*args: str) -> str:
+        return subprocess.run(["curl", "-s", *args], capture_output=True, text=True, timeout=30, check=True).stdout
+
+    for method in ("GET", "POST"):
+        assert curl("-X", method, "-o", "/dev/null", "-w", "%{http_code}", base + "/ping") == "200", method
+    assert json.loads(curl(base + "/version")) == {"version": __version__}
     _good_after(api)
 
 
