@@ -364,6 +364,7 @@ def build_request(
     priority: int = 0,
     video_fps: float = 0.0,
     video_max_frames: int = 0,
+    n: int = 0,
     beam_width: int = 0,
     length_penalty: float | None = None,
 ) -> tokenizer_pb2.GenerateRequest:
@@ -394,8 +395,9 @@ def build_request(
     the scheduler's admission order, lower first (its --scheduling-policy
     priority; elsewhere only 0). `video_fps`, `video_max_frames`: how the
     request's videos are sampled, within the server's rule (0 leaves the
-    server's: `GenerateRequest.video_budget`). `beam_width`: beam search
-    of that many beams instead of sampling (`GenerateRequest.beam_search`
+    server's: `GenerateRequest.video_budget`). `n`: that many independent
+    choices (`Client.choices` answers each). `beam_width`: beam search of
+    that many beams instead of sampling (`GenerateRequest.beam_search`
     with `n`; `length_penalty`, 1 unset); `Client.beam_search` answers
     each beam."""
     sampling = common_pb2.SamplingParams(
@@ -435,10 +437,12 @@ def build_request(
             setattr(choose, tool_choice, True)
     if length_penalty is not None and not beam_width:
         raise ValueError("length_penalty applies to beam search only: give beam_width")
+    if n and beam_width:
+        raise ValueError("give n (sampled choices) or beam_width (beams), not both")
     return tokenizer_pb2.GenerateRequest(
         request_id=request_id,
         prompt=prompt,
-        n=beam_width,
+        n=beam_width or n,
         beam_search=(
             tokenizer_pb2.BeamSearch(length_penalty=length_penalty)
             if length_penalty is not None
@@ -499,11 +503,11 @@ def _event(response: tokenizer_pb2.GenerateResponse) -> Event | None:
     return None
 
 
-def _add_beam(beams: dict[int, Completion], response: tokenizer_pb2.GenerateResponse) -> None:
-    """A beam search's response, added to its choice's Completion."""
+def _add_choice(each: dict[int, Completion], response: tokenizer_pb2.GenerateResponse) -> None:
+    """A response, added to its choice's Completion."""
     event = _event(response)
     if event is not None:
-        _add(beams.setdefault(response.index, Completion()), event)
+        _add(each.setdefault(response.index, Completion()), event)
 
 
 def _add(done: Completion, event: Event) -> None:
@@ -612,19 +616,28 @@ class Client(_Connection):
             _add(done, event)
         return done
 
+    def choices(self, prompt: str = "", *, n: int, timeout: float | None = None, **kwargs: Any) -> list[Completion]:
+        """`n` independent generations of the same input (`build_request`'s
+        `n`; each its own seed, derived from `seed`), in choice order."""
+        return self._each(build_request(prompt, n=n, **kwargs), timeout)
+
     def beam_search(
         self, prompt: str = "", *, width: int, timeout: float | None = None, **kwargs: Any
     ) -> list[Completion]:
         """The `width` best beams (fewer when fewer hypotheses completed), best
         first: beam search instead of sampling (`build_request`'s
         `beam_width`; `length_penalty` and the other `kwargs` are its)."""
-        beams: dict[int, Completion] = {}
+        return self._each(build_request(prompt, beam_width=width, **kwargs), timeout)
+
+    def _each(self, request: tokenizer_pb2.GenerateRequest, timeout: float | None) -> list[Completion]:
+        """Each choice of `request`'s answer, in choice order."""
+        each: dict[int, Completion] = {}
         try:
-            for response in self._stub.Generate(build_request(prompt, beam_width=width, **kwargs), timeout=timeout):
-                _add_beam(beams, response)
+            for response in self._stub.Generate(request, timeout=timeout):
+                _add_choice(each, response)
         except grpc.RpcError as exc:
             raise decode_error(exc) from None
-        return [beams[i] for i in sorted(beams)]
+        return [each[i] for i in sorted(each)]
 
     def server_info(self, timeout: float = 10.0) -> tokenizer_pb2.GetServerInfoResponse:
         try:
@@ -688,6 +701,16 @@ class AsyncClient(_Connection):
             _add(done, event)
         return done
 
+    async def choices(
+        self,
+        prompt: str = "",
+        *,
+        n: int,
+        timeout: float | None = None,  # noqa: ASYNC109 (as generate)
+        **kwargs: Any,
+    ) -> list[Completion]:
+        return await self._each(build_request(prompt, n=n, **kwargs), timeout)
+
     async def beam_search(
         self,
         prompt: str = "",
@@ -696,15 +719,20 @@ class AsyncClient(_Connection):
         timeout: float | None = None,  # noqa: ASYNC109 (as generate)
         **kwargs: Any,
     ) -> list[Completion]:
-        beams: dict[int, Completion] = {}
+        return await self._each(build_request(prompt, beam_width=width, **kwargs), timeout)
+
+    async def _each(
+        self,
+        request: tokenizer_pb2.GenerateRequest,
+        timeout: float | None,  # noqa: ASYNC109 (as generate)
+    ) -> list[Completion]:
+        each: dict[int, Completion] = {}
         try:
-            async for response in self._stub.Generate(
-                build_request(prompt, beam_width=width, **kwargs), timeout=timeout
-            ):
-                _add_beam(beams, response)
+            async for response in self._stub.Generate(request, timeout=timeout):
+                _add_choice(each, response)
         except grpc.RpcError as exc:
             raise decode_error(exc) from None
-        return [beams[i] for i in sorted(beams)]
+        return [each[i] for i in sorted(each)]
 
     async def tokenize(
         self,

@@ -120,6 +120,13 @@ def generate_command(args: argparse.Namespace) -> int:
     """`mmsplit generate`: one request through the client library
     (`mmsplit.client`), its text or one JSON object per event on stdout."""
 
+    if args.beams and args.n > 1:
+        print("mmsplit generate: give --n (sampled choices) or --beams (beam search), not both", file=sys.stderr)
+        return 2
+    if args.length_penalty is not None and not args.beams:
+        print("mmsplit generate: --length-penalty applies to beam search only: give --beams", file=sys.stderr)
+        return 2
+
     def read(path: str) -> bytes | None:
         return Path(path).read_bytes() if path else None
 
@@ -186,9 +193,13 @@ def generate_command(args: argparse.Namespace) -> int:
                 grammar=grammar,
                 prompt_logprobs=args.prompt_logprobs,
             )
-            if args.beams:
-                found = client.beam_search(
-                    args.prompt or "", width=args.beams, length_penalty=args.length_penalty, **asked, **sampling
+            if args.beams or args.n > 1:
+                found = (
+                    client.beam_search(
+                        args.prompt or "", width=args.beams, length_penalty=args.length_penalty, **asked, **sampling
+                    )
+                    if args.beams
+                    else client.choices(args.prompt or "", n=args.n, **asked, **sampling)
                 )
                 for i, beam in enumerate(found):
                     if args.json:

@@ -269,6 +269,13 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--bad-word", action="append", default=[], help="a word never generated (repeatable)")
     p.add_argument(
+        "--n",
+        type=_count,
+        default=1,
+        metavar="N",
+        help="N independent choices (at most 8): prints each, in order",
+    )
+    p.add_argument(
         "--beams",
         type=_count,
         default=0,

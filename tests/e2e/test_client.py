@@ -145,6 +145,40 @@ def test_beam_search_answers_each_beam_best_first(services: Services, tmp_path: 
     argv += ["--beams", "3", "--length-penalty", "0.5", "--max-tokens", "5", "--image", str(path), "Describe it."]
     said = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=ROOT, check=True).stdout
     assert [json.loads(line)["token_ids"] for line in said.splitlines()] == [b.token_ids for b in beams]
+    for flags, says in ((["--beams", "2", "--n", "2"], "not both"), (["--length-penalty", "2"], "give --beams")):
+        wrong = subprocess.run([*argv[:7], *flags, "Hi"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert (wrong.returncode, wrong.stdout) == (2, ""), wrong
+        assert says in wrong.stderr, wrong.stderr
+
+
+def test_choices_answer_each_of_n_sampled_generations(services: Services) -> None:
+    """`choices` (blocking and async) and `mmsplit generate --n`: the n
+    choices the contract's GenerateRequest.n answers, in order, each its
+    own seeded generation; the same seed gives the same choices."""
+    ask = {"max_tokens": 6, "temperature": 1.0, "seed": 11}
+    with Client(services.tokenizer_address) as client:
+        choices = client.choices("Once upon a time", n=3, **ask)
+        again = client.choices("Once upon a time", n=3, **ask)
+    assert len(choices) == 3
+    assert [c.token_ids for c in choices] == [c.token_ids for c in again]
+    assert len({tuple(c.token_ids) for c in choices}) > 1, "the choices are independent draws"
+    assert all(c.finish_reason in ("STOP", "LENGTH") for c in choices)
+
+    async def run() -> list[list[int]]:
+        async with AsyncClient(services.tokenizer_address) as client:
+            return [c.token_ids for c in await client.choices("Once upon a time", n=3, **ask)]
+
+    assert asyncio.run(run()) == [c.token_ids for c in choices]
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    argv = [sys.executable, "-m", "mmsplit_cli", "generate", "--server", services.tokenizer_address, "--json", "--n"]
+    argv += ["3", "--max-tokens", "6", "--temperature", "1", "--seed", "11", "Once upon a time"]
+    said = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=ROOT, check=True).stdout
+    assert [json.loads(line)["token_ids"] for line in said.splitlines()] == [c.token_ids for c in choices]
 
 
 def test_the_async_client_gives_the_same_tokens(services: Services) -> None:
