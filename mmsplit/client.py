@@ -367,6 +367,8 @@ def build_request(
     n: int = 0,
     beam_width: int = 0,
     length_penalty: float | None = None,
+    prompt_as_written: bool = False,
+    no_special_tokens: bool = False,
 ) -> tokenizer_pb2.GenerateRequest:
     """A GenerateRequest of a prompt (with `images` and `videos`) or of a
     conversation (`messages`); media given as bytes are sent inline, as str
@@ -399,7 +401,9 @@ def build_request(
     choices (`Client.choices` answers each). `beam_width`: beam search of
     that many beams instead of sampling (`GenerateRequest.beam_search`
     with `n`; `length_penalty`, 1 unset); `Client.beam_search` answers
-    each beam."""
+    each beam. `prompt_as_written`: `prompt` is the model's text as it is
+    (OpenAI's completions), not a user turn of the chat template;
+    `no_special_tokens`: tokenized without the tokenizer's BOS."""
     sampling = common_pb2.SamplingParams(
         max_tokens=max_tokens,
         temperature=temperature,
@@ -443,6 +447,8 @@ def build_request(
         request_id=request_id,
         prompt=prompt,
         n=beam_width or n,
+        prompt_as_written=prompt_as_written,
+        no_special_tokens=no_special_tokens,
         beam_search=(
             tokenizer_pb2.BeamSearch(length_penalty=length_penalty)
             if length_penalty is not None

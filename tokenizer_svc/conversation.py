@@ -137,6 +137,10 @@ class Parsed:
     video_sampling: VideoSampling | None = None
     # SamplingParams.bad_words as token sequences (tokenizer_svc.bad_words).
     bad_words: tuple[tuple[int, ...], ...] = ()
+    # A prompt as written, no chat template (GenerateRequest.prompt_as_written),
+    # with the tokenizer's special tokens unless GenerateRequest.no_special_tokens.
+    as_written: bool = False
+    special_tokens: bool = True
 
 
 # What the template adds per message, counted in `Parsed.size`.
@@ -151,6 +155,16 @@ def parse(request: tokenizer_pb2.GenerateRequest, settings: TokenizerSettings, f
     """The request's shape, checked against the per-request limits."""
     pixels = image_budget(request, family)
     sampling = video_budget(request, settings)
+    if request.no_special_tokens and not request.prompt_as_written:
+        raise InvalidRequest(
+            "no_special_tokens goes with prompt_as_written (a prompt's text tokenized as written)",
+            metadata={"param": "no_special_tokens"},
+        )
+    if request.prompt_as_written and (request.prompt_token_ids or request.messages):
+        raise InvalidRequest(
+            "prompt_as_written goes with a prompt's text, not messages or prompt_token_ids",
+            metadata={"param": "prompt_as_written"},
+        )
     if request.prompt_token_ids:
         return _token_prompt(request, settings)
     if request.messages:
@@ -190,7 +204,13 @@ def parse(request: tokenizer_pb2.GenerateRequest, settings: TokenizerSettings, f
                 )
         images = [Located(m, f"images[{i}]") for i, m in enumerate(request.images)]
         videos = [Located(m, f"videos[{i}]") for i, m in enumerate(request.videos)]
-        parsed = Parsed(request.prompt, None, [*images, *videos])
+        parsed = Parsed(
+            request.prompt,
+            None,
+            [*images, *videos],
+            as_written=request.prompt_as_written,
+            special_tokens=not request.no_special_tokens,
+        )
         chars = len(request.prompt)
         if not request.prompt and not parsed.media:
             raise InvalidRequest("the request has neither a prompt nor media")

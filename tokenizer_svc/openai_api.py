@@ -120,7 +120,7 @@ KNOWN = {
     "include_stop_str_in_output", "continue_final_message", "add_generation_prompt", "chat_template_kwargs",
     "mm_processor_kwargs", "return_token_ids", "skip_special_tokens", "allowed_token_ids", "bad_words",
     "return_tokens_as_token_ids", "truncate_prompt_tokens", "priority", "documents", "spaces_between_special_tokens",
-    "chat_template", "use_beam_search", "length_penalty", "request_id",
+    "chat_template", "use_beam_search", "length_penalty", "request_id", "add_special_tokens",
 }  # fmt: skip
 
 # Prompts one completions request may give (each its own generation).
@@ -222,6 +222,14 @@ def parse_chat(body: Any, tool_parser: str = "none") -> Call:
     body = _object(body)
     if body.get("echo") not in (None, False):
         raise invalid("echo is not supported by chat completions: it goes with completions", "echo")
+    special = body.get("add_special_tokens")
+    if special is not None and not isinstance(special, bool):
+        raise invalid("add_special_tokens must be true or false", "add_special_tokens")
+    if special:  # vLLM's default for chat is false
+        raise invalid(
+            "add_special_tokens true is not supported with messages: the chat template writes the special tokens",
+            "add_special_tokens",
+        )
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise invalid("messages must be a non-empty list", "messages")
@@ -357,11 +365,16 @@ def parse_completion(body: Any) -> Call:
     call = _prompt_logprobs(body, call, echo=bool(echo))
     if call.n * len(prompts) > MAX_PROMPTS * MAX_CHOICES // 4:
         raise invalid(f"{len(prompts)} prompts of n {call.n}: at most {MAX_PROMPTS * MAX_CHOICES // 4} choices", "n")
+    special = body.get("add_special_tokens")
+    if special is not None and not isinstance(special, bool):
+        raise invalid("add_special_tokens must be true or false", "add_special_tokens")
     others = []
     for prompt in prompts[1:]:
         other = tokenizer_pb2.GenerateRequest()
         other.CopyFrom(request)
         others.append(_prompted(other, prompt))
+    for asked in (request, *others):  # vLLM's add_special_tokens (default true): a text prompt's BOS
+        asked.no_special_tokens = special is False and asked.prompt_as_written
     return dataclasses.replace(call, others=tuple(others))
 
 
@@ -395,10 +408,14 @@ def _token_ids(value: Any, *, empty: bool = False) -> bool:
 
 
 def _prompted(request: tokenizer_pb2.GenerateRequest, prompt: str | list[int]) -> tokenizer_pb2.GenerateRequest:
+    """`request` with completions' `prompt`: a text as written (no chat
+    template, GenerateRequest.prompt_as_written), or token ids as they are."""
     if isinstance(prompt, str):
         request.prompt = prompt
+        request.prompt_as_written = True
     else:
         request.ClearField("prompt")
+        request.prompt_as_written = request.no_special_tokens = False
         request.prompt_token_ids[:] = prompt
     return request
 
@@ -863,10 +880,10 @@ def parse_tokenize(body: Any) -> Tokenize:
     """vLLM's /tokenize: a `prompt`, or `messages` (with `tools`,
     `continue_final_message`, `add_generation_prompt` and
     `chat_template_kwargs` as chat completions takes them). The ids are
-    those generation uses (template and BOS included), but for a prompt
-    with `add_special_tokens: false`, as vLLM and lm-evaluation-harness's
-    remote tokenizer send it: the prompt's text tokenized as it is, no BOS
-    and no template. Messages are always templated (the template writes
+    those generation uses: a prompt's text as completions reads it (as
+    written, with the tokenizer's BOS; without it given
+    `add_special_tokens: false`, as vLLM and lm-evaluation-harness's remote
+    tokenizer send it). Messages are always templated (the template writes
     the special tokens: `add_special_tokens` may only be false there)."""
     body = _object(body)
     chat = "messages" in body

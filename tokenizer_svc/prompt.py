@@ -133,9 +133,11 @@ class PromptBuilder:
             *_TEMPLATE_OWN,
         }
 
-    def build(self, prompt: str, media: list[Media]) -> BuiltPrompt:
+    def build(self, prompt: str, media: list[Media], *, as_written: bool = False, special: bool = True) -> BuiltPrompt:
         """`media` in request order (images, then videos); each marker in the
-        text takes the next item of its modality."""
+        text takes the next item of its modality. `as_written`: not rendered
+        by the chat template (OpenAI's completions), and tokenized with the
+        tokenizer's special tokens only where `special`."""
         text = prompt
         for whole, marker in self._wrapped.items():
             text = text.replace(whole, marker)
@@ -148,7 +150,7 @@ class PromptBuilder:
                 f"({_names([m.modality for m in media])}); mark each with {' or '.join(sorted(self._by_marker))}, "
                 "or use no markers at all"
             )
-        if self.chat_template is not None:
+        if self.chat_template is not None and not as_written:
             # Without markers the media parts come first (images, then videos).
             text = self._render(text, found or sent, media_first=not found)
             found = [self._by_marker[m] for m in self._marker_re.findall(text)]
@@ -158,6 +160,8 @@ class PromptBuilder:
             # No markers: the images first, then the videos, one per line.
             text = "".join(self.holders[m].token + "\n" for m in sent) + text
             found = sent
+        if as_written:
+            return self._tokenize(text, found, media, templated=False, special=special)
         return self._tokenize(text, found, media)
 
     def from_ids(self, ids: tuple[int, ...]) -> BuiltPrompt:
@@ -295,7 +299,7 @@ class PromptBuilder:
                 )
 
     def _tokenize(
-        self, text: str, found: list[int], media: list[Media], *, templated: bool | None = None
+        self, text: str, found: list[int], media: list[Media], *, templated: bool | None = None, special: bool = True
     ) -> BuiltPrompt:
         """`text` with each marker expanded into its item's placeholders
         (`found`: the markers' modalities in text order), tokenized in one
@@ -313,7 +317,7 @@ class PromptBuilder:
         full = "".join(expanded)
         # A template that writes the BOS itself must not get a second one.
         bos = getattr(self.tokenizer, "bos_token", None)
-        add_special = not (templated and bos and full.startswith(bos))
+        add_special = special and not (templated and bos and full.startswith(bos))
         ids: list[int] = list(self.tokenizer(full, add_special_tokens=add_special)["input_ids"])
         return BuiltPrompt(ids, self._runs(ids, media))
 

@@ -632,7 +632,7 @@ class TokenizerService:
         if parsed.token_ids is not None:
             return self.prompts.from_ids(parsed.token_ids)
         if parsed.turns is None:
-            return self.prompts.build(parsed.prompt, media)
+            return self.prompts.build(parsed.prompt, media, as_written=parsed.as_written, special=parsed.special_tokens)
         return self.prompts.build_chat(
             parsed.turns,
             media,

@@ -273,11 +273,17 @@ def test_the_async_sdk_streams_and_completions_take_a_prompt(api: Api) -> None:
 
     chat_text, completion = asyncio.run(run())
     assert chat_text == grpc_text(api.pair, [("user", "Tell me a story.")], 6)
+    # Completions read the prompt as written (no chat template), as OpenAI's do.
+    as_written = build_request("Once upon a time", max_tokens=6, prompt_as_written=True)
     with grpc.insecure_channel(api.pair.tokenizer_address) as channel:
-        plain = run_request(
-            tokenizer_pb2_grpc.TokenizerServiceStub(channel), build_request("Once upon a time", max_tokens=6)
-        )
+        plain = run_request(tokenizer_pb2_grpc.TokenizerServiceStub(channel), as_written)
     assert completion == plain.text
+    from mmsplit.client import Client
+
+    with Client(api.pair.tokenizer_address) as grpc_client:
+        written = grpc_client.tokenize("Once upon a time", prompt_as_written=True).ids
+        templated = grpc_client.tokenize("Once upon a time").ids
+    assert len(written) < len(templated)  # a gRPC prompt is otherwise the chat template's user turn
 
 
 def test_completions_of_several_prompts_are_each_prompt_s_own(api: Api) -> None:
@@ -1375,13 +1381,15 @@ def test_tokenize_and_detokenize_give_the_ids_generation_uses(api: Api) -> None:
     assert (status, ids["count"], ids["token_strs"]) == (200, plain.usage.prompt_tokens, None)
     status, text = post("/detokenize", {"model": api.model, "tokens": ids["tokens"]})
     assert status == 200
-    assert "Hello there, friend." in text["prompt"], text  # (inside the chat template's user turn)
-    # As lm-evaluation-harness's remote tokenizer asks: the text's own tokens, no BOS, no template.
+    assert "Hello there, friend." in text["prompt"], text
+    # A prompt as completions read it: as written (no chat template), with
+    # the tokenizer's own special tokens; and as lm-evaluation-harness's
+    # remote tokenizer asks, without them.
     tokenizer = hf_loaded.tokenizer(api.pair.model)
+    assert ids["tokens"] == tokenizer("Hello there, friend.")["input_ids"]
     status, raw = post("/tokenize", {"prompt": "Hello there, friend.", "add_special_tokens": False})
     assert status == 200
     assert raw["tokens"] == tokenizer("Hello there, friend.", add_special_tokens=False)["input_ids"]
-    assert raw["count"] < ids["count"]
     info = json.loads(urllib.request.urlopen(urllib.request.Request(
         base + "/tokenizer_info", headers={"Authorization": f"Bearer {KEY}"}), timeout=30).read())  # fmt: skip
     assert (info["eos_token"], info["bos_token"]) == (tokenizer.eos_token, tokenizer.bos_token)
@@ -1795,7 +1803,7 @@ def test_return_token_ids_gives_the_ids_the_model_read_and_made(api: Api) -> Non
     with Client(api.pair.tokenizer_address) as grpc_client:
         prompt_ids = grpc_client.tokenize(messages=SAME_OVER_GRPC).ids
         done = grpc_client.complete(messages=SAME_OVER_GRPC, max_tokens=6, return_prompt_token_ids=True)
-        read = [grpc_client.tokenize(p).ids for p in prompts]  # as the server renders a prompt
+        read = [grpc_client.tokenize(p, prompt_as_written=True).ids for p in prompts]  # as completions read one
     assert done.prompt_token_ids == prompt_ids
     whole = client.chat.completions.create(
         model=api.model,
@@ -2045,7 +2053,7 @@ def test_truncate_prompt_tokens_reads_the_prompt_s_last_tokens_and_never_half_an
 
     with Client(api.pair.tokenizer_address) as grpc_client:
         context = grpc_client.tokenize(text).max_context_tokens
-        assert grpc_client.tokenize(text, truncate_prompt_tokens=6).ids == whole[-6:]  # as generation reads it
+        assert grpc_client.tokenize(text, truncate_prompt_tokens=6, prompt_as_written=True).ids == whole[-6:]
     long = completion(" ".join(["cat"] * (context + 50)), truncate_prompt_tokens=-1)
     assert long["usage"]["prompt_tokens"] == context - 1, (context, long["usage"])
     assert long["choices"][0]["finish_reason"] == "length"

@@ -146,3 +146,18 @@ def test_tool_shapes_the_template_cannot_take_are_refused_naming_their_place(
     with pytest.raises(InvalidRequest, match=match) as info:
         parse(request_)
     assert info.value.metadata["param"] == param
+
+
+def test_a_prompt_as_written_goes_with_a_prompt_s_text_alone(
+    parse: Callable[[pb.GenerateRequest], conversation.Parsed],
+) -> None:
+    written = parse(pb.GenerateRequest(prompt="Once", prompt_as_written=True, no_special_tokens=True))
+    assert (written.as_written, written.special_tokens) == (True, False)
+    for request, param in (
+        (pb.GenerateRequest(prompt="Once", no_special_tokens=True), "no_special_tokens"),
+        (pb.GenerateRequest(messages=[USER], prompt_as_written=True), "prompt_as_written"),
+        (pb.GenerateRequest(prompt_token_ids=[5, 6], prompt_as_written=True), "prompt_as_written"),
+    ):
+        with pytest.raises(InvalidRequest) as refused:
+            parse(request)
+        assert refused.value.metadata["param"] == param

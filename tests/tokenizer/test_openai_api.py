@@ -196,7 +196,7 @@ def test_the_do_nothing_values_of_those_fields_are_accepted() -> None:
                  "allowed_token_ids": None, "bad_words": [], "return_tokens_as_token_ids": False,
                  "truncate_prompt_tokens": None, "priority": 0, "documents": None,
                  "spaces_between_special_tokens": True, "chat_template": None,
-                 "use_beam_search": False, "length_penalty": 1.0}  # fmt: skip
+                 "use_beam_search": False, "length_penalty": 1.0, "add_special_tokens": False}  # fmt: skip
     call = openai_api.parse_chat({"messages": [{"role": "user", "content": "x"}], **defaults})
     assert call.request.messages[0].content[0].text == "x"
     assert openai_api.parse_completion({"prompt": "x", **defaults}).request.prompt == "x"
@@ -224,6 +224,27 @@ def test_allowed_token_ids_bad_words_and_priority_reach_the_contract() -> None:
         with pytest.raises(InvalidRequest) as info:
             openai_api.parse_completion({"prompt": "x", field: value})
         assert openai_api.param_name(info.value) == field
+
+
+def test_completions_read_a_text_prompt_as_written() -> None:
+    """OpenAI's completions continue the text as it is: a text prompt is
+    GenerateRequest.prompt_as_written (no chat template), a token-id one
+    is not; vLLM's add_special_tokens false drops the tokenizer's special
+    tokens from text prompts only. Chat takes add_special_tokens false
+    alone (the template writes them); anything but a boolean is a 400."""
+    call = openai_api.parse_completion({"prompt": ["Once", [5, 6]], "add_special_tokens": False})
+    text, ids = call.requests
+    assert (text.prompt_as_written, text.no_special_tokens) == (True, True)
+    assert (ids.prompt_as_written, ids.no_special_tokens, list(ids.prompt_token_ids)) == (False, False, [5, 6])
+    plain = openai_api.parse_completion({"prompt": "Once"}).request
+    assert (plain.prompt_as_written, plain.no_special_tokens) == (True, False)
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    assert not openai_api.parse_chat({**chat, "add_special_tokens": False}).request.prompt_as_written
+    for parse, body in ((openai_api.parse_chat, {**chat, "add_special_tokens": True}),
+                        (openai_api.parse_completion, {"prompt": "x", "add_special_tokens": "no"})):  # fmt: skip
+        with pytest.raises(InvalidRequest) as info:
+            parse(body)
+        assert openai_api.param_name(info.value) == "add_special_tokens"
 
 
 def test_beam_search_reaches_the_contract() -> None:

@@ -135,9 +135,19 @@ def test_chat_template_gives_the_processor_s_ids(family: str, family_models: Cal
             [{"role": "user", "content": content}], chat_template=template, tokenize=False, add_generation_prompt=True
         )
         assert built.input_ids == hf_family.prompt_ids(proc, rendered, imgs), (family, text)
+        # As written (OpenAI's completions): no template; each marker, or the images first, as without one.
+        written = builder.build(text, [Media(families.IMAGE, n) for n in counts], as_written=True)
+        plain = PromptBuilder(kit.family, kit.tokenizer, None).build(text, [Media(families.IMAGE, n) for n in counts])
+        assert written.input_ids == plain.input_ids, (family, text)
+        assert written.runs == plain.runs
+        assert len(written.input_ids) < len(built.input_ids)
+    bare = builder.build("hello there", [], as_written=True, special=False)
+    assert bare.input_ids == kit.tokenizer("hello there", add_special_tokens=False)["input_ids"]
     # The user's text is still checked before the template's own control tokens are added.
     with pytest.raises(InvalidRequest, match="control token"):
         builder.build("</s> sneaky", [])
+    with pytest.raises(InvalidRequest, match="control token"):
+        builder.build("</s> sneaky", [], as_written=True)
 
 
 def test_chat_template_setting_takes_a_file_and_a_broken_one_stops_the_start(

@@ -38,7 +38,7 @@ class Video(_message.Message):
     def __init__(self, data: _Optional[bytes] = ..., url: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "images", "sampling", "videos", "messages", "n", "cache_salt", "tools", "continue_final_message", "chat_template_kwargs", "prompt_token_ids", "tool_choice", "image_budget", "return_prompt_token_ids", "keep_special_tokens", "truncate_prompt_tokens", "priority", "video_budget", "documents", "no_generation_prompt", "chat_template", "beam_search")
+    __slots__ = ("request_id", "prompt", "images", "sampling", "videos", "messages", "n", "cache_salt", "tools", "continue_final_message", "chat_template_kwargs", "prompt_token_ids", "tool_choice", "image_budget", "return_prompt_token_ids", "keep_special_tokens", "truncate_prompt_tokens", "priority", "video_budget", "documents", "no_generation_prompt", "chat_template", "beam_search", "prompt_as_written", "no_special_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +62,8 @@ class GenerateRequest(_message.Message):
     NO_GENERATION_PROMPT_FIELD_NUMBER: _ClassVar[int]
     CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     BEAM_SEARCH_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_AS_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    NO_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     images: _containers.RepeatedCompositeFieldContainer[Image]
@@ -85,7 +87,9 @@ class GenerateRequest(_message.Message):
     no_generation_prompt: bool
     chat_template: str
     beam_search: BeamSearch
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., videos: _Optional[_Iterable[_Union[Video, _Mapping]]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., n: _Optional[int] = ..., cache_salt: _Optional[str] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., continue_final_message: _Optional[bool] = ..., chat_template_kwargs: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., image_budget: _Optional[_Union[ImageBudget, _Mapping]] = ..., return_prompt_token_ids: _Optional[bool] = ..., keep_special_tokens: _Optional[bool] = ..., truncate_prompt_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., video_budget: _Optional[_Union[VideoBudget, _Mapping]] = ..., documents: _Optional[str] = ..., no_generation_prompt: _Optional[bool] = ..., chat_template: _Optional[str] = ..., beam_search: _Optional[_Union[BeamSearch, _Mapping]] = ...) -> None: ...
+    prompt_as_written: bool
+    no_special_tokens: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., videos: _Optional[_Iterable[_Union[Video, _Mapping]]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., n: _Optional[int] = ..., cache_salt: _Optional[str] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., continue_final_message: _Optional[bool] = ..., chat_template_kwargs: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., image_budget: _Optional[_Union[ImageBudget, _Mapping]] = ..., return_prompt_token_ids: _Optional[bool] = ..., keep_special_tokens: _Optional[bool] = ..., truncate_prompt_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., video_budget: _Optional[_Union[VideoBudget, _Mapping]] = ..., documents: _Optional[str] = ..., no_generation_prompt: _Optional[bool] = ..., chat_template: _Optional[str] = ..., beam_search: _Optional[_Union[BeamSearch, _Mapping]] = ..., prompt_as_written: _Optional[bool] = ..., no_special_tokens: _Optional[bool] = ...) -> None: ...
 
 class BeamSearch(_message.Message):
     __slots__ = ("length_penalty",)
