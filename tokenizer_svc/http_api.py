@@ -724,14 +724,12 @@ def _request_id(request: web.Request, body: Any = None) -> str:
     `request_id` of the body, as vLLM takes them: 1 to 128 printable
     characters, its logs and ours then name the request alike; it comes
     back in x-request-id and the object's id. Else a new one."""
-    given = request.headers.get("X-Request-Id")
-    where = "the X-Request-Id header"
+    given, where, param = request.headers.get("X-Request-Id"), "the X-Request-Id header", "X-Request-Id"
     if given is None and isinstance(body, dict) and body.get("request_id") is not None:
-        given, where = body["request_id"], "request_id"
+        given, where, param = body["request_id"], "request_id", "request_id"
     if given is None:
         return uuid.uuid4().hex
     if not isinstance(given, str) or not valid_request_id(given):
-        param = "X-Request-Id" if where.startswith("the") else "request_id"
         raise InvalidRequest(f"{where} must be 1 to {MAX_REQUEST_ID} printable characters", metadata={"param": param})
     return given
 

@@ -77,7 +77,6 @@ class Choices:
         self._prompt: dict[int, int] = {}
         self._cached: dict[int, int] = {}
         self.completion_tokens = [0] * n
-        self.streamed = [0] * n  # each choice's tokens shown so far
         self.logprobs: list[list[dict[str, Any]]] = [[] for _ in range(n)]
         self._offset = [0] * n  # characters of the tokens of each choice's entries so far (legacy text_offset)
         self._names: dict[int, str] = {}  # token id -> its text (`_text`)
@@ -105,7 +104,6 @@ class Choices:
             entries = [self._entry(t, lp) for t, lp in zip(d.token_ids, d.logprobs, strict=False)]
             shown = Shown(d.text, None, entries, token_ids=list(d.token_ids))
             self.token_ids[i] += d.token_ids
-            self.streamed[i] += len(d.token_ids)
         elif kind == "finished":
             f = response.finished
             self.finish[i] = FINISH.get(f.finish_reason, "stop")
@@ -177,7 +175,7 @@ class Choices:
         """vLLM's continuous usage: the prompts whose ids came (GenerateRequest.return_prompt_token_ids)
         and the tokens streamed."""
         prompts = {i // self.per_prompt: len(ids) for i, ids in self.prompt_ids.items()}
-        prompt, completion = sum(prompts.values()), sum(self.streamed)
+        prompt, completion = sum(prompts.values()), sum(map(len, self.token_ids))
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     def usage(self) -> dict[str, Any]:

@@ -222,10 +222,7 @@ def parse_chat(body: Any, tool_parser: str = "none") -> Call:
     body = _object(body)
     if body.get("echo") not in (None, False):
         raise invalid("echo is not supported by chat completions: it goes with completions", "echo")
-    special = body.get("add_special_tokens")
-    if special is not None and not isinstance(special, bool):
-        raise invalid("add_special_tokens must be true or false", "add_special_tokens")
-    if special:  # vLLM's default for chat is false
+    if _special_tokens(body):  # vLLM's default for chat is false
         raise invalid(
             "add_special_tokens true is not supported with messages: the chat template writes the special tokens",
             "add_special_tokens",
@@ -365,9 +362,7 @@ def parse_completion(body: Any) -> Call:
     call = _prompt_logprobs(body, call, echo=bool(echo))
     if call.n * len(prompts) > MAX_PROMPTS * MAX_CHOICES // 4:
         raise invalid(f"{len(prompts)} prompts of n {call.n}: at most {MAX_PROMPTS * MAX_CHOICES // 4} choices", "n")
-    special = body.get("add_special_tokens")
-    if special is not None and not isinstance(special, bool):
-        raise invalid("add_special_tokens must be true or false", "add_special_tokens")
+    special = _special_tokens(body)
     others = []
     for prompt in prompts[1:]:
         other = tokenizer_pb2.GenerateRequest()
@@ -405,6 +400,14 @@ def _token_ids(value: Any, *, empty: bool = False) -> bool:
         and (empty or bool(value))
         and all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= _U32 for x in value)
     )
+
+
+def _special_tokens(body: dict[str, Any]) -> bool | None:
+    """vLLM's add_special_tokens (None: not given)."""
+    special = body.get("add_special_tokens")
+    if special is not None and not isinstance(special, bool):
+        raise invalid("add_special_tokens must be true or false", "add_special_tokens")
+    return special
 
 
 def _prompted(request: tokenizer_pb2.GenerateRequest, prompt: str | list[int]) -> tokenizer_pb2.GenerateRequest:
@@ -889,9 +892,7 @@ def parse_tokenize(body: Any) -> Tokenize:
     chat = "messages" in body
     if chat == ("prompt" in body):
         raise invalid("give either prompt or messages", "prompt")
-    special = body.get("add_special_tokens")
-    if special is not None and not isinstance(special, bool):
-        raise invalid("add_special_tokens must be true or false", "add_special_tokens")
+    special = _special_tokens(body)
     if chat and special:
         raise invalid(
             "add_special_tokens true is not supported with messages: the chat template writes the special tokens",
