@@ -457,7 +457,7 @@ class TokenizerService:
             async for response in self._generate_on(request, parsed, rid, timeout_s, assigned, backend.transport):
                 yield response
 
-    def _backend(self) -> Any:
+    def _backend(self) -> SchedulerLink:
         """A ready scheduler of this model, or SCHEDULER_UNAVAILABLE."""
         backend = self.link.pick()
         if backend is None:
