@@ -51,6 +51,17 @@ class ServiceMetrics:
         )  # fmt: skip
         self.prompt_tokens = Counter(f"{prefix}_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.completion_tokens = Counter(f"{prefix}_completion_tokens", "Tokens generated", registry=r)
+        # A scheduler's: the tokenizers' searches' steps, kept out of the request metrics.
+        self.search_steps = (
+            Counter(
+                f"{prefix}_search_steps",
+                "Steps of a tokenizer's search (beam search: one token of one beam) by outcome; not in the requests'",
+                ["outcome"],
+                registry=r,
+            )
+            if service == "scheduler"
+            else None
+        )
         pauses = gcheap.Pauses().install()  # for the process's life: metrics are made once, at start-up
         self.counter_by(
             "gc_collections", "Python garbage collections by generation", "generation", lambda: pauses.collections

@@ -274,7 +274,9 @@ class RequestSummary:
     def __init__(self, rid: str, *, quiet: bool = False, **fields: object) -> None:
         self.rid = rid
         self.fields = fields
-        self.quiet = quiet  # logged at debug, not info (a scheduler's GenerateRequest.search_step)
+        # A scheduler's GenerateRequest.search_step: logged at debug, not
+        # info, and counted apart from the request metrics.
+        self.quiet = quiet
         self.start = time.perf_counter()
         self.first_token: float | None = None
         self.outcome = "CANCELLED"  # unless the stream ends or fails
@@ -300,7 +302,9 @@ class RequestSummary:
             self.completion_tokens = self.streamed
         duration = time.perf_counter() - self.start
         ttft = None if self.first_token is None else self.first_token - self.start
-        if metrics is not None:
+        if metrics is not None and self.quiet and metrics.search_steps is not None:  # counted apart
+            metrics.search_steps.labels(outcome=self.outcome).inc()
+        elif metrics is not None:
             metrics.finished(self.outcome, duration, ttft, self.prompt_tokens, self.completion_tokens)
         fields = {
             "request_id": self.rid,

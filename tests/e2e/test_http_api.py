@@ -33,7 +33,7 @@ from mmsplit.tokenizer.v1 import tokenizer_pb2_grpc
 from mmsplit_cli import samples
 from mmsplit_cli.client import run_request
 from mmsplit_server.serving import free_port
-from tests.e2e.helpers import rank_active_requests, tokenizer_info
+from tests.e2e.helpers import rank_active_requests, scrape, tokenizer_info
 from tests.support import hf_loaded
 from tests.support.leaks import PROJECT_PREFIX, project_segments, wait_until
 from tests.support.services import ROOT, FreePort, Pair, running_pair
@@ -49,6 +49,7 @@ class Api:
     url: str  # http://127.0.0.1:PORT/v1
     model: str
     metrics: str  # http://127.0.0.1:PORT/metrics
+    scheduler_metrics: int  # the scheduler's metrics port
     closed_port: int  # a loopback port the fetch guard lets through, where nothing listens
     key_file: Path  # --api-key-file (read again as it changes)
 
@@ -76,9 +77,11 @@ def _api(model: Path, logs: Path, *, tp: str = "1", extra: tuple[str, ...] = ())
         "--fetch-retries", "0",
         *extra,
     ]  # fmt: skip
-    with running_pair(model, logs, scheduler_extra=["--tp", tp], tokenizer_extra=tokenizer) as pair:
+    scheduler_metrics = FreePort()
+    scheduler = ["--tp", tp, "--metrics-port", scheduler_metrics]
+    with running_pair(model, logs, scheduler_extra=scheduler, tokenizer_extra=tokenizer) as pair:
         urls = f"http://127.0.0.1:{http.number}/v1", f"http://127.0.0.1:{metrics.number}/metrics"
-        yield Api(pair, urls[0], model.name, urls[1], closed, logs / "key")
+        yield Api(pair, urls[0], model.name, urls[1], scheduler_metrics.number, closed, logs / "key")
 
 
 @pytest.fixture(scope="module")
@@ -2190,11 +2193,18 @@ def test_beam_search_returns_the_beams_transformers_finds(api: Api) -> None:
     # of 3 ranks the longer beams first.
     cases = ((3, 1.0, 8, []), (4, 0.0, 6, [-3]), (4, 3.0, 6, [-3]), (2, 2.0, 7, [greedy[1]]))
     logged = lambda: api.pair.scheduler.log_path.read_text().count(" finished: ")  # noqa: E731
+
+    def counted() -> tuple[float, float]:
+        """The scheduler's finished requests and search steps, from its /metrics."""
+        sample = scrape(api.scheduler_metrics)
+        total = lambda suffix: sum(v for (name, _), v in sample.items() if name.endswith(suffix))  # noqa: E731
+        return total("_requests_total"), total("_search_steps_total")
+
     for width, penalty, tokens, stops in cases:
         stops = [best[2] if s == -3 else s for s in stops]
         expected = hf_beams(width, penalty, tokens, stops)
         extra = {"use_beam_search": True, "length_penalty": penalty, "return_token_ids": True, "stop_token_ids": stops}
-        lines = logged()
+        lines, (requests, steps) = logged(), counted()
         reply = client.chat.completions.create(
             model=api.model, messages=chat, max_tokens=tokens, n=width, logprobs=True, top_logprobs=2,
             extra_body=extra,  # type: ignore[arg-type]
@@ -2202,6 +2212,10 @@ def test_beam_search_returns_the_beams_transformers_finds(api: Api) -> None:
         choices = reply["choices"]
         assert [c["token_ids"] for c in choices] == expected, (width, penalty, stops)
         assert logged() == lines  # the scheduler logs each step (one token of a beam) at debug level
+        # ... and counts the steps apart from its requests (at least one a token of the best beam).
+        now = counted()
+        assert now[0] == requests, "a beam search's steps are no requests in the scheduler's metrics"
+        assert now[1] - steps >= len(choices[0]["token_ids"]), (now, steps)
         assert [c["index"] for c in choices] == list(range(width))
         assert [c["finish_reason"] for c in choices] == [
             "stop" if c["token_ids"][-1] in stops else "length" for c in choices
