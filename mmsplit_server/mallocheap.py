@@ -13,8 +13,10 @@ event loop (a stall for every stream it serves), receives inline items
 from its workers and serializes them for a scheduler elsewhere; a rank
 makes each item the model's own input; a CPU worker's processor makes and
 frees the same few large arrays per image (bench/preprocess.py). Bounded:
-allocations under 64 MiB come from the heap, and at most 128 MiB of free
-memory at its top is kept.
+allocations under 128 MiB come from the heap (the scheduler's default
+--max-tensor-bytes: a Qwen image at its checkpoint's budget in bfloat16 is
+up to ~77 MB, whose copy took 35-39 ms as a fresh mapping and 7-8 ms from
+the heap here), and at most 128 MiB of free memory at its top is kept.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import os
 
 # glibc's mallopt parameters, and the values `keep` sets.
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-HEAP_MMAP_THRESHOLD = 64 << 20
+HEAP_MMAP_THRESHOLD = 128 << 20
 HEAP_TRIM_THRESHOLD = 128 << 20
 
 
