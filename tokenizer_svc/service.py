@@ -379,7 +379,7 @@ class TokenizerService:
                         elif response.HasField("finished"):
                             cached = response.finished.cached_tokens
             finally:
-                _release(prepared)  # as `_generate_on`
+                _release(prepared)  # what the scheduler took (disowned) is left alone
         if entry is None:
             raise InternalError("the scheduler answered a beam's step with no log probabilities")
         return entry, cached
@@ -418,8 +418,7 @@ class TokenizerService:
             read = tokenizer_pb2.PromptTokens(token_ids=prompt.input_ids)
             yield tokenizer_pb2.GenerateResponse(request_id=rid, prompt_tokens=read)
         decoder = make_decoder(self.tokenizer, skip_special_tokens=not request.keep_special_tokens)
-        text, _ = stream_text(decoder, StopMatcher((), False), list(beam.tokens))
-        text += decoder.flush()
+        text = decoder.push(list(beam.tokens)) + decoder.flush()  # as a stream of it reads
         delta = tokenizer_pb2.TextDelta(text=text, token_ids=beam.tokens)
         if request.sampling.logprobs:
             top = request.sampling.top_logprobs
@@ -500,7 +499,7 @@ class TokenizerService:
                 async for response in responses:
                     yield response
         finally:
-            _release(prepared)  # `_handed` did, unless it never started; what the scheduler took is left alone
+            _release(prepared)  # what the scheduler took (disowned) is left alone
 
     async def _media_and_prompt(
         self,
@@ -538,8 +537,9 @@ class TokenizerService:
         search_step: bool = False,
     ) -> AsyncGenerator[tokenizer_pb2.GenerateResponse, None]:
         """`prompt` and its `prepared` media sent to the scheduler, and its
-        answer as text; what is `prepared` is this call's to hand over or
-        release. `search_step`: the scheduler GenerateRequest's."""
+        answer as text. What the scheduler accepts it disowns; the rest of
+        `prepared` stays the caller's to release (also when this never
+        starts). `search_step`: the scheduler GenerateRequest's."""
         results = [p.result for p in prepared]
         owned = [name for r in results for name in r.segments]
         self.held.update(owned)
@@ -588,7 +588,6 @@ class TokenizerService:
         finally:
             self._revoke(granted)
             self.held.difference_update(owned)
-            _release(prepared)  # what was disowned is the scheduler's: untouched
 
     def _check_sizes(self, media: list[Located], results: list[ItemResult], ask: ItemAsk) -> None:
         """Each item's encoder inputs within the largest tensor the backend
