@@ -479,7 +479,9 @@ class HttpApi:
                 r.prompt or tokenizer.decode(list(r.prompt_token_ids), skip_special_tokens=True) for r in call.requests
             )
         s = call.request.sampling
-        echo = openai_answers.Echo(texts, s.top_logprobs if call.echo and s.logprobs else None, call.prompt_logprobs)
+        echo = openai_answers.Echo(
+            texts, s.top_logprobs if call.echo and s.logprobs else None, call.prompt_logprobs, alone=call.scored_only
+        )
         return openai_answers.Choices(
             call.choices, tokenizer, per_prompt=call.n, echo=echo, token_ids=call.token_ids,
             tokens_as_ids=call.tokens_as_ids,

@@ -33,6 +33,9 @@ class Echo:
     texts: tuple[str, ...] = ()  # by prompt: its text, which each of its choices starts with (empty: no echo)
     logprobs: int | None = None  # echo's top entries per prompt token (None: no log probabilities)
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs, top tokens per entry (None: not asked)
+    # Completions' echo with max_tokens 0: the prompt alone, the token the
+    # scheduler made for it neither shown nor counted (`openai_api.Call.scored_only`).
+    alone: bool = False
 
 
 # What a log probability of -inf (a token that could not be drawn: banned,
@@ -99,18 +102,18 @@ class Choices:
                 self.prompt_logprobs[i] = self._vllm_form(scored, self.echo.prompt_logprobs)
             if self.echo.logprobs is not None:
                 shown = Shown("", None, self._prompt_entries(scored, self.echo.logprobs))
-        elif kind == "delta":
+        elif kind == "delta" and not self.echo.alone:
             d = response.delta
             entries = [self._entry(t, lp) for t, lp in zip(d.token_ids, d.logprobs, strict=False)]
             shown = Shown(d.text, None, entries, token_ids=list(d.token_ids))
             self.token_ids[i] += d.token_ids
         elif kind == "finished":
             f = response.finished
-            self.finish[i] = FINISH.get(f.finish_reason, "stop")
+            self.finish[i] = "length" if self.echo.alone else FINISH.get(f.finish_reason, "stop")
             prompt = i // self.per_prompt
             self._prompt[prompt] = f.prompt_tokens
             self._cached[prompt] = max(self._cached.get(prompt, 0), f.cached_tokens)
-            self.completion_tokens[i] = f.completion_tokens
+            self.completion_tokens[i] = 0 if self.echo.alone else f.completion_tokens
             shown = Shown("", self.finish[i], [])
         if shown is not None and i not in self._echoed and self.echo.texts:
             # The choice's first output: its prompt's text goes first (with

@@ -14,7 +14,9 @@ What is accepted, as vLLM, SGLang and TGI accept it:
   up to MAX_PROMPTS of either (each its own generation, prompt p's choice j
   numbered p * n + j); `echo` (each choice's text starts with its prompt,
   and with `logprobs` its prompt tokens' log probabilities come first, the
-  first token's null: what lm-evaluation-harness scores with).
+  first token's null: what lm-evaluation-harness scores with); with
+  `max_tokens: 0`, the prompt alone (OpenAI's and vLLM's way to score a
+  text: `finish_reason` "length", no completion tokens).
 - vLLM's `prompt_logprobs` (chat and completions, not streamed): each prompt
   token's log probability, rank and top tokens (`SamplingParams.prompt_logprobs`).
 - Parameters: temperature, top_p, top_k, seed, stop (a string or a list),
@@ -199,6 +201,10 @@ class Call:
     # vLLM's stream_options.continuous_usage_stats (with include_usage):
     # every chunk of output carries the usage so far.
     continuous_usage: bool = False
+    # Completions' echo with max_tokens 0: each choice is its prompt alone
+    # (scored, with logprobs), no output shown or counted; the scheduler
+    # is asked for one token, which is dropped.
+    scored_only: bool = False
 
     @property
     def choices(self) -> int:
@@ -353,10 +359,18 @@ def parse_completion(body: Any) -> Call:
             raise invalid(f"logprobs must be within [0, {MAX_TOP_LOGPROBS}]", "logprobs")
         request.sampling.logprobs = True
         request.sampling.top_logprobs = top
-    call = _finish(body, request)
     echo = body.get("echo")
     if echo is not None and not isinstance(echo, bool):
         raise invalid("echo must be true or false", "echo")
+    scored_only = bool(echo) and _int(body, "max_tokens") == 0
+    if scored_only:  # the prompt alone: one token is made, for the prefill's sake, and never shown
+        if body.get("use_beam_search"):
+            raise invalid("max_tokens must be at least 1 with use_beam_search", "max_tokens")
+        if _int(body, "min_tokens"):
+            raise invalid("min_tokens cannot exceed max_tokens (0: the prompt alone)", "min_tokens")
+        call = dataclasses.replace(_finish({**body, "max_tokens": 1}, request), scored_only=True)
+    else:
+        call = _finish(body, request)
     if echo and request.truncate_prompt_tokens:
         raise invalid("echo cannot go with truncate_prompt_tokens: the prompt echoed is the one sent", "echo")
     call = _prompt_logprobs(body, call, echo=bool(echo))
@@ -541,7 +555,9 @@ def _finish(body: dict[str, Any], request: tokenizer_pb2.GenerateRequest) -> Cal
     limits = [v for v in (_int(body, "max_tokens"), _int(body, "max_completion_tokens")) if v is not None]
     if limits:
         if min(limits) < 1:
-            raise invalid("max_tokens must be at least 1", "max_tokens")
+            raise invalid(
+                "max_tokens must be at least 1 (0 only with completions' echo: the prompt alone)", "max_tokens"
+            )
         s.max_tokens = min(limits)
     temperature = _number(body, "temperature")
     if temperature is not None:

@@ -1574,6 +1574,56 @@ def test_a_prompt_is_scored_as_lm_evaluation_harness_asks_with_echo_and_logprobs
         assert mine[-1] == "finished"
 
 
+def test_echo_with_max_tokens_0_answers_the_prompt_alone_scored(api: Api) -> None:
+    """OpenAI's and vLLM's way to score a text: echo with max_tokens 0
+    answers each prompt alone, its log probabilities those of the same
+    request with max_tokens 1 less the generated token's, finish_reason
+    "length", no completion tokens; streamed alike. max_tokens 0 without
+    echo (or on chat), or with min_tokens, is a 400 naming the field."""
+    client = api.client()
+    tokenizer = hf_loaded.tokenizer(api.pair.model)
+    prompts = [[1, 415, 2936, 9060, 285], [1, 9060, 415, 2936, 28705, 17]]
+    asked: dict[str, Any] = {"model": api.model, "prompt": prompts, "temperature": 0, "logprobs": 1, "echo": True}
+    alone = client.completions.create(max_tokens=0, **asked)
+    with_one = client.completions.create(max_tokens=1, **asked)
+    pairs = zip(*(sorted(r.choices, key=lambda c: c.index) for r in (alone, with_one)), prompts, strict=True)
+    for choice, other, ids in pairs:
+        assert choice.text == tokenizer.decode(ids, skip_special_tokens=True)
+        assert choice.finish_reason == "length"
+        lp, lp1 = choice.logprobs, other.logprobs
+        assert lp is not None
+        assert lp1 is not None
+        assert lp.tokens == lp1.tokens[:-1] == [tokenizer.decode([t]) for t in ids]  # type: ignore[index]
+        assert lp.token_logprobs == pytest.approx(lp1.token_logprobs[:-1], abs=1e-6)  # type: ignore[index]
+        assert lp.top_logprobs == lp1.top_logprobs[:-1]  # type: ignore[index]
+    assert alone.usage is not None
+    assert (alone.usage.prompt_tokens, alone.usage.completion_tokens) == (sum(map(len, prompts)), 0)
+
+    text = client.completions.create(model=api.model, prompt="The quick brown", max_tokens=0, echo=True, n=2)
+    assert [c.text for c in text.choices] == ["The quick brown"] * 2
+    chunks = list(client.completions.create(
+        model=api.model, prompt="The quick brown", max_tokens=0, echo=True, logprobs=0, stream=True,
+        stream_options={"include_usage": True},
+    ))  # fmt: skip
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == "The quick brown"
+    tokens = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens or []]
+    assert tokens == [tokenizer.decode([t]) for t in tokenizer("The quick brown").input_ids]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    usage = chunks[-1].usage
+    assert usage is not None
+    assert usage.completion_tokens == 0
+
+    for call, param in (
+        (lambda c: c.completions.create(model=api.model, prompt="Hi", max_tokens=0), "max_tokens"),
+        (lambda c: c.completions.create(model=api.model, prompt="Hi", max_tokens=0, echo=True,
+                                        extra_body={"min_tokens": 1}), "min_tokens"),
+        (lambda c: c.chat.completions.create(model=api.model, messages=[{"role": "user", "content": "Hi"}],
+                                             max_tokens=0), "max_tokens"),
+    ):  # fmt: skip
+        refused = _bad(api, call)
+        assert (refused.status_code, refused.body["param"]) == (400, param)  # type: ignore[index]
+
+
 def test_echo_streams_the_prompt_first_and_chat_reports_prompt_logprobs(api: Api) -> None:
     """A streamed echo's text is the prompt and then the output, as the
     whole answer's; text offsets run on across chunks; a chat request's
