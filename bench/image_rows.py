@@ -30,7 +30,7 @@ buffers (the default) against glibc's thresholds as a process that sets
 none has them at their top (set by the environment, which `mallocheap`
 leaves to glibc).
 
-    python bench/image_rows.py [--reps 7] [--n 16] [--concurrency 2] [--rounds 3] [--tp 1]
+    python bench/image_rows.py [--reps 7] [--n 16] [--concurrency 2] [--rounds 3] [--tp 1] [--parts forms,heap]
 """
 
 from __future__ import annotations
@@ -183,6 +183,9 @@ HEAP_ARMS = {
     "heap kept": ([], {}),
 }
 
+# The services' parts: name -> their arms and the image size they send.
+SERVICE_PARTS = {"forms": (FORM_ARMS, SERVICE_IMAGE), "heap": (HEAP_ARMS, HEAP_IMAGE)}
+
 
 def services(
     model: Path,
@@ -253,7 +256,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="rounds of the services (0: part 1 only)")
     parser.add_argument("--tp", type=int, default=1, help="the schedulers' ranks")
     parser.add_argument("--workdir", type=Path, help="where the model goes (default: a temporary directory)")
+    parser.add_argument(
+        "--parts", default="forms,heap", help="the services' parts to run, of forms (part 2) and heap (part 3)"
+    )
     args = parser.parse_args()
+    parts = set(args.parts.split(","))
+    if not parts <= SERVICE_PARTS.keys():
+        parser.error(f"--parts: {args.parts!r}; the parts are {', '.join(SERVICE_PARTS)}")
     with tempfile.TemporaryDirectory(prefix="mmsplit-bench-") as tmp:
         workdir = args.workdir or Path(tmp)
         model = model_dir(workdir)
@@ -261,8 +270,9 @@ def main() -> None:
             print(per_image(model, args.reps, dtype), flush=True)
         if args.rounds:
             common = (args.n, args.concurrency, args.rounds, args.tp, Path(tmp))
-            print(services(model, FORM_ARMS, SERVICE_IMAGE, *common), flush=True)
-            print(services(model, HEAP_ARMS, HEAP_IMAGE, *common), flush=True)
+            for part, (arms, size) in SERVICE_PARTS.items():
+                if part in parts:
+                    print(services(model, arms, size, *common), flush=True)
 
 
 if __name__ == "__main__":

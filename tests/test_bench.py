@@ -127,7 +127,10 @@ def test_processor_steps_benchmark_prints_every_arm(models: Path) -> None:
 
 
 def test_image_rows_benchmark_prints_both_forms_in_process_and_through_the_services(models: Path) -> None:
-    args = ["--reps", "1", "--rounds", "1", "--n", "2", "--concurrency", "1"]
+    # The services' part 2 (the forms) alone: part 3 is the same function
+    # with other arms and larger images (each part starts two pairs of
+    # services; part 3 took 20 of the 34 s the two took here).
+    args = ["--reps", "1", "--rounds", "1", "--n", "2", "--concurrency", "1", "--parts", "forms"]
     result = run_bench("image_rows.py", args, models=models)
     assert result.returncode == 0, result.stderr[-3000:]
     for dtype in ("float32", "bfloat16"):
@@ -138,10 +141,10 @@ def test_image_rows_benchmark_prints_both_forms_in_process_and_through_the_servi
     for ratio in ("0.50", "0.25"):  # one frame; and in bfloat16
         found = re.findall(rf"^\s+one / both\s+{ratio}(\s+[\d.]+){{5}}$", result.stdout, re.M)
         assert len(found) == 3, result.stdout
-    for arm in ("both frames", "one frame", "glibc's defaults", "heap kept"):
+    for arm in ("both frames", "one frame"):
         assert re.search(rf"^{arm}(\s+[\d.]+){{5}}$", result.stdout, re.M), result.stdout
-    for line in ("one frame / both frames", "heap kept / glibc's defaults"):
-        assert re.search(rf"^{line}: [\d.]+x the requests/s$", result.stdout, re.M), result.stdout
+    assert re.search(r"^one frame / both frames: [\d.]+x the requests/s$", result.stdout, re.M), result.stdout
+    assert "glibc's defaults" not in result.stdout
 
 
 def test_step_profile_prints_the_step_and_its_ops(models: Path) -> None:
