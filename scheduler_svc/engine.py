@@ -75,7 +75,8 @@ from scheduler_svc.kvcache import ForwardInputs, RowCache
 from scheduler_svc.lean_decode import lean_decode_body
 from scheduler_svc.media_inputs import Joiner, MediaInputs
 from scheduler_svc.plan import Failure, NewRequest, Plan, StepOutcome
-from scheduler_svc.prefix_cache import BLOCK_TOKENS, NO_MATCH, Match, PrefixCache, Runs, chain
+from scheduler_svc.prefix_cache import BLOCK_TOKENS, NO_MATCH, Match, PrefixCache, Runs, chain, tail_key
+from scheduler_svc.prefix_cache import root as prefix_root
 from scheduler_svc.prompt_scores import score_prompt
 from scheduler_svc.reader import TensorReader
 from scheduler_svc.sampler import Bans, LogitAdjust, Logprob, RowSampling, Sampler, make_generator
@@ -410,7 +411,7 @@ class Engine:
         if row is None:  # never joined (failed at admission) or already gone
             return
         if keep and self.prefix_cache.enabled:
-            self._keep_or_spoil(row)
+            self._keep_or_spoil(row, tail=True)
         self.cache.remove(row)
         last = self.rows.pop()
         if row < len(self.rows):
@@ -428,11 +429,11 @@ class Engine:
             self._keep_or_spoil(row)
         return bool(rows)
 
-    def _keep_or_spoil(self, index: int) -> None:
+    def _keep_or_spoil(self, index: int, *, tail: bool = False) -> None:
         try:
             if self._hook is not None and hasattr(self._hook, "before_keep"):
                 self._hook.before_keep(self.coll.rank, self.rows[index].request)
-            self._keep(self.rows[index], index)
+            self._keep(self.rows[index], index, tail=tail)
         except Exception:
             # Out of memory, say: the row goes on (or leaves) all the same.
             # This rank's store may now differ from the others', so its
@@ -442,21 +443,29 @@ class Engine:
                           self.coll.rank, self.rows[index].request.request_id)  # fmt: skip
             self.prefix_cache.spoil(self.coll.rank)
 
-    def _keep(self, row: Row, index: int) -> None:
+    def _keep(self, row: Row, index: int, *, tail: bool = False) -> None:
         """Keep the full blocks of a row's KV in the prefix cache: its
-        prompt and the tokens it was fed after it. Blocks the store holds
+        prompt and the tokens it was fed after it; with `tail` (a row that
+        leaves), its last partial block too. Blocks the store holds
         already (a running row's prompt, kept the step after it joined)
         are touched, not copied again."""
         length = self.cache.lengths[index]
         tokens = [*row.request.input_ids, *row.fed][:length]
-        keys = chain(tokens, row.runs, row.request.cache_salt, blocks=length // BLOCK_TOKENS)
+        salt = row.request.cache_salt
+        keys = chain(tokens, row.runs, salt, blocks=length // BLOCK_TOKENS)
         held = self.prefix_cache.held(keys)
+        start = len(keys) * BLOCK_TOKENS
+        last: tuple[bytes, torch.Tensor] | None = None
+        if tail and length > start:
+            got = self.cache.row_blocks(index, start, length, length - start)
+            parent = keys[-1] if keys else prefix_root(salt)
+            last = (tail_key(parent, tokens, start, length - start, row.runs), got[0]) if got else None
         if held == len(keys):
-            self.prefix_cache.keep(keys, [])
+            self.prefix_cache.keep(keys, [], tail=last)
             return
-        blocks = self.cache.row_blocks(index, held * BLOCK_TOKENS, len(keys) * BLOCK_TOKENS, BLOCK_TOKENS)
+        blocks = self.cache.row_blocks(index, held * BLOCK_TOKENS, start, BLOCK_TOKENS)
         if blocks is not None:
-            self.prefix_cache.keep(keys, blocks, first=held)
+            self.prefix_cache.keep(keys, blocks, first=held, tail=last)
 
     def _row_sampling(self, req: NewRequest) -> RowSampling | None:
         if self.coll.rank != 0:
@@ -814,7 +823,8 @@ class Engine:
                     hit = self.encoder_cache.would_hit(key, item.rows, self._media.width)
                     encoder.update(key + (b"1" if hit else b"0"))
             match = self._matches.get(req.request_id, NO_MATCH)
-            prefix.update(len(match.keys).to_bytes(4, "little") + (match.keys[-1] if match.keys else b""))
+            taken = match.all_keys
+            prefix.update(match.tokens.to_bytes(4, "little") + (taken[-1] if taken else b""))
         # Two halves of one int64 of the agreement's row: each cache's own.
         low = int.from_bytes(encoder.digest(), "little") & _HALF
         high = int.from_bytes(prefix.digest(), "little") & _HALF

@@ -17,10 +17,20 @@ A block is `BLOCK_TOKENS` prompt (or generated) tokens. Its key chains:
 Placeholder ids are the same for every image, so ids alone would give a new
 image the previous image's KV; with the item's digest in the key the same
 text with another image misses from the image's first block on. A match
-ends on a block boundary that is outside every item's span (never between an
-item's first and last placeholder, so what follows the match needs whole
-items only) and leaves at least the prompt's last token to prefill (its
-logits make the first token).
+ends outside every item's span (never between an item's first and last
+placeholder, so what follows the match needs whole items only) and leaves
+at least the prompt's last token to prefill (its logits make the first
+token).
+
+A row that leaves also keeps its last, partial block (its *tail*: the 1 to
+15 tokens past its last full block), keyed as a block is but for its
+length, under its full blocks' chain. A later prompt that goes on from
+there takes the matched full blocks and then the longest stored tail its
+next tokens start with, so its match may end inside a block: what beam
+search needs (each step re-sends the prompt and the beam's tokens, one
+token past the step before), and a conversation's next turn, which starts
+with the last turn's whole text. Tails are never parents: a block's key
+does not depend on whether its tokens were once a tail.
 
 Every rank must hold the same blocks in the same order (a hit changes the
 prefill's shape, and under TP the forward's collectives must match): the
@@ -68,16 +78,29 @@ class Runs:
 @dataclass(frozen=True)
 class Match:
     """What a prompt could take from the store: the keys of its first
-    `tokens // BLOCK_TOKENS` blocks."""
+    full blocks, and the key and length of the tail after them (b"", 0:
+    none)."""
 
     keys: tuple[bytes, ...]
+    tail: bytes = b""
+    tail_tokens: int = 0
 
     @property
     def tokens(self) -> int:
-        return len(self.keys) * BLOCK_TOKENS
+        return len(self.keys) * BLOCK_TOKENS + self.tail_tokens
+
+    @property
+    def all_keys(self) -> tuple[bytes, ...]:
+        """The keys taken, root first (the tail last)."""
+        return (*self.keys, self.tail) if self.tail else self.keys
 
 
 NO_MATCH = Match(())
+
+
+def root(salt: str = "") -> bytes:
+    """The parent of a prompt's first block."""
+    return hashlib.blake2b(b"mmsplit-prefix-v1|" + salt.encode(), digest_size=16).digest()
 
 
 def chain(ids: Sequence[int], runs: Runs, salt: str = "", *, blocks: int | None = None) -> list[bytes]:
@@ -90,7 +113,7 @@ def chain(ids: Sequence[int], runs: Runs, salt: str = "", *, blocks: int | None 
             first, last = offset // BLOCK_TOKENS, (offset + length - 1) // BLOCK_TOKENS
             for b in range(first, min(last + 1, n)):
                 overlaps[b].append((item, r, b * BLOCK_TOKENS - offset))
-    parent = hashlib.blake2b(b"mmsplit-prefix-v1|" + salt.encode(), digest_size=16).digest()
+    parent = root(salt)
     keys: list[bytes] = []
     for b in range(n):
         h = hashlib.blake2b(parent, digest_size=16)
@@ -102,10 +125,19 @@ def chain(ids: Sequence[int], runs: Runs, salt: str = "", *, blocks: int | None 
     return keys
 
 
-def usable_blocks(prompt_length: int, runs: Runs) -> int:
-    """How many leading blocks of a prompt a match may cover: it must leave
-    the last token to prefill and end outside every item's span."""
-    return outside_items((prompt_length - 1) // BLOCK_TOKENS, runs)
+def tail_key(parent: bytes, ids: Sequence[int], start: int, tokens: int, runs: Runs) -> bytes:
+    """The key of the tail of `tokens` (1 to BLOCK_TOKENS - 1) tokens of
+    `ids` from `start` (a block boundary) under the block `parent` (the
+    chain's root for a tail at 0): a block's key but for its length, which
+    it names."""
+    h = hashlib.blake2b(parent, digest_size=16)
+    h.update(b"tail" + struct.pack(f"<I{tokens}q", tokens, *ids[start : start + tokens]))
+    end = start + tokens
+    for item, item_runs in enumerate(runs.placeholders):
+        for r, (offset, length) in enumerate(item_runs):
+            if offset < end and start < offset + length:
+                h.update(runs.digests[item] + struct.pack("<IIq", item, r, start - offset))
+    return h.digest()
 
 
 def outside_items(blocks: int, runs: Runs) -> int:
@@ -175,21 +207,34 @@ class PrefixCache:
         before that item."""
         if not self.enabled:
             return NO_MATCH
-        keys = chain(ids, runs, salt, blocks=usable_blocks(len(ids), runs))
-        return Match(tuple(keys[: outside_items(self.held(keys), runs)]))
+        keys = chain(ids, runs, salt, blocks=(len(ids) - 1) // BLOCK_TOKENS)
+        keys = keys[: self.held(keys)]
+        # The longest stored tail after every stored block that leaves the
+        # last token and ends outside every item's span (the blocks before
+        # it may end inside one: the match ends after the tail)...
+        start, parent, spans = len(keys) * BLOCK_TOKENS, keys[-1] if keys else root(salt), runs.spans()
+        for tokens in range(min(BLOCK_TOKENS - 1, len(ids) - 1 - start), 0, -1):
+            if any(lo < start + tokens < hi for lo, hi in spans):
+                continue
+            tail = tail_key(parent, ids, start, tokens, runs)
+            if self.holds(tail):
+                return Match(tuple(keys), tail, tokens)
+        # ... else the blocks up to the last that ends outside every span.
+        return Match(tuple(keys[: outside_items(len(keys), runs)]))
 
     def take(self, match: Match, prompt_tokens: int) -> torch.Tensor | None:
         """A match's KV ``[layers, 2, heads, tokens, head dim]`` (None for an
         empty match), its blocks made most recent; counts the lookup."""
         self.lookups += 1
         self.prompt_tokens += prompt_tokens
-        if not match.keys:
+        taken = match.all_keys
+        if not taken:
             return None
-        blocks = [self._blocks.peek(key) for key in match.keys]
+        blocks = [self._blocks.peek(key) for key in taken]
         if any(block is None for block in blocks):
             raise RuntimeError("a matched block left the prefix cache before it was taken")
-        self._record(b"take", match.keys)
-        self._touch(match.keys)
+        self._record(b"take", taken)
+        self._touch(taken)
         self.hits += 1
         self.hit_tokens += match.tokens
         return torch.cat(blocks, dim=3)  # type: ignore[arg-type]
@@ -205,15 +250,25 @@ class PrefixCache:
             n += 1
         return n
 
-    def keep(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor], *, first: int = 0) -> int:
+    def keep(
+        self,
+        keys: Sequence[bytes],
+        blocks: Sequence[torch.Tensor],
+        *,
+        first: int = 0,
+        tail: tuple[bytes, torch.Tensor] | None = None,
+    ) -> int:
         """Store a leaving row's blocks under `keys` (one per block, as `chain`
         made them), the first `first` of which are stored already; `blocks`
         (``[layers, 2, heads, BLOCK_TOKENS, head dim]`` each, tensors of their
-        own) are the others. As many as the budget holds are kept, and the
-        chain made most recent. The blocks added."""
-        if not self.enabled or not keys:
+        own) are the others; and its `tail` (its key, as `tail_key` made it,
+        and its ``[layers, 2, heads, 1 to BLOCK_TOKENS - 1, head dim]``)
+        after the last of them. As many blocks as the budget holds are kept,
+        the tail only after all of them, and the chain made most recent, the
+        tail least. The blocks added (the tail counted)."""
+        if not self.enabled or not (keys or tail):
             return 0
-        self._record(b"keep", keys)
+        self._record(b"keep", [*keys, *(tail[:1] if tail else ())])
         # The stored parents first made the most recent, so that storing
         # their children evicts other chains' blocks, never these (the
         # chain fits: at most `capacity` bytes of it are kept).
@@ -225,7 +280,17 @@ class PrefixCache:
             for key, block in zip(keys[first:fits], blocks, strict=False):
                 self._blocks.put(key, block, block_bytes)
                 added += 1
-            keys = keys[:fits]
+            if fits < len(keys):
+                keys, tail = keys[:fits], None
+        if tail is not None:
+            key, block = tail
+            tail_bytes = block.numel() * block.element_size()
+            chain_bytes = len(keys) * tail_bytes * BLOCK_TOKENS // block.shape[3]
+            if chain_bytes + tail_bytes <= self.capacity:
+                self._touch(keys)  # the chain most recent first: storing the tail evicts none of it
+                self._blocks.put(key, block, tail_bytes)
+                added += 1
+                keys = [*keys, key]
         self._touch(keys)
         return added
 

@@ -15,7 +15,7 @@ import torch
 
 from scheduler_svc.engine import Engine
 from scheduler_svc.plan import NewRequest
-from scheduler_svc.prefix_cache import BLOCK_TOKENS, PrefixCache, Runs, chain, usable_blocks
+from scheduler_svc.prefix_cache import BLOCK_TOKENS, PrefixCache, Runs, chain, outside_items, root, tail_key
 from tests.support.engine_kit import drive, pixels, reference, request, solo_engine
 
 IMAGE_TOKENS = 64  # the tiny LLaVA's placeholders per image
@@ -51,10 +51,10 @@ def test_a_key_covers_the_item_the_salt_and_everything_before() -> None:
     assert not set(chain(ids, runs_a, "tenant-2")) & set(a), "another salt shares nothing"
     assert chain(ids, runs_a) == a, "keys are a function of their inputs"
     # A match ends outside the image's span and leaves the last token to prefill.
-    assert usable_blocks(len(ids), runs_a) == 4  # 64: past the image
-    assert usable_blocks(50, runs_a) == 1  # 16 (32 and 48 are inside 20..60)
-    assert usable_blocks(65, Runs()) == 4
-    assert usable_blocks(64, Runs()) == 3
+    assert outside_items((len(ids) - 1) // BLOCK_TOKENS, runs_a) == 4  # 64: past the image
+    assert outside_items(49 // BLOCK_TOKENS, runs_a) == 1  # 16 (32 and 48 are inside 20..60)
+    assert outside_items(64 // BLOCK_TOKENS, Runs()) == 4
+    assert outside_items(63 // BLOCK_TOKENS, Runs()) == 3
 
 
 def test_the_store_keeps_within_its_bytes_and_evicts_deepest_blocks_first() -> None:
@@ -99,6 +99,53 @@ def test_a_chain_that_grows_in_a_full_store_keeps_its_stored_parents() -> None:
     assert store.held(keys) == 4
     assert store.held(other) == 0, "the other chain's blocks made the room"
     assert store.nbytes == store.capacity
+
+
+def test_a_tail_is_taken_by_a_prompt_that_goes_past_it_and_evicted_before_its_parents() -> None:
+    """A leaving row's last partial block: a longer prompt with the same
+    tokens takes the full blocks and then the tail, leaving its last token
+    to prefill; a prompt that stops inside the tail, or differs in it, or
+    has another salt, or whose match would end inside an item, takes the
+    full blocks only. The store evicts the tail before its parents, and
+    keeps no tail whose chain does not fit."""
+
+    def block(tokens: int) -> torch.Tensor:
+        return torch.zeros(2, 2, 1, tokens, 4)
+
+    size = block(BLOCK_TOKENS).numel() * 4
+    store = PrefixCache(4 * size)
+    ids = list(range(100, 100 + 2 * BLOCK_TOKENS + 5))  # 2 blocks and a tail of 5
+    keys = chain(ids, Runs())
+    tail = tail_key(keys[-1], ids, 2 * BLOCK_TOKENS, 5, Runs())
+    assert store.keep(keys, [block(BLOCK_TOKENS)] * 2, tail=(tail, block(5))) == 3
+    assert store.nbytes == 2 * size + 5 * size // BLOCK_TOKENS
+    longer = [*ids, 7, 8]
+    match = store.match(longer, Runs())
+    assert (match.tokens, match.tail) == (2 * BLOCK_TOKENS + 5, tail)
+    kv = store.take(match, len(longer))
+    assert kv is not None
+    assert kv.shape[3] == 2 * BLOCK_TOKENS + 5
+    assert store.match([*ids, 7], Runs()).tokens == 2 * BLOCK_TOKENS + 5, "the last token left to prefill"
+    assert store.match(ids, Runs()).tokens == 2 * BLOCK_TOKENS, "a prompt that ends in the tail: not all of it"
+    assert store.match([*ids[:-1], 9, 7], Runs()).tokens == 2 * BLOCK_TOKENS, "another last token: not the tail"
+    assert store.match(longer, Runs(), "tenant-2").tokens == 0, "another salt shares nothing"
+    image = Runs((b"A" * 16,), (((2 * BLOCK_TOKENS + 3, 4),),))  # an item from inside the tail past its end
+    assert store.match(longer, image).tail == b"", "a match never ends inside an item"
+    # A tail with no full block before it hangs from the chain's root.
+    short = [5, 6, 7]
+    short_tail = tail_key(root(), short, 0, 3, Runs())
+    store.keep([], [], tail=(short_tail, block(3)))
+    assert store.match([*short, 1], Runs()).tokens == 3
+    # The next chain's blocks evict the least recent: the first chain's tail before its blocks.
+    other = chain(list(range(500, 500 + 2 * BLOCK_TOKENS)), Runs())
+    store.keep(other, [block(BLOCK_TOKENS)] * 2)
+    assert store.nbytes <= store.capacity
+    assert not store.holds(tail)
+    assert store.held(keys) >= 1, "the first chain's root outlived its tail"
+    # A chain that fills the store keeps no tail.
+    full = PrefixCache(2 * size)
+    assert full.keep(keys, [block(BLOCK_TOKENS)] * 2, tail=(tail, block(5))) == 2
+    assert not full.holds(tail)
 
 
 # ---- the engine ----
@@ -153,6 +200,26 @@ def test_multi_turn_conversations_with_images_hit_and_keep_their_greedy_tokens(
         assert all(c >= IMAGE_TOKENS for c in cached[1:]), cached
     assert on.prefix_cache.hits >= 9
     assert on.prefix_cache.nbytes > 0
+
+
+@pytest.mark.parametrize("encoder", [64 << 20, 0], ids=["encoded", "media"])
+def test_a_prompt_one_token_longer_each_time_prefills_one_token(model: torch.nn.Module, encoder: int) -> None:
+    """What a beam search sends (and a conversation's next turn, in
+    part): each request is the last one's prompt and its first token. A
+    leaving row keeps its tail, so each takes every token but its last
+    from the store, not only whole blocks; its greedy token is the
+    uncached one, with an image before the tail too."""
+    eos = int(model.config.text_config.eos_token_id)
+    engine = make_engine(model, prefix=64 << 20, encoder=encoder)
+    ids = [1, *range(700, 720), *([model.config.image_token_id] * IMAGE_TOKENS), *range(800, 810)]
+    seen: dict[str, int] = {}
+    for step in range(BLOCK_TOKENS + 3):  # across a block boundary
+        req = request(f"step{step}", list(ids), [pixels(3)], max_tokens=1)
+        out = drive(engine, {0: [req]}, eos, seen)[req.request_id]
+        assert out == reference(model, req), step
+        assert seen[req.request_id] == (0 if step == 0 else len(ids) - 1), step
+        ids.append(out[0] if out[0] != eos else 900 + step)  # type: ignore[index]
+    assert engine.prefix_cache.nbytes <= engine.prefix_cache.capacity
 
 
 def test_a_hit_then_chunks_gives_the_tokens_of_one_prefill(model: torch.nn.Module) -> None:
