@@ -197,7 +197,12 @@ def test_multi_turn_conversations_with_images_hit_and_keep_their_greedy_tokens(
         assert with_cache == without, seed
         assert none == [0, 0, 0, 0]
         assert cached[0] == 0
-        assert all(c >= IMAGE_TOKENS for c in cached[1:]), cached
+        # Each later turn takes the whole of the turn before from the store
+        # (its last token, never fed, aside): full blocks and the tail.
+        lengths = [1]
+        for (image_seed, text), out in zip(chat, with_cache, strict=True):
+            lengths.append(lengths[-1] + (IMAGE_TOKENS if image_seed >= 0 else 0) + len(text) + len(out))
+        assert cached[1:] == [n - 1 for n in lengths[1:-1]], cached
     assert on.prefix_cache.hits >= 9
     assert on.prefix_cache.nbytes > 0
 
