@@ -411,7 +411,7 @@ class Engine:
         if row is None:  # never joined (failed at admission) or already gone
             return
         if keep and self.prefix_cache.enabled:
-            self._keep_or_spoil(row, tail=True)
+            self._keep_or_spoil(row, tail=self.cache.lengths[row])
         self.cache.remove(row)
         last = self.rows.pop()
         if row < len(self.rows):
@@ -426,10 +426,10 @@ class Engine:
             return False
         rows = [self.index[rid] for rid in joined if rid in self.index]
         for row in rows:
-            self._keep_or_spoil(row)
+            self._keep_or_spoil(row, tail=self.cache.lengths[row] - 1)
         return bool(rows)
 
-    def _keep_or_spoil(self, index: int, *, tail: bool = False) -> None:
+    def _keep_or_spoil(self, index: int, *, tail: int = 0) -> None:
         try:
             if self._hook is not None and hasattr(self._hook, "before_keep"):
                 self._hook.before_keep(self.coll.rank, self.rows[index].request)
@@ -443,27 +443,29 @@ class Engine:
                           self.coll.rank, self.rows[index].request.request_id)  # fmt: skip
             self.prefix_cache.spoil(self.coll.rank)
 
-    def _keep(self, row: Row, index: int, *, tail: bool = False) -> None:
-        """Keep the full blocks of a row's KV in the prefix cache: its
-        prompt and the tokens it was fed after it; with `tail` (a row that
-        leaves), its last partial block too. Blocks the store holds
-        already (a running row's prompt, kept the step after it joined)
-        are touched, not copied again."""
+    def _keep(self, row: Row, index: int, *, tail: int = 0) -> None:
+        """Keep the full blocks of a row's KV in the prefix cache (its
+        prompt and the tokens it was fed after it), and the partial block
+        that ends at token `tail` (0: none): a leaving row's length, or a
+        prompt just prefilled less its last token (what the same prompt
+        sent again takes: all it may). Blocks the store holds already (a
+        running row's prompt, kept the step after it joined) are touched,
+        not copied again."""
         length = self.cache.lengths[index]
         tokens = [*row.request.input_ids, *row.fed][:length]
         salt = row.request.cache_salt
         keys = chain(tokens, row.runs, salt, blocks=length // BLOCK_TOKENS)
         held = self.prefix_cache.held(keys)
-        start = len(keys) * BLOCK_TOKENS
         last: tuple[bytes, torch.Tensor] | None = None
-        if tail and length > start:
-            got = self.cache.row_blocks(index, start, length, length - start)
-            parent = keys[-1] if keys else prefix_root(salt)
-            last = (tail_key(parent, tokens, start, length - start, row.runs), got[0]) if got else None
+        start = tail // BLOCK_TOKENS * BLOCK_TOKENS
+        if tail > start:
+            got = self.cache.row_blocks(index, start, tail, tail - start)
+            parent = keys[start // BLOCK_TOKENS - 1] if start else prefix_root(salt)
+            last = (tail_key(parent, tokens, start, tail - start, row.runs), got[0]) if got else None
         if held == len(keys):
             self.prefix_cache.keep(keys, [], tail=last)
             return
-        blocks = self.cache.row_blocks(index, held * BLOCK_TOKENS, start, BLOCK_TOKENS)
+        blocks = self.cache.row_blocks(index, held * BLOCK_TOKENS, len(keys) * BLOCK_TOKENS, BLOCK_TOKENS)
         if blocks is not None:
             self.prefix_cache.keep(keys, blocks, first=held, tail=last)
 

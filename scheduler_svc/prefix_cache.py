@@ -22,15 +22,17 @@ placeholder, so what follows the match needs whole items only) and leaves
 at least the prompt's last token to prefill (its logits make the first
 token).
 
-A row that leaves also keeps its last, partial block (its *tail*: the 1 to
-15 tokens past its last full block), keyed as a block is but for its
-length, under its full blocks' chain. A later prompt that goes on from
-there takes the matched full blocks and then the longest stored tail its
-next tokens start with, so its match may end inside a block: what beam
-search needs (each step re-sends the prompt and the beam's tokens, one
-token past the step before), and a conversation's next turn, which starts
-with the last turn's whole text. Tails are never parents: a block's key
-does not depend on whether its tokens were once a tail.
+Partial blocks are kept too, as *tails* (1 to 15 tokens past a block
+boundary, keyed as a block is but for their length, under the chain of
+full blocks before them): a leaving row's last one, and a prompt's tokens
+but its last once prefilled (all the same prompt sent again may take). A
+later prompt that goes on past a stored tail takes the matched full
+blocks and then the longest such tail, so its match may end inside a
+block: what beam search needs (each step re-sends the prompt and the
+beam's tokens, one token past the step before), a conversation's next
+turn (which starts with the last turn's whole text), and a prompt sent
+again (n choices, a retry). Tails are never parents: a block's key does
+not depend on whether its tokens were once a tail.
 
 Every rank must hold the same blocks in the same order (a hit changes the
 prefill's shape, and under TP the forward's collectives must match): the
