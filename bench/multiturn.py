@@ -33,6 +33,12 @@ interleaved over rounds:
   the step after it is prefilled, so a request can take them while the
   one that made them runs.
 
+- **identical prompts at once**: C (at least 2) requests of one prompt (the system
+  prompt, an image and a question), joining one step, as the n choices of
+  one request do: the step's time with their prefill shared (one row
+  prefilled, the others copies of it: the engine's default) and with each
+  prefilled in its own row.
+
 Also whether both arms made the same tokens (greedy: they must); and,
 unless `--no-chunked`, one round of `bench/chunked_prefill.py` (16 streams
 decoding while a 6,000-token prompt joins, with chunked prefill and
@@ -266,6 +272,16 @@ def at_once(model: Any, prefix_bytes: int, wait: int, n: int, system: int, answe
     return AtOnce(list(ttft.values()), seconds, dict(made), store.hit_tokens - hit, store.prompt_tokens - prompt)
 
 
+def identical(eng: Any, n: int, system: int, answer: int, seed: int) -> tuple[float, dict[str, list[int]]]:
+    """`n` requests of one prompt joining one step: that step's seconds, and
+    every request's tokens."""
+    rng = random.Random(seed + 11)
+    ids = [1, *(rng.randrange(100, 30000) for _ in range(system)), *[IMAGE_TOKEN_ID] * IMAGE_TOKENS]
+    ids += [rng.randrange(100, 30000) for _ in range(30)]
+    joins, made, _, _ = run_turns(eng, [[request(f"i{seed}-{c}", ids, [image(seed)], answer) for c in range(n)]])
+    return joins[0], made
+
+
 def unshared(eng: Any, n: int, lengths: list[int], answer: int, seed: int) -> tuple[float, int, dict[str, list[int]]]:
     """As many requests as the multi-turn workload, of its prompt lengths,
     every prompt its own random text."""
@@ -311,6 +327,9 @@ def main() -> None:
         # The prefix cache on with the step loop's waiting for a shared prefill, on without it, and off.
         burst_arms = {"waits": (1 << 30, 64), "no wait": (1 << 30, 0), "off": (0, 0)}
         burst: dict[str, list[AtOnce]] = {arm: [] for arm in burst_arms}
+        share_arms = {"shared": True, "each its own": False}
+        alike_n = max(args.conversations, 2)
+        twins: dict[str, list[float]] = {arm: [] for arm in share_arms}
         same = True
         hit = prompt = 0
         lengths: list[int] = []
@@ -358,6 +377,14 @@ def main() -> None:
                 if r:
                     burst[arm].append(together[arm])
             same &= together["waits"].made == together["no wait"].made == together["off"].made
+            alike = {}
+            for arm, share in _rotated(list(share_arms.items()), r):
+                join, alike[arm] = identical(
+                    engine(model, 1 << 30, share_prefills=share), alike_n, args.system, args.answer, r
+                )
+                if r:
+                    twins[arm].append(join)
+            same &= alike["shared"] == alike["each its own"]
         rows = []
         for t in range(TURNS):
             on, off = statistics.median(ttft["on"][t]), statistics.median(ttft["off"][t])
@@ -390,7 +417,11 @@ def main() -> None:
         print(table(["prefix cache", "TTFT p50 ms", "TTFT p90 ms", "all done ms", "prompt from cache"], rows))
         waits, no_wait = (statistics.median(run.seconds for run in burst[arm]) for arm in ("waits", "no wait"))
         print(f"  waiting for the shared prefill: all done in {waits / no_wait:.2f}x the time of not waiting")
-        print(f"same tokens with the cache on and off (every request, every round): {same}")
+        shared, own = (statistics.median(twins[arm]) for arm in share_arms)
+        print(f"identical prompts at once ({alike_n} requests of one {args.system + IMAGE_TOKENS + 31}-token "
+              f"prompt with an image, joining one step, as n choices do): TTFT prefilled once {shared * 1000:.0f} ms, "
+              f"each its own {own * 1000:.0f} ms ({shared / own:.2f}x)")  # fmt: skip
+        print(f"same tokens with the cache on and off, shared or not (every request, every round): {same}")
         if not args.no_chunked:
             chunked(workdir)
 

@@ -139,8 +139,12 @@ class Engine:
         decode_kv_multiple: int = 1,
         head_layout: str = "auto",
         lean_decode: bool = True,
+        share_prefills: bool = True,
     ) -> None:
         self.model = model
+        # Identical prompts joining in one step prefilled once (`_prefill`);
+        # False (benchmarks' baseline): each in a row of its own.
+        self.share_prefills = share_prefills
         # Rank 0's compiler of structured-output constraints (None: requests with a structure fail).
         self._grammars = grammars
         # The adapter builds positions (M-RoPE); by default from the model's own config.
@@ -214,6 +218,10 @@ class Engine:
         # KV of prompts once prefilled, and of finished requests' outputs, by blocks.
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
         self._matches: dict[str, Match] = {}  # this step's new requests: what they could take
+        # This step's new requests whose prompt (its ids, salt and items)
+        # an earlier one's equals: the earlier one's id. Its prefill is
+        # that one's (`_prefill`).
+        self._twins: dict[str, str] = {}
         # This step's joiners that asked for prompt_logprobs: the hidden
         # states of their prompts' positions (but the last), from `_forward`.
         self._prompt_hidden: dict[str, torch.Tensor] = {}
@@ -292,6 +300,7 @@ class Engine:
         read = self._intake.read(plan.new, keyed=self.encoder_cache.enabled or self.prefix_cache.enabled)
         tensors, codes, messages, self._keys = read.tensors, read.codes, read.messages, read.keys
         self._matches = self._match(plan.new)
+        self._twins = self._twins_of(plan.new)
         use_encoder = use_prefix = False
         if plan.new or plan.drop:
             digests: list[int] = []
@@ -302,6 +311,8 @@ class Engine:
             # cache is not used this step).
             use_encoder = len({d & _HALF for d in digests}) == 1
             use_prefix = len({d >> _HALF_BITS for d in digests}) == 1
+            if not use_prefix:  # their twins are in that half: the ranks might not see the same ones
+                self._twins = {}
             if (use_encoder, use_prefix) != self._agreed and plan.new:
                 said = ["agree" if ok else "disagree (not used)" for ok in (use_encoder, use_prefix)]
                 log.warning("rank %d, step %d: the ranks' encoder caches %s, their prefix caches %s",
@@ -606,10 +617,34 @@ class Engine:
         at its last prompt token ``[joiners, vocab]``. A forward that raises
         is undone and each joiner tried alone, so the one at fault fails
         alone (`_agreed_forward`: under TP on every rank alike). The logits
-        (None: no joiner left), the joiners prefilled, and the failures."""
-        logits, failure = self._agreed_forward(joiners, "a prefill")
+        (None: no joiner left), the joiners prefilled, and the failures.
+        A joiner whose twin (`_twins`: the same prompt, items and cached
+        prefix) is prefilled too gets a copy of that one's row and logits
+        instead of a row of its own in the forward (n choices, or one
+        prompt sent at once by many, prefilled once); it comes after the
+        others."""
+        twinned = self._twinned(joiners)
+        followers = {id(j) for j, _ in twinned}
+        leaders = [j for j in joiners if id(j) not in followers]
+        first = self.cache.rows
+        logits, failure = self._agreed_forward(leaders, "a prefill")
         if failure is None:
-            return logits, joiners, {}
+            if not twinned:
+                return logits, joiners, {}
+            assert logits is not None
+            place = {id(j): i for i, j in enumerate(leaders)}
+            rows = [place[id(lead)] for _, lead in twinned]
+            _, copying = self._agreed_run(
+                lambda: self._copy_rows([first + r for r in rows]),
+                lambda exc: (E.ERROR_CODE_OVERLOADED, f"copying a prefilled twin's row failed: {exc!r}"),
+                "copying prefilled rows",
+            )
+            if copying is not None:
+                self.cache.truncate(first + len(leaders))
+                return logits, leaders, {j.request.request_id: copying for j, _ in twinned}
+            log.debug("rank %d: %d joiners take the prefill of an identical prompt joining with them",
+                      self.coll.rank, len(twinned))  # fmt: skip
+            return torch.cat([logits, logits[rows]]), [*leaders, *(j for j, _ in twinned)], {}
         log.warning("rank %d: each of the %d requests is tried alone", self.coll.rank, len(joiners))
         parts: list[torch.Tensor] = []
         kept: list[Joiner] = []
@@ -622,6 +657,22 @@ class Engine:
             else:
                 lost[j.request.request_id] = failure
         return (torch.cat(parts) if parts else None), kept, lost
+
+    def _twinned(self, joiners: list[Joiner]) -> list[tuple[Joiner, Joiner]]:
+        """Of `joiners`, those whose twin (`_twins`, itself none's follower)
+        joins too with the same cached prefix, each with that twin, in order."""
+        by_id = {j.request.request_id: j for j in joiners}
+        return [
+            (j, lead)
+            for j in joiners
+            if (lead := by_id.get(self._twins.get(j.request.request_id, ""))) is not None
+            and lead.cached == j.cached
+            and lead.request.request_id not in self._twins
+        ]
+
+    def _copy_rows(self, rows: list[int]) -> torch.Tensor:
+        self.cache.copy_rows(rows)
+        return torch.empty(0)
 
     def _agreed_forward(self, joiners: list[Joiner], what: str) -> tuple[torch.Tensor | None, Failure | None]:
         """One prefill forward (`_forward`) and its logits, or its rows
@@ -827,6 +878,7 @@ class Engine:
             match = self._matches.get(req.request_id, NO_MATCH)
             taken = match.all_keys
             prefix.update(match.tokens.to_bytes(4, "little") + (taken[-1] if taken else b""))
+            prefix.update(self._twins.get(req.request_id, "").encode() + b"|")
         # Two halves of one int64 of the agreement's row: each cache's own.
         low = int.from_bytes(encoder.digest(), "little") & _HALF
         high = int.from_bytes(prefix.digest(), "little") & _HALF
@@ -835,6 +887,22 @@ class Engine:
     def _runs(self, req: NewRequest) -> Runs:
         """`req`'s items as the prefix cache keys them (this rank's digests)."""
         return Runs(tuple(self._keys.get(req.request_id, ())), tuple(item.placeholders for item in req.items))
+
+    def _twins_of(self, new: tuple[NewRequest, ...]) -> dict[str, str]:
+        """Of `new`, each request whose prompt equals an earlier one's (the
+        same ids, cache salt and items, by this rank's digests of them)
+        and wants no prompt log probabilities: that one's id. Items not
+        digested (no cache keys them) or not read: no twin."""
+        first: dict[tuple[Any, ...], str] = {}
+        twins: dict[str, str] = {}
+        for req in new if self.share_prefills else ():
+            keys = tuple(self._keys.get(req.request_id, ()))
+            if req.sampling.prompt_logprobs is not None or len(keys) != len(req.items):
+                continue
+            leader = first.setdefault((req.input_ids, req.cache_salt, keys), req.request_id)
+            if leader != req.request_id:
+                twins[req.request_id] = leader
+        return twins
 
     def _match(self, new: tuple[NewRequest, ...]) -> dict[str, Match]:
         """What each new request could take from the prefix cache (changes

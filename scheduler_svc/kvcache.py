@@ -186,6 +186,17 @@ class RowCache(Cache):
         self._load(row, prefix)
         self.lengths.append(int(prefix.shape[3]))
 
+    def copy_rows(self, sources: list[int]) -> None:
+        """Append a copy of each of the rows `sources`, in order (joiners
+        whose prompt another joiner of the step prefilled: `Engine._prefill`)."""
+        first, n = self.rows, len(sources)
+        self._reserve(first + n, max(self.lengths[s] for s in sources))
+        index = torch.tensor(sources, device=self.device)
+        for store in (*self._keys, *self._values):
+            if store is not None:
+                store[first : first + n] = store.index_select(0, index)
+        self.lengths.extend(self.lengths[s] for s in sources)
+
     def row_blocks(self, row: int, start: int, end: int, size: int) -> list[torch.Tensor] | None:
         """The keys and values of `row` at ``[start, end)`` (a multiple of
         `size` tokens) in blocks of `size` tokens, each one tensor of its own

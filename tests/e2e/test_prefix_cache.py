@@ -127,6 +127,44 @@ def test_conversations_joining_at_any_step_keep_the_tokens_of_generate(served: S
     assert wait_until(lambda: rank_active_requests(pair.scheduler_address) == [0, 0], timeout=10)
 
 
+def test_n_choices_joining_together_share_one_prefill_and_keep_the_tokens_of_generate(served: Served) -> None:
+    """A chat with a picture asked for n = 4 greedy choices: each is its own
+    scheduler request, with the same prompt and pixels. Those that join in
+    one step are prefilled once at TP=2 (each rank logs it; a new picture
+    each try until a try's choices joined together, as they do unless the
+    tokenizer's work spreads them), and every choice's tokens are
+    `generate`'s."""
+    from tokenizer_svc.decode import decode_image
+
+    pair = served.pair
+    proc = hf_family.processor(pair.model)
+    log = pair.scheduler.log_path
+
+    def shared() -> int:
+        return sum("take the prefill of an identical prompt" in line for line in log.read_text().splitlines())
+
+    before = shared()
+    with grpc.insecure_channel(pair.tokenizer_address) as channel:
+        stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
+        for attempt in range(8):
+            picture = samples.good_png(seed=300 + attempt)
+            messages: list[tuple[str, Any]] = [("user", [ImagePart(picture), "What colors are in this picture?"])]
+            request = build_request(messages=messages, max_tokens=MAX_TOKENS, n=4)
+            texts: dict[int, list[int]] = {}
+            for event in stub.Generate(request, timeout=120):
+                if event.HasField("delta"):
+                    texts.setdefault(event.index, []).extend(event.delta.token_ids)
+            text = proc.apply_chat_template(as_hf(messages), tokenize=False, add_generation_prompt=True)
+            tokens, _ = hf_family.scored(pair.model, proc, text, [decode_image(picture, max_pixels=10**8)], MAX_TOKENS)
+            assert texts == dict.fromkeys(range(4), tokens), attempt
+            if shared() - before >= 2:  # rank 0's line and rank 1's
+                break
+        else:
+            pytest.fail("in 8 tries no two choices joined one step: nothing was shared")
+    lines = [line for line in log.read_text().splitlines() if "take the prefill of an identical prompt" in line]
+    assert {line.split("rank ")[1][0] for line in lines} == {"0", "1"}, lines
+
+
 def data_url(data: bytes) -> str:
     return f"data:image/png;base64,{base64.b64encode(data).decode()}"
 

@@ -227,6 +227,33 @@ def test_a_prompt_one_token_longer_each_time_prefills_one_token(model: torch.nn.
     assert engine.prefix_cache.nbytes <= engine.prefix_cache.capacity
 
 
+@pytest.mark.parametrize("prefix", [64 << 20, 0], ids=["cached", "uncached"])
+def test_identical_prompts_joining_together_are_prefilled_once(model: torch.nn.Module, prefix: int) -> None:
+    """Four requests with one prompt and image (n choices, or one prompt
+    sent by many at once) and another join in one step: one forward
+    prefills two rows, the twins get copies of the first's row, and each
+    keeps the tokens it gets alone, greedy or seeded; with prompt log
+    probabilities asked, a request prefills its own."""
+    eos = int(model.config.text_config.eos_token_id)
+    ids = [1, *range(700, 720), *([model.config.image_token_id] * IMAGE_TOKENS), *range(800, 810)]
+    greedy = [request(f"g{i}", ids, [pixels(7)], max_tokens=6) for i in range(2)]
+    seeded = [request(f"s{i}", ids, [pixels(7)], max_tokens=6, temperature=1.0, seed=40 + i) for i in range(2)]
+    other = request("other", [1, *range(900, 930)], max_tokens=6)
+    scored = request("scored", ids, [pixels(7)], max_tokens=2, prompt_logprobs=0)
+    joined = [*greedy, *seeded, other, scored]
+    engine = make_engine(model, prefix=prefix)
+    rows: list[int] = []
+    forward = engine._forward
+    engine._forward = lambda joiners: (rows.append(len(joiners)), forward(joiners))[1]  # type: ignore[method-assign]
+    together = drive(engine, {0: joined}, eos)
+    assert rows[0] == 3, "one prompt's row each for the first of the four, the other, and the scored one"
+    for req in joined:
+        alone = drive(make_engine(model, prefix=0), {0: [req]}, eos)[req.request_id]
+        assert together[req.request_id] == alone, req.request_id
+    assert together["g0"] == reference(model, greedy[0])
+    assert together["s0"] != together["s1"], "each twin samples with its own seed"
+
+
 def test_a_hit_then_chunks_gives_the_tokens_of_one_prefill(model: torch.nn.Module) -> None:
     """A turn whose new part is longer than a chunk goes on in chunks from
     the end of its cached prefix."""
