@@ -269,16 +269,57 @@ class TokenizerService:
     ) -> AsyncGenerator[tokenizer_pb2.GenerateResponse, None]:
         """n independent generations at once, each response tagged with its
         choice; the first failure ends them all (the others are cancelled
-        and their cleanup awaited) and is raised (`merged`)."""
+        and their cleanup awaited) and is raised (`merged`). The media are
+        fetched and preprocessed once and the prompt built once: each
+        choice's scheduler request gets its own copy of the media, as a
+        beam search's steps do (the scheduler then prefills the prompt once
+        for the choices that join one step: `Engine._prefill`)."""
+        await structured.ready(request.sampling)
+        parsed = self._validate(request)
+        if parsed.tool_schema:
+            await tool_calls.check_schema(parsed.tool_schema)
+        backend = self._backend()
+        items, prompt = await self._media_once(request, parsed, rid, backend)
+        form = backend.row_form(self.family)
 
         async def one(i: int) -> AsyncGenerator[tokenizer_pb2.GenerateResponse, None]:
-            async for response in self._generate(choice_request(request, i), rid, timeout_s):
-                response.index = i
-                yield response
+            choice = choice_request(request, i)
+            with self._counted(Assigned(backend, form)) as assigned:
+                transport = assigned.backend.transport
+                prepared = await self._copies(items, transport)
+                handed = self._handed(
+                    choice, parsed, rid, timeout_s, assigned, transport, prepared, prompt, parsed.calls
+                )
+                try:
+                    async with contextlib.aclosing(handed) as responses:
+                        async for response in responses:
+                            response.index = i
+                            yield response
+                finally:
+                    _release(prepared)  # what the scheduler took (disowned) is left alone
 
         async with contextlib.aclosing(merged([one(i) for i in range(n)])) as responses:
             async for response in responses:
                 yield response
+
+    async def _media_once(
+        self, request: tokenizer_pb2.GenerateRequest, parsed: Parsed, rid: str, backend: SchedulerLink
+    ) -> tuple[list[ItemResult], BuiltPrompt]:
+        """For a request that sends several scheduler requests to `backend`
+        (n choices, a beam search's steps): its media preprocessed once, as
+        bytes (each scheduler request gets its own copy: `_copies`), and its
+        prompt."""
+        info = backend.info
+        ask = ItemAsk(
+            backend.row_form(self.family),
+            parsed.image_pixels,
+            info.max_tensor_bytes if info is not None else 0,
+            parsed.video_sampling,
+        )
+        inline = common_pb2.TRANSPORT_INLINE
+        prepared, prompt = await self._media_and_prompt(request, parsed, rid, inline, ask, info)
+        _release(prepared)  # bytes: nothing shared is held
+        return [p.result for p in prepared], prompt
 
     async def _beams(
         self, request: tokenizer_pb2.GenerateRequest, rid: str, timeout_s: float | None
@@ -310,13 +351,8 @@ class TokenizerService:
         ends = frozenset(request.sampling.stop_token_ids)
         if not request.sampling.ignore_eos:
             ends |= frozenset(info.eos_token_ids)
+        items, prompt = await self._media_once(request, parsed, rid, backend)
         form = backend.row_form(self.family)
-        ask = ItemAsk(form, parsed.image_pixels, info.max_tensor_bytes, parsed.video_sampling)
-        # The media once, as bytes: each step's requests get copies (`_copies`).
-        inline = common_pb2.TRANSPORT_INLINE
-        prepared, prompt = await self._media_and_prompt(request, parsed, rid, inline, ask, info)
-        items = [p.result for p in prepared]
-        _release(prepared)  # bytes: nothing shared is held
         loop = asyncio.get_running_loop()
         deadline = None if timeout_s is None else loop.time() + timeout_s
         context = info.max_context_tokens

@@ -343,6 +343,28 @@ def test_stop_lists_and_n_choices(api: Api) -> None:
     assert texts == [c.message.content for c in two.choices]
 
 
+def test_n_choices_of_an_image_preprocess_it_once(api: Api) -> None:
+    """A chat with a new image asked for n = 4: the image is decoded and
+    preprocessed once (each choice's scheduler request gets a copy), and
+    the four greedy choices are the one-choice answer."""
+
+    def preprocessed() -> float:
+        scraped = urllib.request.urlopen(api.metrics, timeout=10).read().decode()
+        (line,) = [x for x in scraped.splitlines() if x.startswith("mmsplit_tokenizer_preprocessed_items_total ")]
+        return float(line.split()[1])
+
+    client = api.client()
+    question = [{"role": "user", "content": [image_part(samples.good_png(seed=77)), {"type": "text", "text": "Hi"}]}]
+    before = preprocessed()
+    four = client.chat.completions.create(model=api.model, messages=question, max_tokens=5, n=4)  # type: ignore[arg-type]
+    assert preprocessed() - before == 1
+    one = client.chat.completions.create(model=api.model, messages=question, max_tokens=5)  # type: ignore[arg-type]
+    assert [c.message.content for c in four.choices] == [one.choices[0].message.content] * 4
+    assert four.usage is not None
+    assert one.usage is not None
+    assert four.usage.prompt_tokens == one.usage.prompt_tokens
+
+
 def test_continue_final_message_and_chat_template_kwargs(api: Api) -> None:
     """vLLM's continue_final_message (extra_body): the model continues the
     last assistant message, whose turn is left open (fewer prompt tokens
