@@ -68,6 +68,15 @@ class ToolCall:
 
 
 @dataclass(frozen=True)
+class Rendered:
+    """A conversation as the chat template wrote it (`PromptBuilder.render_chat`):
+    the text, its media markers in place, and the modality of each marker in order."""
+
+    text: str
+    found: list[int]
+
+
+@dataclass(frozen=True)
 class BuiltPrompt:
     input_ids: list[int]
     # Per media item, in request order: its placeholder runs (offset, length).
@@ -179,7 +188,17 @@ class PromptBuilder:
             raise InvalidRequest(f"prompt_token_ids[{i}] {token} {why}", metadata={"param": "prompt_token_ids"})
         return BuiltPrompt(list(ids), [])
 
-    def build_chat(
+    def build_chat(self, turns: list[Turn], media: list[Media], *args: Any, **kwargs: Any) -> BuiltPrompt:
+        """A conversation rendered (`render_chat`, which takes the same
+        arguments) and tokenized."""
+        return self.tokenize_chat(self.render_chat(turns, media, *args, **kwargs), media)
+
+    def tokenize_chat(self, rendered: Rendered, media: list[Media]) -> BuiltPrompt:
+        """A conversation `render_chat` rendered, tokenized with its `media`
+        (on the thread that tokenizes: the tokenizer is not shared between threads)."""
+        return self._tokenize(rendered.text, rendered.found, media, templated=True)
+
+    def render_chat(
         self,
         turns: list[Turn],
         media: list[Media],
@@ -190,7 +209,7 @@ class PromptBuilder:
         template_kwargs: dict[str, Any] | None = None,
         documents: list[dict[str, str]] | None = None,
         template: str | None = None,
-    ) -> BuiltPrompt:
+    ) -> Rendered:
         """A conversation rendered by the chat template with the generation
         prompt (or, `continue_final`, with its last turn left open for the
         model to continue, as transformers' `continue_final_message`; or,
@@ -272,7 +291,7 @@ class PromptBuilder:
                 f"the model's chat template placed {_names(found)} for the conversation's {_names(sent)}; "
                 "it does not render every image and video part once"
             )
-        return self._tokenize(rendered, found, media, templated=True)
+        return Rendered(rendered, found)
 
     def _tool_call(self, call: ToolCall, where: str) -> dict[str, Any]:
         """A call as templates take it: {"id", "type": "function", "function":

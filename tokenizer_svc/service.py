@@ -77,7 +77,7 @@ from tokenizer_svc.preprocess import (
     place,
     too_large,
 )
-from tokenizer_svc.prompt import BuiltPrompt, Media, PromptBuilder, truncated
+from tokenizer_svc.prompt import BuiltPrompt, Media, PromptBuilder, Rendered, truncated
 from tokenizer_svc.settings import TokenizerSettings
 from tokenizer_svc.tool_calls import Auto, Forced
 
@@ -655,7 +655,14 @@ class TokenizerService:
         BIG_PROMPT) is built under a lock kept until a later turn of the
         loop, so big ones take a turn each, with the loop's I/O between
         them: the 16 prompts of one completions request otherwise ran in one
-        turn and held every stream and /health for their sum (~0.5 s)."""
+        turn and held every stream and /health for their sum (~0.5 s).
+        A conversation with the request's own chat template
+        (--trust-request-chat-template) is rendered on a thread instead,
+        the loop serving meanwhile: that template may loop as long as it
+        likes (the server's own is known); it is tokenized here."""
+        if parsed.turns is not None and parsed.chat_template is not None:
+            rendered = await asyncio.to_thread(self._rendered, parsed, media)
+            return self.prompts.tokenize_chat(rendered, media)
         if parsed.size <= BIG_PROMPT:
             return self._prompt(parsed, media)
         async with self._one_big_prompt_at_a_time:
@@ -668,7 +675,11 @@ class TokenizerService:
             return self.prompts.from_ids(parsed.token_ids)
         if parsed.turns is None:
             return self.prompts.build(parsed.prompt, media, as_written=parsed.as_written, special=parsed.special_tokens)
-        return self.prompts.build_chat(
+        return self.prompts.tokenize_chat(self._rendered(parsed, media), media)
+
+    def _rendered(self, parsed: Parsed, media: list[Media]) -> Rendered:
+        assert parsed.turns is not None
+        return self.prompts.render_chat(
             parsed.turns,
             media,
             parsed.tools,

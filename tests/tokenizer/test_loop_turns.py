@@ -56,6 +56,42 @@ def test_big_prompts_are_built_one_per_turn_of_the_loop_and_small_ones_at_once()
     assert min(big) == small[0]  # the first big one as soon as it comes
 
 
+def test_a_request_s_own_chat_template_renders_off_the_loop_and_tokenizes_on_it() -> None:
+    """A conversation with the request's own template (which may loop as
+    long as it likes) is rendered on a thread, the loop free meanwhile, and
+    tokenized on the loop (the tokenizer is not shared between threads);
+    one with the server's template is built on the loop, as any prompt."""
+    from tokenizer_svc.conversation import Turn
+    from tokenizer_svc.prompt import Rendered
+
+    async def run(template: str | None) -> dict[str, bool]:
+        loop_thread = threading.current_thread()
+        on_loop: dict[str, bool] = {}
+        rendered = Rendered("text", [])
+
+        def render_chat(*args: Any, **kwargs: Any) -> Rendered:
+            on_loop["render"] = threading.current_thread() is loop_thread
+            return rendered
+
+        def tokenize_chat(got: Rendered, media: Any) -> str:
+            assert got is rendered
+            on_loop["tokenize"] = threading.current_thread() is loop_thread
+            return "built"
+
+        service = SimpleNamespace(
+            prompts=SimpleNamespace(render_chat=render_chat, tokenize_chat=tokenize_chat),
+            _one_big_prompt_at_a_time=asyncio.Lock(),
+        )
+        service._rendered = lambda parsed, media: TokenizerService._rendered(service, parsed, media)  # type: ignore[arg-type]
+        service._prompt = lambda parsed, media: TokenizerService._prompt(service, parsed, media)  # type: ignore[arg-type]
+        parsed = Parsed("", [Turn("user", (("text", "hi"),))], [], chat_template=template)
+        assert await TokenizerService._built(service, parsed, []) == "built"  # type: ignore[arg-type]
+        return on_loop
+
+    assert asyncio.run(run("{{ messages }}")) == {"render": False, "tokenize": True}
+    assert asyncio.run(run(None)) == {"render": True, "tokenize": True}
+
+
 def test_a_big_body_is_read_off_the_event_loop() -> None:
     async def where(big: bool) -> bool:
         loop_thread = threading.get_ident()
