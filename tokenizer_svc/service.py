@@ -134,6 +134,9 @@ class TokenizerService:
         self.pool = pool
         self.link = link
         self.inflight = 0
+        # Items being preprocessed, by cache key: done when the work ends
+        # (kept in the cache or not), for requests that want the same one.
+        self._under_way: dict[bytes, asyncio.Future[None]] = {}
         # Requests in progress by client, for --max-inflight-per-client
         # (a client with none has no entry: it holds only active clients).
         self.inflight_by_client: collections.Counter[str] = collections.Counter()
@@ -985,8 +988,7 @@ class TokenizerService:
     ) -> Prepared:
         data = await self.media.load(medium)  # IO pool, its own timeouts
         # CUDA IPC: the worker returns bytes (as for inline) and this process
-        # stages them in its GPU pool (`_stage`).
-        stage = transport == common_pb2.TRANSPORT_CUDA_IPC
+        # stages them in its GPU pool (`_made`).
         inline = transport != common_pb2.TRANSPORT_SHM
         slab_ref = None if inline else await self._slab_ref()
         s = self.settings
@@ -1014,6 +1016,36 @@ class TokenizerService:
         # The key names the item (its content hash) whether or not the cache is on.
         key = await asyncio.to_thread(self.cache.key, job) if len(data) > 1 << 20 else self.cache.key(job)
         cached = self.cache.get(key) if self.cache.enabled else None
+        while cached is None and (under_way := self._under_way.get(key)) is not None:
+            # Another request is preprocessing this very item (the same
+            # image sent by many at once): wait for it and take the cache's
+            # copy; if it kept none (it failed, or was cancelled), go on.
+            await asyncio.shield(under_way)
+            cached = self.cache.get(key)
+        if cached is not None or not self.cache.enabled:
+            return await self._made(job, timeout_s, rid, key, cached, transport, slab_ref)
+        mine = self._under_way[key] = asyncio.get_running_loop().create_future()
+        try:
+            return await self._made(job, timeout_s, rid, key, cached, transport, slab_ref)
+        finally:
+            del self._under_way[key]
+            mine.set_result(None)
+
+    async def _made(
+        self,
+        job: Job,
+        timeout_s: float,
+        rid: str,
+        key: bytes,
+        cached: ItemResult | None,
+        transport: int,
+        slab_ref: Any,
+    ) -> Prepared:
+        """The item of `job` (keyed `key`) ready to hand over by `transport`:
+        from the cache's copy `cached`, else preprocessed (and kept in the
+        cache)."""
+        stage = transport == common_pb2.TRANSPORT_CUDA_IPC
+        inline = transport != common_pb2.TRANSPORT_SHM
         if cached is not None:
             # Seen before: no decoding or preprocessing, only the hand-over copy.
             result = await self._off_loop(self._materialize, cached, inline, slab_ref)

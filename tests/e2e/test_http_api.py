@@ -16,10 +16,12 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -343,15 +345,20 @@ def test_stop_lists_and_n_choices(api: Api) -> None:
     assert texts == [c.message.content for c in two.choices]
 
 
+def _preprocessed(api: Api) -> float:
+    """The tokenizer's count of items its workers preprocessed."""
+    scraped = urllib.request.urlopen(api.metrics, timeout=10).read().decode()
+    (line,) = [x for x in scraped.splitlines() if x.startswith("mmsplit_tokenizer_preprocessed_items_total ")]
+    return float(line.split()[1])
+
+
 def test_n_choices_of_an_image_preprocess_it_once(api: Api) -> None:
     """A chat with a new image asked for n = 4: the image is decoded and
     preprocessed once (each choice's scheduler request gets a copy), and
     the four greedy choices are the one-choice answer."""
 
     def preprocessed() -> float:
-        scraped = urllib.request.urlopen(api.metrics, timeout=10).read().decode()
-        (line,) = [x for x in scraped.splitlines() if x.startswith("mmsplit_tokenizer_preprocessed_items_total ")]
-        return float(line.split()[1])
+        return _preprocessed(api)
 
     client = api.client()
     question = [{"role": "user", "content": [image_part(samples.good_png(seed=77)), {"type": "text", "text": "Hi"}]}]
@@ -363,6 +370,28 @@ def test_n_choices_of_an_image_preprocess_it_once(api: Api) -> None:
     assert four.usage is not None
     assert one.usage is not None
     assert four.usage.prompt_tokens == one.usage.prompt_tokens
+
+
+def test_one_new_image_sent_by_many_at_once_is_preprocessed_once(api: Api) -> None:
+    """Six clients send the same new 1920x1080 photo at once: those that
+    find it being preprocessed for another wait for that and take the
+    cache's copy, so the workers preprocess it once; every answer is the
+    same."""
+    photo = samples.encode(samples.gradient(1920, 1080, seed=78), "JPEG", quality=90)
+    question = [{"role": "user", "content": [image_part(photo, "image/jpeg"), {"type": "text", "text": "Hi"}]}]
+    before = _preprocessed(api)
+    barrier = threading.Barrier(6)
+
+    def ask(_: int) -> str | None:
+        client = api.client()
+        barrier.wait()
+        reply = client.chat.completions.create(model=api.model, messages=question, max_tokens=4)  # type: ignore[arg-type]
+        return reply.choices[0].message.content
+
+    with ThreadPoolExecutor(6) as pool:
+        answers = list(pool.map(ask, range(6)))
+    assert _preprocessed(api) - before == 1
+    assert len(set(answers)) == 1, answers
 
 
 def test_continue_final_message_and_chat_template_kwargs(api: Api) -> None:
