@@ -222,6 +222,7 @@ class Engine:
         # an earlier one's equals: the earlier one's id. Its prefill is
         # that one's (`_prefill`).
         self._twins: dict[str, str] = {}
+        self.shared_prefills = 0  # joiners that took a copy of an identical prompt's prefill
         # This step's joiners that asked for prompt_logprobs: the hidden
         # states of their prompts' positions (but the last), from `_forward`.
         self._prompt_hidden: dict[str, torch.Tensor] = {}
@@ -470,9 +471,11 @@ class Engine:
         last: tuple[bytes, torch.Tensor] | None = None
         start = tail // BLOCK_TOKENS * BLOCK_TOKENS
         if tail > start:
-            got = self.cache.row_blocks(index, start, tail, tail - start)
             parent = keys[start // BLOCK_TOKENS - 1] if start else prefix_root(salt)
-            last = (tail_key(parent, tokens, start, tail - start, row.runs), got[0]) if got else None
+            key = tail_key(parent, tokens, start, tail - start, row.runs)
+            if not self.prefix_cache.holds(key):  # the same prompt again: it is there already
+                got = self.cache.row_blocks(index, start, tail, tail - start)
+                last = (key, got[0]) if got else None
         if held == len(keys):
             self.prefix_cache.keep(keys, [], tail=last)
             return
@@ -642,6 +645,7 @@ class Engine:
             if copying is not None:
                 self.cache.truncate(first + len(leaders))
                 return logits, leaders, {j.request.request_id: copying for j, _ in twinned}
+            self.shared_prefills += len(twinned)
             log.debug("rank %d: %d joiners take the prefill of an identical prompt joining with them",
                       self.coll.rank, len(twinned))  # fmt: skip
             return torch.cat([logits, logits[rows]]), [*leaders, *(j for j, _ in twinned)], {}

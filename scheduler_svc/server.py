@@ -219,6 +219,10 @@ def _metrics(settings: SchedulerSettings, step_loop: StepLoop) -> ServiceMetrics
                 "Steps requests waited for the prefill of the text they start with, to take it from the prefix cache",
                 step_loop.waited_for_prefix,
             ),
+            "shared_prefills": (
+                "Requests that took a copy of the prefill of an identical prompt joining in the same step (rank 0)",
+                step_loop.engine.shared_prefills,
+            ),
         }
     )
     metrics.gauge("prefix_cache_bytes", "Bytes the prefix cache holds (rank 0)", lambda: prefix.nbytes)

@@ -163,6 +163,10 @@ def test_n_choices_joining_together_share_one_prefill_and_keep_the_tokens_of_gen
             pytest.fail("in 8 tries no two choices joined one step: nothing was shared")
     lines = [line for line in log.read_text().splitlines() if "take the prefill of an identical prompt" in line]
     assert {line.split("rank ")[1][0] for line in lines} == {"0", "1"}, lines
+    scraped = urllib.request.urlopen(served.metrics, timeout=10).read().decode()
+    (counted,) = [x for x in scraped.splitlines() if x.startswith("mmsplit_scheduler_shared_prefills_total ")]
+    copies = sum(int(line.split("rank 0: ")[1].split()[0]) for line in lines if "rank 0: " in line)
+    assert float(counted.split()[1]) == copies, (counted, lines)
 
 
 def data_url(data: bytes) -> str:
