@@ -1,0 +1,114 @@
+"""One item brought by several requests while it is being preprocessed
+(`TokenizerService._one`): the workers preprocess it once and the others
+take the cache's copy; if the one preprocessing it is cancelled, or fails,
+the others go on by themselves and nothing is left held.
+
+The service here is the real one around a stand-in pool (whose work waits
+until the test lets it finish) and media loader."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from mmsplit.common.v1 import common_pb2
+from mmsplit.tokenizer.v1 import tokenizer_pb2
+from tests.tokenizer.test_abandoned import Media
+from tokenizer_svc.errors import MediaDecodeFailed
+from tokenizer_svc.preprocess import ItemResult, ItemTensor, Job
+from tokenizer_svc.server import _load_processor
+from tokenizer_svc.service import TokenizerService
+from tokenizer_svc.settings import TokenizerSettings
+
+PIXELS = np.arange(3 * 64 * 64, dtype=np.float32).reshape(1, 3, 64, 64)
+IMAGE = tokenizer_pb2.Image(url="file:///image.jpg")
+
+
+class GatedPool:
+    """Answers a job once `go` is set (or fails it, `fail`), counting jobs."""
+
+    def __init__(self) -> None:
+        self.jobs = 0
+        self.started = asyncio.Event()
+        self.go = asyncio.Event()
+        self.fail = False
+
+    async def preprocess(self, job: Job, *, timeout_s: float, request_id: str) -> ItemResult:
+        self.jobs += 1
+        self.started.set()
+        await self.go.wait()
+        if self.fail:
+            raise MediaDecodeFailed("image could not be decoded")
+        pixels = ItemTensor("pixel_values", "float32", PIXELS.shape, PIXELS.nbytes, inline=PIXELS.tobytes())
+        return ItemResult(common_pb2.MODALITY_IMAGE, (pixels,), tokens=4, content_hash=b"", width=64, height=64)
+
+
+def service_for(tiny_model: Path) -> tuple[TokenizerService, GatedPool]:
+    settings = TokenizerSettings(model_dir=tiny_model, shm_slab_bytes=0)
+    family, tokenizer, template = _load_processor(settings)
+    pool = GatedPool()
+    service = TokenizerService(settings, family, tokenizer, Media(), pool, None, chat_template=template)  # type: ignore[arg-type]
+    return service, pool
+
+
+async def requests(service: TokenizerService, n: int) -> list[asyncio.Task[Any]]:
+    tasks = [asyncio.create_task(service._one(IMAGE, f"r{i}", common_pb2.TRANSPORT_INLINE)) for i in range(n)]
+    await asyncio.sleep(0)  # each reaches its key, the first its job
+    return tasks
+
+
+def run(tiny_model: Path, body: Callable[[TokenizerService, GatedPool], Awaitable[None]]) -> None:
+    """`body` on a new service, whose pools are closed after; nothing is left under way."""
+
+    async def main() -> None:
+        service, pool = service_for(tiny_model)
+        try:
+            await body(service, pool)
+            assert not service._under_way
+        finally:
+            await service.close_pools()
+
+    asyncio.run(main())
+
+
+def test_requests_that_bring_one_item_together_preprocess_it_once(tiny_model: Path) -> None:
+    async def body(service: TokenizerService, pool: GatedPool) -> None:
+        tasks = await requests(service, 4)
+        await pool.started.wait()
+        pool.go.set()
+        items = await asyncio.gather(*tasks)
+        assert pool.jobs == 1
+        assert all(item.result.tensors[0].inline == PIXELS.tobytes() for item in items)
+
+    run(tiny_model, body)
+
+
+def test_when_the_one_preprocessing_it_is_cancelled_the_others_go_on(tiny_model: Path) -> None:
+    async def body(service: TokenizerService, pool: GatedPool) -> None:
+        first, *others = await requests(service, 3)
+        await pool.started.wait()
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        pool.go.set()
+        items = await asyncio.gather(*others)
+        assert pool.jobs == 2, "one of the others preprocessed it, the last took its copy"
+        assert len(items) == 2
+
+    run(tiny_model, body)
+
+
+def test_when_preprocessing_it_fails_each_tries_and_fails_alike(tiny_model: Path) -> None:
+    async def body(service: TokenizerService, pool: GatedPool) -> None:
+        pool.fail = True
+        pool.go.set()
+        outcomes = await asyncio.gather(*await requests(service, 3), return_exceptions=True)
+        assert all(isinstance(o, MediaDecodeFailed) for o in outcomes), outcomes
+        assert pool.jobs == 3, "failures are not cached: each tried it, one after the other"
+
+    run(tiny_model, body)
