@@ -277,29 +277,18 @@ class TokenizerService:
         choice's scheduler request gets its own copy of the media, as a
         beam search's steps do (the scheduler then prefills the prompt once
         for the choices that join one step: `Engine._prefill`)."""
-        await structured.ready(request.sampling)
-        parsed = self._validate(request)
-        if parsed.tool_schema:
-            await tool_calls.check_schema(parsed.tool_schema)
+        parsed = await self._checked(request)
         backend = self._backend()
         items, prompt = await self._media_once(request, parsed, rid, backend)
         form = backend.row_form(self.family)
 
         async def one(i: int) -> AsyncGenerator[tokenizer_pb2.GenerateResponse, None]:
-            choice = choice_request(request, i)
-            with self._counted(Assigned(backend, form)) as assigned:
-                transport = assigned.backend.transport
-                prepared = await self._copies(items, transport)
-                handed = self._handed(
-                    choice, parsed, rid, timeout_s, assigned, transport, prepared, prompt, parsed.calls
-                )
-                try:
-                    async with contextlib.aclosing(handed) as responses:
-                        async for response in responses:
-                            response.index = i
-                            yield response
-                finally:
-                    _release(prepared)  # what the scheduler took (disowned) is left alone
+            sent = self._with_copies(choice_request(request, i), parsed, rid, timeout_s, Assigned(backend, form),
+                                     items, prompt, parsed.calls)  # fmt: skip
+            async with contextlib.aclosing(sent) as responses:
+                async for response in responses:
+                    response.index = i
+                    yield response
 
         async with contextlib.aclosing(merged([one(i) for i in range(n)])) as responses:
             async for response in responses:
@@ -402,26 +391,45 @@ class TokenizerService:
         scheduler took from its prefix cache): one token of `sub` asked for
         the prompt followed by the beam's tokens."""
         timeout_s = None if deadline is None else max(0.0, deadline - asyncio.get_running_loop().time())
-        with self._counted(assigned):
-            transport = assigned.backend.transport
-            prepared = await self._copies(items, transport)
-            grown = dataclasses.replace(prompt, input_ids=[*prompt.input_ids, *beam.tokens])
-            entry, cached = None, 0
-            handed = self._handed(
-                sub, parsed, rid, timeout_s, assigned, transport, prepared, grown, None, search_step=True
-            )
-            try:
-                async with contextlib.aclosing(handed) as responses:
-                    async for response in responses:
-                        if response.HasField("delta") and response.delta.logprobs:
-                            entry = response.delta.logprobs[0]
-                        elif response.HasField("finished"):
-                            cached = response.finished.cached_tokens
-            finally:
-                _release(prepared)  # what the scheduler took (disowned) is left alone
+        grown = dataclasses.replace(prompt, input_ids=[*prompt.input_ids, *beam.tokens])
+        entry, cached = None, 0
+        sent = self._with_copies(sub, parsed, rid, timeout_s, assigned, items, grown, None, search_step=True)
+        async with contextlib.aclosing(sent) as responses:
+            async for response in responses:
+                if response.HasField("delta") and response.delta.logprobs:
+                    entry = response.delta.logprobs[0]
+                elif response.HasField("finished"):
+                    cached = response.finished.cached_tokens
         if entry is None:
             raise InternalError("the scheduler answered a beam's step with no log probabilities")
         return entry, cached
+
+    async def _with_copies(
+        self,
+        request: tokenizer_pb2.GenerateRequest,
+        parsed: Parsed,
+        rid: str,
+        timeout_s: float | None,
+        assigned: Assigned,
+        items: list[ItemResult],
+        prompt: BuiltPrompt,
+        calls: Forced | Auto | None,
+        *,
+        search_step: bool = False,
+    ) -> AsyncGenerator[tokenizer_pb2.GenerateResponse, None]:
+        """One of several scheduler requests of a request whose media were
+        prepared once (`_media_once`: n choices, a beam search's steps):
+        `prompt` sent with its own copy of `items` (`_handed`), counted on
+        its backend; the copy released at the end."""
+        with self._counted(assigned):
+            transport = assigned.backend.transport
+            prepared = await self._copies(items, transport)
+            handed = self._handed(
+                request, parsed, rid, timeout_s, assigned, transport, prepared, prompt, calls, search_step=search_step
+            )
+            async with contextlib.aclosing(_released_after(handed, prepared)) as responses:
+                async for response in responses:
+                    yield response
 
     async def _copies(self, items: list[ItemResult], transport: int) -> list[Prepared]:
         """`items` (preprocessed, as bytes) ready to hand over by `transport`,
@@ -484,16 +492,22 @@ class TokenizerService:
     async def _generate(
         self, request: tokenizer_pb2.GenerateRequest, rid: str, timeout_s: float | None
     ) -> AsyncGenerator[tokenizer_pb2.GenerateResponse, None]:
-        await structured.ready(request.sampling)  # compiling a structure may take milliseconds: not on the loop
-        parsed = self._validate(request)
-        if parsed.tool_schema:
-            await tool_calls.check_schema(parsed.tool_schema)
+        parsed = await self._checked(request)
         # The backend first: whether its media go by shared memory or inline
         # depends on where it is.
         backend = self._backend()
         with self._counted(Assigned(backend, backend.row_form(self.family))) as assigned:
             async for response in self._generate_on(request, parsed, rid, timeout_s, assigned, backend.transport):
                 yield response
+
+    async def _checked(self, request: tokenizer_pb2.GenerateRequest) -> Parsed:
+        """`request` validated, its structure compiled (milliseconds: not on
+        the loop) and its forced tool call's schema checked."""
+        await structured.ready(request.sampling)
+        parsed = self._validate(request)
+        if parsed.tool_schema:
+            await tool_calls.check_schema(parsed.tool_schema)
+        return parsed
 
     def _backend(self) -> SchedulerLink:
         """A ready scheduler of this model, or SCHEDULER_UNAVAILABLE."""
@@ -533,12 +547,9 @@ class TokenizerService:
         )
         prepared, prompt = await self._media_and_prompt(request, parsed, rid, transport, ask, info)
         handed = self._handed(request, parsed, rid, timeout_s, assigned, transport, prepared, prompt, parsed.calls)
-        try:
-            async with contextlib.aclosing(handed) as responses:
-                async for response in responses:
-                    yield response
-        finally:
-            _release(prepared)  # what the scheduler took (disowned) is left alone
+        async with contextlib.aclosing(_released_after(handed, prepared)) as responses:
+            async for response in responses:
+                yield response
 
     async def _media_and_prompt(
         self,
@@ -1357,6 +1368,20 @@ def _with_calls(
         function = call["function"]
         done.finished.tool_calls.add(id=call["id"], name=function["name"], arguments=function["arguments"])
     return done
+
+
+async def _released_after(
+    handed: AsyncGenerator[tokenizer_pb2.GenerateResponse, None], prepared: list[Prepared]
+) -> AsyncGenerator[tokenizer_pb2.GenerateResponse, None]:
+    """`handed`'s responses (`TokenizerService._handed`), then `prepared`
+    released however it ends: what the scheduler took (disowned) is left
+    alone. Its caller iterates it at once, under `contextlib.aclosing`."""
+    try:
+        async with contextlib.aclosing(handed) as responses:
+            async for response in responses:
+                yield response
+    finally:
+        _release(prepared)
 
 
 async def merged(sources: Sequence[AsyncGenerator[_T, None]]) -> AsyncGenerator[_T, None]:
