@@ -277,7 +277,24 @@ class Engine:
     def _threads(self, plan: Plan) -> contextlib.AbstractContextManager[int | None]:
         if self.threads is None:
             return contextlib.nullcontext()
-        return self.threads.run(StepKind.of(len(self.rows), prefill=bool(plan.new or self._chunked)))
+        # The rows the step's forward runs: those leaving go first. A step
+        # that only ends a burst's rows (keeping their prefixes: copies, no
+        # forward) once counted as a decode step of all of them.
+        running = len(self.rows) - len({rid for rid in plan.drop if rid in self.index})
+        tokens = self._prefill_tokens(plan)
+        return self.threads.run(StepKind.of(running, prefill=tokens), tokens=tokens)
+
+    def _prefill_tokens(self, plan: Plan) -> int:
+        """About how many prompt tokens the step prefills: its joiners' (a
+        long one's first chunk), or the next chunk of the first long prompt
+        under way. Cached prefixes and the joiners it turns away count too:
+        this only sorts and scales the step's time for `StepThreads`."""
+        chunk = self.prefill_chunk or None
+        tokens = sum(min(len(r.input_ids), chunk or len(r.input_ids)) for r in plan.new)
+        if self._chunked and chunk:
+            c = self._chunked[0]
+            tokens += min(chunk, len(c.joiner.request.input_ids) - c.done)
+        return tokens
 
     def _step(self, plan: Plan) -> StepOutcome:
         keep = set(plan.keep)

@@ -14,26 +14,32 @@ host, in service: the tiny model's 32-row decode 7.6 ms on one thread against
 so `StepThreads` measures instead of guessing. vLLM's CPU backend reserves
 cores for its front end by a setting; this is that choice, made per step.
 
-For each kind of decode step (running rows by powers of two) it keeps an
-exponential average of the step's time on each choice: all of the rank's
-threads, or one fewer. It runs each choice a few times, then the faster one,
-and now and then the other one again (every `explore_every`-th step of that
-kind, more rarely the further behind it is), so it follows the load when it
-changes. A step that prefills is never an experiment (trying the wrong
-choice there costs a whole prefill: 8x512 at 32 concurrent lost 14 % of its
-tokens/s to it in a short-lived service): it runs on the verdict of the
-decode steps with the most rows that have one (a prefill's operators are
-at least as large as theirs), else on every thread. It once followed the
-decode steps with as many running rows, else the latest verdict of any
-kind: a burst's second prefill (30 prompts joining 1-3 running rows, whose
-decode steps never run alone) then ran on one thread whenever the last
-verdict had been one thread for 16-31 rows (measured while the workers
-preprocessed the next burst), ~0.5 s more on that step, 8x512 at 32
-concurrent 370-390 tokens/s instead of 450-500 (bench/RESULTS.md). A step
-with no running rows and no prefill runs no forward (a heartbeat, a step
-that only drops): it is not timed, and gives no verdict (its times are
-noise, ~0.0 ms on either choice, yet its verdict set the thread count of
-the first prefill after an idle spell).
+For each kind of step it keeps an exponential average of the step's time
+on each choice: all of the rank's threads, or one fewer. A decode step's
+kind is its running rows by powers of two, those its forward runs (the rows
+it drops leave first); a step that prefills is known by the prompt tokens
+it prefills, by powers of two, and timed per token. It runs each choice a
+few times, then the faster one, and now and then the other one again (every
+`explore_every`-th step of that kind, more rarely the further behind it
+is), so it follows the load when it changes.
+
+Prefills are measured apart because the load they meet is not a decode
+step's: while rows decode the tokenizer relays their tokens, while a burst
+of prompts prefills nothing streams. They once ran on the verdict of the
+decode steps with the most rows: in service at 8x512, a 28-prompt prefill
+(2,230 tokens) then ran on one thread after an 8-row verdict, 1.31 s
+against ~0.8 on two. Which one wins a prefill is no constant either: in
+process on an idle host 0.68 s on two threads against 1.26 on one, and
+2.19 against 1.43 while another process spins on one of the two cores
+(bench/RESULTS.md). A wrong choice costs a whole prefill, so a prefill
+kind runs on every thread its first `PREFILL_FIRST` times, then on one
+fewer once, and is tuned from there like the rest.
+
+A step with no running rows and no prefill runs no forward (a heartbeat,
+a step that only drops): it gives no verdict. A heartbeat's times are
+noise, ~0.0 ms on either choice; a step that ends a burst's 30 rows copies
+their prefixes into the cache, 100-300 ms on two contended threads against
+~30 on one, and once counted as a 30-row decode step.
 
 The thread count only changes how operators split their work: the tokens
 are the same either way up to the order of floating-point sums inside an
@@ -63,6 +69,10 @@ WARMUP = 3
 # the steps' time, and a near tie is re-checked most often.
 EXPLORE_EVERY = 32
 EXPLORE_COST = 0.1
+# A prefill kind's first steps on every thread before one runs on one
+# fewer (once: a wrong choice costs a whole prefill), then it is tuned as
+# any kind is.
+PREFILL_FIRST = 3
 # Weight of the newest time in a choice's average.
 ALPHA = 0.3
 # A kind's change of verdict is logged at INFO at most this often (near a
@@ -72,23 +82,30 @@ LOG_EVERY_S = 60.0
 
 
 class StepKind(NamedTuple):
-    """Steps alike enough to compare: running rows (bucket k holds 2**(k-1)
-    to 2**k - 1 rows; 0 none), and whether the step prefills anything."""
+    """Steps alike enough to compare, by powers of two (bucket k holds
+    2**(k-1) to 2**k - 1; 0 none): a decode step by its running rows, those
+    its forward runs; a step that prefills by the prompt tokens it
+    prefills (rows decoding beside them are small work, and not counted)."""
 
     rows: int
-    prefill: bool
+    prefill: int = 0
 
     @classmethod
-    def of(cls, rows: int, *, prefill: bool) -> StepKind:
-        return cls(rows.bit_length(), prefill)
+    def of(cls, rows: int, *, prefill: int = 0) -> StepKind:
+        return cls(0, prefill.bit_length()) if prefill else cls(rows.bit_length())
 
     def __str__(self) -> str:
-        rows = "no running rows" if self.rows == 0 else f"{1 << (self.rows - 1)}-{(1 << self.rows) - 1} running rows"
-        return f"steps with {rows}{' and a prefill' if self.prefill else ''}"
+        if self.prefill:
+            return f"prefills of {_span(self.prefill)} prompt tokens"
+        return f"steps with {_span(self.rows) if self.rows else 'no'} running rows"
+
+
+def _span(bucket: int) -> str:
+    return f"{1 << (bucket - 1)}-{(1 << bucket) - 1}"
 
 
 # A step with nothing to run: no running rows, no prefill.
-IDLE = StepKind(0, False)
+IDLE = StepKind(0)
 
 
 @dataclass
@@ -110,6 +127,7 @@ class StepThreads:
         *,
         explore_every: int = EXPLORE_EVERY,
         warmup: int = WARMUP,
+        prefill_first: int = PREFILL_FIRST,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.threads = threads
@@ -117,6 +135,7 @@ class StepThreads:
         self.choices = (threads, threads - 1) if threads > 1 else (threads,)
         self.explore_every = explore_every
         self.warmup = warmup
+        self.prefill_first = prefill_first
         self._seen: dict[StepKind, _Seen] = {}
 
     @property
@@ -127,33 +146,37 @@ class StepThreads:
         """The thread count for the next step of this kind."""
         if not self.tuning or kind == IDLE:
             return self.threads
-        if kind.prefill:
-            return self._heaviest_verdict()
         seen = self._seen.setdefault(kind, _Seen())
         seen.steps += 1
-        untried = [c for c in self.choices if seen.runs.get(c, 0) < self.warmup]
+        untried = self._untried(kind, seen)
         if untried:
-            # Alternate while warming up: the choices see the same stretch of load.
-            return min(untried, key=lambda c: seen.runs.get(c, 0))
+            # A prefill kind: every thread first. A decode kind alternates:
+            # the choices see the same stretch of load.
+            return untried[0] if kind.prefill else min(untried, key=lambda c: seen.runs.get(c, 0))
         best, other = sorted(self.choices, key=lambda c: seen.seconds[c])
         behind = seen.seconds[other] / max(seen.seconds[best], 1e-9) - 1
         every = self.explore_every * max(1, int(behind / EXPLORE_COST))
         return other if seen.steps % every == 0 else best
 
-    def _heaviest_verdict(self) -> int:
-        """The thread count of the decode steps with the most rows that have
-        a verdict; every thread before any has one."""
-        judged = [(kind.rows, seen.best) for kind, seen in self._seen.items() if seen.best is not None]
-        return max(judged)[1] if judged else self.threads
+    def _untried(self, kind: StepKind, seen: _Seen) -> list[int]:
+        """The choices still warming up for this kind, every thread first."""
+        if kind.prefill:
+            # One fewer only once every thread has had its runs.
+            first, other = self.choices[0], self.choices[-1]
+            if seen.runs.get(first, 0) < self.prefill_first:
+                return [first]
+            return [other] if seen.runs.get(other, 0) < 1 else []
+        return [c for c in self.choices if seen.runs.get(c, 0) < self.warmup]
 
     def record(self, kind: StepKind, threads: int, seconds: float) -> None:
-        if not self.tuning or kind.prefill or kind == IDLE:
+        """One step's time: seconds, or for a prefill seconds per prompt token."""
+        if not self.tuning or kind == IDLE:
             return
         seen = self._seen.setdefault(kind, _Seen())
         seen.runs[threads] = seen.runs.get(threads, 0) + 1
         last = seen.seconds.get(threads)
         seen.seconds[threads] = seconds if last is None else last + ALPHA * (seconds - last)
-        if any(seen.runs.get(c, 0) < self.warmup for c in self.choices):
+        if self._untried(kind, seen):
             return
         best = min(self.choices, key=lambda c: seen.seconds[c])
         if best != seen.best:
@@ -163,7 +186,10 @@ class StepThreads:
     def _log_verdict(self, kind: StepKind, seen: _Seen) -> None:
         now = self._clock()
         ago = None if seen.logged_at is None else now - seen.logged_at
-        times = ", ".join(f"{seen.seconds[c] * 1e3:.1f} ms on {c}" for c in self.choices)
+        if kind.prefill:
+            times = ", ".join(f"{seen.seconds[c] * 1e6:.0f} µs a token on {c}" for c in self.choices)
+        else:
+            times = ", ".join(f"{seen.seconds[c] * 1e3:.1f} ms on {c}" for c in self.choices)
         threads = f"{seen.best} thread{'' if seen.best == 1 else 's'}"
         if ago is not None and ago < LOG_EVERY_S:
             seen.unlogged += 1
@@ -174,20 +200,21 @@ class StepThreads:
         seen.logged_at, seen.unlogged = now, 0
 
     @contextmanager
-    def run(self, kind: StepKind) -> Iterator[int]:
+    def run(self, kind: StepKind, tokens: int = 1) -> Iterator[int]:
         """Run the block (one step of this kind) on the chosen thread count,
-        time it, and set every thread back afterwards."""
+        time it (per token of a prefill of `tokens`), and set every thread
+        back afterwards."""
         chosen = self.choose(kind)
         if chosen != self.threads:
             torch.set_num_threads(chosen)
         try:
             start = time.perf_counter()
             yield chosen
-            self.record(kind, chosen, time.perf_counter() - start)
+            self.record(kind, chosen, (time.perf_counter() - start) / max(tokens, 1))
         finally:
             if chosen != self.threads:
                 torch.set_num_threads(self.threads)
 
     def summary(self) -> dict[StepKind, dict[int, float]]:
-        """Average step time (seconds) by kind of decode step and thread count."""
+        """Average step time (seconds; a prefill's per token) by kind and thread count."""
         return {kind: dict(seen.seconds) for kind, seen in sorted(self._seen.items())}

@@ -7,17 +7,19 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
 
 from scheduler_svc.engine import Engine
-from scheduler_svc.plan import NewRequest
-from scheduler_svc.threads import StepKind, StepThreads
+from scheduler_svc.plan import NewRequest, Plan
+from scheduler_svc.threads import IDLE, StepKind, StepThreads
 from tests.support.engine_kit import InlineReader, SoloGroup, drive, image_prompt, pixels, reference, request
 
-DECODE_32 = StepKind.of(32, prefill=False)
+DECODE_32 = StepKind.of(32)
 
 
 def feed(tuner: StepThreads, kind: StepKind, seconds: dict[int, float], steps: int) -> list[int]:
@@ -88,43 +90,65 @@ def test_a_verdict_that_flips_near_a_tie_is_logged_at_info_once_a_minute(caplog:
     assert len(debug) > 50, "every other change is still there at DEBUG"
 
 
-def test_decode_kinds_are_tuned_apart_and_a_prefill_step_follows_the_heaviest_verdict() -> None:
-    """A prefill step runs on the verdict of the decode steps with the most
-    rows that have one, whatever its own running rows: a burst's 30 prompts
-    joining 2 running rows is no 2-row step (it once followed the latest
-    verdict of any kind, and ran on one thread after a contended 16-31-row
-    verdict)."""
-    tuner = StepThreads(2, explore_every=1000, warmup=1)
-    decode_4, decode_16 = StepKind.of(5, prefill=False), StepKind.of(20, prefill=False)
-    prefill_32, prefill_4, prefill_2 = (StepKind.of(n, prefill=True) for n in (32, 5, 2))
-    assert tuner.choose(prefill_32) == 2, "no verdict yet: every thread"
-    feed(tuner, decode_4, {2: 0.004, 1: 0.002}, 10)
-    assert tuner.choose(prefill_32) == 1, "the one verdict there is"
-    feed(tuner, DECODE_32, {2: 0.005, 1: 0.010}, 10)
-    feed(tuner, decode_16, {2: 0.050, 1: 0.008}, 10)  # measured while something else took a core
-    assert (tuner.choose(DECODE_32), tuner.choose(decode_16), tuner.choose(decode_4)) == (2, 1, 1)
-    assert [tuner.choose(k) for k in (prefill_32, prefill_4, prefill_2)] == [2, 2, 2], "32-63 rows' verdict"
-    feed(tuner, DECODE_32, {2: 0.020, 1: 0.010}, 10)
-    assert tuner.choose(prefill_2) == 1, "it follows that verdict as it changes"
-    # A prefill step is never an experiment, and its time teaches nothing.
-    assert [tuner.choose(prefill_32) for _ in range(50)] == [1] * 50
-    tuner.record(prefill_32, 2, 0.001)
-    assert set(tuner.summary()) == {DECODE_32, decode_16, decode_4}
-    assert str(prefill_4) == "steps with 4-7 running rows and a prefill"
-    assert str(StepKind.of(0, prefill=False)) == "steps with no running rows"
+def test_prefills_are_tuned_by_their_prompt_tokens_apart_from_decode_steps() -> None:
+    """A prefill meets another load than a decode step (nothing streams for
+    the rows it joins): once it ran on the verdict of the decode steps with
+    the most rows, and an 8-row one-thread verdict put a 28-prompt 8x512
+    prefill on one thread, 1.31 s against ~0.8 on two. Now each size of
+    prefill (prompt tokens by powers of two) is timed per token on its own:
+    every thread first (a wrong choice costs a whole prefill), one fewer
+    once, then the faster, whatever the decode steps say."""
+    tuner = StepThreads(2, explore_every=1000, warmup=1, prefill_first=2)
+    feed(tuner, DECODE_32, {2: 0.050, 1: 0.040}, 10)  # decode steps: one thread
+    big, small = StepKind.of(3, prefill=2230), StepKind.of(0, prefill=160)
+    assert big == StepKind.of(30, prefill=3000), "a prefill's kind is its tokens, not its running rows"
+    # Per token: 0.36 ms on two threads, 0.56 on one.
+    chosen = []
+    for _ in range(8):
+        threads = tuner.choose(big)
+        tuner.record(big, threads, {2: 0.80, 1: 1.25}[threads] / 2230)
+        chosen.append(threads)
+    assert chosen == [2, 2, 1, 2, 2, 2, 2, 2], chosen
+    assert tuner.choose(DECODE_32) == 1, "the decode steps keep their own verdict"
+    # A small prefill while the workers take a core: one thread wins there.
+    chosen = feed(tuner, small, {2: 0.30 / 160, 1: 0.12 / 160}, 6)
+    assert chosen == [2, 2, 1, 1, 1, 1], chosen
+    assert tuner.summary()[big] == pytest.approx({2: 0.80 / 2230, 1: 1.25 / 2230})
+    assert str(big) == "prefills of 2048-4095 prompt tokens"
+    assert str(StepKind.of(5, prefill=0)) == "steps with 4-7 running rows"
+    assert str(StepKind.of(0)) == "steps with no running rows"
 
 
-def test_a_step_with_nothing_to_run_gives_no_verdict_for_the_prefill_after_it() -> None:
+def test_a_prefill_is_timed_per_token(caplog: pytest.LogCaptureFixture) -> None:
+    """Prefills of one kind differ in size by up to twice: each is timed per
+    prompt token, and the verdict says so."""
+    tuner = StepThreads(2, explore_every=1000, warmup=1, prefill_first=1)
+    kind = StepKind.of(0, prefill=1500)
+    before = torch.get_num_threads()
+    try:
+        with caplog.at_level(logging.INFO, logger="scheduler_svc.threads"):
+            for tokens, threads, seconds in ((1100, 2, 0.44), (2000, 1, 0.60)):
+                clock = mock.patch.object(time, "perf_counter", side_effect=[0.0, seconds])
+                with clock, tuner.run(kind, tokens=tokens) as chosen:
+                    assert chosen == threads
+    finally:
+        torch.set_num_threads(before)
+    # 0.40 ms a token on two threads against 0.30 on one: one wins, though
+    # its prefill took longer.
+    assert tuner.summary()[kind] == pytest.approx({2: 0.0004, 1: 0.0003})
+    assert tuner.choose(kind) == 1
+    assert [r.getMessage() for r in caplog.records] == [
+        "prefills of 1024-2047 prompt tokens now run on 1 thread (lately 400 µs a token on 2, 300 µs a token on 1)"
+    ]
+
+
+def test_a_step_with_nothing_to_run_gives_no_verdict() -> None:
     """Heartbeats (no rows, no prefill) take no time on either choice: were
-    they a kind of their own, noise would pick a thread count for the first
-    prefill after an idle spell."""
+    they a kind of their own, noise would pick a thread count."""
     tuner = StepThreads(2, explore_every=1000, warmup=1)
-    idle, first_prefill = StepKind.of(0, prefill=False), StepKind.of(0, prefill=True)
-    assert feed(tuner, idle, {2: 0.00002, 1: 0.00001}, 10) == [2] * 10
+    assert StepKind.of(0, prefill=0) == IDLE
+    assert feed(tuner, IDLE, {2: 0.00002, 1: 0.00001}, 10) == [2] * 10
     assert tuner.summary() == {}
-    assert tuner.choose(first_prefill) == 2, "no verdict: every thread"
-    feed(tuner, DECODE_32, {2: 0.010, 1: 0.005}, 10)
-    assert tuner.choose(first_prefill) == 1, "the verdict of steps that ran a forward"
 
 
 def test_the_step_runs_on_its_choice_and_every_thread_comes_back_even_when_it_raises() -> None:
@@ -178,3 +202,43 @@ def test_an_engine_switching_thread_counts_makes_greedy_decodings_tokens(model: 
     assert results == {req.request_id: reference(model, req) for req in requests}
     decode_steps = {kind: seen for kind, seen in tuner.summary().items() if not kind.prefill and kind.rows}
     assert any(set(seen) == {1, 2} for seen in decode_steps.values()), tuner.summary()
+
+
+class _Seeing(StepThreads):
+    """A tuner that remembers every step it timed, by kind."""
+
+    def __init__(self) -> None:
+        super().__init__(2, explore_every=1000, warmup=1)
+        self.timed: list[StepKind] = []
+
+    def record(self, kind: StepKind, threads: int, seconds: float) -> None:
+        self.timed.append(kind)
+        super().record(kind, threads, seconds)
+
+
+def test_a_step_is_timed_by_the_rows_its_forward_runs_not_those_it_drops(model: torch.nn.Module) -> None:
+    """The rows a plan drops leave before the forward. A step that only
+    ends rows (their prefixes kept: copies, no forward) once counted as a
+    decode step of all of them: its copies (100-300 ms on two contended
+    cores against ~30 on one, in service) were taken for that kind's
+    decode time."""
+    before = torch.get_num_threads()
+    tuner = _Seeing()
+    engine = Engine(model, SoloGroup(), InlineReader(), torch.device("cpu"), eos_token_ids=frozenset(),
+                    threads=tuner)  # fmt: skip
+    prompts = [request(f"d{i}", [1, 10 + i, 20, 30], max_tokens=8) for i in range(5)]
+    try:
+        torch.set_num_threads(2)
+        outcome = engine.step(Plan(step=1, new=tuple(prompts)))
+        outcome = engine.step(Plan(step=2, feed=tuple(outcome.sampled.items())))
+        # Three of five leave (kept by the prefix cache); two decode on.
+        leaving = ("d0", "d1", "d2")
+        feed = tuple((rid, t) for rid, t in outcome.sampled.items() if rid not in leaving)
+        engine.step(Plan(step=3, drop=leaving, keep=leaving, feed=feed))
+        engine.step(Plan(step=4, drop=("d3", "d4"), keep=("d3", "d4")))
+    finally:
+        torch.set_num_threads(before)
+    decode_5, decode_2, prefill_20 = StepKind.of(5), StepKind.of(2), StepKind.of(0, prefill=20)
+    # Step 4 runs no forward: no verdict from it.
+    assert tuner.timed == [prefill_20, decode_5, decode_2, IDLE], tuner.timed
+    assert set(tuner.summary()) == {prefill_20, decode_5, decode_2}
