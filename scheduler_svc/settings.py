@@ -175,9 +175,9 @@ class SchedulerSettings(ServiceSettings):
     tune_threads: bool = _opt(
         True,
         "on a CPU device, run each step on all of a rank's threads or on one fewer, whichever has been faster "
-        "lately for decode steps of its batch size (the other re-measured now and then; a step that prefills "
-        "follows the verdict of the decode steps with the most rows): on a host whose cores the tokenizer "
-        "shares, leaving it one can be faster",
+        "lately for steps of its kind: decode steps by their rows, prefills by their prompt tokens, per token "
+        "(the other re-measured now and then; a prefill size runs on every thread its first 3 times): on a host "
+        "whose cores the tokenizer shares, leaving it one can be faster",
     )
     lm_head_layout: str = _opt(
         "auto",
