@@ -54,7 +54,7 @@ import hashlib
 import logging
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -116,6 +116,9 @@ class _Chunked:
     done: int = 0  # prompt tokens prefilled so far
     # prompt_logprobs of its chunks so far (rank 0; None once making them failed).
     scores: list[Logprob] | None = field(default_factory=list)
+    # Joiners of its step with the same prompt (`Engine._twins`): each takes
+    # a copy of its row and logits once its last chunk is in.
+    followers: list[Joiner] = field(default_factory=list)
 
 
 class Engine:
@@ -362,8 +365,7 @@ class Engine:
         if joining:
             ready, lost = self._prepare(joining, use_encoder, use_prefix)
             clock.lap("encode")  # and the cached prefixes taken: the prefill's own cost is apart
-            for j in [j for j in ready if self._chunked_prefill(j)]:
-                self._queue_chunks(j)
+            self._queue_all_chunks([j for j in ready if self._chunked_prefill(j)])
             ready = [j for j in ready if not self._chunked_prefill(j)]
             prefill_logits, ready, dropped = self._prefill(ready) if ready else (None, [], {})
             lost |= dropped
@@ -435,7 +437,13 @@ class Engine:
     def _remove(self, rid: str, *, keep: bool = False) -> None:
         if self._chunked and self._chunked[0].joiner.request.request_id == rid:
             self.cache.drop_growth()  # the room its first chunk made for its row (only the first has begun)
-        self._chunked = [c for c in self._chunked if c.joiner.request.request_id != rid]
+        for at, c in enumerate(self._chunked):
+            c.followers = [f for f in c.followers if f.request.request_id != rid]
+            if c.joiner.request.request_id == rid:
+                del self._chunked[at]
+                if c.followers:  # the next of them goes on in its place, from its own start
+                    self._queue_chunks(c.followers[0], at=at, followers=c.followers[1:])
+                break
         row = self.index.pop(rid, None)
         if row is None:  # never joined (failed at admission) or already gone
             return
@@ -679,10 +687,11 @@ class Engine:
                 lost[j.request.request_id] = failure
         return (torch.cat(parts) if parts else None), kept, lost
 
-    def _twinned(self, joiners: list[Joiner]) -> list[tuple[Joiner, Joiner]]:
+    def _twinned(self, joiners: list[Joiner], under_way: Sequence[Joiner] = ()) -> list[tuple[Joiner, Joiner]]:
         """Of `joiners`, those whose twin (`_twins`, itself none's follower)
-        joins too with the same cached prefix, each with that twin, in order."""
-        by_id = {j.request.request_id: j for j in joiners}
+        joins too, or is among the long prompts `under_way`, with the same
+        cached prefix: each with that twin, in order."""
+        by_id = {j.request.request_id: j for j in [*under_way, *joiners]}
         return [
             (j, lead)
             for j in joiners
@@ -818,13 +827,28 @@ class Engine:
             return False
         return not (j.request.items and not self.encoder_cache.enabled)
 
-    def _queue_chunks(self, j: Joiner) -> None:
+    def _queue_all_chunks(self, joiners: list[Joiner]) -> None:
+        """Queue the long prompts of the step's joiners, a chunk a step each;
+        one whose twin is among them or under way (n choices of a long
+        prompt, say, whose requests reach the scheduler a step or two apart)
+        waits for that one's prefill instead of making its own."""
+        twinned = self._twinned(joiners, [c.joiner for c in self._chunked])
+        following = {id(j) for j, _ in twinned}
+        for j in joiners:
+            if id(j) not in following:
+                self._queue_chunks(j)
+        by_leader = {id(c.joiner): c for c in self._chunked}
+        for j, lead in twinned:
+            by_leader[id(lead)].followers.append(j)
+
+    def _queue_chunks(self, j: Joiner, *, at: int | None = None, followers: list[Joiner] | None = None) -> None:
         log.debug("request %s: %d prompt tokens, prefilled in chunks of %d", j.request.request_id,
                   len(j.request.input_ids), self.prefill_chunk)  # fmt: skip
         cache = RowCache(self._layers, dtype=self.dtype, device=self.device, token_chunk=self._token_chunk, row_chunk=1)
         if j.prefix is not None:
             cache.append_row(j.prefix)
-        self._chunked.append(_Chunked(j, cache, done=j.cached))
+        entry = _Chunked(j, cache, done=j.cached, followers=list(followers or ()))
+        self._chunked.insert(len(self._chunked) if at is None else at, entry)
 
     def _next_chunk(self, ended: dict[str, Failure]) -> torch.Tensor | None:
         """The next chunk of the first long prompt; when it was the last, its
@@ -861,7 +885,30 @@ class Engine:
         self._join(c.joiner)
         if req.sampling.prompt_logprobs is not None:
             self._keep_scores(req.request_id, c.scores)
-        return self._head(hidden[:, -1])
+        logits = self._head(hidden[:, -1])
+        return self._followed(c, logits, ended) if c.followers else logits
+
+    def _followed(self, c: _Chunked, logits: torch.Tensor, ended: dict[str, Failure]) -> torch.Tensor:
+        """`c`'s followers join with copies of its row, just joined, and of
+        its logits ``[1, vocab]``; the logits of all ``[1 + followers,
+        vocab]``. A copy that fails fails the followers alone (OVERLOADED),
+        agreed on under TP as the twins of a prefill are."""
+        before, row = self.cache.rows, self.index[c.joiner.request.request_id]
+        _, copying = self._agreed_run(
+            lambda: self._copy_rows([row] * len(c.followers)),
+            lambda exc: (E.ERROR_CODE_OVERLOADED, f"copying a prefilled twin's row failed: {exc!r}"),
+            "copying prefilled rows",
+        )
+        if copying is not None:
+            self.cache.truncate(before)
+            ended.update({f.request.request_id: copying for f in c.followers})
+            return logits
+        for f in c.followers:
+            self._join(f)
+        self.shared_prefills += len(c.followers)
+        log.debug("rank %d: %d joiners take the chunked prefill of an identical prompt joining with or before them",
+                  self.coll.rank, len(c.followers))  # fmt: skip
+        return logits.repeat(1 + len(c.followers), 1)
 
     def _chunk_forward(self, c: _Chunked, start: int, end: int) -> torch.Tensor:
         """Tokens ``[start, end)`` of `c`'s prompt through the model, over its
@@ -914,7 +961,18 @@ class Engine:
         same ids, cache salt and items, by this rank's digests of them)
         and wants no prompt log probabilities: that one's id. Items not
         digested (no cache keys them) or not read: no twin."""
-        first: dict[tuple[Any, ...], str] = {}
+        # The long prompts under way first: one sent again while they are
+        # prefilled waits for theirs.
+        first: dict[tuple[Any, ...], str] = {
+            (
+                c.joiner.request.input_ids,
+                c.joiner.request.cache_salt,
+                c.joiner.runs.digests,
+            ): c.joiner.request.request_id
+            for c in reversed(self._chunked)
+            if c.joiner.request.sampling.prompt_logprobs is None
+            and len(c.joiner.runs.digests) == len(c.joiner.request.items)
+        }
         twins: dict[str, str] = {}
         for req in new if self.share_prefills else ():
             keys = tuple(self._keys.get(req.request_id, ()))

@@ -98,6 +98,39 @@ def family_pair(
 VIDEO_FAMILIES = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl")
 
 
+def n_choices_of_a_long_prompt(pair: Pair, family: str, asks: list[greedy.Ask], outs: list[greedy.Outcome]) -> None:
+    """A media ask sent for n = 3 greedy choices, under a salt of its own (no
+    cached prefix): its prompt is prefilled in chunks, and a choice that
+    reaches the scheduler in the same step, or while those chunks are under
+    way, takes a copy (each rank logs it; a new salt each try until one
+    did, as they do unless the tokenizer's work spreads them past the
+    chunks); every choice makes the model's tokens."""
+    log = pair.scheduler.log_path
+    said = "take the chunked prefill of an identical prompt"
+
+    def lines() -> list[str]:
+        return [line for line in log.read_text().splitlines() if said in line]
+
+    before = len(lines())
+    i = next(k for k, parts in enumerate(asks) if any(isinstance(p, tuple) for p in parts))
+    images, videos = greedy.media(asks[i], "image"), greedy.media(asks[i], "video")
+    with grpc.insecure_channel(pair.tokenizer_address) as channel:
+        stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
+        for attempt in range(6):
+            request = make_request(greedy.prompt(family, asks[i]), images, videos=videos, max_tokens=MAX_TOKENS)
+            request.n, request.cache_salt = 3, f"n choices {attempt}"
+            choices: dict[int, list[int]] = {}
+            for event in stub.Generate(request, timeout=120):
+                if event.HasField("delta"):
+                    choices.setdefault(event.index, []).extend(event.delta.token_ids)
+            assert choices == {k: list(outs[i].token_ids) for k in range(3)}, (family, attempt, choices)
+            if len(lines()) - before >= 2:  # rank 0's line and rank 1's
+                break
+        else:
+            pytest.fail(f"{family}: in 6 tries no choice joined while another's chunks were under way")
+    assert {line.split("rank ")[1][0] for line in lines()[before:]} == {"0", "1"}, (family, lines()[before:])
+
+
 def test_greedy_tokens_equal_the_model_in_one_batch(family_pair: tuple[str, Pair]) -> None:
     """`greedy.asks` of the family at once, each equal to the model's own
     `generate` (`greedy.equal_to_the_model`); then sent again, from the
@@ -110,6 +143,7 @@ def test_greedy_tokens_equal_the_model_in_one_batch(family_pair: tuple[str, Pair
         chunked = [line for line in pair.scheduler.log_path.read_text().splitlines() if "prefilled in chunks" in line]
         media_asks = sum(1 for parts in asks if any(isinstance(p, tuple) for p in parts))
         assert len(chunked) >= 2 * min(4, media_asks), "the media asks were not prefilled in chunks (a line per rank)"
+        n_choices_of_a_long_prompt(pair, family, asks, outs)
 
     # Sent again, one at a time, under another cache_salt (so no block of
     # the prefix cache serves them): the items' encoder outputs come from

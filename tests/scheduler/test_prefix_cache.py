@@ -6,15 +6,17 @@ the store stays within its bytes."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import random
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
 from scheduler_svc.engine import Engine
-from scheduler_svc.plan import NewRequest
+from scheduler_svc.plan import NewRequest, Plan
 from scheduler_svc.prefix_cache import BLOCK_TOKENS, PrefixCache, Runs, chain, outside_items, root, tail_key
 from tests.support.engine_kit import drive, pixels, reference, request, solo_engine
 
@@ -252,6 +254,86 @@ def test_identical_prompts_joining_together_are_prefilled_once(model: torch.nn.M
         assert together[req.request_id] == alone, req.request_id
     assert together["g0"] == reference(model, greedy[0])
     assert together["s0"] != together["s1"], "each twin samples with its own seed"
+
+
+@pytest.mark.parametrize("prefix", [64 << 20, 0], ids=["cached", "uncached"])
+def test_identical_long_prompts_joining_together_are_prefilled_in_chunks_once(
+    model: torch.nn.Module, prefix: int
+) -> None:
+    """n choices of a prompt longer than a chunk: the first is prefilled a
+    chunk a step, the others wait for it and join with copies of its row
+    and logits, one that comes a step later too (its chunks are under way);
+    each makes the tokens it makes alone, greedy or seeded. A long prompt
+    of its own, joining with them, is chunked after them."""
+    eos = int(model.config.text_config.eos_token_id)
+    ids = [1, *range(700, 720), *([model.config.image_token_id] * IMAGE_TOKENS), *range(800, 810)]  # 95: 4 chunks
+    greedy = [request(f"g{i}", ids, [pixels(7)], max_tokens=6) for i in range(2)]
+    seeded = [request(f"s{i}", ids, [pixels(7)], max_tokens=6, temperature=1.0, seed=40 + i) for i in range(2)]
+    other = request("other", [1, *range(900, 950)], max_tokens=6)  # 51: 3 chunks
+    late = request("late", ids, [pixels(7)], max_tokens=6)
+    joined = [*greedy, *seeded, other]
+    engine = make_engine(model, prefix=prefix, chunk=24)
+    chunks: list[str] = []
+    forward = engine._chunk_forward
+    engine._chunk_forward = lambda c, *span: (chunks.append(c.joiner.request.request_id), forward(c, *span))[1]  # type: ignore[method-assign]
+    together = drive(engine, {0: joined, 2: [late]}, eos)
+    assert chunks == ["g0"] * 4 + ["other"] * 3, chunks
+    assert engine.shared_prefills == 4
+    for req in [*joined, late]:
+        alone = drive(make_engine(model, prefix=0, chunk=24), {0: [req]}, eos)[req.request_id]
+        assert together[req.request_id] == alone, req.request_id
+    assert together["g0"] == reference(model, greedy[0])
+    assert together["s0"] != together["s1"], "each twin samples with its own seed"
+    assert engine.cache.rows == 0
+
+
+class _FailsFor:
+    """An engine hook: the prefill forwards of one request raise."""
+
+    def __init__(self, rid: str) -> None:
+        self.rid = rid
+
+    @contextlib.contextmanager
+    def in_prefill_forward(self, rank: int, requests: list[NewRequest], model: torch.nn.Module) -> Iterator[None]:
+        if any(r.request_id == self.rid for r in requests):
+            raise RuntimeError(f"injected into {self.rid}'s prefill")
+        yield
+
+
+@pytest.mark.parametrize("how", ["raises", "dropped"])
+def test_twins_of_a_long_prompt_go_on_when_the_one_prefilling_it_leaves(model: torch.nn.Module, how: str) -> None:
+    """The one prefilling a long prompt for its twins fails in a chunk, or
+    is cancelled between chunks: the next twin prefills it from its start,
+    the last still takes a copy, and both make their tokens alone."""
+    ids = [1, *range(700, 720), *([model.config.image_token_id] * IMAGE_TOKENS), *range(800, 810)]
+    twins = [request(f"g{i}", ids, [pixels(7)], max_tokens=4) for i in range(3)]
+    hook = _FailsFor("g0") if how == "raises" else None
+    engine = solo_engine(model, encoder_cache_bytes=64 << 20, prefill_chunk=24, hook=hook)
+    chunks: list[str] = []
+    forward = engine._chunk_forward
+    engine._chunk_forward = lambda c, *span: (chunks.append(c.joiner.request.request_id), forward(c, *span))[1]  # type: ignore[method-assign]
+    out = engine.step(Plan(step=0, new=tuple(twins)))
+    assert set(out.ended) == ({"g0"} if how == "raises" else set())
+    assert not out.sampled
+    out = engine.step(Plan(step=1, drop=("g0",)))  # what the loop sends either way
+    tokens: dict[str, list[int]] = {"g1": [], "g2": []}
+    step = 2
+    while len(tokens["g1"]) < 4:
+        assert not out.ended, out
+        assert not out.failed, out
+        for rid, token in out.sampled.items():
+            tokens[rid].append(token)
+        done = [rid for rid in out.sampled if len(tokens[rid]) == 4]
+        feed = tuple((rid, t) for rid, t in out.sampled.items() if rid not in done)
+        out = engine.step(Plan(step=step, drop=tuple(done), feed=feed))
+        step += 1
+    alone = reference(model, twins[1])
+    assert tokens == {"g1": alone, "g2": alone}
+    assert chunks.count("g1") == 4, chunks
+    assert "g2" not in chunks, chunks
+    assert engine.shared_prefills == 1
+    engine.step(Plan(step=step, drop=tuple(out.sampled)))
+    assert engine.cache.rows == 0
 
 
 def test_a_hit_then_chunks_gives_the_tokens_of_one_prefill(model: torch.nn.Module) -> None:
