@@ -35,9 +35,11 @@ interleaved over rounds:
 
 - **identical prompts at once**: C (at least 2) requests of one prompt (the system
   prompt, an image and a question), joining one step, as the n choices of
-  one request do: the step's time with their prefill shared (one row
-  prefilled, the others copies of it: the engine's default) and with each
-  prefilled in its own row.
+  one request do: the time until each has its first token with their
+  prefill shared (one row prefilled, the others copies of it: the engine's
+  default) and with each prefilled in its own row; and the same prompts
+  prefilled in 4 chunks (shared: one prompt's chunks and copies; not: each
+  prompt's own chunks, one after another).
 
 Also whether both arms made the same tokens (greedy: they must); and,
 unless `--no-chunked`, one round of `bench/chunked_prefill.py` (16 streams
@@ -67,6 +69,8 @@ from harness import SoloGroup, build_model, inline_reader, percentile, scratch_d
 TURNS = 4
 IMAGE_TOKENS = 64  # the tiny LLaVA's placeholders per image
 IMAGE_TOKEN_ID = 32000
+# The identical prompts' arm is run again prefilled in this many chunks.
+CHUNKS = 4
 
 
 def engine(model: Any, prefix_bytes: int, **options: Any) -> Any:
@@ -273,13 +277,33 @@ def at_once(model: Any, prefix_bytes: int, wait: int, n: int, system: int, answe
 
 
 def identical(eng: Any, n: int, system: int, answer: int, seed: int) -> tuple[float, dict[str, list[int]]]:
-    """`n` requests of one prompt joining one step: that step's seconds, and
-    every request's tokens."""
+    """`n` requests of one prompt joining one step: the seconds until every
+    one has its first token (the join step's, unless the prompt is
+    prefilled in chunks), and every request's tokens."""
+    from scheduler_svc.plan import Plan
+
     rng = random.Random(seed + 11)
     ids = [1, *(rng.randrange(100, 30000) for _ in range(system)), *[IMAGE_TOKEN_ID] * IMAGE_TOKENS]
     ids += [rng.randrange(100, 30000) for _ in range(30)]
-    joins, made, _, _ = run_turns(eng, [[request(f"i{seed}-{c}", ids, [image(seed)], answer) for c in range(n)]])
-    return joins[0], made
+    new = tuple(request(f"i{seed}-{c}", ids, [image(seed)], answer) for c in range(n))
+    made: dict[str, list[int]] = {}
+    feeds: dict[str, int] = {}
+    drop: tuple[str, ...] = ()
+    step, first = 0, 0.0
+    started = time.perf_counter()
+    while new or feeds or drop or eng.prefilling:
+        outcome = eng.step(Plan(step=step, new=new, drop=drop, feed=tuple(feeds.items()), keep=drop))
+        step, new, feeds, done = step + 1, (), {}, []
+        for rid, token in outcome.sampled.items():
+            made.setdefault(rid, []).append(token)
+            if len(made[rid]) >= answer:
+                done.append(rid)
+            else:
+                feeds[rid] = token
+        drop = tuple(done)
+        if not first and len(made) == n:
+            first = time.perf_counter() - started
+    return first, made
 
 
 def unshared(eng: Any, n: int, lengths: list[int], answer: int, seed: int) -> tuple[float, int, dict[str, list[int]]]:
@@ -329,7 +353,8 @@ def main() -> None:
         burst: dict[str, list[AtOnce]] = {arm: [] for arm in burst_arms}
         share_arms = {"shared": True, "each its own": False}
         alike_n = max(args.conversations, 2)
-        twins: dict[str, list[float]] = {arm: [] for arm in share_arms}
+        chunk_size = -(-(args.system + IMAGE_TOKENS + 31) // CHUNKS)
+        twins: dict[tuple[int, str], list[float]] = {(c, arm): [] for c in (0, chunk_size) for arm in share_arms}
         same = True
         hit = prompt = 0
         lengths: list[int] = []
@@ -377,14 +402,14 @@ def main() -> None:
                 if r:
                     burst[arm].append(together[arm])
             same &= together["waits"].made == together["no wait"].made == together["off"].made
-            alike = {}
-            for arm, share in _rotated(list(share_arms.items()), r):
-                join, alike[arm] = identical(
-                    engine(model, 1 << 30, share_prefills=share), alike_n, args.system, args.answer, r
-                )
-                if r:
-                    twins[arm].append(join)
-            same &= alike["shared"] == alike["each its own"]
+            for chunk in (0, chunk_size):
+                alike = {}
+                for arm, share in _rotated(list(share_arms.items()), r):
+                    eng = engine(model, 1 << 30, share_prefills=share, prefill_chunk=chunk)
+                    join, alike[arm] = identical(eng, alike_n, args.system, args.answer, r)
+                    if r:
+                        twins[chunk, arm].append(join)
+                same &= alike["shared"] == alike["each its own"]
         rows = []
         for t in range(TURNS):
             on, off = statistics.median(ttft["on"][t]), statistics.median(ttft["off"][t])
@@ -417,10 +442,12 @@ def main() -> None:
         print(table(["prefix cache", "TTFT p50 ms", "TTFT p90 ms", "all done ms", "prompt from cache"], rows))
         waits, no_wait = (statistics.median(run.seconds for run in burst[arm]) for arm in ("waits", "no wait"))
         print(f"  waiting for the shared prefill: all done in {waits / no_wait:.2f}x the time of not waiting")
-        shared, own = (statistics.median(twins[arm]) for arm in share_arms)
-        print(f"identical prompts at once ({alike_n} requests of one {args.system + IMAGE_TOKENS + 31}-token "
-              f"prompt with an image, joining one step, as n choices do): TTFT prefilled once {shared * 1000:.0f} ms, "
-              f"each its own {own * 1000:.0f} ms ({shared / own:.2f}x)")  # fmt: skip
+        for chunk in (0, chunk_size):
+            shared, own = (statistics.median(twins[chunk, arm]) for arm in share_arms)
+            how = f", prefilled in chunks of {chunk}" if chunk else ""
+            print(f"identical prompts at once ({alike_n} requests of one {args.system + IMAGE_TOKENS + 31}-token "
+                  f"prompt with an image, joining one step, as n choices do{how}): TTFT prefilled once "
+                  f"{shared * 1000:.0f} ms, each its own {own * 1000:.0f} ms ({shared / own:.2f}x)")  # fmt: skip
         print(f"same tokens with the cache on and off, shared or not (every request, every round): {same}")
         if not args.no_chunked:
             chunked(workdir)
