@@ -107,6 +107,19 @@ def request(rid: str, ids: list[int], pictures: list[Any], answer: int) -> Any:
     return NewRequest(rid, tuple(ids), items, Sampling(max_tokens=answer, min_tokens=answer))
 
 
+def took(made: dict[str, list[int]], sampled: dict[str, int], answer: int) -> tuple[dict[str, int], tuple[str, ...]]:
+    """A step's sampled tokens added to `made`: the requests to feed next,
+    and those that made `answer` tokens (to drop, and keep)."""
+    feeds, done = {}, []
+    for rid, token in sampled.items():
+        made.setdefault(rid, []).append(token)
+        if len(made[rid]) >= answer:
+            done.append(rid)
+        else:
+            feeds[rid] = token
+    return feeds, tuple(done)
+
+
 def run_turns(eng: Any, batches: list[list[Any]]) -> tuple[list[float], dict[str, list[int]], float, int]:
     """Each batch joins in one step and decodes to its end before the next
     joins. (the join steps' seconds, every request's tokens, the whole
@@ -127,14 +140,8 @@ def run_turns(eng: Any, batches: list[list[Any]]) -> tuple[list[float], dict[str
             if new:
                 joins.append(time.perf_counter() - t0)
             step += 1
-            new, feeds, done = (), {}, []
-            for rid, token in outcome.sampled.items():
-                made.setdefault(rid, []).append(token)
-                if len(made[rid]) >= batch[0].sampling.max_tokens:
-                    done.append(rid)
-                else:
-                    feeds[rid] = token
-            drop = tuple(done)
+            new = ()
+            feeds, drop = took(made, outcome.sampled, batch[0].sampling.max_tokens)
     return joins, made, time.perf_counter() - started, sum(len(v) for v in made.values())
 
 
@@ -200,14 +207,7 @@ def staggered(eng: Any, n: int, system: int, answer: int, seed: int) -> tuple[li
         if new and step:
             joins.append(time.perf_counter() - t0)
         step += 1
-        feeds, done = {}, []
-        for rid, token in outcome.sampled.items():
-            made.setdefault(rid, []).append(token)
-            if len(made[rid]) >= answer:
-                done.append(rid)
-            else:
-                feeds[rid] = token
-        drop = tuple(done)
+        feeds, drop = took(made, outcome.sampled, answer)
     return joins, made
 
 
@@ -293,14 +293,8 @@ def identical(eng: Any, n: int, system: int, answer: int, seed: int) -> tuple[fl
     started = time.perf_counter()
     while new or feeds or drop or eng.prefilling:
         outcome = eng.step(Plan(step=step, new=new, drop=drop, feed=tuple(feeds.items()), keep=drop))
-        step, new, feeds, done = step + 1, (), {}, []
-        for rid, token in outcome.sampled.items():
-            made.setdefault(rid, []).append(token)
-            if len(made[rid]) >= answer:
-                done.append(rid)
-            else:
-                feeds[rid] = token
-        drop = tuple(done)
+        step, new = step + 1, ()
+        feeds, drop = took(made, outcome.sampled, answer)
         if not first and len(made) == n:
             first = time.perf_counter() - started
     return first, made
