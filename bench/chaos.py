@@ -44,7 +44,7 @@ status 1 when something was lost, untyped or left behind.
 
     python bench/chaos.py [--minutes 10] [--concurrency 12] [--seed 1] [--fault-every-s 6] [--tp 2]
                           [--tp-all-reduce gloo]
-                          [--shm-size 1g] [--caches on|off]
+                          [--shm-size 1g] [--caches on|off] [--scheduler-args '--max-prefill-tokens 32']
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ import asyncio
 import contextlib
 import os
 import random
+import shlex
 import signal
 import sys
 import time
@@ -575,7 +576,8 @@ def run(args: argparse.Namespace, workdir: Path, model: Path | None = None) -> t
     off = caches == "off"
     sums = ["--tp-all-reduce", getattr(args, "tp_all_reduce", "shm")]
     tp = getattr(args, "tp", 2)
-    groups = [Group(f"scheduler{k}", model, logs, prefix, [*sums, *(NO_CACHES["scheduler"] if off else [])], tp)
+    more = [*sums, *(NO_CACHES["scheduler"] if off else []), *shlex.split(getattr(args, "scheduler_args", ""))]
+    groups = [Group(f"scheduler{k}", model, logs, prefix, more, tp)
               for k in range(2)]  # fmt: skip
     http = f"127.0.0.1:{free_port()}"
     schedulers = ",".join(f"127.0.0.1:{g.port}" for g in groups)
@@ -671,6 +673,8 @@ def main() -> None:
                         help="ranks per group (1: no rank 1 to kill; a freeze stops the group's one rank)")  # fmt: skip
     parser.add_argument("--tp-all-reduce", choices=("shm", "gloo"), default="shm",
                         help="the groups' TP sums: gloo as between hosts (a failed forward drains them)")  # fmt: skip
+    parser.add_argument("--scheduler-args", default="",
+                        help="more arguments for both groups, e.g. '--max-prefill-tokens 32'")  # fmt: skip
     args = parser.parse_args()
     if args.shm_size and not os.environ.get(PRIVATE_SHM_ENV):
         # The same command again, in a mount namespace with a /dev/shm of its own.
