@@ -288,15 +288,19 @@ class Engine:
         return self.threads.run(StepKind.of(running, prefill=tokens), tokens=tokens)
 
     def _prefill_tokens(self, plan: Plan) -> int:
-        """About how many prompt tokens the step prefills: its joiners' (a
-        long one's first chunk), or the next chunk of the first long prompt
-        under way. Cached prefixes and the joiners it turns away count too:
-        this only sorts and scales the step's time for `StepThreads`."""
-        chunk = self.prefill_chunk or None
-        tokens = sum(min(len(r.input_ids), chunk or len(r.input_ids)) for r in plan.new)
-        if self._chunked and chunk:
+        """About how many prompt tokens the step prefills: its joiners'
+        prompts that fit one step, each prompt once (identical ones are
+        prefilled once), and one chunk of the first long prompt, under way
+        or joining. Cached prefixes and the joiners it turns away count
+        too: this only sorts and scales the step's time for `StepThreads`."""
+        chunk = self.prefill_chunk
+        prompts = {r.input_ids for r in plan.new}
+        tokens = sum(len(ids) for ids in prompts if not chunk or len(ids) <= chunk)
+        if self._chunked:
             c = self._chunked[0]
             tokens += min(chunk, len(c.joiner.request.input_ids) - c.done)
+        elif chunk and any(len(ids) > chunk for ids in prompts):
+            tokens += chunk
         return tokens
 
     def _step(self, plan: Plan) -> StepOutcome:

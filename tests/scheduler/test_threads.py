@@ -242,3 +242,17 @@ def test_a_step_is_timed_by_the_rows_its_forward_runs_not_those_it_drops(model: 
     # Step 4 runs no forward: no verdict from it.
     assert tuner.timed == [prefill_20, decode_5, decode_2, IDLE], tuner.timed
     assert set(tuner.summary()) == {prefill_20, decode_5, decode_2}
+
+
+def test_a_prefill_is_sized_by_the_tokens_it_prefills(model: torch.nn.Module) -> None:
+    """A prefill's kind and per-token time count each prompt once (twins
+    are prefilled once) and one chunk of the first long prompt, joining or
+    under way."""
+    engine = Engine(model, SoloGroup(), InlineReader(), torch.device("cpu"), eos_token_ids=frozenset(),
+                    prefill_chunk=16)  # fmt: skip
+    twins = [request(f"t{i}", [1, *range(100, 109)], max_tokens=4) for i in range(3)]  # 10 tokens, 3 times
+    long = request("long", [1, *range(200, 239)], max_tokens=4)  # 40 tokens: chunks of 16, 16, 8
+    plan = Plan(step=0, new=(*twins, long))
+    assert engine._prefill_tokens(plan) == 10 + 16
+    out = engine.step(plan)
+    assert engine._prefill_tokens(Plan(step=1, feed=tuple(out.sampled.items()))) == 16
