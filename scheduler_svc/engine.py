@@ -116,8 +116,9 @@ class _Chunked:
     done: int = 0  # prompt tokens prefilled so far
     # prompt_logprobs of its chunks so far (rank 0; None once making them failed).
     scores: list[Logprob] | None = field(default_factory=list)
-    # Joiners of its step with the same prompt (`Engine._twins`): each takes
-    # a copy of its row and logits once its last chunk is in.
+    # Joiners with the same prompt (`Engine._twins`), of its step or of one
+    # while its chunks were under way: each takes a copy of its row and
+    # logits once its last chunk is in.
     followers: list[Joiner] = field(default_factory=list)
 
 
