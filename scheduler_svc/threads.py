@@ -36,10 +36,14 @@ kind runs on every thread its first `PREFILL_FIRST` times, then on one
 fewer once, and is tuned from there like the rest.
 
 A step with no running rows and no prefill runs no forward (a heartbeat,
-a step that only drops): it gives no verdict. A heartbeat's times are
-noise, ~0.0 ms on either choice; a step that ends a burst's 30 rows copies
-their prefixes into the cache, 100-300 ms on two contended threads against
-~30 on one, and once counted as a 30-row decode step.
+a step that only drops): it gives no verdict, and runs on one thread
+fewer. A heartbeat's times are noise, ~0.0 ms on either choice. A step
+that ends a burst's 30 rows copies their prefixes into the cache, some
+3,000 small copies while the event loop streams their last tokens: in
+service 160-520 ms on two threads against ~30 on one (in process, alone,
+6.3 against 7.6 ms; 10.4 against 7.7 with a busy core), and the next
+burst's first prefill waited for it. It once counted as a 30-row decode
+step.
 
 The thread count only changes how operators split their work: the tokens
 are the same either way up to the order of floating-point sums inside an
@@ -144,8 +148,10 @@ class StepThreads:
 
     def choose(self, kind: StepKind) -> int:
         """The thread count for the next step of this kind."""
-        if not self.tuning or kind == IDLE:
+        if not self.tuning:
             return self.threads
+        if kind == IDLE:
+            return self.choices[-1]  # one fewer: its copies gain nothing from every thread
         seen = self._seen.setdefault(kind, _Seen())
         seen.steps += 1
         untried = self._untried(kind, seen)
