@@ -223,7 +223,7 @@ class _Seeing(StepThreads):
 def test_a_step_is_timed_by_the_rows_its_forward_runs_not_those_it_drops(model: torch.nn.Module) -> None:
     """The rows a plan drops leave before the forward. A step that only
     ends rows (their prefixes kept: copies, no forward) once counted as a
-    decode step of all of them: its copies (100-300 ms on two contended
+    decode step of all of them: its copies (160-520 ms on two contended
     cores against ~30 on one, in service) were taken for that kind's
     decode time."""
     before = torch.get_num_threads()
