@@ -134,9 +134,10 @@ class TokenizerService:
         self.pool = pool
         self.link = link
         self.inflight = 0
-        # Items being preprocessed, by cache key: done when the work ends
-        # (kept in the cache or not), for requests that want the same one.
-        self._under_way: dict[bytes, asyncio.Future[None]] = {}
+        # Items being preprocessed, by cache key: done when the work ends,
+        # for requests that want the same one; True when it was made (kept
+        # in the cache, or too large for it), False when it failed.
+        self._under_way: dict[bytes, asyncio.Future[bool]] = {}
         # Requests in progress by client, for --max-inflight-per-client
         # (a client with none has no entry: it holds only active clients).
         self.inflight_by_client: collections.Counter[str] = collections.Counter()
@@ -1027,20 +1028,25 @@ class TokenizerService:
         # The key names the item (its content hash) whether or not the cache is on.
         key = await asyncio.to_thread(self.cache.key, job) if len(data) > 1 << 20 else self.cache.key(job)
         cached = self.cache.get(key) if self.cache.enabled else None
-        while cached is None and (under_way := self._under_way.get(key)) is not None:
+        made = False
+        while cached is None and not made and (under_way := self._under_way.get(key)) is not None:
             # Another request is preprocessing this very item (the same
             # image sent by many at once): wait for it and take the cache's
-            # copy; if it kept none (it failed, or was cancelled), go on.
-            await asyncio.shield(under_way)
+            # copy. If it failed or was cancelled, one of those waiting takes
+            # its place; if the cache could not keep what it made, each makes
+            # its own, at once.
+            made = await asyncio.shield(under_way)
             cached = self.cache.get(key)
-        if cached is not None or not self.cache.enabled:
+        if cached is not None or not self.cache.enabled or made:
             return await self._made(job, timeout_s, rid, key, cached, transport, slab_ref)
         mine = self._under_way[key] = asyncio.get_running_loop().create_future()
         try:
-            return await self._made(job, timeout_s, rid, key, cached, transport, slab_ref)
+            prepared = await self._made(job, timeout_s, rid, key, cached, transport, slab_ref)
+            made = True
+            return prepared
         finally:
             del self._under_way[key]
-            mine.set_result(None)
+            mine.set_result(made)
 
     async def _made(
         self,

@@ -34,22 +34,30 @@ class GatedPool:
 
     def __init__(self) -> None:
         self.jobs = 0
+        self.running = self.most_at_once = 0
         self.started = asyncio.Event()
         self.go = asyncio.Event()
         self.fail = False
 
     async def preprocess(self, job: Job, *, timeout_s: float, request_id: str) -> ItemResult:
         self.jobs += 1
+        self.running += 1
+        self.most_at_once = max(self.most_at_once, self.running)
         self.started.set()
-        await self.go.wait()
+        try:
+            await self.go.wait()
+            await asyncio.sleep(0)  # the others that would run at once have started by now
+        finally:
+            self.running -= 1
         if self.fail:
             raise MediaDecodeFailed("image could not be decoded")
         pixels = ItemTensor("pixel_values", "float32", PIXELS.shape, PIXELS.nbytes, inline=PIXELS.tobytes())
         return ItemResult(common_pb2.MODALITY_IMAGE, (pixels,), tokens=4, content_hash=b"", width=64, height=64)
 
 
-def service_for(tiny_model: Path) -> tuple[TokenizerService, GatedPool]:
-    settings = TokenizerSettings(model_dir=tiny_model, shm_slab_bytes=0)
+def service_for(tiny_model: Path, cache_bytes: int | None = None) -> tuple[TokenizerService, GatedPool]:
+    more = {} if cache_bytes is None else {"preprocess_cache_bytes": cache_bytes}
+    settings = TokenizerSettings(model_dir=tiny_model, shm_slab_bytes=0, **more)
     family, tokenizer, template = _load_processor(settings)
     pool = GatedPool()
     service = TokenizerService(settings, family, tokenizer, Media(), pool, None, chat_template=template)  # type: ignore[arg-type]
@@ -62,11 +70,13 @@ async def requests(service: TokenizerService, n: int) -> list[asyncio.Task[Any]]
     return tasks
 
 
-def run(tiny_model: Path, body: Callable[[TokenizerService, GatedPool], Awaitable[None]]) -> None:
+def run(
+    tiny_model: Path, body: Callable[[TokenizerService, GatedPool], Awaitable[None]], cache_bytes: int | None = None
+) -> None:
     """`body` on a new service, whose pools are closed after; nothing is left under way."""
 
     async def main() -> None:
-        service, pool = service_for(tiny_model)
+        service, pool = service_for(tiny_model, cache_bytes)
         try:
             await body(service, pool)
             assert not service._under_way
@@ -112,3 +122,20 @@ def test_when_preprocessing_it_fails_each_tries_and_fails_alike(tiny_model: Path
         assert pool.jobs == 3, "failures are not cached: each tried it, one after the other"
 
     run(tiny_model, body)
+
+
+def test_an_item_the_cache_cannot_keep_is_waited_for_once_then_made_by_each_at_once(tiny_model: Path) -> None:
+    """An item larger than the whole cache is made but not kept: the
+    requests that waited for it then each make it at the same time, not one
+    after another (that would add a preprocessing to each one's wait)."""
+
+    async def body(service: TokenizerService, pool: GatedPool) -> None:
+        tasks = await requests(service, 3)
+        await pool.started.wait()
+        pool.go.set()
+        items = await asyncio.gather(*tasks)
+        assert pool.jobs == 3
+        assert pool.most_at_once == 2, "the two that waited made it together"
+        assert all(item.result.tensors[0].inline == PIXELS.tobytes() for item in items)
+
+    run(tiny_model, body, cache_bytes=PIXELS.nbytes // 2)
