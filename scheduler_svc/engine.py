@@ -962,28 +962,21 @@ class Engine:
         return Runs(tuple(self._keys.get(req.request_id, ())), tuple(item.placeholders for item in req.items))
 
     def _twins_of(self, new: tuple[NewRequest, ...]) -> dict[str, str]:
-        """Of `new`, each request whose prompt equals an earlier one's (the
-        same ids, cache salt and items, by this rank's digests of them)
-        and wants no prompt log probabilities: that one's id. Items not
-        digested (no cache keys them) or not read: no twin."""
+        """Of `new`, each request whose prompt equals an earlier one's, or a
+        long prompt's under way (`_twin_key`): that one's id."""
+        if not (new and self.share_prefills):
+            return {}
         # The long prompts under way first: one sent again while they are
         # prefilled waits for theirs.
-        first: dict[tuple[Any, ...], str] = {
-            (
-                c.joiner.request.input_ids,
-                c.joiner.request.cache_salt,
-                c.joiner.runs.digests,
-            ): c.joiner.request.request_id
-            for c in reversed(self._chunked)
-            if c.joiner.request.sampling.prompt_logprobs is None
-            and len(c.joiner.runs.digests) == len(c.joiner.request.items)
-        }
+        first: dict[tuple[Any, ...], str] = {}
+        for c in self._chunked:
+            if (key := _twin_key(c.joiner.request, c.joiner.runs.digests)) is not None:
+                first.setdefault(key, c.joiner.request.request_id)
         twins: dict[str, str] = {}
-        for req in new if self.share_prefills else ():
-            keys = tuple(self._keys.get(req.request_id, ()))
-            if req.sampling.prompt_logprobs is not None or len(keys) != len(req.items):
+        for req in new:
+            if (key := _twin_key(req, tuple(self._keys.get(req.request_id, ())))) is None:
                 continue
-            leader = first.setdefault((req.input_ids, req.cache_salt, keys), req.request_id)
+            leader = first.setdefault(key, req.request_id)
             if leader != req.request_id:
                 twins[req.request_id] = leader
         return twins
@@ -1127,6 +1120,16 @@ def _attention_kernels(device: torch.device, *, cudnn: bool) -> Callable[[], con
 
     backends = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
     return lambda: sdpa_kernel(backends)
+
+
+def _twin_key(req: NewRequest, digests: tuple[bytes, ...]) -> tuple[Any, ...] | None:
+    """What two prompts prefilled once have alike: the same ids, cache salt
+    and items (by this rank's `digests` of them); None for a request that
+    wants prompt log probabilities, or whose items were not all digested
+    (no cache keys them, or one was unreadable)."""
+    if req.sampling.prompt_logprobs is not None or len(digests) != len(req.items):
+        return None
+    return (req.input_ids, req.cache_salt, digests)
 
 
 class _Clock:
