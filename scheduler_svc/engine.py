@@ -105,6 +105,9 @@ class Row:
     # items as the prefix cache keys them: what its blocks are kept under.
     fed: list[int] = field(default_factory=list)
     runs: Runs = field(default_factory=Runs)
+    # The first keys of its blocks' chain, as far as made so far (its
+    # match, then each keep): a keep goes on from them.
+    chain: list[bytes] = field(default_factory=list)
 
 
 @dataclass
@@ -435,7 +438,8 @@ class Engine:
     def _join(self, j: Joiner) -> None:
         req = j.request
         self.index[req.request_id] = len(self.rows)
-        self.rows.append(Row(req, sampling=self._row_sampling(req), rope_delta=j.rope_delta, runs=j.runs))
+        known = list(self._matches.get(req.request_id, NO_MATCH).keys)  # this step's joiners': their match
+        self.rows.append(Row(req, sampling=self._row_sampling(req), rope_delta=j.rope_delta, runs=j.runs, chain=known))
         self._cached[req.request_id] = j.cached
         self._prefilled.append(req.request_id)
 
@@ -496,7 +500,7 @@ class Engine:
         length = self.cache.lengths[index]
         tokens = [*row.request.input_ids, *row.fed][:length]
         salt = row.request.cache_salt
-        keys = chain(tokens, row.runs, salt, blocks=length // BLOCK_TOKENS)
+        keys = row.chain = chain(tokens, row.runs, salt, blocks=length // BLOCK_TOKENS, known=row.chain)
         held = self.prefix_cache.held(keys)
         last: tuple[bytes, torch.Tensor] | None = None
         start = tail // BLOCK_TOKENS * BLOCK_TOKENS

@@ -105,9 +105,15 @@ def root(salt: str = "") -> bytes:
     return hashlib.blake2b(b"mmsplit-prefix-v1|" + salt.encode(), digest_size=16).digest()
 
 
-def chain(ids: Sequence[int], runs: Runs, salt: str = "", *, blocks: int | None = None) -> list[bytes]:
-    """The keys of the first `blocks` full blocks of `ids` (all by default)."""
+def chain(
+    ids: Sequence[int], runs: Runs, salt: str = "", *, blocks: int | None = None, known: Sequence[bytes] = ()
+) -> list[bytes]:
+    """The keys of the first `blocks` full blocks of `ids` (all by default),
+    going on from `known`, the first keys of this very chain (a row's, made
+    when it joined or was kept before: its tokens only grow)."""
     n = len(ids) // BLOCK_TOKENS if blocks is None else min(blocks, len(ids) // BLOCK_TOKENS)
+    if len(known) >= n:
+        return list(known[:n])
     # Per block, the runs it overlaps: (item, run index, where in the run the block starts).
     overlaps: list[list[tuple[int, int, int]]] = [[] for _ in range(n)]
     for item, item_runs in enumerate(runs.placeholders):
@@ -115,9 +121,9 @@ def chain(ids: Sequence[int], runs: Runs, salt: str = "", *, blocks: int | None 
             first, last = offset // BLOCK_TOKENS, (offset + length - 1) // BLOCK_TOKENS
             for b in range(first, min(last + 1, n)):
                 overlaps[b].append((item, r, b * BLOCK_TOKENS - offset))
-    parent = root(salt)
-    keys: list[bytes] = []
-    for b in range(n):
+    keys = list(known)
+    parent = keys[-1] if keys else root(salt)
+    for b in range(len(keys), n):
         h = hashlib.blake2b(parent, digest_size=16)
         h.update(struct.pack(f"<{BLOCK_TOKENS}q", *ids[b * BLOCK_TOKENS : (b + 1) * BLOCK_TOKENS]))
         for item, r, start in overlaps[b]:

@@ -52,6 +52,9 @@ def test_a_key_covers_the_item_the_salt_and_everything_before() -> None:
     assert not set(moved) & set(a), "the same image at another position shares nothing"
     assert not set(chain(ids, runs_a, "tenant-2")) & set(a), "another salt shares nothing"
     assert chain(ids, runs_a) == a, "keys are a function of their inputs"
+    # Going on from a chain's first keys (a row's, made when it joined) gives the same chain.
+    assert all(chain(ids, runs_a, known=a[:k]) == a for k in range(len(a) + 1))
+    assert chain(ids, runs_a, blocks=2, known=a) == a[:2]
     # A match ends outside the image's span and leaves the last token to prefill.
     assert outside_items((len(ids) - 1) // BLOCK_TOKENS, runs_a) == 4  # 64: past the image
     assert outside_items(49 // BLOCK_TOKENS, runs_a) == 1  # 16 (32 and 48 are inside 20..60)
