@@ -34,12 +34,14 @@ interleaved over rounds:
   one that made them runs.
 
 - **identical prompts at once**: C (at least 2) requests of one prompt (the system
-  prompt, an image and a question), joining one step, as the n choices of
-  one request do: the time until each has its first token with their
-  prefill shared (one row prefilled, the others copies of it: the engine's
-  default) and with each prefilled in its own row; and the same prompts
-  prefilled in 4 chunks (shared: one prompt's chunks and copies; not: each
-  prompt's own chunks, one after another).
+  prompt, an image and a question) queued together through rank 0's step
+  loop, as the n choices of one request are: the time until each has its
+  first token with their prefill shared (the planner admits them together,
+  one row prefilled, the others copies of it: the default) and with each
+  prefilled in its own row; and the same prompts prefilled in 4 chunks,
+  the chunk also the step's prefill budget as in service (shared: one
+  prompt's chunks and copies; not: each prompt's own chunks, one after
+  another). A burst of another such prompt goes first, not counted.
 
 Also whether both arms made the same tokens (greedy: they must); and,
 unless `--no-chunked`, one round of `bench/chunked_prefill.py` (16 streams
@@ -54,6 +56,7 @@ figure of the issue's Engine II targets comes from this one script.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import random
 import statistics
 import sys
@@ -100,8 +103,15 @@ def request(rid: str, ids: list[int], pictures: list[Any], answer: int) -> Any:
     from scheduler_svc.plan import Item, NewRequest
 
     runs = [i for i, t in enumerate(ids) if t == IMAGE_TOKEN_ID and (i == 0 or ids[i - 1] != IMAGE_TOKEN_ID)]
+    # Each image's content hash, as the tokenizer sends it (its preprocessing key).
     items = tuple(
-        Item(common_pb2.MODALITY_IMAGE, (("pixel_values", spec),), {}, ((start, IMAGE_TOKENS),))
+        Item(
+            common_pb2.MODALITY_IMAGE,
+            (("pixel_values", spec),),
+            {},
+            ((start, IMAGE_TOKENS),),
+            hashlib.blake2b(spec.inline, digest_size=16).digest(),
+        )
         for start, spec in zip(runs, pictures, strict=True)
     )
     return NewRequest(rid, tuple(ids), items, Sampling(max_tokens=answer, min_tokens=answer))
@@ -227,13 +237,21 @@ def at_once(model: Any, prefix_bytes: int, wait: int, n: int, system: int, answe
     is `wait`). A burst with another system prompt goes first and is not
     counted: the planner weighs waiting against the step costs it has seen
     (at a cold start, with none seen, it waits)."""
+    from scheduler_svc.settings import SchedulerSettings
+
+    settings = SchedulerSettings(model_dir=Path("unused"), wait_for_shared_prefix=wait)
+    bursts = [sharing_a_system_prompt(tag, n, system, answer, seed + s) for tag, s in (("warm", 29), ("a", 23))]
+    return through_loop(engine(model, prefix_bytes), settings, bursts, answer)
+
+
+def through_loop(eng: Any, settings: Any, bursts: list[list[Any]], answer: int) -> AtOnce:
+    """Each burst's requests queued together through rank 0's step loop
+    over `eng`, the next burst once all have ended: the last burst's
+    figures (the ones before warm the planner's step costs up)."""
     import threading
 
     from scheduler_svc.loop import Admission, Event, Finished, StepLoop, Token
-    from scheduler_svc.settings import SchedulerSettings
 
-    eng = engine(model, prefix_bytes)
-    settings = SchedulerSettings(model_dir=Path("unused"), wait_for_shared_prefix=wait)
     made: dict[str, list[int]] = {}
     ttft: dict[str, float] = {}
     ended = threading.Semaphore(0)
@@ -254,8 +272,7 @@ def at_once(model: Any, prefix_bytes: int, wait: int, n: int, system: int, answe
     thread = threading.Thread(target=loop.run)
     store = eng.prefix_cache
     try:
-        for tag, burst_seed in (("warm", seed + 29), ("a", seed + 23)):
-            requests = sharing_a_system_prompt(tag, n, system, answer, burst_seed)
+        for requests in bursts:
             made.clear()
             ttft.clear()
             hit, prompt = store.hit_tokens, store.prompt_tokens
@@ -276,28 +293,27 @@ def at_once(model: Any, prefix_bytes: int, wait: int, n: int, system: int, answe
     return AtOnce(list(ttft.values()), seconds, dict(made), store.hit_tokens - hit, store.prompt_tokens - prompt)
 
 
-def identical(eng: Any, n: int, system: int, answer: int, seed: int) -> tuple[float, dict[str, list[int]]]:
-    """`n` requests of one prompt joining one step: the seconds until every
-    one has its first token (the join step's, unless the prompt is
-    prefilled in chunks), and every request's tokens."""
-    from scheduler_svc.plan import Plan
+def identical(
+    model: Any, n: int, system: int, answer: int, seed: int, *, share: bool, chunk: int
+) -> tuple[float, dict[str, list[int]]]:
+    """`n` requests of one prompt queued together through rank 0's step
+    loop, as the n choices of one request are (a prompt of `chunk` tokens or
+    more, with `chunk`, is prefilled in chunks of it, which is then the
+    step's prefill budget, `--max-prefill-tokens`, as in service): the
+    seconds until every one has its first token, and every request's
+    tokens. A burst of another such prompt goes first, not counted."""
+    from scheduler_svc.settings import SchedulerSettings
 
-    rng = random.Random(seed + 11)
-    ids = [1, *(rng.randrange(100, 30000) for _ in range(system)), *[IMAGE_TOKEN_ID] * IMAGE_TOKENS]
-    ids += [rng.randrange(100, 30000) for _ in range(30)]
-    new = tuple(request(f"i{seed}-{c}", ids, [image(seed)], answer) for c in range(n))
-    made: dict[str, list[int]] = {}
-    feeds: dict[str, int] = {}
-    drop: tuple[str, ...] = ()
-    step, first = 0, 0.0
-    started = time.perf_counter()
-    while new or feeds or drop or eng.prefilling:
-        outcome = eng.step(Plan(step=step, new=new, drop=drop, feed=tuple(feeds.items()), keep=drop))
-        step, new = step + 1, ()
-        feeds, drop = took(made, outcome.sampled, answer)
-        if not first and len(made) == n:
-            first = time.perf_counter() - started
-    return first, made
+    def burst(tag: str, seed: int) -> list[Any]:
+        rng = random.Random(seed)
+        ids = [1, *(rng.randrange(100, 30000) for _ in range(system)), *[IMAGE_TOKEN_ID] * IMAGE_TOKENS]
+        ids += [rng.randrange(100, 30000) for _ in range(30)]
+        return [request(f"{tag}{c}", ids, [image(seed)], answer) for c in range(n)]
+
+    settings = SchedulerSettings(model_dir=Path("unused"), **({"max_prefill_tokens": chunk} if chunk else {}))
+    eng = engine(model, 1 << 30, share_prefills=share, prefill_chunk=chunk)
+    run = through_loop(eng, settings, [burst("warm", seed + 31), burst("i", seed + 11)], answer)
+    return max(run.ttft), run.made
 
 
 def unshared(eng: Any, n: int, lengths: list[int], answer: int, seed: int) -> tuple[float, int, dict[str, list[int]]]:
@@ -399,8 +415,7 @@ def main() -> None:
             for chunk in (0, chunk_size):
                 alike = {}
                 for arm, share in _rotated(list(share_arms.items()), r):
-                    eng = engine(model, 1 << 30, share_prefills=share, prefill_chunk=chunk)
-                    join, alike[arm] = identical(eng, alike_n, args.system, args.answer, r)
+                    join, alike[arm] = identical(model, alike_n, args.system, args.answer, r, share=share, chunk=chunk)
                     if r:
                         twins[chunk, arm].append(join)
                 same &= alike["shared"] == alike["each its own"]
@@ -440,7 +455,8 @@ def main() -> None:
             shared, own = (statistics.median(twins[chunk, arm]) for arm in share_arms)
             how = f", prefilled in chunks of {chunk}" if chunk else ""
             print(f"identical prompts at once ({alike_n} requests of one {args.system + IMAGE_TOKENS + 31}-token "
-                  f"prompt with an image, joining one step, as n choices do{how}): TTFT prefilled once "
+                  f"prompt with an image, queued together through the step loop, as n choices are{how}): TTFT "
+                  f"prefilled once "
                   f"{shared * 1000:.0f} ms, each its own {own * 1000:.0f} ms ({shared / own:.2f}x)")  # fmt: skip
         print(f"same tokens with the cache on and off, shared or not (every request, every round): {same}")
         if not args.no_chunked:

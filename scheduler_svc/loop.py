@@ -141,6 +141,20 @@ def _leading(keys: list[bytes], present: Callable[[bytes], bool]) -> int:
     return lo
 
 
+def _twin_hint(req: NewRequest) -> tuple[object, ...] | None:
+    """What the engine's twins (`engine._twin_key`: prompts prefilled once,
+    the others copying that row) have alike, as rank 0's planner can tell
+    before any tensor is read: the same ids, cache salt and items by the
+    tokenizer's content hashes. Only a hint for the prefill budget and for
+    waiting: the engine decides by its own digests, so a wrong hint costs a
+    prefill past the budget, never a wrong token. None for a request that
+    wants prompt log probabilities or has an item with no hash."""
+    hashes = tuple(item.content_hash for item in req.items)
+    if req.sampling.prompt_logprobs is not None or not all(hashes):
+        return None
+    return (req.input_ids, req.cache_salt, hashes)
+
+
 @dataclass
 class StepCosts:
     """Rank 0's recent step costs (exponential averages of the engine's
@@ -375,25 +389,32 @@ class StepLoop:
         step's prefill tokens and the KV budget allow. The one exception: a
         request whose prompt starts with text that a request still being
         prefilled is computing waits for it (`_waits`), keeping its place,
-        and the requests behind it may pass it meanwhile."""
+        and the requests behind it may pass it meanwhile. A request whose
+        whole prompt is one this step prefills, or one under way in chunks
+        (`_twin_hint`: the n choices of a request, say), neither waits nor
+        counts against the prefill tokens: it joins that prefill."""
         s = self.settings
         rows = len(self._running)
         longest = max((a.reserve for a in self._running.values()), default=0)
-        widest = 0
+        widest = prefilled = 0
         admitted: list[Admission] = []
         waiting: list[Admission] = []
         prefilling = self._prefilling() if self._pending else None
+        twins = self._under_way() if self._pending and self.engine.share_prefills else None
         while self._pending and len(admitted) < s.max_new_per_step and rows < s.max_running:
             head = self._pending[0]
-            if prefilling is not None and self._waits(head, prefilling):
+            twin = twins is not None and _twin_hint(head.request) in twins
+            if not twin and prefilling is not None and self._waits(head, prefilling):
                 waiting.append(self._pending.popleft())
                 if len(waiting) == s.max_new_per_step:
                     break  # a long queue of them: the plan looks no further
                 continue
             prompt = len(head.request.input_ids)
             # A prefill forward is right-padded to its longest prompt; one
-            # request alone is always allowed, however long.
-            if admitted and (len(admitted) + 1) * max(widest, prompt) > s.max_prefill_tokens:
+            # request alone is always allowed, however long. A twin of a
+            # prompt prefilled with this step or under way in chunks adds
+            # nothing to it: the engine copies that one's row.
+            if not twin and prefilled and (prefilled + 1) * max(widest, prompt) > s.max_prefill_tokens:
                 break
             if (rows + 1) * max(longest, head.reserve) > self.kv_budget_tokens:
                 break
@@ -402,7 +423,11 @@ class StepLoop:
                 prefilling.computing.update(self._lead(head))
             rows += 1
             longest = max(longest, head.reserve)
-            widest = max(widest, prompt)
+            if not twin:
+                prefilled += 1
+                widest = max(widest, prompt)
+                if twins is not None and (hint := _twin_hint(head.request)) is not None:
+                    twins.add(hint)
         if waiting:
             self._pending.extendleft(reversed(waiting))
             self.waited_for_prefix += len(waiting)
@@ -424,6 +449,15 @@ class StepLoop:
         if admitted:
             log.debug("step %d admits %s", plan.step, [a.request_id for a in admitted])
         return plan
+
+    def _under_way(self) -> set[tuple[object, ...]]:
+        """The twin hints of the long prompts being prefilled in chunks (no
+        token yet): a request sent again meanwhile follows their chunks."""
+        return {
+            hint
+            for adm in self._running.values()
+            if adm.generated == 0 and (hint := _twin_hint(adm.request)) is not None
+        }
 
     def _prefilling(self) -> _Prefills | None:
         """What the requests running now will have put in the prefix cache

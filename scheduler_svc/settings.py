@@ -78,7 +78,8 @@ class SchedulerSettings(ServiceSettings):
     max_queue: int = _opt(256, "accepted requests waiting for room; beyond this, OVERLOADED at once", min=1)
     max_prefill_tokens: int = _opt(
         4096,
-        "tokens of one step's batched prefill (joining requests x their longest prompt); a longer "
+        "tokens of one step's batched prefill (joining requests x their longest prompt; identical prompts, "
+        "such as a request's n choices, count once); a longer "
         "prompt is prefilled in chunks of this many tokens, one a step, while the running requests go on "
         "decoding (with media too, while the encoder cache is on; with it off, a prompt with media longer than "
         "this is refused)",

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from mmsplit.errors import E
+from mmsplit_server.sampling import Sampling
 from scheduler_svc.errors import MmsplitError, Overloaded
 from scheduler_svc.loop import Admission, Event, Failed, Finished, StepCosts, StepLoop, Token
 from scheduler_svc.plan import Failure, Item, Plan, StepOutcome
@@ -43,6 +44,7 @@ class FakeEngine:
         # Rank 0's store as the loop sees it (this fake never fills it itself).
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
         self.prefilling = False  # no prompt comes in chunks here (the loop asks)
+        self.share_prefills = True  # identical prompts are prefilled once (the planner's twins)
         # A "chunked" request makes its first token only in its third step.
         self.steps_in: dict[str, int] = {}
         self.sampled: set[str] = set()  # rows that made a token
@@ -138,7 +140,7 @@ def test_the_rows_and_the_prefill_tokens_of_a_step_bound_admission() -> None:
     engine = FakeEngine()
     h = Harness(engine, max_running=4, max_prefill_tokens=50)
     for i in range(9):
-        h.submit(f"r{i}", prompt=20, max_tokens=3)
+        h.submit(f"r{i}", [5] * 19 + [i], max_tokens=3)  # each its own prompt: identical ones share a prefill
     h.thread.start()
     h.wait_ended([f"r{i}" for i in range(9)])
     h.stop()
@@ -459,3 +461,75 @@ def test_under_the_priority_policy_lower_values_are_admitted_first_and_fcfs_with
     h.stop()
     assert [p.new[0].request_id for p in engine.plans if p.new] == ["first", "m3a", "m3b", "p0a", "p0b", "p5"]
     assert all(isinstance(ends(h, rid), Finished) for rid in ("first", "p5", "m3b"))
+
+
+def picture(content_hash: bytes) -> dict[str, Any]:
+    """A request's fields for one image at its prompt's start, hashed by the tokenizer as `content_hash`."""
+    return {"items": (Item(0, (), {}, ((0, 4),), content_hash),)}
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_identical_prompts_join_one_prefill_past_the_prefill_budget(share: bool) -> None:
+    """Three requests of one prompt and image (n choices, say) join one
+    step though two such prompts would pass --max-prefill-tokens: the
+    engine prefills one and copies its row. The same text with another
+    image is no twin (its placeholder ids are the same: the tokenizer's
+    content hash tells them apart), nor is the same prompt wanting prompt
+    log probabilities; and with the engine not sharing prefills, each is
+    admitted alone."""
+    engine = FakeEngine()
+    engine.share_prefills = share
+    h = Harness(engine, max_prefill_tokens=50)
+    same = [5] * 40
+    for rid in ("a0", "a1", "a2"):
+        h.submit(rid, same, **picture(b"image-1"))
+    h.submit("other-image", same, **picture(b"image-2"))
+    h.submit("scored", same, sampling=Sampling(max_tokens=4, prompt_logprobs=0), **picture(b"image-1"))
+    h.submit("a3", same, **picture(b"image-1"))
+    h.thread.start()
+    rids = ["a0", "a1", "a2", "other-image", "scored", "a3"]
+    h.wait_ended(rids)
+    h.stop()
+    assert all(isinstance(ends(h, rid), Finished) for rid in rids)
+    if share:
+        assert admitted(engine) == [["a0", "a1", "a2"], ["other-image"], ["scored"], ["a3"]]
+    else:
+        assert admitted(engine) == [[rid] for rid in rids]
+
+
+def test_identical_prompts_do_not_wait_for_their_own_prefill() -> None:
+    """With the prefix cache on, requests starting with the text a request
+    of this step prefills wait for it; its identical twins do not (they
+    take a copy of its row in this very step), while another prompt of the
+    same start still waits."""
+    engine = FakeEngine(prefix_cache_bytes=1 << 20)
+    h = Harness(engine)
+    for rid in ("a1", "a2", "a3"):
+        h.submit(rid, [*SYSTEM, 1, 2, 3])
+    h.submit("b", [*SYSTEM, 4, 5])
+    h.thread.start()
+    h.wait_ended(["a1", "a2", "a3", "b"])
+    h.stop()
+    assert admitted(engine) == [["a1", "a2", "a3"], ["b"]]
+    assert h.loop.waited_for_prefix == 1
+
+
+def test_a_prompt_sent_again_while_it_is_prefilled_in_chunks_follows_those_chunks() -> None:
+    """A long prompt prefilled over several steps ("chunked": its first
+    token in its third step). The same prompt sent meanwhile joins at once
+    (the engine has it follow those chunks); one that only starts the same
+    waits for the last chunk and takes the text from the prefix cache."""
+    hold = threading.Event()
+    engine = FakeEngine(hold, prefix_cache_bytes=1 << 20)
+    h = Harness(engine)
+    h.submit("chunked", [*SYSTEM, 1, 2, 3])
+    h.thread.start()
+    assert wait_until(lambda: len(engine.plans) == 1, timeout=10)  # joined; its next step waits for `hold`
+    h.submit("again", [*SYSTEM, 1, 2, 3])
+    h.submit("b", [*SYSTEM, 4, 5])
+    hold.set()
+    h.wait_ended(["chunked", "again", "b"])
+    h.stop()
+    first_token = next(i for i, plan in enumerate(engine.plans) if ("chunked", 7) in plan.feed)
+    joined = {r.request_id: i for i, plan in enumerate(engine.plans) for r in plan.new}
+    assert joined["again"] < first_token == joined["b"] == 3, (joined, first_token)
