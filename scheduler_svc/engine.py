@@ -259,6 +259,13 @@ class Engine:
         return self._grammars
 
     @property
+    def keys_items(self) -> bool:
+        """Whether each new request's items are digested (a cache uses the
+        digests): only then can two prompts with media be twins, prefilled
+        once (`_twins_of`)."""
+        return self.encoder_cache.enabled or self.prefix_cache.enabled
+
+    @property
     def prefilling(self) -> bool:
         """Whether a long prompt is on its way in, a chunk a step."""
         return bool(self._chunked)
@@ -326,7 +333,7 @@ class Engine:
 
         clock = _Clock()
         self._prompt_hidden, self._scores, self._unscored = {}, {}, {}
-        read = self._intake.read(plan.new, keyed=self.encoder_cache.enabled or self.prefix_cache.enabled)
+        read = self._intake.read(plan.new, keyed=self.keys_items)
         tensors, codes, messages, self._keys = read.tensors, read.codes, read.messages, read.keys
         self._matches = self._match(plan.new)
         self._twins = self._twins_of(plan.new)

@@ -141,16 +141,17 @@ def _leading(keys: list[bytes], present: Callable[[bytes], bool]) -> int:
     return lo
 
 
-def _twin_hint(req: NewRequest) -> tuple[object, ...] | None:
+def _twin_hint(req: NewRequest, media: bool = True) -> tuple[object, ...] | None:
     """What the engine's twins (`engine._twin_key`: prompts prefilled once,
     the others copying that row) have alike, as rank 0's planner can tell
     before any tensor is read: the same ids, cache salt and items by the
     tokenizer's content hashes. Only a hint for the prefill budget and for
     waiting: the engine decides by its own digests, so a wrong hint costs a
     prefill past the budget, never a wrong token. None for a request that
-    wants prompt log probabilities or has an item with no hash."""
+    wants prompt log probabilities or has an item with no hash, and for
+    any with items unless `media` (the engine digests items: `keys_items`)."""
     hashes = tuple(item.content_hash for item in req.items)
-    if req.sampling.prompt_logprobs is not None or not all(hashes):
+    if req.sampling.prompt_logprobs is not None or not all(hashes) or (hashes and not media):
         return None
     return (req.input_ids, req.cache_salt, hashes)
 
@@ -403,7 +404,8 @@ class StepLoop:
         twins = self._under_way() if self._pending and self.engine.share_prefills else None
         while self._pending and len(admitted) < s.max_new_per_step and rows < s.max_running:
             head = self._pending[0]
-            twin = twins is not None and _twin_hint(head.request) in twins
+            hint = _twin_hint(head.request, self.engine.keys_items)
+            twin = twins is not None and hint in twins
             if not twin and prefilling is not None and self._waits(head, prefilling):
                 waiting.append(self._pending.popleft())
                 if len(waiting) == s.max_new_per_step:
@@ -426,7 +428,7 @@ class StepLoop:
             if not twin:
                 prefilled += 1
                 widest = max(widest, prompt)
-                if twins is not None and (hint := _twin_hint(head.request)) is not None:
+                if twins is not None and hint is not None:
                     twins.add(hint)
         if waiting:
             self._pending.extendleft(reversed(waiting))
@@ -456,7 +458,7 @@ class StepLoop:
         return {
             hint
             for adm in self._running.values()
-            if adm.generated == 0 and (hint := _twin_hint(adm.request)) is not None
+            if adm.generated == 0 and (hint := _twin_hint(adm.request, self.engine.keys_items)) is not None
         }
 
     def _prefilling(self) -> _Prefills | None:

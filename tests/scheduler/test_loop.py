@@ -45,6 +45,7 @@ class FakeEngine:
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
         self.prefilling = False  # no prompt comes in chunks here (the loop asks)
         self.share_prefills = True  # identical prompts are prefilled once (the planner's twins)
+        self.keys_items = True  # and with media too (a cache digests the items)
         # A "chunked" request makes its first token only in its third step.
         self.steps_in: dict[str, int] = {}
         self.sampled: set[str] = set()  # rows that made a token
@@ -468,17 +469,18 @@ def picture(content_hash: bytes) -> dict[str, Any]:
     return {"items": (Item(0, (), {}, ((0, 4),), content_hash),)}
 
 
-@pytest.mark.parametrize("share", [True, False])
-def test_identical_prompts_join_one_prefill_past_the_prefill_budget(share: bool) -> None:
+@pytest.mark.parametrize("engine_shares", ["yes", "no", "not media"])
+def test_identical_prompts_join_one_prefill_past_the_prefill_budget(engine_shares: str) -> None:
     """Three requests of one prompt and image (n choices, say) join one
     step though two such prompts would pass --max-prefill-tokens: the
     engine prefills one and copies its row. The same text with another
     image is no twin (its placeholder ids are the same: the tokenizer's
     content hash tells them apart), nor is the same prompt wanting prompt
-    log probabilities; and with the engine not sharing prefills, each is
-    admitted alone."""
+    log probabilities; and with the engine not sharing prefills, or not
+    digesting items (both caches off), each is admitted alone."""
     engine = FakeEngine()
-    engine.share_prefills = share
+    engine.share_prefills = engine_shares != "no"
+    engine.keys_items = engine_shares != "not media"
     h = Harness(engine, max_prefill_tokens=50)
     same = [5] * 40
     for rid in ("a0", "a1", "a2"):
@@ -491,18 +493,20 @@ def test_identical_prompts_join_one_prefill_past_the_prefill_budget(share: bool)
     h.wait_ended(rids)
     h.stop()
     assert all(isinstance(ends(h, rid), Finished) for rid in rids)
-    if share:
+    if engine_shares == "yes":
         assert admitted(engine) == [["a0", "a1", "a2"], ["other-image"], ["scored"], ["a3"]]
     else:
         assert admitted(engine) == [[rid] for rid in rids]
 
 
-def test_identical_prompts_do_not_wait_for_their_own_prefill() -> None:
+@pytest.mark.parametrize("keys_items", [True, False])
+def test_identical_prompts_do_not_wait_for_their_own_prefill(keys_items: bool) -> None:
     """With the prefix cache on, requests starting with the text a request
     of this step prefills wait for it; its identical twins do not (they
     take a copy of its row in this very step), while another prompt of the
-    same start still waits."""
+    same start still waits. Text alone needs no digest of any item."""
     engine = FakeEngine(prefix_cache_bytes=1 << 20)
+    engine.keys_items = keys_items
     h = Harness(engine)
     for rid in ("a1", "a2", "a3"):
         h.submit(rid, [*SYSTEM, 1, 2, 3])
