@@ -404,8 +404,8 @@ class StepLoop:
         twins = self._under_way() if self._pending and self.engine.share_prefills else None
         while self._pending and len(admitted) < s.max_new_per_step and rows < s.max_running:
             head = self._pending[0]
-            hint = _twin_hint(head.request, self.engine.keys_items)
-            twin = twins is not None and hint in twins
+            hint = None if twins is None else _twin_hint(head.request, self.engine.keys_items)
+            twin = twins is not None and bool(twins) and hint in twins
             if not twin and prefilling is not None and self._waits(head, prefilling):
                 waiting.append(self._pending.popleft())
                 if len(waiting) == s.max_new_per_step:
