@@ -52,10 +52,11 @@ def test_multiturn_benchmark_prints_every_figure_and_both_arms_agree(models: Pat
         "waiting for the shared prefill: all done in",
     ):
         assert line in result.stdout
-    shared = r"identical prompts at once \(2 requests of one 111-token prompt with an image, joining one step, "
-    assert re.search(shared + r"as n choices do\): TTFT prefilled once \d+ ms, each its own \d+ ms \([\d.]+x\)$",
+    shared = r"identical prompts at once \(2 requests of one 111-token prompt with an image, queued together "
+    shared += r"through the step loop, "
+    assert re.search(shared + r"as n choices are\): TTFT prefilled once \d+ ms, each its own \d+ ms \([\d.]+x\)$",
                      result.stdout, re.M), result.stdout  # fmt: skip
-    chunked = r"as n choices do, prefilled in chunks of 28\): TTFT prefilled once \d+ ms, each its own \d+ ms"
+    chunked = r"as n choices are, prefilled in chunks of 28\): TTFT prefilled once \d+ ms, each its own \d+ ms"
     assert re.search(shared + chunked + r" \([\d.]+x\)$", result.stdout, re.M), result.stdout
     assert "same tokens with the cache on and off, shared or not (every request, every round): True" in result.stdout
 
