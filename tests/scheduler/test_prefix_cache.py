@@ -458,18 +458,55 @@ def test_a_block_copy_that_fails_costs_nothing_but_its_blocks(model: torch.nn.Mo
     assert (seen["r0"], seen["r1"], seen["r3"]) == (0, 0, 60), "the same 61-token prompt: all but its last token"
 
 
-def test_requests_arriving_together_with_one_system_prompt_prefill_it_once(model: torch.nn.Module) -> None:
-    """Rank 0's step loop over a real engine: four requests queued at once,
-    each the same 100 tokens of system prompt, then its own image and
-    question. The first prefills the system prompt; the other three wait a
-    step and take its 6 blocks from the store; every one keeps its greedy
-    tokens. With --wait-for-shared-prefix 0 all four compute it."""
+def through_loop(
+    engine: Engine, prompts: list[NewRequest], eos: int, **settings: object
+) -> tuple[dict[str, list[int]], dict[str, object], object]:
+    """`prompts` queued together (before the first plan) through rank 0's
+    step loop over a real engine: each request's tokens, its Finished, and
+    the loop."""
     import threading
 
     from scheduler_svc.loop import Admission, Event, Finished, StepLoop, Token
     from scheduler_svc.settings import SchedulerSettings
     from tests.support.engine_kit import SoloGroup
 
+    ended = threading.Semaphore(0)
+    tokens: dict[str, list[int]] = {}
+    finished: dict[str, object] = {}
+
+    def emit(event: Event, rid: str) -> None:
+        if isinstance(event, Token):
+            tokens.setdefault(rid, []).append(event.token_id)
+            return
+        if isinstance(event, Finished):
+            finished[rid] = event
+        ended.release()
+
+    loop = StepLoop(
+        engine, SoloGroup(), SchedulerSettings(model_dir=Path("unused"), heartbeat_s=0.05, **settings),  # type: ignore[arg-type]
+        eos_token_ids=frozenset([eos]), max_context=1024, kv_budget_tokens=10**6, post=lambda fn: fn(),
+        on_fatal=lambda exc: None,
+    )  # fmt: skip
+    for req in prompts:
+        reserve = len(req.input_ids) + req.sampling.max_tokens
+        loop.submit(Admission(req, lambda e, rid=req.request_id: emit(e, rid), reserve=reserve))
+    thread = threading.Thread(target=loop.run)
+    thread.start()
+    try:
+        for _ in prompts:
+            assert ended.acquire(timeout=60)
+    finally:
+        loop.request_stop()
+        thread.join(30)
+    return tokens, finished, loop
+
+
+def test_requests_arriving_together_with_one_system_prompt_prefill_it_once(model: torch.nn.Module) -> None:
+    """Rank 0's step loop over a real engine: four requests queued at once,
+    each the same 100 tokens of system prompt, then its own image and
+    question. The first prefills the system prompt; the other three wait a
+    step and take its 6 blocks from the store; every one keeps its greedy
+    tokens. With --wait-for-shared-prefix 0 all four compute it."""
     eos = int(model.config.text_config.eos_token_id)
     system = list(range(500, 600))
     prompts = [
@@ -477,40 +514,39 @@ def test_requests_arriving_together_with_one_system_prompt_prefill_it_once(model
         for i in range(4)
     ]
     expected = {req.request_id: reference(model, req) for req in prompts}
-
-    def serve(wait: int) -> tuple[dict[str, list[int]], dict[str, Finished], StepLoop]:
-        engine = make_engine(model, prefix=64 << 20)
-        settings = SchedulerSettings(model_dir=Path("unused"), heartbeat_s=0.05, wait_for_shared_prefix=wait)
-        ended = threading.Semaphore(0)
-        tokens: dict[str, list[int]] = {}
-        finished: dict[str, Finished] = {}
-
-        def emit(event: Event, rid: str) -> None:
-            if isinstance(event, Token):
-                tokens.setdefault(rid, []).append(event.token_id)
-                return
-            if isinstance(event, Finished):
-                finished[rid] = event
-            ended.release()
-
-        loop = StepLoop(
-            engine, SoloGroup(), settings, eos_token_ids=frozenset([eos]), max_context=1024,  # type: ignore[arg-type]
-            kv_budget_tokens=10**6, post=lambda fn: fn(), on_fatal=lambda exc: None,
-        )  # fmt: skip
-        for req in prompts:  # queued before the loop's first plan: they arrive together
-            loop.submit(Admission(req, lambda e, rid=req.request_id: emit(e, rid), reserve=len(req.input_ids) + 3))
-        thread = threading.Thread(target=loop.run)
-        thread.start()
-        try:
-            for _ in prompts:
-                assert ended.acquire(timeout=60)
-        finally:
-            loop.request_stop()
-            thread.join(30)
-        return tokens, finished, loop
-
     for wait, cached in ((64, [0, 96, 96, 96]), (0, [0, 0, 0, 0])):
-        tokens, finished, loop = serve(wait)
+        engine = make_engine(model, prefix=64 << 20)
+        tokens, finished, loop = through_loop(engine, prompts, eos, wait_for_shared_prefix=wait)
         assert tokens == expected, wait
-        assert [finished[req.request_id].cached_tokens for req in prompts] == cached, wait
-        assert loop.waited_for_prefix == (3 if wait else 0)
+        assert [finished[req.request_id].cached_tokens for req in prompts] == cached, wait  # type: ignore[attr-defined]
+        assert loop.waited_for_prefix == (3 if wait else 0)  # type: ignore[attr-defined]
+
+
+def test_the_n_choices_of_a_prompt_join_one_step_and_are_prefilled_once(model: torch.nn.Module) -> None:
+    """Rank 0's step loop over a real engine: four requests of one prompt
+    (100 tokens of text, an image, a question; each item with the
+    tokenizer's content hash, as n choices reach the scheduler) and one
+    with another image, queued at once, under a prefill budget that two of
+    those prompts would pass. The four join one step, one of them
+    prefilled and three copies, without waiting for the text they share;
+    the other image's request waits for that text and joins the next step,
+    taking it from the store. Every request keeps its greedy tokens."""
+    eos = int(model.config.text_config.eos_token_id)
+    ids = [*range(500, 600), *([model.config.image_token_id] * IMAGE_TOKENS), 900]
+
+    def hashed(rid: str, seed: int) -> NewRequest:
+        req = request(rid, ids, [pixels(seed)], max_tokens=3)
+        items = tuple(dataclasses.replace(item, content_hash=f"image {seed}".encode()) for item in req.items)
+        return dataclasses.replace(req, items=items)
+
+    prompts = [*(hashed(f"n{i}", 1) for i in range(4)), hashed("other", 2)]
+    engine = make_engine(model, prefix=64 << 20)
+    joins: list[list[str]] = []
+    step = engine.step
+    engine.step = lambda plan: (joins.append([r.request_id for r in plan.new]) if plan.new else None, step(plan))[1]  # type: ignore[method-assign]
+    tokens, finished, loop = through_loop(engine, prompts, eos, max_prefill_tokens=len(ids) + 10)
+    assert joins == [["n0", "n1", "n2", "n3"], ["other"]]
+    assert engine.shared_prefills == 3
+    assert loop.waited_for_prefix == 1  # type: ignore[attr-defined]
+    assert finished["other"].cached_tokens == 96  # type: ignore[attr-defined]
+    assert tokens == {req.request_id: reference(model, req) for req in prompts}
