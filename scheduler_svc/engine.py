@@ -951,7 +951,7 @@ class Engine:
         requests (each item's encoder-cache key and whether it would hit;
         each prompt's prefix match and the prefix cache's history), as one
         number for the agreement: 31 bits for each cache; 0 without one."""
-        if not (self.encoder_cache.enabled or self.prefix_cache.enabled):
+        if not self.keys_items:
             return 0
         encoder, prefix = hashlib.blake2b(digest_size=8), hashlib.blake2b(self.prefix_cache.history, digest_size=8)
         for req in new:
@@ -974,18 +974,18 @@ class Engine:
 
     def _twins_of(self, new: tuple[NewRequest, ...]) -> dict[str, str]:
         """Of `new`, each request whose prompt equals an earlier one's, or a
-        long prompt's under way (`_twin_key`): that one's id."""
+        long prompt's under way (`twin_key`): that one's id."""
         if not (new and self.share_prefills):
             return {}
         # The long prompts under way first: one sent again while they are
         # prefilled waits for theirs.
         first: dict[tuple[Any, ...], str] = {}
         for c in self._chunked:
-            if (key := _twin_key(c.joiner.request, c.joiner.runs.digests)) is not None:
+            if (key := twin_key(c.joiner.request, c.joiner.runs.digests)) is not None:
                 first.setdefault(key, c.joiner.request.request_id)
         twins: dict[str, str] = {}
         for req in new:
-            if (key := _twin_key(req, tuple(self._keys.get(req.request_id, ())))) is None:
+            if (key := twin_key(req, tuple(self._keys.get(req.request_id, ())))) is None:
                 continue
             leader = first.setdefault(key, req.request_id)
             if leader != req.request_id:
@@ -1133,7 +1133,7 @@ def _attention_kernels(device: torch.device, *, cudnn: bool) -> Callable[[], con
     return lambda: sdpa_kernel(backends)
 
 
-def _twin_key(req: NewRequest, digests: tuple[bytes, ...]) -> tuple[Any, ...] | None:
+def twin_key(req: NewRequest, digests: tuple[bytes, ...]) -> tuple[Any, ...] | None:
     """What two prompts prefilled once have alike: the same ids, cache salt
     and items (by this rank's `digests` of them); None for a request that
     wants prompt log probabilities, or whose items were not all digested

@@ -29,7 +29,7 @@ from mmsplit.common.v1 import common_pb2
 from mmsplit_server.handoff import files
 from mmsplit_server.handoff.reference import Claim
 from scheduler_svc.collective import Collective
-from scheduler_svc.engine import Engine
+from scheduler_svc.engine import Engine, twin_key
 from scheduler_svc.errors import (
     InternalError,
     MmsplitError,
@@ -141,19 +141,17 @@ def _leading(keys: list[bytes], present: Callable[[bytes], bool]) -> int:
     return lo
 
 
-def _twin_hint(req: NewRequest, media: bool = True) -> tuple[object, ...] | None:
-    """What the engine's twins (`engine._twin_key`: prompts prefilled once,
-    the others copying that row) have alike, as rank 0's planner can tell
-    before any tensor is read: the same ids, cache salt and items by the
-    tokenizer's content hashes. Only a hint for the prefill budget and for
-    waiting: the engine decides by its own digests, so a wrong hint costs a
-    prefill past the budget, never a wrong token. None for a request that
-    wants prompt log probabilities or has an item with no hash, and for
-    any with items unless `media` (the engine digests items: `keys_items`)."""
-    hashes = tuple(item.content_hash for item in req.items)
-    if req.sampling.prompt_logprobs is not None or not all(hashes) or (hashes and not media):
+def _twin_hint(req: NewRequest, media: bool) -> tuple[object, ...] | None:
+    """The engine's `twin_key` of `req` (prompts prefilled once, the others
+    copying that row) as rank 0's planner can make it before any tensor is
+    read: with the tokenizer's content hashes of the items for the engine's
+    own digests. Only a hint for the prefill budget and for waiting: the
+    engine decides by its digests, so a wrong hint costs a prefill past the
+    budget, never a wrong token. None where an item has no hash, and for a
+    prompt with items unless `media` (the engine digests items: `keys_items`)."""
+    if req.items and not media:
         return None
-    return (req.input_ids, req.cache_salt, hashes)
+    return twin_key(req, tuple(item.content_hash for item in req.items if item.content_hash))
 
 
 @dataclass
@@ -401,11 +399,12 @@ class StepLoop:
         admitted: list[Admission] = []
         waiting: list[Admission] = []
         prefilling = self._prefilling() if self._pending else None
-        twins = self._under_way() if self._pending and self.engine.share_prefills else None
+        sharing = bool(self._pending) and self.engine.share_prefills
+        twins = self._under_way() if sharing else set()
         while self._pending and len(admitted) < s.max_new_per_step and rows < s.max_running:
             head = self._pending[0]
-            hint = None if twins is None else _twin_hint(head.request, self.engine.keys_items)
-            twin = twins is not None and bool(twins) and hint in twins
+            hint = _twin_hint(head.request, self.engine.keys_items) if sharing else None
+            twin = bool(twins) and hint in twins
             if not twin and prefilling is not None and self._waits(head, prefilling):
                 waiting.append(self._pending.popleft())
                 if len(waiting) == s.max_new_per_step:
@@ -428,7 +427,7 @@ class StepLoop:
             if not twin:
                 prefilled += 1
                 widest = max(widest, prompt)
-                if twins is not None and hint is not None:
+                if hint is not None:
                     twins.add(hint)
         if waiting:
             self._pending.extendleft(reversed(waiting))
