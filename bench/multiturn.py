@@ -16,7 +16,10 @@ interleaved over rounds:
   tokens/s over the whole workload.
 - **no shared prefix**: the same number of requests and tokens, every
   prompt its own random text (the cache looks up, misses, and keeps every
-  request's blocks): tokens/s with the cache on and off.
+  request's blocks): tokens/s with the cache on and off, each arm run
+  `--unshared-repeats` times a round (the cost looked for is a few %, a
+  run's speed on this host scatters by a tenth), and the spread of on/off
+  over the pairs of runs made one after the other.
 - **shared system prompt, at once**: 4 x C requests queued together, each
   the same system prompt then its own image and question, through rank
   0's step loop (whose planner lets a request wait for a prefill of the
@@ -50,7 +53,7 @@ without: the streams' inter-token latency p50 and p99), so that every
 figure of the issue's Engine II targets comes from this one script.
 
     python bench/multiturn.py [--conversations 4] [--system 300] [--answer 8] [--rounds 3] [--no-chunked]
-                              [--model 8x512] [--device cuda --dtype bfloat16]
+                              [--unshared-repeats 4] [--model 8x512] [--device cuda --dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -337,6 +340,8 @@ def main() -> None:
     parser.add_argument("--system", type=int, default=300, help="system prompt tokens")
     parser.add_argument("--answer", type=int, default=8, help="tokens of each answer")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--unshared-repeats", type=int, default=4,
+                        help="runs of each arm of the no-shared-prefix workload per round")  # fmt: skip
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--no-chunked", action="store_true", help="skip the chunked-prefill round")
     parser.add_argument("--model", default="8x512", help="tiny or 8x512 (the targets are for 8x512)")
@@ -388,13 +393,18 @@ def main() -> None:
                     rate[arm].append(tokens / seconds)
             same &= made["on"] == made["off"]
             lengths = [args.system + IMAGE_TOKENS + 30 + t * (30 + args.answer) for t in range(TURNS)]
-            unshared_made = {}
-            for arm, size in order:
-                eng = engine(model, size)
-                seconds, tokens, unshared_made[arm] = unshared(eng, args.conversations, lengths, args.answer, r)
-                if r:
-                    flat[arm].append(tokens / seconds)
-            same &= unshared_made["on"] == unshared_made["off"]
+            # A few seconds a run, and this host's speed moves by a tenth
+            # between runs seconds apart: the cost it looks for (a few %)
+            # needs more samples than the other arms, each pair's arms in
+            # turn, the order alternating.
+            for repeat in range(args.unshared_repeats):
+                unshared_made = {}
+                for arm, size in _rotated(order, repeat):
+                    eng = engine(model, size)
+                    seconds, tokens, unshared_made[arm] = unshared(eng, args.conversations, lengths, args.answer, r)
+                    if r:
+                        flat[arm].append(tokens / seconds)
+                same &= unshared_made["on"] == unshared_made["off"]
             staggered_made = {}
             for arm, size in order:
                 eng = engine(model, size)
@@ -433,8 +443,11 @@ def main() -> None:
         on, off = statistics.median(rate["on"]), statistics.median(rate["off"])
         print(f"multi-turn tokens/s: on {on:.0f}, off {off:.0f} ({on / off:.2f}x)")
         on, off = statistics.median(flat["on"]), statistics.median(flat["off"])
-        print(f"no shared prefix ({args.conversations} x {TURNS} requests of {lengths[0]}-{lengths[-1]} tokens): "
-              f"tokens/s on {on:.0f}, off {off:.0f} ({on / off:.3f}x; target >= 0.97x)")  # fmt: skip
+        pairs = sorted(a / b for a, b in zip(flat["on"], flat["off"], strict=True))
+        print(f"no shared prefix ({args.conversations} x {TURNS} requests of {lengths[0]}-{lengths[-1]} tokens, "
+              f"{len(pairs)} runs of each arm): tokens/s on {on:.0f}, off {off:.0f} ({on / off:.3f}x; "
+              f"target >= 0.97x); on/off of each pair run together: median {statistics.median(pairs):.3f}, "
+              f"{pairs[0]:.2f}-{pairs[-1]:.2f}")  # fmt: skip
         on, off = statistics.median(stagger["on"]), statistics.median(stagger["off"])
         print(f"shared system prompt, staggered ({4 * args.conversations} requests, one joining each step while the "
               f"others decode {4 * args.answer} tokens; each its own image and question): TTFT after the first "

@@ -39,19 +39,21 @@ def test_engine_benchmark_prints_every_ratio(models: Path) -> None:
 
 def test_multiturn_benchmark_prints_every_figure_and_both_arms_agree(models: Path) -> None:
     args = ["--conversations", "1", "--system", "16", "--answer", "2", "--rounds", "1", "--no-chunked"]
-    args += ["--model", "tiny"]
+    args += ["--model", "tiny", "--unshared-repeats", "2"]
     result = run_bench("multiturn.py", args, models=models)
     assert result.returncode == 0, result.stderr[-3000:]
     for line in (
         "TTFT on ms",
         "turns 2-4: TTFT with the cache",
         "prompt tokens taken from the cache",
-        "no shared prefix",
         "shared system prompt, staggered",
         "shared system prompt, at once",
         "waiting for the shared prefill: all done in",
     ):
         assert line in result.stdout
+    unshared = r"no shared prefix \(1 x 4 requests of \d+-\d+ tokens, 2 runs of each arm\): tokens/s on \d+, off \d+ "
+    unshared += r"\([\d.]+x; target >= 0.97x\); on/off of each pair run together: median [\d.]+, [\d.]+-[\d.]+$"
+    assert re.search(unshared, result.stdout, re.M), result.stdout
     shared = r"identical prompts at once \(2 requests of one 111-token prompt with an image, queued together "
     shared += r"through the step loop, "
     assert re.search(shared + r"as n choices are\): TTFT prefilled once \d+ ms, each its own \d+ ms \([\d.]+x\)$",
