@@ -237,6 +237,7 @@ class Engine:
         self._unscored: dict[str, str] = {}  # this step's joiners whose prompt_logprobs failed (rank 0)
         self._cached: dict[str, int] = {}  # this step's joiners: prompt tokens taken from it
         self._prefilled: list[str] = []  # rows that joined last step: their prompts' blocks go in the store
+        self._computed = 0  # prompt tokens this step's forwards ran (for `StepThreads`)
         self._agreed = (True, True)  # whether the ranks' encoder and prefix caches agreed when last used
         if self._sums is not None:
             self._learn_sums()
@@ -296,14 +297,22 @@ class Engine:
         # forward) once counted as a decode step of all of them.
         running = len(self.rows) - len({rid for rid in plan.drop if rid in self.index})
         tokens = self._prefill_tokens(plan)
-        return self.threads.run(StepKind.of(running, prefill=tokens), tokens=tokens)
+        self._computed = 0
+
+        def ran() -> tuple[StepKind, int]:
+            # The prompt tokens that went through the model: their cached
+            # prefixes, and twins' copies, did not.
+            return StepKind.of(running, prefill=self._computed), self._computed
+
+        return self.threads.run(StepKind.of(running, prefill=tokens), tokens=tokens, ran=ran)
 
     def _prefill_tokens(self, plan: Plan) -> int:
         """About how many prompt tokens the step prefills: its joiners'
         prompts that fit one step, each prompt once (identical ones are
         prefilled once), and one chunk of the first long prompt, under way
         or joining. Cached prefixes and the joiners it turns away count
-        too: this only sorts and scales the step's time for `StepThreads`."""
+        too: this only picks the step's thread count (`StepThreads`), which
+        then records its time under the tokens the forwards ran."""
         chunk = self.prefill_chunk
         prompts = {r.input_ids for r in plan.new}
         tokens = sum(len(ids) for ids in prompts if not chunk or len(ids) <= chunk)
@@ -814,6 +823,7 @@ class Engine:
             extra = self._media.joined(joiners)
         prefixes = [j.prefix for j in joiners] if any(starts) else None
         inputs = self.cache.begin_prefill(lengths, prefixes)
+        self._computed += sum(lengths)
         if self.family.uses_mrope:
             positions = inputs.position_ids[None].repeat(3, 1, 1)  # padding keeps plain positions (masked)
             for i, j in enumerate(joiners):
@@ -938,6 +948,7 @@ class Engine:
             inputs = ForwardInputs(inputs.position_ids[None].repeat(3, 1, 1), inputs.attention_mask)
         features = media_inputs.features(j, start, end)
         extra = self.family.encoded_kwargs(features) if features else {}
+        self._computed += end - start
         with self._forward_fault([j]):
             return self._body(self._prefill_body, ids, inputs, c.cache, **extra)
 

@@ -35,6 +35,14 @@ process on an idle host 0.68 s on two threads against 1.26 on one, and
 kind runs on every thread its first `PREFILL_FIRST` times, then on one
 fewer once, and is tuned from there like the rest.
 
+A prefill's kind is chosen before the step knows how much of its prompts
+the prefix cache holds, so it is the prompts' whole length; its time is
+recorded under the tokens that went through the model. A multi-turn
+chat's later turns take most of their prompt from the cache: timed as
+whole prompts, the 8x512 model's 1,600-token prefills took 45-85 µs a
+token when cached and 370-690 when not, in one kind's average, and which
+thread count won was a matter of which one the cached turns fell to.
+
 A step with no running rows and no prefill runs no forward (a heartbeat,
 a step that only drops): it gives no verdict, and runs on one thread
 fewer. A heartbeat's times are noise, ~0.0 ms on either choice. A step
@@ -206,17 +214,25 @@ class StepThreads:
         seen.logged_at, seen.unlogged = now, 0
 
     @contextmanager
-    def run(self, kind: StepKind, tokens: int = 1) -> Iterator[int]:
+    def run(
+        self, kind: StepKind, tokens: int = 1, *, ran: Callable[[], tuple[StepKind, int]] | None = None
+    ) -> Iterator[int]:
         """Run the block (one step of this kind) on the chosen thread count,
         time it (per token of a prefill of `tokens`), and set every thread
-        back afterwards."""
+        back afterwards. `ran`, when given, says once the block is done what
+        it really ran, its kind and prefill tokens: a step's prompts may
+        turn out to come mostly from the prefix cache, and their time is
+        then that of the tokens it did prefill."""
         chosen = self.choose(kind)
         if chosen != self.threads:
             torch.set_num_threads(chosen)
         try:
             start = time.perf_counter()
             yield chosen
-            self.record(kind, chosen, (time.perf_counter() - start) / max(tokens, 1))
+            seconds = time.perf_counter() - start
+            if ran is not None:
+                kind, tokens = ran()
+            self.record(kind, chosen, seconds / max(tokens, 1))
         finally:
             if chosen != self.threads:
                 torch.set_num_threads(self.threads)

@@ -260,3 +260,31 @@ def test_a_prefill_is_sized_by_the_tokens_it_prefills(model: torch.nn.Module) ->
     assert engine._prefill_tokens(plan) == 10 + 16
     out = engine.step(plan)
     assert engine._prefill_tokens(Plan(step=1, feed=tuple(out.sampled.items()))) == 16
+
+
+def test_a_prefill_taken_mostly_from_the_prefix_cache_is_timed_by_the_tokens_it_ran(model: torch.nn.Module) -> None:
+    """A step's kind is chosen before it knows what the prefix cache holds,
+    by its prompts' whole length; its time is recorded under the tokens the
+    forward ran. Timed as whole prompts, a chat's cached later turns (45-85
+    µs a token at 8x512) shared a kind's average with uncached prefills of
+    that size (370-690), and which thread count won was a matter of which
+    one the cached turns fell to."""
+    before = torch.get_num_threads()
+    tuner = _Seeing()
+    eos = int(model.config.text_config.eos_token_id)
+    engine = Engine(model, SoloGroup(), InlineReader(), torch.device("cpu"), eos_token_ids=frozenset([eos]),
+                    prefix_cache_bytes=64 << 20, threads=tuner)  # fmt: skip
+    first = request("first", [1, *range(300, 450)], max_tokens=1)  # 151 tokens
+    again = request("again", [*first.input_ids, *range(500, 512)], max_tokens=1)  # 163: the first's, then 12 more
+    cached: dict[str, int] = {}
+    try:
+        torch.set_num_threads(2)
+        drive(engine, {0: [first]}, eos, cached)
+        start = len(tuner.timed)
+        drive(engine, {0: [again]}, eos, cached)
+    finally:
+        torch.set_num_threads(before)
+    assert cached == {"first": 0, "again": 151}, "the whole first prompt from the store"
+    assert StepKind.of(0, prefill=163) != StepKind.of(0, prefill=12)
+    assert tuner.timed[start] == StepKind.of(0, prefill=12), tuner.timed
+    assert tuner.timed[0] == StepKind.of(0, prefill=151)
