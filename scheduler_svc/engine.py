@@ -297,7 +297,6 @@ class Engine:
         # forward) once counted as a decode step of all of them.
         running = len(self.rows) - len({rid for rid in plan.drop if rid in self.index})
         tokens = self._prefill_tokens(plan)
-        self._computed = 0
 
         def ran() -> tuple[StepKind, int]:
             # The prompt tokens that went through the model: their cached
@@ -324,6 +323,7 @@ class Engine:
         return tokens
 
     def _step(self, plan: Plan) -> StepOutcome:
+        self._computed = 0
         keep = set(plan.keep)
         # Last rows first: a row leaves by swap-remove, and the last row
         # moves nowhere (32 rows ending together copied 31 rows' KV).
