@@ -348,6 +348,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="cpu or cuda (the chunked-prefill round is on the CPU)")
     parser.add_argument("--dtype", default="float32", help="the model's dtype (bfloat16 on a GPU, say)")
     args = parser.parse_args()
+    if args.rounds < 1 or args.unshared_repeats < 1:
+        parser.error("--rounds and --unshared-repeats: at least 1 (each figure is a median over them)")
 
     import torch
     from transformers import AutoModelForImageTextToText
