@@ -51,18 +51,24 @@ def scratch_dir(given: Path | None) -> Iterator[Path]:
 MODELS_DIR = "MMSPLIT_BENCH_MODELS"
 
 
-def build_model(name: str, workdir: Path) -> Path:
+def build_model(name: str, workdir: Path, *, chat: bool = False) -> Path:
     """One of `MODELS` (random weights, real tokenizer), written under
     `workdir`; or, when the environment names a directory in
     MMSPLIT_BENCH_MODELS (the tests do), kept there and reused by every
-    benchmark run after the first (a build costs ~10 s here)."""
+    benchmark run after the first (a build costs ~10 s here). Without
+    `chat`, no chat template: prompts are taken as written, and the
+    baselines run `generate` on the same text; with it, the template its
+    family's public checkpoints ship, for conversations (the HTTP API's)."""
     from mmsplit_cli.tiny_model import build_once
 
     layers, hidden = MODELS[name]
     base = Path(os.environ[MODELS_DIR]) if os.environ.get(MODELS_DIR) else workdir
-    # Prompts as written: the baselines run `generate` on the same text.
     return build_once(
-        base / f"model-{name}", cache_dir=ROOT / ".cache", text_layers=layers, text_hidden=hidden, chat_template=False
+        base / f"model-{name}{'-chat' if chat else ''}",
+        cache_dir=ROOT / ".cache",
+        text_layers=layers,
+        text_hidden=hidden,
+        chat_template=chat,
     )
 
 

@@ -4,6 +4,7 @@ numbers themselves are for `python bench/...`, not for a test)."""
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -61,6 +62,24 @@ def test_multiturn_benchmark_prints_every_figure_and_both_arms_agree(models: Pat
     chunked = r"as n choices are, prefilled in chunks of 28\): TTFT prefilled once \d+ ms, each its own \d+ ms"
     assert re.search(shared + chunked + r" \([\d.]+x\)$", result.stdout, re.M), result.stdout
     assert "same tokens with the cache on and off, shared or not (every request, every round): True" in result.stdout
+
+
+def test_chat_turns_benchmark_prints_every_turn_and_both_arms_agree(
+    models: Path, chat_models: Callable[[str], Path]
+) -> None:
+    """Through the OpenAI API and both services: every later turn takes
+    part of its prompt from the cache (the usage says so), the arm without
+    the cache reports none, and both give the same greedy answers."""
+    (models / "model-tiny-chat").symlink_to(chat_models("llava"))  # the same build as the bench's
+    args = ["--model", "tiny", "--conversations", "1", "--system", "20", "--answer", "2", "--rounds", "1"]
+    result = run_bench("chat_turns.py", args, models=models)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = re.findall(r"^([1-4])\s+\d+\s+\d+\s+[\d.]+x\s+(\d+)%$", result.stdout, re.M)
+    assert [turn for turn, _ in rows] == ["1", "2", "3", "4"], result.stdout
+    assert all(int(share) > 0 for _, share in rows[1:]), result.stdout
+    assert re.search(r"^turns 2-4: TTFT with the cache [\d.]+-[\d.]+x of without$", result.stdout, re.M)
+    assert "cached tokens reported with the cache off: 0" in result.stdout
+    assert "same answers with the cache on and off (every conversation, every round): True" in result.stdout
 
 
 def test_shared_prefix_benchmark_prints_both_arms_and_their_ratios(models: Path) -> None:
