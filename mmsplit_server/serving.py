@@ -20,7 +20,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
@@ -728,10 +728,9 @@ async def new_server(
     reflection.enable([*service_names, HEALTH_SERVICE], server)
     credentials = security.credentials()
     address = f"{host}:{port}"
-    bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
-    if bound == 0:
-        raise OSError(f"cannot bind {host}:{port}")
-    return server, bound
+    if credentials:
+        return server, _bound(host, port, lambda: server.add_secure_port(address, credentials))
+    return server, _bound(host, port, lambda: server.add_insecure_port(address))
 
 
 async def health_server(host: str, port: int, health_: Health) -> tuple[grpc.aio.Server, int]:
@@ -739,8 +738,41 @@ async def health_server(host: str, port: int, health_: Health) -> tuple[grpc.aio
     when the main port is TLS-only or bound to loopback."""
     server = grpc.aio.server(interceptors=[RefuseMalformed()])
     health_pb2_grpc.add_HealthServicer_to_server(health_.servicer, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise OSError(f"cannot bind {host}:{port}")
+    bound = _bound(host, port, lambda: server.add_insecure_port(f"{host}:{port}"))
     await server.start()
     return server, bound
+
+
+def _bound(host: str, port: int, add: Callable[[], int]) -> int:
+    """The port a gRPC server's `add` bound; one it cannot bind is an
+    OSError, as Python's own servers raise it (grpc raises RuntimeError,
+    "Failed to bind to address", and only logs why; older versions
+    returned 0): why, as a socket of our own finds it."""
+    try:
+        bound = add()
+    except RuntimeError:
+        bound = 0
+    if bound == 0:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as grpc binds
+            try:
+                s.bind((host, port))
+            except OSError as exc:
+                raise exc from None
+        raise OSError(f"gRPC cannot bind {host}:{port}")
+    return bound
+
+
+@contextlib.contextmanager
+def serving_on(service: str, what: str, host: str, port: int) -> Iterator[None]:
+    """Around the binding of a service's port: a port taken since the
+    start-up checks passed (`mmsplit_cli.startup.port_problem`; another
+    process bound it in between) ends the service with one line naming it,
+    as the check would have, where it once left a traceback (and, in a
+    scheduler of several ranks, a rank 0 that waited for ever on its ranks
+    as it exited)."""
+    try:
+        yield
+    except OSError as exc:
+        raise SystemExit(f"mmsplit {service}: cannot serve {what} on {host}:{port}: {exc}") from exc

@@ -43,6 +43,7 @@ from mmsplit_server.serving import (
     new_server,
     on_stop_signals,
     run_service,
+    serving_on,
 )
 from scheduler_svc.collective import model_device
 from scheduler_svc.errors import SchedulerUnavailable
@@ -255,7 +256,9 @@ def _metrics(settings: SchedulerSettings, step_loop: StepLoop) -> ServiceMetrics
         batch_rows.observe(rows)
 
     step_loop.on_step = on_step
-    port = metrics.serve(settings.metrics_host or settings.host, settings.metrics_port)
+    host = settings.metrics_host or settings.host
+    with serving_on("scheduler", "metrics", host, settings.metrics_port):
+        port = metrics.serve(host, settings.metrics_port)
     log.info("metrics on port %d (/metrics)", port)
     return metrics
 
@@ -264,16 +267,36 @@ def run(settings: SchedulerSettings, ranks: LocalRanks | None = None) -> int:
     """Run this process's part of the group; return the exit code. `ranks`:
     the local ranks 1..N-1 if already started (`group.start_early`), else
     they are started here. The caller has raised the open-file limit
-    (`mmsplit_cli.main`), before any rank it started, which inherit it."""
+    (`mmsplit_cli.main`), before any rank it started, which inherit it.
+    A start-up that fails once the local ranks run takes them down: they
+    would wait for rank 0's first plan until their collective timed out,
+    and rank 0's exit for them (multiprocessing joins its children)."""
     try:
-        return _run(settings, ranks)
+        security, local = _security(settings)
+        if settings.launch == "env":
+            adopt_leaderworkerset_env(os.environ)
+            boot = bootstrap(settings, None)
+            if boot.coll.rank != 0:
+                run_follower_until_stopped(boot)
+                return 0
+            tp = boot.coll.world_size
+            return run_service(_serve(dataclasses.replace(settings, tp=tp), boot, None, security, local))
+        if ranks is None:
+            ranks = start_late(settings)  # forks of this process, on CPU (`scheduler_svc.group`)
+        rendezvous = ranks.rendezvous if ranks else Rendezvous("127.0.0.1", free_port(), 0, 1)
+        boot = _bootstrap_watching(settings, ranks, rendezvous)
+        return run_service(_serve(settings, boot, ranks, security, local))
     except BaseException:
-        if ranks is not None:  # a start that failed before the group formed
+        if ranks is not None:
             ranks.terminate()
         raise
 
 
-def _run(settings: SchedulerSettings, ranks: LocalRanks | None) -> int:
+def _security(settings: SchedulerSettings) -> tuple[ServerSecurity, Path | None]:
+    """The checks before the group forms (--dtype, the TLS and token
+    files, the runtime directory), then how the scheduler's server is
+    secured and the private directory its local token is published in
+    (on loopback with neither TLS nor a token given; else None)."""
     try:
         model_dtype(settings.dtype, torch.device("cpu"))
         security = ServerSecurity.with_token_file(
@@ -294,19 +317,7 @@ def _run(settings: SchedulerSettings, ranks: LocalRanks | None) -> int:
         log.warning("serving %s with neither mutual TLS nor a token (--insecure)", settings.host)
     if security.token and not security.cert and not is_loopback(settings.host):
         log.warning("the token travels unencrypted: add --tls-cert and --tls-key where the network is not trusted")
-    if settings.launch == "env":
-        adopt_leaderworkerset_env(os.environ)
-        boot = bootstrap(settings, None)
-        if boot.coll.rank != 0:
-            run_follower_until_stopped(boot)
-            return 0
-        return run_service(_serve(dataclasses.replace(settings, tp=boot.coll.world_size), boot, None, security, local))
-
-    if ranks is None:
-        ranks = start_late(settings)  # forks of this process, on CPU (`scheduler_svc.group`)
-    rendezvous = ranks.rendezvous if ranks else Rendezvous("127.0.0.1", free_port(), 0, 1)
-    boot = _bootstrap_watching(settings, ranks, rendezvous)
-    return run_service(_serve(settings, boot, ranks, security, local))
+    return security, local
 
 
 # LeaderWorkerSet names a pod's place in its group with its own variables.
@@ -481,20 +492,23 @@ async def _serve_published(
 
     health = Health(SERVICE_NAME)
     await health.start()
-    server, port = await new_server(
-        host=settings.host,
-        port=settings.port,
-        health_=health,
-        service_names=[SERVICE_NAME],
-        max_message_bytes=settings.max_message_bytes,
-        security=security,
-        keepalive_s=settings.keepalive_s,
-        keepalive_timeout_s=settings.keepalive_timeout_s,
-        max_connections=settings.connection_limit,
-    )
+    with serving_on("scheduler", "gRPC", settings.host, settings.port):
+        server, port = await new_server(
+            host=settings.host,
+            port=settings.port,
+            health_=health,
+            service_names=[SERVICE_NAME],
+            max_message_bytes=settings.max_message_bytes,
+            security=security,
+            keepalive_s=settings.keepalive_s,
+            keepalive_timeout_s=settings.keepalive_timeout_s,
+            max_connections=settings.connection_limit,
+        )
     probes = None
     if settings.health_port:
-        probes, probe_port = await health_server(settings.health_host or settings.host, settings.health_port, health)
+        health_host = settings.health_host or settings.host
+        with serving_on("scheduler", "health", health_host, settings.health_port):
+            probes, probe_port = await health_server(health_host, settings.health_port, health)
         log.info("health alone on port %d", probe_port)
     described = server_info(settings, info, boot.shm_namespace, budget, await vocab)
     frontend = Frontend(step_loop, settings, info, cuda_uuids=frozenset(described.cuda_device_uuids))

@@ -38,6 +38,7 @@ from mmsplit_server.serving import (
     new_server,
     on_stop_signals,
     run_service,
+    serving_on,
 )
 from tokenizer_svc.conversation import MAX_REQUEST_ID, valid_request_id
 from tokenizer_svc.downstream import Schedulers
@@ -131,7 +132,9 @@ def _metrics(settings: TokenizerSettings, service: TokenizerService, pool: CpuPo
         "stage",
         lambda: dict(service.worker_s),
     )
-    port = metrics.serve(settings.metrics_host or settings.host, settings.metrics_port)
+    host = settings.metrics_host or settings.host
+    with serving_on("tokenizer", "metrics", host, settings.metrics_port):
+        port = metrics.serve(host, settings.metrics_port)
     log.info("metrics on port %d (/metrics)", port)
     return metrics
 
@@ -352,18 +355,19 @@ async def _serve(
         raise SystemExit(f"mmsplit tokenizer: the GPU staging pool could not be made: {exc}") from exc
     link.set_gpu(gpu_uuid)
 
-    server, port = await new_server(
-        host=settings.host,
-        port=settings.port,
-        health_=health,
-        service_names=[SERVICE_NAME],
-        max_message_bytes=settings.message_limit,
-        security=security,
-        keepalive_s=settings.keepalive_s,
-        keepalive_timeout_s=settings.keepalive_timeout_s,
-        max_connection_age_s=settings.max_connection_age_s,
-        max_connections=settings.connection_limit,
-    )
+    with serving_on("tokenizer", "gRPC", settings.host, settings.port):
+        server, port = await new_server(
+            host=settings.host,
+            port=settings.port,
+            health_=health,
+            service_names=[SERVICE_NAME],
+            max_message_bytes=settings.message_limit,
+            security=security,
+            keepalive_s=settings.keepalive_s,
+            keepalive_timeout_s=settings.keepalive_timeout_s,
+            max_connection_age_s=settings.max_connection_age_s,
+            max_connections=settings.connection_limit,
+        )
     metrics = _metrics(settings, service, pool)
     servicer = TokenizerServicer(service, settings, metrics)
     if metrics is not None:
@@ -402,7 +406,7 @@ async def _serve(
                 "route_status",
                 lambda: {f"{route} {status}": n for (route, status), n in api.responses.items()},
             )
-        try:
+        with serving_on("tokenizer", "HTTP", settings.host, settings.http_port):
             http, http_port = await start_http(
                 api,
                 settings.host,
@@ -410,9 +414,6 @@ async def _serve(
                 max_connections=settings.connection_limit,
                 max_per_client=settings.max_connections_per_client,
             )
-        except OSError as exc:  # the port is taken, say
-            where = f"{settings.host}:{settings.http_port}"
-            raise SystemExit(f"mmsplit tokenizer: cannot serve HTTP on {where}: {exc}") from exc
         log.info("OpenAI-compatible HTTP API on http://%s:%d/v1", settings.host, http_port)
         if metrics is not None:
             runner = http
@@ -435,7 +436,9 @@ async def _serve(
             )
     probes = None
     if settings.health_port:
-        probes, probe_port = await health_server(settings.health_host or settings.host, settings.health_port, health)
+        health_host = settings.health_host or settings.host
+        with serving_on("tokenizer", "health", health_host, settings.health_port):
+            probes, probe_port = await health_server(health_host, settings.health_port, health)
         log.info("health alone on port %d", probe_port)
     log.info("tokenizer listening on %s:%d (scheduler %s)", settings.host, port, settings.scheduler)
 

@@ -5,6 +5,7 @@ few seconds)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -15,8 +16,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import psutil
 import pytest
 
+from tests.support.leaks import wait_until
 from tests.support.services import ENV, ROOT
 
 pytestmark = pytest.mark.e2e
@@ -138,3 +141,70 @@ def test_a_port_taken_between_choice_and_bind_starts_the_pair_again(
             assert metrics.number not in (0, port)
             assert f"metrics on port {metrics.number}" in pair.tokenizer.log_path.read_text()
     assert time.monotonic() - began < 120
+
+
+# A service whose start-up check of its ports passes, as when another
+# process binds the port between the check and the service's own bind.
+UNCHECKED = """
+import sys
+import mmsplit_cli.startup
+mmsplit_cli.startup.port_problem = lambda *args: ""
+from mmsplit_cli.main import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize(
+    ("service", "extra", "what"),
+    [
+        ("scheduler", ["--tp", "2", "--port", "0", "--metrics-port"], "metrics"),
+        ("tokenizer", ["--scheduler", "127.0.0.1:9", "--http-port", "0", "--port"], "gRPC"),
+    ],
+)
+def test_a_port_taken_after_the_check_is_one_line_and_the_service_leaves_at_once(
+    service: str, extra: list[str], what: str, chat_models: Callable[[str], Path]
+) -> None:
+    """The race the start-up check cannot close: the bind itself fails. It
+    is one line naming the port, exit status 1, and nothing stays: a
+    scheduler of two ranks once printed a traceback and then waited for
+    ever on its rank 1 as it exited (multiprocessing joins its children;
+    the rank waited for rank 0's first plan), and a pair's start that met
+    it waited for its 180 s start timeout before trying again."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        argv = [sys.executable, "-c", UNCHECKED, service, "--model", str(chat_models("llava")), *extra, port]
+        proc = subprocess.Popen(
+            argv, stderr=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, **ENV}, start_new_session=True
+        )
+        try:
+            _, stderr = proc.communicate(timeout=90)
+            # What it started (the tokenizer's CPU pool, a scheduler's rank) leaves with it.
+            wait_until(lambda: not _left_in(proc.pid), timeout=10)
+        finally:
+            left = _left_in(proc.pid)
+            for p in [proc, *left]:
+                with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
+                    p.kill()
+            proc.wait()
+    assert proc.returncode == 1, stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    assert (
+        stderr.strip().splitlines()[-1].startswith(f"mmsplit {service}: cannot serve {what} on 127.0.0.1:{port}: ")
+    ), stderr[-3000:]
+    assert stderr.strip().splitlines()[-1].endswith("Address already in use"), stderr[-3000:]
+    assert not left, f"processes of the service left: {left}"
+
+
+def _left_in(session: int) -> list[psutil.Process]:
+    """The processes still running (ended and not yet reaped does not
+    count) in `session`, but its leader."""
+    return [p for p in psutil.process_iter() if p.pid != session and _alive_in(p, session)]
+
+
+def _alive_in(process: psutil.Process, session: int) -> bool:
+    try:
+        return os.getsid(process.pid) == session and process.status() != psutil.STATUS_ZOMBIE
+    except (OSError, psutil.NoSuchProcess):
+        return False
