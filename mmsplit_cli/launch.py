@@ -302,6 +302,8 @@ def running_pair(
                     raise
                 log.warning("a port was taken before it was bound (attempt %d); starting the pair again", attempt)
                 _stop_all(list(reversed(started)))
+                for proc in started:  # kept beside the next attempt's
+                    proc.log_path.rename(proc.log_path.with_suffix(f".attempt{attempt}.log"))
         pair = Pair(sched, tok, model)
         yield pair
     finally:

@@ -140,6 +140,7 @@ def test_a_port_taken_between_choice_and_bind_starts_the_pair_again(
         with running_pair(tiny_model, tmp_path, tokenizer_extra=["--metrics-port", metrics]) as pair:
             assert metrics.number not in (0, port)
             assert f"metrics on port {metrics.number}" in pair.tokenizer.log_path.read_text()
+    assert "Address already in use" in (tmp_path / "tokenizer.attempt1.log").read_text(), "the failed attempt's log"
     assert time.monotonic() - began < 120
 
 
