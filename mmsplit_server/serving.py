@@ -756,10 +756,7 @@ def _bound(host: str, port: int, add: Callable[[], int]) -> int:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         with socket.socket(family) as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as grpc binds
-            try:
-                s.bind((host, port))
-            except OSError as exc:
-                raise exc from None
+            s.bind((host, port))  # raises why, as a rule
         raise OSError(f"gRPC cannot bind {host}:{port}")
     return bound
 
