@@ -9,7 +9,8 @@ it imported and loaded. In one run:
    tokenizer: its server module and the model's tokenizer; the scheduler:
    its server module and the model, loaded as a rank loads it), then times
    a full collection (median of --reps), calls `gcheap.freeze()` as the
-   service does, and times it again: the pause before / after.
+   service does, and times it again: the pause before / after. The two
+   build at once; they time one after the other, the other one waiting.
 2. The real services (TP=1, the tiny model) under --rounds rounds of 32
    concurrent one-image requests: the collections each made and their wall
    time, by generation, from their /metrics (wall time: on a busy host it
@@ -69,10 +70,13 @@ def full_collection_ms(reps: int) -> float:
 
 
 def measure_heap(service: str, model_dir: Path, reps: int) -> dict[str, float]:
-    """In this (new) interpreter: the full collection's pause before and after freezing."""
+    """In this (new) interpreter: the full collection's pause before and
+    after freezing, timed once a line on standard input says to."""
     from mmsplit_server import gcheap
 
     kept = build_heap(service, model_dir)
+    print("built", flush=True)
+    sys.stdin.readline()
     objects = len(gc.get_objects())
     before = full_collection_ms(reps)
     gcheap.freeze()
@@ -82,14 +86,31 @@ def measure_heap(service: str, model_dir: Path, reps: int) -> dict[str, float]:
     return {"objects": objects, "frozen": frozen, "before_ms": before, "after_ms": after}
 
 
-def in_new_interpreter(service: str, model_dir: Path, reps: int) -> dict[str, float]:
-    out = subprocess.run(
-        [sys.executable, __file__, "--heap", service, "--model-dir", str(model_dir), "--reps", str(reps)],
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+def in_new_interpreters(model_dir: Path, reps: int) -> dict[str, dict[str, float]]:
+    """Every service's heap, each in an interpreter of its own: built at
+    once (their imports are most of this part's time), timed in turn."""
+    argv = [sys.executable, __file__, "--model-dir", str(model_dir), "--reps", str(reps), "--heap"]
+    procs = {
+        service: subprocess.Popen([*argv, service], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        for service in HEAPS
+    }
+    try:
+        for service, proc in procs.items():
+            assert proc.stdout is not None
+            if proc.stdout.readline().strip() != "built":
+                raise SystemExit(f"the {service} heap was not built (exit status {proc.wait()})")
+        found = {}
+        for service, proc in procs.items():
+            out, _ = proc.communicate("go\n")
+            if proc.returncode:
+                raise SystemExit(f"timing the {service} heap failed (exit status {proc.returncode})")
+            found[service] = dict(json.loads(out.strip().splitlines()[-1]))
+        return found
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
 def gc_samples(port: int) -> dict[tuple[str, str], float]:
@@ -152,9 +173,7 @@ def main() -> None:
         print(json.dumps(measure_heap(args.heap, args.model_dir, args.reps)))
         return
     with tempfile.TemporaryDirectory(prefix="mmsplit-bench-") as tmp:
-        heaps = {
-            service: in_new_interpreter(service, build_model(args.model, Path(tmp)), args.reps) for service in HEAPS
-        }
+        heaps = in_new_interpreters(build_model(args.model, Path(tmp)), args.reps)
         served = in_service(build_model("tiny", Path(tmp)), args.rounds, Path(tmp)) if args.rounds else {}
     print(f"a full collection (median of {args.reps}), each service's heap as started ({args.model} model)")
     rows = [

@@ -163,12 +163,12 @@ def test_a_script_runs_as_the_interpreter_would_run_it_and_a_timeout_kills_it(zy
     the working directory, its outputs and exit status as
     `subprocess.run(capture_output=True)` gives them; at the timeout it is
     killed and the timeout raised."""
-    from tests.support.bench import _finished
+    from tests.support.bench import completed
     from tests.support.zygote import ForkedProcess
 
     script = tmp_path / "script.py"
     script.write_text(SCRIPT)
-    done = _finished(
+    done = completed(
         ForkedProcess(zygote.address, ["3"], _env(MARK="m1"), script=str(script), cwd=str(ROOT)), ["x"], 60
     )
     fresh = subprocess.run(
@@ -179,6 +179,6 @@ def test_a_script_runs_as_the_interpreter_would_run_it_and_a_timeout_kills_it(zy
     sleeper = ForkedProcess(zygote.address, ["sleep"], _env(MARK="m2"), script=str(script), cwd=str(ROOT))
     process = psutil.Process(sleeper.pid)
     with pytest.raises(subprocess.TimeoutExpired):
-        _finished(sleeper, ["x"], 1)
+        completed(sleeper, ["x"], 1)
     assert sleeper.returncode == -signal.SIGKILL
     assert wait_until(lambda: not alive(process), timeout=10)

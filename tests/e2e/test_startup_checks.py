@@ -1,7 +1,8 @@
 """Start-up mistakes as a user makes them: each is one line on stderr naming
 the problem, exit status 2, no traceback, and nothing loaded (the services
 are started as new interpreters here, as a user starts them, and end in a
-few seconds)."""
+few seconds; those that fail after loading, at their bind, are forks of the
+suite's zygote)."""
 
 from __future__ import annotations
 
@@ -19,8 +20,9 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.support.bench import completed
 from tests.support.leaks import wait_until
-from tests.support.services import ENV, ROOT
+from tests.support.services import ENV, ROOT, forked_script
 
 pytestmark = pytest.mark.e2e
 
@@ -163,7 +165,7 @@ sys.exit(main(sys.argv[1:]))
     ],
 )
 def test_a_port_taken_after_the_check_is_one_line_and_the_service_leaves_at_once(
-    service: str, extra: list[str], what: str, chat_models: Callable[[str], Path]
+    service: str, extra: list[str], what: str, chat_models: Callable[[str], Path], tmp_path: Path
 ) -> None:
     """The race the start-up check cannot close: the bind itself fails. It
     is one line naming the port, exit status 1, and nothing stays: a
@@ -171,25 +173,36 @@ def test_a_port_taken_after_the_check_is_one_line_and_the_service_leaves_at_once
     ever on its rank 1 as it exited (multiprocessing joins its children;
     the rank waited for rank 0's first plan), and a pair's start that met
     it waited for its 180 s start timeout before trying again."""
+    script = tmp_path / "unchecked.py"
+    script.write_text(UNCHECKED)
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = str(taken.getsockname()[1])
-        argv = [sys.executable, "-c", UNCHECKED, service, "--model", str(chat_models("llava")), *extra, port]
-        proc = subprocess.Popen(
-            argv, stderr=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, **ENV}, start_new_session=True
+        args = [service, "--model", str(chat_models("llava")), *extra, port]
+        env = {**os.environ, **ENV}
+        # A fork of the suite's zygote (its imports spared: this test took
+        # 16 s as a new interpreter at TP=2), else a new interpreter.
+        proc = forked_script(script, args, env, new_session=True) or subprocess.Popen(
+            [sys.executable, str(script), *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+            env=env,
+            start_new_session=True,
         )
         try:
-            _, stderr = proc.communicate(timeout=90)
+            done = completed(proc, [str(script), *args], timeout=90)
             # What it started (the tokenizer's CPU pool, a scheduler's rank) leaves with it.
             wait_until(lambda: not _left_in(proc.pid), timeout=10)
         finally:
             left = _left_in(proc.pid)
-            for p in [proc, *left]:
+            for p in left:
                 with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
                     p.kill()
-            proc.wait()
-    assert proc.returncode == 1, stderr[-3000:]
+    stderr = done.stderr
+    assert done.returncode == 1, stderr[-3000:]
     assert "Traceback" not in stderr, stderr[-3000:]
     assert (
         stderr.strip().splitlines()[-1].startswith(f"mmsplit {service}: cannot serve {what} on 127.0.0.1:{port}: ")

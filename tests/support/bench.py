@@ -36,10 +36,12 @@ def run_bench(
         return subprocess.run(
             [sys.executable, str(path), *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT
         )
-    return _finished(forked, [sys.executable, str(path), *args], timeout)
+    return completed(forked, [sys.executable, str(path), *args], timeout)
 
 
-def _finished(proc: ForkedProcess, argv: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+def completed(
+    proc: ForkedProcess | subprocess.Popen[str], argv: list[str], timeout: float
+) -> subprocess.CompletedProcess[str]:
     """What `subprocess.run(capture_output=True, timeout=...)` gives: both
     outputs read to their ends meanwhile, the script killed at the timeout."""
     assert proc.stdout is not None

@@ -96,13 +96,16 @@ def new_interpreters() -> Iterator[None]:
         _zygote.fresh = False
 
 
-def forked_script(script: Path, args: Sequence[str], env: dict[str, str]) -> ForkedProcess | None:
+def forked_script(
+    script: Path, args: Sequence[str], env: dict[str, str], *, new_session: bool = False
+) -> ForkedProcess | None:
     """`python SCRIPT ARGS` from the project's root, forked by this
     session's zygote (its imports spared), its standard output and error
-    piped back; None where the suite has no zygote (run it yourself)."""
+    piped back (`new_session`: as Popen's `start_new_session`); None where
+    the suite has no zygote (run it yourself)."""
     if not _zygote_wanted():
         return None
-    return ForkedProcess(_zygote.address(), list(args), env, script=str(script), cwd=str(ROOT))
+    return ForkedProcess(_zygote.address(), list(args), env, new_session, script=str(script), cwd=str(ROOT))
 
 
 def zygote_for_subprocesses() -> dict[str, str]:
