@@ -29,6 +29,8 @@ from typing import Any
 import grpc
 import openai
 import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 
 from mmsplit.client import ImagePart, VideoPart, build_request
 from mmsplit.tokenizer.v1 import tokenizer_pb2_grpc
@@ -589,6 +591,146 @@ def test_raw_http_mistakes_key_body_and_health(api: Api) -> None:
         assert curl("-X", method, "-o", "/dev/null", "-w", "%{http_code}", base + "/ping") == "200", method
     assert json.loads(curl(base + "/version")) == {"version": __version__}
     _good_after(api)
+
+
+# Generated bodies for the three generating routes: a request with some of
+# the API's fields (and an unknown one) set, each to one of its edge values
+# or to any JSON at all, and messages of any shape. Lengths stay small (the
+# answer's time, not its validation, would grow with them).
+_SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+_EDGES: dict[str, list[Any]] = {
+    "temperature": [0, 1e-9, 0.7, 2], "top_p": [1e-9, 0.01, 1], "top_k": [-1, 0, 1, 10**6], "min_p": [0, 0.999],
+    "seed": [0, -1, 2**63 - 1, 2**64 - 1], "stop": ["", " ", ["a", "b", "c", "d"], []],
+    "stop_token_ids": [[], [0], [2**31]], "ignore_eos": [True], "include_stop_str_in_output": [True],
+    "stream": [True, False], "stream_options": [{"include_usage": True, "continuous_usage_stats": True}],
+    "logprobs": [True, 0, 5], "top_logprobs": [0, 20], "presence_penalty": [-2, 2], "frequency_penalty": [2],
+    "repetition_penalty": [1e-9, 2], "logit_bias": [{"0": 100}, {str(i): 1 for i in range(1024)}],
+    "allowed_token_ids": [[0], [1, 2, 3]], "bad_words": [["a"], [""]], "return_tokens_as_token_ids": [True],
+    "response_format": [
+        {"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "x", "schema": _SCHEMA}},
+    ],
+    "structured_outputs": [{"regex": "[ab]{3}"}, {"choice": ["yes", "no"]}, {"grammar": 'root ::= "a"'}],
+    "cache_salt": ["a", "b" * 256], "mm_processor_kwargs": [{}, {"max_pixels": 784}, {"fps": 1}],
+    "return_token_ids": [True], "skip_special_tokens": [False], "truncate_prompt_tokens": [-1, 1, 50, 10**6],
+    "priority": [0, 1], "use_beam_search": [True], "length_penalty": [0, 2], "echo": [True],
+    "prompt_logprobs": [0, 5], "add_special_tokens": [False], "continue_final_message": [True],
+    "add_generation_prompt": [False], "chat_template_kwargs": [{"enable_thinking": False}],
+    "documents": [[{"title": "t", "text": "x"}]], "tools": [[_TOOL]],
+    "tool_choice": ["auto", "none", "required", {"type": "function", "function": {"name": "f"}}],
+    "max_tokens": [0, 1, 3, -1], "n": [1, 2, 8], "min_tokens": [0, 2, 10**6],
+}  # fmt: skip
+_FIELDS = sorted([
+    *_EDGES, "model", "messages", "prompt", "input", "instructions", "suffix", "parallel_tool_calls",
+    "previous_response_id", "text", "reasoning", "store", "metadata", "user", "no_such_field",
+])  # fmt: skip
+_KEYS = st.sampled_from([*_FIELDS, "type", "text", "image_url", "url", "role", "content", "name", "json_schema",
+                         "schema", "function", "parameters", "include_usage", "max_pixels", "fps"])  # fmt: skip
+_JSON = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.sampled_from([0, 1, -1, 2, 0.5, -0.0, 1e308, 2**63, 2**64])
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=12)
+    | st.sampled_from(["", "auto", "required", "none", "text", "json_object", "function", "<image>", "</s>"]),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_KEYS, inner, max_size=3),
+    max_leaves=8,
+)
+_ASK, _PICTURE = {"type": "text", "text": "What is it?"}, image_part(A)
+_PART = st.one_of(
+    st.sampled_from([_ASK, _PICTURE, {"image_url": data_url(B)}]),
+    st.fixed_dictionaries(
+        {"type": st.sampled_from(["text", "image_url", "video_url", "input_text", "refusal"])},
+        optional={"text": _JSON, "image_url": _JSON, "video_url": _JSON},
+    ),
+    st.dictionaries(_KEYS, _JSON, max_size=3),
+)
+_TURN = st.sampled_from([
+    {"role": "user", "content": [_ASK, _PICTURE]}, {"role": "user", "content": "Hello"},
+    {"role": "assistant", "content": "A picture."}, {"role": "system", "content": "Be brief."},
+])  # fmt: skip
+_MESSAGE = st.fixed_dictionaries(
+    {
+        "role": st.one_of(st.sampled_from(["user", "assistant", "system", "tool", "developer"]), _JSON),
+        "content": st.one_of(st.just("Hello"), st.lists(_PART, max_size=3), _JSON),
+    },
+    optional={"tool_calls": _JSON, "tool_call_id": _JSON, "name": _JSON},
+)
+_ROUTES = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "responses": "/v1/responses"}
+
+
+@st.composite
+def _bodies(draw: st.DrawFn) -> tuple[str, dict[str, Any]]:
+    route = draw(st.sampled_from(sorted(_ROUTES)))
+    body: dict[str, Any] = {"max_tokens": 3, "max_output_tokens": 16}  # the model's name: the test's
+    # Mostly well-formed messages (what the fields' checks then see), some of any shape.
+    turns = st.lists(_TURN, min_size=1, max_size=3).map(
+        lambda t: [*t[:-1], {"role": "user", "content": [_ASK, _PICTURE]}]
+    )
+    shape = draw(st.integers(0, 9))
+    if route == "chat":
+        body["messages"] = draw(
+            turns if shape < 6 else st.lists(_MESSAGE, min_size=1, max_size=3) if shape < 9 else _JSON
+        )
+    elif route == "completions":
+        body["prompt"] = draw(
+            st.just("Hello") if shape < 6 else st.lists(st.integers(-5, 40_000), max_size=4) if shape < 8 else _JSON
+        )
+    else:
+        body["input"] = draw(st.just("Hello") if shape < 5 else st.lists(_MESSAGE, max_size=2) if shape < 8 else _JSON)
+    for field in draw(st.lists(st.sampled_from(_FIELDS), max_size=4, unique=True)):
+        edges = _EDGES.get(field)
+        body[field] = draw(st.sampled_from(edges) if edges and draw(st.integers(0, 2)) else _JSON)
+    return route, body
+
+
+@settings(max_examples=100, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])  # fmt: skip
+@given(case=_bodies())
+def test_generated_bodies_get_an_answer_or_a_typed_client_error(api: Api, case: tuple[str, dict[str, Any]]) -> None:
+    """Any JSON in any field of a generating route is answered (streamed to
+    its end where asked) or refused with a 4xx of OpenAI's error shape,
+    never a 5xx or a dropped connection; a good request succeeds after."""
+    route, body = case
+    body = {"model": api.model, **body}
+    request = urllib.request.Request(
+        api.url.removesuffix("/v1") + _ROUTES[route],
+        data=json.dumps(body).encode(),
+        headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            status, text = reply.status, reply.read().decode()
+    except urllib.error.HTTPError as exc:
+        status, text = exc.code, exc.read().decode()
+    event(f"{route} {status}")  # --hypothesis-show-statistics: how far the bodies get
+    assert status in (200, 400, 404, 413), (status, text[-2000:], body)
+    if status != 200:
+        error = json.loads(text)["error"]
+        assert isinstance(error["message"], str), (error, body)
+        assert error["message"], (error, body)
+        assert error["type"], (error, body)
+    elif body.get("stream") is True:
+        # A stream's own failure is an event with a typed code (a chat
+        # chunk {"error": ...}, a Responses "error" event), then its end.
+        events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+        failures = [e["error"] if isinstance(e.get("error"), dict) else e for e in events
+                    if isinstance(e.get("error"), dict) or e.get("type") == "error"]  # fmt: skip
+        assert all(f.get("code") not in (None, "INTERNAL") for f in failures), (failures, body)
+        if route != "responses":
+            assert text.rstrip().endswith("data: [DONE]"), (text[-2000:], body)
+        else:
+            last = events[-1]["type"] if events else None
+            assert last in ("response.completed", "response.incomplete", "error"), (text[-2000:], body)
+    else:
+        assert "object" in json.loads(text), (text[-2000:], body)
+
+
+def test_the_server_serves_on_after_the_generated_bodies(api: Api) -> None:
+    _good_after(api)
+    with urllib.request.urlopen(api.url.removesuffix("/v1") + "/health", timeout=10) as reply:
+        assert reply.status == 200
 
 
 def test_a_client_that_leaves_mid_stream_leaves_nothing_held(api: Api) -> None:
