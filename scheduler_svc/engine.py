@@ -81,7 +81,7 @@ from scheduler_svc.prompt_scores import score_prompt
 from scheduler_svc.reader import TensorReader
 from scheduler_svc.sampler import Bans, LogitAdjust, Logprob, RowSampling, Sampler, make_generator
 from scheduler_svc.shm_allreduce import Arena, SumAborted
-from scheduler_svc.threads import StepKind, StepThreads
+from scheduler_svc.threads import StepKind, StepRun, StepThreads
 
 log = logging.getLogger(__name__)
 
@@ -238,6 +238,7 @@ class Engine:
         self._cached: dict[str, int] = {}  # this step's joiners: prompt tokens taken from it
         self._prefilled: list[str] = []  # rows that joined last step: their prompts' blocks go in the store
         self._computed = 0  # prompt tokens this step's forwards ran (for `StepThreads`)
+        self._tuning: StepRun | None = None  # the step's thread count under way (with `threads`)
         self._agreed = (True, True)  # whether the ranks' encoder and prefix caches agreed when last used
         if self._sums is not None:
             self._learn_sums()
@@ -282,21 +283,22 @@ class Engine:
     def step(self, plan: Plan) -> StepOutcome:
         # The cache's tensors are made in inference mode; every in-place
         # change to them (joins, leaves) must happen in it too.
-        with torch.inference_mode(), self._threads(plan), self._kernels():
+        with torch.inference_mode(), self._threads(plan) as self._tuning, self._kernels():
             try:
                 return self._step(plan)
             finally:
                 # The step's borrowed tensors were last used by its prefill.
                 self.reader.end_step()
+                self._tuning = None
 
-    def _threads(self, plan: Plan) -> contextlib.AbstractContextManager[int | None]:
+    def _threads(self, plan: Plan) -> contextlib.AbstractContextManager[StepRun | None]:
         if self.threads is None:
             return contextlib.nullcontext()
         # The rows the step's forward runs: those leaving go first. A step
         # that only ends a burst's rows (keeping their prefixes: copies, no
         # forward) once counted as a decode step of all of them.
         running = len(self.rows) - len({rid for rid in plan.drop if rid in self.index})
-        tokens = self._prefill_tokens(plan)
+        tokens = self._prefill_tokens(plan.new)
 
         def ran() -> tuple[StepKind, int]:
             # The prompt tokens that went through the model: their cached
@@ -305,16 +307,18 @@ class Engine:
 
         return self.threads.run(StepKind.of(running, prefill=tokens), tokens=tokens, ran=ran)
 
-    def _prefill_tokens(self, plan: Plan) -> int:
+    def _prefill_tokens(self, new: Sequence[NewRequest], matches: dict[str, Match] | None = None) -> int:
         """About how many prompt tokens the step prefills: its joiners'
         prompts that fit one step, each prompt once (identical ones are
         prefilled once), and one chunk of the first long prompt, under way
-        or joining. Cached prefixes and the joiners it turns away count
-        too: this only picks the step's thread count (`StepThreads`), which
-        then records its time under the tokens the forwards ran."""
+        or joining. Without `matches` (as the step starts) their cached
+        prefixes count too; with them, what is left past each. This only
+        picks the step's thread count (`StepThreads`), which then records
+        its time under the tokens the forwards ran."""
         chunk = self.prefill_chunk
-        prompts = {r.input_ids for r in plan.new}
-        tokens = sum(len(ids) for ids in prompts if not chunk or len(ids) <= chunk)
+        prompts = {r.input_ids: r.request_id for r in new}
+        cached = {rid: m.tokens for rid, m in matches.items()} if matches else {}
+        tokens = sum(len(ids) - cached.get(rid, 0) for ids, rid in prompts.items() if not chunk or len(ids) <= chunk)
         if self._chunked:
             c = self._chunked[0]
             tokens += min(chunk, len(c.joiner.request.input_ids) - c.done)
@@ -372,6 +376,10 @@ class Engine:
             failed_idx = {}
         failed = {plan.new[i].request_id: f for i, f in failed_idx.items()}
         joining = [(req, tensors[i]) for i, req in enumerate(plan.new) if i not in failed_idx]
+        if self._tuning is not None and use_prefix and self._matches:
+            # The step's thread count, for what is left to prefill past the cached prefixes.
+            left = self._prefill_tokens([req for req, _ in joining], self._matches)
+            self._tuning.refine(StepKind.of(len(self.rows), prefill=left))
 
         clock.lap("read")
         logits: list[torch.Tensor] = []

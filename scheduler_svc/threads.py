@@ -35,13 +35,18 @@ process on an idle host 0.68 s on two threads against 1.26 on one, and
 kind runs on every thread its first `PREFILL_FIRST` times, then on one
 fewer once, and is tuned from there like the rest.
 
-A prefill's kind is chosen before the step knows how much of its prompts
-the prefix cache holds, so it is the prompts' whole length; its time is
+A step's thread count is set as it starts (its drops' copies and its
+reads run on it), by its prompts' whole length; once the step has matched
+its prompts against the prefix cache, before any forward, it is chosen
+again for the tokens left to prefill (`StepRun.refine`), and its time is
 recorded under the tokens that went through the model. A multi-turn
 chat's later turns take most of their prompt from the cache: timed as
 whole prompts, the 8x512 model's 1,600-token prefills took 45-85 µs a
 token when cached and 370-690 when not, in one kind's average, and which
-thread count won was a matter of which one the cached turns fell to.
+thread count won was a matter of which one the cached turns fell to;
+recorded apart but still chosen as whole prompts, a cached turn ran on
+the verdict of uncached prefills of its length, and its own kind's
+choices were never tried in turn.
 
 A step with no running rows and no prefill runs no forward (a heartbeat,
 a step that only drops): it gives no verdict, and runs on one thread
@@ -213,30 +218,57 @@ class StepThreads:
         log.info("%s now run on %s (lately %s%s)", kind, threads, times, since)
         seen.logged_at, seen.unlogged = now, 0
 
+    def _unchoose(self, kind: StepKind) -> None:
+        """Take back a `choose` of a kind the step turned out not to be."""
+        seen = self._seen.get(kind)
+        if seen is not None:
+            seen.steps -= 1
+
     @contextmanager
     def run(
         self, kind: StepKind, tokens: int = 1, *, ran: Callable[[], tuple[StepKind, int]] | None = None
-    ) -> Iterator[int]:
+    ) -> Iterator[StepRun]:
         """Run the block (one step of this kind) on the chosen thread count,
         time it (per token of a prefill of `tokens`), and set every thread
-        back afterwards. `ran`, when given, says once the block is done what
-        it really ran, its kind and prefill tokens: a step's prompts may
-        turn out to come mostly from the prefix cache, and their time is
-        then that of the tokens it did prefill."""
-        chosen = self.choose(kind)
-        if chosen != self.threads:
-            torch.set_num_threads(chosen)
+        back afterwards. The block may refine the step's kind before its
+        forwards (`StepRun.refine`). `ran`, when given, says once the block
+        is done what it really ran, its kind and prefill tokens: a step's
+        prompts may turn out to come mostly from the prefix cache, and their
+        time is then that of the tokens it did prefill."""
+        step = StepRun(self, kind)
         try:
             start = time.perf_counter()
-            yield chosen
+            yield step
             seconds = time.perf_counter() - start
-            if ran is not None:
-                kind, tokens = ran()
-            self.record(kind, chosen, seconds / max(tokens, 1))
+            kind, tokens = ran() if ran is not None else (step.kind, tokens)
+            self.record(kind, step.threads, seconds / max(tokens, 1))
         finally:
-            if chosen != self.threads:
+            if step.threads != self.threads:
                 torch.set_num_threads(self.threads)
 
     def summary(self) -> dict[StepKind, dict[int, float]]:
         """Average step time (seconds; a prefill's per token) by kind and thread count."""
         return {kind: dict(seen.seconds) for kind, seen in sorted(self._seen.items())}
+
+
+class StepRun:
+    """A step under way: the kind its thread count was chosen for, and that count."""
+
+    def __init__(self, tuner: StepThreads, kind: StepKind) -> None:
+        self._tuner = tuner
+        self.kind = kind
+        self.threads = tuner.choose(kind)
+        if self.threads != tuner.threads:
+            torch.set_num_threads(self.threads)
+
+    def refine(self, kind: StepKind) -> None:
+        """The step's kind as it knows it better, before its forwards (the
+        tokens left to prefill once its prompts are matched against the
+        prefix cache): chosen for again, in place of the first choice."""
+        if kind == self.kind:
+            return
+        self._tuner._unchoose(self.kind)
+        threads = self._tuner.choose(kind)
+        if threads != self.threads:
+            torch.set_num_threads(threads)
+        self.kind, self.threads = kind, threads

@@ -129,8 +129,8 @@ def test_a_prefill_is_timed_per_token(caplog: pytest.LogCaptureFixture) -> None:
         with caplog.at_level(logging.INFO, logger="scheduler_svc.threads"):
             for tokens, threads, seconds in ((1100, 2, 0.44), (2000, 1, 0.60)):
                 clock = mock.patch.object(time, "perf_counter", side_effect=[0.0, seconds])
-                with clock, tuner.run(kind, tokens=tokens) as chosen:
-                    assert chosen == threads
+                with clock, tuner.run(kind, tokens=tokens) as step:
+                    assert step.threads == threads
     finally:
         torch.set_num_threads(before)
     # 0.40 ms a token on two threads against 0.30 on one: one wins, though
@@ -162,11 +162,11 @@ def test_the_step_runs_on_its_choice_and_every_thread_comes_back_even_when_it_ra
     try:
         torch.set_num_threads(tuner.threads)
         for _ in range(2):
-            with tuner.run(DECODE_32) as chosen:
-                seen.append((chosen, torch.get_num_threads()))
+            with tuner.run(DECODE_32) as step:
+                seen.append((step.threads, torch.get_num_threads()))
             assert torch.get_num_threads() == tuner.threads
         assert sorted(seen) == [(before, before), (before + 1, before + 1)]
-        with pytest.raises(RuntimeError), tuner.run(DECODE_32) as chosen:
+        with pytest.raises(RuntimeError), tuner.run(DECODE_32):
             raise RuntimeError("the forward failed")
         assert torch.get_num_threads() == tuner.threads
     finally:
@@ -214,10 +214,15 @@ class _Seeing(StepThreads):
     def __init__(self) -> None:
         super().__init__(2, explore_every=1000, warmup=1)
         self.timed: list[StepKind] = []
+        self.chosen_for: list[StepKind] = []
 
     def record(self, kind: StepKind, threads: int, seconds: float) -> None:
         self.timed.append(kind)
         super().record(kind, threads, seconds)
+
+    def choose(self, kind: StepKind) -> int:
+        self.chosen_for.append(kind)
+        return super().choose(kind)
 
 
 def test_a_step_is_timed_by_the_rows_its_forward_runs_not_those_it_drops(model: torch.nn.Module) -> None:
@@ -257,18 +262,22 @@ def test_a_prefill_is_sized_by_the_tokens_it_prefills(model: torch.nn.Module) ->
     twins = [request(f"t{i}", [1, *range(100, 109)], max_tokens=4) for i in range(3)]  # 10 tokens, 3 times
     long = request("long", [1, *range(200, 239)], max_tokens=4)  # 40 tokens: chunks of 16, 16, 8
     plan = Plan(step=0, new=(*twins, long))
-    assert engine._prefill_tokens(plan) == 10 + 16
+    assert engine._prefill_tokens(plan.new) == 10 + 16
     out = engine.step(plan)
-    assert engine._prefill_tokens(Plan(step=1, feed=tuple(out.sampled.items()))) == 16
+    assert engine._prefill_tokens(Plan(step=1, feed=tuple(out.sampled.items())).new) == 16
 
 
-def test_a_prefill_taken_mostly_from_the_prefix_cache_is_timed_by_the_tokens_it_ran(model: torch.nn.Module) -> None:
-    """A step's kind is chosen before it knows what the prefix cache holds,
-    by its prompts' whole length; its time is recorded under the tokens the
-    forward ran. Timed as whole prompts, a chat's cached later turns (45-85
-    µs a token at 8x512) shared a kind's average with uncached prefills of
-    that size (370-690), and which thread count won was a matter of which
-    one the cached turns fell to."""
+def test_a_prefill_taken_mostly_from_the_prefix_cache_is_chosen_and_timed_by_the_tokens_it_ran(
+    model: torch.nn.Module,
+) -> None:
+    """A step's thread count is first chosen by its prompts' whole length,
+    then again, before its forward, by the tokens left past their cached
+    prefixes; its time is recorded under the tokens the forward ran. Timed
+    as whole prompts, a chat's cached later turns (45-85 µs a token at
+    8x512) shared a kind's average with uncached prefills of that size
+    (370-690), and which thread count won was a matter of which one the
+    cached turns fell to; chosen as whole prompts, they ran on those
+    prefills' verdict."""
     before = torch.get_num_threads()
     tuner = _Seeing()
     eos = int(model.config.text_config.eos_token_id)
@@ -280,11 +289,16 @@ def test_a_prefill_taken_mostly_from_the_prefix_cache_is_timed_by_the_tokens_it_
     try:
         torch.set_num_threads(2)
         drive(engine, {0: [first]}, eos, cached)
-        start = len(tuner.timed)
+        start, first_choice = len(tuner.timed), len(tuner.chosen_for)
+        whole = StepKind.of(0, prefill=163)  # the first prompt's kind too (151 tokens: 128-255)
+        steps = tuner._seen[whole].steps
         drive(engine, {0: [again]}, eos, cached)
     finally:
         torch.set_num_threads(before)
     assert cached == {"first": 0, "again": 151}, "the whole first prompt from the store"
     assert StepKind.of(0, prefill=163) != StepKind.of(0, prefill=12)
     assert tuner.timed[start] == StepKind.of(0, prefill=12), tuner.timed
+    # Chosen for the whole prompt as it started, then for what it prefilled; the first taken back.
+    assert tuner.chosen_for[first_choice : first_choice + 2] == [whole, StepKind.of(0, prefill=12)]
+    assert tuner._seen[whole].steps == steps, "the first choice is taken back"
     assert tuner.timed[0] == StepKind.of(0, prefill=151)
