@@ -155,6 +155,12 @@ def _pages(nbytes: int) -> int:
     return -(-nbytes // PAGE)
 
 
+# Spare descriptors kept per slab and mode (read, write): more than the
+# slices a process holds at once in steady state; a burst beyond it closes.
+# A process's descriptors of a slab it holds no slice of are these alone.
+SPARE_DESCRIPTORS = 16
+
+
 class _Local:
     """What this process keeps of each slab it uses, so that a slice costs
     neither a mapping nor an open of its own:
@@ -181,9 +187,7 @@ class _Local:
     of ours ever truncates a slab: it is created at its full size before its
     name is known to anyone, and only ever unlinked."""
 
-    # Spare descriptors kept per slab and mode: more than the slices a
-    # process holds at once in steady state; a burst beyond it closes.
-    SPARES = 16
+    SPARES = SPARE_DESCRIPTORS
 
     def __init__(self) -> None:
         # name -> (inode, mapping, writable); a process that writes maps read-write.
