@@ -349,6 +349,14 @@ def main() -> None:
                     + f"; every arm's rounds: { ({k: [round(x) for x in v] for k, v in r.arms.items()}) }",
                     flush=True,
                 )
+                # Each round's services run against the same round's HF batch: this host's speed drifts
+                # between rounds more than within one, so the paired ratios are the sharper reading.
+                paired = [c / b for c, b in zip(r.arms[f"c={n}"], r.arms["hf batch"], strict=True)]
+                print(
+                    f"  c={n} / HF batch round by round: {', '.join(f'{x:.2f}' for x in paired)} "
+                    f"(median {statistics.median(paired):.2f}; the table's is the ratio of the medians)",
+                    flush=True,
+                )
                 hits = ", ".join(f"{cache} {count}" for cache, count in r.hits.items())
                 print(f"  cache hits over the timed services runs (new images in each): {hits}", flush=True)
                 parts = ", ".join(f"{part} {seconds:.2f}" for part, seconds in full.cpu.items())
