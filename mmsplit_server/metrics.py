@@ -10,7 +10,6 @@ id. Gauges are read when scraped, from the service's own state.
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 from wsgiref.simple_server import WSGIServer
@@ -73,7 +72,9 @@ class ServiceMetrics:
             lambda: pauses.seconds,
         )
         self.gauge(
-            "gc_frozen_objects", "Objects frozen out of the garbage collector's reach at start-up", gc.get_freeze_count
+            "gc_frozen_objects",
+            "Objects frozen out of the garbage collector's reach at start-up",
+            gcheap.frozen_objects,
         )
 
     def finished(self, outcome: str, duration_s: float, ttft_s: float | None, prompt: int, completion: int) -> None:

@@ -518,7 +518,7 @@ async def _serve_published(
     # Rank 0's start-up (the model, the tokenizer loaded for the vocabulary,
     # the server) out of the collector's reach, before serving; the other
     # ranks freeze theirs as they start to follow.
-    gcheap.freeze()
+    gcheap.freeze(count=metrics is not None)
     if local is not None:
         published.append(localauth.provision(local, port, security.token))
     await server.start()

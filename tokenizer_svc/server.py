@@ -380,7 +380,8 @@ async def _serve(
             }
         )
     tokenizer_pb2_grpc.add_TokenizerServiceServicer_to_server(servicer, server)
-    gcheap.freeze()  # before the first request: a full collection walks only what serving makes
+    # Before the first request: a full collection walks only what serving makes.
+    gcheap.freeze(count=metrics is not None)
     await server.start()
     http = None
     if settings.http_port:

@@ -8,8 +8,10 @@ import weakref
 from collections.abc import Iterator
 
 import pytest
+from prometheus_client import generate_latest
 
 from mmsplit_server import gcheap
+from mmsplit_server.metrics import ServiceMetrics
 
 
 class Node:
@@ -43,6 +45,30 @@ def test_freeze_collects_the_garbage_first_and_freezes_what_lives(unfrozen: None
     assert not any(o is alive for o in gc.get_objects())
     young = Node()
     assert any(o is young for o in gc.get_objects())
+
+
+@pytest.mark.parametrize("at_freeze", [True, False])
+def test_the_frozen_objects_are_counted_once_not_at_every_scrape(
+    unfrozen: None, monkeypatch: pytest.MonkeyPatch, at_freeze: bool
+) -> None:
+    """`gc.get_freeze_count()` walks every frozen object (~40 ms for a
+    service's heap): the metrics' gauge reads a number counted once, not
+    at every scrape."""
+    walks = []
+    real = gc.get_freeze_count
+    monkeypatch.setattr(gc, "get_freeze_count", lambda: walks.append(1) or real())
+    gcheap.freeze(count=at_freeze)
+    assert len(walks) == (1 if at_freeze else 0)
+    metrics = ServiceMetrics("tokenizer")
+    scrapes = [generate_latest(metrics.registry).decode() for _ in range(5)]
+    line = f"mmsplit_tokenizer_gc_frozen_objects {float(real())}"
+    assert all(line in text.splitlines() for text in scrapes), line
+    assert real() > 1000
+    assert len(walks) == 1, "walked the frozen objects again"
+    gc.unfreeze()
+    gcheap.freeze()  # a new freeze: counted afresh when asked
+    assert gcheap.frozen_objects() == real()
+    assert len(walks) == 2
 
 
 def test_pauses_count_collections_by_generation() -> None:
