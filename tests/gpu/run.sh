@@ -9,7 +9,10 @@
 # profile; and, only when named, cudnn (the engine benchmark again with
 # --cudnn-attention, torch's own choice of attention kernel, to compare).
 # All of them may take ~8-10 minutes, near a lent machine's limit of one
-# command: a session with little device time left should pick.
+# command (10 minutes), and a task is now lent 15 minutes of device time in
+# all, the machine's start (minutes) included: a first run should pick, e.g.
+# PARTS="checks handoff" (~2-3 minutes at the first H200 run), then the
+# benchmarks with what is left.
 #
 # Needs: python3 with torch (CUDA build) and transformers' dependencies; the
 # Python packages this project pins that such a machine may lack, as wheels
