@@ -11,7 +11,7 @@
 # All of them may take ~8-10 minutes, near a lent machine's limit of one
 # command (10 minutes), and a task is now lent 15 minutes of device time in
 # all, the machine's start (minutes) included: a first run should pick, e.g.
-# PARTS="checks handoff" (~2-3 minutes at the first H200 run), then the
+# PARTS="checks handoff" (the checks took 99 s on an H200, 2026-12-04), then the
 # benchmarks with what is left.
 #
 # Needs: python3 with torch (CUDA build) and transformers' dependencies; the
