@@ -33,8 +33,9 @@ reported. The engine arms run the scheduler's `Engine` in this process (a
 group of one, no services, the HF arms' ids and pixels): they separate the
 engine's own speed from what the services add around it. Also printed: time to
 first token and inter-token gaps (p50/p99) at N concurrent, the CPU seconds
-each part of the system used at N concurrent, and how many requests' tokens
-equal HF serial's.
+each part of the system used at N concurrent (against what the cores give,
+and what HF batch's `generate` used), and how many requests' tokens equal
+HF serial's.
 
     python bench/engine.py [--models tiny,8x512] [--tp 1,2] [--n 32] [--tokens 32] [--rounds 3]
                            [--device cuda --dtype bfloat16]
@@ -44,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import shlex
 import statistics
 import sys
@@ -127,6 +129,8 @@ class HfArms:
         self.batch_pixels = torch.cat(self.pixels)
         self.serial_tokens = [self._one(0)]  # warm up
         self._batch(2)
+        # CPU seconds this process used in each timed batch `generate` (every thread).
+        self.batch_cpu: list[float] = []
 
     def _one(self, i: int) -> list[int]:
         torch = self.torch
@@ -149,8 +153,9 @@ class HfArms:
         return self.total / (time.perf_counter() - start)
 
     def batch(self) -> float:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         self._batch(len(self.ids))
+        self.batch_cpu.append(time.process_time() - cpu)
         return self.total / (time.perf_counter() - start)
 
     def with_prep(self, tps: float) -> float:
@@ -257,6 +262,25 @@ class Rounds:
         return runs[len(runs) // 2]
 
 
+def cpu_budget(run: ServiceRun, hf_cpu: float, hf_wall: float, n: int) -> str:
+    """Where the CPU of the median run at `n` concurrent went, against the
+    cores this process may use, and what HF batch's `generate` spends.
+    The last figure is an estimate, not a measurement: c=n / HF batch if the
+    scheduler were as fast as HF batch and what the other parts spend came
+    from the same cores (the tokenizer, its workers and the clients are
+    work the HF arm does not do; on a host with spare cores they overlap)."""
+    cores = len(os.sched_getaffinity(0))
+    total = sum(run.cpu.values())
+    rest = total - run.cpu["scheduler"]
+    return (
+        f"CPU at {n} concurrent: {total:.2f} CPU-s in {run.wall_s:.2f} s on {cores} cores "
+        f"({total / (cores * run.wall_s):.0%} of what they give); the scheduler {run.cpu['scheduler']:.2f} against "
+        f"HF batch's generate {hf_cpu:.2f} CPU-s in {hf_wall:.2f} s; the other parts {rest:.2f} CPU-s "
+        f"({rest / cores:.2f} s of all {cores} cores): with the scheduler at HF batch's speed and those on the "
+        f"same cores, c={n} / HF batch would be {hf_wall / (hf_wall + rest / cores):.2f}"
+    )
+
+
 def measure(hf: HfArms, engine: EngineArms | None, pair: Pair, items: list[Prompt], tokens: int, rounds: int) -> Rounds:
     batches = itertools.count(1)
 
@@ -361,6 +385,7 @@ def main() -> None:
                 print(f"  cache hits over the timed services runs (new images in each): {hits}", flush=True)
                 parts = ", ".join(f"{part} {seconds:.2f}" for part, seconds in full.cpu.items())
                 print(f"  CPU seconds at {n} concurrent, {full.wall_s:.2f} s of wall time: {parts}", flush=True)
+                print(f"  {cpu_budget(full, statistics.median(hf.batch_cpu), hf.total / batch, n)}", flush=True)
                 gaps = [g for t in full.timelines for g in t.gaps]
                 ttft = [t.ttft for t in full.timelines]
                 rows.append(

@@ -32,6 +32,13 @@ def test_engine_benchmark_prints_every_ratio(models: Path) -> None:
     row = [line for line in result.stdout.splitlines() if line.startswith("tiny ")][-1]  # the table's
     assert row.split()[-1] == "4/4", "the services' greedy tokens equal HF's"
     assert "CPU seconds at 4 concurrent" in result.stdout
+    assert re.search(
+        r"^  CPU at 4 concurrent: [\d.]+ CPU-s in [\d.]+ s on \d+ cores \(\d+% of what they give\); the scheduler "
+        r"[\d.]+ against HF batch's generate [\d.]+ CPU-s in [\d.]+ s; "
+        r"the other parts [\d.]+ CPU-s .* would be [\d.]+$",
+        result.stdout,
+        re.M,
+    ), result.stdout
     assert re.search(r"^  c=4 / HF batch round by round: [\d.]+ \(median [\d.]+;", result.stdout, re.M), result.stdout
     # Every services run sends new images: no cache spares the services work the HF arms do.
     assert "cache hits over the timed services runs (new images in each): preprocess 0, encoder 0, prefix 0" in (
