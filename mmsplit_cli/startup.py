@@ -5,6 +5,9 @@ and says what to do, and the service exits 2 without a traceback.
 - `--model` is a local directory holding a config.json of a supported
   family; a Hugging Face Hub id is refused with how to download it (the
   services load local checkpoints only: no hub access is assumed);
+- the TP size divides the text model's attention and key-value heads
+  (transformers' tensor parallelism gives each rank whole heads: any other
+  size fails inside the model's first forward, on every rank);
 - the ports the service will bind are free (found before minutes of loading,
   not after).
 """
@@ -50,6 +53,30 @@ def model_problem(model: Path) -> str:
     return ""
 
 
+def tp_problem(model: Path, tp: int, flag: str = "--tp") -> str:
+    """Whether a group of `tp` ranks can shard the model at `model` (empty
+    when it can, or when its config has no head counts to check): each rank
+    takes whole attention heads and whole key-value heads."""
+    if tp <= 1:
+        return ""
+    try:
+        config = json.loads((model / "config.json").read_text())
+    except (OSError, ValueError):
+        return ""  # model_problem says what is wrong with it
+    text = config.get("text_config") or config  # Qwen2-VL's older configs keep it at the top level
+    heads = text.get("num_attention_heads") if isinstance(text, dict) else None
+    if not isinstance(heads, int) or heads < 1:
+        return ""
+    kv_heads = text.get("num_key_value_heads") or heads
+    if heads % tp == 0 and kv_heads % tp == 0:
+        return ""
+    sizes = [n for n in range(1, max(heads, kv_heads) + 1) if heads % n == 0 and kv_heads % n == 0]
+    return (
+        f"{flag} {tp}: the text model has {heads} attention heads and {kv_heads} key-value heads, and each rank "
+        f"takes whole heads of both: pick a TP size that divides both ({', '.join(map(str, sizes))})"
+    )
+
+
 def port_problem(host: str, port: int, flag: str) -> str:
     """Whether `host:port` can be bound now (empty when it can, or port 0)."""
     if not port:
@@ -64,6 +91,11 @@ def port_problem(host: str, port: int, flag: str) -> str:
     return ""
 
 
-def first_problem(model: Path, ports: list[tuple[str, int, str]]) -> str:
-    """The first problem of the model directory and the (host, port, flag) ports."""
-    return model_problem(model) or next((p for h, port, f in ports if (p := port_problem(h, port, f))), "")
+def first_problem(model: Path, ports: list[tuple[str, int, str]], tp: tuple[int, str] = (1, "--tp")) -> str:
+    """The first problem of the model directory, the group's size (its
+    ranks, and the setting that gave it) and the (host, port, flag) ports."""
+    return (
+        model_problem(model)
+        or tp_problem(model, *tp)
+        or next((p for h, port, f in ports if (p := port_problem(h, port, f))), "")
+    )

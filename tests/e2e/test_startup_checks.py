@@ -92,6 +92,61 @@ def test_a_port_in_use_is_one_line_before_the_model_loads(
     ]
 
 
+@pytest.mark.parametrize(
+    ("service", "extra", "env", "setting"),
+    [
+        ("scheduler", ["--tp", "3", "--port", "0"], {}, "--tp 3"),
+        ("scheduler", ["--launch", "env", "--port", "0"], {"WORLD_SIZE": "4"}, "WORLD_SIZE 4"),
+        ("serve", ["--tp", "3", "--port", "0", "--http-port", "0"], {}, "--tp 3"),
+    ],
+)
+def test_a_tp_size_that_splits_a_head_is_one_line_before_anything_loads(
+    service: str,
+    extra: list[str],
+    env: dict[str, str],
+    setting: str,
+    chat_models: Callable[[str], Path],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """transformers' TP gives each rank whole attention and key-value heads:
+    any other size used to load the model on every rank, then fail in the
+    first forward with a view's shape error from each of them."""
+    model = chat_models("qwen2-vl")
+    config = json.loads((model / "config.json").read_text())
+    text = config.get("text_config") or config
+    heads, kv_heads = text["num_attention_heads"], text["num_key_value_heads"]
+    assert (heads, kv_heads) == (4, 2), "the tiny models' heads: the sizes below are chosen for them"
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    code, lines, took = start(service, str(model), *extra)
+    assert code == 2, lines
+    assert lines == [
+        f"mmsplit {service}: {setting}: the text model has 4 attention heads and 2 key-value heads, and each rank "
+        "takes whole heads of both: pick a TP size that divides both (1, 2)"
+    ]
+    assert took < 30, f"{service} took {took:.1f}s to refuse {setting}: it loaded something"
+
+
+def test_tp_sizes_are_checked_against_both_head_counts(tmp_path: Path) -> None:
+    from mmsplit_cli.startup import tp_problem
+
+    def problem(config: dict[str, object], tp: int) -> str:
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        return tp_problem(tmp_path, tp)
+
+    llava = {"model_type": "llava", "text_config": {"num_attention_heads": 32, "num_key_value_heads": 8}}
+    assert [tp for tp in range(1, 10) if not problem(llava, tp)] == [1, 2, 4, 8]
+    assert "(1, 2, 4, 8)" in problem(llava, 16)
+    # Qwen2-VL's older configs keep the text model's fields at the top level.
+    qwen = {"model_type": "qwen2_vl", "num_attention_heads": 28, "num_key_value_heads": 4}
+    assert [tp for tp in range(1, 10) if not problem(qwen, tp)] == [1, 2, 4]
+    # No num_key_value_heads: as many as the attention heads.
+    mha = {"model_type": "llava", "text_config": {"num_attention_heads": 12}}
+    assert [tp for tp in range(1, 13) if not problem(mha, tp)] == [1, 2, 3, 4, 6, 12]
+    # Nothing to check against: the load says what it says.
+    assert problem({"model_type": "llava", "text_config": {}}, 3) == ""
+
+
 def test_a_tokenizer_waiting_for_its_scheduler_says_so_at_once(tiny_model: Path, tmp_path: Path) -> None:
     from mmsplit_cli.launch import ServiceProcess, tokenizer_args
 
