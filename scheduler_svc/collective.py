@@ -128,6 +128,31 @@ def model_device(setting: str) -> torch.device:
     return torch.device("cuda" if _uses_cuda(setting) else "cpu")
 
 
+def cuda_problem(setting: str, tp: int, *, local: bool) -> str:
+    """What keeps `--device` from running the group on CUDA here (empty
+    when nothing does, or when it runs on the CPU): no GPU visible to this
+    process, or a local group with more ranks than visible GPUs (NCCL
+    refuses two ranks on one GPU). Call only where CUDA may be used (the
+    ranks are spawned, never forks of this process)."""
+    if not _uses_cuda(setting):
+        return ""
+    count = torch.cuda.device_count()
+    if count == 0:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        shown = "CUDA_VISIBLE_DEVICES unset" if visible is None else f"CUDA_VISIBLE_DEVICES={visible!r}"
+        built = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+        return (
+            f"--device cuda: this process sees no CUDA device ({shown}; torch {torch.__version__}, {built}): "
+            "give it a GPU, or use --device cpu"
+        )
+    if local and tp > count:
+        return (
+            f"--tp {tp}: a group on CUDA takes one GPU a rank (NCCL refuses two ranks on one GPU), and this "
+            f"process sees {count}: use --tp {count} or fewer here, or --launch env with a GPU per pod"
+        )
+    return ""
+
+
 def pick_device(setting: str) -> torch.device:
     """This rank's device; call after `init_group`."""
     if not _uses_cuda(setting):

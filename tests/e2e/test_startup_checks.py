@@ -127,6 +127,19 @@ def test_a_tp_size_that_splits_a_head_is_one_line_before_anything_loads(
     assert took < 30, f"{service} took {took:.1f}s to refuse {setting}: it loaded something"
 
 
+def test_cuda_asked_of_a_host_without_a_gpu_is_one_line_before_the_model_loads(
+    chat_models: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It was a ZeroDivisionError's traceback (the rank's GPU is its rank
+    modulo the GPUs torch sees), after the group's rendezvous."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # no GPU, on a host with GPUs too
+    code, lines, took = start("scheduler", str(chat_models("llava")), "--device", "cuda", "--port", "0")
+    assert code == 2, lines
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("mmsplit scheduler: --device cuda: this process sees no CUDA device"), lines
+    assert took < 30, f"took {took:.1f}s to refuse: it loaded something"
+
+
 def test_tp_sizes_are_checked_against_both_head_counts(tmp_path: Path) -> None:
     from mmsplit_cli.startup import tp_problem
 
