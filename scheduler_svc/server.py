@@ -411,6 +411,18 @@ def kv_budget(settings: SchedulerSettings, info: ModelInfo, itemsize: int) -> in
     return settings.kv_cache_bytes // per_token
 
 
+def budget_shortfall(settings: SchedulerSettings, budget: int, max_context: int) -> str:
+    """What a KV budget below the model's context means, said with the
+    setting to raise; "" when a request of the whole context fits."""
+    if budget >= max_context:
+        return ""
+    flag = "--kv-budget-tokens" if settings.kv_budget_tokens else "--kv-cache-bytes"
+    return (
+        f"the KV budget ({budget} tokens) is less than the model's context ({max_context}): every request whose "
+        f"prompt and max_tokens need more is refused (INVALID_REQUEST); raise {flag} to serve the whole context"
+    )
+
+
 async def _watch_steps(step_loop: StepLoop, timeout_s: float, fatal: asyncio.Event) -> None:
     """Fail the group when one step makes no progress for `timeout_s` — a
     wedged read, forward or collective that nothing else would notice at
@@ -538,6 +550,8 @@ async def _serve_published(
         "configured" if settings.kv_budget_tokens else f"{settings.kv_cache_bytes} bytes per rank",
         settings.max_prefill_tokens,
     )
+    if short := budget_shortfall(settings, budget, info.max_context):
+        log.warning("%s", short)
     await health.set_ready(True)
 
     if ranks is not None:

@@ -1,5 +1,7 @@
 """`ranks.memory_shortfall`: a scheduler whose KV budget and caches may
-outgrow its device says so at start, naming the flags to lower."""
+outgrow its device says so at start, naming the flags to lower; and
+`server.budget_shortfall`: one whose KV budget cannot hold the model's
+context says so too, naming the flag to raise."""
 
 from __future__ import annotations
 
@@ -44,3 +46,18 @@ def test_a_budget_in_tokens_counts_as_the_bytes_it_takes() -> None:
     assert memory_shortfall(s, info(), 2, free_bytes=2 * GIB) == ""
     said = memory_shortfall(s, info(), 2, free_bytes=GIB)
     assert said.startswith("--kv-budget-tokens 2.00 GiB = 2.00 GiB"), said
+
+
+def test_a_kv_budget_below_the_context_is_said_at_start_with_the_setting_to_raise() -> None:
+    from scheduler_svc.server import budget_shortfall, kv_budget
+
+    small = settings(kv_cache_bytes=100_000)  # 4 layers x 2 x 8 heads x 64 x 2 bytes = 8 KiB a token: 12 tokens
+    budget = kv_budget(small, info(), 2)
+    assert budget == 12
+    said = budget_shortfall(small, budget, info().max_context)
+    assert said == (
+        "the KV budget (12 tokens) is less than the model's context (4096): every request whose prompt and "
+        "max_tokens need more is refused (INVALID_REQUEST); raise --kv-cache-bytes to serve the whole context"
+    )
+    assert "raise --kv-budget-tokens" in budget_shortfall(settings(kv_budget_tokens=100), 100, 4096)
+    assert budget_shortfall(settings(), kv_budget(settings(), info(), 2), info().max_context) == ""
