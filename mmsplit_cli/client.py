@@ -159,6 +159,7 @@ def generate_command(args: argparse.Namespace) -> int:
         "video_max_frames": args.video_max_frames,
         "truncate_prompt_tokens": args.truncate_prompt_tokens,
     }
+    midline = False  # text printed since the last line's end
     with client:
         try:
             if args.tokenize:
@@ -216,6 +217,7 @@ def generate_command(args: argparse.Namespace) -> int:
                         print(json.dumps(_event_json(event)), flush=True)
                     else:
                         print(event.text, end="", flush=True)
+                        midline = bool(event.text) and not event.text.endswith("\n")
                 if not args.json:
                     print()
             except BrokenPipeError:  # `| head` has read what it wanted: not an error
@@ -226,7 +228,15 @@ def generate_command(args: argparse.Namespace) -> int:
             if args.json:
                 print(json.dumps({"request_id": exc.request_id, "error": error}), flush=True)
             else:
-                print(f"\nerror: {exc.grpc_code} {exc.reason}: {exc.message}", file=sys.stderr)
+                if midline:  # the error on a line of its own
+                    print(flush=True)
+                # A typed error names its reason; one without (the transport's) names the server.
+                what = (
+                    f"{args.server}: {exc.grpc_code}"
+                    if exc.reason == exc.grpc_code
+                    else f"{exc.reason} ({exc.grpc_code})"
+                )
+                print(f"mmsplit generate: {what}: {exc.message}", file=sys.stderr)
             return 2
     return 0
 

@@ -162,6 +162,14 @@ def _conformance(args: argparse.Namespace) -> int:
 def _tiny_model(args: argparse.Namespace) -> int:
     from mmsplit_cli.tiny_model import build
 
+    if args.dir.exists() and (not args.dir.is_dir() or any(args.dir.iterdir())):
+        held = "is a file" if not args.dir.is_dir() else "is not empty"
+        print(
+            f"mmsplit tiny-model: {args.dir} {held}: give a new or empty directory (the tiny model's config, "
+            "weights and tokenizer would overwrite what is there, a real checkpoint's included)",
+            file=sys.stderr,
+        )
+        return 2
     setup_logging("INFO")
     build(
         args.dir,

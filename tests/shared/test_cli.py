@@ -45,6 +45,34 @@ def test_version_and_user_mistakes_in_generate(tmp_path: Path) -> None:
         assert "Traceback" not in done.stderr, (argv, done.stderr)
 
 
+def test_no_server_at_the_address_is_one_line_naming_it() -> None:
+    done = run("generate", "--server", "127.0.0.1:9", "hi")
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("mmsplit generate: 127.0.0.1:9: UNAVAILABLE: "), lines
+
+
+def test_tiny_model_never_writes_over_a_directory_that_holds_something(tmp_path: Path) -> None:
+    """Its files (config.json, model.safetensors, the tokenizer's) would
+    overwrite a checkpoint's of the same names and leave the rest: a real
+    checkpoint given by mistake would be ruined."""
+    checkpoint = tmp_path / "checkpoint"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text('{"model_type": "llava"}')
+    a_file = tmp_path / "a-file"
+    a_file.write_text("mine")
+    for target, held in ((checkpoint, "is not empty"), (a_file, "is a file")):
+        done = run("tiny-model", str(target))
+        assert done.returncode == 2, done.stderr
+        assert done.stderr.startswith(f"mmsplit tiny-model: {target} {held}: give a new or empty directory"), (
+            done.stderr
+        )
+    assert [p.name for p in checkpoint.iterdir()] == ["config.json"]
+    assert (checkpoint / "config.json").read_text() == '{"model_type": "llava"}'
+    assert a_file.read_text() == "mine"
+
+
 def _settings(cls: type, command: str, *argv: str) -> object:
     p = argparse.ArgumentParser()
     add_settings_arguments(p, cls, command)
