@@ -44,15 +44,6 @@ def _scheduler(args: argparse.Namespace) -> NoReturn:
     # inherit the open-file limit.
     raise_fd_limit()
     ranks = group.start_early(settings)
-    if not group.forkable(settings):  # CUDA may be used: the ranks are spawned, never forks of this process
-        from scheduler_svc.collective import cuda_problem
-
-        problem = cuda_problem(settings.device, settings.tp, local=settings.launch == "local")
-        if problem:
-            if ranks is not None:
-                ranks.terminate()
-            print(f"mmsplit scheduler: {problem}", file=sys.stderr)
-            raise SystemExit(2)
     from scheduler_svc.server import run
 
     # Stopped in order: out without the interpreter's teardown, which every

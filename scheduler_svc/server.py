@@ -45,10 +45,10 @@ from mmsplit_server.serving import (
     run_service,
     serving_on,
 )
-from scheduler_svc.collective import model_device
+from scheduler_svc.collective import cuda_problem, model_device
 from scheduler_svc.errors import SchedulerUnavailable
 from scheduler_svc.frontend import Frontend
-from scheduler_svc.group import LocalRanks, start_late
+from scheduler_svc.group import LocalRanks, forkable, start_late
 from scheduler_svc.loop import StepLoop
 from scheduler_svc.model import ModelInfo, model_dtype, model_info
 from scheduler_svc.multiplex import StreamCall, serve
@@ -273,6 +273,9 @@ def run(settings: SchedulerSettings, ranks: LocalRanks | None = None) -> int:
     and rank 0's exit for them (multiprocessing joins its children)."""
     try:
         security, local = _security(settings)
+        local_group = settings.launch == "local"
+        if not forkable(settings) and (problem := cuda_problem(settings.device, settings.tp, local=local_group)):
+            raise SystemExit(f"mmsplit scheduler: {problem}")  # before the group forms and loads the model
         if settings.launch == "env":
             adopt_leaderworkerset_env(os.environ)
             boot = bootstrap(settings, None)

@@ -1,6 +1,6 @@
 """The scheduler's start-up check of CUDA (`collective.cuda_problem`): a
-group asked to run on CUDA where it cannot is one line before the model
-loads, not a ZeroDivisionError (no GPU: the rank's device was `rank %
+group asked to run on CUDA where it cannot is one line before the group
+forms and the model loads, not a ZeroDivisionError (no GPU: the rank's device was `rank %
 device_count()`) or NCCL's refusal of two ranks on one GPU after the load."""
 
 from __future__ import annotations
