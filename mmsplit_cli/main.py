@@ -35,7 +35,9 @@ def _scheduler(args: argparse.Namespace) -> NoReturn:
     # port is one line now, not a traceback minutes from now. (Ranks other
     # than 0 of an env-launched group bind nothing.)
     ports = [(settings.host, settings.port, "--port")] if settings.launch == "local" else []
-    _refuse_start("scheduler", settings.model_dir, [*ports, _metrics_port(settings)], _group_size(settings))
+    _refuse_start(
+        "scheduler", settings.model_dir, [*ports, _metrics_port(settings)], _group_size(settings), weights=True
+    )
     setup_logging(settings.log_level, settings.log_format)
     # Ranks 1..N-1 that must be spawned (CUDA) import torch and transformers
     # while this process does the same (below), instead of after: ~2.5 s
@@ -95,11 +97,16 @@ def _group_size(settings: Any) -> tuple[int, str]:
 
 
 def _refuse_start(
-    service: str, model: Path, ports: list[tuple[str, int, str]], group: tuple[int, str] = (1, "--tp")
+    service: str,
+    model: Path,
+    ports: list[tuple[str, int, str]],
+    group: tuple[int, str] = (1, "--tp"),
+    *,
+    weights: bool = False,
 ) -> None:
     from mmsplit_cli.startup import first_problem
 
-    problem = first_problem(model, ports, group)
+    problem = first_problem(model, ports, group, weights=weights)
     if problem:
         print(f"mmsplit {service}: {problem}", file=sys.stderr)
         raise SystemExit(2)

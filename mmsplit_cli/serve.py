@@ -123,7 +123,7 @@ def _precheck(args: argparse.Namespace) -> str:
     if args.tp < 1:
         return "--tp must be at least 1"
     ports = [(args.host, args.port, "--port"), (args.host, args.http_port, "--http-port")]
-    return first_problem(args.model, ports, (args.tp, "--tp"))
+    return first_problem(args.model, ports, (args.tp, "--tp"), weights=True)
 
 
 def _wait_serving(started: list[ServiceProcess], stopping: threading.Event) -> bool:

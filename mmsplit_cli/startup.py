@@ -5,6 +5,7 @@ and says what to do, and the service exits 2 without a traceback.
 - `--model` is a local directory holding a config.json of a supported
   family; a Hugging Face Hub id is refused with how to download it (the
   services load local checkpoints only: no hub access is assumed);
+- a scheduler's `--model` holds weights (a tokenizer needs none);
 - the TP size divides the text model's attention and key-value heads
   (transformers' tensor parallelism gives each rank whole heads: any other
   size fails inside the model's first forward, on every rank);
@@ -53,6 +54,17 @@ def model_problem(model: Path) -> str:
     return ""
 
 
+def weights_problem(model: Path) -> str:
+    """Whether `model` holds weights transformers can load (empty when it
+    does): the scheduler loads them; a tokenizer needs none."""
+    if any(model.glob("*.safetensors")) or any(model.glob("pytorch_model*.bin")):
+        return ""
+    return (
+        f"--model {model}: no weights in it (no *.safetensors, no pytorch_model*.bin): a download of the "
+        "configuration and tokenizer only? The scheduler needs the checkpoint's weights"
+    )
+
+
 def tp_problem(model: Path, tp: int, flag: str = "--tp") -> str:
     """Whether a group of `tp` ranks can shard the model at `model` (empty
     when it can, or when its config has no head counts to check): each rank
@@ -91,11 +103,15 @@ def port_problem(host: str, port: int, flag: str) -> str:
     return ""
 
 
-def first_problem(model: Path, ports: list[tuple[str, int, str]], tp: tuple[int, str] = (1, "--tp")) -> str:
-    """The first problem of the model directory, the group's size (its
-    ranks, and the setting that gave it) and the (host, port, flag) ports."""
+def first_problem(
+    model: Path, ports: list[tuple[str, int, str]], tp: tuple[int, str] = (1, "--tp"), *, weights: bool = False
+) -> str:
+    """The first problem of the model directory (with `weights`: its
+    weights too), the group's size (its ranks, and the setting that gave
+    it) and the (host, port, flag) ports."""
     return (
         model_problem(model)
+        or (weights_problem(model) if weights else "")
         or tp_problem(model, *tp)
         or next((p for h, port, f in ports if (p := port_problem(h, port, f))), "")
     )

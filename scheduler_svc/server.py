@@ -276,6 +276,10 @@ def run(settings: SchedulerSettings, ranks: LocalRanks | None = None) -> int:
         local_group = settings.launch == "local"
         if not forkable(settings) and (problem := cuda_problem(settings.device, settings.tp, local=local_group)):
             raise SystemExit(f"mmsplit scheduler: {problem}")  # before the group forms and loads the model
+        try:
+            model_info(settings.model_dir)  # its files (the processor's too) read once here, not on every rank
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"mmsplit scheduler: --model {settings.model_dir}: {exc}") from exc
         if settings.launch == "env":
             adopt_leaderworkerset_env(os.environ)
             boot = bootstrap(settings, None)

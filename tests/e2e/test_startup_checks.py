@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -139,6 +140,34 @@ def test_cuda_asked_of_a_host_without_a_gpu_is_one_line_before_the_model_loads(
     assert len(lines) == 1, lines
     assert lines[0].startswith("mmsplit scheduler: --device cuda: this process sees no CUDA device"), lines
     assert took < 30, f"took {took:.1f}s to refuse: it loaded something"
+
+
+def test_a_checkpoint_missing_its_weights_or_processor_is_one_line(
+    chat_models: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """Half a download: each was a traceback from transformers on every
+    rank, after the group formed (the weights' before anything loads now;
+    the processor's once torch is imported, before the group forms)."""
+    no_weights, no_processor = tmp_path / "no-weights", tmp_path / "no-processor"
+    # Qwen's family reads its processor's configuration (its pixel budget); LLaVA's scheduler needs none.
+    for model, copy, left_out in (
+        (chat_models("llava"), no_weights, ".safetensors"),
+        (chat_models("qwen2-vl"), no_processor, "preprocessor_config.json"),
+    ):
+        copy.mkdir()
+        for f in model.iterdir():
+            if f.is_file() and not f.name.endswith(left_out):
+                shutil.copy(f, copy / f.name)
+    says = "no weights in it (no *.safetensors, no pytorch_model*.bin)"
+    for service, extra in (("scheduler", ["--port", "0"]), ("serve", ["--port", "0", "--http-port", "0"])):
+        code, lines, took = start(service, str(no_weights), *extra)
+        assert code == 2, lines
+        assert len(lines) == 1 and lines[0].startswith(f"mmsplit {service}: --model {no_weights}: {says}"), lines
+        assert took < 30, f"{service} took {took:.1f}s to refuse: it loaded something"
+    code, lines, _ = start("scheduler", str(no_processor), "--port", "0")
+    assert code == 1, lines
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"mmsplit scheduler: --model {no_processor}: Can't load image processor"), lines
 
 
 def test_tp_sizes_are_checked_against_both_head_counts(tmp_path: Path) -> None:
