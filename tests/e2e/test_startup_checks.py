@@ -162,7 +162,8 @@ def test_a_checkpoint_missing_its_weights_or_processor_is_one_line(
     for service, extra in (("scheduler", ["--port", "0"]), ("serve", ["--port", "0", "--http-port", "0"])):
         code, lines, took = start(service, str(no_weights), *extra)
         assert code == 2, lines
-        assert len(lines) == 1 and lines[0].startswith(f"mmsplit {service}: --model {no_weights}: {says}"), lines
+        assert len(lines) == 1, lines
+        assert lines[0].startswith(f"mmsplit {service}: --model {no_weights}: {says}"), lines
         assert took < 30, f"{service} took {took:.1f}s to refuse: it loaded something"
     code, lines, _ = start("scheduler", str(no_processor), "--port", "0")
     assert code == 1, lines
