@@ -122,6 +122,8 @@ def serve_command(args: argparse.Namespace) -> int:
 def _precheck(args: argparse.Namespace) -> str:
     if args.tp < 1:
         return "--tp must be at least 1"
+    if args.port and args.port == args.http_port:
+        return f"--port and --http-port are both {args.port}: give each its own port"
     ports = [(args.host, args.port, "--port"), (args.host, args.http_port, "--http-port")]
     return first_problem(args.model, ports, (args.tp, "--tp"), weights=True)
 

@@ -63,6 +63,21 @@ def keepalive_problems(keepalive_s: float) -> list[str]:
     return []
 
 
+def port_clashes(ports: list[tuple[str, str, int]]) -> list[str]:
+    """Two of a service's servers given one port of one address (the second
+    bind would fail once the first server runs, after the model loaded)."""
+    problems = []
+    first: dict[tuple[str, int], str] = {}
+    for flag, host, port in ports:
+        if not port:
+            continue
+        if (host, port) in first:
+            problems.append(f"{first[host, port]} and {flag} are both {port} on {host}: give each its own port")
+        else:
+            first[host, port] = flag
+    return problems
+
+
 def prefix_problems(prefix: str) -> list[str]:
     """`--shm-prefix` must be a prefix `mmsplit_server.handoff.files` accepts."""
     try:
@@ -159,4 +174,13 @@ class ServiceSettings:
             problems.append("--tls-cert and --tls-key go together")
         if self.tls_client_ca and not self.tls_cert:
             problems.append("--tls-client-ca needs --tls-cert and --tls-key (mutual TLS is TLS first)")
+        problems.extend(port_clashes(self.served_ports()))
         return problems
+
+    def served_ports(self) -> list[tuple[str, str, int]]:
+        """(flag, host, port) of every port this service binds (0: a free one, or off)."""
+        return [
+            ("--port", self.host, self.port),
+            ("--health-port", self.health_host or self.host, self.health_port),
+            ("--metrics-port", self.metrics_host or self.host, self.metrics_port),
+        ]

@@ -233,6 +233,9 @@ class TokenizerSettings(ServiceSettings):
         "", "module imported by each CPU worker: on_worker_start(), on_decoded(image) (tests inject faults with it)"
     )
 
+    def served_ports(self) -> list[tuple[str, str, int]]:
+        return [*super().served_ports(), ("--http-port", self.host, self.http_port)]
+
     def problems(self) -> list[str]:
         problems = super().problems()
         if bool(self.scheduler_tls_cert) != bool(self.scheduler_tls_key):

@@ -45,6 +45,12 @@ def test_version_and_user_mistakes_in_generate(tmp_path: Path) -> None:
         assert "Traceback" not in done.stderr, (argv, done.stderr)
 
 
+def test_serve_refuses_one_port_for_both_apis(tmp_path: Path) -> None:
+    done = run("serve", "--model", str(tmp_path), "--port", "8100", "--http-port", "8100")
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == "mmsplit serve: --port and --http-port are both 8100: give each its own port"
+
+
 def test_no_server_at_the_address_is_one_line_naming_it() -> None:
     done = run("generate", "--server", "127.0.0.1:9", "hi")
     assert done.returncode == 2, done.stderr

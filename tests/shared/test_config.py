@@ -61,6 +61,24 @@ def test_types_and_required() -> None:
         (TokenizerSettings, "tokenizer", ["--shm-prefix", "bad/prefix"], "--shm-prefix: invalid shared-memory prefix"),
         (TokenizerSettings, "tokenizer", ["--keepalive-s", "0.5"], "--keepalive-s must be 0 (off) or at least 1"),
         (SchedulerSettings, "scheduler", ["--keepalive-s", "0.5"], "--keepalive-s must be 0 (off) or at least 1"),
+        (
+            SchedulerSettings,
+            "scheduler",
+            ["--port", "7000", "--metrics-port", "7000"],
+            "--port and --metrics-port are both 7000 on 127.0.0.1: give each its own port",
+        ),
+        (
+            TokenizerSettings,
+            "tokenizer",
+            ["--port", "8000"],  # --http-port's default
+            "--port and --http-port are both 8000 on 127.0.0.1: give each its own port",
+        ),
+        (
+            TokenizerSettings,
+            "tokenizer",
+            ["--health-port", "9000", "--metrics-port", "9000"],
+            "--health-port and --metrics-port are both 9000 on 127.0.0.1",
+        ),
     ],
 )
 def test_settings_out_of_range_stop_the_service_with_a_clear_message(
@@ -70,6 +88,14 @@ def test_settings_out_of_range_stop_the_service_with_a_clear_message(
         parse(cls, command, ["--model", "/m", *argv], {})
     assert str(info.value).startswith(f"mmsplit {command}: ")
     assert says in str(info.value)
+
+
+def test_one_port_on_two_addresses_is_no_clash() -> None:
+    settings = parse(
+        TokenizerSettings, "tokenizer", ["--model", "/m", "--metrics-port", "9000", "--health-port", "9000",
+                                         "--metrics-host", "10.0.0.1"], {},
+    )  # fmt: skip
+    assert (settings.metrics_port, settings.health_port) == (9000, 9000)
 
 
 def test_every_problem_is_listed_at_once() -> None:
