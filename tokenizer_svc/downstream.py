@@ -32,6 +32,7 @@ import socket
 from collections.abc import AsyncGenerator, Collection
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from mmsplit import localauth
 from mmsplit.common.v1 import common_pb2
@@ -147,6 +148,7 @@ class SchedulerLink:
             # certificate names the Service.
             options.append(("grpc.ssl_target_name_override", server_name))
         self.channel = security.channel(target, options)
+        self._probe_options = [o for o in options if o[0] != "grpc.service_config"]  # no health checks
         self._security = security  # its token read as its file changes (rotation)
         self._pairing = pairing.metadata()
         # With no token of ours, a scheduler of this host on loopback is
@@ -154,6 +156,7 @@ class SchedulerLink:
         directory = localauth.runtime_dir(settings.runtime_dir)
         self._local = None if security.token else localauth.LocalToken(target, directory)
         self._denied = False  # the last look was refused UNAUTHENTICATED (said once)
+        self._probed = False  # what fails its health checks was asked what it is (once until it answers)
         self.stub = scheduler_pb2_grpc.SchedulerServiceStub(self.channel)
         self._streamed = StreamedCalls(self.stub, self._metadata)
         self.info: common_pb2.ServerInfo | None = None
@@ -219,9 +222,12 @@ class SchedulerLink:
                     exc.details(),
                 )
             self._denied = denied
+            if exc.code() == grpc.StatusCode.UNAVAILABLE and "unhealthy" in (exc.details() or ""):
+                # Something answers gRPC's health checks there, and not as a serving scheduler.
+                await self._say_what_answers()
             self.info, self.refused = None, ""
             return False
-        self._denied = False
+        self._denied = self._probed = False
         info = reply.info
         if not self._pairs_with(info):
             self.info = None
@@ -237,6 +243,33 @@ class SchedulerLink:
             )
         self.info, self.transport = info, transport
         return True
+
+    async def _say_what_answers(self) -> None:
+        """Log once what a server that fails the channel's health checks is:
+        one whose health service does not know the scheduler's (a tokenizer,
+        another gRPC server: --scheduler names the wrong port), or a
+        scheduler that says NOT_SERVING (starting, draining, its group
+        restarting). Asked once until it answers, over a channel of its own:
+        the link's channel sends nothing to a backend its health checks took
+        out."""
+        if self._probed:
+            return
+        self._probed = True
+        probe = self._security.channel(self.target, self._probe_options)
+        try:
+            await health_pb2_grpc.HealthStub(probe).Check(
+                health_pb2.HealthCheckRequest(service=SCHEDULER_SERVICE), timeout=2.0, metadata=self._metadata()
+            )
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:
+                log.error(
+                    "%s answers, but is not a scheduler (its health service knows no %s): it gets no requests; "
+                    "--scheduler names another server (a tokenizer's port?): give a scheduler's --port",
+                    self.target,
+                    SCHEDULER_SERVICE,
+                )
+        finally:
+            await probe.close()
 
     def _pairs_with(self, info: common_pb2.ServerInfo) -> bool:
         """Whether the scheduler that described itself as `info` serves our

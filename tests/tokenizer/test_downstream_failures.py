@@ -3,14 +3,18 @@ our scheduler's own errors keep their ErrorInfo's code; what gRPC itself
 reports when the connection breaks mid-call is the scheduler being
 unavailable (retriable), INTERNAL "Internal error from Core" included: a
 killed group once surfaced as a non-retriable INTERNAL (the chaos test).
-And which backend a failing request may go to instead (`Schedulers.pick`)."""
+And which backend a failing request may go to instead (`Schedulers.pick`),
+and what the tokenizer says of a server at --scheduler that is none."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from pathlib import Path
 
 import grpc
+import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from mmsplit.errors import E, MmsplitError
 from mmsplit_server.serving import ClientSecurity
@@ -119,3 +123,46 @@ def test_media_fail_over_only_to_a_backend_that_takes_their_rows_as_made(tmp_pat
         RowForm(one_frame=True, dtype="bfloat16"),
         RowForm(dtype="bfloat16"),
     ]
+
+
+def test_a_server_that_is_no_scheduler_is_named_once_and_a_scheduler_not_serving_is_not(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`--scheduler` at another gRPC server (a tokenizer's port, say): its
+    health service does not know the scheduler's, the link's channel finds
+    it unhealthy, and the tokenizer used to say only that it was waiting
+    for a scheduler there. Now one ERROR names what answers, and no other
+    however many looks; a real scheduler that says NOT_SERVING (starting,
+    draining) gets none."""
+
+    async def looks(serving: dict[str, health_pb2.HealthCheckResponse.ServingStatus.ValueType]) -> list[str]:
+        checker = health.aio.HealthServicer()
+        for name, status in serving.items():
+            await checker.set(name, status)
+        server = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(checker, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        link = SchedulerLink(
+            TokenizerSettings(model_dir=tmp_path, runtime_dir=str(tmp_path / "run")),
+            ClientSecurity(),
+            f"127.0.0.1:{port}",
+        )
+        caplog.clear()
+        try:
+            for _ in range(4):
+                assert await link.refresh() is False
+        finally:
+            await link.close()
+            await server.stop(None)
+        return [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+
+    with caplog.at_level(logging.INFO, logger="tokenizer_svc.downstream"):
+        another = asyncio.run(looks({"mmsplit.tokenizer.v1.TokenizerService": health_pb2.HealthCheckResponse.SERVING}))
+        assert len(another) == 1, another
+        assert "answers, but is not a scheduler (its health service knows no mmsplit.scheduler.v1" in another[0]
+        assert "--scheduler names another server" in another[0]
+        starting = asyncio.run(
+            looks({"mmsplit.scheduler.v1.SchedulerService": health_pb2.HealthCheckResponse.NOT_SERVING})
+        )
+        assert starting == []
