@@ -121,6 +121,20 @@ _KINDS: dict[str, type[RequestFailed]] = {
 }
 
 
+def transport_hint(details: str) -> str:
+    """What a failed connection's details most likely mean, for a person
+    ("" when nothing more can be said): an HTTP/1 server answered (the
+    OpenAI API's port given for the gRPC one), or nothing listens."""
+    if "http1.x server" in details or "Failed parsing HTTP/2" in details:
+        return (
+            " (a server that does not speak gRPC's HTTP/2 answered there, such as the OpenAI API's port: "
+            "give the gRPC port, 50052 by default)"
+        )
+    if "Connection refused" in details:
+        return " (nothing listens there: is the service running, and is this its gRPC port?)"
+    return ""
+
+
 def decode_error(exc: grpc.RpcError) -> RequestFailed:
     """The typed error of a failed call (its ErrorInfo, else its gRPC code)."""
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN

@@ -42,6 +42,7 @@ import argparse
 import json
 import math
 import struct
+import sys
 import time
 import uuid
 import zlib
@@ -62,7 +63,7 @@ except ImportError as exc:  # the light client without its extra
 
 from mmsplit import localauth
 from mmsplit.checks import SCHEMA, Failed, Result, Skipped, expect, expect_a_document_of_the_schema, run_check, table
-from mmsplit.client import read_secret
+from mmsplit.client import read_secret, transport_hint
 from mmsplit.common.v1 import common_pb2
 from mmsplit.errors import DOMAIN, TABLE, error_info_of, reason_of
 from mmsplit.pairing import Pairing
@@ -166,6 +167,25 @@ class Kit:
             channel = grpc.insecure_channel(target, options=channel_options)
         self._channels.append(channel)
         return channel
+
+    def unreachable(self) -> str:
+        """Why the servers cannot be reached at all ("" when each answers
+        its health service, whatever it says): every check would fail with
+        the same transport error, so the command says it once instead."""
+        targets = [("--tokenizer", self.options.tokenizer, self.tokenizer)]
+        if self.scheduler is not None:
+            targets.append(("--scheduler", self.options.scheduler, self.scheduler))
+        for flag, target, channel in targets:
+            try:
+                health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(), timeout=self.options.timeout_s
+                )
+            except grpc.RpcError as exc:
+                if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):  # type: ignore[attr-defined]
+                    details = exc.details() or ""  # type: ignore[attr-defined]
+                    code = exc.code().name  # type: ignore[attr-defined]
+                    return f"{flag} {target}: cannot be reached: {code}: {details}{transport_hint(details)}"
+        return ""
 
     def close(self) -> None:
         for channel in self._channels:
@@ -771,6 +791,10 @@ def run_command(args: argparse.Namespace) -> int:
     )
     kit = Kit(options)
     try:
+        unreachable = kit.unreachable()
+        if unreachable:
+            print(f"mmsplit conformance: {unreachable}", file=sys.stderr)
+            return 2
         results = kit.all()
     finally:
         kit.close()

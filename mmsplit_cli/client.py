@@ -25,6 +25,7 @@ from mmsplit.client import (
     RequestFailed,
     VideoPart,
     build_request,
+    transport_hint,
 )
 from mmsplit.common.v1 import common_pb2
 from mmsplit.errors import RemoteError
@@ -236,7 +237,8 @@ def generate_command(args: argparse.Namespace) -> int:
                     if exc.reason == exc.grpc_code
                     else f"{exc.reason} ({exc.grpc_code})"
                 )
-                print(f"mmsplit generate: {what}: {exc.message}", file=sys.stderr)
+                hint = transport_hint(exc.message) if exc.reason == exc.grpc_code else ""
+                print(f"mmsplit generate: {what}: {exc.message}{hint}", file=sys.stderr)
             return 2
     return 0
 
@@ -304,7 +306,9 @@ def info_command(args: argparse.Namespace) -> int:
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.UNIMPLEMENTED:  # type: ignore[attr-defined]
                     continue
-                print(f"mmsplit info: {args.server}: {exc.code().name}: {exc.details()}", file=sys.stderr)  # type: ignore[attr-defined]
+                details = exc.details() or ""  # type: ignore[attr-defined]
+                said = f"{exc.code().name}: {details}{transport_hint(details)}"  # type: ignore[attr-defined]
+                print(f"mmsplit info: {args.server}: {said}", file=sys.stderr)
                 return 1
             print(MessageToJson(reply, indent=2))
             return 0
@@ -320,6 +324,7 @@ def health_command(args: argparse.Namespace) -> int:
     from mmsplit_cli.launch import SCHEDULER_SERVICE, TOKENIZER_SERVICE
 
     statuses: dict[str, str] = {}
+    failed = ""  # what the connection's failure means, when it failed
     with grpc.insecure_channel(args.server) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         for service in ("", TOKENIZER_SERVICE, SCHEDULER_SERVICE):
@@ -330,6 +335,9 @@ def health_command(args: argparse.Namespace) -> int:
                 if exc.code() == grpc.StatusCode.NOT_FOUND:  # type: ignore[attr-defined]
                     continue  # not this server's service
                 statuses[service] = exc.code().name  # type: ignore[attr-defined]
+                failed = failed or transport_hint(exc.details() or "")  # type: ignore[attr-defined]
     for service, status in statuses.items():
         print(f"{service or '(live)'}: {status}")
+    if failed:
+        print(f"mmsplit health: {args.server}: {failed.strip(' ()')}", file=sys.stderr)
     return 0 if statuses and all(s == "SERVING" for s in statuses.values()) else 1

@@ -51,12 +51,47 @@ def test_serve_refuses_one_port_for_both_apis(tmp_path: Path) -> None:
     assert done.stderr.strip() == "mmsplit serve: --port and --http-port are both 8100: give each its own port"
 
 
-def test_no_server_at_the_address_is_one_line_naming_it() -> None:
-    done = run("generate", "--server", "127.0.0.1:9", "hi")
+def test_no_server_at_the_address_is_one_line_naming_it_and_what_it_means() -> None:
+    nothing = "(nothing listens there: is the service running, and is this its gRPC port?)"
+    for argv, code, starts in (
+        (("generate", "--server", "127.0.0.1:9", "hi"), 2, "mmsplit generate: 127.0.0.1:9: UNAVAILABLE: "),
+        (("info", "--server", "127.0.0.1:9"), 1, "mmsplit info: 127.0.0.1:9: UNAVAILABLE: "),
+        # Every check would fail alike: said once, before any.
+        (
+            ("conformance", "--tokenizer", "127.0.0.1:9"),
+            2,
+            "mmsplit conformance: --tokenizer 127.0.0.1:9: cannot be reached: ",
+        ),
+    ):
+        done = run(*argv)
+        assert done.returncode == code, (argv, done.stderr)
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1, lines
+        assert lines[0].startswith(starts), lines
+        assert lines[0].endswith(nothing), lines
+    done = run("health", "--server", "127.0.0.1:9")
+    assert done.returncode == 1
+    assert done.stderr.strip() == f"mmsplit health: 127.0.0.1:9: {nothing.strip('()')}", done.stderr
+
+
+def test_an_http_port_given_for_the_grpc_one_is_named(tmp_path: Path) -> None:
+    """The OpenAI API's port given where the gRPC one belongs: gRPC's own
+    words ("Failed parsing HTTP/2") and what they mean."""
+    import http.server
+    import threading
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        done = run("generate", "--server", f"127.0.0.1:{server.server_port}", "hi")
+    finally:
+        server.shutdown()
+        server.server_close()
     assert done.returncode == 2, done.stderr
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1, lines
-    assert lines[0].startswith("mmsplit generate: 127.0.0.1:9: UNAVAILABLE: "), lines
+    assert done.stderr.strip().endswith(
+        "(a server that does not speak gRPC's HTTP/2 answered there, such as the OpenAI API's port: "
+        "give the gRPC port, 50052 by default)"
+    ), done.stderr
 
 
 def test_tiny_model_never_writes_over_a_directory_that_holds_something(tmp_path: Path) -> None:
