@@ -97,8 +97,11 @@ class HttpApi:
         tool_parser: str = "none",
         store: ResponseStore | None = None,
         trusted_proxies: Sequence[IpNetwork] = (),
+        cors_origins: Sequence[str] = (),
     ) -> None:
         self.service = service
+        # --cors-allow-origins: pages of these origins may call from a browser ("*": any).
+        self.cors_origins = frozenset(cors_origins)
         # --forwarded-allow-ips: proxies whose X-Forwarded-For names the client.
         self.trusted_proxies = tuple(trusted_proxies)
         # The Responses API's stored responses (--responses-store-bytes; off without one).
@@ -154,7 +157,8 @@ class HttpApi:
             self._refusals_said = self.refused_connections
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._errors])
+        app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._preflight, self._errors])
+        app.on_response_prepare.append(self._cors_headers)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/responses", self.responses_api)
@@ -171,6 +175,43 @@ class HttpApi:
         app.router.add_post("/ping", self.health)
         app.router.add_get("/version", self.version)
         return app
+
+    # ---- CORS: browsers' pages of --cors-allow-origins ----
+
+    def _allowed_origin(self, request: web.Request) -> str:
+        """The Access-Control-Allow-Origin for `request` ("" for none)."""
+        origin = request.headers.get("Origin", "")
+        if not origin or not self.cors_origins:
+            return ""
+        if "*" in self.cors_origins:
+            return "*"
+        return origin if origin in self.cors_origins else ""
+
+    @web.middleware
+    async def _preflight(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """A browser's preflight (OPTIONS with Access-Control-Request-Method)
+        from an allowed origin: answered here, before authentication (a
+        preflight carries no credentials); any other goes on as it is."""
+        allowed = self._allowed_origin(request)
+        if request.method != "OPTIONS" or not allowed or "Access-Control-Request-Method" not in request.headers:
+            return await handler(request)
+        headers = {
+            "Access-Control-Allow-Methods": "GET, POST, DELETE, OPTIONS",
+            "Access-Control-Max-Age": "600",
+        }
+        if asked := request.headers.get("Access-Control-Request-Headers"):
+            headers["Access-Control-Allow-Headers"] = asked  # Authorization among them: a wildcard would not cover it
+        return web.Response(status=204, headers=headers)
+
+    async def _cors_headers(self, request: web.Request, response: web.StreamResponse) -> None:
+        """Every response to an allowed origin's page, streams included (this
+        runs as the headers go out), says so; a response that may differ by
+        origin says that too, for caches."""
+        if allowed := self._allowed_origin(request):
+            response.headers["Access-Control-Allow-Origin"] = allowed
+            response.headers["Access-Control-Expose-Headers"] = "x-request-id, x-should-retry, retry-after"
+            if allowed != "*":
+                response.headers.add("Vary", "Origin")
 
     # ---- middleware: every error in the OpenAI shape, auth, counting ----
 

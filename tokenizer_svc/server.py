@@ -391,6 +391,7 @@ async def _serve(
             ready=lambda: health.ready,
             api_keys=api_keys,
             trusted_proxies=settings.trusted_proxies,
+            cors_origins=settings.cors_origins,
             max_body_bytes=settings.http_body_limit,
             metrics=metrics,
             tool_parser=settings.tool_call_parser,

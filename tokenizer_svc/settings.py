@@ -6,6 +6,7 @@ ranges and choices are checked when the object is made (`mmsplit_server.settings
 from __future__ import annotations
 
 import ipaddress
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -194,6 +195,13 @@ class TokenizerSettings(ServiceSettings):
         "comma-separated addresses or networks (CIDR) of proxies in front of the HTTP API whose X-Forwarded-For "
         "names the client (for --max-inflight-per-client without API keys); empty = none is trusted",
     )
+    cors_allow_origins: str = _opt(
+        "",
+        "comma-separated origins (scheme://host[:port]) whose web pages may call the HTTP API from a browser "
+        "(CORS), or * for any page; empty = none (browsers then refuse cross-origin calls; clients that are not "
+        "browsers are not affected). With * and no --api-key-file, any page a user of this host opens can use "
+        "the model",
+    )
     scheduler_wait_s: float = _opt(120.0, "how long startup waits for the scheduler before serving NOT_SERVING", min=0)
     unavailable_retry_after_ms: int = _opt(
         1000,
@@ -246,7 +254,15 @@ class TokenizerSettings(ServiceSettings):
             _ = self.trusted_proxies
         except ValueError as exc:
             problems.append(f"--forwarded-allow-ips: {exc}")
+        for origin in self.cors_origins:
+            if origin != "*" and not re.fullmatch(r"https?://[^/\s]+", origin):
+                problems.append(f"--cors-allow-origins: {origin!r} is not an origin (scheme://host[:port], or *)")
         return problems
+
+    @property
+    def cors_origins(self) -> tuple[str, ...]:
+        """`cors_allow_origins` as a tuple of origins ("*": any)."""
+        return tuple(part.strip().rstrip("/") for part in self.cors_allow_origins.split(",") if part.strip())
 
     @property
     def trusted_proxies(self) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:

@@ -76,6 +76,12 @@ def test_types_and_required() -> None:
         (
             TokenizerSettings,
             "tokenizer",
+            ["--cors-allow-origins", "https://ok.example, chat.example.com"],
+            "--cors-allow-origins: 'chat.example.com' is not an origin (scheme://host[:port], or *)",
+        ),
+        (
+            TokenizerSettings,
+            "tokenizer",
             ["--health-port", "9000", "--metrics-port", "9000"],
             "--health-port and --metrics-port are both 9000 on 127.0.0.1",
         ),
