@@ -158,13 +158,17 @@ def _conformance(args: argparse.Namespace) -> int:
 
 
 def _tiny_model(args: argparse.Namespace) -> int:
-    from mmsplit_cli.tiny_model import build
+    import shutil
 
-    if args.dir.exists() and (not args.dir.is_dir() or any(args.dir.iterdir())):
+    from mmsplit_cli.tiny_model import MARKER, build
+
+    if args.dir.is_dir() and (args.dir / MARKER).is_file():
+        shutil.rmtree(args.dir)  # a tiny model written before: written again, none of its files left over
+    elif args.dir.exists() and (not args.dir.is_dir() or any(args.dir.iterdir())):
         held = "is a file" if not args.dir.is_dir() else "is not empty"
         print(
-            f"mmsplit tiny-model: {args.dir} {held}: give a new or empty directory (the tiny model's config, "
-            "weights and tokenizer would overwrite what is there, a real checkpoint's included)",
+            f"mmsplit tiny-model: {args.dir} {held}: give a new or empty directory, or one this command wrote (the "
+            "tiny model's config, weights and tokenizer would overwrite what is there, a real checkpoint's included)",
             file=sys.stderr,
         )
         return 2

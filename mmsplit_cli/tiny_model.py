@@ -29,6 +29,8 @@ SPM_MEMBER = "mistral_common/data/tokenizer.model.v1"
 IMAGE_TOKEN = "<image>"
 IMAGE_SIZE = 224
 PATCH_SIZE = 28  # (224 / 28)^2 = 64 image tokens per image
+# The file that marks a directory as one `build` wrote (`mmsplit tiny-model` writes it again over such a one only).
+MARKER = ".mmsplit-tiny-model"
 FAMILIES = ("llava", "llava-next", "qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3-vl-moe")
 QWEN_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>", "<|im_start|>", "<|im_end|>")
 # A ChatML template in the shape Qwen2-VL ships (images and videos as
@@ -121,6 +123,7 @@ def build(
     model.save_pretrained(out)
     for write in writers:
         write(out)
+    (out / MARKER).write_text("written by mmsplit tiny-model: random weights, for tests and demos\n")
     log.info(
         "wrote tiny %s (%d text layers, %d wide, %d parameters) to %s",
         family,

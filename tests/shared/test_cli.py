@@ -114,6 +114,22 @@ def test_tiny_model_never_writes_over_a_directory_that_holds_something(tmp_path:
     assert a_file.read_text() == "mine"
 
 
+def test_tiny_model_writes_again_over_a_tiny_model_it_wrote(tmp_path: Path) -> None:
+    """The README's quick start run twice: a directory this command wrote
+    (its marker) is written afresh, no file of the earlier model left."""
+    from mmsplit_cli.tiny_model import MARKER
+
+    earlier = tmp_path / "tiny"
+    earlier.mkdir()
+    (earlier / MARKER).write_text("")
+    (earlier / "video_preprocessor_config.json").write_text("{}")  # a Qwen model's, not a LLaVA's
+    done = run("tiny-model", "--cache-dir", str(ROOT / ".cache"), str(earlier))
+    assert done.returncode == 0, done.stderr
+    assert not (earlier / "video_preprocessor_config.json").exists()
+    assert (earlier / MARKER).is_file()
+    assert '"model_type": "llava"' in (earlier / "config.json").read_text()
+
+
 def _settings(cls: type, command: str, *argv: str) -> object:
     p = argparse.ArgumentParser()
     add_settings_arguments(p, cls, command)
