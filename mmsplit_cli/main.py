@@ -35,9 +35,17 @@ def _scheduler(args: argparse.Namespace) -> NoReturn:
     # port is one line now, not a traceback minutes from now. (Ranks other
     # than 0 of an env-launched group bind nothing.)
     ports = [(settings.host, settings.port, "--port")] if settings.launch == "local" else []
-    _refuse_start(
-        "scheduler", settings.model_dir, [*ports, _metrics_port(settings)], _group_size(settings), weights=True
-    )
+    group_size = (settings.tp, "--tp")
+    if settings.launch == "env":
+        from scheduler_svc.rendezvous import adopt_leaderworkerset_env, env_problem
+
+        env = dict(os.environ)
+        adopt_leaderworkerset_env(env)
+        if problem := env_problem(env):
+            print(f"mmsplit scheduler: {problem}", file=sys.stderr)
+            raise SystemExit(2)
+        group_size = (int(env["WORLD_SIZE"]), "WORLD_SIZE")
+    _refuse_start("scheduler", settings.model_dir, [*ports, _metrics_port(settings)], group_size, weights=True)
     setup_logging(settings.log_level, settings.log_format)
     # Ranks 1..N-1 that must be spawned (CUDA) import torch and transformers
     # while this process does the same (below), instead of after: ~2.5 s
@@ -82,18 +90,6 @@ def _tokenizer(args: argparse.Namespace) -> NoReturn:
 
 def _metrics_port(settings: ServiceSettings) -> tuple[str, int, str]:
     return (settings.metrics_host or settings.host, settings.metrics_port, "--metrics-port")
-
-
-def _group_size(settings: Any) -> tuple[int, str]:
-    """The scheduler group's size and the setting that gives it: --tp for a
-    local group; an env-launched one's WORLD_SIZE (or, under a
-    LeaderWorkerSet, LWS_GROUP_SIZE), when set and a number."""
-    if settings.launch == "local":
-        return settings.tp, "--tp"
-    for name in ("WORLD_SIZE", "LWS_GROUP_SIZE"):
-        if os.environ.get(name, "").isdigit():
-            return int(os.environ[name]), name
-    return 1, "--tp"
 
 
 def _refuse_start(

@@ -6,6 +6,7 @@ other for it."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 
 
@@ -17,3 +18,44 @@ class Rendezvous:
     port: int
     rank: int
     world_size: int
+
+
+# LeaderWorkerSet names a pod's place in its group with its own variables.
+LWS_ENV = {"RANK": "LWS_WORKER_INDEX", "WORLD_SIZE": "LWS_GROUP_SIZE", "MASTER_ADDR": "LWS_LEADER_ADDRESS"}
+DEFAULT_MASTER_PORT = "29500"
+
+
+def adopt_leaderworkerset_env(env: MutableMapping[str, str]) -> None:
+    """For `--launch env` under a LeaderWorkerSet: torch's variables that are
+    not set are taken from LWS's (RANK from LWS_WORKER_INDEX, WORLD_SIZE from
+    LWS_GROUP_SIZE, MASTER_ADDR from LWS_LEADER_ADDRESS; MASTER_PORT 29500
+    unless set), so a pod spec needs no shell to translate them."""
+    if "LWS_WORKER_INDEX" not in env:
+        return
+    for torch_name, lws_name in LWS_ENV.items():
+        if torch_name not in env and lws_name in env:
+            env[torch_name] = env[lws_name]
+    env.setdefault("MASTER_PORT", DEFAULT_MASTER_PORT)
+
+
+ENV_RENDEZVOUS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def env_problem(env: Mapping[str, str]) -> str:
+    """What keeps `--launch env` from joining its group through torch's
+    env:// rendezvous ("" when nothing does), given the environment after
+    `adopt_leaderworkerset_env`: a variable unset, or not a number where
+    one is wanted."""
+    missing = [name for name in ENV_RENDEZVOUS if not env.get(name)]
+    if missing:
+        return (
+            f"--launch env joins its group by torch's env:// rendezvous: {', '.join(missing)} not set (set RANK, "
+            "WORLD_SIZE, MASTER_ADDR and MASTER_PORT, or run under a LeaderWorkerSet, whose LWS_WORKER_INDEX, "
+            "LWS_GROUP_SIZE and LWS_LEADER_ADDRESS stand for the first three)"
+        )
+    rank, world, port = env["RANK"], env["WORLD_SIZE"], env["MASTER_PORT"]
+    if not (rank.isdigit() and world.isdigit() and int(rank) < int(world)):
+        return f"--launch env: RANK {rank!r} and WORLD_SIZE {world!r} must be whole numbers, RANK below WORLD_SIZE"
+    if not (port.isdigit() and 0 < int(port) < 65536):
+        return f"--launch env: MASTER_PORT {port!r} is not a port number"
+    return ""

@@ -18,7 +18,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, MutableMapping
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import grpc
@@ -54,7 +54,7 @@ from scheduler_svc.model import ModelInfo, model_dtype, model_info
 from scheduler_svc.multiplex import StreamCall, serve
 from scheduler_svc.ranks import Bootstrapped, bootstrap, run_follower_until_stopped
 from scheduler_svc.reader import DTYPES as READ_DTYPES
-from scheduler_svc.rendezvous import Rendezvous
+from scheduler_svc.rendezvous import Rendezvous, adopt_leaderworkerset_env
 from scheduler_svc.settings import SchedulerSettings
 
 log = logging.getLogger(__name__)
@@ -325,24 +325,6 @@ def _security(settings: SchedulerSettings) -> tuple[ServerSecurity, Path | None]
     if security.token and not security.cert and not is_loopback(settings.host):
         log.warning("the token travels unencrypted: add --tls-cert and --tls-key where the network is not trusted")
     return security, local
-
-
-# LeaderWorkerSet names a pod's place in its group with its own variables.
-LWS_ENV = {"RANK": "LWS_WORKER_INDEX", "WORLD_SIZE": "LWS_GROUP_SIZE", "MASTER_ADDR": "LWS_LEADER_ADDRESS"}
-DEFAULT_MASTER_PORT = "29500"
-
-
-def adopt_leaderworkerset_env(env: MutableMapping[str, str]) -> None:
-    """For `--launch env` under a LeaderWorkerSet: torch's variables that are
-    not set are taken from LWS's (RANK from LWS_WORKER_INDEX, WORLD_SIZE from
-    LWS_GROUP_SIZE, MASTER_ADDR from LWS_LEADER_ADDRESS; MASTER_PORT 29500
-    unless set), so a pod spec needs no shell to translate them."""
-    if "LWS_WORKER_INDEX" not in env:
-        return
-    for torch_name, lws_name in LWS_ENV.items():
-        if torch_name not in env and lws_name in env:
-            env[torch_name] = env[lws_name]
-    env.setdefault("MASTER_PORT", DEFAULT_MASTER_PORT)
 
 
 def _bootstrap_watching(settings: SchedulerSettings, ranks: LocalRanks | None, rendezvous: Rendezvous) -> Bootstrapped:

@@ -97,7 +97,12 @@ def test_a_port_in_use_is_one_line_before_the_model_loads(
     ("service", "extra", "env", "setting"),
     [
         ("scheduler", ["--tp", "3", "--port", "0"], {}, "--tp 3"),
-        ("scheduler", ["--launch", "env", "--port", "0"], {"WORLD_SIZE": "4"}, "WORLD_SIZE 4"),
+        (
+            "scheduler",
+            ["--launch", "env", "--port", "0"],
+            {"RANK": "0", "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"},
+            "WORLD_SIZE 4",
+        ),
         ("serve", ["--tp", "3", "--port", "0", "--http-port", "0"], {}, "--tp 3"),
     ],
 )
@@ -169,6 +174,23 @@ def test_a_checkpoint_missing_its_weights_or_processor_is_one_line(
     assert code == 1, lines
     assert len(lines) == 1, lines
     assert lines[0].startswith(f"mmsplit scheduler: --model {no_processor}: Can't load image processor"), lines
+
+
+def test_env_launch_without_its_rendezvous_is_one_line(
+    chat_models: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It was torch's ValueError with its traceback, one variable at a time."""
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LWS_WORKER_INDEX"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("RANK", "1")
+    code, lines, took = start("scheduler", str(chat_models("llava")), "--launch", "env", "--port", "0")
+    assert code == 2, lines
+    assert lines == [
+        "mmsplit scheduler: --launch env joins its group by torch's env:// rendezvous: WORLD_SIZE, MASTER_ADDR, "
+        "MASTER_PORT not set (set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT, or run under a LeaderWorkerSet, "
+        "whose LWS_WORKER_INDEX, LWS_GROUP_SIZE and LWS_LEADER_ADDRESS stand for the first three)"
+    ]
+    assert took < 30
 
 
 def test_tp_sizes_are_checked_against_both_head_counts(tmp_path: Path) -> None:

@@ -3,7 +3,7 @@ from LWS's when they are not set, and never override what is set."""
 
 from __future__ import annotations
 
-from scheduler_svc.server import adopt_leaderworkerset_env
+from scheduler_svc.rendezvous import adopt_leaderworkerset_env, env_problem
 
 LWS = {"LWS_WORKER_INDEX": "3", "LWS_GROUP_SIZE": "4", "LWS_LEADER_ADDRESS": "leader.mmsplit"}
 
@@ -29,3 +29,19 @@ def test_without_a_leaderworkerset_nothing_changes() -> None:
     env = {"RANK": "0"}
     adopt_leaderworkerset_env(env)
     assert env == {"RANK": "0"}
+
+
+def test_what_env_launch_lacks_is_said_before_anything_loads() -> None:
+    assert env_problem({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "leader", "MASTER_PORT": "29500"}) == ""
+    said = env_problem({"RANK": "0", "MASTER_ADDR": "leader"})
+    assert said.startswith("--launch env joins its group by torch's env:// rendezvous: WORLD_SIZE, MASTER_PORT not set")
+    assert "RANK 2" in env_problem({"RANK": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "a", "MASTER_PORT": "1"}).replace(
+        "'", ""
+    )
+    assert "MASTER_PORT 'x' is not a port number" in env_problem(
+        {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "a", "MASTER_PORT": "x"}
+    )
+    # Under a LeaderWorkerSet its own variables stand for torch's, the port 29500 unless set.
+    env = dict(LWS)
+    adopt_leaderworkerset_env(env)
+    assert env_problem(env) == ""
