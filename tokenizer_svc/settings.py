@@ -254,6 +254,7 @@ class TokenizerSettings(ServiceSettings):
             _ = self.trusted_proxies
         except ValueError as exc:
             problems.append(f"--forwarded-allow-ips: {exc}")
+        problems.extend(scheduler_problems(self.scheduler))
         for origin in self.cors_origins:
             if origin != "*" and not re.fullmatch(r"https?://[^/\s]+", origin):
                 problems.append(f"--cors-allow-origins: {origin!r} is not an origin (scheme://host[:port], or *)")
@@ -298,3 +299,19 @@ class TokenizerSettings(ServiceSettings):
         images = self.max_images_per_request * (self.max_image_bytes + 1024)
         videos = self.max_videos_per_request * (self.max_video_bytes + 1024)
         return images + videos + prompt + 1024 * 1024
+
+
+def scheduler_problems(setting: str) -> list[str]:
+    """`--scheduler` is HOST:PORT[,HOST:PORT...] or dns:///NAME:PORT: a
+    target without its port, or with a URL's scheme, would be dialled for
+    ever and never answer."""
+    targets = [setting.removeprefix("dns:///")] if setting.startswith("dns:///") else setting.split(",")
+    problems = []
+    for target in (t.strip() for t in targets):
+        host, _, port = target.rpartition(":")
+        if "://" in target or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            problems.append(
+                f"--scheduler {target!r} is not HOST:PORT (no scheme; [v6 address]:PORT; several "
+                "comma-separated, or dns:///NAME:PORT)"
+            )
+    return problems

@@ -73,6 +73,14 @@ def test_types_and_required() -> None:
             ["--port", "8000"],  # --http-port's default
             "--port and --http-port are both 8000 on 127.0.0.1: give each its own port",
         ),
+        (TokenizerSettings, "tokenizer", ["--scheduler", "localhost"], "--scheduler 'localhost' is not HOST:PORT"),
+        (
+            TokenizerSettings,
+            "tokenizer",
+            ["--scheduler", "127.0.0.1:50051,http://10.0.0.2:50051"],
+            "--scheduler 'http://10.0.0.2:50051' is not HOST:PORT (no scheme;",
+        ),
+        (TokenizerSettings, "tokenizer", ["--scheduler", "dns:///sched"], "--scheduler 'sched' is not HOST:PORT"),
         (
             TokenizerSettings,
             "tokenizer",
@@ -94,6 +102,12 @@ def test_settings_out_of_range_stop_the_service_with_a_clear_message(
         parse(cls, command, ["--model", "/m", *argv], {})
     assert str(info.value).startswith(f"mmsplit {command}: ")
     assert says in str(info.value)
+
+
+def test_scheduler_addresses_as_written_in_the_manifests_are_taken() -> None:
+    for setting in ("127.0.0.1:50051", "[::1]:50051", "mmsplit-scheduler:50051,10.0.0.2:50051",
+                    "dns:///mmsplit-scheduler:50051"):  # fmt: skip
+        assert parse(TokenizerSettings, "tokenizer", ["--model", "/m", "--scheduler", setting], {}).scheduler == setting
 
 
 def test_one_port_on_two_addresses_is_no_clash() -> None:
