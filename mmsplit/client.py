@@ -130,6 +130,8 @@ def transport_hint(details: str) -> str:
             " (a server that does not speak gRPC's HTTP/2 answered there, such as the OpenAI API's port: "
             "give the gRPC port, 50052 by default)"
         )
+    if "errors resolving" in details and "://" in details:
+        return " (give HOST:PORT, without a URL's scheme)"
     if "Connection refused" in details:
         return " (nothing listens there: is the service running, and is this its gRPC port?)"
     return ""

@@ -69,6 +69,9 @@ def test_no_server_at_the_address_is_one_line_naming_it_and_what_it_means() -> N
         assert len(lines) == 1, lines
         assert lines[0].startswith(starts), lines
         assert lines[0].endswith(nothing), lines
+    done = run("generate", "--server", "http://127.0.0.1:9", "hi")
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().endswith("(give HOST:PORT, without a URL's scheme)"), done.stderr
     done = run("health", "--server", "127.0.0.1:9")
     assert done.returncode == 1
     assert done.stderr.strip() == f"mmsplit health: 127.0.0.1:9: {nothing.strip('()')}", done.stderr
