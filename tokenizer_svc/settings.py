@@ -307,7 +307,7 @@ def scheduler_problems(setting: str) -> list[str]:
     ever and never answer."""
     targets = [setting.removeprefix("dns:///")] if setting.startswith("dns:///") else setting.split(",")
     problems = []
-    for target in (t.strip() for t in targets):
+    for target in (t.strip() for t in targets if t.strip()):  # an empty part is skipped, as the links skip it
         host, _, port = target.rpartition(":")
         if "://" in target or not host or not port.isdigit() or not 0 < int(port) < 65536:
             problems.append(

@@ -105,7 +105,7 @@ def test_settings_out_of_range_stop_the_service_with_a_clear_message(
 
 
 def test_scheduler_addresses_as_written_in_the_manifests_are_taken() -> None:
-    for setting in ("127.0.0.1:50051", "[::1]:50051", "mmsplit-scheduler:50051,10.0.0.2:50051",
+    for setting in ("127.0.0.1:50051", "[::1]:50051", "mmsplit-scheduler:50051,10.0.0.2:50051,",
                     "dns:///mmsplit-scheduler:50051"):  # fmt: skip
         assert parse(TokenizerSettings, "tokenizer", ["--model", "/m", "--scheduler", setting], {}).scheduler == setting
 
