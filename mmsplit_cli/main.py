@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any, NoReturn
@@ -437,7 +438,14 @@ def openmp_defaults(env: dict[str, str] | os._Environ[str]) -> None:
 def main(argv: list[str] | None = None) -> None:
     openmp_defaults(os.environ)
     args = parser().parse_args(argv)
-    sys.exit(args.func(args))
+    try:
+        sys.exit(args.func(args))
+    except KeyboardInterrupt:
+        # Ctrl-C in a client command (the services stop on it by themselves):
+        # what was asked is cancelled as the call closes, and nothing more is
+        # said than a shell's usual exit status.
+        print(file=sys.stderr)
+        sys.exit(128 + signal.SIGINT)
 
 
 if __name__ == "__main__":

@@ -437,3 +437,36 @@ def test_prompt_logprobs_over_two_ranks_are_the_single_process_model_s(stub, ser
     assert done.prompt.logprobs[0] is None
     assert done.prompt.logprobs[1:] == pytest.approx([lp.logprob for lp in scored.logprobs], abs=1e-6)
     assert done.token_ids == generated
+
+
+def test_ctrl_c_in_generate_cancels_the_request_and_says_no_traceback(services: Services) -> None:
+    """Ctrl-C while the answer streams: the request is cancelled at the
+    services (their logs say CANCELLED), and the command ends as a shell
+    expects (exit 130), not with KeyboardInterrupt's traceback."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import uuid
+
+    from tests.conftest import ROOT
+
+    rid = uuid.uuid4().hex
+    argv = [sys.executable, "-m", "mmsplit_cli", "generate", "--server", services.tokenizer_address]
+    argv += ["--request-id", rid, "--max-tokens", "4000", "--ignore-eos", "Tell me everything."]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
+    try:
+        assert proc.stdout is not None
+        assert os.read(proc.stdout.fileno(), 1), "the answer started streaming"
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err.decode()
+    assert b"Traceback" not in err, err.decode()
+    log = services.tokenizer.log_path  # type: ignore[attr-defined]
+    assert wait_until(lambda: f"request {rid} finished: CANCELLED" in log.read_text(), timeout=30), log.read_text()[
+        -2000:
+    ]
