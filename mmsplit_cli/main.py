@@ -159,9 +159,8 @@ def _tiny_model(args: argparse.Namespace) -> int:
 
     from mmsplit_cli.tiny_model import MARKER, build
 
-    if args.dir.is_dir() and (args.dir / MARKER).is_file():
-        shutil.rmtree(args.dir)  # a tiny model written before: written again, none of its files left over
-    elif args.dir.exists() and (not args.dir.is_dir() or any(args.dir.iterdir())):
+    ours = args.dir.is_dir() and (args.dir / MARKER).is_file()  # a tiny model written before: written again
+    if not ours and args.dir.exists() and (not args.dir.is_dir() or any(args.dir.iterdir())):
         held = "is a file" if not args.dir.is_dir() else "is not empty"
         print(
             f"mmsplit tiny-model: {args.dir} {held}: give a new or empty directory, or one this command wrote (the "
@@ -170,15 +169,27 @@ def _tiny_model(args: argparse.Namespace) -> int:
         )
         return 2
     setup_logging("INFO")
-    build(
-        args.dir,
-        cache_dir=args.cache_dir,
-        family=args.family,
-        text_layers=args.text_layers,
-        text_hidden=args.text_hidden,
-        max_positions=args.max_positions,
-        chat_template=args.chat_template,
-    )
+    # Written beside it, then renamed: a build stopped half way (Ctrl-C)
+    # leaves DIR as it was, and no directory the next run would refuse.
+    building = args.dir.parent / f".{args.dir.name}.building-{os.getpid()}"
+    try:
+        build(
+            building,
+            cache_dir=args.cache_dir,
+            family=args.family,
+            text_layers=args.text_layers,
+            text_hidden=args.text_hidden,
+            max_positions=args.max_positions,
+            chat_template=args.chat_template,
+            named=args.dir,
+        )
+        if ours:
+            shutil.rmtree(args.dir)  # none of the earlier model's files left over
+        elif args.dir.is_dir():
+            args.dir.rmdir()  # empty
+        building.rename(args.dir)
+    finally:
+        shutil.rmtree(building, ignore_errors=True)
     return 0
 
 

@@ -91,6 +91,7 @@ def build(
     text_hidden: int = 64,
     max_positions: int = 1024,
     chat_template: bool = True,
+    named: Path | None = None,
 ) -> Path:
     """Write the model directory `out` (config, weights, generation config,
     tokenizer, processor files); return it. `text_layers` and `text_hidden`
@@ -99,7 +100,8 @@ def build(
     many KV heads. `max_positions`: the text model's context (the chunked
     prefill benchmark uses 8,192). `chat_template`: write the chat template the family's
     public checkpoints ship (the Qwen families always have theirs); without
-    it a LLaVA model's prompts are used as written."""
+    it a LLaVA model's prompts are used as written. `named`: where the log
+    says it is (the directory `out` is renamed to once written)."""
     import torch
 
     if family not in FAMILIES:
@@ -130,7 +132,7 @@ def build(
         text_layers,
         text_hidden,
         sum(p.numel() for p in model.parameters()),
-        out,
+        named or out,
     )
     return out
 

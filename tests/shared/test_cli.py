@@ -131,6 +131,7 @@ def test_tiny_model_writes_again_over_a_tiny_model_it_wrote(tmp_path: Path) -> N
     assert not (earlier / "video_preprocessor_config.json").exists()
     assert (earlier / MARKER).is_file()
     assert '"model_type": "llava"' in (earlier / "config.json").read_text()
+    assert [p.name for p in tmp_path.iterdir()] == ["tiny"], "written beside it, then renamed: nothing else left"
 
 
 def _settings(cls: type, command: str, *argv: str) -> object:
