@@ -1,8 +1,11 @@
-"""Where and as whom a locally launched rank joins its group: a module of its
-own, imported by the rank launcher (`group`, which must stay light: a
-spawned rank imports it before anything heavy), by the collective that
-joins the group, and by the rank bootstrap, none of which import each
-other for it."""
+"""Where and as whom a rank joins its group: a locally launched one's
+`Rendezvous`, and for `--launch env` the variables torch's env://
+rendezvous reads (a LeaderWorkerSet's adopted for them, and what is
+missing said before anything loads). A module of its own, light (no
+torch): imported by the rank launcher (`group`: a spawned rank imports it
+before anything heavy), the CLI's start-up checks, the collective that
+joins the group and the rank bootstrap, none of which import each other
+for it."""
 
 from __future__ import annotations
 
