@@ -238,9 +238,14 @@ def generate_command(args: argparse.Namespace) -> int:
                     else f"{exc.reason} ({exc.grpc_code})"
                 )
                 hint = transport_hint(exc.message) if exc.reason == exc.grpc_code else ""
+                if exc.grpc_code == "UNAUTHENTICATED":  # a tokenizer's gRPC port asks for no token; a scheduler's does
+                    hint = f" ({SCHEDULER_PORT_HINT})"
                 print(f"mmsplit generate: {what}: {exc.message}{hint}", file=sys.stderr)
             return 2
     return 0
+
+
+SCHEDULER_PORT_HINT = "a scheduler's port? mmsplit generate talks to a tokenizer: give its --port, 50052 by default"
 
 
 def _medium(given: str) -> bytes | str:

@@ -470,3 +470,21 @@ def test_ctrl_c_in_generate_cancels_the_request_and_says_no_traceback(services: 
     assert wait_until(lambda: f"request {rid} finished: CANCELLED" in log.read_text(), timeout=30), log.read_text()[
         -2000:
     ]
+
+
+def test_generate_at_a_scheduler_s_port_says_which_port_it_wants(services: Services) -> None:
+    """A scheduler asks every caller for its token; a tokenizer's gRPC port
+    asks none. `mmsplit generate` pointed at the scheduler says so."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    argv = [sys.executable, "-m", "mmsplit_cli", "generate", "--server", services.scheduler_address, "hi"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=ROOT, check=False)
+    assert done.returncode == 2, done.stderr
+    line = done.stderr.strip()
+    assert line.startswith(f"mmsplit generate: {services.scheduler_address}: UNAUTHENTICATED: "), line
+    assert line.endswith(
+        "(a scheduler's port? mmsplit generate talks to a tokenizer: give its --port, 50052 by default)"
+    )
