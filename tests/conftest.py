@@ -256,6 +256,23 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return shared_model(tmp_path_factory, "tiny-llava", chat_template=False)
 
 
+# The long request of `long_context_model`: far more tokens than any test
+# waits for (~700 a second on this host), so it holds its row until cancelled.
+HOLDING_TOKENS = 30_000
+
+
+@pytest.fixture(scope="session")
+def long_context_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`tiny_model` with a context of 32,768 positions: a request of
+    HOLDING_TOKENS holds the scheduler's row until it is cancelled (in the
+    1,024 of `tiny_model` one ends by itself in ~1.5 s). Its services need
+    `--max-tokens-limit` of HOLDING_TOKENS or more (`HOLDING_LIMIT`)."""
+    return shared_model(tmp_path_factory, "tiny-llava-32k", chat_template=False, max_positions=32_768)
+
+
+HOLDING_LIMIT = ["--max-tokens-limit", str(HOLDING_TOKENS)]
+
+
 @pytest.fixture(scope="session")
 def family_models(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Callable[[str], Path]:
     """family name -> a tiny model of that family, built once per session on

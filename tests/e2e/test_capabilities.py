@@ -31,7 +31,7 @@ from mmsplit_cli.launch import ServiceProcess, tokenizer_args
 from mmsplit_cli.tiny_model import IMAGE_SIZE
 from mmsplit_server.handoff import grants, ranges
 from scheduler_svc.model import model_info
-from tests.conftest import TOKENIZER_SERVICE
+from tests.conftest import HOLDING_LIMIT, HOLDING_TOKENS, TOKENIZER_SERVICE
 from tests.e2e.helpers import health_status, scheduler_info, tokenizer_info
 from tests.support.leaks import PROJECT_PREFIX, wait_until
 from tests.support.local_token import scheduler_channel
@@ -97,8 +97,10 @@ def a_victim_waiting(tokenizer: str, scheduler: str) -> Iterator[Future[Outcome]
     leaving."""
     with grpc.insecure_channel(tokenizer) as channel, ThreadPoolExecutor(1) as pool:
         stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
-        # min_tokens: the running request holds the row until it is cancelled.
-        long = stub.Generate(make_request("Go on.", max_tokens=4000, min_tokens=4000), timeout=300)
+        # min_tokens: the running request holds the row until it is cancelled
+        # (the model's context is long enough: `long_context_model`).
+        holding = make_request("Go on.", max_tokens=HOLDING_TOKENS, min_tokens=HOLDING_TOKENS)
+        long = stub.Generate(holding, timeout=300)
         assert next(iter(long)).HasField("delta")
         victim = pool.submit(run_request, stub, make_request("Describe.", [samples.good_png(seed=7)], max_tokens=4))
         try:
@@ -109,11 +111,12 @@ def a_victim_waiting(tokenizer: str, scheduler: str) -> Iterator[Future[Outcome]
             victim.result(timeout=120)
 
 
-def test_forged_and_replayed_references_read_nothing_and_pin_nothing(tiny_model: Path, tmp_path: Path) -> None:
-    input_ids = [1, *([model_info(tiny_model).image_token_id] * model_info(tiny_model).tokens_per_image), 22557]
-    extra = ["--preprocess-cache-bytes", "0"]
+def test_forged_and_replayed_references_read_nothing_and_pin_nothing(long_context_model: Path, tmp_path: Path) -> None:
+    model = long_context_model  # a request that holds the scheduler's one row until cancelled: `a_victim_waiting`
+    input_ids = [1, *([model_info(model).image_token_id] * model_info(model).tokens_per_image), 22557]
+    extra = ["--preprocess-cache-bytes", "0", *HOLDING_LIMIT]
     with running_pair(
-        tiny_model, tmp_path, scheduler_extra=["--tp", "1", "--max-running", "1"], tokenizer_extra=extra
+        model, tmp_path, scheduler_extra=["--tp", "1", "--max-running", "1", *HOLDING_LIMIT], tokenizer_extra=extra
     ) as pair:
         # The victim's own tokens, from a run nobody interferes with.
         with grpc.insecure_channel(pair.tokenizer_address) as channel:
@@ -122,7 +125,7 @@ def test_forged_and_replayed_references_read_nothing_and_pin_nothing(tiny_model:
         assert alone.ok, alone
         segments_tok = ServiceProcess(
             "tokenizer",
-            tokenizer_args(tiny_model, pair.scheduler_address, extra=[*extra, "--shm-slab-bytes", "0"]),
+            tokenizer_args(model, pair.scheduler_address, extra=[*extra, "--shm-slab-bytes", "0"]),
             tmp_path / "segments-tokenizer.log",
             env=ENV,
         )

@@ -30,7 +30,7 @@ from mmsplit.errors import RemoteError
 from mmsplit.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from mmsplit_cli import samples
 from mmsplit_cli.client import Outcome, make_request, run_request
-from tests.conftest import TOKENIZER_SERVICE, Services
+from tests.conftest import HOLDING_LIMIT, HOLDING_TOKENS, TOKENIZER_SERVICE, Services
 from tests.e2e.helpers import health_status, tokenizer_info
 from tests.support.leaks import PROJECT_PREFIX, live_grants, wait_until
 from tests.support.services import running_pair
@@ -119,23 +119,29 @@ async def _drive(address: str, requests: list[tokenizer_pb2.GenerateRequest], at
         return list(await asyncio.gather(*(one(r) for r in requests)))
 
 
-def test_a_full_slab_is_overloaded_and_nothing_else(tiny_model: Path, tmp_path: Path) -> None:
+def test_a_full_slab_is_overloaded_and_nothing_else(long_context_model: Path, tmp_path: Path) -> None:
     """A slab of four tiny-LLaVA tensors (600 KB each), a scheduler running
     one request at a time, busy with a long one: a burst of 11 queues behind
     it, and queued requests hold their slices until their first step, so
     the burst fills the slab. Those that find no room within 0.3 s are
-    OVERLOADED (retriable by the error table); the others succeed."""
+    OVERLOADED (retriable by the error table); the others succeed. (With a
+    context of 1,024 the long request once ended by itself before a busy
+    host had sent the burst: none was refused.)"""
     slab_bytes = 40 << 16  # 40 pages of 64 KiB; its largest slice, a quarter, takes one tensor
     extra = ["--shm-slab-bytes", str(slab_bytes), "--shm-slab-wait-s", "0.3", "--preprocess-cache-bytes", "0"]
     with running_pair(
-        tiny_model, tmp_path, scheduler_extra=["--tp", "1", "--max-running", "1"], tokenizer_extra=extra
+        long_context_model,
+        tmp_path,
+        scheduler_extra=["--tp", "1", "--max-running", "1", *HOLDING_LIMIT],
+        tokenizer_extra=[*extra, *HOLDING_LIMIT],
     ) as pair:
+        burst = [make_request(f"x{i}", [samples.good_png(seed=i)], max_tokens=2) for i in range(11)]
         with grpc.insecure_channel(pair.tokenizer_address) as channel:
             stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
             # min_tokens: the running request holds the line until it is cancelled.
-            long = stub.Generate(make_request("Go on.", max_tokens=4000, min_tokens=4000, request_id="long"))
+            holding = make_request("Go on.", max_tokens=HOLDING_TOKENS, min_tokens=HOLDING_TOKENS, request_id="long")
+            long = stub.Generate(holding)
             assert next(iter(long)).HasField("delta")
-            burst = [make_request(f"x{i}", [samples.good_png(seed=i)], max_tokens=2) for i in range(11)]
             with ThreadPoolExecutor(11) as pool:
                 futures = [pool.submit(run_request, stub, r, 120) for r in burst]
                 assert wait_until(lambda: sum(f.done() for f in futures) >= 7, timeout=60)
