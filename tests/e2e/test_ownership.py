@@ -30,7 +30,7 @@ from mmsplit_cli.launch import ServiceProcess, tokenizer_args
 from mmsplit_server.handoff import files
 from mmsplit_server.serving import free_port
 from scheduler_svc.model import model_info
-from tests.conftest import SCHEDULER_SERVICE, TOKENIZER_SERVICE, Services
+from tests.conftest import HOLDING_LIMIT, HOLDING_TOKENS, SCHEDULER_SERVICE, TOKENIZER_SERVICE, Services
 from tests.e2e.helpers import health_status, rank_active_requests, scheduler_info
 from tests.support.granting import grant_ref, grant_table
 from tests.support.leaks import PROJECT_PREFIX, project_segments, wait_until
@@ -148,23 +148,25 @@ def test_two_tokenizers_in_separate_pid_namespaces_never_sweep_each_others_segme
 
 
 def test_segments_of_requests_queued_at_a_killed_scheduler_go_in_one_janitor_pass(
-    tiny_model: Path, tmp_path: Path
+    long_context_model: Path, tmp_path: Path
 ) -> None:
     """One running request and three queued ones (the batch has one row);
     the scheduler is SIGKILLed: it held the queued requests' segments by lock,
     so nobody owns them now. The tokenizer's own janitor is off (an hour); a
     restarted scheduler's first janitor pass removes them — not a lease.
     One-off segments (no slab): a slab's slices go with the scheduler's
-    locks at once (tests/e2e/test_slab.py)."""
+    locks at once (tests/e2e/test_slab.py). The running request holds its
+    row until the scheduler dies (`long_context_model`)."""
+    model = long_context_model
     port = free_port()  # both start at once: the tokenizer waits for the scheduler by itself
-    extra = ["--port", str(port), "--max-running", "1"]
-    sched = start_scheduler(tiny_model, tmp_path / "scheduler.log", tp=1, extra=extra)
+    extra = ["--port", str(port), "--max-running", "1", *HOLDING_LIMIT]
+    sched = start_scheduler(model, tmp_path / "scheduler.log", tp=1, extra=extra)
     tok = None
     try:
         args = tokenizer_args(
-            tiny_model,
+            model,
             f"127.0.0.1:{port}",
-            extra=["--janitor-interval-s", "3600", "--shm-slab-bytes", "0", "--log-level", "DEBUG"],
+            extra=["--janitor-interval-s", "3600", "--shm-slab-bytes", "0", "--log-level", "DEBUG", *HOLDING_LIMIT],
         )
         tok = ServiceProcess("tokenizer", args, tmp_path / "tokenizer.log", env=ENV)
         tok_log = tok.log_path
@@ -178,7 +180,11 @@ def test_segments_of_requests_queued_at_a_killed_scheduler_go_in_one_janitor_pas
                 # min_tokens: no end token may finish the running request early
                 # (that would admit a queued one and release its segment).
                 request = make_request(
-                    "Go on.", [samples.good_png(seed=i)], max_tokens=2000, min_tokens=2000, request_id=out.request_id
+                    "Go on.",
+                    [samples.good_png(seed=i)],
+                    max_tokens=HOLDING_TOKENS,
+                    min_tokens=HOLDING_TOKENS,
+                    request_id=out.request_id,
                 )
                 try:
                     for event in tokenizer_pb2_grpc.TokenizerServiceStub(channel).Generate(request, timeout=120):
@@ -211,8 +217,8 @@ def test_segments_of_requests_queued_at_a_killed_scheduler_go_in_one_janitor_pas
 
         port = sched.port
         sched.stop()
-        extra = ["--port", str(port), "--janitor-interval-s", "1", "--segment-grace-s", "1"]
-        sched = start_scheduler(tiny_model, tmp_path / "scheduler2.log", tp=1, extra=extra)
+        extra = ["--port", str(port), "--janitor-interval-s", "1", "--segment-grace-s", "1", *HOLDING_LIMIT]
+        sched = start_scheduler(model, tmp_path / "scheduler2.log", tp=1, extra=extra)
         sched.wait_serving(SCHEDULER_SERVICE, 180)
         assert wait_until(lambda: not project_segments(), timeout=5), project_segments()
         assert "janitor removed 3 unowned segment(s)" in sched.log_path.read_text()
