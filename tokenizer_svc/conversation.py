@@ -337,8 +337,10 @@ def _conversation(messages: list[tokenizer_pb2.ChatMessage], tools: list[tokeniz
             elif kind == "video":
                 videos.append(Located(part.video, where))
             parts.append((kind, part.text if kind == "text" else ""))
+        if message.reasoning and role != "assistant":
+            raise InvalidRequest(f"messages[{i}]: only assistant messages may carry reasoning", metadata=_at(i))
         calls = tuple(_tool_call(call, f"messages[{i}].tool_calls[{k}]") for k, call in enumerate(message.tool_calls))
-        turns.append(Turn(role, tuple(parts), calls, message.tool_call_id))
+        turns.append(Turn(role, tuple(parts), calls, message.tool_call_id, message.reasoning))
     return Parsed("", turns, [*images, *videos], _tools(tools))
 
 

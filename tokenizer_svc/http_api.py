@@ -56,7 +56,7 @@ from mmsplit.tokenizer.v1 import tokenizer_pb2
 from mmsplit_server import strict_json
 from mmsplit_server.serving import RequestSummary, SecretFile
 from mmsplit_server.settings import CONNECTIONS_AT_MOST
-from tokenizer_svc import openai_answers, openai_api, openai_responses, response_store, tool_calls
+from tokenizer_svc import openai_answers, openai_api, openai_responses, reasoning, response_store, tool_calls
 from tokenizer_svc.conversation import MAX_REQUEST_ID, valid_request_id
 from tokenizer_svc.errors import InvalidRequest
 from tokenizer_svc.response_store import ResponseStore
@@ -95,6 +95,7 @@ class HttpApi:
         keepalive_s: float = KEEPALIVE_S,
         request_timeout_s: float = REQUEST_TIMEOUT_S,
         tool_parser: str = "none",
+        reasoning_parser: str = "none",
         store: ResponseStore | None = None,
         trusted_proxies: Sequence[IpNetwork] = (),
         cors_origins: Sequence[str] = (),
@@ -107,6 +108,9 @@ class HttpApi:
         # The Responses API's stored responses (--responses-store-bytes; off without one).
         self.store = store if store is not None else ResponseStore(0)
         self.tool_parser = tool_parser  # --tool-call-parser
+        # --reasoning-parser: chat answers' thinking apart from their content.
+        parser = reasoning.PARSERS.get(reasoning_parser)
+        self.reasoning = parser(service.tokenizer) if parser is not None else None
         self.model = model
         self.ready = ready
         self.api_keys = api_keys  # --api-key-file: any of its keys, as the file is now
@@ -480,7 +484,13 @@ class HttpApi:
         else:
             call = await got.read(openai_api.parse_completion, body)
         rid = _request_id(request, body)
-        shape = openai_answers.Shape.of(chat, rid, self.model, call.calls, token_ids=call.token_ids)
+        thinks = self.reasoning if chat else None
+        if thinks is not None:  # its prompt's ids say whether the model starts inside its thinking
+            call.request.return_prompt_token_ids = True
+        shape = openai_answers.Shape.of(
+            chat, rid, self.model, call.calls, token_ids=call.token_ids, reasoning=thinks,
+            constrained=_constrained(call.request.sampling),
+        )  # fmt: skip
         return await self._serve(request, body, call, shape, rid)
 
     async def _serve(
@@ -499,6 +509,7 @@ class HttpApi:
             choices = self._tally(call)
             async for i, response in self._choices(call, rid, client):
                 _count(summary, response)
+                _prompted(shape, i, response)
                 choices.add(i, response)
             summary.finished("STOP", choices.prompt_tokens, sum(choices.completion_tokens))
             answer = shape.complete(choices, logprobs=call.request.sampling.logprobs)
@@ -595,6 +606,7 @@ class HttpApi:
                     continue
                 i, event = item
                 _count(summary, event)
+                _prompted(shape, i, event)
                 shown = choices.add(i, event)
                 for out in shape.step(i, shown, choices.text[i]) if shown is not None else ():
                     if call.continuous_usage:
@@ -623,6 +635,17 @@ class HttpApi:
         await response.write(shape.DONE)
         await response.write_eof()
         return response
+
+
+def _prompted(shape: Shaped, i: int, response: tokenizer_pb2.GenerateResponse) -> None:
+    """Tell `shape` choice `i`'s prompt ids when `response` is they."""
+    if response.WhichOneof("event") == "prompt_tokens":
+        shape.prompted(i, list(response.prompt_tokens.token_ids))
+
+
+def _constrained(sampling: Any) -> bool:
+    """Whether a request's output is structured (masked from its first token)."""
+    return bool(sampling.json_schema or sampling.regex or sampling.choice or sampling.grammar)
 
 
 async def _numbered(

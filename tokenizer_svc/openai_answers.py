@@ -16,6 +16,8 @@ from typing import Any, ClassVar
 from mmsplit.common.v1 import common_pb2
 from mmsplit.errors import MmsplitError
 from mmsplit.tokenizer.v1 import tokenizer_pb2
+from tokenizer_svc.errors import InvalidRequest
+from tokenizer_svc.reasoning import Think
 from tokenizer_svc.tool_calls import Auto, Forced, call_id
 
 FINISH = {
@@ -240,16 +242,57 @@ class Shape:
     # each choice's first chunk (which then comes once they are known) and a
     # chunk's own ids in it.
     token_ids: bool = False
+    # --reasoning-parser: a chat answer's thinking apart from its content
+    # (the request then asks for the prompt's ids, which say whether the
+    # model starts inside its thinking). `constrained`: its output is
+    # structured (a grammar from the first token), which a prompt that
+    # opens the model's thinking cannot take.
+    reasoning: Think | None = None
+    constrained: bool = False
     # A stream's named-function calls: each choice's call id, once its first chunk went.
     _opened: dict[int, str] = dataclasses.field(default_factory=dict, compare=False)
     # A stream under "auto": each choice's characters sent as content.
     _sent: dict[int, int] = dataclasses.field(default_factory=dict, compare=False)
+    # With `reasoning`: whether each choice starts inside its thinking, and
+    # the characters of its reasoning and of its content sent so far.
+    _thinks: dict[int, bool] = dataclasses.field(default_factory=dict, compare=False)
+    _said: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict, compare=False)
 
     @classmethod
     def of(
-        cls, chat: bool, rid: str, model: str, calls: Forced | Auto | None = None, *, token_ids: bool = False
+        cls,
+        chat: bool,
+        rid: str,
+        model: str,
+        calls: Forced | Auto | None = None,
+        *,
+        token_ids: bool = False,
+        reasoning: Think | None = None,
+        constrained: bool = False,
     ) -> Shape:
-        return cls(chat, ("chatcmpl-" if chat else "cmpl-") + rid, model, int(time.time()), calls, token_ids)
+        kind = "chatcmpl-" if chat else "cmpl-"
+        return cls(chat, kind + rid, model, int(time.time()), calls, token_ids, reasoning, constrained)
+
+    def prompted(self, i: int, prompt_ids: list[int]) -> None:
+        """Choice `i`'s prompt is known (its PromptTokens event, before any
+        of its output, which the server reads whether or not it shows it): whether its model starts inside
+        its thinking (a structured output cannot then be honoured:
+        INVALID_REQUEST)."""
+        if self.reasoning is None or not self.chat:
+            return
+        opened = self._thinks[i] = self.reasoning.opens(prompt_ids)
+        if opened and self.constrained:
+            raise InvalidRequest(
+                "structured output (response_format, a forced tool call, structured_outputs) cannot be honoured "
+                "when the chat template opens the model's thinking (its prompt ends with <think>): the grammar "
+                "would hold from the first token; turn the thinking off (chat_template_kwargs: "
+                '{"enable_thinking": false}, where the template takes it) or leave the structure out'
+            )
+
+    def _thought(self, i: int, text: str, final: bool) -> tuple[str | None, str]:
+        """Choice `i`'s (reasoning, content) of its output so far."""
+        assert self.reasoning is not None
+        return self.reasoning.split(text, self._thinks.get(i, False), final)
 
     def _head(self, chunk: bool) -> dict[str, Any]:
         kind = "chat.completion" if self.chat else "text_completion"
@@ -263,9 +306,15 @@ class Shape:
             lps = self._logprobs(choices.logprobs[i]) if logprobs else None
             if self.chat:
                 message: dict[str, Any] = {"role": "assistant", "content": text}
+                reasoning = None
+                if self.reasoning is not None:
+                    reasoning, text = self._thought(i, text, final=True)
+                    # vLLM's: a part that is empty is null (the content, where there was thinking).
+                    message = {"role": "assistant", "content": text if reasoning is None else text or None,
+                               "reasoning": reasoning or None, "reasoning_content": reasoning or None}  # fmt: skip
                 content, calls = self.calls.split(text) if self.calls else (text, None)
                 if calls:
-                    message = {"role": "assistant", "content": content, "tool_calls": calls}
+                    message = {**message, "content": content, "tool_calls": calls}
                     f = "tool_calls" if f == "stop" else f
                 out["choices"].append({"index": i, "message": message, "logprobs": lps, "finish_reason": f})
             else:
@@ -303,7 +352,9 @@ class Shape:
         included (its tool calls, when they are made at the end)."""
         if self.token_ids and shown.prompt_ids is not None:
             return self._prompted(i, shown)
-        out = self._delta(i, shown, text)
+        out = (
+            self._thinking(i, shown, text) if self.reasoning is not None and self.chat else self._delta(i, shown, text)
+        )
         if self.token_ids and (out is not None or shown.token_ids):
             # A chunk's tokens go with it, or alone when its text is held back.
             out = out or self.chunk(i, {}, None)
@@ -318,6 +369,26 @@ class Shape:
             return self.first(i, shown.prompt_ids)
         out = self.chunk(i, {"content": shown.text}, None)
         out["choices"][0]["prompt_token_ids"] = shown.prompt_ids
+        return out
+
+    def _thinking(self, i: int, shown: Shown, text: str) -> dict[str, Any] | None:
+        """A chunk of a chat answer with --reasoning-parser: the new
+        reasoning as `reasoning` (and `reasoning_content`), the new content
+        as any answer's content (tool calls found in it alone)."""
+        reasoning, content = self._thought(i, text, final=shown.finish is not None)
+        said_reasoning, said_content = self._said.get(i, (0, 0))
+        self._said[i] = (len(reasoning or ""), len(content))
+        thought = (reasoning or "")[said_reasoning:]
+        new = dataclasses.replace(shown, text=content[said_content:])
+        out = self._delta(i, new, content) if self.calls is not None or new.text or shown.finish else None
+        if thought:
+            out = out or self.chunk(
+                i, {}, None, self._logprobs(shown.logprobs, shown.offset) if shown.logprobs else None
+            )
+            delta = out["choices"][0]["delta"]
+            out["choices"][0]["delta"] = {"reasoning": thought, "reasoning_content": thought, **delta}
+        elif out is None and shown.logprobs:
+            out = self.chunk(i, {}, None, self._logprobs(shown.logprobs, shown.offset))
         return out
 
     def _delta(self, i: int, shown: Shown, text: str) -> dict[str, Any] | None:

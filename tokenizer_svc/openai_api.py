@@ -506,6 +506,13 @@ def _message(m: Any, i: int) -> tokenizer_pb2.ChatMessage:
         if not isinstance(call_id, str):
             raise invalid(f"{where}.tool_calls[{k}].id must be a string", f"{where}.tool_calls[{k}]")
         out.tool_calls.add(id=call_id, name=function["name"], arguments=arguments)
+    # An earlier answer's thinking, under either name it was answered with
+    # (--reasoning-parser), goes back to the template; other roles' is ignored as vLLM does.
+    thought = next((m[k] for k in ("reasoning_content", "reasoning") if m.get(k) is not None), None)
+    if role == tokenizer_pb2.CHAT_ROLE_ASSISTANT and thought is not None:
+        if not isinstance(thought, str):
+            raise invalid(f"{where}.reasoning_content must be a string", f"{where}.reasoning_content")
+        out.reasoning = thought
     if role == tokenizer_pb2.CHAT_ROLE_TOOL:
         call_id = m.get("tool_call_id")
         if not isinstance(call_id, str) or not call_id:

@@ -240,6 +240,9 @@ class Answer:
         Responses API's output text carries them when they were)."""
         return self._kept(self._response(choices))
 
+    def prompted(self, i: int, prompt_ids: list[int]) -> None:
+        """The prompt's ids (asked for by chat completions' --reasoning-parser only: nothing to do here)."""
+
     def opening(self, n: int = 1) -> list[dict[str, Any]]:
         response = self._response(None)
         return [self._event("response.created", response=response),

@@ -51,13 +51,15 @@ class Media:
 class Turn:
     """One message of a conversation: its role ("system", "user",
     "assistant", "tool") and its parts in order: ("text", str), ("image",
-    ""), ("video", ""); an assistant turn's calls of tools, a tool turn's
-    id of the call it answers."""
+    ""), ("video", ""); an assistant turn's calls of tools and its
+    thinking (the template's reasoning_content), a tool turn's id of the
+    call it answers."""
 
     role: str
     parts: tuple[tuple[str, str], ...]
     tool_calls: tuple[ToolCall, ...] = ()
     tool_call_id: str = ""
+    reasoning: str = ""
 
 
 @dataclass(frozen=True)
@@ -249,6 +251,9 @@ class PromptBuilder:
                 message["tool_call_id"] = turn.tool_call_id
             if turn.tool_calls:
                 message["tool_calls"] = [self._tool_call(call, f"messages[{i}]") for call in turn.tool_calls]
+            if turn.reasoning:
+                self._check_text(turn.reasoning, f"messages[{i}].reasoning", markers=True)
+                message["reasoning_content"] = turn.reasoning
             conversation.append(message)
         for k, tool in enumerate(tools or []):
             for text in _strings(tool):  # a template may render any of them as it is

@@ -395,6 +395,7 @@ async def _serve(
             max_body_bytes=settings.http_body_limit,
             metrics=metrics,
             tool_parser=settings.tool_call_parser,
+            reasoning_parser=settings.reasoning_parser,
             keepalive_s=settings.http_keepalive_s,
             request_timeout_s=settings.http_request_timeout_s,
             store=ResponseStore(settings.responses_store_bytes),

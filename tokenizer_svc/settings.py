@@ -166,6 +166,14 @@ class TokenizerSettings(ServiceSettings):
         "parser)",
         choices=("none", "hermes", "llama3_json", "pythonic"),
     )
+    reasoning_parser: str = _opt(
+        "none",
+        "how the HTTP API's chat completions tell a reasoning model's thinking from its answer: 'qwen3' and "
+        "'deepseek_r1' (the same form: <think>...</think>, the model starting inside it when the chat template's "
+        "generation prompt ends with <think>) answer the thinking as the message's reasoning (and "
+        "reasoning_content) and the rest as its content; 'none': the output is all content",
+        choices=("none", "qwen3", "deepseek_r1"),
+    )
     max_tokens_limit: int = _opt(
         4096, "largest sampling.max_tokens accepted (the scheduler applies its own limit as well)", min=1
     )

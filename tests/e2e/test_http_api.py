@@ -771,10 +771,10 @@ def test_a_client_that_leaves_mid_stream_leaves_nothing_held(api: Api) -> None:
 
 @pytest.fixture(scope="module")
 def qwen_api(chat_models: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Api]:
-    # It takes requests' own chat templates (the other pair refuses them).
-    yield from _api(
-        chat_models("qwen2-vl"), tmp_path_factory.mktemp("http-qwen"), extra=("--trust-request-chat-template",)
-    )
+    # It takes requests' own chat templates (the other pair refuses them),
+    # and tells a thinking model's reasoning from its answer.
+    extra = ("--trust-request-chat-template", "--reasoning-parser", "qwen3")
+    yield from _api(chat_models("qwen2-vl"), tmp_path_factory.mktemp("http-qwen"), extra=extra)
 
 
 def test_video_url_on_a_video_model_is_the_same_over_http_and_grpc(qwen_api: Api) -> None:
@@ -2577,3 +2577,84 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(api: Api) ->
         client.chat.completions.create(model=api.model, messages=chat, max_tokens=2, stream=True,
                                        stream_options={"include_usage": True, "continuous_usage_stats": "yes"})  # type: ignore[typeddict-item]  # fmt: skip
     assert info.value.body["param"] == "stream_options"  # type: ignore[index]
+
+
+# A template whose generation prompt opens the model's thinking, as
+# DeepSeek-R1's and the Qwen3 Thinking models' do.
+THINKING_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% for p in m['content'] %}{{ p['text'] }}{% endfor %}"
+    "<|im_end|>\n{% endfor %}<|im_start|>assistant\n<think>\n"
+)
+
+
+def _streamed_parts(api: Api, **kwargs: Any) -> dict[str, str]:
+    """A streamed chat answer's deltas added up by field."""
+    parts: dict[str, str] = {}
+    for chunk in api.client().chat.completions.create(model=api.model, stream=True, **kwargs):
+        for key, value in chunk.choices[0].delta.model_dump().items():
+            if isinstance(value, str):
+                parts[key] = parts.get(key, "") + value
+    return parts
+
+
+def test_a_reasoning_parser_answers_the_thinking_apart_from_the_content(qwen_api: Api) -> None:
+    """--reasoning-parser qwen3 through the openai SDK: an output that
+    opens its thinking and closes it (made so by a regex: the tiny model's
+    own words are random) answers the thinking as `reasoning` and
+    `reasoning_content` and the rest as `content`, streamed and not alike; a
+    prompt whose template opens the thinking has the whole output as
+    reasoning (this model never writes the end tag), and refuses structured
+    output with a 400 that says why; an answer with no thinking is all
+    content."""
+    from transformers import AutoTokenizer
+
+    client = qwen_api.client()
+    chat = [{"role": "user", "content": [{"type": "text", "text": "Think, then answer."}]}]
+    pattern = "<think>[a-z]{3,8}</think>\n\n[a-z]{2,6}"
+    body = {"structured_outputs": {"regex": pattern}}
+    whole = client.chat.completions.create(model=qwen_api.model, messages=chat, max_tokens=30, extra_body=body)  # type: ignore[arg-type]
+    message = whole.choices[0].message.model_dump()
+    assert whole.choices[0].finish_reason == "stop", whole
+    found = re.fullmatch("<think>([a-z]+)</think>\n\n([a-z]+)", "<think>" + message["reasoning"] + "</think>\n\n"
+                         + message["content"])  # fmt: skip
+    assert found, message
+    assert message["reasoning_content"] == message["reasoning"]
+    streamed = _streamed_parts(qwen_api, messages=chat, max_tokens=30, extra_body=body)
+    assert (streamed["reasoning"], streamed["reasoning_content"], streamed["content"]) == (
+        message["reasoning"], message["reasoning"], message["content"],
+    )  # fmt: skip
+
+    opened = {"chat_template": THINKING_TEMPLATE, "return_token_ids": True}
+    thought = client.chat.completions.create(model=qwen_api.model, messages=chat, max_tokens=12, extra_body=opened)  # type: ignore[arg-type]
+    answer = thought.model_dump()
+    tokenizer = AutoTokenizer.from_pretrained(qwen_api.pair.model)
+    assert tokenizer.decode(answer["prompt_token_ids"][-4:]).rstrip().endswith("<think>")
+    text = tokenizer.decode(answer["choices"][0]["token_ids"], skip_special_tokens=True)
+    assert "</think>" not in text  # what the next line relies on
+    assert answer["choices"][0]["message"]["reasoning"] == text.strip()
+    assert answer["choices"][0]["message"]["content"] is None
+    streamed = _streamed_parts(qwen_api, messages=chat, max_tokens=12, extra_body={"chat_template": THINKING_TEMPLATE})
+    assert (streamed["reasoning"], streamed.get("content", "")) == (text.strip(), "")
+    refused = _bad(qwen_api, _chat([{"type": "text", "text": "x"}], model=qwen_api.model,
+                                   extra_body={"chat_template": THINKING_TEMPLATE, **body}))  # fmt: skip
+    assert refused.status_code == 400
+    assert "enable_thinking" in refused.message
+
+    plain = client.chat.completions.create(model=qwen_api.model, messages=chat, max_tokens=6)  # type: ignore[arg-type]
+    assert plain.choices[0].message.model_dump()["reasoning"] is None
+    assert plain.choices[0].message.content
+
+    # The answer sent back as the SDK gives it: its thinking reaches the template as reasoning_content.
+    history = [*chat, whole.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "And?"}]
+    shows = {"chat_template": SHOWS_REASONING, "return_token_ids": True}
+    again = client.chat.completions.create(model=qwen_api.model, messages=history, max_tokens=2, extra_body=shows)  # type: ignore[arg-type]
+    prompt = tokenizer.decode(again.model_dump()["prompt_token_ids"])
+    assert f"[thought: {message['reasoning']}]{message['content']}" in prompt, prompt
+    _good_after(qwen_api)
+
+
+SHOWS_REASONING = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m.reasoning_content %}[thought: "
+    "{{ m.reasoning_content }}]{% endif %}{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+    "{% for p in m['content'] %}{{ p['text'] }}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}<|im_start|>assistant\n"
+)

@@ -1,0 +1,164 @@
+"""--reasoning-parser (tokenizer_svc/reasoning.py, and the chat answers of
+tokenizer_svc/openai_answers.py that use it): a thinking model's output
+split into reasoning and content, whole and streamed, the stream's pieces
+adding up to the whole answer's for any chunking."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mmsplit.common.v1 import common_pb2
+from mmsplit.tokenizer.v1 import tokenizer_pb2
+from tokenizer_svc.errors import InvalidRequest
+from tokenizer_svc.openai_answers import Choices, Shape
+from tokenizer_svc.reasoning import Think
+
+
+class Chars:
+    """A stand-in tokenizer whose token ids are characters' code points."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return "".join(map(chr, ids))
+
+
+def ids(text: str) -> list[int]:
+    return [ord(c) for c in text]
+
+
+THINK = Think(Chars())
+
+
+@pytest.mark.parametrize(
+    ("output", "opened", "reasoning", "content"),
+    [
+        # Qwen3's hybrid template: the model opens its thinking itself.
+        ("<think>\nThe sum is 4.\n</think>\n\nIt is 4.", False, "The sum is 4.", "It is 4."),
+        # DeepSeek-R1, the Qwen3 Thinking models: the prompt opened it.
+        ("The sum is 4.\n</think>\n\nIt is 4.", True, "The sum is 4.", "It is 4."),
+        # No thinking: all content, as it came.
+        ("  It is 4. <think> is a tag", False, None, "  It is 4. <think> is a tag"),
+        # Cut short inside the thinking: all of it reasoning.
+        ("<think>\nThe sum is", False, "The sum is", ""),
+        ("The sum is\n", True, "The sum is", ""),
+        # An empty thinking (enable_thinking false in a template that leaves it to the model).
+        ("<think>\n\n</think>\n\nIt is 4.", False, "", "It is 4."),
+        ("", True, "", ""),
+        ("", False, None, ""),
+    ],
+)
+def test_an_output_splits_into_its_reasoning_and_its_content(
+    output: str, opened: bool, reasoning: str | None, content: str
+) -> None:
+    assert THINK.split(output, opened) == (reasoning, content)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "opened"),
+    [
+        ("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n", True),
+        ("<｜User｜>Hi<｜Assistant｜><think>", True),  # noqa: RUF001 (DeepSeek-R1's own markers)
+        ("<|im_start|>assistant\n", False),
+        ("<|im_start|>assistant\n<think>\n\n</think>\n\n", False),  # Qwen3 with enable_thinking false
+        ("<think>\nan earlier turn's</think>\n<|im_start|>assistant\n", False),
+    ],
+)
+def test_the_prompt_says_whether_the_model_starts_inside_its_thinking(prompt: str, opened: bool) -> None:
+    assert THINK.opens(ids(prompt)) is opened
+
+
+def test_opens_reads_the_tags_in_a_real_tokenizer_s_pieces(tiny_model) -> None:  # type: ignore[no-untyped-def]
+    """A tokenizer with no token of its own for the tags (the tiny models'
+    writes ``<think>`` as three): the prompt's last tokens decoded hold it."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    think = Think(tokenizer)
+    assert think.opens(tokenizer.encode("[INST] Hi [/INST] <think>\n"))
+    assert not think.opens(tokenizer.encode("[INST] Hi [/INST] <think>\n\n</think>\n\n"))
+    assert not think.opens(tokenizer.encode("[INST] Hi [/INST]"))
+
+
+# Outputs made of the pieces a thinking model writes, and every way a stream may cut them.
+PIECES = st.sampled_from(["<think>", "</think>", "<", "</", "</th", ">", " ", "\n", "\n\n", "a", "b c", "4.", "é"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(pieces=st.lists(PIECES, max_size=14), opened=st.booleans(), cuts=st.lists(st.integers(0, 60), max_size=8))
+def test_a_stream_shows_prefixes_of_the_whole_split(pieces: list[str], opened: bool, cuts: list[int]) -> None:
+    """What a stream may show at each point is a prefix of what it may
+    show later, and at the end it is the whole output's split."""
+    output = "".join(pieces)
+    shown: tuple[str, str] = ("", "")
+    for cut in [*sorted(c for c in cuts if c < len(output)), len(output)]:
+        final = cut == len(output)
+        reasoning, content = THINK.split(output[:cut], opened, final)
+        now = (reasoning or "", content)
+        assert now[0].startswith(shown[0]), (output, cut)
+        assert now[1].startswith(shown[1]), (output, cut)
+        shown = now
+    whole = THINK.split(output, opened)
+    assert shown == (whole[0] or "", whole[1])
+
+
+def _events(output: str, cuts: list[int], prompt: str) -> list[tokenizer_pb2.GenerateResponse]:
+    events = [tokenizer_pb2.GenerateResponse(prompt_tokens=tokenizer_pb2.PromptTokens(token_ids=ids(prompt)))]
+    at = 0
+    for cut in [*sorted({c for c in cuts if 0 < c < len(output)}), len(output)]:
+        events.append(tokenizer_pb2.GenerateResponse(delta=tokenizer_pb2.TextDelta(text=output[at:cut])))
+        at = cut
+    finished = tokenizer_pb2.Finished(finish_reason=common_pb2.FINISH_REASON_STOP, completion_tokens=len(output))
+    events.append(tokenizer_pb2.GenerateResponse(finished=finished))
+    return events
+
+
+def _answer(events: list[tokenizer_pb2.GenerateResponse], stream: bool, **shape: Any) -> dict[str, Any]:
+    """The chat answer's message, whole, or its stream's deltas added up."""
+    out = Shape.of(True, "r", "m", reasoning=THINK, **shape)
+    choices = Choices(1, Chars())
+    added: dict[str, Any] = {}
+    for event in events:
+        if event.WhichOneof("event") == "prompt_tokens":  # as tokenizer_svc/http_api.py does
+            out.prompted(0, list(event.prompt_tokens.token_ids))
+        shown = choices.add(0, event)
+        if shown is None or not stream:
+            continue
+        for chunk in out.step(0, shown, choices.text[0]):
+            for key, value in chunk["choices"][0]["delta"].items():
+                added[key] = added.get(key, "") + value if isinstance(value, str) else value
+            if chunk["choices"][0]["finish_reason"]:
+                added["finish_reason"] = chunk["choices"][0]["finish_reason"]
+    if not stream:
+        answer = out.complete(choices)["choices"][0]
+        return {**answer["message"], "finish_reason": answer["finish_reason"]}
+    return added
+
+
+@settings(max_examples=150, deadline=None)
+@given(pieces=st.lists(PIECES, max_size=14), opened=st.booleans(), cuts=st.lists(st.integers(1, 60), max_size=8))
+def test_a_streamed_chat_answer_adds_up_to_the_whole_one(pieces: list[str], opened: bool, cuts: list[int]) -> None:
+    output = "".join(pieces)
+    prompt = "assistant\n<think>\n" if opened else "assistant\n"
+    whole = _answer(_events(output, cuts, prompt), stream=False)
+    streamed = _answer(_events(output, cuts, prompt), stream=True)
+    reasoning, content = THINK.split(output, opened)
+    assert whole["reasoning"] == whole["reasoning_content"] == (reasoning or None)
+    assert whole["content"] == (content or None if reasoning is not None else content)
+    assert streamed.get("reasoning", "") == streamed.get("reasoning_content", "") == (reasoning or "")
+    assert streamed.get("content", "") == content
+    assert streamed["finish_reason"] == whole["finish_reason"] == "stop"
+
+
+def test_structured_output_is_refused_where_the_prompt_opens_the_thinking() -> None:
+    """A grammar holds from the first token, where such a model thinks:
+    INVALID_REQUEST; where the prompt closed the thinking it is taken."""
+    refused = _events("x", [], "assistant\n<think>\n")
+    with pytest.raises(InvalidRequest, match="enable_thinking"):
+        _answer(refused, stream=True, constrained=True)
+    with pytest.raises(InvalidRequest, match="enable_thinking"):
+        _answer(refused, stream=False, constrained=True)
+    taken = _answer(_events('{"a": 1}', [3], "assistant\n<think>\n\n</think>\n\n"), stream=False, constrained=True)
+    assert (taken["content"], taken["reasoning"]) == ('{"a": 1}', None)

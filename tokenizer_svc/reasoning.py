@@ -1,0 +1,84 @@
+"""A reasoning model's thinking apart from its answer, for the OpenAI API's
+chat completions (vLLM's --reasoning-parser): the output's reasoning goes
+to the message's `reasoning` (and `reasoning_content`, the older name
+DeepSeek's API and many clients read), the rest to its `content`, whole or
+streamed.
+
+Qwen3 and DeepSeek-R1 write their thinking between ``<think>`` and
+``</think>``. Where the model starts is the prompt's: a chat template that
+ends its generation prompt with an open ``<think>`` (DeepSeek-R1, the
+Qwen3 "Thinking" models) has the model reason first, writing only the end
+tag; one that does not (Qwen3's hybrid template; with
+``enable_thinking: false`` it closes an empty ``<think></think>`` itself)
+leaves the model to open its thinking with ``<think>`` at the very start
+of its output, or to answer at once. `Think.opens` reads that from the
+prompt's last tokens, so a stream knows from its first token which field
+its text goes to, instead of guessing (vLLM's Qwen3 parser took a whole
+output with no end tag for content, and a stream cannot wait for the end).
+
+What is read: reasoning until ``</think>`` (an output cut short before it
+is all reasoning), without the tags and the whitespace around it; then the
+content, without its leading whitespace (Qwen3 writes a blank line after
+the tag). An output that does not start in thinking is all content, as it
+came. A stream shows the same two texts, chunk by chunk: it holds back
+what may still turn out to be the end tag, and whitespace that may end
+the reasoning, until the next text says what they are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+START, END = "<think>", "</think>"
+# The prompt's tail read to find an open <think> (a few tokens: the tag and
+# the whitespace a template writes after it).
+_TAIL_TOKENS = 8
+
+
+class Think:
+    """The ``<think>``...``</think>`` form (Qwen3, DeepSeek-R1)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def opens(self, prompt_ids: Sequence[int]) -> bool:
+        """Whether the prompt leaves the model inside its thinking: it ends
+        with ``<think>`` (whitespace after it aside)."""
+        tail = self.tokenizer.decode(list(prompt_ids[-_TAIL_TOKENS:]), skip_special_tokens=False)
+        return bool(tail.rstrip().endswith(START))
+
+    def split(self, text: str, opened: bool, final: bool = True) -> tuple[str | None, str]:
+        """(reasoning, content) of an output so far: None for reasoning
+        when the output does not think. Not `final`: what may be shown of
+        them now, each a prefix of what a longer output shows."""
+        if not opened:
+            lead = text.lstrip()
+            if lead.startswith(START):
+                text, opened = lead[len(START) :], True
+            elif not final and START.startswith(lead):  # "", or a start of the tag: not known yet
+                return None, ""
+            else:
+                return None, text
+        end = text.find(END)
+        if end >= 0:
+            return text[:end].strip(), text[end + len(END) :].lstrip()
+        reasoning = text.lstrip()
+        if final:
+            return reasoning.rstrip(), ""
+        return _held(reasoning), ""
+
+
+def _held(reasoning: str) -> str:
+    """A stream's reasoning, less what the next text decides: a tail that
+    may begin the end tag, and the whitespace before it (which the end tag
+    would strip)."""
+    for k in range(min(len(END) - 1, len(reasoning)), 0, -1):
+        if END.startswith(reasoning[-k:]):
+            reasoning = reasoning[:-k]
+            break
+    return reasoning.rstrip()
+
+
+# --reasoning-parser names (vLLM's): both are the same tag form.
+PARSERS = {"qwen3": Think, "deepseek_r1": Think}
