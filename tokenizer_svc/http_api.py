@@ -367,7 +367,12 @@ class HttpApi:
             raise openai_responses.rename(exc, places) from None
         rid = _request_id(request)
         keep = self._keeper(request, body, chat, places)
-        answer = openai_responses.Answer(rid, self.model, body, call.calls, places, keep)
+        if self.reasoning is not None:  # its prompt's ids say whether the model starts inside its thinking
+            call.request.return_prompt_token_ids = True
+        answer = openai_responses.Answer(
+            rid, self.model, body, call.calls, places, keep, reasoning=self.reasoning,
+            constrained=_constrained(call.request.sampling),
+        )  # fmt: skip
         return await self._serve(request, chat, call, answer, rid)
 
     def _keeper(

@@ -16,7 +16,6 @@ from typing import Any, ClassVar
 from mmsplit.common.v1 import common_pb2
 from mmsplit.errors import MmsplitError
 from mmsplit.tokenizer.v1 import tokenizer_pb2
-from tokenizer_svc.errors import InvalidRequest
 from tokenizer_svc.reasoning import Think
 from tokenizer_svc.tool_calls import Auto, Forced, call_id
 
@@ -275,19 +274,10 @@ class Shape:
 
     def prompted(self, i: int, prompt_ids: list[int]) -> None:
         """Choice `i`'s prompt is known (its PromptTokens event, before any
-        of its output, which the server reads whether or not it shows it): whether its model starts inside
-        its thinking (a structured output cannot then be honoured:
-        INVALID_REQUEST)."""
-        if self.reasoning is None or not self.chat:
-            return
-        opened = self._thinks[i] = self.reasoning.opens(prompt_ids)
-        if opened and self.constrained:
-            raise InvalidRequest(
-                "structured output (response_format, a forced tool call, structured_outputs) cannot be honoured "
-                "when the chat template opens the model's thinking (its prompt ends with <think>): the grammar "
-                "would hold from the first token; turn the thinking off (chat_template_kwargs: "
-                '{"enable_thinking": false}, where the template takes it) or leave the structure out'
-            )
+        of its output, read whether or not it is shown): whether its model
+        starts inside its thinking (`Think.start`)."""
+        if self.reasoning is not None and self.chat:
+            self._thinks[i] = self.reasoning.start(prompt_ids, self.constrained)
 
     def _thought(self, i: int, text: str, final: bool) -> tuple[str | None, str]:
         """Choice `i`'s (reasoning, content) of its output so far."""

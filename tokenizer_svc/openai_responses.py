@@ -19,12 +19,18 @@ besides (`seed`, `stop`, vLLM's `top_k`, `min_p`...). `store` (true unless
 false) keeps the answer in the tokenizer's memory
 (`tokenizer_svc.response_store`) and `previous_response_id` continues a
 kept one: its conversation comes before `input` (`to_chat`'s `history`).
+With the tokenizer's --reasoning-parser, a thinking model's thinking is
+a `reasoning` output item (its text a `reasoning_text` part) before the
+message, streamed as `response.reasoning_text.delta` events; a
+`reasoning` input item (an earlier output sent back) goes to the chat
+template with the assistant turn after it, as chat's `reasoning_content`.
 Refused, each a 400 naming its field: `conversation` objects, `background`,
 hosted tools (web search, files...), file inputs and reasoning options.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import time
@@ -37,6 +43,7 @@ from mmsplit.errors import MmsplitError
 from tokenizer_svc import openai_api
 from tokenizer_svc.openai_answers import Choices, Shown
 from tokenizer_svc.openai_api import invalid
+from tokenizer_svc.reasoning import Think
 from tokenizer_svc.tool_calls import Auto, Forced
 
 # Field -> the values that ask for nothing (accepted) and why others are refused.
@@ -44,7 +51,11 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "conversation": ((None,), "this server stores no conversations: send the whole conversation as input"),
     "background": ((None, False), "this server answers in the request"),
     "prompt": ((None,), "this server has no stored prompts"),
-    "reasoning": ((None, {}), "this model does not reason"),
+    "reasoning": (
+        (None, {}),
+        "this server has no reasoning options (effort, summary): a reasoning model's "
+        "thinking comes back as a reasoning item where the server has a --reasoning-parser",
+    ),
     "truncation": ((None, "disabled"), "this server does not drop input to fit: too long an input is refused"),
     "max_tool_calls": ((None,), "the model's output decides the calls"),
 }
@@ -123,17 +134,29 @@ def _item(item: Any, where: str, messages: list[dict[str, Any]], places: list[st
     if not isinstance(item, dict):
         raise invalid(f"{where} must be an object", where)
     kind = item.get("type", "message")
+    last = messages[-1] if messages else None
     if kind == "message":
         role = item.get("role")
         if role not in _ROLES:
             raise invalid(f"{where}.role must be one of {', '.join(_ROLES)}", f"{where}.role")
-        messages.append({"role": role, "content": _content(item.get("content"), where)})
+        content = _content(item.get("content"), where)
+        if role == "assistant" and last is not None and _thought_alone(last):
+            last["content"] = content  # the answer after its reasoning item: one assistant turn
+            return
+        messages.append({"role": role, "content": content})
+    elif kind == "reasoning":
+        # An earlier answer's thinking: the assistant turn its message (or calls) after it join.
+        parts = item.get("content") or []
+        if not isinstance(parts, list) or not all(
+            isinstance(p, dict) and isinstance(p.get("text"), str) for p in parts
+        ):
+            raise invalid(f"{where}.content must be a list of reasoning_text parts", f"{where}.content")
+        messages.append({"role": "assistant", "content": None, "reasoning_content": "".join(p["text"] for p in parts)})
     elif kind in ("function_call", "function_call_output") and not _is_text(item.get("call_id")):
         raise invalid(f"{where}.call_id must name the call (a non-empty string)", f"{where}.call_id")
     elif kind == "function_call":
         call = {"id": item.get("call_id"), "type": "function",
                 "function": {"name": item.get("name"), "arguments": item.get("arguments")}}  # fmt: skip
-        last = messages[-1] if messages else None
         if last is not None and last["role"] == "assistant":
             last.setdefault("tool_calls", []).append(call)
             return
@@ -145,9 +168,20 @@ def _item(item: Any, where: str, messages: list[dict[str, Any]], places: list[st
         messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": output})
     else:
         raise invalid(
-            f"{where}: item type {kind!r} is not supported (message, function_call, function_call_output)", where
+            f"{where}: item type {kind!r} is not supported (message, reasoning, function_call, function_call_output)",
+            where,
         )
     places.append(where)
+
+
+def _thought_alone(message: dict[str, Any]) -> bool:
+    """An assistant turn of a reasoning item alone, so far."""
+    return (
+        message["role"] == "assistant"
+        and message.get("content") is None
+        and "tool_calls" not in message
+        and ("reasoning_content" in message)
+    )
 
 
 def _is_text(value: Any) -> bool:
@@ -226,6 +260,13 @@ class Answer:
     # Called with the final Response object (completed or incomplete) when it is to be stored.
     keep: Callable[[dict[str, Any]], None] | None = None
     created: int = field(default_factory=lambda: int(time.time()))
+    # --reasoning-parser, and whether the output is structured (as chat's `Shape`).
+    reasoning: Think | None = None
+    constrained: bool = False
+    _thinks: bool = False  # the model starts inside its thinking (the prompt says)
+    _reasoning: int = -1  # characters of the reasoning item's text streamed; -1: no item opened
+    _reasoning_done: bool = False
+    _content: int = 0  # characters of the content the output's text holds so far (with reasoning)
     _sequence: int = 0
     _text_open: bool = False
     _call_open: bool = False  # a named function's call item, added as its arguments began to stream
@@ -241,7 +282,13 @@ class Answer:
         return self._kept(self._response(choices))
 
     def prompted(self, i: int, prompt_ids: list[int]) -> None:
-        """The prompt's ids (asked for by chat completions' --reasoning-parser only: nothing to do here)."""
+        """The prompt's ids: whether the model starts inside its thinking (`Think.start`)."""
+        if self.reasoning is not None:
+            self._thinks = self.reasoning.start(prompt_ids, self.constrained)
+
+    def _split(self, text: str, final: bool) -> tuple[str | None, str]:
+        """(reasoning, content) of the output so far (no parser: all content)."""
+        return (None, text) if self.reasoning is None else self.reasoning.split(text, self._thinks, final)
 
     def opening(self, n: int = 1) -> list[dict[str, Any]]:
         response = self._response(None)
@@ -253,9 +300,53 @@ class Answer:
         tokens' log probabilities when asked; a named function's arguments
         as they come (its item added with the first); under "auto", the
         text up to where a call may begin (the calls are parsed at the
-        end); nothing under "required"."""
+        end); nothing under "required". With --reasoning-parser, the
+        thinking first, as its own item's deltas, and the rest from the
+        content alone."""
+        if self.reasoning is None:
+            return self._step(shown, text)
+        reasoning, content = self._split(text, final=False)
+        events = self._thought(reasoning, done=bool(content))
+        # The tokens' log probabilities go with the content they made (the final object has them all).
+        added = content[self._content :]
+        new = dataclasses.replace(shown, text=added, logprobs=shown.logprobs if added else [])
+        self._content = len(content)
+        return [*events, *self._step(new, content)]
+
+    def _thought(self, reasoning: str | None, done: bool) -> list[dict[str, Any]]:
+        """The reasoning item's events for the thinking so far: added (item
+        0) when there is thinking, its text's deltas, and when `done` (the
+        content began) its done events."""
+        if reasoning is None or self._reasoning_done:
+            return []
+        events = []
+        if self._reasoning < 0:
+            item = {"type": "reasoning", "id": self._reasoning_id, "status": "in_progress", "summary": [],
+                    "content": []}  # fmt: skip
+            events.append(self._event("response.output_item.added", output_index=0, item=item))
+            self._reasoning = 0
+        if len(reasoning) > self._reasoning:
+            events.append(self._event("response.reasoning_text.delta", item_id=self._reasoning_id, output_index=0,
+                                      content_index=0, delta=reasoning[self._reasoning :]))  # fmt: skip
+            self._reasoning = len(reasoning)
+        if done:
+            self._reasoning_done = True
+            events += [
+                self._event("response.reasoning_text.done", item_id=self._reasoning_id, output_index=0,
+                            content_index=0, text=reasoning),
+                self._event("response.output_item.done", output_index=0, item=_reasoning_item(self._reasoning_id,
+                                                                                            reasoning)),
+            ]  # fmt: skip
+        return events
+
+    @property
+    def _first(self) -> int:
+        """The index of the output's first item after its reasoning item, if any."""
+        return 1 if self._reasoning >= 0 else 0
+
+    def _step(self, shown: Shown, text: str) -> list[dict[str, Any]]:
         if self._named is not None:
-            return self._arguments(shown.text) if shown.text else []
+            return self._arguments(shown.text, index=self._first) if shown.text else []
         if isinstance(self.calls, Auto):
             upto = self.calls.held(text, self._sent)
             return self._text(text[self._sent : upto], []) if upto > self._sent else []
@@ -264,11 +355,12 @@ class Answer:
         return self._text(shown.text, shown.logprobs)
 
     def _text(self, delta: str, logprobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """A text delta of the message (item 0), after its opening events the first time."""
-        events = [] if self._text_open else self._open_text()
+        """A text delta of the message (the first item after any reasoning), after its opening events the
+        first time."""
+        events = [] if self._text_open else self._open_text(self._first)
         self._text_open = True
         self._sent += len(delta)
-        return [*events, self._text_delta(0, delta, logprobs)]
+        return [*events, self._text_delta(self._first, delta, logprobs)]
 
     def closing(self, choices: Choices, include_usage: bool = True) -> list[dict[str, Any]]:
         """The output's items, each done (with tools: added and done), then
@@ -276,6 +368,10 @@ class Answer:
         response = self._kept(self._response(choices))
         events: list[dict[str, Any]] = []
         for index, item in enumerate(response["output"]):
+            if item["type"] == "reasoning":
+                if not self._reasoning_done:  # the stream ended in its thinking (or held its tail)
+                    events += self._thought(item["content"][0]["text"], done=True)
+                continue
             if item["type"] == "message":
                 part = item["content"][0]
                 if not self._text_open:  # not streamed (under "required", or held): the text, whole, now
@@ -326,6 +422,10 @@ class Answer:
     def _message_id(self) -> str:
         return "msg_" + self.id
 
+    @property
+    def _reasoning_id(self) -> str:
+        return "rs_" + self.id
+
     def _open_text(self, index: int = 0) -> list[dict[str, Any]]:
         item = {"type": "message", "id": self._message_id, "status": "in_progress", "role": "assistant", "content": []}
         part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
@@ -366,7 +466,10 @@ class Answer:
         output: list[dict[str, Any]] = []
         status, incomplete, usage = "in_progress", None, None
         if choices is not None:
-            text, finish = choices.text[0], choices.finish[0]
+            finish = choices.finish[0]
+            reasoning, text = self._split(choices.text[0], final=True)
+            if reasoning is not None:
+                output.append(_reasoning_item(self._reasoning_id, reasoning))
             content, calls = self.calls.split(text) if self.calls else (text, None)
             if content or not calls:
                 # Log probabilities (chat's entries: the same shape) of an answer that is all text.
@@ -401,3 +504,9 @@ class Answer:
             "truncation": "disabled", "store": self.keep is not None, "metadata": b.get("metadata") or {},
             "previous_response_id": b.get("previous_response_id"), "reasoning": None, "user": b.get("user"),
         }  # fmt: skip
+
+
+def _reasoning_item(item_id: str, text: str) -> dict[str, Any]:
+    """A reasoning output item, done: the thinking as one reasoning_text part."""
+    return {"type": "reasoning", "id": item_id, "status": "completed", "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}]}  # fmt: skip

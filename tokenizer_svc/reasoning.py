@@ -30,6 +30,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from tokenizer_svc.errors import InvalidRequest
+
 START, END = "<think>", "</think>"
 # The prompt's tail read to find an open <think> (a few tokens: the tag and
 # the whitespace a template writes after it).
@@ -47,6 +49,20 @@ class Think:
         with ``<think>`` (whitespace after it aside)."""
         tail = self.tokenizer.decode(list(prompt_ids[-_TAIL_TOKENS:]), skip_special_tokens=False)
         return bool(tail.rstrip().endswith(START))
+
+    def start(self, prompt_ids: Sequence[int], constrained: bool) -> bool:
+        """`opens`, for a request whose output is structured (`constrained`:
+        masked by a grammar from its first token) or not: such a request
+        cannot go where the prompt opens the thinking (INVALID_REQUEST)."""
+        opened = self.opens(prompt_ids)
+        if opened and constrained:
+            raise InvalidRequest(
+                "structured output (response_format, text.format, a forced tool call, structured_outputs) cannot be "
+                "honoured when the chat template opens the model's thinking (its prompt ends with <think>): the "
+                'grammar would hold from the first token; turn the thinking off (chat_template_kwargs: {"enable_'
+                'thinking": false}, where the template takes it) or leave the structure out'
+            )
+        return opened
 
     def split(self, text: str, opened: bool, final: bool = True) -> tuple[str | None, str]:
         """(reasoning, content) of an output so far: None for reasoning

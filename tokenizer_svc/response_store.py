@@ -51,6 +51,9 @@ def _items_of(message: dict[str, Any], stem: str) -> list[dict[str, Any]]:
         return [{"type": "function_call_output", "id": f"fco_{stem}", "call_id": message.get("tool_call_id"),
                  "output": message.get("content"), "status": "completed"}]  # fmt: skip
     items: list[dict[str, Any]] = []
+    if message.get("reasoning_content") is not None:
+        items.append({"type": "reasoning", "id": f"rs_{stem}", "status": "completed", "summary": [],
+                      "content": [{"type": "reasoning_text", "text": message["reasoning_content"]}]})  # fmt: skip
     content = message.get("content")
     if content is not None:
         kind = "output_text" if role == "assistant" else "input_text"
@@ -79,16 +82,18 @@ def owner_of(key: str | None) -> bytes:
 
 
 def output_messages(response: dict[str, Any]) -> list[dict[str, Any]]:
-    """A Response's output as chat messages: one assistant turn of its text
-    and its function calls."""
+    """A Response's output as chat messages: one assistant turn of its
+    thinking (--reasoning-parser), its text and its function calls."""
     turn: dict[str, Any] = {"role": "assistant", "content": None}
     for item in response.get("output") or []:
-        if item.get("type") == "message":
+        if item.get("type") == "reasoning":
+            turn["reasoning_content"] = "".join(part.get("text", "") for part in item.get("content") or [])
+        elif item.get("type") == "message":
             turn["content"] = "".join(part.get("text", "") for part in item.get("content") or [])
         elif item.get("type") == "function_call":
             call = {"name": item["name"], "arguments": item["arguments"]}
             turn.setdefault("tool_calls", []).append({"id": item["call_id"], "type": "function", "function": call})
-    return [turn] if turn["content"] is not None or "tool_calls" in turn else []
+    return [turn] if turn["content"] is not None or "tool_calls" in turn or "reasoning_content" in turn else []
 
 
 def json_size(value: Any) -> int:

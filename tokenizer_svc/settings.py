@@ -168,10 +168,10 @@ class TokenizerSettings(ServiceSettings):
     )
     reasoning_parser: str = _opt(
         "none",
-        "how the HTTP API's chat completions tell a reasoning model's thinking from its answer: 'qwen3' and "
-        "'deepseek_r1' (the same form: <think>...</think>, the model starting inside it when the chat template's "
-        "generation prompt ends with <think>) answer the thinking as the message's reasoning (and "
-        "reasoning_content) and the rest as its content; 'none': the output is all content",
+        "how the HTTP API tells a reasoning model's thinking from its answer: 'qwen3' and 'deepseek_r1' (the same "
+        "form: <think>...</think>, the model starting inside it when the chat template's generation prompt ends "
+        "with <think>) answer the thinking as chat completions' reasoning (and reasoning_content) and the "
+        "Responses API's reasoning item, the rest as the content; 'none': the output is all content",
         choices=("none", "qwen3", "deepseek_r1"),
     )
     max_tokens_limit: int = _opt(

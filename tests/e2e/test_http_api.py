@@ -2650,6 +2650,29 @@ def test_a_reasoning_parser_answers_the_thinking_apart_from_the_content(qwen_api
     again = client.chat.completions.create(model=qwen_api.model, messages=history, max_tokens=2, extra_body=shows)  # type: ignore[arg-type]
     prompt = tokenizer.decode(again.model_dump()["prompt_token_ids"])
     assert f"[thought: {message['reasoning']}]{message['content']}" in prompt, prompt
+
+    # The Responses API: the thinking as a reasoning item before the message, streamed as its own events.
+    response = client.responses.create(model=qwen_api.model, input="Think, then answer.", max_output_tokens=30,
+                                       extra_body=body)  # fmt: skip
+    assert [item.type for item in response.output] == ["reasoning", "message"], response
+    reasoning_text = response.output[0].content[0].text  # type: ignore[union-attr,index]
+    assert re.fullmatch("[a-z]+", reasoning_text), response
+    assert re.fullmatch("[a-z]+", response.output_text), response
+    events = list(client.responses.create(model=qwen_api.model, input="Think, then answer.", max_output_tokens=30,
+                                          extra_body=body, stream=True))  # fmt: skip
+    deltas = {kind: "".join(e.delta for e in events if e.type == kind)  # type: ignore[union-attr]
+              for kind in ("response.reasoning_text.delta", "response.output_text.delta")}  # fmt: skip
+    assert deltas == {"response.reasoning_text.delta": reasoning_text,
+                      "response.output_text.delta": response.output_text}  # fmt: skip
+    # Its output sent back as the next input (reasoning item included), and continued by id.
+    sent_back = [item.model_dump(exclude_none=True) for item in response.output]
+    after = client.responses.create(model=qwen_api.model, max_output_tokens=2,
+                                    input=[*sent_back, {"role": "user", "content": "And?"}])  # type: ignore[list-item]  # fmt: skip
+    assert after.status in ("completed", "incomplete")
+    continued = client.responses.create(model=qwen_api.model, max_output_tokens=2, input="And?",
+                                        previous_response_id=response.id)  # fmt: skip
+    listed = client.responses.input_items.list(continued.id)
+    assert "reasoning" in [item.type for item in listed.data], listed
     _good_after(qwen_api)
 
 

@@ -162,3 +162,35 @@ def test_structured_output_is_refused_where_the_prompt_opens_the_thinking() -> N
         _answer(refused, stream=False, constrained=True)
     taken = _answer(_events('{"a": 1}', [3], "assistant\n<think>\n\n</think>\n\n"), stream=False, constrained=True)
     assert (taken["content"], taken["reasoning"]) == ('{"a": 1}', None)
+
+
+def test_responses_reasoning_items_go_back_to_the_template_with_their_turn() -> None:
+    """A Responses input that sends an earlier output back (a reasoning
+    item, the message, a call) is one assistant turn with its thinking as
+    reasoning_content; a stored answer's conversation keeps it, and lists
+    it again as a reasoning item."""
+    from tokenizer_svc import openai_api, response_store
+    from tokenizer_svc.openai_responses import to_chat
+
+    thought = {"type": "reasoning", "id": "rs_1", "summary": [],
+               "content": [{"type": "reasoning_text", "text": "Add them."}]}  # fmt: skip
+    said = {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "It is 4."}]}
+    call = {"type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}"}
+    chat, _ = to_chat({"model": "m", "input": [
+        {"role": "user", "content": "2+2?"}, thought, said, call,
+        {"type": "function_call_output", "call_id": "call_1", "output": "ok"},
+    ]})  # fmt: skip
+    turn = chat["messages"][1]
+    assert (turn["role"], turn["reasoning_content"], len(chat["messages"])) == ("assistant", "Add them.", 3)
+    assert turn["content"] == [{"type": "text", "text": "It is 4."}]
+    assert turn["tool_calls"][0]["id"] == "call_1"
+    assert openai_api.parse_chat(chat).request.messages[1].reasoning == "Add them."
+    with pytest.raises(InvalidRequest, match="reasoning_text"):
+        to_chat({"model": "m", "input": [{"type": "reasoning", "content": "not a list"}]})
+
+    output = [{**thought, "status": "completed"}, {**said, "id": "msg_1", "status": "completed"}]
+    turns = response_store.output_messages({"output": output})
+    assert turns == [{"role": "assistant", "content": "It is 4.", "reasoning_content": "Add them."}]
+    items = response_store._items_of(turns[0], "x")
+    assert [i["type"] for i in items] == ["reasoning", "message"]
+    assert items[0]["content"][0]["text"] == "Add them."

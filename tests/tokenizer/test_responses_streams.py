@@ -1,9 +1,11 @@
 """The Responses API's answers over random outputs (`openai_responses.Answer`),
 seeded: for every way of finding tool calls (none, a named function,
-"required", each --tool-call-parser) and outputs cut anywhere, the stream's
+"required", each --tool-call-parser), with --reasoning-parser or not (the
+prompt opening the thinking or not), and outputs cut anywhere, the stream's
 events are numbered from 0 without a gap, every output item of the final object
-was added once, in its order, its text deltas make the final message's
-text and each call's argument deltas its arguments; and random Responses
+was added once and done once, in its order, its text deltas make the final
+message's text (at the message's index), its reasoning deltas the reasoning
+item's text, and each call's argument deltas its arguments; and random Responses
 bodies end in a chat request or a typed refusal, nothing else (the
 throwaway fuzz of stop 58, kept small and seeded)."""
 
@@ -19,7 +21,18 @@ from mmsplit.tokenizer.v1 import tokenizer_pb2 as pb
 from tokenizer_svc import openai_api
 from tokenizer_svc.openai_answers import Choices
 from tokenizer_svc.openai_responses import Answer, to_chat
+from tokenizer_svc.reasoning import Think
 from tokenizer_svc.tool_calls import Forced, Hermes, Llama3Json, Pythonic
+
+
+class Chars:
+    """A stand-in tokenizer whose token ids are characters' code points."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return "".join(map(chr, ids))
+
+
+THINK = Think(Chars())
 
 OUTPUTS = [
     "",
@@ -32,6 +45,9 @@ OUTPUTS = [
     '{"name": "f", "parameters": {"a": 4}}; {"name": "g", "arguments": {}}',
     "<tool_call>{broken",
     "[not python(",
+    "<think>\nFirst a.\n</think>\n\nThen b.",
+    'Inside already.</think>\n\n<tool_call>{"name": "f", "arguments": {}}</tool_call>',
+    "<think>cut short",
 ]
 WAYS = [None, Forced("f"), Forced(""), Hermes(), Hermes(single=True), Llama3Json(), Pythonic()]
 
@@ -49,9 +65,12 @@ def test_streamed_events_always_make_the_final_response() -> None:
     rng = random.Random(58)
     for _ in range(1500):
         calls = rng.choice(WAYS)
-        answer = Answer("r", "m", {"input": "x"}, calls)
+        thinks = rng.random() < 0.5
+        answer = Answer("r", "m", {"input": "x"}, calls, reasoning=THINK if thinks else None)
         choices = Choices(1)
         events = answer.opening(1)
+        if thinks:
+            answer.prompted(0, [ord(c) for c in rng.choice(["assistant\n", "assistant\n<think>\n"])])
         for piece in _pieces(rng, rng.choice(OUTPUTS)):
             shown = choices.add(0, pb.GenerateResponse(delta=pb.TextDelta(text=piece)))
             assert shown is not None
@@ -71,6 +90,16 @@ def test_streamed_events_always_make_the_final_response() -> None:
             assert "".join(e["delta"] for e in streamed if e["item_id"] == item["id"]) == item["arguments"]
         added = [e["item"]["id"] for e in events if e["type"] == "response.output_item.added"]
         assert added == [i["id"] for i in final["output"]], (calls, choices.text[0])
+        done = [e["item"]["id"] for e in events if e["type"] == "response.output_item.done"]
+        assert done == [i["id"] for i in final["output"]], (calls, choices.text[0])
+        at = [k for k, i in enumerate(final["output"]) if i["type"] == "message"]
+        assert {e["output_index"] for e in events if e["type"] == "response.output_text.delta"} <= set(at)
+        thought = [i["content"][0]["text"] for i in final["output"] if i["type"] == "reasoning"]
+        streamed = "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta")
+        assert streamed == "".join(thought), (calls, choices.text[0])
+        assert not thought or final["output"][0]["type"] == "reasoning"
+        if not thinks:
+            assert not thought
 
 
 ATOMS: list[Any] = [None, True, 0, 2, "", "x", "user", "assistant", "developer", "tool", "message",
