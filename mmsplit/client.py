@@ -179,6 +179,8 @@ class Finished:
     # as JSON text) and the output's text outside them.
     tool_calls: tuple[ToolCall, ...] = ()
     content: str = ""
+    # With split_reasoning: the output's thinking (content is then the rest).
+    reasoning: str = ""
 
 
 @dataclass(frozen=True)
@@ -219,6 +221,7 @@ class Completion:
     completion_tokens: int = 0
     tool_calls: tuple[ToolCall, ...] = ()  # with tool_choice (Finished.tool_calls)
     content: str = ""
+    reasoning: str = ""  # with split_reasoning (Finished.reasoning)
     prompt: PromptScores | None = None  # with prompt_logprobs
     prompt_token_ids: list[int] = field(default_factory=list)  # with return_prompt_token_ids
 
@@ -273,6 +276,15 @@ class ToolCall:
 
 
 @dataclass(frozen=True)
+class Reasoning:
+    """An assistant turn's thinking, in its parts (the contract's
+    ChatMessage.reasoning: what a split_reasoning answer's `reasoning` was),
+    which the chat template gets as the turn's reasoning_content."""
+
+    text: str
+
+
+@dataclass(frozen=True)
 class ToolResult:
     """A tool turn's content: what the call `call_id` returned."""
 
@@ -291,9 +303,9 @@ class Tool:
 
 
 # (role, content): role "system", "user", "assistant" or "tool"; content
-# text, or parts in order (an assistant's may include ToolCalls; a tool
-# turn's is a ToolResult).
-Part = str | ImagePart | VideoPart | ToolCall
+# text, or parts in order (an assistant's may include ToolCalls and its
+# Reasoning; a tool turn's is a ToolResult).
+Part = str | ImagePart | VideoPart | ToolCall | Reasoning
 Message = tuple[str, "Part | ToolResult | Sequence[Part]"]
 _ROLES = {
     "system": tokenizer_pb2.CHAT_ROLE_SYSTEM,
@@ -313,7 +325,7 @@ def chat_messages(messages: Sequence[Message]) -> list[tokenizer_pb2.ChatMessage
         if isinstance(content, ToolResult):
             message.tool_call_id = content.call_id
             content = content.content
-        for part in [content] if isinstance(content, str | ImagePart | VideoPart | ToolCall) else content:
+        for part in [content] if isinstance(content, str | ImagePart | VideoPart | ToolCall | Reasoning) else content:
             if isinstance(part, str):
                 message.content.add(text=part)
             elif isinstance(part, ImagePart):
@@ -322,8 +334,12 @@ def chat_messages(messages: Sequence[Message]) -> list[tokenizer_pb2.ChatMessage
                 message.content.add(video=_source(tokenizer_pb2.Video, part.source))
             elif isinstance(part, ToolCall):
                 message.tool_calls.add(id=part.id, name=part.name, arguments=_json(part.arguments))
+            elif isinstance(part, Reasoning):
+                message.reasoning += part.text
             else:
-                raise TypeError(f"a content part is text, ImagePart, VideoPart or ToolCall, not {type(part).__name__}")
+                raise TypeError(
+                    f"a content part is text, ImagePart, VideoPart, ToolCall or Reasoning, not {type(part).__name__}"
+                )
         out.append(message)
     return out
 
@@ -385,6 +401,8 @@ def build_request(
     length_penalty: float | None = None,
     prompt_as_written: bool = False,
     no_special_tokens: bool = False,
+    split_reasoning: bool = False,
+    chat_template: str = "",
 ) -> tokenizer_pb2.GenerateRequest:
     """A GenerateRequest of a prompt (with `images` and `videos`) or of a
     conversation (`messages`); media given as bytes are sent inline, as str
@@ -419,7 +437,13 @@ def build_request(
     with `n`; `length_penalty`, 1 unset); `Client.beam_search` answers
     each beam. `prompt_as_written`: `prompt` is the model's text as it is
     (OpenAI's completions), not a user turn of the chat template;
-    `no_special_tokens`: tokenized without the tokenizer's BOS."""
+    `no_special_tokens`: tokenized without the tokenizer's BOS.
+    `split_reasoning`: the last event's `reasoning` holds a reasoning
+    model's thinking and `content` the rest (a tokenizer with a
+    --reasoning-parser); an assistant turn's `Reasoning` part sends an
+    earlier answer's thinking back. `chat_template`: the conversation
+    rendered with this Jinja template instead of the server's (a tokenizer
+    started with --trust-request-chat-template; others refuse it)."""
     sampling = common_pb2.SamplingParams(
         max_tokens=max_tokens,
         temperature=temperature,
@@ -465,6 +489,8 @@ def build_request(
         n=beam_width or n,
         prompt_as_written=prompt_as_written,
         no_special_tokens=no_special_tokens,
+        split_reasoning=split_reasoning,
+        chat_template=chat_template,
         beam_search=(
             tokenizer_pb2.BeamSearch(length_penalty=length_penalty)
             if length_penalty is not None
@@ -520,7 +546,7 @@ def _event(response: tokenizer_pb2.GenerateResponse) -> Event | None:
         calls = tuple(ToolCall(c.name, c.arguments, c.id) for c in f.tool_calls)
         return Finished(
             reason, f.prompt_tokens, f.completion_tokens, request_id=response.request_id,
-            cached_tokens=f.cached_tokens, tool_calls=calls, content=f.content,
+            cached_tokens=f.cached_tokens, tool_calls=calls, content=f.content, reasoning=f.reasoning,
         )  # fmt: skip
     return None
 
@@ -543,7 +569,7 @@ def _add(done: Completion, event: Event) -> None:
     else:
         done.finish_reason = event.finish_reason
         done.prompt_tokens, done.completion_tokens = event.prompt_tokens, event.completion_tokens
-        done.tool_calls, done.content = event.tool_calls, event.content
+        done.tool_calls, done.content, done.reasoning = event.tool_calls, event.content, event.reasoning
 
 
 def _options(

@@ -155,6 +155,11 @@ def parse(request: tokenizer_pb2.GenerateRequest, settings: TokenizerSettings, f
     """The request's shape, checked against the per-request limits."""
     pixels = image_budget(request, family)
     sampling = video_budget(request, settings)
+    if request.split_reasoning and settings.reasoning_parser == "none":
+        raise InvalidRequest(
+            "split_reasoning needs a tokenizer started with --reasoning-parser (this one has none)",
+            metadata={"param": "split_reasoning"},
+        )
     if request.no_special_tokens and not request.prompt_as_written:
         raise InvalidRequest(
             "no_special_tokens goes with prompt_as_written (a prompt's text tokenized as written)",

@@ -38,7 +38,7 @@ from mmsplit_server.families import PixelBudget
 from mmsplit_server.handoff import cuda_ipc, files, grants, ranges, reference
 from mmsplit_server.handoff.reference import DTYPE_BY_NAME, CudaRef, TensorSpec
 from mmsplit_server.sampling import InvalidSampling, Sampling
-from tokenizer_svc import beam_search, tool_calls
+from tokenizer_svc import beam_search, reasoning, tool_calls
 from tokenizer_svc.bad_words import token_sequences
 from tokenizer_svc.cache import PreprocessCache, fingerprint
 from tokenizer_svc.conversation import (
@@ -120,6 +120,9 @@ class TokenizerService:
         self.settings = settings
         self.tokenizer = tokenizer
         self.family = family
+        # --reasoning-parser, for GenerateRequest.split_reasoning (the HTTP API keeps its own).
+        parser = reasoning.PARSERS.get(settings.reasoning_parser)
+        self.reasoning = parser(tokenizer) if parser is not None else None
         self.prompts = PromptBuilder(family, tokenizer, chat_template)
         # Big prompts are built one per turn of the event loop (`_built`).
         self._one_big_prompt_at_a_time = asyncio.Lock()
@@ -475,7 +478,7 @@ class TokenizerService:
                 delta.logprobs.add(logprob=entry.logprob, top_token_ids=ids, top_logprobs=lps)
         yield tokenizer_pb2.GenerateResponse(request_id=rid, delta=delta)
         done = _finished(rid, beam.finish_reason, len(prompt.input_ids), len(beam.tokens), cached)
-        yield _with_calls(done, parsed.calls, text)
+        yield _with_calls(done, parsed.calls, text, self._thought(request, prompt.input_ids, request.sampling))
 
     def begin_drain(self) -> None:
         self.draining = True
@@ -615,6 +618,7 @@ class TokenizerService:
                 # Their bytes are in the message now: one-off segments have done their job.
                 for p in prepared:
                     p.release_segments()
+            thought = self._thought(request, downstream.input_ids, downstream.sampling)
             events = self._send(downstream, timeout_s, assigned, transport)
             relayed = self._relay(
                 rid,
@@ -623,6 +627,7 @@ class TokenizerService:
                 calls,
                 prompt_ids=request.return_prompt_token_ids,
                 special=request.keep_special_tokens,
+                thought=thought,
             )
             async with contextlib.aclosing(relayed) as relay:
                 async for response in relay:
@@ -771,6 +776,17 @@ class TokenizerService:
             finally:
                 await stream.aclose()
 
+    def _thought(
+        self, request: tokenizer_pb2.GenerateRequest, prompt_ids: Sequence[int], sampling: common_pb2.SamplingParams
+    ) -> tuple[reasoning.Think, bool] | None:
+        """With split_reasoning: the parser, and whether the prompt leaves
+        the model inside its thinking (`Think.start`: a structured output
+        there is INVALID_REQUEST)."""
+        if not request.split_reasoning or self.reasoning is None:
+            return None
+        structured = bool(sampling.json_schema or sampling.regex or sampling.choice or sampling.grammar)
+        return self.reasoning, self.reasoning.start(prompt_ids, structured)
+
     async def _relay(
         self,
         rid: str,
@@ -780,12 +796,14 @@ class TokenizerService:
         *,
         prompt_ids: bool = False,
         special: bool = False,
+        thought: tuple[reasoning.Think, bool] | None = None,
     ) -> AsyncGenerator[tokenizer_pb2.GenerateResponse | None, None]:
         """The scheduler's stream as text: None once it has accepted, then
         (with `prompt_ids`: GenerateRequest.return_prompt_token_ids) the
         prompt's ids with its first tokens, then a delta per step (text may be empty while a character or a possible
         stop string is held back), then Finished (with `calls`, the
-        request's tool_choice: the calls found in the whole text). A stop
+        request's tool_choice: the calls found in the whole text; with
+        `thought`, split_reasoning's parser: the thinking apart). A stop
         string ends the stream here, and closing the call aborts the
         request downstream."""
         decoder = make_decoder(self.tokenizer, skip_special_tokens=not special)  # keep_special_tokens
@@ -816,14 +834,14 @@ class TokenizerService:
                     del ids[kept:]  # those after the token a stop string falls in are not reported
                     completion += kept
                     delta = tokenizer_pb2.TextDelta(text=text, token_ids=ids, logprobs=event.tokens.logprobs[:kept])
-                    if calls is not None:
+                    if calls is not None or thought is not None:
                         text_so_far.append(text)
                     yield tokenizer_pb2.GenerateResponse(request_id=rid, delta=delta)
                     if stops.stopped:
                         done = _finished(
                             rid, common_pb2.FINISH_REASON_STOP, len(downstream.input_ids), completion, cached
                         )
-                        yield _with_calls(done, calls, "".join(text_so_far))
+                        yield _with_calls(done, calls, "".join(text_so_far), thought)
                         return
                 elif kind == "finished":
                     f = event.finished
@@ -833,7 +851,7 @@ class TokenizerService:
                         yield tokenizer_pb2.GenerateResponse(request_id=rid, delta=tokenizer_pb2.TextDelta(text=tail))
                     reason = common_pb2.FINISH_REASON_STOP if stops.stopped else f.finish_reason
                     done = _finished(rid, reason, f.prompt_tokens, f.completion_tokens, f.cached_tokens)
-                    yield _with_calls(done, calls, "".join([*text_so_far, tail]))
+                    yield _with_calls(done, calls, "".join([*text_so_far, tail]), thought)
                     return
         finally:
             await stream.aclose()  # cancels the call downstream when it has not ended
@@ -1362,10 +1380,20 @@ def _finished(
 
 
 def _with_calls(
-    done: tokenizer_pb2.GenerateResponse, calls: Forced | Auto | None, text: str
+    done: tokenizer_pb2.GenerateResponse,
+    calls: Forced | Auto | None,
+    text: str,
+    thought: tuple[reasoning.Think, bool] | None = None,
 ) -> tokenizer_pb2.GenerateResponse:
     """`done` (a Finished) with the tool calls found in the whole `text` and
-    the text outside them (tool_choice; unchanged without one)."""
+    the text outside them (tool_choice), and with `thought` (split_reasoning:
+    the parser, and whether the model started inside its thinking) the
+    thinking apart, the calls then found in the rest; unchanged without either."""
+    if thought is not None:
+        parser, opened = thought
+        found_reasoning, text = parser.split(text, opened)
+        done.finished.reasoning = found_reasoning or ""
+        done.finished.content = text
     if calls is None:
         return done
     content, found = calls.split(text)

@@ -32,7 +32,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from mmsplit.client import ImagePart, VideoPart, build_request
+from mmsplit.client import ImagePart, RequestFailed, VideoPart, build_request
 from mmsplit.tokenizer.v1 import tokenizer_pb2_grpc
 from mmsplit_cli import samples
 from mmsplit_cli.client import run_request
@@ -2673,6 +2673,26 @@ def test_a_reasoning_parser_answers_the_thinking_apart_from_the_content(qwen_api
                                         previous_response_id=response.id)  # fmt: skip
     listed = client.responses.input_items.list(continued.id)
     assert "reasoning" in [item.type for item in listed.data], listed
+
+    # gRPC: split_reasoning gives the same two parts in Finished; the deltas stay the text as written.
+    from mmsplit.client import Client, Reasoning
+
+    with Client(qwen_api.pair.tokenizer_address) as grpc_client:
+        done = grpc_client.complete(messages=[("user", "Think, then answer.")], max_tokens=30, regex=pattern,
+                                    split_reasoning=True)  # fmt: skip
+        assert (done.reasoning, done.content) == (message["reasoning"], message["content"])
+        assert done.text == f"<think>{message['reasoning']}</think>\n\n{message['content']}"
+        with pytest.raises(RequestFailed) as refused_grpc:
+            grpc_client.complete(messages=[("user", "x")], max_tokens=2, regex=pattern, split_reasoning=True,
+                                 chat_template=THINKING_TEMPLATE)  # fmt: skip
+        assert refused_grpc.value.reason == "INVALID_REQUEST"
+        # An earlier answer's thinking sent back in an assistant turn: the template gets it.
+        answered = ("assistant", [Reasoning(message["reasoning"]), message["content"]])
+        back = grpc_client.complete(
+            messages=[("user", "Think, then answer."), answered, ("user", "And?")],
+            max_tokens=1, return_prompt_token_ids=True, chat_template=SHOWS_REASONING,
+        )  # fmt: skip
+        assert f"[thought: {message['reasoning']}]" in tokenizer.decode(back.prompt_token_ids)
     _good_after(qwen_api)
 
 

@@ -95,6 +95,7 @@ def test_a_tool_conversation_is_parsed_into_turns_and_template_tools(
          "messages[0]", "only assistant messages may call tools"),
         (pb.GenerateRequest(messages=[pb.ChatMessage(role=pb.CHAT_ROLE_USER, content=USER.content, reasoning="x")]),
          "messages[0]", "only assistant messages may carry reasoning"),
+        (pb.GenerateRequest(messages=[USER], split_reasoning=True), "split_reasoning", "needs a tokenizer"),
         (pb.GenerateRequest(messages=[USER, pb.ChatMessage(role=pb.CHAT_ROLE_TOOL, content=ANSWERED.content)]),
          "messages[1]", "a tool message needs a tool_call_id"),
         (pb.GenerateRequest(messages=[pb.ChatMessage(role=pb.CHAT_ROLE_USER, content=USER.content,

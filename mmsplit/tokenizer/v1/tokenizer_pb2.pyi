@@ -38,7 +38,7 @@ class Video(_message.Message):
     def __init__(self, data: _Optional[bytes] = ..., url: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "images", "sampling", "videos", "messages", "n", "cache_salt", "tools", "continue_final_message", "chat_template_kwargs", "prompt_token_ids", "tool_choice", "image_budget", "return_prompt_token_ids", "keep_special_tokens", "truncate_prompt_tokens", "priority", "video_budget", "documents", "no_generation_prompt", "chat_template", "beam_search", "prompt_as_written", "no_special_tokens")
+    __slots__ = ("request_id", "prompt", "images", "sampling", "videos", "messages", "n", "cache_salt", "tools", "continue_final_message", "chat_template_kwargs", "prompt_token_ids", "tool_choice", "image_budget", "return_prompt_token_ids", "keep_special_tokens", "truncate_prompt_tokens", "priority", "video_budget", "documents", "no_generation_prompt", "chat_template", "beam_search", "prompt_as_written", "no_special_tokens", "split_reasoning")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     IMAGES_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +64,7 @@ class GenerateRequest(_message.Message):
     BEAM_SEARCH_FIELD_NUMBER: _ClassVar[int]
     PROMPT_AS_WRITTEN_FIELD_NUMBER: _ClassVar[int]
     NO_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPLIT_REASONING_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     images: _containers.RepeatedCompositeFieldContainer[Image]
@@ -89,7 +90,8 @@ class GenerateRequest(_message.Message):
     beam_search: BeamSearch
     prompt_as_written: bool
     no_special_tokens: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., videos: _Optional[_Iterable[_Union[Video, _Mapping]]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., n: _Optional[int] = ..., cache_salt: _Optional[str] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., continue_final_message: _Optional[bool] = ..., chat_template_kwargs: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., image_budget: _Optional[_Union[ImageBudget, _Mapping]] = ..., return_prompt_token_ids: _Optional[bool] = ..., keep_special_tokens: _Optional[bool] = ..., truncate_prompt_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., video_budget: _Optional[_Union[VideoBudget, _Mapping]] = ..., documents: _Optional[str] = ..., no_generation_prompt: _Optional[bool] = ..., chat_template: _Optional[str] = ..., beam_search: _Optional[_Union[BeamSearch, _Mapping]] = ..., prompt_as_written: _Optional[bool] = ..., no_special_tokens: _Optional[bool] = ...) -> None: ...
+    split_reasoning: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., videos: _Optional[_Iterable[_Union[Video, _Mapping]]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., n: _Optional[int] = ..., cache_salt: _Optional[str] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., continue_final_message: _Optional[bool] = ..., chat_template_kwargs: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., image_budget: _Optional[_Union[ImageBudget, _Mapping]] = ..., return_prompt_token_ids: _Optional[bool] = ..., keep_special_tokens: _Optional[bool] = ..., truncate_prompt_tokens: _Optional[int] = ..., priority: _Optional[int] = ..., video_budget: _Optional[_Union[VideoBudget, _Mapping]] = ..., documents: _Optional[str] = ..., no_generation_prompt: _Optional[bool] = ..., chat_template: _Optional[str] = ..., beam_search: _Optional[_Union[BeamSearch, _Mapping]] = ..., prompt_as_written: _Optional[bool] = ..., no_special_tokens: _Optional[bool] = ..., split_reasoning: _Optional[bool] = ...) -> None: ...
 
 class BeamSearch(_message.Message):
     __slots__ = ("length_penalty",)
@@ -180,20 +182,22 @@ class TextDelta(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class Finished(_message.Message):
-    __slots__ = ("finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "tool_calls", "content")
+    __slots__ = ("finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "tool_calls", "content", "reasoning")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
+    REASONING_FIELD_NUMBER: _ClassVar[int]
     finish_reason: _common_pb2.FinishReason
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
     tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
     content: str
-    def __init__(self, finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., content: _Optional[str] = ...) -> None: ...
+    reasoning: str
+    def __init__(self, finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., content: _Optional[str] = ..., reasoning: _Optional[str] = ...) -> None: ...
 
 class PromptLogprobs(_message.Message):
     __slots__ = ("token_ids", "logprobs")
