@@ -319,8 +319,18 @@ class Shape:
             out["prompt_logprobs"] = choices.prompt_logprobs.get(0)
         if self.chat and self.token_ids:  # vLLM's: the request's, once
             out["prompt_token_ids"] = choices.prompt_ids.get(0)
-        out["usage"] = choices.usage()
+        out["usage"] = self._usage(choices)
         return out
+
+    def _usage(self, choices: Choices) -> dict[str, Any]:
+        """The usage, with --reasoning-parser the tokens of the thinking
+        among the completion's (OpenAI's completion_tokens_details)."""
+        usage = choices.usage()
+        if self.reasoning is not None and self.chat:
+            thinking = sum(self.reasoning.tokens(ids, self._thinks.get(i, False))
+                           for i, ids in enumerate(choices.token_ids))  # fmt: skip
+            usage["completion_tokens_details"] = {"reasoning_tokens": thinking}
+        return usage
 
     def _logprobs(self, entries: list[dict[str, Any]], start: int = 0) -> dict[str, Any]:
         """Chat's form, or the legacy one with text offsets from `start`."""
@@ -451,7 +461,7 @@ class Shape:
     def usage_chunk(self, choices: Choices) -> dict[str, Any]:
         out = self._head(chunk=True)
         out["choices"] = []
-        out["usage"] = choices.usage()
+        out["usage"] = self._usage(choices)
         return out
 
     # A stream's events, as http_api writes every kind of answer's stream

@@ -339,6 +339,10 @@ class Answer:
             ]  # fmt: skip
         return events
 
+    def _thinking_tokens(self, choices: Choices) -> int:
+        """The output's tokens that are its thinking (`Think.tokens`; none without a parser)."""
+        return 0 if self.reasoning is None else self.reasoning.tokens(choices.token_ids[0], self._thinks)
+
     @property
     def _first(self) -> int:
         """The index of the output's first item after its reasoning item, if any."""
@@ -489,7 +493,7 @@ class Answer:
                 "input_tokens": chat_usage["prompt_tokens"],
                 "input_tokens_details": chat_usage["prompt_tokens_details"],
                 "output_tokens": chat_usage["completion_tokens"],
-                "output_tokens_details": {"reasoning_tokens": 0},
+                "output_tokens_details": {"reasoning_tokens": self._thinking_tokens(choices)},
                 "total_tokens": chat_usage["total_tokens"],
             }
         b = self.body

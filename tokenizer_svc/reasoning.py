@@ -64,6 +64,25 @@ class Think:
             )
         return opened
 
+    def tokens(self, ids: Sequence[int], opened: bool) -> int:
+        """How many of an output's tokens (`ids`) are its thinking: those up
+        to the one that completes the end tag, all when it never ends,
+        none when it does not think (the usage's reasoning_tokens)."""
+        ids = list(ids)
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        if self.split(text, opened)[0] is None:
+            return 0
+        if END not in text:
+            return len(ids)
+        low, high = 1, len(ids)  # the shortest run of ids whose text holds the end tag
+        while low < high:
+            middle = (low + high) // 2
+            if END in self.tokenizer.decode(ids[:middle], skip_special_tokens=True):
+                high = middle
+            else:
+                low = middle + 1
+        return low
+
     def split(self, text: str, opened: bool, final: bool = True) -> tuple[str | None, str]:
         """(reasoning, content) of an output so far: None for reasoning
         when the output does not think. Not `final`: what may be shown of

@@ -2619,6 +2619,8 @@ def test_a_reasoning_parser_answers_the_thinking_apart_from_the_content(qwen_api
                          + message["content"])  # fmt: skip
     assert found, message
     assert message["reasoning_content"] == message["reasoning"]
+    thinking = whole.usage.completion_tokens_details.reasoning_tokens  # type: ignore[union-attr]
+    assert 0 < thinking < whole.usage.completion_tokens, whole.usage  # type: ignore[union-attr]
     streamed = _streamed_parts(qwen_api, messages=chat, max_tokens=30, extra_body=body)
     assert (streamed["reasoning"], streamed["reasoning_content"], streamed["content"]) == (
         message["reasoning"], message["reasoning"], message["content"],
@@ -2633,6 +2635,7 @@ def test_a_reasoning_parser_answers_the_thinking_apart_from_the_content(qwen_api
     assert "</think>" not in text  # what the next line relies on
     assert answer["choices"][0]["message"]["reasoning"] == text.strip()
     assert answer["choices"][0]["message"]["content"] is None
+    assert answer["usage"]["completion_tokens_details"]["reasoning_tokens"] == answer["usage"]["completion_tokens"]
     streamed = _streamed_parts(qwen_api, messages=chat, max_tokens=12, extra_body={"chat_template": THINKING_TEMPLATE})
     assert (streamed["reasoning"], streamed.get("content", "")) == (text.strip(), "")
     refused = _bad(qwen_api, _chat([{"type": "text", "text": "x"}], model=qwen_api.model,
@@ -2642,6 +2645,7 @@ def test_a_reasoning_parser_answers_the_thinking_apart_from_the_content(qwen_api
 
     plain = client.chat.completions.create(model=qwen_api.model, messages=chat, max_tokens=6)  # type: ignore[arg-type]
     assert plain.choices[0].message.model_dump()["reasoning"] is None
+    assert plain.usage.completion_tokens_details.reasoning_tokens == 0  # type: ignore[union-attr]
     assert plain.choices[0].message.content
 
     # The answer sent back as the SDK gives it: its thinking reaches the template as reasoning_content.
@@ -2658,6 +2662,7 @@ def test_a_reasoning_parser_answers_the_thinking_apart_from_the_content(qwen_api
     reasoning_text = response.output[0].content[0].text  # type: ignore[union-attr,index]
     assert re.fullmatch("[a-z]+", reasoning_text), response
     assert re.fullmatch("[a-z]+", response.output_text), response
+    assert response.usage.output_tokens_details.reasoning_tokens == thinking  # type: ignore[union-attr]
     events = list(client.responses.create(model=qwen_api.model, input="Think, then answer.", max_output_tokens=30,
                                           extra_body=body, stream=True))  # fmt: skip
     deltas = {kind: "".join(e.delta for e in events if e.type == kind)  # type: ignore[union-attr]

@@ -82,6 +82,20 @@ def test_opens_reads_the_tags_in_a_real_tokenizer_s_pieces(tiny_model) -> None: 
     assert not think.opens(tokenizer.encode("[INST] Hi [/INST]"))
 
 
+@pytest.mark.parametrize(
+    ("output", "opened", "tokens"),
+    [
+        ("<think>ab</think>cd", False, len("<think>ab</think>")),
+        ("ab</think>\ncd", True, len("ab</think>")),
+        ("abc", True, 3),  # cut short inside the thinking
+        ("abc</think", False, 0),  # no thinking
+        ("", True, 0),
+    ],
+)
+def test_the_thinking_s_tokens_are_those_up_to_the_end_tag(output: str, opened: bool, tokens: int) -> None:
+    assert THINK.tokens(ids(output), opened) == tokens
+
+
 # Outputs made of the pieces a thinking model writes, and every way a stream may cut them.
 PIECES = st.sampled_from(["<think>", "</think>", "<", "</", "</th", ">", " ", "\n", "\n\n", "a", "b c", "4.", "é"])
 
