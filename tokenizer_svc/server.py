@@ -245,6 +245,8 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
                 cuda_ipc_pool_used_bytes=gpu.used_bytes() if gpu else 0,
                 image_min_pixels=budget.least if budget else 0,
                 image_max_pixels=budget.most if budget else 0,
+                tool_call_parser=self.settings.tool_call_parser,
+                reasoning_parser=self.settings.reasoning_parser,
             ),
             scheduler=primary.info if primary else None,
             transport=primary.transport if primary else common_pb2.TRANSPORT_UNSPECIFIED,

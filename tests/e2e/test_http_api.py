@@ -2679,7 +2679,10 @@ def test_a_reasoning_parser_answers_the_thinking_apart_from_the_content(qwen_api
     listed = client.responses.input_items.list(continued.id)
     assert "reasoning" in [item.type for item in listed.data], listed
 
-    # gRPC: split_reasoning gives the same two parts in Finished; the deltas stay the text as written.
+    # gRPC: the server says its parsers; split_reasoning gives the same two parts in Finished; the deltas stay
+    # the text as written.
+    said = tokenizer_info(qwen_api.pair.tokenizer_address).info
+    assert (said.reasoning_parser, said.tool_call_parser) == ("qwen3", "none")
     from mmsplit.client import Client, Reasoning
 
     with Client(qwen_api.pair.tokenizer_address) as grpc_client:
