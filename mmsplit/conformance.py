@@ -207,6 +207,7 @@ class Kit:
             ("tokenizer.stream.request_id_assigned", self.tokenizer_request_id),
             ("tokenizer.stream.json_schema", self.tokenizer_json_schema),
             ("tokenizer.stream.choice", self.tokenizer_choice),
+            ("tokenizer.stream.split_reasoning", self.tokenizer_split_reasoning),
             *[(f"tokenizer.error.{label}", self._tokenizer_error(code, build)) for label, code, build in CLIENT_ERRORS],
             ("tokenizer.error.MEDIA_NOT_FOUND", self.tokenizer_not_found),
             ("tokenizer.error.INVALID_REQUEST(image_budget past the model's)", self.tokenizer_image_budget),
@@ -415,6 +416,33 @@ class Kit:
         expect(events[-1].finished.finish_reason == common_pb2.FINISH_REASON_STOP, f"{reason} after {text!r}")
         expect(text in CHOICES, f"{text!r} is none of {CHOICES}")
         return text
+
+    def tokenizer_split_reasoning(self) -> str:
+        """split_reasoning: on a tokenizer that says it has a reasoning
+        parser (ServerInfo.reasoning_parser), an answer made (by `choice`)
+        to think between <think> tags and then answer has Finished.reasoning
+        the thinking and Finished.content the answer; on one that says it
+        has none, INVALID_REQUEST. The prompt is as written: no chat
+        template opens the thinking."""
+        info = self.tok.GetServerInfo(tokenizer_pb2.GetServerInfoRequest(), timeout=10).info
+        rid = _request_id()
+        request = _text_request(rid, tokens=32)
+        request.prompt_as_written, request.split_reasoning = True, True
+        request.sampling.min_tokens = 0
+        request.sampling.choice.append(THOUGHT)
+        if info.reasoning_parser in ("", "none"):
+            said = "says none" if info.reasoning_parser else "does not say (an older server)"
+            refused = self._expect_tokenizer_error(request, E.ERROR_CODE_INVALID_REQUEST, rid)
+            return f"no reasoning parser ({said}): {refused}"
+        events = self._generate(request)
+        expect(events[-1].WhichOneof("event") == "finished", "no Finished")
+        done = events[-1].finished
+        text = "".join(e.delta.text for e in events[:-1])
+        expect(text == THOUGHT, f"the deltas are {text!r}, not the one choice {THOUGHT!r} as written")
+        expect(
+            (done.reasoning, done.content) == ("a b", "c"), f"reasoning {done.reasoning!r}, content {done.content!r}"
+        )
+        return f"{info.reasoning_parser}: reasoning {done.reasoning!r}, content {done.content!r}"
 
     def tokenizer_request_id(self) -> str:
         events = self._generate(_text_request("", tokens=2))
@@ -649,6 +677,10 @@ class Kit:
 
 
 # ---- requests ----
+# An answer that thinks, then answers (tokenizer.stream.split_reasoning).
+THOUGHT = "<think>a b</think>\n\nc"
+
+
 def _request_id() -> str:
     return f"conformance-{uuid.uuid4().hex[:12]}"
 

@@ -55,8 +55,11 @@ def test_our_services_pass_every_check(services: Services) -> None:
         "tokenizer.cancel_propagates",
         "scheduler.deadline_propagates",
         "tokenizer.stream.choice",
+        "tokenizer.stream.split_reasoning",
     ):
         assert got[name] == "PASS"
+    said = next(line for line in run.stdout.splitlines() if line.startswith("tokenizer.stream.split_reasoning "))
+    assert "no reasoning parser (says none)" in said, said
     # Reflection is asked as v1 first (its current name), which ours serves.
     listed = next(line for line in run.stdout.splitlines() if line.startswith("tokenizer.reflection "))
     assert "grpc.reflection.v1.ServerReflection" in listed, listed

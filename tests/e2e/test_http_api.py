@@ -2683,6 +2683,13 @@ def test_a_reasoning_parser_answers_the_thinking_apart_from_the_content(qwen_api
     # the text as written.
     said = tokenizer_info(qwen_api.pair.tokenizer_address).info
     assert (said.reasoning_parser, said.tool_call_parser) == ("qwen3", "none")
+    from mmsplit.conformance import Kit, Options
+
+    kit = Kit(Options(qwen_api.pair.tokenizer_address))
+    try:  # the conformance kit's check, on a tokenizer with a parser (the shared pair has none: its refusal)
+        assert kit.tokenizer_split_reasoning() == "qwen3: reasoning 'a b', content 'c'"
+    finally:
+        kit.close()
     from mmsplit.client import Client, Reasoning
 
     with Client(qwen_api.pair.tokenizer_address) as grpc_client:
