@@ -2,7 +2,7 @@
 
 There is no model hub here, so tests and the demo build them: one per family
 (`FAMILIES`: LLaVA-1.5, LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL, Qwen3-VL and its
-mixture-of-experts variant), each a 2-layer
+mixture-of-experts variant, InternVL), each a 2-layer
 text model and a 2-layer vision tower with random weights (fixed seed), the
 family's own processor classes (PIL backends) and the Mistral-7B v0.1
 SentencePiece tokenizer that ships inside the `mistral-common` wheel on PyPI,
@@ -31,7 +31,7 @@ IMAGE_SIZE = 224
 PATCH_SIZE = 28  # (224 / 28)^2 = 64 image tokens per image
 # The file that marks a directory as one `build` wrote (`mmsplit tiny-model` writes it again over such a one only).
 MARKER = ".mmsplit-tiny-model"
-FAMILIES = ("llava", "llava-next", "qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3-vl-moe")
+FAMILIES = ("llava", "llava-next", "qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3-vl-moe", "internvl")
 QWEN_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>", "<|im_start|>", "<|im_end|>")
 # A ChatML template in the shape Qwen2-VL ships (images and videos as
 # vision_start/pad/vision_end, text parts as they are).
@@ -63,6 +63,19 @@ LLAVA_NEXT_CHAT_TEMPLATE = (
     "{% else %}{{ raise_exception('Only system, user and assistant roles are supported!') }}{% endif %}{% endfor %}"
 )
 CHAT_TEMPLATES = {"llava": LLAVA_CHAT_TEMPLATE, "llava-next": LLAVA_NEXT_CHAT_TEMPLATE}
+# InternVL's (the "-hf" checkpoints'), in its shape: ChatML, an image part
+# as <IMG_CONTEXT> on a line of its own, which InternVLProcessor expands to
+# <img> + its tiles' placeholders + </img>.
+INTERNVL_TOKENS = ("<img>", "</img>", "<IMG_CONTEXT>", "<video>", "<|im_start|>", "<|im_end|>")
+INTERNVL_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<IMG_CONTEXT>\n"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+INTERNVL_TILE = 112  # with 14-pixel patches and the pixel shuffle: 16 placeholders a tile
 
 
 def tokenizer_wheel(cache_dir: Path) -> Path:
@@ -118,6 +131,8 @@ def build(
     out.mkdir(parents=True, exist_ok=True)
     if family in ("llava", "llava-next"):
         model, writers = _llava(family, cache_dir, text, chat_template)
+    elif family == "internvl":
+        model, writers = _internvl(cache_dir, text)
     else:
         model, writers = _qwen(family, cache_dir, text)
     torch.manual_seed(seed)
@@ -363,3 +378,58 @@ def _qwen(family: str, cache_dir: Path, text: dict[str, Any]):  # type: ignore[n
         (out / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2) + "\n")
 
     return model, [tokenizer.save_pretrained, image_processor.save_pretrained, generation.save_pretrained, write_video]
+
+
+def _internvl(cache_dir: Path, text: dict[str, Any]):  # type: ignore[no-untyped-def]
+    """InternVL as transformers has it: an InternViT-shaped tower, the pixel
+    shuffle and projector, a Qwen2 text model; tiles of INTERNVL_TILE pixels,
+    1 to 4 a picture and a thumbnail (the image processor's rule)."""
+    from transformers import (
+        GenerationConfig,
+        GotOcr2ImageProcessorPil,
+        InternVLConfig,
+        InternVLForConditionalGeneration,
+        InternVLVisionConfig,
+        Qwen2Config,
+    )
+
+    tokenizer = _spm_tokenizer(cache_dir, list(INTERNVL_TOKENS))
+    # The names InternVLProcessor reads its tokens by, kept in tokenizer_config.json.
+    tokenizer._set_model_specific_special_tokens(
+        special_tokens={"start_image_token": "<img>", "end_image_token": "</img>",
+                        "context_image_token": "<IMG_CONTEXT>", "video_token": "<video>"}
+    )  # fmt: skip
+    tokenizer.chat_template = INTERNVL_CHAT_TEMPLATE
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in INTERNVL_TOKENS}
+    vision = InternVLVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        image_size=[INTERNVL_TILE, INTERNVL_TILE], patch_size=[14, 14],
+    )  # fmt: skip
+    text_config = Qwen2Config(
+        vocab_size=len(tokenizer), **text, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id
+    )
+    config = InternVLConfig(
+        vision_config=vision, text_config=text_config, image_token_id=ids["<IMG_CONTEXT>"], downsample_ratio=0.5,
+        vision_feature_layer=-1, vision_feature_select_strategy="default",
+        # Untied, as the LLaVA and Qwen tiny models are: a head tied to random
+        # embeddings repeats the last token read, whatever the image.
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    image_processor = GotOcr2ImageProcessorPil(
+        size={"height": INTERNVL_TILE, "width": INTERNVL_TILE}, crop_to_patches=True, min_patches=1, max_patches=4
+    )
+    image_processor.processor_class = "InternVLProcessor"  # type: ignore[attr-defined]
+    generation = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=[tokenizer.eos_token_id, ids["<|im_end|>"]]
+    )
+    per_tile = (INTERNVL_TILE // 14) ** 2 // 4
+    # InternVLProcessor itself cannot be made here (its video processor needs
+    # torchvision); its file is plain JSON.
+    processor = {"processor_class": "InternVLProcessor", "image_seq_length": per_tile}
+
+    def write_processor(out: Path) -> None:
+        (out / "processor_config.json").write_text(json.dumps(processor, indent=2) + "\n")
+
+    model = lambda: InternVLForConditionalGeneration(config)  # noqa: E731
+    return model, [tokenizer.save_pretrained, image_processor.save_pretrained, generation.save_pretrained,
+                   write_processor]  # fmt: skip

@@ -10,7 +10,8 @@ one-row decode step takes 0.92x as long there, the tiny model's 0.81x
 (`bench/step_profile.py`).
 `LeanLlama` makes the same operations, on the same weights, in the same
 order, as transformers' Llama layers (the text model of the LLaVA
-families), `LeanQwen2VL` as Qwen2-VL's and Qwen2.5-VL's (the same layers,
+families) and Qwen2's (InternVL's: Llama's with biased projections, which
+their `forward` adds), `LeanQwen2VL` as Qwen2-VL's and Qwen2.5-VL's (the same layers,
 with M-RoPE positions) and `LeanQwen3VL` as Qwen3-VL's (with a norm over
 each head's queries and keys). It calls the model's own pieces: the
 embedding, the rotary embedding and `apply_rotary_pos_emb` of the model's
@@ -266,6 +267,7 @@ class _Architecture(NamedTuple):
 def _architectures() -> dict[type, _Architecture]:
     """By the text model's class (exactly: a subclass may compute otherwise)."""
     from transformers.models.llama import modeling_llama as llama
+    from transformers.models.qwen2 import modeling_qwen2 as qwen2_text
     from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as qwen25
     from transformers.models.qwen2_vl import modeling_qwen2_vl as qwen2
     from transformers.models.qwen3_vl import modeling_qwen3_vl as qwen3
@@ -274,6 +276,11 @@ def _architectures() -> dict[type, _Architecture]:
         llama.LlamaModel: _Architecture(
             llama.LlamaDecoderLayer, llama.LlamaAttention, llama.LlamaMLP, llama.LlamaRMSNorm,
             llama.LlamaRotaryEmbedding, LeanLlama,
+        ),
+        # InternVL's text model (Llama's layers with biased q, k, v projections).
+        qwen2_text.Qwen2Model: _Architecture(
+            qwen2_text.Qwen2DecoderLayer, qwen2_text.Qwen2Attention, qwen2_text.Qwen2MLP, qwen2_text.Qwen2RMSNorm,
+            qwen2_text.Qwen2RotaryEmbedding, LeanLlama,
         ),
         qwen2.Qwen2VLTextModel: _Architecture(
             qwen2.Qwen2VLDecoderLayer, qwen2.Qwen2VLAttention, qwen2.Qwen2MLP, qwen2.Qwen2VLRMSNorm,

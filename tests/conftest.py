@@ -297,7 +297,9 @@ def chat_models(
     built: dict[str, Path] = {}
 
     def get(family: str) -> Path:
-        if family.startswith("qwen"):
+        from tests.support.family_kit import ships_template
+
+        if ships_template(family):
             return family_models(family)
         if family not in built:
             built[family] = shared_model(tmp_path_factory, f"chat-{family}", family=family)

@@ -23,7 +23,7 @@ from mmsplit_server.families.base import (
     read_json,
 )
 
-MODULES = ("llava", "llava_next", "qwen2_vl", "qwen3_vl")
+MODULES = ("llava", "llava_next", "qwen2_vl", "qwen3_vl", "internvl")
 VIDEO_CONFIG = "video_preprocessor_config.json"
 IMAGE_CONFIG = "preprocessor_config.json"
 __all__ = [

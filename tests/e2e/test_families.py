@@ -44,7 +44,7 @@ from tests.support.services import Pair, running_pair
 pytestmark = pytest.mark.e2e
 MAX_TOKENS = 6
 # The families whose pairs prefill prompts of over 32 tokens in chunks of 32.
-CHUNKED = ("qwen2-vl", "qwen3-vl")
+CHUNKED = ("qwen2-vl", "qwen3-vl", "internvl")
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +57,7 @@ def family_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, P
     return media, tmp, tmp_path_factory.mktemp("family-slow")
 
 
-@pytest.fixture(scope="module", params=["llava", "llava-next", "qwen2-vl", "qwen2.5-vl", "qwen3-vl"])
+@pytest.fixture(scope="module", params=["llava", "llava-next", "qwen2-vl", "qwen2.5-vl", "qwen3-vl", "internvl"])
 def family_pair(
     request: pytest.FixtureRequest,
     family_models: Callable[[str], Path],
@@ -210,7 +210,7 @@ def _malformed(kit: family_kit.Kit, good: scheduler_pb2.GenerateRequest) -> dict
     m = variant("both pixel_values and items")
     m.pixel_values.append(family_kit.inline(np.zeros((3, 8, 8), dtype=np.float32)))
     m = variant("side tensor by shared memory")
-    name = next(n for n in m.items[0].tensors if not n.startswith("pixel_values")) if kit.family.name != "llava" else ""
+    name = next((n for n in m.items[0].tensors if not n.startswith("pixel_values")), "")  # LLaVA, InternVL: none
     if name:
         ref = m.items[0].tensors[name]
         ref.shm.CopyFrom(common_pb2.ShmSlice(segment=f"{PROJECT_PREFIX}-1-abc", offset=0, nbytes=len(ref.inline)))

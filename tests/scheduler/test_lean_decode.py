@@ -83,7 +83,15 @@ def workload(model: torch.nn.Module, seed: int, *, images: bool) -> tuple[dict[i
 
 @pytest.mark.parametrize(
     ("family", "kv_multiple"),
-    [("llava", 1), ("llava", 64), ("llava-next", 1), ("qwen2-vl", 1), ("qwen2.5-vl", 1), ("qwen3-vl", 1)],
+    [
+        ("llava", 1),
+        ("llava", 64),
+        ("llava-next", 1),
+        ("qwen2-vl", 1),
+        ("qwen2.5-vl", 1),
+        ("qwen3-vl", 1),
+        ("internvl", 1),
+    ],
 )
 def test_lean_decode_makes_the_model_s_own_logits_bit_for_bit(
     family_models: Callable[[str], Path], family: str, kv_multiple: int

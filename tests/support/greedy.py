@@ -60,8 +60,8 @@ def equal_to_the_model(family: str, pair: Pair, asked: list[Ask], *, max_tokens:
     different requests, and different rope deltas, in the same batches) and
     check each answer against the model's. The prompt sent marks each medium
     where it goes; the reference renders the same parts as one user turn with
-    the processor's own chat template when the model ships one (the Qwen tiny
-    models do: the default `--chat-template auto` applies it), else uses the
+    the processor's own chat template when the model ships one (the Qwen and
+    InternVL tiny models do: the default `--chat-template auto` applies it), else uses the
     prompt as written."""
     from tokenizer_svc.decode import decode_image
 
@@ -80,7 +80,7 @@ def equal_to_the_model(family: str, pair: Pair, asked: list[Ask], *, max_tokens:
         with ThreadPoolExecutor(len(asked)) as pool:
             outs = list(pool.map(send, asked))
     proc = hf_family.processor(pair.model)
-    assert bool(proc.chat_template) == family.startswith("qwen")
+    assert bool(proc.chat_template) == family_kit.ships_template(family)
     for parts, out in zip(asked, outs, strict=True):
         assert out.ok, (family, parts, out)
         decoded = [decode_image(b, max_pixels=10**8) for b in media(parts, "image")]

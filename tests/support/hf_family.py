@@ -1,7 +1,7 @@
 """The reference for every model family: the model's own Hugging Face
 processor and single-process `generate`, on the same text and images.
 
-The Qwen processors cannot be constructed here as shipped: their video
+The Qwen and InternVL processors cannot be constructed here as shipped: their video
 processor needs torchvision, which does not import beside this torch. It is
 built from the directory's tokenizer and image processor with the video
 processor left out (only its class check is skipped); images and text go
@@ -26,16 +26,20 @@ def processor(model_dir: Path) -> Any:
     from transformers import AutoProcessor, processing_utils
 
     model_type = json.loads((model_dir / "config.json").read_text())["model_type"]
-    if model_type not in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"):
+    if model_type not in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "internvl"):
         return AutoProcessor.from_pretrained(model_dir)
-    from transformers import Qwen2_5_VLProcessor, Qwen2VLProcessor, Qwen3VLProcessor
+    from transformers import InternVLProcessor, Qwen2_5_VLProcessor, Qwen2VLProcessor, Qwen3VLProcessor
 
     cls = {
         "qwen2_vl": Qwen2VLProcessor,
         "qwen2_5_vl": Qwen2_5_VLProcessor,
         "qwen3_vl": Qwen3VLProcessor,
         "qwen3_vl_moe": Qwen3VLProcessor,
+        "internvl": InternVLProcessor,
     }[model_type]
+    own = {}
+    if model_type == "internvl":  # InternVLProcessor's own setting (the others have none), from the directory
+        own["image_seq_length"] = json.loads((model_dir / "processor_config.json").read_text())["image_seq_length"]
     check = processing_utils.ProcessorMixin.check_argument_for_proper_class
     processing_utils.ProcessorMixin.check_argument_for_proper_class = (  # type: ignore[method-assign]
         lambda self, name, arg: None if arg is None else check(self, name, arg)
@@ -48,6 +52,7 @@ def processor(model_dir: Path) -> Any:
             video_processor=None,
             # What from_pretrained reads from the directory's chat_template.jinja.
             chat_template=tokenizer.chat_template,
+            **own,
         )
     finally:
         processing_utils.ProcessorMixin.check_argument_for_proper_class = check  # type: ignore[method-assign]

@@ -18,7 +18,7 @@ from tests.support import family_kit, hf_family
 from tokenizer_svc.errors import InvalidRequest
 from tokenizer_svc.prompt import BuiltPrompt, Media, Turn, truncated
 
-FAMILIES = ["llava", "llava-next", "qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3-vl-moe"]
+FAMILIES = ["llava", "llava-next", "qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3-vl-moe", "internvl"]
 
 
 def images(*sizes: tuple[int, int]) -> list:  # type: ignore[type-arg]
@@ -102,8 +102,8 @@ LLAVA_TEMPLATE = (
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_chat_template_gives_the_processor_s_ids(family: str, family_models: Callable[[str], Path]) -> None:
-    """`--chat-template auto`: the model's own template (the Qwen tiny models
-    ship one), rendered over the prompt as one user turn, gives the ids of
+    """`--chat-template auto`: the model's own template (the Qwen and InternVL
+    tiny models ship one), rendered over the prompt as one user turn, gives the ids of
     ``processor(text=processor.apply_chat_template(messages), images=...)``."""
     from tokenizer_svc.prompt import PromptBuilder
     from tokenizer_svc.server import chat_template
@@ -112,7 +112,7 @@ def test_chat_template_gives_the_processor_s_ids(family: str, family_models: Cal
     kit = family_kit.kit(model_dir)
     proc = hf_family.processor(model_dir)
     shipped = chat_template("auto", model_dir, kit.tokenizer)
-    assert (shipped is not None) == family.startswith("qwen")
+    assert (shipped is not None) == family_kit.ships_template(family)
     assert chat_template("none", model_dir, kit.tokenizer) is None
     template = shipped or LLAVA_TEMPLATE
     builder = PromptBuilder(kit.family, kit.tokenizer, template)
