@@ -63,9 +63,11 @@ def test_an_rgb_image_with_a_transparency_key_is_left_to_the_processor() -> None
 # Round trips each family skips per image with `pil_shortcuts`: its copy of
 # the decoded image made into a PIL image again (LLaVA-NeXT: best-fit grid
 # and base image), and "resizes" to the same size (NeXT: base image and every
-# 336x336 patch, at least 3 for the pictures below). Every family rescales
-# and normalizes by lookup, once per image (NeXT: once per patch).
-SHORTCUTS = {"llava": (1, 0), "llava-next": (2, 3), "qwen2-vl": (1, 0), "qwen2.5-vl": (1, 0), "qwen3-vl": (1, 0)}
+# 336x336 patch, at least 3 for the pictures below; InternVL: its resize to
+# the tile grid and its thumbnail). Every family rescales and normalizes by
+# lookup, once per image (NeXT: once per patch; InternVL: once per tile).
+SHORTCUTS = {"llava": (1, 0), "llava-next": (2, 3), "qwen2-vl": (1, 0), "qwen2.5-vl": (1, 0), "qwen3-vl": (1, 0),
+             "internvl": (2, 0)}  # fmt: skip
 
 
 @pytest.mark.parametrize("family", list(SHORTCUTS))
@@ -89,7 +91,9 @@ def test_the_shortcuts_change_no_tensor(family: str, family_models: Callable[[st
         assert pil_shortcuts.skipped == before | {k: before[k] + taken[k] for k in taken}, "a shortcut outside"
         assert taken["from_decoded"] == from_decoded, image.size
         assert taken["same_size"] >= same_size, image.size
-        patches = fast["pixel_values"].shape[1] if family == "llava-next" else 1
+        patches = {"llava-next": fast["pixel_values"].shape[1], "internvl": fast["pixel_values"].shape[0]}.get(
+            family, 1
+        )
         assert taken["looked_up"] == patches, image.size
         _assert_same(fast, stock)
     # Edges: sizes where a shortcut may or may not apply, a 3x3 image (its
