@@ -26,7 +26,7 @@ pytestmark = pytest.mark.e2e
 MAX_TOKENS = 6
 
 
-@pytest.fixture(scope="module", params=["llava", "llava-next", "qwen2-vl", "qwen2.5-vl", "qwen3-vl"])
+@pytest.fixture(scope="module", params=["llava", "llava-next", "qwen2-vl", "qwen2.5-vl", "qwen3-vl", "internvl"])
 def chat_pair(
     request: pytest.FixtureRequest, chat_models: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[str, Pair]]:
@@ -84,7 +84,7 @@ def test_a_conversation_with_images_in_two_turns_gets_the_tokens_of_generate(cha
 def test_what_a_conversation_may_not_be_is_refused_naming_where(chat_pair: tuple[str, Pair]) -> None:
     family, pair = chat_pair
     good = png(64, 64, 3)
-    marker = "<image>" if family.startswith("llava") else "<|image_pad|>"
+    marker = {"internvl": "<IMG_CONTEXT>"}.get(family, "<image>" if family.startswith("llava") else "<|image_pad|>")
     cases: list[tuple[tokenizer_pb2.GenerateRequest, str, str]] = [
         (build_request("a prompt", messages=[("user", "hi")]), "INVALID_REQUEST", ""),
         (build_request(messages=[("user", "hi"), ("system", "late")]), "INVALID_REQUEST", "messages[1]"),
@@ -97,6 +97,10 @@ def test_what_a_conversation_may_not_be_is_refused_naming_where(chat_pair: tuple
         ),
         (build_request(messages=[("user", [ImagePart(good)] * 9)]), "INVALID_REQUEST", ""),
     ]
+    if family == "internvl":  # the tokens around an image's run are the model's too
+        cases.append(
+            (build_request(messages=[("user", ["an <img> tag"])]), "INVALID_REQUEST", "messages[0].content[0]")
+        )
     with grpc.insecure_channel(pair.tokenizer_address) as channel:
         stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
         for request, reason, param in cases:
