@@ -66,11 +66,11 @@ def family_pair(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[tuple[str, Pair]]:
     """Each family's pair at TP=2 (LLaVA-1.5 is the session's shared pair);
-    the others slow down frames of the worker hook's SLOW size. Qwen2-VL's
-    and Qwen3-VL's prefill prompts of over 32 tokens in chunks of 32, a step
-    each (with their M-RoPE positions and encoder outputs, Qwen3-VL's
-    DeepStack features included, cut to match); Qwen2.5-VL's prefills them
-    whole, batched."""
+    the others slow down frames of the worker hook's SLOW size. Qwen2-VL's,
+    Qwen3-VL's and InternVL's prefill prompts of over 32 tokens in chunks of
+    32, a step each (with their M-RoPE positions and encoder outputs,
+    Qwen3-VL's DeepStack features included, cut to match); Qwen2.5-VL's
+    prefills them whole, batched."""
     family = request.param
     if family == "llava":
         yield family, services
