@@ -7,7 +7,7 @@ mmsplit generate --server HOST:PORT [--image FILE ...] [--video FILE ...] [--max
 mmsplit generate --server HOST:PORT [--system TEXT] --user TEXT [--assistant TEXT --user TEXT ...] [--image FILE]
 mmsplit info|health --server HOST:PORT
 mmsplit conformance --tokenizer HOST:PORT [--scheduler HOST:PORT]
-mmsplit tiny-model DIR [--family llava|llava-next|qwen2-vl|qwen2.5-vl|qwen3-vl|qwen3-vl-moe|internvl]
+mmsplit tiny-model DIR [--family llava|llava-next|qwen2-vl|qwen2.5-vl|qwen3-vl|qwen3-vl-moe|internvl|internvl3.5]
                       [--max-positions N]
 mmsplit demo
 """

@@ -2,7 +2,7 @@
 
 There is no model hub here, so tests and the demo build them: one per family
 (`FAMILIES`: LLaVA-1.5, LLaVA-NeXT, Qwen2-VL, Qwen2.5-VL, Qwen3-VL and its
-mixture-of-experts variant, InternVL), each a 2-layer
+mixture-of-experts variant, InternVL3 and InternVL3.5), each a 2-layer
 text model and a 2-layer vision tower with random weights (fixed seed), the
 family's own processor classes (PIL backends) and the Mistral-7B v0.1
 SentencePiece tokenizer that ships inside the `mistral-common` wheel on PyPI,
@@ -31,7 +31,7 @@ IMAGE_SIZE = 224
 PATCH_SIZE = 28  # (224 / 28)^2 = 64 image tokens per image
 # The file that marks a directory as one `build` wrote (`mmsplit tiny-model` writes it again over such a one only).
 MARKER = ".mmsplit-tiny-model"
-FAMILIES = ("llava", "llava-next", "qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3-vl-moe", "internvl")
+FAMILIES = ("llava", "llava-next", "qwen2-vl", "qwen2.5-vl", "qwen3-vl", "qwen3-vl-moe", "internvl", "internvl3.5")
 QWEN_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>", "<|im_start|>", "<|im_end|>")
 # A ChatML template in the shape Qwen2-VL ships (images and videos as
 # vision_start/pad/vision_end, text parts as they are).
@@ -131,8 +131,8 @@ def build(
     out.mkdir(parents=True, exist_ok=True)
     if family in ("llava", "llava-next"):
         model, writers = _llava(family, cache_dir, text, chat_template)
-    elif family == "internvl":
-        model, writers = _internvl(cache_dir, text)
+    elif family.startswith("internvl"):
+        model, writers = _internvl(cache_dir, text, qwen3=family == "internvl3.5")
     else:
         model, writers = _qwen(family, cache_dir, text)
     torch.manual_seed(seed)
@@ -380,10 +380,12 @@ def _qwen(family: str, cache_dir: Path, text: dict[str, Any]):  # type: ignore[n
     return model, [tokenizer.save_pretrained, image_processor.save_pretrained, generation.save_pretrained, write_video]
 
 
-def _internvl(cache_dir: Path, text: dict[str, Any]):  # type: ignore[no-untyped-def]
+def _internvl(cache_dir: Path, text: dict[str, Any], *, qwen3: bool):  # type: ignore[no-untyped-def]
     """InternVL as transformers has it: an InternViT-shaped tower, the pixel
-    shuffle and projector, a Qwen2 text model; tiles of INTERNVL_TILE pixels,
-    1 to 4 a picture and a thumbnail (the image processor's rule)."""
+    shuffle and projector, a Qwen2 text model (InternVL3's; `qwen3`: a Qwen3
+    one, with its norm over each head's queries and keys, InternVL3.5's);
+    tiles of INTERNVL_TILE pixels, 1 to 4 a picture and a thumbnail (the
+    image processor's rule)."""
     from transformers import (
         GenerationConfig,
         GotOcr2ImageProcessorPil,
@@ -391,6 +393,7 @@ def _internvl(cache_dir: Path, text: dict[str, Any]):  # type: ignore[no-untyped
         InternVLForConditionalGeneration,
         InternVLVisionConfig,
         Qwen2Config,
+        Qwen3Config,
     )
 
     tokenizer = _spm_tokenizer(cache_dir, list(INTERNVL_TOKENS))
@@ -405,9 +408,11 @@ def _internvl(cache_dir: Path, text: dict[str, Any]):  # type: ignore[no-untyped
         hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         image_size=[INTERNVL_TILE, INTERNVL_TILE], patch_size=[14, 14],
     )  # fmt: skip
-    text_config = Qwen2Config(
-        vocab_size=len(tokenizer), **text, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id
-    )
+    own = {"head_dim": text["hidden_size"] // text["num_attention_heads"]} if qwen3 else {}
+    text_config = (Qwen3Config if qwen3 else Qwen2Config)(
+        vocab_size=len(tokenizer), **text, **own, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )  # fmt: skip
     config = InternVLConfig(
         vision_config=vision, text_config=text_config, image_token_id=ids["<IMG_CONTEXT>"], downsample_ratio=0.5,
         vision_feature_layer=-1, vision_feature_select_strategy="default",

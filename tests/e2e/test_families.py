@@ -57,7 +57,9 @@ def family_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, P
     return media, tmp, tmp_path_factory.mktemp("family-slow")
 
 
-@pytest.fixture(scope="module", params=["llava", "llava-next", "qwen2-vl", "qwen2.5-vl", "qwen3-vl", "internvl"])
+@pytest.fixture(
+    scope="module", params=["llava", "llava-next", "qwen2-vl", "qwen2.5-vl", "qwen3-vl", "internvl", "internvl3.5"]
+)
 def family_pair(
     request: pytest.FixtureRequest,
     family_models: Callable[[str], Path],

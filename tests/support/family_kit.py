@@ -26,13 +26,14 @@ MARKERS = {
     "qwen3-vl": "<|vision_start|><|image_pad|><|vision_end|>",
     "qwen3-vl-moe": "<|vision_start|><|image_pad|><|vision_end|>",
     "internvl": "<IMG_CONTEXT>",
+    "internvl3.5": "<IMG_CONTEXT>",
 }
 
 
 def ships_template(family: str) -> bool:
     """Whether the family's tiny model always has its chat template (`mmsplit
     tiny-model` writes the LLaVA ones' only when asked)."""
-    return family.startswith("qwen") or family == "internvl"
+    return family.startswith(("qwen", "internvl"))
 
 
 @dataclass
