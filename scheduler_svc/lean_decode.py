@@ -10,8 +10,9 @@ one-row decode step takes 0.92x as long there, the tiny model's 0.81x
 (`bench/step_profile.py`).
 `LeanLlama` makes the same operations, on the same weights, in the same
 order, as transformers' Llama layers (the text model of the LLaVA
-families) and Qwen2's (InternVL's: Llama's with biased projections, which
-their `forward` adds), `LeanQwen2VL` as Qwen2-VL's and Qwen2.5-VL's (the same layers,
+families) and Qwen2's (InternVL3's: Llama's with biased projections, which
+their `forward` adds), `LeanQwen3` as Qwen3's (InternVL3.5's: with a norm
+over each head's queries and keys), `LeanQwen2VL` as Qwen2-VL's and Qwen2.5-VL's (the same layers,
 with M-RoPE positions) and `LeanQwen3VL` as Qwen3-VL's (with a norm over
 each head's queries and keys). It calls the model's own pieces: the
 embedding, the rotary embedding and `apply_rotary_pos_emb` of the model's
@@ -232,14 +233,8 @@ class LeanQwen2VL(LeanLlama):
         return {"sliding_window": attn.sliding_window, "position_ids": text_positions, "use_cache": use_cache}
 
 
-class LeanQwen3VL(LeanQwen2VL):
-    """`Qwen3VLTextModel.forward`: Llama's layers with an RMSNorm over each
-    head's queries and keys, M-RoPE positions (four rows, the text positions
-    first), and no `use_cache` passed to the layers (so the attention
-    function sees the layer's default, False). Its decode steps have no
-    deepstack features (those add to the image positions of a prefill)."""
-
-    POSITION_ROWS = 4
+class _HeadNorms(LeanLlama):
+    """Qwen3's attention: an RMSNorm over each head's queries and keys before the rotary embedding."""
 
     def _skipped(self) -> list[torch.nn.Module]:
         return super()._skipped() + [norm for p in self._layers for norm in (p.attn.q_norm, p.attn.k_norm)]
@@ -248,6 +243,24 @@ class LeanQwen3VL(LeanQwen2VL):
         q = p.attn.q_norm.forward(p.q.forward(normed).view(heads)).transpose(1, 2)
         k = p.attn.k_norm.forward(p.k.forward(normed).view(heads)).transpose(1, 2)
         return q, k, p.v.forward(normed).view(heads).transpose(1, 2)
+
+
+class LeanQwen3(_HeadNorms):
+    """`Qwen3Model.forward` (InternVL3.5's text model): Llama's layers with
+    the head norms, and each attention's sliding window passed on."""
+
+    def _attention_extra(self, attn: Any, text_positions: torch.Tensor | None, use_cache: bool) -> dict[str, Any]:
+        return {"sliding_window": attn.sliding_window, "position_ids": text_positions, "use_cache": use_cache}
+
+
+class LeanQwen3VL(_HeadNorms, LeanQwen2VL):
+    """`Qwen3VLTextModel.forward`: Llama's layers with the head norms,
+    M-RoPE positions (four rows, the text positions first), and no
+    `use_cache` passed to the layers (so the attention function sees the
+    layer's default, False). Its decode steps have no deepstack features
+    (those add to the image positions of a prefill)."""
+
+    POSITION_ROWS = 4
 
     def _attention_extra(self, attn: Any, text_positions: torch.Tensor | None, use_cache: bool) -> dict[str, Any]:
         return {"position_ids": text_positions, "use_cache": False}
@@ -270,6 +283,7 @@ def _architectures() -> dict[type, _Architecture]:
     from transformers.models.qwen2 import modeling_qwen2 as qwen2_text
     from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as qwen25
     from transformers.models.qwen2_vl import modeling_qwen2_vl as qwen2
+    from transformers.models.qwen3 import modeling_qwen3 as qwen3_text
     from transformers.models.qwen3_vl import modeling_qwen3_vl as qwen3
 
     return {
@@ -281,6 +295,11 @@ def _architectures() -> dict[type, _Architecture]:
         qwen2_text.Qwen2Model: _Architecture(
             qwen2_text.Qwen2DecoderLayer, qwen2_text.Qwen2Attention, qwen2_text.Qwen2MLP, qwen2_text.Qwen2RMSNorm,
             qwen2_text.Qwen2RotaryEmbedding, LeanLlama,
+        ),
+        # InternVL3.5's (Qwen3: the head norms).
+        qwen3_text.Qwen3Model: _Architecture(
+            qwen3_text.Qwen3DecoderLayer, qwen3_text.Qwen3Attention, qwen3_text.Qwen3MLP, qwen3_text.Qwen3RMSNorm,
+            qwen3_text.Qwen3RotaryEmbedding, LeanQwen3,
         ),
         qwen2.Qwen2VLTextModel: _Architecture(
             qwen2.Qwen2VLDecoderLayer, qwen2.Qwen2VLAttention, qwen2.Qwen2MLP, qwen2.Qwen2VLRMSNorm,

@@ -91,6 +91,7 @@ def workload(model: torch.nn.Module, seed: int, *, images: bool) -> tuple[dict[i
         ("qwen2.5-vl", 1),
         ("qwen3-vl", 1),
         ("internvl", 1),
+        ("internvl3.5", 1),
     ],
 )
 def test_lean_decode_makes_the_model_s_own_logits_bit_for_bit(
