@@ -371,7 +371,7 @@ class HttpApi:
             call.request.return_prompt_token_ids = True
         answer = openai_responses.Answer(
             rid, self.model, body, call.calls, places, keep, reasoning=self.reasoning,
-            constrained=_constrained(call.request.sampling),
+            constrained=reasoning.structured(call.request.sampling),
         )  # fmt: skip
         return await self._serve(request, chat, call, answer, rid)
 
@@ -494,7 +494,7 @@ class HttpApi:
             call.request.return_prompt_token_ids = True
         shape = openai_answers.Shape.of(
             chat, rid, self.model, call.calls, token_ids=call.token_ids, reasoning=thinks,
-            constrained=_constrained(call.request.sampling),
+            constrained=reasoning.structured(call.request.sampling),
         )  # fmt: skip
         return await self._serve(request, body, call, shape, rid)
 
@@ -646,11 +646,6 @@ def _prompted(shape: Shaped, i: int, response: tokenizer_pb2.GenerateResponse) -
     """Tell `shape` choice `i`'s prompt ids when `response` is they."""
     if response.WhichOneof("event") == "prompt_tokens":
         shape.prompted(i, list(response.prompt_tokens.token_ids))
-
-
-def _constrained(sampling: Any) -> bool:
-    """Whether a request's output is structured (masked from its first token)."""
-    return bool(sampling.json_schema or sampling.regex or sampling.choice or sampling.grammar)
 
 
 async def _numbered(

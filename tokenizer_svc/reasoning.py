@@ -115,5 +115,10 @@ def _held(reasoning: str) -> str:
     return reasoning.rstrip()
 
 
+def structured(sampling: Any) -> bool:
+    """Whether a request's output is structured: masked by a grammar from its first token."""
+    return bool(sampling.json_schema or sampling.regex or sampling.choice or sampling.grammar)
+
+
 # --reasoning-parser names (vLLM's): both are the same tag form.
 PARSERS = {"qwen3": Think, "deepseek_r1": Think}

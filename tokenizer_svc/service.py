@@ -618,7 +618,8 @@ class TokenizerService:
                 # Their bytes are in the message now: one-off segments have done their job.
                 for p in prepared:
                     p.release_segments()
-            thought = self._thought(request, downstream.input_ids, downstream.sampling)
+            # (A beam search's one-token steps: its beams' answers split it, `_beam_choice`.)
+            thought = None if search_step else self._thought(request, downstream.input_ids, downstream.sampling)
             events = self._send(downstream, timeout_s, assigned, transport)
             relayed = self._relay(
                 rid,
@@ -784,8 +785,7 @@ class TokenizerService:
         there is INVALID_REQUEST)."""
         if not request.split_reasoning or self.reasoning is None:
             return None
-        structured = bool(sampling.json_schema or sampling.regex or sampling.choice or sampling.grammar)
-        return self.reasoning, self.reasoning.start(prompt_ids, structured)
+        return self.reasoning, self.reasoning.start(prompt_ids, reasoning.structured(sampling))
 
     async def _relay(
         self,
