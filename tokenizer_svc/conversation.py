@@ -270,7 +270,8 @@ def image_budget(request: tokenizer_pb2.GenerateRequest, family: Family) -> Pixe
     if own is None:
         if asked.min_pixels or asked.max_pixels:
             raise InvalidRequest(
-                f"this model ({family.name}) resizes every image to one size: it takes no pixel budget",
+                f"this model ({family.name}) makes every image one size, or tiles of one size: it takes no pixel "
+                "budget",
                 metadata={"param": "image_budget"},
             )
         return None
