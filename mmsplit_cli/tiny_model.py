@@ -420,8 +420,9 @@ def _internvl(cache_dir: Path, text: dict[str, Any], *, qwen3: bool):  # type: i
         # embeddings repeats the last token read, whatever the image.
         tie_word_embeddings=False,
     )  # fmt: skip
+    # crop_to_patches off, as GotOcr2's default: InternVLProcessor asks for the tiles in its call.
     image_processor = GotOcr2ImageProcessorPil(
-        size={"height": INTERNVL_TILE, "width": INTERNVL_TILE}, crop_to_patches=True, min_patches=1, max_patches=4
+        size={"height": INTERNVL_TILE, "width": INTERNVL_TILE}, crop_to_patches=False, min_patches=1, max_patches=4
     )
     image_processor.processor_class = "InternVLProcessor"  # type: ignore[attr-defined]
     generation = GenerationConfig(

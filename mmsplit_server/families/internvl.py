@@ -42,6 +42,11 @@ class InternVL(Family):
         ratio = float(self.config.get("downsample_ratio", 0.5))
         return int((self.side // patch) ** 2 * ratio**2)
 
+    def image_options(self, *, one_frame: bool, pixels: Any = None) -> dict[str, Any]:
+        # InternVLProcessor tiles every image whatever its image processor's
+        # own crop_to_patches says (its images_kwargs default): so do the workers.
+        return {"crop_to_patches": True}
+
     def rules(self) -> dict[str, Any]:
         return {**super().rules(), "side": self.side, "channels": self.channels, "per_tile": self.tokens_per_tile()}
 

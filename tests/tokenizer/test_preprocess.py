@@ -74,6 +74,8 @@ SHORTCUTS = {"llava": (1, 0), "llava-next": (2, 3), "qwen2-vl": (1, 0), "qwen2.5
 def test_the_shortcuts_change_no_tensor(family: str, family_models: Callable[[str], Path]) -> None:
     processor = AutoImageProcessor.from_pretrained(family_models(family))
     assert pil_shortcuts.install(processor)
+    # The family's own keywords, as the workers call it (InternVL: its tiles).
+    own = families.load(family_models(family), frozenset(processor.model_input_names)).image_options(one_frame=False)
     pictures = [
         samples.encode(samples.gradient(1920, 1080, seed=4), "JPEG", quality=90),
         samples.encode(samples.gradient(640, 480, seed=5), "JPEG", quality=90),
@@ -85,9 +87,9 @@ def test_the_shortcuts_change_no_tensor(family: str, family_models: Callable[[st
         image = decode_image(data, max_pixels=40_000_000)
         before = dict(pil_shortcuts.skipped)
         with pil_shortcuts.processing():
-            fast = processor(images=image, return_tensors="np", **rgb_as_is(image))
+            fast = processor(images=image, return_tensors="np", **rgb_as_is(image), **own)
         taken = {kind: pil_shortcuts.skipped[kind] - before[kind] for kind in before}
-        stock = processor(images=image, return_tensors="np", **rgb_as_is(image))  # outside: stock
+        stock = processor(images=image, return_tensors="np", **rgb_as_is(image), **own)  # outside: stock
         assert pil_shortcuts.skipped == before | {k: before[k] + taken[k] for k in taken}, "a shortcut outside"
         assert taken["from_decoded"] == from_decoded, image.size
         assert taken["same_size"] >= same_size, image.size
@@ -105,17 +107,17 @@ def test_the_shortcuts_change_no_tensor(family: str, family_models: Callable[[st
     for data in edges:
         image = decode_image(data, max_pixels=40_000_000)
         with pil_shortcuts.processing():
-            fast = processor(images=image, return_tensors="np", **rgb_as_is(image))
-        _assert_same(fast, processor(images=image, return_tensors="np", **rgb_as_is(image)))
+            fast = processor(images=image, return_tensors="np", **rgb_as_is(image), **own)
+        _assert_same(fast, processor(images=image, return_tensors="np", **rgb_as_is(image), **own))
     # Rescale or normalize turned off by the call (or a checkpoint's
     # config): no lookup, the stock steps.
     image = decode_image(pictures[1], max_pixels=40_000_000)
     for off in ({"do_normalize": False}, {"do_rescale": False}):
         before = pil_shortcuts.skipped["looked_up"]
         with pil_shortcuts.processing():
-            fast = processor(images=image, return_tensors="np", **rgb_as_is(image), **off)
+            fast = processor(images=image, return_tensors="np", **rgb_as_is(image), **own, **off)
         assert pil_shortcuts.skipped["looked_up"] == before, off
-        _assert_same(fast, processor(images=image, return_tensors="np", **rgb_as_is(image), **off))
+        _assert_same(fast, processor(images=image, return_tensors="np", **rgb_as_is(image), **own, **off))
 
 
 @pytest.mark.parametrize("family", ["llava", "llava-next", "qwen2-vl", "qwen2.5-vl", "qwen3-vl"])
