@@ -494,7 +494,7 @@ class HttpApi:
             call.request.return_prompt_token_ids = True
         shape = openai_answers.Shape.of(
             chat, rid, self.model, call.calls, token_ids=call.token_ids, reasoning=thinks,
-            constrained=reasoning.structured(call.request.sampling),
+            constrained=reasoning.structured(call.request.sampling), shows_reasoning=call.include_reasoning,
         )  # fmt: skip
         return await self._serve(request, body, call, shape, rid)
 

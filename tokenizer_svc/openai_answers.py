@@ -248,6 +248,7 @@ class Shape:
     # opens the model's thinking cannot take.
     reasoning: Think | None = None
     constrained: bool = False
+    shows_reasoning: bool = True  # vLLM's include_reasoning: false drops the thinking from the answer
     # A stream's named-function calls: each choice's call id, once its first chunk went.
     _opened: dict[int, str] = dataclasses.field(default_factory=dict, compare=False)
     # A stream under "auto": each choice's characters sent as content.
@@ -268,9 +269,10 @@ class Shape:
         token_ids: bool = False,
         reasoning: Think | None = None,
         constrained: bool = False,
+        shows_reasoning: bool = True,
     ) -> Shape:
         kind = "chatcmpl-" if chat else "cmpl-"
-        return cls(chat, kind + rid, model, int(time.time()), calls, token_ids, reasoning, constrained)
+        return cls(chat, kind + rid, model, int(time.time()), calls, token_ids, reasoning, constrained, shows_reasoning)
 
     def prompted(self, i: int, prompt_ids: list[int]) -> None:
         """Choice `i`'s prompt is known (its PromptTokens event, before any
@@ -299,9 +301,10 @@ class Shape:
                 reasoning = None
                 if self.reasoning is not None:
                     reasoning, text = self._thought(i, text, final=True)
+                    shown = reasoning if self.shows_reasoning else None
                     # vLLM's: a part that is empty is null (the content, where there was thinking).
                     message = {"role": "assistant", "content": text if reasoning is None else text or None,
-                               "reasoning": reasoning or None, "reasoning_content": reasoning or None}  # fmt: skip
+                               "reasoning": shown or None, "reasoning_content": shown or None}  # fmt: skip
                 content, calls = self.calls.split(text) if self.calls else (text, None)
                 if calls:
                     message = {**message, "content": content, "tool_calls": calls}
@@ -378,7 +381,7 @@ class Shape:
         reasoning, content = self._thought(i, text, final=shown.finish is not None)
         said_reasoning, said_content = self._said.get(i, (0, 0))
         self._said[i] = (len(reasoning or ""), len(content))
-        thought = (reasoning or "")[said_reasoning:]
+        thought = (reasoning or "")[said_reasoning:] if self.shows_reasoning else ""
         new = dataclasses.replace(shown, text=content[said_content:])
         out = self._delta(i, new, content) if self.calls is not None or new.text or shown.finish else None
         if thought:

@@ -122,7 +122,7 @@ KNOWN = {
     "include_stop_str_in_output", "continue_final_message", "add_generation_prompt", "chat_template_kwargs",
     "mm_processor_kwargs", "return_token_ids", "skip_special_tokens", "allowed_token_ids", "bad_words",
     "return_tokens_as_token_ids", "truncate_prompt_tokens", "priority", "documents", "spaces_between_special_tokens",
-    "chat_template", "use_beam_search", "length_penalty", "request_id", "add_special_tokens",
+    "chat_template", "use_beam_search", "length_penalty", "request_id", "add_special_tokens", "include_reasoning",
 }  # fmt: skip
 
 # Prompts one completions request may give (each its own generation).
@@ -198,6 +198,9 @@ class Call:
     # vLLM's return_tokens_as_token_ids: log probabilities name each token
     # "token_id:<id>" instead of its text (which may be no whole character).
     tokens_as_ids: bool = False
+    # vLLM's include_reasoning: false leaves a reasoning model's thinking
+    # (--reasoning-parser) out of the answer (its content stays the rest).
+    include_reasoning: bool = True
     # vLLM's stream_options.continuous_usage_stats (with include_usage):
     # every chunk of output carries the usage so far.
     continuous_usage: bool = False
@@ -673,9 +676,10 @@ def _finish(body: dict[str, Any], request: tokenizer_pb2.GenerateRequest) -> Cal
         # (shown only with return_token_ids).
         continuous = include_usage and continuous
         request.return_prompt_token_ids |= continuous
-    as_ids = body.get("return_tokens_as_token_ids")
-    if as_ids is not None and not isinstance(as_ids, bool):
-        raise invalid("return_tokens_as_token_ids must be true or false", "return_tokens_as_token_ids")
+    as_ids, reasoning = body.get("return_tokens_as_token_ids"), body.get("include_reasoning")
+    for name, value in (("return_tokens_as_token_ids", as_ids), ("include_reasoning", reasoning)):
+        if value is not None and not isinstance(value, bool):
+            raise invalid(f"{name} must be true or false", name)
     return Call(
         request,
         n or 1,
@@ -684,6 +688,7 @@ def _finish(body: dict[str, Any], request: tokenizer_pb2.GenerateRequest) -> Cal
         token_ids=token_ids is True,
         tokens_as_ids=as_ids is True,
         continuous_usage=continuous,
+        include_reasoning=reasoning is not False,
     )
 
 

@@ -2619,6 +2619,14 @@ def test_a_reasoning_parser_answers_the_thinking_apart_from_the_content(qwen_api
                          + message["content"])  # fmt: skip
     assert found, message
     assert message["reasoning_content"] == message["reasoning"]
+    # vLLM's include_reasoning: false: the same answer without its thinking (a 400 for a non-boolean).
+    hide = {**body, "include_reasoning": False}
+    bare = client.chat.completions.create(model=qwen_api.model, messages=chat, max_tokens=30, extra_body=hide)  # type: ignore[arg-type]
+    bare = bare.choices[0].message
+    assert (bare.content, bare.model_dump()["reasoning"]) == (message["content"], None)
+    wrong = _bad(qwen_api, _chat([{"type": "text", "text": "x"}], model=qwen_api.model,
+                                 extra_body={"include_reasoning": "yes"}))  # fmt: skip
+    assert (wrong.status_code, wrong.body["param"]) == (400, "include_reasoning")  # type: ignore[index]
     thinking = whole.usage.completion_tokens_details.reasoning_tokens  # type: ignore[union-attr]
     assert 0 < thinking < whole.usage.completion_tokens, whole.usage  # type: ignore[union-attr]
     streamed = _streamed_parts(qwen_api, messages=chat, max_tokens=30, extra_body=body)

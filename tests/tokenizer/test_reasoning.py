@@ -166,6 +166,18 @@ def test_a_streamed_chat_answer_adds_up_to_the_whole_one(pieces: list[str], open
     assert streamed["finish_reason"] == whole["finish_reason"] == "stop"
 
 
+def test_include_reasoning_false_leaves_the_thinking_out_and_the_content_as_it_was() -> None:
+    """vLLM's include_reasoning: false: no reasoning in the answer, whole
+    or streamed; the content is what it is with the thinking shown."""
+    output, prompt = "<think>\nFirst a.\n</think>\n\nThen b.", "assistant\n"
+    shown = _answer(_events(output, [4, 20], prompt), stream=False)
+    for stream in (False, True):
+        hidden = _answer(_events(output, [4, 20], prompt), stream=stream, shows_reasoning=False)
+        assert hidden.get("reasoning") is None, hidden
+        assert hidden.get("reasoning_content") is None, hidden
+        assert hidden["content"] == shown["content"] == "Then b."
+
+
 def test_structured_output_is_refused_where_the_prompt_opens_the_thinking() -> None:
     """A grammar holds from the first token, where such a model thinks:
     INVALID_REQUEST; where the prompt closed the thinking it is taken."""
