@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 from mmsplit.common.v1 import common_pb2
 from mmsplit.errors import MmsplitError
 from mmsplit.tokenizer.v1 import tokenizer_pb2
-from tokenizer_svc.reasoning import Think
+from tokenizer_svc.reasoning import Stream, Think
 from tokenizer_svc.tool_calls import Auto, Forced, call_id
 
 FINISH = {
@@ -254,9 +254,9 @@ class Shape:
     # A stream under "auto": each choice's characters sent as content.
     _sent: dict[int, int] = dataclasses.field(default_factory=dict, compare=False)
     # With `reasoning`: whether each choice starts inside its thinking, and
-    # the characters of its reasoning and of its content sent so far.
+    # each one's stream of it.
     _thinks: dict[int, bool] = dataclasses.field(default_factory=dict, compare=False)
-    _said: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict, compare=False)
+    _streams: dict[int, Stream] = dataclasses.field(default_factory=dict, compare=False)
 
     @classmethod
     def of(
@@ -378,11 +378,12 @@ class Shape:
         """A chunk of a chat answer with --reasoning-parser: the new
         reasoning as `reasoning` (and `reasoning_content`), the new content
         as any answer's content (tool calls found in it alone)."""
-        reasoning, content = self._thought(i, text, final=shown.finish is not None)
-        said_reasoning, said_content = self._said.get(i, (0, 0))
-        self._said[i] = (len(reasoning or ""), len(content))
-        thought = (reasoning or "")[said_reasoning:] if self.shows_reasoning else ""
-        new = dataclasses.replace(shown, text=content[said_content:])
+        stream = self._streams.get(i) or self._streams.setdefault(i, Stream(self._thinks.get(i, False)))
+        thought, added = stream.feed(text, final=shown.finish is not None)
+        thought = thought if self.shows_reasoning else ""
+        new = dataclasses.replace(shown, text=added)
+        # The content so far, for the tool calls in it (read whole) only.
+        content = stream.content(text) if self.calls is not None else ""
         out = self._delta(i, new, content) if self.calls is not None or new.text or shown.finish else None
         if thought:
             out = out or self.chunk(

@@ -43,7 +43,7 @@ from mmsplit.errors import MmsplitError
 from tokenizer_svc import openai_api
 from tokenizer_svc.openai_answers import Choices, Shown
 from tokenizer_svc.openai_api import invalid
-from tokenizer_svc.reasoning import Think
+from tokenizer_svc.reasoning import Stream, Think
 from tokenizer_svc.tool_calls import Auto, Forced
 
 # Field -> the values that ask for nothing (accepted) and why others are refused.
@@ -264,9 +264,10 @@ class Answer:
     reasoning: Think | None = None
     constrained: bool = False
     _thinks: bool = False  # the model starts inside its thinking (the prompt says)
+    _stream: Stream | None = None  # the output's thinking and content as it streams
     _reasoning: int = -1  # characters of the reasoning item's text streamed; -1: no item opened
     _reasoning_done: bool = False
-    _content: int = 0  # characters of the content the output's text holds so far (with reasoning)
+    _thought_parts: list[str] = field(default_factory=list)  # the reasoning item's text, as streamed
     _sequence: int = 0
     _text_open: bool = False
     _call_open: bool = False  # a named function's call item, added as its arguments began to stream
@@ -305,19 +306,20 @@ class Answer:
         content alone."""
         if self.reasoning is None:
             return self._step(shown, text)
-        reasoning, content = self._split(text, final=False)
-        events = self._thought(reasoning, done=bool(content))
+        if self._stream is None:
+            self._stream = Stream(self._thinks)
+        thought, added = self._stream.feed(text, final=False)
+        events = self._thought(thought, done=bool(added)) if self._stream.thinking else []
         # The tokens' log probabilities go with the content they made (the final object has them all).
-        added = content[self._content :]
         new = dataclasses.replace(shown, text=added, logprobs=shown.logprobs if added else [])
-        self._content = len(content)
+        content = self._stream.content(text) if self.calls is not None else ""  # read whole by the calls only
         return [*events, *self._step(new, content)]
 
-    def _thought(self, reasoning: str | None, done: bool) -> list[dict[str, Any]]:
-        """The reasoning item's events for the thinking so far: added (item
-        0) when there is thinking, its text's deltas, and when `done` (the
-        content began) its done events."""
-        if reasoning is None or self._reasoning_done:
+    def _thought(self, delta: str, done: bool) -> list[dict[str, Any]]:
+        """The reasoning item's events for what the thinking adds: added
+        (item 0) the first time, its text's delta, and when `done` (the
+        content began, or the output ended) its done events."""
+        if self._reasoning_done:
             return []
         events = []
         if self._reasoning < 0:
@@ -325,17 +327,19 @@ class Answer:
                     "content": []}  # fmt: skip
             events.append(self._event("response.output_item.added", output_index=0, item=item))
             self._reasoning = 0
-        if len(reasoning) > self._reasoning:
+        if delta:
             events.append(self._event("response.reasoning_text.delta", item_id=self._reasoning_id, output_index=0,
-                                      content_index=0, delta=reasoning[self._reasoning :]))  # fmt: skip
-            self._reasoning = len(reasoning)
+                                      content_index=0, delta=delta))  # fmt: skip
+            self._reasoning += len(delta)
+            self._thought_parts.append(delta)
         if done:
             self._reasoning_done = True
+            whole = "".join(self._thought_parts)
             events += [
                 self._event("response.reasoning_text.done", item_id=self._reasoning_id, output_index=0,
-                            content_index=0, text=reasoning),
+                            content_index=0, text=whole),
                 self._event("response.output_item.done", output_index=0, item=_reasoning_item(self._reasoning_id,
-                                                                                            reasoning)),
+                                                                                            whole)),
             ]  # fmt: skip
         return events
 
@@ -374,7 +378,7 @@ class Answer:
         for index, item in enumerate(response["output"]):
             if item["type"] == "reasoning":
                 if not self._reasoning_done:  # the stream ended in its thinking (or held its tail)
-                    events += self._thought(item["content"][0]["text"], done=True)
+                    events += self._thought(item["content"][0]["text"][max(self._reasoning, 0) :], done=True)
                 continue
             if item["type"] == "message":
                 part = item["content"][0]

@@ -104,6 +104,95 @@ class Think:
         return _held(reasoning), ""
 
 
+class Stream:
+    """One output's `Think.split`, as it grows: each `feed` of the output so
+    far gives what it adds to the reasoning and to the content shown (the
+    same texts `split` gives, not final or final), in time linear in the
+    output: the end tag is searched for in what is new, and the texts are
+    kept as places in the output, not copied each token."""
+
+    def __init__(self, opened: bool) -> None:
+        self.opened = opened
+        self.thinking: bool | None = None  # whether the output thinks (None: not known yet)
+        self._begin = 0  # where the reasoning's text starts (after its <think>)
+        self._first: int | None = None  # its first character that is no whitespace
+        self._end: int | None = None  # where </think> is
+        self._searched = 0  # how far the end tag was looked for
+        self._content: int | None = None  # where the content shown starts
+        self._reasoning_sent = 0  # characters of the reasoning given so far
+        self._content_sent = 0  # and of the content
+
+    def feed(self, text: str, final: bool) -> tuple[str, str]:
+        """(reasoning, content) that `text` (the whole output so far) adds."""
+        if self.thinking is None and not self._decide(text, final):
+            return "", ""
+        if not self.thinking:
+            self._content = 0
+            return "", self._content_delta(text)
+        if self._end is None:
+            found = text.find(END, max(self._begin, self._searched - len(END) + 1))
+            self._searched = len(text)
+            self._end = found if found >= 0 else None
+        limit = len(text) if self._end is None else self._end
+        if self._first is None:
+            first = _nonspace(text, self._begin, limit)
+            self._first = first if first < limit else None
+        reasoning = ""
+        if self._first is not None:
+            upto = self._reasoning_end(text, limit, final)
+            reasoning = text[self._first + self._reasoning_sent : upto]
+            self._reasoning_sent += len(reasoning)
+        if self._end is not None and self._content is None:
+            first = _nonspace(text, self._end + len(END), len(text))
+            self._content = first if first < len(text) else None
+        return reasoning, self._content_delta(text)
+
+    def _decide(self, text: str, final: bool) -> bool:
+        """Whether the output thinks, once its start says (False: not yet)."""
+        if self.opened:
+            self.thinking = True
+            return True
+        lead = _nonspace(text, 0, len(text))
+        if text.startswith(START, lead):
+            self.thinking, self._begin = True, lead + len(START)
+        elif not final and START.startswith(text[lead:]):
+            return False
+        else:
+            self.thinking = False
+        return True
+
+    def _reasoning_end(self, text: str, limit: int, final: bool) -> int:
+        """Where the reasoning shown ends: before the end tag (or, not final,
+        a tail that may begin it) and the whitespace before that."""
+        upto = limit
+        if self._end is None and not final:
+            for k in range(min(len(END) - 1, upto - self._first), 0, -1):  # type: ignore[operator]
+                if END.startswith(text[upto - k : upto]):
+                    upto -= k
+                    break
+        while upto > self._first and text[upto - 1].isspace():  # type: ignore[operator]
+            upto -= 1
+        return upto
+
+    def content(self, text: str) -> str:
+        """The content shown of `text`, the output as last fed (for what reads it whole: tool calls)."""
+        return "" if self._content is None else text[self._content :]
+
+    def _content_delta(self, text: str) -> str:
+        if self._content is None:
+            return ""
+        delta = text[self._content + self._content_sent :]
+        self._content_sent += len(delta)
+        return delta
+
+
+def _nonspace(text: str, start: int, limit: int) -> int:
+    """The first place in text[start:limit] that is no whitespace (`limit` if none)."""
+    while start < limit and text[start].isspace():
+        start += 1
+    return start
+
+
 def _held(reasoning: str) -> str:
     """A stream's reasoning, less what the next text decides: a tail that
     may begin the end tag, and the whitespace before it (which the end tag

@@ -15,7 +15,7 @@ from mmsplit.common.v1 import common_pb2
 from mmsplit.tokenizer.v1 import tokenizer_pb2
 from tokenizer_svc.errors import InvalidRequest
 from tokenizer_svc.openai_answers import Choices, Shape
-from tokenizer_svc.reasoning import Think
+from tokenizer_svc.reasoning import Stream, Think
 
 
 class Chars:
@@ -116,6 +116,25 @@ def test_a_stream_shows_prefixes_of_the_whole_split(pieces: list[str], opened: b
         shown = now
     whole = THINK.split(output, opened)
     assert shown == (whole[0] or "", whole[1])
+
+
+@settings(max_examples=300, deadline=None)
+@given(pieces=st.lists(PIECES, max_size=14), opened=st.booleans(), cuts=st.lists(st.integers(0, 60), max_size=8))
+def test_a_stream_s_deltas_add_up_to_the_split_at_every_point(pieces: list[str], opened: bool, cuts: list[int]) -> None:
+    """`Stream` (what a chat stream uses: linear in the output) gives, fed
+    the output so far, exactly what `split` shows of it at that point."""
+    output = "".join(pieces)
+    stream = Stream(opened)
+    added = ["", ""]
+    for cut in [*sorted(c for c in cuts if c < len(output)), len(output)]:
+        final = cut == len(output)
+        reasoning, content = stream.feed(output[:cut], final)
+        added = [added[0] + reasoning, added[1] + content]
+        shown = THINK.split(output[:cut], opened, final)
+        assert added == [shown[0] or "", shown[1]], (output, cut)
+        if stream.thinking is not None:
+            assert stream.thinking == (shown[0] is not None), (output, cut)
+    assert stream.thinking == (THINK.split(output, opened)[0] is not None), output
 
 
 def _events(output: str, cuts: list[int], prompt: str) -> list[tokenizer_pb2.GenerateResponse]:
