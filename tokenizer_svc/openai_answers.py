@@ -330,7 +330,7 @@ class Shape:
         among the completion's (OpenAI's completion_tokens_details)."""
         usage = choices.usage()
         if self.reasoning is not None and self.chat:
-            thinking = sum(self.reasoning.tokens(ids, self._thinks.get(i, False))
+            thinking = sum(self.reasoning.tokens(ids, self._thinks.get(i, False), choices.text[i])
                            for i, ids in enumerate(choices.token_ids))  # fmt: skip
             usage["completion_tokens_details"] = {"reasoning_tokens": thinking}
         return usage

@@ -345,7 +345,9 @@ class Answer:
 
     def _thinking_tokens(self, choices: Choices) -> int:
         """The output's tokens that are its thinking (`Think.tokens`; none without a parser)."""
-        return 0 if self.reasoning is None else self.reasoning.tokens(choices.token_ids[0], self._thinks)
+        return (
+            0 if self.reasoning is None else self.reasoning.tokens(choices.token_ids[0], self._thinks, choices.text[0])
+        )
 
     @property
     def _first(self) -> int:

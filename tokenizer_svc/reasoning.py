@@ -43,6 +43,11 @@ class Think:
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
+        # The end tag's own token, where the vocabulary has one (Qwen3's and
+        # DeepSeek-R1's do): the thinking's tokens then end at its first.
+        encode = getattr(tokenizer, "encode", None)
+        spelled = list(encode(END, add_special_tokens=False)) if encode is not None else []
+        self._end_id = spelled[0] if len(spelled) == 1 else None
 
     def opens(self, prompt_ids: Sequence[int]) -> bool:
         """Whether the prompt leaves the model inside its thinking: it ends
@@ -64,16 +69,23 @@ class Think:
             )
         return opened
 
-    def tokens(self, ids: Sequence[int], opened: bool) -> int:
-        """How many of an output's tokens (`ids`) are its thinking: those up
-        to the one that completes the end tag, all when it never ends,
-        none when it does not think (the usage's reasoning_tokens)."""
+    def tokens(self, ids: Sequence[int], opened: bool, text: str | None = None) -> int:
+        """How many of an output's tokens (`ids`, whose text is `text`, decoded
+        here when not given) are its thinking: those up to the one that
+        completes the end tag, all when it never ends, none when it does not
+        think (the usage's reasoning_tokens). Where the tag is a token of its
+        own, that token's place; else the shortest run of ids whose text
+        holds the tag (a bisection of decodes: ~0.2 s for 46,000 ids, on the
+        event loop, for a tokenizer that spells the tag in pieces)."""
         ids = list(ids)
-        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        if text is None:
+            text = self.tokenizer.decode(ids, skip_special_tokens=True)
         if self.split(text, opened)[0] is None:
             return 0
         if END not in text:
             return len(ids)
+        if self._end_id is not None and self._end_id in ids:
+            return ids.index(self._end_id) + 1
         low, high = 1, len(ids)  # the shortest run of ids whose text holds the end tag
         while low < high:
             middle = (low + high) // 2

@@ -96,6 +96,28 @@ def test_the_thinking_s_tokens_are_those_up_to_the_end_tag(output: str, opened: 
     assert THINK.tokens(ids(output), opened) == tokens
 
 
+class Tagged(Chars):
+    """`Chars` with the end tag a token of its own (id 1), as Qwen3's and DeepSeek-R1's vocabularies have it."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return "".join("</think>" if i == 1 else chr(i) for i in ids)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [1] if text == "</think>" else ids(text)
+
+
+@pytest.mark.parametrize("opened", [False, True])
+def test_an_end_tag_of_its_own_is_counted_by_its_place_and_agrees_with_the_text(opened: bool) -> None:
+    """With the tag a token of its own the count is that token's place (no
+    decoding); it is the count the text alone gives (the bisection)."""
+    tagged = Think(Tagged())
+    start = [] if opened else ids("<think>")
+    output = [*start, *ids("ab c"), 1, *ids("\n\nd"), 1]
+    text = Tagged().decode(output)
+    assert tagged.tokens(output, opened, text) == len(start) + 5
+    assert THINK.tokens(ids(text), opened) == len(text) - len("\n\nd</think>")  # a character a token here
+
+
 # Outputs made of the pieces a thinking model writes, and every way a stream may cut them.
 PIECES = st.sampled_from(["<think>", "</think>", "<", "</", "</th", ">", " ", "\n", "\n\n", "a", "b c", "4.", "é"])
 
