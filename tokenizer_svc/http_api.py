@@ -581,6 +581,8 @@ class HttpApi:
         events = _Prefetch(self._choices(call, rid, client))
         try:
             first = await events.first(self.keepalive_s)
+            if first is not None:  # what the prompt refuses (--reasoning-parser's) is a 400, before the stream
+                _prompted(shape, *first)
             return await self._sse(request, events, first, call, shape, rid, summary)
         finally:
             await events.aclose()

@@ -2650,6 +2650,9 @@ def test_a_reasoning_parser_answers_the_thinking_apart_from_the_content(qwen_api
                                    extra_body={"chat_template": THINKING_TEMPLATE, **body}))  # fmt: skip
     assert refused.status_code == 400
     assert "enable_thinking" in refused.message
+    streamed_refusal = _bad(qwen_api, _chat([{"type": "text", "text": "x"}], model=qwen_api.model, stream=True,
+                                            extra_body={"chat_template": THINKING_TEMPLATE, **body}))  # fmt: skip
+    assert streamed_refusal.status_code == 400, streamed_refusal  # before the stream began, not an event in it
 
     plain = client.chat.completions.create(model=qwen_api.model, messages=chat, max_tokens=6)  # type: ignore[arg-type]
     assert plain.choices[0].message.model_dump()["reasoning"] is None
