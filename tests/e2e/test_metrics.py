@@ -49,15 +49,16 @@ def test_counts_by_outcome_after_a_scripted_mix(services: Services) -> None:
     # Nothing of an earlier test may still be finishing while this one counts.
     assert wait_until(quiet, timeout=30)
     with grpc.insecure_channel(services.tokenizer_address) as channel:
-        # How long a request that runs to the end of the context takes here
-        # now: the one ended by its deadline below gets a third of it, so it
-        # is running when the deadline passes on a fast host and a slow one.
+        # How long a request of a tenth of the context takes here now: the one
+        # ended by its deadline below asks for the whole context and gets
+        # twice that, so it is running when the deadline passes on a fast
+        # host and a slow one.
         began = time.monotonic()
-        whole = run_request(
-            tokenizer_pb2_grpc.TokenizerServiceStub(channel), make_request("Go on.", max_tokens=2000, min_tokens=2000)
+        tenth = run_request(
+            tokenizer_pb2_grpc.TokenizerServiceStub(channel), make_request("Go on.", max_tokens=200, min_tokens=200)
         )
-        full_s = time.monotonic() - began
-    assert whole.ok, whole
+        tenth_s = time.monotonic() - began
+    assert tenth.ok, tenth
     assert wait_until(quiet, timeout=30)
     before_tok, before_sched = scrape(tok_port), scrape(sched_port)
     with grpc.insecure_channel(services.tokenizer_address) as channel:
@@ -84,7 +85,7 @@ def test_counts_by_outcome_after_a_scripted_mix(services: Services) -> None:
         assert started.wait(30)
         call.cancel()
         reader.join(10)
-        late = run_request(stub, make_request("Go on.", max_tokens=2000, min_tokens=2000), timeout=full_s / 3)
+        late = run_request(stub, make_request("Go on.", max_tokens=2000, min_tokens=2000), timeout=2 * tenth_s)
     assert [g.ok for g in good] == [True, True]
     assert corrupt.reason == "MEDIA_DECODE_FAILED"
     assert unread.reason == "FEATURE_TRANSPORT_FAILED"
