@@ -65,13 +65,14 @@ LLAVA_NEXT_CHAT_TEMPLATE = (
 CHAT_TEMPLATES = {"llava": LLAVA_CHAT_TEMPLATE, "llava-next": LLAVA_NEXT_CHAT_TEMPLATE}
 # InternVL's (the "-hf" checkpoints'), in its shape: ChatML, an image part
 # as <IMG_CONTEXT> on a line of its own, which InternVLProcessor expands to
-# <img> + its tiles' placeholders + </img>.
+# <img> + its tiles' placeholders + </img>, and a video part as <video>
+# (a "FrameN: <img>...</img>" line a frame).
 INTERNVL_TOKENS = ("<img>", "</img>", "<IMG_CONTEXT>", "<video>", "<|im_start|>", "<|im_end|>")
 INTERNVL_CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
     "{% if message['content'] is string %}{{ message['content'] }}"
     "{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] == 'image' %}<IMG_CONTEXT>\n"
+    "{% if part['type'] == 'image' %}<IMG_CONTEXT>\n{% elif part['type'] == 'video' %}<video>\n"
     "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
     "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )

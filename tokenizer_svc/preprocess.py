@@ -420,7 +420,7 @@ def _video(job: VideoJob, processor: Any, family: families.Family, clock: _Clock
         min_frames=job.min_frames,
         max_frames=job.max_sampled_frames,
         temporal_patch_size=family.temporal_patch_size,
-        spread=family.spreads_frames,
+        how=family.frame_sampling,
     )
     hook = getattr(_hook, "on_decoded", None)
     clip = video.decode_video(job.data, limits, rule, on_frame=hook)

@@ -119,21 +119,25 @@ class PromptBuilder:
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.holders = family.placeholders
-        markers = {p.token for p in self.holders.values()}
+        markers = {p.mark for p in self.holders.values()}
         self._marker_re = re.compile("|".join(re.escape(m) for m in sorted(markers, key=len, reverse=True)))
-        self._by_marker = {p.token: m for m, p in self.holders.items()}
+        self._by_marker = {p.mark: m for m, p in self.holders.items()}
+        # Placeholder tokens that are not also a marker (InternVL's image
+        # token, where the video's marker is another): text may not hold them.
+        tokens = {p.token for p in self.holders.values()} - markers
         specials = set(getattr(tokenizer, "all_special_tokens", []) or [])
         specials |= {str(t) for t in (getattr(tokenizer, "added_tokens_decoder", {}) or {}).values()}
         specials -= markers
+        specials |= tokens
         for p in self.holders.values():
             specials -= {p.before, p.after}
         self._control = sorted((s for s in specials if s), key=len, reverse=True)
-        wrapped = {p.before + p.token + p.after: p.token for p in self.holders.values() if p.before or p.after}
+        wrapped = {p.before + p.mark + p.after: p.mark for p in self.holders.values() if p.before or p.after}
         self._wrapped = wrapped
         # The vision start/end tokens are allowed only around a marker.
         self._structural = sorted({t for p in self.holders.values() for t in (p.before, p.after) if t})
         # What a prompt of token ids may not hold: the media placeholders and the tokens around them.
-        media_ids = tokenizer.convert_tokens_to_ids([*markers, *self._structural])
+        media_ids = tokenizer.convert_tokens_to_ids([*markers, *tokens, *self._structural])
         self._media_ids = frozenset(i for i in media_ids if i is not None and i != tokenizer.unk_token_id)
         # Names chat_template_kwargs may not take: apply_chat_template's own
         # parameters, what it gives the template (the special tokens, by
@@ -169,7 +173,7 @@ class PromptBuilder:
                 raise InternalError("the chat template did not place every image and video of the request once")
         elif not found and media:
             # No markers: the images first, then the videos, one per line.
-            text = "".join(self.holders[m].token + "\n" for m in sent) + text
+            text = "".join(self.holders[m].mark + "\n" for m in sent) + text
             found = sent
         if as_written:
             return self._tokenize(text, found, media, templated=False, special=special)
@@ -331,11 +335,13 @@ class PromptBuilder:
         if templated is None:
             templated = self.chat_template is not None
         # The k-th marker of a modality takes the k-th item of that modality.
-        queues = {m: [item for item in media if item.modality == m] for m in set(found)}
+        queues = {m: [i for i, item in enumerate(media) if item.modality == m] for m in set(found)}
         pieces = self._marker_re.split(text)
         expanded = [pieces[0]]
+        in_text: list[int] = []  # the items (their places in `media`) in the order of their markers
         for modality, piece in zip(found, pieces[1:], strict=True):
-            item = queues[modality].pop(0)
+            in_text.append(queues[modality].pop(0))
+            item = media[in_text[-1]]
             expanded.append(self.family.expand(modality, item.tokens, item.times))
             expanded.append(piece)
         full = "".join(expanded)
@@ -343,7 +349,7 @@ class PromptBuilder:
         bos = getattr(self.tokenizer, "bos_token", None)
         add_special = special and not (templated and bos and full.startswith(bos))
         ids: list[int] = list(self.tokenizer(full, add_special_tokens=add_special)["input_ids"])
-        return BuiltPrompt(ids, self._runs(ids, media))
+        return BuiltPrompt(ids, self._runs(ids, media, in_text))
 
     def _render(self, text: str, modalities: list[int], *, media_first: bool) -> str:
         """The prompt as one user turn of the chat template: its text and
@@ -366,20 +372,23 @@ class PromptBuilder:
             rendered = rendered.replace(whole, marker)
         return rendered
 
-    def _runs(self, ids: list[int], media: list[Media]) -> list[list[tuple[int, int]]]:
-        """Each item's placeholder positions, taken in order per modality, as
-        runs (in the order of `media`)."""
-        positions: dict[int, list[int]] = {m: [] for m in self.holders}
-        by_id = {p.token_id: m for m, p in self.holders.items()}
+    def _runs(self, ids: list[int], media: list[Media], in_text: list[int]) -> list[list[tuple[int, int]]]:
+        """Each item's placeholder positions as runs (in the order of
+        `media`): the items, in the order of their markers (`in_text`), take
+        the positions of their placeholder token in turn (modalities may
+        share one: InternVL's video frames are image placeholders)."""
+        positions: dict[int, list[int]] = {p.token_id: [] for p in self.holders.values()}
         for i, token in enumerate(ids):
-            if token in by_id:
-                positions[by_id[token]].append(i)
+            if token in positions:
+                positions[token].append(i)
         taken = dict.fromkeys(positions, 0)
-        runs: list[list[tuple[int, int]]] = []
-        for item in media:
-            start = taken[item.modality]
-            mine = positions[item.modality][start : start + item.tokens]
-            taken[item.modality] = start + item.tokens
+        found: dict[int, list[tuple[int, int]]] = {}
+        for k in in_text:
+            item = media[k]
+            token = self.holders[item.modality].token_id
+            start = taken[token]
+            mine = positions[token][start : start + item.tokens]
+            taken[token] = start + item.tokens
             if len(mine) != item.tokens:
                 raise InternalError("the tokenized prompt lost placeholder tokens")
             item_runs: list[tuple[int, int]] = []
@@ -388,10 +397,10 @@ class PromptBuilder:
                     item_runs[-1] = (item_runs[-1][0], item_runs[-1][1] + 1)
                 else:
                     item_runs.append((p, 1))
-            runs.append(item_runs)
-        if any(taken[m] != len(positions[m]) for m in positions):
+            found[k] = item_runs
+        if any(taken[t] != len(positions[t]) for t in positions) or len(found) != len(media):
             raise InternalError("the tokenized prompt has more placeholder tokens than its media")
-        return runs
+        return [found[k] for k in range(len(media))]
 
 
 def _strings(value: Any) -> Iterator[str]:

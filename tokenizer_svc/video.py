@@ -67,14 +67,15 @@ class VideoLimits:
 class Sampling:
     """Which frames become the item: `fps` per second of video, at least
     `min_frames` and at most `max_frames`, in multiples of
-    `temporal_patch_size`, or spread evenly from the first frame to the
-    last (`spread`: Qwen3-VL's rule; see `sample_indices`)."""
+    `temporal_patch_size`; `how` the model family's rule
+    (`Family.frame_sampling`: "stride", "spread" or "centered"; see
+    `sample_indices`)."""
 
     fps: float
     min_frames: int
     max_frames: int
     temporal_patch_size: int
-    spread: bool = False
+    how: str = "stride"
 
 
 @dataclass
@@ -113,16 +114,22 @@ def sample_indices(total: int, fps: float, rule: Sampling) -> list[int]:
     keep all of them (transformers fails on those); the model side repeats
     the last frame to fill the patch.
 
-    `rule.spread` (Qwen3-VL's video processor): ``n = int(total / fps *
-    rule.fps)`` within the same bounds but not rounded to whole patches,
-    spread from the first frame to the last (``round(i * (total - 1) / (n -
-    1))``, numpy's linspace rounded half to even)."""
+    "spread" (Qwen3-VL's video processor) and "centered" (InternVL's): ``n =
+    int(total / fps * rule.fps)`` within the same bounds but not rounded to
+    whole patches; "spread" from the first frame to the last (``round(i *
+    (total - 1) / (n - 1))``, numpy's linspace rounded half to even),
+    "centered" each in the middle of its n-th of the video (``floor((2i + 1)
+    * total / 2n)``: transformers' ``arange(total / n / 2, total, total /
+    n)`` with `initial_shift`, in exact integers; InternVL's own
+    `get_index` picks the same middles)."""
     tps = rule.temporal_patch_size
-    if rule.spread:
-        spread = min(max(int(total / fps * rule.fps) if fps > 0 else 0, rule.min_frames), rule.max_frames, total)
-        if spread <= 1:
-            return [0] * spread
-        return [round(i * (total - 1) / (spread - 1)) for i in range(spread)]
+    if rule.how in ("spread", "centered"):
+        kept = min(max(int(total / fps * rule.fps) if fps > 0 else 0, rule.min_frames), rule.max_frames, total)
+        if rule.how == "centered":
+            return [(2 * i + 1) * total // (2 * kept) for i in range(kept)]
+        if kept <= 1:
+            return [0] * kept
+        return [round(i * (total - 1) / (kept - 1)) for i in range(kept)]
     if total < tps:
         return list(range(total))
     cap = (min(rule.max_frames, total) // tps) * tps

@@ -51,6 +51,15 @@ class Placeholders:
     # Text around the run when the marker is expanded (Qwen: vision start/end).
     before: str = ""
     after: str = ""
+    # What the chat template writes for the medium, where that is not the
+    # placeholder token itself (InternVL's ``<video>``, expanded into frames
+    # of image placeholders: `Family.expand`).
+    marker: str = ""
+
+    @property
+    def mark(self) -> str:
+        """The medium's marker in a prompt: `marker`, else the placeholder token."""
+        return self.marker or self.token
 
     def expand(self, count: int) -> str:
         return self.before + self.token * count + self.after
@@ -93,7 +102,7 @@ class Family:
         return {
             "family": self.name,
             "placeholders": {
-                str(modality): [p.token, p.token_id, p.before, p.after]
+                str(modality): [p.token, p.token_id, p.before, p.after, *([p.marker] if p.marker else [])]
                 for modality, p in sorted(self.placeholders.items())
             },
             "inputs": sorted(self.input_names),
@@ -168,11 +177,13 @@ class Family:
         return 1
 
     @property
-    def spreads_frames(self) -> bool:
-        """Whether a video's frames are sampled from its first frame to its
-        last (Qwen3-VL), not at a stride in whole temporal patches
-        (`tokenizer_svc.video.sample_indices`)."""
-        return False
+    def frame_sampling(self) -> str:
+        """How a video's frames are picked (`tokenizer_svc.video.sample_indices`):
+        "stride", at a stride in whole temporal patches (Qwen2-VL's and
+        Qwen2.5-VL's processors); "spread", from the first frame to the last
+        (Qwen3-VL's); "centered", each in the middle of its equal part of the
+        video (InternVL's)."""
+        return "stride"
 
     @property
     def takes_video(self) -> bool:

@@ -5,7 +5,19 @@ processor's min_patches..max_patches, plus a thumbnail of the whole image
 when there is more than one tile). Item tensors: ``pixel_values [tiles, C,
 S, S]``. Each tile fills `image_seq_length` placeholders ((S / patch)² times
 downsample_ratio², the pixel shuffle's), and the run is wrapped as
-`InternVLProcessor` writes it: ``<img>`` + placeholders + ``</img>``."""
+`InternVLProcessor` writes it: ``<img>`` + placeholders + ``</img>``.
+
+A video (the chat template's ``<video>``) is its sampled frames, each one
+tile of the vision tower's size (no grid, no thumbnail: ``pixel_values
+[frames, C, S, S]``), written as `InternVLProcessor.replace_video_token`
+writes them: ``Frame1: <img>`` + one tile's placeholders + ``</img>``, one
+line a frame. The frames are picked in the middle of equal parts of the
+video (`frame_sampling` "centered", the video processor's `initial_shift`)
+and made by the image processor with its tiling off (vLLM's way: the same
+resize, rescale and normalization as a tile), with the video processor's
+mean and standard deviation where the checkpoint has a
+video_preprocessor_config.json. The model reads both as image
+placeholders, in prompt order."""
 
 from __future__ import annotations
 
@@ -13,12 +25,15 @@ from typing import Any
 
 import numpy as np
 
-from mmsplit_server.families.base import IMAGE, BadItem, Family, Placeholders, need
+from mmsplit_server.families.base import IMAGE, VIDEO, BadItem, Family, Placeholders, need, rgb_as_is
 
 MODEL_TYPES = ("internvl",)
 # InternVL's image processor makes at most this many tiles (its max_patches
 # is 12 in the released checkpoints; the thumbnail adds one).
 MAX_TILES = 64
+# The most frames of one video item (the tokenizer samples at most its
+# --video-max-frames, 32 unless raised).
+MAX_FRAMES = 1024
 
 
 class InternVL(Family):
@@ -51,15 +66,58 @@ class InternVL(Family):
         return {**super().rules(), "side": self.side, "channels": self.channels, "per_tile": self.tokens_per_tile()}
 
     def count(self, modality: int, shapes: dict[str, tuple[int, ...]], side: dict[str, np.ndarray]) -> int:
-        if modality != IMAGE:
-            raise BadItem(f"{self.name} takes images only")
         shape = need(shapes, "pixel_values", 4)
-        if not (1 <= shape[0] <= MAX_TILES) or shape[1:] != (self.channels, self.side, self.side):
+        most, what = (MAX_TILES, "tiles") if modality == IMAGE else (MAX_FRAMES, "frames")
+        if not (1 <= shape[0] <= most) or shape[1:] != (self.channels, self.side, self.side):
             raise BadItem(
-                f"pixel_values must have shape [tiles 1..{MAX_TILES}, {self.channels}, {self.side}, {self.side}], "
+                f"pixel_values must have shape [{what} 1..{most}, {self.channels}, {self.side}, {self.side}], "
                 f"got {list(shape)}"
             )
         return shape[0] * self.tokens_per_tile()
+
+    def check_runs(self, items: list[Any]) -> None:
+        """An image's placeholders are one run; a video's one run per frame,
+        each of one tile's placeholders."""
+        per_tile = self.tokens_per_tile()
+        for i, item in enumerate(items):
+            lengths = [length for _, length in item.placeholders]
+            if item.modality == IMAGE and len(lengths) != 1:
+                raise BadItem(f"item {i}: an image of {self.name} fills one placeholder run, not {len(lengths)}")
+            if item.modality == VIDEO and any(length != per_tile for length in lengths):
+                raise BadItem(f"item {i}: each frame of a video fills a run of {per_tile} placeholders")
+
+    # ---- video ----
+    @property
+    def takes_video(self) -> bool:
+        return VIDEO in self.placeholders
+
+    @property
+    def frame_sampling(self) -> str:
+        return "centered"
+
+    def expand(self, modality: int, tokens: int, times: tuple[float, ...] = ()) -> str:
+        if modality != VIDEO:
+            return super().expand(modality, tokens, times)
+        per_tile = self.tokens_per_tile()
+        if tokens % per_tile:
+            raise BadItem(f"a video of {tokens} placeholders is not whole frames of {per_tile}")
+        frame = self.placeholders[IMAGE].expand(per_tile)
+        return "\n".join(f"Frame{i + 1}: {frame}" for i in range(tokens // per_tile))
+
+    def video_rows(self, processor: Any, frames: list[Any], sampled_fps: float) -> dict[str, np.ndarray]:
+        if not frames:
+            raise BadItem("a video item needs at least one frame")
+        own = {k: self.video_config[k] for k in ("image_mean", "image_std") if k in self.video_config}
+        tiles = [
+            np.asarray(
+                processor(images=frame, crop_to_patches=False, **own, **rgb_as_is(frame), return_tensors="np")[
+                    "pixel_values"
+                ],
+                dtype=np.float32,
+            )
+            for frame in frames
+        ]
+        return {"pixel_values": np.ascontiguousarray(np.concatenate(tiles))}
 
     # transformers' InternVLModel takes the encoder outputs precomputed
     # (`mm_encoder_outputs`), as one tensor of every image's rows in order.
@@ -93,10 +151,15 @@ def build(model_type: str, config: dict[str, Any], processor_config: dict[str, A
     token = str(processor_config.get("image_token", "<IMG_CONTEXT>"))
     start = str(processor_config.get("start_image_token", "<img>"))
     end = str(processor_config.get("end_image_token", "</img>"))
+    video = str(processor_config.get("video_token", "<video>"))
     return InternVL(
         name="internvl",
         model_type=model_type,
-        placeholders={IMAGE: Placeholders(token=token, token_id=token_id, before=start, after=end)},
+        placeholders={
+            IMAGE: Placeholders(token=token, token_id=token_id, before=start, after=end),
+            # A video's frames are image placeholders, each wrapped as an image is (`expand`).
+            VIDEO: Placeholders(token=token, token_id=token_id, marker=video),
+        },
         input_names=names,
         config=config,
     )

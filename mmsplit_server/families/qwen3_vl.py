@@ -19,7 +19,7 @@ from the model's own `get_rope_index`, as in `qwen2_vl`. What differs:
   <|vision_end|><|vision_end|>`` (`expand`; transformers 4.x and vLLM drop
   the outer pair); `get_rope_index` numbers each run as a one-frame
   block. The frames are sampled from the first to the last
-  (`spreads_frames`) and all resized to one size chosen for the whole clip:
+  (`frame_sampling`) and all resized to one size chosen for the whole clip:
   its frames' pixels together within the video processor's bounds
   (`sized_frames`).
 
@@ -55,8 +55,8 @@ class Qwen3VL(QwenVL):
         return hidden * (1 + self.levels)
 
     @property
-    def spreads_frames(self) -> bool:
-        return True
+    def frame_sampling(self) -> str:
+        return "spread"
 
     def tp_plan_overrides(self) -> dict[str, str]:
         """Qwen3-VL-MoE: its experts loaded whole on every rank. transformers

@@ -216,8 +216,9 @@ def test_a_conversation_resent_whole_each_turn_hits_the_prefix_cache_and_keeps_i
     chat_pair: tuple[str, Pair],
 ) -> None:
     """Four turns of one chat, each resent whole with the answers so far
-    (images in turns 1 and 3; for the Qwen families a video in turn 2, which
-    Qwen3-VL writes as several timed runs), the way chat clients do: every
+    (images in turns 1 and 3; for the video families a video in turn 2, which
+    Qwen3-VL writes as several timed runs and InternVL as a line of image
+    placeholders a frame), the way chat clients do: every
     turn's tokens equal `generate` on the whole conversation (the scheduler's
     prefix cache is on by default), and turns 2 to 4 report prompt tokens
     taken from it."""
@@ -228,7 +229,11 @@ def test_a_conversation_resent_whole_each_turn_hits_the_prefix_cache_and_keeps_i
     asks: list[list[Any]] = [
         ["Describe this picture: its colors, its shapes, where the light comes from and what it shows.", ImagePart(a)],
         ["Now say it again in other words, at more length, for a child who cannot see it."]
-        + ([VideoPart(samples.video(frames=12, seed=1)), "And this clip?"] if family.startswith("qwen") else []),
+        + (
+            [VideoPart(samples.video(frames=12, seed=1)), "And this clip?"]
+            if family.startswith(("qwen", "internvl"))
+            else []
+        ),
         [ImagePart(b), "And this second picture: how does it differ from the first one?"],
         ["Which of the two would you hang in a kitchen, and why?"],
     ]

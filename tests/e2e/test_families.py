@@ -97,7 +97,7 @@ def family_pair(
     assert codes == {"tokenizer": 0, "scheduler": 0}, f"services exited with {codes}"
 
 
-VIDEO_FAMILIES = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl")
+VIDEO_FAMILIES = ("qwen2-vl", "qwen2.5-vl", "qwen3-vl", "internvl", "internvl3.5")
 
 
 def n_choices_of_a_long_prompt(pair: Pair, family: str, asks: list[greedy.Ask], outs: list[greedy.Outcome]) -> None:

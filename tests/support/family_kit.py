@@ -28,6 +28,8 @@ MARKERS = {
     "internvl": "<IMG_CONTEXT>",
     "internvl3.5": "<IMG_CONTEXT>",
 }
+# A video's marker where it is not the Qwen families' (`greedy.VIDEO_MARKER`).
+VIDEO_MARKERS = {"internvl": "<video>", "internvl3.5": "<video>"}
 
 
 def ships_template(family: str) -> bool:

@@ -47,7 +47,7 @@ def asks(family: str, *, video: bool, images: tuple[bytes, bytes, bytes]) -> lis
 
 def prompt(family: str, parts: Ask) -> str:
     """The ask as a prompt: its text, each medium as the family's marker."""
-    markers = {"image": family_kit.MARKERS[family], "video": VIDEO_MARKER}
+    markers = {"image": family_kit.MARKERS[family], "video": family_kit.VIDEO_MARKERS.get(family, VIDEO_MARKER)}
     return "".join(markers[p[0]] if isinstance(p, tuple) else p for p in parts)
 
 

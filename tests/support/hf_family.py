@@ -84,7 +84,9 @@ def scored(
     model's logits, before any processing). `size`: the image processor's
     for this call (a Qwen model's pixel budget)."""
     model = hf_loaded.model(model_dir)
-    if videos:
+    if videos and type(proc).__name__ == "InternVLProcessor":
+        inputs = _internvl_with_videos(proc, text, images, videos)
+    elif videos:
         inputs = _with_videos(proc, text, images, videos)
     else:
         inputs = dict(proc(images=images or None, text=text, return_tensors="pt", **({"size": size} if size else {})))
@@ -145,6 +147,63 @@ def _with_videos(proc: Any, text: str, images: list[Any], videos: list[dict[str,
     return out
 
 
+def _internvl_with_videos(proc: Any, text: str, images: list[Any], videos: list[dict[str, Any]]) -> dict[str, Any]:
+    """What InternVLProcessor's call does with text, images and videos (it
+    refuses videos without a video processor), restated: each image's tiles
+    from its image processor and its marker as ``<img>`` + a tile's
+    placeholders per tile + ``</img>``; each ``<video>`` as its processor's
+    `replace_video_token` writes it (a "FrameN: <img>...</img>" line a
+    frame); every tile and frame in one `pixel_values`, in prompt order."""
+    import re
+
+    tiles: list[Any] = []
+    if images:
+        pictures = proc.image_processor(images=images, crop_to_patches=True, return_tensors="pt")
+        counts = [int(n) for n in pictures["num_patches"]]
+        starts = [sum(counts[:k]) for k in range(len(counts))]
+        tiles = [pictures["pixel_values"][a : a + n] for a, n in zip(starts, counts, strict=True)]
+    images_left, videos_left, pixels = list(tiles), list(videos), []
+
+    def expand(match: re.Match[str]) -> str:
+        if match.group(0) == proc.video_token:
+            frames = videos_left.pop(0)["pixel_values"]
+            pixels.append(frames)
+            return str(proc.replace_video_token({"pixel_values_videos": [frames]}, 0))
+        picture = images_left.pop(0)
+        pixels.append(picture)
+        return proc.start_image_token + proc.image_token * proc.image_seq_length * len(picture) + proc.end_image_token
+
+    pattern = f"{re.escape(proc.image_token)}|{re.escape(proc.video_token)}"
+    text = re.sub(pattern, expand, text)
+    return {**proc.tokenizer(text, return_tensors="pt"), "pixel_values": torch.cat(pixels)}
+
+
+def _internvl_video(model_dir: Path, data: bytes, *, fps: float, max_frames: int) -> dict[str, Any]:
+    """A video's frames as InternVL takes them, restated from its video
+    processor (which needs torchvision): every frame decoded to RGB with
+    PyAV, `sample_frames` with fps and `initial_shift` (frames in the middle
+    of equal parts), each resized to one tile (PIL bicubic here), rescaled
+    and normalized with the image processor's mean and deviation (the tiny
+    model has no video processor config)."""
+    import av
+    import numpy as np
+    from PIL import Image
+
+    config = json.loads((model_dir / "preprocessor_config.json").read_text())
+    with av.open(io.BytesIO(data)) as container:
+        stream = container.streams.video[0]
+        native_fps = float(stream.average_rate)
+        frames = [f.to_ndarray(format="rgb24") for f in container.decode(stream)]
+    total = len(frames)
+    n = min(max(int(total / native_fps * fps), 4), max_frames, total)
+    indices = torch.arange(total / n / 2, total, total / n).int().tolist()
+    side = config["size"]["height"]
+    mean = torch.tensor(config["image_mean"]).view(3, 1, 1)
+    std = torch.tensor(config["image_std"]).view(3, 1, 1)
+    resized = [np.array(Image.fromarray(frames[i]).resize((side, side), Image.BICUBIC)) for i in indices]
+    return {"pixel_values": torch.stack([(torch.from_numpy(f).permute(2, 0, 1) / 255 - mean) / std for f in resized])}
+
+
 def video_inputs(model_dir: Path, data: bytes, *, fps: float, max_frames: int) -> dict[str, Any]:
     """A video's forward inputs the way transformers' Qwen2-VL video
     processor makes them (which needs torchvision, so it is restated here):
@@ -163,8 +222,10 @@ def video_inputs(model_dir: Path, data: bytes, *, fps: float, max_frames: int) -
     from PIL import Image
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
-    config = json.loads((model_dir / "video_preprocessor_config.json").read_text())
     model_type = json.loads((model_dir / "config.json").read_text())["model_type"]
+    if model_type == "internvl":
+        return _internvl_video(model_dir, data, fps=fps, max_frames=max_frames)
+    config = json.loads((model_dir / "video_preprocessor_config.json").read_text())
     with av.open(io.BytesIO(data)) as container:
         stream = container.streams.video[0]
         native_fps = float(stream.average_rate)

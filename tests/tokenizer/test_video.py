@@ -84,13 +84,30 @@ def test_spread_sampling_is_qwen3_vls_rule_and_its_times_are_the_processors(tota
     rounded; its processor's time per temporal patch."""
     from transformers import Qwen3VLProcessor
 
-    rule = dataclasses.replace(RULE, spread=True)
+    rule = dataclasses.replace(RULE, how="spread")
     n = min(max(int(total / fps * rule.fps), rule.min_frames), rule.max_frames, total)
     indices = video.sample_indices(total, fps, rule)
     assert indices == np.linspace(0, total - 1, n).round().astype(int).tolist()
     clip = video.Video([], indices, total, fps, 0, 0)
     expected = Qwen3VLProcessor._calculate_timestamps(None, list(indices), fps, rule.temporal_patch_size)  # type: ignore[arg-type]
     assert clip.patch_times(rule.temporal_patch_size) == pytest.approx(tuple(expected), abs=1e-12)
+
+
+@pytest.mark.parametrize("total", [1, 2, 3, 5, 7, 12, 13, 97, 600, 1799])
+@pytest.mark.parametrize("fps", [1.0, 4.96, 6.0, 29.97])
+def test_centered_sampling_is_internvls_rule(total: int, fps: float) -> None:
+    """InternVL's video processor (`sample_frames` with fps and its
+    `initial_shift`, restated: its module needs torchvision):
+    ``int(total / fps * 2)`` frames within [min_frames, max_frames] and what
+    there is, at ``arange(total / n / 2, total, total / n)``, each in the
+    middle of its part."""
+    import torch
+
+    rule = dataclasses.replace(RULE, how="centered", temporal_patch_size=1)
+    n = min(max(int(total / fps * rule.fps), rule.min_frames), rule.max_frames, total)
+    indices = video.sample_indices(total, fps, rule)
+    assert indices == torch.arange(total / n / 2, total, total / n).int().tolist()
+    assert len(set(indices)) == n
 
 
 def test_a_video_over_its_budget_stops_with_preprocess_timeout() -> None:
@@ -114,7 +131,7 @@ def test_item_rows_equal_the_video_processors(family_models: Callable[[str], Pat
     processor = AutoImageProcessor.from_pretrained(model)
     adapter = families.load(model, frozenset(processor.model_input_names))
     data = samples.video(frames=frames, width=120, height=90, seed=frames)
-    clip = video.decode_video(data, limits(), dataclasses.replace(RULE, spread=adapter.spreads_frames))
+    clip = video.decode_video(data, limits(), dataclasses.replace(RULE, how=adapter.frame_sampling))
     rows = adapter.video_rows(processor, clip.frames, clip.sampled_fps)
     # As a worker makes them: with the image processor's shortcuts.
     fast = AutoImageProcessor.from_pretrained(model)
