@@ -3,7 +3,10 @@ template its public checkpoints ship (`mmsplit tiny-model`'s default):
 greedy tokens of a system + user + assistant + user conversation, with
 images in two turns, equal single-process `generate` on
 ``processor.apply_chat_template(messages)``; and what a conversation may
-not be is refused with a typed error naming where."""
+not be is refused with a typed error naming where. One rank a pair: what
+is checked here (templates, turns, the prefix cache across them) is the
+tokenizer's and the cache's, the same at any TP, and every family's TP=2
+forward has its own suite (test_families.py)."""
 
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ def chat_pair(
     request: pytest.FixtureRequest, chat_models: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[str, Pair]]:
     family = request.param
-    with running_pair(chat_models(family), tmp_path_factory.mktemp(f"chat-{family}")) as pair:
+    with running_pair(chat_models(family), tmp_path_factory.mktemp(f"chat-{family}"), tp=1) as pair:
         yield family, pair
 
 
