@@ -391,6 +391,8 @@ def build_request(
     single_call: bool = False,
     min_pixels: int = 0,
     max_pixels: int = 0,
+    min_tiles: int = 0,
+    max_tiles: int = 0,
     return_prompt_token_ids: bool = False,
     truncate_prompt_tokens: int = 0,
     priority: int = 0,
@@ -424,7 +426,9 @@ def build_request(
     `tool_calls` and `content` then hold the calls found and the rest.
     `min_pixels`, `max_pixels`: a Qwen-VL model's images resized within
     these bounds instead of the checkpoint's (within them only; 0 leaves a
-    bound as the checkpoint's: `GenerateRequest.image_budget`).
+    bound as the checkpoint's: `GenerateRequest.image_budget`);
+    `min_tiles`, `max_tiles`: an InternVL model's images cut into that
+    many tiles (likewise).
     `return_prompt_token_ids`: a `PromptIds` event first, the ids the
     model reads. `truncate_prompt_tokens`: the model reads only the
     prompt's last N tokens (-1: as many as the context holds). `priority`:
@@ -511,8 +515,10 @@ def build_request(
         prompt_token_ids=list(prompt_token_ids),
         tool_choice=choose,
         image_budget=(
-            tokenizer_pb2.ImageBudget(min_pixels=min_pixels, max_pixels=max_pixels)
-            if min_pixels or max_pixels
+            tokenizer_pb2.ImageBudget(
+                min_pixels=min_pixels, max_pixels=max_pixels, min_tiles=min_tiles, max_tiles=max_tiles
+            )
+            if min_pixels or max_pixels or min_tiles or max_tiles
             else None
         ),
         return_prompt_token_ids=return_prompt_token_ids,

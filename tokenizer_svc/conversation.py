@@ -20,7 +20,7 @@ from typing import Any
 
 from mmsplit.tokenizer.v1 import tokenizer_pb2
 from mmsplit_server import strict_json
-from mmsplit_server.families import Family, PixelBudget
+from mmsplit_server.families import Family, PixelBudget, TileBudget
 from tokenizer_svc.errors import InvalidRequest, MediaUnsupported
 from tokenizer_svc.prompt import ToolCall, Turn
 from tokenizer_svc.settings import TokenizerSettings
@@ -133,6 +133,8 @@ class Parsed:
     size: int = 0
     # The images' own pixel budget (image_budget); None: the checkpoint's.
     image_pixels: PixelBudget | None = None
+    # Their own bounds on the tiles of each (image_budget's min_tiles, max_tiles); None: the checkpoint's.
+    image_tiles: TileBudget | None = None
     # The videos' own sampling (video_budget); None: the server's.
     video_sampling: VideoSampling | None = None
     # SamplingParams.bad_words as token sequences (tokenizer_svc.bad_words).
@@ -154,6 +156,7 @@ MAX_TEMPLATE_BYTES = 64 * 1024
 def parse(request: tokenizer_pb2.GenerateRequest, settings: TokenizerSettings, family: Family) -> Parsed:
     """The request's shape, checked against the per-request limits."""
     pixels = image_budget(request, family)
+    tiles = tile_budget(request, family)
     sampling = video_budget(request, settings)
     if request.split_reasoning and settings.reasoning_parser == "none":
         raise InvalidRequest(
@@ -232,7 +235,11 @@ def parse(request: tokenizer_pb2.GenerateRequest, settings: TokenizerSettings, f
     if n_videos > s.max_videos_per_request:
         raise InvalidRequest(f"{n_videos} videos, at most {s.max_videos_per_request}")
     return dataclasses.replace(
-        parsed, size=chars + PER_MESSAGE * len(request.messages), image_pixels=pixels, video_sampling=sampling
+        parsed,
+        size=chars + PER_MESSAGE * len(request.messages),
+        image_pixels=pixels,
+        image_tiles=tiles,
+        video_sampling=sampling,
     )
 
 
@@ -269,9 +276,10 @@ def image_budget(request: tokenizer_pb2.GenerateRequest, family: Family) -> Pixe
     asked, own = request.image_budget, family.image_pixels
     if own is None:
         if asked.min_pixels or asked.max_pixels:
+            tiles = "; bound its tiles instead (min_tiles, max_tiles)" if family.image_tiles is not None else ""
             raise InvalidRequest(
                 f"this model ({family.name}) makes every image one size, or tiles of one size: it takes no pixel "
-                "budget",
+                f"budget{tiles}",
                 metadata={"param": "image_budget"},
             )
         return None
@@ -292,6 +300,37 @@ def image_budget(request: tokenizer_pb2.GenerateRequest, family: Family) -> Pixe
         raise InvalidRequest(
             f"min_pixels {budget.least} is over max_pixels {most}", metadata={"param": "image_budget.min_pixels"}
         )
+    return None if budget == own else budget
+
+
+def tile_budget(request: tokenizer_pb2.GenerateRequest, family: Family) -> TileBudget | None:
+    """The bounds on the tiles of each of the request's images, where it
+    asks for them within the checkpoint's (`Family.image_tiles`): a bound
+    left 0 is the checkpoint's, but a min_tiles left 0 never over the max
+    asked. None when it asks for none or for exactly the checkpoint's."""
+    asked = request.image_budget
+    if not asked.min_tiles and not asked.max_tiles:
+        return None
+    own = family.image_tiles
+    where = "image_budget.max_tiles" if asked.max_tiles else "image_budget.min_tiles"
+    if own is None:
+        raise InvalidRequest(
+            f"this model ({family.name}) does not cut images into tiles: min_tiles and max_tiles apply to a model "
+            "that does (InternVL)",
+            metadata={"param": where},
+        )
+    most = asked.max_tiles or own.most
+    if most > own.most:
+        raise InvalidRequest(
+            f"max_tiles {most} is over this model's {own.most} (its image processor's max_patches)",
+            metadata={"param": "image_budget.max_tiles"},
+        )
+    least = asked.min_tiles or min(own.least, most)
+    if least > most:
+        raise InvalidRequest(
+            f"min_tiles {least} is over max_tiles {most}", metadata={"param": "image_budget.min_tiles"}
+        )
+    budget = TileBudget(least, most)
     return None if budget == own else budget
 
 

@@ -38,8 +38,10 @@ What is accepted, as vLLM, SGLang and TGI accept it:
   `cache_salt` (a tenant's prefix-cache isolation). The usage reports
   `prompt_tokens_details.cached_tokens`: prompt tokens the scheduler took
   from its prefix cache. vLLM's `mm_processor_kwargs` with `max_pixels`
-  and `min_pixels`: a Qwen-VL model's images resized within that budget
-  (GenerateRequest.image_budget; other keys refused).
+  and `min_pixels`: a Qwen-VL model's images resized within that budget,
+  `max_dynamic_patch` and `min_dynamic_patch`: an InternVL model's images
+  cut into that many tiles (GenerateRequest.image_budget), `fps` and
+  `max_frames` (GenerateRequest.video_budget; other keys refused).
 - Tools (chat only): `tools` reach the chat template (the contract's
   `GenerateRequest.tools`); `tool_choice` a named function or "required"
   constrains the output with a JSON Schema built from the tools (`Forced`),
@@ -127,6 +129,8 @@ KNOWN = {
 
 # Prompts one completions request may give (each its own generation).
 MAX_PROMPTS = 16
+# vLLM's names for an InternVL image's tile bounds in mm_processor_kwargs -> ImageBudget's.
+TILE_KWARGS = {"max_dynamic_patch": "max_tiles", "min_dynamic_patch": "min_tiles"}
 # The most a pixel bound may say (GenerateRequest.image_budget's fields are 32-bit).
 MAX_PIXELS = (1 << 32) - 1
 # The json_schema of "any JSON object" (response_format json_object).
@@ -710,8 +714,9 @@ def _beam_search(body: dict[str, Any], request: tokenizer_pb2.GenerateRequest) -
 
 def _mm_processor_kwargs(body: dict[str, Any], request: tokenizer_pb2.GenerateRequest) -> None:
     """vLLM's `mm_processor_kwargs` as far as this server honours it: a
-    Qwen-VL model's `max_pixels` and `min_pixels` per image
-    (GenerateRequest.image_budget, which the service checks against the
+    Qwen-VL model's `max_pixels` and `min_pixels` per image, an InternVL
+    model's `max_dynamic_patch` and `min_dynamic_patch` (its tiles; both
+    GenerateRequest.image_budget, which the service checks against the
     model), and the videos' sampling, `fps` and `max_frames`
     (GenerateRequest.video_budget, checked against the server's). The pixel
     bounds apply to images only, so a request with a video is refused
@@ -738,10 +743,15 @@ def _mm_processor_kwargs(body: dict[str, Any], request: tokenizer_pb2.GenerateRe
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_PIXELS:
                 raise invalid(f"{where} must be a whole number of pixels within [1, {MAX_PIXELS}]", where)
             setattr(budget, name, value)
+        elif name in TILE_KWARGS:
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= _U32:
+                raise invalid(f"{where} must be a whole number of tiles, at least 1", where)
+            setattr(budget, TILE_KWARGS[name], value)
         else:
             raise invalid(
                 f"{where} is not supported: this server takes max_pixels and min_pixels (an image's pixel "
-                "budget), fps and max_frames (how a video's frames are sampled)",
+                "budget), max_dynamic_patch and min_dynamic_patch (an InternVL image's tiles), fps and max_frames "
+                "(how a video's frames are sampled)",
                 where,
             )
     pixels = budget.max_pixels or budget.min_pixels
@@ -751,7 +761,7 @@ def _mm_processor_kwargs(body: dict[str, Any], request: tokenizer_pb2.GenerateRe
             "of a request with a video",
             "mm_processor_kwargs",
         )
-    if pixels:
+    if pixels or budget.max_tiles or budget.min_tiles:
         request.image_budget.CopyFrom(budget)
     if video.fps or video.max_frames:
         request.video_budget.CopyFrom(video)
@@ -891,7 +901,8 @@ def param_name(exc: MmsplitError) -> str | None:
     if name == "prompt_token_ids":
         return "prompt"
     if name.startswith(("image_budget", "video_budget")):
-        return "mm_processor_kwargs" + name.removeprefix("image_budget").removeprefix("video_budget")
+        kwarg = name.removeprefix("image_budget").removeprefix("video_budget")
+        return "mm_processor_kwargs" + {f".{v}": f".{k}" for k, v in TILE_KWARGS.items()}.get(kwarg, kwarg)
     structured = {"regex", "choice", "grammar"}
     return "response_format" if name == "json_schema" else "structured_outputs" if name in structured else name
 

@@ -93,6 +93,8 @@ class ImageJob:
     form: RowForm = PLAIN_ROWS
     # The request's own pixel budget (GenerateRequest.image_budget); None: the checkpoint's.
     pixels: families.PixelBudget | None = None
+    # Its own bounds on an image's tiles (ImageBudget.min_tiles, max_tiles); None: the checkpoint's.
+    tiles: families.TileBudget | None = None
     # The largest tensor its scheduler takes (ServerInfo.max_tensor_bytes),
     # checked from the image's header where the family says its rows; 0: unchecked.
     max_bytes: int = 0
@@ -337,7 +339,7 @@ def _image(job: ImageJob, processor: Any, family: families.Family, clock: _Clock
         raise MediaUnsupported(f"aspect ratio {image.width}x{image.height} exceeds {job.max_aspect_ratio:g}:1")
     try:
         with pil_shortcuts.processing():
-            options = family.image_options(one_frame=job.form.one_frame, pixels=job.pixels)
+            options = family.image_options(one_frame=job.form.one_frame, pixels=job.pixels, tiles=job.tiles)
             outputs = processor(images=image, return_tensors="np", **rgb_as_is(image), **options)
         rows = family.item_rows({name: np.asarray(value) for name, value in outputs.items()})
         tokens = _count(family, families.IMAGE, rows)

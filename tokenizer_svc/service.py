@@ -34,7 +34,7 @@ from mmsplit.errors import E, MmsplitError, RemoteError
 from mmsplit.scheduler.v1 import scheduler_pb2
 from mmsplit.tokenizer.v1 import tokenizer_pb2
 from mmsplit_server import families, structured
-from mmsplit_server.families import PixelBudget
+from mmsplit_server.families import PixelBudget, TileBudget
 from mmsplit_server.handoff import cuda_ipc, files, grants, ranges, reference
 from mmsplit_server.handoff.reference import DTYPE_BY_NAME, CudaRef, TensorSpec
 from mmsplit_server.sampling import InvalidSampling, Sampling
@@ -103,6 +103,7 @@ class ItemAsk:
     pixels: PixelBudget | None = None
     max_bytes: int = 0
     video: VideoSampling | None = None  # the request's own video sampling (`Parsed.video_sampling`)
+    tiles: TileBudget | None = None  # the request's own bounds on an image's tiles (`Parsed.image_tiles`)
 
 
 class TokenizerService:
@@ -311,6 +312,7 @@ class TokenizerService:
             parsed.image_pixels,
             info.max_tensor_bytes if info is not None else 0,
             parsed.video_sampling,
+            parsed.image_tiles,
         )
         inline = common_pb2.TRANSPORT_INLINE
         prepared, prompt = await self._media_and_prompt(request, parsed, rid, inline, ask, info)
@@ -547,7 +549,11 @@ class TokenizerService:
     ) -> AsyncGenerator[tokenizer_pb2.GenerateResponse, None]:
         info = assigned.backend.info
         ask = ItemAsk(
-            assigned.form, parsed.image_pixels, info.max_tensor_bytes if info is not None else 0, parsed.video_sampling
+            assigned.form,
+            parsed.image_pixels,
+            info.max_tensor_bytes if info is not None else 0,
+            parsed.video_sampling,
+            parsed.image_tiles,
         )
         prepared, prompt = await self._media_and_prompt(request, parsed, rid, transport, ask, info)
         handed = self._handed(request, parsed, rid, timeout_s, assigned, transport, prepared, prompt, parsed.calls)
@@ -724,7 +730,8 @@ class TokenizerService:
             # In the rows a backend would be sent, for the cache to keep for the request that follows.
             backend = self.link.primary
             form = PLAIN_ROWS if backend is None else backend.row_form(self.family)
-            ask = ItemAsk(form, parsed.image_pixels, video=parsed.video_sampling)  # counted, not sent: no tensor cap
+            # Counted, not sent: no tensor cap.
+            ask = ItemAsk(form, parsed.image_pixels, video=parsed.video_sampling, tiles=parsed.image_tiles)
             prepared = await self._prepare_media(parsed.media, rid, common_pb2.TRANSPORT_INLINE, ask)
             try:
                 media = [Media(p.result.modality, p.result.tokens, p.result.times) for p in prepared]
@@ -1040,6 +1047,7 @@ class TokenizerService:
                 slab=slab_ref,
                 form=ask.form,
                 pixels=ask.pixels,
+                tiles=ask.tiles,
                 max_bytes=ask.max_bytes,
             )
             timeout_s = s.preprocess_timeout_s

@@ -19,6 +19,7 @@ from mmsplit_server.families.base import (
     Family,
     PixelBudget,
     Placeholders,
+    TileBudget,
     is_encoder_input,
     read_json,
 )
@@ -33,6 +34,7 @@ __all__ = [
     "Family",
     "PixelBudget",
     "Placeholders",
+    "TileBudget",
     "from_config",
     "is_encoder_input",
     "load",

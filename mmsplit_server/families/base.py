@@ -65,6 +65,15 @@ class Placeholders:
         return self.before + self.token * count + self.after
 
 
+class TileBudget(NamedTuple):
+    """The fewest and most tiles an image processor cuts an image into
+    (InternVL's `min_patches`, `max_patches`; the thumbnail beside several
+    tiles not counted)."""
+
+    least: int
+    most: int
+
+
 class PixelBudget(NamedTuple):
     """The fewest and most pixels an image processor resizes an image to
     (Qwen's `min_pixels`, `max_pixels`: its `size` shortest and longest
@@ -139,13 +148,22 @@ class Family:
         a still image to fill them. 1 for the others."""
         return 1
 
-    def image_options(self, *, one_frame: bool, pixels: PixelBudget | None = None) -> dict[str, Any]:
+    def image_options(
+        self, *, one_frame: bool, pixels: PixelBudget | None = None, tiles: TileBudget | None = None
+    ) -> dict[str, Any]:
         """The image processor's keywords for an item's rows: `one_frame`,
         rows holding the image's frame once where `image_frames` > 1 (the
         scheduler repeats it: `full_rows`), for a scheduler that takes them
         (ServerInfo.one_frame_image_rows); `pixels`, a request's own budget
-        (`image_pixels` bounds it), for a family that has one."""
+        (`image_pixels` bounds it), for a family that has one; `tiles`, a
+        request's own bounds on the tiles (`image_tiles` bounds them)."""
         return {}
+
+    @property
+    def image_tiles(self) -> TileBudget | None:
+        """The checkpoint's bounds on the tiles an image is cut into, for a
+        family that tiles (InternVL); None for the others."""
+        return None
 
     @property
     def image_pixels(self) -> PixelBudget | None:

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from mmsplit_server.families.base import IMAGE, VIDEO, BadItem, Family, Placeholders, need, rgb_as_is
+from mmsplit_server.families.base import IMAGE, VIDEO, BadItem, Family, Placeholders, TileBudget, need, rgb_as_is
 
 MODEL_TYPES = ("internvl",)
 # InternVL's image processor makes at most this many tiles (its max_patches
@@ -57,10 +57,17 @@ class InternVL(Family):
         ratio = float(self.config.get("downsample_ratio", 0.5))
         return int((self.side // patch) ** 2 * ratio**2)
 
-    def image_options(self, *, one_frame: bool, pixels: Any = None) -> dict[str, Any]:
+    def image_options(self, *, one_frame: bool, pixels: Any = None, tiles: TileBudget | None = None) -> dict[str, Any]:
         # InternVLProcessor tiles every image whatever its image processor's
         # own crop_to_patches says (its images_kwargs default): so do the workers.
-        return {"crop_to_patches": True}
+        bounds = {} if tiles is None else {"min_patches": tiles.least, "max_patches": tiles.most}
+        return {"crop_to_patches": True, **bounds}
+
+    @property
+    def image_tiles(self) -> TileBudget:
+        """The image processor's min_patches and max_patches (GotOcr2's
+        defaults, 1 and 12, where its config names none)."""
+        return TileBudget(int(self.image_config.get("min_patches", 1)), int(self.image_config.get("max_patches", 12)))
 
     def rules(self) -> dict[str, Any]:
         return {**super().rules(), "side": self.side, "channels": self.channels, "per_tile": self.tokens_per_tile()}

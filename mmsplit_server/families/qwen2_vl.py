@@ -70,7 +70,7 @@ class QwenVL(Family):
     def image_frames(self) -> int:
         return self.temporal_patch_size
 
-    def image_options(self, *, one_frame: bool, pixels: PixelBudget | None = None) -> dict[str, Any]:
+    def image_options(self, *, one_frame: bool, pixels: PixelBudget | None = None, tiles: Any = None) -> dict[str, Any]:
         # Patchified as a patch of one frame: the rows of `temporal_patch_size`
         # copies hold each pixel that many times (a 1920x1080 photo at the
         # default budget: 50.6 MB of float32 instead of 25.3).

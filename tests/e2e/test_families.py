@@ -36,7 +36,7 @@ from tests.e2e.helpers import (
     sent_together,
     the_group_went_on,
 )
-from tests.support import family_kit, greedy, video_corpus
+from tests.support import family_kit, greedy, hf_family, video_corpus
 from tests.support.leaks import PROJECT_PREFIX, project_segments, wait_until
 from tests.support.local_token import scheduler_channel
 from tests.support.services import Pair, running_pair
@@ -242,6 +242,47 @@ def _malformed(kit: family_kit.Kit, good: scheduler_pb2.GenerateRequest) -> dict
         m = variant("image_sizes disagree with views")
         m.items[0].tensors["image_sizes"].CopyFrom(family_kit.inline(np.array([[224, 224]], dtype=np.int64)))
     return cases
+
+
+def test_a_request_s_bound_on_an_image_s_tiles_is_internvl_s_alone(family_pair: tuple[str, Pair]) -> None:
+    """`image_budget.max_tiles` (vLLM's `max_dynamic_patch`): an InternVL
+    image cut into at most that many tiles, its tokens transformers' with
+    that `max_patches`; any other family refuses it, naming the field, and
+    serves the next request."""
+    from tokenizer_svc.decode import decode_image
+
+    family, pair = family_pair
+    wide = png(300, 120, 4)
+    prompt = f"{family_kit.MARKERS[family]} What is this?"
+    with grpc.insecure_channel(pair.tokenizer_address) as channel:
+        stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
+        outs, prompts = {}, {}
+        for most in (0, 1):
+            request = make_request(prompt, [wide], max_tokens=MAX_TOKENS)
+            if most:
+                request.image_budget.max_tiles = most
+            outs[most] = run_request(stub, request, timeout=120)
+            if outs[most].ok:
+                asked = tokenizer_pb2.TokenizeRequest(request=request)
+                prompts[most] = len(stub.Tokenize(asked, timeout=60).token_ids)
+        assert outs[0].ok, outs[0]
+        if not family.startswith("internvl"):
+            assert (outs[1].reason, outs[1].metadata.get("param")) == ("INVALID_REQUEST", "image_budget.max_tiles")
+            assert run_request(stub, make_request(prompt, [wide], max_tokens=2), timeout=120).ok
+            return
+    assert outs[1].ok, outs[1]
+    per_tile = 16  # the tiny model's 112-pixel tiles
+    # The checkpoint's up to 4 tiles and a thumbnail (3 here, a 5:2 image), then one.
+    assert prompts[0] - prompts[1] == 3 * per_tile, prompts
+    proc = hf_family.processor(pair.model)
+    text = proc.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": " What is this?"}]}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    image = decode_image(wide, max_pixels=10**8)
+    expected, _ = hf_family.scored(pair.model, proc, text, [image], MAX_TOKENS, images_kwargs={"max_patches": 1})
+    assert outs[1].token_ids == expected
 
 
 def test_malformed_items_are_refused_and_the_group_keeps_serving(family_pair: tuple[str, Pair]) -> None:

@@ -79,17 +79,20 @@ def scored(
     max_tokens: int,
     videos: list[dict[str, Any]] = (),
     size: dict[str, int] | None = None,
+    images_kwargs: dict[str, Any] | None = None,
 ) -> tuple[list[int], list[float]]:
     """`generate`'s tokens and each one's log probability (log-softmax of the
     model's logits, before any processing). `size`: the image processor's
-    for this call (a Qwen model's pixel budget)."""
+    for this call (a Qwen model's pixel budget); `images_kwargs`, other
+    keywords of the processor's call for its images (InternVL's max_patches)."""
     model = hf_loaded.model(model_dir)
     if videos and type(proc).__name__ == "InternVLProcessor":
         inputs = _internvl_with_videos(proc, text, images, videos)
     elif videos:
         inputs = _with_videos(proc, text, images, videos)
     else:
-        inputs = dict(proc(images=images or None, text=text, return_tensors="pt", **({"size": size} if size else {})))
+        own = {**({"size": size} if size else {}), **(images_kwargs or {})}
+        inputs = dict(proc(images=images or None, text=text, return_tensors="pt", **own))
     with torch.inference_mode():
         out = model.generate(
             **inputs, max_new_tokens=max_tokens, do_sample=False, output_logits=True, return_dict_in_generate=True

@@ -2,7 +2,10 @@
 the OpenAI API's `mm_processor_kwargs`): the checkpoint's budget read as
 transformers reads it, a request's checked against it (each refusal names
 its field), and the budget making the rows the processor makes with that
-`size`. Through the services: tests/e2e/test_http_api.py."""
+`size`; InternVL's bounds on an image's tiles likewise (its
+`min_patches`, `max_patches`; vLLM's `max_dynamic_patch`,
+`min_dynamic_patch`). Through the services: tests/e2e/test_http_api.py,
+tests/e2e/test_families.py."""
 
 from __future__ import annotations
 
@@ -14,8 +17,9 @@ from typing import Any
 import numpy as np
 import pytest
 
+from mmsplit.client import build_request
 from mmsplit.tokenizer.v1 import tokenizer_pb2 as pb
-from mmsplit_server.families import PixelBudget
+from mmsplit_server.families import PixelBudget, TileBudget
 from tests.e2e.helpers import png
 from tests.support import family_kit
 from tokenizer_svc import conversation, openai_api, openai_responses
@@ -66,7 +70,7 @@ def test_a_budget_makes_the_rows_the_processor_makes_with_that_size(
 
 @pytest.fixture(scope="module")
 def parse(family_models: Callable[[str], Path]) -> Callable[[str, dict[str, int]], conversation.Parsed]:
-    kits = {name: family_kit.kit(family_models(name)) for name in ("qwen2-vl", "llava")}
+    kits = {name: family_kit.kit(family_models(name)) for name in ("qwen2-vl", "llava", "internvl")}
 
     def parse(name: str, budget: dict[str, int]) -> conversation.Parsed:
         kit = kits[name]
@@ -100,6 +104,49 @@ def test_a_request_s_budget_is_checked_against_the_checkpoint_s(
             parse(name, budget)
         assert refused.value.metadata["param"] == param
         assert openai_api.param_name(refused.value) == param.replace("image_budget", "mm_processor_kwargs")
+
+
+def test_internvl_s_tiles_are_its_processor_s_and_a_request_s_bound_them(
+    parse: Callable[[str, dict[str, Any]], conversation.Parsed], family_models: Callable[[str], Path]
+) -> None:
+    kit = family_kit.kit(family_models("internvl"))
+    own = kit.family.image_tiles
+    assert own == TileBudget(kit.image_processor.min_patches, kit.image_processor.max_patches) == TileBudget(1, 4)
+    assert family_kit.kit(family_models("qwen2-vl")).family.image_tiles is None
+    # The rows: what the processor makes with those min_patches and max_patches.
+    image = decode_image(png(300, 120, 5), max_pixels=10**8)
+    for tiles in (TileBudget(1, 1), TileBudget(1, 2), TileBudget(3, 4), None):
+        options = kit.family.image_options(one_frame=False, tiles=tiles)
+        ours = kit.image_processor(images=image, return_tensors="np", **options)
+        bounds = {} if tiles is None else {"min_patches": tiles.least, "max_patches": tiles.most}
+        theirs = kit.image_processor(images=image, return_tensors="np", crop_to_patches=True, **bounds)
+        assert np.array_equal(ours["pixel_values"], theirs["pixel_values"]), tiles
+        most = (tiles or own).most
+        # Tiles within the bound, a thumbnail beside several.
+        assert ours["pixel_values"].shape[0] in {1, *range(2 + 1, most + 2)}, (tiles, ours["pixel_values"].shape)
+    assert parse("internvl", {"max_tiles": 2}).image_tiles == TileBudget(1, 2)
+    assert parse("internvl", {"min_tiles": 2}).image_tiles == TileBudget(2, 4)
+    assert parse("internvl", {"min_tiles": 1, "max_tiles": 4}).image_tiles is None  # the checkpoint's own
+    assert parse("internvl", {}).image_tiles is None
+    assert parse("qwen2-vl", {"max_pixels": 28 * 28 * 10}).image_tiles is None
+    for name, budget, param, words in (
+        ("internvl", {"max_tiles": 5}, "image_budget.max_tiles", "over this model's 4"),
+        ("internvl", {"min_tiles": 3, "max_tiles": 2}, "image_budget.min_tiles", "over max_tiles 2"),
+        ("internvl", {"max_pixels": 5000}, "image_budget", "bound its tiles instead"),
+        ("qwen2-vl", {"max_tiles": 2}, "image_budget.max_tiles", "does not cut images into tiles"),
+        ("llava", {"min_tiles": 2}, "image_budget.min_tiles", "does not cut images into tiles"),
+    ):
+        with pytest.raises(InvalidRequest, match=words) as refused:
+            parse(name, budget)
+        assert refused.value.metadata["param"] == param
+    # The client library's words for them.
+    budget = build_request("x", max_tiles=2, min_tiles=1).image_budget
+    assert (budget.min_tiles, budget.max_tiles, budget.max_pixels) == (1, 2, 0)
+    assert not build_request("x").HasField("image_budget")
+    names = {"image_budget.max_tiles": "max_dynamic_patch", "image_budget.min_tiles": "min_dynamic_patch"}
+    for param, kwarg in names.items():
+        refused = InvalidRequest("x", metadata={"param": param})
+        assert openai_api.param_name(refused) == f"mm_processor_kwargs.{kwarg}"
 
 
 def test_mm_processor_kwargs_become_the_image_budget_and_the_video_budget() -> None:
@@ -138,6 +185,15 @@ def test_mm_processor_kwargs_become_the_image_budget_and_the_video_budget() -> N
     rule = openai_api.parse_chat({"messages": [video], "mm_processor_kwargs": {"fps": 0.5, "max_frames": 6}}).request
     assert (rule.video_budget.fps, rule.video_budget.max_frames, rule.HasField("image_budget")) == (0.5, 6, False)
     assert not openai_api.parse_chat({"messages": [user], **kwargs}).request.HasField("video_budget")
+    # vLLM's names for an InternVL image's tiles; with a video too (its frames are a tile each).
+    tiles = {"mm_processor_kwargs": {"max_dynamic_patch": 6, "min_dynamic_patch": 2}}
+    for messages in ([user], [video]):
+        budget = openai_api.parse_chat({"messages": messages, **tiles}).request.image_budget
+        assert (budget.min_tiles, budget.max_tiles, budget.max_pixels) == (2, 6, 0)
+    for value in (0, 2.5, True, "6"):
+        with pytest.raises(InvalidRequest) as refused:
+            openai_api.parse_chat({"messages": [user], "mm_processor_kwargs": {"max_dynamic_patch": value}})
+        assert openai_api.param_name(refused.value) == "mm_processor_kwargs.max_dynamic_patch", value
 
 
 @pytest.mark.parametrize("name", QWEN)

@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from mmsplit.common.v1 import common_pb2 as mmsplit_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$mmsplit/tokenizer/v1/tokenizer.proto\x12\x14mmsplit.tokenizer.v1\x1a\x1emmsplit/common/v1/common.proto\"0\n\x05Image\x12\x0e\n\x04\x64\x61ta\x18\x01 \x01(\x0cH\x00\x12\r\n\x03url\x18\x02 \x01(\tH\x00\x42\x08\n\x06source\"0\n\x05Video\x12\x0e\n\x04\x64\x61ta\x18\x01 \x01(\x0cH\x00\x12\r\n\x03url\x18\x02 \x01(\tH\x00\x42\x08\n\x06source\"\x82\x07\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12+\n\x06images\x18\x03 \x03(\x0b\x32\x1b.mmsplit.tokenizer.v1.Image\x12\x33\n\x08sampling\x18\x04 \x01(\x0b\x32!.mmsplit.common.v1.SamplingParams\x12+\n\x06videos\x18\x05 \x03(\x0b\x32\x1b.mmsplit.tokenizer.v1.Video\x12\x33\n\x08messages\x18\x06 \x03(\x0b\x32!.mmsplit.tokenizer.v1.ChatMessage\x12\t\n\x01n\x18\x07 \x01(\r\x12\x12\n\ncache_salt\x18\x08 \x01(\t\x12)\n\x05tools\x18\t \x03(\x0b\x32\x1a.mmsplit.tokenizer.v1.Tool\x12\x1e\n\x16\x63ontinue_final_message\x18\n \x01(\x08\x12\x1c\n\x14\x63hat_template_kwargs\x18\x0b \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x0c \x03(\r\x12\x35\n\x0btool_choice\x18\r \x01(\x0b\x32 .mmsplit.tokenizer.v1.ToolChoice\x12\x37\n\x0cimage_budget\x18\x0e \x01(\x0b\x32!.mmsplit.tokenizer.v1.ImageBudget\x12\x1f\n\x17return_prompt_token_ids\x18\x0f \x01(\x08\x12\x1b\n\x13keep_special_tokens\x18\x10 \x01(\x08\x12\x1e\n\x16truncate_prompt_tokens\x18\x11 \x01(\x05\x12\x10\n\x08priority\x18\x12 \x01(\x05\x12\x37\n\x0cvideo_budget\x18\x13 \x01(\x0b\x32!.mmsplit.tokenizer.v1.VideoBudget\x12\x11\n\tdocuments\x18\x14 \x01(\t\x12\x1c\n\x14no_generation_prompt\x18\x15 \x01(\x08\x12\x15\n\rchat_template\x18\x16 \x01(\t\x12\x35\n\x0b\x62\x65\x61m_search\x18\x17 \x01(\x0b\x32 .mmsplit.tokenizer.v1.BeamSearch\x12\x19\n\x11prompt_as_written\x18\x18 \x01(\x08\x12\x19\n\x11no_special_tokens\x18\x19 \x01(\x08\x12\x17\n\x0fsplit_reasoning\x18\x1a \x01(\x08\"<\n\nBeamSearch\x12\x1b\n\x0elength_penalty\x18\x01 \x01(\x02H\x00\x88\x01\x01\x42\x11\n\x0f_length_penalty\"5\n\x0bImageBudget\x12\x12\n\nmin_pixels\x18\x01 \x01(\r\x12\x12\n\nmax_pixels\x18\x02 \x01(\r\".\n\x0bVideoBudget\x12\x0b\n\x03\x66ps\x18\x01 \x01(\x02\x12\x12\n\nmax_frames\x18\x02 \x01(\r\"c\n\nToolChoice\x12\x0e\n\x04\x61uto\x18\x01 \x01(\x08H\x00\x12\x12\n\x08required\x18\x02 \x01(\x08H\x00\x12\x12\n\x08\x66unction\x18\x03 \x01(\tH\x00\x12\x13\n\x0bsingle_call\x18\x04 \x01(\x08\x42\x08\n\x06\x63hoice\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"\xcc\x01\n\x0b\x43hatMessage\x12,\n\x04role\x18\x01 \x01(\x0e\x32\x1e.mmsplit.tokenizer.v1.ChatRole\x12\x32\n\x07\x63ontent\x18\x02 \x03(\x0b\x32!.mmsplit.tokenizer.v1.ContentPart\x12\x32\n\ntool_calls\x18\x03 \x03(\x0b\x32\x1e.mmsplit.tokenizer.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x11\n\treasoning\x18\x05 \x01(\t\"\x81\x01\n\x0b\x43ontentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12,\n\x05image\x18\x02 \x01(\x0b\x32\x1b.mmsplit.tokenizer.v1.ImageH\x00\x12,\n\x05video\x18\x03 \x01(\x0b\x32\x1b.mmsplit.tokenizer.v1.VideoH\x00\x42\x06\n\x04part\"_\n\tTextDelta\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x31\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1f.mmsplit.common.v1.TokenLogprob\"\xe3\x01\n\x08\x46inished\x12\x36\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1f.mmsplit.common.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\x12\x32\n\ntool_calls\x18\x05 \x03(\x0b\x32\x1e.mmsplit.tokenizer.v1.ToolCall\x12\x0f\n\x07\x63ontent\x18\x06 \x01(\t\x12\x11\n\treasoning\x18\x07 \x01(\t\"V\n\x0ePromptLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x31\n\x08logprobs\x18\x02 \x03(\x0b\x32\x1f.mmsplit.common.v1.TokenLogprob\"!\n\x0cPromptTokens\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\xa2\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x30\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x1f.mmsplit.tokenizer.v1.TextDeltaH\x00\x12\x32\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x1e.mmsplit.tokenizer.v1.FinishedH\x00\x12?\n\x0fprompt_logprobs\x18\x05 \x01(\x0b\x32$.mmsplit.tokenizer.v1.PromptLogprobsH\x00\x12;\n\rprompt_tokens\x18\x06 \x01(\x0b\x32\".mmsplit.tokenizer.v1.PromptTokensH\x00\x12\r\n\x05index\x18\x04 \x01(\rB\x07\n\x05\x65vent\"I\n\x0fTokenizeRequest\x12\x36\n\x07request\x18\x01 \x01(\x0b\x32%.mmsplit.tokenizer.v1.GenerateRequest\"A\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x1a\n\x12max_context_tokens\x18\x02 \x01(\r\"\x16\n\x14GetServerInfoRequest\"\xe1\x01\n\x15GetServerInfoResponse\x12+\n\x04info\x18\x01 \x01(\x0b\x32\x1d.mmsplit.common.v1.ServerInfo\x12\x30\n\tscheduler\x18\x02 \x01(\x0b\x32\x1d.mmsplit.common.v1.ServerInfo\x12/\n\ttransport\x18\x03 \x01(\x0e\x32\x1c.mmsplit.common.v1.Transport\x12\x38\n\x08\x62\x61\x63kends\x18\x04 \x03(\x0b\x32&.mmsplit.tokenizer.v1.SchedulerBackend\"\x9d\x01\n\x10SchedulerBackend\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\r\n\x05ready\x18\x02 \x01(\x08\x12/\n\ttransport\x18\x03 \x01(\x0e\x32\x1c.mmsplit.common.v1.Transport\x12\x1a\n\x12requests_in_flight\x18\x04 \x01(\r\x12\x1c\n\x14serves_another_model\x18\x05 \x01(\t*|\n\x08\x43hatRole\x12\x19\n\x15\x43HAT_ROLE_UNSPECIFIED\x10\x00\x12\x14\n\x10\x43HAT_ROLE_SYSTEM\x10\x01\x12\x12\n\x0e\x43HAT_ROLE_USER\x10\x02\x12\x17\n\x13\x43HAT_ROLE_ASSISTANT\x10\x03\x12\x12\n\x0e\x43HAT_ROLE_TOOL\x10\x04\x32\xb4\x02\n\x10TokenizerService\x12[\n\x08Generate\x12%.mmsplit.tokenizer.v1.GenerateRequest\x1a&.mmsplit.tokenizer.v1.GenerateResponse0\x01\x12h\n\rGetServerInfo\x12*.mmsplit.tokenizer.v1.GetServerInfoRequest\x1a+.mmsplit.tokenizer.v1.GetServerInfoResponse\x12Y\n\x08Tokenize\x12%.mmsplit.tokenizer.v1.TokenizeRequest\x1a&.mmsplit.tokenizer.v1.TokenizeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$mmsplit/tokenizer/v1/tokenizer.proto\x12\x14mmsplit.tokenizer.v1\x1a\x1emmsplit/common/v1/common.proto\"0\n\x05Image\x12\x0e\n\x04\x64\x61ta\x18\x01 \x01(\x0cH\x00\x12\r\n\x03url\x18\x02 \x01(\tH\x00\x42\x08\n\x06source\"0\n\x05Video\x12\x0e\n\x04\x64\x61ta\x18\x01 \x01(\x0cH\x00\x12\r\n\x03url\x18\x02 \x01(\tH\x00\x42\x08\n\x06source\"\x82\x07\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12+\n\x06images\x18\x03 \x03(\x0b\x32\x1b.mmsplit.tokenizer.v1.Image\x12\x33\n\x08sampling\x18\x04 \x01(\x0b\x32!.mmsplit.common.v1.SamplingParams\x12+\n\x06videos\x18\x05 \x03(\x0b\x32\x1b.mmsplit.tokenizer.v1.Video\x12\x33\n\x08messages\x18\x06 \x03(\x0b\x32!.mmsplit.tokenizer.v1.ChatMessage\x12\t\n\x01n\x18\x07 \x01(\r\x12\x12\n\ncache_salt\x18\x08 \x01(\t\x12)\n\x05tools\x18\t \x03(\x0b\x32\x1a.mmsplit.tokenizer.v1.Tool\x12\x1e\n\x16\x63ontinue_final_message\x18\n \x01(\x08\x12\x1c\n\x14\x63hat_template_kwargs\x18\x0b \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x0c \x03(\r\x12\x35\n\x0btool_choice\x18\r \x01(\x0b\x32 .mmsplit.tokenizer.v1.ToolChoice\x12\x37\n\x0cimage_budget\x18\x0e \x01(\x0b\x32!.mmsplit.tokenizer.v1.ImageBudget\x12\x1f\n\x17return_prompt_token_ids\x18\x0f \x01(\x08\x12\x1b\n\x13keep_special_tokens\x18\x10 \x01(\x08\x12\x1e\n\x16truncate_prompt_tokens\x18\x11 \x01(\x05\x12\x10\n\x08priority\x18\x12 \x01(\x05\x12\x37\n\x0cvideo_budget\x18\x13 \x01(\x0b\x32!.mmsplit.tokenizer.v1.VideoBudget\x12\x11\n\tdocuments\x18\x14 \x01(\t\x12\x1c\n\x14no_generation_prompt\x18\x15 \x01(\x08\x12\x15\n\rchat_template\x18\x16 \x01(\t\x12\x35\n\x0b\x62\x65\x61m_search\x18\x17 \x01(\x0b\x32 .mmsplit.tokenizer.v1.BeamSearch\x12\x19\n\x11prompt_as_written\x18\x18 \x01(\x08\x12\x19\n\x11no_special_tokens\x18\x19 \x01(\x08\x12\x17\n\x0fsplit_reasoning\x18\x1a \x01(\x08\"<\n\nBeamSearch\x12\x1b\n\x0elength_penalty\x18\x01 \x01(\x02H\x00\x88\x01\x01\x42\x11\n\x0f_length_penalty\"[\n\x0bImageBudget\x12\x12\n\nmin_pixels\x18\x01 \x01(\r\x12\x12\n\nmax_pixels\x18\x02 \x01(\r\x12\x11\n\tmin_tiles\x18\x03 \x01(\r\x12\x11\n\tmax_tiles\x18\x04 \x01(\r\".\n\x0bVideoBudget\x12\x0b\n\x03\x66ps\x18\x01 \x01(\x02\x12\x12\n\nmax_frames\x18\x02 \x01(\r\"c\n\nToolChoice\x12\x0e\n\x04\x61uto\x18\x01 \x01(\x08H\x00\x12\x12\n\x08required\x18\x02 \x01(\x08H\x00\x12\x12\n\x08\x66unction\x18\x03 \x01(\tH\x00\x12\x13\n\x0bsingle_call\x18\x04 \x01(\x08\x42\x08\n\x06\x63hoice\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"\xcc\x01\n\x0b\x43hatMessage\x12,\n\x04role\x18\x01 \x01(\x0e\x32\x1e.mmsplit.tokenizer.v1.ChatRole\x12\x32\n\x07\x63ontent\x18\x02 \x03(\x0b\x32!.mmsplit.tokenizer.v1.ContentPart\x12\x32\n\ntool_calls\x18\x03 \x03(\x0b\x32\x1e.mmsplit.tokenizer.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x11\n\treasoning\x18\x05 \x01(\t\"\x81\x01\n\x0b\x43ontentPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12,\n\x05image\x18\x02 \x01(\x0b\x32\x1b.mmsplit.tokenizer.v1.ImageH\x00\x12,\n\x05video\x18\x03 \x01(\x0b\x32\x1b.mmsplit.tokenizer.v1.VideoH\x00\x42\x06\n\x04part\"_\n\tTextDelta\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x31\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1f.mmsplit.common.v1.TokenLogprob\"\xe3\x01\n\x08\x46inished\x12\x36\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1f.mmsplit.common.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\x12\x32\n\ntool_calls\x18\x05 \x03(\x0b\x32\x1e.mmsplit.tokenizer.v1.ToolCall\x12\x0f\n\x07\x63ontent\x18\x06 \x01(\t\x12\x11\n\treasoning\x18\x07 \x01(\t\"V\n\x0ePromptLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x31\n\x08logprobs\x18\x02 \x03(\x0b\x32\x1f.mmsplit.common.v1.TokenLogprob\"!\n\x0cPromptTokens\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\xa2\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x30\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32\x1f.mmsplit.tokenizer.v1.TextDeltaH\x00\x12\x32\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x1e.mmsplit.tokenizer.v1.FinishedH\x00\x12?\n\x0fprompt_logprobs\x18\x05 \x01(\x0b\x32$.mmsplit.tokenizer.v1.PromptLogprobsH\x00\x12;\n\rprompt_tokens\x18\x06 \x01(\x0b\x32\".mmsplit.tokenizer.v1.PromptTokensH\x00\x12\r\n\x05index\x18\x04 \x01(\rB\x07\n\x05\x65vent\"I\n\x0fTokenizeRequest\x12\x36\n\x07request\x18\x01 \x01(\x0b\x32%.mmsplit.tokenizer.v1.GenerateRequest\"A\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x1a\n\x12max_context_tokens\x18\x02 \x01(\r\"\x16\n\x14GetServerInfoRequest\"\xe1\x01\n\x15GetServerInfoResponse\x12+\n\x04info\x18\x01 \x01(\x0b\x32\x1d.mmsplit.common.v1.ServerInfo\x12\x30\n\tscheduler\x18\x02 \x01(\x0b\x32\x1d.mmsplit.common.v1.ServerInfo\x12/\n\ttransport\x18\x03 \x01(\x0e\x32\x1c.mmsplit.common.v1.Transport\x12\x38\n\x08\x62\x61\x63kends\x18\x04 \x03(\x0b\x32&.mmsplit.tokenizer.v1.SchedulerBackend\"\x9d\x01\n\x10SchedulerBackend\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\r\n\x05ready\x18\x02 \x01(\x08\x12/\n\ttransport\x18\x03 \x01(\x0e\x32\x1c.mmsplit.common.v1.Transport\x12\x1a\n\x12requests_in_flight\x18\x04 \x01(\r\x12\x1c\n\x14serves_another_model\x18\x05 \x01(\t*|\n\x08\x43hatRole\x12\x19\n\x15\x43HAT_ROLE_UNSPECIFIED\x10\x00\x12\x14\n\x10\x43HAT_ROLE_SYSTEM\x10\x01\x12\x12\n\x0e\x43HAT_ROLE_USER\x10\x02\x12\x17\n\x13\x43HAT_ROLE_ASSISTANT\x10\x03\x12\x12\n\x0e\x43HAT_ROLE_TOOL\x10\x04\x32\xb4\x02\n\x10TokenizerService\x12[\n\x08Generate\x12%.mmsplit.tokenizer.v1.GenerateRequest\x1a&.mmsplit.tokenizer.v1.GenerateResponse0\x01\x12h\n\rGetServerInfo\x12*.mmsplit.tokenizer.v1.GetServerInfoRequest\x1a+.mmsplit.tokenizer.v1.GetServerInfoResponse\x12Y\n\x08Tokenize\x12%.mmsplit.tokenizer.v1.TokenizeRequest\x1a&.mmsplit.tokenizer.v1.TokenizeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'mmsplit.tokenizer.v1.tokenizer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_CHATROLE']._serialized_start=3117
-  _globals['_CHATROLE']._serialized_end=3241
+  _globals['_CHATROLE']._serialized_start=3155
+  _globals['_CHATROLE']._serialized_end=3279
   _globals['_IMAGE']._serialized_start=94
   _globals['_IMAGE']._serialized_end=142
   _globals['_VIDEO']._serialized_start=144
@@ -43,39 +43,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_BEAMSEARCH']._serialized_start=1095
   _globals['_BEAMSEARCH']._serialized_end=1155
   _globals['_IMAGEBUDGET']._serialized_start=1157
-  _globals['_IMAGEBUDGET']._serialized_end=1210
-  _globals['_VIDEOBUDGET']._serialized_start=1212
-  _globals['_VIDEOBUDGET']._serialized_end=1258
-  _globals['_TOOLCHOICE']._serialized_start=1260
-  _globals['_TOOLCHOICE']._serialized_end=1359
-  _globals['_TOOL']._serialized_start=1361
-  _globals['_TOOL']._serialized_end=1422
-  _globals['_TOOLCALL']._serialized_start=1424
-  _globals['_TOOLCALL']._serialized_end=1479
-  _globals['_CHATMESSAGE']._serialized_start=1482
-  _globals['_CHATMESSAGE']._serialized_end=1686
-  _globals['_CONTENTPART']._serialized_start=1689
-  _globals['_CONTENTPART']._serialized_end=1818
-  _globals['_TEXTDELTA']._serialized_start=1820
-  _globals['_TEXTDELTA']._serialized_end=1915
-  _globals['_FINISHED']._serialized_start=1918
-  _globals['_FINISHED']._serialized_end=2145
-  _globals['_PROMPTLOGPROBS']._serialized_start=2147
-  _globals['_PROMPTLOGPROBS']._serialized_end=2233
-  _globals['_PROMPTTOKENS']._serialized_start=2235
-  _globals['_PROMPTTOKENS']._serialized_end=2268
-  _globals['_GENERATERESPONSE']._serialized_start=2271
-  _globals['_GENERATERESPONSE']._serialized_end=2561
-  _globals['_TOKENIZEREQUEST']._serialized_start=2563
-  _globals['_TOKENIZEREQUEST']._serialized_end=2636
-  _globals['_TOKENIZERESPONSE']._serialized_start=2638
-  _globals['_TOKENIZERESPONSE']._serialized_end=2703
-  _globals['_GETSERVERINFOREQUEST']._serialized_start=2705
-  _globals['_GETSERVERINFOREQUEST']._serialized_end=2727
-  _globals['_GETSERVERINFORESPONSE']._serialized_start=2730
-  _globals['_GETSERVERINFORESPONSE']._serialized_end=2955
-  _globals['_SCHEDULERBACKEND']._serialized_start=2958
-  _globals['_SCHEDULERBACKEND']._serialized_end=3115
-  _globals['_TOKENIZERSERVICE']._serialized_start=3244
-  _globals['_TOKENIZERSERVICE']._serialized_end=3552
+  _globals['_IMAGEBUDGET']._serialized_end=1248
+  _globals['_VIDEOBUDGET']._serialized_start=1250
+  _globals['_VIDEOBUDGET']._serialized_end=1296
+  _globals['_TOOLCHOICE']._serialized_start=1298
+  _globals['_TOOLCHOICE']._serialized_end=1397
+  _globals['_TOOL']._serialized_start=1399
+  _globals['_TOOL']._serialized_end=1460
+  _globals['_TOOLCALL']._serialized_start=1462
+  _globals['_TOOLCALL']._serialized_end=1517
+  _globals['_CHATMESSAGE']._serialized_start=1520
+  _globals['_CHATMESSAGE']._serialized_end=1724
+  _globals['_CONTENTPART']._serialized_start=1727
+  _globals['_CONTENTPART']._serialized_end=1856
+  _globals['_TEXTDELTA']._serialized_start=1858
+  _globals['_TEXTDELTA']._serialized_end=1953
+  _globals['_FINISHED']._serialized_start=1956
+  _globals['_FINISHED']._serialized_end=2183
+  _globals['_PROMPTLOGPROBS']._serialized_start=2185
+  _globals['_PROMPTLOGPROBS']._serialized_end=2271
+  _globals['_PROMPTTOKENS']._serialized_start=2273
+  _globals['_PROMPTTOKENS']._serialized_end=2306
+  _globals['_GENERATERESPONSE']._serialized_start=2309
+  _globals['_GENERATERESPONSE']._serialized_end=2599
+  _globals['_TOKENIZEREQUEST']._serialized_start=2601
+  _globals['_TOKENIZEREQUEST']._serialized_end=2674
+  _globals['_TOKENIZERESPONSE']._serialized_start=2676
+  _globals['_TOKENIZERESPONSE']._serialized_end=2741
+  _globals['_GETSERVERINFOREQUEST']._serialized_start=2743
+  _globals['_GETSERVERINFOREQUEST']._serialized_end=2765
+  _globals['_GETSERVERINFORESPONSE']._serialized_start=2768
+  _globals['_GETSERVERINFORESPONSE']._serialized_end=2993
+  _globals['_SCHEDULERBACKEND']._serialized_start=2996
+  _globals['_SCHEDULERBACKEND']._serialized_end=3153
+  _globals['_TOKENIZERSERVICE']._serialized_start=3282
+  _globals['_TOKENIZERSERVICE']._serialized_end=3590
 # @@protoc_insertion_point(module_scope)

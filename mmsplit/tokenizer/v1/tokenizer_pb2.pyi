@@ -100,12 +100,16 @@ class BeamSearch(_message.Message):
     def __init__(self, length_penalty: _Optional[float] = ...) -> None: ...
 
 class ImageBudget(_message.Message):
-    __slots__ = ("min_pixels", "max_pixels")
+    __slots__ = ("min_pixels", "max_pixels", "min_tiles", "max_tiles")
     MIN_PIXELS_FIELD_NUMBER: _ClassVar[int]
     MAX_PIXELS_FIELD_NUMBER: _ClassVar[int]
+    MIN_TILES_FIELD_NUMBER: _ClassVar[int]
+    MAX_TILES_FIELD_NUMBER: _ClassVar[int]
     min_pixels: int
     max_pixels: int
-    def __init__(self, min_pixels: _Optional[int] = ..., max_pixels: _Optional[int] = ...) -> None: ...
+    min_tiles: int
+    max_tiles: int
+    def __init__(self, min_pixels: _Optional[int] = ..., max_pixels: _Optional[int] = ..., min_tiles: _Optional[int] = ..., max_tiles: _Optional[int] = ...) -> None: ...
 
 class VideoBudget(_message.Message):
     __slots__ = ("fps", "max_frames")
