@@ -225,6 +225,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
         primary = link.primary
         own_slab, gpu = self.service.slab, self.service.device_pool
         budget = self.service.family.image_pixels
+        tiles = self.service.family.image_tiles
         return tokenizer_pb2.GetServerInfoResponse(
             info=common_pb2.ServerInfo(
                 model=self.settings.model_dir.name,
@@ -247,6 +248,8 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
                 image_max_pixels=budget.most if budget else 0,
                 tool_call_parser=self.settings.tool_call_parser,
                 reasoning_parser=self.settings.reasoning_parser,
+                image_min_tiles=tiles.least if tiles else 0,
+                image_max_tiles=tiles.most if tiles else 0,
             ),
             scheduler=primary.info if primary else None,
             transport=primary.transport if primary else common_pb2.TRANSPORT_UNSPECIFIED,

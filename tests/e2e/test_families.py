@@ -35,6 +35,7 @@ from tests.e2e.helpers import (
     scheduler_info,
     sent_together,
     the_group_went_on,
+    tokenizer_info,
 )
 from tests.support import family_kit, greedy, hf_family, video_corpus
 from tests.support.leaks import PROJECT_PREFIX, project_segments, wait_until
@@ -248,12 +249,15 @@ def test_a_request_s_bound_on_an_image_s_tiles_is_internvl_s_alone(family_pair: 
     """`image_budget.max_tiles` (vLLM's `max_dynamic_patch`): an InternVL
     image cut into at most that many tiles, its tokens transformers' with
     that `max_patches`; any other family refuses it, naming the field, and
-    serves the next request."""
+    serves the next request. GetServerInfo says the checkpoint's bounds."""
     from tokenizer_svc.decode import decode_image
 
     family, pair = family_pair
     wide = png(300, 120, 4)
     prompt = f"{family_kit.MARKERS[family]} What is this?"
+    # The checkpoint's bounds, as GetServerInfo says them (the tiny InternVL's processor: 1 to 4).
+    info = tokenizer_info(pair.tokenizer_address).info
+    assert (info.image_min_tiles, info.image_max_tiles) == ((1, 4) if family.startswith("internvl") else (0, 0))
     with grpc.insecure_channel(pair.tokenizer_address) as channel:
         stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
         outs, prompts = {}, {}
