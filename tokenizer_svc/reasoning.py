@@ -12,7 +12,10 @@ tag; one that does not (Qwen3's hybrid template; with
 ``enable_thinking: false`` it closes an empty ``<think></think>`` itself)
 leaves the model to open its thinking with ``<think>`` at the very start
 of its output, or to answer at once. `Think.opens` reads that from the
-prompt's last tokens, so a stream knows from its first token which field
+prompt (where the tags are tokens of their own, the last of them in the
+prompt: an assistant turn continued inside its thinking,
+continue_final_message, is read as thinking too; else the prompt's last
+tokens), so a stream knows from its first token which field
 its text goes to, instead of guessing (vLLM's Qwen3 parser took a whole
 output with no end tag for content, and a stream cannot wait for the end).
 
@@ -48,10 +51,21 @@ class Think:
         encode = getattr(tokenizer, "encode", None)
         spelled = list(encode(END, add_special_tokens=False)) if encode is not None else []
         self._end_id = spelled[0] if len(spelled) == 1 else None
+        opening = list(encode(START, add_special_tokens=False)) if encode is not None else []
+        self._start_id = opening[0] if len(opening) == 1 else None
 
     def opens(self, prompt_ids: Sequence[int]) -> bool:
-        """Whether the prompt leaves the model inside its thinking: it ends
-        with ``<think>`` (whitespace after it aside)."""
+        """Whether the prompt leaves the model inside its thinking. Where
+        both tags are tokens of their own (Qwen3's, DeepSeek-R1's
+        vocabularies: the chat template alone writes them, user text cannot
+        hold them), the prompt's last tag is ``<think>``: a generation prompt
+        that opens it, or an assistant turn continued inside its thinking
+        (continue_final_message). Else its last few tokens end with
+        ``<think>`` (whitespace after it aside)."""
+        if self._start_id is not None and self._end_id is not None:
+            backwards = list(prompt_ids)[::-1]  # two scans in C, not a Python loop over a long prompt
+            start, end = (_first(backwards, tag) for tag in (self._start_id, self._end_id))
+            return start < end
         tail = self.tokenizer.decode(list(prompt_ids[-_TAIL_TOKENS:]), skip_special_tokens=False)
         return bool(tail.rstrip().endswith(START))
 
@@ -196,6 +210,14 @@ class Stream:
         delta = text[self._content + self._content_sent :]
         self._content_sent += len(delta)
         return delta
+
+
+def _first(ids: list[int], token: int) -> int:
+    """Where `token` first is in `ids`; past the end when nowhere."""
+    try:
+        return ids.index(token)
+    except ValueError:
+        return len(ids)
 
 
 def _nonspace(text: str, start: int, limit: int) -> int:

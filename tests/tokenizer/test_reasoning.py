@@ -118,6 +118,40 @@ def test_an_end_tag_of_its_own_is_counted_by_its_place_and_agrees_with_the_text(
     assert THINK.tokens(ids(text), opened) == len(text) - len("\n\nd</think>")  # a character a token here
 
 
+class BothTagged(Chars):
+    """`Chars` with both tags tokens of their own (``<think>`` 2, ``</think>`` 1), as in Qwen3's vocabulary."""
+
+    TAGS = {1: "</think>", 2: "<think>"}
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return "".join(self.TAGS.get(i, chr(i)) for i in ids)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return ids(text.replace("</think>", "\x01").replace("<think>", "\x02"))
+
+
+@pytest.mark.parametrize(
+    ("prompt", "opened"),
+    [
+        ("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n", True),
+        ("<|im_start|>assistant\n<think>\n\n</think>\n\n", False),  # enable_thinking false
+        ("<think>\nan earlier turn's</think>\n<|im_start|>assistant\n", False),
+        ("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n", False),
+        # continue_final_message inside the thinking: the model goes on thinking.
+        ("<|im_start|>assistant\n<think>\nFirst, the sum", True),
+        ("<|im_start|>assistant\n<think>\nThe sum is 4.\n</think>\n\nIt is", False),
+    ],
+)
+def test_with_tags_of_their_own_the_prompt_s_last_tag_says_it(prompt: str, opened: bool) -> None:
+    tokenizer = BothTagged()
+    think = Think(tokenizer)
+    prompt_ids = tokenizer.encode(prompt)
+    assert think.opens(prompt_ids) is opened
+    # The tail alone cannot tell a continued thought (what it read before).
+    if prompt.endswith("sum"):
+        assert THINK.opens(ids(prompt)) is False
+
+
 # Outputs made of the pieces a thinking model writes, and every way a stream may cut them.
 PIECES = st.sampled_from(["<think>", "</think>", "<", "</", "</th", ">", " ", "\n", "\n\n", "a", "b c", "4.", "é"])
 
