@@ -46,7 +46,7 @@ What is accepted, as vLLM, SGLang and TGI accept it:
   `GenerateRequest.tools`); `tool_choice` a named function or "required"
   constrains the output with a JSON Schema built from the tools (`Forced`),
   "auto" finds the calls the model writes itself with the tokenizer's
-  --tool-call-parser (an `Auto`: hermes, llama3_json, pythonic), refused without one; calls answer as
+  --tool-call-parser (an `Auto`: hermes, llama3_json, pythonic, qwen3_coder), refused without one; calls answer as
   `tool_calls`. Assistant messages' `tool_calls` and tool messages go back
   into the conversation.
 - Refused (400, `param` naming the field): the OpenAI fields whose meaning

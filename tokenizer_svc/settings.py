@@ -162,9 +162,10 @@ class TokenizerSettings(ServiceSettings):
         "after any text, as Qwen2.5 and many others write them; 'llama3_json', the whole answer "
         '{"name": ..., "parameters": {...}} (several joined by ;), as Llama 3.1 writes them; \'pythonic\', the '
         'whole answer [f(a=1), g(b="x")], as Llama 3.2 and 4 write them (give the model a chat template that '
-        'renders tools: --chat-template); \'none\': "auto" is refused ("required" and a named function need no '
-        "parser)",
-        choices=("none", "hermes", "llama3_json", "pythonic"),
+        "renders tools: --chat-template); 'qwen3_coder', <tool_call><function=f><parameter=a>1</parameter>"
+        "</function></tool_call> after any text, as Qwen3-Coder writes them (each value typed by the tool's "
+        'schema); \'none\': "auto" is refused ("required" and a named function need no parser)',
+        choices=("none", "hermes", "llama3_json", "pythonic", "qwen3_coder"),
     )
     reasoning_parser: str = _opt(
         "none",

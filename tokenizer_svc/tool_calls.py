@@ -12,16 +12,20 @@ arguments as JSON text), and never loses text it cannot read as calls.
   "arguments": {...}}</tool_call>`` after any text), `Llama3Json` (Llama
   3.1's ``{"name": ..., "parameters": {...}}``, calls joined by ``;``, the
   whole output) and `Pythonic` (``[get_weather(city="Oslo"), ...]``, the
-  whole output, as Llama 3.2 and 4 write them); `PARSERS` names them.
+  whole output, as Llama 3.2 and 4 write them) and `Qwen3Coder`
+  (``<tool_call><function=NAME><parameter=KEY>value</parameter>...``,
+  Qwen3-Coder's, after any text; each value typed by the tool's schema);
+  `PARSERS` names them.
 """
 
 from __future__ import annotations
 
 import ast
 import json
+import math
 import re
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from mmsplit_server import strict_json, structured
@@ -62,6 +66,8 @@ class Auto:
 
     # parallel_tool_calls false: the first call only (the rest of the output is dropped, as after the calls).
     single: bool = False
+    # The request's tools' parameters by name (a format whose values are text reads their types here).
+    schemas: dict[str, dict[str, Any]] = field(default_factory=dict, compare=False, repr=False)
 
     def split(self, text: str) -> tuple[str | None, list[dict[str, Any]] | None]:
         """(the content, or None when there is none; the calls), or (the
@@ -217,8 +223,85 @@ class Pythonic(Whole):
         return None, calls
 
 
+@dataclass(frozen=True)
+class Qwen3Coder(Hermes):
+    """`--tool-call-parser qwen3_coder`: Qwen3-Coder's calls, after any text,
+    each ``<tool_call>`` + ``<function=NAME>`` + a ``<parameter=KEY>`` value
+    ``</parameter>`` per argument + ``</function>`` + ``</tool_call>`` (one
+    line break around a value is the format's, not the value's). A value is
+    text: it becomes the type the tool's schema gives its parameter, as
+    vLLM's parser reads it: ``null`` is null; a string stays text; an
+    integer, number or boolean is read as one (else kept as text); any other
+    type, or none, is read as JSON (else kept as text); a parameter the
+    schema does not name stays text. A call with anything else in it, or
+    not closed, is no call: the whole output is content."""
+
+    CALL: ClassVar[re.Pattern[str]] = re.compile(
+        r"<tool_call>\s*<function=([^>\n]+)>(.*?)</function>\s*</tool_call>", re.S
+    )
+    PARAMETER: ClassVar[re.Pattern[str]] = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.S)
+
+    def _calls(self, text: str) -> tuple[str | None, list[dict[str, Any]]] | None:
+        at = text.find(self.OPEN)
+        if at < 0:
+            return None
+        calls, end = [], at
+        for found in self.CALL.finditer(text, at):
+            if text[end : found.start()].strip():
+                return None  # text between calls: not this format's
+            name, body = found.group(1).strip(), found.group(2)
+            arguments: dict[str, Any] = {}
+            rest = self.PARAMETER.sub("", body)
+            if rest.strip():
+                return None
+            properties = self.schemas.get(name, {}).get("properties")
+            for parameter in self.PARAMETER.finditer(body):
+                key, value = parameter.group(1).strip(), parameter.group(2)
+                value = value.removeprefix("\n").removesuffix("\n")
+                spec = properties.get(key) if isinstance(properties, dict) else None
+                arguments[key] = _typed(value, spec if isinstance(spec, dict) else None)
+            calls.append(_tool_call(name, _arguments(arguments)))
+            end = found.end()
+        if not calls or text[end:].strip():
+            return None
+        return text[:at].rstrip() or None, calls
+
+
+def _typed(value: str, spec: dict[str, Any] | None) -> Any:
+    """A qwen3_coder parameter's text as its schema's type (`spec`: the
+    parameter's schema; None: the schema does not name it)."""
+    if spec is None:
+        return value
+    if value.strip().lower() == "null":
+        return None
+    kinds = spec.get("type")
+    kinds = {kinds} if isinstance(kinds, str) else set(kinds) if isinstance(kinds, list) else set()
+    if kinds & {"string", "str", "text"}:
+        return value
+    text = value.strip()
+    try:
+        if "integer" in kinds:
+            return int(text)
+        if "number" in kinds:
+            try:
+                return int(text)
+            except ValueError:
+                number = float(text)
+            return number if math.isfinite(number) else value
+        if "boolean" in kinds:
+            return {"true": True, "false": False}[text.lower()]
+        return strict_json.loads(text)
+    except (ValueError, KeyError, RecursionError):
+        return value
+
+
 # --tool-call-parser's values.
-PARSERS: dict[str, type[Auto]] = {"hermes": Hermes, "llama3_json": Llama3Json, "pythonic": Pythonic}
+PARSERS: dict[str, type[Auto]] = {
+    "hermes": Hermes,
+    "llama3_json": Llama3Json,
+    "pythonic": Pythonic,
+    "qwen3_coder": Qwen3Coder,
+}
 _NEEDS_PARSER = (
     'tool_choice "auto" needs the tool calls a model writes in its own format found, and this server was started '
     'without a --tool-call-parser; ask for "required" or name a function, or send tool_choice "none"'
@@ -236,7 +319,7 @@ def choose(
     if choice == "auto":
         if parser not in PARSERS:
             raise InvalidRequest(_NEEDS_PARSER, metadata={"param": "tool_choice"})
-        return PARSERS[parser](single=single), ""
+        return PARSERS[parser](single=single, schemas=schemas), ""
     if choice == "required":
         calls = [
             {"type": "object", "properties": {"name": {"const": name}, "parameters": schema},

@@ -12,7 +12,7 @@ from mmsplit.errors import E
 from mmsplit.tokenizer.v1 import tokenizer_pb2
 from tokenizer_svc import openai_answers, openai_api
 from tokenizer_svc.errors import InvalidRequest, MediaTooLarge, Overloaded
-from tokenizer_svc.tool_calls import Hermes, Llama3Json, Pythonic
+from tokenizer_svc.tool_calls import Hermes, Llama3Json, Pythonic, Qwen3Coder
 
 
 def test_content_parts_and_shorthands_become_message_parts() -> None:
@@ -507,6 +507,10 @@ LLAMA = (
     ' {"name": "get_weather", "parameters": {"city": "Oslo"}}; {"name": "get_weather", "arguments": {"city": "Rome"}}'
 )
 PYTHONIC = '[get_weather(city="Oslo"), get_weather(city="Rome")]'
+CODER = (
+    "Let me look.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n</function>\n</tool_call>"
+)
+CODER_ROME = CODER.split("\n", 1)[1].replace("Oslo", "Rome")
 
 
 @pytest.mark.parametrize(
@@ -539,10 +543,27 @@ PYTHONIC = '[get_weather(city="Oslo"), get_weather(city="Rome")]'
         (Pythonic, "[f(a=" + "[" * 300 + "]" * 300 + ")]", "[f(a=" + "[" * 300 + "]" * 300 + ")]", None),
         (Pythonic, "[link](http://x) text", "[link](http://x) text", None),
         (Pythonic, 'Sure: [get_weather(city="Oslo")]', 'Sure: [get_weather(city="Oslo")]', None),
+        (Qwen3Coder, CODER, "Let me look.", [OSLO]),
+        (Qwen3Coder, CODER.split("\n", 1)[1] + "\n" + CODER_ROME, None, [OSLO, ROME]),
+        # A value keeps its own lines and blanks, but for the one line break on each side.
+        (Qwen3Coder, "<tool_call><function=f><parameter=city>\n  two\nlines \n</parameter></function></tool_call>",
+         None, [("f", {"city": "  two\nlines "})]),
+        (Qwen3Coder, "<tool_call><function=f></function></tool_call>", None, [("f", {})]),
+        (Qwen3Coder, "No call here, <tool but no more.", "No call here, <tool but no more.", None),
+        (Qwen3Coder, "Cut: <tool_call>\n<function=get_weather>\n<parameter=ci",
+         "Cut: <tool_call>\n<function=get_weather>\n<parameter=ci", None),
+        (Qwen3Coder, "<tool_call><function=f>stray<parameter=a>1</parameter></function></tool_call>",
+         "<tool_call><function=f>stray<parameter=a>1</parameter></function></tool_call>", None),
+        (Qwen3Coder, CODER + " and after", CODER + " and after", None),
+        (Qwen3Coder, 'Hermes: <tool_call>{"name": "f"}</tool_call>', 'Hermes: <tool_call>{"name": "f"}</tool_call>',
+         None),
     ],
 )  # fmt: skip
 def test_auto_parsers_find_the_calls_a_model_writes_and_lose_nothing_when_they_do_not_parse(
-    parser: type[Hermes | Llama3Json | Pythonic], text: str, content: str | None, calls: list[tuple[str, Any]] | None
+    parser: type[Hermes | Llama3Json | Pythonic | Qwen3Coder],
+    text: str,
+    content: str | None,
+    calls: list[tuple[str, Any]] | None,
 ) -> None:
     """Each --tool-call-parser on its format's outputs: the content and the
     calls, or the whole text as content when they do not parse (Pythonic's
@@ -567,12 +588,49 @@ def test_auto_parsers_find_the_calls_a_model_writes_and_lose_nothing_when_they_d
     assert (content or "").startswith(streamed) if calls else content.startswith(streamed)  # type: ignore[union-attr]
 
 
+def test_qwen3_coder_values_take_the_types_of_the_tool_s_schema() -> None:
+    """As vLLM's qwen3_coder parser reads them: each parameter's text as
+    the type its schema names (a union too); what does not read as that
+    type, and a parameter the schema does not name, stays text."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "n": {"type": "integer"}, "x": {"type": "number"}, "ok": {"type": "boolean"},
+            "tags": {"type": "array"}, "opts": {"type": "object"}, "s": {"type": "string"},
+            "maybe": {"type": ["integer", "null"]}, "free": {},
+        },
+    }  # fmt: skip
+    values = {
+        "n": "42", "x": "2.5", "ok": "True", "tags": '["a", 1]', "opts": '{"k": null}', "s": "007",
+        "maybe": "null", "free": "[1, 2]", "unnamed": "12",
+    }  # fmt: skip
+    body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in values.items())
+    text = f"<tool_call>\n<function=f>\n{body}</function>\n</tool_call>"
+    _, calls = Qwen3Coder(schemas={"f": schema}).split(text)
+    assert calls is not None
+    assert json.loads(calls[0]["function"]["arguments"]) == {
+        "n": 42, "x": 2.5, "ok": True, "tags": ["a", 1], "opts": {"k": None}, "s": "007",
+        "maybe": None, "free": [1, 2], "unnamed": "12",
+    }  # fmt: skip
+    wrong = {"n": "many", "x": "inf", "ok": "yes", "tags": "[1,", "s": "null"}
+    body = "".join(f"<parameter={k}>{v}</parameter>" for k, v in wrong.items())
+    _, calls = Qwen3Coder(schemas={"f": schema}).split(f"<tool_call><function=f>{body}</function></tool_call>")
+    assert calls is not None
+    # A string parameter's "null" is null, as vLLM reads it.
+    assert json.loads(calls[0]["function"]["arguments"]) == {**wrong, "s": None}
+    # Without the tool's schema (another tool's name): every value text.
+    _, calls = Qwen3Coder(schemas={"g": schema}).split(f"<tool_call><function=f>{body}</function></tool_call>")
+    assert calls is not None
+    assert json.loads(calls[0]["function"]["arguments"]) == wrong
+
+
 @pytest.mark.parametrize(
     ("parser", "script", "expected"),
     [
         ("hermes", CALLED, "Let me look."),
         ("llama3_json", LLAMA.split(";")[0], None),
         ("pythonic", PYTHONIC.replace(', get_weather(city="Rome")', ""), None),
+        ("qwen3_coder", CODER, "Let me look."),
     ],
 )
 def test_the_openai_sdk_reads_auto_tool_calls_whole_and_streamed(
