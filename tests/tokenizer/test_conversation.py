@@ -5,6 +5,7 @@ names its place in the request."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -164,3 +165,22 @@ def test_a_prompt_as_written_goes_with_a_prompt_s_text_alone(
         with pytest.raises(InvalidRequest) as refused:
             parse(request)
         assert refused.value.metadata["param"] == param
+
+
+def test_grpc_tool_choice_auto_reads_calls_with_the_tools_schemas(family_models: Callable[[str], Path]) -> None:
+    """ToolChoice.auto over gRPC with --tool-call-parser qwen3_coder: the
+    parser gets the request's tools' parameters, so a value takes its
+    parameter's type (as the HTTP API's does)."""
+    model_dir = family_models("qwen2-vl")
+    settings = TokenizerSettings(model_dir=model_dir, tool_call_parser="qwen3_coder")
+    family = family_kit.kit(model_dir).family
+    days = '{"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}'
+    tool = pb.Tool(name="get_weather", description="The weather.", parameters=days)
+    request = pb.GenerateRequest(messages=[USER], tools=[tool], tool_choice=pb.ToolChoice(auto=True))
+    parsed = conversation.parse(request, settings, family)
+    values = "<parameter=city>7</parameter><parameter=days>7</parameter>"
+    text = f"<tool_call><function=get_weather>{values}</function></tool_call>"
+    content, calls = parsed.calls.split(text)  # type: ignore[union-attr]
+    assert content is None
+    assert calls is not None
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "7", "days": 7}
