@@ -115,16 +115,9 @@ class InternVL(Family):
         if not frames:
             raise BadItem("a video item needs at least one frame")
         own = {k: self.video_config[k] for k in ("image_mean", "image_std") if k in self.video_config}
-        tiles = [
-            np.asarray(
-                processor(images=frame, crop_to_patches=False, **own, **rgb_as_is(frame), return_tensors="np")[
-                    "pixel_values"
-                ],
-                dtype=np.float32,
-            )
-            for frame in frames
-        ]
-        return {"pixel_values": np.ascontiguousarray(np.concatenate(tiles))}
+        # One call for every frame (decoded as RGB, all of one size): a tile each.
+        out = processor(images=frames, crop_to_patches=False, **own, **rgb_as_is(frames[0]), return_tensors="np")
+        return {"pixel_values": np.ascontiguousarray(out["pixel_values"], dtype=np.float32)}
 
     # transformers' InternVLModel takes the encoder outputs precomputed
     # (`mm_encoder_outputs`), as one tensor of every image's rows in order.
