@@ -454,7 +454,16 @@ def test_ctrl_c_in_generate_cancels_the_request_and_says_no_traceback(services: 
     rid = uuid.uuid4().hex
     argv = [sys.executable, "-m", "mmsplit_cli", "generate", "--server", services.tokenizer_address]
     argv += ["--request-id", rid, "--max-tokens", "4000", "--ignore-eos", "Tell me everything."]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
+    # SIGINT as a terminal's foreground job has it: a suite run in the
+    # background (`... &`, nohup) starts with it ignored, and so would the
+    # command (Python then installs no KeyboardInterrupt).
+    proc = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=ROOT,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     try:
         assert proc.stdout is not None
         assert os.read(proc.stdout.fileno(), 1), "the answer started streaming"
