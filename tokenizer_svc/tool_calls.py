@@ -23,8 +23,8 @@ from __future__ import annotations
 import ast
 import json
 import math
-import re
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -121,16 +121,16 @@ class Hermes(Auto):
     (Qwen2.5's and many others' format), after any text."""
 
     OPEN: ClassVar[str] = "<tool_call>"
-    CALL: ClassVar[re.Pattern[str]] = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+    CLOSE: ClassVar[str] = "</tool_call>"
 
     def _calls(self, text: str) -> tuple[str | None, list[dict[str, Any]]] | None:
         at = text.find(self.OPEN)
         if at < 0:
             return None
         calls = []
-        for found in self.CALL.finditer(text, at):
+        for body, _ in _tagged(text, at, self.OPEN, self.CLOSE):
             try:
-                call = strict_json.loads(found.group(1))
+                call = strict_json.loads(body.strip())
             except json.JSONDecodeError:
                 return None
             if not isinstance(call, dict) or not isinstance(call.get("name"), str):
@@ -236,35 +236,64 @@ class Qwen3Coder(Hermes):
     schema does not name stays text. A call with anything else in it, or
     not closed, is no call: the whole output is content."""
 
-    CALL: ClassVar[re.Pattern[str]] = re.compile(
-        r"<tool_call>\s*<function=([^>\n]+)>(.*?)</function>\s*</tool_call>", re.S
-    )
-    PARAMETER: ClassVar[re.Pattern[str]] = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.S)
+    FUNCTION: ClassVar[str] = "<function="
 
     def _calls(self, text: str) -> tuple[str | None, list[dict[str, Any]]] | None:
         at = text.find(self.OPEN)
         if at < 0:
             return None
         calls, end = [], at
-        for found in self.CALL.finditer(text, at):
-            if text[end : found.start()].strip():
+        for body, (start, stop) in _tagged(text, at, self.OPEN, self.CLOSE):
+            if text[end:start].strip():
                 return None  # text between calls: not this format's
-            name, body = found.group(1).strip(), found.group(2)
-            arguments: dict[str, Any] = {}
-            rest = self.PARAMETER.sub("", body)
-            if rest.strip():
+            end = stop
+            inner = body.strip()
+            named = inner.find(">")
+            if not inner.startswith(self.FUNCTION) or named < 0 or not inner.endswith("</function>"):
                 return None
-            properties = self.schemas.get(name, {}).get("properties")
-            for parameter in self.PARAMETER.finditer(body):
-                key, value = parameter.group(1).strip(), parameter.group(2)
-                value = value.removeprefix("\n").removesuffix("\n")
-                spec = properties.get(key) if isinstance(properties, dict) else None
-                arguments[key] = _typed(value, spec if isinstance(spec, dict) else None)
-            calls.append(_tool_call(name, _arguments(arguments)))
-            end = found.end()
+            name = inner[len(self.FUNCTION) : named].strip()
+            if not name or "\n" in name:
+                return None
+            found = self._parameters(inner[named + 1 : -len("</function>")], name)
+            if found is None:
+                return None
+            calls.append(_tool_call(name, _arguments(found)))
         if not calls or text[end:].strip():
             return None
         return text[:at].rstrip() or None, calls
+
+    def _parameters(self, body: str, name: str) -> dict[str, Any] | None:
+        """A call's ``<parameter=KEY>value</parameter>`` arguments, typed by
+        the tool's schema; None when the body holds anything else."""
+        properties = self.schemas.get(name, {}).get("properties")
+        arguments: dict[str, Any] = {}
+        end = 0
+        for value, (start, stop) in _tagged(body, 0, "<parameter=", "</parameter>"):
+            if body[end:start].strip():
+                return None
+            end = stop
+            named = value.find(">")
+            key = value[:named].strip()
+            if named < 0 or not key or "\n" in key:
+                return None
+            value = value[named + 1 :].removeprefix("\n").removesuffix("\n")
+            spec = properties.get(key) if isinstance(properties, dict) else None
+            arguments[key] = _typed(value, spec if isinstance(spec, dict) else None)
+        return None if body[end:].strip() else arguments
+
+
+def _tagged(text: str, at: int, open_tag: str, close_tag: str) -> Iterator[tuple[str, tuple[int, int]]]:
+    """Each ``open_tag``...``close_tag`` from `at` on: its inside, and where
+    the whole of it starts and ends. One pass: an opening with no closing
+    after it ends the search (a lazy regex would scan to the end from each
+    such opening)."""
+    while (start := text.find(open_tag, at)) >= 0:
+        inside = start + len(open_tag)
+        close = text.find(close_tag, inside)
+        if close < 0:
+            return
+        at = close + len(close_tag)
+        yield text[inside:close], (start, at)
 
 
 def _typed(value: str, spec: dict[str, Any] | None) -> Any:
