@@ -39,6 +39,8 @@ START, END = "<think>", "</think>"
 # The prompt's tail read to find an open <think> (a few tokens: the tag and
 # the whitespace a template writes after it).
 _TAIL_TOKENS = 8
+# With tags of their own: the prompt's last ids looked at one by one before scanning it all.
+_TAG_WINDOW = 64
 
 
 class Think:
@@ -63,9 +65,15 @@ class Think:
         (continue_final_message). Else its last few tokens end with
         ``<think>`` (whitespace after it aside)."""
         if self._start_id is not None and self._end_id is not None:
-            backwards = list(prompt_ids)[::-1]  # two scans in C, not a Python loop over a long prompt
-            start, end = (_first(backwards, tag) for tag in (self._start_id, self._end_id))
-            return start < end
+            ids = prompt_ids if isinstance(prompt_ids, list) else list(prompt_ids)
+            # The usual: a tag in the generation prompt, among the last few ids.
+            for token in reversed(ids[-_TAG_WINDOW:]):
+                if token in (self._start_id, self._end_id):
+                    return token == self._start_id
+            if self._start_id not in ids:  # one scan in C; no thinking was ever opened
+                return False
+            backwards = ids[::-1]  # a turn continued inside its thinking: which tag is last
+            return _first(backwards, self._start_id) < _first(backwards, self._end_id)
         tail = self.tokenizer.decode(list(prompt_ids[-_TAIL_TOKENS:]), skip_special_tokens=False)
         return bool(tail.rstrip().endswith(START))
 

@@ -140,6 +140,10 @@ class BothTagged(Chars):
         # continue_final_message inside the thinking: the model goes on thinking.
         ("<|im_start|>assistant\n<think>\nFirst, the sum", True),
         ("<|im_start|>assistant\n<think>\nThe sum is 4.\n</think>\n\nIt is", False),
+        # Tags further back than the last ids looked at one by one.
+        ("<|im_start|>assistant\n<think>\nFirst, " + "the sum " * 40, True),
+        ("<think>\nan earlier turn's</think>\n" + "<|im_start|>user\nAnd then?<|im_end|>\n" * 5, False),
+        ("<|im_start|>user\n" + "Hi " * 100, False),
     ],
 )
 def test_with_tags_of_their_own_the_prompt_s_last_tag_says_it(prompt: str, opened: bool) -> None:
@@ -148,7 +152,7 @@ def test_with_tags_of_their_own_the_prompt_s_last_tag_says_it(prompt: str, opene
     prompt_ids = tokenizer.encode(prompt)
     assert think.opens(prompt_ids) is opened
     # The tail alone cannot tell a continued thought (what it read before).
-    if prompt.endswith("sum"):
+    if "First, the sum" in prompt:
         assert THINK.opens(ids(prompt)) is False
 
 
