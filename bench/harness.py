@@ -13,7 +13,7 @@ import os
 import statistics
 import tempfile
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -200,6 +200,15 @@ def cpu_seconds(scheduler_pid: int, tokenizer_pid: int) -> dict[str, float]:
         "workers": used(tokenizer.children(recursive=True)),
         "clients": used([psutil.Process()]),
     }
+
+
+def per_call_us(call: Callable[[], object], reps: int) -> float:
+    """µs per call of `call`, over `reps` calls after one to warm up."""
+    call()
+    began = time.perf_counter()
+    for _ in range(reps):
+        call()
+    return (time.perf_counter() - began) / reps * 1e6
 
 
 def percentile(values: Iterable[float], q: float) -> float:

@@ -23,27 +23,17 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
-from harness import table
+from harness import per_call_us, table
 
 from mmsplit_server.sampling import Sampling
 from scheduler_svc.sampler import LogitAdjust, RowSampling, Sampler, row_argmax
 
 VOCABULARIES = {"llava-1.5": 32064, "llava-hf": 32001, "qwen2-vl": 151936}
-
-
-def per_call_us(call: Callable[[], object], reps: int) -> float:
-    call()
-    began = time.perf_counter()
-    for _ in range(reps):
-        call()
-    return (time.perf_counter() - began) / reps * 1e6
 
 
 def torch_max(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -127,6 +127,15 @@ def test_grpc_floor_benchmark_prints_every_arm() -> None:
     assert [rows["every 20 ms"][1], rows["back to back"][1]] == ["10", "400"]  # messages: every one came
 
 
+def test_parsers_benchmark_prints_both_splits_and_every_prompt_length() -> None:
+    result = run_bench("parsers.py", ["--reps", "1", "--rounds", "1", "--openings", "50"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert re.search(r"^20 calls(\s+[\d.]+){4}$", result.stdout, re.M), result.stdout
+    assert re.search(r"^50 unclosed, [\d,]+ chars(\s+[\d.]+){4}$", result.stdout, re.M), result.stdout
+    for n in ("1,000", "10,000", "100,000"):
+        assert re.search(rf"^{n}(\s+[\d.]+){{4}}$", result.stdout, re.M), result.stdout
+
+
 def test_sampler_benchmark_prints_both_picks_for_every_shape() -> None:
     result = run_bench("sampler.py", ["--reps", "3", "--rounds", "1"])
     assert result.returncode == 0, result.stderr[-3000:]
