@@ -227,6 +227,15 @@ class HttpApi:
             if self.api_keys is not None and (request.path.startswith("/v1/") or request.path in _KEYED):
                 self._authenticate(request)
             response = await handler(request)
+        except UnreadableBody as exc:
+            # The connection's stream past the bad bytes cannot be read: answer,
+            # then close it (left open, aiohttp would try to drain the body
+            # after the handler and log the same error as an unhandled one).
+            response = _error_response(exc)
+            response.force_close()
+            await response.prepare(request)
+            await response.write_eof()
+            request.protocol.force_close()
         except MmsplitError as exc:
             response = _error_response(exc)
         except web.HTTPRequestEntityTooLarge:
@@ -242,7 +251,8 @@ class HttpApi:
             status = exc.status
             kind = "not_found_error" if status == 404 else "invalid_request_error"
             code = "NOT_FOUND" if status == 404 else "INVALID_REQUEST"
-            response = _json(status, openai_api.error_json(exc.reason, kind, code), {"x-should-retry": "false"})
+            message = self._unrouted(request) if status == 404 else f"{exc.reason}: {request.method} {request.path}"
+            response = _json(status, openai_api.error_json(message, kind, code), {"x-should-retry": "false"})
         except Exception:
             incident = uuid.uuid4().hex[:12]
             log.exception("HTTP %s %s failed on an unexpected error (incident %s)", request.method, route, incident)
@@ -250,6 +260,19 @@ class HttpApi:
         key = (route, response.status)
         self.responses[key] = self.responses.get(key, 0) + 1
         return response
+
+    @staticmethod
+    def _unrouted(request: web.Request) -> str:
+        """A 404's message: the path, and the API's paths that are served
+        (a client pointed at an endpoint this server lacks, such as
+        /v1/embeddings, learns so, not just "Not Found")."""
+        served = set()
+        for resource in request.app.router.resources():
+            info = resource.get_info()
+            path = info.get("path") or info.get("formatter", "")
+            if path.startswith("/v1/"):
+                served.add(path)
+        return f"{request.path} is not served here; the OpenAI-compatible API serves {', '.join(sorted(served))}"
 
     def _authenticate(self, request: web.Request) -> None:
         assert self.api_keys is not None
@@ -733,6 +756,11 @@ class _Body:
         return await asyncio.to_thread(parse, *args) if self.big else parse(*args)
 
 
+class UnreadableBody(InvalidRequest):
+    """The request's body stream broke while it was read (aiohttp's
+    RequestPayloadError): its answer is the connection's last."""
+
+
 async def _body(request: web.Request, timeout_s: float) -> _Body:
     """The JSON body, which must arrive within `timeout_s`: a client that
     trickles it (or stops) would hold the connection and this handler for
@@ -744,6 +772,9 @@ async def _body(request: web.Request, timeout_s: float) -> _Body:
         raise openai_api.BodyTimeout(
             f"the request body did not arrive within {timeout_s:g} s (--http-request-timeout-s)"
         ) from None
+    except web.RequestPayloadError as exc:  # e.g. a Content-Encoding its bytes are not in
+        why = getattr(exc.__cause__, "message", "") or " ".join(str(exc).split())
+        raise UnreadableBody(f"the request body could not be read: {why}") from None
     big = len(raw) > BIG_BODY
     try:
         return _Body(await asyncio.to_thread(strict_json.loads, raw) if big else strict_json.loads(raw), big)

@@ -1,0 +1,91 @@
+"""The HTTP API's answers to requests that never reach a handler's logic:
+a body that cannot be read (its Content-Encoding is not what its bytes are
+in), a path this server does not serve, a method a path does not take. Each
+gets a 4xx in the OpenAI error shape that says what was wrong, never a 500,
+and the server goes on answering."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+import logging
+from typing import Any
+
+import aiohttp
+import pytest
+
+from mmsplit.tokenizer.v1 import tokenizer_pb2 as pb
+from tokenizer_svc.http_api import HttpApi, start
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+
+
+class Answers:
+    tokenizer = None
+
+    async def generate(self, request: Any, rid: str, timeout_s: Any, client: str = "") -> Any:
+        yield pb.GenerateResponse(delta=pb.TextDelta(text="hi"))
+        yield pb.GenerateResponse(finished=pb.Finished(finish_reason=1, prompt_tokens=1, completion_tokens=1))
+
+
+async def _calls(*calls: tuple[str, str, bytes, dict[str, str]]) -> list[tuple[int, dict[str, str], Any]]:
+    """Each call on a connection of its own (a refused body closes its connection)."""
+    api = HttpApi(Answers(), model="m", ready=lambda: True, max_body_bytes=1 << 20)  # type: ignore[arg-type]
+    runner, port = await start(api, "127.0.0.1", 0)
+    seen = []
+    try:
+        for method, path, body, headers in calls:
+            url = f"http://127.0.0.1:{port}{path}"
+            async with (
+                aiohttp.ClientSession() as session,
+                session.request(method, url, data=body, headers=headers) as r,
+            ):
+                seen.append((r.status, dict(r.headers), json.loads(await r.read())))
+    finally:
+        await runner.cleanup()
+    return seen
+
+
+def test_a_body_not_in_its_content_encoding_is_refused_and_the_next_request_is_answered(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    plain = json.dumps(CHAT).encode()
+    json_type = {"content-type": "application/json"}
+    with caplog.at_level(logging.ERROR):
+        refused, zipped, after = asyncio.run(
+            _calls(
+                ("POST", "/v1/chat/completions", plain, {**json_type, "content-encoding": "gzip"}),
+                ("POST", "/v1/chat/completions", gzip.compress(plain), {**json_type, "content-encoding": "gzip"}),
+                ("POST", "/v1/chat/completions", plain, json_type),
+            )
+        )
+    status, headers, body = refused
+    assert status == 400, body
+    assert body["error"]["code"] == "INVALID_REQUEST"
+    assert "could not be read" in body["error"]["message"]
+    assert "gzip" in body["error"]["message"]
+    assert headers.get("Connection", "").lower() == "close"  # the stream past the bad bytes is unreadable
+    # A body that is in its encoding is read (aiohttp decodes it), and so is a plain one.
+    assert zipped[0] == 200, zipped
+    assert zipped[2]["choices"][0]["message"]["content"] == "hi"
+    assert after[0] == 200, after
+    # Neither the handler nor aiohttp logged it as an unexpected error.
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
+def test_an_unserved_path_is_named_with_the_paths_that_are_and_a_wrong_method_with_its_path() -> None:
+    (missing_status, _, missing), (method_status, _, method) = asyncio.run(
+        _calls(
+            ("POST", "/v1/embeddings", b"{}", {"content-type": "application/json"}),
+            ("GET", "/v1/chat/completions", b"", {}),
+        )
+    )
+    assert missing_status == 404
+    assert missing["error"]["type"] == "not_found_error"
+    message = missing["error"]["message"]
+    assert message.startswith("/v1/embeddings is not served here")
+    for served in ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models"):
+        assert served in message
+    assert method_status == 405
+    assert method["error"]["message"] == "Method Not Allowed: GET /v1/chat/completions"
