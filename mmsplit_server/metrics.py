@@ -24,6 +24,8 @@ from mmsplit_server import gcheap
 # for this long is cut off (each connection holds a thread of its own).
 READ_TIMEOUT_S = 10.0
 
+Labels = str | tuple[str, ...]  # a labelled metric's label name, or names
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
@@ -95,12 +97,14 @@ class ServiceMetrics:
         """Counters kept elsewhere (name -> (documentation, value)), read on scrape."""
         self.registry.register(_Read(self.prefix, read))
 
-    def counter_by(self, name: str, documentation: str, label: str, read: Callable[[], Mapping[str, float]]) -> None:
-        """A counter kept elsewhere with one bounded label (label value -> count), read on scrape."""
+    def counter_by(self, name: str, documentation: str, label: Labels, read: Callable[[], Mapping[Any, float]]) -> None:
+        """A counter kept elsewhere with bounded labels, read on scrape: one
+        label name (label value -> count), or a tuple of them (a tuple of
+        values -> count)."""
         self.registry.register(_ReadLabelled(f"{self.prefix}_{name}", documentation, label, read))
 
-    def gauge_by(self, name: str, documentation: str, label: str, read: Callable[[], Mapping[str, float]]) -> None:
-        """A gauge with one bounded label (label value -> value), read on scrape."""
+    def gauge_by(self, name: str, documentation: str, label: Labels, read: Callable[[], Mapping[Any, float]]) -> None:
+        """A gauge with bounded labels (as `counter_by`), read on scrape."""
         self.registry.register(_ReadLabelled(f"{self.prefix}_{name}", documentation, label, read, gauge=True))
 
     def serve(self, host: str, port: int) -> int:
@@ -136,13 +140,15 @@ class _Read(Collector):
 
 class _ReadLabelled(Collector):
     def __init__(
-        self, name: str, documentation: str, label: str, read: Callable[[], Mapping[str, float]], gauge: bool = False
+        self, name: str, documentation: str, label: Labels, read: Callable[[], Mapping[Any, float]], gauge: bool = False
     ) -> None:
-        self.name, self.documentation, self.label, self.read, self.gauge = name, documentation, label, read, gauge
+        self.name, self.documentation, self.read, self.gauge = name, documentation, read, gauge
+        self.several = isinstance(label, tuple)
+        self.labels = list(label) if isinstance(label, tuple) else [label]
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         kind = GaugeMetricFamily if self.gauge else CounterMetricFamily
-        family = kind(self.name, self.documentation, labels=[self.label])
-        for value, count in self.read().items():
-            family.add_metric([value], count)
+        family = kind(self.name, self.documentation, labels=self.labels)
+        for values, count in self.read().items():
+            family.add_metric([str(v) for v in values] if self.several else [values], count)
         yield family

@@ -410,9 +410,9 @@ async def _serve(
             metrics.gauge("stored_responses_bytes", "Bytes the stored responses take", lambda: api.store.nbytes)
             metrics.counter_by(
                 "http_responses",
-                "HTTP API responses by route and status (route status, e.g. '/v1/chat/completions 200')",
-                "route_status",
-                lambda: {f"{route} {status}": n for (route, status), n in api.responses.items()},
+                "HTTP API responses by route and status",
+                ("route", "status"),
+                lambda: dict(api.responses),
             )
         with serving_on("tokenizer", "HTTP", settings.host, settings.http_port):
             http, http_port = await start_http(

@@ -60,11 +60,12 @@ class Api:
     def client(self, **kwargs: Any) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url, api_key=KEY, **kwargs)
 
-    def seen(self, route_status: str) -> float:
-        """Responses the server counted for 'ROUTE STATUS'."""
+    def seen(self, route: str, status: int) -> float:
+        """Responses the server counted for `route` with `status`."""
         text = urllib.request.urlopen(self.metrics, timeout=10).read().decode()
+        labels = f'{{route="{route}",status="{status}"}}'
         for line in text.splitlines():
-            if line.startswith("mmsplit_tokenizer_http_responses_total{") and f'"{route_status}"' in line:
+            if line.startswith(f"mmsplit_tokenizer_http_responses_total{labels} "):
                 return float(line.rsplit(" ", 1)[1])
         return 0.0
 
@@ -519,7 +520,7 @@ def test_bad_inputs_get_typed_errors_that_the_sdk_does_not_resend(api: Api) -> N
         (_chat([text], logit_bias={str(10**6): 1}), openai.BadRequestError, 400, "INVALID_REQUEST", "logit_bias"),
     ]  # fmt: skip
     for call, cls, status, code, param in cases:
-        before = api.seen(f"/v1/chat/completions {status}")
+        before = api.seen("/v1/chat/completions", status)
         error = _bad(api, call)
         assert type(error) is cls, (code, error)
         assert error.status_code == status, (code, error)
@@ -527,8 +528,7 @@ def test_bad_inputs_get_typed_errors_that_the_sdk_does_not_resend(api: Api) -> N
         assert (body.get("code"), body.get("param")) == (code, param), (code, body)
         assert error.response.headers.get("x-should-retry") == "false"
         # Seen once: the SDK did not resend it.
-        seen = f"/v1/chat/completions {status}"
-        assert wait_until(lambda s=seen, b=before: api.seen(s) == b + 1, timeout=5), code
+        assert wait_until(lambda s=status, b=before: api.seen("/v1/chat/completions", s) == b + 1, timeout=5), code
         _good_after(api)
 
 
