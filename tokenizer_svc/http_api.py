@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from mmsplit import __version__
 from mmsplit.errors import InternalError, MmsplitError, Unauthenticated
@@ -980,6 +981,29 @@ class _LimitedSite(web.TCPSite):
         self._bound_port = self._server.sockets[0].getsockname()[1]
 
 
+class _ClientsMalformedHttp(logging.Filter):
+    """aiohttp answers a request it cannot parse (a bad chunk size, a header
+    line too long: the client's malformed HTTP) with a plain 400 and logs it
+    at ERROR with a traceback, so any scanner of the port would fill the
+    logs with tracebacks and set off alerts on errors. Such a record becomes
+    one WARNING line that names the client and what was wrong (a request
+    that is not HTTP at all aiohttp already logs only at DEBUG)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError):
+            record.msg = f"{record.getMessage()}: {' '.join(str(exc).split())}"
+            record.args, record.exc_info, record.exc_text = None, None, None
+            record.levelno, record.levelname = logging.WARNING, logging.getLevelName(logging.WARNING)
+        return True
+
+
+def _quiet_malformed_http() -> None:
+    server_log = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, _ClientsMalformedHttp) for f in server_log.filters):
+        server_log.addFilter(_ClientsMalformedHttp())
+
+
 async def start(
     api: HttpApi, host: str, port: int, *, max_connections: int = CONNECTIONS_AT_MOST, max_per_client: int = 0
 ) -> tuple[web.AppRunner, int]:
@@ -991,6 +1015,7 @@ async def start(
     # closes a connection with no whole request that long after it opened or
     # after its last answer (its default, an hour, let half-sent requests
     # hold connections).
+    _quiet_malformed_http()
     runner = web.AppRunner(
         api.app(),
         handler_cancellation=True,

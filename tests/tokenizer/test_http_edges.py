@@ -89,3 +89,36 @@ def test_an_unserved_path_is_named_with_the_paths_that_are_and_a_wrong_method_wi
         assert served in message
     assert method_status == 405
     assert method["error"]["message"] == "Method Not Allowed: GET /v1/chat/completions"
+
+
+def test_malformed_http_gets_aiohttp_s_400_and_one_warning_line_not_an_error_s_traceback(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def exchange() -> tuple[bytes, int]:
+        api = HttpApi(Answers(), model="m", ready=lambda: True, max_body_bytes=1 << 20)  # type: ignore[arg-type]
+        runner, port = await start(api, "127.0.0.1", 0)
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Transfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n"
+            )
+            answer = await asyncio.wait_for(reader.read(), 10)
+            writer.close()
+            # The server still answers.
+            good = await _calls(("POST", "/v1/chat/completions", json.dumps(CHAT).encode(), {}))
+        finally:
+            await runner.cleanup()
+        return answer, good[0][0]
+
+    with caplog.at_level(logging.WARNING, logger="aiohttp.server"):
+        answer, after = asyncio.run(exchange())
+    assert answer.startswith(b"HTTP/1.0 400 Bad Request"), answer
+    assert b"chunk size" in answer
+    assert after == 200
+    seen = [r for r in caplog.records if r.name == "aiohttp.server"]
+    assert len(seen) == 1, caplog.text
+    assert seen[0].levelno == logging.WARNING
+    assert seen[0].exc_info is None
+    assert "127.0.0.1" in seen[0].getMessage()
+    assert "Invalid character in chunk size" in seen[0].getMessage()
