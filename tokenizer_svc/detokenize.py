@@ -27,6 +27,7 @@ one, and on a match the text ends just before it.
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
@@ -52,6 +53,62 @@ def byte_tokens(backend: Any) -> frozenset[int]:
 
 
 _BYTE_TOKENS: dict[int, frozenset[int]] = {}
+
+
+def token_text(tokenizer: Any, token: int) -> str:
+    """One token's text, as log probabilities name it: its decode alone,
+    with the leading spaces that decode strips given back. A SentencePiece
+    vocabulary writes a word's space as a marker ("▁there") and its decoder
+    drops the first space of any text, so alone "▁there" decodes to "there"
+    while in a text it is " there"; the names of a choice's tokens would not
+    add up to its text. The marker's count in the raw piece says how many
+    spaces the token starts with (as vLLM's `convert_ids_list_to_tokens`
+    now restores them); vocabularies with no such marker (byte-level BPE
+    keeps a lone token's space) are decoded as they are."""
+    text = str(tokenizer.decode([token]))
+    marker = space_marker(tokenizer)
+    if marker is None:
+        return text
+    raw = tokenizer.convert_ids_to_tokens(token)
+    if not isinstance(raw, str):
+        return text
+    spaces = len(raw) - len(raw.lstrip(marker))
+    kept = len(text) - len(text.lstrip(" "))
+    return " " * (spaces - kept) + text if spaces > kept else text
+
+
+def space_marker(tokenizer: Any) -> str | None:
+    """The character `tokenizer`'s vocabulary writes a space as, where its
+    decoder turns it back into one (SentencePiece's "▁": a `Metaspace`
+    decoder, or a `Replace` of it with a space); None otherwise. Made once
+    per tokenizer."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    decoder = getattr(backend, "decoder", None)
+    if decoder is None:
+        return None
+    key = id(backend)
+    if key not in _MARKERS:
+        try:
+            spec = json.loads(decoder.__getstate__())
+        except (TypeError, ValueError):  # a decoder with no serialized form says nothing
+            spec = {}
+        _MARKERS[key] = _marker(spec)
+    return _MARKERS[key]
+
+
+def _marker(spec: dict[str, Any]) -> str | None:
+    kind = spec.get("type")
+    if kind == "Metaspace":
+        return str(spec.get("replacement", "\u2581"))
+    if kind == "Replace" and spec.get("content") == " ":
+        pattern = spec.get("pattern", {}).get("String")
+        return pattern if isinstance(pattern, str) and len(pattern) == 1 else None
+    if kind == "Sequence":
+        return next((found for part in spec.get("decoders", []) if (found := _marker(part))), None)
+    return None
+
+
+_MARKERS: dict[int, str | None] = {}
 
 
 def make_decoder(tokenizer: Any, *, skip_special_tokens: bool = True) -> StreamDecoder | IncrementalDecoder:

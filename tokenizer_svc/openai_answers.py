@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 from mmsplit.common.v1 import common_pb2
 from mmsplit.errors import MmsplitError
 from mmsplit.tokenizer.v1 import tokenizer_pb2
+from tokenizer_svc.detokenize import token_text
 from tokenizer_svc.reasoning import Stream, Think
 from tokenizer_svc.tool_calls import Auto, Forced, call_id
 
@@ -164,7 +165,7 @@ class Choices:
         tokens repeat: each decode is a call into the tokenizer)."""
         text = self._names.get(token)
         if text is None:
-            text = self._names[token] = str(self.tokens.decode([token])) if self.tokens is not None else str(token)
+            text = self._names[token] = token_text(self.tokens, token) if self.tokens is not None else str(token)
         return text
 
     @property

@@ -41,6 +41,7 @@ from tests.e2e.helpers import rank_active_requests, scrape, tokenizer_info
 from tests.support import hf_loaded
 from tests.support.leaks import PROJECT_PREFIX, project_segments, wait_until
 from tests.support.services import ROOT, FreePort, Pair, running_pair
+from tokenizer_svc.detokenize import token_text
 
 pytestmark = pytest.mark.e2e
 KEY = "sk-test-0123456789"
@@ -1737,7 +1738,7 @@ def test_a_prompt_is_scored_as_lm_evaluation_harness_asks_with_echo_and_logprobs
         # The generated token: greedy, the last position's most likely.
         assert lp.token_logprobs[-1] == pytest.approx(float(expected[-1].max()), abs=1e-4)
         assert choice.text.startswith(tokenizer.decode(ids, skip_special_tokens=True))
-        assert lp.tokens[:-1] == [tokenizer.decode([t]) for t in ids]
+        assert lp.tokens[:-1] == [token_text(tokenizer, t) for t in ids]
         assert lp.text_offset == [sum(len(t) for t in lp.tokens[:k]) for k in range(len(lp.tokens))]
         scored.append(lp.token_logprobs[1:-1])
     assert reply.usage is not None
@@ -1792,7 +1793,7 @@ def test_echo_with_max_tokens_0_answers_the_prompt_alone_scored(api: Api) -> Non
         lp, lp1 = choice.logprobs, other.logprobs
         assert lp is not None
         assert lp1 is not None
-        assert lp.tokens == lp1.tokens[:-1] == [tokenizer.decode([t]) for t in ids]  # type: ignore[index]
+        assert lp.tokens == lp1.tokens[:-1] == [token_text(tokenizer, t) for t in ids]  # type: ignore[index]
         assert lp.token_logprobs == pytest.approx(lp1.token_logprobs[:-1], abs=1e-6)  # type: ignore[index]
         assert lp.top_logprobs == lp1.top_logprobs[:-1]  # type: ignore[index]
     assert alone.usage is not None
@@ -1806,7 +1807,8 @@ def test_echo_with_max_tokens_0_answers_the_prompt_alone_scored(api: Api) -> Non
     ))  # fmt: skip
     assert "".join(c.choices[0].text for c in chunks if c.choices) == "The quick brown"
     tokens = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens or []]
-    assert tokens == [tokenizer.decode([t]) for t in tokenizer("The quick brown").input_ids]
+    assert tokens == [token_text(tokenizer, t) for t in tokenizer("The quick brown").input_ids]
+    assert tokens[-3:] == [" The", " quick", " brown"]  # each word's token named with its space
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     usage = chunks[-1].usage
     assert usage is not None

@@ -10,7 +10,15 @@ import pytest
 from tokenizers.decoders import DecodeStream
 
 from tests.support import hf_loaded
-from tokenizer_svc.detokenize import IncrementalDecoder, StopMatcher, StreamDecoder, make_decoder, stream_text
+from tokenizer_svc.detokenize import (
+    IncrementalDecoder,
+    StopMatcher,
+    StreamDecoder,
+    make_decoder,
+    space_marker,
+    stream_text,
+    token_text,
+)
 
 MIXED = (
     "Héllo wörld, naïve café 🙂 — 東京タワーは高い。Ünïcödé ☃ snow, 🎉🎉 done. "
@@ -219,3 +227,41 @@ def test_a_character_cut_at_the_end_comes_out_at_flush_from_the_stream(tokenizer
     text = "".join(decoder.push([i]) for i in ids)
     assert "\ufffd" not in text
     assert text + decoder.flush() == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _byte_level_tokenizer() -> Any:
+    """A byte-level BPE tokenizer (GPT-2's and Qwen's kind) trained here on a few lines."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.train_from_iterator([MIXED, "hello there  big   spaces"] * 20, trainers.BpeTrainer(vocab_size=400))
+    return PreTrainedTokenizerFast(tokenizer_object=backend, clean_up_tokenization_spaces=False)
+
+
+def test_tokens_named_alone_keep_the_spaces_they_begin_with_so_the_names_add_up_to_the_text(tokenizer: Any) -> None:
+    """Log probabilities name each token by its text alone. A SentencePiece
+    token that begins a word ("▁there") decodes alone to "there", its space
+    dropped as a text's first space is: the names are given their spaces
+    back, so they join to the text (with the space SentencePiece puts before
+    a text's first word). Byte-level BPE keeps a lone token's space, and its
+    names are its decodes as they are."""
+    text = "hello there  big   spaces, naïve café done"  # (a byte token alone names no character)
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    assert space_marker(tokenizer) == "\u2581"
+    names = [token_text(tokenizer, t) for t in ids]
+    assert "".join(names) == " " + text
+    # A word's token alone: its decode lacks the space its name has.
+    there = next(t for t in ids if tokenizer.convert_ids_to_tokens(t) == "\u2581there")
+    assert (tokenizer.decode([there]), token_text(tokenizer, there)) == ("there", " there")
+
+    byte_level = _byte_level_tokenizer()
+    assert space_marker(byte_level) is None
+    ascii_text = "hello there  big   spaces, done"
+    ids = byte_level(ascii_text, add_special_tokens=False).input_ids
+    names = [token_text(byte_level, t) for t in ids]
+    assert any(name.startswith(" ") for name in names)
+    assert names == [byte_level.decode([t]) for t in ids]
+    assert "".join(names) == ascii_text
