@@ -82,6 +82,31 @@ def test_opens_reads_the_tags_in_a_real_tokenizer_s_pieces(tiny_model) -> None: 
     assert not think.opens(tokenizer.encode("[INST] Hi [/INST]"))
 
 
+def test_a_real_tokenizer_with_the_tags_as_tokens_is_read_by_their_ids(tiny_model) -> None:  # type: ignore[no-untyped-def]
+    """The tiny tokenizer given ``<think>`` and ``</think>`` as tokens of
+    their own (added tokens, as Qwen3's vocabulary has them): the prompt's
+    tags and the output's end tag are found by their ids, and say what the
+    text says."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    tokenizer.add_tokens(["<think>", "</think>"])
+    think = Think(tokenizer)
+    start, end = tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
+    assert (think._start_id, think._end_id) == (start, end)
+    opened = tokenizer.encode("[INST] Hi [/INST] <think>\n", add_special_tokens=False)
+    assert start in opened
+    assert think.opens(opened)
+    assert not think.opens(tokenizer.encode("[INST] Hi [/INST] <think>\n\n</think>\n\n", add_special_tokens=False))
+    assert not think.opens(tokenizer.encode("<think>a</think> [INST] Hi [/INST]", add_special_tokens=False))
+    # Continued inside its thinking, the tag far back (past the ids looked at one by one).
+    assert think.opens(
+        tokenizer.encode("[INST] Hi [/INST] <think>\nFirst, " + "the sum " * 40, add_special_tokens=False)
+    )
+    output = tokenizer.encode("the sum is 4</think>\n\nIt is 4.", add_special_tokens=False)
+    assert think.tokens(output, True, tokenizer.decode(output)) == output.index(end) + 1
+
+
 @pytest.mark.parametrize(
     ("output", "opened", "tokens"),
     [
