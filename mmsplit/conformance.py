@@ -90,7 +90,7 @@ class Options:
     scheduler: str = ""
     not_found_url: str = ""
     timeout_s: float = 60.0
-    long_tokens: int = 512
+    long_tokens: int = 0  # 0: as many as the server allows (its max_tokens_limit)
     credentials: grpc.ChannelCredentials | None = None
     scheduler_token: str = ""
 
@@ -521,9 +521,19 @@ class Kit:
             time.sleep(0.05)
         return now, read
 
+    def _long_tokens(self) -> int:
+        """Tokens of the requests that are cut short: --long-tokens, else
+        the most the server takes (its max_tokens_limit; served up to the
+        context), so that even a small, fast model is still making them
+        when they are cut."""
+        if self.options.long_tokens > 0:
+            return self.options.long_tokens
+        answer = self.tok.GetServerInfo(tokenizer_pb2.GetServerInfoRequest(), timeout=10)
+        return answer.scheduler.max_tokens_limit or answer.info.max_tokens_limit or FALLBACK_LONG_TOKENS
+
     def tokenizer_ends_early(self, *, cancel: bool) -> str:
         before, load = self._scheduler_load()
-        request = _text_request(_request_id(), tokens=self.options.long_tokens)
+        request = _text_request(_request_id(), tokens=self._long_tokens())
         deadline = None if cancel else 2.0
         call = self.tok.Generate(request, timeout=deadline or self.options.timeout_s)
         return self._ends_early(call, cancel=cancel, before=before, load=load, first="delta")
@@ -539,7 +549,11 @@ class Kit:
             counted = time.monotonic() + 5.0
             while (seen := load()) <= before and time.monotonic() < counted:
                 time.sleep(0.02)
-            expect(seen > before, f"the scheduler did not count the request while it ran ({seen} vs {before})")
+            where = "" if self.sched is not None else (
+                "; read through the tokenizer, whose view of its scheduler is some seconds old:"
+                " give --scheduler to read the scheduler itself"
+            )  # fmt: skip
+            expect(seen > before, f"the scheduler did not count the request while it ran ({seen} vs {before}){where}")
             if cancel:
                 call.cancel()
             for event in events:
@@ -671,10 +685,13 @@ class Kit:
 
     def scheduler_ends_early(self, *, cancel: bool) -> str:
         before, load = self._scheduler_load()
-        request = _scheduler_request(_request_id(), tokens=self.options.long_tokens)
+        request = _scheduler_request(_request_id(), tokens=self._long_tokens())
         call = self._sched_generate(request, timeout=None if cancel else 2.0)
         return self._ends_early(call, cancel=cancel, before=before, load=load, first="tokens")
 
+
+# Tokens of the requests that are cut short, from a server that does not say its limit.
+FALLBACK_LONG_TOKENS = 512
 
 # ---- requests ----
 # An answer that thinks, then answers (tokenizer.stream.split_reasoning).
@@ -792,7 +809,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--scheduler", default="", help="scheduler service address HOST:PORT (its checks are skipped without it)"
     )
     p.add_argument("--not-found-url", default="", help="an image URL the server may fetch that does not exist")
-    p.add_argument("--long-tokens", type=int, default=512, help="tokens of the requests that are cut short")
+    p.add_argument(
+        "--long-tokens",
+        type=int,
+        default=0,
+        help="tokens of the requests that are cut short (default: the server's max_tokens_limit, up to its context)",
+    )
     p.add_argument("--timeout", type=float, default=60.0, help="deadline of each call, seconds")
     p.add_argument("--tls-ca", default="", help="PEM CA certificates: connect with TLS, trusting them")
     p.add_argument("--tls-cert", default="", help="PEM client certificate, when the servers require one")
