@@ -8,6 +8,7 @@ import http.server
 import os
 import threading
 import time
+import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -147,6 +148,29 @@ def test_inline_and_data_urls(tmp_path: Path) -> None:
         load(loader(tmp_path), url="data:image/png;base64,@@@")
     with pytest.raises(MediaTooLarge):
         load(loader(tmp_path), data=b"x" * 1001)
+
+
+def test_a_data_url_never_goes_through_urlsplit_and_its_cache(tmp_path: Path) -> None:
+    """urlsplit keeps its last 128 URLs and their parts: a data: URL read
+    through it stayed alive (megabytes of base64, twice) long after its
+    request. It is read as it is, its leading whitespace stripped as
+    urlsplit would; "data:" spelled with a tab inside (which urlsplit reads
+    as the scheme) is refused."""
+    urllib.parse.urlsplit.cache_clear()
+    payload = base64.b64encode(b"hello" * 10_000).decode()
+    for url in (f"data:image/png;base64,{payload}", f" \tDATA:image/png;base64,{payload}"):
+        assert load(loader(tmp_path, max_image_bytes=1 << 20), url=url) == b"hello" * 10_000
+    assert urllib.parse.urlsplit.cache_info().currsize == 0, "a data: URL went through urlsplit"
+    with pytest.raises(InvalidRequest, match="must start with 'data:'"):
+        load(loader(tmp_path), url="da\tta:image/png;base64,aGk=")
+
+
+def test_a_url_longer_than_64_kib_is_refused_before_it_is_parsed(tmp_path: Path) -> None:
+    urllib.parse.urlsplit.cache_clear()
+    long = "https://example.com/x.png?" + "a" * (64 * 1024)
+    with pytest.raises(InvalidRequest, match="characters long, over 65,536"):
+        load(loader(tmp_path), url=long)
+    assert urllib.parse.urlsplit.cache_info().currsize == 0
 
 
 def test_files_only_under_the_allowed_dir(tmp_path: Path) -> None:
