@@ -118,6 +118,10 @@ def _metrics(settings: TokenizerSettings, service: TokenizerService, pool: CpuPo
             "fetch_retries": ("Fetch attempts that failed and were retried", fetcher.retries),
             "fetch_failures": ("Fetches that failed after their last attempt", fetcher.failures),
             "janitor_removed_segments": ("Orphaned segments the janitor removed", service.janitor_removed),
+            "heap_returned_bytes": (
+                "Resident memory the heaps gave back to the kernel once they held more free than their bound",
+                service.heap_returned,
+            ),
             "client_limit_refusals": (
                 "Requests refused OVERLOADED because their client had --max-inflight-per-client in progress",
                 service.refused_per_client,
@@ -493,9 +497,11 @@ async def _watch(settings: TokenizerSettings, health: Health, service: Tokenizer
     """Keep readiness true to the scheduler's reachability and the pool's
     existence (recreating it after a failed creation); sweep orphans: segments
     of dead owners, and segments past their lease that no request here holds
-    (the scheduler died after accepting them)."""
+    (the scheduler died after accepting them); give the heaps' free memory
+    back past its bound (`mallocheap.Bound`)."""
     link, pool = service.link, service.pool
     last_sweep = asyncio.get_running_loop().time()
+    heap = mallocheap.Bound()
     failed = 0  # rounds failed in a row
     while True:
         try:
@@ -510,6 +516,9 @@ async def _watch(settings: TokenizerSettings, health: Health, service: Tokenizer
                     files.sweep, settings.shm_prefix, grace_s=settings.segment_grace_s, keep=held
                 )
                 service.janitor_removed += len(removed)
+            # Memory freed inside the heaps stays with the process: given
+            # back once it passes the bound (big bodies and data: URLs).
+            service.heap_returned += await asyncio.to_thread(heap.check)
             if failed:
                 log.warning("the tokenizer's watch recovered after %d failed round(s)", failed)
                 failed = 0

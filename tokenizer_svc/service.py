@@ -134,6 +134,7 @@ class TokenizerService:
         # What workers spent per stage (`preprocess.STAGES`), summed over items.
         self.worker_s = dict.fromkeys(STAGES, 0.0)
         self.janitor_removed = 0
+        self.heap_returned = 0  # resident bytes the heaps gave back (`mallocheap.Bound`)
         self.media = media
         self.pool = pool
         self.link = link

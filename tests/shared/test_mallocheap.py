@@ -50,3 +50,45 @@ def test_a_kept_heap_copies_a_large_buffer_again_without_faulting_its_pages_in()
     assert all(f < pages // 50 for f in again_kept), kept
     big = _probe({}, mib=96)
     assert all(f < (96 << 20) // os.sysconf("SC_PAGE_SIZE") // 50 for f in big["faults"][1:]), big  # type: ignore[index]
+
+
+TRIM = """
+import json, os
+from mmsplit_server import mallocheap
+mallocheap.keep()
+def holes(n):
+    # 8 MiB buffers from the heap, each followed by a small one that stays:
+    # freed, the big ones leave holes inside the heap, which no threshold trims.
+    blocks = []
+    for _ in range(n):
+        blocks.append(bytearray(8 << 20))
+        pins.append(bytearray(4096))
+pins = []
+holes(48)
+held, before = mallocheap.free_held(), mallocheap.resident()
+out = {"held": held, "before": before}
+out["under"] = mallocheap.Bound(limit=held + (1 << 20)).check()  # under its limit: nothing
+bound = mallocheap.Bound(limit=64 << 20, every_s=3600)
+out["first"] = bound.check()
+out["after"] = mallocheap.resident()
+holes(48)  # the same holes, written again: resident again
+out["too_soon"] = bound.check()  # within its interval: not trimmed
+bound.every_s = 0
+out["regrown"] = bound.check()
+print(json.dumps(out))
+"""
+
+
+def test_free_memory_inside_the_heap_is_given_back_once_over_the_bound() -> None:
+    clean = {k: v for k, v in os.environ.items() if k not in mallocheap.ENVIRONMENT}
+    out = subprocess.run([sys.executable, "-c", TRIM], env=clean, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    mib = 1 << 20
+    assert got["held"] >= 300 * mib, got  # the holes: free memory the heap keeps
+    assert got["before"] >= got["held"], got  # and resident
+    assert got["under"] == 0, got
+    assert got["first"] >= 300 * mib, got  # over the bound: given back
+    assert got["before"] - got["after"] >= 300 * mib, got
+    assert got["too_soon"] == 0, got
+    assert got["regrown"] >= 300 * mib, got
