@@ -68,7 +68,7 @@ def test_a_round_that_fails_is_logged_and_the_watch_goes_on(
 ) -> None:
     monkeypatch.setattr(server, "WATCH_INTERVAL_S", 0.01)
     health = FakeHealth()
-    service = SimpleNamespace(link=FakeLink(), pool=FlakyPool(), held=set(), janitor_removed=0)
+    service = SimpleNamespace(link=FakeLink(), pool=FlakyPool(), held=set(), janitor_removed=0, heap_returned=0)
     watch_until(health, service, 2)
     assert health.ready[:2] == [True, True], "readiness was not refreshed after the failed round"
     assert service.pool.calls >= 3
@@ -81,7 +81,7 @@ def test_a_failure_that_persists_is_logged_in_full_once_then_counted(
     monkeypatch.setattr(server, "WATCH_INTERVAL_S", 0.01)
     monkeypatch.setattr(server, "WATCH_LOG_EVERY", 3)
     health = FakeHealth()
-    service = SimpleNamespace(link=FakeLink(), pool=FlakyPool(failures=7), held=set(), janitor_removed=0)
+    service = SimpleNamespace(link=FakeLink(), pool=FlakyPool(failures=7), held=set(), janitor_removed=0, heap_returned=0)
     watch_until(health, service, 1)
     assert health.ready[:1] == [True]
     watched = [r for r in caplog.records if r.name == server.log.name]
