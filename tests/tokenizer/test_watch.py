@@ -81,7 +81,9 @@ def test_a_failure_that_persists_is_logged_in_full_once_then_counted(
     monkeypatch.setattr(server, "WATCH_INTERVAL_S", 0.01)
     monkeypatch.setattr(server, "WATCH_LOG_EVERY", 3)
     health = FakeHealth()
-    service = SimpleNamespace(link=FakeLink(), pool=FlakyPool(failures=7), held=set(), janitor_removed=0, heap_returned=0)
+    service = SimpleNamespace(
+        link=FakeLink(), pool=FlakyPool(failures=7), held=set(), janitor_removed=0, heap_returned=0
+    )
     watch_until(health, service, 1)
     assert health.ready[:1] == [True]
     watched = [r for r in caplog.records if r.name == server.log.name]
