@@ -82,7 +82,11 @@ def grammar(structure: Spec) -> str:
     lacks llguidance: a pinned requirement, but a hand-made environment,
     such as a GPU machine's, may miss it). The last 64 structures'
     outcomes are kept, refusals too: a service that compiled one in a
-    thread finds it here on its event loop."""
+    thread finds it here on its event loop. One over MAX_SCHEMA_BYTES is
+    refused before it is kept: the cache's keys are the texts, and 64 of a
+    client's 10 MB schemas would have stayed alive."""
+    if len(structure[1].encode()) > MAX_SCHEMA_BYTES:
+        raise ValueError(f"is over {MAX_SCHEMA_BYTES} bytes")
     compiled = _compiled(structure)
     if isinstance(compiled, ValueError):
         raise ValueError(str(compiled))
@@ -97,8 +101,6 @@ def _compiled(structure: Spec) -> str | ValueError:
     except ImportError:
         return ValueError("cannot be honoured: this server lacks the llguidance package")
 
-    if len(text.encode()) > MAX_SCHEMA_BYTES:
-        return ValueError(f"is over {MAX_SCHEMA_BYTES} bytes")
     if kind == "regex":
         compiled = llguidance.LLMatcher.grammar_from_regex(text)
     elif kind == "choice":
@@ -130,7 +132,8 @@ async def compile_off_loop(structure: Spec) -> None:
     """Compile `structure` in a thread (22 ms for a 48 KB schema), so that
     `grammar` then finds it on the event loop at once, whatever the
     outcome (a refusal says why there)."""
-    await asyncio.to_thread(_compiled, structure)
+    if len(structure[1].encode()) <= MAX_SCHEMA_BYTES:  # (`grammar` refuses the others, uncached)
+        await asyncio.to_thread(_compiled, structure)
 
 
 async def ready(sampling: Any) -> None:

@@ -5,6 +5,7 @@ taken (the engine fails that request alone)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 from pathlib import Path
@@ -191,3 +192,18 @@ def test_the_rows_masks_made_together_are_each_matcher_s_own(tiny_model: Path) -
         assert (got == expected).all()
         assert not got.all(), "something may come next"
     assert len({bans[k].tobytes() for k in range(5)}) > 1, "the rows are at different places"
+
+
+def test_a_structure_over_the_size_limit_is_refused_before_the_cache_keeps_it() -> None:
+    """The compiled structures' cache is keyed by their texts: one over
+    MAX_SCHEMA_BYTES is refused without being kept (64 of a client's 10 MB
+    schemas would have stayed alive), in the thread and on the loop."""
+    structured._compiled.cache_clear()
+    big = ("json_schema", json.dumps({"type": "object", "description": "x" * structured.MAX_SCHEMA_BYTES}))
+    asyncio.run(structured.compile_off_loop(big))
+    with pytest.raises(ValueError, match=f"is over {structured.MAX_SCHEMA_BYTES} bytes"):
+        structured.grammar(big)
+    assert structured._compiled.cache_info().currsize == 0
+    small = ("json_schema", json.dumps({"type": "object"}))
+    assert structured.grammar(small)
+    assert structured._compiled.cache_info().currsize == 1
