@@ -272,6 +272,11 @@ class TokenizerService:
                     task.exception()
             finally:
                 self.tasks.discard(task)
+                # Raised from here, a failure's traceback holds this frame, and
+                # the frame's `task` holds the failure: a reference cycle that
+                # kept every frame of the request alive, with its locals (its
+                # body, a data: URL's megabytes), until a full collection.
+                del task
 
     async def _choices(
         self, request: tokenizer_pb2.GenerateRequest, rid: str, timeout_s: float | None, n: int
@@ -943,6 +948,11 @@ class TokenizerService:
                 # and held is still ours to let go of.
                 _release([t.result() for t in tasks if t.done() and not t.cancelled() and t.exception() is None])
             raise
+        finally:
+            # The failure raised from here holds this frame, whose tasks hold
+            # the failure: a cycle that kept the request's locals alive until
+            # a full collection (`_run_in_own_task`).
+            tasks = task = None  # type: ignore[assignment]
 
     async def _slab_ref(self) -> SlabRef | None:
         """Where shared-memory tensors go: the slab (made now if this is
