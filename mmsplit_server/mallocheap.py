@@ -34,6 +34,7 @@ GB resident there), and keeps the warm heap below that.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import time
@@ -64,12 +65,21 @@ class _Mallinfo2(ctypes.Structure):
     ]  # fmt: skip
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    """glibc, loaded once (each load is objects in reference cycles that
+    only a collection frees); None where there is none."""
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+
+
 def free_held() -> int | None:
     """Bytes glibc's heaps hold free (`mallinfo2().fordblks`, every arena's);
     None without glibc 2.33's mallinfo2."""
-    try:
-        mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
-    except (OSError, AttributeError):
+    mallinfo2 = getattr(_libc(), "mallinfo2", None)
+    if mallinfo2 is None:
         return None
     mallinfo2.restype = _Mallinfo2
     return int(mallinfo2().fordblks)
@@ -99,7 +109,7 @@ class Bound:
             return 0
         self._last = now
         before = resident()
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        _libc().malloc_trim(0)  # type: ignore[union-attr]  # (free_held found it)
         after = resident()
         log.debug(
             "the heaps held %d MiB free: %d MiB of resident memory given back", held >> 20, (before - after) >> 20

@@ -78,7 +78,8 @@ def test_chat_turns_benchmark_prints_every_turn_and_both_arms_agree(
     """Through the OpenAI API and both services: every later turn takes
     part of its prompt from the cache (the usage says so), the arm without
     the cache reports none, and both give the same greedy answers."""
-    (models / "model-tiny-chat").symlink_to(chat_models("llava"))  # the same build as the bench's
+    if not (models / "model-tiny-chat").exists():
+        (models / "model-tiny-chat").symlink_to(chat_models("llava"))  # the same build as the bench's
     args = ["--model", "tiny", "--conversations", "1", "--system", "20", "--answer", "2", "--rounds", "1"]
     result = run_bench("chat_turns.py", args, models=models)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -88,6 +89,19 @@ def test_chat_turns_benchmark_prints_every_turn_and_both_arms_agree(
     assert re.search(r"^turns 2-4: TTFT with the cache [\d.]+-[\d.]+x of without$", result.stdout, re.M)
     assert "cached tokens reported with the cache off: 0" in result.stdout
     assert "same answers with the cache on and off (every conversation, every round): True" in result.stdout
+
+
+def test_heap_bound_benchmark_prints_both_arms_every_round(models: Path, chat_models: Callable[[str], Path]) -> None:
+    """Both tokenizers answer every request (the valid images 200, the
+    others 400) and their resident memory is read after each round."""
+    if not (models / "model-tiny-chat").exists():
+        (models / "model-tiny-chat").symlink_to(chat_models("llava"))  # the same build as the bench's
+    args = ["--rounds", "1", "--requests", "4", "--concurrency", "2", "--image-mb", "0.5", "--settle-s", "0"]
+    result = run_bench("heap_bound.py", args, models=models)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert re.search(r"^at rest: given back \d+ MB, kept \d+ MB$", result.stdout, re.M), result.stdout
+    assert re.search(r"^1\s+\d+\s+\d+\s+[\d.]+$", result.stdout, re.M), result.stdout
+    assert "answers: given back: {200: 2, 400: 2}; kept: {200: 2, 400: 2}" in result.stdout
 
 
 def test_shared_prefix_benchmark_prints_both_arms_and_their_ratios(models: Path) -> None:

@@ -501,7 +501,7 @@ async def _watch(settings: TokenizerSettings, health: Health, service: Tokenizer
     back past its bound (`mallocheap.Bound`)."""
     link, pool = service.link, service.pool
     last_sweep = asyncio.get_running_loop().time()
-    heap = mallocheap.Bound()
+    heap = mallocheap.Bound(settings.heap_free_limit_bytes) if settings.heap_free_limit_bytes else None
     failed = 0  # rounds failed in a row
     while True:
         try:
@@ -518,7 +518,8 @@ async def _watch(settings: TokenizerSettings, health: Health, service: Tokenizer
                 service.janitor_removed += len(removed)
             # Memory freed inside the heaps stays with the process: given
             # back once it passes the bound (big bodies and data: URLs).
-            service.heap_returned += await asyncio.to_thread(heap.check)
+            if heap is not None:
+                service.heap_returned += await asyncio.to_thread(heap.check)
             if failed:
                 log.warning("the tokenizer's watch recovered after %d failed round(s)", failed)
                 failed = 0

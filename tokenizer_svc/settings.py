@@ -178,6 +178,12 @@ class TokenizerSettings(ServiceSettings):
     max_tokens_limit: int = _opt(
         4096, "largest sampling.max_tokens accepted (the scheduler applies its own limit as well)", min=1
     )
+    heap_free_limit_bytes: int = _opt(
+        256 << 20,
+        "free memory this process's heaps may keep (big bodies and data: URLs leave it behind); past it, it is "
+        "given back to the kernel, at most every 10 s; 0 = never given back",
+        min=0,
+    )
     allowed_media_dir: str = _opt("", "images given as file paths must lie under this directory; empty = none allowed")
     allow_private_fetch: bool = _opt(False, "allow fetching from loopback/private addresses (tests, demos)")
     allowed_domains: str = _opt(

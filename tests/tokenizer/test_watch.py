@@ -46,7 +46,9 @@ class FakeHealth:
 
 def watch_until(health: FakeHealth, service: SimpleNamespace, ready_rounds: int) -> None:
     """Run the watch until it has set readiness `ready_rounds` times, then cancel it."""
-    settings = SimpleNamespace(janitor_interval_s=1e9, shm_prefix="unused", segment_grace_s=1.0)
+    settings = SimpleNamespace(
+        janitor_interval_s=1e9, shm_prefix="unused", segment_grace_s=1.0, heap_free_limit_bytes=256 << 20
+    )
 
     async def scenario() -> None:
         watch = asyncio.create_task(server._watch(settings, health, service))  # type: ignore[arg-type]

@@ -1,0 +1,134 @@
+"""The tokenizer's resident memory under requests with big data: URLs, its
+heaps' free memory given back past `--heap-free-limit-bytes` (the default)
+against never given back (`--heap-free-limit-bytes 0`).
+
+Two service pairs run at once (TP=1, the tiny LLaVA), one per arm. Each
+round sends each arm the same requests through the OpenAI-compatible API,
+C at a time: chat completions of one image as a data: URL of a few MB (an
+uncompressed PNG of random pixels), half of them valid images and half the
+same size of base64 that is not (answered 400: a client's mistake costs
+the server the same body). Then it waits past the watch's interval (the
+free memory is given back at most every 10 s, checked every 2 s) and reads
+each tokenizer's resident memory from /proc/PID/smaps_rollup (walked page
+by page: the kernel's running counters can lag a thread that gave memory
+back). The arms alternate which goes first each round.
+
+Printed per round: both tokenizers' resident MB and their ratio, and each
+one's MB at rest before the first round.
+
+    python bench/heap_bound.py [--rounds 4] [--requests 48] [--concurrency 24] [--image-mb 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import concurrent.futures
+import contextlib
+import io
+import json
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.harness import build_model, scratch_dir, table
+from mmsplit_cli.launch import running_pair
+from mmsplit_server.serving import free_port
+
+ARMS = {"given back": [], "kept": ["--heap-free-limit-bytes", "0"]}
+# The watch checks every 2 s and gives memory back at most every 10 s: a round's is back by then.
+SETTLE_S = 14.0
+
+
+def data_url(seed: int, mb: float, valid: bool) -> str:
+    side = int((mb * 1e6 / 3) ** 0.5)
+    pixels = np.random.default_rng(seed).integers(0, 255, (side, side, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, "PNG", compress_level=0)
+    encoded = base64.b64encode(out.getvalue()).decode()
+    return "data:image/png;base64," + (encoded if valid else encoded[:-8] + "!" * 8)
+
+
+def resident_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+        if line.startswith("Rss:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no Rss in /proc/{pid}/smaps_rollup")
+
+
+def send(port: int, model: str, url: str, i: int) -> int:
+    body = {
+        "model": model,
+        "max_tokens": 2,
+        "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                  {"type": "text", "text": f"request {i}"}]}],
+    }  # fmt: skip
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"content-type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=300) as answer:
+            return int(answer.status)
+    except urllib.error.HTTPError as refused:
+        return int(refused.code)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--requests", type=int, default=48, help="requests a round, to each arm")
+    parser.add_argument("--concurrency", type=int, default=24)
+    parser.add_argument("--image-mb", type=float, default=7.0, help="size of each image (base64 is 4/3 of it)")
+    parser.add_argument("--distinct", type=int, default=4, help="distinct images a round (valid and not)")
+    parser.add_argument("--settle-s", type=float, default=SETTLE_S, help="wait after each round before reading")
+    parser.add_argument("--workdir", type=Path, default=None, help="where the model and the logs go")
+    args = parser.parse_args()
+    if min(args.rounds, args.requests, args.concurrency, args.distinct) < 1:
+        parser.error("--rounds, --requests, --concurrency and --distinct: at least 1")
+
+    with scratch_dir(args.workdir) as workdir, contextlib.ExitStack() as stack:
+        model = build_model("tiny", workdir, chat=True)
+        ports, pids = {}, {}
+        for arm, extra in ARMS.items():
+            logs = workdir / f"logs-{arm.replace(' ', '-')}"
+            logs.mkdir(exist_ok=True)
+            ports[arm] = free_port()
+            tokenizer = ["--http-port", str(ports[arm]), *extra]
+            pair = stack.enter_context(running_pair(model, logs, tp=1, tokenizer_extra=tokenizer))
+            pids[arm] = pair.tokenizer.pid
+        at_rest = {arm: resident_mb(pid) for arm, pid in pids.items()}
+        rows, answers = [], {arm: {} for arm in ARMS}
+        pool = stack.enter_context(concurrent.futures.ThreadPoolExecutor(args.concurrency))
+        for r in range(args.rounds):
+            urls = [data_url(1000 * r + k, args.image_mb, valid=k % 2 == 0) for k in range(args.distinct)]
+            for arm in list(ARMS)[r % 2 :] + list(ARMS)[: r % 2]:
+                got = pool.map(
+                    lambda i, a=arm, u=urls: send(ports[a], model.name, u[i % len(u)], i), range(args.requests)
+                )
+                for status in got:
+                    answers[arm][status] = answers[arm].get(status, 0) + 1
+            time.sleep(args.settle_s)
+            mb = {arm: resident_mb(pid) for arm, pid in pids.items()}
+            rows.append([r + 1, f"{mb['given back']:.0f}", f"{mb['kept']:.0f}", f"{mb['given back'] / mb['kept']:.2f}"])
+    print(
+        f"the tokenizer's resident MB {args.settle_s:g} s after each round of {args.requests} chat completions, "
+        f"{args.concurrency} at a time, each with a {args.image_mb:g} MB image as a data: URL ({args.distinct} "
+        f"distinct a round, half of them not base64: 400), tiny LLaVA at TP=1; its heaps' free memory given back "
+        f"past the default --heap-free-limit-bytes against never (0)"
+    )
+    print(f"at rest: given back {at_rest['given back']:.0f} MB, kept {at_rest['kept']:.0f} MB")
+    print(table(["round", "given back MB", "kept MB", "given back / kept"], rows))
+    print("answers: " + "; ".join(f"{arm}: {dict(sorted(statuses.items()))}" for arm, statuses in answers.items()))
+
+
+if __name__ == "__main__":
+    main()
