@@ -1466,6 +1466,13 @@ async def merged(sources: Sequence[AsyncGenerator[_T, None]]) -> AsyncGenerator[
         for task in tasks:
             task.cancel()
         await _settle(tasks)
+        # Nothing of the ended work stays in reference cycles (freed only by
+        # a full collection, with every frame's locals): the failure raised
+        # from here holds this frame (see `_run_in_own_task`), and a task
+        # cancelled here is in the queue it is a closure of, unread.
+        tasks = task = got = failure = None  # type: ignore[assignment]
+        while not queue.empty():
+            queue.get_nowait()
 
 
 async def _settle(tasks: list[asyncio.Task[Any]]) -> None:

@@ -9,6 +9,7 @@ until the test lets it finish) and media loader."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from pathlib import Path
@@ -25,7 +26,7 @@ from tokenizer_svc.conversation import Located
 from tokenizer_svc.errors import MediaDecodeFailed
 from tokenizer_svc.preprocess import ItemResult, ItemTensor, Job
 from tokenizer_svc.server import _load_processor
-from tokenizer_svc.service import TokenizerService
+from tokenizer_svc.service import TokenizerService, merged
 from tokenizer_svc.settings import TokenizerSettings
 
 PIXELS = np.arange(3 * 64 * 64, dtype=np.float32).reshape(1, 3, 64, 64)
@@ -145,24 +146,28 @@ def test_an_item_the_cache_cannot_keep_is_waited_for_once_then_made_by_each_at_o
 
 
 def _cycles_after(fail: Callable[[], Awaitable[None]]) -> list[str]:
-    """The types of the objects only a collection could free once `fail`
-    raised and its exception was let go (reference counting frees the rest)."""
+    """The exceptions and frames only a collection could free once `fail`
+    raised and its exception was let go (reference counting frees the
+    rest), collected while the event loop still runs (its own objects are
+    not garbage then)."""
 
-    async def main() -> None:
-        with pytest.raises(MmsplitError):
-            await fail()
-
-    gc.collect()
-    gc.disable()
-    gc.set_debug(gc.DEBUG_SAVEALL)
-    try:
-        asyncio.run(main())
+    async def main() -> list[str]:
         gc.collect()
-        return [type(o).__name__ for o in gc.garbage if isinstance(o, BaseException) or type(o).__name__ == "frame"]
-    finally:
-        gc.set_debug(0)
-        gc.garbage.clear()
-        gc.enable()
+        gc.disable()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        try:
+            with pytest.raises(MmsplitError):
+                await fail()
+            for _ in range(3):  # what was cancelled winds down
+                await asyncio.sleep(0)
+            gc.collect()
+            return [type(o).__name__ for o in gc.garbage if isinstance(o, BaseException) or type(o).__name__ == "frame"]
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+            gc.enable()
+
+    return asyncio.run(main())
 
 
 def test_a_failed_request_s_frames_are_freed_without_waiting_for_a_collection(tiny_model: Path) -> None:
@@ -191,5 +196,16 @@ def test_a_failed_request_s_frames_are_freed_without_waiting_for_a_collection(ti
         async for _ in service._run_in_own_task(failing()):
             pass
 
+    async def choices() -> None:  # a request's n choices, one of which fails (`merged`)
+        async def fine() -> AsyncGenerator[tokenizer_pb2.GenerateResponse, None]:
+            yield tokenizer_pb2.GenerateResponse()
+            await asyncio.Event().wait()  # until cancelled
+            yield tokenizer_pb2.GenerateResponse()
+
+        async with contextlib.aclosing(merged([fine(), failing()])) as responses:
+            async for _ in responses:
+                pass
+
     assert _cycles_after(media) == []
     assert _cycles_after(own_task) == []
+    assert _cycles_after(choices) == []
