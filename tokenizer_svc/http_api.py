@@ -696,8 +696,7 @@ class _Prefetch:
         """(True, event), (True, None) for a timeout, or (False, None) at the end."""
         if self._next is None:
             self._next = asyncio.ensure_future(anext(self._source))
-        done, _ = await asyncio.wait([self._next], timeout=patience_s)
-        if not done:
+        if not (await asyncio.wait([self._next], timeout=patience_s))[0]:
             return True, None
         task, self._next = self._next, None
         try:
@@ -705,6 +704,12 @@ class _Prefetch:
         except StopAsyncIteration:
             self._done = True
             return False, None
+        finally:
+            # The end, raised here from the task, holds this frame in its
+            # traceback: the frame must not hold the task that holds the end
+            # (nor `asyncio.wait`'s sets of it): a reference cycle each
+            # stream left for the collector.
+            del task
 
     async def first(self, patience_s: float) -> Any:
         ok, event = await self._get(patience_s)

@@ -7,16 +7,18 @@ and the server goes on answering."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import gzip
 import json
 import logging
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
 import pytest
 
 from mmsplit.tokenizer.v1 import tokenizer_pb2 as pb
-from tokenizer_svc.http_api import HttpApi, start
+from tokenizer_svc.http_api import HttpApi, _Prefetch, start
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
 
@@ -122,3 +124,33 @@ def test_malformed_http_gets_aiohttp_s_400_and_one_warning_line_not_an_error_s_t
     assert seen[0].exc_info is None
     assert "127.0.0.1" in seen[0].getMessage()
     assert "Invalid character in chunk size" in seen[0].getMessage()
+
+
+def test_a_stream_read_to_its_end_leaves_nothing_for_the_collector() -> None:
+    """A stream's events are read through `_Prefetch`: its end, a
+    StopAsyncIteration raised from the task that read ahead, held the frame
+    that held that task (and `asyncio.wait`'s sets of it), a reference cycle
+    each stream left behind for a collection."""
+
+    async def events() -> AsyncIterator[int]:
+        yield 1
+        yield 2
+
+    async def main() -> list[str]:
+        gc.collect()
+        gc.disable()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        try:
+            prefetch = _Prefetch(events())
+            first = await prefetch.first(5.0)
+            assert [event async for event in prefetch.rest(first, 5.0)] == [1, 2]
+            await prefetch.aclose()
+            del prefetch
+            gc.collect()
+            return [type(o).__name__ for o in gc.garbage if isinstance(o, BaseException) or type(o).__name__ == "frame"]
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+            gc.enable()
+
+    assert asyncio.run(main()) == []
