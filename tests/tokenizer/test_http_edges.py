@@ -7,7 +7,6 @@ and the server goes on answering."""
 from __future__ import annotations
 
 import asyncio
-import gc
 import gzip
 import json
 import logging
@@ -18,6 +17,7 @@ import aiohttp
 import pytest
 
 from mmsplit.tokenizer.v1 import tokenizer_pb2 as pb
+from tests.support.cycles import uncollected
 from tokenizer_svc.http_api import HttpApi, _Prefetch, start
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
@@ -137,20 +137,12 @@ def test_a_stream_read_to_its_end_leaves_nothing_for_the_collector() -> None:
         yield 2
 
     async def main() -> list[str]:
-        gc.collect()
-        gc.disable()
-        gc.set_debug(gc.DEBUG_SAVEALL)
-        try:
+        with uncollected() as found:
             prefetch = _Prefetch(events())
             first = await prefetch.first(5.0)
             assert [event async for event in prefetch.rest(first, 5.0)] == [1, 2]
             await prefetch.aclose()
             del prefetch
-            gc.collect()
-            return [type(o).__name__ for o in gc.garbage if isinstance(o, BaseException) or type(o).__name__ == "frame"]
-        finally:
-            gc.set_debug(0)
-            gc.garbage.clear()
-            gc.enable()
+        return found
 
     assert asyncio.run(main()) == []

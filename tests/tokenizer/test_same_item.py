@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ import pytest
 from mmsplit.common.v1 import common_pb2
 from mmsplit.errors import MmsplitError
 from mmsplit.tokenizer.v1 import tokenizer_pb2
+from tests.support.cycles import uncollected
 from tests.tokenizer.test_abandoned import Media
 from tokenizer_svc.conversation import Located
 from tokenizer_svc.errors import MediaDecodeFailed
@@ -152,20 +152,12 @@ def _cycles_after(fail: Callable[[], Awaitable[None]]) -> list[str]:
     not garbage then)."""
 
     async def main() -> list[str]:
-        gc.collect()
-        gc.disable()
-        gc.set_debug(gc.DEBUG_SAVEALL)
-        try:
+        with uncollected() as found:
             with pytest.raises(MmsplitError):
                 await fail()
             for _ in range(3):  # what was cancelled winds down
                 await asyncio.sleep(0)
-            gc.collect()
-            return [type(o).__name__ for o in gc.garbage if isinstance(o, BaseException) or type(o).__name__ == "frame"]
-        finally:
-            gc.set_debug(0)
-            gc.garbage.clear()
-            gc.enable()
+        return found
 
     return asyncio.run(main())
 
