@@ -1465,14 +1465,17 @@ async def merged(sources: Sequence[AsyncGenerator[_T, None]]) -> AsyncGenerator[
     finally:
         for task in tasks:
             task.cancel()
-        await _settle(tasks)
-        # Nothing of the ended work stays in reference cycles (freed only by
-        # a full collection, with every frame's locals): the failure raised
-        # from here holds this frame (see `_run_in_own_task`), and a task
-        # cancelled here is in the queue it is a closure of, unread.
-        tasks = task = got = failure = None  # type: ignore[assignment]
-        while not queue.empty():
-            queue.get_nowait()
+        try:
+            await _settle(tasks)
+        finally:
+            # Nothing of the ended work stays in reference cycles (freed only
+            # by a full collection, with every frame's locals), also when our
+            # caller is cancelled meanwhile: the failure raised from here
+            # holds this frame (see `_run_in_own_task`), and a task cancelled
+            # here is in the queue it is a closure of, unread.
+            tasks = task = got = failure = None  # type: ignore[assignment]
+            while not queue.empty():
+                queue.get_nowait()
 
 
 async def _settle(tasks: list[asyncio.Task[Any]]) -> None:
