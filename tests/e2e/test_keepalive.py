@@ -34,7 +34,7 @@ from mmsplit.errors import RemoteError
 from mmsplit.tokenizer.v1 import tokenizer_pb2_grpc
 from mmsplit_cli.client import make_request, run_request
 from mmsplit_cli.launch import ServiceProcess
-from tests.conftest import SCHEDULER_SERVICE, TOKENIZER_SERVICE
+from tests.conftest import HOLDING_LIMIT, HOLDING_TOKENS, SCHEDULER_SERVICE, TOKENIZER_SERVICE
 from tests.e2e.helpers import scheduler_info
 from tests.support import netns as netns_support
 from tests.support.leaks import wait_until
@@ -51,7 +51,10 @@ FOUND_WITHIN_S = 10.0
 
 
 @pytest.fixture
-def pair(tiny_model: Path, tmp_path: Path) -> Iterator[tuple[Pods, ServiceProcess, ServiceProcess]]:
+def pair(long_context_model: Path, tmp_path: Path) -> Iterator[tuple[Pods, ServiceProcess, ServiceProcess]]:
+    """A model whose long request outlasts the cut's discovery however fast
+    this host generates: `tiny_model`'s 1,024 positions ended one OK in
+    0.9 s on an idle host, before a keepalive could find the cut."""
     if WHY_NOT:
         pytest.skip(WHY_NOT)
     with pods(["sched", "tok", "cli"], [("sched", "tok"), ("tok", "cli")]) as net:
@@ -59,8 +62,8 @@ def pair(tiny_model: Path, tmp_path: Path) -> Iterator[tuple[Pods, ServiceProces
         started: list[ServiceProcess] = []
         try:
             scheduler = [
-                "scheduler", "--model", str(tiny_model), "--tp", "1",
-                "--host", address, "--port", str(GRPC_PORT), "--insecure", "true", *KEEPALIVE,
+                "scheduler", "--model", str(long_context_model), "--tp", "1",
+                "--host", address, "--port", str(GRPC_PORT), "--insecure", "true", *KEEPALIVE, *HOLDING_LIMIT,
             ]  # fmt: skip
             started.append(
                 ServiceProcess(
@@ -68,9 +71,9 @@ def pair(tiny_model: Path, tmp_path: Path) -> Iterator[tuple[Pods, ServiceProces
                 )
             )
             tokenizer = [
-                "tokenizer", "--model", str(tiny_model),
+                "tokenizer", "--model", str(long_context_model),
                 "--scheduler", f"{address}:{GRPC_PORT}", "--host", "0.0.0.0", "--port", str(TOKENIZER_PORT),
-                *KEEPALIVE,
+                *KEEPALIVE, *HOLDING_LIMIT,
             ]  # fmt: skip
             started.append(
                 ServiceProcess("tokenizer", tokenizer, tmp_path / "tokenizer.log", env=ENV, wrapper=net.wrapper("tok"))
@@ -103,7 +106,9 @@ def cut_mid_stream(
     line (it must come within FOUND_WITHIN_S), and when the cut was."""
     cut_pod = cut[0]
     link = net.link(*cut)
-    running = net.client(client_pod, address, [{"request_id": rid, "max_tokens": 3000}], keepalive_s=keepalive_s)
+    running = net.client(
+        client_pod, address, [{"request_id": rid, "max_tokens": HOLDING_TOKENS}], keepalive_s=keepalive_s
+    )
     try:
         assert next_line(running, 60) == {"started": rid}
         ip("-n", net.namespaces[cut_pod], "link", "set", link.interface(cut_pod), "down")
@@ -111,7 +116,7 @@ def cut_mid_stream(
         ended = next_line(running, FOUND_WITHIN_S)
         assert ended["request_id"] == rid
         assert not ended["ok"]
-        assert ended["completion_tokens"] < 3000
+        assert ended["completion_tokens"] < HOLDING_TOKENS
         assert running.wait(10) == 0
         return ended, cut
     finally:
