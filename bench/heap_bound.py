@@ -16,7 +16,18 @@ back). The arms alternate which goes first each round.
 Printed per round: both tokenizers' resident MB and their ratio, and each
 one's MB at rest before the first round.
 
+`--service scheduler`: the same for the scheduler (rank 0 at TP=1), its
+heaps' free memory given back in its idle steps past its own
+`--heap-free-limit-bytes` against never. The model is the tiny Qwen2-VL
+with 8,192 positions and a 1920x1092 pixel budget, so each request's image,
+a new 1920x1080 JPEG of random pixels, is ~5,300 patches (a ~50 MB model
+input in float32) and ~2,600 prompt tokens; the tensors inline (each
+service in a mount namespace with a /dev/shm of its own: run as root), and
+both caches off in both arms (they fill toward their own bounds and would
+hide what the heaps keep).
+
     python bench/heap_bound.py [--rounds 4] [--requests 48] [--concurrency 24] [--image-mb 7]
+    python bench/heap_bound.py --service scheduler [--rounds 4] [--requests 16] [--concurrency 8]
 """
 
 from __future__ import annotations
@@ -27,6 +38,7 @@ import concurrent.futures
 import contextlib
 import io
 import json
+import os
 import sys
 import time
 import urllib.error
@@ -38,11 +50,21 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.harness import build_model, scratch_dir, table
+from bench.harness import MODELS_DIR, ROOT, build_model, scratch_dir, table
 from mmsplit_cli.launch import running_pair
+from mmsplit_cli.tiny_model import build_once
 from mmsplit_server.serving import free_port
 
 ARMS = {"given back": [], "kept": ["--heap-free-limit-bytes", "0"]}
+# The scheduler's part: its caches off in both arms, and each service in a
+# mount namespace with a /dev/shm of its own (root only), as in pods that
+# share none: the tensors go inline, in gRPC messages the scheduler's heap
+# receives. Through shared memory a rank reads them in place: a run with
+# 512 MiB slabs held 1,195 MB in both arms, mostly the slab's pages.
+CACHES_OFF = ["--encoder-cache-bytes", "0", "--prefix-cache-bytes", "0"]
+OWN_DEV_SHM = [sys.executable, "-m", "tests.support.mountns", "256m"]
+# A 1920x1080 image whole: the pixel budget of the scheduler's part's model.
+BIG_PIXELS = 1920 * 1092
 # The watch checks every 2 s and gives memory back at most every 10 s: a round's is back by then.
 SETTLE_S = 14.0
 
@@ -54,6 +76,27 @@ def data_url(seed: int, mb: float, valid: bool) -> str:
     Image.fromarray(pixels).save(out, "PNG", compress_level=0)
     encoded = base64.b64encode(out.getvalue()).decode()
     return "data:image/png;base64," + (encoded if valid else encoded[:-8] + "!" * 8)
+
+
+def jpeg_url(seed: int, width: int, height: int) -> str:
+    pixels = np.random.default_rng(seed).integers(0, 255, (height, width, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, "JPEG", quality=30)
+    return "data:image/jpeg;base64," + base64.b64encode(out.getvalue()).decode()
+
+
+def big_image_model(workdir: Path) -> Path:
+    """The tiny Qwen2-VL, 8,192 positions, its processor's budget a whole 1920x1080 image."""
+    base = Path(os.environ[MODELS_DIR]) if os.environ.get(MODELS_DIR) else workdir
+    model = build_once(base / "model-qwen2-vl-1080p", cache_dir=ROOT / ".cache", family="qwen2-vl", max_positions=8192)
+    config = model / "preprocessor_config.json"
+    processor = json.loads(config.read_text())
+    if processor["size"]["longest_edge"] != BIG_PIXELS:  # once, atomically: other runs may read it
+        processor["size"]["longest_edge"] = BIG_PIXELS
+        written = config.with_suffix(f".{os.getpid()}")
+        written.write_text(json.dumps(processor, indent=2))
+        written.replace(config)
+    return model
 
 
 def resident_mb(pid: int) -> float:
@@ -84,32 +127,53 @@ def send(port: int, model: str, url: str, i: int) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--service", choices=("tokenizer", "scheduler"), default="tokenizer")
     parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--requests", type=int, default=48, help="requests a round, to each arm")
-    parser.add_argument("--concurrency", type=int, default=24)
+    parser.add_argument("--requests", type=int, default=0, help="requests a round, to each arm (48; scheduler 16)")
+    parser.add_argument("--concurrency", type=int, default=0, help="(24; scheduler 8)")
     parser.add_argument("--image-mb", type=float, default=7.0, help="size of each image (base64 is 4/3 of it)")
     parser.add_argument("--distinct", type=int, default=4, help="distinct images a round (valid and not)")
+    parser.add_argument("--image-size", default="1920x1080", help="scheduler: each request's new JPEG, WIDTHxHEIGHT")
+    parser.add_argument("--model", type=Path, default=None, help="scheduler: this model instead of the one built")
     parser.add_argument("--settle-s", type=float, default=SETTLE_S, help="wait after each round before reading")
     parser.add_argument("--workdir", type=Path, default=None, help="where the model and the logs go")
     args = parser.parse_args()
+    scheduler = args.service == "scheduler"
+    args.requests = args.requests or (16 if scheduler else 48)
+    args.concurrency = args.concurrency or (8 if scheduler else 24)
+    width, _, height = args.image_size.partition("x")
     if min(args.rounds, args.requests, args.concurrency, args.distinct) < 1:
         parser.error("--rounds, --requests, --concurrency and --distinct: at least 1")
 
     with scratch_dir(args.workdir) as workdir, contextlib.ExitStack() as stack:
-        model = build_model("tiny", workdir, chat=True)
+        model = (args.model or big_image_model(workdir)) if scheduler else build_model("tiny", workdir, chat=True)
         ports, pids = {}, {}
         for arm, extra in ARMS.items():
             logs = workdir / f"logs-{arm.replace(' ', '-')}"
             logs.mkdir(exist_ok=True)
             ports[arm] = free_port()
-            tokenizer = ["--http-port", str(ports[arm]), *extra]
-            pair = stack.enter_context(running_pair(model, logs, tp=1, tokenizer_extra=tokenizer))
-            pids[arm] = pair.tokenizer.pid
+            tokenizer = ["--http-port", str(ports[arm]), *([] if scheduler else extra)]
+            sched = [*CACHES_OFF, *extra] if scheduler else []
+            pair = stack.enter_context(
+                running_pair(
+                    model,
+                    logs,
+                    tp=1,
+                    scheduler_extra=sched,
+                    tokenizer_extra=tokenizer,
+                    wrapper=OWN_DEV_SHM if scheduler else (),
+                )
+            )
+            pids[arm] = pair.scheduler.pid if scheduler else pair.tokenizer.pid
         at_rest = {arm: resident_mb(pid) for arm, pid in pids.items()}
         rows, answers = [], {arm: {} for arm in ARMS}
         pool = stack.enter_context(concurrent.futures.ThreadPoolExecutor(args.concurrency))
         for r in range(args.rounds):
-            urls = [data_url(1000 * r + k, args.image_mb, valid=k % 2 == 0) for k in range(args.distinct)]
+            urls = (
+                [jpeg_url(1000 * r + k, int(width), int(height)) for k in range(args.requests)]  # each new
+                if scheduler
+                else [data_url(1000 * r + k, args.image_mb, valid=k % 2 == 0) for k in range(args.distinct)]
+            )
             for arm in list(ARMS)[r % 2 :] + list(ARMS)[: r % 2]:
                 got = pool.map(
                     lambda i, a=arm, u=urls: send(ports[a], model.name, u[i % len(u)], i), range(args.requests)
@@ -119,12 +183,20 @@ def main() -> None:
             time.sleep(args.settle_s)
             mb = {arm: resident_mb(pid) for arm, pid in pids.items()}
             rows.append([r + 1, f"{mb['given back']:.0f}", f"{mb['kept']:.0f}", f"{mb['given back'] / mb['kept']:.2f}"])
-    print(
-        f"the tokenizer's resident MB {args.settle_s:g} s after each round of {args.requests} chat completions, "
-        f"{args.concurrency} at a time, each with a {args.image_mb:g} MB image as a data: URL ({args.distinct} "
-        f"distinct a round, half of them not base64: 400), tiny LLaVA at TP=1; its heaps' free memory given back "
-        f"past the default --heap-free-limit-bytes against never (0)"
-    )
+    if scheduler:
+        print(
+            f"the scheduler's resident MB (rank 0, TP=1) {args.settle_s:g} s after each round of {args.requests} "
+            f"chat completions, {args.concurrency} at a time, each with a new {args.image_size} JPEG (tiny "
+            f"Qwen2-VL, {model.name}), tensors inline, both caches off; its heaps' free memory given back in "
+            f"idle steps past the default --heap-free-limit-bytes against never (0)"
+        )
+    else:
+        print(
+            f"the tokenizer's resident MB {args.settle_s:g} s after each round of {args.requests} chat completions, "
+            f"{args.concurrency} at a time, each with a {args.image_mb:g} MB image as a data: URL ({args.distinct} "
+            f"distinct a round, half of them not base64: 400), tiny LLaVA at TP=1; its heaps' free memory given "
+            f"back past the default --heap-free-limit-bytes against never (0)"
+        )
     print(f"at rest: given back {at_rest['given back']:.0f} MB, kept {at_rest['kept']:.0f} MB")
     print(table(["round", "given back MB", "kept MB", "given back / kept"], rows))
     print("answers: " + "; ".join(f"{arm}: {dict(sorted(statuses.items()))}" for arm, statuses in answers.items()))

@@ -28,7 +28,8 @@ memory limit, an out-of-memory kill made of memory nobody uses.
 `Bound` bounds it: a process that checks it now and then (the tokenizer's
 watch, every 2 s) gives back what its heaps hold free while that is over
 FREE_HELD_AT_MOST, at most every TRIM_EVERY_S (`malloc_trim`: 3.6 -> 0.43
-GB resident there), and keeps the warm heap below that.
+GB resident there), and keeps the warm heap below that. Scheduler ranks
+check in their idle steps only (`scheduler_svc.loop.IdleHeap`).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from mmsplit_server.structured import Grammars
 from scheduler_svc import counted_sums, experts, shm_allreduce
 from scheduler_svc.collective import TorchCollective, init_group, pick_device
 from scheduler_svc.engine import Engine
-from scheduler_svc.loop import run_follower
+from scheduler_svc.loop import IdleHeap, run_follower
 from scheduler_svc.model import ModelInfo, load_model, model_dtype, model_info
 from scheduler_svc.reader import build_reader
 from scheduler_svc.rendezvous import Rendezvous
@@ -41,6 +41,8 @@ class Bootstrapped:
     shm_namespace: str
     # Where the model's TP sums go, when not through the group's backend.
     arena: Arena | None = None
+    # This rank's heaps' free memory, given back when it has nothing to run.
+    heap: IdleHeap | None = None
 
 
 def bootstrap(settings: SchedulerSettings, rendezvous: Rendezvous | None, arena: Arena | None = None) -> Bootstrapped:
@@ -109,7 +111,7 @@ def bootstrap(settings: SchedulerSettings, rendezvous: Rendezvous | None, arena:
     shared = namespaces[0] if len(set(namespaces)) == 1 else ""
     if not shared and coll.rank == 0:
         log.warning("ranks see different /dev/shm (%s); only inline tensors are accepted", namespaces)
-    return Bootstrapped(engine, coll, shared, arena if shared_sums else None)
+    return Bootstrapped(engine, coll, shared, arena if shared_sums else None, IdleHeap(settings.heap_free_limit_bytes))
 
 
 def memory_shortfall(settings: SchedulerSettings, info: ModelInfo, itemsize: int, free_bytes: int) -> str:
@@ -154,7 +156,7 @@ def run_follower_until_stopped(boot: Bootstrapped) -> None:
     # its own once its server is made).
     gcheap.freeze()
     log.info("rank %d ready", boot.coll.rank)
-    run_follower(boot.engine, boot.coll)
+    run_follower(boot.engine, boot.coll, boot.heap)
     dist.destroy_process_group()
     sums = f" after {boot.arena.sums} sums over shared memory" if boot.arena else ""
     log.info("rank %d stopped%s", boot.coll.rank, sums)

@@ -197,6 +197,10 @@ def _metrics(settings: SchedulerSettings, step_loop: StepLoop) -> ServiceMetrics
     metrics.counters(
         lambda: {
             "janitor_removed_segments": ("Orphaned segments the janitor removed", step_loop.janitor_removed),
+            "heap_returned_bytes": (
+                "Resident memory rank 0's heaps gave back to the kernel while idle, past --heap-free-limit-bytes",
+                step_loop.heap.returned,
+            ),
             "encoder_cache_hits": ("Items whose encoder output came from the cache (rank 0)", cache.hits),
             "encoder_cache_misses": ("Items encoded by the vision tower (rank 0)", cache.misses),
         }
@@ -487,6 +491,7 @@ async def _serve_published(
         kv_budget_tokens=budget,
         post=lambda fn: _call_soon(aio_loop, fn),
         on_fatal=lambda exc: _call_soon(aio_loop, fatal.set),
+        heap=boot.heap,
     )
     thread = threading.Thread(target=step_loop.run, name="step-loop", daemon=True)
     thread.start()

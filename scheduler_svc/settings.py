@@ -164,6 +164,13 @@ class SchedulerSettings(ServiceSettings):
         "the request's cache_salt; on the model's device, beside --kv-cache-bytes; 0 = off",
         min=0,
     )
+    heap_free_limit_bytes: int = _opt(
+        256 << 20,
+        "free memory each rank's heaps may keep (memory freed inside them, e.g. by large images' tensors, stays "
+        "with the process); past it, a rank gives it back to the kernel when it has no request running, at most "
+        "every 10 s; 0 = never given back",
+        min=0,
+    )
     wait_for_shared_prefix: int = _opt(
         64,
         "a request whose first N or more prompt tokens (its text before any image or video) are those of a "

@@ -104,6 +104,20 @@ def test_heap_bound_benchmark_prints_both_arms_every_round(models: Path, chat_mo
     assert "answers: given back: {200: 2, 400: 2}; kept: {200: 2, 400: 2}" in result.stdout
 
 
+def test_heap_bound_benchmark_s_scheduler_part_prints_both_arms(family_models: Callable[[str], Path]) -> None:
+    """The suite's tiny Qwen2-VL (its own small pixel budget) and small
+    images: both schedulers answer every request, inline (each service with
+    a /dev/shm of its own), and their resident memory is read."""
+    args = ["--service", "scheduler", "--model", str(family_models("qwen2-vl")), "--image-size", "160x120"]
+    args += ["--rounds", "1", "--requests", "2", "--concurrency", "2", "--settle-s", "0"]
+    result = run_bench("heap_bound.py", args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "the scheduler's resident MB (rank 0, TP=1)" in result.stdout, result.stdout
+    assert re.search(r"^at rest: given back \d+ MB, kept \d+ MB$", result.stdout, re.M), result.stdout
+    assert re.search(r"^1\s+\d+\s+\d+\s+[\d.]+$", result.stdout, re.M), result.stdout
+    assert "answers: given back: {200: 2}; kept: {200: 2}" in result.stdout
+
+
 def test_shared_prefix_benchmark_prints_both_arms_and_their_ratios(models: Path) -> None:
     args = ["--model", "tiny", "--n", "4", "--system", "80", "--tokens", "2", "--rounds", "1"]
     result = run_bench("shared_prefix.py", args, models=models)

@@ -140,7 +140,7 @@ def test_counts_by_outcome_after_a_scripted_mix(services: Services) -> None:
     assert ("mmsplit_scheduler_kv_budget_tokens", ()) in scheduler
     steps = ("mmsplit_scheduler_step_duration_seconds_count", ())
     assert scheduler[steps] > before_sched.get(steps, 0)
-    for name in ("janitor_removed_segments_total", "shm_bytes"):
+    for name in ("janitor_removed_segments_total", "shm_bytes", "heap_returned_bytes_total"):
         assert (f"mmsplit_scheduler_{name}", ()) in scheduler, name
 
     def by_rank(sample: dict, rank: int) -> float:  # type: ignore[type-arg]

@@ -17,7 +17,7 @@ import torch
 from mmsplit.errors import E
 from mmsplit_server.sampling import Sampling
 from scheduler_svc.errors import MmsplitError, Overloaded
-from scheduler_svc.loop import Admission, Event, Failed, Finished, StepCosts, StepLoop, Token
+from scheduler_svc.loop import Admission, Event, Failed, Finished, IdleHeap, StepCosts, StepLoop, Token, run_follower
 from scheduler_svc.plan import Failure, Item, Plan, StepOutcome
 from scheduler_svc.prefix_cache import BLOCK_TOKENS, PrefixCache, leading_text_keys
 from scheduler_svc.settings import SchedulerSettings
@@ -537,3 +537,73 @@ def test_a_prompt_sent_again_while_it_is_prefilled_in_chunks_follows_those_chunk
     first_token = next(i for i, plan in enumerate(engine.plans) if ("chunked", 7) in plan.feed)
     joined = {r.request_id: i for i, plan in enumerate(engine.plans) for r in plan.new}
     assert joined["again"] < first_token == joined["b"] == 3, (joined, first_token)
+
+
+class CountingBound:
+    """Stands in for `mallocheap.Bound`: records what the engine held at each check."""
+
+    def __init__(self, engine: FakeEngine) -> None:
+        self.engine = engine
+        self.seen: list[tuple[int, Plan]] = []  # (rows held, the step's plan) at each check
+
+    def check(self) -> int:
+        self.seen.append((len(self.engine.rows), self.engine.plans[-1]))
+        return 1000
+
+
+def test_an_idle_rank_gives_its_heaps_free_memory_back_and_a_busy_one_never(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only after a heartbeat (an empty plan) with no row held: a trim locks
+    the heaps, so it never runs beside a request's step. A prompt on its
+    way in ("chunked": no token for two steps) runs empty plans too."""
+    monkeypatch.setattr("scheduler_svc.loop.IDLE_HEAP_CHECK_S", 0.0)
+    engine = FakeEngine()
+    h = Harness(engine)
+    bound = CountingBound(engine)
+    h.loop.heap.bound = bound  # type: ignore[assignment]
+    h.thread.start()
+    assert wait_until(lambda: len(bound.seen) >= 2, timeout=10), "an idle loop never looked at its heaps"
+    idle_checks = len(bound.seen)
+    h.submit("chunked-r0", max_tokens=3)
+    h.wait_ended(["chunked-r0"])
+    assert isinstance(ends(h, "chunked-r0"), Finished)
+    assert wait_until(lambda: len(bound.seen) > idle_checks + 1, timeout=10), "no check once idle again"
+    h.stop()
+    joined = next(i for i, plan in enumerate(engine.plans) if plan.new)
+    after = engine.plans[joined + 1]
+    assert (after.new, after.feed) == ((), ()), "no empty plan with the row held"
+    for rows, plan in bound.seen:
+        assert rows == 0, f"a check while a row was held (step {plan.step})"
+        assert (plan.new, plan.drop, plan.feed) == ((), (), ()), f"a check after a step with work: {plan}"
+        assert not plan.stop
+    assert h.loop.heap.returned == 1000 * len(bound.seen)
+
+
+def test_heap_free_limit_0_never_looks() -> None:
+    h = Harness(FakeEngine(), heap_free_limit_bytes=0)
+    assert h.loop.heap.bound is None
+
+
+def test_a_follower_looks_at_its_heaps_only_after_an_empty_plan_with_nothing_held(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("scheduler_svc.loop.IDLE_HEAP_CHECK_S", 0.0)
+    engine = FakeEngine()
+    plans = [
+        Plan(step=1),
+        Plan(step=2, new=(request("chunked-r0", [5] * 4),)),
+        Plan(step=3),  # its prompt still on its way in: held, nothing to feed
+        Plan(step=4, drop=("chunked-r0",)),
+        Plan(step=5),
+        Plan(step=6, stop=True),
+    ]
+
+    class Scripted(SoloGroup):
+        def broadcast_from_0(self, obj: object) -> object:
+            return plans.pop(0)
+
+    heap = IdleHeap(1)
+    bound = CountingBound(engine)
+    heap.bound = bound  # type: ignore[assignment]
+    run_follower(engine, Scripted(), heap)  # type: ignore[arg-type]
+    assert [plan.step for _, plan in bound.seen] == [1, 5]
+    assert heap.returned == 2000
