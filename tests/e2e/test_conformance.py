@@ -65,6 +65,22 @@ def test_our_services_pass_every_check(services: Services) -> None:
     assert "grpc.reflection.v1.ServerReflection" in listed, listed
 
 
+def test_a_tokenizer_alone_passes_its_checks(services: Services) -> None:
+    """As against a public front end, whose scheduler is out of reach: the
+    kit sees the scheduler only through the tokenizer's view of it (a few
+    seconds old), which its cancel and deadline checks count on."""
+    idle = lambda: scheduler_info(services.scheduler_address).running_requests == 0  # noqa: E731
+    assert wait_until(idle, timeout=30)
+    run = conformance("--tokenizer", services.tokenizer_address, "--not-found-url", "no-such-file.png")
+    assert run.returncode == 0, run.stdout + run.stderr
+    got = verdicts(run.stdout)
+    assert not any(name.startswith("scheduler.") for name in got), run.stdout
+    assert len(got) >= 20, run.stdout
+    assert set(got.values()) == {"PASS"}, run.stdout
+    for name in ("tokenizer.cancel_propagates", "tokenizer.deadline_propagates", "tokenizer.error.MEDIA_NOT_FOUND"):
+        assert got[name] == "PASS", run.stdout
+
+
 class WrongTokenizer(tokenizer_pb2_grpc.TokenizerServiceServicer):
     """Answers GetServerInfo well, and ends every Generate with a bare
     INTERNAL: no ErrorInfo, whatever the input."""
