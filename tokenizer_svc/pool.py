@@ -379,7 +379,8 @@ class CpuPool:
         self._dispatch()
         try:
             await self._start(task)
-            return await asyncio.wait_for(asyncio.shield(task.done), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                return await asyncio.shield(task.done)
         except TimeoutError as exc:
             slot.hand_to(task.done)  # the worker stays busy until the task ends
             self._abandon(task)
@@ -388,6 +389,13 @@ class CpuPool:
             slot.hand_to(task.done)
             self._abandon(task)
             raise
+        finally:
+            # A worker's failure (an image it could not decode) raised from
+            # here holds this frame, whose `task` holds that failure in its
+            # future: a reference cycle that kept every frame of the request
+            # alive, with its locals, until a full collection (as did
+            # `asyncio.wait_for`'s own frame, holding the failed future).
+            del task
 
     async def _start(self, task: _Task) -> None:
         """Return once a worker starts the task, or it has ended meanwhile;

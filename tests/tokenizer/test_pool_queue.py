@@ -28,12 +28,13 @@ from transformers import AutoImageProcessor
 from mmsplit_cli import samples
 from mmsplit_server import families
 from mmsplit_server.handoff import ranges, slab
+from tests.support.cycles import uncollected
 from tests.support.leaks import PROJECT_PREFIX, wait_until
 from tests.support.worker_hook import SLOW, UNSENDABLE, marked, slow_pids
 from tokenizer_svc import forkserver
 from tokenizer_svc import pool as pool_module
 from tokenizer_svc.decode import decode_image
-from tokenizer_svc.errors import InternalError, Overloaded, PreprocessWorkerCrashed
+from tokenizer_svc.errors import InternalError, MediaUnsupported, Overloaded, PreprocessWorkerCrashed
 from tokenizer_svc.pool import CpuPool
 from tokenizer_svc.preprocess import STAGES, ImageJob, ItemResult, SlabRef, media_bytes, stage_input
 
@@ -351,3 +352,24 @@ async def _unsendable(tiny_model: Path, owned: ranges.Slab) -> None:
         assert pool.pids == [pid], "the worker was not taken for broken"
         assert pool.replacements == 0
         let_go(await pool.preprocess(job(marked((64, 48)), owned), timeout_s=10, request_id="after"))
+
+
+def test_a_worker_s_failure_leaves_no_frame_for_the_collector(tiny_model: Path, owned: ranges.Slab) -> None:
+    """An image a worker cannot decode fails its caller; raised through the
+    frame that held the pool's task (and `asyncio.wait_for`'s, that held its
+    future), the failure was in a reference cycle with every frame of the
+    request and their locals, until a full collection."""
+    asyncio.run(_undecodable(tiny_model, owned))
+
+
+async def _undecodable(tiny_model: Path, owned: ranges.Slab) -> None:
+    async with one_worker(tiny_model, 10, owned) as pool:
+
+        async def caller() -> None:
+            await pool.preprocess(job(b"not an image" * 100, owned), timeout_s=10, request_id="bad")
+
+        with uncollected() as found:
+            with pytest.raises(MediaUnsupported):
+                await caller()
+            await asyncio.sleep(0)
+        assert found == [], found
