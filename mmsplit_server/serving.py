@@ -560,6 +560,20 @@ class ClientSecurity:
         return ((AUTHORIZATION, f"Bearer {token}"),) if token else ()
 
 
+def end_with(context: grpc.aio.ServicerContext, status: grpc.Status) -> None:
+    """End the call with `status` once its handler returns: what
+    `abort_with_status` sends, without its AbortError. grpc.aio keeps that
+    error on the call's state (`RPCState.abort_exception`), and its
+    traceback holds every frame it passed through, the call's state among
+    their locals: a reference cycle that kept each failed request's frames
+    and locals (its request, its images' bytes) alive until a full
+    collection. A streaming handler returns after this; a unary one returns
+    any message, which a non-OK code discards."""
+    context.set_trailing_metadata(status.trailing_metadata)
+    context.set_code(status.code)
+    context.set_details(status.details)
+
+
 class TokenAuth(grpc.aio.ServerInterceptor):
     """Refuses, with UNAUTHENTICATED and our ErrorInfo, every call that does
     not carry a shared token (`tokens()`: those accepted now) — except
@@ -571,7 +585,7 @@ class TokenAuth(grpc.aio.ServerInterceptor):
         self._tokens = tokens
 
         async def deny(request: object, context: grpc.aio.ServicerContext) -> None:
-            await context.abort_with_status(Unauthenticated("this server requires a token").to_status())
+            end_with(context, Unauthenticated("this server requires a token").to_status())
 
         self._deny = grpc.unary_unary_rpc_method_handler(deny)
 

@@ -36,6 +36,7 @@ from mmsplit_server.serving import (
     Health,
     RequestSummary,
     ServerSecurity,
+    end_with,
     exit_now,
     free_port,
     health_server,
@@ -94,7 +95,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             self._check_pairing(context)
         except MmsplitError as exc:
             log.info("a stream of requests refused: %s", exc)
-            await context.abort_with_status(exc.to_status())
+            end_with(context, exc.to_status())
+            return
         # Read now: gRPC's context must not be asked anything once the call
         # has ended (a cancelled call's peer() crashes the process).
         peer = context.peer()
@@ -121,7 +123,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
             log.info("request %s rejected: %s", rid, exc)
             summary.outcome = exc.reason
             summary.log(log, self.metrics)
-            await context.abort_with_status(exc.to_status(rid))
+            end_with(context, exc.to_status(rid))
+            return
         try:
             yield ACCEPTED
             async for response in self.frontend.stream(admission):
@@ -135,12 +138,12 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServiceServicer):
                 yield response
         except MmsplitError as exc:
             summary.outcome = exc.reason
-            await context.abort_with_status(exc.to_status(rid))
+            end_with(context, exc.to_status(rid))
         except Exception:
             summary.outcome = "INTERNAL"
             incident = uuid.uuid4().hex[:12]
             log.exception("request %s failed on an unexpected error (incident %s)", rid, incident)
-            await context.abort_with_status(InternalError(f"internal error (incident {incident})").to_status(rid))
+            end_with(context, InternalError(f"internal error (incident {incident})").to_status(rid))
         finally:
             # Cancel, deadline, disconnect, or normal end.
             self.frontend.end(rid)

@@ -34,6 +34,7 @@ from mmsplit_server.serving import (
     RequestSummary,
     SecretFile,
     ServerSecurity,
+    end_with,
     health_server,
     new_server,
     on_stop_signals,
@@ -170,7 +171,9 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
     async def Generate(  # noqa: N802 (gRPC method name)
         self, request: tokenizer_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[tokenizer_pb2.GenerateResponse]:
-        rid = await _request_id(request, context)
+        rid = _request_id(request, context)
+        if rid is None:
+            return
         client = client_address(context.peer())
         summary = RequestSummary(
             rid, protocol="grpc", client=client, images=len(request.images), videos=len(request.videos)
@@ -190,14 +193,14 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
         except MmsplitError as exc:
             summary.outcome = exc.reason
             log.info("request %s failed: %s", rid, exc)
-            await context.abort_with_status(exc.to_status(rid))
+            end_with(context, exc.to_status(rid))
         except Exception:
             # A bug: still a typed status, never UNKNOWN; the details stay in
             # the log. Cancellation is not an Exception and passes through.
             summary.outcome = "INTERNAL"
             incident = uuid.uuid4().hex[:12]
             log.exception("request %s failed on an unexpected error (incident %s)", rid, incident)
-            await context.abort_with_status(InternalError(f"internal error (incident {incident})").to_status(rid))
+            end_with(context, InternalError(f"internal error (incident {incident})").to_status(rid))
         finally:
             remaining = context.time_remaining()
             # The client's deadline ended it. (Ours ends a little after the
@@ -210,16 +213,20 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
         self, tokenize: tokenizer_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> tokenizer_pb2.TokenizeResponse:
         request = tokenize.request
-        rid = await _request_id(request, context)
+        rid = _request_id(request, context)
+        if rid is None:
+            return tokenizer_pb2.TokenizeResponse()  # discarded: the call ends with the status set
         try:
             ids = await self.service.tokenize(request, rid, client_address(context.peer()))
         except MmsplitError as exc:
             log.info("tokenizing %s failed: %s", rid, exc)
-            await context.abort_with_status(exc.to_status(rid))
+            end_with(context, exc.to_status(rid))
+            return tokenizer_pb2.TokenizeResponse()
         except Exception:
             incident = uuid.uuid4().hex[:12]
             log.exception("tokenizing %s failed on an unexpected error (incident %s)", rid, incident)
-            await context.abort_with_status(InternalError(f"internal error (incident {incident})").to_status(rid))
+            end_with(context, InternalError(f"internal error (incident {incident})").to_status(rid))
+            return tokenizer_pb2.TokenizeResponse()
         return tokenizer_pb2.TokenizeResponse(token_ids=ids, max_context_tokens=self.service.link.max_context)
 
     async def GetServerInfo(  # noqa: N802
@@ -261,14 +268,15 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
         )
 
 
-async def _request_id(request: tokenizer_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> str:
-    """The request's id, or a new one; a call whose id is not 1 to
-    MAX_REQUEST_ID printable characters is aborted INVALID_REQUEST (the id
-    neither logged nor echoed: it may be anything)."""
+def _request_id(request: tokenizer_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> str | None:
+    """The request's id, or a new one; None for a call whose id is not 1 to
+    MAX_REQUEST_ID printable characters, which then ends INVALID_REQUEST
+    once its handler returns (the id neither logged nor echoed: it may be
+    anything)."""
     rid = request.request_id or uuid.uuid4().hex
     if not valid_request_id(rid):
-        invalid = InvalidRequest(f"request_id must be 1..{MAX_REQUEST_ID} printable characters")
-        await context.abort_with_status(invalid.to_status())
+        end_with(context, InvalidRequest(f"request_id must be 1..{MAX_REQUEST_ID} printable characters").to_status())
+        return None
     return rid
 
 
