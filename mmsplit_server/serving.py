@@ -567,8 +567,9 @@ def end_with(context: grpc.aio.ServicerContext, status: grpc.Status) -> None:
     traceback holds every frame it passed through, the call's state among
     their locals: a reference cycle that kept each failed request's frames
     and locals (its request, its images' bytes) alive until a full
-    collection. A streaming handler returns after this; a unary one returns
-    any message, which a non-OK code discards."""
+    collection. For streaming handlers only (they return after this): a
+    unary handler's return sends its message, even an empty one, before a
+    non-OK status, where `abort` sends none."""
     context.set_trailing_metadata(status.trailing_metadata)
     context.set_code(status.code)
     context.set_details(status.details)
@@ -585,7 +586,10 @@ class TokenAuth(grpc.aio.ServerInterceptor):
         self._tokens = tokens
 
         async def deny(request: object, context: grpc.aio.ServicerContext) -> None:
-            end_with(context, Unauthenticated("this server requires a token").to_status())
+            # Aborted: this unary handler answers streaming methods too, and
+            # ended with its status set it would send them an empty message
+            # first (`end_with`).
+            await context.abort_with_status(Unauthenticated("this server requires a token").to_status())
 
         self._deny = grpc.unary_unary_rpc_method_handler(deny)
 

@@ -171,8 +171,10 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
     async def Generate(  # noqa: N802 (gRPC method name)
         self, request: tokenizer_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[tokenizer_pb2.GenerateResponse]:
-        rid = _request_id(request, context)
-        if rid is None:
+        try:
+            rid = _request_id(request)
+        except InvalidRequest as invalid:
+            end_with(context, invalid.to_status())
             return
         client = client_address(context.peer())
         summary = RequestSummary(
@@ -213,20 +215,22 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
         self, tokenize: tokenizer_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> tokenizer_pb2.TokenizeResponse:
         request = tokenize.request
-        rid = _request_id(request, context)
-        if rid is None:
-            return tokenizer_pb2.TokenizeResponse()  # discarded: the call ends with the status set
+        # A unary call is aborted: ended with its status set, it would send
+        # an empty message before that status (`end_with`). The AbortError's
+        # cycle holds this call's frames until a collection.
+        try:
+            rid = _request_id(request)
+        except InvalidRequest as invalid:
+            await context.abort_with_status(invalid.to_status())
         try:
             ids = await self.service.tokenize(request, rid, client_address(context.peer()))
         except MmsplitError as exc:
             log.info("tokenizing %s failed: %s", rid, exc)
-            end_with(context, exc.to_status(rid))
-            return tokenizer_pb2.TokenizeResponse()
+            await context.abort_with_status(exc.to_status(rid))
         except Exception:
             incident = uuid.uuid4().hex[:12]
             log.exception("tokenizing %s failed on an unexpected error (incident %s)", rid, incident)
-            end_with(context, InternalError(f"internal error (incident {incident})").to_status(rid))
-            return tokenizer_pb2.TokenizeResponse()
+            await context.abort_with_status(InternalError(f"internal error (incident {incident})").to_status(rid))
         return tokenizer_pb2.TokenizeResponse(token_ids=ids, max_context_tokens=self.service.link.max_context)
 
     async def GetServerInfo(  # noqa: N802
@@ -268,15 +272,13 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
         )
 
 
-def _request_id(request: tokenizer_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> str | None:
-    """The request's id, or a new one; None for a call whose id is not 1 to
-    MAX_REQUEST_ID printable characters, which then ends INVALID_REQUEST
-    once its handler returns (the id neither logged nor echoed: it may be
-    anything)."""
+def _request_id(request: tokenizer_pb2.GenerateRequest) -> str:
+    """The request's id, or a new one; InvalidRequest for an id that is not
+    1 to MAX_REQUEST_ID printable characters (the id neither logged nor
+    echoed: it may be anything)."""
     rid = request.request_id or uuid.uuid4().hex
     if not valid_request_id(rid):
-        end_with(context, InvalidRequest(f"request_id must be 1..{MAX_REQUEST_ID} printable characters").to_status())
-        return None
+        raise InvalidRequest(f"request_id must be 1..{MAX_REQUEST_ID} printable characters")
     return rid
 
 
