@@ -13,6 +13,11 @@ each tokenizer's resident memory from /proc/PID/smaps_rollup (walked page
 by page: the kernel's running counters can lag a thread that gave memory
 back). The arms alternate which goes first each round.
 
+`--api grpc`: the same images through gRPC's Generate, by value (the
+invalid half: bytes that are no image, failed by the CPU workers); a
+failed call's frames once stayed in reference cycles with its request's
+bytes until a full collection (docs/development.md).
+
 Printed per round: both tokenizers' resident MB and their ratio, and each
 one's MB at rest before the first round.
 
@@ -26,7 +31,7 @@ service in a mount namespace with a /dev/shm of its own: run as root), and
 both caches off in both arms (they fill toward their own bounds and would
 hide what the heaps keep).
 
-    python bench/heap_bound.py [--rounds 4] [--requests 48] [--concurrency 24] [--image-mb 7]
+    python bench/heap_bound.py [--rounds 4] [--requests 48] [--concurrency 24] [--image-mb 7] [--api grpc]
     python bench/heap_bound.py --service scheduler [--rounds 4] [--requests 16] [--concurrency 8]
 """
 
@@ -34,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import binascii
 import concurrent.futures
 import contextlib
 import io
@@ -45,12 +51,15 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import grpc
 import numpy as np
 from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.harness import MODELS_DIR, ROOT, build_model, scratch_dir, table
+from mmsplit.client import build_request
+from mmsplit.tokenizer.v1 import tokenizer_pb2_grpc
 from mmsplit_cli.launch import running_pair
 from mmsplit_cli.tiny_model import build_once
 from mmsplit_server.serving import free_port
@@ -67,6 +76,8 @@ OWN_DEV_SHM = [sys.executable, "-m", "tests.support.mountns", "256m"]
 BIG_PIXELS = 1920 * 1092
 # The watch checks every 2 s and gives memory back at most every 10 s: a round's is back by then.
 SETTLE_S = 14.0
+# Room for the gRPC part's images by value.
+GRPC_OPTIONS = [("grpc.max_send_message_length", 64 << 20)]
 
 
 def data_url(seed: int, mb: float, valid: bool) -> str:
@@ -106,6 +117,27 @@ def resident_mb(pid: int) -> float:
     raise RuntimeError(f"no Rss in /proc/{pid}/smaps_rollup")
 
 
+def image_bytes(url: str) -> bytes:
+    """A data: URL's image as bytes for the gRPC API; not base64 (the
+    invalid half): bytes of the same size that are no image."""
+    encoded = url.partition(",")[2]
+    try:
+        return base64.b64decode(encoded, validate=True)
+    except binascii.Error:
+        return np.random.default_rng(len(encoded)).bytes(len(encoded) * 3 // 4)
+
+
+def send_grpc(stub: tokenizer_pb2_grpc.TokenizerServiceStub, image: bytes, i: int) -> str:
+    """One Generate call through the gRPC API, its image by value; its status's name."""
+    request = build_request(f"request {i}", images=[image], max_tokens=2)
+    try:
+        for _ in stub.Generate(request, timeout=300):
+            pass
+    except grpc.RpcError as failed:
+        return str(failed.code().name)
+    return "OK"
+
+
 def send(port: int, model: str, url: str, i: int) -> int:
     body = {
         "model": model,
@@ -135,6 +167,12 @@ def main() -> None:
     parser.add_argument("--distinct", type=int, default=4, help="distinct images a round (valid and not)")
     parser.add_argument("--image-size", default="1920x1080", help="scheduler: each request's new JPEG, WIDTHxHEIGHT")
     parser.add_argument("--model", type=Path, default=None, help="scheduler: this model instead of the one built")
+    parser.add_argument(
+        "--api",
+        choices=("http", "grpc"),
+        default="http",
+        help="tokenizer: the OpenAI-compatible API or gRPC's Generate",
+    )
     parser.add_argument("--settle-s", type=float, default=SETTLE_S, help="wait after each round before reading")
     parser.add_argument("--workdir", type=Path, default=None, help="where the model and the logs go")
     args = parser.parse_args()
@@ -147,7 +185,7 @@ def main() -> None:
 
     with scratch_dir(args.workdir) as workdir, contextlib.ExitStack() as stack:
         model = (args.model or big_image_model(workdir)) if scheduler else build_model("tiny", workdir, chat=True)
-        ports, pids = {}, {}
+        ports, pids, stubs = {}, {}, {}
         for arm, extra in ARMS.items():
             logs = workdir / f"logs-{arm.replace(' ', '-')}"
             logs.mkdir(exist_ok=True)
@@ -165,6 +203,8 @@ def main() -> None:
                 )
             )
             pids[arm] = pair.scheduler.pid if scheduler else pair.tokenizer.pid
+            channel = stack.enter_context(grpc.insecure_channel(pair.tokenizer_address, options=GRPC_OPTIONS))
+            stubs[arm] = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
         at_rest = {arm: resident_mb(pid) for arm, pid in pids.items()}
         rows, answers = [], {arm: {} for arm in ARMS}
         pool = stack.enter_context(concurrent.futures.ThreadPoolExecutor(args.concurrency))
@@ -174,9 +214,13 @@ def main() -> None:
                 if scheduler
                 else [data_url(1000 * r + k, args.image_mb, valid=k % 2 == 0) for k in range(args.distinct)]
             )
+            images = [image_bytes(url) for url in urls] if args.api == "grpc" else []
             for arm in list(ARMS)[r % 2 :] + list(ARMS)[: r % 2]:
                 got = pool.map(
-                    lambda i, a=arm, u=urls: send(ports[a], model.name, u[i % len(u)], i), range(args.requests)
+                    (lambda i, a=arm, m=images: send_grpc(stubs[a], m[i % len(m)], i))
+                    if args.api == "grpc"
+                    else (lambda i, a=arm, u=urls: send(ports[a], model.name, u[i % len(u)], i)),
+                    range(args.requests),
                 )
                 for status in got:
                     answers[arm][status] = answers[arm].get(status, 0) + 1
@@ -192,10 +236,16 @@ def main() -> None:
         )
     else:
         print(
-            f"the tokenizer's resident MB {args.settle_s:g} s after each round of {args.requests} chat completions, "
-            f"{args.concurrency} at a time, each with a {args.image_mb:g} MB image as a data: URL ({args.distinct} "
-            f"distinct a round, half of them not base64: 400), tiny LLaVA at TP=1; its heaps' free memory given "
-            f"back past the default --heap-free-limit-bytes against never (0)"
+            f"the tokenizer's resident MB {args.settle_s:g} s after each round of {args.requests} "
+            + ("chat completions" if args.api == "http" else "gRPC Generate calls")
+            + f", {args.concurrency} at a time, each with a {args.image_mb:g} MB image "
+            + (
+                f"as a data: URL ({args.distinct} distinct a round, half of them not base64: 400)"
+                if args.api == "http"
+                else f"by value ({args.distinct} distinct a round, half of them bytes that are no image)"
+            )
+            + ", tiny LLaVA at TP=1; its heaps' free memory given back past the default "
+            "--heap-free-limit-bytes against never (0)"
         )
     print(f"at rest: given back {at_rest['given back']:.0f} MB, kept {at_rest['kept']:.0f} MB")
     print(table(["round", "given back MB", "kept MB", "given back / kept"], rows))

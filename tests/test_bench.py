@@ -91,17 +91,27 @@ def test_chat_turns_benchmark_prints_every_turn_and_both_arms_agree(
     assert "same answers with the cache on and off (every conversation, every round): True" in result.stdout
 
 
-def test_heap_bound_benchmark_prints_both_arms_every_round(models: Path, chat_models: Callable[[str], Path]) -> None:
-    """Both tokenizers answer every request (the valid images 200, the
-    others 400) and their resident memory is read after each round."""
+@pytest.mark.parametrize(
+    ("api", "answers"),
+    [
+        ("http", "given back: {200: 2, 400: 2}; kept: {200: 2, 400: 2}"),
+        ("grpc", "given back: {'INVALID_ARGUMENT': 2, 'OK': 2}; kept: {'INVALID_ARGUMENT': 2, 'OK': 2}"),
+    ],
+)
+def test_heap_bound_benchmark_prints_both_arms_every_round(
+    models: Path, chat_models: Callable[[str], Path], api: str, answers: str
+) -> None:
+    """Both tokenizers answer every request (the valid images 200 or OK,
+    the others 400 or INVALID_ARGUMENT) and their resident memory is read
+    after each round."""
     if not (models / "model-tiny-chat").exists():
         (models / "model-tiny-chat").symlink_to(chat_models("llava"))  # the same build as the bench's
     args = ["--rounds", "1", "--requests", "4", "--concurrency", "2", "--image-mb", "0.5", "--settle-s", "0"]
-    result = run_bench("heap_bound.py", args, models=models)
+    result = run_bench("heap_bound.py", [*args, "--api", api], models=models)
     assert result.returncode == 0, result.stderr[-3000:]
     assert re.search(r"^at rest: given back \d+ MB, kept \d+ MB$", result.stdout, re.M), result.stdout
     assert re.search(r"^1\s+\d+\s+\d+\s+[\d.]+$", result.stdout, re.M), result.stdout
-    assert "answers: given back: {200: 2, 400: 2}; kept: {200: 2, 400: 2}" in result.stdout
+    assert f"answers: {answers}" in result.stdout, result.stdout
 
 
 def test_heap_bound_benchmark_s_scheduler_part_prints_both_arms(family_models: Callable[[str], Path]) -> None:
