@@ -203,8 +203,9 @@ def main() -> None:
                 )
             )
             pids[arm] = pair.scheduler.pid if scheduler else pair.tokenizer.pid
-            channel = stack.enter_context(grpc.insecure_channel(pair.tokenizer_address, options=GRPC_OPTIONS))
-            stubs[arm] = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
+            if args.api == "grpc":
+                channel = stack.enter_context(grpc.insecure_channel(pair.tokenizer_address, options=GRPC_OPTIONS))
+                stubs[arm] = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
         at_rest = {arm: resident_mb(pid) for arm, pid in pids.items()}
         rows, answers = [], {arm: {} for arm in ARMS}
         pool = stack.enter_context(concurrent.futures.ThreadPoolExecutor(args.concurrency))
