@@ -72,7 +72,15 @@ from harness import percentile, scratch_dir, table
 from mmsplit.client import AsyncClient, RequestFailed
 from mmsplit.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from mmsplit_cli import samples
-from mmsplit_cli.launch import SCHEDULER_SERVICE, TOKENIZER_SERVICE, ServiceProcess, scheduler_args, tokenizer_args
+from mmsplit_cli.launch import (
+    SCHEDULER_SERVICE,
+    START_ATTEMPTS,
+    TOKENIZER_SERVICE,
+    ServiceProcess,
+    StartFailed,
+    scheduler_args,
+    tokenizer_args,
+)
 from mmsplit_server import families, mallocheap
 from mmsplit_server.handoff import ranges
 from mmsplit_server.serving import free_port
@@ -164,6 +172,21 @@ class Group:
             return [psutil.Process(self.proc.pid), *psutil.Process(self.proc.pid).children(recursive=True)]
         except psutil.NoSuchProcess:
             return []
+
+    def serve_first(self, timeout: float) -> None:
+        """SERVING after its first start, started again on another port
+        while the one drawn was taken before the group bound it."""
+        for attempt in range(1, START_ATTEMPTS + 1):
+            try:
+                self.proc.wait_serving(SCHEDULER_SERVICE, timeout)
+                return
+            except StartFailed:
+                if not self.proc.port_taken() or attempt == START_ATTEMPTS:
+                    raise
+                self.proc.stop()
+                self.proc.log_path.rename(self.proc.log_path.with_suffix(f".attempt{attempt}.log"))
+                self.port, self.starts = free_port(), self.starts - 1  # the failed start is not counted
+                self.proc = self._start()
 
     def restart_if_dead(self) -> bool:
         if self.proc.proc.poll() is None:
@@ -592,18 +615,28 @@ def run(args: argparse.Namespace, workdir: Path, model: Path | None = None) -> t
     more = [*sums, *(NO_CACHES["scheduler"] if off else []), *shlex.split(getattr(args, "scheduler_args", ""))]
     groups = [Group(f"scheduler{k}", model, logs, prefix, more, tp)
               for k in range(2)]  # fmt: skip
-    http = f"127.0.0.1:{free_port()}"
-    schedulers = ",".join(f"127.0.0.1:{g.port}" for g in groups)
-    metrics = free_port()
-    extra = ["--shm-prefix", prefix, "--http-port", http.rsplit(":", 1)[1], "--cpu-workers", "2"]
-    extra += ["--metrics-port", str(metrics)]
-    extra += NO_CACHES["tokenizer"] if off else []
-    tok = ServiceProcess("tokenizer", tokenizer_args(model, schedulers, extra=extra), logs / "tokenizer.log")
+    tok: ServiceProcess | None = None
     tally = Tally()
     try:
         for g in groups:
-            g.proc.wait_serving(SCHEDULER_SERVICE, 180)
-        tok.wait_serving(TOKENIZER_SERVICE, 180)
+            g.serve_first(180)
+        schedulers = ",".join(f"127.0.0.1:{g.port}" for g in groups)
+        for attempt in range(1, START_ATTEMPTS + 1):
+            http, metrics = f"127.0.0.1:{free_port()}", free_port()
+            extra = ["--shm-prefix", prefix, "--http-port", http.rsplit(":", 1)[1], "--cpu-workers", "2"]
+            extra += ["--metrics-port", str(metrics)]
+            extra += NO_CACHES["tokenizer"] if off else []
+            tok = ServiceProcess("tokenizer", tokenizer_args(model, schedulers, extra=extra), logs / "tokenizer.log")
+            try:
+                tok.wait_serving(TOKENIZER_SERVICE, 180)
+                break
+            except StartFailed:
+                # A port drawn free was bound by another process first: others.
+                if not tok.port_taken() or attempt == START_ATTEMPTS:
+                    raise
+                tok.stop()
+                tok.log_path.rename(tok.log_path.with_suffix(f".attempt{attempt}.log"))
+        assert tok is not None  # (the loop breaks with one, or raises)
         # Warmed up first (the slab, the grant table, the workers, both
         # groups' channels), so the start is what the end is compared with.
         # The tokenizer serves once one group answers: a group it had not
@@ -627,7 +660,8 @@ def run(args: argparse.Namespace, workdir: Path, model: Path | None = None) -> t
         mine = [n for n in segments(prefix) if n.startswith(f"{prefix}-{tok.pid}-")]
         left = [n for n in segments(prefix) if n not in mine]
     finally:
-        tok.stop()
+        if tok is not None:
+            tok.stop()
         for g in groups:
             g.stop()
     total = sum(tally.outcomes.values())

@@ -63,6 +63,20 @@ def _tied(env: dict[str, str], wrapper: Sequence[str]) -> dict[str, str]:
     return {**env, PARENT_ENV: str(os.getpid())}
 
 
+# What a service logs when a port it was given is taken, in lower case
+# (Python's socket: "Address already in use"; asyncio's, as the HTTP API
+# reports it: "... address already in use"; gRPC: "Failed to bind").
+_PORT_TAKEN = ("address already in use", "failed to bind")
+
+
+def port_taken(log: str) -> bool:
+    """Whether a service's log says a port it was given was taken: a start
+    that failed for that alone is tried again on other ports (a port that
+    `free_port` found free can be bound by another process before the
+    service binds it)."""
+    return any(text in log.lower() for text in _PORT_TAKEN)
+
+
 class StartFailed(RuntimeError):
     """A service exited, or did not serve in time, while starting."""
 
@@ -179,6 +193,10 @@ class ServiceProcess:
             time.sleep(0.1)
         raise RuntimeError(f"{self.name} never logged {text!r}; see {self.log_path}:\n{self.tail()}")
 
+    def port_taken(self) -> bool:
+        """Whether its log says a port it was given was taken (`port_taken`)."""
+        return port_taken(self.tail())
+
     def tail(self, lines: int = 30) -> str:
         try:
             return "".join(self.log_path.read_text().splitlines(keepends=True)[-lines:])
@@ -231,8 +249,6 @@ class FreePort:
 
 
 Arg = str | FreePort
-# What a service logs when a port it was given is taken (Python's socket, gRPC).
-_PORT_TAKEN = ("Address already in use", "Failed to bind")
 START_ATTEMPTS = 3
 
 
@@ -297,8 +313,7 @@ def running_pair(
                 tok.wait_serving(TOKENIZER_SERVICE, 180)
                 break
             except StartFailed:
-                taken = any(text in proc.tail() for proc in started for text in _PORT_TAKEN)
-                if not taken or attempt == START_ATTEMPTS:
+                if not any(proc.port_taken() for proc in started) or attempt == START_ATTEMPTS:
                     raise
                 log.warning("a port was taken before it was bound (attempt %d); starting the pair again", attempt)
                 _stop_all(list(reversed(started)))
