@@ -475,10 +475,15 @@ async def inject(rng: random.Random, tokenizer_pid: int, groups: list[Group], ev
             target = ranks[0]
         elif fault == "freeze" and len(ranks) >= group.tp:  # rank 1, or a group of one's only rank
             frozen = ranks[group.tp - 1]
-            frozen.send_signal(signal.SIGSTOP)
-            await asyncio.sleep(rng.uniform(0.5, 2.0))
-            frozen.send_signal(signal.SIGCONT)
-            tally.faults[fault] += 1
+            try:
+                frozen.send_signal(signal.SIGSTOP)
+                await asyncio.sleep(rng.uniform(0.5, 2.0))
+                frozen.send_signal(signal.SIGCONT)
+                tally.faults[fault] += 1
+            except psutil.NoSuchProcess:
+                # It ended before or while frozen (its group stopping after an
+                # earlier fault): a 40-minute soak once ended here, unreported.
+                tally.faults[f"{fault} (its rank ended)"] += 1
             continue
         if target is None:
             tally.faults[f"{fault} (none to hit)"] += 1
