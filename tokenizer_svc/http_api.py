@@ -319,7 +319,7 @@ class HttpApi:
         from (media preprocessed to count their placeholders), their count
         and the context they must fit (`max_model_len`, when a scheduler
         says)."""
-        got = await _body(request, self.request_timeout_s)
+        got = await _body(request, self.request_timeout_s, self.max_body_bytes)
         body = got.value
         if (other := self._other_model(body)) is not None:
             return other
@@ -354,7 +354,7 @@ class HttpApi:
 
     async def detokenize(self, request: web.Request) -> web.Response:
         """vLLM's /detokenize: the text of token ids (special tokens included)."""
-        got = await _body(request, self.request_timeout_s)
+        got = await _body(request, self.request_timeout_s, self.max_body_bytes)
         body = got.value
         if (other := self._other_model(body)) is not None:
             return other
@@ -375,7 +375,7 @@ class HttpApi:
 
     async def responses_api(self, request: web.Request) -> web.StreamResponse:
         """The Responses API: the body as a chat request, the answer as a Response."""
-        got = await _body(request, self.request_timeout_s)
+        got = await _body(request, self.request_timeout_s, self.max_body_bytes)
         body = got.value
         previous = body.get("previous_response_id") if isinstance(body, dict) else None
         history = None
@@ -397,7 +397,9 @@ class HttpApi:
             rid, self.model, body, call.calls, places, keep, reasoning=self.reasoning,
             constrained=reasoning.structured(call.request.sampling),
         )  # fmt: skip
-        return await self._serve(request, chat, call, answer, rid)
+        if (other := self._other_model(chat)) is not None:
+            return other
+        return await self._serve(request, call, answer, rid)
 
     def _keeper(
         self, request: web.Request, body: dict[str, Any], chat: dict[str, Any], places: list[str]
@@ -506,13 +508,18 @@ class HttpApi:
         return web.json_response({"id": rid, "object": "response", "deleted": True})
 
     async def _generate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
-        got = await _body(request, self.request_timeout_s)
+        got = await _body(request, self.request_timeout_s, self.max_body_bytes)
         body = got.value
         if chat:
             call = await got.read(openai_api.parse_chat, body, self.tool_parser)
         else:
             call = await got.read(openai_api.parse_completion, body)
         rid = _request_id(request, body)
+        if (other := self._other_model(body)) is not None:
+            return other
+        # The body is parsed into `call`: not held while the answer streams
+        # (its data: URLs are megabytes, and the request has its own copy).
+        del got, body
         thinks = self.reasoning if chat else None
         if thinks is not None:  # its prompt's ids say whether the model starts inside its thinking
             call.request.return_prompt_token_ids = True
@@ -520,14 +527,11 @@ class HttpApi:
             chat, rid, self.model, call.calls, token_ids=call.token_ids, reasoning=thinks,
             constrained=reasoning.structured(call.request.sampling), shows_reasoning=call.include_reasoning,
         )  # fmt: skip
-        return await self._serve(request, body, call, shape, rid)
+        return await self._serve(request, call, shape, rid)
 
-    async def _serve(
-        self, request: web.Request, body: Any, call: openai_api.Call, shape: Shaped, rid: str
-    ) -> web.StreamResponse:
-        """Run `call` and answer it in `shape`: whole, or streamed."""
-        if (other := self._other_model(body)) is not None:
-            return other
+    async def _serve(self, request: web.Request, call: openai_api.Call, shape: Shaped, rid: str) -> web.StreamResponse:
+        """Run `call` (of a body naming this server's model, or none) and
+        answer it in `shape`: whole, or streamed."""
         if isinstance(call.calls, openai_api.Forced):
             await tool_calls.check_schema(call.request.sampling.json_schema)
         client = self._client(request)
@@ -767,13 +771,13 @@ class UnreadableBody(InvalidRequest):
     RequestPayloadError): its answer is the connection's last."""
 
 
-async def _body(request: web.Request, timeout_s: float) -> _Body:
-    """The JSON body, which must arrive within `timeout_s`: a client that
-    trickles it (or stops) would hold the connection and this handler for
-    ever."""
+async def _body(request: web.Request, timeout_s: float, limit: int) -> _Body:
+    """The JSON body, at most `limit` bytes, which must arrive within
+    `timeout_s`: a client that trickles it (or stops) would hold the
+    connection and this handler for ever."""
     try:
         async with asyncio.timeout(timeout_s):
-            raw = await request.read()
+            raw = await _read(request, limit)
     except TimeoutError:
         raise openai_api.BodyTimeout(
             f"the request body did not arrive within {timeout_s:g} s (--http-request-timeout-s)"
@@ -791,6 +795,22 @@ async def _body(request: web.Request, timeout_s: float) -> _Body:
         raise InvalidRequest(f"the request body is not valid JSON: {exc}") from exc
     except RecursionError as exc:  # valid JSON nested deeper than the parser goes
         raise InvalidRequest("the request body nests too deeply") from exc
+
+
+async def _read(request: web.Request, limit: int) -> bytes:
+    """The request's body, over `limit` bytes a 413 (as aiohttp's
+    `client_max_size`). Not `request.read()`, which keeps the bytes on the
+    request for as long as it lives: a streamed answer's whole generation,
+    so every stream in flight held its body's megabytes of data: URLs once
+    more (bench/heap_bound.py --api http-streams)."""
+    chunks: list[bytes] = []
+    size = 0
+    while chunk := await request.content.readany():
+        size += len(chunk)
+        if size > limit:
+            raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=size)
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def forwarded_client(remote: str, forwarded: Sequence[str], trusted: Sequence[IpNetwork]) -> str:

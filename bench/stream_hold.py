@@ -1,0 +1,155 @@
+"""What the tokenizer holds for each HTTP stream in flight whose request
+carried a big data: URL, once the image is preprocessed.
+
+One service pair (TP=1, the tiny LLaVA with its family's chat template and
+8,192 positions, so that a stream runs thousands of tokens), its tokenizer
+giving its heaps' free memory back past 1 MiB (`--heap-free-limit-bytes`:
+what is left resident is memory in use) and its preprocessing cache off
+(it keeps tensors by design). Each round opens N chat completion streams
+at once, each with one new image as a data: URL (an uncompressed PNG of
+random pixels, --image-mb), then the same N streams with the text alone;
+each stream asks for --tokens tokens. Once every stream has its first
+chunk, and --settle-s after it (past the watch's 10 s between trims), the
+tokenizer's anonymous memory is read from /proc/PID/smaps_rollup (the
+slab's shared pages are not in it) while every stream is still running
+(a round whose streams ended first fails: raise --tokens).
+
+Printed per round: the anonymous MB with images and with text alone, and
+what each stream with an image held beyond its text-only twin, in MB and
+as a multiple of its body (the base64 of its image). What the image needs
+once preprocessed is its tensor, in the slab: 0 is the floor. Before the
+handler read bodies itself (aiohttp's `request.read()` keeps them on the
+request for as long as it lives) and dropped the parsed body before
+streaming, ~3 bodies a stream (docs/benchmarks.md).
+
+    python bench/stream_hold.py [--streams 16] [--tokens 4000] [--image-mb 7] [--rounds 2] [--model DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import io
+import os
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+from PIL import Image
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.harness import MODELS_DIR, ROOT, scratch_dir, table
+from mmsplit_cli.launch import FreePort, running_pair
+from mmsplit_cli.tiny_model import build_once
+
+CONTEXT = 8192
+
+
+def data_url(mb: float, seed: int) -> str:
+    side = int((mb * 1e6 / 3) ** 0.5)
+    pixels = np.random.default_rng(seed).integers(0, 255, (side, side, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, "PNG", compress_level=0)
+    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+
+
+def anonymous_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+        if line.startswith("Anonymous:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no Anonymous in /proc/{pid}/smaps_rollup")
+
+
+async def held_mb(http: str, model: str, pid: int, urls: list[str | None], tokens: int, settle_s: float) -> float:
+    """The tokenizer's anonymous MB `settle_s` after one stream per entry of
+    `urls` (an image's data: URL, or None: text alone) has its first chunk,
+    every one of them still running; then they are read to their end."""
+    first = asyncio.Event()
+    started = [0]
+
+    async def one(session: aiohttp.ClientSession, i: int, url: str | None) -> None:
+        content: list[dict[str, object]] = [{"type": "text", "text": f"Describe picture {i}."}]
+        if url is not None:
+            content.append({"type": "image_url", "image_url": {"url": url}})
+        body = {
+            "model": model, "messages": [{"role": "user", "content": content}], "max_tokens": tokens,
+            "min_tokens": tokens, "stream": True,
+        }  # fmt: skip
+        async with session.post(f"http://{http}/v1/chat/completions", json=body) as response:
+            if response.status != 200:
+                raise RuntimeError(f"stream {i}: HTTP {response.status}: {await response.text()}")
+            counted = False
+            async for line in response.content:
+                if not counted and line.startswith(b"data:"):
+                    counted = True
+                    started[0] += 1
+                    if started[0] == len(urls):
+                        first.set()
+
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        streams = [asyncio.ensure_future(one(session, i, url)) for i, url in enumerate(urls)]
+        waiting = asyncio.ensure_future(first.wait())
+        await asyncio.wait([waiting, *streams], return_when=asyncio.FIRST_COMPLETED)
+        for stream in streams:
+            if stream.done():
+                stream.result()  # its error, if it failed
+        await asyncio.sleep(settle_s)
+        mb = anonymous_mb(pid)
+        if any(stream.done() for stream in streams):
+            raise RuntimeError(f"streams ended before the reading at {settle_s:g} s: raise --tokens")
+        await asyncio.gather(*streams)
+    return mb
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--streams", type=int, default=16)
+    parser.add_argument("--tokens", type=int, default=4000, help="tokens each stream makes (at most 4,096)")
+    parser.add_argument("--image-mb", type=float, default=7.0, help="size of each image (base64 is 4/3 of it)")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--settle-s", type=float, default=13.0)
+    parser.add_argument("--workdir", type=Path, default=None, help="where the model and the logs go")
+    parser.add_argument("--model", type=Path, default=None, help="this model (with a chat template) instead")
+    args = parser.parse_args()
+    with scratch_dir(args.workdir) as workdir:
+        kept = Path(os.environ[MODELS_DIR]) if os.environ.get(MODELS_DIR) else workdir
+        model = args.model or build_once(
+            kept / "model-tiny-chat-8k", cache_dir=ROOT / ".cache", chat_template=True, max_positions=CONTEXT
+        )
+        http = FreePort()
+        extra: list[str | FreePort] = [
+            "--http-port",
+            http,
+            "--heap-free-limit-bytes",
+            str(1 << 20),
+            "--preprocess-cache-bytes",
+            "0",
+        ]
+        rows = []
+        with running_pair(model, workdir, tp=1, tokenizer_extra=extra) as pair:
+            address, pid = f"127.0.0.1:{http.number}", pair.tokenizer.pid
+            for r in range(args.rounds):
+                urls = [data_url(args.image_mb, seed=r * args.streams + i) for i in range(args.streams)]
+                body_mb = len(urls[0]) / 2**20
+                began = time.monotonic()
+                images = asyncio.run(held_mb(address, model.name, pid, list(urls), args.tokens, args.settle_s))
+                del urls
+                text = asyncio.run(held_mb(address, model.name, pid, [None] * args.streams, args.tokens, args.settle_s))
+                each = (images - text) / args.streams
+                rows.append([r + 1, f"{images:.0f}", f"{text:.0f}", f"{each:.1f}", f"{each / body_mb:.2f}"])
+                print(f"round {r + 1} took {time.monotonic() - began:.0f}s", flush=True)
+        print(
+            f"\n{args.streams} chat streams of {args.tokens} tokens at once, each with one {body_mb:.1f} MB data: URL "
+            f"(base64), against the same streams with text alone; the tokenizer's anonymous memory {args.settle_s:g} s "
+            "after the last stream's first chunk"
+        )
+        print(table(["round", "MB with images", "MB text alone", "MB held a stream", "/ its body"], rows))
+
+
+if __name__ == "__main__":
+    main()
