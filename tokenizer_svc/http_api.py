@@ -799,10 +799,13 @@ async def _body(request: web.Request, timeout_s: float, limit: int) -> _Body:
 
 async def _read(request: web.Request, limit: int) -> bytes:
     """The request's body, over `limit` bytes a 413 (as aiohttp's
-    `client_max_size`). Not `request.read()`, which keeps the bytes on the
-    request for as long as it lives: a streamed answer's whole generation,
-    so every stream in flight held its body's megabytes of data: URLs once
-    more (bench/heap_bound.py --api http-streams)."""
+    `client_max_size`, but before a byte is read when its Content-Length
+    says so). Not `request.read()`, which keeps the bytes on the request
+    for as long as it lives: a streamed answer's whole generation, so every
+    stream in flight held its body's megabytes of data: URLs once more
+    (bench/stream_hold.py)."""
+    if (declared := request.content_length) is not None and declared > limit:
+        raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=declared)
     chunks: list[bytes] = []
     size = 0
     while chunk := await request.content.readany():
