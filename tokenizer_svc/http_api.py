@@ -393,12 +393,16 @@ class HttpApi:
         keep = self._keeper(request, body, chat, places)
         if self.reasoning is not None:  # its prompt's ids say whether the model starts inside its thinking
             call.request.return_prompt_token_ids = True
+        # The object echoes the body's settings, not its input (its data:
+        # URLs are megabytes: kept only by `keep`, when the answer is stored).
+        echoed = {key: value for key, value in body.items() if key != "input"}
         answer = openai_responses.Answer(
-            rid, self.model, body, call.calls, places, keep, reasoning=self.reasoning,
+            rid, self.model, echoed, call.calls, places, keep, reasoning=self.reasoning,
             constrained=reasoning.structured(call.request.sampling),
         )  # fmt: skip
         if (other := self._other_model(chat)) is not None:
             return other
+        del got, body, chat
         return await self._serve(request, call, answer, rid)
 
     def _keeper(

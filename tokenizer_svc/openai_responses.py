@@ -254,7 +254,7 @@ class Answer:
 
     id: str
     model: str
-    body: dict[str, Any]  # the Responses body, echoed in the object
+    body: dict[str, Any]  # the Responses body but its input, echoed in the object
     calls: Forced | Auto | None = None
     places: list[str] = field(default_factory=list)  # where each chat message came from (`to_chat`)
     # Called with the final Response object (completed or incomplete) when it is to be stored.
