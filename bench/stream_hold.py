@@ -22,7 +22,7 @@ handler read bodies itself (aiohttp's `request.read()` keeps them on the
 request for as long as it lives) and dropped the parsed body before
 streaming, ~3 bodies a stream (docs/benchmarks.md).
 
-    python bench/stream_hold.py [--streams 16] [--tokens 4000] [--image-mb 7] [--rounds 2] [--model DIR]
+    python bench/stream_hold.py [--streams 16] [--tokens 4000] [--image-mb 7] [--rounds 2] [--n 1] [--model DIR]
 """
 
 from __future__ import annotations
@@ -64,7 +64,9 @@ def anonymous_mb(pid: int) -> float:
     raise RuntimeError(f"no Anonymous in /proc/{pid}/smaps_rollup")
 
 
-async def held_mb(http: str, model: str, pid: int, urls: list[str | None], tokens: int, settle_s: float) -> float:
+async def held_mb(
+    http: str, model: str, pid: int, urls: list[str | None], tokens: int, settle_s: float, n: int = 1
+) -> float:
     """The tokenizer's anonymous MB `settle_s` after one stream per entry of
     `urls` (an image's data: URL, or None: text alone) has its first chunk,
     every one of them still running; then they are read to their end."""
@@ -77,7 +79,7 @@ async def held_mb(http: str, model: str, pid: int, urls: list[str | None], token
             content.append({"type": "image_url", "image_url": {"url": url}})
         body = {
             "model": model, "messages": [{"role": "user", "content": content}], "max_tokens": tokens,
-            "min_tokens": tokens, "stream": True,
+            "min_tokens": tokens, "stream": True, "n": n,
         }  # fmt: skip
         async with session.post(f"http://{http}/v1/chat/completions", json=body) as response:
             if response.status != 200:
@@ -112,6 +114,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=4000, help="tokens each stream makes (at most 4,096)")
     parser.add_argument("--image-mb", type=float, default=7.0, help="size of each image (base64 is 4/3 of it)")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--n", type=int, default=1, help="choices each stream asks for (n)")
     parser.add_argument("--settle-s", type=float, default=13.0)
     parser.add_argument("--workdir", type=Path, default=None, help="where the model and the logs go")
     parser.add_argument("--model", type=Path, default=None, help="this model (with a chat template) instead")
@@ -137,16 +140,17 @@ def main() -> None:
                 urls = [data_url(args.image_mb, seed=r * args.streams + i) for i in range(args.streams)]
                 body_mb = len(urls[0]) / 2**20
                 began = time.monotonic()
-                images = asyncio.run(held_mb(address, model.name, pid, list(urls), args.tokens, args.settle_s))
+                hold = (model.name, pid)
+                images = asyncio.run(held_mb(address, *hold, list(urls), args.tokens, args.settle_s, args.n))
                 del urls
-                text = asyncio.run(held_mb(address, model.name, pid, [None] * args.streams, args.tokens, args.settle_s))
+                text = asyncio.run(held_mb(address, *hold, [None] * args.streams, args.tokens, args.settle_s, args.n))
                 each = (images - text) / args.streams
                 rows.append([r + 1, f"{images:.0f}", f"{text:.0f}", f"{each:.1f}", f"{each / body_mb:.2f}"])
                 print(f"round {r + 1} took {time.monotonic() - began:.0f}s", flush=True)
         print(
-            f"\n{args.streams} chat streams of {args.tokens} tokens at once, each with one {body_mb:.1f} MB data: URL "
-            f"(base64), against the same streams with text alone; the tokenizer's anonymous memory {args.settle_s:g} s "
-            "after the last stream's first chunk"
+            f"\n{args.streams} chat streams of {args.n} x {args.tokens} tokens at once, each with one "
+            f"{body_mb:.1f} MB data: URL (base64), against the same streams with text alone; the tokenizer's "
+            f"anonymous memory {args.settle_s:g} s after the last stream's first chunk"
         )
         print(table(["round", "MB with images", "MB text alone", "MB held a stream", "/ its body"], rows))
 

@@ -520,11 +520,27 @@ def _at(i: int) -> dict[str, str]:
     return {"param": f"messages[{i}]"}
 
 
+# What a choice's own request is without: the media and the prompt, made
+# once for every choice before any is sent (`TokenizerService._media_once`).
+PREPARED_ONCE = frozenset({"prompt", "images", "videos", "messages", "prompt_token_ids", "documents"})
+
+
 def choice_request(request: tokenizer_pb2.GenerateRequest, i: int) -> tokenizer_pb2.GenerateRequest:
     """The request of choice `i`: one choice, its own seed (none stays none:
-    each choice then derives one from its own downstream id)."""
+    each choice then derives one from its own downstream id), and none of
+    PREPARED_ONCE (each choice's request lives as long as the choice runs:
+    a copy of its media would be n more copies of a data: URL's megabytes,
+    and a message's strings are freed only with the whole message)."""
     out = tokenizer_pb2.GenerateRequest()
-    out.CopyFrom(request)
+    for described, value in request.ListFields():
+        if described.name in PREPARED_ONCE:
+            continue
+        if described.is_repeated:
+            getattr(out, described.name).extend(value)
+        elif described.message_type is not None:
+            getattr(out, described.name).CopyFrom(value)
+        else:
+            setattr(out, described.name, value)
     out.n = 1
     if request.sampling.seed and i:
         out.sampling.seed = ((request.sampling.seed + i * SEED_STRIDE) & _U63) or 1

@@ -79,14 +79,22 @@ def test_sampling_fields_map_and_max_tokens_takes_the_smaller() -> None:
     assert (list(s.stop), list(s.stop_token_ids), s.min_tokens) == (["END"], [2], 3)
     assert (call.n, call.stream, call.include_usage) == (3, True, True)
     assert call.request.n == 3
-    from tokenizer_svc.conversation import choice_request
+    from tokenizer_svc.conversation import PREPARED_ONCE, choice_request
 
     seeds = [choice_request(call.request, i).sampling.seed for i in range(3)]
     assert seeds[0] == 7
     assert len(set(seeds)) == 3
     assert all(0 < x < 2**63 for x in seeds)
-    assert choice_request(call.request, 1).messages == call.request.messages
-    assert choice_request(call.request, 1).n == 1
+    # Everything but the media and prompt, made once for every choice: a
+    # choice's request keeps no copy of them while it runs.
+    expected = type(call.request)()
+    expected.CopyFrom(call.request)
+    for name in PREPARED_ONCE:
+        expected.ClearField(name)
+    expected.n = 1
+    expected.sampling.seed = seeds[1]
+    assert call.request.messages
+    assert choice_request(call.request, 1) == expected
 
 
 @pytest.mark.parametrize(
