@@ -59,7 +59,7 @@ from mmsplit_server.serving import RequestSummary, SecretFile
 from mmsplit_server.settings import CONNECTIONS_AT_MOST
 from tokenizer_svc import openai_answers, openai_api, openai_responses, reasoning, response_store, tool_calls
 from tokenizer_svc.conversation import MAX_REQUEST_ID, valid_request_id
-from tokenizer_svc.errors import InvalidRequest
+from tokenizer_svc.errors import InvalidRequest, Overloaded
 from tokenizer_svc.response_store import ResponseStore
 from tokenizer_svc.service import TokenizerService, merged
 
@@ -92,6 +92,7 @@ class HttpApi:
         ready: Callable[[], bool],
         api_keys: SecretFile | None = None,
         max_body_bytes: int,
+        body_bytes_in_flight: int = 0,
         metrics: Any = None,
         keepalive_s: float = KEEPALIVE_S,
         request_timeout_s: float = REQUEST_TIMEOUT_S,
@@ -116,6 +117,7 @@ class HttpApi:
         self.ready = ready
         self.api_keys = api_keys  # --api-key-file: any of its keys, as the file is now
         self.max_body_bytes = max_body_bytes
+        self.bodies = BodyBudget(body_bytes_in_flight)  # --max-body-bytes-in-flight
         self.metrics = metrics
         self.keepalive_s = keepalive_s
         self.request_timeout_s = request_timeout_s
@@ -222,12 +224,25 @@ class HttpApi:
 
     @web.middleware
     async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            return await self._answered(request, handler)
+        finally:
+            # However it ended (a stream's end, an error, its client gone).
+            self.bodies.give_back(request)
+
+    async def _answered(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """The handler's response, or the error's in the OpenAI shape."""
         route = request.match_info.route.resource.canonical if request.match_info.route.resource else "other"
         response: web.StreamResponse
         try:
             if self.api_keys is not None and (request.path.startswith("/v1/") or request.path in _KEYED):
                 self._authenticate(request)
+            self.bodies.take(request, request.content_length or 0)
             response = await handler(request)
+        except BodiesOverBudget as exc:
+            # Its body unread: answered, and its connection closed rather than read to its end.
+            response = _error_response(exc)
+            response.force_close()
         except UnreadableBody as exc:
             # The connection's stream past the bad bytes cannot be read: answer,
             # then close it (left open, aiohttp would try to drain the body
@@ -319,7 +334,7 @@ class HttpApi:
         from (media preprocessed to count their placeholders), their count
         and the context they must fit (`max_model_len`, when a scheduler
         says)."""
-        got = await _body(request, self.request_timeout_s, self.max_body_bytes)
+        got = await _body(request, self.request_timeout_s, self.max_body_bytes, self.bodies)
         body = got.value
         if (other := self._other_model(body)) is not None:
             return other
@@ -354,7 +369,7 @@ class HttpApi:
 
     async def detokenize(self, request: web.Request) -> web.Response:
         """vLLM's /detokenize: the text of token ids (special tokens included)."""
-        got = await _body(request, self.request_timeout_s, self.max_body_bytes)
+        got = await _body(request, self.request_timeout_s, self.max_body_bytes, self.bodies)
         body = got.value
         if (other := self._other_model(body)) is not None:
             return other
@@ -375,7 +390,7 @@ class HttpApi:
 
     async def responses_api(self, request: web.Request) -> web.StreamResponse:
         """The Responses API: the body as a chat request, the answer as a Response."""
-        got = await _body(request, self.request_timeout_s, self.max_body_bytes)
+        got = await _body(request, self.request_timeout_s, self.max_body_bytes, self.bodies)
         body = got.value
         previous = body.get("previous_response_id") if isinstance(body, dict) else None
         history = None
@@ -512,7 +527,7 @@ class HttpApi:
         return web.json_response({"id": rid, "object": "response", "deleted": True})
 
     async def _generate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
-        got = await _body(request, self.request_timeout_s, self.max_body_bytes)
+        got = await _body(request, self.request_timeout_s, self.max_body_bytes, self.bodies)
         body = got.value
         if chat:
             call = await got.read(openai_api.parse_chat, body, self.tool_parser)
@@ -775,13 +790,13 @@ class UnreadableBody(InvalidRequest):
     RequestPayloadError): its answer is the connection's last."""
 
 
-async def _body(request: web.Request, timeout_s: float, limit: int) -> _Body:
+async def _body(request: web.Request, timeout_s: float, limit: int, budget: BodyBudget | None = None) -> _Body:
     """The JSON body, at most `limit` bytes, which must arrive within
     `timeout_s`: a client that trickles it (or stops) would hold the
     connection and this handler for ever."""
     try:
         async with asyncio.timeout(timeout_s):
-            raw = await _read(request, limit)
+            raw = await _read(request, limit, budget)
     except TimeoutError:
         raise openai_api.BodyTimeout(
             f"the request body did not arrive within {timeout_s:g} s (--http-request-timeout-s)"
@@ -801,7 +816,7 @@ async def _body(request: web.Request, timeout_s: float, limit: int) -> _Body:
         raise InvalidRequest("the request body nests too deeply") from exc
 
 
-async def _read(request: web.Request, limit: int) -> bytes:
+async def _read(request: web.Request, limit: int, budget: BodyBudget | None = None) -> bytes:
     """The request's body, over `limit` bytes a 413 (as aiohttp's
     `client_max_size`, but before a byte is read when its Content-Length
     says so). Not `request.read()`, which keeps the bytes on the request
@@ -816,8 +831,55 @@ async def _read(request: web.Request, limit: int) -> bytes:
         size += len(chunk)
         if size > limit:
             raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=size)
+        if budget is not None and size > (declared or 0):  # no Content-Length (chunked), or more than it said
+            budget.take(request, size - max(declared or 0, budget.taken(request)))
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+class BodiesOverBudget(Overloaded):
+    """A request refused before its body was read: the bodies held would pass `--max-body-bytes-in-flight`."""
+
+
+_HELD = web.RequestKey("mmsplit_body_bytes", int)  # what a request holds of its BodyBudget (on the request)
+
+
+class BodyBudget:
+    """The bytes of request bodies this server holds at once
+    (--max-body-bytes-in-flight; 0: no limit): each request's, by its
+    Content-Length before its body is read (or as a chunked body
+    arrives), until its answer ends, since its request message keeps its
+    media that long (bench/stream_hold.py). Without it, bodies are bounded
+    only by connections x --http-max-body-bytes: a few hundred clients
+    uploading 280 MB bodies at once would be gigabytes before any request
+    counts against --max-inflight. A request that would pass the limit is
+    OVERLOADED (429, Retry-After) before a byte of its body is read; one
+    is always let through when nothing is held (--http-max-body-bytes
+    bounds it)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+        self.refused = 0  # requests refused
+
+    def taken(self, request: web.Request) -> int:
+        return int(request.get(_HELD, 0))
+
+    def take(self, request: web.Request, n: int) -> None:
+        if n <= 0:
+            return
+        if self.limit and self.held and self.held + n > self.limit:
+            self.refused += 1
+            raise BodiesOverBudget(
+                f"the request bodies in progress hold {self.held:,} bytes: {n:,} more would pass the limit of "
+                f"{self.limit:,} (--max-body-bytes-in-flight); retry shortly"
+            )
+        self.held += n
+        request[_HELD] = self.taken(request) + n
+
+    def give_back(self, request: web.Request) -> None:
+        self.held -= self.taken(request)
+        request[_HELD] = 0
 
 
 def forwarded_client(remote: str, forwarded: Sequence[str], trusted: Sequence[IpNetwork]) -> str:

@@ -412,6 +412,7 @@ async def _serve(
             trusted_proxies=settings.trusted_proxies,
             cors_origins=settings.cors_origins,
             max_body_bytes=settings.http_body_limit,
+            body_bytes_in_flight=settings.max_body_bytes_in_flight,
             metrics=metrics,
             tool_parser=settings.tool_call_parser,
             reasoning_parser=settings.reasoning_parser,
@@ -422,6 +423,16 @@ async def _serve(
         if metrics is not None:
             metrics.gauge("stored_responses", "Responses API responses stored (store: true)", lambda: len(api.store))
             metrics.gauge("stored_responses_bytes", "Bytes the stored responses take", lambda: api.store.nbytes)
+            metrics.gauge("http_body_bytes", "HTTP request body bytes held now (--max-body-bytes-in-flight)",
+                          lambda: api.bodies.held)  # fmt: skip
+            metrics.counters(
+                lambda: {
+                    "http_bodies_refused": (
+                        "HTTP requests refused unread at --max-body-bytes-in-flight",
+                        api.bodies.refused,
+                    )
+                }
+            )
             metrics.counter_by(
                 "http_responses",
                 "HTTP API responses by route and status",

@@ -63,6 +63,13 @@ class TokenizerSettings(ServiceSettings):
         "(images x --max-image-bytes and videos x --max-video-bytes, times 4/3, plus the prompt and some room)",
         min=0,
     )
+    max_body_bytes_in_flight: int = _opt(
+        2 * 1024 * 1024 * 1024,
+        "HTTP request bodies held at once, bytes: each request's from before its body is read until its answer "
+        "ends (its media stay with it that long); a request that would pass it is OVERLOADED (429, Retry-After) "
+        "unread, one always let through when none is held; 0 = no limit",
+        min=0,
+    )
     responses_store_bytes: int = _opt(
         64 * 1024 * 1024,
         "memory for the Responses API's stored responses (store: true, the default; previous_response_id, GET and "

@@ -146,3 +146,74 @@ def test_a_stream_read_to_its_end_leaves_nothing_for_the_collector() -> None:
         return found
 
     assert asyncio.run(main()) == []
+
+
+class Held:
+    """A service whose answers wait for `go`: their requests stay in flight."""
+
+    tokenizer = None
+
+    def __init__(self) -> None:
+        self.go = asyncio.Event()
+        self.started: asyncio.Queue[None] = asyncio.Queue()  # one item per answer started
+
+    async def generate(self, request: Any, rid: str, timeout_s: Any, client: str = "") -> Any:
+        self.started.put_nowait(None)
+        await self.go.wait()
+        yield pb.GenerateResponse(delta=pb.TextDelta(text="hi"))
+        yield pb.GenerateResponse(finished=pb.Finished(finish_reason=1, prompt_tokens=1, completion_tokens=1))
+
+
+def test_bodies_past_their_budget_are_refused_unread_until_the_requests_holding_it_end() -> None:
+    """--max-body-bytes-in-flight: with one request of a 600 KB body in
+    flight and a budget of 1 MB, another such body is OVERLOADED (429,
+    Retry-After: the SDK retries) before it is read, declared or chunked;
+    a small one still passes; once the first answer ends its bytes are
+    given back and the same body is answered."""
+    big = json.dumps({**CHAT, "messages": [{"role": "user", "content": "x" * 600_000}]}).encode()
+    small = json.dumps(CHAT).encode()
+    json_type = {"content-type": "application/json"}
+
+    async def chunked() -> AsyncIterator[bytes]:
+        for at in range(0, len(big), 65536):
+            yield big[at : at + 65536]
+
+    async def run() -> dict[str, Any]:
+        service = Held()
+        api = HttpApi(service, model="m", ready=lambda: True, max_body_bytes=1 << 21,  # type: ignore[arg-type]
+                      body_bytes_in_flight=1 << 20)  # fmt: skip
+        runner, port = await start(api, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{port}/v1/chat/completions"
+        seen: dict[str, Any] = {}
+        try:
+            async with aiohttp.ClientSession() as held_session:
+                first = asyncio.ensure_future(held_session.post(url, data=big, headers=json_type))
+                await service.started.get()
+                seen["held"] = api.bodies.held
+                for name, data in (("declared", big), ("chunked", chunked())):
+                    async with aiohttp.ClientSession() as session, session.post(url, data=data, headers=json_type) as r:
+                        seen[name] = (r.status, dict(r.headers), json.loads(await r.read()))
+                # A small body fits beside it: its answer starts (and waits, as the first's does).
+                second = asyncio.ensure_future(held_session.post(url, data=small, headers=json_type))
+                await service.started.get()
+                service.go.set()
+                for name, answer in (("first", first), ("small", second)):
+                    async with await answer as r:
+                        seen[name] = r.status
+            async with aiohttp.ClientSession() as session, session.post(url, data=big, headers=json_type) as r:
+                seen["after"] = r.status
+            seen["end"] = api.bodies.held
+        finally:
+            await runner.cleanup()
+        return seen
+
+    seen = asyncio.run(run())
+    assert seen["held"] == len(big)
+    for name in ("declared", "chunked"):
+        status, headers, body = seen[name]
+        assert status == 429, (name, body)
+        assert body["error"]["code"] == "OVERLOADED"
+        assert "--max-body-bytes-in-flight" in body["error"]["message"]
+        assert headers["x-should-retry"] == "true"
+        assert headers["Retry-After"]
+    assert (seen["first"], seen["small"], seen["after"], seen["end"]) == (200, 200, 200, 0)
