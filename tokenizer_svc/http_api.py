@@ -868,7 +868,9 @@ class BodyBudget:
     def take(self, request: web.Request, n: int) -> None:
         if n <= 0:
             return
-        if self.limit and self.held and self.held + n > self.limit:
+        # Let through when only this request holds any (a chunked body's
+        # own earlier chunks): the others' bytes decide.
+        if self.limit and self.held > self.taken(request) and self.held + n > self.limit:
             self.refused += 1
             raise BodiesOverBudget(
                 f"the request bodies in progress hold {self.held:,} bytes: {n:,} more would pass the limit of "

@@ -202,6 +202,18 @@ def test_bodies_past_their_budget_are_refused_unread_until_the_requests_holding_
                         seen[name] = r.status
             async with aiohttp.ClientSession() as session, session.post(url, data=big, headers=json_type) as r:
                 seen["after"] = r.status
+            # Alone, a chunked body over the bound goes through: its own chunks do not count against it.
+            lone = json.dumps({**CHAT, "messages": [{"role": "user", "content": "x" * 1_200_000}]}).encode()
+
+            async def lone_chunks() -> AsyncIterator[bytes]:
+                for at in range(0, len(lone), 65536):
+                    yield lone[at : at + 65536]
+
+            async with (
+                aiohttp.ClientSession() as session,
+                session.post(url, data=lone_chunks(), headers=json_type) as r,
+            ):
+                seen["lone"] = r.status
             seen["end"] = api.bodies.held
         finally:
             await runner.cleanup()
@@ -217,3 +229,4 @@ def test_bodies_past_their_budget_are_refused_unread_until_the_requests_holding_
         assert headers["x-should-retry"] == "true"
         assert headers["Retry-After"]
     assert (seen["first"], seen["small"], seen["after"], seen["end"]) == (200, 200, 200, 0)
+    assert seen["lone"] == 200
