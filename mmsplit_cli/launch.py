@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -77,6 +78,9 @@ def port_taken(log: str) -> bool:
     return any(text in log.lower() for text in _PORT_TAKEN)
 
 
+TAIL_LINES = 200  # a service's last log lines kept in memory (`ServiceProcess.tail`)
+
+
 class StartFailed(RuntimeError):
     """A service exited, or did not serve in time, while starting."""
 
@@ -107,6 +111,8 @@ class ServiceProcess:
         self.port: int | None = None
         self._bound = threading.Event()
         self._terminated = False
+        self._recent: deque[str] = deque(maxlen=TAIL_LINES)  # `tail`'s, whether or not the log is kept
+        self._recent_lock = threading.Lock()
         self._log = open(log_path, "w")  # noqa: SIM115 (closed by the reader thread)
         full_env = {**os.environ, **(env or {})}
         self.proc: Any = _launcher(list(args), full_env, new_group, list(wrapper)) if _launcher else None
@@ -136,6 +142,8 @@ class ServiceProcess:
         for line in self.proc.stderr:
             self._log.write(line)
             self._log.flush()
+            with self._recent_lock:
+                self._recent.append(line)
             if self._echo:
                 sys.stderr.write(f"[{self._echo}] {line}")
                 sys.stderr.flush()
@@ -160,6 +168,8 @@ class ServiceProcess:
     def _start_failed(self, otherwise: str) -> StartFailed:
         """What went wrong: the exit status if the process is gone, else `otherwise`."""
         code = self.proc.poll()
+        if code is not None:
+            self._reader.join(5)  # its last lines, which say why, read
         why = f"exited with status {code}" if code is not None else otherwise
         return StartFailed(f"{self.name} {why}; see {self.log_path}:\n{self.tail()}")
 
@@ -198,10 +208,11 @@ class ServiceProcess:
         return port_taken(self.tail())
 
     def tail(self, lines: int = 30) -> str:
-        try:
-            return "".join(self.log_path.read_text().splitlines(keepends=True)[-lines:])
-        except OSError:
-            return ""
+        """Its last `lines` log lines (at most TAIL_LINES), read so far; kept
+        here, so a log sent to /dev/null (`mmsplit serve`'s, echoed) has
+        one too."""
+        with self._recent_lock:
+            return "".join(list(self._recent)[-lines:])
 
     def terminate(self) -> None:
         """SIGTERM, once, without waiting (`stop` waits). Once is enough:

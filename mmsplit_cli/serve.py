@@ -3,7 +3,9 @@ command.
 
     mmsplit serve --model DIR [--tp N] [--host H] [--port 50052] [--http-port 8000]
 
-The scheduler listens on a free loopback port and requires a random token
+The scheduler listens on a free loopback port (drawn again, and both
+started again, should another process bind it first: the scheduler binds it
+only once its model is loaded) and requires a random token
 that only its tokenizer is given (a file in a directory only this user can
 enter, removed at the end, or by the next serve if this one is killed outright): other users of the host cannot send it
 requests. The tokenizer serves gRPC and the OpenAI-compatible HTTP API on
@@ -29,7 +31,7 @@ from pathlib import Path
 from types import FrameType
 
 from mmsplit_cli import private_dirs
-from mmsplit_cli.launch import SCHEDULER_SERVICE, TOKENIZER_SERVICE, ServiceProcess
+from mmsplit_cli.launch import SCHEDULER_SERVICE, START_ATTEMPTS, TOKENIZER_SERVICE, ServiceProcess, port_taken
 from mmsplit_cli.startup import first_problem
 from mmsplit_server.serving import free_port
 
@@ -78,32 +80,26 @@ def serve_command(args: argparse.Namespace) -> int:
         token = private / "scheduler-token"
         token.write_text(secrets.token_hex(32))
         token.chmod(0o600)
-        scheduler_port = free_port()
-        scheduler = [
-            "scheduler", "--model", str(args.model), "--tp", str(args.tp), "--host", "127.0.0.1",
-            "--port", str(scheduler_port), "--auth-token-file", str(token), *args.scheduler_arg,
-        ]  # fmt: skip
-        tokenizer = [
-            "tokenizer", "--model", str(args.model), "--scheduler", f"127.0.0.1:{scheduler_port}",
-            "--scheduler-auth-token-file", str(token), "--host", args.host, "--port", str(args.port),
-            "--http-port", str(args.http_port), *args.tokenizer_arg,
-        ]  # fmt: skip
-        # Separate process groups: a terminal's Ctrl-C reaches this process
-        # only, which stops the services in order. Should this process end
-        # without stopping them (killed outright), each gets SIGTERM from
-        # the kernel (`ServiceProcess` asks for it: started here, from the
-        # main thread).
-        for name, service_args in (("scheduler", scheduler), ("tokenizer", tokenizer)):
-            started.append(ServiceProcess(name, service_args, Path(os.devnull), echo=name, new_group=True))
-        if not _wait_serving(started, stopping):
+        for attempt in range(1, START_ATTEMPTS + 1):
+            scheduler_port = free_port()
+            started[:] = _start(args, token, scheduler_port)
+            if _wait_serving(started, stopping):
+                break
             if stopping.is_set():
                 return _stop(started)
             failed = next((p for p in started if p.proc.poll() is not None), None)
+            _stop(started)
+            if attempt < START_ATTEMPTS and _lost_port(started[0], scheduler_port):
+                print(
+                    f"mmsplit serve: another process bound the scheduler's port {scheduler_port} first; "
+                    "starting both again on another",
+                    file=sys.stderr,
+                )
+                continue
             who = failed.name if failed else "a service"
             print(f"mmsplit serve: the {who} could not start (its log is above); stopping", file=sys.stderr)
-            _stop(started)
             return 1
-        where = f"{args.host}:{args.port}"
+        where = f"{args.host}:{started[1].port}"  # --port 0: the port it was given
         http = f", OpenAI API http://{args.host}:{args.http_port}/v1" if args.http_port else ""
         print(f"mmsplit serve: ready: gRPC {where}{http} (model {args.model.name}, tp {args.tp})", file=sys.stderr)
         while not stopping.wait(0.5):
@@ -117,6 +113,36 @@ def serve_command(args: argparse.Namespace) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         shutil.rmtree(private, ignore_errors=True)
+
+
+def _start(args: argparse.Namespace, token: Path, scheduler_port: int) -> list[ServiceProcess]:
+    """The scheduler and the tokenizer, at once: the tokenizer waits for
+    the scheduler by itself."""
+    scheduler = [
+        "scheduler", "--model", str(args.model), "--tp", str(args.tp), "--host", "127.0.0.1",
+        "--port", str(scheduler_port), "--auth-token-file", str(token), *args.scheduler_arg,
+    ]  # fmt: skip
+    tokenizer = [
+        "tokenizer", "--model", str(args.model), "--scheduler", f"127.0.0.1:{scheduler_port}",
+        "--scheduler-auth-token-file", str(token), "--host", args.host, "--port", str(args.port),
+        "--http-port", str(args.http_port), *args.tokenizer_arg,
+    ]  # fmt: skip
+    # Separate process groups: a terminal's Ctrl-C reaches this process
+    # only, which stops the services in order. Should this process end
+    # without stopping them (killed outright), each gets SIGTERM from the
+    # kernel (`ServiceProcess` asks for it: started here, from the main
+    # thread).
+    return [
+        ServiceProcess(name, service_args, Path(os.devnull), echo=name, new_group=True)
+        for name, service_args in (("scheduler", scheduler), ("tokenizer", tokenizer))
+    ]
+
+
+def _lost_port(scheduler: ServiceProcess, port: int) -> bool:
+    """Whether the scheduler could not start because another process bound
+    its port (drawn free) first."""
+    said = scheduler.tail()
+    return port_taken(said) and f"127.0.0.1:{port}" in said
 
 
 def _precheck(args: argparse.Namespace) -> str:

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from scheduler_svc.counted_sums import CountedSums
-from scheduler_svc.rendezvous import Rendezvous
+from scheduler_svc.rendezvous import Rendezvous, take_listener
 from scheduler_svc.shm_allreduce import Arena
 
 log = logging.getLogger(__name__)
@@ -172,10 +172,12 @@ def _local_store(rendezvous: Rendezvous, timeout: datetime.timedelta) -> dist.TC
     authentication)."""
     if rendezvous.rank != 0:
         return dist.TCPStore(rendezvous.addr, rendezvous.port, rendezvous.world_size, False, timeout)
-    listener = socket.socket(socket.AF_INET6 if ":" in rendezvous.addr else socket.AF_INET)
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind((rendezvous.addr, rendezvous.port))
-    listener.listen(max(64, rendezvous.world_size))
+    listener = take_listener(rendezvous)  # bound when its port was chosen (`local_rendezvous`)
+    if listener is None:
+        listener = socket.socket(socket.AF_INET6 if ":" in rendezvous.addr else socket.AF_INET)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((rendezvous.addr, rendezvous.port))
+        listener.listen(max(64, rendezvous.world_size))
     _store_listener.append(listener)
     return dist.TCPStore(
         rendezvous.addr, rendezvous.port, rendezvous.world_size, True, timeout, master_listen_fd=listener.fileno()

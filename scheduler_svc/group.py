@@ -27,9 +27,9 @@ from dataclasses import replace
 from typing import Any
 
 from mmsplit_server import gcheap
-from mmsplit_server.serving import exit_now, free_port, name_process
+from mmsplit_server.serving import exit_now, name_process
 from scheduler_svc import shm_allreduce
-from scheduler_svc.rendezvous import Rendezvous
+from scheduler_svc.rendezvous import Rendezvous, close_listeners, local_rendezvous
 from scheduler_svc.settings import SchedulerSettings
 from scheduler_svc.shm_allreduce import Arena
 
@@ -46,6 +46,7 @@ def _follower(settings: SchedulerSettings, rendezvous: Rendezvous, arena: Arena 
     the group was forming, say) nothing else would end it before its
     rendezvous timed out."""
     name_process(f"mmsplit-rank{rendezvous.rank}".encode())
+    close_listeners()  # rank 0's, when this rank is a fork of it
     # A terminal's Ctrl-C and a stop of the whole process group reach every
     # rank; the stop is rank 0's to run (it drains, then tells the ranks in
     # the plan). A rank that died of the signal instead would take the group
@@ -71,12 +72,12 @@ def _exit_when_gone(sentinel: int) -> None:
 
 class LocalRanks:
     """Ranks 1..N-1 as children of this process (rank 0), joining the group
-    at `rendezvous` (rank 0's: a free port on 127.0.0.1)."""
+    at `rendezvous` (rank 0's: a port on 127.0.0.1 it listens on already)."""
 
     def __init__(self, settings: SchedulerSettings, method: str = "spawn") -> None:
         self.settings = settings
         self.method = method  # "fork" or "spawn"
-        self.rendezvous = Rendezvous("127.0.0.1", free_port(), 0, settings.tp)
+        self.rendezvous = local_rendezvous(settings.tp)
         # Shared by forks only: made here, before them (`scheduler_svc.shm_allreduce`).
         self.arena = Arena(settings.tp) if method == "fork" and shares_arena(settings) else None
         ctx: Any = mp.get_context(method)

@@ -9,6 +9,7 @@ for it."""
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 
@@ -21,6 +22,42 @@ class Rendezvous:
     port: int
     rank: int
     world_size: int
+
+
+# Rank 0's listening sockets for its local group's store, by port: bound
+# when the port is chosen and handed to the store (`take_listener`).
+_listeners: dict[int, socket.socket] = {}
+
+
+def local_rendezvous(world_size: int, addr: str = "127.0.0.1") -> Rendezvous:
+    """Rank 0's rendezvous for a group on this host, on a port the kernel
+    picks and that is bound and listening from now on: no other process can
+    take it in the seconds before the store starts (a port chosen free and
+    bound later could be, and the group would not form). The ranks that
+    connect early wait in the socket's backlog."""
+    listener = socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET)
+    try:
+        listener.bind((addr, 0))
+        listener.listen(max(64, world_size))
+    except OSError:
+        listener.close()
+        raise
+    port = int(listener.getsockname()[1])
+    _listeners[port] = listener
+    return Rendezvous(addr, port, 0, world_size)
+
+
+def take_listener(rendezvous: Rendezvous) -> socket.socket | None:
+    """The socket `local_rendezvous` bound for `rendezvous` (None if it did
+    not, or it was taken already)."""
+    return _listeners.pop(rendezvous.port, None)
+
+
+def close_listeners() -> None:
+    """In a rank forked from rank 0: close rank 0's listening sockets (the
+    rank would otherwise keep the store's port open after rank 0 is gone)."""
+    while _listeners:
+        _listeners.popitem()[1].close()
 
 
 # LeaderWorkerSet names a pod's place in its group with its own variables.

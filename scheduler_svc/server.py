@@ -38,7 +38,6 @@ from mmsplit_server.serving import (
     ServerSecurity,
     end_with,
     exit_now,
-    free_port,
     health_server,
     is_loopback,
     new_server,
@@ -55,7 +54,7 @@ from scheduler_svc.model import ModelInfo, model_dtype, model_info
 from scheduler_svc.multiplex import StreamCall, serve
 from scheduler_svc.ranks import Bootstrapped, bootstrap, run_follower_until_stopped
 from scheduler_svc.reader import DTYPES as READ_DTYPES
-from scheduler_svc.rendezvous import Rendezvous, adopt_leaderworkerset_env
+from scheduler_svc.rendezvous import Rendezvous, adopt_leaderworkerset_env, local_rendezvous
 from scheduler_svc.settings import SchedulerSettings
 
 log = logging.getLogger(__name__)
@@ -297,7 +296,7 @@ def run(settings: SchedulerSettings, ranks: LocalRanks | None = None) -> int:
             return run_service(_serve(dataclasses.replace(settings, tp=tp), boot, None, security, local))
         if ranks is None:
             ranks = start_late(settings)  # forks of this process, on CPU (`scheduler_svc.group`)
-        rendezvous = ranks.rendezvous if ranks else Rendezvous("127.0.0.1", free_port(), 0, 1)
+        rendezvous = ranks.rendezvous if ranks else local_rendezvous(1)
         boot = _bootstrap_watching(settings, ranks, rendezvous)
         return run_service(_serve(settings, boot, ranks, security, local))
     except BaseException:

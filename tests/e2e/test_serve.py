@@ -123,6 +123,55 @@ def test_a_service_is_tied_to_its_launcher_only_where_the_tie_holds() -> None:
     assert from_thread == [env]
 
 
+def test_a_scheduler_port_taken_before_the_scheduler_binds_it_is_drawn_again(
+    chat_models: Callable[[str], Path],
+) -> None:
+    """The scheduler's loopback port is drawn free and bound only once the
+    model has loaded (minutes, for a real checkpoint): another process may
+    bind it first. Serve then starts both services again on another port
+    instead of failing. The draw is made to hit a port this test holds
+    (the scheduler finds it taken at its start-up check, as it would at its
+    bind, by the same words); with `--port 0` the ready line names the port
+    the tokenizer got."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        held = taken.getsockname()[1]
+        draws = (
+            "import itertools, sys\n"
+            "from mmsplit_cli import serve\n"
+            "from mmsplit_cli.main import main\n"
+            f"draws = itertools.chain([{held}], iter(serve.free_port, None))\n"
+            "serve.free_port = lambda: next(draws)\n"
+            "main(sys.argv[1:])\n"
+        )
+        model = chat_models("llava")
+        proc = subprocess.Popen(
+            [sys.executable, "-c", draws, "serve", "--model", str(model), "--port", "0", "--http-port", "0"],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            cwd=ROOT, env={**os.environ, **ENV},
+        )  # fmt: skip
+        out = ServeOutput(proc)
+        try:
+            assert out.wait_ready(180), out.tail()
+            text = out.text
+            assert f"mmsplit serve: another process bound the scheduler's port {held} first" in text
+            assert f"scheduler listening on 127.0.0.1:{held}" not in text
+            ready = next(line for line in out.lines if "ready:" in line)
+            port = int(ready.split("gRPC 127.0.0.1:")[1].split()[0])
+            assert port not in (0, held)
+            with Client(f"127.0.0.1:{port}") as client:
+                assert client.complete(messages=[("user", "Hello")], max_tokens=3).text
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(60) == 0, out.tail()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            out.join()
+    assert "Traceback" not in out.text, out.text[-3000:]
+
+
 def test_a_port_in_use_or_a_missing_model_is_one_line_before_anything_starts(
     chat_models: Callable[[str], Path], tmp_path: Path
 ) -> None:
