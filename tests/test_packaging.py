@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import sysconfig
@@ -21,7 +20,7 @@ import pytest
 
 import mmsplit
 from mmsplit_server.serving import free_port
-from tests.support.serve_output import ServeOutput
+from tests.support.serve_output import serving
 from tests.support.services import ENV, ROOT
 
 pytestmark = pytest.mark.e2e
@@ -131,18 +130,8 @@ def served(tmp_path: Path, wheels: dict[str, Path], tiny_model: Path) -> Iterato
         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         env=_env(), cwd=tmp_path,
     )  # fmt: skip
-    out = ServeOutput(proc)
-    try:
-        assert out.wait_ready(180), out.tail()
+    with serving(proc):
         yield f"127.0.0.1:{port}"
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(60) == 0, out.tail()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        out.join()
-    assert "Traceback" not in out.text, out.text[-3000:]
 
 
 def test_the_client_wheel_alone_talks_to_services_from_the_server_wheel(client_venv: Path, served: str) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -22,7 +21,7 @@ import pytest
 from mmsplit.client import Client
 from mmsplit_cli import launch, private_dirs
 from mmsplit_server.serving import PARENT_ENV, free_port
-from tests.support.serve_output import ServeOutput
+from tests.support.serve_output import ServeOutput, serving
 from tests.support.services import ENV, ROOT
 
 pytestmark = pytest.mark.e2e
@@ -43,12 +42,8 @@ def _serve(args: list[str]) -> subprocess.Popen[str]:
 def test_one_command_serves_both_apis_and_ctrl_c_stops_it_cleanly(chat_models: Callable[[str], Path]) -> None:
     grpc_port, http_port = free_port(), free_port()
     model = chat_models("llava")
-    proc = _serve(["--model", str(model), "--port", str(grpc_port), "--http-port", str(http_port)])
-    out = ServeOutput(proc)
-    lines = out.lines
-    try:
-        assert out.wait_ready(180), out.tail()
-        said = next(line for line in lines if "ready:" in line)
+    with serving(_serve(["--model", str(model), "--port", str(grpc_port), "--http-port", str(http_port)])) as out:
+        said = next(line for line in out.lines if "ready:" in line)
         assert f"127.0.0.1:{grpc_port}" in said
         assert f"http://127.0.0.1:{http_port}/v1" in said
         sdk = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="none")
@@ -58,16 +53,7 @@ def test_one_command_serves_both_apis_and_ctrl_c_stops_it_cleanly(chat_models: C
         assert reply.choices[0].finish_reason in ("stop", "length")
         with Client(f"127.0.0.1:{grpc_port}") as client:
             assert client.complete(messages=[("user", "Hello")], max_tokens=3).text == reply.choices[0].message.content
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(60) == 0, "".join(lines[-30:])
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        out.join()
-    text = out.text
-    assert "Traceback" not in text, text[-3000:]
-    assert "stopping (the tokenizer, then the scheduler)" in text
+    assert "stopping (the tokenizer, then the scheduler)" in out.text
 
 
 def test_a_serve_killed_outright_takes_its_services_with_it(chat_models: Callable[[str], Path]) -> None:
@@ -151,9 +137,7 @@ def test_a_scheduler_port_taken_before_the_scheduler_binds_it_is_drawn_again(
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
             cwd=ROOT, env={**os.environ, **ENV},
         )  # fmt: skip
-        out = ServeOutput(proc)
-        try:
-            assert out.wait_ready(180), out.tail()
+        with serving(proc) as out:
             text = out.text
             assert f"mmsplit serve: another process bound the scheduler's port {held} first" in text
             assert f"scheduler listening on 127.0.0.1:{held}" not in text
@@ -162,14 +146,6 @@ def test_a_scheduler_port_taken_before_the_scheduler_binds_it_is_drawn_again(
             assert port not in (0, held)
             with Client(f"127.0.0.1:{port}") as client:
                 assert client.complete(messages=[("user", "Hello")], max_tokens=3).text
-            proc.send_signal(signal.SIGINT)
-            assert proc.wait(60) == 0, out.tail()
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            out.join()
-    assert "Traceback" not in out.text, out.text[-3000:]
 
 
 def test_a_port_in_use_or_a_missing_model_is_one_line_before_anything_starts(

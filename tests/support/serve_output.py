@@ -1,11 +1,14 @@
 """`mmsplit serve`'s stderr as a test reads it: every line kept, and an
 event set at its ready line (or when the stream ends, so a waiter never
-waits on a process that died)."""
+waits on a process that died); and a serve's life in a test (`serving`)."""
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 READY = "mmsplit serve: ready:"
 
@@ -39,3 +42,21 @@ class ServeOutput:
 
     def join(self) -> None:
         self._reader.join(10)
+
+
+@contextmanager
+def serving(proc: subprocess.Popen[str]) -> Iterator[ServeOutput]:
+    """`proc`, a `mmsplit serve`, once ready; then stopped as a user stops
+    it (SIGINT): exit status 0 and no traceback. Killed if the body fails."""
+    out = ServeOutput(proc)
+    try:
+        assert out.wait_ready(180), out.tail()
+        yield out
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0, out.tail()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        out.join()
+    assert "Traceback" not in out.text, out.text[-3000:]
