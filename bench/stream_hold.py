@@ -16,13 +16,19 @@ slab's shared pages are not in it) while every stream is still running
 
 Printed per round: the anonymous MB with images and with text alone, and
 what each stream with an image held beyond its text-only twin, in MB and
-as a multiple of its body (the base64 of its image). What the image needs
+as a multiple of its body (the base64 of its image).
+
+`--inline`: each service in a mount namespace with a /dev/shm of its own
+(root only), as pods that share none: the tensors go inline, in the
+scheduler request's message, and the scheduler's rank (TP=1) is read too,
+its per-stream figure in MB and as a multiple of the image's tensor. What the image needs
 once preprocessed is its tensor, in the slab: 0 is the floor. Before the
 handler read bodies itself (aiohttp's `request.read()` keeps them on the
 request for as long as it lives) and dropped the parsed body before
 streaming, ~3 bodies a stream (docs/benchmarks.md).
 
     python bench/stream_hold.py [--streams 16] [--tokens 4000] [--image-mb 7] [--rounds 2] [--n 1] [--model DIR]
+                                [--inline]
 """
 
 from __future__ import annotations
@@ -47,6 +53,10 @@ from mmsplit_cli.launch import FreePort, running_pair
 from mmsplit_cli.tiny_model import build_once
 
 CONTEXT = 8192
+# --inline: each service in a mount namespace with a /dev/shm of its own (root only).
+OWN_DEV_SHM = [sys.executable, "-m", "tests.support.mountns", "64m"]
+# The tiny LLaVA's model input for one image: 3 x 336 x 336 float32.
+TENSOR_MB = 3 * 336 * 336 * 4 / 2**20
 
 
 def data_url(mb: float, seed: int) -> str:
@@ -65,11 +75,12 @@ def anonymous_mb(pid: int) -> float:
 
 
 async def held_mb(
-    http: str, model: str, pid: int, urls: list[str | None], tokens: int, settle_s: float, n: int = 1
-) -> float:
-    """The tokenizer's anonymous MB `settle_s` after one stream per entry of
-    `urls` (an image's data: URL, or None: text alone) has its first chunk,
-    every one of them still running; then they are read to their end."""
+    http: str, model: str, pids: list[int], urls: list[str | None], tokens: int, settle_s: float, n: int = 1
+) -> list[float]:
+    """The anonymous MB of each of `pids` `settle_s` after one stream per
+    entry of `urls` (an image's data: URL, or None: text alone) has its
+    first chunk, every one of them still running; then they are read to
+    their end."""
     first = asyncio.Event()
     started = [0]
 
@@ -101,7 +112,7 @@ async def held_mb(
             if stream.done():
                 stream.result()  # its error, if it failed
         await asyncio.sleep(settle_s)
-        mb = anonymous_mb(pid)
+        mb = [anonymous_mb(pid) for pid in pids]
         if any(stream.done() for stream in streams):
             raise RuntimeError(f"streams ended before the reading at {settle_s:g} s: raise --tokens")
         await asyncio.gather(*streams)
@@ -118,6 +129,7 @@ def main() -> None:
     parser.add_argument("--settle-s", type=float, default=13.0)
     parser.add_argument("--workdir", type=Path, default=None, help="where the model and the logs go")
     parser.add_argument("--model", type=Path, default=None, help="this model (with a chat template) instead")
+    parser.add_argument("--inline", action="store_true", help="the tensors inline (each service's own /dev/shm)")
     args = parser.parse_args()
     with scratch_dir(args.workdir) as workdir:
         kept = Path(os.environ[MODELS_DIR]) if os.environ.get(MODELS_DIR) else workdir
@@ -134,25 +146,37 @@ def main() -> None:
             "0",
         ]
         rows = []
-        with running_pair(model, workdir, tp=1, tokenizer_extra=extra) as pair:
-            address, pid = f"127.0.0.1:{http.number}", pair.tokenizer.pid
+        wrapper = OWN_DEV_SHM if args.inline else []
+        scheduler_extra = ["--heap-free-limit-bytes", str(1 << 20), "--encoder-cache-bytes", "0"] if args.inline else []
+        with running_pair(
+            model, workdir, tp=1, tokenizer_extra=extra, scheduler_extra=scheduler_extra, wrapper=wrapper
+        ) as pair:
+            address = f"127.0.0.1:{http.number}"
+            pids = [pair.tokenizer.pid, *([pair.scheduler.pid] if args.inline else [])]
             for r in range(args.rounds):
                 urls = [data_url(args.image_mb, seed=r * args.streams + i) for i in range(args.streams)]
                 body_mb = len(urls[0]) / 2**20
                 began = time.monotonic()
-                hold = (model.name, pid)
+                hold = (model.name, pids)
                 images = asyncio.run(held_mb(address, *hold, list(urls), args.tokens, args.settle_s, args.n))
                 del urls
                 text = asyncio.run(held_mb(address, *hold, [None] * args.streams, args.tokens, args.settle_s, args.n))
-                each = (images - text) / args.streams
-                rows.append([r + 1, f"{images:.0f}", f"{text:.0f}", f"{each:.1f}", f"{each / body_mb:.2f}"])
+                each = [(i - t) / args.streams for i, t in zip(images, text, strict=True)]
+                row = [r + 1, f"{images[0]:.0f}", f"{text[0]:.0f}", f"{each[0]:.1f}", f"{each[0] / body_mb:.2f}"]
+                if args.inline:
+                    row += [f"{images[1]:.0f}", f"{text[1]:.0f}", f"{each[1]:.1f}", f"{each[1] / TENSOR_MB:.2f}"]
+                rows.append(row)
                 print(f"round {r + 1} took {time.monotonic() - began:.0f}s", flush=True)
+        how = "inline (each service's own /dev/shm)" if args.inline else "in shared memory"
         print(
             f"\n{args.streams} chat streams of {args.n} x {args.tokens} tokens at once, each with one "
-            f"{body_mb:.1f} MB data: URL (base64), against the same streams with text alone; the tokenizer's "
+            f"{body_mb:.1f} MB data: URL (base64), against the same streams with text alone, tensors {how}; "
             f"anonymous memory {args.settle_s:g} s after the last stream's first chunk"
         )
-        print(table(["round", "MB with images", "MB text alone", "MB held a stream", "/ its body"], rows))
+        head = ["round", "tokenizer MB, images", "text alone", "MB held a stream", "/ its body"]
+        if args.inline:
+            head += ["scheduler MB, images", "text alone", "MB held a stream", f"/ its tensor ({TENSOR_MB:.2f} MB)"]
+        print(table(head, rows))
 
 
 if __name__ == "__main__":

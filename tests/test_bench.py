@@ -128,13 +128,17 @@ def test_heap_bound_benchmark_s_scheduler_part_prints_both_arms(family_models: C
     assert "answers: given back: {200: 2}; kept: {200: 2}" in result.stdout
 
 
-def test_stream_hold_benchmark_reads_the_tokenizer_while_every_stream_runs(models: Path) -> None:
+def test_stream_hold_benchmark_reads_both_services_while_every_stream_runs(models: Path) -> None:
     """Both sets of streams are read while they run (a round whose streams
-    end first fails) and the table has its round."""
-    args = ["--streams", "2", "--tokens", "4000", "--image-mb", "0.3", "--rounds", "1", "--settle-s", "0.2"]
+    end first fails) and the table has its round; with `--inline` (its
+    other arm differs only by the wrapper and the rank's columns), the
+    services each in a /dev/shm of its own, the scheduler's columns too."""
+    args = ["--streams", "2", "--tokens", "4000", "--image-mb", "0.3", "--rounds", "1", "--settle-s", "0.2", "--inline"]
     result = run_bench("stream_hold.py", args, models=models)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert re.search(r"^1\s+\d+\s+\d+\s+-?[\d.]+\s+-?[\d.]+$", result.stdout, re.M), result.stdout
+    assert "tensors inline" in result.stdout
+    number = r"\s+-?[\d.]+"
+    assert re.search(rf"^1{number * 8}$", result.stdout, re.M), result.stdout
 
 
 def test_shared_prefix_benchmark_prints_both_arms_and_their_ratios(models: Path) -> None:
