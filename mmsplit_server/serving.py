@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import ctypes
 import faulthandler
+import functools
 import hmac
 import inspect
 import ipaddress
@@ -575,6 +576,29 @@ def end_with(context: grpc.aio.ServicerContext, status: grpc.Status) -> None:
     context.set_details(status.details)
 
 
+async def abort(context: grpc.aio.ServicerContext, status: grpc.Status) -> NoReturn:
+    """End a unary call with `status` (a unary handler that returns sends
+    its message, even an empty one, before a non-OK status: `end_with` is
+    for streaming ones). grpc.aio keeps the AbortError this raises on the
+    call's state, and its traceback holds every frame it leaves, the
+    handler's among them, with the call's context: a reference cycle that
+    kept each such call's request (its images' bytes) until a full
+    collection. Once the call is done, the error lets go of its traceback
+    and of any exception it was raised while handling. Call it outside an
+    `except` block: an exception bound there (`except E as exc`) stays in
+    its handler's frame, in a cycle of its own through its traceback."""
+    try:
+        await context.abort_with_status(status)
+    except BaseException as exc:
+        context.add_done_callback(functools.partial(_forget, exc))
+        raise
+    raise AssertionError("abort_with_status returned")
+
+
+def _forget(exc: BaseException, context: grpc.aio.ServicerContext) -> None:
+    exc.__traceback__ = exc.__context__ = exc.__cause__ = None
+
+
 class TokenAuth(grpc.aio.ServerInterceptor):
     """Refuses, with UNAUTHENTICATED and our ErrorInfo, every call that does
     not carry a shared token (`tokens()`: those accepted now) — except
@@ -589,7 +613,8 @@ class TokenAuth(grpc.aio.ServerInterceptor):
             # Aborted: this unary handler answers streaming methods too, and
             # ended with its status set it would send them an empty message
             # first (`end_with`).
-            await context.abort_with_status(Unauthenticated("this server requires a token").to_status())
+            del request  # not kept while the call ends (`abort`)
+            await abort(context, Unauthenticated("this server requires a token").to_status())
 
         self._deny = grpc.unary_unary_rpc_method_handler(deny)
 
@@ -616,10 +641,9 @@ class _Malformed:
 
 
 async def _refuse_malformed(context: grpc.aio.ServicerContext) -> NoReturn:
-    await context.abort_with_status(
-        MalformedMessage("the request is not a valid protobuf message of this method's type").to_status()
+    await abort(
+        context, MalformedMessage("the request is not a valid protobuf message of this method's type").to_status()
     )
-    raise AssertionError("abort_with_status returned")
 
 
 def _refusing_malformed(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:

@@ -34,6 +34,7 @@ from mmsplit_server.serving import (
     RequestSummary,
     SecretFile,
     ServerSecurity,
+    abort,
     end_with,
     health_server,
     new_server,
@@ -214,24 +215,27 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
     async def Tokenize(  # noqa: N802
         self, tokenize: tokenizer_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> tokenizer_pb2.TokenizeResponse:
-        request = tokenize.request
-        # A unary call is aborted: ended with its status set, it would send
-        # an empty message before that status (`end_with`). The AbortError's
-        # cycle holds this call's frames until a collection.
+        # A unary call is aborted (`serving.abort`: ended with its status
+        # set, it would send an empty message before that status), outside
+        # the except blocks, with this frame's request let go.
+        failed: grpc.Status
         try:
-            rid = _request_id(request)
+            rid = _request_id(tokenize.request)
         except InvalidRequest as invalid:
-            await context.abort_with_status(invalid.to_status())
-        try:
-            ids = await self.service.tokenize(request, rid, client_address(context.peer()))
-        except MmsplitError as exc:
-            log.info("tokenizing %s failed: %s", rid, exc)
-            await context.abort_with_status(exc.to_status(rid))
-        except Exception:
-            incident = uuid.uuid4().hex[:12]
-            log.exception("tokenizing %s failed on an unexpected error (incident %s)", rid, incident)
-            await context.abort_with_status(InternalError(f"internal error (incident {incident})").to_status(rid))
-        return tokenizer_pb2.TokenizeResponse(token_ids=ids, max_context_tokens=self.service.link.max_context)
+            failed = invalid.to_status()
+        else:
+            try:
+                ids = await self.service.tokenize(tokenize.request, rid, client_address(context.peer()))
+                return tokenizer_pb2.TokenizeResponse(token_ids=ids, max_context_tokens=self.service.link.max_context)
+            except MmsplitError as exc:
+                log.info("tokenizing %s failed: %s", rid, exc)
+                failed = exc.to_status(rid)
+            except Exception:
+                incident = uuid.uuid4().hex[:12]
+                log.exception("tokenizing %s failed on an unexpected error (incident %s)", rid, incident)
+                failed = InternalError(f"internal error (incident {incident})").to_status(rid)
+        del tokenize
+        await abort(context, failed)
 
     async def GetServerInfo(  # noqa: N802
         self, request: tokenizer_pb2.GetServerInfoRequest, context: grpc.aio.ServicerContext

@@ -8,12 +8,15 @@ import contextlib
 import gc
 from collections.abc import Iterator
 
+from google.protobuf.message import Message
+
 
 @contextlib.contextmanager
 def uncollected() -> Iterator[list[str]]:
     """Within the block the collector is off; after it, the list holds the
-    type names of the exceptions and frames that are left in reference
-    cycles (the block's garbage, found by one collection and not kept).
+    type names of the exceptions, frames and protobuf messages (a request's
+    bytes) that are left in reference cycles (the block's garbage, found by
+    one collection and not kept).
     Collect while the event loop still runs, if there is one: its own
     objects are not garbage then."""
     found: list[str] = []
@@ -24,7 +27,9 @@ def uncollected() -> Iterator[list[str]]:
         yield found
         gc.collect()
         found.extend(
-            type(o).__name__ for o in gc.garbage if isinstance(o, BaseException) or type(o).__name__ == "frame"
+            type(o).__name__
+            for o in gc.garbage
+            if isinstance(o, BaseException | Message) or type(o).__name__ == "frame"
         )
     finally:
         gc.set_debug(0)
