@@ -16,7 +16,6 @@ import pytest
 from mmsplit.tokenizer.v1 import tokenizer_pb2_grpc
 from mmsplit_cli.client import make_request
 from mmsplit_cli.launch import SCHEDULER_SERVICE, TOKENIZER_SERVICE, ServiceProcess, scheduler_args, tokenizer_args
-from mmsplit_server.serving import free_port
 from tests.e2e.helpers import rank_processes
 from tests.support.leaks import wait_until
 from tests.support.services import ENV
@@ -25,8 +24,7 @@ pytestmark = pytest.mark.e2e
 
 
 def _group(tiny_model: Path, tmp_path: Path, *extra: str) -> ServiceProcess:
-    port = free_port()
-    args = scheduler_args(tiny_model, tp=2, extra=["--port", str(port), *extra])
+    args = scheduler_args(tiny_model, tp=2, extra=list(extra))  # --port 0: the port it binds, logged
     proc = ServiceProcess("scheduler", args, tmp_path / "scheduler.log", env=ENV, new_group=True)
     proc.wait_serving(SCHEDULER_SERVICE, 180)
     assert len(rank_processes(proc.pid)) == 1
