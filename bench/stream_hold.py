@@ -18,6 +18,9 @@ Printed per round: the anonymous MB with images and with text alone, and
 what each stream with an image held beyond its text-only twin, in MB and
 as a multiple of its body (the base64 of its image).
 
+`--api grpc`: the same streams through gRPC's Generate, each image's PNG
+by value in the request (its body: the PNG's bytes).
+
 `--inline`: each service in a mount namespace with a /dev/shm of its own
 (root only), as pods that share none: the tensors go inline, in the
 scheduler request's message, and the scheduler's rank (TP=1) is read too,
@@ -28,7 +31,7 @@ request for as long as it lives) and dropped the parsed body before
 streaming, ~3 bodies a stream (docs/benchmarks.md).
 
     python bench/stream_hold.py [--streams 16] [--tokens 4000] [--image-mb 7] [--rounds 2] [--n 1] [--model DIR]
-                                [--inline]
+                                [--inline] [--api grpc]
 """
 
 from __future__ import annotations
@@ -43,12 +46,15 @@ import time
 from pathlib import Path
 
 import aiohttp
+import grpc
 import numpy as np
 from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.harness import MODELS_DIR, ROOT, scratch_dir, table
+from mmsplit.client import build_request
+from mmsplit.tokenizer.v1 import tokenizer_pb2_grpc
 from mmsplit_cli.launch import FreePort, running_pair
 from mmsplit_cli.tiny_model import build_once
 
@@ -74,15 +80,43 @@ def anonymous_mb(pid: int) -> float:
     raise RuntimeError(f"no Anonymous in /proc/{pid}/smaps_rollup")
 
 
+# Room for the gRPC arm's images by value.
+GRPC_OPTIONS = [("grpc.max_send_message_length", 64 << 20)]
+
+
 async def held_mb(
-    http: str, model: str, pids: list[int], urls: list[str | None], tokens: int, settle_s: float, n: int = 1
+    address: str,
+    model: str,
+    pids: list[int],
+    urls: list[str | None],
+    tokens: int,
+    settle_s: float,
+    n: int = 1,
+    api: str = "http",
 ) -> list[float]:
     """The anonymous MB of each of `pids` `settle_s` after one stream per
     entry of `urls` (an image's data: URL, or None: text alone) has its
     first chunk, every one of them still running; then they are read to
-    their end."""
+    their end. `api` "grpc": `address` is the tokenizer's gRPC one, and
+    each image goes by value."""
     first = asyncio.Event()
-    started = [0]
+    started, streaming = [0], len(urls)
+
+    def began() -> None:
+        started[0] += 1
+        if started[0] == streaming:
+            first.set()
+
+    async def over_grpc(stub: tokenizer_pb2_grpc.TokenizerServiceStub, i: int, url: str | None) -> None:
+        images = [base64.b64decode(url.split(",", 1)[1])] if url is not None else []
+        request = build_request(f"Describe picture {i}.", images=images, max_tokens=tokens, min_tokens=tokens)
+        request.n = n
+        del images
+        counted = False
+        async for _ in stub.Generate(request, timeout=600):
+            if not counted:
+                counted = True
+                began()
 
     async def one(session: aiohttp.ClientSession, i: int, url: str | None) -> None:
         content: list[dict[str, object]] = [{"type": "text", "text": f"Describe picture {i}."}]
@@ -92,20 +126,26 @@ async def held_mb(
             "model": model, "messages": [{"role": "user", "content": content}], "max_tokens": tokens,
             "min_tokens": tokens, "stream": True, "n": n,
         }  # fmt: skip
-        async with session.post(f"http://{http}/v1/chat/completions", json=body) as response:
+        async with session.post(f"http://{address}/v1/chat/completions", json=body) as response:
             if response.status != 200:
                 raise RuntimeError(f"stream {i}: HTTP {response.status}: {await response.text()}")
             counted = False
             async for line in response.content:
                 if not counted and line.startswith(b"data:"):
                     counted = True
-                    started[0] += 1
-                    if started[0] == len(urls):
-                        first.set()
+                    began()
 
     timeout = aiohttp.ClientTimeout(total=600)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
-        streams = [asyncio.ensure_future(one(session, i, url)) for i, url in enumerate(urls)]
+    async with (
+        aiohttp.ClientSession(timeout=timeout) as session,
+        grpc.aio.insecure_channel(address, options=GRPC_OPTIONS) as channel,
+    ):
+        stub = tokenizer_pb2_grpc.TokenizerServiceStub(channel)
+        streams = [
+            asyncio.ensure_future(over_grpc(stub, i, url) if api == "grpc" else one(session, i, url))
+            for i, url in enumerate(urls)
+        ]
+        del urls[:]  # the requests hold them now
         waiting = asyncio.ensure_future(first.wait())
         await asyncio.wait([waiting, *streams], return_when=asyncio.FIRST_COMPLETED)
         for stream in streams:
@@ -113,6 +153,9 @@ async def held_mb(
                 stream.result()  # its error, if it failed
         await asyncio.sleep(settle_s)
         mb = [anonymous_mb(pid) for pid in pids]
+        for stream in streams:
+            if stream.done():
+                stream.result()  # its error, if it failed
         if any(stream.done() for stream in streams):
             raise RuntimeError(f"streams ended before the reading at {settle_s:g} s: raise --tokens")
         await asyncio.gather(*streams)
@@ -130,6 +173,7 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=None, help="where the model and the logs go")
     parser.add_argument("--model", type=Path, default=None, help="this model (with a chat template) instead")
     parser.add_argument("--inline", action="store_true", help="the tensors inline (each service's own /dev/shm)")
+    parser.add_argument("--api", choices=("http", "grpc"), default="http", help="how the streams are sent")
     args = parser.parse_args()
     with scratch_dir(args.workdir) as workdir:
         kept = Path(os.environ[MODELS_DIR]) if os.environ.get(MODELS_DIR) else workdir
@@ -151,16 +195,18 @@ def main() -> None:
         with running_pair(
             model, workdir, tp=1, tokenizer_extra=extra, scheduler_extra=scheduler_extra, wrapper=wrapper
         ) as pair:
-            address = f"127.0.0.1:{http.number}"
+            address = pair.tokenizer_address if args.api == "grpc" else f"127.0.0.1:{http.number}"
             pids = [pair.tokenizer.pid, *([pair.scheduler.pid] if args.inline else [])]
             for r in range(args.rounds):
-                urls = [data_url(args.image_mb, seed=r * args.streams + i) for i in range(args.streams)]
-                body_mb = len(urls[0]) / 2**20
+                urls: list[str | None] = [
+                    data_url(args.image_mb, seed=r * args.streams + i) for i in range(args.streams)
+                ]
+                body_mb = len(urls[0] or "") / 2**20 * (3 / 4 if args.api == "grpc" else 1)
                 began = time.monotonic()
                 hold = (model.name, pids)
-                images = asyncio.run(held_mb(address, *hold, list(urls), args.tokens, args.settle_s, args.n))
-                del urls
-                text = asyncio.run(held_mb(address, *hold, [None] * args.streams, args.tokens, args.settle_s, args.n))
+                images = asyncio.run(held_mb(address, *hold, urls, args.tokens, args.settle_s, args.n, args.api))
+                nothing: list[str | None] = [None] * args.streams
+                text = asyncio.run(held_mb(address, *hold, nothing, args.tokens, args.settle_s, args.n, args.api))
                 each = [(i - t) / args.streams for i, t in zip(images, text, strict=True)]
                 row = [r + 1, f"{images[0]:.0f}", f"{text[0]:.0f}", f"{each[0]:.1f}", f"{each[0] / body_mb:.2f}"]
                 if args.inline:
@@ -168,9 +214,14 @@ def main() -> None:
                 rows.append(row)
                 print(f"round {r + 1} took {time.monotonic() - began:.0f}s", flush=True)
         how = "inline (each service's own /dev/shm)" if args.inline else "in shared memory"
+        what = f"gRPC streams ({args.n} x {args.tokens} tokens) at once, each with one {body_mb:.1f} MB PNG by value"
+        if args.api == "http":
+            what = (
+                f"chat streams of {args.n} x {args.tokens} tokens at once, each with one {body_mb:.1f} MB data: URL "
+                "(base64)"
+            )
         print(
-            f"\n{args.streams} chat streams of {args.n} x {args.tokens} tokens at once, each with one "
-            f"{body_mb:.1f} MB data: URL (base64), against the same streams with text alone, tensors {how}; "
+            f"\n{args.streams} {what}, against the same streams with text alone, tensors {how}; "
             f"anonymous memory {args.settle_s:g} s after the last stream's first chunk"
         )
         head = ["round", "tokenizer MB, images", "text alone", "MB held a stream", "/ its body"]

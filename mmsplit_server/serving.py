@@ -21,10 +21,10 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn, TypeVar
+from typing import Any, Generic, NoReturn, TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -640,25 +640,61 @@ class _Malformed:
     """What a request that does not parse becomes, for its handler to refuse."""
 
 
+_Request = TypeVar("_Request")
+
+
+class Handed(Generic[_Request]):
+    """A request handed to whoever takes it (`take`), its giver keeping no
+    reference to it: a protobuf message's strings and bytes are freed only
+    with the whole message, so a streamed call's request (a data: URL's
+    megabytes) would otherwise live as long as every frame that was given
+    it, the answer's end. The taker keeps what it needs once it has used
+    the rest. gRPC's own frames hold a unary-request call's request until
+    the call ends: for the methods `new_server` is told to hand over
+    (`handed`), its servicer is given this instead."""
+
+    __slots__ = ("_request",)
+
+    def __init__(self, request: _Request) -> None:
+        self._request: _Request | None = request
+
+    @property
+    def request(self) -> _Request:
+        """The request, not taken (a look at it: keep no reference)."""
+        if self._request is None:
+            raise RuntimeError("the request was handed over already")
+        return self._request
+
+    def take(self) -> _Request:
+        request = self.request
+        self._request = None
+        return request
+
+
 async def _refuse_malformed(context: grpc.aio.ServicerContext) -> NoReturn:
     await abort(
         context, MalformedMessage("the request is not a valid protobuf message of this method's type").to_status()
     )
 
 
-def _refusing_malformed(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+def _refusing_malformed(handler: grpc.RpcMethodHandler, handed: bool = False) -> grpc.RpcMethodHandler:
     """`handler` with a parse failure answered INVALID_ARGUMENT (our
     ErrorInfo, INVALID_REQUEST) before the servicer acts on it: a unary
     request is checked before the servicer runs; in a streamed request
-    (reflection's) the first message that does not parse ends the call."""
+    (reflection's) the first message that does not parse ends the call.
+    `handed`: the servicer is given the request in a `Handed`, and no
+    frame of gRPC's keeps its bytes (for a unary request and a streamed
+    answer, the one kind that needs it: its call lasts as long as its
+    answer)."""
     parse = handler.request_deserializer
     assert parse is not None
 
     def tolerant(raw: bytes) -> object:
         try:
-            return parse(raw)
+            request = parse(raw)
         except DecodeError:
             return _Malformed()
+        return Handed(request) if handed else request
 
     async def checked_stream(requests: Any, context: grpc.aio.ServicerContext) -> Any:
         async for request in requests:
@@ -696,7 +732,24 @@ def _refusing_malformed(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler
             async for event in events:
                 yield event
 
-    return make(relay, tolerant, handler.response_serializer)
+    if not (handed and kind == "unary_stream"):
+        return make(relay, tolerant, handler.response_serializer)
+
+    async def relay_handed(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+        # Its one request read as a stream of them (on the wire a call is
+        # the same either way): grpc.aio's handler of a unary request keeps
+        # that request's bytes until the call ends, its reader of a stream
+        # only until they are parsed (here, into a `Handed`).
+        try:
+            request = await requests.__anext__()
+        except StopAsyncIteration:
+            request = _Malformed()  # a call without its request
+        async with contextlib.aclosing(relay(request, context)) as events:
+            del request
+            async for event in events:
+                yield event
+
+    return grpc.stream_stream_rpc_method_handler(relay_handed, tolerant, handler.response_serializer)
 
 
 class RefuseMalformed(grpc.aio.ServerInterceptor):
@@ -705,10 +758,12 @@ class RefuseMalformed(grpc.aio.ServerInterceptor):
     answers UNKNOWN and names protobuf's exception: every method, ours,
     health's and reflection's (whose requests are a stream: the first that
     does not parse ends the call). One wrapped handler per method, made on
-    its first call."""
+    its first call. The servicers of the `handed` methods (full names,
+    "/package.Service/Method") are given their request in a `Handed`."""
 
-    def __init__(self) -> None:
+    def __init__(self, handed: Iterable[str] = ()) -> None:
         self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+        self._handed = frozenset(handed)
 
     async def intercept_service(
         self,
@@ -721,7 +776,7 @@ class RefuseMalformed(grpc.aio.ServerInterceptor):
         method = handler_call_details.method or ""
         known = self._wrapped.get(method)
         if known is None or known[0] is not handler:
-            known = self._wrapped[method] = (handler, _refusing_malformed(handler))
+            known = self._wrapped[method] = (handler, _refusing_malformed(handler, method in self._handed))
         return known[1]
 
 
@@ -738,9 +793,11 @@ async def new_server(
     keepalive_timeout_s: float = 10.0,
     max_connection_age_s: float = 0.0,
     max_connections: int = 0,
+    handed: Iterable[str] = (),
 ) -> tuple[grpc.aio.Server, int]:
     """A server with health and reflection registered; returns it and its bound
-    port (`port` 0 picks a free one). The caller adds its servicers first via
+    port (`port` 0 picks a free one). The servicers of the `handed` methods
+    are given their request in a `Handed` (`RefuseMalformed`). The caller adds its servicers first via
     the returned server, then starts it. It pings its clients as
     `keepalive_options` says, and accepts their pings up to one a second,
     with or without calls. With `max_connection_age_s`, each connection is
@@ -764,7 +821,7 @@ async def new_server(
     security = security or ServerSecurity()
     # Credentials first: a caller without them learns nothing, not even
     # whether its bytes parse.
-    interceptors = [*security.interceptors(), RefuseMalformed()]
+    interceptors = [*security.interceptors(), RefuseMalformed(handed)]
     server = grpc.aio.server(options=options, interceptors=interceptors, maximum_concurrent_rpcs=max_concurrent_rpcs)
     health_pb2_grpc.add_HealthServicer_to_server(health_.servicer, server)
     reflection.enable([*service_names, HEALTH_SERVICE], server)

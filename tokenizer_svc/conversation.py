@@ -16,8 +16,9 @@ import math
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
+from mmsplit.scheduler.v1 import scheduler_pb2
 from mmsplit.tokenizer.v1 import tokenizer_pb2
 from mmsplit_server import strict_json
 from mmsplit_server.families import Family, PixelBudget, TileBudget
@@ -520,20 +521,29 @@ def _at(i: int) -> dict[str, str]:
     return {"param": f"messages[{i}]"}
 
 
-# What a choice's own request is without: the media and the prompt, made
-# once for every choice before any is sent (`TokenizerService._media_once`).
+# What a request is without once its media are prepared and its prompt
+# built (the service keeps it so while its answer streams; a choice's own
+# request is so: they are made once for every choice before any is sent,
+# `TokenizerService._media_once`).
 PREPARED_ONCE = frozenset({"prompt", "images", "videos", "messages", "prompt_token_ids", "documents"})
+# The fields that carry media (an HTTP call keeps its request without them
+# while its answer streams: its prompt's text stays, for echo).
+MEDIA = frozenset({"images", "videos", "messages"})
 
 
-def choice_request(request: tokenizer_pb2.GenerateRequest, i: int) -> tokenizer_pb2.GenerateRequest:
-    """The request of choice `i`: one choice, its own seed (none stays none:
-    each choice then derives one from its own downstream id), and none of
-    PREPARED_ONCE (each choice's request lives as long as the choice runs:
-    a copy of its media would be n more copies of a data: URL's megabytes,
-    and a message's strings are freed only with the whole message)."""
-    out = tokenizer_pb2.GenerateRequest()
+# A scheduler request's items (inline: the tensors' bytes).
+ITEMS = frozenset({"items"})
+
+M = TypeVar("M", tokenizer_pb2.GenerateRequest, scheduler_pb2.GenerateRequest)
+
+
+def without(request: M, fields: frozenset[str]) -> M:
+    """A new request of `request`'s fields but `fields`: a message's strings
+    are freed only with the whole message, so clearing its media would
+    free nothing; once the last reference to `request` goes, they do."""
+    out = type(request)()
     for described, value in request.ListFields():
-        if described.name in PREPARED_ONCE:
+        if described.name in fields:
             continue
         if described.is_repeated:
             getattr(out, described.name).extend(value)
@@ -541,6 +551,15 @@ def choice_request(request: tokenizer_pb2.GenerateRequest, i: int) -> tokenizer_
             getattr(out, described.name).CopyFrom(value)
         else:
             setattr(out, described.name, value)
+    return out
+
+
+def choice_request(request: tokenizer_pb2.GenerateRequest, i: int) -> tokenizer_pb2.GenerateRequest:
+    """The request of choice `i`: one choice, its own seed (none stays none:
+    each choice then derives one from its own downstream id), and none of
+    PREPARED_ONCE (each choice's request lives as long as the choice runs:
+    a copy of its media would be n more copies of a data: URL's megabytes)."""
+    out = without(request, PREPARED_ONCE)
     out.n = 1
     if request.sampling.seed and i:
         out.sampling.seed = ((request.sampling.seed + i * SEED_STRIDE) & _U63) or 1

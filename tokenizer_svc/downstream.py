@@ -44,7 +44,7 @@ from mmsplit.tokenizer.v1 import tokenizer_pb2
 from mmsplit_server.families import Family
 from mmsplit_server.handoff import files
 from mmsplit_server.handoff.reference import DTYPE_BY_NAME
-from mmsplit_server.serving import ClientSecurity
+from mmsplit_server.serving import ClientSecurity, Handed
 from tokenizer_svc.errors import SchedulerUnavailable
 from tokenizer_svc.multiplex import CallEnded, StreamedCalls
 from tokenizer_svc.preprocess import PLAIN_ROWS, RowForm
@@ -298,16 +298,23 @@ class SchedulerLink:
         return True
 
     async def generate(
-        self, request: scheduler_pb2.GenerateRequest, *, timeout_s: float | None
+        self,
+        request: Handed[scheduler_pb2.GenerateRequest] | scheduler_pb2.GenerateRequest,
+        *,
+        timeout_s: float | None,
     ) -> AsyncGenerator[scheduler_pb2.GenerateResponse, None]:
         """The request's events from this scheduler: over the shared
         GenerateStream call when it serves one and the request fits in a
         message of it (so that one too large fails alone), else over a
-        Generate call of its own."""
-        if self._streams(request):
-            events = self._streamed.generate(request, timeout_s)
+        Generate call of its own. A request handed over is let go once it
+        is on its way (a Generate call keeps its own until it ends)."""
+        message = request.take() if isinstance(request, Handed) else request
+        del request
+        if self._streams(message):
+            events = self._streamed.generate(Handed(message), timeout_s)
         else:
-            events = self._call(request, timeout_s)
+            events = self._call(message, timeout_s)
+        del message
         try:
             async for response in events:
                 yield response

@@ -537,7 +537,8 @@ class HttpApi:
         if (other := self._other_model(body)) is not None:
             return other
         # The body is parsed into `call`: not held while the answer streams
-        # (its data: URLs are megabytes, and the request has its own copy).
+        # (its data: URLs are megabytes; the request, which has its own
+        # copy, is handed to the service: `Call.hand_over`).
         del got, body
         thinks = self.reasoning if chat else None
         if thinks is not None:  # its prompt's ids say whether the model starts inside its thinking
@@ -599,7 +600,8 @@ class HttpApi:
         requests run at once, prompt p's choices numbered from p * n (each
         prompt a request of `client`'s)."""
         if not call.others:
-            async for response in self.service.generate(call.request, rid, None, client):
+            # Handed over: its media go once prepared (the call keeps the rest).
+            async for response in self.service.generate(call.hand_over(), rid, None, client):
                 yield response.index, response
             return
         sources = [

@@ -28,6 +28,7 @@ import grpc
 
 from mmsplit.errors import E, RemoteError, code_of_reason
 from mmsplit.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
+from mmsplit_server.serving import Handed
 
 
 class _Deadline:
@@ -98,9 +99,13 @@ class _Call:
                 return
 
     async def generate(
-        self, request: scheduler_pb2.GenerateRequest, timeout_s: float | None
+        self, request: Handed[scheduler_pb2.GenerateRequest] | scheduler_pb2.GenerateRequest, timeout_s: float | None
     ) -> AsyncGenerator[scheduler_pb2.GenerateResponse, None]:
-        rid = request.request_id
+        """The request's events; one handed over is let go once queued to
+        be written (its message on the call is a copy)."""
+        message = request.take() if isinstance(request, Handed) else request
+        del request
+        rid = message.request_id
         queue: asyncio.Queue[_Item] = asyncio.Queue()
         self.routes[rid] = queue
         loop = asyncio.get_running_loop()
@@ -110,7 +115,8 @@ class _Call:
             if self.ended is not None:
                 queue.put_nowait(self.ended)
             else:
-                self._outgoing.put_nowait(scheduler_pb2.GenerateStreamRequest(generate=request))
+                self._outgoing.put_nowait(scheduler_pb2.GenerateStreamRequest(generate=message))
+            del message
             held: _Item | None = None  # taken from the queue, not yet handled
             while True:
                 if held is not None:
@@ -171,7 +177,7 @@ class StreamedCalls:
         self._call: _Call | None = None
 
     def generate(
-        self, request: scheduler_pb2.GenerateRequest, timeout_s: float | None
+        self, request: Handed[scheduler_pb2.GenerateRequest] | scheduler_pb2.GenerateRequest, timeout_s: float | None
     ) -> AsyncGenerator[scheduler_pb2.GenerateResponse, None]:
         """The request's events, as a `Generate` call of it would give them."""
         if self._call is None or self._call.ended is not None:

@@ -74,7 +74,8 @@ from mmsplit.errors import E, MmsplitError
 from mmsplit.tokenizer.v1 import tokenizer_pb2
 from mmsplit_server import strict_json
 from mmsplit_server.sampling import MAX_TOP_LOGPROBS
-from tokenizer_svc.conversation import MAX_CACHE_SALT, MAX_CHOICES, MAX_VIDEO_FPS, check_sizes
+from mmsplit_server.serving import Handed
+from tokenizer_svc.conversation import MAX_CACHE_SALT, MAX_CHOICES, MAX_VIDEO_FPS, MEDIA, check_sizes, without
 from tokenizer_svc.errors import InvalidRequest
 from tokenizer_svc.tool_calls import Auto, Forced, choose
 
@@ -176,9 +177,12 @@ def retry_headers(exc: MmsplitError) -> dict[str, str]:
     return {"x-should-retry": "true", "Retry-After": str(seconds)}
 
 
-@dataclass(frozen=True)
+@dataclass
 class Call:
-    """A parsed request (the contract's, n included) and how to answer."""
+    """A parsed request (the contract's, n included) and how to answer.
+    Its first request is handed to the service (`hand_over`), the call
+    keeping a copy without the media; its fields are otherwise not changed
+    once made (`dataclasses.replace` makes another)."""
 
     request: tokenizer_pb2.GenerateRequest
     n: int
@@ -221,6 +225,16 @@ class Call:
     @property
     def requests(self) -> tuple[tokenizer_pb2.GenerateRequest, ...]:
         return (self.request, *self.others)
+
+    def hand_over(self) -> Handed[tokenizer_pb2.GenerateRequest]:
+        """`request`, for the service to take (`TokenizerService.generate`):
+        the call keeps it without its media (`conversation.MEDIA`: its
+        sampling and its prompt's text are what the answer reads), so that
+        a data: URL's megabytes go once the service has prepared them, not
+        when the answer ends. Once: a second call hands over the copy."""
+        given = Handed(self.request)
+        self.request = without(self.request, MEDIA)
+        return given
 
 
 def _listed(message: Any, name: str) -> int:

@@ -30,6 +30,7 @@ from mmsplit_server.handoff import cuda_ipc, files
 from mmsplit_server.metrics import ServiceMetrics
 from mmsplit_server.serving import (
     ClientSecurity,
+    Handed,
     Health,
     RequestSummary,
     SecretFile,
@@ -56,6 +57,8 @@ from tokenizer_svc.settings import TokenizerSettings
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = tokenizer_pb2.DESCRIPTOR.services_by_name["TokenizerService"].full_name
+# Its streamed method, whose request the servicer is handed (`serving.Handed`).
+GENERATE = f"/{SERVICE_NAME}/Generate"
 WATCH_INTERVAL_S = 2.0
 # A watch that keeps failing logs its traceback once, then a line every
 # this many rounds (a minute at the default interval), then its recovery.
@@ -170,21 +173,26 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
         self.retried_calls = 0
 
     async def Generate(  # noqa: N802 (gRPC method name)
-        self, request: tokenizer_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+        self,
+        request: Handed[tokenizer_pb2.GenerateRequest] | tokenizer_pb2.GenerateRequest,
+        context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[tokenizer_pb2.GenerateResponse]:
+        """The server hands the request over (`GENERATE`, `Handed`): the
+        service takes it, and lets its media go once they are prepared."""
+        given = request if isinstance(request, Handed) else Handed(request)
+        del request
         try:
-            rid = _request_id(request)
+            rid = _request_id(given.request)
         except InvalidRequest as invalid:
             end_with(context, invalid.to_status())
             return
         client = client_address(context.peer())
-        summary = RequestSummary(
-            rid, protocol="grpc", client=client, images=len(request.images), videos=len(request.videos)
-        )
+        images, videos = len(given.request.images), len(given.request.videos)
+        summary = RequestSummary(rid, protocol="grpc", client=client, images=images, videos=videos)
         if any(key == "grpc-previous-rpc-attempts" for key, _ in context.invocation_metadata() or ()):
             self.retried_calls += 1
         try:
-            async for response in self.service.generate(request, rid, context.time_remaining(), client):
+            async for response in self.service.generate(given, rid, context.time_remaining(), client):
                 if response.HasField("delta") and response.delta.token_ids:
                     summary.token(len(response.delta.token_ids))
                 elif response.HasField("finished"):
@@ -390,6 +398,7 @@ async def _serve(
             keepalive_timeout_s=settings.keepalive_timeout_s,
             max_connection_age_s=settings.max_connection_age_s,
             max_connections=settings.connection_limit,
+            handed=[GENERATE],
         )
     metrics = _metrics(settings, service, pool)
     servicer = TokenizerServicer(service, settings, metrics)

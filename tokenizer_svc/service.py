@@ -38,17 +38,21 @@ from mmsplit_server.families import PixelBudget, TileBudget
 from mmsplit_server.handoff import cuda_ipc, files, grants, ranges, reference
 from mmsplit_server.handoff.reference import DTYPE_BY_NAME, CudaRef, TensorSpec
 from mmsplit_server.sampling import InvalidSampling, Sampling
+from mmsplit_server.serving import Handed
 from tokenizer_svc import beam_search, reasoning, tool_calls
 from tokenizer_svc.bad_words import token_sequences
 from tokenizer_svc.cache import PreprocessCache, fingerprint
 from tokenizer_svc.conversation import (
+    ITEMS,
     MAX_CACHE_SALT,
     MAX_CHOICES,
+    PREPARED_ONCE,
     Located,
     Parsed,
     VideoSampling,
     choice_request,
     parse,
+    without,
 )
 from tokenizer_svc.detokenize import StopMatcher, make_decoder, stream_text
 from tokenizer_svc.downstream import SchedulerLink, Schedulers
@@ -172,20 +176,30 @@ class TokenizerService:
         self._ids = itertools.count(1)
 
     async def generate(
-        self, request: tokenizer_pb2.GenerateRequest, request_id: str, timeout_s: float | None, client: str = ""
+        self,
+        request: Handed[tokenizer_pb2.GenerateRequest] | tokenizer_pb2.GenerateRequest,
+        request_id: str,
+        timeout_s: float | None,
+        client: str = "",
     ) -> AsyncIterator[tokenizer_pb2.GenerateResponse]:
         """`request`'s responses; `client` names who sent it (what
-        --max-inflight-per-client counts by; "" counts nowhere)."""
-        n = request.n or 1
+        --max-inflight-per-client counts by; "" counts nowhere). A request
+        handed over (`Handed`) is taken: once its media are prepared and
+        its prompt built, the request is kept without them
+        (`PREPARED_ONCE`), and the message with its media's bytes goes
+        while the answer streams (a request given as is stays its giver's)."""
+        given = request if isinstance(request, Handed) else Handed(request)
+        del request
+        n = given.request.n or 1
         with self._admitted(client):
             if n > MAX_CHOICES:
                 raise InvalidRequest(f"n {n} is over the limit {MAX_CHOICES}", metadata={"param": "n"})
-            if request.HasField("beam_search"):
-                source = self._beams(request, request_id, timeout_s)
+            if given.request.HasField("beam_search"):
+                source = self._beams(given, request_id, timeout_s)
             elif n == 1:
-                source = self._generate(request, request_id, timeout_s)
+                source = self._generate(given, request_id, timeout_s)
             else:
-                source = self._choices(request, request_id, timeout_s, n)
+                source = self._choices(given, request_id, timeout_s, n)
             async for response in self._run_in_own_task(source):
                 yield response
 
@@ -279,7 +293,7 @@ class TokenizerService:
                 del task
 
     async def _choices(
-        self, request: tokenizer_pb2.GenerateRequest, rid: str, timeout_s: float | None, n: int
+        self, given: Handed[tokenizer_pb2.GenerateRequest], rid: str, timeout_s: float | None, n: int
     ) -> AsyncGenerator[tokenizer_pb2.GenerateResponse, None]:
         """n independent generations at once, each response tagged with its
         choice; the first failure ends them all (the others are cancelled
@@ -288,9 +302,11 @@ class TokenizerService:
         choice's scheduler request gets its own copy of the media, as a
         beam search's steps do (the scheduler then prefills the prompt once
         for the choices that join one step: `Engine._prefill`)."""
+        request = given.take()
         parsed = await self._checked(request)
         backend = self._backend()
         items, prompt = await self._media_once(request, parsed, rid, backend)
+        request, parsed = without(request, PREPARED_ONCE), dataclasses.replace(parsed, media=[])
         form = backend.row_form(self.family)
 
         async def one(i: int) -> AsyncGenerator[tokenizer_pb2.GenerateResponse, None]:
@@ -326,13 +342,14 @@ class TokenizerService:
         return [p.result for p in prepared], prompt
 
     async def _beams(
-        self, request: tokenizer_pb2.GenerateRequest, rid: str, timeout_s: float | None
+        self, given: Handed[tokenizer_pb2.GenerateRequest], rid: str, timeout_s: float | None
     ) -> AsyncGenerator[tokenizer_pb2.GenerateResponse, None]:
         """Beam search (GenerateRequest.beam_search; `tokenizer_svc.beam_search`
         picks the beams): the media fetched and preprocessed once, then a
         step at a time one token of every live beam asked of the scheduler,
         each with its own copy of the media; the n best beams answered as
         choices when the search ends."""
+        request = given.take()
         width = request.n or 1
         penalty = beam_search.checked(request)
         parsed = self._validate(request)
@@ -356,6 +373,7 @@ class TokenizerService:
         if not request.sampling.ignore_eos:
             ends |= frozenset(info.eos_token_ids)
         items, prompt = await self._media_once(request, parsed, rid, backend)
+        request, parsed = without(request, PREPARED_ONCE), dataclasses.replace(parsed, media=[])
         form = backend.row_form(self.family)
         loop = asyncio.get_running_loop()
         deadline = None if timeout_s is None else loop.time() + timeout_s
@@ -502,15 +520,28 @@ class TokenizerService:
         return tasks
 
     async def _generate(
-        self, request: tokenizer_pb2.GenerateRequest, rid: str, timeout_s: float | None
+        self, given: Handed[tokenizer_pb2.GenerateRequest], rid: str, timeout_s: float | None
     ) -> AsyncGenerator[tokenizer_pb2.GenerateResponse, None]:
+        request = given.take()
         parsed = await self._checked(request)
         # The backend first: whether its media go by shared memory or inline
         # depends on where it is.
         backend = self._backend()
         with self._counted(Assigned(backend, backend.row_form(self.family))) as assigned:
-            async for response in self._generate_on(request, parsed, rid, timeout_s, assigned, backend.transport):
-                yield response
+            info, transport = backend.info, backend.transport
+            ask = ItemAsk(
+                assigned.form,
+                parsed.image_pixels,
+                info.max_tensor_bytes if info is not None else 0,
+                parsed.video_sampling,
+                parsed.image_tiles,
+            )
+            prepared, prompt = await self._media_and_prompt(request, parsed, rid, transport, ask, info)
+            request, parsed = without(request, PREPARED_ONCE), dataclasses.replace(parsed, media=[])
+            handed = self._handed(request, parsed, rid, timeout_s, assigned, transport, prepared, prompt, parsed.calls)
+            async with contextlib.aclosing(_released_after(handed, prepared)) as responses:
+                async for response in responses:
+                    yield response
 
     async def _checked(self, request: tokenizer_pb2.GenerateRequest) -> Parsed:
         """`request` validated, its structure compiled (milliseconds: not on
@@ -543,29 +574,6 @@ class TokenizerService:
             yield assigned
         finally:
             assigned.backend.inflight -= 1
-
-    async def _generate_on(
-        self,
-        request: tokenizer_pb2.GenerateRequest,
-        parsed: Parsed,
-        rid: str,
-        timeout_s: float | None,
-        assigned: Assigned,
-        transport: int,
-    ) -> AsyncGenerator[tokenizer_pb2.GenerateResponse, None]:
-        info = assigned.backend.info
-        ask = ItemAsk(
-            assigned.form,
-            parsed.image_pixels,
-            info.max_tensor_bytes if info is not None else 0,
-            parsed.video_sampling,
-            parsed.image_tiles,
-        )
-        prepared, prompt = await self._media_and_prompt(request, parsed, rid, transport, ask, info)
-        handed = self._handed(request, parsed, rid, timeout_s, assigned, transport, prepared, prompt, parsed.calls)
-        async with contextlib.aclosing(_released_after(handed, prepared)) as responses:
-            async for response in responses:
-                yield response
 
     async def _media_and_prompt(
         self,
@@ -632,16 +640,19 @@ class TokenizerService:
                     p.release_segments()
             # (A beam search's one-token steps: its beams' answers split it, `_beam_choice`.)
             thought = None if search_step else self._thought(request, downstream.input_ids, downstream.sampling)
-            events = self._send(downstream, timeout_s, assigned, transport)
+            events = self._send(Handed(downstream), timeout_s, assigned, transport)
+            # The relay reads the prompt and the sampling; the items (inline:
+            # the tensors' bytes) go once the scheduler has accepted them.
             relayed = self._relay(
                 rid,
-                downstream,
+                without(downstream, ITEMS),
                 events,
                 calls,
                 prompt_ids=request.return_prompt_token_ids,
                 special=request.keep_special_tokens,
                 thought=thought,
             )
+            del downstream, items, results
             async with contextlib.aclosing(relayed) as relay:
                 async for response in relay:
                     if response is None:
@@ -746,23 +757,34 @@ class TokenizerService:
                 _release(prepared)
 
     async def _send(
-        self, downstream: scheduler_pb2.GenerateRequest, timeout_s: float | None, assigned: Assigned, transport: int
+        self,
+        given: Handed[scheduler_pb2.GenerateRequest],
+        timeout_s: float | None,
+        assigned: Assigned,
+        transport: int,
     ) -> AsyncGenerator[scheduler_pb2.GenerateResponse, None]:
         """The scheduler's events. A call that fails before Accepted, the
         backend being unavailable or shutting down, goes once more to another
         ready backend of the same transport (the request's tensors are made
         for it), within the request's deadline; after Accepted, never: tokens
-        may have been streamed."""
+        may have been streamed. The request is let go once accepted (its
+        items, inline, are the tensors' bytes)."""
         loop = asyncio.get_running_loop()
         deadline = None if timeout_s is None else loop.time() + timeout_s
         tried = [assigned.backend]
+        taken = given.take()
+        rid, media = taken.request_id, bool(taken.items)
+        downstream: scheduler_pb2.GenerateRequest | None = taken
+        del taken
         while True:
             accepted = False
             remaining = None if deadline is None else max(0.0, deadline - loop.time())
-            stream = assigned.backend.generate(downstream, timeout_s=remaining)
+            assert downstream is not None  # a failover comes before acceptance
+            stream = assigned.backend.generate(Handed(downstream), timeout_s=remaining)
             try:
                 async for event in stream:
-                    accepted = accepted or event.WhichOneof("event") == "accepted"
+                    if not accepted and event.WhichOneof("event") == "accepted":
+                        accepted, downstream = True, None
                     yield event
                 return
             except (SchedulerUnavailable, RemoteError) as exc:
@@ -770,7 +792,6 @@ class TokenizerService:
                 if not accepted and len(tried) == 1 and exc.error_code in FAILOVER_CODES:
                     # Without media any backend will do; with them, one of
                     # the transport and row form they were made for.
-                    media = bool(downstream.items)
                     again = self.link.pick(
                         exclude=tried, transport=transport if media else 0, form=assigned.form if media else None
                     )
@@ -778,7 +799,7 @@ class TokenizerService:
                     raise
                 log.info(
                     "request %s: %s from %s before acceptance; sending it to %s",
-                    downstream.request_id,
+                    rid,
                     exc.reason,
                     assigned.backend.target,
                     again.target,

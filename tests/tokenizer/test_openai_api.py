@@ -906,7 +906,7 @@ def test_the_responses_api_names_its_own_fields_in_errors_before_and_during_a_st
         tokenizer = None
 
         async def generate(self, request: Any, rid: str, timeout_s: Any, client: str = "") -> Any:
-            if request.sampling.max_tokens == 5:  # fail mid-stream
+            if request.take().sampling.max_tokens == 5:  # handed over (`Call.hand_over`); fail mid-stream
                 yield pb.GenerateResponse(delta=pb.TextDelta(text="So far"))
             raise MediaDecodeFailed("not an image", metadata={"param": "messages[1].content[0]"})
 
