@@ -28,7 +28,9 @@ its per-stream figure in MB and as a multiple of the image's tensor. What the im
 once preprocessed is its tensor, in the slab: 0 is the floor. Before the
 handler read bodies itself (aiohttp's `request.read()` keeps them on the
 request for as long as it lives) and dropped the parsed body before
-streaming, ~3 bodies a stream (docs/benchmarks.md).
+streaming, ~3 bodies a stream; before the request was handed over (the
+service keeping it without its media once prepared), ~1 over HTTP and 2
+over gRPC (docs/benchmarks.md).
 
     python bench/stream_hold.py [--streams 16] [--tokens 4000] [--image-mb 7] [--rounds 2] [--n 1] [--model DIR]
                                 [--inline] [--api grpc]
