@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import hashlib
 import hmac
 import ipaddress
@@ -556,11 +557,17 @@ class HttpApi:
             await tool_calls.check_schema(call.request.sampling.json_schema)
         client = self._client(request)
         summary = RequestSummary(rid, protocol="http", route=request.path, client=client, choices=call.choices)
+        # Its body's bytes count against --max-body-bytes-in-flight until
+        # its answer starts: by then its media are prepared and let go
+        # (`Call.hand_over`), unless a stored Responses answer keeps its
+        # input, or other prompts' requests are still the call's.
+        kept = isinstance(shape, openai_responses.Answer) and shape.keep is not None
+        started = None if kept or call.others else functools.partial(self.bodies.give_back, request)
         try:
             if call.stream:
-                return await self._stream(request, call, shape, rid, summary, client=client)
+                return await self._stream(request, call, shape, rid, summary, client=client, started=started)
             choices = self._tally(call)
-            async for i, response in self._choices(call, rid, client):
+            async for i, response in self._choices(call, rid, client, started):
                 _count(summary, response)
                 _prompted(shape, i, response)
                 choices.add(i, response)
@@ -593,15 +600,19 @@ class HttpApi:
         )  # fmt: skip
 
     async def _choices(
-        self, call: openai_api.Call, rid: str, client: str
+        self, call: openai_api.Call, rid: str, client: str, started: Callable[[], None] | None = None
     ) -> AsyncIterator[tuple[int, tokenizer_pb2.GenerateResponse]]:
         """Every choice's responses as they come (the service runs the n
         choices of a prompt), with the choice's index; several prompts'
         requests run at once, prompt p's choices numbered from p * n (each
-        prompt a request of `client`'s)."""
+        prompt a request of `client`'s). `started` is called with the
+        first response of a call of one prompt."""
         if not call.others:
             # Handed over: its media go once prepared (the call keeps the rest).
             async for response in self.service.generate(call.hand_over(), rid, None, client):
+                if started is not None:
+                    started()
+                    started = None
                 yield response.index, response
             return
         sources = [
@@ -621,13 +632,14 @@ class HttpApi:
         summary: RequestSummary,
         *,
         client: str,
+        started: Callable[[], None] | None = None,
     ) -> web.StreamResponse:
         """Server-sent events (`client`: who sent it, as `_client` names
         them). Errors before the first byte are ordinary error responses
         (the middleware); after it, an error event. However the handler ends
         (a client gone while its media were still being fetched included),
         the request's work is closed here."""
-        events = _Prefetch(self._choices(call, rid, client))
+        events = _Prefetch(self._choices(call, rid, client, started))
         try:
             first = await events.first(self.keepalive_s)
             if first is not None:  # what the prompt refuses (--reasoning-parser's) is a 400, before the stream
@@ -850,8 +862,9 @@ class BodyBudget:
     """The bytes of request bodies this server holds at once
     (--max-body-bytes-in-flight; 0: no limit): each request's, by its
     Content-Length before its body is read (or as a chunked body
-    arrives), until its answer ends, since its request message keeps its
-    media that long (bench/stream_hold.py). Without it, bodies are bounded
+    arrives), until its answer starts (its media are prepared and let go
+    by then: bench/stream_hold.py), or ends where the answer keeps its
+    input (a stored Responses answer) or other prompts' requests. Without it, bodies are bounded
     only by connections x --http-max-body-bytes: a few hundred clients
     uploading 280 MB bodies at once would be gigabytes before any request
     counts against --max-inflight. A request that would pass the limit is

@@ -66,8 +66,9 @@ class TokenizerSettings(ServiceSettings):
     max_body_bytes_in_flight: int = _opt(
         2 * 1024 * 1024 * 1024,
         "HTTP request bodies held at once, bytes: each request's from before its body is read until its answer "
-        "ends (its media stay with it that long); a request that would pass it is OVERLOADED (429, Retry-After) "
-        "unread, one always let through when none is held; 0 = no limit",
+        "starts (its media are prepared and let go by then; until it ends where the answer keeps its input, a "
+        "stored Responses answer, or the request has several prompts); a request that would pass it is "
+        "OVERLOADED (429, Retry-After) unread, one always let through when none is held; 0 = no limit",
         min=0,
     )
     responses_store_bytes: int = _opt(

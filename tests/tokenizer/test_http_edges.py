@@ -19,6 +19,7 @@ import pytest
 from mmsplit.tokenizer.v1 import tokenizer_pb2 as pb
 from tests.support.cycles import uncollected
 from tokenizer_svc.http_api import HttpApi, _Prefetch, start
+from tokenizer_svc.response_store import ResponseStore
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
 
@@ -230,3 +231,59 @@ def test_bodies_past_their_budget_are_refused_unread_until_the_requests_holding_
         assert headers["Retry-After"]
     assert (seen["first"], seen["small"], seen["after"], seen["end"]) == (200, 200, 200, 0)
     assert seen["lone"] == 200
+
+
+class Streaming:
+    """A service whose answers send one delta, then wait for `go`."""
+
+    tokenizer = None
+
+    def __init__(self) -> None:
+        self.go = asyncio.Event()
+
+    async def generate(self, request: Any, rid: str, timeout_s: Any, client: str = "") -> Any:
+        request.take()  # handed over, as the service takes it (`Call.hand_over`)
+        yield pb.GenerateResponse(delta=pb.TextDelta(text="hi"))
+        await self.go.wait()
+        yield pb.GenerateResponse(finished=pb.Finished(finish_reason=1, prompt_tokens=1, completion_tokens=1))
+
+
+def test_a_body_counts_until_its_answer_starts_unless_the_answer_keeps_its_input() -> None:
+    """Once an answer streams its media are prepared and let go, so its
+    body's bytes are given back to --max-body-bytes-in-flight then, not at
+    its end: another 600 KB body is answered beside a streaming one within
+    a 1 MB budget. A stored Responses answer keeps its input (for
+    `previous_response_id`) until it ends: its bytes still count."""
+    text = "x" * 600_000
+    chat = {**CHAT, "messages": [{"role": "user", "content": text}], "stream": True}
+    responses = {"model": "m", "input": text, "stream": True}
+
+    async def run() -> dict[str, Any]:
+        service = Streaming()
+        api = HttpApi(service, model="m", ready=lambda: True, max_body_bytes=1 << 21,  # type: ignore[arg-type]
+                      body_bytes_in_flight=1 << 20, store=ResponseStore(8 << 20))  # fmt: skip
+        runner, port = await start(api, "127.0.0.1", 0)
+        base = f"http://127.0.0.1:{port}/v1"
+        seen: dict[str, Any] = {}
+        try:
+            async with aiohttp.ClientSession() as session:
+                for name, route, body in (("chat", "chat/completions", chat), ("responses", "responses", responses)):
+                    service.go = asyncio.Event()
+                    async with session.post(f"{base}/{route}", json=body) as streaming:
+                        assert streaming.status == 200
+                        await streaming.content.readline()  # the answer has started
+                        seen[f"{name} held"] = api.bodies.held
+                        async with session.post(f"{base}/chat/completions", json=chat) as other:
+                            seen[f"beside {name}"] = other.status  # a stream's headers come with its first event
+                            service.go.set()
+                            await other.read()
+                        await streaming.read()
+                seen["end"] = api.bodies.held
+        finally:
+            await runner.cleanup()
+        return seen
+
+    seen = asyncio.run(run())
+    assert seen["chat held"] == 0, seen
+    assert seen["responses held"] > 600_000, seen
+    assert (seen["beside chat"], seen["beside responses"], seen["end"]) == (200, 429, 0), seen
