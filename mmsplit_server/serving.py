@@ -658,6 +658,12 @@ class Handed(Generic[_Request]):
     def __init__(self, request: _Request) -> None:
         self._request: _Request | None = request
 
+    @classmethod
+    def of(cls, request: Handed[_Request] | _Request) -> Handed[_Request]:
+        """`request` if handed over already, else handed over now (the
+        giver of a plain request keeps its own reference)."""
+        return request if isinstance(request, Handed) else cls(request)
+
     @property
     def request(self) -> _Request:
         """The request, not taken (a look at it: keep no reference)."""

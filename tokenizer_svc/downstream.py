@@ -308,7 +308,7 @@ class SchedulerLink:
         message of it (so that one too large fails alone), else over a
         Generate call of its own. A request handed over is let go once it
         is on its way (a Generate call keeps its own until it ends)."""
-        message = request.take() if isinstance(request, Handed) else request
+        message: scheduler_pb2.GenerateRequest = Handed.of(request).take()
         del request
         if self._streams(message):
             events = self._streamed.generate(Handed(message), timeout_s)

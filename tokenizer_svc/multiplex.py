@@ -103,7 +103,7 @@ class _Call:
     ) -> AsyncGenerator[scheduler_pb2.GenerateResponse, None]:
         """The request's events; one handed over is let go once queued to
         be written (its message on the call is a copy)."""
-        message = request.take() if isinstance(request, Handed) else request
+        message: scheduler_pb2.GenerateRequest = Handed.of(request).take()
         del request
         rid = message.request_id
         queue: asyncio.Queue[_Item] = asyncio.Queue()

@@ -179,7 +179,7 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServiceServicer):
     ) -> AsyncIterator[tokenizer_pb2.GenerateResponse]:
         """The server hands the request over (`GENERATE`, `Handed`): the
         service takes it, and lets its media go once they are prepared."""
-        given = request if isinstance(request, Handed) else Handed(request)
+        given: Handed[tokenizer_pb2.GenerateRequest] = Handed.of(request)
         del request
         try:
             rid = _request_id(given.request)

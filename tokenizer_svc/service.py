@@ -188,7 +188,7 @@ class TokenizerService:
         its prompt built, the request is kept without them
         (`PREPARED_ONCE`), and the message with its media's bytes goes
         while the answer streams (a request given as is stays its giver's)."""
-        given = request if isinstance(request, Handed) else Handed(request)
+        given: Handed[tokenizer_pb2.GenerateRequest] = Handed.of(request)
         del request
         n = given.request.n or 1
         with self._admitted(client):
