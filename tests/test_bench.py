@@ -133,7 +133,7 @@ def test_stream_hold_benchmark_reads_both_services_while_every_stream_runs(model
     end first fails) and the table has its round; with `--inline` (its
     other arm differs only by the wrapper and the rank's columns), the
     services each in a /dev/shm of its own, the scheduler's columns too."""
-    args = ["--streams", "2", "--tokens", "4000", "--image-mb", "0.3", "--rounds", "1", "--settle-s", "0.2", "--inline"]
+    args = ["--streams", "2", "--tokens", "2000", "--image-mb", "0.3", "--rounds", "1", "--settle-s", "0.2", "--inline"]
     result = run_bench("stream_hold.py", args, models=models)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "tensors inline" in result.stdout
