@@ -306,7 +306,7 @@ class TokenizerService:
         parsed = await self._checked(request)
         backend = self._backend()
         items, prompt = await self._media_once(request, parsed, rid, backend)
-        request, parsed = without(request, PREPARED_ONCE), dataclasses.replace(parsed, media=[])
+        request, parsed = _prepared(request, parsed)
         form = backend.row_form(self.family)
 
         async def one(i: int) -> AsyncGenerator[tokenizer_pb2.GenerateResponse, None]:
@@ -329,13 +329,7 @@ class TokenizerService:
         bytes (each scheduler request gets its own copy: `_copies`), and its
         prompt."""
         info = backend.info
-        ask = ItemAsk(
-            backend.row_form(self.family),
-            parsed.image_pixels,
-            info.max_tensor_bytes if info is not None else 0,
-            parsed.video_sampling,
-            parsed.image_tiles,
-        )
+        ask = _ask(backend.row_form(self.family), parsed, info)
         inline = common_pb2.TRANSPORT_INLINE
         prepared, prompt = await self._media_and_prompt(request, parsed, rid, inline, ask, info)
         _release(prepared)  # bytes: nothing shared is held
@@ -373,7 +367,7 @@ class TokenizerService:
         if not request.sampling.ignore_eos:
             ends |= frozenset(info.eos_token_ids)
         items, prompt = await self._media_once(request, parsed, rid, backend)
-        request, parsed = without(request, PREPARED_ONCE), dataclasses.replace(parsed, media=[])
+        request, parsed = _prepared(request, parsed)
         form = backend.row_form(self.family)
         loop = asyncio.get_running_loop()
         deadline = None if timeout_s is None else loop.time() + timeout_s
@@ -529,15 +523,9 @@ class TokenizerService:
         backend = self._backend()
         with self._counted(Assigned(backend, backend.row_form(self.family))) as assigned:
             info, transport = backend.info, backend.transport
-            ask = ItemAsk(
-                assigned.form,
-                parsed.image_pixels,
-                info.max_tensor_bytes if info is not None else 0,
-                parsed.video_sampling,
-                parsed.image_tiles,
-            )
+            ask = _ask(assigned.form, parsed, info)
             prepared, prompt = await self._media_and_prompt(request, parsed, rid, transport, ask, info)
-            request, parsed = without(request, PREPARED_ONCE), dataclasses.replace(parsed, media=[])
+            request, parsed = _prepared(request, parsed)
             handed = self._handed(request, parsed, rid, timeout_s, assigned, transport, prepared, prompt, parsed.calls)
             async with contextlib.aclosing(_released_after(handed, prepared)) as responses:
                 async for response in responses:
@@ -1347,6 +1335,19 @@ class Assigned:
 
     backend: SchedulerLink
     form: RowForm = PLAIN_ROWS
+
+
+def _prepared(request: tokenizer_pb2.GenerateRequest, parsed: Parsed) -> tuple[tokenizer_pb2.GenerateRequest, Parsed]:
+    """What a request is kept as once its media are prepared and its prompt
+    built: without them (`PREPARED_ONCE`), so that the message with their
+    bytes goes while its answer streams."""
+    return without(request, PREPARED_ONCE), dataclasses.replace(parsed, media=[])
+
+
+def _ask(form: RowForm, parsed: Parsed, info: common_pb2.ServerInfo | None) -> ItemAsk:
+    """How a request's media rows are made for a backend, and what bounds them."""
+    max_bytes = info.max_tensor_bytes if info is not None else 0
+    return ItemAsk(form, parsed.image_pixels, max_bytes, parsed.video_sampling, parsed.image_tiles)
 
 
 @dataclass
