@@ -308,10 +308,14 @@ class TokenizerService:
         items, prompt = await self._media_once(request, parsed, rid, backend)
         request, parsed = _prepared(request, parsed)
         form = backend.row_form(self.family)
+        # A list of the media for each choice, let go once its copy is made:
+        # the media are not kept while the answers stream.
+        shares = [list(items) for _ in range(n)]
+        del items
 
         async def one(i: int) -> AsyncGenerator[tokenizer_pb2.GenerateResponse, None]:
             sent = self._with_copies(choice_request(request, i), parsed, rid, timeout_s, Assigned(backend, form),
-                                     items, prompt, parsed.calls)  # fmt: skip
+                                     shares.pop(), prompt, parsed.calls)  # fmt: skip
             async with contextlib.aclosing(sent) as responses:
                 async for response in responses:
                     response.index = i
@@ -448,6 +452,7 @@ class TokenizerService:
         with self._counted(assigned):
             transport = assigned.backend.transport
             prepared = await self._copies(items, transport)
+            del items  # (the caller's to keep, a beam search's for its next step)
             handed = self._handed(
                 request, parsed, rid, timeout_s, assigned, transport, prepared, prompt, calls, search_step=search_step
             )
@@ -626,6 +631,8 @@ class TokenizerService:
                 # Their bytes are in the message now: one-off segments have done their job.
                 for p in prepared:
                     p.release_segments()
+            for p in prepared:
+                p.sent()
             # (A beam search's one-token steps: its beams' answers split it, `_beam_choice`.)
             thought = None if search_step else self._thought(request, downstream.input_ids, downstream.sampling)
             events = self._send(Handed(downstream), timeout_s, assigned, transport)
@@ -1374,6 +1381,15 @@ class Prepared:
         for piece, claim in self.claims:
             if not files.is_slab(piece.segment):
                 claim.release()
+
+    def sent(self) -> None:
+        """Its scheduler request is made: the tensors' bytes (inline ones,
+        what an inline transport's are) are in that message now, and what
+        is left to do (release, disown) needs only the claims."""
+        tensors = self.result.tensors
+        if any(t.inline is not None for t in tensors):
+            kept = tuple(dataclasses.replace(t, inline=None) for t in tensors)
+            self.result = dataclasses.replace(self.result, tensors=kept)
 
 
 def joined_deltas(

@@ -116,11 +116,16 @@ def test_an_http_call_hands_its_request_over_and_keeps_it_without_media() -> Non
 
 
 class Pool:
-    """Answers every image with the same small pixels, inline."""
+    """Answers every image with small pixels, inline (as workers do for an
+    inline transport); keeps each answer's bytes in `made`."""
+
+    def __init__(self) -> None:
+        self.made: list[bytes] = []
 
     async def preprocess(self, job: Job, *, timeout_s: float, request_id: str) -> ItemResult:
         pixels = np.zeros((1, 3, 8, 8), dtype=np.float32)
-        tensor = ItemTensor("pixel_values", "float32", pixels.shape, pixels.nbytes, inline=pixels.tobytes())
+        self.made.append(pixels.tobytes())
+        tensor = ItemTensor("pixel_values", "float32", pixels.shape, pixels.nbytes, inline=self.made[-1])
         return ItemResult(common_pb2.MODALITY_IMAGE, (tensor,), tokens=4, content_hash=b"", width=8, height=8)
 
 
@@ -140,6 +145,8 @@ class Backend:
     def __init__(self) -> None:
         self.inflight = 0
         self.go_on = asyncio.Event()
+        # Set once `expect` answers are held open (every choice streaming).
+        self.holding, self.expect, self.all_held = 0, 1, asyncio.Event()
 
     def row_form(self, family: Any) -> Any:
         return PLAIN_ROWS
@@ -150,6 +157,9 @@ class Backend:
     async def generate(self, request: scheduler_pb2.GenerateRequest, *, timeout_s: float | None) -> AsyncIterator[Any]:
         yield scheduler_pb2.GenerateResponse(accepted=scheduler_pb2.Accepted())
         yield scheduler_pb2.GenerateResponse(tokens=scheduler_pb2.Tokens(token_ids=[5]))
+        self.holding += 1
+        if self.holding == self.expect:
+            self.all_held.set()
         await self.go_on.wait()
         yield scheduler_pb2.GenerateResponse(tokens=scheduler_pb2.Tokens(token_ids=[6]))
         done = scheduler_pb2.Finished(finish_reason=common_pb2.FINISH_REASON_LENGTH, completion_tokens=2)
@@ -169,27 +179,33 @@ class Link:
 def test_the_service_keeps_a_streaming_request_without_its_media(tiny_model: Path) -> None:
     """The real service (a stand-in pool, media loader and scheduler): one
     choice, and n choices, each hold the request only until its media are
-    prepared and its prompt built."""
-    settings = TokenizerSettings(model_dir=tiny_model)
+    prepared and its prompt built, and the preprocessed tensors' bytes (an
+    inline transport's) only until they are in the scheduler request."""
+    settings = TokenizerSettings(model_dir=tiny_model, preprocess_cache_bytes=0)  # a cache keeps tensors by design
     family, tokenizer, template = _load_processor(settings)
-    backend = Backend()
-    service = TokenizerService(settings, family, tokenizer, Media(), Pool(), None, chat_template=template)  # type: ignore[arg-type]
+    backend, pool = Backend(), Pool()
+    service = TokenizerService(settings, family, tokenizer, Media(), pool, None, chat_template=template)  # type: ignore[arg-type]
     service.link = Link(backend)  # type: ignore[assignment]
 
-    async def look(n: int) -> list[str]:
+    async def look(n: int) -> tuple[list[str], list[str]]:
         request = tokenizer_pb2.GenerateRequest(request_id=f"n{n}", prompt="Describe it.", n=n)
         request.images.add(data=b"an image")
         request.sampling.max_tokens = 2
-        backend.go_on = asyncio.Event()
+        backend.go_on, backend.all_held = asyncio.Event(), asyncio.Event()
+        backend.holding, backend.expect = 0, n
+        pool.made.clear()
         stream = service.generate(Handed(request), request.request_id, 30.0)
         await stream.__anext__()  # streaming now: the first token's delta
+        await backend.all_held.wait()  # every choice's answer
         referrers = [type(r).__name__ for r in gc.get_referrers(request)]
+        # The pool's list alone refers to the bytes it made.
+        tensors = [type(r).__name__ for made in pool.made for r in gc.get_referrers(made) if r is not pool.made]
         backend.go_on.set()
         async for _ in stream:
             pass
-        return referrers
+        return referrers, tensors
 
-    async def run() -> dict[str, list[str]]:
+    async def run() -> dict[str, tuple[list[str], list[str]]]:
         return {"one": await look(1), "n=2": await look(2)}
 
-    assert asyncio.run(run()) == {"one": [], "n=2": []}
+    assert asyncio.run(run()) == {"one": ([], []), "n=2": ([], [])}
