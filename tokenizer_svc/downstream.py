@@ -29,7 +29,7 @@ import itertools
 import json
 import logging
 import socket
-from collections.abc import AsyncGenerator, Collection
+from collections.abc import AsyncGenerator, AsyncIterator, Collection
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -56,6 +56,7 @@ WAIT_LOG_S = 15.0
 RECONNECT_INITIAL_MS = 250
 RECONNECT_MAX_MS = 2000
 SCHEDULER_SERVICE = scheduler_pb2.DESCRIPTOR.services_by_name["SchedulerService"].full_name
+SCHEDULER_GENERATE = f"/{SCHEDULER_SERVICE}/Generate"
 # One address per channel: round_robin over it is pick_first that also runs
 # gRPC's client-side health checking (pick_first does not).
 SERVICE_CONFIG = json.dumps(
@@ -103,6 +104,11 @@ def fits_in_stream(info: common_pb2.ServerInfo, request: scheduler_pb2.GenerateR
     beyond that goes by a Generate call of its own, so that its refusal
     (RESOURCE_EXHAUSTED) ends that call alone, not the stream of every other."""
     return info.generate_stream and request.ByteSize() + STREAM_ENVELOPE_BYTES <= info.max_message_bytes
+
+
+async def _written_once(request: Handed[scheduler_pb2.GenerateRequest]) -> AsyncIterator[scheduler_pb2.GenerateRequest]:
+    """The messages of a call of one request, which it takes."""
+    yield request.take()
 
 
 class SchedulerLink:
@@ -159,6 +165,15 @@ class SchedulerLink:
         self._probed = False  # what fails its health checks was asked what it is (once until it answers)
         self.stub = scheduler_pb2_grpc.SchedulerServiceStub(self.channel)
         self._streamed = StreamedCalls(self.stub, self._metadata)
+        # Generate called as a stream of one request (on the wire the same
+        # call): grpc.aio's unary call keeps its request, inline tensors'
+        # bytes and all, until the call ends; a stream's writer only until
+        # the request is written.
+        self._generate_once = self.channel.stream_stream(
+            SCHEDULER_GENERATE,
+            request_serializer=scheduler_pb2.GenerateRequest.SerializeToString,
+            response_deserializer=scheduler_pb2.GenerateResponse.FromString,
+        )
         self.info: common_pb2.ServerInfo | None = None
         self.transport = common_pb2.TRANSPORT_UNSPECIFIED
         self._namespace = files.namespace_id()
@@ -307,13 +322,13 @@ class SchedulerLink:
         GenerateStream call when it serves one and the request fits in a
         message of it (so that one too large fails alone), else over a
         Generate call of its own. A request handed over is let go once it
-        is on its way (a Generate call keeps its own until it ends)."""
+        is on its way."""
         message: scheduler_pb2.GenerateRequest = Handed.of(request).take()
         del request
         if self._streams(message):
             events = self._streamed.generate(Handed(message), timeout_s)
         else:
-            events = self._call(message, timeout_s)
+            events = self._call(Handed(message), timeout_s)
         del message
         try:
             async for response in events:
@@ -331,9 +346,10 @@ class SchedulerLink:
         return self.settings.scheduler_stream and self.info is not None and fits_in_stream(self.info, request)
 
     async def _call(
-        self, request: scheduler_pb2.GenerateRequest, timeout_s: float | None
+        self, request: Handed[scheduler_pb2.GenerateRequest], timeout_s: float | None
     ) -> AsyncGenerator[scheduler_pb2.GenerateResponse, None]:
-        call = self.stub.Generate(request, timeout=timeout_s, metadata=self._metadata())
+        call = self._generate_once(_written_once(request), timeout=timeout_s, metadata=self._metadata())
+        del request
         try:
             async for response in call:
                 yield response

@@ -27,8 +27,8 @@ import openai
 from mmsplit.common.v1 import common_pb2
 from mmsplit.scheduler.v1 import scheduler_pb2
 from mmsplit.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
-from mmsplit_server.serving import Handed, Health, new_server
-from tokenizer_svc.downstream import PLAIN_ROWS
+from mmsplit_server.serving import ClientSecurity, Handed, Health, new_server
+from tokenizer_svc.downstream import PLAIN_ROWS, SCHEDULER_SERVICE, SchedulerLink
 from tokenizer_svc.http_api import HttpApi, start
 from tokenizer_svc.preprocess import ItemResult, ItemTensor, Job
 from tokenizer_svc.server import GENERATE, SERVICE_NAME, TokenizerServicer, _load_processor
@@ -93,6 +93,48 @@ def test_grpc_hands_a_streamed_request_over_and_keeps_no_copy_of_its_bytes() -> 
     assert len(answers) == 1
     assert service.referrers == [], service.referrers
     assert service.left == [], f"blocks of {service.left} bytes kept while the answer streamed"
+
+
+def test_a_generate_call_to_the_scheduler_keeps_no_request_while_it_answers() -> None:
+    """A scheduler request that goes by a Generate call of its own
+    (--scheduler-stream false, or one too large for the shared stream):
+    nothing refers to it while its answer streams. grpc.aio's unary call
+    kept it, inline tensors and all, until the call ended; the call is
+    made as a stream of one request."""
+    go_on = asyncio.Event()
+
+    async def generate(request: scheduler_pb2.GenerateRequest, context: Any) -> AsyncIterator[Any]:
+        yield scheduler_pb2.GenerateResponse(accepted=scheduler_pb2.Accepted())
+        yield scheduler_pb2.GenerateResponse(tokens=scheduler_pb2.Tokens(token_ids=[5]))
+        await go_on.wait()
+        yield scheduler_pb2.GenerateResponse(finished=scheduler_pb2.Finished(completion_tokens=1))
+
+    async def run() -> tuple[list[str], int]:
+        server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
+        method = grpc.unary_stream_rpc_method_handler(
+            generate,
+            request_deserializer=scheduler_pb2.GenerateRequest.FromString,
+            response_serializer=scheduler_pb2.GenerateResponse.SerializeToString,
+        )
+        server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SCHEDULER_SERVICE, {"Generate": method})])
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        settings = TokenizerSettings(model_dir=Path("unused"), scheduler_stream=False)
+        link = SchedulerLink(settings, ClientSecurity(), f"127.0.0.1:{port}")
+        try:
+            request = scheduler_pb2.GenerateRequest(request_id="r", input_ids=[1, 2])
+            request.items.add().tensors["pixel_values"].inline = b"\1" * BIG
+            events = link.generate(Handed(request), timeout_s=30.0)
+            answers = [await events.__anext__(), await events.__anext__()]  # accepted, then a token
+            referrers = [type(r).__name__ for r in gc.get_referrers(request)]
+            go_on.set()
+            answers += [event async for event in events]
+            return referrers, len(answers)
+        finally:
+            await link.close()
+            await server.stop(None)
+
+    assert asyncio.run(run()) == ([], 3)
 
 
 def test_an_http_call_hands_its_request_over_and_keeps_it_without_media() -> None:
