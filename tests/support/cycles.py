@@ -4,8 +4,10 @@ once, without waiting for a collection)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gc
+import time
 from collections.abc import Iterator
 
 from google.protobuf.message import Message
@@ -35,3 +37,20 @@ def uncollected() -> Iterator[list[str]]:
         gc.set_debug(0)
         gc.garbage.clear()
         gc.enable()
+
+
+# The coroutines of a grpc.aio server's tasks for one call (its Cython
+# source, grpcio 1.85): the call's server side runs until both are done.
+_SERVER_CALL = frozenset({"_schedule_rpc_coro", "_handle_exceptions"})
+
+
+async def server_calls_ended(timeout_s: float = 30.0) -> None:
+    """Wait until no grpc.aio server call runs on this event loop: a call's
+    server side ends (its done callbacks run, its state is let go) a little
+    after its client has the status, on core's word that the call closed."""
+    deadline = time.monotonic() + timeout_s
+    while any(getattr(t.get_coro(), "__qualname__", "") in _SERVER_CALL for t in asyncio.all_tasks()):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"a gRPC server call still ran after {timeout_s} s")
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0)  # the ended tasks' own done callbacks

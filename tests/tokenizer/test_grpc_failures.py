@@ -19,7 +19,7 @@ import grpc
 from mmsplit.errors import error_info_of
 from mmsplit.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from mmsplit_server.serving import TokenAuth
-from tests.support.cycles import uncollected
+from tests.support.cycles import server_calls_ended, uncollected
 from tokenizer_svc.errors import MediaDecodeFailed
 from tokenizer_svc.server import TokenizerServicer
 from tokenizer_svc.settings import TokenizerSettings
@@ -74,14 +74,14 @@ async def _calls() -> tuple[list[str], list[tuple[grpc.StatusCode, str]], list[s
                 for i in range(3):
                     await streamed(tokenizer_pb2.GenerateRequest(request_id=f"r{i}"))
                     await streamed(tokenizer_pb2.GenerateRequest(request_id="\x00bad"))
-                await asyncio.sleep(0.1)  # the calls' own ends, on the server's side
+                await server_calls_ended()
             # Unary calls are aborted (no message before the status).
             await one(stub.Tokenize(tokenizer_pb2.TokenizeRequest(request=tokenizer_pb2.GenerateRequest())))
             with uncollected() as unary:
                 for i in range(3):
                     await one(stub.Tokenize(_tokenize(f"t{i}")))
                     await one(stub.Tokenize(_tokenize("\x00bad")))
-                await asyncio.sleep(0.1)
+                await server_calls_ended()
     finally:
         await server.stop(None)
     return found, ended, messages, unary
@@ -128,7 +128,7 @@ async def _denied() -> tuple[list[object], grpc.StatusCode | None, list[str]]:
                         await stub.Tokenize(_tokenize(f"no-token-{i}"))
                     except grpc.aio.AioRpcError as refused:
                         codes.append(refused.code())
-                await asyncio.sleep(0.1)
+                await server_calls_ended()
     finally:
         await server.stop(None)
     return got, codes[0] if set(codes) == {codes[0]} and len(codes) == 6 else None, found
