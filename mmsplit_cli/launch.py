@@ -282,6 +282,37 @@ def _drawn(args: Sequence[Arg]) -> list[str]:
     return [arg.draw() if isinstance(arg, FreePort) else arg for arg in args]
 
 
+def started(
+    name: str,
+    args: Sequence[Arg],
+    log_path: Path,
+    ready: Callable[[ServiceProcess], object],
+    *,
+    env: dict[str, str] | None = None,
+) -> ServiceProcess:
+    """One `ServiceProcess` of `args`, once `ready(it)` returns (its
+    `wait_serving`, say); the caller stops it. A `FreePort` among `args` is
+    drawn at each attempt, and a start that failed because a port was taken
+    before it was bound is made again, up to START_ATTEMPTS times (each
+    failed attempt's log kept beside `log_path`)."""
+    for attempt in range(1, START_ATTEMPTS + 1):
+        proc = ServiceProcess(name, _drawn(args), log_path, env=env)
+        try:
+            ready(proc)
+        except StartFailed:
+            proc.stop()
+            if not proc.port_taken() or attempt == START_ATTEMPTS:
+                raise
+            log.warning("a port was taken before it was bound (attempt %d); starting %s again", attempt, name)
+            log_path.rename(log_path.with_suffix(f".attempt{attempt}.log"))
+            continue
+        except BaseException:
+            proc.stop()
+            raise
+        return proc
+    raise AssertionError("unreachable: the last attempt returns or raises")
+
+
 def _stop_all(processes: Sequence[ServiceProcess]) -> None:
     # Both drain at once (the tokenizer is told first): most of a stop is
     # each process's own exit, which need not wait for the other's.

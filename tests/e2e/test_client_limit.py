@@ -18,12 +18,10 @@ import pytest
 
 from mmsplit.tokenizer.v1 import tokenizer_pb2_grpc
 from mmsplit_cli.client import make_request
-from mmsplit_cli.launch import Pair
-from mmsplit_server.serving import free_port
-from tests.conftest import TOKENIZER_SERVICE
+from mmsplit_cli.launch import FreePort, Pair
 from tests.e2e.helpers import scrape, served_over_http
 from tests.support.leaks import wait_until
-from tests.support.services import ENV, ServiceProcess, tokenizer_args
+from tests.support.services import ServiceProcess, started_tokenizer
 from tokenizer_svc.server import client_address
 
 pytestmark = pytest.mark.e2e
@@ -53,14 +51,11 @@ class Limited:
 def _limited_tokenizer(services: Pair, model: Path, logs: Path, extra: list[str]) -> Iterator[Limited]:
     """A tokenizer of its own in front of the shared scheduler, with `extra`,
     an HTTP port and a metrics port."""
-    http, metrics = free_port(), free_port()
-    extra = [*extra, "--http-port", str(http), "--metrics-port", str(metrics)]
-    tok = ServiceProcess(
-        "tokenizer", tokenizer_args(model, services.scheduler_address, extra=extra), logs / "tok.log", env=ENV
-    )
+    http, metrics = FreePort(), FreePort()
+    ports = ["--http-port", http, "--metrics-port", metrics]
+    tok = started_tokenizer(model, services.scheduler_address, logs / "tok.log", extra=[*extra, *ports])
     try:
-        tok.wait_serving(TOKENIZER_SERVICE, 180)
-        yield Limited(tok, http, metrics)
+        yield Limited(tok, http.number, metrics.number)
     finally:
         tok.stop()
 

@@ -19,13 +19,11 @@ import pytest
 from mmsplit.tokenizer.v1 import tokenizer_pb2_grpc
 from mmsplit_cli import samples
 from mmsplit_cli.client import Outcome, make_request, run_request
-from mmsplit_cli.launch import Pair
-from mmsplit_server.serving import free_port
-from tests.conftest import TOKENIZER_SERVICE
+from mmsplit_cli.launch import Arg, FreePort, Pair
 from tests.e2e.helpers import scrape, served_over_http
 from tests.support.leaks import wait_until
 from tests.support.origins import Origin, local_origin
-from tests.support.services import ENV, ServiceProcess, tokenizer_args
+from tests.support.services import ServiceProcess, started_tokenizer
 
 pytestmark = pytest.mark.e2e
 LIMIT = 4
@@ -44,15 +42,14 @@ class Limited:
 
 @pytest.fixture(scope="module")
 def limited(services: Pair, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Limited]:
-    http, metrics = free_port(), free_port()
+    http, metrics = FreePort(), FreePort()
     with local_origin(samples.good_png(seed=21)) as origin:
-        extra = ["--max-connections", str(LIMIT), "--http-port", str(http), "--metrics-port", str(metrics)]
+        extra: list[Arg] = ["--max-connections", str(LIMIT), "--http-port", http, "--metrics-port", metrics]
         extra += ["--private-fetch-exempt", origin.address]
-        args = tokenizer_args(tiny_model, services.scheduler_address, extra=extra)
-        tok = ServiceProcess("tokenizer", args, tmp_path_factory.mktemp("limited") / "tok.log", env=ENV)
+        log = tmp_path_factory.mktemp("limited") / "tok.log"
+        tok = started_tokenizer(tiny_model, services.scheduler_address, log, extra=extra)
         try:
-            tok.wait_serving(TOKENIZER_SERVICE, 180)
-            yield Limited(tok, http, metrics, origin)
+            yield Limited(tok, http.number, metrics.number, origin)
         finally:
             tok.stop()
 

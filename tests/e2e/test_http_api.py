@@ -1374,10 +1374,10 @@ def test_a_stream_keeps_the_connection_alive_and_ends_an_error_with_an_event(
     with one error event, then [DONE] (its own pair: this kills it)."""
     from tests.support.worker_hook import SLOW, marked
 
-    http = free_port()
-    tokenizer = ["--http-port", str(http), "--http-keepalive-s", "0.2", "--worker-hook", "tests.support.worker_hook"]
+    http = FreePort()
+    tokenizer = ["--http-port", http, "--http-keepalive-s", "0.2", "--worker-hook", "tests.support.worker_hook"]
     with running_pair(chat_models("llava"), tmp_path, scheduler_extra=["--tp", "1"], tokenizer_extra=tokenizer) as pair:
-        url = f"http://127.0.0.1:{http}/v1/chat/completions"
+        url = f"http://127.0.0.1:{http.number}/v1/chat/completions"
         slow = {"type": "image_url", "image_url": {"url": data_url(marked(SLOW))}}
         lines = _sse(url, {"messages": [{"role": "user", "content": [slow]}], "max_tokens": 2, "stream": True})
         # The role chunk goes out at once; then, for the 1.5 s the worker

@@ -24,12 +24,12 @@ from mmsplit.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from mmsplit.tokenizer.v1 import tokenizer_pb2_grpc
 from mmsplit_cli import samples
 from mmsplit_cli.client import make_request, run_request
-from mmsplit_server.serving import free_port
+from mmsplit_cli.launch import Arg, FreePort
 from tests.conftest import SCHEDULER_SERVICE, TOKENIZER_SERVICE, Services
 from tests.e2e.helpers import health_status, rank_active_requests, scheduler_info, scrape, tokenizer_info
 from tests.support.leaks import wait_until
 from tests.support.local_token import scheduler_channel
-from tests.support.services import ENV, ServiceProcess, tokenizer_args
+from tests.support.services import ServiceProcess, started_tokenizer
 
 pytestmark = pytest.mark.e2e
 
@@ -51,12 +51,16 @@ def test_a_scheduler_of_another_model_gets_no_requests(
 ) -> None:
     """A tokenizer of another family pointed at the shared pair's LLaVA-1.5
     scheduler: Qwen2-VL's vocabulary differs too; LLaVA-NeXT's is the same."""
-    metrics = free_port()
-    extra = ["--preprocess-cache-bytes", "0", "--metrics-port", str(metrics)]
-    args = tokenizer_args(family_models(family), services.scheduler_address, extra=extra)
-    wrong = ServiceProcess("tokenizer", args, tmp_path / "tokenizer.log", env=ENV)
+    metrics = FreePort()
+    extra: list[Arg] = ["--preprocess-cache-bytes", "0", "--metrics-port", metrics]
+
+    def bound(tok: ServiceProcess) -> None:
+        tok.wait_bound(180)  # (never SERVING: its scheduler serves another model)
+
+    wrong = started_tokenizer(
+        family_models(family), services.scheduler_address, tmp_path / "tok.log", extra=extra, ready=bound
+    )
     try:
-        wrong.wait_bound(180)
         assert wait_until(lambda: f"another {differ} than ours" in wrong.log_path.read_text(), timeout=60)
         said = time.monotonic()
         assert health_status(wrong.address, TOKENIZER_SERVICE) == "NOT_SERVING"
@@ -66,7 +70,7 @@ def test_a_scheduler_of_another_model_gets_no_requests(
         assert (info.info.vocabulary == theirs.vocabulary) == (family == "llava-next")
         assert [(b.ready, b.serves_another_model) for b in info.backends] == [(False, differ)]
         backend = (("backend", services.scheduler_address),)
-        assert scrape(metrics)[("mmsplit_tokenizer_backend_serves_another_model", backend)] == 1
+        assert scrape(metrics.number)[("mmsplit_tokenizer_backend_serves_another_model", backend)] == 1
         with grpc.insecure_channel(wrong.address) as channel:
             out = run_request(
                 tokenizer_pb2_grpc.TokenizerServiceStub(channel),

@@ -267,6 +267,34 @@ def test_a_port_taken_between_choice_and_bind_starts_the_pair_again(
     assert time.monotonic() - began < 120
 
 
+def test_a_port_taken_before_a_lone_service_binds_it_starts_that_service_again(
+    tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`launch.started`, one service (the tests' own tokenizers beside the
+    shared pair), draws its `FreePort`s again at each attempt as
+    `running_pair` does."""
+    from tests.support.services import FreePort, ServiceProcess, started_tokenizer
+
+    def bound(tok: ServiceProcess) -> None:
+        tok.wait_bound(120)  # (no scheduler: never SERVING)
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        draws = iter([port])  # the metrics port's first draw
+        real = launch.free_port
+        monkeypatch.setattr(launch, "free_port", lambda: next(draws, None) or real())
+        metrics, log = FreePort(), tmp_path / "tokenizer.log"
+        tok = started_tokenizer(tiny_model, "127.0.0.1:9", log, extra=["--metrics-port", metrics], ready=bound)
+        try:
+            assert metrics.number not in (0, port)
+            assert wait_until(lambda: f"metrics on port {metrics.number}" in log.read_text(), timeout=60)
+        finally:
+            tok.stop()
+    assert "Address already in use" in (tmp_path / "tokenizer.attempt1.log").read_text(), "the failed attempt's log"
+
+
 # A service whose start-up check of its ports passes, as when another
 # process binds the port between the check and the service's own bind.
 UNCHECKED = """

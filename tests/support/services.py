@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -28,6 +28,7 @@ from mmsplit_cli.launch import (
     ServiceProcess,
     scheduler_args,
     set_launcher,
+    started,
     tokenizer_args,
 )
 from mmsplit_cli.launch import (
@@ -140,6 +141,24 @@ def start_scheduler(model: Path, log: Path, *, tp: int = 2, extra: Sequence[str]
 
 def start_tokenizer(model: Path, scheduler: str, log: Path, *, extra: Sequence[str] = ()) -> ServiceProcess:
     return ServiceProcess("tokenizer", tokenizer_args(model, scheduler, extra=extra), log, env=ENV)
+
+
+def started_tokenizer(
+    model: Path,
+    scheduler: str,
+    log: Path,
+    *,
+    extra: Sequence[Arg] = (),
+    ready: Callable[[ServiceProcess], object] | None = None,
+) -> ServiceProcess:
+    """A tokenizer (`start_tokenizer`) once `ready(it)` returns (by default
+    once it is SERVING); a `FreePort` in `extra` is drawn again if it was
+    taken before it was bound (`launch.started`). The caller stops it."""
+
+    def serving(tok: ServiceProcess) -> None:
+        tok.wait_serving(TOKENIZER_SERVICE, 180)
+
+    return started("tokenizer", [*tokenizer_args(model, scheduler), *extra], log, ready or serving, env=ENV)
 
 
 @contextmanager
