@@ -28,7 +28,9 @@ from typing import Any, Generic, NoReturn, TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError
+from google.rpc import status_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_status import rpc_status
 
 from mmsplit.client import secrets_in
 from mmsplit.errors import MalformedMessage, Unauthenticated
@@ -362,7 +364,10 @@ class _HealthServicer(health_pb2_grpc.HealthServicer):
     async def Check(self, request: health_pb2.HealthCheckRequest, context: Any) -> health_pb2.HealthCheckResponse:  # noqa: N802
         status = self._status.get(request.service)
         if status is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND)
+            unknown = status_pb2.Status(
+                code=grpc.StatusCode.NOT_FOUND.value[0], message=f"no service {request.service!r}"
+            )
+            await abort(context, rpc_status.to_status(unknown))
         return health_pb2.HealthCheckResponse(status=status)
 
     async def Watch(self, request: health_pb2.HealthCheckRequest, context: Any) -> None:  # noqa: N802
