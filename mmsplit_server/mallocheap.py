@@ -56,6 +56,9 @@ ENVIRONMENT = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
 FREE_HELD_AT_MOST = 256 << 20
 # How often, at most, `Bound.check` gives it back.
 TRIM_EVERY_S = 10.0
+# While the process is busy, `Bound.check` waits for an idle moment unless
+# its heaps hold more than this many times the limit free.
+BUSY_FACTOR = 4
 
 
 class _Mallinfo2(ctypes.Structure):
@@ -94,16 +97,21 @@ class Bound:
     grow the process, so neither says whether there is anything new to give
     back: the interval bounds what asking costs). Off the event loop:
     `malloc_trim` locks each heap while it runs, ~230 ms for 2.4 GB of
-    holes here, ~1 ms when there is nothing new to give back."""
+    holes here, ~1 ms when there is nothing new to give back; and the
+    loop's own allocations wait for the heap being trimmed (`bench/
+    trim_stall.py`: ~80 ms for 0.9 GB of holes in the main heap). So a
+    busy process (`check(busy=True)`: requests in flight, whose streams
+    would stall) waits for an idle moment, unless its heaps hold more than
+    BUSY_FACTOR times the limit free."""
 
     def __init__(self, limit: int = FREE_HELD_AT_MOST, every_s: float = TRIM_EVERY_S) -> None:
         self.limit, self.every_s = limit, every_s
         self._last: float | None = None  # when it last trimmed (monotonic)
 
-    def check(self) -> int:
+    def check(self, busy: bool = False) -> int:
         """Trim if due; the resident bytes that went (0: not due, or not glibc)."""
         held = free_held()
-        if held is None or held <= self.limit:
+        if held is None or held <= self.limit or (busy and held <= self.limit * BUSY_FACTOR):
             return 0
         now = time.monotonic()
         if self._last is not None and now - self._last < self.every_s:

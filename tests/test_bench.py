@@ -262,3 +262,13 @@ def test_structured_benchmark_prints_the_step_and_the_join(models: Path) -> None
     assert result.returncode == 0, result.stderr[-3000:]
     assert re.search(r"^json_schema\s+[\d.]+\s+[\d.]+x$", result.stdout, re.M), result.stdout
     assert re.search(r"^48 KB, 600 patterns\s+\d+\s+[\d.]+\s+[\d.]+$", result.stdout, re.M), result.stdout
+
+
+def test_trim_stall_benchmark_prints_the_wait_with_and_without_a_trim() -> None:
+    result = run_bench("trim_stall.py", ["--mib", "64", "--rounds", "1"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    row = next(line for line in result.stdout.splitlines() if line.startswith("64 "))
+    held, given_back = (float(v) for v in row.split()[1:3])
+    assert held >= 48, row  # the holes were there
+    assert given_back >= 48, row  # and the trim gave them back
+    assert row.endswith("x"), row  # the wait with a trim against without, both measured

@@ -551,9 +551,10 @@ async def _watch(settings: TokenizerSettings, health: Health, service: Tokenizer
                 )
                 service.janitor_removed += len(removed)
             # Memory freed inside the heaps stays with the process: given
-            # back once it passes the bound (big bodies and data: URLs).
+            # back once it passes the bound (big bodies and data: URLs),
+            # while no request streams unless far past it (`Bound.check`).
             if heap is not None:
-                service.heap_returned += await asyncio.to_thread(heap.check)
+                service.heap_returned += await asyncio.to_thread(heap.check, service.inflight > 0)
             if failed:
                 log.warning("the tokenizer's watch recovered after %d failed round(s)", failed)
                 failed = 0

@@ -68,13 +68,15 @@ holes(48)
 held, before = mallocheap.free_held(), mallocheap.resident()
 out = {"held": held, "before": before}
 out["under"] = mallocheap.Bound(limit=held + (1 << 20)).check()  # under its limit: nothing
+# Busy: over its limit but within BUSY_FACTOR times it: nothing either.
+out["busy_under"] = mallocheap.Bound(limit=held // 2, every_s=0).check(busy=True)
 bound = mallocheap.Bound(limit=64 << 20, every_s=3600)
 out["first"] = bound.check()
 out["after"] = mallocheap.resident()
 holes(48)  # the same holes, written again: resident again
 out["too_soon"] = bound.check()  # within its interval: not trimmed
 bound.every_s = 0
-out["regrown"] = bound.check()
+out["regrown"] = bound.check(busy=True)  # busy, but past BUSY_FACTOR times its limit
 print(json.dumps(out))
 """
 
@@ -88,6 +90,7 @@ def test_free_memory_inside_the_heap_is_given_back_once_over_the_bound() -> None
     assert got["held"] >= 300 * mib, got  # the holes: free memory the heap keeps
     assert got["before"] >= got["held"], got  # and resident
     assert got["under"] == 0, got
+    assert got["busy_under"] == 0, got
     assert got["first"] >= 300 * mib, got  # over the bound: given back
     assert got["before"] - got["after"] >= 300 * mib, got
     assert got["too_soon"] == 0, got

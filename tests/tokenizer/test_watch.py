@@ -70,7 +70,9 @@ def test_a_round_that_fails_is_logged_and_the_watch_goes_on(
 ) -> None:
     monkeypatch.setattr(server, "WATCH_INTERVAL_S", 0.01)
     health = FakeHealth()
-    service = SimpleNamespace(link=FakeLink(), pool=FlakyPool(), held=set(), janitor_removed=0, heap_returned=0)
+    service = SimpleNamespace(
+        link=FakeLink(), pool=FlakyPool(), held=set(), janitor_removed=0, heap_returned=0, inflight=0
+    )
     watch_until(health, service, 2)
     assert health.ready[:2] == [True, True], "readiness was not refreshed after the failed round"
     assert service.pool.calls >= 3
@@ -84,7 +86,7 @@ def test_a_failure_that_persists_is_logged_in_full_once_then_counted(
     monkeypatch.setattr(server, "WATCH_LOG_EVERY", 3)
     health = FakeHealth()
     service = SimpleNamespace(
-        link=FakeLink(), pool=FlakyPool(failures=7), held=set(), janitor_removed=0, heap_returned=0
+        link=FakeLink(), pool=FlakyPool(failures=7), held=set(), janitor_removed=0, heap_returned=0, inflight=0
     )
     # Two good rounds: the first has then run to its end (the recovery is
     # logged last in a round, after awaits a cancellation could cut short).
@@ -100,3 +102,19 @@ def test_a_failure_that_persists_is_logged_in_full_once_then_counted(
         "the tokenizer's watch has failed 6 rounds in a row (the first is logged above)",
     ]
     assert "the tokenizer's watch recovered after 7 failed round(s)" in caplog.text
+
+
+def test_the_heaps_are_given_back_as_busy_while_requests_are_in_flight(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A trim makes the event loop's allocations wait (bench/trim_stall.py):
+    the watch tells the bound whether requests are in flight, and a busy
+    tokenizer waits for an idle moment (`mallocheap.Bound.check`)."""
+    monkeypatch.setattr(server, "WATCH_INTERVAL_S", 0.01)
+    asked: list[bool] = []
+    monkeypatch.setattr(server.mallocheap.Bound, "check", lambda self, busy=False: asked.append(busy) or 0)
+    for inflight in (3, 0):
+        service = SimpleNamespace(
+            link=FakeLink(), pool=FlakyPool(), held=set(), janitor_removed=0, heap_returned=0, inflight=inflight
+        )
+        watch_until(FakeHealth(), service, 2)
+    assert True in asked, asked
+    assert asked[-1] is False, asked
