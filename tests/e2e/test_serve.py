@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -40,11 +41,13 @@ def _serve(args: list[str]) -> subprocess.Popen[str]:
 
 
 def test_one_command_serves_both_apis_and_ctrl_c_stops_it_cleanly(chat_models: Callable[[str], Path]) -> None:
-    grpc_port, http_port = free_port(), free_port()
+    http_port = free_port()  # (0 turns the HTTP API off; gRPC's port 0 is drawn, and the ready line names it)
     model = chat_models("llava")
-    with serving(_serve(["--model", str(model), "--port", str(grpc_port), "--http-port", str(http_port)])) as out:
+    with serving(_serve(["--model", str(model), "--port", "0", "--http-port", str(http_port)])) as out:
         said = next(line for line in out.lines if "ready:" in line)
-        assert f"127.0.0.1:{grpc_port}" in said
+        found = re.search(r"gRPC 127\.0\.0\.1:(\d+)", said)
+        assert found, said
+        grpc_port = int(found.group(1))
         assert f"http://127.0.0.1:{http_port}/v1" in said
         sdk = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="none")
         reply = sdk.chat.completions.create(
@@ -63,7 +66,7 @@ def test_a_serve_killed_outright_takes_its_services_with_it(chat_models: Callabl
     `ServiceProcess` started from a main thread: `make demo`'s and the
     benchmarks' too), and they stop as on any SIGTERM, instead of holding
     their ports and memory with nobody to stop them."""
-    proc = _serve(["--model", str(chat_models("llava")), "--port", str(free_port()), "--http-port", "0"])
+    proc = _serve(["--model", str(chat_models("llava")), "--port", "0", "--http-port", "0"])
     out = ServeOutput(proc)
     services: list[psutil.Process] = []
     try:
@@ -155,7 +158,7 @@ def test_a_port_in_use_or_a_missing_model_is_one_line_before_anything_starts(
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        done = _serve(["--model", str(chat_models("llava")), "--http-port", str(port), "--port", str(free_port())])
+        done = _serve(["--model", str(chat_models("llava")), "--http-port", str(port), "--port", "0"])
         _, err = done.communicate(timeout=60)
     assert done.returncode == 2
     assert err.strip().splitlines() == [
