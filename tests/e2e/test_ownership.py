@@ -28,7 +28,6 @@ from mmsplit_cli import samples
 from mmsplit_cli.client import Outcome, make_request, run_request
 from mmsplit_cli.launch import ServiceProcess, tokenizer_args
 from mmsplit_server.handoff import files
-from mmsplit_server.serving import free_port
 from scheduler_svc.model import model_info
 from tests.conftest import HOLDING_LIMIT, HOLDING_TOKENS, SCHEDULER_SERVICE, TOKENIZER_SERVICE, Services
 from tests.e2e.helpers import health_status, rank_active_requests, scheduler_info
@@ -111,12 +110,10 @@ def test_two_tokenizers_in_separate_pid_namespaces_never_sweep_each_others_segme
     one scheduler (shared memory transport), and sweep every 0.3 s anything
     unlocked for 0.5 s. Under load, and while one of them stops, no request
     of the other fails; when both have stopped, no segment is left."""
-    port = free_port()  # all three start at once: the tokenizers wait for the scheduler by themselves
-    sched = start_scheduler(
-        tiny_model, tmp_path / "scheduler.log", tp=1, extra=["--port", str(port), "--janitor-interval-s", "0.3"]
-    )
+    sched = start_scheduler(tiny_model, tmp_path / "scheduler.log", tp=1, extra=["--janitor-interval-s", "0.3"])
     tokenizers: list[ServiceProcess] = []
     try:
+        port = sched.wait_bound(180)  # the port it drew; the tokenizers wait for it to serve by themselves
         janitor = ["--janitor-interval-s", "0.3", "--segment-grace-s", "0.5"]
         wrapper = [sys.executable, "-m", "tests.support.pidns"]
         for name in ("tokenizer-a", "tokenizer-b"):
@@ -158,11 +155,11 @@ def test_segments_of_requests_queued_at_a_killed_scheduler_go_in_one_janitor_pas
     locks at once (tests/e2e/test_slab.py). The running request holds its
     row until the scheduler dies (`long_context_model`)."""
     model = long_context_model
-    port = free_port()  # both start at once: the tokenizer waits for the scheduler by itself
-    extra = ["--port", str(port), "--max-running", "1", *HOLDING_LIMIT]
+    extra = ["--max-running", "1", *HOLDING_LIMIT]
     sched = start_scheduler(model, tmp_path / "scheduler.log", tp=1, extra=extra)
     tok = None
     try:
+        port = sched.wait_bound(180)  # the port it drew; the tokenizer waits for it to serve by itself
         args = tokenizer_args(
             model,
             f"127.0.0.1:{port}",

@@ -28,7 +28,6 @@ from mmsplit.tokenizer.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from mmsplit_cli import samples
 from mmsplit_cli.client import Outcome, make_request, run_request
 from mmsplit_cli.launch import ServiceProcess, scheduler_args
-from mmsplit_server.serving import free_port
 from tests.conftest import SCHEDULER_SERVICE, TOKENIZER_SERVICE, Services
 from tests.e2e.helpers import health_status, scheduler_info
 from tests.support.leaks import wait_until
@@ -76,15 +75,15 @@ def run_all(
 
 @pytest.fixture
 def fleet(tiny_model: Path, tmp_path: Path) -> Iterator[tuple[list[ServiceProcess], ServiceProcess, list[int]]]:
-    ports = [free_port() for _ in range(GROUPS)]
     started: list[ServiceProcess] = []
     groups: list[ServiceProcess] = []  # the test may add a restarted group
     try:
-        for i, port in enumerate(ports):
-            args = scheduler_args(tiny_model, tp=1, extra=["--port", str(port), "--shutdown-grace-s", "20"])
+        for i in range(GROUPS):
+            args = scheduler_args(tiny_model, tp=1, extra=["--shutdown-grace-s", "20"])  # on a port drawn by each
             # The last group has a /dev/shm of its own: a replica in another pod.
             wrapper = [sys.executable, "-m", "tests.support.mountns", "64m"] if i == GROUPS - 1 else []
             started.append(ServiceProcess(f"group{i}", args, tmp_path / f"group{i}.log", env=ENV, wrapper=wrapper))
+        ports = [group.wait_bound(180) for group in started]
         targets = ",".join(f"127.0.0.1:{p}" for p in ports)
         tokenizer = start_tokenizer(tiny_model, targets, tmp_path / "tokenizer.log")
         started.append(tokenizer)
