@@ -19,7 +19,6 @@ from pathlib import Path
 import pytest
 
 import mmsplit
-from mmsplit_server.serving import free_port
 from tests.support.serve_output import serving
 from tests.support.services import ENV, ROOT
 
@@ -124,14 +123,13 @@ def served(tmp_path: Path, wheels: dict[str, Path], tiny_model: Path) -> Iterato
         "assert not unmet, unmet\n"
     )
     _run([str(python), "-c", check], env=_env(), cwd="/")
-    port = free_port()
     proc = subprocess.Popen(
-        [str(python.parent / "mmsplit"), "serve", "--model", str(tiny_model), "--port", str(port), "--http-port", "0"],
+        [str(python.parent / "mmsplit"), "serve", "--model", str(tiny_model), "--port", "0", "--http-port", "0"],
         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         env=_env(), cwd=tmp_path,
     )  # fmt: skip
-    with serving(proc):
-        yield f"127.0.0.1:{port}"
+    with serving(proc) as out:
+        yield out.grpc_address
 
 
 def test_the_client_wheel_alone_talks_to_services_from_the_server_wheel(client_venv: Path, served: str) -> None:

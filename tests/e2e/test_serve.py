@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import socket
 import subprocess
 import sys
@@ -45,16 +44,14 @@ def test_one_command_serves_both_apis_and_ctrl_c_stops_it_cleanly(chat_models: C
     model = chat_models("llava")
     with serving(_serve(["--model", str(model), "--port", "0", "--http-port", str(http_port)])) as out:
         said = next(line for line in out.lines if "ready:" in line)
-        found = re.search(r"gRPC 127\.0\.0\.1:(\d+)", said)
-        assert found, said
-        grpc_port = int(found.group(1))
+        assert out.grpc_address.startswith("127.0.0.1:"), said
         assert f"http://127.0.0.1:{http_port}/v1" in said
         sdk = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key="none")
         reply = sdk.chat.completions.create(
             model=model.name, messages=[{"role": "user", "content": "Hello"}], max_tokens=3
         )
         assert reply.choices[0].finish_reason in ("stop", "length")
-        with Client(f"127.0.0.1:{grpc_port}") as client:
+        with Client(out.grpc_address) as client:
             assert client.complete(messages=[("user", "Hello")], max_tokens=3).text == reply.choices[0].message.content
     assert "stopping (the tokenizer, then the scheduler)" in out.text
 

@@ -4,6 +4,7 @@ waits on a process that died); and a serve's life in a test (`serving`)."""
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import threading
@@ -32,6 +33,15 @@ class ServeOutput:
     def wait_ready(self, timeout: float) -> bool:
         """True once the ready line came and the process still runs."""
         return self._ready.wait(timeout) and self._proc.poll() is None and any(READY in x for x in self.lines)
+
+    @property
+    def grpc_address(self) -> str:
+        """HOST:PORT of the gRPC API, as its ready line names it (the port
+        drawn, under `--port 0`)."""
+        said = next(line for line in self.lines if READY in line)
+        found = re.search(r"ready: gRPC (\S+?)[ ,]", said)
+        assert found, said
+        return found.group(1)
 
     def tail(self, n: int = 30) -> str:
         return "".join(self.lines[-n:])
