@@ -99,7 +99,7 @@ class Bound:
     `malloc_trim` locks each heap while it runs, ~230 ms for 2.4 GB of
     holes here, ~1 ms when there is nothing new to give back; and the
     loop's own allocations wait for the heap being trimmed (`bench/
-    trim_stall.py`: ~80 ms for 0.9 GB of holes in the main heap). So a
+    trim_stall.py`: ~90 ms for 1 GiB of holes in the main heap). So a
     busy process (`check(busy=True)`: requests in flight, whose streams
     would stall) waits for an idle moment, unless its heaps hold more than
     BUSY_FACTOR times the limit free."""
