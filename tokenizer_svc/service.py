@@ -627,12 +627,8 @@ class TokenizerService:
                 downstream.sampling.json_schema = parsed.tool_schema
             for ids in parsed.bad_words:
                 downstream.bad_words.add(token_ids=ids)
-            if transport != common_pb2.TRANSPORT_SHM:
-                # Their bytes are in the message now: one-off segments have done their job.
-                for p in prepared:
-                    p.release_segments()
             for p in prepared:
-                p.sent()
+                p.sent(copied=transport != common_pb2.TRANSPORT_SHM)
             # (A beam search's one-token steps: its beams' answers split it, `_beam_choice`.)
             thought = None if search_step else self._thought(request, downstream.input_ids, downstream.sampling)
             events = self._send(Handed(downstream), timeout_s, assigned, transport)
@@ -1376,16 +1372,16 @@ class Prepared:
         for _, claim in self.claims:
             claim.release()
 
-    def release_segments(self) -> None:
-        """Let the one-off segments go, whose bytes went in the message."""
-        for piece, claim in self.claims:
-            if not files.is_slab(piece.segment):
-                claim.release()
-
-    def sent(self) -> None:
+    def sent(self, *, copied: bool) -> None:
         """Its scheduler request is made: the tensors' bytes (inline ones,
-        what an inline transport's are) are in that message now, and what
-        is left to do (release, disown) needs only the claims."""
+        and with `copied`, an inline transport's, every one) are in that
+        message now. One-off segments whose bytes were copied have done
+        their job and go; what is left to do (release, disown) needs only
+        the claims."""
+        if copied:
+            for piece, claim in self.claims:
+                if not files.is_slab(piece.segment):
+                    claim.release()
         tensors = self.result.tensors
         if any(t.inline is not None for t in tensors):
             kept = tuple(dataclasses.replace(t, inline=None) for t in tensors)
