@@ -27,9 +27,22 @@ baseline), then `torch.profiler` over S more decode steps. Printed:
   stop-54 GPU run's py-spy profile put 62 % of the scheduler's samples
   inside transformers' SDPA call, which looks like such a wait.
 
+- how near the step is to what the host allows (`--floor`, on by
+  default): the bytes of the weights its matrix products read (the text
+  model's projections and the LM head; the vision tower takes no part in
+  a decode step) and their arithmetic, against the device's read
+  bandwidth (a sum over 256 MiB: the size of a small model's weights,
+  which on a host with a large shared cache may sit in it, as the
+  weights do) and its rate on one large matrix product
+  (2048 x 2048 x 2048), both measured here on the step's threads, best
+  of 5: the step's time over the larger of the two floors. A step
+  near 1.0x of its bandwidth floor can only be made faster by reading
+  fewer bytes (a smaller dtype), one near its arithmetic floor by doing
+  less arithmetic.
+
 With `--trace FILE` the profiler's Chrome trace is written there too.
 
-    python bench/step_profile.py [--model tiny] [--rows 32] [--steps 10]
+    python bench/step_profile.py [--model tiny] [--rows 32] [--steps 10] [--no-floor]
                                  [--device cuda --dtype bfloat16] [--trace step.json]
 """
 
@@ -162,6 +175,12 @@ def main() -> None:
         default=True,
         help="time the decode step with the model's own forward and with the lean one",
     )
+    parser.add_argument(
+        "--floor",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the step against what the device's read bandwidth and matrix product rate allow",
+    )
     parser.add_argument("--pad", type=int, default=64, help="the padded arm's multiple of keys")
     parser.add_argument("--trace", type=Path, default=None, help="write the profiler's Chrome trace here")
     parser.add_argument("--workdir", type=Path, default=None)
@@ -208,6 +227,46 @@ def main() -> None:
             print(f"  {call}: {count} calls, {ms:.1f} ms on the host: {where}")
     else:
         print("(on a CPU no call waits for a device; run with --device cuda for the GPU's kernels and waits)")
+    if args.floor:
+        floors(model, args.rows, plain, args.device, dtype, sync)
+
+
+def floors(model: Any, rows: int, step_ms: float, device: str, dtype: Any, sync: Any) -> None:
+    """The decode step against the two floors its matrix products have on
+    this device: reading their weights at its read bandwidth, and their
+    arithmetic at its large matrix product's rate (see the module's doc)."""
+    import torch
+
+    linears = [m for m in model.get_decoder().modules() if isinstance(m, torch.nn.Linear)]
+    linears.append(model.get_output_embeddings())
+    params = sum(m.weight.numel() + (m.bias.numel() if m.bias is not None else 0) for m in linears)
+    weight_bytes = sum(p.numel() * p.element_size() for m in linears for p in m.parameters(recurse=False))
+    flops = 2 * rows * params
+
+    def best_of(fn: Any, reps: int = 5) -> float:
+        fn()
+        sync()
+        seconds = []
+        for _ in range(reps):
+            began = time.perf_counter()
+            fn()
+            sync()
+            seconds.append(time.perf_counter() - began)
+        return min(seconds)
+
+    big = torch.ones((256 << 20) // torch.empty(0, dtype=dtype).element_size(), dtype=dtype, device=device)
+    bandwidth = big.numel() * big.element_size() / best_of(big.sum)
+    del big
+    a = torch.randn(2048, 2048, dtype=dtype, device=device)
+    b = torch.randn(2048, 2048, dtype=dtype, device=device)
+    rate = 2 * 2048**3 / best_of(lambda: a @ b)
+    read_ms, math_ms = 1000 * weight_bytes / bandwidth, 1000 * flops / rate
+    print(f"\nthe step's floors on {torch.get_num_threads()} threads: its matrix products read "
+          f"{weight_bytes / 1e6:.1f} MB of weights ({len(linears)} of them) and do {flops / 1e9:.2f} GFLOP; "
+          f"this device reads {bandwidth / 1e9:.1f} GB/s and multiplies large matrices at "
+          f"{rate / 1e9:.0f} GFLOP/s: the weights alone take {read_ms:.2f} ms to read and the products "
+          f"{math_ms:.2f} ms at that rate; the step {step_ms:.2f} ms is {step_ms / max(read_ms, math_ms):.2f}x "
+          f"the larger floor ({'reading' if read_ms >= math_ms else 'arithmetic'})")  # fmt: skip
 
 
 def ranked(events: list[Any], attribute: str, steps: int, n: int = 15) -> str:

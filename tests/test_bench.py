@@ -255,6 +255,11 @@ def test_step_profile_prints_the_step_and_its_ops(models: Path) -> None:
     lean = rf"median of 1 rounds: the model's own forward [\d.]+, lean {arm}$"
     assert re.search(lean, result.stdout, re.M), result.stdout
     assert re.search(r"^aten::mm\s+\d+\s+[\d.]+$", result.stdout, re.M), result.stdout
+    floors = (
+        r"^the step's floors on \d+ threads: its matrix products read [\d.]+ MB of weights \(\d+ of them\) .* "
+        r"the step [\d.]+ ms is [\d.]+x the larger floor \((reading|arithmetic)\)$"
+    )
+    assert re.search(floors, result.stdout, re.M), result.stdout
 
 
 def test_structured_benchmark_prints_the_step_and_the_join(models: Path) -> None:
