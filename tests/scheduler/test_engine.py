@@ -210,6 +210,57 @@ def test_a_request_whose_prefill_cannot_be_prepared_fails_alone(model: torch.nn.
     assert len(engine.encoder_cache) == 10, "the short output was kept"
 
 
+class FailingEncoder:
+    """A family whose encoder raises on a batch that holds a marked image
+    (pixels all BAD: RuntimeError; all HUGE: MemoryError), as a vision
+    tower would on an input it cannot take; the rest is the family's own."""
+
+    BAD, HUGE = 0.25, 0.5
+
+    def __init__(self, family: Any) -> None:
+        self._family = family
+        self.calls: list[int] = []  # the items of each call
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._family, name)
+
+    def encode(self, body: torch.nn.Module, modality: int, items: list[dict[str, torch.Tensor]]) -> Any:
+        self.calls.append(len(items))
+        for item in items:
+            if any(bool((t == self.BAD).all()) for t in item.values()):
+                raise RuntimeError("injected into the encoder")
+            if any(bool((t == self.HUGE).all()) for t in item.values()):
+                raise MemoryError
+        return self._family.encode(body, modality, items)
+
+
+def test_an_encoder_that_raises_on_one_request_s_image_fails_that_request_alone(model: torch.nn.Module) -> None:
+    """The step's images are encoded in one call; when it raises, each
+    request's images are encoded in a call of their own, so only the
+    requests whose own call raises fail (out of memory: OVERLOADED,
+    retriable; else INTERNAL), the others make the tokens they make
+    alone, and rows already running go on."""
+    eos = int(model.config.text_config.eos_token_id)
+    engine = encoding_engine(model)
+    encoder = FailingEncoder(engine._media.family)
+    engine._media.family = encoder
+    good = [request(f"ok{i}", image_prompt(model, 1, [560 + i]), [pixels(110 + i)], max_tokens=4) for i in range(6)]
+    two = request("two", image_prompt(model, 2, [570]), [pixels(120), pixels(121)], max_tokens=4)
+    bad = request("bad", image_prompt(model, 1, [571]), [pixels(122, fill=FailingEncoder.BAD)], max_tokens=4)
+    huge = request("huge", image_prompt(model, 1, [572]), [pixels(123, fill=FailingEncoder.HUGE)], max_tokens=4)
+    running = request("running", image_prompt(model, 1, [573]), [pixels(124)], max_tokens=8)
+    joining = [*good[:3], bad, two, huge, *good[3:]]
+    results = drive(engine, {0: [running], 1: joining}, eos)
+    assert results["bad"] == f"failed:{E.ERROR_CODE_INTERNAL}"
+    assert results["huge"] == f"failed:{E.ERROR_CODE_OVERLOADED}"
+    for req in [*good, two, running]:
+        assert results[req.request_id] == reference(model, req), req.request_id
+    # The running request's image in a call of its own; then the step's ten
+    # images in one, which raised; then each joiner's in a call of its own.
+    assert encoder.calls == [1, 10, 1, 1, 1, 1, 2, 1, 1, 1, 1], encoder.calls
+    assert len(engine.encoder_cache) == 1 + 6 + 2, "every good image's output was kept, and only those"
+
+
 class FailingBody(torch.nn.Module):
     """The model's multimodal body, raising for prompts that hold a marker
     token: RuntimeError for BAD, MemoryError for HUGE."""
