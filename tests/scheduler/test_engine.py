@@ -14,6 +14,8 @@ import pytest
 import torch
 
 from mmsplit.errors import E
+from mmsplit_server.handoff.reference import TensorSpec
+from scheduler_svc.encoder_cache import EncoderCache
 from scheduler_svc.engine import Engine
 from scheduler_svc.intake import all_finite
 from scheduler_svc.plan import NewRequest, Plan, StepOutcome
@@ -259,6 +261,52 @@ def test_an_encoder_that_raises_on_one_request_s_image_fails_that_request_alone(
     # images in one, which raised; then each joiner's in a call of its own.
     assert encoder.calls == [1, 10, 1, 1, 1, 1, 2, 1, 1, 1, 1], encoder.calls
     assert len(engine.encoder_cache) == 1 + 6 + 2, "every good image's output was kept, and only those"
+
+
+class BuggyReader(InlineReader):
+    """The services' reader, with a bug (not a typed error) on the tensors
+    of request "broken"."""
+
+    def read(self, request_id: str, spec: TensorSpec) -> torch.Tensor:
+        if request_id == "broken":
+            raise ValueError("injected into the tensor reader")
+        return super().read(request_id, spec)
+
+
+def test_a_reader_or_hashing_bug_fails_only_that_request(
+    model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bug of ours while reading a request's tensors, or while hashing one
+    of its items for the caches' keys, leaves this rank's vote with a typed
+    error for that request alone (FEATURE_TRANSPORT_FAILED: its tensors are
+    unusable here), so the others in its step, hashed on several threads,
+    make their usual tokens."""
+    eos = int(model.config.text_config.eos_token_id)
+    unhashable = float(FailingEncoder.BAD)
+    own_key = EncoderCache.key
+
+    def key(encoder: dict[str, torch.Tensor], side: dict[str, Any]) -> bytes:
+        if any(bool((t == unhashable).all()) for t in encoder.values()):
+            raise RuntimeError("injected into an item's hashing")
+        return own_key(encoder, side)
+
+    monkeypatch.setattr(EncoderCache, "key", staticmethod(key))
+    engine = Engine(
+        model, SoloGroup(), BuggyReader(), torch.device("cpu"), eos_token_ids=frozenset([eos]), token_chunk=32,
+        encoder_cache_bytes=64 << 20,
+    )  # fmt: skip
+    good = [request(f"ok{i}", image_prompt(model, 1, [580 + i]), [pixels(130 + i)], max_tokens=4) for i in range(4)]
+    broken = request("broken", image_prompt(model, 1, [590]), [pixels(140)], max_tokens=4)
+    # One whose second image cannot be hashed (the first one's key goes with
+    # it), one whose first cannot (its second's key is not kept).
+    last = request("last", image_prompt(model, 2, [591]), [pixels(141), pixels(142, fill=unhashable)])
+    first = request("first", image_prompt(model, 2, [592]), [pixels(143, fill=unhashable), pixels(144)])
+    results = drive(engine, {0: [good[0], broken, good[1], last, first, *good[2:]]}, eos)
+    for rid in ("broken", "last", "first"):
+        assert results[rid] == f"failed:{E.ERROR_CODE_FEATURE_TRANSPORT_FAILED}", rid
+    assert len(engine.encoder_cache) == 4, "only the good requests' images were encoded and kept"
+    for req in good:
+        assert results[req.request_id] == reference(model, req), req.request_id
 
 
 class FailingBody(torch.nn.Module):
