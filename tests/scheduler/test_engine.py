@@ -309,6 +309,33 @@ def test_a_reader_or_hashing_bug_fails_only_that_request(
         assert results[req.request_id] == reference(model, req), req.request_id
 
 
+class UncompilableGrammars:
+    """Rank 0's structured-output compiler, failing on every structure (a
+    schema the tokenizer let through that the compiler cannot take)."""
+
+    def constraint(self, structure: object, request_id: str = "") -> object:
+        raise RuntimeError("injected into the grammar compiler")
+
+
+@pytest.mark.parametrize("grammars", [None, UncompilableGrammars()], ids=["no-compiler", "compiler-raises"])
+def test_a_structure_that_cannot_be_compiled_fails_its_request_alone(model: torch.nn.Module, grammars: object) -> None:
+    """A request whose structured output has no constraint (no compiler in
+    this engine, or compiling it raised) fails at its first token with a
+    typed error; the requests beside it make their usual tokens."""
+    eos = int(model.config.text_config.eos_token_id)
+    engine = solo_engine(model, grammars=grammars)
+    good = [request(f"ok{i}", image_prompt(model, 1, [600 + i]), [pixels(150 + i)], max_tokens=5) for i in range(3)]
+    schema = ("json_schema", '{"type": "object"}')
+    shaped = request("shaped", image_prompt(model, 1, [610]), [pixels(160)], max_tokens=5, structure=schema)
+    results = drive(engine, {0: [good[0], shaped, good[1]], 1: [good[2]]}, eos)
+    failed = results["shaped"]
+    assert isinstance(failed, str), failed
+    assert failed.startswith("rejected:"), failed
+    assert ("not available" if grammars is None else "compiling its structured output failed") in failed
+    for req in good:
+        assert results[req.request_id] == reference(model, req), req.request_id
+
+
 class FailingBody(torch.nn.Module):
     """The model's multimodal body, raising for prompts that hold a marker
     token: RuntimeError for BAD, MemoryError for HUGE."""
