@@ -196,6 +196,34 @@ def test_a_directory_is_not_a_file_and_costs_no_descriptor(tmp_path: Path) -> No
     assert len(os.listdir("/proc/self/fd")) == before
 
 
+def test_each_other_source_a_loader_refuses_has_its_typed_error(tmp_path: Path) -> None:
+    """The rest of what a client can send as a source: each refused with
+    the error that says what is wrong with it, before anything is read
+    that need not be (a data: URL too large for the cap is refused before
+    it is decoded)."""
+    with pytest.raises(InvalidRequest, match="neither data nor url"):
+        load(loader(tmp_path))
+    with pytest.raises(InvalidRequest, match="no ','"):
+        load(loader(tmp_path), url="data:image/png;base64")
+    with pytest.raises(MediaTooLarge, match="over 1000 bytes"):
+        load(loader(tmp_path), url="data:image/png;base64," + "A" * 1400)
+    # A data: URL that is not base64 is percent-decoded.
+    assert load(loader(tmp_path), url="data:image/png,%89PNG%00x") == b"\x89PNG\x00x"
+    (tmp_path / "a.png").write_bytes(b"filebytes")
+    with pytest.raises(MediaSourceForbidden, match="accepts no file paths"):
+        load(loader(tmp_path, allowed_media_dir=""), url=str(tmp_path / "a.png"))
+    with pytest.raises(InvalidRequest, match="NUL"):
+        load(loader(tmp_path), url="a.png\x00.jpg")
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    with pytest.raises(MediaNotFound, match="cannot be resolved"):
+        load(loader(tmp_path), url="loop")
+    with pytest.raises(MediaNotFound, match="cannot be opened"):
+        load(loader(tmp_path), url="x" * 300)  # a name longer than the file system takes
+    (tmp_path / "big.png").write_bytes(b"x" * 1001)
+    with pytest.raises(MediaTooLarge, match="1001 bytes, over the image limit of 1000"):
+        load(loader(tmp_path), url="big.png")
+
+
 def test_origin_behaviours(tmp_path: Path, origin: str) -> None:
     assert load(loader(tmp_path), url=f"{origin}/ok") == b"IMAGEBYTES"
     with pytest.raises(MediaNotFound):
