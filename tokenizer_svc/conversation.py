@@ -224,17 +224,28 @@ def parse(request: tokenizer_pb2.GenerateRequest, settings: TokenizerSettings, f
         if not request.prompt and not parsed.media:
             raise InvalidRequest("the request has neither a prompt nor media")
     s = settings
+    # The field each bound is over: a conversation's media are in its messages.
+    chat = bool(request.messages)
     if chars > s.max_prompt_chars:
-        raise InvalidRequest(f"prompt has {chars} characters, at most {s.max_prompt_chars}")
+        raise InvalidRequest(
+            f"prompt has {chars} characters, at most {s.max_prompt_chars}",
+            metadata={"param": "messages" if chat else "prompt"},
+        )
     n_images = sum(isinstance(m.medium, tokenizer_pb2.Image) for m in parsed.media)
     n_videos = len(parsed.media) - n_images
     if n_images > s.max_images_per_request:
-        raise InvalidRequest(f"{n_images} images, at most {s.max_images_per_request}")
+        raise InvalidRequest(
+            f"{n_images} images, at most {s.max_images_per_request}",
+            metadata={"param": "messages" if chat else "images"},
+        )
     if n_videos and not family.takes_video:
         first = next(m for m in parsed.media if isinstance(m.medium, tokenizer_pb2.Video))
         raise MediaUnsupported(f"this model ({family.name}) takes no video", metadata={"param": first.where})
     if n_videos > s.max_videos_per_request:
-        raise InvalidRequest(f"{n_videos} videos, at most {s.max_videos_per_request}")
+        raise InvalidRequest(
+            f"{n_videos} videos, at most {s.max_videos_per_request}",
+            metadata={"param": "messages" if chat else "videos"},
+        )
     return dataclasses.replace(
         parsed,
         size=chars + PER_MESSAGE * len(request.messages),

@@ -1616,6 +1616,50 @@ def test_tokenize_and_detokenize_give_the_ids_generation_uses(api: Api) -> None:
     _good_after(api)
 
 
+def test_the_lesser_routes_refuse_what_they_cannot_answer_with_typed_errors(api: Api) -> None:
+    """/tokenize, /detokenize and the Responses API's own routes, asked
+    for another model, a prompt over --max-prompt-chars, a page of input
+    items in an order or size they do not have or after an item they do
+    not hold, or a response that is not stored: each a 4xx that names
+    what was wrong, through the official SDK where it has the call."""
+    base = api.url.removesuffix("/v1")
+
+    def post(path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        request = urllib.request.Request(
+            base + path, data=json.dumps(body).encode(),
+            headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
+        )  # fmt: skip
+        try:
+            with urllib.request.urlopen(request, timeout=60) as reply:
+                return reply.status, json.loads(reply.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read())
+
+    for path, body, code, param in (
+        ("/tokenize", {"model": "other", "prompt": "x"}, 404, "model"),
+        ("/detokenize", {"model": "other", "tokens": [1]}, 404, "model"),
+        ("/tokenize", {"prompt": "x" * 100_001}, 400, "prompt"),
+    ):  # fmt: skip
+        status, answer = post(path, body)
+        assert (status, answer["error"]["param"]) == (code, param), (path, answer)
+    client = api.client(max_retries=0)
+    with pytest.raises(openai.NotFoundError) as other:
+        client.responses.create(model="other", input="Hi", max_output_tokens=2)
+    assert "other" in other.value.message
+    stored = client.responses.create(model=api.model, input="Hi", max_output_tokens=2)
+    assert len(client.responses.input_items.list(stored.id).data) == 1
+    for query, param in (({"order": "sideways"}, "order"), ({"limit": 0}, "limit"), ({"limit": 101}, "limit"),
+                         ({"after": "msg_nope"}, "after")):  # fmt: skip
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.responses.input_items.list(stored.id, **query)  # type: ignore[arg-type]
+        assert refused.value.body["param"] == param, (query, refused.value.body)  # type: ignore[index]
+    client.responses.delete(stored.id)
+    for gone in (lambda: client.responses.delete(stored.id), lambda: client.responses.input_items.list(stored.id)):
+        with pytest.raises(openai.NotFoundError, match="no response"):
+            gone()
+    _good_after(api)
+
+
 def test_the_sdk_s_structured_output_helpers_parse_our_answers(api: Api) -> None:
     """The openai SDK's `chat.completions.parse` and `responses.parse` with
     a pydantic model (what they send: a strict json_schema; what they read:
