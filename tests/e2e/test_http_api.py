@@ -1551,6 +1551,20 @@ def test_the_responses_api_takes_structured_output_and_function_tools(api: Api) 
     _good_after(api)
 
 
+def _post_json(url: str, body: dict[str, Any], key: str = KEY) -> tuple[int, dict[str, Any]]:
+    """POST `body` as JSON with the API key: the status and the JSON answer, an error's too."""
+    request = urllib.request.Request(
+        url,
+        data=json.dumps(body).encode(),
+        headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
 def test_tokenize_and_detokenize_give_the_ids_generation_uses(api: Api) -> None:
     """vLLM's /tokenize: a conversation with images counts the prompt
     tokens chat completions reports for it (each image's placeholders as
@@ -1560,15 +1574,7 @@ def test_tokenize_and_detokenize_give_the_ids_generation_uses(api: Api) -> None:
     base = api.url.removesuffix("/v1")
 
     def post(path: str, body: dict[str, Any], key: str = KEY) -> tuple[int, dict[str, Any]]:
-        request = urllib.request.Request(
-            base + path, data=json.dumps(body).encode(),
-            headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
-        )  # fmt: skip
-        try:
-            with urllib.request.urlopen(request, timeout=60) as reply:
-                return reply.status, json.loads(reply.read())
-        except urllib.error.HTTPError as exc:
-            return exc.code, json.loads(exc.read())
+        return _post_json(base + path, body, key)
 
     client = api.client()
     chat = client.chat.completions.create(model=api.model, messages=CONVERSATION, max_tokens=1)
@@ -1623,24 +1629,12 @@ def test_the_lesser_routes_refuse_what_they_cannot_answer_with_typed_errors(api:
     not hold, or a response that is not stored: each a 4xx that names
     what was wrong, through the official SDK where it has the call."""
     base = api.url.removesuffix("/v1")
-
-    def post(path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-        request = urllib.request.Request(
-            base + path, data=json.dumps(body).encode(),
-            headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
-        )  # fmt: skip
-        try:
-            with urllib.request.urlopen(request, timeout=60) as reply:
-                return reply.status, json.loads(reply.read())
-        except urllib.error.HTTPError as exc:
-            return exc.code, json.loads(exc.read())
-
     for path, body, code, param in (
         ("/tokenize", {"model": "other", "prompt": "x"}, 404, "model"),
         ("/detokenize", {"model": "other", "tokens": [1]}, 404, "model"),
         ("/tokenize", {"prompt": "x" * 100_001}, 400, "prompt"),
     ):  # fmt: skip
-        status, answer = post(path, body)
+        status, answer = _post_json(base + path, body)
         assert (status, answer["error"]["param"]) == (code, param), (path, answer)
     client = api.client(max_retries=0)
     with pytest.raises(openai.NotFoundError) as other:
