@@ -522,7 +522,10 @@ def _message(m: Any, i: int) -> tokenizer_pb2.ChatMessage:
             raise invalid(f"{where}.tool_calls[{k}] must have a function with a name", f"{where}.tool_calls[{k}]")
         arguments = function.get("arguments", "")
         if not isinstance(arguments, str):
-            raise invalid(f"{where}.tool_calls[{k}].function.arguments must be a string (JSON)", f"{where}.tool_calls")
+            raise invalid(
+                f"{where}.tool_calls[{k}].function.arguments must be a string (JSON)",
+                f"{where}.tool_calls[{k}].function.arguments",
+            )
         call_id = call.get("id") or ""
         if not isinstance(call_id, str):
             raise invalid(f"{where}.tool_calls[{k}].id must be a string", f"{where}.tool_calls[{k}]")

@@ -138,12 +138,40 @@ def test_sampling_fields_map_and_max_tokens_takes_the_smaller() -> None:
         ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [
             {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}] * 129}]},
          "messages[1].tool_calls"),
+        # Each part of a body in a shape the API does not have.
+        ({"messages": ["x"]}, "messages[0]"),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+        ({"messages": [{"role": "user", "content": [5]}]}, "messages[0].content[0]"),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "messages[0].content[0].text"),
+        ({"messages": [{"role": "assistant", "content": "x", "function_call": {"name": "f"}}]},
+         "messages[0].function_call"),
+        ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}}]}]},
+         "messages[0].tool_calls[0].function.arguments"),
+        ({"messages": [{"role": "assistant", "content": "x", "reasoning_content": 5}]}, "messages[0].reasoning_content"),
+        ({"messages": [{"role": "user", "content": "x"}], "tools": {"f": {}}}, "tools"),
+        ({"messages": [{"role": "user", "content": "x"}],
+          "tools": [{"type": "function", "function": {"name": "f", "description": 5}}]}, "tools[0]"),
+        ({"messages": [{"role": "user", "content": "x"}], "min_tokens": -1}, "min_tokens"),
+        ({"messages": [{"role": "user", "content": "x"}], "top_k": -2}, "top_k"),
+        ({"messages": [{"role": "user", "content": "x"}], "spaces_between_special_tokens": "yes"},
+         "spaces_between_special_tokens"),
+        ({"messages": [{"role": "user", "content": "x"}], "structured_outputs": {"json": "[1]"}}, "structured_outputs"),
     ],
 )  # fmt: skip
 def test_refusals_name_their_field(body: dict[str, Any], param: str) -> None:
     with pytest.raises(InvalidRequest) as info:
         openai_api.parse_chat(body)
     assert openai_api.param_name(info.value) == param
+
+
+def test_a_body_that_is_not_an_object_and_a_tokenize_flag_that_is_not_a_boolean_are_refused() -> None:
+    for parse in (openai_api.parse_chat, openai_api.parse_completion):
+        with pytest.raises(InvalidRequest, match="must be a JSON object"):
+            parse([{"role": "user", "content": "x"}])  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequest) as info:
+        openai_api.parse_tokenize({"prompt": "x", "return_token_strs": 1})
+    assert openai_api.param_name(info.value) == "return_token_strs"
 
 
 def test_a_conversation_at_the_limits_is_taken_and_the_responses_api_names_its_input_over_them() -> None:
