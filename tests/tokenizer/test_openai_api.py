@@ -148,7 +148,8 @@ def test_sampling_fields_map_and_max_tokens_takes_the_smaller() -> None:
         ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
             {"id": "c", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}}]}]},
          "messages[0].tool_calls[0].function.arguments"),
-        ({"messages": [{"role": "assistant", "content": "x", "reasoning_content": 5}]}, "messages[0].reasoning_content"),
+        ({"messages": [{"role": "assistant", "content": "x", "reasoning_content": 5}]},
+         "messages[0].reasoning_content"),
         ({"messages": [{"role": "user", "content": "x"}], "tools": {"f": {}}}, "tools"),
         ({"messages": [{"role": "user", "content": "x"}],
           "tools": [{"type": "function", "function": {"name": "f", "description": 5}}]}, "tools[0]"),
