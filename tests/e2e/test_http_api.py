@@ -1624,7 +1624,8 @@ def test_tokenize_and_detokenize_give_the_ids_generation_uses(api: Api) -> None:
 
 def test_the_lesser_routes_refuse_what_they_cannot_answer_with_typed_errors(api: Api) -> None:
     """/tokenize, /detokenize and the Responses API's own routes, asked
-    for another model, a prompt over --max-prompt-chars, a page of input
+    for another model, a prompt over --max-prompt-chars, a cache_salt over
+    256 characters, a page of input
     items in an order or size they do not have or after an item they do
     not hold, or a response that is not stored: each a 4xx that names
     what was wrong, through the official SDK where it has the call."""
@@ -1637,6 +1638,11 @@ def test_the_lesser_routes_refuse_what_they_cannot_answer_with_typed_errors(api:
         status, answer = _post_json(base + path, body)
         assert (status, answer["error"]["param"]) == (code, param), (path, answer)
     client = api.client(max_retries=0)
+    hi: Any = [{"role": "user", "content": "Hi"}]
+    with pytest.raises(openai.BadRequestError) as salted:
+        client.chat.completions.create(model=api.model, messages=hi, max_tokens=2, extra_body={"cache_salt": "s" * 257})
+    assert salted.value.body["param"] == "cache_salt", salted.value.body  # type: ignore[index]
+    client.chat.completions.create(model=api.model, messages=hi, max_tokens=2, extra_body={"cache_salt": "s" * 256})
     with pytest.raises(openai.NotFoundError) as other:
         client.responses.create(model="other", input="Hi", max_output_tokens=2)
     assert "other" in other.value.message
