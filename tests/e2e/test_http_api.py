@@ -591,6 +591,13 @@ def test_raw_http_mistakes_key_body_and_health(api: Api) -> None:
     for method in ("GET", "POST"):
         assert curl("-X", method, "-o", "/dev/null", "-w", "%{http_code}", base + "/ping") == "200", method
     assert json.loads(curl(base + "/version")) == {"version": __version__}
+    # A body past the limit sent in chunks (no Content-Length to refuse it by): a 413 once it passes.
+    (api.key_file.parent / "big.json").write_bytes(b"{" + b" " * (BODY_LIMIT + 10) + b"}")
+    sent = curl("-H", "Transfer-Encoding: chunked", "-H", f"Authorization: Bearer {KEY}", "-H",
+                "Content-Type: application/json", "--data-binary", f"@{api.key_file.parent / 'big.json'}",
+                "-w", "\n%{http_code}", api.url + "/chat/completions")  # fmt: skip
+    answer, _, code = sent.rpartition("\n")
+    assert (code, json.loads(answer)["error"]["code"]) == ("413", "MEDIA_TOO_LARGE"), sent[-500:]
     _good_after(api)
 
 
