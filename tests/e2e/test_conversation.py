@@ -98,7 +98,7 @@ def test_what_a_conversation_may_not_be_is_refused_naming_where(chat_pair: tuple
             "MEDIA_DECODE_FAILED",
             "messages[1].content[0]",
         ),
-        (build_request(messages=[("user", [ImagePart(good)] * 9)]), "INVALID_REQUEST", ""),
+        (build_request(messages=[("user", [ImagePart(good)] * 9)]), "INVALID_REQUEST", "messages"),
     ]
     if family == "internvl":  # the tokens around an image's run are the model's too
         cases.append(
