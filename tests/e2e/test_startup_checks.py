@@ -295,6 +295,42 @@ def test_a_port_taken_before_a_lone_service_binds_it_starts_that_service_again(
     assert "Address already in use" in (tmp_path / "tokenizer.attempt1.log").read_text(), "the failed attempt's log"
 
 
+def test_a_tokenizer_without_its_scheduler_says_so_over_http(tiny_model: Path, tmp_path: Path) -> None:
+    """Before its scheduler answers, the HTTP API's health checks (/health,
+    and vLLM's /ping as a load balancer asks) are 503 with Retry-After, and
+    a generation is a typed 503 a client retries; /v1/models, which needs
+    no scheduler, answers."""
+    import openai
+
+    from tests.support.services import FreePort, ServiceProcess, started_tokenizer
+
+    def bound(tok: ServiceProcess) -> None:
+        tok.wait_bound(120)  # (no scheduler: never SERVING)
+
+    http, log = FreePort(), tmp_path / "tokenizer.log"
+    tok = started_tokenizer(tiny_model, "127.0.0.1:9", log, extra=["--http-port", http], ready=bound)
+    try:
+        assert wait_until(lambda: "OpenAI-compatible HTTP API on" in log.read_text(), timeout=60)
+        base = f"http://127.0.0.1:{http.number}"
+        for method, path in (("GET", "/health"), ("GET", "/ping"), ("POST", "/ping")):
+            sent = subprocess.run(
+                ["curl", "-s", "-i", "-X", method, base + path], capture_output=True, text=True, timeout=30, check=True
+            ).stdout
+            head, _, body = sent.partition("\n\n")  # (text mode: curl's CRLFs read as newlines)
+            assert head.startswith("HTTP/1.1 503"), (path, sent)
+            assert "Retry-After: 1" in head, (path, head)
+            assert json.loads(body) == {"status": "not ready"}, (path, body)
+        client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
+        assert [m.id for m in client.models.list()] == [tiny_model.name]
+        with pytest.raises(openai.APIStatusError) as unavailable:
+            client.completions.create(model=tiny_model.name, prompt="Hi", max_tokens=2)
+        assert unavailable.value.status_code == 503
+        assert unavailable.value.body["code"] == "SCHEDULER_UNAVAILABLE"  # type: ignore[index]
+        assert unavailable.value.response.headers.get("x-should-retry") == "true"
+    finally:
+        tok.stop()
+
+
 # A service whose start-up check of its ports passes, as when another
 # process binds the port between the check and the service's own bind.
 UNCHECKED = """
