@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from pathlib import Path
 
 import grpc
@@ -18,7 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from mmsplit.errors import E, MmsplitError
 from mmsplit_server.serving import ClientSecurity
-from tokenizer_svc.downstream import SchedulerLink
+from tokenizer_svc.downstream import SchedulerLink, Schedulers
 from tokenizer_svc.errors import InternalError, MediaDecodeFailed
 from tokenizer_svc.settings import TokenizerSettings
 
@@ -166,3 +167,53 @@ def test_a_server_that_is_no_scheduler_is_named_once_and_a_scheduler_not_serving
             looks({"mmsplit.scheduler.v1.SchedulerService": health_pb2.HealthCheckResponse.NOT_SERVING})
         )
         assert starting == []
+
+
+def test_a_dns_target_follows_its_answers_and_keeps_a_backend_until_its_requests_end(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`dns:///NAME:PORT` (a Kubernetes headless service): each resolution
+    adds the addresses that appeared and removes those that went, except
+    one that still carries this tokenizer's requests, removed at a later
+    pass once they have ended; a resolution that fails changes nothing."""
+    answers: list[list[str] | OSError] = [
+        ["10.0.0.1", "10.0.0.2"],
+        OSError("no answer"),
+        ["10.0.0.1"],
+        ["10.0.0.3"],
+        ["10.0.0.3"],
+    ]
+
+    async def run() -> list[list[str]]:
+        async def getaddrinfo(host: str, port: int, **_: object) -> list[tuple[object, ...]]:
+            assert host == "sched.example"
+            answer = answers.pop(0)
+            if isinstance(answer, OSError):
+                raise answer
+            return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (ip, port)) for ip in answer]
+
+        monkeypatch.setattr(asyncio.get_running_loop(), "getaddrinfo", getaddrinfo)
+        backends = Schedulers(
+            TokenizerSettings(model_dir=tmp_path, scheduler="dns:///sched.example:50051"), ClientSecurity()
+        )
+        seen = []
+        try:
+            for step in range(5):
+                await backends._resolve()
+                seen.append(sorted(backends.links))
+                if step == 2:
+                    backends.links["10.0.0.1:50051"].inflight = 1  # a request on it when it leaves the answers
+                elif step == 3:
+                    backends.links["10.0.0.1:50051"].inflight = 0
+        finally:
+            for link in backends.links.values():
+                await link.close()
+        return seen
+
+    assert asyncio.run(run()) == [
+        ["10.0.0.1:50051", "10.0.0.2:50051"],
+        ["10.0.0.1:50051", "10.0.0.2:50051"],  # the failed resolution
+        ["10.0.0.1:50051"],
+        ["10.0.0.1:50051", "10.0.0.3:50051"],  # .1 gone from the answers, its request still running
+        ["10.0.0.3:50051"],
+    ]
