@@ -7,6 +7,7 @@ import os
 import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import grpc
 import numpy as np
@@ -171,6 +172,57 @@ def test_deadline_shorter_than_the_generation(services: Services) -> None:
     assert wait_until(lambda: f".{rid} aborted on all 2 ranks" in log.read_text(), timeout=10)
     assert wait_until(lambda: rank_active_requests(services.scheduler_address) == [0, 0], timeout=10)
     assert wait_until(lambda: not project_segments(), timeout=10)
+
+
+def test_requests_a_direct_client_malformed_are_refused_and_the_group_keeps_serving(
+    services: Services,
+    sched,  # type: ignore[no-untyped-def]
+) -> None:
+    """The request itself, beside its tensors' references: an id that is
+    empty, too long or not printable; items and legacy pixel_values
+    together; more items than the limit; an input the model does not
+    have, too many tensors in an item, an integer encoder input; legacy
+    pixel_values whose placeholders are not one run. Each is
+    INVALID_REQUEST (INVALID_ARGUMENT) before anything is admitted, and a
+    good request is served after them."""
+    info = model_info(services.model)
+    per_image, holder = info.tokens_per_image, info.image_token_id
+    ids = prompt_ids(services, 1)
+    pixels = common_pb2.TensorRef(dtype=F32, shape=[1, *IMAGE], inline=GOOD.tobytes())
+    run = common_pb2.PlaceholderRange(offset=1, length=per_image)
+
+    def item(**tensors: common_pb2.TensorRef) -> common_pb2.MultimodalItem:
+        return common_pb2.MultimodalItem(
+            modality=common_pb2.MODALITY_IMAGE, tensors=tensors or {"pixel_values": pixels}, placeholders=[run]
+        )
+
+    legacy = common_pb2.TensorRef(dtype=F32, shape=IMAGE, inline=GOOD.tobytes())
+    split = [1, *[holder] * (per_image // 2), 22557, *[holder] * (per_image - per_image // 2), 1526]
+    integers = common_pb2.TensorRef(dtype=common_pb2.DTYPE_INT64, shape=[1, *IMAGE], inline=GOOD.tobytes() * 2)
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"request_id": "", "input_ids": ids, "items": [item()]}, "request_id must be"),
+        ({"request_id": "x" * 129, "input_ids": ids, "items": [item()]}, "request_id must be"),
+        ({"request_id": "a\nb", "input_ids": ids, "items": [item()]}, "request_id must be"),
+        ({"input_ids": ids, "items": [item()], "pixel_values": [legacy]}, "either items or the legacy pixel_values"),
+        ({"input_ids": ids, "items": [item()] * 65}, "65 media items, at most"),
+        ({"input_ids": ids, "items": [item(pixel_values=pixels, image_sizes=pixels)]}, "'image_sizes' is not an input"),
+        ({"input_ids": ids, "items": [item(**{f"t{k}": pixels for k in range(9)})]}, "9 tensors, at most 8"),
+        ({"input_ids": ids, "items": [item(pixel_values=integers)]}, "must be a float tensor"),
+        ({"input_ids": split, "pixel_values": [legacy]}, "placeholder tokens are not one run"),
+    ]
+    for fields, said in cases:
+        request = scheduler_pb2.GenerateRequest(**{"request_id": f"bad-{uuid.uuid4().hex[:8]}", **fields})
+        with pytest.raises(grpc.RpcError) as refused:
+            list(sched.Generate(request, timeout=60))
+        error = RemoteError.from_rpc_error(refused.value)
+        assert (error.reason, refused.value.code()) == ("INVALID_REQUEST", grpc.StatusCode.INVALID_ARGUMENT), said
+        assert said in error.message, (said, error.message)
+    good = scheduler_pb2.GenerateRequest(
+        request_id=f"good-{uuid.uuid4().hex[:8]}", input_ids=ids, items=[item()],
+        sampling=common_pb2.SamplingParams(max_tokens=2),
+    )  # fmt: skip
+    assert outcome(sched, good) == ("ok", {})
+    assert wait_until(lambda: rank_active_requests(services.scheduler_address) == [0, 0], timeout=10)
 
 
 def test_a_cache_salt_too_long_names_its_field(services: Services, sched) -> None:  # type: ignore[no-untyped-def]
